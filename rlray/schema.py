@@ -1,0 +1,192 @@
+"""The experience record: one row per generated sequence, one Arrow table per step.
+
+Every field is listed once in ``FIELDS`` with its dtype, shape and meaning; the Arrow schema and the
+tensor collation are derived from that list. Shapes: B sequences in the step, T response tokens of
+one row (ragged across rows), Lp prompt tokens of one row (ragged).
+
+A table moves through Ray's object store (``ray.put``) from the rollout side to the learner ranks;
+each rank takes its rows with ``shard_rows`` and turns them into padded tensors with ``collate``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+
+@dataclass(frozen=True)
+class Field:
+    """One column of the experience table.
+
+    Attributes:
+        name: column name.
+        arrow_type: the Arrow type of one row's value.
+        shape: per-row shape in the legend's letters ("" for a scalar, "T" for per response token).
+        doc: what it holds and its unit.
+        nullable: whether the column may be filled later in the step (then null until set).
+    """
+
+    name: str
+    arrow_type: pa.DataType
+    shape: str
+    doc: str
+    nullable: bool = False
+
+
+FIELDS: tuple[Field, ...] = (
+    Field("prompt_id", pa.string(), "", "dataset id of the prompt (stable across epochs)"),
+    Field("group_id", pa.int64(), "", "index of the prompt within the step; samples of one prompt share it"),
+    Field("sample_index", pa.int32(), "", "0..G-1 within the group"),
+    Field("prompt_token_ids", pa.list_(pa.int32()), "Lp", "chat-templated prompt token ids"),
+    Field("response_token_ids", pa.list_(pa.int32()), "T", "generated token ids, EOS included when finish_reason == 'stop'"),
+    Field("response_mask", pa.list_(pa.bool_()), "T", "True where the response token counts in the loss"),
+    Field("rollout_logprobs", pa.list_(pa.float32()), "T", "logprob of each generated token under the rollout engine (nats)"),
+    Field("old_logprobs", pa.list_(pa.float32()), "T", "logprob under the learner's policy before this step's update (nats)", True),
+    Field("ref_logprobs", pa.list_(pa.float32()), "T", "logprob under the frozen reference model (nats)", True),
+    Field("reward", pa.float32(), "", "scalar sequence reward (weighted sum of the components)"),
+    Field("reward_components", pa.map_(pa.string(), pa.float32()), "", "named reward terms, e.g. accuracy, format"),
+    Field("advantages", pa.list_(pa.float32()), "T", "per-token advantage (a sequence advantage broadcast over T)", True),
+    Field("policy_version", pa.int64(), "", "policy version of the rollout engine that generated the row"),
+    Field("finish_reason", pa.string(), "", "'stop' (EOS) or 'length' (hit max_new_tokens)"),
+)
+
+FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in FIELDS)
+EXPERIENCE_SCHEMA: pa.Schema = pa.schema([pa.field(f.name, f.arrow_type, nullable=f.nullable) for f in FIELDS])
+_TOKEN_FIELDS = {f.name for f in FIELDS if f.shape == "T"}
+
+
+class ExperienceError(ValueError):
+    """An experience table or row that does not fit the schema; the message names the column and row."""
+
+
+def make_table(rows: dict[str, list[Any]]) -> pa.Table:
+    """Returns an experience table built from column lists, validated against ``EXPERIENCE_SCHEMA``.
+
+    Args:
+        rows: column name -> list of B values. Nullable columns may be omitted (filled with nulls).
+
+    Raises:
+        ExperienceError: a missing or unknown column, columns of different lengths, or a row whose
+            per-token columns disagree in length with ``response_token_ids``.
+    """
+    unknown = set(rows) - set(FIELD_NAMES)
+    if unknown:
+        raise ExperienceError(f"unknown experience columns {sorted(unknown)}; valid: {list(FIELD_NAMES)}")
+    lengths = {name: len(col) for name, col in rows.items()}
+    if len(set(lengths.values())) > 1:
+        raise ExperienceError(f"experience columns differ in length: {lengths}")
+    n = next(iter(lengths.values()), 0)
+    arrays = []
+    for f in FIELDS:
+        if f.name not in rows:
+            if not f.nullable:
+                raise ExperienceError(f"experience column '{f.name}' is required ({f.doc})")
+            arrays.append(pa.nulls(n, f.arrow_type))
+        else:
+            arrays.append(pa.array(rows[f.name], type=f.arrow_type))
+    table = pa.Table.from_arrays(arrays, schema=EXPERIENCE_SCHEMA)
+    check_token_lengths(table)
+    return table
+
+
+def check_token_lengths(table: pa.Table) -> None:
+    """Checks that every per-token column of each row has the response's length.
+
+    Raises:
+        ExperienceError: naming the column and the first bad row.
+    """
+    ref = np.asarray(table.column("response_token_ids").combine_chunks().value_lengths())
+    for name in _TOKEN_FIELDS - {"response_token_ids"}:
+        col = table.column(name).combine_chunks()
+        if col.null_count == len(col):
+            continue
+        lens = np.asarray(col.value_lengths().fill_null(-1))
+        bad = np.nonzero((lens != ref) & (lens != -1))[0]
+        if bad.size:
+            i = int(bad[0])
+            raise ExperienceError(f"row {i}: column '{name}' has {lens[i]} values, response has {ref[i]} tokens")
+
+
+def set_column(table: pa.Table, name: str, values: list[Any]) -> pa.Table:
+    """Returns ``table`` with column ``name`` replaced by ``values`` (B entries), type-checked.
+
+    Raises:
+        ExperienceError: an unknown column, a wrong number of rows, or per-token lengths that disagree.
+    """
+    if name not in FIELD_NAMES:
+        raise ExperienceError(f"unknown experience column '{name}'")
+    if len(values) != table.num_rows:
+        raise ExperienceError(f"column '{name}': {len(values)} values for {table.num_rows} rows")
+    idx = table.schema.get_field_index(name)
+    table = table.set_column(idx, EXPERIENCE_SCHEMA.field(name), pa.array(values, type=EXPERIENCE_SCHEMA.field(name).type))
+    check_token_lengths(table)
+    return table
+
+
+def shard_rows(num_rows: int, rank: int, world_size: int) -> slice:
+    """Returns the contiguous row slice that learner ``rank`` of ``world_size`` owns.
+
+    Raises:
+        ExperienceError: when ``num_rows`` does not divide evenly (the config validator prevents this).
+    """
+    if num_rows % world_size:
+        raise ExperienceError(f"{num_rows} experience rows do not split over {world_size} learner ranks")
+    per = num_rows // world_size
+    return slice(rank * per, (rank + 1) * per)
+
+
+def _pad(lists: list[list[Any]], width: int, value: Any, dtype: torch.dtype, left: bool = False) -> torch.Tensor:
+    out = torch.full((len(lists), width), value, dtype=dtype)
+    for i, row in enumerate(lists):
+        if row:
+            vals = torch.tensor(row, dtype=dtype)
+            if left:
+                out[i, width - len(row) :] = vals
+            else:
+                out[i, : len(row)] = vals
+    return out
+
+
+def collate(table: pa.Table, pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Returns padded tensors for a learner forward over the rows of ``table``.
+
+    Layout: prompts are left-padded to the longest prompt (Pm) and responses right-padded to the
+    longest response (T), so every row's response starts at column Pm of ``input_ids``. Masks and
+    position ids come from lengths, never from token values, so ``pad_token_id == eos_token_id``
+    is safe.
+
+    Returns:
+        input_ids [B, Pm+T] int64, attention_mask [B, Pm+T] int64 (1 = real token),
+        position_ids [B, Pm+T] int64 (0 at the first real token), response_ids [B, T] int64
+        (pad_token_id after the response), response_mask [B, T] bool (from the table, False past
+        each response), reward [B] float32, group_id [B] int64, policy_version [B] int64, and for
+        each filled column rollout_logprobs / old_logprobs / ref_logprobs / advantages [B, T]
+        float32 (0.0 at padded positions).
+    """
+    prompts = table.column("prompt_token_ids").to_pylist()
+    responses = table.column("response_token_ids").to_pylist()
+    p_max = max((len(p) for p in prompts), default=0)
+    t_max = max((len(r) for r in responses), default=0)
+    ones = lambda rows: [[1] * len(r) for r in rows]  # noqa: E731
+    attention = torch.cat([_pad(ones(prompts), p_max, 0, torch.long, left=True), _pad(ones(responses), t_max, 0, torch.long)], 1)
+    out = {
+        "input_ids": torch.cat(
+            [_pad(prompts, p_max, pad_token_id, torch.long, left=True), _pad(responses, t_max, pad_token_id, torch.long)], 1
+        ),
+        "attention_mask": attention,
+        "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
+        "response_ids": _pad(responses, t_max, pad_token_id, torch.long),
+        "response_mask": _pad(table.column("response_mask").to_pylist(), t_max, False, torch.bool),
+        "reward": torch.tensor(table.column("reward").to_pylist(), dtype=torch.float32),
+        "group_id": torch.tensor(table.column("group_id").to_pylist(), dtype=torch.long),
+        "policy_version": torch.tensor(table.column("policy_version").to_pylist(), dtype=torch.long),
+    }
+    for name in ("rollout_logprobs", "old_logprobs", "ref_logprobs", "advantages"):
+        col = table.column(name)
+        if col.null_count == 0:
+            out[name] = _pad(col.to_pylist(), t_max, 0.0, torch.float32)
+    return out

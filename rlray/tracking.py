@@ -1,0 +1,130 @@
+"""MLflow tracking: the only module of rlray that imports mlflow.
+
+One run per training job. Params are the flattened config at start; metrics are namespaced
+(``rollout/``, ``reward/``, ``learner/``, ``algo/``, ``timing/``, ``perf/``, ``eval/``); the resolved
+config is an artifact. ``METRIC_KEYS`` is the one list of metric names a step logs.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from pathlib import Path
+
+import mlflow
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.tracking import MlflowClient
+
+from rlray.config import Config
+
+log = logging.getLogger(__name__)
+
+STAGES = ("prompts", "rollout", "reward", "logprobs", "advantages", "update", "weight_sync", "eval", "step")
+
+METRIC_KEYS: tuple[str, ...] = (
+    "reward/mean",
+    "reward/std",
+    "reward/accuracy",
+    "reward/format_rate",
+    "algo/kl",
+    "algo/advantage_abs_mean",
+    "algo/clip_fraction",
+    "algo/groups_without_signal",
+    "learner/pg_loss",
+    "learner/loss",
+    "learner/grad_norm",
+    "learner/lr",
+    "rollout/response_tokens_mean",
+    "rollout/truncated_rate",
+    "rollout/logprob_abs_diff",
+    "rollout/policy_version",
+    "data/epoch",
+    "data/skipped_long_prompts",
+    "perf/tokens_per_s",
+    "perf/generated_tokens_per_s",
+    *(f"timing/{s}_s" for s in STAGES),
+)
+EVAL_KEYS: tuple[str, ...] = ("eval/accuracy", "eval/format_rate", "eval/response_tokens_mean")
+
+_BAD = re.compile(r"[^0-9A-Za-z_\-. /]")
+
+
+def sanitize_key(key: str) -> str:
+    """Returns ``key`` with characters MLflow rejects replaced by '_' (keeps a-z, 0-9, _ - . / space)."""
+    return _BAD.sub("_", key)
+
+
+def resolve_tracking_uri(uri: str, base: Path | None = None) -> str:
+    """Returns ``uri`` with a relative sqlite path made absolute against ``base`` (default: cwd).
+
+    Ray workers and jobs may run in another folder than the user's shell; resolving once on the
+    driver keeps every process on the same store. The sqlite file's folder is created.
+    """
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
+        path = (base or Path.cwd()) / uri[len(prefix) :]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return prefix + str(path.resolve())
+    if uri.startswith(prefix):
+        Path(uri[len(prefix) - 1 :]).parent.mkdir(parents=True, exist_ok=True)
+    return uri
+
+
+class Tracker:
+    """Writes one MLflow run: params, per-step metrics, tags and artifacts.
+
+    Args:
+        uri: MLflow tracking URI (``tracking.mlflow_uri``, already resolved).
+        experiment: experiment name; created when missing.
+        run_id: continue this run (resume) instead of creating one.
+        run_name: name of a new run.
+    """
+
+    def __init__(self, uri: str, experiment: str, *, run_id: str | None = None, run_name: str | None = None) -> None:
+        self.client = MlflowClient(tracking_uri=uri)
+        exp = self.client.get_experiment_by_name(experiment)
+        self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(experiment)
+        if run_id is None:
+            run = self.client.create_run(self.experiment_id, run_name=run_name)
+            run_id = run.info.run_id
+        self.run_id = run_id
+
+    def log_config(self, cfg: Config) -> None:
+        """Logs the flattened config as params and the resolved YAML as ``config/resolved.yaml``."""
+        params = [Param(k, str(v)[:6000]) for k, v in sorted(cfg.flat().items())]
+        for i in range(0, len(params), 100):
+            self.client.log_batch(self.run_id, params=params[i : i + 100])
+        self.client.log_text(self.run_id, cfg.to_yaml(), "config/resolved.yaml")
+        self.set_tags({"rlray.config_hash": cfg.config_hash()})
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Logs ``metrics`` at ``step``; keys are sanitised, non-finite values are logged as they are."""
+        ts = int(time.time() * 1000)
+        batch = [Metric(sanitize_key(k), float(v), ts, step) for k, v in metrics.items()]
+        for i in range(0, len(batch), 500):
+            self.client.log_batch(self.run_id, metrics=batch[i : i + 500])
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        """Sets run tags (string values)."""
+        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        """Stores ``text`` as an artifact at ``artifact_file``."""
+        self.client.log_text(self.run_id, text, artifact_file)
+
+    def finish(self, status: str = "FINISHED") -> None:
+        """Ends the run with ``status`` (FINISHED, FAILED or KILLED)."""
+        self.client.set_terminated(self.run_id, status=status)
+
+
+def get_run_metrics(uri: str, run_id: str) -> dict[str, list[tuple[int, float]]]:
+    """Returns {metric key: [(step, value), ...]} of a run, sorted by step (for tests and eval tools)."""
+    client = MlflowClient(tracking_uri=uri)
+    keys = client.get_run(run_id).data.metrics.keys()
+    return {k: sorted((m.step, m.value) for m in client.get_metric_history(run_id, k)) for k in keys}
+
+
+def get_run(uri: str, run_id: str) -> "mlflow.entities.Run":
+    """Returns the MLflow run entity (params, tags, status)."""
+    return MlflowClient(tracking_uri=uri).get_run(run_id)
