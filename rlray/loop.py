@@ -63,6 +63,7 @@ class Context:
     pad_token_id: int
     actors: list[Any] = field(default_factory=list)
     stream: PromptStream | None = None  # rank 0 only
+    prompt_ids: dict[str, list[int]] = field(default_factory=dict)  # rank 0: prompt_id -> token ids
     eval_prompts: list[tuple[Any, list[int]]] = field(default_factory=list)  # rank 0 only
     tracker: Tracker | None = None  # rank 0 only
     tokenizer: Any = None
@@ -75,7 +76,8 @@ class Context:
 # --------------------------------------------------------------------------------------------
 def take_prompts(ctx: Context) -> tuple[list[Any], list[list[int]]]:
     """Stage 1: returns the step's prompt rows and their token ids (rank 0)."""
-    return ctx.stream.next_batch(ctx.cfg.learner.prompts_per_step)
+    rows = ctx.stream.next_batch(ctx.cfg.learner.prompts_per_step)
+    return rows, [ctx.prompt_ids[r.prompt_id] for r in rows]
 
 
 def rollout(actors: list[Any], prompt_ids: list[list[int]], sampling: SamplingSpec) -> list[Completion]:
@@ -245,7 +247,6 @@ def rollout_stats(table: pa.Table, rewards: dict[str, list[float]], prompts_per_
     lengths = np.asarray(table.column("response_token_ids").combine_chunks().value_lengths(), dtype=np.float64)
     r = np.asarray(rewards["reward"], dtype=np.float64)
     groups = r.reshape(prompts_per_step, -1)
-    rl = table.column("rollout_logprobs").to_pylist()
     return {
         "reward/mean": float(r.mean()),
         "reward/std": float(r.std()),
@@ -255,7 +256,7 @@ def rollout_stats(table: pa.Table, rewards: dict[str, list[float]], prompts_per_
         "rollout/response_tokens_mean": float(lengths.mean()),
         "rollout/truncated_rate": float(np.mean([f == "length" for f in table.column("finish_reason").to_pylist()])),
         "rollout/generated_tokens": float(lengths.sum()),
-        "_rollout_logprob_sum": float(sum(sum(x) for x in rl)),
+        "rollout/policy_version": float(min(table.column("policy_version").to_pylist())),
     }
 
 
@@ -311,7 +312,6 @@ def run_step(ctx: Context, step: int) -> dict[str, float]:
             "timing/step_s": step_s,
             "perf/tokens_per_s": gen / step_s,
             "perf/generated_tokens_per_s": gen / max(batch.rollout_metrics["timing/rollout_s"], 1e-9),
-            "rollout/policy_version": float(ctx.policy_version),
             "data/epoch": float(ctx.stream.epoch),
             "data/skipped_long_prompts": float(ctx.skipped_long_prompts),
         }
@@ -377,7 +377,8 @@ def setup(cfg: Config, model_dir: str, actors: list[Any], run_id: str | None, co
         train_rows, train_ids, ctx.skipped_long_prompts = prepare_prompts(
             load_prompt_rows(cfg.data.train_files), tokenizer, max_prompt_tokens=cfg.data.max_prompt_tokens, **render
         )
-        ctx.stream = PromptStream(list(zip(train_rows, train_ids)), seed=cfg.run.seed, shuffle=cfg.data.shuffle)
+        ctx.stream = PromptStream(train_rows, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
+        ctx.prompt_ids = {r.prompt_id: ids for r, ids in zip(train_rows, train_ids)}
         if cfg.eval.num_problems:
             eval_rows = load_prompt_rows(cfg.data.eval_files)[: cfg.eval.num_problems]
             rows, ids, _ = prepare_prompts(eval_rows, tokenizer, max_prompt_tokens=10**9, **render)

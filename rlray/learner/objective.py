@@ -98,7 +98,7 @@ def policy_objective(
     stats = {
         "pg_loss_sum": (pg_loss.detach() * fmask).sum(),
         "kl_sum": (kl.detach() * fmask).sum() if kl is not None else torch.zeros(()),
-        "clipped_sum": (diag["clipped"].float() * fmask).sum(),
+        "clipped_sum": ((diag["clipped_low"] + diag["clipped_high"]) * fmask).sum(),
         "rollout_diff_sum": ((mb["rollout_logprobs"] - mb["old_logprobs"]).abs() * fmask).sum()
         if "rollout_logprobs" in mb
         else torch.zeros(()),

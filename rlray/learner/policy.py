@@ -133,7 +133,8 @@ class PolicyLearner:
 
         The micro-batch losses are partial sums under global denominators (``Normaliser``), so the
         accumulated gradient equals the gradient of the whole mini-batch's loss whatever the
-        micro-batch split. When ``minibatch["old_logprobs"]`` is absent the update is on-policy and
+        micro-batch split. Gradients stay on the parameters until the next call (for inspection).
+        When ``minibatch["old_logprobs"]`` is absent the update is on-policy and
         old logprobs are the detached current ones (ratio 1, as TRL does for a single iteration).
 
         Args:
@@ -168,7 +169,6 @@ class PolicyLearner:
             self.optimizer.step()
         totals["lr"] = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
         return totals
 
     @torch.no_grad()

@@ -1,0 +1,167 @@
+"""Prompt rendering (chat template) and the training data cursor ``PromptStream``."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+from rlray.data.gsm8k import PromptRow
+
+
+def render_prompt(
+    tokenizer: PreTrainedTokenizerBase, question: str, *, instruction: str, system_prompt: str | None
+) -> list[int]:
+    """Returns the prompt token ids: the chat template over (system?, user) with the generation prompt.
+
+    The user turn is ``question + "\\n\\n" + instruction`` (``data.instruction``). The template is
+    rendered to text and then tokenized with ``add_special_tokens=False``, so a BOS that the template
+    writes is not doubled (the same as TRL's GRPOTrainer). A template that adds its own default
+    system turn (SmolLM2's does) keeps it when ``system_prompt`` is None.
+
+    Args:
+        tokenizer: a tokenizer with a chat template (see ``rlray.models.load_tokenizer``).
+        question: the problem text.
+        instruction: text appended to the question in the user turn.
+        system_prompt: the system turn (``data.system_prompt``), or None for the template's default.
+    """
+    messages = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
+    messages.append({"role": "user", "content": f"{question}\n\n{instruction}"})
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def prepare_prompts(
+    rows: list[PromptRow],
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    max_prompt_tokens: int,
+    instruction: str,
+    system_prompt: str | None,
+) -> tuple[list[PromptRow], list[list[int]], int]:
+    """Returns (kept rows, their prompt token ids, number skipped): ``render_prompt`` then ``filter_long_prompts``.
+
+    Args:
+        rows: prompt rows (``load_prompt_rows``).
+        tokenizer: a tokenizer with a chat template.
+        max_prompt_tokens: the longest prompt kept, in tokens after the chat template (``data.max_prompt_tokens``).
+        instruction: text appended to each question (``data.instruction``).
+        system_prompt: the system turn (``data.system_prompt``), or None.
+    """
+    ids = [render_prompt(tokenizer, r.question, instruction=instruction, system_prompt=system_prompt) for r in rows]
+    return filter_long_prompts(rows, ids, max_prompt_tokens)
+
+
+def filter_long_prompts(
+    rows: list[PromptRow], token_ids: list[list[int]], max_prompt_tokens: int
+) -> tuple[list[PromptRow], list[list[int]], int]:
+    """Returns (kept rows, their token ids, number skipped): prompts longer than ``max_prompt_tokens`` are dropped.
+
+    Args:
+        rows: prompt rows.
+        token_ids: the rendered prompt of each row (``render_prompt``), same order and length as ``rows``.
+        max_prompt_tokens: the longest prompt kept, in tokens after the chat template (``data.max_prompt_tokens``).
+
+    Raises:
+        ValueError: ``rows`` and ``token_ids`` differ in length.
+    """
+    if len(rows) != len(token_ids):
+        raise ValueError(f"filter_long_prompts: {len(rows)} rows but {len(token_ids)} token id lists")
+    kept = [(row, ids) for row, ids in zip(rows, token_ids) if len(ids) <= max_prompt_tokens]
+    return [row for row, _ in kept], [ids for _, ids in kept], len(rows) - len(kept)
+
+
+class PromptStream:
+    """The training data cursor: an endless, seeded stream of prompt rows, epoch after epoch.
+
+    Epoch ``e`` visits every row once, in a permutation drawn from ``np.random.default_rng([seed, e])``
+    when ``shuffle`` is True, else in file order. The cursor (``epoch``, ``position`` within the
+    epoch) is all the state, so ``state_dict``/``load_state_dict`` resume exactly.
+
+    Attributes:
+        epoch: index of the current epoch (0-based).
+        position: rows of the current epoch already handed out.
+    """
+
+    def __init__(self, rows: list[PromptRow], *, seed: int, shuffle: bool) -> None:
+        """Builds a stream at epoch 0, position 0.
+
+        Raises:
+            ValueError: ``rows`` is empty.
+        """
+        if not rows:
+            raise ValueError("PromptStream needs at least one prompt row; check data.train_files")
+        self._rows = list(rows)
+        self._seed = seed
+        self._shuffle = shuffle
+        self._fingerprint = hashlib.sha256("\n".join(r.prompt_id for r in rows).encode()).hexdigest()[:16]
+        self.epoch = 0
+        self.position = 0
+        self._order = self._epoch_order(0)
+
+    def __len__(self) -> int:
+        """Returns the number of rows in one epoch."""
+        return len(self._rows)
+
+    def next_batch(self, n: int) -> list[PromptRow]:
+        """Returns the next ``n`` rows, continuing into the next epoch (freshly shuffled) when one ends.
+
+        Raises:
+            ValueError: ``n`` < 1.
+        """
+        if n < 1:
+            raise ValueError(f"next_batch: n must be >= 1, got {n}")
+        batch: list[PromptRow] = []
+        while len(batch) < n:
+            take = min(n - len(batch), len(self._rows) - self.position)
+            batch.extend(self._rows[i] for i in self._order[self.position : self.position + take])
+            self.position += take
+            if self.position == len(self._rows):
+                self.epoch += 1
+                self.position = 0
+                self._order = self._epoch_order(self.epoch)
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """Returns the cursor as plain JSON-able values (epoch, position, seed, shuffle, rows fingerprint)."""
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self._seed,
+            "shuffle": self._shuffle,
+            "num_rows": len(self._rows),
+            "rows_fingerprint": self._fingerprint,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores the cursor saved by ``state_dict``.
+
+        Raises:
+            ValueError: the state was saved over different rows (count or prompt-id fingerprint), with a
+                different seed or shuffle setting, or has a position outside the epoch.
+        """
+        expected = {
+            "num_rows": len(self._rows),
+            "rows_fingerprint": self._fingerprint,
+            "seed": self._seed,
+            "shuffle": self._shuffle,
+        }
+        for key, value in expected.items():
+            if state.get(key) != value:
+                raise ValueError(
+                    f"PromptStream state {key}={state.get(key)!r} does not match this stream ({value!r}); "
+                    "resume with the same data files, run.seed and data.shuffle"
+                )
+        if not 0 <= int(state["position"]) < len(self._rows) or int(state["epoch"]) < 0:
+            raise ValueError(f"PromptStream state has epoch={state['epoch']}, position={state['position']} out of range")
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])
+        self._order = self._epoch_order(self.epoch)
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        """Returns the row order of ``epoch``."""
+        if not self._shuffle:
+            return list(range(len(self._rows)))
+        return np.random.default_rng([self._seed, epoch]).permutation(len(self._rows)).tolist()

@@ -1,0 +1,12 @@
+"""Model loading: resolve ``model.path`` (folder, .gguf, alias) to a Hugging Face folder and load it."""
+
+from rlray.models.loading import (
+    ALIASES,
+    ModelError,
+    cache_dir,
+    load_causal_lm,
+    load_tokenizer,
+    resolve_model_path,
+)
+
+__all__ = ["ALIASES", "ModelError", "cache_dir", "load_causal_lm", "load_tokenizer", "resolve_model_path"]

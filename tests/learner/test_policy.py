@@ -1,0 +1,104 @@
+"""Learner: logprobs under padding, gradient accumulation with global normalisers, weight export."""
+
+import pytest
+import torch
+
+from rlray import schema
+from rlray.learner import LossSpec, Normaliser, PolicyLearner, response_logprobs, split_microbatches
+
+
+def _table(pad_id: int):
+    g = torch.Generator().manual_seed(0)
+    rows = {k: [] for k in ("prompt_id", "group_id", "sample_index", "prompt_token_ids", "response_token_ids",
+                            "response_mask", "rollout_logprobs", "reward", "reward_components", "policy_version",
+                            "finish_reason")}
+    # ragged prompts (3..9 tokens) and responses (1..12 tokens); the last row's response is fully masked
+    for i in range(8):
+        p_len, r_len = 3 + (i * 5) % 7, 1 + (i * 7) % 12
+        rows["prompt_id"].append(f"p{i // 4}")
+        rows["group_id"].append(i // 4)
+        rows["sample_index"].append(i % 4)
+        rows["prompt_token_ids"].append(torch.randint(10, 1000, (p_len,), generator=g).tolist())
+        resp = torch.randint(10, 1000, (r_len,), generator=g).tolist()
+        resp[-1] = pad_id  # responses end in EOS == pad: masks must not come from token values
+        rows["response_token_ids"].append(resp)
+        rows["response_mask"].append([i != 7] * r_len)
+        rows["rollout_logprobs"].append([-1.0] * r_len)
+        rows["reward"].append(float(i % 3))
+        rows["reward_components"].append({})
+        rows["policy_version"].append(0)
+        rows["finish_reason"].append("stop")
+    return schema.make_table(rows)
+
+
+def _learner(path, **kw):
+    args = dict(dtype="float32", lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, warmup_steps=0,
+                max_grad_norm=1e9, temperature=1.0, use_reference=True)
+    args.update(kw)
+    return PolicyLearner(path, **args)
+
+
+def test_logprobs_match_unpadded_forward(tiny_model_path, tiny_tokenizer):
+    learner = _learner(tiny_model_path)
+    table = _table(tiny_tokenizer.pad_token_id)
+    batch = schema.collate(table, tiny_tokenizer.pad_token_id)
+    lp = learner.logprobs(batch, reference=False, microbatch_size=3)
+    model = learner.module.eval()
+    for b in (0, 3, 6):  # padded batch forward == each row alone, without padding
+        ids = torch.tensor([table.column("prompt_token_ids")[b].as_py() + table.column("response_token_ids")[b].as_py()])
+        n_resp = len(table.column("response_token_ids")[b].as_py())
+        with torch.no_grad():
+            logits = model(ids).logits[0].float()
+        expect = torch.log_softmax(logits[-n_resp - 1 : -1], -1).gather(-1, ids[0, -n_resp:, None])[:, 0]
+        torch.testing.assert_close(lp[b, :n_resp], expect, atol=1e-5, rtol=0)
+
+
+def test_reference_equals_initial_policy(tiny_model_path, tiny_tokenizer):
+    learner = _learner(tiny_model_path)
+    batch = schema.collate(_table(tiny_tokenizer.pad_token_id), tiny_tokenizer.pad_token_id)
+    a = learner.logprobs(batch, reference=False, microbatch_size=8)
+    b = learner.logprobs(batch, reference=True, microbatch_size=8)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("microbatch", [1, 3, 8])
+def test_gradient_accumulation_matches_full_batch(tiny_model_path, tiny_tokenizer, microbatch):
+    pad = tiny_tokenizer.pad_token_id
+    table = _table(pad)
+    batch = schema.collate(table, pad)
+    g = torch.Generator().manual_seed(1)
+    batch["advantages"] = torch.randn(batch["response_ids"].shape, generator=g) * batch["response_mask"]
+    spec = LossSpec(0.2, 0.28, 0.05, "k3", "token-mean", 16)
+    norm = Normaliser(float(batch["response_mask"].sum()), 8.0, 1)
+
+    def grads(mb_size):
+        learner = _learner(tiny_model_path)
+        ref = learner.logprobs(batch, reference=True, microbatch_size=8)
+        b = {**batch, "ref_logprobs": ref}
+        b["old_logprobs"] = ref + 0.05 * torch.randn(ref.shape, generator=torch.Generator().manual_seed(2))
+        stats = learner.train_minibatch(b, spec, norm, mb_size)
+        return {n: p.grad.clone() for n, p in learner.module.named_parameters() if p.grad is not None}, stats
+
+    full, s_full = grads(8)
+    acc, s_acc = grads(microbatch)
+    assert s_acc["tokens"] == s_full["tokens"] == norm.num_tokens
+    assert s_acc["loss"] == pytest.approx(s_full["loss"], abs=1e-6)
+    for name in full:
+        torch.testing.assert_close(acc[name], full[name], atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_split_microbatches_trims_padding(tiny_tokenizer):
+    batch = schema.collate(_table(tiny_tokenizer.pad_token_id), tiny_tokenizer.pad_token_id)
+    mbs = list(split_microbatches(batch, 3))
+    assert [m["input_ids"].shape[0] for m in mbs] == [3, 3, 2]
+    for m in mbs:  # every kept column has at least one real token; response starts at the same column
+        assert m["attention_mask"][:, 0].any()
+        t = m["response_ids"].shape[1]
+        assert m["attention_mask"][:, -t:].sum(1).max() == t
+
+
+def test_export_weights_dtype_and_names(tiny_model_path):
+    learner = _learner(tiny_model_path, use_reference=False)
+    w = learner.export_weights(torch.bfloat16)
+    assert set(w) == set(learner.module.state_dict())
+    assert all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in w.values())
