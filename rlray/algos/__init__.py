@@ -1,0 +1,122 @@
+"""rlray.algos: the RL math as pure torch functions (no Ray, vLLM or MLflow imports).
+
+Legend: B sequences, P prompts, G samples per prompt (B = P*G), T response tokens,
+L prompt+response tokens, V vocabulary.
+
+Choose an algorithm's pieces from the plain dicts below; every function in one dict has the same signature:
+
+    GROUP_ADVANTAGES[name](rewards [B], group_ids [B], *, valid_mask=None) -> advantages [B]
+        "grpo" (group std; also takes std_scale=, eps=), "dr_grpo", "rloo"
+    POLICY_LOSSES[name](logprobs, old_logprobs, advantages, response_mask, *, clip_eps_low, clip_eps_high)
+        -> (per_token_loss [B, T], diagnostics {name: [B, T]})
+        "ppo_clip" (also takes dual_clip=), "gspo", "cispo"
+    PAIRWISE_LOSSES[name](chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta) -> [P]
+        "sigmoid", "ipo" (also takes chosen_num_tokens=, rejected_num_tokens=), "robust" (label_smoothing=),
+        "hinge"
+
+The rest have their own signatures: token-level estimators (``reinforce_pp_advantages``,
+``reinforce_pp_baseline_advantages``, ``gae_advantages``), ``remax_advantages``, ``kl_penalty``,
+``aggregate_loss``, ``value_loss``, KTO/ORPO/SimPO/Bradley-Terry and the DAPO helpers.
+"""
+
+from rlray.algos.advantages import (
+    STD_SCALES,
+    dr_grpo_advantages,
+    grpo_advantages,
+    reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
+    remax_advantages,
+    rloo_advantages,
+    token_level_rewards,
+    whiten,
+)
+from rlray.algos.aggregation import AGGREGATION_MODES, aggregate_loss, masked_mean
+from rlray.algos.dapo import (
+    DynamicSamplingError,
+    dynamic_sampling_shortfall,
+    groups_with_spread,
+    overlong_penalty,
+)
+from rlray.algos.kl import KL_ESTIMATORS, kl_penalty
+from rlray.algos.policy_losses import (
+    cispo_loss,
+    entropy_bonus_loss,
+    entropy_from_logits,
+    gspo_loss,
+    ppo_clip_loss,
+    truncated_is_weights,
+)
+from rlray.algos.preference import (
+    bradley_terry_loss,
+    dpo_hinge_loss,
+    dpo_sigmoid_loss,
+    ipo_loss,
+    kto_kl_estimate,
+    kto_loss,
+    orpo_odds_ratio_loss,
+    robust_dpo_loss,
+    sequence_logps,
+    simpo_loss,
+)
+from rlray.algos.value import gae_advantages, value_loss
+
+GROUP_ADVANTAGES = {
+    "grpo": grpo_advantages,
+    "dr_grpo": dr_grpo_advantages,
+    "rloo": rloo_advantages,
+}
+
+POLICY_LOSSES = {
+    "ppo_clip": ppo_clip_loss,
+    "gspo": gspo_loss,
+    "cispo": cispo_loss,
+}
+
+PAIRWISE_LOSSES = {
+    "sigmoid": dpo_sigmoid_loss,
+    "ipo": ipo_loss,
+    "robust": robust_dpo_loss,
+    "hinge": dpo_hinge_loss,
+}
+
+__all__ = [
+    "AGGREGATION_MODES",
+    "GROUP_ADVANTAGES",
+    "KL_ESTIMATORS",
+    "PAIRWISE_LOSSES",
+    "POLICY_LOSSES",
+    "STD_SCALES",
+    "DynamicSamplingError",
+    "aggregate_loss",
+    "bradley_terry_loss",
+    "cispo_loss",
+    "dpo_hinge_loss",
+    "dpo_sigmoid_loss",
+    "dr_grpo_advantages",
+    "dynamic_sampling_shortfall",
+    "entropy_bonus_loss",
+    "entropy_from_logits",
+    "gae_advantages",
+    "groups_with_spread",
+    "grpo_advantages",
+    "gspo_loss",
+    "ipo_loss",
+    "kl_penalty",
+    "kto_kl_estimate",
+    "kto_loss",
+    "masked_mean",
+    "orpo_odds_ratio_loss",
+    "overlong_penalty",
+    "ppo_clip_loss",
+    "reinforce_pp_advantages",
+    "reinforce_pp_baseline_advantages",
+    "remax_advantages",
+    "rloo_advantages",
+    "robust_dpo_loss",
+    "sequence_logps",
+    "simpo_loss",
+    "token_level_rewards",
+    "truncated_is_weights",
+    "value_loss",
+    "whiten",
+]

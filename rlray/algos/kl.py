@@ -1,0 +1,55 @@
+"""Per-token KL estimators between the current policy and the reference policy.
+
+Legend: B sequences, P prompts, G samples per prompt (B = P*G), T response tokens,
+L prompt+response tokens, V vocabulary.
+
+With the log ratio ``d = logprobs - ref_logprobs`` (nats) of a token sampled from the current policy:
+    k1 = d                          unbiased for KL(pi || ref), high variance, can be negative
+    k2 = d**2 / 2                   biased, low variance, >= 0; its gradient is the gradient of KL(pi || ref)
+    k3 = exp(-d) - 1 + d            unbiased, low variance, >= 0 (TRL's GRPO KL)
+Source: J. Schulman, "Approximating KL Divergence" (2020), http://joschu.net/blog/kl-approx.html.
+
+Two ways to use them (issue 3): in the reward, ``token_level_rewards(..., kl=kl_penalty(...), kl_coef=beta)``
+(REINFORCE++, PPO; see advantages.py), or in the loss, ``per_token_loss + beta * kl_penalty(...)``
+before ``aggregate_loss`` (GRPO and TRL's GRPOTrainer).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor:
+    """Returns the [B, T] per-token KL estimate, in nats, of the current policy from the reference.
+
+    Args:
+        logprobs: [B, T] float32 log-probabilities of the sampled tokens under the current policy.
+        ref_logprobs: [B, T] float32 log-probabilities of the same tokens under the reference policy.
+        estimator: "k1" | "k2" | "k3" (module docstring).
+
+    Returns:
+        [B, T] tensor, same dtype. Values at padded positions are whatever the inputs give there: mask them
+        (``aggregate_loss`` or ``token_level_rewards`` do). Gradients flow through ``logprobs`` only if the
+        caller leaves them attached; ``ref_logprobs`` is expected to be detached.
+
+    Raises:
+        ValueError: unknown estimator or shapes differ.
+
+    Source: Schulman (2020); k3 is TRL 1.16 ``GRPOTrainer._compute_loss`` (grpo_trainer.py lines 3098-3101),
+    k1 the log ratio TRL's RLOOTrainer puts in the reward. No clamping (verl clamps k3 to [-10, 10]).
+    """
+    if logprobs.shape != ref_logprobs.shape:
+        raise ValueError(
+            f"kl_penalty: logprobs {tuple(logprobs.shape)} and ref_logprobs {tuple(ref_logprobs.shape)} differ"
+        )
+    log_ratio = logprobs - ref_logprobs
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio.square()
+    if estimator == "k3":
+        return torch.exp(-log_ratio) + log_ratio - 1.0
+    raise ValueError(f"kl_penalty: unknown estimator {estimator!r}; expected one of {KL_ESTIMATORS}")

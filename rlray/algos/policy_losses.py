@@ -1,0 +1,296 @@
+"""Per-token policy-gradient losses (PPO clip, GSPO, CISPO), rollout-mismatch correction and entropy.
+
+Legend: B sequences, P prompts, G samples per prompt (B = P*G), T response tokens,
+L prompt+response tokens, V vocabulary.
+
+Shared signature of the policy losses (``rlray.algos.POLICY_LOSSES``):
+    loss_fn(logprobs, old_logprobs, advantages, response_mask, *, clip_eps_low, clip_eps_high)
+        -> (per_token_loss [B, T], diagnostics {name: [B, T] float32})
+``logprobs`` [B, T] float32 carry the gradient; ``old_logprobs`` [B, T] float32 (the policy that sampled the
+batch, as recomputed by the learner) and ``advantages`` [B, T] float32 (a per-sequence advantage broadcast by
+the caller) are detached; ``response_mask`` [B, T] bool. Losses and diagnostics are 0 at masked positions and
+values there never reach the result (``torch.where``, not products). The ratio is exp(logprobs - old_logprobs)
+with no clamping of the log ratio. Reduce with ``aggregate_loss`` (and ``masked_mean`` for diagnostics).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _check(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, fn: str) -> None:
+    shapes = {
+        n: tuple(x.shape)
+        for n, x in (
+            ("logprobs", logprobs),
+            ("old_logprobs", old_logprobs),
+            ("advantages", advantages),
+            ("response_mask", response_mask),
+        )
+    }
+    if len(set(shapes.values())) != 1 or logprobs.dim() != 2:
+        raise ValueError(f"{fn}: all inputs must be [B, T] of one shape, got {shapes}")
+    if response_mask.dtype != torch.bool:
+        raise ValueError(f"{fn}: response_mask must be bool (True = counts), got {response_mask.dtype}")
+
+
+def _check_eps(clip_eps_low: float, clip_eps_high: float, fn: str) -> None:
+    if not 0.0 <= clip_eps_low <= 1.0:
+        raise ValueError(f"{fn}: clip_eps_low={clip_eps_low} must be in [0, 1] (ratio >= 1 - clip_eps_low)")
+    if clip_eps_high < 0.0:
+        raise ValueError(f"{fn}: clip_eps_high={clip_eps_high} must be >= 0 (ratio <= 1 + clip_eps_high)")
+
+
+def _clip_loss(ratio: Tensor, advantages: Tensor, low: float, high: float) -> Tensor:
+    """Returns max(-A * r, -A * clip(r, low, high)), the negated PPO surrogate."""
+    return torch.maximum(-advantages * ratio, -advantages * ratio.clamp(low, high))
+
+
+def _diagnostics(ratio: Tensor, advantages: Tensor, mask: Tensor, low: float, high: float) -> dict[str, Tensor]:
+    zero = torch.zeros_like(ratio)
+    return {
+        "ratio": torch.where(mask, ratio, zero).detach(),
+        "clipped_low": ((ratio < low) & (advantages < 0) & mask).to(ratio.dtype).detach(),
+        "clipped_high": ((ratio > high) & (advantages > 0) & mask).to(ratio.dtype).detach(),
+    }
+
+
+def ppo_clip_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    clip_eps_low: float,
+    clip_eps_high: float,
+    dual_clip: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Returns (per-token loss [B, T], diagnostics) of PPO's clipped surrogate with clip-higher and dual-clip.
+
+    loss_t = max(-A r, -A clip(r, 1 - clip_eps_low, 1 + clip_eps_high)), r = exp(logprobs - old_logprobs).
+    With ``dual_clip = c`` (> 1), tokens with A < 0 use min(loss_t, -c A), bounding the loss when r >> 1.
+
+    Args:
+        logprobs: [B, T] float32 current-policy log-probabilities of the sampled tokens, with grad.
+        old_logprobs: [B, T] float32 log-probabilities under the policy that sampled the batch, detached.
+        advantages: [B, T] float32 per-token advantages (a per-sequence one broadcast by the caller), detached.
+        response_mask: [B, T] bool, True on tokens that count; values elsewhere are ignored.
+        clip_eps_low: lower clip range, in [0, 1] (PPO 0.2).
+        clip_eps_high: upper clip range, >= 0 (DAPO's clip-higher uses 0.28).
+        dual_clip: the dual-clip constant c > 1 (3.0 in verl), or None to disable.
+
+    Returns:
+        (loss [B, T], diagnostics): "ratio"; "clipped_low" (r < 1 - eps_low and A < 0); "clipped_high"
+        (r > 1 + eps_high and A > 0); "dual_clipped" (A < 0 and the -c A bound is active); each [B, T] float32.
+
+    Raises:
+        ValueError: shapes differ, mask not bool, eps out of range, or dual_clip <= 1.
+
+    Source: Schulman et al. 2017 (PPO) eq. 7; Yu et al. 2025 (DAPO) Sec. 3.1 (clip-higher); Ye et al. 2020,
+    "Mastering Complex Control in MOBA Games with Deep RL" (dual-clip PPO); verl ``compute_policy_loss``;
+    TRL 1.16 ``GRPOTrainer._compute_loss`` (grpo_trainer.py lines 3112-3120, clip metrics 3274-3275).
+    """
+    _check(logprobs, old_logprobs, advantages, response_mask, "ppo_clip_loss")
+    _check_eps(clip_eps_low, clip_eps_high, "ppo_clip_loss")
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"ppo_clip_loss: dual_clip={dual_clip} must be > 1 (or None)")
+    zero = torch.zeros_like(logprobs)
+    log_ratio = torch.where(response_mask, logprobs - old_logprobs, zero)
+    advantages = torch.where(response_mask, advantages, torch.zeros_like(advantages))
+    ratio = torch.exp(log_ratio)
+    low, high = 1.0 - clip_eps_low, 1.0 + clip_eps_high
+    loss = _clip_loss(ratio, advantages, low, high)
+    diagnostics = _diagnostics(ratio, advantages, response_mask, low, high)
+    if dual_clip is not None:
+        bound = -dual_clip * advantages
+        dual_active = (advantages < 0) & (loss > bound)
+        loss = torch.where(dual_active, bound, loss)
+        diagnostics["dual_clipped"] = (dual_active & response_mask).to(loss.dtype).detach()
+    else:
+        diagnostics["dual_clipped"] = zero.detach()
+    return torch.where(response_mask, loss, zero), diagnostics
+
+
+def gspo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    clip_eps_low: float,
+    clip_eps_high: float,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Returns (per-token loss [B, T], diagnostics) of GSPO's clipped sequence-level-ratio objective.
+
+    s_i = exp(mean over valid tokens of (logprobs - old_logprobs)), the length-normalised sequence ratio.
+    Token form (GSPO-token): s_it = sg(s_i) * exp(logprobs_t - sg(logprobs_t)), whose value is s_i and whose
+    gradient flows through token t only; loss_t = max(-A_t s_it, -A_t clip(s_it, 1 - eps_low, 1 + eps_high)).
+    With a per-sequence advantage and ``seq-mean-token-mean`` aggregation this is exactly GSPO's objective
+    (value and gradient). The paper uses tiny clip ranges (3e-4, 4e-4).
+
+    Args:
+        logprobs: [B, T] float32 current-policy log-probabilities of the sampled tokens, with grad.
+        old_logprobs: [B, T] float32 log-probabilities under the policy that sampled the batch, detached.
+        advantages: [B, T] float32 per-token advantages (a per-sequence one broadcast by the caller), detached.
+        response_mask: [B, T] bool, True on tokens that count; values elsewhere are ignored.
+        clip_eps_low: lower clip range of the sequence ratio, in [0, 1].
+        clip_eps_high: upper clip range, >= 0.
+
+    Returns:
+        (loss [B, T], {"ratio" (s_i on each valid token), "clipped_low", "clipped_high"}), [B, T] float32.
+
+    Raises:
+        ValueError: shapes differ, mask not bool, or eps out of range.
+
+    Source: Zheng et al. 2025, "Group Sequence Policy Optimization", Sec. 4.1 (GSPO) and 4.3 (GSPO-token);
+    TRL 1.16 ``GRPOTrainer._compute_loss`` with importance_sampling_level="sequence" (grpo_trainer.py lines 3084-3089).
+    """
+    _check(logprobs, old_logprobs, advantages, response_mask, "gspo_loss")
+    _check_eps(clip_eps_low, clip_eps_high, "gspo_loss")
+    zero = torch.zeros_like(logprobs)
+    log_ratio = torch.where(response_mask, logprobs - old_logprobs, zero)
+    num_tokens = response_mask.sum(dim=-1, keepdim=True).clamp(min=1).to(logprobs.dtype)
+    seq_log_ratio = (log_ratio.sum(dim=-1, keepdim=True) / num_tokens).detach()
+    token_logprobs = torch.where(response_mask, logprobs, zero)
+    ratio = torch.exp(seq_log_ratio + token_logprobs - token_logprobs.detach())
+    advantages = torch.where(response_mask, advantages, torch.zeros_like(advantages))
+    low, high = 1.0 - clip_eps_low, 1.0 + clip_eps_high
+    loss = _clip_loss(ratio, advantages, low, high)
+    return torch.where(response_mask, loss, zero), _diagnostics(ratio, advantages, response_mask, low, high)
+
+
+def cispo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    clip_eps_low: float,
+    clip_eps_high: float,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Returns (per-token loss [B, T], diagnostics) of CISPO: a REINFORCE loss weighted by a clipped, detached IS ratio.
+
+    loss_t = -sg(clip(r_t, 1 - clip_eps_low, 1 + clip_eps_high)) * A_t * logprobs_t. Unlike PPO no token loses
+    its gradient; the clip only bounds the weight. ``clip_eps_low=1.0`` disables the lower bound (MiniMax-M1
+    and TRL use none); TRL's ``epsilon_high`` (an absolute cap, e.g. 5.0) is ``1 + clip_eps_high`` here.
+
+    Args:
+        logprobs: [B, T] float32 current-policy log-probabilities of the sampled tokens, with grad.
+        old_logprobs: [B, T] float32 log-probabilities under the policy that sampled the batch, detached.
+        advantages: [B, T] float32 per-token advantages (a per-sequence one broadcast by the caller), detached.
+        response_mask: [B, T] bool, True on tokens that count; values elsewhere are ignored.
+        clip_eps_low: lower clip range of the weight, in [0, 1].
+        clip_eps_high: upper clip range of the weight, >= 0.
+
+    Returns:
+        (loss [B, T], {"ratio", "clipped_low" (r < 1 - eps_low), "clipped_high" (r > 1 + eps_high)}),
+        [B, T] float32; CISPO's clip counts regardless of the advantage's sign.
+
+    Raises:
+        ValueError: shapes differ, mask not bool, or eps out of range.
+
+    Source: MiniMax 2025, "MiniMax-M1" Sec. 3.1 (CISPO); TRL 1.16 ``GRPOTrainer._compute_loss`` loss_type
+    "cispo" (grpo_trainer.py lines 3109-3111).
+    """
+    _check(logprobs, old_logprobs, advantages, response_mask, "cispo_loss")
+    _check_eps(clip_eps_low, clip_eps_high, "cispo_loss")
+    zero = torch.zeros_like(logprobs)
+    ratio = torch.exp(torch.where(response_mask, logprobs - old_logprobs, zero)).detach()
+    low, high = 1.0 - clip_eps_low, 1.0 + clip_eps_high
+    weight = ratio.clamp(low, high)
+    advantages = torch.where(response_mask, advantages, torch.zeros_like(advantages))
+    loss = -weight * advantages * torch.where(response_mask, logprobs, zero)
+    diagnostics = {
+        "ratio": torch.where(response_mask, ratio, zero),
+        "clipped_low": ((ratio < low) & response_mask).to(ratio.dtype),
+        "clipped_high": ((ratio > high) & response_mask).to(ratio.dtype),
+    }
+    return torch.where(response_mask, loss, zero), diagnostics
+
+
+@torch.no_grad()
+def truncated_is_weights(
+    old_logprobs: Tensor, rollout_logprobs: Tensor, response_mask: Tensor, *, cap: float, level: str = "token"
+) -> Tensor:
+    """Returns [B, T] float32 detached truncated importance weights min(pi_learner / pi_rollout, cap); 0 if masked.
+
+    Corrects the mismatch between the rollout engine (vLLM) and the learner's recomputation of the same
+    policy: multiply the per-token policy loss by these weights before aggregation. "token" uses the
+    per-token ratio exp(old_logprobs_t - rollout_logprobs_t); "sequence" uses the product over the valid
+    tokens of the row, exp(sum_t (old - rollout)), on every token of the row.
+
+    Args:
+        old_logprobs: [B, T] float32 learner log-probabilities of the sampled tokens (before the update).
+        rollout_logprobs: [B, T] float32 log-probabilities reported by the rollout engine for the same tokens.
+        response_mask: [B, T] bool, True on tokens that count.
+        cap: truncation C > 0 (2.0 in Yao et al.).
+        level: "token" | "sequence".
+
+    Raises:
+        ValueError: shapes differ, mask not bool, cap <= 0, or unknown level.
+
+    Source: Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training" (TIS);
+    TRL 1.16 ``GRPOTrainer`` vllm_importance_sampling_mode token_truncate / sequence_truncate
+    (grpo_trainer.py lines 2660-2685, with clip_min None).
+    """
+    if not (old_logprobs.shape == rollout_logprobs.shape == response_mask.shape) or response_mask.dtype != torch.bool:
+        raise ValueError(
+            f"truncated_is_weights: old_logprobs {tuple(old_logprobs.shape)}, rollout_logprobs "
+            f"{tuple(rollout_logprobs.shape)} and bool response_mask {tuple(response_mask.shape)} must match"
+        )
+    if cap <= 0:
+        raise ValueError(f"truncated_is_weights: cap={cap} must be > 0")
+    if level not in ("token", "sequence"):
+        raise ValueError(f"truncated_is_weights: unknown level {level!r}; expected 'token' or 'sequence'")
+    zero = torch.zeros_like(old_logprobs)
+    diff = torch.where(response_mask, old_logprobs - rollout_logprobs, zero)
+    if level == "sequence":
+        diff = diff.sum(dim=-1, keepdim=True).expand_as(diff)
+    return torch.where(response_mask, torch.exp(diff).clamp(max=cap), zero)
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Returns [B, T] float32 entropy in nats of the categorical distributions given by ``logits``.
+
+    H = logsumexp(z) - sum_v softmax(z)_v z_v, differentiable. For large V, call it on chunks of tokens.
+
+    Args:
+        logits: [B, T, V] float (bf16 is upcast to float32 here).
+
+    Raises:
+        ValueError: ``logits`` has fewer than 2 dimensions.
+
+    Source: definition of Shannon entropy; verl ``verl_F.entropy_from_logits`` uses the same identity.
+    """
+    if logits.dim() < 2:
+        raise ValueError(f"entropy_from_logits: logits must be [..., V], got {tuple(logits.shape)}")
+    logits = logits.float()
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+
+
+def entropy_bonus_loss(entropy: Tensor, response_mask: Tensor, *, coef: float) -> Tensor:
+    """Returns [B, T] float32 per-token loss -coef * entropy (0 at masked positions) to add to the policy loss.
+
+    Adding it before ``aggregate_loss`` makes the entropy bonus use the same normaliser as the policy term.
+
+    Args:
+        entropy: [B, T] float32 per-token entropy in nats (``entropy_from_logits``), with grad.
+        response_mask: [B, T] bool, True on tokens that count.
+        coef: entropy coefficient (>= 0; 0 disables the bonus).
+
+    Raises:
+        ValueError: shapes differ, mask not bool, or coef < 0.
+
+    Source: Mnih et al. 2016 (A3C) entropy regularisation; Schulman et al. 2017 (PPO) eq. 9, c2 * S.
+    Deviation: TRL 1.16 always token-means its entropy term; here it follows the policy loss's aggregation.
+    """
+    if entropy.shape != response_mask.shape or response_mask.dtype != torch.bool:
+        raise ValueError(
+            f"entropy_bonus_loss: entropy {tuple(entropy.shape)} and bool response_mask "
+            f"{tuple(response_mask.shape)} must match"
+        )
+    if coef < 0:
+        raise ValueError(f"entropy_bonus_loss: coef={coef} must be >= 0")
+    return torch.where(response_mask, -coef * entropy, torch.zeros_like(entropy))

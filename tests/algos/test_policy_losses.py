@@ -1,0 +1,206 @@
+"""Policy losses (PPO clip, GSPO, CISPO), truncated IS and entropy: hand-computed values, gradients, invariances."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlray.algos import (
+    POLICY_LOSSES,
+    aggregate_loss,
+    cispo_loss,
+    entropy_bonus_loss,
+    entropy_from_logits,
+    gspo_loss,
+    ppo_clip_loss,
+    truncated_is_weights,
+)
+
+ATOL = 1e-6
+
+
+def close(actual: torch.Tensor, expected) -> None:
+    torch.testing.assert_close(actual, torch.as_tensor(expected, dtype=actual.dtype), atol=ATOL, rtol=0.0)
+
+
+def _inputs(ratios: list[float], logprobs: list[float] | None = None):
+    """Returns (logprobs leaf, old_logprobs) with exp(logprobs - old) == ratios, as [1, T] float32."""
+    lp = torch.tensor([logprobs or [-1.0] * len(ratios)])
+    old = lp - torch.log(torch.tensor([ratios]))
+    return lp.clone().requires_grad_(True), old
+
+
+# ratios and advantages for the PPO case; the last position is padding with garbage everywhere
+PPO_RATIOS = [1.5, 0.5, 1.1, 0.7, 4.0, 1.0, 1.0]
+PPO_ADV = torch.tensor([[1.0, -1.0, 2.0, -2.0, -1.0, 1.0, float("nan")]])
+PPO_MASK = torch.tensor([[True] * 6 + [False]])
+
+
+def test_ppo_clip_hand_computed():
+    # eps_low 0.2, eps_high 0.28; loss = max(-A r, -A clip(r, 0.8, 1.28)):
+    # r=1.5 A=1: max(-1.5, -1.28) = -1.28 (high clip)   r=0.5 A=-1: max(0.5, 0.8) = 0.8 (low clip)
+    # r=1.1 A=2: -2.2                                    r=0.7 A=-2: max(1.4, 1.6) = 1.6 (low clip)
+    # r=4 A=-1: max(4, 1.28) = 4                          r=1 A=1: -1;  padding: 0
+    lp, old = _inputs(PPO_RATIOS)
+    loss, diag = ppo_clip_loss(lp, old, PPO_ADV, PPO_MASK, clip_eps_low=0.2, clip_eps_high=0.28)
+    close(loss.detach(), [[-1.28, 0.8, -2.2, 1.6, 4.0, -1.0, 0.0]])
+    close(diag["clipped_high"], [[1, 0, 0, 0, 0, 0, 0]])
+    close(diag["clipped_low"], [[0, 1, 0, 1, 0, 0, 0]])
+    close(diag["ratio"], [PPO_RATIOS[:6] + [0.0]])
+    loss.sum().backward()
+    # d/dlogprob of -A r is -A r where unclipped: [0, 0, -2.2, 0, 4, -1, 0]
+    close(lp.grad, [[0.0, 0.0, -2.2, 0.0, 4.0, -1.0, 0.0]])
+
+
+def test_ppo_dual_clip_hand_computed():
+    # dual_clip c = 3 bounds A<0 tokens by -c A: r=4 A=-1: min(4, 3) = 3, gradient 0; the rest as above
+    lp, old = _inputs(PPO_RATIOS)
+    loss, diag = ppo_clip_loss(lp, old, PPO_ADV, PPO_MASK, clip_eps_low=0.2, clip_eps_high=0.28, dual_clip=3.0)
+    close(loss.detach(), [[-1.28, 0.8, -2.2, 1.6, 3.0, -1.0, 0.0]])
+    close(diag["dual_clipped"], [[0, 0, 0, 0, 1, 0, 0]])
+    loss.sum().backward()
+    close(lp.grad, [[0.0, 0.0, -2.2, 0.0, 0.0, -1.0, 0.0]])
+
+
+def test_gspo_hand_computed():
+    # seq 0: log ratios [0.2, 0.0] -> s = exp(0.1) = 1.1051709; A = 1, eps 0.05: max(-1.105, -1.05) = -1.05 (clipped)
+    # seq 1: log ratios [0.02, -0.04] -> s = exp(-0.01) = 0.9900498; A = -2: 2 * 0.9900498 = 1.9800997 (inside)
+    lp = torch.tensor([[-1.0, -2.0], [-0.5, -0.7]], requires_grad=True)
+    old = lp.detach() - torch.tensor([[0.2, 0.0], [0.02, -0.04]])
+    adv = torch.tensor([[1.0, 1.0], [-2.0, -2.0]])
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    loss, diag = gspo_loss(lp, old, adv, mask, clip_eps_low=0.05, clip_eps_high=0.05)
+    s1 = math.exp(-0.01)
+    close(loss.detach(), [[-1.05, -1.05], [2 * s1, 2 * s1]])
+    close(diag["clipped_high"], [[1, 1], [0, 0]])
+    close(diag["ratio"], [[math.exp(0.1)] * 2, [s1, s1]])
+    aggregate_loss(loss, mask, "seq-mean-token-mean").backward()
+    # mean over 2 sequences of each sequence loss; seq 1: d/dlogprob_t = (1/2) * (1/2) * (-A) * s = 0.5 * s1
+    close(lp.grad, [[0.0, 0.0], [0.5 * s1, 0.5 * s1]])
+
+
+def test_gspo_equals_sequence_ratio_formula(gen):
+    # GSPO (sequence-level s_i with gradient through all tokens) == GSPO-token with seq-mean-token-mean
+    mask = torch.rand(5, 6, generator=gen) > 0.3
+    mask[:, 0] = True
+    lp = (-torch.rand(5, 6, generator=gen)).requires_grad_(True)
+    old = lp.detach() + 0.1 * torch.randn(5, 6, generator=gen)
+    adv = torch.randn(5, 1, generator=gen).expand(5, 6)
+    loss, _ = gspo_loss(lp, old, adv, mask, clip_eps_low=0.03, clip_eps_high=0.04)
+    ours = aggregate_loss(loss, mask, "seq-mean-token-mean")
+    (g_ours,) = torch.autograd.grad(ours, lp)
+    s = torch.exp(((lp - old) * mask).sum(-1) / mask.sum(-1))
+    a = adv[:, 0]
+    ref = torch.maximum(-a * s, -a * s.clamp(0.97, 1.04)).mean()
+    (g_ref,) = torch.autograd.grad(ref, lp)
+    torch.testing.assert_close(ours, ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(g_ours, g_ref, atol=ATOL, rtol=0)
+
+
+def test_cispo_hand_computed():
+    # weights sg(clip(r, 1 - 1.0, 1 + 0.2)) = [1.2, 0.5, 1.0]; loss = -w A logprob:
+    # -1.2*1*(-1) = 1.2; -0.5*(-1)*(-2) = -1.0; -1*2*(-0.5) = 1.0; gradient -w A = [-1.2, 0.5, -2]
+    lp, old = _inputs([1.5, 0.5, 1.0], logprobs=[-1.0, -2.0, -0.5])
+    adv = torch.tensor([[1.0, -1.0, 2.0]])
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    loss, diag = cispo_loss(lp, old, adv, mask, clip_eps_low=1.0, clip_eps_high=0.2)
+    close(loss.detach(), [[1.2, -1.0, 1.0]])
+    close(diag["clipped_high"], [[1, 0, 0]])
+    loss.sum().backward()
+    close(lp.grad, [[-1.2, 0.5, -2.0]])
+
+
+def test_cispo_lower_clip_bounds_weight():
+    # clip_eps_low 0.2: r = 0.5 -> weight 0.8; loss = -0.8 * (-1) * (-2) = -1.6
+    lp, old = _inputs([0.5], logprobs=[-2.0])
+    loss, diag = cispo_loss(
+        lp, old, torch.tensor([[-1.0]]), torch.ones(1, 1, dtype=torch.bool), clip_eps_low=0.2, clip_eps_high=0.2
+    )
+    close(loss.detach(), [[-1.6]])
+    close(diag["clipped_low"], [[1.0]])
+
+
+@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+def test_masked_values_do_not_matter(name, gen):
+    mask = torch.rand(4, 5, generator=gen) > 0.4
+    lp = -torch.rand(4, 5, generator=gen)
+    old = lp + 0.2 * torch.randn(4, 5, generator=gen)
+    adv = torch.randn(4, 5, generator=gen)
+    bad = torch.full_like(lp, float("nan"))
+    results = []
+    for garbage in (False, True):
+        x = torch.where(mask | (not garbage), lp, -torch.full_like(lp, float("inf"))).requires_grad_(True)
+        o = torch.where(mask | (not garbage), old, bad)
+        a = torch.where(mask | (not garbage), adv, bad)
+        loss, diag = POLICY_LOSSES[name](x, o, a, mask, clip_eps_low=0.2, clip_eps_high=0.28)
+        aggregate_loss(loss, mask, "token-mean").backward()
+        results.append((loss.detach(), x.grad, diag))
+    torch.testing.assert_close(results[0][0], results[1][0])
+    torch.testing.assert_close(results[0][1], results[1][1])
+    for key in results[0][2]:
+        torch.testing.assert_close(results[0][2][key], results[1][2][key])
+    assert (results[1][0][~mask] == 0).all()
+
+
+def test_on_policy_ppo_gradient_is_policy_gradient(gen):
+    # at ratio 1 (first PPO epoch) every PPO-family loss has gradient -A on each token
+    lp = (-torch.rand(3, 4, generator=gen)).requires_grad_(True)
+    adv = torch.randn(3, 4, generator=gen)
+    mask = torch.ones(3, 4, dtype=torch.bool)
+    for name in ("ppo_clip", "cispo"):
+        (g,) = torch.autograd.grad(
+            POLICY_LOSSES[name](lp, lp.detach(), adv, mask, clip_eps_low=0.2, clip_eps_high=0.2)[0].sum(), lp
+        )
+        torch.testing.assert_close(g, -adv, atol=ATOL, rtol=0)
+
+
+def test_truncated_is_hand_computed():
+    # old - rollout = [log 3, log 0.5, (masked)]: token weights min(r, 2) = [2, 0.5, 0];
+    # sequence weight min(3 * 0.5, 2) = 1.5 on each valid token
+    old = torch.tensor([[math.log(3.0), math.log(0.5), 5.0]])
+    rollout = torch.zeros(1, 3)
+    mask = torch.tensor([[True, True, False]])
+    close(truncated_is_weights(old, rollout, mask, cap=2.0), [[2.0, 0.5, 0.0]])
+    close(truncated_is_weights(old, rollout, mask, cap=2.0, level="sequence"), [[1.5, 1.5, 0.0]])
+
+
+def test_entropy_hand_computed():
+    # uniform over 2 -> ln 2; p = [0.25, 0.75] -> -(0.25 ln 0.25 + 0.75 ln 0.75) = 0.5623351
+    logits = torch.tensor([[[0.0, 0.0], [0.0, math.log(3.0)]]])
+    h = entropy_from_logits(logits)
+    close(h, [[math.log(2.0), -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))]])
+    close(entropy_bonus_loss(h, torch.tensor([[True, False]]), coef=0.01), [[-0.01 * math.log(2.0), 0.0]])
+
+
+def test_entropy_matches_torch_distributions(gen):
+    logits = torch.randn(2, 3, 11, generator=gen) * 3
+    expected = torch.distributions.Categorical(logits=logits).entropy()
+    torch.testing.assert_close(entropy_from_logits(logits), expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"clip_eps_low": 1.5, "clip_eps_high": 0.2}, "clip_eps_low"),
+        ({"clip_eps_low": 0.2, "clip_eps_high": -0.1}, "clip_eps_high"),
+        ({"clip_eps_low": 0.2, "clip_eps_high": 0.2, "dual_clip": 0.5}, "dual_clip"),
+    ],
+)
+def test_ppo_errors(kwargs, match):
+    x = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match=match):
+        ppo_clip_loss(x, x, x, torch.ones(1, 2, dtype=torch.bool), **kwargs)
+
+
+def test_shape_and_mask_errors():
+    x = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match="one shape"):
+        gspo_loss(x, torch.zeros(1, 3), x, torch.ones(1, 2, dtype=torch.bool), clip_eps_low=0.1, clip_eps_high=0.1)
+    with pytest.raises(ValueError, match="bool"):
+        cispo_loss(x, x, x, torch.ones(1, 2), clip_eps_low=0.1, clip_eps_high=0.1)
+    with pytest.raises(ValueError, match="level"):
+        truncated_is_weights(x, x, torch.ones(1, 2, dtype=torch.bool), cap=2.0, level="seq")
+    with pytest.raises(ValueError, match="cap"):
+        truncated_is_weights(x, x, torch.ones(1, 2, dtype=torch.bool), cap=0.0)
