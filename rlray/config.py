@@ -113,12 +113,22 @@ class RolloutConfig(_Section):
     )
 
 
+class RewardFunctionConfig(_Section):
+    """A user reward function (TRL's convention: fn(prompts, completions, **columns) -> list[float])."""
+
+    path: str = Field(..., description="'package.module:function' or 'path/to/file.py:function'.")
+    weight: float = Field(1.0, description="Weight of this term in the summed reward.")
+
+
 class RewardConfig(_Section):
-    """Rule-based GSM8K reward: correctness (math-verify) plus a small format term."""
+    """Reward: GSM8K correctness (math-verify) plus a small format term, plus optional user functions."""
 
     correct_weight: float = Field(1.0, description="Reward for a final answer equal to the reference.")
     format_weight: float = Field(
         0.2, description="Reward for ending with a '#### <number>' line, whether right or wrong."
+    )
+    functions: list[RewardFunctionConfig] = Field(
+        default_factory=list, description="User reward functions added to the reward with their weights."
     )
 
 

@@ -60,6 +60,10 @@ def resolve_paths(cfg: Config, base: Path | None = None) -> Config:
     out.data.train_files = [local(p) for p in cfg.data.train_files]
     out.data.eval_files = [local(p) for p in cfg.data.eval_files]
     out.model.path = local(cfg.model.path)
+    for fn in out.reward.functions:
+        target, name = fn.path.rsplit(":", 1) if ":" in fn.path else (fn.path, "")
+        if target.endswith(".py"):
+            fn.path = f"{local(target)}:{name}"
     return out
 
 
@@ -130,7 +134,7 @@ def evaluate_checkpoint(cfg: Config, checkpoint: str) -> dict[str, float]:
     """
     from rlray.checkpoint import local_model_dir
     from rlray.data import load_prompt_rows, prepare_prompts
-    from rlray.loop import rollout, score
+    from rlray.loop import build_scorer, rollout, score
     from rlray.models import load_tokenizer
     from rlray.rollout import SamplingSpec
 
@@ -151,7 +155,7 @@ def evaluate_checkpoint(cfg: Config, checkpoint: str) -> dict[str, float]:
     try:
         sampling = SamplingSpec(n=1, max_new_tokens=cfg.eval_max_new_tokens, temperature=0.0, top_p=1.0, seed=0)
         completions = rollout(actors, ids, sampling)
-        got = score(cfg, rows, completions, tokenizer)
+        got = score(build_scorer(cfg), rows, completions, tokenizer)
     finally:
         for a in actors:
             ray.kill(a)

@@ -35,7 +35,7 @@ from rlray.config import Config
 from rlray.data import PromptStream, load_prompt_rows, prepare_prompts
 from rlray.learner import LossSpec, Normaliser, PolicyLearner
 from rlray.models import load_tokenizer
-from rlray.reward import gsm8k_reward
+from rlray.reward import RewardScorer
 from rlray.rollout import Completion, SamplingSpec
 from rlray.tracking import Tracker
 
@@ -67,6 +67,7 @@ class Context:
     eval_prompts: list[tuple[Any, list[int]]] = field(default_factory=list)  # rank 0 only
     tracker: Tracker | None = None  # rank 0 only
     tokenizer: Any = None
+    scorer: RewardScorer | None = None  # rank 0 only
     policy_version: int = 0
     skipped_long_prompts: int = 0
 
@@ -100,11 +101,21 @@ def rollout(actors: list[Any], prompt_ids: list[list[int]], sampling: SamplingSp
     return out
 
 
-def score(cfg: Config, rows: list[Any], completions: list[Completion], tokenizer: Any) -> dict[str, list[float]]:
-    """Stage 3: returns {"reward", "accuracy", "format"} lists, one value per completion."""
+def score(scorer: RewardScorer, rows: list[Any], completions: list[Completion], tokenizer: Any) -> dict[str, list[float]]:
+    """Stage 3: returns {"reward", "accuracy", "format", <user terms>} lists, one value per completion."""
     texts = tokenizer.batch_decode([c.response_token_ids for c in completions], skip_special_tokens=True)
+    questions = [rows[c.prompt_index].question for c in completions]
     refs = [rows[c.prompt_index].answer for c in completions]
-    return gsm8k_reward(texts, refs, correct_weight=cfg.reward.correct_weight, format_weight=cfg.reward.format_weight)
+    return scorer.score(questions, texts, refs)
+
+
+def build_scorer(cfg: Config) -> RewardScorer:
+    """Returns the reward scorer described by ``cfg.reward``."""
+    return RewardScorer(
+        correct_weight=cfg.reward.correct_weight,
+        format_weight=cfg.reward.format_weight,
+        functions=[(f.path, f.weight) for f in cfg.reward.functions],
+    )
 
 
 def build_experience(
@@ -279,7 +290,7 @@ def run_step(ctx: Context, step: int) -> dict[str, float]:
         completions = rollout(ctx.actors, prompt_ids, sampling)
         timings["timing/rollout_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        rewards = score(cfg, rows, completions, ctx.tokenizer)
+        rewards = score(ctx.scorer, rows, completions, ctx.tokenizer)
         timings["timing/reward_s"] = time.perf_counter() - t
         table = build_experience(rows, prompt_ids, completions, rewards)
         rmetrics = {**rollout_stats(table, rewards, cfg.learner.prompts_per_step), **timings}
@@ -333,7 +344,7 @@ def evaluate(ctx: Context) -> dict[str, float]:
     rows = [r for r, _ in ctx.eval_prompts]
     sampling = SamplingSpec(n=1, max_new_tokens=ctx.cfg.eval_max_new_tokens, temperature=0.0, top_p=1.0, seed=0)
     completions = rollout(ctx.actors, [ids for _, ids in ctx.eval_prompts], sampling)
-    got = score(ctx.cfg, rows, completions, ctx.tokenizer)
+    got = score(ctx.scorer, rows, completions, ctx.tokenizer)
     return {
         "eval/accuracy": float(np.mean(got["accuracy"])),
         "eval/format_rate": float(np.mean(got["format"])),
@@ -384,6 +395,7 @@ def setup(cfg: Config, model_dir: str, actors: list[Any], run_id: str | None, co
             rows, ids, _ = prepare_prompts(eval_rows, tokenizer, max_prompt_tokens=10**9, **render)
             ctx.eval_prompts = list(zip(rows, ids))
         ctx.tracker = Tracker(cfg.tracking.mlflow_uri, cfg.tracking.experiment, run_id=run_id)
+        ctx.scorer = build_scorer(cfg)
     return ctx
 
 
@@ -427,8 +439,9 @@ def train(cfg: Config, model_dir: str, actors: list[Any], run_id: str | None = N
         if cfg.eval.num_problems and ((every and (step + 1) % every == 0) or step + 1 == cfg.run.max_steps):
             metrics.update(evaluate(ctx))
         ctx.tracker.log_metrics(metrics, step=step + 1)
-        bar.set_postfix(
-            reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics['algo/kl']:.4f}", tok_s=f"{metrics['perf/tokens_per_s']:.0f}"
+        bar.set_description(
+            f"rlray step {step + 1} reward={metrics['reward/mean']:.3f} kl={metrics['algo/kl']:.4f} "
+            f"tokens/s={metrics['perf/tokens_per_s']:.0f}"
         )
         bar.update(1)
     if ctx.rank == 0:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlray.config import load_config
+from rlray.config import RewardFunctionConfig, load_config
 from rlray.tracking import METRIC_KEYS, get_run, get_run_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,6 +28,8 @@ def test_grpo_three_steps_through_ray(ray_session, tmp_path, gsm8k_dir, tiny_mod
         [f"run.output_dir={tmp_path}/out", f"tracking.mlflow_uri={uri}", f"data.train_files=[{gsm8k_dir}/train.jsonl]",
          f"data.eval_files=[{gsm8k_dir}/test.jsonl]", "run.max_steps=3", "learner.lr=1e-3"],
     )
+    # a random model never solves GSM8K: a length term gives the update a signal
+    cfg.reward.functions = [RewardFunctionConfig(path=f"{REPO}/tests/fixtures/rewards.py:completion_length", weight=1.0)]
     result = run_training(cfg)
     assert result.status == "FINISHED"
     metrics = get_run_metrics(uri, result.run_id)
@@ -43,6 +45,8 @@ def test_grpo_three_steps_through_ray(ray_session, tmp_path, gsm8k_dir, tiny_mod
     run = get_run(uri, result.run_id)
     assert run.info.status == "FINISHED"
     assert run.data.params["learner.prompts_per_step"] == "2"
+    assert "completion_length" in run.data.params["reward.functions"]
+    assert metrics["reward/mean"][0][1] > 0
     assert run.data.tags["rlray.config_hash"]
     # the weights changed, and the final snapshot is complete
     final = Path(result.final_snapshot)
