@@ -16,6 +16,7 @@ Ray's object store; every rank takes part in the update. A step, top to bottom:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import random
@@ -89,7 +90,8 @@ def rollout(actors: list[Any], prompt_ids: list[list[int]], sampling: SamplingSp
     """
     chunks = np.array_split(np.arange(len(prompt_ids)), len(actors))
     futures = [
-        actor.generate.remote([prompt_ids[i] for i in chunk], sampling)
+        # offset the seed by the chunk's first prompt, so that seeds never repeat across actors
+        actor.generate.remote([prompt_ids[i] for i in chunk], _offset_seed(sampling, int(chunk[0])))
         for actor, chunk in zip(actors, chunks)
         if len(chunk)
     ]
@@ -99,6 +101,12 @@ def rollout(actors: list[Any], prompt_ids: list[list[int]], sampling: SamplingSp
             c.prompt_index = int(chunk[c.prompt_index])
             out.append(c)
     return out
+
+
+def _offset_seed(sampling: SamplingSpec, first_prompt: int) -> SamplingSpec:
+    if sampling.seed is None:
+        return sampling
+    return dataclasses.replace(sampling, seed=sampling.seed + first_prompt * sampling.n)
 
 
 def score(scorer: RewardScorer, rows: list[Any], completions: list[Completion], tokenizer: Any) -> dict[str, list[float]]:

