@@ -153,7 +153,7 @@ def evaluate_checkpoint(cfg: Config, checkpoint: str) -> dict[str, float]:
     one.resources.rollout.num_workers = 1
     actors = start_rollout_actors(one, model_dir, max_model_len(cfg))
     try:
-        sampling = SamplingSpec(n=1, max_new_tokens=cfg.eval_max_new_tokens, temperature=0.0, top_p=1.0, seed=0)
+        sampling = SamplingSpec(n=1, max_new_tokens=cfg.eval_max_new_tokens, temperature=0.0, top_p=1.0)
         completions = rollout(actors, ids, sampling)
         got = score(build_scorer(cfg), rows, completions, tokenizer)
     finally:

@@ -292,7 +292,7 @@ def run_step(ctx: Context, step: int) -> dict[str, float]:
             max_new_tokens=cfg.rollout.max_new_tokens,
             temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p,
-            seed=cfg.run.seed * 1_000_003 + step,
+            seed=cfg.run.seed * 1_000_003 + step,  # call-level: samples depend on (seed, step, prompts, weights)
         )
         t = time.perf_counter()
         completions = rollout(ctx.actors, prompt_ids, sampling)
@@ -350,7 +350,7 @@ def evaluate(ctx: Context) -> dict[str, float]:
     if not ctx.eval_prompts:
         return {}
     rows = [r for r, _ in ctx.eval_prompts]
-    sampling = SamplingSpec(n=1, max_new_tokens=ctx.cfg.eval_max_new_tokens, temperature=0.0, top_p=1.0, seed=0)
+    sampling = SamplingSpec(n=1, max_new_tokens=ctx.cfg.eval_max_new_tokens, temperature=0.0, top_p=1.0)
     completions = rollout(ctx.actors, [ids for _, ids in ctx.eval_prompts], sampling)
     got = score(ctx.scorer, rows, completions, ctx.tokenizer)
     return {

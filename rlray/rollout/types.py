@@ -20,9 +20,9 @@ class SamplingSpec:
         max_new_tokens: cap on generated tokens per completion.
         temperature: sampling temperature; 0.0 means greedy (argmax).
         top_p: nucleus mass in (0, 1]; 1.0 disables nucleus filtering.
-        seed: base seed for reproducible sampling, or None to draw from the engine's own
-            generator (seeded once at engine start). With a seed, sample i of prompt p uses
-            seed + p * n + i, so repeated prompts in one call still get different samples.
+        seed: reseeds the engine's sampling generator at the start of the call, so that the
+            call's samples are a deterministic function of (seed, prompts, weights); None draws
+            from the engine's generator as it stands (seeded once at engine start).
 
     Raises:
         ValueError: a field out of range (the message names the field and the value).
@@ -50,12 +50,6 @@ class SamplingSpec:
     def greedy(self) -> bool:
         """Returns True when sampling is argmax (temperature 0.0)."""
         return self.temperature == 0.0
-
-    def sample_seed(self, prompt_index: int, sample_index: int) -> int | None:
-        """Returns the seed of one sample (seed + prompt_index * n + sample_index), or None."""
-        if self.seed is None:
-            return None
-        return self.seed + prompt_index * self.n + sample_index
 
 
 @dataclass

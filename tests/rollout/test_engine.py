@@ -233,8 +233,11 @@ def test_seeded_sampling_is_reproducible(engine: RolloutEngine, prompts):
         out = engine.generate(prompts, SamplingSpec(n=2, max_new_tokens=12, temperature=1.0, seed=seed))
         return [c.response_token_ids for c in out]
 
-    assert run(11) == run(11)
-    assert run(11) != run(12)
+    first = run(11)
+    engine.generate(prompts, SamplingSpec(n=2, max_new_tokens=12, temperature=1.0))  # advances the generator
+    assert run(11) == first  # the seed resets the generator at the start of the call
+    assert run(12) != first
+    assert first[0] != first[1]  # the n samples of one prompt still differ
 
 
 def test_generate_rejects_bad_prompts(engine: RolloutEngine):

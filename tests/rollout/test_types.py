@@ -27,14 +27,6 @@ def test_sampling_spec_rejects_out_of_range(kwargs: dict, field: str):
         SamplingSpec(**{**base, **kwargs})
 
 
-def test_sample_seeds_are_unique_per_prompt_and_sample():
-    spec = SamplingSpec(n=3, max_new_tokens=8, temperature=1.0, seed=100)
-    seeds = [spec.sample_seed(p, i) for p in range(4) for i in range(3)]
-    assert seeds == list(range(100, 112))  # seed + p*n + i
-    assert SamplingSpec(n=3, max_new_tokens=8, temperature=1.0).sample_seed(2, 1) is None
-    assert SamplingSpec(n=1, max_new_tokens=8, temperature=0.0).greedy
-
-
 def test_import_does_not_import_vllm():
     code = "import sys, rlray.rollout; print('vllm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
