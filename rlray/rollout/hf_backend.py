@@ -17,7 +17,7 @@ _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 class HFBackend:
-    """A transformers causal LM that samples token ids with raw-model logprobs.
+    """A transformers causal LM that samples token ids with temperature-scaled logprobs.
 
     Args:
         model_path: local Hugging Face folder (config.json and safetensors).
@@ -35,7 +35,7 @@ class HFBackend:
     def generate(
         self, prompt_token_ids: list[list[int]], sampling: SamplingSpec, policy_version: int
     ) -> list[Completion]:
-        """Returns n completions per prompt, prompt-major, with raw-model logprobs.
+        """Returns n completions per prompt, prompt-major, with log_softmax(logits / temperature) logprobs.
 
         All P*n sequences run as one left-padded batch. With a seed, the batch is sampled under
         torch.manual_seed(sampling.seed) inside a forked RNG (the caller's RNG is untouched);
@@ -72,8 +72,11 @@ class HFBackend:
             out = self._model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
         new_ids = out.sequences[:, input_ids.shape[1] :]  # [B, T] int64
         # out.logits: T raw [B, V] logits; one step at a time keeps memory at one [B, V] float32.
+        # Temperature-scaled like the learner's logprobs (greedy: raw); top-p truncation is not
+        # renormalised here, unlike the vLLM backend (documented deviation of this fallback).
+        scale = sampling.temperature or 1.0
         logprobs = torch.stack(
-            [step.float().log_softmax(-1).gather(-1, new_ids[:, t, None])[:, 0] for t, step in enumerate(out.logits)],
+            [(step.float() / scale).log_softmax(-1).gather(-1, new_ids[:, t, None])[:, 0] for t, step in enumerate(out.logits)],
             dim=1,
         )  # [B, T] float32
         return [
@@ -139,7 +142,7 @@ def _to_completion(
 
     Args:
         new_ids: [T] int64 generated ids; after an EOS, generate() pads with EOS.
-        logprobs: [T] float32 raw-model logprob of each generated id.
+        logprobs: [T] float32 logprob of each generated id (temperature-scaled).
     """
     ids = new_ids.tolist()
     stop_at = next((t for t, tok in enumerate(ids) if tok in eos_ids), None)

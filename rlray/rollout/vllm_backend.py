@@ -90,7 +90,7 @@ def vllm_env(cpu_threads: str | None) -> dict[str, str]:
 
 
 class VllmBackend:
-    """A vLLM `LLM` that samples token ids with raw-model logprobs and reloads weights in place.
+    """A vLLM `LLM` that samples token ids with behaviour-policy logprobs and reloads weights in place.
 
     Args:
         model_path: local Hugging Face folder (config.json, safetensors, tokenizer files).
@@ -148,10 +148,11 @@ class VllmBackend:
             gpu_memory_utilization=gpu_memory_utilization,
             kv_cache_memory_bytes=round(kv_cache_gib * 2**30) if on_cpu else None,
             tensor_parallel_size=tensor_parallel_size,
-            # Logprobs of the raw model: log_softmax of the logits before temperature, top-p or
-            # penalties (vLLM's Sampler computes them first). This is also vLLM's default; set
-            # here so that a changed default cannot silently change rollout_logprobs.
-            logprobs_mode="raw_logprobs",
+            # Logprobs of the behaviour policy: log_softmax(logits / temperature) after top-k/top-p
+            # truncation (greedy requests: the raw logits). With top_p = 1 this is exactly what the
+            # learner computes (rlray.learner.response_logprobs divides by the temperature, as TRL
+            # and verl do), so rollout/learner ratios and truncated IS compare like with like.
+            logprobs_mode="processed_logprobs",
             disable_log_stats=True,
             worker_extension_cls=vllm_worker.EXTENSION,
         )
@@ -162,7 +163,7 @@ class VllmBackend:
     def generate(
         self, prompt_token_ids: list[list[int]], sampling: SamplingSpec, policy_version: int
     ) -> list[Completion]:
-        """Returns n completions per prompt, prompt-major, with raw-model logprobs.
+        """Returns n completions per prompt, prompt-major, with behaviour-policy logprobs.
 
         Args:
             prompt_token_ids: P prompts, each a non-empty list of token ids.
