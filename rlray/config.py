@@ -87,9 +87,14 @@ class DataConfig(_Section):
     )
     shuffle: bool = Field(True, description="Shuffle train prompts each epoch (seeded by run.seed).")
     instruction: str = Field(
-        "Solve the problem. Be brief: at most a few short lines of working. "
-        "End with the final answer on its own line as '#### <number>'.",
-        description="Text appended to every question in the user turn; asks for the checkable format.",
+        "Answer in at most three short lines and end with the final answer as '#### <number>'.\n\n"
+        "Example:\nQuestion: Tom has 3 bags with 4 apples each. He eats 2 apples. How many apples are left?\n"
+        "Answer: 3 * 4 = 12 apples. 12 - 2 = 10 apples.\n#### 10",
+        description=(
+            "Text appended to every question in the user turn (after a blank line); asks for the "
+            "checkable '#### <number>' format with a one-shot example (measured on SmolLM2-135M: "
+            "format rate ~0.5 with it, ~0.03 without)."
+        ),
     )
     system_prompt: str | None = Field(None, description="Optional system turn for the chat template.")
 
