@@ -248,7 +248,7 @@ def update_policy(ctx: Context, data: dict[str, torch.Tensor], norms: list[Norma
             for key, v in stats.items():
                 if epoch == 0 or key in ("grad_norm", "loss", "lr"):
                     totals[key] = totals.get(key, 0.0) + v
-    keys = ("pg_loss_sum", "kl_sum", "clipped_sum", "rollout_diff_sum", "tokens")
+    keys = ("pg_loss_sum", "kl_sum", "clipped_sum", "rollout_diff_sum", "tokens", "loss")
     summed = ctx.coll.all_reduce_sum({k: totals[k] for k in keys})
     tokens = max(summed["tokens"], 1.0)
     return {
@@ -256,7 +256,8 @@ def update_policy(ctx: Context, data: dict[str, torch.Tensor], norms: list[Norma
         "algo/kl": summed["kl_sum"] / tokens,
         "algo/clip_fraction": summed["clipped_sum"] / tokens,
         "rollout/logprob_abs_diff": summed["rollout_diff_sum"] / tokens,
-        "learner/loss": totals["loss"] / steps,
+        # each rank's loss is its share of the mini-batch loss times world (Normaliser.world_size)
+        "learner/loss": summed["loss"] / (steps * ctx.world),
         "learner/grad_norm": totals["grad_norm"] / steps,
         "learner/lr": totals["lr"] / steps,
     }
