@@ -81,8 +81,9 @@ def batched_logprobs(
         temperature: sampling temperature (> 0); see ``response_logprobs``.
         microbatch_size: rows per forward.
     """
-    from rlray.learner.policy import split_microbatches
+    from rlray.learner.policy import split_microbatches, to_device
 
+    device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     t = batch["response_ids"].shape[1]
@@ -90,8 +91,8 @@ def batched_logprobs(
     row = 0
     for mb in split_microbatches(batch, microbatch_size):
         with autocast_context(dtype):
-            lp, _ = response_logprobs(model, mb, temperature=temperature)
-        out[row : row + lp.shape[0], : lp.shape[1]] = lp.float()
+            lp, _ = response_logprobs(model, to_device(mb, device), temperature=temperature)
+        out[row : row + lp.shape[0], : lp.shape[1]] = lp.float().cpu()
         row += lp.shape[0]
     model.train(was_training)
     return out[:, :t]

@@ -30,6 +30,13 @@ def split_microbatches(batch: dict[str, torch.Tensor], size: int) -> Iterator[di
         yield _trim(mb)
 
 
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """Returns ``batch`` with every tensor on ``device`` (the same dict when it is already there)."""
+    if all(v.device == device for v in batch.values()):
+        return batch
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
 def _trim(mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     t_full = mb["response_ids"].shape[1]
     t = int(mb["attention_mask"][:, -t_full:].sum(1).max().item()) if t_full else 0
@@ -104,6 +111,8 @@ class PolicyLearner:
         self.model = wrap_model(policy) if wrap_model else policy
         self.model.train()
         self.sharded = _is_fsdp(self.model)
+        if self.reference is not None:  # on the policy's device (wrap_model moves the policy to its GPU)
+            self.reference.to(next(self.module.parameters()).device)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(optimizer, params, lr=lr, betas=betas, weight_decay=weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -156,7 +165,8 @@ class PolicyLearner:
         """
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {"loss": 0.0}
-        mbs = list(split_microbatches(minibatch, microbatch_size))
+        device = next(self.module.parameters()).device  # CUDA after Ray Train's prepare_model on GPU
+        mbs = [to_device(mb, device) for mb in split_microbatches(minibatch, microbatch_size)]
         for i, mb in enumerate(mbs):
             sync = i == len(mbs) - 1
             ctx = self.model.no_sync() if (not sync and hasattr(self.model, "no_sync")) else contextlib.nullcontext()
