@@ -84,7 +84,7 @@ def learner_step(
                                            clip_eps_low=0.2, clip_eps_high=0.28)
         loss = algos.aggregate_loss(per_token, mb["response_mask"], "token-mean", num_tokens=total_tokens)
         loss.backward()
-        loss_sum += float(loss)
+        loss_sum += float(loss.detach())
     if optimizer is not None:
         optimizer.step()
     if device.startswith("cuda"):
