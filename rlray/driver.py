@@ -80,16 +80,22 @@ def max_model_len(cfg: Config) -> int:
     return cfg.data.max_prompt_tokens + max(cfg.rollout.max_new_tokens, cfg.eval_max_new_tokens)
 
 
-def start_reward_server(cfg: Config) -> None:
+def start_reward_server(cfg: Config) -> bool:
     """Deploys (or updates in place) the reward Serve application of ``cfg`` and waits until it serves.
 
     Serve's HTTP proxy binds reward.server.host:port (127.0.0.1 by default); ``POST /score`` works
     for outside tools. Deploying again with a new reward.version hot-swaps the scorer.
+
+    Returns:
+        True when this call created the application, False when it updated a running one.
     """
+    from ray import serve
+
     from rlray.loop import scorer_kwargs
     from rlray.reward.server import build_reward_app, deploy_reward_app
 
     srv, res = cfg.reward.server, cfg.resources.reward
+    existed = srv.app_name in serve.status().applications  # empty when Serve has not started
     app = build_reward_app(
         scorer_kwargs=scorer_kwargs(cfg),
         version=cfg.reward.version,
@@ -101,6 +107,7 @@ def start_reward_server(cfg: Config) -> None:
         timeout_s=srv.timeout_s,
     )
     deploy_reward_app(app, name=srv.app_name, host=srv.host, port=srv.port)
+    return not existed
 
 
 def run_training(cfg: Config) -> TrainResult:
@@ -123,13 +130,13 @@ def run_training(cfg: Config) -> TrainResult:
     tracker.log_config(cfg)
     tracker.set_tags({"rlray.model_dir": model_dir, "rlray.output_dir": cfg.run.output_dir})
     log.info("MLflow run %s in %s", tracker.run_id, cfg.tracking.mlflow_uri)
-    actors, reference, pg = [], None, None
+    actors, reference, pg, own_app = [], None, None, False
     status = "FAILED"
     try:
         pg = rollout_placement_group(cfg)
         actors = start_rollout_actors(cfg, model_dir, max_model_len(cfg), pg)
         if cfg.reward.server.enabled:
-            start_reward_server(cfg)
+            own_app = start_reward_server(cfg)
         if cfg.algo.kl_coef > 0 and cfg.resources.reference.placement == "actor":
             reference = start_reference_actor(cfg, model_dir)
         res = cfg.resources.learner
@@ -160,6 +167,10 @@ def run_training(cfg: Config) -> TrainResult:
         kill_actors(actors + ([reference] if reference else []))
         if pg is not None:
             remove_placement_group(pg)
+        if own_app:  # a server started by `rlray serve-reward` before the run stays up
+            from ray import serve
+
+            serve.delete(cfg.reward.server.app_name)
     return TrainResult(tracker.run_id, cfg.tracking.mlflow_uri, f"{cfg.run.output_dir}/final", status)
 
 
