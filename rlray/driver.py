@@ -110,6 +110,29 @@ def start_reward_server(cfg: Config) -> bool:
     return not existed
 
 
+def learner_trainer(cfg: Config, loop_config: dict):
+    """Returns the Ray Train TorchTrainer of the learner group (resources.learner, placement strategy)."""
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from rlray.loop import train_worker
+
+    res = cfg.resources.learner
+    return TorchTrainer(
+        train_worker,
+        train_loop_config=loop_config,
+        scaling_config=ScalingConfig(
+            num_workers=res.num_workers,
+            use_gpu=res.gpus > 0,
+            resources_per_worker={"CPU": res.cpus, **({"GPU": res.gpus} if res.gpus else {})},
+            placement_strategy=cfg.resources.placement_strategy,
+        ),
+        run_config=RunConfig(
+            name=f"rlray-learner-{loop_config['run_id'][:12]}", storage_path=f"{cfg.run.output_dir}/ray_train"
+        ),
+    )
+
+
 def run_training(cfg: Config) -> TrainResult:
     """Runs a whole training job and returns its result.
 
@@ -117,11 +140,6 @@ def run_training(cfg: Config) -> TrainResult:
         rlray.placement.PlacementError: the resources do not fit the cluster (nothing was started).
         ray.train.TrainingFailedError: a learner worker failed (the MLflow run is marked FAILED).
     """
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
-    from rlray.loop import train_worker
-
     init_ray()
     cfg = resolve_paths(cfg)
     check_cluster(cfg)
@@ -139,24 +157,13 @@ def run_training(cfg: Config) -> TrainResult:
             own_app = start_reward_server(cfg)
         if cfg.algo.kl_coef > 0 and cfg.resources.reference.placement == "actor":
             reference = start_reference_actor(cfg, model_dir)
-        res = cfg.resources.learner
-        trainer = TorchTrainer(
-            train_worker,
-            train_loop_config={
-                "config": cfg.model_dump(mode="json"),
-                "model_dir": model_dir,
-                "rollout_actors": actors,
-                "reference_actor": reference,
-                "run_id": tracker.run_id,
-            },
-            scaling_config=ScalingConfig(
-                num_workers=res.num_workers,
-                use_gpu=res.gpus > 0,
-                resources_per_worker={"CPU": res.cpus, **({"GPU": res.gpus} if res.gpus else {})},
-                placement_strategy=cfg.resources.placement_strategy,
-            ),
-            run_config=RunConfig(name=f"rlray-learner-{tracker.run_id[:12]}", storage_path=f"{cfg.run.output_dir}/ray_train"),
-        )
+        trainer = learner_trainer(cfg, {
+            "config": cfg.model_dump(mode="json"),
+            "model_dir": model_dir,
+            "rollout_actors": actors,
+            "reference_actor": reference,
+            "run_id": tracker.run_id,
+        })
         trainer.fit()
         status = "FINISHED"
     except KeyboardInterrupt:

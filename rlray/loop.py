@@ -34,9 +34,9 @@ from rlray.checkpoint import save_final
 from rlray.collective import Collective
 from rlray.config import Config
 from rlray.data import PromptStream, load_prompt_rows, prepare_prompts
+from rlray.fleet import RolloutFleet, RolloutPipeline
 from rlray.learner import LossSpec, Normaliser, PolicyLearner
 from rlray.models import load_tokenizer
-from rlray.fleet import RolloutFleet, RolloutPipeline
 from rlray.reward import RewardScorer
 from rlray.reward.server import LocalRewardClient, ScoreResult, ServeRewardClient
 from rlray.rollout import Completion, SamplingSpec
@@ -109,7 +109,9 @@ def sampling_for_step(cfg: Config, step: int) -> SamplingSpec:
     )
 
 
-def score(reward: Any, rows: list[Any], completions: list[Completion], tokenizer: Any) -> ScoreResult:
+def score(
+    reward: LocalRewardClient | ServeRewardClient, rows: list[Any], completions: list[Completion], tokenizer: Any
+) -> ScoreResult:
     """Stage 3: returns the reward version and {"reward", "accuracy", "format", <user terms>}, one value per completion."""
     texts = tokenizer.batch_decode([c.response_token_ids for c in completions], skip_special_tokens=True)
     questions = [rows[c.prompt_index].question for c in completions]

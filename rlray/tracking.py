@@ -20,7 +20,7 @@ from rlray.config import Config
 
 log = logging.getLogger(__name__)
 
-STAGES = ("prompts", "rollout", "reward", "logprobs", "advantages", "update", "weight_sync", "eval", "step")
+STAGES = ("rollout", "reward", "logprobs", "advantages", "update", "weight_sync", "eval", "step")
 
 METRIC_KEYS: tuple[str, ...] = (
     "reward/mean",

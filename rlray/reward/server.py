@@ -264,8 +264,10 @@ def _make_deployment():
 
         @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.01)
         async def _score_batch(self, requests: list[ScoreRequest]) -> list[dict]:
-            flat = [[x for r in requests for x in getattr(r, key)] for key in ("prompts", "completions", "references")]
-            result = await asyncio.to_thread(self.service.score, *flat)
+            prompts = [x for r in requests for x in r.prompts]
+            completions = [x for r in requests for x in r.completions]
+            references = [x for r in requests for x in r.references]
+            result = await asyncio.to_thread(self.service.score, prompts, completions, references)
             out, start = [], 0
             for r in requests:
                 end = start + len(r.completions)
