@@ -1,12 +1,27 @@
-"""Thin Ray actors over rlray's plain classes. Each remote method delegates in a few lines."""
+"""Thin Ray actors over rlray's plain classes. Each remote method delegates in a few lines.
+
+- ``RolloutActor`` over ``RolloutEngine`` (one vLLM engine per actor), named ``rlray:rollout-<i>``,
+  placed in the rollout placement group, restarted by Ray up to ``resources.rollout.max_restarts``.
+- ``ReferenceActor`` over ``ReferenceModel``, named ``rlray:reference-0`` (when
+  ``resources.reference.placement == "actor"``).
+- The reward Serve deployment lives in ``rlray.reward.server`` (Serve builds its own actors).
+"""
 
 from __future__ import annotations
 
+import logging
+import time
+
 import ray
 import torch
+from ray.util.placement_group import PlacementGroup
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlray.config import Config
+from rlray.learner.reference import ReferenceModel
 from rlray.rollout import Completion, RolloutEngine, SamplingSpec
+
+log = logging.getLogger(__name__)
 
 
 class RolloutActor:
@@ -37,9 +52,58 @@ class RolloutActor:
         """Returns True once the engine is built (used to wait for start-up)."""
         return True
 
+    # vLLM weight transfer (NCCL / CUDA IPC), driven by rlray.weight_sync.VllmTransferSync
+    def transfer_init(self, init_info: dict) -> None:
+        """Joins the trainer's weight-transfer group (``RolloutEngine.init_weight_transfer``)."""
+        self.engine.init_weight_transfer(init_info)
 
-def rollout_engine_kwargs(cfg: Config, max_model_len: int) -> dict:
-    """Returns ``RolloutEngine`` keyword arguments from the config (plain values only)."""
+    def transfer_start(self) -> None:
+        """Begins a weight update (``RolloutEngine.start_weight_transfer``)."""
+        self.engine.start_weight_transfer()
+
+    def transfer_receive(self, update_info: dict) -> None:
+        """Receives the weights the trainer is sending (``RolloutEngine.receive_weights``)."""
+        self.engine.receive_weights(update_info)
+
+    def transfer_finish(self, version: int) -> int:
+        """Ends the update, resets the cache, and returns the new policy version."""
+        self.engine.finish_weight_transfer(version)
+        return self.engine.policy_version
+
+    def transfer_shutdown(self) -> None:
+        """Leaves the weight-transfer group (``RolloutEngine.shutdown_weight_transfer``)."""
+        self.engine.shutdown_weight_transfer()
+
+
+class ReferenceActor:
+    """Ray actor around a ``ReferenceModel`` (the frozen reference policy shared by every learner rank).
+
+    Args:
+        model_path: local Hugging Face folder of the initial policy.
+        model_kwargs: keyword arguments of ``ReferenceModel`` (dtype, temperature, torch_threads).
+    """
+
+    def __init__(self, model_path: str, model_kwargs: dict) -> None:
+        self.model = ReferenceModel(model_path, **model_kwargs)
+
+    def logprobs(self, batch: dict[str, torch.Tensor], microbatch_size: int) -> torch.Tensor:
+        """Returns [B, T] float32 reference logprobs of the batch's responses."""
+        return self.model.logprobs(batch, microbatch_size)
+
+    def ready(self) -> bool:
+        """Returns True once the model is loaded."""
+        return True
+
+
+def rollout_engine_kwargs(cfg: Config, max_model_len: int, cpu_threads: str | None = None) -> dict:
+    """Returns ``RolloutEngine`` keyword arguments from the config (plain values only).
+
+    Args:
+        cfg: the config.
+        max_model_len: prompt + response cap, in tokens.
+        cpu_threads: this actor's core list (see ``rlray.placement.rollout_cpu_threads``).
+    """
+    sync = cfg.weight_sync_backend
     return {
         "dtype": cfg.model.dtype,
         "seed": cfg.run.seed,
@@ -48,22 +112,75 @@ def rollout_engine_kwargs(cfg: Config, max_model_len: int) -> dict:
         "enforce_eager": cfg.rollout.enforce_eager,
         "kv_cache_gib": cfg.rollout.kv_cache_gib,
         "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization,
-        "cpu_threads": cfg.resources.rollout_cpu_threads,
+        "tensor_parallel_size": cfg.resources.rollout.tensor_parallel_size,
+        "cpu_threads": cpu_threads,
+        "weight_transfer": None if sync == "object_store" else sync,
     }
 
 
-def start_rollout_actors(cfg: Config, model_path: str, max_model_len: int) -> list[ray.actor.ActorHandle]:
+def start_rollout_actors(
+    cfg: Config, model_path: str, max_model_len: int, placement: PlacementGroup | None = None
+) -> list[ray.actor.ActorHandle]:
     """Returns ``resources.rollout.num_workers`` started rollout actors, named ``rlray:rollout-<i>``.
 
-    Blocks until each engine is built, so start-up errors surface here.
+    Each actor gets its own core list (``resources.rollout.cpu_threads``, or this node's cores split
+    evenly), bundle ``i`` of ``placement`` when given, and Ray restarts it up to
+    ``resources.rollout.max_restarts`` times (the fleet re-sends its prompts and weights). Blocks
+    until each engine is built, so start-up errors surface here.
     """
+    from rlray.placement import rollout_cpu_threads
+
     res = cfg.resources.rollout
     cls = ray.remote(RolloutActor)
-    actors = [
-        cls.options(name=f"rlray:rollout-{i}", num_cpus=res.cpus, num_gpus=res.gpus).remote(
-            model_path, rollout_engine_kwargs(cfg, max_model_len)
+    actors = []
+    for i, threads in enumerate(rollout_cpu_threads(cfg)):
+        name = f"rlray:rollout-{i}"
+        wait_for_name(name)
+        strategy = PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=i) if placement else None
+        actors.append(
+            cls.options(
+                name=name,
+                num_cpus=res.cpus,
+                num_gpus=res.gpus * res.tensor_parallel_size,
+                max_restarts=res.max_restarts,
+                max_task_retries=0,  # the fleet re-sends a dead actor's prompts itself
+                scheduling_strategy=strategy,
+            ).remote(model_path, rollout_engine_kwargs(cfg, max_model_len, threads))
         )
-        for i in range(res.num_workers)
-    ]
     ray.get([a.ready.remote() for a in actors])
     return actors
+
+
+def start_reference_actor(cfg: Config, model_path: str) -> ray.actor.ActorHandle:
+    """Returns the started reference actor ``rlray:reference-0`` (resources.reference)."""
+    res = cfg.resources.reference
+    wait_for_name("rlray:reference-0")
+    actor = ray.remote(ReferenceActor).options(name="rlray:reference-0", num_cpus=res.cpus, num_gpus=res.gpus).remote(
+        model_path,
+        {"dtype": cfg.model.dtype, "temperature": cfg.rollout.temperature, "torch_threads": cfg.learner.torch_threads},
+    )
+    ray.get(actor.ready.remote())
+    return actor
+
+
+def wait_for_name(name: str, timeout_s: float = 30.0) -> None:
+    """Waits until no live actor holds ``name`` (a killed actor frees its name asynchronously).
+
+    Raises:
+        RuntimeError: the name is still taken after ``timeout_s`` (another run uses it).
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.get_actor(name)
+        except ValueError:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"a Ray actor named '{name}' is alive: another rlray run uses this cluster's names")
+        time.sleep(0.2)
+
+
+def kill_actors(actors: list[ray.actor.ActorHandle]) -> None:
+    """Kills actors for good (no restart)."""
+    for a in actors:
+        ray.kill(a, no_restart=True)

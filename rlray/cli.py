@@ -1,4 +1,4 @@
-"""The ``rlray`` command line: train, eval, data."""
+"""The ``rlray`` command line: train, eval, serve-reward, data."""
 
 from __future__ import annotations
 
@@ -28,6 +28,29 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_reward(args: argparse.Namespace) -> int:
+    import time
+
+    from rlray.driver import init_ray, resolve_paths, start_reward_server
+
+    cfg = resolve_paths(load_config(args.config, args.overrides))
+    init_ray()
+    start_reward_server(cfg)
+    srv = cfg.reward.server
+    print(f"rlray-reward version {cfg.reward.version}: POST http://{srv.host}:{srv.port}/score "
+          f"(Serve application '{srv.app_name}')", flush=True)
+    if args.detach:
+        return 0
+    from ray import serve
+
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        serve.delete(srv.app_name)
+    return 0
+
+
 def _data(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -53,6 +76,16 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("overrides", nargs="*")
     e.add_argument("--checkpoint", required=True, help="snapshot folder/URI, HF folder or model alias")
     e.set_defaults(func=_eval)
+
+    r = sub.add_parser(
+        "serve-reward",
+        help="run the reward Serve application: rlray serve-reward CONFIG [dotted.key=value ...] [--detach]; "
+        "on a running app (same reward.server.app_name) it hot-swaps to this config's reward.version",
+    )
+    r.add_argument("config")
+    r.add_argument("overrides", nargs="*")
+    r.add_argument("--detach", action="store_true", help="deploy or update, then exit (the app keeps running on the cluster)")
+    r.set_defaults(func=_serve_reward)
 
     d = sub.add_parser("data", help="datasets: rlray data fetch gsm8k|hh-rlhf-harmless [--dest data]")
     dsub = d.add_subparsers(dest="data_command", required=True)

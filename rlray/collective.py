@@ -88,3 +88,22 @@ def current_collective() -> Collective:
     except Exception:  # not inside a Ray Train worker
         return Collective()
     return RayTrainCollective()
+
+
+def name_learner_process(rank: int) -> None:
+    """Names this learner process ``rlray:learner-<rank>`` (its process title, seen in ps/top and py-spy).
+
+    Ray Train creates and names its worker actors itself (RayTrainWorker), so the actor name
+    cannot be set; the process title, the torch thread name and the logger prefix can.
+    """
+    import logging
+    import threading
+
+    name = f"rlray:learner-{rank}"
+    threading.current_thread().name = name
+    logging.getLogger("rlray").info("%s started", name)
+    try:
+        import setproctitle
+    except ImportError:  # optional: Ray installs it on most platforms
+        return
+    setproctitle.setproctitle(name)

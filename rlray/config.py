@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -45,6 +46,17 @@ class RunConfig(_Section):
     name: str | None = Field(None, description="MLflow run name; None lets MLflow pick one.")
 
 
+class LoraConfig(_Section):
+    """LoRA adapters on the policy (peft); the rollout engines receive merged weights."""
+
+    rank: int = Field(0, ge=0, description="Adapter rank r; 0 trains every weight (no LoRA).")
+    alpha: float = Field(16.0, gt=0.0, description="LoRA alpha; the update is scaled by alpha / rank.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter input (probability).")
+    target_modules: list[str] | str = Field(
+        "all-linear", description="Module names that get adapters, or 'all-linear' (peft's shorthand)."
+    )
+
+
 class ModelConfig(_Section):
     """The policy model."""
 
@@ -69,6 +81,7 @@ class ModelConfig(_Section):
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in the backward pass to save memory."
     )
+    lora: LoraConfig = Field(default_factory=LoraConfig)
 
 
 class DataConfig(_Section):
@@ -116,6 +129,32 @@ class RolloutConfig(_Section):
     gpu_memory_utilization: float = Field(
         0.5, gt=0.0, le=1.0, description="Fraction of GPU memory vLLM may take (GPU only)."
     )
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        description=(
+            "Async rollout, in policy versions: 0 is synchronous (step t samples with the weights after t "
+            "updates); k > 0 generates the rollouts of steps t+1..t+k while step t trains, so a sample "
+            "lags the learner by at most k versions."
+        ),
+    )
+    is_correction: Literal["off", "token", "sequence"] = Field(
+        "token",
+        description=(
+            "Truncated importance-sampling correction of the policy loss for samples drawn by a stale or "
+            "mismatched behaviour policy (weights min(pi_old / pi_rollout, is_cap), per token or per "
+            "sequence; Yao et al. 2025); 'off' disables it."
+        ),
+    )
+    is_cap: float = Field(2.0, gt=0.0, description="Truncation cap C of the importance weights (dimensionless).")
+    weight_sync: Literal["auto", "object_store", "nccl", "ipc"] = Field(
+        "auto",
+        description=(
+            "How learner rank 0 ships weights to the rollout actors: object_store (ray.put; CPU and any "
+            "cluster), nccl (vLLM weight-transfer NCCL broadcast; GPUs), ipc (CUDA IPC; colocated GPUs). "
+            "auto picks object_store without GPUs, ipc when colocated, else nccl."
+        ),
+    )
 
 
 class RewardFunctionConfig(_Section):
@@ -123,6 +162,35 @@ class RewardFunctionConfig(_Section):
 
     path: str = Field(..., description="'package.module:function' or 'path/to/file.py:function'.")
     weight: float = Field(1.0, description="Weight of this term in the summed reward.")
+
+
+class RewardServerConfig(_Section):
+    """The Ray Serve application that scores completions (rules, user functions, reward model)."""
+
+    enabled: bool = Field(
+        False,
+        description=(
+            "Score through the Serve application (DeploymentHandle from the loop, HTTP POST /score for other "
+            "tools); False scores in the learner's rank-0 process."
+        ),
+    )
+    app_name: str = Field("rlray-reward", description="Serve application name (one per cluster and reward).")
+    host: str = Field("127.0.0.1", description="HTTP bind address of Serve's proxy; 0.0.0.0 exposes it.")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port of Serve's proxy (cluster-wide, set once).")
+    max_batch_size: int = Field(
+        32, ge=1, description="Requests merged into one scorer call by @serve.batch (per replica)."
+    )
+    batch_wait_timeout_s: float = Field(
+        0.01, ge=0.0, description="Seconds a partial batch waits for more requests before it is scored."
+    )
+    timeout_s: float = Field(
+        60.0,
+        gt=0.0,
+        description=(
+            "Seconds one scorer call (rules, user functions, reward model) may take; past it the sandbox "
+            "process is killed and restarted and the requests of that batch fail with a timeout error."
+        ),
+    )
 
 
 class RewardConfig(_Section):
@@ -135,6 +203,15 @@ class RewardConfig(_Section):
     functions: list[RewardFunctionConfig] = Field(
         default_factory=list, description="User reward functions added to the reward with their weights."
     )
+    version: int = Field(
+        1,
+        ge=0,
+        description=(
+            "Version number of the reward definition (rules, functions and any reward model); logged per "
+            "step as reward/version. Bump it when hot-swapping a reward model into a running server."
+        ),
+    )
+    server: RewardServerConfig = Field(default_factory=RewardServerConfig)
 
 
 class AlgoConfig(_Section):
@@ -175,6 +252,10 @@ class LearnerConfig(_Section):
         8, ge=1, description="Sequences per forward/backward on one rank (gradient accumulation unit)."
     )
     torch_threads: int = Field(2, ge=1, description="torch.set_num_threads in each learner worker.")
+    optimizer: Literal["adamw", "adamw_8bit"] = Field(
+        "adamw",
+        description="adamw (torch) or adamw_8bit (bitsandbytes AdamW8bit: 8-bit states; CUDA learners only).",
+    )
 
 
 class EvalConfig(_Section):
@@ -195,21 +276,75 @@ class TrackingConfig(_Section):
     experiment: str = Field("rlray", description="MLflow experiment name.")
 
 
-class RoleResources(_Section):
-    """Ray resources for one role."""
+_CORE_LIST = re.compile(r"^\d+(-\d+)?(,\d+(-\d+)?)*$")
 
-    num_workers: int = Field(1, ge=1, description="Number of actors (rollout) or Ray Train workers (learner).")
-    cpus: float = Field(0.5, gt=0.0, description="Logical Ray CPUs per worker (fractions allowed).")
+
+class RolloutResources(_Section):
+    """Ray resources of the rollout fleet (one vLLM engine per actor)."""
+
+    num_workers: int = Field(1, ge=1, description="Rollout actors (engines), named rlray:rollout-<i>.")
+    cpus: float = Field(0.25, gt=0.0, description="Logical Ray CPUs per actor (fractions allowed).")
+    gpus: float = Field(0.0, ge=0.0, description="Ray GPUs per tensor-parallel rank of an actor.")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per engine (vLLM tensor parallelism).")
+    max_restarts: int = Field(
+        2, ge=-1, description="Times Ray restarts a dead rollout actor (-1: without limit); its prompts go to another."
+    )
+    cpu_threads: str | list[str] | None = Field(
+        None,
+        description=(
+            "Cores of each actor's vLLM CPU threads (VLLM_CPU_OMP_THREADS_BIND): one core list for every "
+            "actor ('0-1'), a list with one per actor (['0', '1']), or None to split this node's cores "
+            "evenly over the actors. Separate from the logical Ray CPUs above."
+        ),
+    )
+
+
+class LearnerResources(_Section):
+    """Ray resources of the Ray Train learner group."""
+
+    num_workers: int = Field(1, ge=1, description="Ray Train data-parallel workers (learner ranks).")
+    cpus: float = Field(0.25, gt=0.0, description="Logical Ray CPUs per worker (fractions allowed).")
     gpus: float = Field(0.0, ge=0.0, description="Ray GPUs per worker.")
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="Data parallelism: ddp (gloo on CPU, NCCL on GPU) or fsdp (GPU only)."
+    )
+
+
+class RewardResources(_Section):
+    """Ray resources of the reward Serve application (used when reward.server.enabled)."""
+
+    replicas: int = Field(1, ge=1, description="Serve replicas of the reward deployment.")
+    cpus: float = Field(0.25, gt=0.0, description="Logical Ray CPUs per replica.")
+    gpus: float = Field(0.0, ge=0.0, description="Ray GPUs per replica (for a reward model).")
+
+
+class ReferenceResources(_Section):
+    """Where the frozen reference model runs (used when algo.kl_coef > 0)."""
+
+    placement: Literal["learner", "actor"] = Field(
+        "learner",
+        description="learner: a copy on every learner worker; actor: one Ray actor rlray:reference-0 shared by all ranks.",
+    )
+    cpus: float = Field(0.25, gt=0.0, description="Logical Ray CPUs of the reference actor.")
+    gpus: float = Field(0.0, ge=0.0, description="Ray GPUs of the reference actor.")
 
 
 class ResourcesConfig(_Section):
-    """Ray resources per role. Thread counts are separate settings (learner.torch_threads, rollout_cpu_threads)."""
+    """Ray resources per role and their placement. Thread counts are separate (learner.torch_threads, rollout cpu_threads)."""
 
-    rollout: RoleResources = Field(default_factory=RoleResources)
-    learner: RoleResources = Field(default_factory=RoleResources)
-    rollout_cpu_threads: str = Field(
-        "0-1", description="VLLM_CPU_OMP_THREADS_BIND for CPU rollout workers (cores, e.g. '0-1' or '1')."
+    rollout: RolloutResources = Field(default_factory=RolloutResources)
+    learner: LearnerResources = Field(default_factory=LearnerResources)
+    reward: RewardResources = Field(default_factory=RewardResources)
+    reference: ReferenceResources = Field(default_factory=ReferenceResources)
+    colocate: bool = Field(
+        False,
+        description="Rollout actors share the learner workers' GPUs (fractional gpus on both; weights by CUDA IPC).",
+    )
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="Ray placement-group strategy of the rollout actors and of the learner workers."
+    )
+    placement_timeout_s: float = Field(
+        120.0, gt=0.0, description="Seconds to wait for a placement group before failing with what is missing."
     )
 
 
@@ -250,12 +385,62 @@ class Config(_Section):
                 f"learner.sequences_per_minibatch={ln.sequences_per_minibatch} does not divide the "
                 f"{sequences} sequences per step (prompts_per_step*samples_per_prompt); pick a divisor of {sequences}"
             )
+        self._check_resources()
+        self._check_learner_options()
         if ln.sequences_per_minibatch % (ln.sequences_per_microbatch * world):
             raise ValueError(
                 f"learner.sequences_per_microbatch={ln.sequences_per_microbatch} x {world} learner worker(s) "
                 f"does not divide learner.sequences_per_minibatch={ln.sequences_per_minibatch}; pick a divisor"
             )
         return self
+
+    def _check_resources(self) -> None:
+        res = self.resources
+        threads = res.rollout.cpu_threads
+        if isinstance(threads, list) and len(threads) != res.rollout.num_workers:
+            raise ValueError(
+                f"resources.rollout.cpu_threads={threads!r} has {len(threads)} entries for "
+                f"resources.rollout.num_workers={res.rollout.num_workers}; give one core list per actor"
+            )
+        for item in threads if isinstance(threads, list) else [threads] if threads else []:
+            if item not in ("auto", "nobind") and not _CORE_LIST.match(item):
+                raise ValueError(f"resources.rollout.cpu_threads={item!r} is not a core list; use e.g. '0-1', '1' or '0,2-3'")
+        if res.learner.strategy == "fsdp" and res.learner.gpus == 0:
+            raise ValueError("resources.learner.strategy='fsdp' needs GPUs; set resources.learner.gpus>0 or strategy=ddp")
+        if res.colocate and (res.rollout.gpus == 0 or res.learner.gpus == 0):
+            raise ValueError(
+                "resources.colocate=true shares GPUs between rollout and learner; set resources.rollout.gpus and "
+                "resources.learner.gpus to fractions (e.g. 0.4 and 0.5) or colocate=false"
+            )
+
+    def _check_learner_options(self) -> None:
+        res = self.resources
+        if self.learner.optimizer == "adamw_8bit" and res.learner.gpus == 0:
+            raise ValueError(
+                "learner.optimizer='adamw_8bit' runs on CUDA only (bitsandbytes); set resources.learner.gpus>0 "
+                "or learner.optimizer=adamw"
+            )
+        sync = self.rollout.weight_sync
+        if sync in ("nccl", "ipc") and (res.rollout.gpus == 0 or res.learner.gpus == 0):
+            raise ValueError(
+                f"rollout.weight_sync='{sync}' needs GPUs on rollout and learner; set resources.rollout.gpus and "
+                "resources.learner.gpus, or rollout.weight_sync=object_store"
+            )
+        if sync == "ipc" and not res.colocate:
+            raise ValueError("rollout.weight_sync='ipc' needs resources.colocate=true (CUDA IPC shares one GPU)")
+        if self.weight_sync_backend == "ipc" and res.learner.strategy == "fsdp":
+            raise ValueError("CUDA IPC weight sync needs a full model on every learner GPU; use ddp, or rollout.weight_sync=nccl")
+        if self.model.lora.rank and res.learner.strategy == "fsdp":
+            raise ValueError("model.lora.rank>0 with resources.learner.strategy='fsdp' is not supported; use ddp")
+
+    @property
+    def weight_sync_backend(self) -> str:
+        """Returns the resolved rollout.weight_sync: object_store, nccl or ipc."""
+        if self.rollout.weight_sync != "auto":
+            return self.rollout.weight_sync
+        if self.resources.rollout.gpus == 0 or self.resources.learner.gpus == 0:
+            return "object_store"
+        return "ipc" if self.resources.colocate else "nccl"
 
     @property
     def sequences_per_step(self) -> int:

@@ -1,7 +1,13 @@
-"""The driver: starts Ray, the rollout actors and the Ray Train learner group, and owns the MLflow run.
+"""The driver: starts Ray, checks the resources, starts every role and owns the MLflow run.
 
 ``rlray train``, ``jobs/train.py`` and sweeps call ``run_training``. The step loop itself runs inside
-the Ray Train training function (``rlray.loop.train_worker``); this module only wires it up.
+the Ray Train training function (``rlray.loop.train_worker``); this module only wires it up:
+
+1. check that every role's resources fit the cluster (before any actor starts),
+2. the rollout actors in their placement group (rlray:rollout-<i>),
+3. the reward Serve application rlray-reward (when reward.server.enabled),
+4. the reference actor rlray:reference-0 (when resources.reference.placement == "actor"),
+5. the Ray Train TorchTrainer (DDP or FSDP over resources.learner.num_workers workers).
 """
 
 from __future__ import annotations
@@ -12,10 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import ray
+from ray.util.placement_group import remove_placement_group
 
-from rlray.actors import start_rollout_actors
+from rlray.actors import kill_actors, start_reference_actor, start_rollout_actors
 from rlray.config import Config
 from rlray.models import resolve_model_path
+from rlray.placement import check_cluster, rollout_placement_group
 from rlray.tracking import Tracker, resolve_tracking_uri
 
 log = logging.getLogger(__name__)
@@ -72,44 +80,90 @@ def max_model_len(cfg: Config) -> int:
     return cfg.data.max_prompt_tokens + max(cfg.rollout.max_new_tokens, cfg.eval_max_new_tokens)
 
 
-def run_training(cfg: Config) -> TrainResult:
-    """Runs a whole training job and returns its result.
+def start_reward_server(cfg: Config) -> bool:
+    """Deploys (or updates in place) the reward Serve application of ``cfg`` and waits until it serves.
 
-    Raises:
-        ray.train.TrainingFailedError: a learner worker failed (the MLflow run is marked FAILED).
+    Serve's HTTP proxy binds reward.server.host:port (127.0.0.1 by default); ``POST /score`` works
+    for outside tools. Deploying again with a new reward.version hot-swaps the scorer.
+
+    Returns:
+        True when this call created the application, False when it updated a running one.
     """
+    from ray import serve
+
+    from rlray.loop import scorer_kwargs
+    from rlray.reward.server import build_reward_app, deploy_reward_app
+
+    srv, res = cfg.reward.server, cfg.resources.reward
+    existed = srv.app_name in serve.status().applications  # empty when Serve has not started
+    app = build_reward_app(
+        scorer_kwargs=scorer_kwargs(cfg),
+        version=cfg.reward.version,
+        replicas=res.replicas,
+        cpus=res.cpus,
+        gpus=res.gpus,
+        max_batch_size=srv.max_batch_size,
+        batch_wait_timeout_s=srv.batch_wait_timeout_s,
+        timeout_s=srv.timeout_s,
+    )
+    deploy_reward_app(app, name=srv.app_name, host=srv.host, port=srv.port)
+    return not existed
+
+
+def learner_trainer(cfg: Config, loop_config: dict):
+    """Returns the Ray Train TorchTrainer of the learner group (resources.learner, placement strategy)."""
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from rlray.loop import train_worker
 
+    res = cfg.resources.learner
+    return TorchTrainer(
+        train_worker,
+        train_loop_config=loop_config,
+        scaling_config=ScalingConfig(
+            num_workers=res.num_workers,
+            use_gpu=res.gpus > 0,
+            resources_per_worker={"CPU": res.cpus, **({"GPU": res.gpus} if res.gpus else {})},
+            placement_strategy=cfg.resources.placement_strategy,
+        ),
+        run_config=RunConfig(
+            name=f"rlray-learner-{loop_config['run_id'][:12]}", storage_path=f"{cfg.run.output_dir}/ray_train"
+        ),
+    )
+
+
+def run_training(cfg: Config) -> TrainResult:
+    """Runs a whole training job and returns its result.
+
+    Raises:
+        rlray.placement.PlacementError: the resources do not fit the cluster (nothing was started).
+        ray.train.TrainingFailedError: a learner worker failed (the MLflow run is marked FAILED).
+    """
     init_ray()
     cfg = resolve_paths(cfg)
+    check_cluster(cfg)
     model_dir = resolve_model_path(cfg.model.path)
     tracker = Tracker(cfg.tracking.mlflow_uri, cfg.tracking.experiment, run_name=cfg.run.name)
     tracker.log_config(cfg)
     tracker.set_tags({"rlray.model_dir": model_dir, "rlray.output_dir": cfg.run.output_dir})
     log.info("MLflow run %s in %s", tracker.run_id, cfg.tracking.mlflow_uri)
-    actors = []
+    actors, reference, pg, own_app = [], None, None, False
     status = "FAILED"
     try:
-        actors = start_rollout_actors(cfg, model_dir, max_model_len(cfg))
-        res = cfg.resources.learner
-        trainer = TorchTrainer(
-            train_worker,
-            train_loop_config={
-                "config": cfg.model_dump(mode="json"),
-                "model_dir": model_dir,
-                "rollout_actors": actors,
-                "run_id": tracker.run_id,
-            },
-            scaling_config=ScalingConfig(
-                num_workers=res.num_workers,
-                use_gpu=res.gpus > 0,
-                resources_per_worker={"CPU": res.cpus, **({"GPU": res.gpus} if res.gpus else {})},
-            ),
-            run_config=RunConfig(name=f"rlray-{tracker.run_id[:12]}", storage_path=f"{cfg.run.output_dir}/ray_train"),
-        )
+        pg = rollout_placement_group(cfg)
+        actors = start_rollout_actors(cfg, model_dir, max_model_len(cfg), pg)
+        if cfg.reward.server.enabled:
+            own_app = start_reward_server(cfg)
+        if cfg.algo.kl_coef > 0 and cfg.resources.reference.placement == "actor":
+            reference = start_reference_actor(cfg, model_dir)
+        trainer = learner_trainer(cfg, {
+            "config": cfg.model_dump(mode="json"),
+            "model_dir": model_dir,
+            "rollout_actors": actors,
+            "reference_actor": reference,
+            "run_id": tracker.run_id,
+        })
         trainer.fit()
         status = "FINISHED"
     except KeyboardInterrupt:
@@ -117,8 +171,13 @@ def run_training(cfg: Config) -> TrainResult:
         raise
     finally:
         tracker.finish(status)
-        for a in actors:
-            ray.kill(a)
+        kill_actors(actors + ([reference] if reference else []))
+        if pg is not None:
+            remove_placement_group(pg)
+        if own_app:  # a server started by `rlray serve-reward` before the run stays up
+            from ray import serve
+
+            serve.delete(cfg.reward.server.app_name)
     return TrainResult(tracker.run_id, cfg.tracking.mlflow_uri, f"{cfg.run.output_dir}/final", status)
 
 
@@ -134,7 +193,9 @@ def evaluate_checkpoint(cfg: Config, checkpoint: str) -> dict[str, float]:
     """
     from rlray.checkpoint import local_model_dir
     from rlray.data import load_prompt_rows, prepare_prompts
+    from rlray.fleet import RolloutFleet
     from rlray.loop import build_scorer, rollout, score
+    from rlray.reward.server import LocalRewardClient
     from rlray.models import load_tokenizer
     from rlray.rollout import SamplingSpec
 
@@ -151,14 +212,14 @@ def evaluate_checkpoint(cfg: Config, checkpoint: str) -> dict[str, float]:
     )
     one = cfg.model_copy(deep=True)
     one.resources.rollout.num_workers = 1
+    one.resources.rollout.cpu_threads = None  # this node's cores, all to the one actor
     actors = start_rollout_actors(one, model_dir, max_model_len(cfg))
     try:
         sampling = SamplingSpec(n=1, max_new_tokens=cfg.eval_max_new_tokens, temperature=0.0, top_p=1.0)
-        completions = rollout(actors, ids, sampling)
-        got = score(build_scorer(cfg), rows, completions, tokenizer)
+        completions = rollout(RolloutFleet(actors), ids, sampling)
+        got = score(LocalRewardClient(build_scorer(cfg), cfg.reward.version), rows, completions, tokenizer).values
     finally:
-        for a in actors:
-            ray.kill(a)
+        kill_actors(actors)
     n = len(completions)
     return {
         "eval/accuracy": sum(got["accuracy"]) / n,

@@ -20,7 +20,7 @@ from rlray.config import Config
 
 log = logging.getLogger(__name__)
 
-STAGES = ("prompts", "rollout", "reward", "logprobs", "advantages", "update", "weight_sync", "eval", "step")
+STAGES = ("rollout", "reward", "logprobs", "advantages", "update", "weight_sync", "eval", "step")
 
 METRIC_KEYS: tuple[str, ...] = (
     "reward/mean",
@@ -39,6 +39,9 @@ METRIC_KEYS: tuple[str, ...] = (
     "rollout/truncated_rate",
     "rollout/logprob_abs_diff",
     "rollout/policy_version",
+    "rollout/staleness_mean",
+    "rollout/staleness_max",
+    "reward/version",
     "data/epoch",
     "data/skipped_long_prompts",
     "perf/tokens_per_s",

@@ -13,6 +13,18 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skips tests marked ``gpu`` when CUDA is not available (a marker, so the reason shows in the report)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    needs_cuda = pytest.mark.skipif(True, reason="marked gpu: needs CUDA")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(needs_cuda)
+
+
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     """Returns the repository root (the folder holding pyproject.toml)."""

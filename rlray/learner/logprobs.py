@@ -63,3 +63,36 @@ def response_logprobs(
         probs = torch.softmax(logits, dim=-1)
         entropy = logz - (probs * logits).sum(-1)
     return logprobs, entropy
+
+
+@torch.no_grad()
+def batched_logprobs(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], *, dtype: str, temperature: float, microbatch_size: int
+) -> torch.Tensor:
+    """Returns [B, T] float32 response logprobs without grad, computed in micro-batches of ``microbatch_size`` rows.
+
+    Runs in eval mode (restored afterwards) under the learner's autocast, so that the policy, a
+    reference copy on the learner and a reference actor give identical values for the same weights.
+
+    Args:
+        model: a Hugging Face causal LM.
+        batch: ``collate`` output (input_ids, attention_mask, position_ids, response_ids [B, T]).
+        dtype: "bfloat16" (bf16 autocast) or "float32".
+        temperature: sampling temperature (> 0); see ``response_logprobs``.
+        microbatch_size: rows per forward.
+    """
+    from rlray.learner.policy import split_microbatches, to_device
+
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    t = batch["response_ids"].shape[1]
+    out = torch.zeros(batch["response_ids"].shape, dtype=torch.float32)
+    row = 0
+    for mb in split_microbatches(batch, microbatch_size):
+        with autocast_context(dtype):
+            lp, _ = response_logprobs(model, to_device(mb, device), temperature=temperature)
+        out[row : row + lp.shape[0], : lp.shape[1]] = lp.float().cpu()
+        row += lp.shape[0]
+    model.train(was_training)
+    return out[:, :t]

@@ -22,6 +22,9 @@ class LossSpec:
         kl_estimator: "k1" | "k2" | "k3".
         loss_agg: aggregation mode of ``algos.aggregate_loss``.
         max_response_tokens: the constant of "seq-mean-token-sum-norm" (rollout.max_new_tokens).
+        is_level: truncated importance-sampling correction for the behaviour policy (the rollout
+            engine, possibly stale in async mode): "off", "token" or "sequence".
+        is_cap: truncation cap C of those weights.
     """
 
     clip_eps_low: float
@@ -30,6 +33,8 @@ class LossSpec:
     kl_estimator: str
     loss_agg: str
     max_response_tokens: int
+    is_level: str = "off"
+    is_cap: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -53,9 +58,11 @@ def policy_objective(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Returns the micro-batch's share of the mini-batch loss, and per-token-summed diagnostics.
 
-    loss = aggregate(ppo_clip(logprobs, old_logprobs, A) + kl_coef * KL(logprobs, ref_logprobs)),
+    loss = aggregate(w * ppo_clip(logprobs, old_logprobs, A) + kl_coef * KL(logprobs, ref_logprobs)),
     following GRPO (Shao et al. 2024, eq. 3) with TRL GRPOTrainer's placement of the KL inside the
-    per-token loss. Summing the returned loss over the micro-batches of a mini-batch (and averaging
+    per-token loss, and w the truncated importance weights of ``spec.is_level`` (1 when "off"):
+    min(exp(old - rollout logprobs), C), which correct for samples drawn by the rollout engine's
+    (possibly stale) policy, as TRL's vllm_importance_sampling_correction does. Summing the returned loss over the micro-batches of a mini-batch (and averaging
     gradients over ranks) gives the full mini-batch loss.
 
     Args:
@@ -80,6 +87,11 @@ def policy_objective(
         clip_eps_low=spec.clip_eps_low,
         clip_eps_high=spec.clip_eps_high,
     )
+    if spec.is_level != "off" and "rollout_logprobs" in mb:
+        # rollout.is_correction: w = min(pi_old / pi_rollout, C), detached (algos.truncated_is_weights)
+        pg_loss = pg_loss * algos.truncated_is_weights(
+            mb["old_logprobs"], mb["rollout_logprobs"], mask, cap=spec.is_cap, level=spec.is_level
+        )
     per_token = pg_loss
     kl = None
     if "ref_logprobs" in mb:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from rlray.learner.logprobs import autocast_context, response_logprobs
+from rlray.learner.logprobs import autocast_context, batched_logprobs, response_logprobs
 from rlray.learner.objective import LossSpec, Normaliser, policy_objective
 from rlray.models import load_causal_lm
 
@@ -28,6 +28,13 @@ def split_microbatches(batch: dict[str, torch.Tensor], size: int) -> Iterator[di
     for start in range(0, n, size):
         mb = {k: v[start : start + size] for k, v in batch.items()}
         yield _trim(mb)
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """Returns ``batch`` with every tensor on ``device`` (the same dict when it is already there)."""
+    if all(v.device == device for v in batch.values()):
+        return batch
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
 def _trim(mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -58,11 +65,15 @@ class PolicyLearner:
         temperature: rollout sampling temperature; logits are divided by it (see ``response_logprobs``).
         use_reference: keep a frozen copy of the initial policy for KL.
         gradient_checkpointing: recompute activations in backward.
-        wrap_model: hook that wraps the policy for data parallelism (``ray.train.torch.prepare_model``);
-            identity when None.
+        wrap_model: hook that wraps the policy for data parallelism (``ray.train.torch.prepare_model``,
+            DDP or FSDP); identity when None.
+        optimizer: "adamw" (torch) or "adamw_8bit" (bitsandbytes AdamW8bit; CUDA only).
+        lora: peft LoRA settings {"rank", "alpha", "dropout", "target_modules"}; None or rank 0 trains
+            every weight. Only the adapters train; ``export_weights`` returns merged weights.
 
     Raises:
         rlray.models.ModelError: the folder cannot be loaded.
+        ImportError: optimizer "adamw_8bit" without bitsandbytes.
     """
 
     def __init__(
@@ -79,6 +90,8 @@ class PolicyLearner:
         use_reference: bool,
         gradient_checkpointing: bool = False,
         wrap_model: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+        optimizer: str = "adamw",
+        lora: dict | None = None,
     ) -> None:
         self.dtype = dtype
         self.temperature = temperature
@@ -87,44 +100,47 @@ class PolicyLearner:
         policy.config.use_cache = False
         if gradient_checkpointing:
             policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.use_reference = use_reference
+        self.lora = bool(lora and lora["rank"])
         self.reference = None
-        if use_reference:
+        if use_reference and not self.lora:
             self.reference = copy.deepcopy(policy).eval().requires_grad_(False)
+        if self.lora:
+            policy = apply_lora(policy, **lora)
         self.module = policy  # unwrapped, for export and checkpoints
         self.model = wrap_model(policy) if wrap_model else policy
         self.model.train()
-        self.optimizer = torch.optim.AdamW(
-            [p for p in policy.parameters() if p.requires_grad], lr=lr, betas=betas, weight_decay=weight_decay
-        )
+        self.sharded = _is_fsdp(self.model)
+        if self.reference is not None:  # on the policy's device (wrap_model moves the policy to its GPU)
+            self.reference.to(next(self.module.parameters()).device)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = make_optimizer(optimizer, params, lr=lr, betas=betas, weight_decay=weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps else 1.0
         )
 
-    @torch.no_grad()
+    @property
+    def has_reference(self) -> bool:
+        """Returns True when this learner can compute reference logprobs (a frozen copy, or LoRA's base)."""
+        return self.reference is not None or (self.lora and self.use_reference)
+
     def logprobs(self, batch: dict[str, torch.Tensor], *, reference: bool, microbatch_size: int) -> torch.Tensor:
         """Returns [B, T] float32 logprobs of the batch's responses under the policy or the reference.
 
         Runs without grad in micro-batches of ``microbatch_size`` rows, under the same autocast as the
-        update so that the reference and the initial policy give identical values.
+        update so that the reference and the initial policy give identical values. With LoRA the
+        reference is the base model with the adapters switched off (no copy is kept).
 
         Raises:
             ValueError: ``reference=True`` on a learner built without a reference model.
         """
-        model = self.reference if reference else self.module
-        if model is None:
+        if reference and not self.has_reference:
             raise ValueError("this learner has no reference model (algo.kl_coef == 0)")
-        was_training = model.training
-        model.eval()
-        t = batch["response_ids"].shape[1]
-        out = torch.zeros(batch["response_ids"].shape, dtype=torch.float32)
-        row = 0
-        for mb in split_microbatches(batch, microbatch_size):
-            with autocast_context(self.dtype):
-                lp, _ = response_logprobs(model, mb, temperature=self.temperature)
-            out[row : row + lp.shape[0], : lp.shape[1]] = lp.float()
-            row += lp.shape[0]
-        model.train(was_training)
-        return out[:, :t]
+        args = dict(dtype=self.dtype, temperature=self.temperature, microbatch_size=microbatch_size)
+        if reference and self.lora:
+            with self.module.disable_adapter():
+                return batched_logprobs(self.module, batch, **args)
+        return batched_logprobs(self.reference if reference else self.module, batch, **args)
 
     def train_minibatch(
         self, minibatch: dict[str, torch.Tensor], spec: LossSpec, norm: Normaliser, microbatch_size: int
@@ -149,7 +165,8 @@ class PolicyLearner:
         """
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {"loss": 0.0}
-        mbs = list(split_microbatches(minibatch, microbatch_size))
+        device = next(self.module.parameters()).device  # CUDA after Ray Train's prepare_model on GPU
+        mbs = [to_device(mb, device) for mb in split_microbatches(minibatch, microbatch_size)]
         for i, mb in enumerate(mbs):
             sync = i == len(mbs) - 1
             ctx = self.model.no_sync() if (not sync and hasattr(self.model, "no_sync")) else contextlib.nullcontext()
@@ -163,7 +180,10 @@ class PolicyLearner:
             totals["loss"] += float(loss.detach())
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + float(v)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.max_grad_norm)
+        if self.sharded:
+            grad_norm = self.model.clip_grad_norm_(self.max_grad_norm)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.max_grad_norm)
         totals["grad_norm"] = float(grad_norm)
         if math.isfinite(totals["grad_norm"]):
             self.optimizer.step()
@@ -172,9 +192,22 @@ class PolicyLearner:
         return totals
 
     @torch.no_grad()
-    def export_weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """Returns the policy's Hugging Face state dict cast to ``dtype`` (CPU, contiguous), for weight sync."""
-        return {k: v.detach().to("cpu", dtype).contiguous() for k, v in self.module.state_dict().items()}
+    def export_weights(self, dtype: torch.dtype, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        """Returns the policy's Hugging Face state dict cast to ``dtype`` on ``device`` (contiguous), for weight sync.
+
+        With LoRA the adapters are merged into a copy (W + scale * B A; the policy is untouched), under
+        the base model's names. With FSDP this is a collective: every rank must call it, and only
+        rank 0 gets the tensors (the others get an empty dict).
+        """
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        elif self.lora:
+            state = merged_lora_state_dict(self.module)
+        else:
+            state = self.module.state_dict()
+        return {k: v.detach().to(device, dtype).contiguous() for k, v in state.items()}
 
     def state_dict(self) -> dict:
         """Returns the optimizer and scheduler state (the model is saved separately as safetensors)."""
@@ -184,3 +217,71 @@ class PolicyLearner:
         """Restores optimizer and scheduler state saved by ``state_dict``."""
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+
+
+def make_optimizer(
+    name: str, params: list[torch.nn.Parameter], *, lr: float, betas: tuple[float, float], weight_decay: float
+) -> torch.optim.Optimizer:
+    """Returns AdamW over ``params``: torch's ("adamw") or bitsandbytes' 8-bit one ("adamw_8bit", CUDA only).
+
+    Raises:
+        ImportError: "adamw_8bit" without the bitsandbytes package.
+        ValueError: an unknown name.
+    """
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
+    if name == "adamw_8bit":
+        try:
+            import bitsandbytes as bnb
+        except ImportError as err:
+            raise ImportError(
+                "learner.optimizer=adamw_8bit needs bitsandbytes on a CUDA machine (pip install rlray[vllm]); "
+                "or set learner.optimizer=adamw"
+            ) from err
+        return bnb.optim.AdamW8bit(params, lr=lr, betas=betas, weight_decay=weight_decay)
+    raise ValueError(f"learner.optimizer={name!r}: use 'adamw' or 'adamw_8bit'")
+
+
+def apply_lora(
+    model: torch.nn.Module, *, rank: int, alpha: float, dropout: float, target_modules: list[str] | str
+) -> torch.nn.Module:
+    """Returns the model wrapped by peft with LoRA adapters (Hu et al. 2021); only the adapters train."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(
+        model, LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules, bias="none")
+    )
+
+
+@torch.no_grad()
+def merged_lora_state_dict(peft_model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Returns the base model's state dict with every LoRA delta merged in, under the base names.
+
+    Each adapted weight becomes ``W + get_delta_weight()`` (peft's ``scale * B @ A``, with
+    fan-in/fan-out handled); adapter tensors are dropped and ``.base_layer`` is removed from names,
+    so the result loads into the original architecture (and the rollout engine) as it is.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    base = peft_model.get_base_model()
+    deltas = {
+        f"{name}.weight": module.get_delta_weight(module.active_adapters[0])
+        for name, module in base.named_modules()
+        if isinstance(module, LoraLayer) and module.active_adapters and hasattr(module, "get_delta_weight")
+    }
+    out = {}
+    for key, value in base.state_dict().items():
+        if "lora_" in key:
+            continue
+        name = key.replace(".base_layer.", ".")
+        out[name] = value + deltas[name].to(value.dtype) if name in deltas else value
+    return out
+
+
+def _is_fsdp(model: torch.nn.Module) -> bool:
+    """Returns True when ``model`` is wrapped by FSDP (its state and gradients are sharded over ranks)."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:
+        return False
+    return isinstance(model, FullyShardedDataParallel)

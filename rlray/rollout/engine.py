@@ -17,7 +17,7 @@ from __future__ import annotations
 import difflib
 import time
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from safetensors import safe_open
@@ -60,6 +60,9 @@ class RolloutEngine:
         tensor_parallel_size: vLLM only; GPUs per engine.
         cpu_threads: vLLM on CPU only; cores such as "0-1" (VLLM_CPU_OMP_THREADS_BIND, and the
             torch thread count); None keeps the environment's value, else "0-1".
+        weight_transfer: vLLM on GPU only; "nccl" or "ipc" builds vLLM's weight-transfer engine so
+            that a trainer can push weights by NCCL broadcast or CUDA IPC (the *_weight_transfer
+            methods); None (default) takes weights through update_weights only.
 
     Attributes:
         start_s: seconds the backend took to start (load, KV-cache allocation, warm-up).
@@ -83,6 +86,7 @@ class RolloutEngine:
         gpu_memory_utilization: float = 0.5,
         tensor_parallel_size: int = 1,
         cpu_threads: str | None = None,
+        weight_transfer: str | None = None,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r}: use one of {BACKENDS}")
@@ -90,6 +94,9 @@ class RolloutEngine:
             raise ValueError(f"dtype={dtype!r}: use one of {DTYPES}")
         if max_model_len < 2:
             raise ValueError(f"max_model_len={max_model_len}: need at least 2 tokens")
+        if weight_transfer not in (None, "nccl", "ipc") or (weight_transfer and backend != "vllm"):
+            raise ValueError(f"weight_transfer={weight_transfer!r}: use None, or 'nccl'/'ipc' with backend 'vllm'")
+        self._weight_transfer = weight_transfer
         self._param_shapes = checkpoint_shapes(model_path)
         text_config = AutoConfig.from_pretrained(model_path).get_text_config()
         self._vocab_size = int(text_config.vocab_size)
@@ -108,6 +115,7 @@ class RolloutEngine:
             gpu_memory_utilization=gpu_memory_utilization,
             tensor_parallel_size=tensor_parallel_size,
             cpu_threads=cpu_threads,
+            weight_transfer=weight_transfer,
         )
         self.start_s = time.perf_counter() - start
 
@@ -154,6 +162,47 @@ class RolloutEngine:
         self._backend.load_weights(weights)
         self._backend.reset_cache()
         self._policy_version = version
+
+    # ---- weight transfer (vLLM's weight-transfer engines: NCCL broadcast or CUDA IPC; GPU only) ----
+    def init_weight_transfer(self, init_info: dict) -> None:
+        """Joins the trainer's transfer group (vLLM ``init_weight_transfer_engine``; NCCL blocks until the trainer joins).
+
+        Raises:
+            ValueError: the engine was not built with ``weight_transfer`` (or its backend is not vllm).
+        """
+        self._transfer_backend().init_weight_transfer(init_info)
+
+    def start_weight_transfer(self) -> None:
+        """Begins a weight update (vLLM ``start_weight_update``: layerwise reload set-up)."""
+        self._transfer_backend().start_weight_transfer()
+
+    def receive_weights(self, update_info: dict) -> None:
+        """Receives one chunk of weights from the trainer (vLLM ``update_weights``; runs with the trainer's send)."""
+        self._transfer_backend().receive_weights(update_info)
+
+    def finish_weight_transfer(self, version: int) -> None:
+        """Ends the update (vLLM ``finish_weight_update``), drops the prefix cache and adopts ``version``.
+
+        Raises:
+            ValueError: version is not an int.
+        """
+        if not isinstance(version, int):
+            raise ValueError(f"finish_weight_transfer: version={version!r} must be an int")
+        self._transfer_backend().finish_weight_transfer()
+        self._backend.reset_cache()
+        self._policy_version = version
+
+    def shutdown_weight_transfer(self) -> None:
+        """Leaves the transfer group (vLLM ``shutdown_weight_transfer_engine``), e.g. before a new one is built."""
+        self._transfer_backend().shutdown_weight_transfer()
+
+    def _transfer_backend(self) -> Any:
+        if self._weight_transfer is None:
+            raise ValueError(
+                "this rollout engine was built without weight_transfer ('nccl' or 'ipc'); weights go through "
+                "update_weights (rollout.weight_sync=object_store)"
+            )
+        return self._backend
 
     def reset_cache(self) -> None:
         """Drops the prefix/KV cache (vLLM); a no-op for the hf backend."""

@@ -102,6 +102,8 @@ class VllmBackend:
         gpu_memory_utilization: fraction of GPU memory vLLM may take (GPU only).
         tensor_parallel_size: GPUs per engine.
         cpu_threads: VLLM_CPU_OMP_THREADS_BIND, e.g. "0-1" (CPU only).
+        weight_transfer: "nccl" or "ipc" builds vLLM's weight-transfer engine
+            (``weight_transfer_config``; GPU only); None leaves it out.
 
     Raises:
         ImportError: vLLM is not installed (install rlray[cpu] or rlray[vllm], or use backend "hf").
@@ -119,6 +121,7 @@ class VllmBackend:
         gpu_memory_utilization: float,
         tensor_parallel_size: int,
         cpu_threads: str | None,
+        weight_transfer: str | None = None,
     ) -> None:
         os.environ.update(vllm_env(cpu_threads))
         try:
@@ -155,6 +158,7 @@ class VllmBackend:
             logprobs_mode="processed_logprobs",
             disable_log_stats=True,
             worker_extension_cls=vllm_worker.EXTENSION,
+            **({"weight_transfer_config": {"backend": weight_transfer}} if weight_transfer else {}),
         )
         threads = core_count(os.environ["VLLM_CPU_OMP_THREADS_BIND"])
         if on_cpu and threads is not None:
@@ -211,6 +215,27 @@ class VllmBackend:
         """
         weights = [(name, t.detach().to(device="cpu", dtype=self._dtype)) for name, t in named_tensors.items()]
         self._llm.collective_rpc("rlray_load_weights", args=(weights,))
+
+    # vLLM's RL weight-transfer API (``LLM.init_weight_transfer_engine`` and friends, vLLM's RLHF docs).
+    def init_weight_transfer(self, init_info: dict) -> None:
+        """Joins the trainer's transfer group (NCCL: blocks until the trainer opens its endpoint)."""
+        self._llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_transfer(self) -> None:
+        """Starts a weight update (layerwise reload set-up on every worker)."""
+        self._llm.start_weight_update()
+
+    def receive_weights(self, update_info: dict) -> None:
+        """Receives one update (names, dtypes, shapes, and the IPC handles for ipc) from the trainer."""
+        self._llm.update_weights({"update_info": update_info})
+
+    def finish_weight_transfer(self) -> None:
+        """Finishes the update (layerwise reload finalised: weights processed for the kernels)."""
+        self._llm.finish_weight_update()
+
+    def shutdown_weight_transfer(self) -> None:
+        """Leaves the transfer group without stopping inference."""
+        self._llm.shutdown_weight_transfer_engine()
 
     def reset_cache(self) -> None:
         """Drops the prefix cache, so that no KV block computed under old weights is reused.

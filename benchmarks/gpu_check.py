@@ -1,0 +1,279 @@
+"""GPU check on one CUDA device, with torch and transformers only (plus rlray.algos, which is pure torch).
+
+    python benchmarks/gpu_check.py [--model HuggingFaceTB/SmolLM2-135M-Instruct] [--device cuda]
+
+Checks, one table row each:
+  1. a bf16-autocast learner step (GRPO's clipped policy loss from rlray.algos) on SmolLM2, with
+     gradient checkpointing off and on: seconds and peak memory;
+  2. the memory-fraction cap (torch.cuda.set_per_process_memory_fraction): an allocation above the
+     cap fails, one below it succeeds;
+  3. a forced CUDA out-of-memory error in a learner step under a tight cap, recovered by the
+     fallback rlray uses (halve the micro-batch, turn gradient checkpointing on, retry);
+  4. CPU/CUDA parity of rlray.algos outputs on the same random tensors (max |cpu - cuda|).
+
+The model is a local Hugging Face folder or a hub id (downloaded by transformers). Every function
+also runs on the CPU (``--device cpu``; rows 2 and 3 need CUDA), which is how tests/benchmarks/ checks it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+try:
+    from rlray import algos
+except ImportError:  # run from a checkout without rlray installed
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from rlray import algos
+
+GIB = 2**30
+
+
+# --------------------------------------------------------------------------------------------
+# A learner step with only torch + transformers + rlray.algos
+# --------------------------------------------------------------------------------------------
+def synthetic_batch(vocab: int, rows: int, prompt_tokens: int, response_tokens: int, seed: int = 0) -> dict:
+    """Returns a GRPO-shaped batch: input_ids [B, P+T] int64, response_mask [B, T] bool, advantages [B, T] float32."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(10, vocab - 1, (rows, prompt_tokens + response_tokens), generator=g)
+    lengths = torch.randint(response_tokens // 2, response_tokens + 1, (rows,), generator=g)
+    mask = torch.arange(response_tokens)[None, :] < lengths[:, None]
+    adv = torch.randn(rows, generator=g)[:, None].expand(rows, response_tokens) * mask
+    return {"input_ids": ids, "response_mask": mask, "advantages": adv.float().contiguous()}
+
+
+def learner_step(
+    model: torch.nn.Module,
+    batch: dict,
+    *,
+    microbatch: int,
+    device: str,
+    bf16: bool = True,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> dict:
+    """Runs one learner step: forward/backward over the batch in micro-batches (gradient accumulation),
+    then ``optimizer.step()`` when one is given.
+
+    Returns {"loss", "seconds", "peak_gib"} (peak_gib is 0.0 on the CPU). The loss is GRPO's
+    token-mean clipped surrogate (rlray.algos.ppo_clip_loss + aggregate_loss) with on-policy
+    old logprobs, normalised by the whole batch's token count, so it does not depend on the
+    micro-batch size.
+    """
+    t_resp = batch["response_mask"].shape[1]
+    total_tokens = float(batch["response_mask"].sum())
+    model.zero_grad(set_to_none=True)
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    loss_sum = 0.0
+    autocast = torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+    for s in range(0, batch["input_ids"].shape[0], microbatch):
+        mb = {k: v[s : s + microbatch].to(device) for k, v in batch.items()}
+        with autocast:
+            logits = model(input_ids=mb["input_ids"], logits_to_keep=t_resp + 1, use_cache=False).logits[:, :-1].float()
+        lp = torch.log_softmax(logits, -1).gather(-1, mb["input_ids"][:, -t_resp:, None])[..., 0]
+        per_token, _ = algos.ppo_clip_loss(lp, lp.detach(), mb["advantages"], mb["response_mask"],
+                                           clip_eps_low=0.2, clip_eps_high=0.28)
+        loss = algos.aggregate_loss(per_token, mb["response_mask"], "token-mean", num_tokens=total_tokens)
+        loss.backward()
+        loss_sum += float(loss.detach())
+    if optimizer is not None:
+        optimizer.step()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated() / GIB if device.startswith("cuda") else 0.0
+    return {"loss": loss_sum, "seconds": seconds, "peak_gib": peak}
+
+
+def step_with_fallback(step: Callable[[int, bool], dict], microbatch: int, *, max_halvings: int = 4) -> tuple[dict, list[str]]:
+    """Runs ``step(microbatch, checkpointing)``; on CUDA OOM halves the micro-batch and turns checkpointing on.
+
+    Returns the successful step's result and a log of the attempts.
+
+    Raises:
+        torch.cuda.OutOfMemoryError: still out of memory after ``max_halvings`` halvings.
+    """
+    attempts: list[str] = []
+    checkpointing = False
+    for _ in range(max_halvings + 1):
+        try:
+            result = step(microbatch, checkpointing)
+            attempts.append(f"mb={microbatch} ckpt={checkpointing}: ok")
+            return result, attempts
+        except torch.cuda.OutOfMemoryError:
+            attempts.append(f"mb={microbatch} ckpt={checkpointing}: OOM")
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            if microbatch == 1 and checkpointing:
+                break
+            microbatch, checkpointing = max(1, microbatch // 2), True
+    raise torch.cuda.OutOfMemoryError("still out of memory after the fallback: " + "; ".join(attempts))
+
+
+def set_checkpointing(model: torch.nn.Module, on: bool) -> None:
+    """Turns transformers' gradient checkpointing on or off (non-reentrant)."""
+    if on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
+
+
+# --------------------------------------------------------------------------------------------
+# Checks
+# --------------------------------------------------------------------------------------------
+def check_checkpointing(model, batch, device: str, microbatch: int, optimizer=None) -> list[tuple[str, str, str]]:
+    """Returns rows for the bf16 learner step with gradient checkpointing off and on (same loss, less memory)."""
+    rows = []
+    results = {}
+    for on in (False, True):
+        set_checkpointing(model, on)
+        learner_step(model, batch, microbatch=microbatch, device=device, optimizer=optimizer)  # warm-up
+        results[on] = r = learner_step(model, batch, microbatch=microbatch, device=device, optimizer=optimizer)
+        rows.append((f"bf16 learner step, checkpointing {'on' if on else 'off'}", "ok",
+                     f"{r['seconds']:.3f} s, peak {r['peak_gib']:.2f} GiB, loss {r['loss']:.5f}"))
+    set_checkpointing(model, False)
+    same = abs(results[True]["loss"] - results[False]["loss"]) <= 1e-3 * max(1.0, abs(results[False]["loss"]))
+    less = results[True]["peak_gib"] <= results[False]["peak_gib"]
+    rows.append(("checkpointing: same loss, less memory", "ok" if same and (less or device == "cpu") else "FAIL",
+                 f"|dloss| {abs(results[True]['loss'] - results[False]['loss']):.2e}"))
+    return rows
+
+
+def check_memory_cap(device: str, fraction: float = 0.05) -> list[tuple[str, str, str]]:
+    """Returns a row: with the cap set, an allocation above it fails and one below it succeeds."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    cap_gib = fraction * total / GIB
+    try:
+        under = torch.empty(int(0.5 * fraction * total), dtype=torch.uint8, device=device)
+        del under
+        try:
+            over = torch.empty(int(1.2 * fraction * total), dtype=torch.uint8, device=device)
+            del over
+            status, detail = "FAIL", f"allocated 1.2 x the {cap_gib:.1f} GiB cap"
+        except torch.cuda.OutOfMemoryError:
+            status, detail = "ok", f"cap {cap_gib:.1f} GiB: 0.5 x fits, 1.2 x raises OutOfMemoryError"
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.empty_cache()
+    return [("memory fraction cap", status, detail)]
+
+
+def check_oom_fallback(model, batch, device: str, microbatch: int, optimizer=None) -> list[tuple[str, str, str]]:
+    """Returns a row: a step that must OOM under a tight cap is recovered by the fallback."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    set_checkpointing(model, True)
+    small = learner_step(model, batch, microbatch=max(1, microbatch // 8), device=device, optimizer=optimizer)["peak_gib"]
+    set_checkpointing(model, False)
+    torch.cuda.empty_cache()
+    # room for what the fallback's smallest attempt needs, with 50% margin; the first attempt
+    # (8x the micro-batch, no checkpointing) needs several times more
+    fraction = min(1.0, 1.5 * small * GIB / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+
+    def step(mb: int, ckpt: bool) -> dict:
+        set_checkpointing(model, ckpt)
+        return learner_step(model, batch, microbatch=mb, device=device, optimizer=optimizer)
+
+    try:
+        result, attempts = step_with_fallback(step, microbatch)
+        oom_first = attempts[0].endswith("OOM")
+        status = "ok" if oom_first else "FAIL"
+        detail = " -> ".join(attempts) + f" (cap {fraction * total / GIB:.2f} GiB, loss {result['loss']:.5f})"
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        set_checkpointing(model, False)
+        torch.cuda.empty_cache()
+    return [("forced OOM recovered by the fallback", status, detail)]
+
+
+def algos_outputs(device: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Returns rlray.algos outputs on ``device`` for fixed random inputs (generated on the CPU, then moved)."""
+    g = torch.Generator().manual_seed(seed)
+    b, t, groups = 16, 12, 4
+    lp = (torch.randn(b, t, generator=g) * 0.3 - 1.0).to(device)
+    old = (lp.cpu() + torch.randn(b, t, generator=g) * 0.1).to(device)
+    ref = (lp.cpu() + torch.randn(b, t, generator=g) * 0.1).to(device)
+    mask = (torch.rand(b, t, generator=g) > 0.2).to(device)
+    rewards = torch.rand(b, generator=g).to(device)
+    gid = torch.arange(b).div(b // groups, rounding_mode="floor").to(device)
+    out: dict[str, torch.Tensor] = {}
+    for name, fn in algos.GROUP_ADVANTAGES.items():
+        out[f"advantages/{name}"] = fn(rewards, gid)
+    adv = out["advantages/grpo"][:, None].expand(b, t) * mask
+    for name, fn in algos.POLICY_LOSSES.items():
+        per_token, _ = fn(lp, old, adv, mask, clip_eps_low=0.2, clip_eps_high=0.28)
+        out[f"loss/{name}"] = per_token * mask
+        for mode in algos.AGGREGATION_MODES:
+            out[f"loss/{name}/{mode}"] = algos.aggregate_loss(per_token, mask, mode, max_response_tokens=t)
+    for est in algos.KL_ESTIMATORS:
+        out[f"kl/{est}"] = algos.kl_penalty(lp, ref, est) * mask
+    out["tis/token"] = algos.truncated_is_weights(old, lp, mask, cap=2.0)
+    seq = lambda x: (x * mask).sum(-1)  # noqa: E731
+    for name, fn in algos.PAIRWISE_LOSSES.items():
+        out[f"pairwise/{name}"] = fn(seq(lp)[:8], seq(old)[:8], seq(ref)[:8], seq(ref)[8:], beta=0.1)
+    return out
+
+
+def check_algos_parity(device_a: str, device_b: str, atol: float = 1e-5) -> list[tuple[str, str, str]]:
+    """Returns a row: the largest |a - b| over every rlray.algos output, and the worst function."""
+    a, b = algos_outputs(device_a), algos_outputs(device_b)
+    diffs = {k: (a[k].float().cpu() - b[k].float().cpu()).abs().max().item() for k in a}
+    worst = max(diffs, key=diffs.get)
+    status = "ok" if diffs[worst] <= atol else "FAIL"
+    return [(f"rlray.algos parity {device_a} vs {device_b}", status,
+             f"{len(diffs)} outputs, max |diff| {diffs[worst]:.2e} ({worst})")]
+
+
+def markdown_table(rows: list[tuple[str, str, str]]) -> str:
+    """Returns the rows as a markdown table (check | status | detail)."""
+    lines = ["| check | status | detail |", "|---|---|---|"]
+    lines += [f"| {c} | {s} | {d} |" for c, s, d in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs every check on ``--device`` and prints the table; returns 1 if any check failed."""
+    from transformers import AutoModelForCausalLM
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct", help="local HF folder or hub id")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--rows", type=int, default=32, help="sequences per learner step")
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--response-tokens", type=int, default=256)
+    p.add_argument("--microbatch", type=int, default=16)
+    args = p.parse_args(argv)
+
+    cuda = args.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is visible; use --device cpu for the CPU parts")
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(args.device)
+    model.config.use_cache = False
+    model.train()
+    # lr 0: AdamW allocates its states (they count in the peak) but the weights stay put, so the
+    # checkpointing-off and -on steps see the same model and must give the same loss
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
+    batch = synthetic_batch(model.config.vocab_size, args.rows, args.prompt_tokens, args.response_tokens)
+    rows = [("device", "ok", torch.cuda.get_device_name(args.device) if cuda else "cpu")]
+    rows += check_checkpointing(model, batch, args.device, args.microbatch, optimizer)
+    if cuda:
+        rows += check_memory_cap(args.device)
+        rows += check_oom_fallback(model, batch, args.device, args.microbatch, optimizer)
+    rows += check_algos_parity("cpu", args.device if cuda else "cpu")
+    print(markdown_table(rows))
+    return 0 if all(s == "ok" for _, s, _ in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

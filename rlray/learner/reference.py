@@ -1,0 +1,35 @@
+"""The frozen reference model on its own (a Ray actor when resources.reference.placement == "actor").
+
+Legend: B sequences, T response tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlray.learner.logprobs import batched_logprobs
+from rlray.models import load_causal_lm
+
+
+class ReferenceModel:
+    """Returns reference logprobs from a frozen copy of the initial policy.
+
+    Args:
+        model_path: local Hugging Face folder of the initial policy.
+        dtype: "bfloat16" (bf16 autocast over float32 weights, as the learner) or "float32".
+        temperature: rollout sampling temperature (logits are divided by it, as the learner does).
+        torch_threads: torch.set_num_threads for this process.
+    """
+
+    def __init__(self, model_path: str, *, dtype: str, temperature: float, torch_threads: int) -> None:
+        torch.set_num_threads(torch_threads)
+        self.dtype = dtype
+        self.temperature = temperature
+        self.model = load_causal_lm(model_path, dtype=torch.float32).eval().requires_grad_(False)
+        self.model.config.use_cache = False
+
+    def logprobs(self, batch: dict[str, torch.Tensor], microbatch_size: int) -> torch.Tensor:
+        """Returns [B, T] float32 reference logprobs of the batch's responses (``batched_logprobs``)."""
+        return batched_logprobs(
+            self.model, batch, dtype=self.dtype, temperature=self.temperature, microbatch_size=microbatch_size
+        )

@@ -1,0 +1,169 @@
+"""What each role asks of the Ray cluster, a fit check before anything starts, and placement groups.
+
+``role_requests(cfg)`` turns ``resources:`` into one request per role (rollout, learner, reward,
+reference). ``check_fit`` compares them with the cluster and raises one error that says which
+role wants what and what the cluster has, before any actor starts. The rollout actors then live in
+one placement group (``rollout_placement_group``); Ray Train builds the learner's own group with
+the same strategy (ScalingConfig.placement_strategy), and Serve places the reward replicas.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+
+from rlray.config import Config
+
+_EPS = 1e-9
+
+
+class PlacementError(RuntimeError):
+    """The resources asked for cannot be placed on the cluster; the message names roles and amounts."""
+
+
+@dataclass(frozen=True)
+class RoleRequest:
+    """Resources one role asks for: ``count`` workers of ``per_worker`` each ({"CPU": x, "GPU": y})."""
+
+    role: str
+    count: int
+    per_worker: dict[str, float]
+
+    def total(self) -> dict[str, float]:
+        """Returns count * per_worker."""
+        return {k: v * self.count for k, v in self.per_worker.items()}
+
+    def describe(self) -> str:
+        """Returns e.g. 'rollout wants 2 x {CPU: 0.25} = {CPU: 0.5}'."""
+        return f"{self.role} wants {self.count} x {_fmt(self.per_worker)} = {_fmt(self.total())}"
+
+
+def _fmt(resources: dict[str, float]) -> str:
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(resources.items())) + "}"
+
+
+def _bundle(cpus: float, gpus: float) -> dict[str, float]:
+    return {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+
+
+def role_requests(cfg: Config) -> list[RoleRequest]:
+    """Returns the Ray resources each role of ``cfg`` asks for (roles that are off are left out)."""
+    res = cfg.resources
+    out = [
+        RoleRequest("rollout", res.rollout.num_workers, _bundle(res.rollout.cpus, res.rollout.gpus * res.rollout.tensor_parallel_size)),
+        RoleRequest("learner", res.learner.num_workers, _bundle(res.learner.cpus, res.learner.gpus)),
+    ]
+    if cfg.reward.server.enabled:
+        out.append(RoleRequest("reward", res.reward.replicas, _bundle(res.reward.cpus, res.reward.gpus)))
+    if cfg.algo.kl_coef > 0 and res.reference.placement == "actor":
+        out.append(RoleRequest("reference", 1, _bundle(res.reference.cpus, res.reference.gpus)))
+    return out
+
+
+def check_fit(requests: list[RoleRequest], cluster: dict[str, float], nodes: list[dict[str, float]]) -> None:
+    """Checks that the requests fit the cluster's totals and that every bundle fits on one node.
+
+    Args:
+        requests: what each role asks for.
+        cluster: total resources of the cluster ({"CPU": 2.0, "GPU": 0, ...}).
+        nodes: total resources of each alive node.
+
+    Raises:
+        PlacementError: naming every role's request, the shortfall and what the cluster has.
+    """
+    need: dict[str, float] = {}
+    for r in requests:
+        for k, v in r.total().items():
+            need[k] = need.get(k, 0.0) + v
+    short = {k: v for k, v in need.items() if v > cluster.get(k, 0.0) + _EPS}
+    too_big = [
+        r for r in requests
+        if not any(all(v <= node.get(k, 0.0) + _EPS for k, v in r.per_worker.items()) for node in nodes)
+    ]
+    if not short and not too_big:
+        return
+    has = {k: cluster.get(k, 0.0) for k in sorted(set(need) | {"CPU", "GPU"})}
+    lines = [r.describe() for r in requests]
+    if short:
+        lines.append(f"together they want {_fmt(need)}, but the cluster has {_fmt(has)}")
+    for r in too_big:
+        lines.append(f"one {r.role} worker ({_fmt(r.per_worker)}) fits on no single node; largest nodes: "
+                     + ", ".join(_fmt(n) for n in nodes[:4]))
+    raise PlacementError(
+        "the requested resources do not fit the Ray cluster:\n  - " + "\n  - ".join(lines)
+        + "\nLower resources.<role>.cpus/gpus or num_workers (fractions are allowed), or add nodes."
+    )
+
+
+def cluster_totals() -> tuple[dict[str, float], list[dict[str, float]]]:
+    """Returns (cluster total resources, per-node totals of alive nodes) of the connected cluster."""
+    nodes = [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")]
+    return dict(ray.cluster_resources()), nodes
+
+
+def check_cluster(cfg: Config) -> list[RoleRequest]:
+    """Checks ``cfg``'s requests against the connected cluster and returns them.
+
+    Raises:
+        PlacementError: they do not fit (see ``check_fit``).
+    """
+    requests = role_requests(cfg)
+    check_fit(requests, *cluster_totals())
+    return requests
+
+
+def rollout_placement_group(cfg: Config) -> PlacementGroup:
+    """Returns a ready placement group with one bundle per rollout actor (strategy from resources).
+
+    Raises:
+        PlacementError: the group is not ready within ``resources.placement_timeout_s`` (other work
+            holds the resources); the message says what is available.
+    """
+    res = cfg.resources
+    bundle = _bundle(res.rollout.cpus, res.rollout.gpus * res.rollout.tensor_parallel_size)
+    pg = placement_group([bundle] * res.rollout.num_workers, strategy=res.placement_strategy, name=f"rlray:rollout:{os.getpid()}")
+    try:
+        ray.get(pg.ready(), timeout=res.placement_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)
+        raise PlacementError(
+            f"the rollout placement group ({res.rollout.num_workers} x {_fmt(bundle)}, {res.placement_strategy}) was not "
+            f"ready within resources.placement_timeout_s={res.placement_timeout_s:g} s; available now: "
+            f"{_fmt(ray.available_resources())}. Other actors hold the resources, or the strategy cannot be met."
+        ) from None
+    return pg
+
+
+def split_cores(count: int, cores: list[int]) -> list[str]:
+    """Returns one core list per actor, splitting ``cores`` into ``count`` contiguous parts.
+
+    With fewer cores than actors, actor i gets core ``cores[i % len(cores)]``.
+
+    Example: ``split_cores(2, [0, 1])`` is ``["0", "1"]``; ``split_cores(1, [0, 1])`` is ``["0-1"]``.
+    """
+    if count <= len(cores):
+        parts = [cores[len(cores) * i // count : len(cores) * (i + 1) // count] for i in range(count)]
+    else:
+        parts = [[cores[i % len(cores)]] for i in range(count)]
+    return [_core_list(p) for p in parts]
+
+
+def _core_list(cores: list[int]) -> str:
+    """Returns "a-b" for a contiguous run of two or more cores, else "a,b,..."."""
+    if len(cores) > 1 and cores == list(range(cores[0], cores[-1] + 1)):
+        return f"{cores[0]}-{cores[-1]}"
+    return ",".join(str(c) for c in cores)
+
+
+def rollout_cpu_threads(cfg: Config) -> list[str]:
+    """Returns each rollout actor's core list: resources.rollout.cpu_threads, or this node's cores split evenly."""
+    threads = cfg.resources.rollout.cpu_threads
+    n = cfg.resources.rollout.num_workers
+    if isinstance(threads, list):
+        return list(threads)
+    if threads is not None:
+        return [threads] * n
+    return split_cores(n, sorted(os.sched_getaffinity(0)))

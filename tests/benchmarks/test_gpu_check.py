@@ -1,0 +1,65 @@
+"""The CPU-runnable parts of benchmarks/gpu_check.py (the script itself needs a CUDA device)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_learner_step_is_independent_of_microbatch_and_checkpointing(gpu_check, tiny_model_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).train()
+    batch = gpu_check.synthetic_batch(model.config.vocab_size, rows=6, prompt_tokens=5, response_tokens=7)
+    full = gpu_check.learner_step(model, batch, microbatch=6, device="cpu", bf16=False)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    gpu_check.set_checkpointing(model, True)
+    split = gpu_check.learner_step(model, batch, microbatch=2, device="cpu", bf16=False)
+    gpu_check.set_checkpointing(model, False)
+    # token-mean over the whole batch's tokens: micro-batch losses add up to the full-batch loss
+    assert split["loss"] == pytest.approx(full["loss"], abs=1e-6)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[n], atol=1e-6, rtol=1e-5)
+    assert full["peak_gib"] == 0.0 and full["seconds"] > 0
+
+
+def test_fallback_halves_the_microbatch_and_turns_checkpointing_on(gpu_check):
+    calls = []
+
+    def step(mb: int, ckpt: bool) -> dict:
+        calls.append((mb, ckpt))
+        if mb > 4 or not ckpt:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
+        return {"loss": 1.0}
+
+    result, attempts = gpu_check.step_with_fallback(step, 16)
+    assert result == {"loss": 1.0}
+    assert calls == [(16, False), (8, True), (4, True)]
+    assert attempts == ["mb=16 ckpt=False: OOM", "mb=8 ckpt=True: OOM", "mb=4 ckpt=True: ok"]
+
+    def never(mb: int, ckpt: bool) -> dict:
+        raise torch.cuda.OutOfMemoryError("injected")
+
+    with pytest.raises(torch.cuda.OutOfMemoryError, match="still out of memory after the fallback: mb=4 ckpt=False: OOM"):
+        gpu_check.step_with_fallback(never, 4)
+
+
+def test_algos_parity_row_and_table(gpu_check):
+    rows = gpu_check.check_algos_parity("cpu", "cpu")
+    (name, status, detail), = rows
+    assert (name, status) == ("rlray.algos parity cpu vs cpu", "ok")
+    n_outputs = int(detail.split()[0])
+    assert n_outputs >= 20 and "max |diff| 0.00e+00" in detail
+    assert gpu_check.markdown_table(rows).splitlines()[:2] == ["| check | status | detail |", "|---|---|---|"]

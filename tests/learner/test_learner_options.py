@@ -1,0 +1,102 @@
+"""Learner options of the distributed topology: LoRA (merged export), the reference model on its
+own, the 8-bit optimizer's CPU error, and truncated importance sampling in the objective."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlray import algos, schema
+from rlray.learner import LossSpec, Normaliser, PolicyLearner, policy_objective
+from rlray.learner.policy import make_optimizer
+from rlray.learner.reference import ReferenceModel
+from rlray.rollout.engine import checkpoint_shapes
+
+LORA = {"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": "all-linear"}
+SPEC = LossSpec(clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.0, kl_estimator="k3", loss_agg="token-mean",
+                max_response_tokens=16)
+
+
+def _batch(pad_id: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    n = 4
+    resp = [torch.randint(10, 900, (3 + i,), generator=g).tolist() for i in range(n)]
+    table = schema.make_table({
+        "prompt_id": ["p0"] * 2 + ["p1"] * 2, "group_id": [0, 0, 1, 1], "sample_index": [0, 1, 0, 1],
+        "prompt_token_ids": [torch.randint(10, 900, (4 + i,), generator=g).tolist() for i in range(n)],
+        "response_token_ids": resp, "response_mask": [[True] * len(r) for r in resp],
+        "rollout_logprobs": [[-2.0] * len(r) for r in resp], "reward": [1.0, 0.0, 0.5, 0.0],
+        "reward_components": [{}] * n, "policy_version": [0] * n, "finish_reason": ["length"] * n,
+    })
+    data = schema.collate(table, pad_id)
+    data["advantages"] = torch.tensor([1.0, -1.0, 1.0, -1.0])[:, None] * data["response_mask"]
+    return data
+
+
+def _learner(path: str, **kw) -> PolicyLearner:
+    return PolicyLearner(path, dtype="float32", lr=5e-2, betas=(0.9, 0.999), weight_decay=0.0, warmup_steps=0,
+                         max_grad_norm=1e9, temperature=1.0, use_reference=True, **kw)
+
+
+def test_lora_trains_adapters_only_and_exports_merged_weights(tiny_model_path, tiny_tokenizer):
+    learner = _learner(tiny_model_path, lora=LORA)
+    trainable = [n for n, p in learner.module.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    data = _batch(tiny_tokenizer.pad_token_id)
+    before = learner.logprobs(data, reference=False, microbatch_size=4)
+    learner.train_minibatch(data, SPEC, Normaliser(float(data["response_mask"].sum()), 4.0), 2)
+    learner.train_minibatch(data, SPEC, Normaliser(float(data["response_mask"].sum()), 4.0), 2)
+    after = learner.logprobs(data, reference=False, microbatch_size=4)
+    assert (after - before).abs().max() > 1e-3  # the adapters learned something
+
+    merged = learner.export_weights(torch.float32)
+    shapes = checkpoint_shapes(tiny_model_path)
+    assert set(merged) - {"lm_head.weight"} == set(shapes) - {"lm_head.weight"}
+    assert all(tuple(merged[k].shape) == shapes[k] for k in shapes if k in merged)
+    # a plain transformers model with the merged weights scores exactly like the adapted policy
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    plain.load_state_dict(merged, strict=False)
+    from rlray.learner.logprobs import batched_logprobs
+
+    via_merged = batched_logprobs(plain, data, dtype="float32", temperature=1.0, microbatch_size=4)
+    torch.testing.assert_close(via_merged, after, atol=1e-5, rtol=0)
+    # the reference is the base model (adapters off): the initial policy's logprobs, no copy kept
+    assert learner.reference is None
+    torch.testing.assert_close(learner.logprobs(data, reference=True, microbatch_size=4), before, atol=1e-6, rtol=0)
+
+
+def test_reference_model_equals_the_learner_reference(tiny_model_path, tiny_tokenizer):
+    data = _batch(tiny_tokenizer.pad_token_id)
+    learner = _learner(tiny_model_path)
+    own = ReferenceModel(tiny_model_path, dtype="float32", temperature=0.7, torch_threads=torch.get_num_threads())
+    learner.temperature = 0.7
+    torch.testing.assert_close(own.logprobs(data, 3), learner.logprobs(data, reference=True, microbatch_size=3),
+                               atol=1e-6, rtol=0)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is not None, reason="bitsandbytes is installed")
+def test_8bit_optimizer_without_bitsandbytes_names_the_key():
+    with pytest.raises(ImportError, match="learner.optimizer=adamw_8bit needs bitsandbytes"):
+        make_optimizer("adamw_8bit", [torch.nn.Parameter(torch.zeros(2))], lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0)
+
+
+def test_truncated_importance_weights_scale_the_policy_loss():
+    # one sequence, 2 tokens; on-policy ratio 1; advantages 1; old - rollout = [ln 1.5, ln 3]
+    # weights min(1.5, 2) = 1.5 and min(3, 2) = 2; token-mean pg loss = -(1.5 + 2) / 2 = -1.75
+    lp = torch.zeros(1, 2, requires_grad=True)
+    mb = {
+        "old_logprobs": torch.zeros(1, 2), "advantages": torch.ones(1, 2),
+        "response_mask": torch.ones(1, 2, dtype=torch.bool),
+        "rollout_logprobs": torch.tensor([[-math.log(1.5), -math.log(3.0)]]),
+    }
+    norm = Normaliser(2.0, 1.0)
+    off, _ = policy_objective(lp, mb, SPEC, norm)
+    on, _ = policy_objective(lp, mb, LossSpec(**{**SPEC.__dict__, "is_level": "token", "is_cap": 2.0}), norm)
+    assert off.item() == pytest.approx(-1.0, abs=1e-6)
+    assert on.item() == pytest.approx(-1.75, abs=1e-6)
+    w = algos.truncated_is_weights(mb["old_logprobs"], mb["rollout_logprobs"], mb["response_mask"], cap=2.0)
+    assert w[0].tolist() == pytest.approx([1.5, 2.0])

@@ -1,0 +1,151 @@
+"""The reward server: sandbox timeouts, the Serve application over a handle and HTTP, and hot swap."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from rlray.config import load_config
+from rlray.reward import RewardScorer
+from rlray.reward.server import RewardServerError, RewardTimeoutError, ScorerSandbox, ScoreRequest
+
+REPO = Path(__file__).resolve().parents[2]
+LENGTH_FN = f"{REPO}/tests/fixtures/rewards.py:completion_length"
+PROMPTS = ["What is 2 + 3?", "What is 10 - 4?", "Name a prime."]
+COMPLETIONS = ["2 + 3 = 5\n#### 5", "It is 7", "#### 7"]
+REFERENCES = ["#### 5", "#### 6", "#### 7"]
+
+
+def test_score_request_checks_lengths():
+    with pytest.raises(ValueError, match=r"prompts \(1\), completions \(2\) and references \(2\)"):
+        ScoreRequest(prompts=["a"], completions=["b", "c"], references=["d", "e"])
+
+
+def test_sandbox_times_out_restarts_and_keeps_serving():
+    fn = f"{REPO}/tests/fixtures/server_rewards.py:misbehaving"
+    sandbox = ScorerSandbox({"correct_weight": 1.0, "format_weight": 0.2, "functions": [(fn, 0.5)]}, timeout_s=3.0)
+    try:
+        got = sandbox.score(PROMPTS, COMPLETIONS, REFERENCES)
+        # correct + 0.2 * format + 0.5 * misbehaving(=1): [1 + 0.2 + 0.5, 0 + 0 + 0.5, 1 + 0.2 + 0.5]
+        assert got["reward"] == pytest.approx([1.7, 0.5, 1.7])
+        t = time.monotonic()
+        with pytest.raises(RewardTimeoutError, match=r"reward.server.timeout_s=3 s"):
+            sandbox.score(["p"], ["HANG"], ["#### 1"])
+        assert time.monotonic() - t < 30  # killed at the timeout, not after the 60 s sleep
+        with pytest.raises(RewardServerError, match="returned 0 values for 1 completions"):
+            sandbox.score(["p"], ["BAD"], ["#### 1"])
+        assert sandbox.score(PROMPTS, COMPLETIONS, REFERENCES)["reward"] == pytest.approx([1.7, 0.5, 1.7])
+    finally:
+        sandbox.close()
+
+
+def test_sandbox_reports_a_scorer_that_cannot_be_built():
+    with pytest.raises(RewardServerError, match="could not be built: RewardFunctionError"):
+        ScorerSandbox({"correct_weight": 1.0, "format_weight": 0.2, "functions": [("no_such_module:fn", 1.0)]}, 5.0)
+
+
+# --------------------------------------------------------------------------------------------
+# The Serve application (one per module)
+# --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(ray_session, tmp_path_factory):
+    """Deploys rlray-reward (version 1, length reward) with HTTP on a free loopback port; yields (config path, port)."""
+    from ray import serve
+
+    from rlray.cli import main
+    from rlray.weight_sync import free_port
+
+    port = free_port()
+    path = tmp_path_factory.mktemp("reward") / "reward.yaml"
+    path.write_text(
+        "reward:\n"
+        f"  functions: [{{path: '{LENGTH_FN}', weight: 1.0}}]\n"
+        f"  server: {{enabled: true, port: {port}, max_batch_size: 8}}\n"
+    )
+    serve.shutdown()  # HTTP options are cluster-wide and fixed at Serve's first start
+    assert main(["serve-reward", str(path), "--detach"]) == 0
+    yield path, port
+    serve.delete("rlray-reward")
+
+
+def _local(cfg_overrides: list[str], path: Path) -> dict:
+    from rlray.loop import scorer_kwargs
+
+    return RewardScorer(**scorer_kwargs(load_config(path, cfg_overrides))).score(PROMPTS, COMPLETIONS, REFERENCES)
+
+
+def _post(port: int, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/score", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+@pytest.mark.ray
+def test_handle_and_http_give_the_local_scores(server):
+    from rlray.reward.server import ServeRewardClient
+
+    path, port = server
+    expected = _local([], path)
+    got = ServeRewardClient().score(PROMPTS, COMPLETIONS, REFERENCES)
+    assert got.version == 1
+    assert got.values == expected  # the same scorer, pickled floats: exact
+    status, reply = _post(port, {"prompts": PROMPTS, "completions": COMPLETIONS, "references": REFERENCES})
+    assert status == 200 and reply["version"] == 1
+    assert reply["scores"] == expected  # JSON round-trips Python floats exactly
+    status, reply = _post(port, {"prompts": ["a"], "completions": ["b", "c"], "references": ["d"]})
+    assert status == 422 and "must have the same length" in json.dumps(reply)
+
+
+@pytest.mark.ray
+def test_hot_swap_serves_every_request(server):
+    """Redeploys version 2 (format_weight 0.7) through the CLI while 3 clients score; no request fails."""
+    from rlray.cli import main
+    from rlray.reward.server import ServeRewardClient
+
+    path, _ = server
+    client = ServeRewardClient()
+    seen: list[tuple[float, int, list[float]]] = []
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def hammer():
+        while not stop.is_set():
+            try:
+                got = client.score(PROMPTS, COMPLETIONS, REFERENCES)
+                seen.append((time.monotonic(), got.version, got.values["reward"]))
+            except BaseException as err:  # noqa: BLE001 - any failure fails the test
+                errors.append(err)
+
+    threads = [threading.Thread(target=hammer) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(1.0)
+        assert main(["serve-reward", str(path), "reward.version=2", "reward.format_weight=0.7", "--detach"]) == 0
+        deadline = time.monotonic() + 60
+        while not any(v == 2 for _, v, _ in seen) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(0.5)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert errors == []
+    versions = [v for _, v, _ in sorted(seen)]
+    assert versions[0] == 1 and versions[-1] == 2
+    assert versions == sorted(versions)  # one replica: once swapped, never back
+    v1 = _local([], path)["reward"]
+    v2 = _local(["reward.format_weight=0.7"], path)["reward"]
+    assert v1 != pytest.approx(v2)
+    assert all(r == pytest.approx(v1 if v == 1 else v2) for _, v, r in seen)
