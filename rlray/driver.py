@@ -60,6 +60,10 @@ def resolve_paths(cfg: Config, base: Path | None = None) -> Config:
     out.data.train_files = [local(p) for p in cfg.data.train_files]
     out.data.eval_files = [local(p) for p in cfg.data.eval_files]
     out.model.path = local(cfg.model.path)
+    out.offline.pairs_files = [local(p) for p in cfg.offline.pairs_files]
+    for section in (out.reward, out.critic):
+        if section.model_path is not None:
+            section.model_path = local(section.model_path)
     for fn in out.reward.functions:
         target, name = fn.path.rsplit(":", 1) if ":" in fn.path else (fn.path, "")
         if target.endswith(".py"):
@@ -81,7 +85,7 @@ def run_training(cfg: Config) -> TrainResult:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from rlray.loop import train_worker
+    from rlray import loop, offline
 
     init_ray()
     cfg = resolve_paths(cfg)
@@ -93,10 +97,11 @@ def run_training(cfg: Config) -> TrainResult:
     actors = []
     status = "FAILED"
     try:
-        actors = start_rollout_actors(cfg, model_dir, max_model_len(cfg))
+        online = cfg.algo.family == "online"  # offline methods train on preference pairs: no rollout actors
+        actors = start_rollout_actors(cfg, model_dir, max_model_len(cfg)) if online else []
         res = cfg.resources.learner
         trainer = TorchTrainer(
-            train_worker,
+            loop.train_worker if online else offline.train_worker,
             train_loop_config={
                 "config": cfg.model_dump(mode="json"),
                 "model_dir": model_dir,
