@@ -141,12 +141,12 @@ class RewardConfig(_Section):
     model_weight: float = Field(1.0, description="Weight of the reward-model score (raw head output) in the summed reward.")
 
 
-OnlineAlgo = Literal[
-    "grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "ppo"
-]
-OfflineAlgo = Literal["dpo", "ipo", "kto", "orpo", "simpo", "reward_model", "sft"]
-ONLINE_ALGOS: tuple[str, ...] = get_args(OnlineAlgo)
-OFFLINE_ALGOS: tuple[str, ...] = get_args(OfflineAlgo)
+AlgoName = Literal[
+    "grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "ppo",
+    "dpo", "ipo", "kto", "orpo", "simpo", "reward_model", "sft",
+]  # fmt: skip
+ONLINE_ALGOS: tuple[str, ...] = get_args(AlgoName)[:10]  # rollouts, rewards, advantages (GSM8K)
+OFFLINE_ALGOS: tuple[str, ...] = get_args(AlgoName)[10:]  # preference pairs
 # Online algorithms whose advantage is a statistic of each prompt's group: they need samples_per_prompt >= 2.
 GROUP_ALGOS: tuple[str, ...] = ("grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo", "reinforce_pp_baseline")
 # Offline methods that compare the policy with the frozen initial policy (reference logprobs cached per pair).
@@ -160,7 +160,7 @@ class AlgoConfig(_Section):
     holds each algorithm's recommended values (from its paper, TRL or verl).
     """
 
-    name: OnlineAlgo | OfflineAlgo = Field(
+    name: AlgoName = Field(
         "grpo",
         description=(
             "Online (rollouts on GSM8K): grpo, dr_grpo, dapo, gspo, cispo, rloo, reinforce_pp, "

@@ -73,19 +73,6 @@ def small_gsm8k(gsm8k_dir: Path, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(scope="session")
-def hh_file(repo_root: Path) -> Path:
-    """Returns <repo>/data/hh-rlhf-harmless/test.jsonl.gz, fetched from the data mirror if missing."""
-    import os
-
-    from rlray.data.fetch import MIRROR_ENV, fetch_dataset
-
-    with pytest.MonkeyPatch.context() as patch:
-        if not os.environ.get(MIRROR_ENV):
-            patch.setenv(MIRROR_ENV, str(repo_root.parent / "shared" / "data"))
-        return fetch_dataset("hh-rlhf-harmless", repo_root / "data") / "test.jsonl.gz"
-
-
 def run_algo(name: str, tmp_path: Path, data: tuple[Path, Path, str], tiny_model_path: str) -> tuple[Path, dict]:
     """Runs configs/algos/<name>.yaml for 2 steps, checks the common assertions, returns (final snapshot, metrics).
 
@@ -119,9 +106,9 @@ def run_algo(name: str, tmp_path: Path, data: tuple[Path, Path, str], tiny_model
 
 
 @pytest.fixture
-def data(small_gsm8k: Path, hh_file: Path, mlflow_uri: str) -> tuple[Path, Path, str]:
+def data(small_gsm8k: Path, hh_rlhf_dir: Path, mlflow_uri: str) -> tuple[Path, Path, str]:
     """Returns (GSM8K folder, hh-rlhf file, MLflow URI) for ``run_algo``."""
-    return small_gsm8k, hh_file, mlflow_uri
+    return small_gsm8k, hh_rlhf_dir / "test.jsonl.gz", mlflow_uri
 
 
 def _params(names):
