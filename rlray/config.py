@@ -86,7 +86,9 @@ class DataConfig(_Section):
     max_prompt_tokens: int = Field(
         256, ge=8, description="Prompts longer than this (in tokens, after the chat template) are skipped and counted."
     )
-    shuffle: bool = Field(True, description="Shuffle train prompts each epoch (seeded by run.seed).")
+    shuffle: bool = Field(
+        True, description="Shuffle train prompts (offline: train pairs) each epoch (seeded by run.seed)."
+    )
     instruction: str = Field(
         "Solve the problem. Be brief: at most a few short lines of working. "
         "End with the final answer on its own line as '#### <number>'.",

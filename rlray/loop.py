@@ -29,7 +29,7 @@ import pyarrow as pa
 import ray
 import torch
 
-from rlray import algos, schema
+from rlray import online_sampling, schema
 from rlray.checkpoint import save_final
 from rlray.collective import Collective
 from rlray.config import Config
@@ -38,7 +38,6 @@ from rlray.learner import POLICY_LOSS_OF, AdvantageSpec, LossSpec, Normaliser, P
 from rlray.learner import online as learner_online
 from rlray.learner.critic import build_critic
 from rlray.models import load_tokenizer, resolve_model_path
-from rlray import online_sampling
 from rlray.online_sampling import Rollouts
 from rlray.reward import RewardScorer
 from rlray.rollout import Completion, SamplingSpec

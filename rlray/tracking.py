@@ -40,6 +40,7 @@ METRIC_KEYS: tuple[str, ...] = (
     "rollout/truncated_rate",
     "rollout/logprob_abs_diff",
     "rollout/policy_version",
+    "rollout/generated_tokens",
     "data/epoch",
     "data/skipped_long_prompts",
     "perf/tokens_per_s",

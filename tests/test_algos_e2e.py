@@ -46,7 +46,8 @@ ALGO_OVERRIDES = {  # options switched on so that every code path runs once
 
 def _overrides(name: str, tmp_path: Path, gsm8k_dir: Path, hh_file: Path, mlflow_uri: str) -> list[str]:
     common = [f"run.output_dir={tmp_path}/out", f"tracking.mlflow_uri={mlflow_uri}", "run.max_steps=2",
-              "model.path=tiny-random", "model.dtype=float32", "learner.lr=1e-3", "learner.warmup_steps=0"]
+              "model.path=tiny-random", "model.dtype=float32", "learner.lr=1e-3", "learner.warmup_steps=0",
+              "learner.torch_threads=1"]  # one thread: tiny tensors on a busy 2-core machine (tests/algos/conftest.py)
     if name in OFFLINE_ALGOS:
         return common + [f"offline.pairs_files=[{hh_file}]", "offline.max_pairs=16", "offline.eval_fraction=0.25",
                          "offline.pairs_per_step=4", "offline.pairs_per_microbatch=2", "offline.max_prompt_tokens=48",
@@ -92,7 +93,7 @@ def run_algo(name: str, tmp_path: Path, data: tuple[Path, Path, str], tiny_model
         assert key in metrics, f"{name}: {key} not logged"
         assert [s for s, _ in metrics[key]][-2:] == [1, 2], key
         assert key in METRIC_KEYS, key
-    assert set(metrics) <= set(METRIC_KEYS) | set(EVAL_KEYS) | {"rollout/generated_tokens"}, set(metrics) - set(METRIC_KEYS)
+    assert set(metrics) <= set(METRIC_KEYS) | set(EVAL_KEYS), set(metrics) - set(METRIC_KEYS) - set(EVAL_KEYS)
     assert all(math.isfinite(v) for _, v in metrics["learner/loss"] + metrics["learner/grad_norm"])
     assert get_run(uri, result.run_id).data.params["algo.name"] == name
     final = Path(result.final_snapshot)
@@ -145,7 +146,7 @@ def test_reward_model_scores_in_the_reward_stage(ray_session, tmp_path, data, ti
     final, metrics = run_algo("reward_model", tmp_path, data, tiny_model_path)
     assert [s for s, _ in metrics["eval/pairwise_accuracy"]] == [0, 2]
     config = json.loads((final / "model" / "config.json").read_text())
-    assert config["architectures"] == ["LlamaForSequenceClassification"] and config["num_labels"] == 1
+    assert config["architectures"] == ["LlamaForSequenceClassification"] and len(config["id2label"]) == 1
     prompts = ["How do I bake bread?", "What is 2 + 2?", "Say hi."]
     completions = ["Mix flour, water and yeast, then bake it.", "4", "hi"]
     scorer = RewardScorer(correct_weight=0.0, format_weight=0.0, model_path=str(final), model_weight=2.0)

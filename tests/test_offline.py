@@ -10,6 +10,15 @@ from rlray.collective import Collective
 from rlray.config import config_from_dict
 from rlray.data.pairs import collate_pairs
 
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """One intra-op thread for these tiny models (see tests/learner/conftest.py)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 DPO_STEPS = 3  # seen: training-pair accuracy 0.0 (margins start at exactly 0) -> 1.0 after 1 step; loss 0.69 -> 0.23
 
 
@@ -19,7 +28,7 @@ def _ctx(method: str, tmp_path, hh_rlhf_dir, tiny_model_path, **algo):
         "model": {"path": "tiny-random", "dtype": "float32"},
         "offline": {"pairs_files": [str(hh_rlhf_dir / "test.jsonl.gz")], "max_pairs": 8, "eval_fraction": 0.0,
                     "pairs_per_step": 8, "pairs_per_microbatch": 4, "max_prompt_tokens": 32, "max_response_tokens": 16},
-        "learner": {"lr": 3e-3, "max_grad_norm": 10.0},
+        "learner": {"lr": 3e-3, "max_grad_norm": 10.0, "torch_threads": 1},
         "run": {"output_dir": str(tmp_path / "out")},
         "tracking": {"mlflow_uri": f"sqlite:///{tmp_path}/mlflow.db"},
     })  # fmt: skip
