@@ -77,7 +77,7 @@ def _sequence_inputs(data: dict[str, Tensor], spec: AdvantageSpec) -> tuple[Tens
 
 
 def grpo(data: dict[str, Tensor], spec: AdvantageSpec, sum_fn: algos.SumFn) -> dict[str, Tensor]:
-    """GRPO group-normalised advantages (also DAPO, GSPO and CISPO); ``algos.grpo_advantages``."""
+    """Returns {"advantages"}: GRPO group-normalised (also DAPO, GSPO and CISPO); ``algos.grpo_advantages``."""
     rewards, valid, mask = _sequence_inputs(data, spec)
     adv = algos.grpo_advantages(
         rewards, data["group_id"], std_scale=spec.std_scale, eps=spec.eps, valid_mask=valid, sum_fn=sum_fn
@@ -86,19 +86,19 @@ def grpo(data: dict[str, Tensor], spec: AdvantageSpec, sum_fn: algos.SumFn) -> d
 
 
 def dr_grpo(data: dict[str, Tensor], spec: AdvantageSpec, sum_fn: algos.SumFn) -> dict[str, Tensor]:
-    """Dr.GRPO: group-centred rewards, no std; ``algos.dr_grpo_advantages``."""
+    """Returns {"advantages"}: Dr.GRPO group-centred rewards, no std; ``algos.dr_grpo_advantages``."""
     rewards, valid, mask = _sequence_inputs(data, spec)
     return _broadcast(algos.dr_grpo_advantages(rewards, data["group_id"], valid_mask=valid), mask)
 
 
 def rloo(data: dict[str, Tensor], spec: AdvantageSpec, sum_fn: algos.SumFn) -> dict[str, Tensor]:
-    """RLOO leave-one-out advantages; ``algos.rloo_advantages``."""
+    """Returns {"advantages"}: RLOO leave-one-out; ``algos.rloo_advantages``."""
     rewards, valid, mask = _sequence_inputs(data, spec)
     return _broadcast(algos.rloo_advantages(rewards, data["group_id"], valid_mask=valid), mask)
 
 
 def remax(data: dict[str, Tensor], spec: AdvantageSpec, sum_fn: algos.SumFn) -> dict[str, Tensor]:
-    """ReMax: reward minus the greedy response's reward; ``algos.remax_advantages``.
+    """Returns {"advantages"}: ReMax, reward minus the greedy response's reward; ``algos.remax_advantages``.
 
     Raises:
         KeyError: the shard has no baseline_reward (the rollout stage did not decode the greedy baseline).
@@ -108,20 +108,20 @@ def remax(data: dict[str, Tensor], spec: AdvantageSpec, sum_fn: algos.SumFn) -> 
 
 
 def reinforce_pp(data: dict[str, Tensor], spec: AdvantageSpec, sum_fn: algos.SumFn) -> dict[str, Tensor]:
-    """REINFORCE++: batch-whitened discounted returns of the token rewards; ``algos.reinforce_pp_advantages``."""
+    """Returns {"advantages"}: REINFORCE++ batch-whitened discounted returns; ``algos.reinforce_pp_advantages``."""
     adv = algos.reinforce_pp_advantages(token_rewards(data, spec), data["response_mask"], gamma=spec.gamma, sum_fn=sum_fn)
     return {"advantages": adv}
 
 
 def reinforce_pp_baseline(data: dict[str, Tensor], spec: AdvantageSpec, sum_fn: algos.SumFn) -> dict[str, Tensor]:
-    """REINFORCE++-baseline: group-centred, batch-whitened; ``algos.reinforce_pp_baseline_advantages``."""
+    """Returns {"advantages"}: REINFORCE++-baseline, group-centred and batch-whitened (``algos``)."""
     rewards, valid, mask = _sequence_inputs(data, spec)
     adv = algos.reinforce_pp_baseline_advantages(rewards, data["group_id"], mask, valid_mask=valid, sum_fn=sum_fn)
     return {"advantages": adv}
 
 
 def ppo(data: dict[str, Tensor], spec: AdvantageSpec, sum_fn: algos.SumFn) -> dict[str, Tensor]:
-    """PPO: GAE(gamma, lambda) on the critic's values, advantages whitened over the step; returns for the critic.
+    """Returns {"advantages", "returns"}: PPO's GAE(gamma, lambda) on the critic's values, advantages whitened.
 
     Source: Schulman et al. 2017 with GAE (``algos.gae_advantages``); whitening as verl
     ``compute_gae_advantage_return`` and OpenRLHF do.

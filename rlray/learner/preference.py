@@ -111,7 +111,7 @@ def _chosen_nll_sum(logprobs: Tensor, mb: dict[str, Tensor]) -> Tensor:
 
 
 def dpo(logprobs: Tensor, mb: dict[str, Tensor], spec: PreferenceSpec, norm: PairNormaliser):
-    """DPO family (``algos.PAIRWISE_LOSSES[spec.dpo_loss]``) on summed sequence logprobs (TRL DPOTrainer)."""
+    """Returns (loss share, stats) of the DPO family, ``algos.PAIRWISE_LOSSES[spec.dpo_loss]`` (TRL DPOTrainer)."""
     c, r = _logps(logprobs, mb)
     ref_c, ref_r = mb["ref_chosen_logps"], mb["ref_rejected_logps"]
     extra = {"label_smoothing": spec.label_smoothing} if spec.dpo_loss == "robust" else {}
@@ -120,7 +120,7 @@ def dpo(logprobs: Tensor, mb: dict[str, Tensor], spec: PreferenceSpec, norm: Pai
 
 
 def ipo(logprobs: Tensor, mb: dict[str, Tensor], spec: PreferenceSpec, norm: PairNormaliser):
-    """IPO with length-normalised log ratios (TRL 1.16's form, ``algos.ipo_loss``)."""
+    """Returns (loss share, stats) of IPO with length-normalised log ratios (TRL 1.16's form, ``algos.ipo_loss``)."""
     c, r = _logps(logprobs, mb)
     ref_c, ref_r = mb["ref_chosen_logps"], mb["ref_rejected_logps"]
     len_c, len_r = _halves(mb["response_mask"].sum(-1))
@@ -131,7 +131,7 @@ def ipo(logprobs: Tensor, mb: dict[str, Tensor], spec: PreferenceSpec, norm: Pai
 
 
 def kto(logprobs: Tensor, mb: dict[str, Tensor], spec: PreferenceSpec, norm: PairNormaliser):
-    """KTO on the 2P unpaired examples (chosen desirable, rejected undesirable), mean over 2 * num_pairs."""
+    """Returns (loss share, stats) of KTO over 2P unpaired examples (chosen desirable, rejected not), mean over 2P."""
     logps = algos.sequence_logps(logprobs, mb["response_mask"])
     ref = torch.cat([mb["ref_chosen_logps"], mb["ref_rejected_logps"]])
     p = logps.shape[0] // 2
@@ -150,7 +150,7 @@ def kto(logprobs: Tensor, mb: dict[str, Tensor], spec: PreferenceSpec, norm: Pai
 
 
 def orpo(logprobs: Tensor, mb: dict[str, Tensor], spec: PreferenceSpec, norm: PairNormaliser):
-    """ORPO: chosen NLL (token-mean over the step's chosen tokens) + mean odds-ratio loss (Hong et al. 2024 eq. 6)."""
+    """Returns (loss share, stats) of ORPO: chosen token-mean NLL + mean odds-ratio loss (Hong et al. 2024 eq. 6)."""
     avg_c, avg_r = _logps(logprobs, mb, average=True)
     nll = _chosen_nll_sum(logprobs, mb) / max(norm.num_chosen_tokens, 1.0) * norm.world_size
     odds = _mean_over_step(algos.orpo_odds_ratio_loss(avg_c, avg_r, beta=spec.beta), norm.num_pairs, norm)
@@ -158,20 +158,20 @@ def orpo(logprobs: Tensor, mb: dict[str, Tensor], spec: PreferenceSpec, norm: Pa
 
 
 def simpo(logprobs: Tensor, mb: dict[str, Tensor], spec: PreferenceSpec, norm: PairNormaliser):
-    """SimPO, reference-free on length-averaged logprobs (``algos.simpo_loss``)."""
+    """Returns (loss share, stats) of SimPO, reference-free on length-averaged logprobs (``algos.simpo_loss``)."""
     avg_c, avg_r = _logps(logprobs, mb, average=True)
     losses = algos.simpo_loss(avg_c, avg_r, beta=spec.beta, gamma=spec.simpo_gamma)
     return _mean_over_step(losses, norm.num_pairs, norm), _stats(spec.beta * avg_c, spec.beta * avg_r)
 
 
 def sft(logprobs: Tensor, mb: dict[str, Tensor], spec: PreferenceSpec, norm: PairNormaliser):
-    """SFT: token-mean NLL of the chosen responses over the step (the rejected ones only feed the accuracy)."""
+    """Returns (loss share, stats) of SFT: token-mean NLL of the chosen responses (the rejected ones only feed the accuracy)."""
     nll = _chosen_nll_sum(logprobs, mb) / max(norm.num_chosen_tokens, 1.0) * norm.world_size
     return nll, _stats(*_logps(logprobs.detach(), mb, average=True))
 
 
 def reward_model(scores: Tensor, mb: dict[str, Tensor], spec: PreferenceSpec, norm: PairNormaliser):
-    """Bradley-Terry reward-model loss with optional centering (``algos.bradley_terry_loss``, TRL RewardTrainer)."""
+    """Returns (loss share, stats) of the Bradley-Terry loss with centering (``algos.bradley_terry_loss``, TRL)."""
     c, r = _halves(scores)
     losses = algos.bradley_terry_loss(c, r, center_coef=spec.rm_center_coef)
     return _mean_over_step(losses, norm.num_pairs, norm), _stats(c, r)
