@@ -68,6 +68,10 @@ def resolve_paths(cfg: Config, base: Path | None = None) -> Config:
     out.data.train_files = [local(p) for p in cfg.data.train_files]
     out.data.eval_files = [local(p) for p in cfg.data.eval_files]
     out.model.path = local(cfg.model.path)
+    out.offline.pairs_files = [local(p) for p in cfg.offline.pairs_files]
+    for section in (out.reward, out.critic):
+        if section.model_path is not None:
+            section.model_path = local(section.model_path)
     for fn in out.reward.functions:
         target, name = fn.path.rsplit(":", 1) if ":" in fn.path else (fn.path, "")
         if target.endswith(".py"):
@@ -115,11 +119,12 @@ def learner_trainer(cfg: Config, loop_config: dict):
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from rlray.loop import train_worker
+    from rlray import loop, offline
 
     res = cfg.resources.learner
+    # offline methods train on preference pairs: no rollout actors, their own step loop
     return TorchTrainer(
-        train_worker,
+        loop.train_worker if cfg.algo.family == "online" else offline.train_worker,
         train_loop_config=loop_config,
         scaling_config=ScalingConfig(
             num_workers=res.num_workers,
@@ -151,11 +156,12 @@ def run_training(cfg: Config) -> TrainResult:
     actors, reference, pg, own_app = [], None, None, False
     status = "FAILED"
     try:
-        pg = rollout_placement_group(cfg)
-        actors = start_rollout_actors(cfg, model_dir, max_model_len(cfg), pg)
-        if cfg.reward.server.enabled:
+        if cfg.algo.family == "online":
+            pg = rollout_placement_group(cfg)
+            actors = start_rollout_actors(cfg, model_dir, max_model_len(cfg), pg)
+        if cfg.reward.server.enabled and cfg.algo.family == "online":
             own_app = start_reward_server(cfg)
-        if cfg.algo.kl_coef > 0 and cfg.resources.reference.placement == "actor":
+        if cfg.algo.family == "online" and cfg.algo.kl_coef > 0 and cfg.resources.reference.placement == "actor":
             reference = start_reference_actor(cfg, model_dir)
         trainer = learner_trainer(cfg, {
             "config": cfg.model_dump(mode="json"),

@@ -29,14 +29,17 @@ import pyarrow as pa
 import ray
 import torch
 
-from rlray import algos, schema
+from rlray import online_sampling, schema
 from rlray.checkpoint import save_final
 from rlray.collective import Collective
 from rlray.config import Config
 from rlray.data import PromptStream, load_prompt_rows, prepare_prompts
 from rlray.fleet import RolloutFleet, RolloutPipeline
-from rlray.learner import LossSpec, Normaliser, PolicyLearner
-from rlray.models import load_tokenizer
+from rlray.learner import POLICY_LOSS_OF, AdvantageSpec, LossSpec, Normaliser, PolicyLearner
+from rlray.learner import online as learner_online
+from rlray.learner.critic import build_critic
+from rlray.models import load_tokenizer, resolve_model_path
+from rlray.online_sampling import Rollouts
 from rlray.reward import RewardScorer
 from rlray.reward.server import LocalRewardClient, ScoreResult, ServeRewardClient
 from rlray.rollout import Completion, SamplingSpec
@@ -125,6 +128,8 @@ def scorer_kwargs(cfg: Config) -> dict:
         "correct_weight": cfg.reward.correct_weight,
         "format_weight": cfg.reward.format_weight,
         "functions": [(f.path, f.weight) for f in cfg.reward.functions],
+        "model_path": cfg.reward.model_path,
+        "model_weight": cfg.reward.model_weight,
     }
 
 
@@ -140,13 +145,41 @@ def reward_client(cfg: Config) -> LocalRewardClient | ServeRewardClient:
     return LocalRewardClient(build_scorer(cfg), cfg.reward.version)
 
 
+def algorithm_sampling(
+    ctx: Context, sampling: SamplingSpec, batch: Rollouts
+) -> tuple[Rollouts, list[float] | None, dict[str, float]]:
+    """Stage 3b (rank 0): DAPO refill, overlong shaping and ReMax's greedy baseline (``online_sampling.apply``)."""
+
+    def draw(num_prompts: int, round_index: int) -> Rollouts:  # stages 1-3 for further prompts, reseeded per round
+        rows = ctx.stream.next_batch(num_prompts)
+        ids = [ctx.prompt_ids[r.prompt_id] for r in rows]
+        seed = None if sampling.seed is None else sampling.seed + 100_003 * round_index
+        completions = rollout(ctx.fleet, ids, dataclasses.replace(sampling, seed=seed))
+        return Rollouts(rows, ids, completions, score(ctx.reward, rows, completions, ctx.tokenizer).values)
+
+    def greedy(b: Rollouts) -> Rollouts:  # one temperature-0 completion per prompt, scored
+        done = rollout(ctx.fleet, b.prompt_ids, SamplingSpec(n=1, max_new_tokens=sampling.max_new_tokens, temperature=0.0))
+        return Rollouts(b.rows, b.prompt_ids, done, score(ctx.reward, b.rows, done, ctx.tokenizer).values)
+
+    return online_sampling.apply(batch, draw, greedy, online_sampling.spec_from(ctx.cfg))
+
+
 def build_experience(
-    rows: list[Any], prompt_ids: list[list[int]], completions: list[Completion], rewards: dict[str, list[float]]
+    rows: list[Any],
+    prompt_ids: list[list[int]],
+    completions: list[Completion],
+    rewards: dict[str, list[float]],
+    baseline_rewards: list[float] | None = None,
 ) -> pa.Table:
-    """Returns the step's experience table (``schema.EXPERIENCE_SCHEMA``), one row per completion."""
+    """Returns the step's experience table (``schema.EXPERIENCE_SCHEMA``), one row per completion.
+
+    ``baseline_rewards`` (ReMax: the greedy response's reward, one per completion) fills baseline_reward.
+    """
     comps = {k: v for k, v in rewards.items() if k != "reward"}
+    extra = {} if baseline_rewards is None else {"baseline_reward": baseline_rewards}
     return schema.make_table(
         {
+            **extra,
             "prompt_id": [rows[c.prompt_index].prompt_id for c in completions],
             "group_id": [c.prompt_index for c in completions],
             "sample_index": [c.sample_index for c in completions],
@@ -192,77 +225,48 @@ def distribute(ctx: Context, table: pa.Table | None, rollout_metrics: dict[str, 
     return ray.get(batch.shard_refs[ctx.rank]), batch
 
 
+def update_spec(cfg: Config, world: int) -> learner_online.UpdateSpec:
+    """Returns the plain values of stages 4-6 from ``cfg.algo``, ``cfg.learner`` and ``cfg.critic``."""
+    a, ln = cfg.algo, cfg.learner
+    kl_in_loss = a.kl_in == "loss"
+    return learner_online.UpdateSpec(
+        algo=a.name,
+        loss=LossSpec(
+            a.clip_eps_low, a.clip_eps_high, a.kl_coef if kl_in_loss else 0.0, a.kl_estimator, a.loss_agg,
+            cfg.rollout.max_new_tokens, POLICY_LOSS_OF[a.name], a.dual_clip, a.entropy_coef, a.tis_cap, a.tis_level,
+        ),
+        advantage=AdvantageSpec(
+            a.adv_std_scale, a.adv_eps, a.gamma, a.gae_lambda, 0.0 if kl_in_loss else a.kl_coef, a.kl_estimator
+        ),
+        epochs=ln.epochs,
+        rows_per_minibatch=ln.sequences_per_minibatch // world,
+        microbatch_size=ln.sequences_per_microbatch,
+        old_logprobs_before_update=ln.epochs > 1 or cfg.minibatches_per_epoch > 1 or (not kl_in_loss and a.kl_coef > 0),
+        value_clip_eps=cfg.critic.value_clip_eps,
+        loss_world_size=world,
+    )  # fmt: skip
+
+
 def reference_and_old_logprobs(ctx: Context, data: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Stage 4: adds ref_logprobs (when KL is on) and old_logprobs (when the update is off-policy).
+    """Stage 4: adds ref_logprobs (KL on), old_logprobs (off-policy update or KL in the reward) and old_values (PPO).
 
     With one epoch and one mini-batch the update is on-policy: old logprobs equal the current ones
-    and are taken inside the update (no extra forward), as TRL does for a single iteration.
+    and are taken inside the update (no extra forward), as TRL does for a single iteration, unless the
+    KL sits in the reward, whose penalty needs them before the advantages.
     """
-    cfg, mbs = ctx.cfg, ctx.cfg.learner.sequences_per_microbatch
     if ctx.reference_actor is not None:  # resources.reference.placement == "actor"
-        data["ref_logprobs"] = ray.get(ctx.reference_actor.logprobs.remote(data, mbs))
-    elif ctx.learner.has_reference:
-        data["ref_logprobs"] = ctx.learner.logprobs(data, reference=True, microbatch_size=mbs)
-    if cfg.learner.epochs > 1 or cfg.minibatches_per_epoch > 1:
-        data["old_logprobs"] = ctx.learner.logprobs(data, reference=False, microbatch_size=mbs)
-    return data
+        data["ref_logprobs"] = ray.get(ctx.reference_actor.logprobs.remote(data, ctx.cfg.learner.sequences_per_microbatch))
+    return learner_online.reference_and_old(ctx.learner, data, update_spec(ctx.cfg, ctx.world))
 
 
 def compute_advantages(ctx: Context, data: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Stage 5: GRPO group-normalised advantages, broadcast over each response's tokens.
-
-    Shards hold whole groups, so group statistics are local; ``adv_std_scale='batch'`` takes the
-    std over all ranks' rewards.
-    """
-    a = ctx.cfg.algo
-    rewards = data["reward"]
-    if a.adv_std_scale == "batch" and ctx.world > 1:
-        all_rewards = ctx.coll.all_gather(rewards)
-        centred = algos.grpo_advantages(rewards, data["group_id"], std_scale="none", eps=a.adv_eps)
-        adv = centred / (all_rewards.std() + a.adv_eps)
-    else:
-        adv = algos.grpo_advantages(rewards, data["group_id"], std_scale=a.adv_std_scale, eps=a.adv_eps)
-    data["advantages"] = adv[:, None].expand_as(data["response_mask"]).float() * data["response_mask"]
-    return data
+    """Stage 5: the algorithm's advantages (``learner.ADVANTAGE_ESTIMATORS[algo.name]``), batch statistics over all ranks."""
+    return learner_online.advantages(data, update_spec(ctx.cfg, ctx.world), ctx.coll.all_reduce_sum)
 
 
 def update_policy(ctx: Context, data: dict[str, torch.Tensor], norms: list[Normaliser]) -> dict[str, float]:
-    """Stage 6: epochs x mini-batches of optimizer steps; returns summed statistics over all ranks."""
-    cfg = ctx.cfg
-    spec = LossSpec(
-        clip_eps_low=cfg.algo.clip_eps_low,
-        clip_eps_high=cfg.algo.clip_eps_high,
-        kl_coef=cfg.algo.kl_coef,
-        kl_estimator=cfg.algo.kl_estimator,
-        loss_agg=cfg.algo.loss_agg,
-        max_response_tokens=cfg.rollout.max_new_tokens,
-        is_level=cfg.rollout.is_correction,
-        is_cap=cfg.rollout.is_cap,
-    )
-    k = cfg.learner.sequences_per_minibatch // ctx.world
-    totals: dict[str, float] = {}
-    steps = 0
-    for epoch in range(cfg.learner.epochs):
-        for m, norm in enumerate(norms):
-            mb = {key: v[m * k : (m + 1) * k] for key, v in data.items()}
-            stats = ctx.learner.train_minibatch(mb, spec, norm, cfg.learner.sequences_per_microbatch)
-            steps += 1
-            for key, v in stats.items():
-                if epoch == 0 or key in ("grad_norm", "loss", "lr"):
-                    totals[key] = totals.get(key, 0.0) + v
-    keys = ("pg_loss_sum", "kl_sum", "clipped_sum", "rollout_diff_sum", "tokens", "loss")
-    summed = ctx.coll.all_reduce_sum({k: totals[k] for k in keys})
-    tokens = max(summed["tokens"], 1.0)
-    return {
-        "learner/pg_loss": summed["pg_loss_sum"] / tokens,
-        "algo/kl": summed["kl_sum"] / tokens,
-        "algo/clip_fraction": summed["clipped_sum"] / tokens,
-        "rollout/logprob_abs_diff": summed["rollout_diff_sum"] / tokens,
-        # each rank's loss is its share of the mini-batch loss times world (Normaliser.world_size)
-        "learner/loss": summed["loss"] / (steps * ctx.world),
-        "learner/grad_norm": totals["grad_norm"] / steps,
-        "learner/lr": totals["lr"] / steps,
-    }
+    """Stage 6: epochs x mini-batches of optimizer steps (and PPO's critic); returns statistics summed over ranks."""
+    return learner_online.update(ctx.learner, data, norms, update_spec(ctx.cfg, ctx.world), ctx.coll.all_reduce_sum)
 
 
 def sync_weights(ctx: Context) -> int:
@@ -320,9 +324,13 @@ def run_step(ctx: Context, step: int) -> dict[str, float]:
         t = time.perf_counter()
         scored = score(ctx.reward, rows, completions, ctx.tokenizer)
         timings["timing/reward_s"] = time.perf_counter() - t
-        table = build_experience(rows, prompt_ids, completions, scored.values)
-        stats = rollout_stats(table, scored.values, cfg.learner.prompts_per_step, ctx.policy_version)
-        rmetrics = {**stats, **timings, "reward/version": float(scored.version)}
+        t = time.perf_counter()  # algorithm extras: DAPO refill, overlong shaping, ReMax baseline
+        sampling = sampling_for_step(cfg, step)
+        got, baseline, algo_metrics = algorithm_sampling(ctx, sampling, Rollouts(rows, prompt_ids, completions, scored.values))
+        timings["timing/algo_sampling_s"] = time.perf_counter() - t
+        table = build_experience(got.rows, got.prompt_ids, got.completions, got.rewards, baseline)
+        stats = rollout_stats(table, got.rewards, cfg.learner.prompts_per_step, ctx.policy_version)
+        rmetrics = {**stats, **algo_metrics, **timings, "reward/version": float(scored.version)}
     shard, batch = distribute(ctx, table, rmetrics)
     data = schema.collate(shard, ctx.pad_token_id)
     t = time.perf_counter()
@@ -388,6 +396,12 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def build_ppo_critic(cfg: Config, model_dir: str, wrap: Any) -> PolicyLearner:
+    """Returns PPO's critic learner: a value head on ``critic.model_path`` (resolved), or on the policy checkpoint."""
+    path = resolve_model_path(cfg.critic.model_path) if cfg.critic.model_path else model_dir
+    return build_critic(path, dtype=cfg.model.dtype, lr=cfg.critic.lr, max_grad_norm=cfg.critic.max_grad_norm, wrap_model=wrap)
+
+
 def setup(
     cfg: Config, model_dir: str, actors: list[Any], run_id: str | None, coll: Collective, reference_actor: Any = None
 ) -> Context:
@@ -395,7 +409,9 @@ def setup(
     torch.set_num_threads(cfg.learner.torch_threads)
     seed_everything(cfg.run.seed + coll.rank)
     tokenizer = load_tokenizer(model_dir, cfg.model.chat_template)
-    learner = PolicyLearner(model_dir, **learner_kwargs(cfg, coll.world, with_reference=reference_actor is None))
+    kwargs = learner_kwargs(cfg, coll.world, with_reference=reference_actor is None)
+    critic = build_ppo_critic(cfg, model_dir, kwargs["wrap_model"]) if cfg.algo.name == "ppo" else None
+    learner = PolicyLearner(model_dir, critic=critic, **kwargs)
     ctx = Context(cfg, coll.rank, coll.world, coll, learner, tokenizer.pad_token_id, actors=actors, tokenizer=tokenizer)
     ctx.reference_actor = reference_actor
     if coll.rank == 0:

@@ -50,6 +50,7 @@ FIELDS: tuple[Field, ...] = (
     Field("reward", pa.float32(), "", "scalar sequence reward (weighted sum of the components)"),
     Field("reward_components", pa.map_(pa.string(), pa.float32()), "", "named reward terms, e.g. accuracy, format"),
     Field("advantages", pa.list_(pa.float32()), "T", "per-token advantage (a sequence advantage broadcast over T)", True),
+    Field("baseline_reward", pa.float32(), "", "ReMax: reward of the greedy response to the same prompt (else null)", True),
     Field("policy_version", pa.int64(), "", "policy version of the rollout engine that generated the row"),
     Field("finish_reason", pa.string(), "", "'stop' (EOS) or 'length' (hit max_new_tokens)"),
 )
@@ -151,13 +152,40 @@ def _pad(lists: list[list[Any]], width: int, value: Any, dtype: torch.dtype, lef
     return out
 
 
+def pack_sequences(
+    prompts: list[list[int]], responses: list[list[int]], pad_token_id: int
+) -> dict[str, torch.Tensor]:
+    """Returns the learner's forward layout for (prompt, response) token lists: left-padded prompts, right-padded responses.
+
+    Every row's response starts at column Pm (the longest prompt). Masks and position ids come from
+    lengths, never from token values, so ``pad_token_id == eos_token_id`` is safe.
+
+    Returns:
+        input_ids [B, Pm+T] int64, attention_mask [B, Pm+T] int64 (1 = real token), position_ids
+        [B, Pm+T] int64 (0 at the first real token), response_ids [B, T] int64 (pad_token_id after
+        the response), response_lengths [B] int64 (tokens).
+    """
+    p_max = max((len(p) for p in prompts), default=0)
+    t_max = max((len(r) for r in responses), default=0)
+    ones = lambda rows: [[1] * len(r) for r in rows]  # noqa: E731
+    attention = torch.cat([_pad(ones(prompts), p_max, 0, torch.long, left=True), _pad(ones(responses), t_max, 0, torch.long)], 1)
+    response_ids = _pad(responses, t_max, pad_token_id, torch.long)
+    return {
+        "input_ids": torch.cat([_pad(prompts, p_max, pad_token_id, torch.long, left=True), response_ids], 1),
+        "attention_mask": attention,
+        "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
+        "response_ids": response_ids,
+        "response_lengths": torch.tensor([len(r) for r in responses], dtype=torch.long),
+    }
+
+
 def collate(table: pa.Table, pad_token_id: int) -> dict[str, torch.Tensor]:
     """Returns padded tensors for a learner forward over the rows of ``table``.
 
-    Layout: prompts are left-padded to the longest prompt (Pm) and responses right-padded to the
-    longest response (T), so every row's response starts at column Pm of ``input_ids``. Masks and
-    position ids come from lengths, never from token values, so ``pad_token_id == eos_token_id``
-    is safe.
+    Layout (``pack_sequences``): prompts are left-padded to the longest prompt (Pm) and responses
+    right-padded to the longest response (T), so every row's response starts at column Pm of
+    ``input_ids``. Masks and position ids come from lengths, never from token values, so
+    ``pad_token_id == eos_token_id`` is safe.
 
     Returns:
         input_ids [B, Pm+T] int64, attention_mask [B, Pm+T] int64 (1 = real token),
@@ -165,28 +193,24 @@ def collate(table: pa.Table, pad_token_id: int) -> dict[str, torch.Tensor]:
         (pad_token_id after the response), response_mask [B, T] bool (from the table, False past
         each response), reward [B] float32, group_id [B] int64, policy_version [B] int64, and for
         each filled column rollout_logprobs / old_logprobs / ref_logprobs / advantages [B, T]
-        float32 (0.0 at padded positions).
+        float32 (0.0 at padded positions) and baseline_reward [B] float32.
     """
-    prompts = table.column("prompt_token_ids").to_pylist()
     responses = table.column("response_token_ids").to_pylist()
-    p_max = max((len(p) for p in prompts), default=0)
-    t_max = max((len(r) for r in responses), default=0)
-    ones = lambda rows: [[1] * len(r) for r in rows]  # noqa: E731
-    attention = torch.cat([_pad(ones(prompts), p_max, 0, torch.long, left=True), _pad(ones(responses), t_max, 0, torch.long)], 1)
-    out = {
-        "input_ids": torch.cat(
-            [_pad(prompts, p_max, pad_token_id, torch.long, left=True), _pad(responses, t_max, pad_token_id, torch.long)], 1
-        ),
-        "attention_mask": attention,
-        "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
-        "response_ids": _pad(responses, t_max, pad_token_id, torch.long),
-        "response_mask": _pad(table.column("response_mask").to_pylist(), t_max, False, torch.bool),
-        "reward": torch.tensor(table.column("reward").to_pylist(), dtype=torch.float32),
-        "group_id": torch.tensor(table.column("group_id").to_pylist(), dtype=torch.long),
-        "policy_version": torch.tensor(table.column("policy_version").to_pylist(), dtype=torch.long),
-    }
+    out = pack_sequences(table.column("prompt_token_ids").to_pylist(), responses, pad_token_id)
+    del out["response_lengths"]
+    t_max = out["response_ids"].shape[1]
+    out.update(
+        {
+            "response_mask": _pad(table.column("response_mask").to_pylist(), t_max, False, torch.bool),
+            "reward": torch.tensor(table.column("reward").to_pylist(), dtype=torch.float32),
+            "group_id": torch.tensor(table.column("group_id").to_pylist(), dtype=torch.long),
+            "policy_version": torch.tensor(table.column("policy_version").to_pylist(), dtype=torch.long),
+        }
+    )
     for name in ("rollout_logprobs", "old_logprobs", "ref_logprobs", "advantages"):
         col = table.column(name)
         if col.null_count == 0:
             out[name] = _pad(col.to_pylist(), t_max, 0.0, torch.float32)
+    if table.column("baseline_reward").null_count == 0:
+        out["baseline_reward"] = torch.tensor(table.column("baseline_reward").to_pylist(), dtype=torch.float32)
     return out

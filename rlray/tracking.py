@@ -21,6 +21,7 @@ from rlray.config import Config
 log = logging.getLogger(__name__)
 
 STAGES = ("rollout", "reward", "logprobs", "advantages", "update", "weight_sync", "eval", "step")
+ALGO_STAGES = ("algo_sampling", "reference")  # rank-0 DAPO/ReMax sampling extras; offline reference logprobs (once)
 
 METRIC_KEYS: tuple[str, ...] = (
     "reward/mean",
@@ -42,13 +43,45 @@ METRIC_KEYS: tuple[str, ...] = (
     "rollout/staleness_mean",
     "rollout/staleness_max",
     "reward/version",
+    "rollout/generated_tokens",
     "data/epoch",
     "data/skipped_long_prompts",
     "perf/tokens_per_s",
     "perf/generated_tokens_per_s",
     *(f"timing/{s}_s" for s in STAGES),
+    # online algorithm options (logged when the option is on)
+    "algo/entropy",
+    "algo/dual_clip_fraction",
+    "algo/tis_weight_mean",
+    "algo/dynamic_sampling_rounds",
+    "reward/baseline_mean",
+    "reward/overlong_penalty_mean",
+    "reward/model_score",
+    # PPO's critic
+    "learner/value_loss",
+    "learner/critic_grad_norm",
+    "algo/value_clip_fraction",
+    # offline methods: (implicit) rewards of chosen and rejected responses, per step and on the eval pairs
+    "algo/pairwise_accuracy",
+    "algo/reward_margin",
+    "algo/chosen_reward",
+    "algo/rejected_reward",
+    "algo/kto_kl",
+    "data/train_pairs",
+    "data/eval_pairs",
+    "data/skipped_pairs",
+    *(f"timing/{s}_s" for s in ALGO_STAGES),
 )
-EVAL_KEYS: tuple[str, ...] = ("eval/accuracy", "eval/format_rate", "eval/response_tokens_mean")
+EVAL_KEYS: tuple[str, ...] = (
+    "eval/accuracy",
+    "eval/format_rate",
+    "eval/response_tokens_mean",
+    "eval/loss",
+    "eval/pairwise_accuracy",
+    "eval/reward_margin",
+    "eval/chosen_reward",
+    "eval/rejected_reward",
+)
 
 _BAD = re.compile(r"[^0-9A-Za-z_\-. /]")
 

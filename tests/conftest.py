@@ -1,4 +1,4 @@
-"""Shared pytest fixtures: the repository root, real GSM8K rows, and the tiny random model."""
+"""Shared pytest fixtures: the repository root, real GSM8K rows and hh-rlhf pairs, and the tiny random model."""
 
 from __future__ import annotations
 
@@ -43,6 +43,17 @@ def gsm8k_dir(repo_root: Path) -> Path:
         if not os.environ.get(MIRROR_ENV):
             patch.setenv(MIRROR_ENV, str(repo_root.parent / "shared" / "data"))
         return fetch_dataset("gsm8k", repo_root / "data")
+
+
+@pytest.fixture(scope="session")
+def hh_rlhf_dir(repo_root: Path) -> Path:
+    """Returns <repo>/data/hh-rlhf-harmless with test.jsonl.gz, fetched from the data mirror if missing."""
+    from rlray.data.fetch import MIRROR_ENV, fetch_dataset
+
+    with pytest.MonkeyPatch.context() as patch:
+        if not os.environ.get(MIRROR_ENV):
+            patch.setenv(MIRROR_ENV, str(repo_root.parent / "shared" / "data"))
+        return fetch_dataset("hh-rlhf-harmless", repo_root / "data")
 
 
 @pytest.fixture(scope="session")

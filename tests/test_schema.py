@@ -82,3 +82,11 @@ def test_collate_layout_left_prompt_right_response():
     assert torch.equal(b["rollout_logprobs"][0], torch.tensor([-0.5, -1.0, 0.0]))
     assert "old_logprobs" not in b
     assert b["reward"].dtype == torch.float32 and b["group_id"].tolist() == [0, 0, 1, 1]
+
+
+def test_collate_carries_remax_baseline_when_filled():
+    rows = _rows()
+    assert "baseline_reward" not in schema.collate(schema.make_table(rows), pad_token_id=0)
+    rows["baseline_reward"] = [0.5, 0.5, 0.25, 0.25]
+    out = schema.collate(schema.make_table(rows), pad_token_id=0)
+    assert out["baseline_reward"].tolist() == [0.5, 0.5, 0.25, 0.25] and out["baseline_reward"].dtype == torch.float32

@@ -14,6 +14,9 @@ Choose an algorithm's pieces from the plain dicts below; every function in one d
         "sigmoid", "ipo" (also takes chosen_num_tokens=, rejected_num_tokens=), "robust" (label_smoothing=),
         "hinge"
 
+Batch-level statistics (GRPO's batch std, ``whiten`` and the REINFORCE++ estimators) take ``sum_fn``
+(``SumFn``: sums a 0-dim tensor over data-parallel ranks), so a sharded step whitens over the whole step.
+
 The rest have their own signatures: token-level estimators (``reinforce_pp_advantages``,
 ``reinforce_pp_baseline_advantages``, ``gae_advantages``), ``remax_advantages``, ``kl_penalty``,
 ``aggregate_loss``, ``value_loss``, KTO/ORPO/SimPO/Bradley-Terry and the DAPO helpers.
@@ -21,6 +24,7 @@ The rest have their own signatures: token-level estimators (``reinforce_pp_advan
 
 from rlray.algos.advantages import (
     STD_SCALES,
+    SumFn,
     dr_grpo_advantages,
     grpo_advantages,
     reinforce_pp_advantages,
@@ -86,6 +90,7 @@ __all__ = [
     "PAIRWISE_LOSSES",
     "POLICY_LOSSES",
     "STD_SCALES",
+    "SumFn",
     "DynamicSamplingError",
     "aggregate_loss",
     "bradley_terry_loss",

@@ -12,10 +12,22 @@ GAE (it needs a critic) lives in value.py.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
 STD_SCALES = ("group", "batch", "none")
+
+SumFn = Callable[[Tensor], Tensor]
+"""Sums a 0-dim tensor over the data-parallel ranks that share a batch (identity for one rank).
+
+Batch-level statistics (GRPO's batch std, REINFORCE++ whitening) take one, so that every rank of a sharded step
+computes the statistics of the whole step: the learner passes an all-reduce over its collective."""
+
+
+def _local_sum(x: Tensor) -> Tensor:
+    return x
 
 
 # --------------------------------------------------------------------------------------------
@@ -88,6 +100,7 @@ def grpo_advantages(
     std_scale: str = "group",
     eps: float = 1e-6,
     valid_mask: Tensor | None = None,
+    sum_fn: SumFn | None = None,
 ) -> Tensor:
     """Returns [B] float32 per-sequence advantages (r - mean_g) / (std + eps), 0 for invalid rows.
 
@@ -102,6 +115,8 @@ def grpo_advantages(
         std_scale: "group" | "batch" | "none".
         eps: added to the std before dividing (TRL uses 1e-4, our config default is 1e-6).
         valid_mask: [B] bool, False for rows without a reward; None means all valid.
+        sum_fn: with std_scale "batch", sums the batch statistics over data-parallel ranks (``SumFn``), so the
+            std is the whole step's; None means this batch alone. Groups must not span ranks.
 
     Raises:
         ValueError: unknown std_scale, eps <= 0 with a std scale, bad shapes/dtypes, or a non-finite reward
@@ -123,9 +138,10 @@ def grpo_advantages(
     if std_scale == "group":
         std = _unbiased_std(_per_group_sum(deviation.square(), group_ids), count)
     else:
-        n = valid_mask.sum().to(rewards.dtype)
-        batch_dev = torch.where(valid_mask, zeroed - zeroed.sum() / n.clamp(min=1.0), torch.zeros_like(zeroed))
-        std = _unbiased_std(batch_dev.square().sum(), n).expand_as(rewards)
+        total = sum_fn or _local_sum
+        n = total(valid_mask.sum().to(rewards.dtype))
+        batch_dev = torch.where(valid_mask, zeroed - total(zeroed.sum()) / n.clamp(min=1.0), torch.zeros_like(zeroed))
+        std = _unbiased_std(total(batch_dev.square().sum()), n).expand_as(rewards)
     return deviation / (std + eps)
 
 
@@ -239,7 +255,9 @@ def token_level_rewards(
 
 
 @torch.no_grad()
-def whiten(values: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+def whiten(
+    values: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: float = 1e-8, sum_fn: SumFn | None = None
+) -> Tensor:
     """Returns [B, T] values normalised to zero mean and unit variance over the masked positions.
 
     ``(x - mean) * rsqrt(var + eps)`` with the unbiased (n - 1) variance over positions where ``mask`` is
@@ -250,6 +268,8 @@ def whiten(values: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: float 
         mask: [B, T] bool, True where the value counts (the whole step's batch: whitening is batch-global).
         shift_mean: subtract the mean (True) or keep it (False).
         eps: added to the variance (units of values squared).
+        sum_fn: sums the count, sum and squared deviations over data-parallel ranks (``SumFn``), so that the
+            mean and variance are the whole step's (two passes, as the local form); None means this batch alone.
 
     Raises:
         ValueError: shapes differ or the mask is not bool.
@@ -258,10 +278,11 @@ def whiten(values: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: float 
     """
     if values.shape != mask.shape or mask.dtype != torch.bool:
         raise ValueError(f"whiten: values {tuple(values.shape)} and bool mask {tuple(mask.shape)} must match")
+    total = sum_fn or _local_sum
     zero = torch.zeros_like(values)
-    n = mask.sum().to(values.dtype)
-    mean = torch.where(mask, values, zero).sum() / n.clamp(min=1.0)
-    var = torch.where(mask, (values - mean).square(), zero).sum() / (n - 1.0).clamp(min=1.0)
+    n = total(mask.sum().to(values.dtype))
+    mean = total(torch.where(mask, values, zero).sum()) / n.clamp(min=1.0)
+    var = total(torch.where(mask, (values - mean).square(), zero).sum()) / (n - 1.0).clamp(min=1.0)
     out = (values - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
@@ -270,7 +291,7 @@ def whiten(values: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: float 
 
 @torch.no_grad()
 def reinforce_pp_advantages(
-    token_rewards: Tensor, response_mask: Tensor, *, gamma: float = 1.0, eps: float = 1e-8
+    token_rewards: Tensor, response_mask: Tensor, *, gamma: float = 1.0, eps: float = 1e-8, sum_fn: SumFn | None = None
 ) -> Tensor:
     """Returns [B, T] float32 REINFORCE++ advantages: batch-whitened discounted returns-to-go.
 
@@ -283,6 +304,7 @@ def reinforce_pp_advantages(
         response_mask: [B, T] bool, True on tokens that count. Pass the whole step's batch (global whitening).
         gamma: discount per token (1.0 in the paper).
         eps: variance floor for ``whiten``.
+        sum_fn: makes the whitening global over data-parallel ranks (see ``whiten``).
 
     Raises:
         ValueError: shapes differ, mask not bool, or gamma outside [0, 1].
@@ -303,7 +325,7 @@ def reinforce_pp_advantages(
         valid = response_mask[:, t]
         running = torch.where(valid, token_rewards[:, t] + gamma * running, running)
         returns[:, t] = torch.where(valid, running, torch.zeros_like(running))
-    return whiten(returns, response_mask, eps=eps)
+    return whiten(returns, response_mask, eps=eps, sum_fn=sum_fn)
 
 
 @torch.no_grad()
@@ -314,6 +336,7 @@ def reinforce_pp_baseline_advantages(
     *,
     valid_mask: Tensor | None = None,
     eps: float = 1e-8,
+    sum_fn: SumFn | None = None,
 ) -> Tensor:
     """Returns [B, T] float32 REINFORCE++-baseline advantages: (r - mean_g) on every token, batch-whitened.
 
@@ -327,6 +350,7 @@ def reinforce_pp_baseline_advantages(
         response_mask: [B, T] bool, True on tokens that count. Pass the whole step's batch.
         valid_mask: [B] bool, False for rows without a reward.
         eps: variance floor for ``whiten``.
+        sum_fn: makes the whitening global over data-parallel ranks (see ``whiten``); groups stay on one rank.
 
     Raises:
         ValueError: bad shapes/dtypes or a non-finite reward on a valid row.
@@ -343,4 +367,4 @@ def reinforce_pp_baseline_advantages(
     valid_mask = valid_mask & response_mask.any(dim=-1)
     centred = dr_grpo_advantages(rewards, group_ids, valid_mask=valid_mask)
     token_mask = response_mask & valid_mask[:, None]
-    return whiten(centred[:, None].expand(response_mask.shape).contiguous(), token_mask, eps=eps)
+    return whiten(centred[:, None].expand(response_mask.shape).contiguous(), token_mask, eps=eps, sum_fn=sum_fn)

@@ -1,17 +1,22 @@
-"""Prompt data: GSM8K-style rows, chat-template rendering, the training cursor, and dataset fetching."""
+"""Prompt data (GSM8K-style rows, chat templates, the training cursor), preference pairs, and dataset fetching."""
 
 from rlray.data.fetch import FetchError, fetch_dataset
 from rlray.data.gsm8k import DataError, PromptRow, load_prompt_rows
+from rlray.data.pairs import PreferencePair, load_preference_pairs, pairs_table, split_pairs
 from rlray.data.prompts import PromptStream, filter_long_prompts, prepare_prompts, render_prompt
 
 __all__ = [
     "DataError",
     "FetchError",
+    "PreferencePair",
     "PromptRow",
     "PromptStream",
     "fetch_dataset",
     "filter_long_prompts",
+    "load_preference_pairs",
     "load_prompt_rows",
+    "pairs_table",
     "prepare_prompts",
     "render_prompt",
+    "split_pairs",
 ]

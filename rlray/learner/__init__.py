@@ -1,10 +1,14 @@
-"""Policy learner: logprobs, the RL objective, optimizer steps and weight export."""
+"""Learner: logprobs, the online objective and advantages, PPO's critic, offline objectives, optimizer steps."""
 
+from rlray.learner.advantages import ADVANTAGE_ESTIMATORS, AdvantageSpec
 from rlray.learner.logprobs import autocast_context, response_logprobs
-from rlray.learner.objective import LossSpec, Normaliser, policy_objective
+from rlray.learner.objective import POLICY_LOSS_OF, LossSpec, Normaliser, policy_objective
 from rlray.learner.policy import PolicyLearner, split_microbatches
 
 __all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "POLICY_LOSS_OF",
+    "AdvantageSpec",
     "LossSpec",
     "Normaliser",
     "PolicyLearner",

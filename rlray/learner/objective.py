@@ -11,20 +11,42 @@ import torch
 
 from rlray import algos
 
+# The policy loss of each online algorithm (a key of ``algos.POLICY_LOSSES``).
+POLICY_LOSS_OF: dict[str, str] = {
+    "grpo": "ppo_clip",
+    "dr_grpo": "ppo_clip",
+    "dapo": "ppo_clip",
+    "gspo": "gspo",
+    "cispo": "cispo",
+    "rloo": "ppo_clip",
+    "reinforce_pp": "ppo_clip",
+    "reinforce_pp_baseline": "ppo_clip",
+    "remax": "ppo_clip",
+    "ppo": "ppo_clip",
+}
+
+STAT_KEYS = (
+    "pg_loss_sum", "kl_sum", "clipped_sum", "dual_clipped_sum", "entropy_sum", "tis_weight_sum", "rollout_diff_sum",
+    "tokens",
+)  # fmt: skip
+
 
 @dataclass(frozen=True)
 class LossSpec:
     """Plain values that choose and parametrise the policy objective (built from the config by the loop).
 
     Attributes:
-        clip_eps_low / clip_eps_high: PPO ratio clip range [1 - low, 1 + high] (DAPO clip-higher).
-        kl_coef: weight of the per-token KL-to-reference term added to the loss (0 disables it).
+        clip_eps_low / clip_eps_high: ratio clip range [1 - low, 1 + high] (DAPO clip-higher).
+        kl_coef: weight of the per-token KL-to-reference term added to the loss (0 disables it; the loop
+            passes 0 when the KL sits in the reward instead).
         kl_estimator: "k1" | "k2" | "k3".
         loss_agg: aggregation mode of ``algos.aggregate_loss``.
         max_response_tokens: the constant of "seq-mean-token-sum-norm" (rollout.max_new_tokens).
-        is_level: truncated importance-sampling correction for the behaviour policy (the rollout
-            engine, possibly stale in async mode): "off", "token" or "sequence".
-        is_cap: truncation cap C of those weights.
+        policy_loss: a key of ``algos.POLICY_LOSSES`` ("ppo_clip", "gspo", "cispo").
+        dual_clip: dual-clip constant c > 1 for "ppo_clip", or None.
+        entropy_coef: weight of the entropy bonus (0 disables it and skips computing the entropy).
+        tis_cap: truncated importance-sampling cap on pi_learner / pi_rollout, or None.
+        tis_level: "token" | "sequence".
     """
 
     clip_eps_low: float
@@ -33,8 +55,11 @@ class LossSpec:
     kl_estimator: str
     loss_agg: str
     max_response_tokens: int
-    is_level: str = "off"
-    is_cap: float = 2.0
+    policy_loss: str = "ppo_clip"
+    dual_clip: float | None = None
+    entropy_coef: float = 0.0
+    tis_cap: float | None = None
+    tis_level: str = "token"
 
 
 @dataclass(frozen=True)
@@ -53,51 +78,74 @@ class Normaliser:
     world_size: int = 1
 
 
+def _policy_loss(logprobs: torch.Tensor, mb: dict[str, torch.Tensor], spec: LossSpec):
+    extra = {"dual_clip": spec.dual_clip} if spec.policy_loss == "ppo_clip" else {}
+    return algos.POLICY_LOSSES[spec.policy_loss](
+        logprobs,
+        mb["old_logprobs"],
+        mb["advantages"],
+        mb["response_mask"],
+        clip_eps_low=spec.clip_eps_low,
+        clip_eps_high=spec.clip_eps_high,
+        **extra,
+    )
+
+
 def policy_objective(
-    logprobs: torch.Tensor, mb: dict[str, torch.Tensor], spec: LossSpec, norm: Normaliser
+    logprobs: torch.Tensor,
+    mb: dict[str, torch.Tensor],
+    spec: LossSpec,
+    norm: Normaliser,
+    *,
+    entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Returns the micro-batch's share of the mini-batch loss, and per-token-summed diagnostics.
 
-    loss = aggregate(w * ppo_clip(logprobs, old_logprobs, A) + kl_coef * KL(logprobs, ref_logprobs)),
-    following GRPO (Shao et al. 2024, eq. 3) with TRL GRPOTrainer's placement of the KL inside the
-    per-token loss, and w the truncated importance weights of ``spec.is_level`` (1 when "off"):
-    min(exp(old - rollout logprobs), C), which correct for samples drawn by the rollout engine's
-    (possibly stale) policy, as TRL's vllm_importance_sampling_correction does. Summing the returned loss over the micro-batches of a mini-batch (and averaging
-    gradients over ranks) gives the full mini-batch loss.
+    loss = aggregate(w * policy_loss(logprobs, old_logprobs, A) + kl_coef * KL(logprobs, ref_logprobs)
+    - entropy_coef * H), following GRPO (Shao et al. 2024, eq. 3) with TRL GRPOTrainer's placement of the
+    KL inside the per-token loss, and w the truncated IS weight min(exp(old - rollout), tis_cap) of Yao et
+    al. 2025 (1 when tis_cap is None). Summing the returned loss over the micro-batches of a mini-batch (and
+    averaging gradients over ranks) gives the full mini-batch loss.
 
     Args:
         logprobs: [B, T] float32 current policy logprobs (with grad).
         mb: collated micro-batch: old_logprobs [B, T], advantages [B, T], response_mask [B, T] bool,
-            and ref_logprobs [B, T] when ``spec.kl_coef > 0``.
+            ref_logprobs [B, T] when there is a reference model, rollout_logprobs [B, T] when the engine
+            reported them (required with tis_cap).
         spec: objective choice and coefficients.
         norm: global denominators of the mini-batch.
+        entropy: [B, T] float32 per-token policy entropy in nats (with grad); required when
+            ``spec.entropy_coef > 0``.
 
     Returns:
         loss: scalar float32 to call backward on.
-        stats: sums over valid tokens (``*_sum``) for the caller to divide by the token count:
-            pg_loss_sum, kl_sum, clipped_sum, rollout_diff_sum (|rollout - old logprobs|, the
-            engine/learner mismatch); and tokens (count of valid tokens in this micro-batch).
+        stats: sums over valid tokens (``*_sum``, keys ``STAT_KEYS``) for the caller to divide by the token
+            count: pg_loss_sum, kl_sum, clipped_sum, dual_clipped_sum, entropy_sum, tis_weight_sum,
+            rollout_diff_sum (|rollout - old logprobs|, the engine/learner mismatch); and tokens.
+
+    Raises:
+        ValueError: entropy_coef > 0 without ``entropy``, or tis_cap without rollout_logprobs.
     """
     mask = mb["response_mask"]
-    pg_loss, diag = algos.ppo_clip_loss(
-        logprobs,
-        mb["old_logprobs"],
-        mb["advantages"],
-        mask,
-        clip_eps_low=spec.clip_eps_low,
-        clip_eps_high=spec.clip_eps_high,
-    )
-    if spec.is_level != "off" and "rollout_logprobs" in mb:
-        # rollout.is_correction: w = min(pi_old / pi_rollout, C), detached (algos.truncated_is_weights)
-        pg_loss = pg_loss * algos.truncated_is_weights(
-            mb["old_logprobs"], mb["rollout_logprobs"], mask, cap=spec.is_cap, level=spec.is_level
-        )
+    pg_loss, diag = _policy_loss(logprobs, mb, spec)
     per_token = pg_loss
+    tis = None
+    if spec.tis_cap is not None:
+        if "rollout_logprobs" not in mb:
+            raise ValueError("policy_objective: tis_cap needs rollout_logprobs in the micro-batch")
+        tis = algos.truncated_is_weights(
+            mb["old_logprobs"], mb["rollout_logprobs"], mask, cap=spec.tis_cap, level=spec.tis_level
+        )
+        per_token = per_token * tis
     kl = None
     if "ref_logprobs" in mb:
         kl = algos.kl_penalty(logprobs, mb["ref_logprobs"], spec.kl_estimator)
         if spec.kl_coef > 0:
             per_token = per_token + spec.kl_coef * kl
+    if spec.entropy_coef > 0:
+        if entropy is None:
+            raise ValueError("policy_objective: entropy_coef > 0 needs the per-token entropy")
+        per_token = per_token + algos.entropy_bonus_loss(entropy, mask, coef=spec.entropy_coef)
     loss = algos.aggregate_loss(
         per_token,
         mask,
@@ -106,14 +154,23 @@ def policy_objective(
         num_sequences=norm.num_sequences,
         max_response_tokens=spec.max_response_tokens,
     ) * norm.world_size
-    fmask = mask.float()
-    stats = {
-        "pg_loss_sum": (pg_loss.detach() * fmask).sum(),
-        "kl_sum": (kl.detach() * fmask).sum() if kl is not None else torch.zeros(()),
-        "clipped_sum": ((diag["clipped_low"] + diag["clipped_high"]) * fmask).sum(),
-        "rollout_diff_sum": ((mb["rollout_logprobs"] - mb["old_logprobs"]).abs() * fmask).sum()
-        if "rollout_logprobs" in mb
-        else torch.zeros(()),
-        "tokens": fmask.sum(),
+    return loss, _stats(mb, mask, pg_loss, diag, kl, entropy, tis)
+
+
+def _stats(mb, mask, pg_loss, diag, kl, entropy, tis) -> dict[str, torch.Tensor]:
+    zero = torch.zeros(())
+
+    def masked_sum(x: torch.Tensor | None) -> torch.Tensor:
+        return zero if x is None else torch.where(mask, x.detach().float(), torch.zeros_like(x.float())).sum()
+
+    rollout_diff = (mb["rollout_logprobs"] - mb["old_logprobs"]).abs() if "rollout_logprobs" in mb else None
+    return {
+        "pg_loss_sum": masked_sum(pg_loss),
+        "kl_sum": masked_sum(kl),
+        "clipped_sum": masked_sum(diag["clipped_low"] + diag["clipped_high"]),
+        "dual_clipped_sum": masked_sum(diag.get("dual_clipped")),
+        "entropy_sum": masked_sum(entropy),
+        "tis_weight_sum": masked_sum(tis),
+        "rollout_diff_sum": masked_sum(rollout_diff),
+        "tokens": mask.float().sum(),
     }
-    return loss, stats

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -53,8 +53,15 @@ def _trim(mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+MicroLoss = Callable[[torch.nn.Module, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+"""fn(model, micro-batch) -> (loss share to backward, {stat name: 0-dim tensor summed over the micro-batch})."""
+
+
 class PolicyLearner:
-    """Holds the policy (float32 master weights), an optional frozen reference, AdamW and its schedule.
+    """Holds the model (float32 master weights), an optional frozen reference, AdamW and its schedule.
+
+    The model is the policy (a causal LM) by default; ``model_loader`` builds another one-model learner on
+    the same machinery (PPO's critic, the reward model of ``algo.name=reward_model``).
 
     Args:
         model_path: local Hugging Face folder (see ``rlray.models.resolve_model_path``).
@@ -70,6 +77,9 @@ class PolicyLearner:
         optimizer: "adamw" (torch) or "adamw_8bit" (bitsandbytes AdamW8bit; CUDA only).
         lora: peft LoRA settings {"rank", "alpha", "dropout", "target_modules"}; None or rank 0 trains
             every weight. Only the adapters train; ``export_weights`` returns merged weights.
+        model_loader: builds the float32 model from ``model_path``; None loads a causal LM.
+        critic: PPO's critic (a learner over ``rlray.models.load_value_model``); its weights and optimizer
+            state travel in this learner's ``state_dict``.
 
     Raises:
         rlray.models.ModelError: the folder cannot be loaded.
@@ -92,11 +102,14 @@ class PolicyLearner:
         wrap_model: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
         optimizer: str = "adamw",
         lora: dict | None = None,
+        model_loader: Callable[[str], torch.nn.Module] | None = None,
+        critic: PolicyLearner | None = None,
     ) -> None:
         self.dtype = dtype
         self.temperature = temperature
         self.max_grad_norm = max_grad_norm
-        policy = load_causal_lm(model_path, dtype=torch.float32)
+        self.critic = critic
+        policy = model_loader(model_path) if model_loader else load_causal_lm(model_path, dtype=torch.float32)
         policy.config.use_cache = False
         if gradient_checkpointing:
             policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -160,22 +173,45 @@ class PolicyLearner:
             microbatch_size: rows per forward/backward.
 
         Returns:
-            loss (sum of micro-batch losses), pg_loss_sum, kl_sum, clipped_sum, tokens, grad_norm
-            (pre-clip global L2 norm), lr. Sums are over this rank's valid tokens.
+            loss (sum of micro-batch losses), the ``policy_objective`` statistics (pg_loss_sum, kl_sum, ...,
+            tokens), grad_norm (pre-clip global L2 norm), lr. Sums are over this rank's valid tokens.
+        """
+
+        def micro_loss(model: torch.nn.Module, mb: dict[str, torch.Tensor]):
+            with autocast_context(self.dtype):
+                lp, entropy = response_logprobs(
+                    model, mb, temperature=self.temperature, with_entropy=spec.entropy_coef > 0
+                )
+            if "old_logprobs" not in mb:
+                mb = {**mb, "old_logprobs": lp.detach()}
+            return policy_objective(lp.float(), mb, spec, norm, entropy=entropy)
+
+        return self.optimizer_step(split_microbatches(minibatch, microbatch_size), micro_loss)
+
+    def optimizer_step(self, microbatches: Iterable[dict[str, torch.Tensor]], loss_fn: MicroLoss) -> dict[str, float]:
+        """Runs one optimizer step with gradient accumulation over ``microbatches``; returns summed statistics.
+
+        Each micro-batch's loss is backwarded as is (a share under global normalisers), with DDP's gradient
+        all-reduce only on the last one. Then the global L2 norm is clipped and AdamW steps (skipped when the
+        norm is not finite) and the schedule advances.
+
+        Args:
+            microbatches: this rank's micro-batches of the mini-batch.
+            loss_fn: ``MicroLoss``; runs the forward (under autocast where it wants) and returns the loss share.
+
+        Returns:
+            loss (sum of the micro-batch losses), each statistic summed over micro-batches, grad_norm (pre-clip
+            global L2 norm) and lr.
         """
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {"loss": 0.0}
         device = next(self.module.parameters()).device  # CUDA after Ray Train's prepare_model on GPU
-        mbs = [to_device(mb, device) for mb in split_microbatches(minibatch, microbatch_size)]
+        mbs = [to_device(mb, device) for mb in microbatches]
         for i, mb in enumerate(mbs):
             sync = i == len(mbs) - 1
             ctx = self.model.no_sync() if (not sync and hasattr(self.model, "no_sync")) else contextlib.nullcontext()
             with ctx:
-                with autocast_context(self.dtype):
-                    lp, _ = response_logprobs(self.model, mb, temperature=self.temperature)
-                if "old_logprobs" not in mb:
-                    mb = {**mb, "old_logprobs": lp.detach()}
-                loss, stats = policy_objective(lp.float(), mb, spec, norm)
+                loss, stats = loss_fn(self.model, mb)
                 loss.backward()
             totals["loss"] += float(loss.detach())
             for k, v in stats.items():
@@ -210,13 +246,27 @@ class PolicyLearner:
         return {k: v.detach().to(device, dtype).contiguous() for k, v in state.items()}
 
     def state_dict(self) -> dict:
-        """Returns the optimizer and scheduler state (the model is saved separately as safetensors)."""
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        """Returns the optimizer and scheduler state (the model is saved separately as safetensors).
+
+        With a critic, "critic" holds its weights, optimizer and scheduler (tensors only: loadable with
+        ``torch.load(weights_only=True)``).
+        """
+        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        if self.critic is not None:
+            state["critic"] = {"model": self.critic.module.state_dict(), **self.critic.state_dict()}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Restores optimizer and scheduler state saved by ``state_dict``."""
+        """Restores optimizer and scheduler state (and the critic's, when present) saved by ``state_dict``.
+
+        Raises:
+            KeyError: the state has no critic entry but this learner has a critic.
+        """
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        if self.critic is not None:
+            self.critic.module.load_state_dict(state["critic"]["model"])
+            self.critic.load_state_dict(state["critic"])
 
 
 def make_optimizer(

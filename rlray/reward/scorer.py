@@ -1,4 +1,4 @@
-"""The reward stage: the built-in GSM8K terms plus user reward functions, combined by weight.
+"""The reward stage: the built-in GSM8K terms, user reward functions and a reward model, combined by weight.
 
 User functions use TRL's reward-function convention, so functions written for TRL's trainers work
 unchanged: ``fn(prompts: list[str], completions: list[str], **columns) -> list[float]``, called once
@@ -51,26 +51,45 @@ def load_reward_function(spec: str) -> RewardFn:
 
 
 class RewardScorer:
-    """Scores completions: GSM8K correctness and format terms plus weighted user functions.
+    """Scores completions: GSM8K correctness and format terms, weighted user functions and a reward model.
 
     Args:
         correct_weight: weight of the math-verify correctness term (0/1 per completion).
         format_weight: weight of the '#### <number>' format term (0/1 per completion).
         functions: (spec, weight) pairs of user reward functions (see module docstring).
+        model_path: a reward-model snapshot or Hugging Face sequence-classification folder
+            (``rlray.reward.reward_model.RewardModel``), or None for no reward-model term.
+        model_weight: weight of the reward model's raw score.
 
     Raises:
         RewardFunctionError: a user function cannot be loaded.
+        rlray.models.ModelError, FileNotFoundError: the reward model cannot be loaded.
     """
 
-    def __init__(self, *, correct_weight: float, format_weight: float, functions: list[tuple[str, float]] = ()) -> None:
+    def __init__(
+        self,
+        *,
+        correct_weight: float,
+        format_weight: float,
+        functions: list[tuple[str, float]] = (),
+        model_path: str | None = None,
+        model_weight: float = 1.0,
+    ) -> None:
         self.correct_weight = correct_weight
         self.format_weight = format_weight
         self.functions = [(spec, spec.rsplit(":", 1)[-1], load_reward_function(spec), w) for spec, w in functions]
+        self.model_weight = model_weight
+        self.model = None
+        if model_path is not None:
+            from rlray.reward.reward_model import RewardModel  # loads transformers models only when asked
+
+            self.model = RewardModel(model_path)
 
     def score(self, prompts: list[str], completions: list[str], references: list[str]) -> dict[str, list[float]]:
         """Returns {"reward": [...], "accuracy": [...], "format": [...], <function name>: [...]}, B values each.
 
-        ``reward = correct_weight * accuracy + format_weight * format + sum_f weight_f * f``.
+        ``reward = correct_weight * accuracy + format_weight * format + sum_f weight_f * f
+        (+ model_weight * reward_model)``; with a reward model its raw scores are under "reward_model".
 
         Raises:
             RewardFunctionError: a user function returned a different number of values than
@@ -82,6 +101,9 @@ class RewardScorer:
             values = _check_values(spec, values, len(completions))
             out[name] = values
             out["reward"] = [r + weight * v for r, v in zip(out["reward"], values)]
+        if self.model is not None:
+            out["reward_model"] = self.model.score(prompts, completions)
+            out["reward"] = [r + self.model_weight * v for r, v in zip(out["reward"], out["reward_model"])]
         return out
 
 

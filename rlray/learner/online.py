@@ -1,0 +1,135 @@
+"""Stages 4-6 of the online step on one learner rank: reference/old logprobs and values, advantages, the update.
+
+``rlray.loop`` calls these with plain values (``UpdateSpec``, built from the config there). The algorithm is
+chosen by plain dicts keyed by ``algo.name``: ``ADVANTAGE_ESTIMATORS`` (learner/advantages.py) and
+``POLICY_LOSS_OF`` (learner/objective.py, into ``algos.POLICY_LOSSES``). PPO's critic rides on the policy
+learner (``learner.critic``) and takes one optimizer step per policy mini-batch.
+
+Legend: B sequences in this rank's shard, T response tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from rlray.learner.advantages import ADVANTAGE_ESTIMATORS, AdvantageSpec, collective_sum
+from rlray.learner.critic import CRITIC_STAT_KEYS, critic_values, train_critic_minibatch
+from rlray.learner.objective import STAT_KEYS, LossSpec, Normaliser
+from rlray.learner.policy import PolicyLearner
+
+AllReduceSum = Callable[[dict[str, float]], dict[str, float]]
+
+
+@dataclass(frozen=True)
+class UpdateSpec:
+    """Plain values of stages 4-6.
+
+    Attributes:
+        algo: ``algo.name`` (a key of ``ADVANTAGE_ESTIMATORS``).
+        loss: the policy objective.
+        advantage: the advantage stage.
+        epochs: passes over the step's experience.
+        rows_per_minibatch: this rank's rows per mini-batch (sequences_per_minibatch / world).
+        microbatch_size: rows per forward/backward.
+        old_logprobs_before_update: take old logprobs in stage 4 (off-policy update, or KL in the reward);
+            otherwise the update uses the detached current ones (on-policy).
+        value_clip_eps: PPO critic value-loss clip (reward units), or None.
+        loss_world_size: learner ranks (each rank's loss share carries this factor; see Normaliser).
+    """
+
+    algo: str
+    loss: LossSpec
+    advantage: AdvantageSpec
+    epochs: int
+    rows_per_minibatch: int
+    microbatch_size: int
+    old_logprobs_before_update: bool
+    value_clip_eps: float | None = None
+    loss_world_size: int = 1
+
+
+def reference_and_old(learner: PolicyLearner, data: dict[str, torch.Tensor], spec: UpdateSpec) -> dict[str, torch.Tensor]:
+    """Stage 4: adds ref_logprobs [B, T] (when there is a reference), old_logprobs [B, T] (when
+    ``spec.old_logprobs_before_update``) and old_values [B, T] (PPO's critic) to ``data``; returns it."""
+    mbs = spec.microbatch_size
+    if learner.has_reference and "ref_logprobs" not in data:  # a reference actor may have filled it
+        data["ref_logprobs"] = learner.logprobs(data, reference=True, microbatch_size=mbs)
+    if spec.old_logprobs_before_update:
+        data["old_logprobs"] = learner.logprobs(data, reference=False, microbatch_size=mbs)
+    if learner.critic is not None:
+        data["old_values"] = critic_values(learner.critic, data, mbs)
+    return data
+
+
+def advantages(data: dict[str, torch.Tensor], spec: UpdateSpec, all_reduce_sum: AllReduceSum) -> dict[str, torch.Tensor]:
+    """Stage 5: adds advantages [B, T] (and PPO's returns [B, T]) from ``ADVANTAGE_ESTIMATORS[spec.algo]``; returns ``data``.
+
+    Shards hold whole groups, so group statistics are local; batch statistics are summed over ranks.
+    """
+    data.update(ADVANTAGE_ESTIMATORS[spec.algo](data, spec.advantage, collective_sum(all_reduce_sum)))
+    return data
+
+
+def update(
+    learner: PolicyLearner,
+    data: dict[str, torch.Tensor],
+    norms: list[Normaliser],
+    spec: UpdateSpec,
+    all_reduce_sum: AllReduceSum,
+) -> dict[str, float]:
+    """Stage 6: epochs x mini-batches of policy (and critic) optimizer steps; returns metrics summed over ranks.
+
+    Mini-batch m is rows [m*k, (m+1)*k) of the shard with k = ``spec.rows_per_minibatch``; ``norms[m]`` holds
+    its global token and sequence counts. Diagnostics are from the first epoch; loss, grad norms and lr are
+    averaged over every optimizer step.
+    """
+    k, critic = spec.rows_per_minibatch, learner.critic
+    totals: dict[str, float] = {}
+    steps = 0
+    for epoch in range(spec.epochs):
+        for m, norm in enumerate(norms):
+            mb = {key: v[m * k : (m + 1) * k] for key, v in data.items()}
+            stats = learner.train_minibatch(mb, spec.loss, norm, spec.microbatch_size)
+            if critic is not None:
+                c = train_critic_minibatch(critic, mb, spec.value_clip_eps, norm, spec.microbatch_size)
+                stats.update({"critic_grad_norm": c["grad_norm"], **{key: c[key] for key in CRITIC_STAT_KEYS}})
+            steps += 1
+            for key, v in stats.items():
+                if epoch == 0 or key in ("grad_norm", "loss", "lr", "critic_grad_norm"):
+                    totals[key] = totals.get(key, 0.0) + v
+    return _update_metrics(totals, steps, spec, critic is not None, all_reduce_sum)
+
+
+def _update_metrics(
+    totals: dict[str, float], steps: int, spec: UpdateSpec, has_critic: bool, all_reduce_sum: AllReduceSum
+) -> dict[str, float]:
+    keys = STAT_KEYS + ("loss",) + (CRITIC_STAT_KEYS if has_critic else ())
+    summed = all_reduce_sum({key: totals[key] for key in keys})
+    world = spec.loss_world_size
+    tokens = max(summed["tokens"], 1.0)
+    loss = spec.loss
+    out = {
+        "learner/pg_loss": summed["pg_loss_sum"] / tokens,
+        "algo/kl": summed["kl_sum"] / tokens,
+        "algo/clip_fraction": summed["clipped_sum"] / tokens,
+        "rollout/logprob_abs_diff": summed["rollout_diff_sum"] / tokens,
+        # each rank's loss is its share of the mini-batch loss times world (Normaliser.world_size)
+        "learner/loss": summed["loss"] / (steps * world),
+        "learner/grad_norm": totals["grad_norm"] / steps,
+        "learner/lr": totals["lr"] / steps,
+    }
+    optional = {
+        "algo/entropy": (loss.entropy_coef > 0, "entropy_sum"),
+        "algo/dual_clip_fraction": (loss.dual_clip is not None, "dual_clipped_sum"),
+        "algo/tis_weight_mean": (loss.tis_cap is not None, "tis_weight_sum"),
+    }
+    out.update({name: summed[key] / tokens for name, (on, key) in optional.items() if on})
+    if has_critic:
+        value_tokens = max(summed["value_tokens"], 1.0)
+        out["learner/value_loss"] = summed["value_loss_sum"] / value_tokens
+        out["algo/value_clip_fraction"] = summed["value_clipped_sum"] / value_tokens
+        out["learner/critic_grad_norm"] = totals["critic_grad_norm"] / steps
+    return out

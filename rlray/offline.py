@@ -1,0 +1,326 @@
+"""``train(cfg)`` for the offline methods: dpo, ipo, kto, orpo, simpo, reward_model and sft on preference pairs.
+
+It runs inside the same Ray Train training function as the online loop (the driver picks it by
+``cfg.algo.family``), with the same learner, tracking, progress bar and final snapshot. Every rank loads
+the pairs and walks the same seeded cursor, so no experience crosses ranks: each takes its contiguous
+share of the step's pairs. A run, top to bottom:
+
+  0. once: load pairs, split train/eval, tokenize, and cache the reference policy's sequence logprobs
+     per pair in the pair table (dpo, ipo, kto), computed by the policy before its first update
+  1. take the step's pairs (the data cursor)
+  2. (kto) the reference point z_ref over the step's mismatched pairs
+  3. one optimizer step: micro-batches with gradient accumulation under global counts
+  4. log; eval on the held-out pairs (eval/pairwise_accuracy, eval/loss); final snapshot
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import torch
+
+from rlray import algos
+from rlray.checkpoint import save_final
+from rlray.collective import Collective
+from rlray.config import REFERENCE_ALGOS, Config
+from rlray.data import PromptStream
+from rlray.data.pairs import collate_pairs, load_preference_pairs, pairs_table, split_pairs
+from rlray.learner import PolicyLearner, autocast_context
+from rlray.learner.preference import PAIR_OBJECTIVES, PairNormaliser, PreferenceSpec, pair_outputs
+from rlray.models import load_tokenizer
+from rlray.models.heads import load_reward_model
+from rlray.tracking import Tracker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class OfflineContext:
+    """Everything an offline step needs; built once per worker by ``setup``."""
+
+    cfg: Config
+    coll: Collective
+    learner: PolicyLearner
+    tokenizer: Any
+    spec: PreferenceSpec
+    train_pairs: pa.Table
+    eval_pairs: pa.Table
+    stream: PromptStream
+    row_of: dict[str, int] = field(default_factory=dict)  # prompt_id -> row of train_pairs
+    tracker: Tracker | None = None  # rank 0 only
+    data_metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def method(self) -> str:
+        """Returns the offline method (``cfg.algo.name``)."""
+        return self.cfg.algo.name
+
+
+# --------------------------------------------------------------------------------------------
+# Setup: pairs, split, reference logprobs
+# --------------------------------------------------------------------------------------------
+def build_learner(cfg: Config, model_dir: str, world: int) -> PolicyLearner:
+    """Returns the learner: the policy, or a one-label sequence-classification model for reward_model."""
+    wrap = None
+    if world > 1:
+        import ray.train.torch
+
+        wrap = ray.train.torch.prepare_model
+    return PolicyLearner(
+        model_dir,
+        dtype=cfg.model.dtype,
+        lr=cfg.learner.lr,
+        betas=cfg.learner.betas,
+        weight_decay=cfg.learner.weight_decay,
+        warmup_steps=cfg.learner.warmup_steps,
+        max_grad_norm=cfg.learner.max_grad_norm,
+        temperature=1.0,
+        use_reference=False,  # the reference is the initial policy: its logprobs are cached before step 1
+        gradient_checkpointing=cfg.model.gradient_checkpointing,
+        wrap_model=wrap,
+        model_loader=load_reward_model if cfg.algo.name == "reward_model" else None,
+    )
+
+
+@torch.no_grad()
+def reference_logps(
+    learner: PolicyLearner, table: pa.Table, coll: Collective, pad_token_id: int, microbatch: int, *, with_kl: bool
+) -> pa.Table:
+    """Returns ``table`` with ref_chosen_logps and ref_rejected_logps (and ref_kl_logps) filled by the current policy.
+
+    Each rank scores a contiguous share (the last one padded by repeating rows) and the shares are
+    all-gathered, so every rank holds the whole column. Sequence logprobs are sums over response tokens
+    (nats), at temperature 1, under the same autocast as training.
+    """
+    n = table.num_rows
+    per = -(-n // coll.world)
+    share = table.take([min(i, n - 1) for i in range(coll.rank * per, (coll.rank + 1) * per)])
+    out = torch.zeros(3, per)
+    for start in range(0, per, microbatch):
+        batch = collate_pairs(share.slice(start, microbatch), pad_token_id, with_kl=with_kl)
+        logps = _sequence_logps(learner, batch)
+        p = logps.shape[0] // 2
+        out[0, start : start + p], out[1, start : start + p] = logps[:p], logps[p:]
+        if with_kl:
+            out[2, start : start + p] = _sequence_logps(learner, batch["kl"])
+    gathered = coll.all_gather(out.T.contiguous())[:n]
+    names = ("ref_chosen_logps", "ref_rejected_logps", "ref_kl_logps")[: 3 if with_kl else 2]
+    for i, name in enumerate(names):
+        idx = table.schema.get_field_index(name)
+        table = table.set_column(idx, table.schema.field(name), pa.array(gathered[:, i].tolist(), type=pa.float32()))
+    return table
+
+
+def _sequence_logps(learner: PolicyLearner, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    lp = learner.logprobs({k: v for k, v in batch.items() if k != "kl"}, reference=False, microbatch_size=10**9)
+    return algos.sequence_logps(lp, batch["response_mask"])
+
+
+def setup(cfg: Config, model_dir: str, run_id: str | None, coll: Collective) -> OfflineContext:
+    """Builds the learner, the pair tables (with cached reference logprobs), the cursor and, on rank 0, the tracker."""
+    from rlray.loop import seed_everything
+
+    torch.set_num_threads(cfg.learner.torch_threads)
+    seed_everything(cfg.run.seed + coll.rank)
+    tokenizer = load_tokenizer(model_dir, cfg.model.chat_template)
+    learner = build_learner(cfg, model_dir, coll.world)
+    off = cfg.offline
+    pairs, skipped = load_preference_pairs(off.pairs_files, max_pairs=off.max_pairs)
+    train_rows, eval_rows = split_pairs(pairs, eval_fraction=off.eval_fraction, seed=cfg.run.seed)
+    sizes = dict(max_prompt_tokens=off.max_prompt_tokens, max_response_tokens=off.max_response_tokens)
+    train_tab, eval_tab = pairs_table(train_rows, tokenizer, **sizes), pairs_table(eval_rows, tokenizer, **sizes)
+    t = time.perf_counter()
+    if cfg.algo.name in REFERENCE_ALGOS:
+        ref = dict(coll=coll, pad_token_id=tokenizer.pad_token_id, microbatch=2 * off.pairs_per_microbatch,
+                   with_kl=cfg.algo.name == "kto")  # fmt: skip
+        train_tab = reference_logps(learner, train_tab, **ref)
+        eval_tab = reference_logps(learner, eval_tab, **ref) if eval_rows else eval_tab
+    a = cfg.algo
+    spec = PreferenceSpec(
+        beta=a.beta,
+        dpo_loss=a.dpo_loss,
+        label_smoothing=a.label_smoothing,
+        kto_desirable_weight=a.kto_desirable_weight,
+        kto_undesirable_weight=a.kto_undesirable_weight,
+        simpo_gamma=a.simpo_gamma,
+        rm_center_coef=a.rm_center_coef,
+    )
+    ctx = OfflineContext(
+        cfg, coll, learner, tokenizer, spec, train_tab, eval_tab,
+        PromptStream(train_rows, seed=cfg.run.seed, shuffle=cfg.data.shuffle),
+        row_of={p.prompt_id: i for i, p in enumerate(train_rows)},
+    )  # fmt: skip
+    ctx.data_metrics = {
+        "data/train_pairs": float(len(train_rows)),
+        "data/eval_pairs": float(len(eval_rows)),
+        "data/skipped_pairs": float(skipped),
+        "timing/reference_s": time.perf_counter() - t,
+    }
+    if coll.rank == 0:
+        ctx.tracker = Tracker(cfg.tracking.mlflow_uri, cfg.tracking.experiment, run_id=run_id)
+    return ctx
+
+
+# --------------------------------------------------------------------------------------------
+# Step
+# --------------------------------------------------------------------------------------------
+def take_pairs(ctx: OfflineContext) -> pa.Table:
+    """Step stage 1: returns the step's pairs (every rank draws the same ones from the same cursor)."""
+    rows = ctx.stream.next_batch(ctx.cfg.offline.pairs_per_step)
+    return ctx.train_pairs.take([ctx.row_of[r.prompt_id] for r in rows])
+
+
+def kto_reference_point(ctx: OfflineContext, table: pa.Table) -> float:
+    """Step stage 2 (kto): returns z_ref = max(0, mean KL log ratio) over the mismatched rows of ``table``.
+
+    Each rank scores its share; the log ratios are gathered so the mean is the whole batch's, as TRL
+    gathers them. Source: Ethayarajh et al. 2024 eq. 7 (``algos.kto_kl_estimate``).
+    """
+    share = _my_share(ctx, table)
+    batch = collate_pairs(share, ctx.tokenizer.pad_token_id, with_kl=True)["kl"]
+    kl_logps = _sequence_logps(ctx.learner, batch)
+    ref = torch.tensor(share.column("ref_kl_logps").to_pylist(), dtype=torch.float32)
+    return float(algos.kto_kl_estimate(ctx.coll.all_gather(kl_logps), ctx.coll.all_gather(ref)))
+
+
+def _my_share(ctx: OfflineContext, table: pa.Table) -> pa.Table:
+    per = table.num_rows // ctx.coll.world
+    return table.slice(ctx.coll.rank * per, per)
+
+
+def _normaliser(ctx: OfflineContext, table: pa.Table, world: int, kl_estimate: float) -> PairNormaliser:
+    chosen_tokens = sum(len(r) for r in table.column("chosen_token_ids").to_pylist())
+    return PairNormaliser(float(table.num_rows), float(chosen_tokens), world, kl_estimate)
+
+
+def update(ctx: OfflineContext, table: pa.Table) -> dict[str, float]:
+    """Step stage 3: one optimizer step over this rank's share of ``table``; returns summed statistics (all ranks)."""
+    kl = kto_reference_point(ctx, table) if ctx.method == "kto" else 0.0
+    norm = _normaliser(ctx, table, ctx.coll.world, kl)
+    share, mbs = _my_share(ctx, table), ctx.cfg.offline.pairs_per_microbatch
+    pad = ctx.tokenizer.pad_token_id
+    micro = [collate_pairs(share.slice(s, mbs), pad) for s in range(0, share.num_rows, mbs)]
+
+    def loss_fn(model: torch.nn.Module, mb: dict[str, torch.Tensor]):
+        with autocast_context(ctx.learner.dtype):
+            out = pair_outputs(model, mb, ctx.method)
+        return PAIR_OBJECTIVES[ctx.method](out.float(), mb, ctx.spec, norm)
+
+    stats = ctx.learner.optimizer_step(micro, loss_fn)
+    summed = ctx.coll.all_reduce_sum({k: stats[k] for k in _SUM_KEYS})
+    metrics = _pair_metrics(summed, "algo")
+    # each rank's loss share is scaled by world_size for DDP's gradient average: the step's loss is the mean
+    metrics["learner/loss"] = summed["loss"] / ctx.coll.world
+    metrics.update({"learner/grad_norm": stats["grad_norm"], "learner/lr": stats["lr"]})
+    if ctx.method == "kto":
+        metrics["algo/kto_kl"] = kl
+    return metrics
+
+
+_SUM_KEYS = ("loss", "pairs", "correct", "margin_sum", "chosen_reward_sum", "rejected_reward_sum")
+
+
+def _pair_metrics(summed: dict[str, float], section: str) -> dict[str, float]:
+    n = max(summed["pairs"], 1.0)
+    return {
+        f"{section}/pairwise_accuracy": summed["correct"] / n,
+        f"{section}/reward_margin": summed["margin_sum"] / n,
+        f"{section}/chosen_reward": summed["chosen_reward_sum"] / n,
+        f"{section}/rejected_reward": summed["rejected_reward_sum"] / n,
+    }
+
+
+@torch.no_grad()
+def evaluate(ctx: OfflineContext) -> dict[str, float]:
+    """Returns eval/loss, eval/pairwise_accuracy and the eval reward means on the held-out pairs (all ranks).
+
+    eval/pairwise_accuracy is the fraction of held-out pairs whose chosen response gets the higher
+    (implicit) reward: the reward head's score for reward_model, see ``rlray.learner.preference``.
+    """
+    table = ctx.eval_pairs
+    if table.num_rows < ctx.coll.world:
+        return {}
+    table = table.slice(0, table.num_rows - table.num_rows % ctx.coll.world)
+    kl = kto_reference_point(ctx, table) if ctx.method == "kto" else 0.0
+    norm = _normaliser(ctx, table, 1, kl)
+    model = ctx.learner.module
+    was_training = model.training
+    model.eval()
+    totals = {k: 0.0 for k in _SUM_KEYS}
+    share, mbs = _my_share(ctx, table), ctx.cfg.offline.pairs_per_microbatch
+    for start in range(0, share.num_rows, mbs):
+        mb = collate_pairs(share.slice(start, mbs), ctx.tokenizer.pad_token_id)
+        with autocast_context(ctx.learner.dtype):
+            out = pair_outputs(model, mb, ctx.method)
+        loss, stats = PAIR_OBJECTIVES[ctx.method](out.float(), mb, ctx.spec, norm)
+        totals["loss"] += float(loss)
+        for k in _SUM_KEYS[1:]:
+            totals[k] += float(stats[k])
+    model.train(was_training)
+    summed = ctx.coll.all_reduce_sum(totals)
+    return {"eval/loss": summed["loss"], **_pair_metrics(summed, "eval")}
+
+
+# --------------------------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------------------------
+def train(cfg: Config, model_dir: str, run_id: str | None = None, coll: Collective | None = None) -> dict[str, float]:
+    """Runs ``cfg.run.max_steps`` offline optimizer steps on this rank; returns the last step's metrics (rank 0).
+
+    Args:
+        cfg: the validated config (``cfg.algo.family == "offline"``).
+        model_dir: local Hugging Face folder of the initial policy (resolved by the driver).
+        run_id: the MLflow run to log to (created by the driver).
+        coll: collectives; defaults to Ray Train's when inside a worker group, else world 1.
+
+    Raises:
+        FloatingPointError: the loss or gradient norm is NaN or inf.
+        rlray.data.DataError: the pairs cannot be loaded (names the file and row).
+    """
+    from rlray.loop import _progress
+
+    coll = coll or Collective()
+    ctx = setup(cfg, model_dir, run_id, coll)
+    bar = _progress(cfg.run.max_steps, 0) if coll.rank == 0 else None
+    every = cfg.offline.eval_every_steps
+    first_eval = evaluate(ctx) if cfg.offline.eval_fraction else {}
+    if coll.rank == 0:
+        ctx.tracker.log_metrics({**ctx.data_metrics, **first_eval}, step=0)
+    metrics: dict[str, float] = {}
+    for step in range(cfg.run.max_steps):
+        t = time.perf_counter()
+        metrics = update(ctx, take_pairs(ctx))
+        metrics["timing/update_s"] = time.perf_counter() - t
+        if not all(math.isfinite(metrics[k]) for k in ("learner/loss", "learner/grad_norm")):
+            raise FloatingPointError(f"step {step + 1}: non-finite loss or gradient norm: {metrics}")
+        last = step + 1 == cfg.run.max_steps
+        if cfg.offline.eval_fraction and ((every and (step + 1) % every == 0) or last):
+            t = time.perf_counter()
+            metrics.update(evaluate(ctx))
+            metrics["timing/eval_s"] = time.perf_counter() - t
+        metrics["data/epoch"] = float(ctx.stream.epoch)
+        if coll.rank == 0:
+            ctx.tracker.log_metrics(metrics, step=step + 1)
+            bar.set_description(
+                f"rlray {ctx.method} step {step + 1} loss={metrics['learner/loss']:.4f} "
+                f"acc={metrics['algo/pairwise_accuracy']:.2f}"
+            )
+            bar.update(1)
+    if coll.rank == 0:
+        bar.close()
+        save_final(cfg.run.output_dir, ctx.learner, ctx.tokenizer, step=cfg.run.max_steps, policy_version=cfg.run.max_steps)
+    coll.barrier()
+    return metrics
+
+
+def train_worker(loop_config: dict) -> None:
+    """The Ray Train training function of the offline methods: rebuilds the config and runs ``train``."""
+    from rlray.collective import current_collective
+
+    cfg = Config.model_validate(loop_config["config"])
+    train(cfg, loop_config["model_dir"], loop_config["run_id"], current_collective())

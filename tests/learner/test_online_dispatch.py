@@ -1,0 +1,162 @@
+"""Online composition: each algo.name picks its estimator and loss; batch statistics are global over ranks; options."""
+
+import threading
+
+import pytest
+import torch
+
+from rlray import algos
+from rlray.config import ONLINE_ALGOS, config_from_dict
+from rlray.learner import ADVANTAGE_ESTIMATORS, POLICY_LOSS_OF, AdvantageSpec, LossSpec, Normaliser, policy_objective
+from rlray.learner.advantages import collective_sum
+from rlray.loop import update_spec
+
+B, T = 8, 5
+
+
+def _data(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([5, 3, 1, 4, 2, 5, 5, 3])
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    return {
+        "reward": torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0, 0.0, 1.0, 0.25]),
+        "group_id": torch.arange(B) // 4,
+        "response_mask": mask,
+        "old_logprobs": -torch.rand(B, T, generator=g),
+        "ref_logprobs": -torch.rand(B, T, generator=g),
+        "old_values": torch.randn(B, T, generator=g),
+        "baseline_reward": torch.tensor([0.5] * 4 + [1.0] * 4),
+    }
+
+
+def _local(x):
+    return x
+
+
+def test_every_online_algo_has_an_estimator_and_a_loss():
+    assert set(ADVANTAGE_ESTIMATORS) == set(POLICY_LOSS_OF) == set(ONLINE_ALGOS)
+    assert set(POLICY_LOSS_OF.values()) <= set(algos.POLICY_LOSSES)
+    assert {n for n, loss in POLICY_LOSS_OF.items() if loss != "ppo_clip"} == {"gspo", "cispo"}
+
+
+def test_estimators_are_the_algos_functions():
+    d, spec = _data(), AdvantageSpec(std_scale="group", eps=1e-6)
+    mask, r, gid = d["response_mask"], d["reward"], d["group_id"]
+
+    def seq(a):
+        return torch.where(mask, a[:, None].expand(mask.shape), 0.0)
+
+    expect = {
+        "grpo": seq(algos.grpo_advantages(r, gid, eps=1e-6)),
+        "dr_grpo": seq(algos.dr_grpo_advantages(r, gid)),
+        "rloo": seq(algos.rloo_advantages(r, gid)),
+        "remax": seq(r - d["baseline_reward"]),
+        "reinforce_pp": algos.reinforce_pp_advantages(algos.token_level_rewards(r, mask), mask),
+        "reinforce_pp_baseline": algos.reinforce_pp_baseline_advantages(r, gid, mask),
+        "ppo": algos.whiten(algos.gae_advantages(algos.token_level_rewards(r, mask), d["old_values"], mask,
+                                                 gamma=1.0, lam=1.0)[0], mask),  # fmt: skip
+    }
+    for name in ("dapo", "gspo", "cispo"):
+        expect[name] = expect["grpo"]
+    for name, want in expect.items():
+        got = ADVANTAGE_ESTIMATORS[name](dict(d), spec, _local)["advantages"]
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0, msg=name)
+
+
+def test_kl_in_the_reward_enters_the_advantage():
+    # one group of 2 one-token responses, KL k1 = old - ref: row 0 +0.5 nats, row 1 -0.5; beta 0.2
+    d = {"reward": torch.tensor([1.0, 1.0]), "group_id": torch.tensor([0, 0]), "response_mask": torch.ones(2, 1, dtype=torch.bool),
+         "old_logprobs": torch.tensor([[-1.0], [-1.0]]), "ref_logprobs": torch.tensor([[-1.5], [-0.5]])}  # fmt: skip
+    spec = AdvantageSpec(reward_kl_coef=0.2, kl_estimator="k1")
+    # rewards after the penalty: 1 - 0.1 = 0.9 and 1 + 0.1 = 1.1; Dr.GRPO advantage r - mean: -0.1, +0.1
+    torch.testing.assert_close(ADVANTAGE_ESTIMATORS["dr_grpo"](d, spec, _local)["advantages"], torch.tensor([[-0.1], [0.1]]))
+    # without the penalty both rewards are 1: zero advantage
+    assert ADVANTAGE_ESTIMATORS["dr_grpo"](d, AdvantageSpec(), _local)["advantages"].abs().max() == 0
+
+
+def _two_ranks(fn):
+    """Runs fn(rank, sum_fn) on 2 threads whose sum_fn all-reduces a 0-dim tensor; returns both results."""
+    barrier, slots, out = threading.Barrier(2), [None, None], [None, None]
+
+    def all_reduce_sum(values: dict[str, float], rank: int) -> dict[str, float]:
+        slots[rank] = values
+        barrier.wait()
+        total = {k: slots[0][k] + slots[1][k] for k in values}
+        barrier.wait()
+        return total
+
+    def run(rank):
+        out[rank] = fn(rank, collective_sum(lambda v: all_reduce_sum(v, rank)))
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+@pytest.mark.parametrize("name, std_scale", [("reinforce_pp", "group"), ("reinforce_pp_baseline", "group"),
+                                             ("ppo", "group"), ("grpo", "batch")])  # fmt: skip
+def test_batch_statistics_are_global_over_ranks(name, std_scale):
+    """Each rank holds half the groups; with the collective sum its advantages equal the full batch's rows."""
+    d, spec = _data(), AdvantageSpec(std_scale=std_scale)
+    full = ADVANTAGE_ESTIMATORS[name](dict(d), spec, _local)["advantages"]
+    halves = _two_ranks(lambda rank, sum_fn: ADVANTAGE_ESTIMATORS[name](
+        {k: v[rank * 4 : (rank + 1) * 4] for k, v in d.items()}, spec, sum_fn)["advantages"])  # fmt: skip
+    torch.testing.assert_close(torch.cat(halves), full, atol=1e-6, rtol=0)
+    local = ADVANTAGE_ESTIMATORS[name]({k: v[:4] for k, v in d.items()}, spec, _local)["advantages"]
+    assert not torch.allclose(local, full[:4])  # the sum really matters
+
+
+def _objective_inputs():
+    g = torch.Generator().manual_seed(3)
+    mask = torch.tensor([[True, True, True], [True, False, False]])
+    mb = {
+        "response_mask": mask,
+        "old_logprobs": -torch.rand(2, 3, generator=g),
+        "rollout_logprobs": -torch.rand(2, 3, generator=g),
+        "ref_logprobs": -torch.rand(2, 3, generator=g),
+        "advantages": torch.tensor([[1.0, 1.0, 1.0], [-2.0, 0.0, 0.0]]),
+    }
+    logprobs = (mb["old_logprobs"] + 0.3 * torch.randn(2, 3, generator=g)).requires_grad_(True)
+    return logprobs, mb
+
+
+def test_objective_options_compose_the_algos_pieces():
+    logprobs, mb = _objective_inputs()
+    mask = mb["response_mask"]
+    entropy = torch.tensor([[1.0, 2.0, 3.0], [4.0, 99.0, 99.0]])
+    spec = LossSpec(0.2, 0.28, 0.1, "k2", "token-mean", 3, "ppo_clip", dual_clip=3.0, entropy_coef=0.01, tis_cap=2.0)
+    loss, stats = policy_objective(logprobs, mb, spec, Normaliser(4.0, 2.0, world_size=2), entropy=entropy)
+    pg, diag = algos.ppo_clip_loss(logprobs, mb["old_logprobs"], mb["advantages"], mask, clip_eps_low=0.2,
+                                   clip_eps_high=0.28, dual_clip=3.0)  # fmt: skip
+    w = algos.truncated_is_weights(mb["old_logprobs"], mb["rollout_logprobs"], mask, cap=2.0)
+    per_token = w * pg + 0.1 * algos.kl_penalty(logprobs, mb["ref_logprobs"], "k2") - 0.01 * entropy
+    want = 2 * torch.where(mask, per_token, 0.0).sum() / 4.0  # token-mean over 4 global tokens, x world_size 2
+    torch.testing.assert_close(loss, want)
+    assert float(stats["entropy_sum"]) == pytest.approx(1 + 2 + 3 + 4)  # masked 99s never count
+    assert float(stats["tis_weight_sum"]) == pytest.approx(float(w.sum()))
+    assert float(stats["tokens"]) == 4.0
+
+
+@pytest.mark.parametrize("name", ["gspo", "cispo"])
+def test_sequence_and_cispo_losses_are_dispatched(name):
+    logprobs, mb = _objective_inputs()
+    spec = LossSpec(0.2, 0.28, 0.0, "k1", "seq-mean-token-mean", 3, POLICY_LOSS_OF[name])
+    loss, _ = policy_objective(logprobs, mb, spec, Normaliser(4.0, 2.0))
+    per_token, _ = algos.POLICY_LOSSES[name](logprobs, mb["old_logprobs"], mb["advantages"], mb["response_mask"],
+                                             clip_eps_low=0.2, clip_eps_high=0.28)  # fmt: skip
+    torch.testing.assert_close(loss, algos.aggregate_loss(per_token, mb["response_mask"], "seq-mean-token-mean"))
+
+
+def test_update_spec_places_the_kl():
+    in_loss = update_spec(config_from_dict({"algo": {"name": "grpo", "kl_coef": 0.04}}), 1)
+    assert (in_loss.loss.kl_coef, in_loss.advantage.reward_kl_coef, in_loss.old_logprobs_before_update) == (0.04, 0.0, False)
+    in_reward = update_spec(config_from_dict({"algo": {"name": "ppo", "kl_coef": 0.01, "kl_in": "reward"}}), 1)
+    assert (in_reward.loss.kl_coef, in_reward.advantage.reward_kl_coef) == (0.0, 0.01)
+    assert in_reward.old_logprobs_before_update  # the reward's KL needs old logprobs before the update
+    assert in_reward.loss.policy_loss == "ppo_clip"
+    cfg = config_from_dict({"algo": {"name": "cispo"}, "learner": {"sequences_per_minibatch": 16}})
+    spec = update_spec(cfg, 2)
+    assert spec.loss.policy_loss == "cispo" and spec.rows_per_minibatch == 8 and spec.old_logprobs_before_update
