@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,12 +24,14 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class TrainResult:
-    """Outcome of a run: the MLflow run id, the resolved tracking URI and the final snapshot URI."""
+    """Outcome of a run: the MLflow run id, the resolved tracking URI, the last complete snapshot's URI,
+    the status ('finished', 'stopped: <reason>', 'failed') and the monitor's URL."""
 
     run_id: str
     tracking_uri: str
     final_snapshot: str
     status: str
+    monitor_url: str = ""
 
 
 def init_ray(*, include_dashboard: bool | None = None) -> None:
@@ -46,7 +49,7 @@ def resolve_paths(cfg: Config, base: Path | None = None) -> Config:
     """Returns a copy of ``cfg`` with local relative paths made absolute against ``base`` (cwd).
 
     Ray workers and jobs can run in another folder than the shell that started the run, so the
-    driver pins the MLflow store, the output folder and local data files once.
+    driver pins the MLflow store, the output and snapshot folders, and local data files once.
     """
     base = base or Path.cwd()
     out = cfg.model_copy(deep=True)
@@ -57,6 +60,11 @@ def resolve_paths(cfg: Config, base: Path | None = None) -> Config:
 
     if "://" not in cfg.run.output_dir:
         out.run.output_dir = str((base / cfg.run.output_dir).resolve())
+    if cfg.checkpoint.uri and "://" not in cfg.checkpoint.uri:
+        out.checkpoint.uri = str((base / cfg.checkpoint.uri).resolve())
+    ref = cfg.checkpoint.resume_from
+    if ref and ref != "latest" and "://" not in ref:
+        out.checkpoint.resume_from = str((base / ref).resolve())
     out.data.train_files = [local(p) for p in cfg.data.train_files]
     out.data.eval_files = [local(p) for p in cfg.data.eval_files]
     out.model.path = local(cfg.model.path)
@@ -75,51 +83,91 @@ def max_model_len(cfg: Config) -> int:
 def run_training(cfg: Config) -> TrainResult:
     """Runs a whole training job and returns its result.
 
+    Starts the monitor (/health on ``monitor.port``) and the rollout actors, then a Ray Train
+    ``TorchTrainer`` whose checkpoints are rlray's snapshots under ``checkpoint.uri``; learner
+    failures are restarted from the latest snapshot (``monitor.max_failures``). The MLflow run ends
+    FINISHED, KILLED (a guard stopped it; tag ``rlray.status`` says which) or FAILED.
+
     Raises:
-        ray.train.TrainingFailedError: a learner worker failed (the MLflow run is marked FAILED).
+        ray.train.TrainingFailedError: learner workers failed more than ``monitor.max_failures`` times.
+        rlray.checkpoint.SnapshotError: ``checkpoint.resume_from`` names no complete snapshot.
+        OSError: ``monitor.port`` is taken.
     """
-    from ray.train import RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig as RayCheckpointConfig
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    from rlray import checkpoint, lineage
+    from rlray.actors import start_monitor
     from rlray.loop import train_worker
+    from rlray.ops import RunOps
 
+    started_at = time.time()
     init_ray()
     cfg = resolve_paths(cfg)
+    opts = cfg.checkpoint.s3.storage_options()
+    resume = checkpoint.resolve_snapshot(cfg.checkpoint.resume_from, cfg.checkpoint_uri, opts) if cfg.checkpoint.resume_from else None
     model_dir = resolve_model_path(cfg.model.path)
     tracker = Tracker(cfg.tracking.mlflow_uri, cfg.tracking.experiment, run_name=cfg.run.name)
     tracker.log_config(cfg)
-    tracker.set_tags({"rlray.model_dir": model_dir, "rlray.output_dir": cfg.run.output_dir})
+    commit = lineage.git_commit()
+    run_dir = checkpoint.join(cfg.checkpoint_uri, checkpoint.run_dir_name(tracker.run_id))
+    tracker.set_tags({"rlray.model_dir": model_dir, "rlray.output_dir": cfg.run.output_dir, "rlray.snapshot_dir": run_dir,
+                      "rlray.git_commit": commit, **({"rlray.resumed_from": resume} if resume else {})})
     log.info("MLflow run %s in %s", tracker.run_id, cfg.tracking.mlflow_uri)
-    actors = []
-    status = "FAILED"
+    actors, monitor, status = [], None, "failed"
     try:
+        monitor, port = start_monitor(cfg, tracker.run_id)
+        url = f"http://{cfg.monitor.host}:{port}"
+        tracker.set_tags({"rlray.monitor_url": url})
+        print(f"rlray: health at {url}/health, metrics at {url}/metrics", flush=True)
         actors = start_rollout_actors(cfg, model_dir, max_model_len(cfg))
         res = cfg.resources.learner
+        storage_path, storage_fs = checkpoint.ray_storage(cfg.checkpoint_uri, opts)
         trainer = TorchTrainer(
             train_worker,
             train_loop_config={
-                "config": cfg.model_dump(mode="json"),
+                "config": cfg.model_dump(),  # python mode: SecretStr values travel, and are never logged
                 "model_dir": model_dir,
                 "rollout_actors": actors,
                 "run_id": tracker.run_id,
+                "ops": RunOps(monitor=monitor, started_at=started_at, git_commit=commit, resume_from=resume),
             },
             scaling_config=ScalingConfig(
                 num_workers=res.num_workers,
                 use_gpu=res.gpus > 0,
                 resources_per_worker={"CPU": res.cpus, **({"GPU": res.gpus} if res.gpus else {})},
             ),
-            run_config=RunConfig(name=f"rlray-{tracker.run_id[:12]}", storage_path=f"{cfg.run.output_dir}/ray_train"),
+            run_config=RunConfig(
+                name=checkpoint.run_dir_name(tracker.run_id),
+                storage_path=storage_path,
+                storage_filesystem=storage_fs,
+                checkpoint_config=RayCheckpointConfig(num_to_keep=cfg.checkpoint.keep_last),
+                failure_config=FailureConfig(max_failures=cfg.monitor.max_failures),
+            ),
         )
         trainer.fit()
-        status = "FINISHED"
+        status = tracker.tags().get("rlray.status", "failed")
     except KeyboardInterrupt:
-        status = "KILLED"
+        status = "killed"
         raise
     finally:
-        tracker.finish(status)
+        tracker.set_tags({"rlray.status": status})
+        tracker.finish(_mlflow_status(status))
+        if monitor is not None:
+            ray.kill(monitor)
         for a in actors:
             ray.kill(a)
-    return TrainResult(tracker.run_id, cfg.tracking.mlflow_uri, f"{cfg.run.output_dir}/final", status)
+    tags = tracker.tags()
+    return TrainResult(tracker.run_id, cfg.tracking.mlflow_uri, tags.get("rlray.last_snapshot", ""), status,
+                       tags.get("rlray.monitor_url", ""))
+
+
+def _mlflow_status(status: str) -> str:
+    """Returns the MLflow run status of an rlray status: finished, stopped: <reason>, killed or failed."""
+    if status == "finished":
+        return "FINISHED"
+    return "KILLED" if status.startswith("stopped") or status == "killed" else "FAILED"
 
 
 def evaluate_checkpoint(cfg: Config, checkpoint: str) -> dict[str, float]:
@@ -143,7 +191,7 @@ def evaluate_checkpoint(cfg: Config, checkpoint: str) -> dict[str, float]:
     init_ray(include_dashboard=False)
     cfg = resolve_paths(cfg)
     is_snapshot = Path(checkpoint, "manifest.json").exists() or "://" in checkpoint
-    model_dir = local_model_dir(checkpoint) if is_snapshot else resolve_model_path(checkpoint)
+    model_dir = local_model_dir(checkpoint, options=cfg.checkpoint.s3.storage_options()) if is_snapshot else resolve_model_path(checkpoint)
     tokenizer = load_tokenizer(model_dir, cfg.model.chat_template)
     rows = load_prompt_rows(cfg.data.eval_files)[: cfg.eval.num_problems]
     rows, ids, _ = prepare_prompts(

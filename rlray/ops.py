@@ -1,0 +1,401 @@
+"""Operations around the step loop: restore, guards, rollback, snapshots, heartbeat, lineage, status.
+
+``rlray.loop.train`` calls these between steps (stage 8: log, guard, snapshot) and at the start and
+end of a run; every function runs on every learner rank unless it says "rank 0". Ranks agree on
+each decision (trip, snapshot success) through the collective, so they call Ray Train's report and
+the collectives the same number of times.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import psutil
+
+from rlray import checkpoint, guard, lineage, trainstate
+from rlray.checkpoint import SnapshotError
+from rlray.config import Config
+
+log = logging.getLogger(__name__)
+
+RUNNING = "running"
+
+
+@dataclass
+class RunOps:
+    """What the driver hands every learner rank besides the config (``train_loop_config['ops']``).
+
+    Attributes:
+        monitor: the ``MonitorActor`` handle, or None to run without /health and alerts.
+        started_at: the run's start (Unix seconds), for ``run.max_wall_time_s`` across restarts.
+        git_commit: the code's commit, a lineage tag.
+        resume_from: the snapshot URI to start from (``checkpoint.resume_from`` resolved by the driver).
+    """
+
+    monitor: Any = None
+    started_at: float = field(default_factory=time.time)
+    git_commit: str = "unknown"
+    resume_from: str | None = None
+
+
+@dataclass
+class RunState:
+    """Where a run is, on one rank.
+
+    Attributes:
+        run_id: MLflow run id; ``run_dir`` is its snapshot folder ``<checkpoint uri>/run-<run_id>``.
+        step: RL steps done. ``first_step`` is where this process started (0 or a restored step).
+        rollbacks: rollbacks so far (kept in snapshots). ``nonfinite_in_row``: the non-finite guard's count.
+        logged_through: the last step whose metrics MLflow has (a restarted run does not log a step twice).
+        last_snapshot: the newest complete snapshot this run can roll back to; ``model_version`` its
+            registered version (the parent of the next one).
+        status: 'running', 'finished' or 'stopped: <reason>'.
+    """
+
+    run_id: str
+    run_dir: str
+    options: dict[str, Any]
+    in_ray_train: bool
+    step: int = 0
+    first_step: int = 0
+    rollbacks: int = 0
+    nonfinite_in_row: int = 0
+    logged_through: int = 0
+    last_snapshot: str | None = None
+    model_version: str | None = None
+    status: str = RUNNING
+    heartbeat: Any = None
+    watchdog: guard.MemoryWatchdog | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# Start
+# --------------------------------------------------------------------------------------------
+def restore_source(cfg: Config, ops: RunOps, run_id: str, in_ray_train: bool) -> tuple[str | None, bool]:
+    """Returns (snapshot URI to restore or None, restarted by Ray Train).
+
+    Ray Train's checkpoint (``ray.train.get_checkpoint()``, set after a restart) wins over
+    ``ops.resume_from``.
+    """
+    if in_ray_train:
+        import ray.train
+
+        ckpt = ray.train.get_checkpoint()
+        if ckpt is not None:
+            name = ckpt.path.rstrip("/").rsplit("/", 1)[-1]
+            return checkpoint.join(cfg.checkpoint_uri, checkpoint.run_dir_name(run_id), name), True
+    return ops.resume_from, False
+
+
+def config_for_restore(cfg: Config, source: str | None, restarted: bool) -> Config:
+    """Returns the config to build the learner with: after a Ray Train restart, the trained sections come
+    from the snapshot (a rollback or OOM fallback may have changed them); otherwise ``cfg`` as given."""
+    if source is None or not restarted:
+        return cfg
+    return trainstate.adopt_trained_config(cfg, trainstate.snapshot_config(source, cfg.checkpoint.s3.storage_options()))
+
+
+def begin(ctx: Any, ops: RunOps, source: str | None, *, in_ray_train: bool, reload_rollouts: Callable[[], None]) -> RunState:
+    """Restores ``source`` (when given) on every rank, pushes the policy to the rollouts, starts rank 0's
+    heartbeat and every rank's memory watchdog; returns the run's state."""
+    cfg = ctx.cfg
+    run_id = ctx.coll.broadcast(ctx.tracker.run_id if ctx.rank == 0 else None)
+    opts = cfg.checkpoint.s3.storage_options()
+    run = RunState(run_id, checkpoint.join(cfg.checkpoint_uri, checkpoint.run_dir_name(run_id)), opts, in_ray_train)
+    if source is not None:
+        manifest = _restore(ctx, run, source)
+        run.step = run.first_step = manifest["step"]
+        run.rollbacks = manifest.get("rollbacks", 0)
+        run.last_snapshot = source
+    reload_rollouts()  # the engines may hold newer weights (a restart) or other ones (a resume)
+    if not _on_cuda():
+        cap = guard.memory_cap_bytes(cfg.guard, cuda=False)
+        run.watchdog = guard.MemoryWatchdog(cap, cfg.guard.memory_check_s, ctx.rank).start()
+    if ctx.rank == 0:
+        _begin_rank0(ctx, ops, run, source)
+    return run
+
+
+def _on_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _restore(ctx: Any, run: RunState, uri: str) -> dict[str, Any]:
+    manifest = trainstate.restore_learner(uri, learner=ctx.learner, rank=ctx.rank, options=run.options)
+    trainstate.set_optimizer_hparams(ctx.learner, ctx.cfg)
+    ctx.policy_version = int(manifest["policy_version"])
+    if ctx.rank == 0:
+        ctx.stream.load_state_dict(manifest["data_cursor"])
+    log.info("rank %d restored snapshot %s (step %d, policy version %d)", ctx.rank, uri, manifest["step"], ctx.policy_version)
+    return manifest
+
+
+def _begin_rank0(ctx: Any, ops: RunOps, run: RunState, source: str | None) -> None:
+    tracker, cfg = ctx.tracker, ctx.cfg
+    tracker.set_tags({"rlray.snapshot_dir": run.run_dir, "rlray.status": RUNNING, "rlray.git_commit": ops.git_commit})
+    run.logged_through = tracker.last_logged_step()
+    if source is not None:
+        run.model_version = lineage.version_of(cfg.tracking.mlflow_uri, cfg.tracking.experiment, source)
+        tracker.set_tags({"rlray.restored_from": source})
+        tracker.log_metrics({"run/restored_step": float(run.step)}, step=run.step)
+    _attach_log_file(cfg, run)
+    started = time.time()
+
+    def beat() -> None:
+        rss = psutil.Process().memory_info().rss / guard.GIB
+        log.info("heartbeat run=%s step=%d epoch=%d policy_version=%d rss_gib=%.2f", run.run_id, run.step,
+                 ctx.stream.epoch, ctx.policy_version, rss)
+        tracker.log_metrics({"monitor/heartbeat_s": time.time() - started, "monitor/rss_gib": rss}, step=run.step)
+        if ops.monitor is not None:
+            ops.monitor.beat.remote(run.step, ctx.stream.epoch, ctx.policy_version)
+
+    from rlray.monitor import Heartbeat
+
+    run.heartbeat = Heartbeat(beat, cfg.monitor.heartbeat_s).start()
+
+
+def _local_log_path(cfg: Config, run: RunState) -> Path:
+    base = Path(cfg.run.output_dir) if "://" not in cfg.run.output_dir else Path("/tmp/rlray")
+    return base / checkpoint.LOGS_DIR / f"{checkpoint.run_dir_name(run.run_id)}.log"
+
+
+def _attach_log_file(cfg: Config, run: RunState) -> None:
+    path = _local_log_path(cfg, run)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setLevel(logging.INFO)
+    root = logging.getLogger("rlray")
+    root.setLevel(logging.INFO)
+    root.addHandler(handler)
+
+
+# --------------------------------------------------------------------------------------------
+# After each step
+# --------------------------------------------------------------------------------------------
+def check_guards(ctx: Any, run: RunState, metrics: dict[str, float], ops: RunOps) -> guard.Trip | None:
+    """Returns the guard the step trips (the same on every rank), or None; counts non-finite steps."""
+    finite = guard.is_finite_step(metrics)
+    run.nonfinite_in_row = 0 if finite else run.nonfinite_in_row + 1
+    if not finite:
+        log.error("step %d: non-finite loss or gradient norm; the update was skipped", run.step)
+    memory = run.watchdog.message if run.watchdog else None
+    flags = ctx.coll.all_reduce_sum({"memory": float(memory is not None)})
+    if flags["memory"] and memory is None:
+        memory = "another learner rank exceeded the memory cap"
+    trip = None
+    if ctx.rank == 0:
+        trip = guard.check_step(metrics, step=run.step, nonfinite_in_row=run.nonfinite_in_row, guard=ctx.cfg.guard,
+                                elapsed_s=time.time() - ops.started_at, max_wall_time_s=ctx.cfg.run.max_wall_time_s,
+                                memory_message=memory)
+        metrics["guard/nonfinite_in_row"] = float(run.nonfinite_in_row)
+        metrics["run/rollbacks"] = float(run.rollbacks)
+        metrics.setdefault("rollout/staleness", max(0.0, ctx.policy_version - 1 - metrics.get("rollout/policy_version", 0.0)))
+    return ctx.coll.broadcast(trip)
+
+
+def record(ctx: Any, run: RunState, metrics: dict[str, float], ops: RunOps) -> None:
+    """Rank 0: logs the step's metrics (once per step, across restarts) and updates the monitor."""
+    if run.step > run.logged_through:
+        ctx.tracker.log_metrics(metrics, step=run.step)
+        run.logged_through = run.step
+    if ops.monitor is not None:
+        ops.monitor.record_step.remote(run.step, ctx.stream.epoch, ctx.policy_version, metrics)
+
+
+def alert(ctx: Any, ops: RunOps, kind: str, message: str, step: int) -> None:
+    """Rank 0: sends an alert through the monitor (or only logs it when there is none)."""
+    if ops.monitor is not None:
+        ops.monitor.alert.remote(kind, message, step)
+    else:
+        log.warning("ALERT %s: %s", kind, message)
+
+
+def handle_trip(ctx: Any, run: RunState, trip: guard.Trip, ops: RunOps, reload_rollouts: Callable[[], None]) -> None:
+    """Rolls back (``guard.on_trip=rollback``, within ``guard.max_rollbacks``, with a snapshot to return
+    to) or stops the run with status 'stopped: <reason>'; alerts and tags either way."""
+    g = ctx.cfg.guard
+    can_roll = trip.reason == "kl_guard" and g.on_trip == "rollback" and run.rollbacks < g.max_rollbacks and run.last_snapshot
+    if ctx.rank == 0:
+        what = f"rolling back to {run.last_snapshot}" if can_roll else "stopping"
+        alert(ctx, ops, "guard_trip", f"{trip.reason}: {trip.message}; {what}", run.step)
+    if can_roll:
+        rollback(ctx, run, ops, reload_rollouts)
+        return
+    if trip.keep_state:
+        snapshot(ctx, run, ops, kind="stop", metrics={})
+    run.status = f"stopped: {trip.reason}"
+    if ctx.rank == 0:
+        ctx.tracker.set_tags({"rlray.stop_reason": trip.reason, "rlray.stop_step": str(run.step),
+                              "rlray.stop_message": trip.message})
+
+
+def rollback(ctx: Any, run: RunState, ops: RunOps, reload_rollouts: Callable[[], None]) -> None:
+    """Restores the last good snapshot with ``guard.rollback_overrides`` applied, and continues from it."""
+    new_cfg, changes = guard.rollback_config(ctx.cfg, ctx.cfg.guard.rollback_overrides)
+    tripped_at = run.step
+    ctx.cfg = new_cfg
+    manifest = _restore(ctx, run, run.last_snapshot)
+    run.step = manifest["step"]
+    run.rollbacks += 1
+    run.nonfinite_in_row = 0
+    reload_rollouts()
+    if ctx.rank == 0:
+        text = ", ".join(f"{k}: {a} -> {b}" for k, a, b in ((k, *v) for k, v in changes.items()))
+        ctx.tracker.log_text(new_cfg.to_yaml(), f"config/rollback_{run.rollbacks}.yaml")
+        ctx.tracker.set_tags({f"rlray.rollback.{run.rollbacks}": f"step {tripped_at} -> step {run.step}; {text}",
+                              "rlray.rollbacks": str(run.rollbacks), "rlray.config_hash_now": new_cfg.config_hash()})
+        run.model_version = lineage.version_of(new_cfg.tracking.mlflow_uri, new_cfg.tracking.experiment, run.last_snapshot)
+        log.warning("rollback %d: step %d -> snapshot step %d with %s", run.rollbacks, tripped_at, run.step, text)
+
+
+# --------------------------------------------------------------------------------------------
+# Snapshots
+# --------------------------------------------------------------------------------------------
+def snapshot_due(cfg: Config, step: int) -> bool:
+    """Returns True when a snapshot is due after ``step``: every ``checkpoint.every_steps`` and at the last step."""
+    return step % cfg.checkpoint.every_steps == 0 or step == cfg.run.max_steps
+
+
+def snapshot(ctx: Any, run: RunState, ops: RunOps, *, kind: str, metrics: dict[str, float]) -> str | None:
+    """Writes the snapshot of step ``run.step`` (payload first, manifest last), reports it to Ray Train,
+    registers it in the Model Registry and prunes old ones; returns its URI, or None when it failed.
+
+    A failure never stops training: the previous snapshot stays the one to resume from, and rank 0
+    alerts with the cause (e.g. a full disk).
+    """
+    t0 = time.perf_counter()
+    uri = checkpoint.join(run.run_dir, checkpoint.snapshot_name(run.step))
+    error = _write(ctx, run, uri, kind, metrics, ops)
+    if error is not None:
+        if ctx.rank == 0:
+            _snapshot_failed(ctx, run, ops, uri, error)
+        return None
+    _report(run, metrics, ctx.rank)
+    run.last_snapshot = uri
+    if ctx.rank == 0:
+        _after_snapshot(ctx, run, ops, uri, metrics)
+        ctx.tracker.log_metrics({"timing/snapshot_s": time.perf_counter() - t0}, step=run.step)
+    return uri
+
+
+def _write(ctx: Any, run: RunState, uri: str, kind: str, metrics: dict[str, float], ops: RunOps) -> str | None:
+    """Writes the snapshot on every rank; returns None, or rank 0's error text (the same on every rank)."""
+    error = None
+    try:
+        if ctx.rank == 0:
+            checkpoint.clear(uri, run.options)
+        ctx.coll.barrier()
+        if ctx.rank == 0:
+            trainstate.write_rank0(uri, learner=ctx.learner, tokenizer=ctx.tokenizer, cfg=ctx.cfg, options=run.options)
+        else:
+            trainstate.write_rng(uri, ctx.rank, run.options)
+    except SnapshotError as err:
+        error = str(err)
+    failed = ctx.coll.all_reduce_sum({"failed": float(error is not None)})["failed"]
+    if ctx.rank == 0 and error is None:
+        if failed:
+            error = "another learner rank could not write its RNG state"
+        else:
+            try:
+                checkpoint.write_manifest(uri, _manifest(ctx, run, kind, metrics, ops), checkpoint.file_sizes(uri, run.options),
+                                          run.options)
+            except SnapshotError as err:
+                error = str(err)
+    return ctx.coll.broadcast(error)
+
+
+def _manifest(ctx: Any, run: RunState, kind: str, metrics: dict[str, float], ops: RunOps) -> dict[str, Any]:
+    cursor = ctx.stream.state_dict()
+    return {
+        "kind": kind,
+        "step": run.step,
+        "epoch": cursor["epoch"],
+        "policy_version": ctx.policy_version,
+        "rollbacks": run.rollbacks,
+        "data_cursor": cursor,
+        "world_size": ctx.world,
+        "run_id": run.run_id,
+        "config_hash": ctx.cfg.config_hash(),
+        "dataset_hash": cursor["rows_fingerprint"],
+        "git_commit": ops.git_commit,
+        "parent_version": run.model_version,
+        "metrics": {k: float(v) for k, v in metrics.items()},
+    }
+
+
+def _report(run: RunState, metrics: dict[str, float], rank: int) -> None:
+    """Registers the written snapshot with Ray Train (``NO_UPLOAD``: the files are already in place)."""
+    if not run.in_ray_train:
+        return
+    import ray.train
+    from ray.train import Checkpoint, CheckpointUploadMode
+
+    name = checkpoint.snapshot_name(run.step)
+    storage = ray.train.get_context().get_storage()
+    ckpt = Checkpoint(path=f"{storage.experiment_fs_path}/{name}", filesystem=storage.storage_filesystem) if rank == 0 else None
+    ray.train.report({"step": run.step, **{k: float(v) for k, v in metrics.items()}}, checkpoint=ckpt,
+                     checkpoint_dir_name=name, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+
+
+def _after_snapshot(ctx: Any, run: RunState, ops: RunOps, uri: str, metrics: dict[str, float]) -> None:
+    cfg = ctx.cfg
+    manifest = checkpoint.read_manifest(uri, run.options, verify=False)
+    try:
+        run.model_version = lineage.register(ctx.tracker, cfg.tracking.experiment, uri, manifest, metrics)
+    except Exception as err:  # the registry being down must not stop training
+        alert(ctx, ops, "registry_failed", f"could not register snapshot {uri}: {err}", run.step)
+    ctx.tracker.set_tags({"rlray.last_snapshot": uri})
+    if ops.monitor is not None:
+        ops.monitor.record_snapshot.remote(run.step)
+    log_file = _local_log_path(cfg, run)
+    try:
+        if log_file.exists():
+            checkpoint.put_files(checkpoint.join(cfg.checkpoint_uri, checkpoint.LOGS_DIR), log_file.parent, run.options)
+        removed = checkpoint.prune(
+            cfg.checkpoint_uri, checkpoint.run_dir_name(run.run_id), max_age_s=cfg.checkpoint.max_age_days * 86400,
+            log_max_age_s=cfg.checkpoint.log_max_age_days * 86400,
+            keep_last=None if run.in_ray_train else cfg.checkpoint.keep_last, options=run.options)
+    except SnapshotError as err:
+        alert(ctx, ops, "prune_failed", str(err), run.step)
+        removed = []
+    log.info("snapshot %s written (version %s); pruned %d", uri, run.model_version, len(removed))
+
+
+def _snapshot_failed(ctx: Any, run: RunState, ops: RunOps, uri: str, error: str) -> None:
+    try:
+        checkpoint.clear(uri, run.options)  # best effort; readers ignore it anyway (no manifest)
+    except SnapshotError:
+        pass
+    previous = run.last_snapshot or "none"
+    alert(ctx, ops, "snapshot_failed", f"snapshot at step {run.step} failed: {error}; the last complete one is {previous}",
+          run.step)
+    ctx.tracker.log_metrics({"checkpoint/failures": 1.0}, step=run.step)
+    if ops.monitor is not None:
+        ops.monitor.record_snapshot.remote(None)
+
+
+# --------------------------------------------------------------------------------------------
+# End
+# --------------------------------------------------------------------------------------------
+def finish(ctx: Any, run: RunState, ops: RunOps) -> None:
+    """Stops the heartbeat and watchdog; rank 0 records the final status (tag ``rlray.status``)."""
+    if run.watchdog is not None:
+        run.watchdog.stop()
+    if ctx.rank != 0:
+        return
+    if run.heartbeat is not None:
+        run.heartbeat.stop()
+    if run.status == RUNNING:
+        run.status = "failed"
+    ctx.tracker.set_tags({"rlray.status": run.status, "rlray.final_step": str(run.step)})
+    if ops.monitor is not None:
+        reason = run.status.split(": ", 1)[-1]
+        ops.monitor.set_status.remote("stopped", reason)
+    log.info("run %s ended at step %d: %s", run.run_id, run.step, run.status)
