@@ -46,7 +46,7 @@ LOGS_DIR = "logs"
 # An incomplete snapshot of another run may still be being written; it is removed once its newest
 # file is this old (a snapshot upload that stalls for an hour has failed).
 INCOMPLETE_GRACE_S = 3600.0
-_STEP_RE = re.compile(rf"^{STEP_PREFIX}(\d+)$")
+_STEP_RE = re.compile(rf"^{STEP_PREFIX}(\d+)(?:_r\d+)?$")
 
 
 class SnapshotError(RuntimeError):
@@ -88,9 +88,13 @@ def run_dir_name(run_id: str) -> str:
     return f"{RUN_PREFIX}{run_id}"
 
 
-def snapshot_name(step: int) -> str:
-    """Returns the folder name of the snapshot taken after ``step`` RL steps (zero-padded, sorts by step)."""
-    return f"{STEP_PREFIX}{step:08d}"
+def snapshot_name(step: int, rollbacks: int = 0) -> str:
+    """Returns the folder name of the snapshot taken after ``step`` RL steps (zero-padded, sorts by step).
+
+    After a rollback the run passes the same steps again; ``_r<rollbacks>`` keeps those snapshots apart,
+    so neither rlray's nor Ray Train's retention can delete a new snapshot by an old one's name.
+    """
+    return f"{STEP_PREFIX}{step:08d}" + (f"_r{rollbacks}" if rollbacks else "")
 
 
 def ray_storage(root: str, options: dict[str, Any] | None = None) -> tuple[str, Any]:

@@ -33,7 +33,9 @@ def _optional_config(args: argparse.Namespace) -> Config:
     """Returns the --config file's config (MLflow store, experiment, S3 options), else the defaults."""
     from rlray.driver import resolve_paths
 
-    cfg = load_config(args.config, args.overrides) if args.config else Config()
+    from rlray.config import config_from_dict
+
+    cfg = load_config(args.config, args.overrides) if args.config else config_from_dict({}, args.overrides)
     return resolve_paths(cfg)
 
 
@@ -41,7 +43,8 @@ def _rollback(args: argparse.Namespace) -> int:
     from rlray.lineage import prepare_rollback
 
     dest = Path(args.dest or f"rollback/{args.ref.rstrip('/').rsplit('/', 1)[-1][:16]}-{args.to}")
-    print(json.dumps(prepare_rollback(args.ref, args.to, _optional_config(args), dest), indent=2))
+    cfg = _optional_config(args)
+    print(json.dumps(prepare_rollback(args.ref, args.to, cfg, dest, base=cfg if args.config else None), indent=2))
     return 0
 
 
@@ -89,7 +92,8 @@ def _data(args: argparse.Namespace) -> int:
 
 def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="config file for the MLflow store, experiment and S3 options (default: built-in)")
-    p.add_argument("overrides", nargs="*", help="dotted config overrides")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="dotted config override, repeatable (e.g. --set tracking.experiment=grpo-gsm8k)")
 
 
 def build_parser() -> argparse.ArgumentParser:

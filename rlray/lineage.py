@@ -138,9 +138,16 @@ def find_snapshot(ref: str, to: str, cfg: Config) -> str:
     return max(hits, key=lambda s: s.manifest["written_at"]).uri
 
 
-def prepare_rollback(ref: str, to: str, cfg: Config, dest: Path) -> dict[str, Any]:
-    """Writes ``dest/config.yaml``: ``cfg`` with the trained sections of the chosen snapshot's config and
+def prepare_rollback(ref: str, to: str, cfg: Config, dest: Path, *, base: Config | None = None) -> dict[str, Any]:
+    """Writes ``dest/config.yaml``, the config the chosen snapshot was trained with and
     ``checkpoint.resume_from`` set to it, so ``rlray train dest/config.yaml`` resumes from there.
+
+    Args:
+        ref, to: see ``find_snapshot``.
+        cfg: where to look (MLflow store, experiment, S3 options).
+        dest: folder for config.yaml.
+        base: a config to keep everything but the trained sections (learner, algo, reward and
+            model.gradient_checkpointing) from; None takes the snapshot's whole config.
 
     Returns:
         {snapshot, step, policy_version, config, command}.
@@ -151,8 +158,8 @@ def prepare_rollback(ref: str, to: str, cfg: Config, dest: Path) -> dict[str, An
     opts = cfg.checkpoint.s3.storage_options()
     uri = find_snapshot(ref, to, cfg)
     manifest = checkpoint.read_manifest(uri, opts)
-    restored = adopt_trained_config(cfg, snapshot_config(uri, opts))
-    tree = restored.model_dump(mode="json")
+    trained = snapshot_config(uri, opts)
+    tree = adopt_trained_config(base, trained).model_dump(mode="json") if base is not None else trained
     tree["checkpoint"]["resume_from"] = uri
     # secrets are not written to disk: give them again in the config or through the AWS credential chain
     tree["checkpoint"]["s3"].update({"access_key_id": None, "secret_access_key": None})

@@ -326,8 +326,10 @@ class Heartbeat:
         return self
 
     def stop(self) -> None:
-        """Stops the thread after the current beat."""
+        """Stops the thread, waiting for a beat in progress to finish."""
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
 
     def _run(self) -> None:
         while True:

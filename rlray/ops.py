@@ -68,8 +68,10 @@ class RunState:
     last_snapshot: str | None = None
     model_version: str | None = None
     status: str = RUNNING
+    source: tuple[int, str] | None = None
     heartbeat: Any = None
     watchdog: guard.MemoryWatchdog | None = None
+    log_handler: logging.Handler | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -111,6 +113,7 @@ def begin(ctx: Any, ops: RunOps, source: str | None, *, in_ray_train: bool, relo
         run.step = run.first_step = manifest["step"]
         run.rollbacks = manifest.get("rollbacks", 0)
         run.last_snapshot = source
+        run.source = (run.step, source)
     reload_rollouts()  # the engines may hold newer weights (a restart) or other ones (a resume)
     if not _on_cuda():
         cap = guard.memory_cap_bytes(cfg.guard, cuda=False)
@@ -144,7 +147,7 @@ def _begin_rank0(ctx: Any, ops: RunOps, run: RunState, source: str | None) -> No
         run.model_version = lineage.version_of(cfg.tracking.mlflow_uri, cfg.tracking.experiment, source)
         tracker.set_tags({"rlray.restored_from": source})
         tracker.log_metrics({"run/restored_step": float(run.step)}, step=run.step)
-    _attach_log_file(cfg, run)
+    run.log_handler = _attach_log_file(cfg, run)
     started = time.time()
 
     def beat() -> None:
@@ -165,7 +168,8 @@ def _local_log_path(cfg: Config, run: RunState) -> Path:
     return base / checkpoint.LOGS_DIR / f"{checkpoint.run_dir_name(run.run_id)}.log"
 
 
-def _attach_log_file(cfg: Config, run: RunState) -> None:
+def _attach_log_file(cfg: Config, run: RunState) -> logging.Handler:
+    """Adds a file handler for rlray's log lines of this run (copied to <checkpoint uri>/logs at snapshots)."""
     path = _local_log_path(cfg, run)
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path)
@@ -174,6 +178,7 @@ def _attach_log_file(cfg: Config, run: RunState) -> None:
     root = logging.getLogger("rlray")
     root.setLevel(logging.INFO)
     root.addHandler(handler)
+    return handler
 
 
 # --------------------------------------------------------------------------------------------
@@ -218,15 +223,17 @@ def alert(ctx: Any, ops: RunOps, kind: str, message: str, step: int) -> None:
 
 
 def handle_trip(ctx: Any, run: RunState, trip: guard.Trip, ops: RunOps, reload_rollouts: Callable[[], None]) -> None:
-    """Rolls back (``guard.on_trip=rollback``, within ``guard.max_rollbacks``, with a snapshot to return
-    to) or stops the run with status 'stopped: <reason>'; alerts and tags either way."""
+    """Rolls back (``guard.on_trip=rollback``, within ``guard.max_rollbacks``, with a good snapshot to
+    return to) or stops the run with status 'stopped: <reason>'; alerts and tags either way."""
     g = ctx.cfg.guard
-    can_roll = trip.reason == "kl_guard" and g.on_trip == "rollback" and run.rollbacks < g.max_rollbacks and run.last_snapshot
+    target = None
+    if trip.reason == "kl_guard" and g.on_trip == "rollback" and run.rollbacks < g.max_rollbacks:
+        target = ctx.coll.broadcast(last_good_snapshot(run) if ctx.rank == 0 else None)
     if ctx.rank == 0:
-        what = f"rolling back to {run.last_snapshot}" if can_roll else "stopping"
+        what = f"rolling back to {target}" if target else "stopping"
         alert(ctx, ops, "guard_trip", f"{trip.reason}: {trip.message}; {what}", run.step)
-    if can_roll:
-        rollback(ctx, run, ops, reload_rollouts)
+    if target:
+        rollback(ctx, run, target, reload_rollouts)
         return
     if trip.keep_state:
         snapshot(ctx, run, ops, kind="stop", metrics={})
@@ -236,22 +243,42 @@ def handle_trip(ctx: Any, run: RunState, trip: guard.Trip, ops: RunOps, reload_r
                               "rlray.stop_message": trip.message})
 
 
-def rollback(ctx: Any, run: RunState, ops: RunOps, reload_rollouts: Callable[[], None]) -> None:
-    """Restores the last good snapshot with ``guard.rollback_overrides`` applied, and continues from it."""
+def last_good_snapshot(run: RunState) -> str | None:
+    """Rank 0: returns the newest complete snapshot that a KL trip at ``run.step`` does not implicate, or None.
+
+    The KL measured in step k is that of the policy after step k-1's update, so a trip at step k
+    condemns the snapshot of step k-1; the last good one was taken at step k-2 or earlier (this run's,
+    or the snapshot it was resumed from).
+    """
+    limit = run.step - 2
+    found = [(s.step, s.manifest["written_at"], s.uri) for s in checkpoint.list_snapshots(run.run_dir, run.options)
+             if s.complete and s.step <= limit]
+    if run.source and run.source[0] <= limit:
+        found.append((run.source[0], 0.0, run.source[1]))
+    return max(found)[2] if found else None
+
+
+def rollback(ctx: Any, run: RunState, target: str, reload_rollouts: Callable[[], None]) -> None:
+    """Restores the snapshot ``target`` with ``guard.rollback_overrides`` applied, and continues from it.
+
+    The config change is recorded as a new config artifact and tags (never as a changed param); the
+    steps that run again are logged again.
+    """
     new_cfg, changes = guard.rollback_config(ctx.cfg, ctx.cfg.guard.rollback_overrides)
     tripped_at = run.step
     ctx.cfg = new_cfg
-    manifest = _restore(ctx, run, run.last_snapshot)
+    manifest = _restore(ctx, run, target)
     run.step = manifest["step"]
     run.rollbacks += 1
     run.nonfinite_in_row = 0
+    run.logged_through = min(run.logged_through, run.step)
     reload_rollouts()
     if ctx.rank == 0:
-        text = ", ".join(f"{k}: {a} -> {b}" for k, a, b in ((k, *v) for k, v in changes.items()))
+        text = ", ".join(f"{k}: {old} -> {new}" for k, (old, new) in changes.items())
         ctx.tracker.log_text(new_cfg.to_yaml(), f"config/rollback_{run.rollbacks}.yaml")
         ctx.tracker.set_tags({f"rlray.rollback.{run.rollbacks}": f"step {tripped_at} -> step {run.step}; {text}",
                               "rlray.rollbacks": str(run.rollbacks), "rlray.config_hash_now": new_cfg.config_hash()})
-        run.model_version = lineage.version_of(new_cfg.tracking.mlflow_uri, new_cfg.tracking.experiment, run.last_snapshot)
+        run.model_version = lineage.version_of(new_cfg.tracking.mlflow_uri, new_cfg.tracking.experiment, target)
         log.warning("rollback %d: step %d -> snapshot step %d with %s", run.rollbacks, tripped_at, run.step, text)
 
 
@@ -271,7 +298,7 @@ def snapshot(ctx: Any, run: RunState, ops: RunOps, *, kind: str, metrics: dict[s
     alerts with the cause (e.g. a full disk).
     """
     t0 = time.perf_counter()
-    uri = checkpoint.join(run.run_dir, checkpoint.snapshot_name(run.step))
+    uri = checkpoint.join(run.run_dir, checkpoint.snapshot_name(run.step, run.rollbacks))
     error = _write(ctx, run, uri, kind, metrics, ops)
     if error is not None:
         if ctx.rank == 0:
@@ -337,7 +364,7 @@ def _report(run: RunState, metrics: dict[str, float], rank: int) -> None:
     import ray.train
     from ray.train import Checkpoint, CheckpointUploadMode
 
-    name = checkpoint.snapshot_name(run.step)
+    name = checkpoint.snapshot_name(run.step, run.rollbacks)
     storage = ray.train.get_context().get_storage()
     ckpt = Checkpoint(path=f"{storage.experiment_fs_path}/{name}", filesystem=storage.storage_filesystem) if rank == 0 else None
     ray.train.report({"step": run.step, **{k: float(v) for k, v in metrics.items()}}, checkpoint=ckpt,
@@ -392,10 +419,15 @@ def finish(ctx: Any, run: RunState, ops: RunOps) -> None:
         return
     if run.heartbeat is not None:
         run.heartbeat.stop()
+    if run.log_handler is not None:
+        logging.getLogger("rlray").removeHandler(run.log_handler)
+        run.log_handler.close()
     if run.status == RUNNING:
         run.status = "failed"
     ctx.tracker.set_tags({"rlray.status": run.status, "rlray.final_step": str(run.step)})
     if ops.monitor is not None:
-        reason = run.status.split(": ", 1)[-1]
-        ops.monitor.set_status.remote("stopped", reason)
+        import ray
+
+        # waiting on it also waits for the alerts sent before (an actor runs one caller's calls in order)
+        ray.get(ops.monitor.set_status.remote("stopped", run.status.split(": ", 1)[-1]), timeout=120)
     log.info("run %s ended at step %d: %s", run.run_id, run.step, run.status)

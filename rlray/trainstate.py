@@ -154,6 +154,8 @@ def set_optimizer_hparams(learner: Any, cfg: Config) -> None:
     factor = learner.scheduler.lr_lambdas[0](learner.scheduler.last_epoch)
     for group in learner.optimizer.param_groups:
         group.update(lr=ln.lr * factor, initial_lr=ln.lr, betas=tuple(ln.betas), weight_decay=ln.weight_decay)
+    # get_last_lr() reads the scheduler's cached value, which the loaded state set to the old lr
+    learner.scheduler._last_lr = [group["lr"] for group in learner.optimizer.param_groups]
 
 
 def restore_learner(uri: str, *, learner: Any, rank: int, options: dict[str, Any] | None) -> dict[str, Any]:
