@@ -80,16 +80,19 @@ class RunState:
 def restore_source(cfg: Config, ops: RunOps, run_id: str, in_ray_train: bool) -> tuple[str | None, bool]:
     """Returns (snapshot URI to restore or None, restarted by Ray Train).
 
-    Ray Train's checkpoint (``ray.train.get_checkpoint()``, set after a restart) wins over
-    ``ops.resume_from``.
+    After a Ray Train restart (``ray.train.get_checkpoint()`` is set) the newest complete snapshot of
+    this run wins, even one whose ``ray.train.report`` was cut off by the failure (``begin`` reports it
+    then, so Ray Train's bookkeeping catches up). Otherwise ``ops.resume_from``.
     """
     if in_ray_train:
         import ray.train
 
         ckpt = ray.train.get_checkpoint()
         if ckpt is not None:
+            run_dir = checkpoint.join(cfg.checkpoint_uri, checkpoint.run_dir_name(run_id))
             name = ckpt.path.rstrip("/").rsplit("/", 1)[-1]
-            return checkpoint.join(cfg.checkpoint_uri, checkpoint.run_dir_name(run_id), name), True
+            newest = checkpoint.latest_snapshot(run_dir, cfg.checkpoint.s3.storage_options())
+            return newest or checkpoint.join(run_dir, name), True
     return ops.resume_from, False
 
 
@@ -114,6 +117,8 @@ def begin(ctx: Any, ops: RunOps, source: str | None, *, in_ray_train: bool, relo
         run.rollbacks = manifest.get("rollbacks", 0)
         run.last_snapshot = source
         run.source = (run.step, source)
+        if in_ray_train and source.startswith(run.run_dir + "/") and not _known_to_ray(source):
+            _report(run, {}, ctx.rank, name=source.rsplit("/", 1)[-1])  # its report was cut off by the failure
     reload_rollouts()  # the engines may hold newer weights (a restart) or other ones (a resume)
     if not _on_cuda():
         cap = guard.memory_cap_bytes(cfg.guard, cuda=False)
@@ -357,14 +362,22 @@ def _manifest(ctx: Any, run: RunState, kind: str, metrics: dict[str, float], ops
     }
 
 
-def _report(run: RunState, metrics: dict[str, float], rank: int) -> None:
+def _known_to_ray(uri: str) -> bool:
+    """Returns True when ``uri`` is the checkpoint Ray Train restored this worker group with."""
+    import ray.train
+
+    ckpt = ray.train.get_checkpoint()
+    return ckpt is not None and ckpt.path.rstrip("/").rsplit("/", 1)[-1] == uri.rsplit("/", 1)[-1]
+
+
+def _report(run: RunState, metrics: dict[str, float], rank: int, name: str | None = None) -> None:
     """Registers the written snapshot with Ray Train (``NO_UPLOAD``: the files are already in place)."""
     if not run.in_ray_train:
         return
     import ray.train
     from ray.train import Checkpoint, CheckpointUploadMode
 
-    name = checkpoint.snapshot_name(run.step, run.rollbacks)
+    name = name or checkpoint.snapshot_name(run.step, run.rollbacks)
     storage = ray.train.get_context().get_storage()
     ckpt = Checkpoint(path=f"{storage.experiment_fs_path}/{name}", filesystem=storage.storage_filesystem) if rank == 0 else None
     ray.train.report({"step": run.step, **{k: float(v) for k, v in metrics.items()}}, checkpoint=ckpt,
