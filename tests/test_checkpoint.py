@@ -126,8 +126,11 @@ def test_s3_snapshots_through_s3fs_and_lifecycle_rules(tmp_path, moto_s3):
     removed = checkpoint.prune(root, "run-a", max_age_s=1e9, log_max_age_s=1e9, keep_last=1, options=opts)
     assert sorted(removed) == sorted([first, f"{root}/run-a/step_00000006"])
     assert [s.uri for s in checkpoint.list_snapshots(root, opts)] == [second]
-    rules = checkpoint.lifecycle_rules(root, 30, 7)
-    checkpoint.apply_lifecycle(root, rules, opts)
+    from rlray.cli import main
+
+    sets = [f"checkpoint.uri={root}", f"checkpoint.s3.endpoint_url={moto_s3['endpoint_url']}", "checkpoint.s3.access_key_id=testing",
+            "checkpoint.s3.secret_access_key=testing", "checkpoint.s3.region=us-east-1"]
+    assert main(["snapshots", "lifecycle", "--apply", *[x for kv in sets for x in ("--set", kv)]]) == 0
     got = fs.call_s3("get_bucket_lifecycle_configuration", Bucket=moto_s3["bucket"])["Rules"]
     assert {(r["Filter"]["Prefix"], r["Expiration"]["Days"]) for r in got} == {("ckpt-unit/logs/", 7), ("ckpt-unit/", 30)}
     # Ray Train gets the same filesystem, as pyarrow, and a path without the scheme

@@ -83,6 +83,8 @@ def test_killed_learner_restarts_from_the_latest_snapshot(ray_session, tmp_path,
     assert res.status == "finished" and res.run_id == rid
     tags = client.get_run(rid).data.tags
     assert tags["rlray.status"] == "finished" and client.get_run(rid).info.status == "FINISHED"
+    params = client.get_run(rid).data.params
+    assert params["checkpoint.s3.secret_access_key"] == "**********" and params["checkpoint.s3.access_key_id"] == "**********"
     assert "learner restarted by Ray Train" in tags["rlray.alert.restart"]
     restored = [(m.step, m.value) for m in client.get_metric_history(rid, "run/restored_step")]
     assert len(restored) == 1 and restored[0][1] == max(complete)  # the newest complete snapshot at the kill
