@@ -150,6 +150,21 @@ def put_files(uri: str, local_dir: Path, options: dict[str, Any] | None = None) 
     return sizes
 
 
+def put_file(local: Path, uri: str, options: dict[str, Any] | None = None) -> int:
+    """Copies one local file to ``uri`` (replacing it); returns its size in bytes.
+
+    Raises:
+        SnapshotError: the write failed.
+    """
+    fs, dest = open_fs(uri, options)
+    try:
+        fs.makedirs(fs._parent(dest), exist_ok=True)
+        fs.put_file(str(local), dest)
+    except OSError as err:
+        raise SnapshotError(f"could not write '{uri}': {err}") from err
+    return Path(local).stat().st_size
+
+
 def write_manifest(uri: str, manifest: dict[str, Any], files: dict[str, int], options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Writes ``manifest.json`` (with format, written_at and ``files``) as the snapshot's last file; returns it.
 

@@ -18,7 +18,7 @@ def _train(args: argparse.Namespace) -> int:
     result = run_training(load_config(args.config, overrides))
     print(json.dumps({"run_id": result.run_id, "status": result.status, "tracking_uri": result.tracking_uri,
                       "final_snapshot": result.final_snapshot, "monitor_url": result.monitor_url}, indent=2))
-    return 0 if result.status == "finished" else 1
+    return 0 if result.status == "FINISHED" else 1
 
 
 def _eval(args: argparse.Namespace) -> int:

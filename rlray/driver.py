@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class TrainResult:
     """Outcome of a run: the MLflow run id, the resolved tracking URI, the last complete snapshot's URI,
-    the status ('finished', 'stopped: <reason>', 'failed') and the monitor's URL."""
+    the status (FINISHED, FAILED, KILLED, or 'stopped: <reason>' when a guard stopped it) and the
+    monitor's URL."""
 
     run_id: str
     tracking_uri: str
@@ -115,7 +116,7 @@ def run_training(cfg: Config) -> TrainResult:
     tracker.set_tags({"rlray.model_dir": model_dir, "rlray.output_dir": cfg.run.output_dir, "rlray.snapshot_dir": run_dir,
                       "rlray.git_commit": commit, **({"rlray.resumed_from": resume} if resume else {})})
     log.info("MLflow run %s in %s", tracker.run_id, cfg.tracking.mlflow_uri)
-    actors, monitor, status = [], None, "failed"
+    actors, monitor, status = [], None, "FAILED"
     try:
         monitor, port = start_monitor(cfg, tracker.run_id)
         url = f"http://{cfg.monitor.host}:{port}"
@@ -147,9 +148,9 @@ def run_training(cfg: Config) -> TrainResult:
             ),
         )
         trainer.fit()
-        status = tracker.tags().get("rlray.status", "failed")
+        status = tracker.tags().get("rlray.status", "FAILED")
     except KeyboardInterrupt:
-        status = "killed"
+        status = "KILLED"
         raise
     finally:
         tracker.set_tags({"rlray.status": status})
@@ -164,10 +165,9 @@ def run_training(cfg: Config) -> TrainResult:
 
 
 def _mlflow_status(status: str) -> str:
-    """Returns the MLflow run status of an rlray status: finished, stopped: <reason>, killed or failed."""
-    if status == "finished":
-        return "FINISHED"
-    return "KILLED" if status.startswith("stopped") or status == "killed" else "FAILED"
+    """Returns the MLflow run status of an rlray status: FINISHED, KILLED or FAILED as they are, and
+    'stopped: <reason>' (a guard) as KILLED."""
+    return "KILLED" if status.startswith("stopped") else status
 
 
 def evaluate_checkpoint(cfg: Config, checkpoint: str) -> dict[str, float]:

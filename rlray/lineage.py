@@ -125,6 +125,8 @@ def find_snapshot(ref: str, to: str, cfg: Config) -> str:
         rlray.checkpoint.SnapshotError: no complete snapshot matches.
     """
     opts = cfg.checkpoint.s3.storage_options()
+    if not (to.isdigit() or (to[:1].lower() == "v" and to[1:].isdigit())):
+        raise checkpoint.SnapshotError(f"--to {to!r}: give a step (12) or a registered model version (v3)")
     if to.lower().startswith("v"):
         v = tracking.model_version(cfg.tracking.mlflow_uri, model_name(cfg.tracking.experiment), to[1:])
         checkpoint.read_manifest(v["source"], opts)

@@ -421,7 +421,7 @@ def _progress(total: int, initial: int):
 
 @dataclass
 class Outcome:
-    """How a run ended on this rank: status ('finished' or 'stopped: <reason>'), steps done, the last
+    """How a run ended on this rank: status (FINISHED or 'stopped: <reason>'), steps done, the last
     complete snapshot, and the last step's metrics (complete on rank 0)."""
 
     status: str
@@ -451,25 +451,26 @@ def train(cfg: Config, model_dir: str, actors: list[Any], run_id: str | None = N
     """
     coll = coll or current_collective()
     ops = ops or RunOps()
-    try:
-        return _train(cfg, model_dir, actors, run_id, coll, ops)
-    except guard.EarlyOOM as oom:
-        cfg, note = guard.oom_fallback_config(cfg)
-        log.warning("out of memory at %s; retrying once with %s", oom.where, note)
-        guard.free_memory()
-        return _train(cfg, model_dir, actors, run_id, coll, ops, oom_note=f"{oom.where}: {note}")
-
-
-def _train(cfg: Config, model_dir: str, actors: list[Any], run_id: str | None, coll: Collective, ops: RunOps,
-           oom_note: str | None = None) -> Outcome:
     in_ray_train = isinstance(coll, RayTrainCollective)
     source, restarted = ops_lib.restore_source(cfg, ops, run_id, in_ray_train) if run_id else (ops.resume_from, False)
-    cfg = ops_lib.config_for_restore(cfg, source, restarted)
-    if coll.rank == 0 and ops.monitor is not None:
+    if coll.rank == 0 and ops.monitor is not None:  # counts this start; a second one is a restart (alerted)
         restarted = ray.get(ops.monitor.learner_started.remote()) > 1 or restarted
     if restarted:
         log.warning("learner restarted; waiting monitor.restart_delay_s=%g s before resuming", cfg.monitor.restart_delay_s)
         time.sleep(cfg.monitor.restart_delay_s)
+    cfg = ops_lib.config_for_restore(cfg, source, restarted)
+    try:
+        return _train(cfg, model_dir, actors, run_id, coll, ops, source)
+    except guard.EarlyOOM as oom:
+        cfg, note = guard.oom_fallback_config(cfg)
+        log.warning("out of memory at %s; retrying once with %s", oom.where, note)
+        guard.free_memory()
+        return _train(cfg, model_dir, actors, run_id, coll, ops, source, oom_note=f"{oom.where}: {note}")
+
+
+def _train(cfg: Config, model_dir: str, actors: list[Any], run_id: str | None, coll: Collective, ops: RunOps,
+           source: str | None, oom_note: str | None = None) -> Outcome:
+    in_ray_train = isinstance(coll, RayTrainCollective)
     guard.apply_gpu_memory_cap(cfg.guard)
     ctx = _early_oom("load", lambda: setup(cfg, model_dir, actors, run_id, coll))
     if ctx.rank == 0 and oom_note:
@@ -478,6 +479,7 @@ def _train(cfg: Config, model_dir: str, actors: list[Any], run_id: str | None, c
     run = ops_lib.begin(ctx, ops, source, in_ray_train=in_ray_train, reload_rollouts=lambda: reload_rollouts(ctx))
     bar = _progress(cfg.run.max_steps, run.step) if ctx.rank == 0 else None
     metrics: dict[str, float] = {}
+    retrying = False
     try:
         if ctx.rank == 0 and run.step == 0 and cfg.eval.num_problems:
             ctx.tracker.log_metrics(evaluate(ctx), step=0)
@@ -495,11 +497,14 @@ def _train(cfg: Config, model_dir: str, actors: list[Any], run_id: str | None, c
                 ops_lib.snapshot(ctx, run, ops, kind="final" if run.step == ctx.cfg.run.max_steps else "periodic",
                                  metrics=metrics)
         if run.status == ops_lib.RUNNING:
-            run.status = "finished"
+            run.status = "FINISHED"
+    except guard.EarlyOOM:
+        retrying = True
+        raise
     finally:
         if bar is not None:
             bar.close()
-        ops_lib.finish(ctx, run, ops)
+        ops_lib.finish(ctx, run, ops, record=not retrying)
     coll.barrier()
     return Outcome(run.status, run.step, run.last_snapshot, metrics)
 

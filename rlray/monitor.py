@@ -207,6 +207,7 @@ class RunMonitor:
             self.learner_starts += 1
             starts = self.learner_starts
             self.last_heartbeat = time.monotonic()
+            self.status, self.reason = "healthy", None
         if starts > 1:
             self.metrics.inc("rlray_restarts")
             self.alert("restart", f"learner restarted by Ray Train (start {starts}); resuming from the latest snapshot",

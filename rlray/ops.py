@@ -22,7 +22,7 @@ from rlray.config import Config
 
 log = logging.getLogger(__name__)
 
-RUNNING = "running"
+RUNNING = "RUNNING"
 
 
 @dataclass
@@ -53,7 +53,7 @@ class RunState:
         logged_through: the last step whose metrics MLflow has (a restarted run does not log a step twice).
         last_snapshot: the newest complete snapshot this run can roll back to; ``model_version`` its
             registered version (the parent of the next one).
-        status: 'running', 'finished' or 'stopped: <reason>'.
+        status: RUNNING, FINISHED, FAILED or 'stopped: <reason>'.
     """
 
     run_id: str
@@ -78,21 +78,21 @@ class RunState:
 # Start
 # --------------------------------------------------------------------------------------------
 def restore_source(cfg: Config, ops: RunOps, run_id: str, in_ray_train: bool) -> tuple[str | None, bool]:
-    """Returns (snapshot URI to restore or None, restarted by Ray Train).
+    """Returns (snapshot URI to restore or None, True when this is a restart with a snapshot).
 
-    After a Ray Train restart (``ray.train.get_checkpoint()`` is set) the newest complete snapshot of
-    this run wins, even one whose ``ray.train.report`` was cut off by the failure (``begin`` reports it
-    then, so Ray Train's bookkeeping catches up). Otherwise ``ops.resume_from``.
+    Inside Ray Train, a complete snapshot in this run's own folder means the learner was restarted:
+    the newest one wins, even one Ray Train never registered (its ``ray.train.report`` was cut off by
+    the failure, or the controller had not taken it in yet; ``begin`` reports it again so Ray's
+    bookkeeping catches up), else ``ray.train.get_checkpoint()``. Otherwise ``ops.resume_from``.
     """
     if in_ray_train:
         import ray.train
 
+        run_dir = checkpoint.join(cfg.checkpoint_uri, checkpoint.run_dir_name(run_id))
+        newest = checkpoint.latest_snapshot(run_dir, cfg.checkpoint.s3.storage_options())
         ckpt = ray.train.get_checkpoint()
-        if ckpt is not None:
-            run_dir = checkpoint.join(cfg.checkpoint_uri, checkpoint.run_dir_name(run_id))
-            name = ckpt.path.rstrip("/").rsplit("/", 1)[-1]
-            newest = checkpoint.latest_snapshot(run_dir, cfg.checkpoint.s3.storage_options())
-            return newest or checkpoint.join(run_dir, name), True
+        if newest or ckpt is not None:
+            return newest or checkpoint.join(run_dir, ckpt.path.rstrip("/").rsplit("/", 1)[-1]), True
     return ops.resume_from, False
 
 
@@ -150,6 +150,9 @@ def _begin_rank0(ctx: Any, ops: RunOps, run: RunState, source: str | None) -> No
     run.logged_through = tracker.last_logged_step()
     if source is not None:
         run.model_version = lineage.version_of(cfg.tracking.mlflow_uri, cfg.tracking.experiment, source)
+        if run.model_version is None:  # written, but the process died before registering it: keep the chain whole
+            manifest = checkpoint.read_manifest(source, run.options, verify=False)
+            run.model_version = lineage.register(tracker, cfg.tracking.experiment, source, manifest, manifest["metrics"])
         tracker.set_tags({"rlray.restored_from": source})
         tracker.log_metrics({"run/restored_step": float(run.step)}, step=run.step)
     run.log_handler = _attach_log_file(cfg, run)
@@ -220,11 +223,16 @@ def record(ctx: Any, run: RunState, metrics: dict[str, float], ops: RunOps) -> N
 
 
 def alert(ctx: Any, ops: RunOps, kind: str, message: str, step: int) -> None:
-    """Rank 0: sends an alert through the monitor (or only logs it when there is none)."""
+    """Rank 0: sends an alert through the monitor, or straight to ``monitor.alerts`` when there is none."""
     if ops.monitor is not None:
         ops.monitor.alert.remote(kind, message, step)
-    else:
-        log.warning("ALERT %s: %s", kind, message)
+        return
+    from rlray.monitor import Alerter
+
+    m = ctx.cfg.monitor
+    url = m.webhook_url.get_secret_value() if m.webhook_url else None
+    Alerter(m.alerts, tracker=ctx.tracker, webhook_url=url, webhook_attempts=m.webhook_attempts).send(
+        kind, message, {"run_id": ctx.tracker.run_id, "step": step, "time": time.time()})
 
 
 def handle_trip(ctx: Any, run: RunState, trip: guard.Trip, ops: RunOps, reload_rollouts: Callable[[], None]) -> None:
@@ -397,7 +405,7 @@ def _after_snapshot(ctx: Any, run: RunState, ops: RunOps, uri: str, metrics: dic
     log_file = _local_log_path(cfg, run)
     try:
         if log_file.exists():
-            checkpoint.put_files(checkpoint.join(cfg.checkpoint_uri, checkpoint.LOGS_DIR), log_file.parent, run.options)
+            checkpoint.put_file(log_file, checkpoint.join(cfg.checkpoint_uri, checkpoint.LOGS_DIR, log_file.name), run.options)
         removed = checkpoint.prune(
             cfg.checkpoint_uri, checkpoint.run_dir_name(run.run_id), max_age_s=cfg.checkpoint.max_age_days * 86400,
             log_max_age_s=cfg.checkpoint.log_max_age_days * 86400,
@@ -424,8 +432,9 @@ def _snapshot_failed(ctx: Any, run: RunState, ops: RunOps, uri: str, error: str)
 # --------------------------------------------------------------------------------------------
 # End
 # --------------------------------------------------------------------------------------------
-def finish(ctx: Any, run: RunState, ops: RunOps) -> None:
-    """Stops the heartbeat and watchdog; rank 0 records the final status (tag ``rlray.status``)."""
+def finish(ctx: Any, run: RunState, ops: RunOps, *, record: bool = True) -> None:
+    """Stops the heartbeat and watchdog; rank 0 records the final status (tag ``rlray.status``) unless
+    ``record`` is False (the attempt is about to be retried)."""
     if run.watchdog is not None:
         run.watchdog.stop()
     if ctx.rank != 0:
@@ -435,12 +444,17 @@ def finish(ctx: Any, run: RunState, ops: RunOps) -> None:
     if run.log_handler is not None:
         logging.getLogger("rlray").removeHandler(run.log_handler)
         run.log_handler.close()
+    if not record:
+        return
     if run.status == RUNNING:
-        run.status = "failed"
-    ctx.tracker.set_tags({"rlray.status": run.status, "rlray.final_step": str(run.step)})
-    if ops.monitor is not None:
-        import ray
+        run.status = "FAILED"
+    try:  # runs on the way out of a failure too: never hide the original error
+        ctx.tracker.set_tags({"rlray.status": run.status, "rlray.final_step": str(run.step)})
+        if ops.monitor is not None:
+            import ray
 
-        # waiting on it also waits for the alerts sent before (an actor runs one caller's calls in order)
-        ray.get(ops.monitor.set_status.remote("stopped", run.status.split(": ", 1)[-1]), timeout=120)
+            # waiting on it also waits for the alerts sent before (an actor runs one caller's calls in order)
+            ray.get(ops.monitor.set_status.remote("stopped", run.status.split(": ", 1)[-1].lower()), timeout=120)
+    except Exception as err:
+        log.error("could not record the end of run %s: %s", run.run_id, err)
     log.info("run %s ended at step %d: %s", run.run_id, run.step, run.status)

@@ -19,7 +19,7 @@ from rlray import checkpoint, lineage
 from rlray.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
-MAX_STEPS = 5
+MAX_STEPS = 4
 
 
 def _learner_pids() -> list[int]:
@@ -67,7 +67,12 @@ def test_killed_learner_restarts_from_the_latest_snapshot(ray_session, tmp_path,
 
     rid = _wait(run_id, 300, "the MLflow run")
     url = _wait(lambda: client.get_run(rid).data.tags.get("rlray.monitor_url"), 300, "the monitor")
+    assert url.startswith("http://127.0.0.1:") and not url.endswith(":8888")  # monitor.port=0: a free port
     _wait(lambda: max((m.step for m in client.get_metric_history(rid, "timing/step_s")), default=0) >= 2, 600, "step 2")
+    health = json.loads(urllib.request.urlopen(f"{url}/health", timeout=10).read())
+    assert health["status"] == "healthy" and health["run_id"] == rid and health["step"] >= 1
+    assert {"epoch", "policy_version", "seconds_since_heartbeat"} <= set(health)
+    assert f'rlray_step{{run_id="{rid}"}}' in urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
     pids = _learner_pids()
     assert len(pids) == 1
     os.kill(pids[0], signal.SIGKILL)
@@ -80,9 +85,9 @@ def test_killed_learner_restarts_from_the_latest_snapshot(ray_session, tmp_path,
     assert not thread.is_alive()
 
     res = result["r"]
-    assert res.status == "finished" and res.run_id == rid
+    assert res.status == "FINISHED" and res.run_id == rid
     tags = client.get_run(rid).data.tags
-    assert tags["rlray.status"] == "finished" and client.get_run(rid).info.status == "FINISHED"
+    assert tags["rlray.status"] == "FINISHED" and client.get_run(rid).info.status == "FINISHED"
     params = client.get_run(rid).data.params
     assert params["checkpoint.s3.secret_access_key"] == "**********" and params["checkpoint.s3.access_key_id"] == "**********"
     assert "learner restarted by Ray Train" in tags["rlray.alert.restart"]
@@ -103,3 +108,8 @@ def test_killed_learner_restarts_from_the_latest_snapshot(ray_session, tmp_path,
     assert [v["tags"]["rlray.step"] for v in chain] == [str(s) for s in range(MAX_STEPS, 0, -1)]
     fs, _ = checkpoint.open_fs(run_dir, opts)
     assert fs.exists(f"{run_dir.removeprefix('s3://')}/checkpoint_manager_snapshot.json")  # Ray Train's own state
+    # heartbeats: a log line and an MLflow metric each (both learner starts), the log copied next to the snapshots
+    beats = client.get_metric_history(rid, "monitor/heartbeat_s")
+    log_text = Path(tmp_path, "out", "logs", f"run-{rid}.log").read_text()
+    assert len(beats) >= 2 and 0 <= log_text.count(f"heartbeat run={rid}") - len(beats) <= 1  # the kill may fall between
+    assert fs.exists(f"{root.removeprefix('s3://')}/logs/run-{rid}.log")
