@@ -11,12 +11,14 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import ray
 
 from rlray.actors import start_rollout_actors
 from rlray.config import Config
 from rlray.models import resolve_model_path
+from rlray.runstate import RunOps
 from rlray.tracking import Tracker, resolve_tracking_uri
 
 log = logging.getLogger(__name__)
@@ -94,14 +96,8 @@ def run_training(cfg: Config) -> TrainResult:
         rlray.checkpoint.SnapshotError: ``checkpoint.resume_from`` names no complete snapshot.
         OSError: ``monitor.port`` is taken.
     """
-    from ray.train import CheckpointConfig as RayCheckpointConfig
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
     from rlray import checkpoint, lineage
     from rlray.actors import start_monitor
-    from rlray.loop import train_worker
-    from rlray.ops import RunOps
 
     started_at = time.time()
     init_ray()
@@ -111,43 +107,19 @@ def run_training(cfg: Config) -> TrainResult:
     model_dir = resolve_model_path(cfg.model.path)
     tracker = Tracker(cfg.tracking.mlflow_uri, cfg.tracking.experiment, run_name=cfg.run.name)
     tracker.log_config(cfg)
-    commit = lineage.git_commit()
+    ops = RunOps(started_at=started_at, git_commit=lineage.git_commit(), resume_from=resume)
     run_dir = checkpoint.join(cfg.checkpoint_uri, checkpoint.run_dir_name(tracker.run_id))
     tracker.set_tags({"rlray.model_dir": model_dir, "rlray.output_dir": cfg.run.output_dir, "rlray.snapshot_dir": run_dir,
-                      "rlray.git_commit": commit, **({"rlray.resumed_from": resume} if resume else {})})
+                      "rlray.git_commit": ops.git_commit, **({"rlray.resumed_from": resume} if resume else {})})
     log.info("MLflow run %s in %s", tracker.run_id, cfg.tracking.mlflow_uri)
-    actors, monitor, status = [], None, "FAILED"
+    actors, status = [], "FAILED"
     try:
-        monitor, port = start_monitor(cfg, tracker.run_id)
+        ops.monitor, port = start_monitor(cfg, tracker.run_id)
         url = f"http://{cfg.monitor.host}:{port}"
         tracker.set_tags({"rlray.monitor_url": url})
         print(f"rlray: health at {url}/health, metrics at {url}/metrics", flush=True)
         actors = start_rollout_actors(cfg, model_dir, max_model_len(cfg))
-        res = cfg.resources.learner
-        storage_path, storage_fs = checkpoint.ray_storage(cfg.checkpoint_uri, opts)
-        trainer = TorchTrainer(
-            train_worker,
-            train_loop_config={
-                "config": cfg.model_dump(),  # python mode: SecretStr values travel, and are never logged
-                "model_dir": model_dir,
-                "rollout_actors": actors,
-                "run_id": tracker.run_id,
-                "ops": RunOps(monitor=monitor, started_at=started_at, git_commit=commit, resume_from=resume),
-            },
-            scaling_config=ScalingConfig(
-                num_workers=res.num_workers,
-                use_gpu=res.gpus > 0,
-                resources_per_worker={"CPU": res.cpus, **({"GPU": res.gpus} if res.gpus else {})},
-            ),
-            run_config=RunConfig(
-                name=checkpoint.run_dir_name(tracker.run_id),
-                storage_path=storage_path,
-                storage_filesystem=storage_fs,
-                checkpoint_config=RayCheckpointConfig(num_to_keep=cfg.checkpoint.keep_last),
-                failure_config=FailureConfig(max_failures=cfg.monitor.max_failures),
-            ),
-        )
-        trainer.fit()
+        build_trainer(cfg, model_dir, actors, tracker.run_id, ops).fit()
         status = tracker.tags().get("rlray.status", "FAILED")
     except KeyboardInterrupt:
         status = "KILLED"
@@ -155,13 +127,50 @@ def run_training(cfg: Config) -> TrainResult:
     finally:
         tracker.set_tags({"rlray.status": status})
         tracker.finish(_mlflow_status(status))
-        if monitor is not None:
-            ray.kill(monitor)
-        for a in actors:
+        for a in [*actors, *([ops.monitor] if ops.monitor is not None else [])]:
             ray.kill(a)
     tags = tracker.tags()
     return TrainResult(tracker.run_id, cfg.tracking.mlflow_uri, tags.get("rlray.last_snapshot", ""), status,
                        tags.get("rlray.monitor_url", ""))
+
+
+def build_trainer(cfg: Config, model_dir: str, actors: list, run_id: str, ops: RunOps) -> Any:
+    """Returns the ``TorchTrainer`` of a run: snapshots as its checkpoints, restarts by FailureConfig.
+
+    Ray Train's storage is ``checkpoint.uri`` (s3fs for ``s3://``), its run name ``run-<run_id>``,
+    ``keep_last`` its ``num_to_keep`` and ``monitor.max_failures`` its ``max_failures``.
+    """
+    from ray.train import CheckpointConfig as RayCheckpointConfig
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from rlray import checkpoint
+    from rlray.loop import train_worker
+
+    res = cfg.resources.learner
+    storage_path, storage_fs = checkpoint.ray_storage(cfg.checkpoint_uri, cfg.checkpoint.s3.storage_options())
+    return TorchTrainer(
+        train_worker,
+        train_loop_config={
+            "config": cfg.model_dump(),  # python mode: SecretStr values travel, and are never logged
+            "model_dir": model_dir,
+            "rollout_actors": actors,
+            "run_id": run_id,
+            "ops": ops,
+        },
+        scaling_config=ScalingConfig(
+            num_workers=res.num_workers,
+            use_gpu=res.gpus > 0,
+            resources_per_worker={"CPU": res.cpus, **({"GPU": res.gpus} if res.gpus else {})},
+        ),
+        run_config=RunConfig(
+            name=checkpoint.run_dir_name(run_id),
+            storage_path=storage_path,
+            storage_filesystem=storage_fs,
+            checkpoint_config=RayCheckpointConfig(num_to_keep=cfg.checkpoint.keep_last),
+            failure_config=FailureConfig(max_failures=cfg.monitor.max_failures),
+        ),
+    )
 
 
 def _mlflow_status(status: str) -> str:

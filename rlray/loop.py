@@ -29,7 +29,7 @@ import ray
 import torch
 
 from rlray import algos, schema
-from rlray import guard
+from rlray import guard, snapshots
 from rlray import ops as ops_lib
 from rlray.collective import Collective, RayTrainCollective, current_collective
 from rlray.config import Config
@@ -38,7 +38,7 @@ from rlray.learner import LossSpec, Normaliser, PolicyLearner
 from rlray.models import load_tokenizer
 from rlray.reward import RewardScorer
 from rlray.rollout import Completion, SamplingSpec
-from rlray.ops import RunOps
+from rlray.runstate import RUNNING, RunOps, RunState
 from rlray.tracking import Tracker
 
 log = logging.getLogger(__name__)
@@ -483,7 +483,7 @@ def _train(cfg: Config, model_dir: str, actors: list[Any], run_id: str | None, c
     try:
         if ctx.rank == 0 and run.step == 0 and cfg.eval.num_problems:
             ctx.tracker.log_metrics(evaluate(ctx), step=0)
-        while run.step < ctx.cfg.run.max_steps and run.status == ops_lib.RUNNING:
+        while run.step < ctx.cfg.run.max_steps and run.status == RUNNING:
             step = run.step
             metrics = _early_oom("first step", lambda: run_step(ctx, step)) if step == run.first_step else run_step(ctx, step)
             run.step = step + 1
@@ -493,10 +493,10 @@ def _train(cfg: Config, model_dir: str, actors: list[Any], run_id: str | None, c
                 _finish_step_rank0(ctx, run, metrics, bar, ops)
             if trip is not None:
                 ops_lib.handle_trip(ctx, run, trip, ops, reload_rollouts=lambda: reload_rollouts(ctx))
-            elif ops_lib.snapshot_due(ctx.cfg, run.step):
-                ops_lib.snapshot(ctx, run, ops, kind="final" if run.step == ctx.cfg.run.max_steps else "periodic",
+            elif snapshots.snapshot_due(ctx.cfg, run.step):
+                snapshots.snapshot(ctx, run, ops, kind="final" if run.step == ctx.cfg.run.max_steps else "periodic",
                                  metrics=metrics)
-        if run.status == ops_lib.RUNNING:
+        if run.status == RUNNING:
             run.status = "FINISHED"
     except guard.EarlyOOM:
         retrying = True
@@ -519,7 +519,7 @@ def _early_oom(where: str, fn: Callable[[], Any]) -> Any:
         raise
 
 
-def _finish_step_rank0(ctx: Context, run: ops_lib.RunState, metrics: dict[str, float], bar: Any, ops: RunOps) -> None:
+def _finish_step_rank0(ctx: Context, run: RunState, metrics: dict[str, float], bar: Any, ops: RunOps) -> None:
     """Rank 0: eval when due, log the step once, update the monitor and the progress bar."""
     cfg, step = ctx.cfg, run.step
     every = cfg.eval.every_steps

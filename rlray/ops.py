@@ -1,4 +1,4 @@
-"""Operations around the step loop: restore, guards, rollback, snapshots, heartbeat, lineage, status.
+"""Operations around the step loop: restore, guards, rollback, heartbeat, status (snapshots: rlray/snapshots.py).
 
 ``rlray.loop.train`` calls these between steps (stage 8: log, guard, snapshot) and at the start and
 end of a run; every function runs on every learner rank unless it says "rank 0". Ranks agree on
@@ -10,68 +10,15 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import psutil
 
-from rlray import checkpoint, guard, lineage, trainstate
-from rlray.checkpoint import SnapshotError
+from rlray import checkpoint, guard, lineage, snapshots, trainstate
 from rlray.config import Config
+from rlray.runstate import RUNNING, RunOps, RunState
 
 log = logging.getLogger(__name__)
-
-RUNNING = "RUNNING"
-
-
-@dataclass
-class RunOps:
-    """What the driver hands every learner rank besides the config (``train_loop_config['ops']``).
-
-    Attributes:
-        monitor: the ``MonitorActor`` handle, or None to run without /health and alerts.
-        started_at: the run's start (Unix seconds), for ``run.max_wall_time_s`` across restarts.
-        git_commit: the code's commit, a lineage tag.
-        resume_from: the snapshot URI to start from (``checkpoint.resume_from`` resolved by the driver).
-    """
-
-    monitor: Any = None
-    started_at: float = field(default_factory=time.time)
-    git_commit: str = "unknown"
-    resume_from: str | None = None
-
-
-@dataclass
-class RunState:
-    """Where a run is, on one rank.
-
-    Attributes:
-        run_id: MLflow run id; ``run_dir`` is its snapshot folder ``<checkpoint uri>/run-<run_id>``.
-        step: RL steps done. ``first_step`` is where this process started (0 or a restored step).
-        rollbacks: rollbacks so far (kept in snapshots). ``nonfinite_in_row``: the non-finite guard's count.
-        logged_through: the last step whose metrics MLflow has (a restarted run does not log a step twice).
-        last_snapshot: the newest complete snapshot this run can roll back to; ``model_version`` its
-            registered version (the parent of the next one).
-        status: RUNNING, FINISHED, FAILED or 'stopped: <reason>'.
-    """
-
-    run_id: str
-    run_dir: str
-    options: dict[str, Any]
-    in_ray_train: bool
-    step: int = 0
-    first_step: int = 0
-    rollbacks: int = 0
-    nonfinite_in_row: int = 0
-    logged_through: int = 0
-    last_snapshot: str | None = None
-    model_version: str | None = None
-    status: str = RUNNING
-    source: tuple[int, str] | None = None
-    heartbeat: Any = None
-    watchdog: guard.MemoryWatchdog | None = None
-    log_handler: logging.Handler | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -117,8 +64,8 @@ def begin(ctx: Any, ops: RunOps, source: str | None, *, in_ray_train: bool, relo
         run.rollbacks = manifest.get("rollbacks", 0)
         run.last_snapshot = source
         run.source = (run.step, source)
-        if in_ray_train and source.startswith(run.run_dir + "/") and not _known_to_ray(source):
-            _report(run, {}, ctx.rank, name=source.rsplit("/", 1)[-1])  # its report was cut off by the failure
+        if in_ray_train and source.startswith(run.run_dir + "/") and not snapshots.known_to_ray(source):
+            snapshots.report(run, {}, ctx.rank, name=source.rsplit("/", 1)[-1])  # its report was cut off by the failure
     reload_rollouts()  # the engines may hold newer weights (a restart) or other ones (a resume)
     if not _on_cuda():
         cap = guard.memory_cap_bytes(cfg.guard, cuda=False)
@@ -171,14 +118,9 @@ def _begin_rank0(ctx: Any, ops: RunOps, run: RunState, source: str | None) -> No
     run.heartbeat = Heartbeat(beat, cfg.monitor.heartbeat_s).start()
 
 
-def _local_log_path(cfg: Config, run: RunState) -> Path:
-    base = Path(cfg.run.output_dir) if "://" not in cfg.run.output_dir else Path("/tmp/rlray")
-    return base / checkpoint.LOGS_DIR / f"{checkpoint.run_dir_name(run.run_id)}.log"
-
-
 def _attach_log_file(cfg: Config, run: RunState) -> logging.Handler:
     """Adds a file handler for rlray's log lines of this run (copied to <checkpoint uri>/logs at snapshots)."""
-    path = _local_log_path(cfg, run)
+    path = snapshots.local_log_path(cfg, run)
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -222,19 +164,6 @@ def record(ctx: Any, run: RunState, metrics: dict[str, float], ops: RunOps) -> N
         ops.monitor.record_step.remote(run.step, ctx.stream.epoch, ctx.policy_version, metrics)
 
 
-def alert(ctx: Any, ops: RunOps, kind: str, message: str, step: int) -> None:
-    """Rank 0: sends an alert through the monitor, or straight to ``monitor.alerts`` when there is none."""
-    if ops.monitor is not None:
-        ops.monitor.alert.remote(kind, message, step)
-        return
-    from rlray.monitor import Alerter
-
-    m = ctx.cfg.monitor
-    url = m.webhook_url.get_secret_value() if m.webhook_url else None
-    Alerter(m.alerts, tracker=ctx.tracker, webhook_url=url, webhook_attempts=m.webhook_attempts).send(
-        kind, message, {"run_id": ctx.tracker.run_id, "step": step, "time": time.time()})
-
-
 def handle_trip(ctx: Any, run: RunState, trip: guard.Trip, ops: RunOps, reload_rollouts: Callable[[], None]) -> None:
     """Rolls back (``guard.on_trip=rollback``, within ``guard.max_rollbacks``, with a good snapshot to
     return to) or stops the run with status 'stopped: <reason>'; alerts and tags either way."""
@@ -244,12 +173,12 @@ def handle_trip(ctx: Any, run: RunState, trip: guard.Trip, ops: RunOps, reload_r
         target = ctx.coll.broadcast(last_good_snapshot(run) if ctx.rank == 0 else None)
     if ctx.rank == 0:
         what = f"rolling back to {target}" if target else "stopping"
-        alert(ctx, ops, "guard_trip", f"{trip.reason}: {trip.message}; {what}", run.step)
+        snapshots.alert(ctx, ops, "guard_trip", f"{trip.reason}: {trip.message}; {what}", run.step)
     if target:
         rollback(ctx, run, target, reload_rollouts)
         return
     if trip.keep_state:
-        snapshot(ctx, run, ops, kind="stop", metrics={})
+        snapshots.snapshot(ctx, run, ops, kind="stop", metrics={})
     run.status = f"stopped: {trip.reason}"
     if ctx.rank == 0:
         ctx.tracker.set_tags({"rlray.stop_reason": trip.reason, "rlray.stop_step": str(run.step),
@@ -293,140 +222,6 @@ def rollback(ctx: Any, run: RunState, target: str, reload_rollouts: Callable[[],
                               "rlray.rollbacks": str(run.rollbacks), "rlray.config_hash_now": new_cfg.config_hash()})
         run.model_version = lineage.version_of(new_cfg.tracking.mlflow_uri, new_cfg.tracking.experiment, target)
         log.warning("rollback %d: step %d -> snapshot step %d with %s", run.rollbacks, tripped_at, run.step, text)
-
-
-# --------------------------------------------------------------------------------------------
-# Snapshots
-# --------------------------------------------------------------------------------------------
-def snapshot_due(cfg: Config, step: int) -> bool:
-    """Returns True when a snapshot is due after ``step``: every ``checkpoint.every_steps`` and at the last step."""
-    return step % cfg.checkpoint.every_steps == 0 or step == cfg.run.max_steps
-
-
-def snapshot(ctx: Any, run: RunState, ops: RunOps, *, kind: str, metrics: dict[str, float]) -> str | None:
-    """Writes the snapshot of step ``run.step`` (payload first, manifest last), reports it to Ray Train,
-    registers it in the Model Registry and prunes old ones; returns its URI, or None when it failed.
-
-    A failure never stops training: the previous snapshot stays the one to resume from, and rank 0
-    alerts with the cause (e.g. a full disk).
-    """
-    t0 = time.perf_counter()
-    uri = checkpoint.join(run.run_dir, checkpoint.snapshot_name(run.step, run.rollbacks))
-    error = _write(ctx, run, uri, kind, metrics, ops)
-    if error is not None:
-        if ctx.rank == 0:
-            _snapshot_failed(ctx, run, ops, uri, error)
-        return None
-    _report(run, metrics, ctx.rank)
-    run.last_snapshot = uri
-    if ctx.rank == 0:
-        _after_snapshot(ctx, run, ops, uri, metrics)
-        ctx.tracker.log_metrics({"timing/snapshot_s": time.perf_counter() - t0}, step=run.step)
-    return uri
-
-
-def _write(ctx: Any, run: RunState, uri: str, kind: str, metrics: dict[str, float], ops: RunOps) -> str | None:
-    """Writes the snapshot on every rank; returns None, or rank 0's error text (the same on every rank)."""
-    error = None
-    try:
-        if ctx.rank == 0:
-            checkpoint.clear(uri, run.options)
-        ctx.coll.barrier()
-        if ctx.rank == 0:
-            trainstate.write_rank0(uri, learner=ctx.learner, tokenizer=ctx.tokenizer, cfg=ctx.cfg, options=run.options)
-        else:
-            trainstate.write_rng(uri, ctx.rank, run.options)
-    except SnapshotError as err:
-        error = str(err)
-    failed = ctx.coll.all_reduce_sum({"failed": float(error is not None)})["failed"]
-    if ctx.rank == 0 and error is None:
-        if failed:
-            error = "another learner rank could not write its RNG state"
-        else:
-            try:
-                checkpoint.write_manifest(uri, _manifest(ctx, run, kind, metrics, ops), checkpoint.file_sizes(uri, run.options),
-                                          run.options)
-            except SnapshotError as err:
-                error = str(err)
-    return ctx.coll.broadcast(error)
-
-
-def _manifest(ctx: Any, run: RunState, kind: str, metrics: dict[str, float], ops: RunOps) -> dict[str, Any]:
-    cursor = ctx.stream.state_dict()
-    return {
-        "kind": kind,
-        "step": run.step,
-        "epoch": cursor["epoch"],
-        "policy_version": ctx.policy_version,
-        "rollbacks": run.rollbacks,
-        "data_cursor": cursor,
-        "world_size": ctx.world,
-        "run_id": run.run_id,
-        "config_hash": ctx.cfg.config_hash(),
-        "dataset_hash": cursor["rows_fingerprint"],
-        "git_commit": ops.git_commit,
-        "parent_version": run.model_version,
-        "metrics": {k: float(v) for k, v in metrics.items()},
-    }
-
-
-def _known_to_ray(uri: str) -> bool:
-    """Returns True when ``uri`` is the checkpoint Ray Train restored this worker group with."""
-    import ray.train
-
-    ckpt = ray.train.get_checkpoint()
-    return ckpt is not None and ckpt.path.rstrip("/").rsplit("/", 1)[-1] == uri.rsplit("/", 1)[-1]
-
-
-def _report(run: RunState, metrics: dict[str, float], rank: int, name: str | None = None) -> None:
-    """Registers the written snapshot with Ray Train (``NO_UPLOAD``: the files are already in place)."""
-    if not run.in_ray_train:
-        return
-    import ray.train
-    from ray.train import Checkpoint, CheckpointUploadMode
-
-    name = name or checkpoint.snapshot_name(run.step, run.rollbacks)
-    storage = ray.train.get_context().get_storage()
-    ckpt = Checkpoint(path=f"{storage.experiment_fs_path}/{name}", filesystem=storage.storage_filesystem) if rank == 0 else None
-    ray.train.report({"step": run.step, **{k: float(v) for k, v in metrics.items()}}, checkpoint=ckpt,
-                     checkpoint_dir_name=name, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
-
-
-def _after_snapshot(ctx: Any, run: RunState, ops: RunOps, uri: str, metrics: dict[str, float]) -> None:
-    cfg = ctx.cfg
-    manifest = checkpoint.read_manifest(uri, run.options, verify=False)
-    try:
-        run.model_version = lineage.register(ctx.tracker, cfg.tracking.experiment, uri, manifest, metrics)
-    except Exception as err:  # the registry being down must not stop training
-        alert(ctx, ops, "registry_failed", f"could not register snapshot {uri}: {err}", run.step)
-    ctx.tracker.set_tags({"rlray.last_snapshot": uri})
-    if ops.monitor is not None:
-        ops.monitor.record_snapshot.remote(run.step)
-    log_file = _local_log_path(cfg, run)
-    try:
-        if log_file.exists():
-            checkpoint.put_file(log_file, checkpoint.join(cfg.checkpoint_uri, checkpoint.LOGS_DIR, log_file.name), run.options)
-        removed = checkpoint.prune(
-            cfg.checkpoint_uri, checkpoint.run_dir_name(run.run_id), max_age_s=cfg.checkpoint.max_age_days * 86400,
-            log_max_age_s=cfg.checkpoint.log_max_age_days * 86400,
-            keep_last=None if run.in_ray_train else cfg.checkpoint.keep_last, options=run.options)
-    except SnapshotError as err:
-        alert(ctx, ops, "prune_failed", str(err), run.step)
-        removed = []
-    log.info("snapshot %s written (version %s); pruned %d", uri, run.model_version, len(removed))
-
-
-def _snapshot_failed(ctx: Any, run: RunState, ops: RunOps, uri: str, error: str) -> None:
-    try:
-        checkpoint.clear(uri, run.options)  # best effort; readers ignore it anyway (no manifest)
-    except SnapshotError:
-        pass
-    previous = run.last_snapshot or "none"
-    alert(ctx, ops, "snapshot_failed", f"snapshot at step {run.step} failed: {error}; the last complete one is {previous}",
-          run.step)
-    ctx.tracker.log_metrics({"checkpoint/failures": 1.0}, step=run.step)
-    if ops.monitor is not None:
-        ops.monitor.record_snapshot.remote(None)
 
 
 # --------------------------------------------------------------------------------------------

@@ -8,7 +8,6 @@ import json
 import math
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from safetensors.torch import load_file
 from rlray import checkpoint, lineage, loop
 from rlray.cli import main as cli_main
 from rlray.config import Config, load_config
-from rlray.ops import RunOps
+from rlray.runstate import RunOps
 from rlray.tracking import Tracker, get_run, get_run_metrics
 
 REPO = Path(__file__).resolve().parents[1]
