@@ -39,6 +39,7 @@ METRIC_KEYS: tuple[str, ...] = (
     "rollout/truncated_rate",
     "rollout/logprob_abs_diff",
     "rollout/policy_version",
+    "rollout/staleness",
     "data/epoch",
     "data/skipped_long_prompts",
     "perf/tokens_per_s",

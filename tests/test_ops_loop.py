@@ -20,7 +20,7 @@ from rlray import checkpoint, lineage, loop
 from rlray.cli import main as cli_main
 from rlray.config import Config, load_config
 from rlray.runstate import RunOps
-from rlray.tracking import Tracker, get_run, get_run_metrics
+from rlray.tracking import METRIC_KEYS, Tracker, get_run, get_run_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
@@ -137,6 +137,7 @@ def test_resume_reproduces_the_uninterrupted_run(env, resumed):
         assert [crashed[s] for s in (1, 2)] == [straight[s] for s in (1, 2)], key
         assert [again[s] for s in (3, 4)] == [straight[s] for s in (3, 4)], key
     assert dict(series(env, a_id, "learner/grad_norm"))[4] > 0  # the steps did update the policy
+    assert set(get_run_metrics(env.uri, a_id)) <= set(METRIC_KEYS)  # every logged key is listed once
     straight_w = load_file(f"{a_out.last_snapshot}/model/model.safetensors")
     resumed_w = load_file(f"{c_out.last_snapshot}/model/model.safetensors")
     assert all(torch.equal(straight_w[k], resumed_w[k]) for k in straight_w)
