@@ -44,7 +44,7 @@ FROM_STEP_METRICS: dict[str, str] = {
     "rlray_reward_mean": "reward/mean",
     "rlray_kl": "algo/kl",
     "rlray_tokens_per_s": "perf/tokens_per_s",
-    "rlray_staleness": "rollout/staleness",
+    "rlray_staleness": "rollout/staleness_mean",
 }
 
 

@@ -151,7 +151,8 @@ def check_guards(ctx: Any, run: RunState, metrics: dict[str, float], ops: RunOps
                                 memory_message=memory)
         metrics["guard/nonfinite_in_row"] = float(run.nonfinite_in_row)
         metrics["run/rollbacks"] = float(run.rollbacks)
-        metrics.setdefault("rollout/staleness", max(0.0, ctx.policy_version - 1 - metrics.get("rollout/policy_version", 0.0)))
+        # synchronous steps roll out with the previous version; async mode (issue 4) reports its own
+        metrics.setdefault("rollout/staleness_mean", max(0.0, ctx.policy_version - 1 - metrics.get("rollout/policy_version", 0.0)))
     return ctx.coll.broadcast(trip)
 
 

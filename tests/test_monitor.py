@@ -28,7 +28,7 @@ def monitor():
 def test_health_and_metrics_over_http(monitor):
     port = monitor.serve("127.0.0.1", 0)
     assert port > 0
-    monitor.record_step(12, 3, 12, {"reward/mean": 0.25, "algo/kl": 0.004, "perf/tokens_per_s": 80.0, "rollout/staleness": 0.0})
+    monitor.record_step(12, 3, 12, {"reward/mean": 0.25, "algo/kl": 0.004, "perf/tokens_per_s": 80.0, "rollout/staleness_mean": 0.0})
     status, ctype, body = _get(port, "/health")
     health = json.loads(body)
     assert (status, ctype) == (200, "application/json")
