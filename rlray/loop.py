@@ -436,7 +436,9 @@ def train(cfg: Config, model_dir: str, actors: list[Any], run_id: str | None = N
 
     An out-of-memory error while loading or in the first step is retried once with half the
     micro-batch and gradient checkpointing on (``guard.oom_fallback_config``); the change is logged
-    and recorded on the MLflow run.
+    and recorded on the MLflow run. With several learner ranks the retry lines up only when every
+    rank runs out of memory at the same point; otherwise the collectives fail and Ray Train's restart
+    (``monitor.max_failures``) takes over.
 
     Args:
         cfg: the validated config.

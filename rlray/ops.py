@@ -27,20 +27,31 @@ log = logging.getLogger(__name__)
 def restore_source(cfg: Config, ops: RunOps, run_id: str, in_ray_train: bool) -> tuple[str | None, bool]:
     """Returns (snapshot URI to restore or None, True when this is a restart with a snapshot).
 
-    Inside Ray Train, a complete snapshot in this run's own folder means the learner was restarted:
-    the newest one wins, even one Ray Train never registered (its ``ray.train.report`` was cut off by
-    the failure, or the controller had not taken it in yet; ``begin`` reports it again so Ray's
-    bookkeeping catches up), else ``ray.train.get_checkpoint()``. Otherwise ``ops.resume_from``.
+    Inside Ray Train: a checkpoint Ray hands over from another run's folder (a Tune PBT exploit) wins.
+    Otherwise a complete snapshot in this run's own folder means the learner was restarted: the newest
+    one wins, even one Ray Train never registered (its ``ray.train.report`` was cut off by the failure,
+    or the controller had not taken it in yet; ``begin`` reports it again so Ray's bookkeeping catches
+    up). Without either, ``ops.resume_from``.
     """
     if in_ray_train:
         import ray.train
 
         run_dir = checkpoint.join(cfg.checkpoint_uri, checkpoint.run_dir_name(run_id))
-        newest = checkpoint.latest_snapshot(run_dir, cfg.checkpoint.s3.storage_options())
         ckpt = ray.train.get_checkpoint()
+        parent, name = ckpt.path.rstrip("/").rsplit("/", 2)[-2:] if ckpt is not None else (None, None)
+        if ckpt is not None and parent != checkpoint.run_dir_name(run_id):
+            return _uri_of(ckpt), True
+        newest = checkpoint.latest_snapshot(run_dir, cfg.checkpoint.s3.storage_options())
         if newest or ckpt is not None:
-            return newest or checkpoint.join(run_dir, ckpt.path.rstrip("/").rsplit("/", 1)[-1]), True
+            return newest or checkpoint.join(run_dir, name), True
     return ops.resume_from, False
+
+
+def _uri_of(ckpt: Any) -> str:
+    """Returns the fsspec URI of a Ray Train checkpoint (a local path, or the URI of its fsspec filesystem)."""
+    handler = getattr(ckpt.filesystem, "handler", None)
+    fs = getattr(handler, "fs", None)
+    return fs.unstrip_protocol(ckpt.path) if fs is not None and "file" not in fs.protocol else ckpt.path
 
 
 def config_for_restore(cfg: Config, source: str | None, restarted: bool) -> Config:

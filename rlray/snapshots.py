@@ -6,6 +6,7 @@ never stops training. Storage itself is ``rlray.checkpoint``; what a snapshot ho
 from __future__ import annotations
 
 import logging
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,8 @@ def alert(ctx: Any, ops: RunOps, kind: str, message: str, step: int) -> None:
 
 
 def local_log_path(cfg: Config, run: RunState) -> Path:
-    base = Path(cfg.run.output_dir) if "://" not in cfg.run.output_dir else Path("/tmp/rlray")
+    """Returns the local file of the run's log (<run.output_dir>/logs/run-<id>.log; a temp folder for s3://)."""
+    base = Path(cfg.run.output_dir) if "://" not in cfg.run.output_dir else Path(tempfile.gettempdir()) / "rlray"
     return base / checkpoint.LOGS_DIR / f"{checkpoint.run_dir_name(run.run_id)}.log"
 
 

@@ -136,6 +136,13 @@ def test_s3_snapshots_through_s3fs_and_lifecycle_rules(tmp_path, moto_s3):
     # Ray Train gets the same filesystem, as pyarrow, and a path without the scheme
     path, pa_fs = checkpoint.ray_storage(root, opts)
     assert path == f"{moto_s3['bucket']}/ckpt-unit" and pa_fs.get_file_info(f"{path}/run-a/step_00000004/manifest.json").size > 0
+    # and a Ray checkpoint on it maps back to rlray's URI (how a restarted or PBT-exploiting trial finds it)
+    from ray.train import Checkpoint
+
+    from rlray.ops import _uri_of
+
+    assert _uri_of(Checkpoint(path=f"{path}/run-a/step_00000004", filesystem=pa_fs)) == second
+    assert _uri_of(Checkpoint(path=str(tmp_path))) == str(tmp_path)
 
 
 def test_full_disk_mid_write_keeps_the_previous_snapshot(tmp_path):
