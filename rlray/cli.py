@@ -1,4 +1,4 @@
-"""The ``rlray`` command line: train, eval, serve-reward, data."""
+"""The ``rlray`` command line: train, eval, serve-reward, rollback, models, snapshots, data."""
 
 from __future__ import annotations
 
@@ -6,17 +6,18 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
-from rlray.config import ConfigError, load_config
+from rlray.config import Config, ConfigError, load_config
 
 
 def _train(args: argparse.Namespace) -> int:
     from rlray.driver import run_training
 
-    cfg = load_config(args.config, args.overrides)
-    result = run_training(cfg)
+    overrides = list(args.overrides) + ([f"checkpoint.resume_from={args.resume}"] if args.resume else [])
+    result = run_training(load_config(args.config, overrides))
     print(json.dumps({"run_id": result.run_id, "status": result.status, "tracking_uri": result.tracking_uri,
-                      "final_snapshot": result.final_snapshot}, indent=2))
+                      "final_snapshot": result.final_snapshot, "monitor_url": result.monitor_url}, indent=2))
     return 0 if result.status == "FINISHED" else 1
 
 
@@ -51,9 +52,60 @@ def _serve_reward(args: argparse.Namespace) -> int:
     return 0
 
 
-def _data(args: argparse.Namespace) -> int:
-    from pathlib import Path
+def _optional_config(args: argparse.Namespace) -> Config:
+    """Returns the --config file's config (MLflow store, experiment, S3 options), else the defaults."""
+    from rlray.driver import resolve_paths
 
+    from rlray.config import config_from_dict
+
+    cfg = load_config(args.config, args.overrides) if args.config else config_from_dict({}, args.overrides)
+    return resolve_paths(cfg)
+
+
+def _rollback(args: argparse.Namespace) -> int:
+    from rlray.lineage import prepare_rollback
+
+    dest = Path(args.dest or f"rollback/{args.ref.rstrip('/').rsplit('/', 1)[-1][:16]}-{args.to}")
+    cfg = _optional_config(args)
+    print(json.dumps(prepare_rollback(args.ref, args.to, cfg, dest, base=cfg if args.config else None), indent=2))
+    return 0
+
+
+def _models(args: argparse.Namespace) -> int:
+    from rlray import lineage
+
+    cfg = _optional_config(args)
+    uri, exp = cfg.tracking.mlflow_uri, args.experiment or cfg.tracking.experiment
+    if args.models_command == "list":
+        versions = lineage.run_versions(uri, exp, args.run) if args.run else lineage.all_versions(uri, exp)
+    else:
+        ref = args.version.lstrip("v")
+        if not ref.isdigit():  # a run id: start from its newest version
+            ref = lineage.run_versions(uri, exp, args.version)[-1]["version"]
+        versions = lineage.chain(uri, exp, ref)
+    print(f"{lineage.model_name(exp)} ({uri})")
+    print(lineage.format_versions(versions))
+    return 0
+
+
+def _snapshots(args: argparse.Namespace) -> int:
+    from rlray import checkpoint
+
+    cfg = _optional_config(args)
+    opts = cfg.checkpoint.s3.storage_options()
+    if args.snapshots_command == "list":
+        for s in checkpoint.list_snapshots(cfg.checkpoint_uri, opts):
+            print(f"{'complete  ' if s.complete else 'INCOMPLETE'}  step {s.step:>8}  {s.uri}")
+        return 0
+    rules = checkpoint.lifecycle_rules(cfg.checkpoint_uri, cfg.checkpoint.max_age_days, cfg.checkpoint.log_max_age_days)
+    print(json.dumps(rules, indent=2))
+    if args.apply:
+        checkpoint.apply_lifecycle(cfg.checkpoint_uri, rules, opts)
+        print(f"applied to the bucket of {cfg.checkpoint_uri}; note: S3 expiry does not spare the newest snapshot")
+    return 0
+
+
+def _data(args: argparse.Namespace) -> int:
     from rlray.data import fetch_dataset
 
     path = fetch_dataset(args.name, Path(args.dest))
@@ -61,14 +113,21 @@ def _data(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="config file for the MLflow store, experiment and S3 options (default: built-in)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="dotted config override, repeatable (e.g. --set tracking.experiment=grpo-gsm8k)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Returns the argument parser of the ``rlray`` command."""
     p = argparse.ArgumentParser(prog="rlray", description="Ray-native RL post-training for LLMs")
     sub = p.add_subparsers(dest="command", required=True)
 
-    t = sub.add_parser("train", help="run an experiment: rlray train CONFIG [dotted.key=value ...]")
+    t = sub.add_parser("train", help="run an experiment: rlray train CONFIG [dotted.key=value ...] [--resume latest|URI]")
     t.add_argument("config")
     t.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. learner.lr=1e-5")
+    t.add_argument("--resume", help="'latest' (newest complete snapshot under checkpoint.uri) or a snapshot URI")
     t.set_defaults(func=_train)
 
     e = sub.add_parser("eval", help="score a checkpoint on the eval set: rlray eval CONFIG --checkpoint PATH")
@@ -86,6 +145,32 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("overrides", nargs="*")
     r.add_argument("--detach", action="store_true", help="deploy or update, then exit (the app keeps running on the cluster)")
     r.set_defaults(func=_serve_reward)
+    r = sub.add_parser("rollback", help="prepare a resume from a snapshot: rlray rollback RUN_OR_URI --to STEP|vVERSION")
+    r.add_argument("ref", metavar="RUN_OR_URI", help="MLflow run id, a run's snapshot folder, or the storage root")
+    r.add_argument("--to", required=True, help="a step (12) or a registered model version (v3)")
+    r.add_argument("--dest", help="folder for the resume config (default rollback/<ref>-<to>)")
+    _config_args(r)
+    r.set_defaults(func=_rollback)
+
+    m = sub.add_parser("models", help="lineage in the Model Registry: rlray models list|show")
+    msub = m.add_subparsers(dest="models_command", required=True)
+    ml = msub.add_parser("list", help="versions of rlray-<experiment> (of one run with --run)")
+    ml.add_argument("--run", help="only the versions of this MLflow run")
+    ms = msub.add_parser("show", help="the chain from a version (or a run's newest) back to the first snapshot")
+    ms.add_argument("version", help="a version (3 or v3) or an MLflow run id")
+    for q in (ml, ms):
+        q.add_argument("--experiment", help="experiment name (default: the config's tracking.experiment)")
+        _config_args(q)
+    m.set_defaults(func=_models)
+
+    s = sub.add_parser("snapshots", help="snapshot storage: rlray snapshots list|lifecycle")
+    ssub = s.add_subparsers(dest="snapshots_command", required=True)
+    ssub.add_parser("list", help="every snapshot under checkpoint.uri, complete or not")
+    lc = ssub.add_parser("lifecycle", help="print (and with --apply, set) S3 lifecycle rules with the retention ages")
+    lc.add_argument("--apply", action="store_true", help="set the rules on the bucket")
+    for q in ssub.choices.values():
+        _config_args(q)
+    s.set_defaults(func=_snapshots)
 
     d = sub.add_parser("data", help="datasets: rlray data fetch gsm8k|hh-rlhf-harmless [--dest data]")
     dsub = d.add_subparsers(dest="data_command", required=True)
@@ -100,9 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``rlray`` console script; returns the exit status."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    from rlray.checkpoint import SnapshotError
+
     try:
         return args.func(args)
-    except ConfigError as err:
+    except (ConfigError, SnapshotError) as err:
         print(f"rlray: {err}", file=sys.stderr)
         return 2
 

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import ray
 from ray.util.placement_group import remove_placement_group
@@ -24,6 +26,7 @@ from rlray.actors import kill_actors, start_reference_actor, start_rollout_actor
 from rlray.config import Config
 from rlray.models import resolve_model_path
 from rlray.placement import check_cluster, rollout_placement_group
+from rlray.runstate import RunOps
 from rlray.tracking import Tracker, resolve_tracking_uri
 
 log = logging.getLogger(__name__)
@@ -31,12 +34,15 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class TrainResult:
-    """Outcome of a run: the MLflow run id, the resolved tracking URI and the final snapshot URI."""
+    """Outcome of a run: the MLflow run id, the resolved tracking URI, the last complete snapshot's URI,
+    the status (FINISHED, FAILED, KILLED, or 'stopped: <reason>' when a guard stopped it) and the
+    monitor's URL."""
 
     run_id: str
     tracking_uri: str
     final_snapshot: str
     status: str
+    monitor_url: str = ""
 
 
 def init_ray(*, include_dashboard: bool | None = None) -> None:
@@ -54,7 +60,7 @@ def resolve_paths(cfg: Config, base: Path | None = None) -> Config:
     """Returns a copy of ``cfg`` with local relative paths made absolute against ``base`` (cwd).
 
     Ray workers and jobs can run in another folder than the shell that started the run, so the
-    driver pins the MLflow store, the output folder and local data files once.
+    driver pins the MLflow store, the output and snapshot folders, and local data files once.
     """
     base = base or Path.cwd()
     out = cfg.model_copy(deep=True)
@@ -65,6 +71,11 @@ def resolve_paths(cfg: Config, base: Path | None = None) -> Config:
 
     if "://" not in cfg.run.output_dir:
         out.run.output_dir = str((base / cfg.run.output_dir).resolve())
+    if cfg.checkpoint.uri and "://" not in cfg.checkpoint.uri:
+        out.checkpoint.uri = str((base / cfg.checkpoint.uri).resolve())
+    ref = cfg.checkpoint.resume_from
+    if ref and ref != "latest" and "://" not in ref:
+        out.checkpoint.resume_from = str((base / ref).resolve())
     out.data.train_files = [local(p) for p in cfg.data.train_files]
     out.data.eval_files = [local(p) for p in cfg.data.eval_files]
     out.model.path = local(cfg.model.path)
@@ -114,15 +125,22 @@ def start_reward_server(cfg: Config) -> bool:
     return not existed
 
 
-def learner_trainer(cfg: Config, loop_config: dict):
-    """Returns the Ray Train TorchTrainer of the learner group (resources.learner, placement strategy)."""
-    from ray.train import RunConfig, ScalingConfig
+def learner_trainer(cfg: Config, loop_config: dict) -> Any:
+    """Returns the Ray Train ``TorchTrainer`` of the learner group: snapshots as its checkpoints, restarts by FailureConfig.
+
+    Ray Train's storage is ``checkpoint.uri`` (s3fs for ``s3://``), its run name ``run-<run_id>``,
+    ``keep_last`` its ``num_to_keep`` and ``monitor.max_failures`` its ``max_failures``; workers use
+    ``resources.learner`` under ``resources.placement_strategy``. Offline methods train on preference
+    pairs with their own step loop (``rlray.offline``).
+    """
+    from ray.train import CheckpointConfig as RayCheckpointConfig
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from rlray import loop, offline
+    from rlray import checkpoint, loop, offline
 
     res = cfg.resources.learner
-    # offline methods train on preference pairs: no rollout actors, their own step loop
+    storage_path, storage_fs = checkpoint.ray_storage(cfg.checkpoint_uri, cfg.checkpoint.s3.storage_options())
     return TorchTrainer(
         loop.train_worker if cfg.algo.family == "online" else offline.train_worker,
         train_loop_config=loop_config,
@@ -133,7 +151,11 @@ def learner_trainer(cfg: Config, loop_config: dict):
             placement_strategy=cfg.resources.placement_strategy,
         ),
         run_config=RunConfig(
-            name=f"rlray-learner-{loop_config['run_id'][:12]}", storage_path=f"{cfg.run.output_dir}/ray_train"
+            name=checkpoint.run_dir_name(loop_config["run_id"]),
+            storage_path=storage_path,
+            storage_filesystem=storage_fs,
+            checkpoint_config=RayCheckpointConfig(num_to_keep=cfg.checkpoint.keep_last),
+            failure_config=FailureConfig(max_failures=cfg.monitor.max_failures),
         ),
     )
 
@@ -141,50 +163,80 @@ def learner_trainer(cfg: Config, loop_config: dict):
 def run_training(cfg: Config) -> TrainResult:
     """Runs a whole training job and returns its result.
 
+    Starts the monitor (/health on ``monitor.port``) and the rollout actors, then a Ray Train
+    ``TorchTrainer`` whose checkpoints are rlray's snapshots under ``checkpoint.uri``; learner
+    failures are restarted from the latest snapshot (``monitor.max_failures``). The MLflow run ends
+    FINISHED, KILLED (a guard stopped it; tag ``rlray.status`` says which) or FAILED.
+
     Raises:
         rlray.placement.PlacementError: the resources do not fit the cluster (nothing was started).
-        ray.train.TrainingFailedError: a learner worker failed (the MLflow run is marked FAILED).
+        ray.train.TrainingFailedError: learner workers failed more than ``monitor.max_failures`` times.
+        rlray.checkpoint.SnapshotError: ``checkpoint.resume_from`` names no complete snapshot.
+        OSError: ``monitor.port`` is taken.
     """
+    from rlray import checkpoint, lineage
+    from rlray.actors import start_monitor
+
+    started_at = time.time()
     init_ray()
     cfg = resolve_paths(cfg)
     check_cluster(cfg)
+    opts = cfg.checkpoint.s3.storage_options()
+    resume = checkpoint.resolve_snapshot(cfg.checkpoint.resume_from, cfg.checkpoint_uri, opts) if cfg.checkpoint.resume_from else None
     model_dir = resolve_model_path(cfg.model.path)
     tracker = Tracker(cfg.tracking.mlflow_uri, cfg.tracking.experiment, run_name=cfg.run.name)
     tracker.log_config(cfg)
-    tracker.set_tags({"rlray.model_dir": model_dir, "rlray.output_dir": cfg.run.output_dir})
+    ops = RunOps(started_at=started_at, git_commit=lineage.git_commit(), resume_from=resume)
+    run_dir = checkpoint.join(cfg.checkpoint_uri, checkpoint.run_dir_name(tracker.run_id))
+    tracker.set_tags({"rlray.model_dir": model_dir, "rlray.output_dir": cfg.run.output_dir, "rlray.snapshot_dir": run_dir,
+                      "rlray.git_commit": ops.git_commit, **({"rlray.resumed_from": resume} if resume else {})})
     log.info("MLflow run %s in %s", tracker.run_id, cfg.tracking.mlflow_uri)
     actors, reference, pg, own_app = [], None, None, False
     status = "FAILED"
     try:
-        if cfg.algo.family == "online":
+        ops.monitor, port = start_monitor(cfg, tracker.run_id)
+        url = f"http://{cfg.monitor.host}:{port}"
+        tracker.set_tags({"rlray.monitor_url": url})
+        print(f"rlray: health at {url}/health, metrics at {url}/metrics", flush=True)
+        online = cfg.algo.family == "online"  # offline methods train on preference pairs: no rollout actors
+        if online:
             pg = rollout_placement_group(cfg)
             actors = start_rollout_actors(cfg, model_dir, max_model_len(cfg), pg)
-        if cfg.reward.server.enabled and cfg.algo.family == "online":
+        if online and cfg.reward.server.enabled:
             own_app = start_reward_server(cfg)
-        if cfg.algo.family == "online" and cfg.algo.kl_coef > 0 and cfg.resources.reference.placement == "actor":
+        if online and cfg.algo.kl_coef > 0 and cfg.resources.reference.placement == "actor":
             reference = start_reference_actor(cfg, model_dir)
-        trainer = learner_trainer(cfg, {
-            "config": cfg.model_dump(mode="json"),
+        learner_trainer(cfg, {
+            "config": cfg.model_dump(),  # python mode: SecretStr values travel, and are never logged
             "model_dir": model_dir,
             "rollout_actors": actors,
             "reference_actor": reference,
             "run_id": tracker.run_id,
-        })
-        trainer.fit()
-        status = "FINISHED"
+            "ops": ops,
+        }).fit()
+        status = tracker.tags().get("rlray.status", "FAILED")
     except KeyboardInterrupt:
         status = "KILLED"
         raise
     finally:
-        tracker.finish(status)
-        kill_actors(actors + ([reference] if reference else []))
+        tracker.set_tags({"rlray.status": status})
+        tracker.finish(_mlflow_status(status))
+        kill_actors([*actors, *([reference] if reference else []), *([ops.monitor] if ops.monitor is not None else [])])
         if pg is not None:
             remove_placement_group(pg)
         if own_app:  # a server started by `rlray serve-reward` before the run stays up
             from ray import serve
 
             serve.delete(cfg.reward.server.app_name)
-    return TrainResult(tracker.run_id, cfg.tracking.mlflow_uri, f"{cfg.run.output_dir}/final", status)
+    tags = tracker.tags()
+    return TrainResult(tracker.run_id, cfg.tracking.mlflow_uri, tags.get("rlray.last_snapshot", ""), status,
+                       tags.get("rlray.monitor_url", ""))
+
+
+def _mlflow_status(status: str) -> str:
+    """Returns the MLflow run status of an rlray status: FINISHED, KILLED or FAILED as they are, and
+    'stopped: <reason>' (a guard) as KILLED."""
+    return "KILLED" if status.startswith("stopped") else status
 
 
 def evaluate_checkpoint(cfg: Config, checkpoint: str) -> dict[str, float]:
@@ -210,7 +262,7 @@ def evaluate_checkpoint(cfg: Config, checkpoint: str) -> dict[str, float]:
     init_ray(include_dashboard=False)
     cfg = resolve_paths(cfg)
     is_snapshot = Path(checkpoint, "manifest.json").exists() or "://" in checkpoint
-    model_dir = local_model_dir(checkpoint) if is_snapshot else resolve_model_path(checkpoint)
+    model_dir = local_model_dir(checkpoint, options=cfg.checkpoint.s3.storage_options()) if is_snapshot else resolve_model_path(checkpoint)
     tokenizer = load_tokenizer(model_dir, cfg.model.chat_template)
     rows = load_prompt_rows(cfg.data.eval_files)[: cfg.eval.num_problems]
     rows, ids, _ = prepare_prompts(

@@ -261,6 +261,9 @@ class RolloutPipeline:
         take_prompts: returns (rows, prompt token ids) of the next step (advances the data cursor).
         sampling_for: returns the SamplingSpec of a step (its seed depends on the step).
         max_staleness: k, in policy versions; 0 is synchronous.
+        cursor: returns the data cursor's state (``PromptStream.state_dict``), recorded before each
+            step's prompts are taken so that a snapshot can save the cursor of the consumed steps.
+        restore_cursor: sets the data cursor's state (``PromptStream.load_state_dict``).
     """
 
     def __init__(
@@ -269,11 +272,15 @@ class RolloutPipeline:
         take_prompts: Callable[[], tuple[list[Any], list[list[int]]]],
         sampling_for: Callable[[int], SamplingSpec],
         max_staleness: int,
+        cursor: Callable[[], dict] | None = None,
+        restore_cursor: Callable[[dict], None] | None = None,
     ) -> None:
         self.fleet = fleet
         self.take_prompts = take_prompts
         self.sampling_for = sampling_for
         self.max_staleness = max_staleness
+        self.cursor = cursor
+        self.restore_cursor = restore_cursor
         self._queue: collections.deque = collections.deque()
         self._next_step: int | None = None
 
@@ -286,14 +293,37 @@ class RolloutPipeline:
         if self._next_step is None:
             self._next_step = step
         while self._next_step <= step + self.max_staleness:
+            before = self.cursor() if self.cursor else None
             rows, ids = self.take_prompts()
             pending = self.fleet.submit(ids, self.sampling_for(self._next_step))
-            self._queue.append((self._next_step, rows, ids, pending, self.fleet.version))
+            self._queue.append((self._next_step, rows, ids, pending, self.fleet.version, before))
             self._next_step += 1
-        got, rows, ids, pending, version = self._queue.popleft()
+        got, rows, ids, pending, version, _ = self._queue.popleft()
         if got != step:
             raise ValueError(f"RolloutPipeline: asked for step {step}, the next rollout in flight is step {got}")
         return RolloutBatch(step, rows, ids, self.fleet.collect(pending), version)
+
+    def consumed_cursor(self) -> dict | None:
+        """Returns the data cursor as it was before the oldest step still in flight was taken, i.e. the
+        cursor of exactly the consumed steps (what a snapshot must save); the live cursor when none is
+        in flight (always in synchronous mode between steps). None without a ``cursor`` callable."""
+        if self._queue:
+            return self._queue[0][5]
+        return self.cursor() if self.cursor else None
+
+    def reset(self) -> None:
+        """Drops the rollouts in flight (after a restore or rollback: they used old weights) and rewinds
+        the data cursor to the consumed steps, so their prompts are taken again."""
+        if not self._queue:
+            self._next_step = None
+            return
+        cursor = self.consumed_cursor()
+        for item in self._queue:
+            self.fleet.collect(item[3])  # let the engines finish: their calls are ordered before the push
+        self._queue.clear()
+        self._next_step = None
+        if self.restore_cursor is not None and cursor is not None:
+            self.restore_cursor(cursor)
 
     @property
     def in_flight(self) -> int:

@@ -11,27 +11,26 @@ Ray's object store; every rank takes part in the update. A step, top to bottom:
   5. advantages
   6. learner update (mini-batches, epochs)
   7. weight sync to the rollouts (version-tagged)
-  8. log, guard, snapshot
+  8. log, guard, snapshot (rlray/ops.py: guards, rollback, snapshots, heartbeat, lineage)
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import math
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pyarrow as pa
 import ray
 import torch
 
-from rlray import online_sampling, schema
-from rlray.checkpoint import save_final
-from rlray.collective import Collective
+from rlray import guard, online_sampling, schema, snapshots
+from rlray import ops as ops_lib
+from rlray.collective import Collective, RayTrainCollective, current_collective
 from rlray.config import Config
 from rlray.data import PromptStream, load_prompt_rows, prepare_prompts
 from rlray.fleet import RolloutFleet, RolloutPipeline
@@ -43,6 +42,7 @@ from rlray.online_sampling import Rollouts
 from rlray.reward import RewardScorer
 from rlray.reward.server import LocalRewardClient, ScoreResult, ServeRewardClient
 from rlray.rollout import Completion, SamplingSpec
+from rlray.runstate import RUNNING, RunOps, RunState
 from rlray.tracking import Tracker
 from rlray.weight_sync import make_weight_sync
 
@@ -429,7 +429,8 @@ def setup(
         ctx.reward = reward_client(cfg)
         ctx.fleet = RolloutFleet(actors)
         ctx.pipeline = RolloutPipeline(
-            ctx.fleet, functools.partial(take_prompts, ctx), functools.partial(sampling_for_step, cfg), cfg.rollout.max_staleness
+            ctx.fleet, functools.partial(take_prompts, ctx), functools.partial(sampling_for_step, cfg),
+            cfg.rollout.max_staleness, cursor=ctx.stream.state_dict, restore_cursor=ctx.stream.load_state_dict,
         )
     dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
     ctx.weight_sync = make_weight_sync(
@@ -455,7 +456,7 @@ def learner_kwargs(cfg: Config, world: int, *, with_reference: bool = True) -> d
         warmup_steps=cfg.learner.warmup_steps,
         max_grad_norm=cfg.learner.max_grad_norm,
         temperature=cfg.rollout.temperature,
-        use_reference=cfg.algo.kl_coef > 0 and with_reference,
+        use_reference=(cfg.algo.kl_coef > 0 or cfg.guard.kl_threshold is not None) and with_reference,  # the KL guard needs it
         gradient_checkpointing=cfg.model.gradient_checkpointing,
         wrap_model=wrap,
         optimizer=cfg.learner.optimizer,
@@ -474,61 +475,150 @@ def _progress(total: int, initial: int):
         return tqdm(total=total, initial=initial, desc="rlray train")
 
 
-def train(
-    cfg: Config,
-    model_dir: str,
-    actors: list[Any],
-    run_id: str | None = None,
-    coll: Collective | None = None,
-    reference_actor: Any = None,
-) -> dict[str, float]:
-    """Runs ``cfg.run.max_steps`` RL steps on this rank; returns the last step's metrics (rank 0).
+@dataclass
+class Outcome:
+    """How a run ended on this rank: status (FINISHED or 'stopped: <reason>'), steps done, the last
+    complete snapshot, and the last step's metrics (complete on rank 0)."""
+
+    status: str
+    step: int
+    last_snapshot: str | None
+    metrics: dict[str, float]
+
+
+def train(cfg: Config, model_dir: str, actors: list[Any], run_id: str | None = None, coll: Collective | None = None,
+          reference_actor: Any = None, ops: RunOps | None = None) -> Outcome:
+    """Runs RL steps until ``cfg.run.max_steps`` or a guard stops the run; returns how it ended.
+
+    An out-of-memory error while loading or in the first step is retried once with half the
+    micro-batch and gradient checkpointing on (``guard.oom_fallback_config``); the change is logged
+    and recorded on the MLflow run. With several learner ranks the retry lines up only when every
+    rank runs out of memory at the same point; otherwise the collectives fail and Ray Train's restart
+    (``monitor.max_failures``) takes over.
 
     Args:
         cfg: the validated config.
         model_dir: local Hugging Face folder of the initial policy (resolved by the driver).
         actors: rollout actor handles (used by rank 0).
-        run_id: the MLflow run to log to (created by the driver).
+        run_id: the MLflow run to log to (created by the driver; None creates one).
         coll: collectives; defaults to Ray Train's when inside a worker group, else world 1.
         reference_actor: the reference actor (resources.reference.placement == "actor"), else None.
+        ops: the monitor handle, start time, commit and resume snapshot from the driver.
 
     Raises:
-        FloatingPointError: the loss or gradient norm is NaN or inf.
+        guard.EarlyOOM: out of memory again after the fallback.
     """
-    coll = coll or Collective()
-    ctx = setup(cfg, model_dir, actors, run_id, coll, reference_actor)
-    bar = _progress(cfg.run.max_steps, 0) if ctx.rank == 0 else None
+    coll = coll or current_collective()
+    ops = ops or RunOps()
+    in_ray_train = isinstance(coll, RayTrainCollective)
+    source, restarted = ops_lib.restore_source(cfg, ops, run_id, in_ray_train) if run_id else (ops.resume_from, False)
+    cfg = restart_delay(cfg, coll, ops, source, restarted)
+    try:
+        return _train(cfg, model_dir, actors, run_id, coll, reference_actor, ops, source)
+    except guard.EarlyOOM as oom:
+        cfg, note = guard.oom_fallback_config(cfg)
+        log.warning("out of memory at %s; retrying once with %s", oom.where, note)
+        guard.free_memory()
+        return _train(cfg, model_dir, actors, run_id, coll, reference_actor, ops, source, oom_note=f"{oom.where}: {note}")
+
+
+def restart_delay(cfg: Config, coll: Collective, ops: RunOps, source: str | None, restarted: bool) -> Config:
+    """Counts this learner start with the monitor (a second start is a restart, alerted), waits
+    ``monitor.restart_delay_s`` after a restart, and returns the config to run (a restart adopts the
+    config the restored snapshot was trained with)."""
+    if coll.rank == 0 and ops.monitor is not None:
+        restarted = ray.get(ops.monitor.learner_started.remote()) > 1 or restarted
+    if restarted:
+        log.warning("learner restarted; waiting monitor.restart_delay_s=%g s before resuming", cfg.monitor.restart_delay_s)
+        time.sleep(cfg.monitor.restart_delay_s)
+    return ops_lib.config_for_restore(cfg, source, restarted)
+
+
+def _train(cfg: Config, model_dir: str, actors: list[Any], run_id: str | None, coll: Collective, reference_actor: Any,
+           ops: RunOps, source: str | None, oom_note: str | None = None) -> Outcome:
+    in_ray_train = isinstance(coll, RayTrainCollective)
+    guard.apply_gpu_memory_cap(cfg.guard)
+    ctx = _early_oom("load", lambda: setup(cfg, model_dir, actors, run_id, coll, reference_actor))
+    if ctx.rank == 0 and oom_note:
+        ctx.tracker.set_tags({"rlray.oom_fallback": oom_note})
+        ctx.tracker.log_text(ctx.cfg.to_yaml(), "config/oom_fallback.yaml")
+    run = ops_lib.begin(ctx, ops, source, in_ray_train=in_ray_train, reload_rollouts=lambda: reload_rollouts(ctx))
+    bar = _progress(cfg.run.max_steps, run.step) if ctx.rank == 0 else None
     metrics: dict[str, float] = {}
-    if ctx.rank == 0 and cfg.eval.num_problems:
-        ctx.tracker.log_metrics(evaluate(ctx), step=0)
-    for step in range(cfg.run.max_steps):
-        metrics = run_step(ctx, step)
-        if not all(math.isfinite(metrics[k]) for k in ("learner/loss", "learner/grad_norm")):
-            raise FloatingPointError(f"step {step + 1}: non-finite loss or gradient norm: {metrics}")
-        if ctx.rank != 0:
-            continue
-        every = cfg.eval.every_steps
-        if cfg.eval.num_problems and ((every and (step + 1) % every == 0) or step + 1 == cfg.run.max_steps):
-            metrics.update(evaluate(ctx))
-        ctx.tracker.log_metrics(metrics, step=step + 1)
-        bar.set_description(
-            f"rlray step {step + 1} reward={metrics['reward/mean']:.3f} kl={metrics['algo/kl']:.4f} "
-            f"tokens/s={metrics['perf/tokens_per_s']:.0f}"
-        )
-        bar.update(1)
-    if ctx.rank == 0:
-        bar.close()
-        save_final(cfg.run.output_dir, ctx.learner, ctx.tokenizer, step=cfg.run.max_steps, policy_version=ctx.policy_version)
+    retrying = False
+    try:
+        if ctx.rank == 0 and run.step == 0 and cfg.eval.num_problems:
+            ctx.tracker.log_metrics(evaluate(ctx), step=0)
+        while run.step < ctx.cfg.run.max_steps and run.status == RUNNING:
+            step = run.step
+            metrics = _early_oom("first step", lambda: run_step(ctx, step)) if step == run.first_step else run_step(ctx, step)
+            run.step = step + 1
+            # 8. log, guard, snapshot
+            trip = ops_lib.check_guards(ctx, run, metrics, ops)
+            if ctx.rank == 0:
+                _finish_step_rank0(ctx, run, metrics, bar, ops)
+            if trip is not None:
+                ops_lib.handle_trip(ctx, run, trip, ops, reload_rollouts=lambda: reload_rollouts(ctx))
+            elif snapshots.snapshot_due(ctx.cfg, run.step):
+                snapshots.snapshot(ctx, run, ops, kind="final" if run.step == ctx.cfg.run.max_steps else "periodic",
+                                 metrics=metrics)
+        if run.status == RUNNING:
+            run.status = "FINISHED"
+    except guard.EarlyOOM:
+        retrying = True
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+        ops_lib.finish(ctx, run, ops, record=not retrying)
     coll.barrier()
-    return metrics
+    return Outcome(run.status, run.step, run.last_snapshot, metrics)
+
+
+def _early_oom(where: str, fn: Callable[[], Any]) -> Any:
+    """Returns ``fn()``; an out-of-memory error becomes ``guard.EarlyOOM`` (retried once by ``train``)."""
+    try:
+        return fn()
+    except Exception as err:
+        if guard.is_oom(err):
+            raise guard.EarlyOOM(where, err) from err
+        raise
+
+
+def _finish_step_rank0(ctx: Context, run: RunState, metrics: dict[str, float], bar: Any, ops: RunOps) -> None:
+    """Rank 0: eval when due, log the step once, update the monitor and the progress bar."""
+    cfg, step = ctx.cfg, run.step
+    every = cfg.eval.every_steps
+    if cfg.eval.num_problems and ((every and step % every == 0) or step == cfg.run.max_steps):
+        metrics.update(evaluate(ctx))
+    ops_lib.record(ctx, run, metrics, ops)
+    bar.set_description(
+        f"rlray step {step} reward={metrics['reward/mean']:.3f} kl={metrics['algo/kl']:.4f} "
+        f"tokens/s={metrics['perf/tokens_per_s']:.0f}"
+    )
+    bar.update(1)
+
+
+def reload_rollouts(ctx: Context) -> None:
+    """Pushes the learner's current policy to every rollout actor, tagged with ``ctx.policy_version``.
+
+    Used at start, after a restore and after a rollback, so the engines generate with exactly the
+    learner's weights; it is stage 7's push with the version kept.
+    """
+    if ctx.rank == 0:
+        ctx.pipeline.reset()  # drop rollouts in flight (async mode): they used the old weights and cursor
+    ctx.policy_version -= 1
+    ctx.policy_version = sync_weights(ctx)
+    if ctx.rank == 0:
+        ctx.reward = reward_client(ctx.cfg)  # a rollback may change reward.*
 
 
 def train_worker(loop_config: dict) -> None:
     """The Ray Train training function: rebuilds the config and runs ``train`` on this rank."""
-    from rlray.collective import current_collective, name_learner_process
+    from rlray.collective import name_learner_process
 
     cfg = Config.model_validate(loop_config["config"])
     coll = current_collective()
     name_learner_process(coll.rank)
     train(cfg, loop_config["model_dir"], loop_config["rollout_actors"], loop_config["run_id"], coll,
-          loop_config["reference_actor"])
+          loop_config.get("reference_actor"), loop_config.get("ops"))

@@ -25,8 +25,9 @@ import pyarrow as pa
 import torch
 
 from rlray import algos
-from rlray.checkpoint import save_final
-from rlray.collective import Collective
+from rlray import ops as ops_lib
+from rlray import snapshots
+from rlray.collective import Collective, RayTrainCollective, current_collective
 from rlray.config import REFERENCE_ALGOS, Config
 from rlray.data import PromptStream
 from rlray.data.pairs import collate_pairs, load_preference_pairs, pairs_table, split_pairs
@@ -34,6 +35,7 @@ from rlray.learner import PolicyLearner, autocast_context
 from rlray.learner.preference import PAIR_OBJECTIVES, PairNormaliser, PreferenceSpec, pair_outputs
 from rlray.models import load_tokenizer
 from rlray.models.heads import load_reward_model
+from rlray.runstate import RUNNING, RunOps
 from rlray.tracking import Tracker
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,17 @@ class OfflineContext:
     row_of: dict[str, int] = field(default_factory=dict)  # prompt_id -> row of train_pairs
     tracker: Tracker | None = None  # rank 0 only
     data_metrics: dict[str, float] = field(default_factory=dict)
+    policy_version: int = 0  # optimizer steps taken (snapshots and lineage call it the policy version)
+
+    @property
+    def rank(self) -> int:
+        """Returns this worker's rank."""
+        return self.coll.rank
+
+    @property
+    def world(self) -> int:
+        """Returns the number of learner ranks."""
+        return self.coll.world
 
     @property
     def method(self) -> str:
@@ -269,58 +282,82 @@ def evaluate(ctx: OfflineContext) -> dict[str, float]:
 # --------------------------------------------------------------------------------------------
 # The run
 # --------------------------------------------------------------------------------------------
-def train(cfg: Config, model_dir: str, run_id: str | None = None, coll: Collective | None = None) -> dict[str, float]:
-    """Runs ``cfg.run.max_steps`` offline optimizer steps on this rank; returns the last step's metrics (rank 0).
+def train(
+    cfg: Config, model_dir: str, run_id: str | None = None, coll: Collective | None = None, ops: RunOps | None = None
+) -> str:
+    """Runs offline optimizer steps until ``cfg.run.max_steps`` or a guard stops the run; returns the status.
+
+    Snapshots, resume, restarts, guards, heartbeat and lineage are the online loop's (``rlray.ops``,
+    ``rlray.snapshots``); every rank restores the same data cursor, since every rank walks it.
 
     Args:
         cfg: the validated config (``cfg.algo.family == "offline"``).
         model_dir: local Hugging Face folder of the initial policy (resolved by the driver).
         run_id: the MLflow run to log to (created by the driver).
         coll: collectives; defaults to Ray Train's when inside a worker group, else world 1.
+        ops: the monitor handle, start time, commit and resume snapshot from the driver.
 
     Raises:
-        FloatingPointError: the loss or gradient norm is NaN or inf.
         rlray.data.DataError: the pairs cannot be loaded (names the file and row).
     """
-    from rlray.loop import _progress
+    from rlray.loop import _progress, restart_delay
 
-    coll = coll or Collective()
+    coll = coll or current_collective()
+    ops = ops or RunOps()
+    in_ray_train = isinstance(coll, RayTrainCollective)
+    source, restarted = ops_lib.restore_source(cfg, ops, run_id, in_ray_train) if run_id else (ops.resume_from, False)
+    cfg = restart_delay(cfg, coll, ops, source, restarted)
     ctx = setup(cfg, model_dir, run_id, coll)
-    bar = _progress(cfg.run.max_steps, 0) if coll.rank == 0 else None
+    run = ops_lib.begin(ctx, ops, source, in_ray_train=in_ray_train, reload_rollouts=lambda: None)
+    bar = _progress(cfg.run.max_steps, run.step) if coll.rank == 0 else None
     every = cfg.offline.eval_every_steps
-    first_eval = evaluate(ctx) if cfg.offline.eval_fraction else {}
-    if coll.rank == 0:
-        ctx.tracker.log_metrics({**ctx.data_metrics, **first_eval}, step=0)
-    metrics: dict[str, float] = {}
-    for step in range(cfg.run.max_steps):
-        t = time.perf_counter()
-        metrics = update(ctx, take_pairs(ctx))
-        metrics["timing/update_s"] = time.perf_counter() - t
-        if not all(math.isfinite(metrics[k]) for k in ("learner/loss", "learner/grad_norm")):
-            raise FloatingPointError(f"step {step + 1}: non-finite loss or gradient norm: {metrics}")
-        last = step + 1 == cfg.run.max_steps
-        if cfg.offline.eval_fraction and ((every and (step + 1) % every == 0) or last):
-            t = time.perf_counter()
-            metrics.update(evaluate(ctx))
-            metrics["timing/eval_s"] = time.perf_counter() - t
-        metrics["data/epoch"] = float(ctx.stream.epoch)
-        if coll.rank == 0:
-            ctx.tracker.log_metrics(metrics, step=step + 1)
-            bar.set_description(
-                f"rlray {ctx.method} step {step + 1} loss={metrics['learner/loss']:.4f} "
-                f"acc={metrics['algo/pairwise_accuracy']:.2f}"
-            )
-            bar.update(1)
-    if coll.rank == 0:
-        bar.close()
-        save_final(cfg.run.output_dir, ctx.learner, ctx.tokenizer, step=cfg.run.max_steps, policy_version=cfg.run.max_steps)
+    try:
+        first_eval = evaluate(ctx) if cfg.offline.eval_fraction and run.step == 0 else {}
+        if coll.rank == 0 and run.step == 0:
+            ctx.tracker.log_metrics({**ctx.data_metrics, **first_eval}, step=0)
+        while run.step < ctx.cfg.run.max_steps and run.status == RUNNING:
+            metrics = _step(ctx, run.step, every)
+            run.step += 1
+            ctx.policy_version = run.step
+            trip = ops_lib.check_guards(ctx, run, metrics, ops)  # non-finite steps were skipped by the learner
+            if coll.rank == 0:
+                ops_lib.record(ctx, run, metrics, ops)
+                bar.set_description(
+                    f"rlray {ctx.method} step {run.step} loss={metrics['learner/loss']:.4f} "
+                    f"acc={metrics['algo/pairwise_accuracy']:.2f}"
+                )
+                bar.update(1)
+            if trip is not None:
+                ops_lib.handle_trip(ctx, run, trip, ops, reload_rollouts=lambda: None)
+            elif snapshots.snapshot_due(ctx.cfg, run.step):
+                kind = "final" if run.step == ctx.cfg.run.max_steps else "periodic"
+                snapshots.snapshot(ctx, run, ops, kind=kind, metrics=metrics)
+        if run.status == RUNNING:
+            run.status = "FINISHED"
+    finally:
+        if bar is not None:
+            bar.close()
+        ops_lib.finish(ctx, run, ops)
     coll.barrier()
+    return run.status
+
+
+def _step(ctx: OfflineContext, step: int, every: int) -> dict[str, float]:
+    """One offline optimizer step (0-based ``step``), with eval when due; returns its metrics."""
+    cfg = ctx.cfg
+    t = time.perf_counter()
+    metrics = update(ctx, take_pairs(ctx))
+    metrics["timing/update_s"] = time.perf_counter() - t
+    last = step + 1 == cfg.run.max_steps
+    if cfg.offline.eval_fraction and ((every and (step + 1) % every == 0) or last):
+        t = time.perf_counter()
+        metrics.update(evaluate(ctx))
+        metrics["timing/eval_s"] = time.perf_counter() - t
+    metrics["data/epoch"] = float(ctx.stream.epoch)
     return metrics
 
 
 def train_worker(loop_config: dict) -> None:
     """The Ray Train training function of the offline methods: rebuilds the config and runs ``train``."""
-    from rlray.collective import current_collective
-
     cfg = Config.model_validate(loop_config["config"])
-    train(cfg, loop_config["model_dir"], loop_config["run_id"], current_collective())
+    train(cfg, loop_config["model_dir"], loop_config["run_id"], current_collective(), loop_config.get("ops"))

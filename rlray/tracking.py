@@ -1,4 +1,4 @@
-"""MLflow tracking: the only module of rlray that imports mlflow.
+"""MLflow tracking and the Model Registry: the only module of rlray that imports mlflow.
 
 One run per training job. Params are the flattened config at start; metrics are namespaced
 (``rollout/``, ``reward/``, ``learner/``, ``algo/``, ``timing/``, ``perf/``, ``eval/``); the resolved
@@ -20,7 +20,7 @@ from rlray.config import Config
 
 log = logging.getLogger(__name__)
 
-STAGES = ("rollout", "reward", "logprobs", "advantages", "update", "weight_sync", "eval", "step")
+STAGES = ("rollout", "reward", "logprobs", "advantages", "update", "weight_sync", "eval", "step", "snapshot")
 ALGO_STAGES = ("algo_sampling", "reference")  # rank-0 DAPO/ReMax sampling extras; offline reference logprobs (once)
 
 METRIC_KEYS: tuple[str, ...] = (
@@ -71,6 +71,13 @@ METRIC_KEYS: tuple[str, ...] = (
     "data/eval_pairs",
     "data/skipped_pairs",
     *(f"timing/{s}_s" for s in ALGO_STAGES),
+    # operations (guards, rollback, restore, snapshots, heartbeat)
+    "guard/nonfinite_in_row",
+    "run/rollbacks",
+    "run/restored_step",
+    "checkpoint/failures",
+    "monitor/heartbeat_s",
+    "monitor/rss_gib",
 )
 EVAL_KEYS: tuple[str, ...] = (
     "eval/accuracy",
@@ -152,6 +159,47 @@ class Tracker:
     def finish(self, status: str = "FINISHED") -> None:
         """Ends the run with ``status`` (FINISHED, FAILED or KILLED)."""
         self.client.set_terminated(self.run_id, status=status)
+
+    def tags(self) -> dict[str, str]:
+        """Returns the run's tags."""
+        return dict(self.client.get_run(self.run_id).data.tags)
+
+    def last_logged_step(self, key: str = "timing/step_s") -> int:
+        """Returns the highest step at which ``key`` was logged in this run, 0 when never."""
+        return max((m.step for m in self.client.get_metric_history(self.run_id, key)), default=0)
+
+    def register_model_version(self, name: str, source: str, tags: dict[str, str]) -> str:
+        """Registers ``source`` as a new version of registered model ``name`` (created when missing); returns the version."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.create_registered_model(name, description="rlray snapshots; lineage in version tags")
+        except MlflowException as err:
+            if err.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+        mv = self.client.create_model_version(name, source=source, run_id=self.run_id,
+                                              tags={k: str(v)[:5000] for k, v in tags.items()})
+        return str(mv.version)
+
+
+def model_versions(uri: str, name: str, *, run_id: str | None = None, tag: tuple[str, str] | None = None) -> list[dict]:
+    """Returns the versions of registered model ``name`` (optionally of one run, or with one tag value),
+    oldest first, each as {version, run_id, source, tags}."""
+    client = MlflowClient(tracking_uri=uri)
+    query = f"name='{name}'"
+    if run_id:
+        query += f" and run_id='{run_id}'"
+    if tag:
+        query += f" and tags.`{tag[0]}`='{tag[1]}'"
+    found = client.search_model_versions(query)
+    rows = [{"version": str(v.version), "run_id": v.run_id, "source": v.source, "tags": dict(v.tags)} for v in found]
+    return sorted(rows, key=lambda r: int(r["version"]))
+
+
+def model_version(uri: str, name: str, version: str) -> dict:
+    """Returns one version of registered model ``name`` as {version, run_id, source, tags}."""
+    v = MlflowClient(tracking_uri=uri).get_model_version(name, version)
+    return {"version": str(v.version), "run_id": v.run_id, "source": v.source, "tags": dict(v.tags)}
 
 
 def get_run_metrics(uri: str, run_id: str) -> dict[str, list[tuple[int, float]]]:

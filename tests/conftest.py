@@ -80,3 +80,36 @@ def ray_session():
     ray.init(include_dashboard=False, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}})
     yield ray
     ray.shutdown()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skips tests marked ``gpu`` when CUDA is not available (marker-based, not pytest.skip in the body)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    no_cuda = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(no_cuda)
+
+
+@pytest.fixture(scope="session")
+def moto_s3():
+    """Returns a real S3 API on 127.0.0.1 (moto in server mode) with an empty bucket 'rlray-test'.
+
+    Yields {"endpoint_url", "key", "secret", "region", "bucket"}; tests reach it through s3fs.
+    """
+    import s3fs
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    info = {"endpoint_url": f"http://{host}:{port}", "key": "testing", "secret": "testing", "region": "us-east-1",
+            "bucket": "rlray-test"}
+    fs = s3fs.S3FileSystem(key="testing", secret="testing", endpoint_url=info["endpoint_url"],
+                           client_kwargs={"region_name": "us-east-1"}, skip_instance_cache=True)
+    fs.call_s3("create_bucket", Bucket="rlray-test")
+    yield info
+    server.stop()

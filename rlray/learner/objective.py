@@ -120,7 +120,7 @@ def policy_objective(
     Returns:
         loss: scalar float32 to call backward on.
         stats: sums over valid tokens (``*_sum``, keys ``STAT_KEYS``) for the caller to divide by the token
-            count: pg_loss_sum, kl_sum, clipped_sum, dual_clipped_sum, entropy_sum, tis_weight_sum,
+            count: pg_loss_sum, kl_sum (k3 estimator, whatever ``spec.kl_estimator`` is), clipped_sum, dual_clipped_sum, entropy_sum, tis_weight_sum,
             rollout_diff_sum (|rollout - old logprobs|, the engine/learner mismatch); and tokens.
 
     Raises:
@@ -137,9 +137,10 @@ def policy_objective(
             mb["old_logprobs"], mb["rollout_logprobs"], mask, cap=spec.tis_cap, level=spec.tis_level
         )
         per_token = per_token * tis
-    kl = None
+    kl_k3 = None  # the logged algo/kl (and the KL guard's input) is always the k3 estimate, whatever the loss uses
     if "ref_logprobs" in mb:
         kl = algos.kl_penalty(logprobs, mb["ref_logprobs"], spec.kl_estimator)
+        kl_k3 = kl if spec.kl_estimator == "k3" else algos.kl_penalty(logprobs.detach(), mb["ref_logprobs"], "k3")
         if spec.kl_coef > 0:
             per_token = per_token + spec.kl_coef * kl
     if spec.entropy_coef > 0:
@@ -154,7 +155,7 @@ def policy_objective(
         num_sequences=norm.num_sequences,
         max_response_tokens=spec.max_response_tokens,
     ) * norm.world_size
-    return loss, _stats(mb, mask, pg_loss, diag, kl, entropy, tis)
+    return loss, _stats(mb, mask, pg_loss, diag, kl_k3, entropy, tis)
 
 
 def _stats(mb, mask, pg_loss, diag, kl, entropy, tis) -> dict[str, torch.Tensor]:

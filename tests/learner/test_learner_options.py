@@ -100,3 +100,18 @@ def test_truncated_importance_weights_scale_the_policy_loss():
     assert on.item() == pytest.approx(-1.75, abs=1e-6)
     w = algos.truncated_is_weights(mb["old_logprobs"], mb["rollout_logprobs"], mb["response_mask"], cap=2.0)
     assert w[0].tolist() == pytest.approx([1.5, 2.0])
+
+
+def test_logged_kl_is_k3_whatever_the_loss_estimator():
+    # ref - logprobs = d = [0.5, -0.2]; k3 = exp(d) - 1 - d = [0.148721, 0.018731]; k1 = -d = [-0.5, 0.2]
+    lp = torch.tensor([[0.0, 0.0]], requires_grad=True)
+    mb = {
+        "old_logprobs": torch.zeros(1, 2), "advantages": torch.zeros(1, 2),
+        "response_mask": torch.ones(1, 2, dtype=torch.bool), "ref_logprobs": torch.tensor([[0.5, -0.2]]),
+    }
+    norm = Normaliser(2.0, 1.0)
+    k1_loss = LossSpec(**{**SPEC.__dict__, "kl_coef": 1.0, "kl_estimator": "k1"})
+    loss, stats = policy_objective(lp, mb, k1_loss, norm)
+    assert loss.item() == pytest.approx((-0.5 + 0.2) / 2, abs=1e-6)  # the loss uses k1 (advantages are 0)
+    expect_k3 = (math.exp(0.5) - 1 - 0.5) + (math.exp(-0.2) - 1 + 0.2)
+    assert stats["kl_sum"].item() == pytest.approx(expect_k3, abs=1e-6)  # the logged KL is k3

@@ -1,0 +1,54 @@
+"""Config of the operations sections: defaults, validation naming the keys, and secrets never logged."""
+
+import pytest
+
+from rlray.cli import build_parser
+from rlray.config import ConfigError, config_from_dict
+
+
+def test_operations_defaults():
+    cfg = config_from_dict({"run": {"output_dir": "/data/run"}})
+    assert (cfg.checkpoint.every_steps, cfg.checkpoint.keep_last) == (1000, 3)
+    assert (cfg.checkpoint.max_age_days, cfg.checkpoint.log_max_age_days) == (30.0, 7.0)
+    assert cfg.checkpoint_uri == "/data/run/snapshots"  # derived while checkpoint.uri is unset
+    assert (cfg.guard.kl_threshold, cfg.guard.on_trip, cfg.run.max_wall_time_s) == (0.03, "stop", 72 * 3600)
+    assert (cfg.monitor.port, cfg.monitor.host, cfg.monitor.heartbeat_s, cfg.monitor.restart_delay_s) == (8888, "127.0.0.1", 300.0, 30.0)
+    assert config_from_dict({"checkpoint": {"uri": "s3://b/p/"}}).checkpoint_uri == "s3://b/p"
+
+
+def test_secrets_are_masked_in_params_and_yaml_but_reach_s3fs():
+    cfg = config_from_dict({"checkpoint": {"uri": "s3://b/p", "s3": {"access_key_id": "AKIAXYZ", "secret_access_key": "s3cr3t",
+                                                                        "endpoint_url": "http://127.0.0.1:9000"}},
+                            "monitor": {"alerts": ["log", "webhook"], "webhook_url": "https://hooks.example/T0k3n"}})
+    flat = cfg.flat()
+    assert flat["checkpoint.s3.secret_access_key"] == "**********" and flat["monitor.webhook_url"] == "**********"
+    text = cfg.to_yaml() + str(flat) + repr(cfg)
+    assert "s3cr3t" not in text and "AKIAXYZ" not in text and "T0k3n" not in text
+    assert cfg.checkpoint.s3.storage_options() == {"endpoint_url": "http://127.0.0.1:9000", "key": "AKIAXYZ", "secret": "s3cr3t"}
+    # the python-mode dump the driver hands to Ray Train keeps them
+    from rlray.config import validate_tree
+
+    assert validate_tree(cfg.model_dump()).checkpoint.s3.secret_access_key.get_secret_value() == "s3cr3t"
+
+
+def test_operations_validation_names_the_keys():
+    with pytest.raises(ConfigError, match="checkpoint.s3.access_key_id and checkpoint.s3.secret_access_key must be set together"):
+        config_from_dict({"checkpoint": {"s3": {"access_key_id": "a"}}})
+    with pytest.raises(ConfigError, match="monitor.alerts has 'webhook' but monitor.webhook_url is unset"):
+        config_from_dict({"monitor": {"alerts": ["webhook"]}})
+    with pytest.raises(ConfigError, match=r"checkpoint.every_steps=0"):
+        config_from_dict({"checkpoint": {"every_steps": 0}})
+    with pytest.raises(ConfigError, match=r"guard.on_trip='pause'"):
+        config_from_dict({"guard": {"on_trip": "pause"}})
+    with pytest.raises(ConfigError, match=r"monitor.port=70000"):
+        config_from_dict({"monitor": {"port": 70000}})
+
+
+def test_cli_resume_and_ops_commands_parse():
+    p = build_parser()
+    a = p.parse_args(["train", "c.yaml", "learner.lr=1e-5", "--resume", "latest"])
+    assert (a.config, a.overrides, a.resume) == ("c.yaml", ["learner.lr=1e-5"], "latest")
+    r = p.parse_args(["rollback", "abc123", "--to", "v3", "--set", "tracking.experiment=x"])
+    assert (r.ref, r.to, r.overrides) == ("abc123", "v3", ["tracking.experiment=x"])
+    assert p.parse_args(["models", "show", "7"]).version == "7"
+    assert p.parse_args(["snapshots", "lifecycle", "--apply"]).apply
