@@ -6,8 +6,13 @@ the Ray Train training function (``rlray.loop.train_worker``); this module only 
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
+import signal
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +20,7 @@ import ray
 
 from rlray.actors import start_rollout_actors
 from rlray.config import Config
+from rlray.hooks import StepHook, StopWhenRequested, start_run_control
 from rlray.models import resolve_model_path
 from rlray.tracking import Tracker, resolve_tracking_uri
 
@@ -36,6 +42,11 @@ def init_ray(*, include_dashboard: bool | None = None) -> None:
     if ray.is_initialized():
         return
     env = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0")}
+    # Inside `ray job submit` the job's runtime_env already applies, and Ray refuses a ray.init
+    # runtime_env that sets one of its env vars again: add only what the job leaves unset.
+    if job_json := os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
+        job_env = (json.loads(job_json).get("runtime_env") or {}).get("env_vars") or {}
+        env = {k: v for k, v in env.items() if k not in job_env}
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": env})
     else:
@@ -72,8 +83,18 @@ def max_model_len(cfg: Config) -> int:
     return cfg.data.max_prompt_tokens + max(cfg.rollout.max_new_tokens, cfg.eval_max_new_tokens)
 
 
-def run_training(cfg: Config) -> TrainResult:
+def run_training(
+    cfg: Config, *, step_hooks: Sequence[StepHook] = (), tags: dict[str, str] | None = None
+) -> TrainResult:
     """Runs a whole training job and returns its result.
+
+    SIGTERM (``ray job stop``) on the driver's main thread asks the loop to stop at the next step
+    boundary; the run then ends with its final snapshot and the MLflow status KILLED.
+
+    Args:
+        cfg: the validated config.
+        step_hooks: extra per-step hooks run on learner rank 0 (``rlray.hooks``; Tune's reporter).
+        tags: extra MLflow tags of the run (a sweep sets ``mlflow.parentRunId``).
 
     Raises:
         ray.train.TrainingFailedError: a learner worker failed (the MLflow run is marked FAILED).
@@ -88,10 +109,11 @@ def run_training(cfg: Config) -> TrainResult:
     model_dir = resolve_model_path(cfg.model.path)
     tracker = Tracker(cfg.tracking.mlflow_uri, cfg.tracking.experiment, run_name=cfg.run.name)
     tracker.log_config(cfg)
-    tracker.set_tags({"rlray.model_dir": model_dir, "rlray.output_dir": cfg.run.output_dir})
+    tracker.set_tags({"rlray.model_dir": model_dir, "rlray.output_dir": cfg.run.output_dir, **(tags or {})})
     log.info("MLflow run %s in %s", tracker.run_id, cfg.tracking.mlflow_uri)
     actors = []
     status = "FAILED"
+    control = start_run_control()
     try:
         actors = start_rollout_actors(cfg, model_dir, max_model_len(cfg))
         res = cfg.resources.learner
@@ -102,6 +124,7 @@ def run_training(cfg: Config) -> TrainResult:
                 "model_dir": model_dir,
                 "rollout_actors": actors,
                 "run_id": tracker.run_id,
+                "step_hooks": [StopWhenRequested(control), *step_hooks],
             },
             scaling_config=ScalingConfig(
                 num_workers=res.num_workers,
@@ -110,16 +133,51 @@ def run_training(cfg: Config) -> TrainResult:
             ),
             run_config=RunConfig(name=f"rlray-{tracker.run_id[:12]}", storage_path=f"{cfg.run.output_dir}/ray_train"),
         )
-        trainer.fit()
-        status = "FINISHED"
+        with stop_on_sigterm(control):
+            trainer.fit()
+        stop_reason = ray.get(control.stop_reason.remote())
+        if stop_reason:
+            tracker.set_tags({"rlray.stop_reason": stop_reason})
+        status = "KILLED" if stop_reason else "FINISHED"
     except KeyboardInterrupt:
         status = "KILLED"
         raise
     finally:
         tracker.finish(status)
-        for a in actors:
+        for a in [*actors, control]:
             ray.kill(a)
     return TrainResult(tracker.run_id, cfg.tracking.mlflow_uri, f"{cfg.run.output_dir}/final", status)
+
+
+@contextlib.contextmanager
+def stop_on_sigterm(control: ray.actor.ActorHandle) -> Iterator[None]:
+    """Within the block, SIGTERM asks the run to stop at its next step boundary (main thread only).
+
+    ``ray job stop`` sends SIGTERM to the job's entry process and SIGKILLs it after
+    ``RAY_JOB_STOP_WAIT_TIME_S`` (3 s by default; jobs/runtime_env.yaml raises it): the step in
+    flight, the final snapshot and the MLflow status must fit in that grace period. A second
+    SIGTERM stops at once (KeyboardInterrupt, MLflow status KILLED). Off the main thread (a Tune
+    trial), signals cannot be handled and the block runs unchanged. The previous handler is
+    restored on exit.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = 0
+
+    def handler(signum: int, frame: object) -> None:
+        nonlocal received
+        received += 1
+        if received > 1:
+            raise KeyboardInterrupt(f"signal {signum} received twice")
+        log.warning("SIGTERM: stopping at the next step boundary (send it again to stop at once)")
+        control.request_stop.remote("SIGTERM")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def evaluate_checkpoint(cfg: Config, checkpoint: str) -> dict[str, float]:

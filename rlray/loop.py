@@ -21,6 +21,7 @@ import logging
 import math
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,7 @@ from rlray.checkpoint import save_final
 from rlray.collective import Collective
 from rlray.config import Config
 from rlray.data import PromptStream, load_prompt_rows, prepare_prompts
+from rlray.hooks import StepEnd, StepHook, run_hooks
 from rlray.learner import LossSpec, Normaliser, PolicyLearner
 from rlray.models import load_tokenizer
 from rlray.reward import RewardScorer
@@ -418,8 +420,17 @@ def _progress(total: int, initial: int):
         return tqdm(total=total, initial=initial, desc="rlray train")
 
 
-def train(cfg: Config, model_dir: str, actors: list[Any], run_id: str | None = None, coll: Collective | None = None) -> dict[str, float]:
+def train(
+    cfg: Config,
+    model_dir: str,
+    actors: list[Any],
+    run_id: str | None = None,
+    coll: Collective | None = None,
+    hooks: Sequence[StepHook] = (),
+) -> dict[str, float]:
     """Runs ``cfg.run.max_steps`` RL steps on this rank; returns the last step's metrics (rank 0).
+
+    The run ends early, at a step boundary, when a hook asks to stop (``rlray.hooks``).
 
     Args:
         cfg: the validated config.
@@ -427,6 +438,7 @@ def train(cfg: Config, model_dir: str, actors: list[Any], run_id: str | None = N
         actors: rollout actor handles (used by rank 0).
         run_id: the MLflow run to log to (created by the driver).
         coll: collectives; defaults to Ray Train's when inside a worker group, else world 1.
+        hooks: per-step hooks, called on rank 0 after each step is logged (the same list on every rank).
 
     Raises:
         FloatingPointError: the loss or gradient norm is NaN or inf.
@@ -437,24 +449,32 @@ def train(cfg: Config, model_dir: str, actors: list[Any], run_id: str | None = N
     metrics: dict[str, float] = {}
     if ctx.rank == 0 and cfg.eval.num_problems:
         ctx.tracker.log_metrics(evaluate(ctx), step=0)
+    steps_done = 0
     for step in range(cfg.run.max_steps):
         metrics = run_step(ctx, step)
+        steps_done = step + 1
         if not all(math.isfinite(metrics[k]) for k in ("learner/loss", "learner/grad_norm")):
             raise FloatingPointError(f"step {step + 1}: non-finite loss or gradient norm: {metrics}")
-        if ctx.rank != 0:
-            continue
-        every = cfg.eval.every_steps
-        if cfg.eval.num_problems and ((every and (step + 1) % every == 0) or step + 1 == cfg.run.max_steps):
-            metrics.update(evaluate(ctx))
-        ctx.tracker.log_metrics(metrics, step=step + 1)
-        bar.set_description(
-            f"rlray step {step + 1} reward={metrics['reward/mean']:.3f} kl={metrics['algo/kl']:.4f} "
-            f"tokens/s={metrics['perf/tokens_per_s']:.0f}"
-        )
-        bar.update(1)
+        stop_reason = None
+        if ctx.rank == 0:
+            every = cfg.eval.every_steps
+            if cfg.eval.num_problems and ((every and (step + 1) % every == 0) or step + 1 == cfg.run.max_steps):
+                metrics.update(evaluate(ctx))
+            ctx.tracker.log_metrics(metrics, step=step + 1)
+            progress = (
+                f"rlray step {step + 1}/{cfg.run.max_steps} reward={metrics['reward/mean']:.3f} "
+                f"kl={metrics['algo/kl']:.4f} tokens/s={metrics['perf/tokens_per_s']:.0f}"
+            )
+            bar.set_description(progress)
+            bar.update(1)
+            print(progress, flush=True)  # one plain line per step: `ray job logs` and log files show progress
+            stop_reason = run_hooks(hooks, StepEnd(step + 1, cfg.run.max_steps, dict(metrics)))
+        # Every rank leaves together at this step boundary when rank 0's hooks asked to stop.
+        if hooks and coll.broadcast(stop_reason):
+            break
     if ctx.rank == 0:
         bar.close()
-        save_final(cfg.run.output_dir, ctx.learner, ctx.tokenizer, step=cfg.run.max_steps, policy_version=ctx.policy_version)
+        save_final(cfg.run.output_dir, ctx.learner, ctx.tokenizer, step=steps_done, policy_version=ctx.policy_version)
     coll.barrier()
     return metrics
 
@@ -464,4 +484,11 @@ def train_worker(loop_config: dict) -> None:
     from rlray.collective import current_collective
 
     cfg = Config.model_validate(loop_config["config"])
-    train(cfg, loop_config["model_dir"], loop_config["rollout_actors"], loop_config["run_id"], current_collective())
+    train(
+        cfg,
+        loop_config["model_dir"],
+        loop_config["rollout_actors"],
+        loop_config["run_id"],
+        current_collective(),
+        hooks=loop_config["step_hooks"],
+    )
