@@ -52,15 +52,21 @@ def rollout_engine_kwargs(cfg: Config, max_model_len: int) -> dict:
     }
 
 
-def start_rollout_actors(cfg: Config, model_path: str, max_model_len: int) -> list[ray.actor.ActorHandle]:
+def start_rollout_actors(
+    cfg: Config, model_path: str, max_model_len: int, namespace: str | None = None
+) -> list[ray.actor.ActorHandle]:
     """Returns ``resources.rollout.num_workers`` started rollout actors, named ``rlray:rollout-<i>``.
 
-    Blocks until each engine is built, so start-up errors surface here.
+    Blocks until each engine is built, so start-up errors surface here. ``namespace`` (the run's
+    own, from the driver) keeps the names of concurrent runs on one cluster (sweep trials) apart.
+    The actors never join a placement group of the caller (a Tune trial's captures its children).
     """
     res = cfg.resources.rollout
     cls = ray.remote(RolloutActor)
     actors = [
-        cls.options(name=f"rlray:rollout-{i}", num_cpus=res.cpus, num_gpus=res.gpus).remote(
+        cls.options(
+            name=f"rlray:rollout-{i}", namespace=namespace, num_cpus=res.cpus, num_gpus=res.gpus, scheduling_strategy="DEFAULT"
+        ).remote(
             model_path, rollout_engine_kwargs(cfg, max_model_len)
         )
         for i in range(res.num_workers)

@@ -1,4 +1,4 @@
-"""The ``rlray`` command line: train, eval, data."""
+"""The ``rlray`` command line: train, sweep, eval, data."""
 
 from __future__ import annotations
 
@@ -17,6 +17,17 @@ def _train(args: argparse.Namespace) -> int:
     result = run_training(cfg)
     print(json.dumps({"run_id": result.run_id, "status": result.status, "tracking_uri": result.tracking_uri,
                       "final_snapshot": result.final_snapshot}, indent=2))
+    return 0 if result.status == "FINISHED" else 1
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from rlray.sweep import load_sweep
+    from rlray.tune import run_sweep
+
+    cfg = load_config(args.config, args.overrides)
+    result = run_sweep(cfg, load_sweep(args.sweep))
+    print(json.dumps({"parent_run_id": result.parent_run_id, "status": result.status, "best_run_id": result.best_run_id,
+                      "tracking_uri": result.tracking_uri, "trials": [t.__dict__ for t in result.trials]}, indent=2))
     return 0 if result.status == "FINISHED" else 1
 
 
@@ -47,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("config")
     t.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. learner.lr=1e-5")
     t.set_defaults(func=_train)
+
+    w = sub.add_parser("sweep", help="Ray Tune sweep: rlray sweep CONFIG SWEEP.yaml [dotted.key=value ...]")
+    w.add_argument("config")
+    w.add_argument("sweep", help="sweep file (space, metric, scheduler), e.g. configs/sweeps/grpo_lr_beta.yaml")
+    w.add_argument("overrides", nargs="*", help="dotted overrides of CONFIG, applied before the sweep's values")
+    w.set_defaults(func=_sweep)
 
     e = sub.add_parser("eval", help="score a checkpoint on the eval set: rlray eval CONFIG --checkpoint PATH")
     e.add_argument("config")

@@ -115,7 +115,7 @@ def run_training(
     status = "FAILED"
     control = start_run_control()
     try:
-        actors = start_rollout_actors(cfg, model_dir, max_model_len(cfg))
+        actors = start_rollout_actors(cfg, model_dir, max_model_len(cfg), namespace=f"rlray-{tracker.run_id}")
         res = cfg.resources.learner
         trainer = TorchTrainer(
             train_worker,
