@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import yaml
+from ray import tune as ray_tune
 
 from rlray.config import Config, config_from_dict
 from rlray.hooks import StepEnd
@@ -206,25 +207,47 @@ class SweepResult:
     trials: list[TrialSummary]
 
 
-def _trial_callback(uri: str, experiment: str) -> Any:
-    """Returns a Tune callback that closes a trial's MLflow run left RUNNING (stopped by ASHA, or died)."""
-    from ray import tune
+class TrialRunCloser(ray_tune.Callback):
+    """Tune callback (sweep driver): ends the MLflow run of each trial the way Tune ended the trial.
 
-    class CloseTrialRuns(tune.Callback):
-        def _close(self, trial: Any, status: str, reason: str) -> None:
-            for run in child_runs(uri, parent_run_id=None, trial_id=trial.trial_id, experiment=experiment):
-                if run.info.status == "RUNNING":
-                    tracker = Tracker(uri, experiment, run_id=run.info.run_id)
-                    tracker.set_tags({"rlray.stop_reason": reason})
-                    tracker.finish(status)
+    A trial that the scheduler stops is killed with its process, so its run is left RUNNING (or
+    FAILED, when the dying learner raised first). ``on_trial_complete`` closes it at once as KILLED
+    with ``rlray.stop_reason``; ``on_trial_error`` as FAILED. ``reconcile`` repeats this after
+    ``Tuner.fit`` returns, when no trial process can write any more, so the final statuses hold.
+    A run that finished by itself (FINISHED) is never touched.
 
-        def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-            self._close(trial, "KILLED", "stopped early by the Tune scheduler")
+    Args:
+        uri: MLflow tracking URI of the sweep.
+        experiment: MLflow experiment of the sweep.
+    """
 
-        def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-            self._close(trial, "FAILED", "trial failed")
+    STOPPED = ("KILLED", "stopped early by the Tune scheduler")
+    ERRORED = ("FAILED", "trial failed")
 
-    return CloseTrialRuns()
+    def __init__(self, uri: str, experiment: str) -> None:
+        self.uri, self.experiment = uri, experiment
+        self.outcomes: dict[str, tuple[str, str]] = {}  # trial id -> (MLflow status, reason)
+
+    def _close(self, trial_id: str) -> None:
+        status, reason = self.outcomes[trial_id]
+        for run in child_runs(self.uri, parent_run_id=None, trial_id=trial_id, experiment=self.experiment):
+            if run.info.status not in ("FINISHED", status):
+                tracker = Tracker(self.uri, self.experiment, run_id=run.info.run_id)
+                tracker.set_tags({"rlray.stop_reason": reason})
+                tracker.finish(status)
+
+    def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        self.outcomes[trial.trial_id] = self.STOPPED
+        self._close(trial.trial_id)
+
+    def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        self.outcomes[trial.trial_id] = self.ERRORED
+        self._close(trial.trial_id)
+
+    def reconcile(self) -> None:
+        """Closes every ended trial's run again (after ``Tuner.fit``: no trial process is left)."""
+        for trial_id in self.outcomes:
+            self._close(trial_id)
 
 
 def summarize(uri: str, parent_run_id: str, sweep: SweepConfig) -> tuple[list[TrialSummary], str | None]:
@@ -278,6 +301,7 @@ def run_sweep(cfg: Config, sweep: SweepConfig) -> SweepResult:
     demand = trial_demand(cfg, sweep.trial_driver_cpus)
     concurrency = sweep.max_concurrent_trials or concurrent_trials(demand, ray.cluster_resources())
     log.info("sweep %s: %s per trial, %d trial(s) at once", parent.run_id, demand, concurrency)
+    closer = TrialRunCloser(uri, experiment)
     trainable = tune.with_resources(
         tune.with_parameters(run_trial, base=cfg.model_dump(mode="json"), parent_run_id=parent.run_id),
         {"CPU": sweep.trial_driver_cpus},
@@ -291,13 +315,14 @@ def run_sweep(cfg: Config, sweep: SweepConfig) -> SweepResult:
         ),
         run_config=tune.RunConfig(
             name=f"sweep-{parent.run_id[:12]}", storage_path=f"{cfg.run.output_dir}/tune",
-            callbacks=[_trial_callback(uri, experiment)], verbose=1,
+            callbacks=[closer], verbose=1,
         ),
     )
     status = "FAILED"
     try:
         status = "FAILED" if tuner.fit().errors else "FINISHED"
     finally:
+        closer.reconcile()
         trials, best = summarize(uri, parent.run_id, sweep)
         parent.log_text(json.dumps([t.__dict__ for t in trials], indent=2), "sweep/trials.json")
         if best:

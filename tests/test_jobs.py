@@ -133,6 +133,20 @@ def _only_run(uri: str):
     return runs[0]
 
 
+def test_runtime_env_uploads_the_code_and_leaves_data_behind():
+    from ray._private.runtime_env.packaging import _get_excludes  # what `ray job submit` applies
+
+    runtime_env = yaml.safe_load(RUNTIME_ENV.read_text())
+    assert set(runtime_env) == {"excludes", "env_vars"}  # nothing installed: no pip/uv/conda/py_modules
+    assert int(runtime_env["env_vars"]["RAY_JOB_STOP_WAIT_TIME_S"]) >= 60
+    excluded = _get_excludes(REPO, runtime_env["excludes"])
+    code = [p for d in ("rlray", "jobs", "configs") for p in (REPO / d).rglob("*") if p.suffix in {".py", ".yaml"}]
+    assert any(p.parts[-2] == "data" for p in code)  # rlray/data is code, not data
+    assert [p for p in code if excluded(p)] == []
+    for left_behind in ("data/gsm8k/train.jsonl", "outputs/run/final/manifest.json", "mlruns/mlflow.db", ".venv/bin/python"):
+        assert excluded(REPO / left_behind), left_behind
+
+
 @pytest.mark.ray
 def test_job_submit_runs_rlray_train(jobs):
     client, job_id, uri, folder = jobs["short"]

@@ -13,7 +13,7 @@ from rlray.hooks import StepEnd
 from rlray.sweep import SweepConfig, SweepError
 from rlray.tracking import Tracker, child_runs, get_run, get_run_metrics
 from rlray.tune import (
-    _trial_callback, concurrent_trials, make_scheduler, param_space, trial_config, trial_demand, TuneStepReporter,
+    TrialRunCloser, concurrent_trials, make_scheduler, param_space, trial_config, trial_demand, TuneStepReporter,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -139,21 +139,29 @@ def test_step_reporter_hands_metrics_over_and_waits_for_the_ack():
         reporter(StepEnd(4, 10, {}))
 
 
-def test_trial_callback_closes_runs_left_running(tmp_path):
+def test_trial_run_closer_ends_runs_the_way_tune_ended_the_trials(tmp_path):
     from types import SimpleNamespace
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     parent = Tracker(uri, "cb", run_name="parent")
-    stopped = Tracker(uri, "cb", run_name="stopped")
-    stopped.set_tags({"mlflow.parentRunId": parent.run_id, "rlray.tune_trial_id": "t_00000"})
-    done = Tracker(uri, "cb", run_name="done")
-    done.set_tags({"mlflow.parentRunId": parent.run_id, "rlray.tune_trial_id": "t_00001"})
-    done.finish("FINISHED")
-    callback = _trial_callback(uri, "cb")
-    callback.on_trial_complete(0, [], SimpleNamespace(trial_id="t_00000"))  # stopped by ASHA: left RUNNING
-    callback.on_trial_complete(0, [], SimpleNamespace(trial_id="t_00001"))  # finished on its own
-    assert get_run(uri, stopped.run_id).info.status == "KILLED"
-    assert get_run(uri, stopped.run_id).data.tags["rlray.stop_reason"] == "stopped early by the Tune scheduler"
-    assert get_run(uri, done.run_id).info.status == "FINISHED"
-    assert "rlray.stop_reason" not in get_run(uri, done.run_id).data.tags
-    assert [r.info.run_id for r in child_runs(uri, parent_run_id=parent.run_id)] == [stopped.run_id, done.run_id]
+    runs = {}
+    for trial_id, name in [("t_0", "stopped"), ("t_1", "done"), ("t_2", "crashed"), ("t_3", "failed-then-stopped")]:
+        runs[name] = Tracker(uri, "cb", run_name=name)
+        runs[name].set_tags({"mlflow.parentRunId": parent.run_id, "rlray.tune_trial_id": trial_id})
+    runs["done"].finish("FINISHED")
+    runs["failed-then-stopped"].finish("FAILED")  # the dying learner raised before its process was killed
+    closer = TrialRunCloser(uri, "cb")
+    closer.on_trial_complete(0, [], SimpleNamespace(trial_id="t_0"))  # stopped by ASHA: left RUNNING
+    closer.on_trial_complete(0, [], SimpleNamespace(trial_id="t_1"))  # finished on its own
+    closer.on_trial_error(0, [], SimpleNamespace(trial_id="t_2"))
+    closer.on_trial_complete(0, [], SimpleNamespace(trial_id="t_3"))
+    status = {name: get_run(uri, t.run_id).info.status for name, t in runs.items()}
+    assert status == {"stopped": "KILLED", "done": "FINISHED", "crashed": "FAILED", "failed-then-stopped": "KILLED"}
+    assert get_run(uri, runs["stopped"].run_id).data.tags["rlray.stop_reason"] == "stopped early by the Tune scheduler"
+    assert get_run(uri, runs["crashed"].run_id).data.tags["rlray.stop_reason"] == "trial failed"
+    assert "rlray.stop_reason" not in get_run(uri, runs["done"].run_id).data.tags
+    # a late write from a dying trial process is undone by the final pass after Tuner.fit
+    Tracker(uri, "cb", run_id=runs["stopped"].run_id).finish("FAILED")
+    closer.reconcile()
+    assert get_run(uri, runs["stopped"].run_id).info.status == "KILLED"
+    assert [r.info.run_id for r in child_runs(uri, parent_run_id=parent.run_id)] == [t.run_id for t in runs.values()]
