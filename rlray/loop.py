@@ -474,6 +474,7 @@ def train(
             break
     if ctx.rank == 0:
         bar.close()
+        # Also reached when a hook stopped the run (SIGTERM, a guard): the snapshot of the last finished step.
         save_final(cfg.run.output_dir, ctx.learner, ctx.tokenizer, step=steps_done, policy_version=ctx.policy_version)
     coll.barrier()
     return metrics

@@ -114,3 +114,13 @@ def test_missing_and_non_mapping_files(tmp_path):
     (tmp_path / "list.yaml").write_text("- a\n- b\n")
     with pytest.raises(SweepError, match="must hold a mapping, got list"):
         load_sweep(tmp_path / "list.yaml")
+
+
+def test_cli_sweep_reports_a_bad_sweep_file_without_starting_ray(tmp_path, capsys):
+    from rlray.cli import build_parser, main
+
+    args = build_parser().parse_args(["sweep", "c.yaml", "s.yaml", "learner.lr=1e-5", "run.max_steps=4"])
+    assert (args.config, args.sweep, args.overrides) == ("c.yaml", "s.yaml", ["learner.lr=1e-5", "run.max_steps=4"])
+    bad = _write(tmp_path, {"space": {"learner.lr": {"grid": [1e-5]}}, "metric": "reward"})
+    assert main(["sweep", str(REPO / "configs" / "grpo_gsm8k_tiny.yaml"), str(bad)]) == 2
+    assert "metric='reward' is not a per-step metric" in capsys.readouterr().err
