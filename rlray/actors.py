@@ -119,14 +119,21 @@ def rollout_engine_kwargs(cfg: Config, max_model_len: int, cpu_threads: str | No
 
 
 def start_rollout_actors(
-    cfg: Config, model_path: str, max_model_len: int, placement: PlacementGroup | None = None
+    cfg: Config,
+    model_path: str,
+    max_model_len: int,
+    placement: PlacementGroup | None = None,
+    namespace: str | None = None,
 ) -> list[ray.actor.ActorHandle]:
     """Returns ``resources.rollout.num_workers`` started rollout actors, named ``rlray:rollout-<i>``.
 
     Each actor gets its own core list (``resources.rollout.cpu_threads``, or this node's cores split
     evenly), bundle ``i`` of ``placement`` when given, and Ray restarts it up to
     ``resources.rollout.max_restarts`` times (the fleet re-sends its prompts and weights). Blocks
-    until each engine is built, so start-up errors surface here.
+    until each engine is built, so start-up errors surface here. ``namespace`` (the run's own, from
+    the driver) keeps the names of concurrent runs on one cluster (sweep trials) apart; without a
+    placement group the actors never join a placement group of the caller (a Tune trial's captures
+    its children).
     """
     from rlray.placement import rollout_cpu_threads
 
@@ -135,11 +142,12 @@ def start_rollout_actors(
     actors = []
     for i, threads in enumerate(rollout_cpu_threads(cfg)):
         name = f"rlray:rollout-{i}"
-        wait_for_name(name)
-        strategy = PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=i) if placement else None
+        wait_for_name(name, namespace)
+        strategy = PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=i) if placement else "DEFAULT"
         actors.append(
             cls.options(
                 name=name,
+                namespace=namespace,
                 num_cpus=res.cpus,
                 num_gpus=res.gpus * res.tensor_parallel_size,
                 max_restarts=res.max_restarts,
@@ -151,11 +159,13 @@ def start_rollout_actors(
     return actors
 
 
-def start_reference_actor(cfg: Config, model_path: str) -> ray.actor.ActorHandle:
-    """Returns the started reference actor ``rlray:reference-0`` (resources.reference)."""
+def start_reference_actor(cfg: Config, model_path: str, namespace: str | None = None) -> ray.actor.ActorHandle:
+    """Returns the started reference actor ``rlray:reference-0`` (resources.reference) in ``namespace``."""
     res = cfg.resources.reference
-    wait_for_name("rlray:reference-0")
-    actor = ray.remote(ReferenceActor).options(name="rlray:reference-0", num_cpus=res.cpus, num_gpus=res.gpus).remote(
+    wait_for_name("rlray:reference-0", namespace)
+    actor = ray.remote(ReferenceActor).options(
+        name="rlray:reference-0", namespace=namespace, num_cpus=res.cpus, num_gpus=res.gpus, scheduling_strategy="DEFAULT"
+    ).remote(
         model_path,
         {"dtype": cfg.model.dtype, "temperature": cfg.rollout.temperature, "torch_threads": cfg.learner.torch_threads},
     )
@@ -163,7 +173,7 @@ def start_reference_actor(cfg: Config, model_path: str) -> ray.actor.ActorHandle
     return actor
 
 
-def wait_for_name(name: str, timeout_s: float = 30.0) -> None:
+def wait_for_name(name: str, namespace: str | None = None, timeout_s: float = 30.0) -> None:
     """Waits until no live actor holds ``name`` (a killed actor frees its name asynchronously).
 
     Raises:
@@ -172,7 +182,7 @@ def wait_for_name(name: str, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            ray.get_actor(name)
+            ray.get_actor(name, namespace=namespace)
         except ValueError:
             return
         if time.monotonic() > deadline:

@@ -1,4 +1,4 @@
-"""The ``rlray`` command line: train, eval, serve-reward, rollback, models, snapshots, data."""
+"""The ``rlray`` command line: train, sweep, eval, serve-reward, rollback, models, snapshots, data."""
 
 from __future__ import annotations
 
@@ -18,6 +18,17 @@ def _train(args: argparse.Namespace) -> int:
     result = run_training(load_config(args.config, overrides))
     print(json.dumps({"run_id": result.run_id, "status": result.status, "tracking_uri": result.tracking_uri,
                       "final_snapshot": result.final_snapshot, "monitor_url": result.monitor_url}, indent=2))
+    return 0 if result.status == "FINISHED" else 1
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from rlray.sweep import load_sweep
+    from rlray.tune import run_sweep
+
+    cfg = load_config(args.config, args.overrides)
+    result = run_sweep(cfg, load_sweep(args.sweep))
+    print(json.dumps({"parent_run_id": result.parent_run_id, "status": result.status, "best_run_id": result.best_run_id,
+                      "tracking_uri": result.tracking_uri, "trials": [t.__dict__ for t in result.trials]}, indent=2))
     return 0 if result.status == "FINISHED" else 1
 
 
@@ -129,6 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. learner.lr=1e-5")
     t.add_argument("--resume", help="'latest' (newest complete snapshot under checkpoint.uri) or a snapshot URI")
     t.set_defaults(func=_train)
+
+    w = sub.add_parser("sweep", help="Ray Tune sweep: rlray sweep CONFIG SWEEP.yaml [dotted.key=value ...]")
+    w.add_argument("config")
+    w.add_argument("sweep", help="sweep file (space, metric, scheduler), e.g. configs/sweeps/grpo_lr_beta.yaml")
+    w.add_argument("overrides", nargs="*", help="dotted overrides of CONFIG, applied before the sweep's values")
+    w.set_defaults(func=_sweep)
 
     e = sub.add_parser("eval", help="score a checkpoint on the eval set: rlray eval CONFIG --checkpoint PATH")
     e.add_argument("config")

@@ -826,6 +826,23 @@ class Config(_Section):
         """Generation cap used by eval, in tokens."""
         return self.eval.max_new_tokens or self.rollout.max_new_tokens
 
+    def dump_with_secrets(self) -> dict[str, Any]:
+        """Returns the config as a JSON-safe nested dict with SecretStr values revealed.
+
+        Only for handing a config to another process of the same run (a sweep trial); never log it.
+        """
+
+        def reveal(value: Any) -> Any:
+            if isinstance(value, SecretStr):
+                return value.get_secret_value()
+            if isinstance(value, dict):
+                return {k: reveal(v) for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return [reveal(v) for v in value]
+            return value
+
+        return json.loads(json.dumps(reveal(self.model_dump())))
+
     def flat(self) -> dict[str, Any]:
         """Returns the config as a flat {dotted.key: value} dict (for MLflow params)."""
         return flatten(self.model_dump(mode="json"))

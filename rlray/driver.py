@@ -12,9 +12,14 @@ the Ray Train training function (``rlray.loop.train_worker``); this module only 
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
+import signal
+import threading
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +29,7 @@ from ray.util.placement_group import remove_placement_group
 
 from rlray.actors import kill_actors, start_reference_actor, start_rollout_actors
 from rlray.config import Config
+from rlray.hooks import StepHook, StopWhenRequested, start_run_control
 from rlray.models import resolve_model_path
 from rlray.placement import check_cluster, rollout_placement_group
 from rlray.runstate import RunOps
@@ -50,6 +56,11 @@ def init_ray(*, include_dashboard: bool | None = None) -> None:
     if ray.is_initialized():
         return
     env = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0")}
+    # Inside `ray job submit` the job's runtime_env already applies, and Ray refuses a ray.init
+    # runtime_env that sets one of its env vars again: add only what the job leaves unset.
+    if job_json := os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
+        job_env = (json.loads(job_json).get("runtime_env") or {}).get("env_vars") or {}
+        env = {k: v for k, v in env.items() if k not in job_env}
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": env})
     else:
@@ -160,13 +171,22 @@ def learner_trainer(cfg: Config, loop_config: dict) -> Any:
     )
 
 
-def run_training(cfg: Config) -> TrainResult:
+def run_training(
+    cfg: Config, *, step_hooks: Sequence[StepHook] = (), tags: dict[str, str] | None = None
+) -> TrainResult:
     """Runs a whole training job and returns its result.
 
     Starts the monitor (/health on ``monitor.port``) and the rollout actors, then a Ray Train
     ``TorchTrainer`` whose checkpoints are rlray's snapshots under ``checkpoint.uri``; learner
-    failures are restarted from the latest snapshot (``monitor.max_failures``). The MLflow run ends
-    FINISHED, KILLED (a guard stopped it; tag ``rlray.status`` says which) or FAILED.
+    failures are restarted from the latest snapshot (``monitor.max_failures``). SIGTERM (``ray job
+    stop``) on the driver's main thread asks the loop to stop at the next step boundary, with a
+    snapshot of the last finished step. The MLflow run ends FINISHED, KILLED (a guard, SIGTERM or a
+    hook stopped it; tags ``rlray.status`` and ``rlray.stop_reason`` say which) or FAILED.
+
+    Args:
+        cfg: the validated config.
+        step_hooks: extra per-step hooks run on learner rank 0 (``rlray.hooks``; Tune's reporter).
+        tags: extra MLflow tags of the run (a sweep sets ``mlflow.parentRunId``).
 
     Raises:
         rlray.placement.PlacementError: the resources do not fit the cluster (nothing was started).
@@ -189,11 +209,14 @@ def run_training(cfg: Config) -> TrainResult:
     ops = RunOps(started_at=started_at, git_commit=lineage.git_commit(), resume_from=resume)
     run_dir = checkpoint.join(cfg.checkpoint_uri, checkpoint.run_dir_name(tracker.run_id))
     tracker.set_tags({"rlray.model_dir": model_dir, "rlray.output_dir": cfg.run.output_dir, "rlray.snapshot_dir": run_dir,
-                      "rlray.git_commit": ops.git_commit, **({"rlray.resumed_from": resume} if resume else {})})
+                      "rlray.git_commit": ops.git_commit, **({"rlray.resumed_from": resume} if resume else {}), **(tags or {})})
     log.info("MLflow run %s in %s", tracker.run_id, cfg.tracking.mlflow_uri)
     actors, reference, pg, own_app = [], None, None, False
     status = "FAILED"
+    control = start_run_control()
+    control = start_run_control()
     try:
+        namespace = f"rlray-{tracker.run_id}"  # keeps actor names of concurrent runs (sweep trials) apart
         ops.monitor, port = start_monitor(cfg, tracker.run_id)
         url = f"http://{cfg.monitor.host}:{port}"
         tracker.set_tags({"rlray.monitor_url": url})
@@ -201,19 +224,22 @@ def run_training(cfg: Config) -> TrainResult:
         online = cfg.algo.family == "online"  # offline methods train on preference pairs: no rollout actors
         if online:
             pg = rollout_placement_group(cfg)
-            actors = start_rollout_actors(cfg, model_dir, max_model_len(cfg), pg)
+            actors = start_rollout_actors(cfg, model_dir, max_model_len(cfg), pg, namespace=namespace)
         if online and cfg.reward.server.enabled:
             own_app = start_reward_server(cfg)
         if online and cfg.algo.kl_coef > 0 and cfg.resources.reference.placement == "actor":
-            reference = start_reference_actor(cfg, model_dir)
-        learner_trainer(cfg, {
+            reference = start_reference_actor(cfg, model_dir, namespace=namespace)
+        trainer = learner_trainer(cfg, {
             "config": cfg.model_dump(),  # python mode: SecretStr values travel, and are never logged
             "model_dir": model_dir,
             "rollout_actors": actors,
             "reference_actor": reference,
             "run_id": tracker.run_id,
             "ops": ops,
-        }).fit()
+            "step_hooks": [StopWhenRequested(control), *step_hooks],
+        })
+        with stop_on_sigterm(control):
+            trainer.fit()
         status = tracker.tags().get("rlray.status", "FAILED")
     except KeyboardInterrupt:
         status = "KILLED"
@@ -221,7 +247,7 @@ def run_training(cfg: Config) -> TrainResult:
     finally:
         tracker.set_tags({"rlray.status": status})
         tracker.finish(_mlflow_status(status))
-        kill_actors([*actors, *([reference] if reference else []), *([ops.monitor] if ops.monitor is not None else [])])
+        kill_actors([*actors, *([reference] if reference else []), *([ops.monitor] if ops.monitor is not None else []), control])
         if pg is not None:
             remove_placement_group(pg)
         if own_app:  # a server started by `rlray serve-reward` before the run stays up
@@ -237,6 +263,37 @@ def _mlflow_status(status: str) -> str:
     """Returns the MLflow run status of an rlray status: FINISHED, KILLED or FAILED as they are, and
     'stopped: <reason>' (a guard) as KILLED."""
     return "KILLED" if status.startswith("stopped") else status
+
+
+@contextlib.contextmanager
+def stop_on_sigterm(control: ray.actor.ActorHandle) -> Iterator[None]:
+    """Within the block, SIGTERM asks the run to stop at its next step boundary (main thread only).
+
+    ``ray job stop`` sends SIGTERM to the job's entry process and SIGKILLs it after
+    ``RAY_JOB_STOP_WAIT_TIME_S`` (3 s by default; jobs/runtime_env.yaml raises it): the step in
+    flight, the final snapshot and the MLflow status must fit in that grace period. A second
+    SIGTERM stops at once (KeyboardInterrupt, MLflow status KILLED). Off the main thread (a Tune
+    trial), signals cannot be handled and the block runs unchanged. The previous handler is
+    restored on exit.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = 0
+
+    def handler(signum: int, frame: object) -> None:
+        nonlocal received
+        received += 1
+        if received > 1:
+            raise KeyboardInterrupt(f"signal {signum} received twice")
+        log.warning("SIGTERM: stopping at the next step boundary (send it again to stop at once)")
+        control.request_stop.remote("SIGTERM")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def evaluate_checkpoint(cfg: Config, checkpoint: str) -> dict[str, float]:

@@ -20,6 +20,7 @@ import functools
 import logging
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -34,6 +35,7 @@ from rlray.collective import Collective, RayTrainCollective, current_collective
 from rlray.config import Config
 from rlray.data import PromptStream, load_prompt_rows, prepare_prompts
 from rlray.fleet import RolloutFleet, RolloutPipeline
+from rlray.hooks import StepEnd, StepHook, run_hooks
 from rlray.learner import POLICY_LOSS_OF, AdvantageSpec, LossSpec, Normaliser, PolicyLearner
 from rlray.learner import online as learner_online
 from rlray.learner.critic import build_critic
@@ -487,14 +489,19 @@ class Outcome:
 
 
 def train(cfg: Config, model_dir: str, actors: list[Any], run_id: str | None = None, coll: Collective | None = None,
-          reference_actor: Any = None, ops: RunOps | None = None) -> Outcome:
-    """Runs RL steps until ``cfg.run.max_steps`` or a guard stops the run; returns how it ended.
+          reference_actor: Any = None, ops: RunOps | None = None, hooks: Sequence[StepHook] = ()) -> Outcome:
+    """Runs RL steps until ``cfg.run.max_steps``, a guard or a hook stops the run; returns how it ended.
+
+    A hook (``rlray.hooks``: SIGTERM from ``ray job stop``, Tune's reporter) that asks to stop ends the
+    run at that step boundary with a snapshot of the last finished step and status 'stopped: <reason>'.
 
     An out-of-memory error while loading or in the first step is retried once with half the
     micro-batch and gradient checkpointing on (``guard.oom_fallback_config``); the change is logged
     and recorded on the MLflow run. With several learner ranks the retry lines up only when every
     rank runs out of memory at the same point; otherwise the collectives fail and Ray Train's restart
     (``monitor.max_failures``) takes over.
+
+    The run ends early, at a step boundary, when a hook asks to stop (``rlray.hooks``).
 
     Args:
         cfg: the validated config.
@@ -504,6 +511,7 @@ def train(cfg: Config, model_dir: str, actors: list[Any], run_id: str | None = N
         coll: collectives; defaults to Ray Train's when inside a worker group, else world 1.
         reference_actor: the reference actor (resources.reference.placement == "actor"), else None.
         ops: the monitor handle, start time, commit and resume snapshot from the driver.
+        hooks: per-step hooks, called on rank 0 after each step is logged (the same list on every rank).
 
     Raises:
         guard.EarlyOOM: out of memory again after the fallback.
@@ -514,12 +522,13 @@ def train(cfg: Config, model_dir: str, actors: list[Any], run_id: str | None = N
     source, restarted = ops_lib.restore_source(cfg, ops, run_id, in_ray_train) if run_id else (ops.resume_from, False)
     cfg = restart_delay(cfg, coll, ops, source, restarted)
     try:
-        return _train(cfg, model_dir, actors, run_id, coll, reference_actor, ops, source)
+        return _train(cfg, model_dir, actors, run_id, coll, reference_actor, ops, source, hooks)
     except guard.EarlyOOM as oom:
         cfg, note = guard.oom_fallback_config(cfg)
         log.warning("out of memory at %s; retrying once with %s", oom.where, note)
         guard.free_memory()
-        return _train(cfg, model_dir, actors, run_id, coll, reference_actor, ops, source, oom_note=f"{oom.where}: {note}")
+        return _train(cfg, model_dir, actors, run_id, coll, reference_actor, ops, source, hooks,
+                      oom_note=f"{oom.where}: {note}")
 
 
 def restart_delay(cfg: Config, coll: Collective, ops: RunOps, source: str | None, restarted: bool) -> Config:
@@ -535,7 +544,7 @@ def restart_delay(cfg: Config, coll: Collective, ops: RunOps, source: str | None
 
 
 def _train(cfg: Config, model_dir: str, actors: list[Any], run_id: str | None, coll: Collective, reference_actor: Any,
-           ops: RunOps, source: str | None, oom_note: str | None = None) -> Outcome:
+           ops: RunOps, source: str | None, hooks: Sequence[StepHook] = (), oom_note: str | None = None) -> Outcome:
     in_ray_train = isinstance(coll, RayTrainCollective)
     guard.apply_gpu_memory_cap(cfg.guard)
     ctx = _early_oom("load", lambda: setup(cfg, model_dir, actors, run_id, coll, reference_actor))
@@ -555,10 +564,16 @@ def _train(cfg: Config, model_dir: str, actors: list[Any], run_id: str | None, c
             run.step = step + 1
             # 8. log, guard, snapshot
             trip = ops_lib.check_guards(ctx, run, metrics, ops)
-            if ctx.rank == 0:
-                _finish_step_rank0(ctx, run, metrics, bar, ops)
+            stop_reason = _finish_step_rank0(ctx, run, metrics, bar, ops, hooks) if ctx.rank == 0 else None
+            if hooks:  # every rank leaves together at this step boundary when rank 0's hooks asked to stop
+                stop_reason = ctx.coll.broadcast(stop_reason)
             if trip is not None:
                 ops_lib.handle_trip(ctx, run, trip, ops, reload_rollouts=lambda: reload_rollouts(ctx))
+            elif stop_reason and run.step < ctx.cfg.run.max_steps:
+                snapshots.snapshot(ctx, run, ops, kind="stop", metrics=metrics)
+                run.status = f"stopped: {stop_reason}"
+                if ctx.rank == 0:
+                    ctx.tracker.set_tags({"rlray.stop_reason": stop_reason, "rlray.stop_step": str(run.step)})
             elif snapshots.snapshot_due(ctx.cfg, run.step):
                 snapshots.snapshot(ctx, run, ops, kind="final" if run.step == ctx.cfg.run.max_steps else "periodic",
                                  metrics=metrics)
@@ -585,18 +600,24 @@ def _early_oom(where: str, fn: Callable[[], Any]) -> Any:
         raise
 
 
-def _finish_step_rank0(ctx: Context, run: RunState, metrics: dict[str, float], bar: Any, ops: RunOps) -> None:
-    """Rank 0: eval when due, log the step once, update the monitor and the progress bar."""
+def _finish_step_rank0(
+    ctx: Context, run: RunState, metrics: dict[str, float], bar: Any, ops: RunOps, hooks: Sequence[StepHook]
+) -> str | None:
+    """Rank 0: eval when due, log the step once, update the monitor and the progress bar, run the hooks;
+    returns the hooks' stop reason or None."""
     cfg, step = ctx.cfg, run.step
     every = cfg.eval.every_steps
     if cfg.eval.num_problems and ((every and step % every == 0) or step == cfg.run.max_steps):
         metrics.update(evaluate(ctx))
     ops_lib.record(ctx, run, metrics, ops)
-    bar.set_description(
-        f"rlray step {step} reward={metrics['reward/mean']:.3f} kl={metrics['algo/kl']:.4f} "
+    progress = (
+        f"rlray step {step}/{cfg.run.max_steps} reward={metrics['reward/mean']:.3f} kl={metrics['algo/kl']:.4f} "
         f"tokens/s={metrics['perf/tokens_per_s']:.0f}"
     )
+    bar.set_description(progress)
     bar.update(1)
+    print(progress, flush=True)  # one plain line per step: `ray job logs` and log files show progress
+    return run_hooks(hooks, StepEnd(step, cfg.run.max_steps, dict(metrics)))
 
 
 def reload_rollouts(ctx: Context) -> None:
@@ -621,4 +642,4 @@ def train_worker(loop_config: dict) -> None:
     coll = current_collective()
     name_learner_process(coll.rank)
     train(cfg, loop_config["model_dir"], loop_config["rollout_actors"], loop_config["run_id"], coll,
-          loop_config.get("reference_actor"), loop_config.get("ops"))
+          loop_config.get("reference_actor"), loop_config.get("ops"), loop_config.get("step_hooks", ()))

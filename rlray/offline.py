@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,7 @@ from rlray.learner import PolicyLearner, autocast_context
 from rlray.learner.preference import PAIR_OBJECTIVES, PairNormaliser, PreferenceSpec, pair_outputs
 from rlray.models import load_tokenizer
 from rlray.models.heads import load_reward_model
+from rlray.hooks import StepEnd, StepHook, run_hooks
 from rlray.runstate import RUNNING, RunOps
 from rlray.tracking import Tracker
 
@@ -283,7 +285,12 @@ def evaluate(ctx: OfflineContext) -> dict[str, float]:
 # The run
 # --------------------------------------------------------------------------------------------
 def train(
-    cfg: Config, model_dir: str, run_id: str | None = None, coll: Collective | None = None, ops: RunOps | None = None
+    cfg: Config,
+    model_dir: str,
+    run_id: str | None = None,
+    coll: Collective | None = None,
+    ops: RunOps | None = None,
+    hooks: Sequence[StepHook] = (),
 ) -> str:
     """Runs offline optimizer steps until ``cfg.run.max_steps`` or a guard stops the run; returns the status.
 
@@ -296,6 +303,8 @@ def train(
         run_id: the MLflow run to log to (created by the driver).
         coll: collectives; defaults to Ray Train's when inside a worker group, else world 1.
         ops: the monitor handle, start time, commit and resume snapshot from the driver.
+        hooks: per-step hooks on rank 0 (``rlray.hooks``); one asking to stop ends the run at that
+            step boundary with a snapshot and status 'stopped: <reason>', as in the online loop.
 
     Raises:
         rlray.data.DataError: the pairs cannot be loaded (names the file and row).
@@ -320,15 +329,24 @@ def train(
             run.step += 1
             ctx.policy_version = run.step
             trip = ops_lib.check_guards(ctx, run, metrics, ops)  # non-finite steps were skipped by the learner
+            stop_reason = None
             if coll.rank == 0:
                 ops_lib.record(ctx, run, metrics, ops)
-                bar.set_description(
-                    f"rlray {ctx.method} step {run.step} loss={metrics['learner/loss']:.4f} "
-                    f"acc={metrics['algo/pairwise_accuracy']:.2f}"
-                )
+                progress = (f"rlray {ctx.method} step {run.step}/{ctx.cfg.run.max_steps} "
+                            f"loss={metrics['learner/loss']:.4f} acc={metrics['algo/pairwise_accuracy']:.2f}")
+                bar.set_description(progress)
                 bar.update(1)
+                print(progress, flush=True)  # one plain line per step for `ray job logs`
+                stop_reason = run_hooks(hooks, StepEnd(run.step, ctx.cfg.run.max_steps, dict(metrics)))
+            if hooks:
+                stop_reason = coll.broadcast(stop_reason)
             if trip is not None:
                 ops_lib.handle_trip(ctx, run, trip, ops, reload_rollouts=lambda: None)
+            elif stop_reason and run.step < ctx.cfg.run.max_steps:
+                snapshots.snapshot(ctx, run, ops, kind="stop", metrics=metrics)
+                run.status = f"stopped: {stop_reason}"
+                if coll.rank == 0:
+                    ctx.tracker.set_tags({"rlray.stop_reason": stop_reason, "rlray.stop_step": str(run.step)})
             elif snapshots.snapshot_due(ctx.cfg, run.step):
                 kind = "final" if run.step == ctx.cfg.run.max_steps else "periodic"
                 snapshots.snapshot(ctx, run, ops, kind=kind, metrics=metrics)
@@ -360,4 +378,5 @@ def _step(ctx: OfflineContext, step: int, every: int) -> dict[str, float]:
 def train_worker(loop_config: dict) -> None:
     """The Ray Train training function of the offline methods: rebuilds the config and runs ``train``."""
     cfg = Config.model_validate(loop_config["config"])
-    train(cfg, loop_config["model_dir"], loop_config["run_id"], current_collective(), loop_config.get("ops"))
+    train(cfg, loop_config["model_dir"], loop_config["run_id"], current_collective(), loop_config.get("ops"),
+          loop_config.get("step_hooks", ()))

@@ -212,3 +212,23 @@ def get_run_metrics(uri: str, run_id: str) -> dict[str, list[tuple[int, float]]]
 def get_run(uri: str, run_id: str) -> "mlflow.entities.Run":
     """Returns the MLflow run entity (params, tags, status)."""
     return MlflowClient(tracking_uri=uri).get_run(run_id)
+
+
+def child_runs(
+    uri: str, *, parent_run_id: str | None, trial_id: str | None = None, experiment: str | None = None
+) -> list["mlflow.entities.Run"]:
+    """Returns sweep trial runs, oldest first: children of ``parent_run_id`` and/or of Tune trial ``trial_id``.
+
+    The search covers the parent's experiment, or ``experiment`` (a name) when no parent is given.
+    """
+    client = MlflowClient(tracking_uri=uri)
+    if parent_run_id:
+        experiment_id = client.get_run(parent_run_id).info.experiment_id
+    else:
+        exp = client.get_experiment_by_name(experiment)
+        if exp is None:
+            return []
+        experiment_id = exp.experiment_id
+    filters = [f"tags.`mlflow.parentRunId` = '{parent_run_id}'"] if parent_run_id else []
+    filters += [f"tags.`rlray.tune_trial_id` = '{trial_id}'"] if trial_id else []
+    return client.search_runs([experiment_id], filter_string=" and ".join(filters), order_by=["attributes.start_time ASC"])

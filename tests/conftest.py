@@ -113,3 +113,30 @@ def moto_s3():
     fs.call_s3("create_bucket", Bucket="rlray-test")
     yield info
     server.stop()
+@pytest.fixture(scope="session")
+def tiny_sweep(ray_session, tmp_path_factory, gsm8k_dir, tiny_model_path):
+    """Runs one 2-trial ASHA sweep (grid over learner.lr, up to 2 steps each, tiny-random); returns (result, uri, sweep).
+
+    Trials run one at a time, lr=1e-4 first. The ranking metric is learner/lr with mode 'min', so
+    the outcome is known in advance: at the rung after step 1 the lr=1e-3 trial is worse than the
+    first trial and ASHA stops it; the lr=1e-4 trial runs both steps. Shared by the sweep test and
+    the analysis-notebook test. The rollout uses the transformers backend: the subject is the Tune
+    wiring, and vLLM's start-up is covered by test_loop_e2e.
+    """
+    from rlray.config import load_config
+    from rlray.sweep import SweepConfig
+    from rlray.tune import run_sweep
+
+    folder = tmp_path_factory.mktemp("sweep")
+    uri = f"sqlite:///{folder}/mlflow.db"
+    cfg = load_config(
+        REPO_ROOT / "configs/grpo_gsm8k_tiny.yaml",
+        [f"run.output_dir={folder}/out", f"tracking.mlflow_uri={uri}", f"data.train_files=[{gsm8k_dir}/train.jsonl]",
+         f"data.eval_files=[{gsm8k_dir}/test.jsonl]", "run.max_steps=2", "eval.num_problems=0", "rollout.backend=hf",
+         "run.name=lr-sweep", "tracking.experiment=sweeps"],
+    )
+    sweep = SweepConfig.model_validate(
+        {"metric": "learner/lr", "mode": "min", "space": {"learner.lr": {"grid": [1e-4, 1e-3]}},
+         "scheduler": {"name": "asha", "grace_period_steps": 1, "reduction_factor": 2}, "max_concurrent_trials": 1}
+    )
+    return run_sweep(cfg, sweep), uri, sweep
