@@ -90,12 +90,16 @@ def make_scheduler(sweep: SweepConfig, max_steps: int) -> Any:
 
 
 def trial_demand(cfg: Config, driver_cpus: float) -> dict[str, float]:
-    """Returns one trial's Ray resources: its driver plus every rollout actor and learner worker."""
-    ro, ln = cfg.resources.rollout, cfg.resources.learner
-    return {
-        "CPU": driver_cpus + ro.num_workers * ro.cpus + ln.num_workers * ln.cpus,
-        "GPU": ro.num_workers * ro.gpus + ln.num_workers * ln.gpus,
-    }
+    """Returns one trial's Ray resources: its driver plus every role's request (``placement.role_requests``:
+    rollout actors, learner workers, and the reward replicas and reference actor when configured)."""
+    from rlray.placement import role_requests
+
+    demand = {"CPU": driver_cpus, "GPU": 0.0}
+    for request in role_requests(cfg):
+        for key, value in request.total().items():
+            if key in demand:
+                demand[key] += value
+    return demand
 
 
 def concurrent_trials(demand: dict[str, float], cluster: dict[str, float]) -> int:

@@ -143,7 +143,7 @@ def test_runtime_env_uploads_the_code_and_leaves_data_behind():
     code = [p for d in ("rlray", "jobs", "configs") for p in (REPO / d).rglob("*") if p.suffix in {".py", ".yaml"}]
     assert any(p.parts[-2] == "data" for p in code)  # rlray/data is code, not data
     assert [p for p in code if excluded(p)] == []
-    for left_behind in ("data/gsm8k/train.jsonl", "outputs/run/final/manifest.json", "mlruns/mlflow.db", ".venv/bin/python"):
+    for left_behind in ("data/gsm8k/train.jsonl", "outputs/run/snapshots/run-x/step_1/manifest.json", "mlruns/mlflow.db", ".venv/bin/python"):
         assert excluded(REPO / left_behind), left_behind
 
 
@@ -166,8 +166,8 @@ def test_job_submit_runs_rlray_train(jobs):
     metrics = get_run_metrics(uri, run_id)
     for key in PER_STEP:
         assert key in METRIC_KEYS and [s for s, _ in metrics[key]] == [1, 2], key
-    manifest = json.loads((folder / "out" / "final" / "manifest.json").read_text())
-    assert manifest["step"] == 2
+    manifest = json.loads((Path(run.data.tags["rlray.last_snapshot"]) / "manifest.json").read_text())
+    assert manifest["step"] == 2 and manifest["kind"] == "final"
 
 
 @pytest.mark.ray
@@ -189,6 +189,7 @@ def test_job_stop_marks_run_killed(jobs):
     assert "SIGTERM: stopping at the next step boundary" in logs
     steps = [s for s, _ in get_run_metrics(uri, run.info.run_id)["reward/mean"]]
     assert 1 <= len(steps) < 500 and steps == list(range(1, len(steps) + 1))
-    # the run ended at a step boundary with the final snapshot of its last logged step
-    manifest = json.loads((folder / "out" / "final" / "manifest.json").read_text())
-    assert manifest["step"] == steps[-1]
+    # the run ended at a step boundary with a snapshot of its last logged step
+    assert run.data.tags["rlray.status"] == "stopped: SIGTERM"
+    manifest = json.loads((Path(run.data.tags["rlray.last_snapshot"]) / "manifest.json").read_text())
+    assert manifest["step"] == steps[-1] and manifest["kind"] == "stop"

@@ -41,8 +41,9 @@ def test_two_trial_sweep_logs_child_runs(tiny_sweep):
     metrics = get_run_metrics(uri, done.info.run_id)
     for key in PER_STEP:
         assert [s for s, _ in metrics[key]] == [1, 2], key
-    manifest = Path(done.data.tags["rlray.output_dir"]) / "final" / "manifest.json"
+    manifest = Path(done.data.tags["rlray.last_snapshot"]) / "manifest.json"
     assert json.loads(manifest.read_text())["step"] == 2
+    assert done.data.tags["rlray.last_snapshot"].startswith(done.data.tags["rlray.output_dir"] + "/snapshots/")
     # lr=1e-3 ranked worse at the rung after step 1 (mode min): ASHA stopped it before step 2,
     # and the sweep closed its MLflow run as KILLED
     stopped = by_lr[1e-3]
@@ -81,10 +82,13 @@ def test_trial_demand_and_concurrency(tmp_path):
     cfg = _cfg(tmp_path, "resources.rollout.num_workers=2", "resources.rollout.cpus=1", "resources.learner.gpus=1",
                "resources.learner.num_workers=2")
     demand = trial_demand(cfg, 0.1)
-    # 0.1 driver + 2 rollout x 1 CPU + 2 learners x 0.5 CPU; 2 learners x 1 GPU
-    assert demand == pytest.approx({"CPU": 3.1, "GPU": 2.0})
+    # 0.1 driver + 2 rollout x 1 CPU + 2 learners x 0.25 CPU (the default); 2 learners x 1 GPU
+    assert demand == pytest.approx({"CPU": 2.6, "GPU": 2.0})
     assert concurrent_trials(demand, {"CPU": 16.0, "GPU": 8.0}) == 4  # GPU-bound: 8 // 2
-    assert concurrent_trials(demand, {"CPU": 6.0, "GPU": 8.0}) == 1  # CPU-bound: 6 // 3.1
+    assert concurrent_trials(demand, {"CPU": 5.0, "GPU": 8.0}) == 1  # CPU-bound: 5 // 2.6
+    with_reward = _cfg(tmp_path, "reward.server.enabled=true", "resources.reward.replicas=2", "resources.reward.cpus=0.5")
+    # 0.1 + 1 rollout x 0.25 + 1 learner x 0.25 + 2 reward replicas x 0.5
+    assert trial_demand(with_reward, 0.1)["CPU"] == pytest.approx(1.6)
     assert concurrent_trials({"CPU": 1.1, "GPU": 0.0}, {"CPU": 2.0}) == 1
     assert concurrent_trials({"CPU": 1.0, "GPU": 0.0}, {"CPU": 2.0}) == 2  # exact fit counts
     assert concurrent_trials(demand, {"CPU": 1.0}) == 1  # never 0: Tune waits for the autoscaler
