@@ -34,6 +34,7 @@ from rlray.data import PromptStream
 from rlray.data.pairs import collate_pairs, load_preference_pairs, pairs_table, split_pairs
 from rlray.learner import PolicyLearner, autocast_context
 from rlray.learner.preference import PAIR_OBJECTIVES, PairNormaliser, PreferenceSpec, pair_outputs
+from rlray.loop import learner_kwargs
 from rlray.models import load_tokenizer
 from rlray.models.heads import load_reward_model
 from rlray.hooks import StepEnd, StepHook, run_hooks
@@ -80,26 +81,16 @@ class OfflineContext:
 # Setup: pairs, split, reference logprobs
 # --------------------------------------------------------------------------------------------
 def build_learner(cfg: Config, model_dir: str, world: int) -> PolicyLearner:
-    """Returns the learner: the policy, or a one-label sequence-classification model for reward_model."""
-    wrap = None
-    if world > 1:
-        import ray.train.torch
+    """Returns the learner: the policy, or a one-label sequence-classification model for reward_model.
 
-        wrap = ray.train.torch.prepare_model
-    return PolicyLearner(
-        model_dir,
-        dtype=cfg.model.dtype,
-        lr=cfg.learner.lr,
-        betas=cfg.learner.betas,
-        weight_decay=cfg.learner.weight_decay,
-        warmup_steps=cfg.learner.warmup_steps,
-        max_grad_norm=cfg.learner.max_grad_norm,
-        temperature=1.0,
-        use_reference=False,  # the reference is the initial policy: its logprobs are cached before step 1
-        gradient_checkpointing=cfg.model.gradient_checkpointing,
-        wrap_model=wrap,
-        model_loader=load_reward_model if cfg.algo.name == "reward_model" else None,
-    )
+    The same keyword arguments as online runs (``rlray.loop.learner_kwargs``: dtype, optimizer, LoRA,
+    DDP/FSDP wrapping), except temperature 1 (no sampling temperature to undo) and no separate
+    reference model (the reference is the initial policy: its logprobs are cached before step 1).
+    """
+    kwargs = learner_kwargs(cfg, world, with_reference=False)
+    kwargs["temperature"] = 1.0
+    kwargs["model_loader"] = load_reward_model if cfg.algo.name == "reward_model" else None
+    return PolicyLearner(model_dir, **kwargs)
 
 
 @torch.no_grad()
