@@ -40,6 +40,7 @@ from rlray.hooks import StepEnd, StepHook, run_hooks
 from rlray.learner import POLICY_LOSS_OF, AdvantageSpec, LossSpec, Normaliser, PolicyLearner
 from rlray.learner import online as learner_online
 from rlray.learner.critic import build_critic
+from rlray.learner.policy import to_local_gpu
 from rlray.models import load_tokenizer, resolve_model_path
 from rlray.online_sampling import Rollouts
 from rlray.reward import RewardScorer
@@ -454,13 +455,16 @@ def pin_learner(cfg: Config, rank: int) -> None:
 
 
 def learner_kwargs(cfg: Config, world: int, *, with_reference: bool = True) -> dict:
-    """Returns ``PolicyLearner`` keyword arguments from the config (DDP or FSDP wrapping when world > 1)."""
+    """Returns ``PolicyLearner`` keyword arguments from the config (DDP or FSDP wrapping when world > 1; one
+    GPU rank moves the model to its GPU)."""
     wrap = None
     if world > 1:
         import ray.train.torch
 
         strategy = cfg.resources.learner.strategy
         wrap = functools.partial(ray.train.torch.prepare_model, parallel_strategy=strategy)
+    elif cfg.resources.learner.gpus > 0 and torch.cuda.is_available():
+        wrap = to_local_gpu
     return dict(
         dtype=cfg.model.dtype,
         lr=cfg.learner.lr,

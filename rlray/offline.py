@@ -33,6 +33,7 @@ from rlray.config import REFERENCE_ALGOS, Config
 from rlray.data import PromptStream
 from rlray.data.pairs import collate_pairs, load_preference_pairs, pairs_table, split_pairs
 from rlray.learner import PolicyLearner, autocast_context
+from rlray.learner.policy import to_local_gpu
 from rlray.learner.preference import PAIR_OBJECTIVES, PairNormaliser, PreferenceSpec, pair_outputs
 from rlray.models import load_tokenizer
 from rlray.models.heads import load_reward_model
@@ -86,6 +87,8 @@ def build_learner(cfg: Config, model_dir: str, world: int) -> PolicyLearner:
         import ray.train.torch
 
         wrap = ray.train.torch.prepare_model
+    elif cfg.resources.learner.gpus > 0 and torch.cuda.is_available():
+        wrap = to_local_gpu  # one GPU rank: no DDP, but the model belongs on the GPU
     return PolicyLearner(
         model_dir,
         dtype=cfg.model.dtype,
