@@ -5,8 +5,8 @@ that are compared with each other execute one after another, each in a fresh chi
 (``run_child``), while this process samples the memory of the child's whole process tree: the Ray
 head, raylet and workers that a child starts are its descendants, so they count too.
 
-Pure helpers (``markdown_table``, ``ratio``, ``median_after_warmup``, ``step_durations``, ``fmt``)
-have tests in tests/benchmarks/test_benchlib.py.
+Pure helpers (``markdown_table``, ``ratio``, ``median_after_warmup``, ``step_durations``, ``per_second``,
+``fmt``, ``fmt_percent``) have tests in tests/benchmarks/test_benchlib.py.
 """
 
 from __future__ import annotations
@@ -50,6 +50,11 @@ def fmt(value: float | str | None, digits: int = 2) -> str:
     if isinstance(value, str):
         return value
     return f"{value:.{digits}f}"
+
+
+def fmt_percent(value: float | None, digits: int = 1) -> str:
+    """Returns a fraction as a percent table cell ("1.5%"), 'n/a' for None."""
+    return "n/a" if value is None else f"{100 * value:.{digits}f}%"
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -168,6 +173,7 @@ class TreeMemory:
     peak_pss_gib: float = 0.0
     peak_processes: int = 0
     samples: int = 0
+    affinity: dict[str, list[int]] = field(default_factory=dict)  # Ray worker title -> cores it may run on
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -200,10 +206,22 @@ class TreeMemory:
                 continue
             rss += mem.rss
             pss += getattr(mem, "pss", mem.rss)
+            self._note_affinity(p)
         self.samples += 1
         self.peak_rss_gib = max(self.peak_rss_gib, rss / GIB)
         self.peak_pss_gib = max(self.peak_pss_gib, pss / GIB)
         self.peak_processes = max(self.peak_processes, len(procs))
+
+    def _note_affinity(self, proc: Any) -> None:
+        """Records the core affinity of Ray actors and learners (title 'ray::X' or 'rlray:X'), which shows the pinning."""
+        import psutil
+
+        try:
+            title = " ".join(proc.cmdline())[:60]
+            if title.startswith(("ray::", "rlray:")) and "IDLE" not in title:
+                self.affinity[title.split(" ")[0]] = sorted(proc.cpu_affinity())
+        except (psutil.Error, AttributeError):  # exited, or no affinity on this platform
+            return
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -228,7 +246,7 @@ def run_child(argv: list[str], *, log_path: Path, timeout_s: float, env: dict[st
     """Runs ``argv`` in a fresh process while sampling its process tree's memory; returns what happened.
 
     Returns:
-        {"returncode", "wall_s", "peak_rss_gib", "peak_pss_gib", "peak_processes", "log"}; a run over
+        {"returncode", "wall_s", "peak_rss_gib", "peak_pss_gib", "peak_processes", "affinity", "log"}; a run over
         ``timeout_s`` is killed (its whole process group) and gets returncode None.
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -251,6 +269,7 @@ def run_child(argv: list[str], *, log_path: Path, timeout_s: float, env: dict[st
         "peak_rss_gib": memory.peak_rss_gib,
         "peak_pss_gib": memory.peak_pss_gib,
         "peak_processes": memory.peak_processes,
+        "affinity": memory.affinity,
         "log": str(log_path),
     }
 
@@ -276,6 +295,25 @@ def gsm8k_train_file() -> Path:
     if not os.environ.get(MIRROR_ENV) and shared.is_dir():
         os.environ[MIRROR_ENV] = str(shared)
     return fetch_dataset("gsm8k", REPO / "data") / "train.jsonl"
+
+
+def gsm8k_prompts(model: str, count: int, max_tokens: int) -> tuple[list[Any], list[list[int]]]:
+    """Returns (rows, token ids) of the first ``count`` GSM8K train questions whose prompt, rendered as rlray
+    renders it for ``model`` (chat template, the default instruction), has at most ``max_tokens`` tokens."""
+    from rlray.config import DataConfig
+    from rlray.data import load_prompt_rows, render_prompt
+    from rlray.models import load_tokenizer, resolve_model_path
+
+    tokenizer = load_tokenizer(resolve_model_path(model))
+    rows, ids = [], []
+    for row in load_prompt_rows([str(gsm8k_train_file())]):
+        rendered = render_prompt(tokenizer, row.question, instruction=DataConfig().instruction, system_prompt=None)
+        if len(rendered) <= max_tokens:
+            rows.append(row)
+            ids.append(rendered)
+        if len(ids) == count:
+            break
+    return rows, ids
 
 
 def init_local_ray(num_cpus: int | None = None) -> None:

@@ -332,7 +332,7 @@ def compare(model: str, spec: RunSpec, variants: list[str], timeout_s: float, ke
         raw = run_variant(variant, spec, timeout_s)
         figures = {"placement": placement_note(variant, device, gpus), "wall_s": raw["wall_s"],
                    "peak_rss_gib": raw["peak_rss_gib"], "peak_pss_gib": raw["peak_pss_gib"],
-                   "peak_processes": raw["peak_processes"]}
+                   "peak_processes": raw["peak_processes"], "affinity": raw["affinity"]}
         if "error" in raw:
             figures.update(error=raw["error"], log_tail=raw["log_tail"])
         else:
