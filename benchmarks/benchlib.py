@@ -43,12 +43,12 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
     return numerator / denominator
 
 
-def fmt(value: float | str | None, digits: int = 2) -> str:
-    """Returns a table cell: a number with ``digits`` decimals, a string as is, 'n/a' for None."""
+def fmt(value: float | int | str | None, digits: int = 2) -> str:
+    """Returns a table cell: a float with ``digits`` decimals, an int or a string as is, 'n/a' for None."""
     if value is None:
         return "n/a"
-    if isinstance(value, str):
-        return value
+    if isinstance(value, (str, int)):
+        return str(value)
     return f"{value:.{digits}f}"
 
 

@@ -38,7 +38,7 @@ import benchlib
 
 SIZES = {
     "quick": dict(model="tiny-random", prompts=4, samples=2, max_new_tokens=16, repeats=2),
-    "default": dict(model="smollm2-135m-instruct", prompts=8, samples=4, max_new_tokens=96, repeats=3),
+    "default": dict(model="smollm2-135m-instruct", prompts=8, samples=4, max_new_tokens=64, repeats=2),
 }
 MAX_PROMPT_TOKENS = 256
 KV_CACHE_GIB = 1.0
