@@ -12,7 +12,8 @@ the same process and run:
 - ``memcpy``: copying those exact tensors into preallocated tensors of the same device (``copy_``),
   the bandwidth the machine gives a plain copy of these bytes;
 - ``sync``: what loop stage 7 does after every update with the object-store backend
-  (``rlray.weight_sync.ObjectStoreSync``): ``ray.put`` of the exported dict once, then
+  (``rlray.weight_sync.ObjectStoreSync``): ``ray.put`` of the exported dict once (as raw bytes,
+  ``rlray.rollout.wire``), then
   ``RolloutFleet.push_weights(..., wait=True)``: every actor fetches the dict and loads it in place
   (vLLM's layerwise reload, which on CPU also repacks the GEMM weights), tagged with a new version.
   ``put`` and ``load`` are reported separately.
@@ -109,10 +110,12 @@ def time_object_store(fleet: Any, weights: dict[str, Any], repeats: int) -> dict
     """Returns put / load / total seconds of 1 + ``repeats`` object-store syncs (the first is the warm-up, dropped)."""
     import ray
 
+    from rlray.rollout.wire import pack_weights
+
     put, load, total = [], [], []
     for version in range(1, repeats + 2):
         start = time.perf_counter()
-        ref = ray.put(weights)
+        ref = ray.put(pack_weights(weights))
         mid = time.perf_counter()
         fleet.push_weights(ref, version, wait=True)
         end = time.perf_counter()
