@@ -15,7 +15,9 @@ what ``rlray.loop.distribute`` and the collation do every step, timed from rank 
 - ``get``: every rank fetches its own shard (``ray.get``), all ranks at once;
 - ``collate``: every rank turns its shard into padded tensors (``schema.collate``).
 
-``move`` = put + the slowest rank's get + collate, the median over ``--repeats`` after one warm-up.
+``move``: rank 0's wall time from the first put until every rank holds its collated tensors (the call
+to each rank stands in for the loop's broadcast of the references), the median over ``--repeats``
+after one warm-up; get and collate are the slowest rank's.
 The step time is rlray sync's median step time on the same model and sizes, from
 bench_results/grpo_vs_trl.json when that run exists (``make bench`` runs it first); otherwise this
 script runs rlray sync itself (``grpo_vs_trl.py``'s child), or takes ``--step-s``. The ratio

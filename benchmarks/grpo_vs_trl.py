@@ -245,9 +245,11 @@ def child_trl(spec: RunSpec, use_vllm: bool, result_path: Path) -> None:
         gradient_checkpointing=False, max_steps=spec.steps, logging_steps=1, save_strategy="no", report_to="none",
         shuffle_dataset=False, temperature=spec.temperature, top_p=1.0, top_k=0, seed=spec.seed,
         dataloader_num_workers=0, disable_tqdm=True, log_completions=False,
-        use_vllm=use_vllm, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3,
+        use_vllm=use_vllm, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3 if device == "cuda" else 0.05,
         vllm_max_model_length=MAX_PROMPT_TOKENS + spec.max_new_tokens,
     )
+    # (on CPU vLLM's gpu_memory_utilization is the share of the machine's RAM it reserves: 0.05 of 23.5 GiB
+    # is ~1.2 GiB of KV cache, as rlray's rollout.kv_cache_gib; 0.3 would ask for 7 GiB.)
     clock = StepClock()
     trainer = GRPOTrainer(model=model_dir, reward_funcs=[gsm8k], args=args, train_dataset=dataset,
                           processing_class=load_tokenizer(model_dir), callbacks=[clock])
