@@ -13,7 +13,9 @@ the same reward: rlray's GSM8K reward (``rlray.reward.gsm8k_reward``, 1.0 correc
 wrapped as a TRL reward function.
 
 - ``trl``: GRPOTrainer with its default transformers generation, one process, torch on every core.
-- ``trl-vllm`` (opt-in, ``--trl-vllm``): GRPOTrainer with ``use_vllm=True, vllm_mode="colocate"``.
+- ``trl-vllm`` (opt-in, ``--trl-vllm``): GRPOTrainer with ``use_vllm=True, vllm_mode="colocate"``; on
+  CPU with vLLM's linear layers patched to stay loadable (``keep_vllm_cpu_weights_loadable``: without
+  it TRL's first weight push fails), which costs vLLM its packed CPU GEMMs.
 - ``rlray-sync``: ``rlray train`` (Ray, a vLLM rollout actor, a Ray Train learner), rollout.max_staleness=0.
 - ``rlray-async``: the same with rollout.max_staleness=1 (step t+1's rollout overlaps step t's update).
 
@@ -197,6 +199,25 @@ def child_rlray(spec: RunSpec, max_staleness: int, result_path: Path) -> None:
     }))
 
 
+def keep_vllm_cpu_weights_loadable() -> None:
+    """Makes vLLM's CPU linear layers keep their weights (plain ``F.linear``) in this process; TRL needs it.
+
+    On CPU vLLM repacks every linear weight for oneDNN after loading and replaces ``layer.weight`` with
+    an empty Parameter, so TRL's colocated weight push (``model.load_weights``) fails with "'Parameter'
+    object has no attribute 'weight_loader'" (../shared/ENVIRONMENT.md). With this patch the layers keep
+    their loadable weights and compute with ``torch.nn.functional.linear`` (vLLM's own fallback), which
+    is slower than the packed GEMMs: TRL-vLLM on CPU is measured with that handicap. rlray reloads
+    through vLLM's own loader instead and keeps the packed GEMMs.
+    """
+    import torch.nn.functional as F
+    from vllm.model_executor.layers import utils
+
+    def plain_linear(layer: Any, remove_weight: bool) -> None:
+        layer.cpu_linear = F.linear
+
+    utils.dispatch_cpu_unquantized_gemm = plain_linear
+
+
 def child_trl(spec: RunSpec, use_vllm: bool, result_path: Path) -> None:
     """Runs TRL's GRPOTrainer on ``spec`` and writes per-step end times and tokens to ``result_path``."""
     started = time.time()
@@ -233,6 +254,8 @@ def child_trl(spec: RunSpec, use_vllm: bool, result_path: Path) -> None:
                 self.logs.append(dict(logs))
 
     device = benchlib.device()
+    if use_vllm and device == "cpu":
+        keep_vllm_cpu_weights_loadable()
     args = GRPOConfig(
         output_dir=str(Path(spec.workdir) / "trl-out"),
         per_device_train_batch_size=spec.sequences_per_microbatch,
