@@ -84,14 +84,15 @@ def main(argv: list[str] | None = None) -> int:
             failed.append(name)
         seconds[name] = time.perf_counter() - start
         print(f"({name}: {seconds[name]:.0f} s)", flush=True)
-    rows = [[m, v, t, ok] for m, v, t, ok in summary_rows(results)]
+    raw = summary_rows(results)
+    rows = [[m, benchlib.fmt(v, 3), t, ok] for m, v, t, ok in raw]
     print("\n===== summary (ratios measured inside one run; targets tracked, not asserted) =====\n")
     print(benchlib.markdown_table(["measure", "value", "target", "met"], rows))
     print("\nseconds per benchmark: " + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items()))
     if failed:
         print(f"FAILED: {', '.join(failed)}")
     benchlib.write_results("summary", {"quick": args.quick, "seconds": seconds, "failed": failed,
-                                       "rows": [dict(zip(("measure", "value", "target", "met"), r)) for r in rows]})
+                                       "rows": [dict(zip(("measure", "value", "target", "met"), r)) for r in raw]})
     return 1 if failed else 0
 
 
