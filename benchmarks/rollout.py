@@ -17,8 +17,9 @@ Runs, one after another, each in a fresh process:
 - ``rlray-2actors`` (CPU with 2+ cores, or 2+ GPUs): two actors, each on its own half of the cores
   (or its own GPU), the prompts split between them.
 
-Each run does one warm-up call, then ``--repeats`` timed calls (seeded the same way, so ``vllm`` and
-``rlray`` sample the same tokens). tokens/s = generated tokens / seconds of the timed calls; the ratio
+Each run does two warm-up calls, then ``--repeats`` timed calls (seeded the same way, so ``vllm`` and
+``rlray`` sample the same tokens). tokens/s = the median over the timed calls of generated tokens /
+seconds of the call; the ratio
 is rlray / bare vLLM (1.0 = no overhead; the target is >= 0.9). Prints a markdown table and writes
 bench_results/rollout.json.
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -37,12 +39,13 @@ from typing import Any
 import benchlib
 
 SIZES = {
-    "quick": dict(model="tiny-random", prompts=4, samples=2, max_new_tokens=16, repeats=2),
-    "default": dict(model="smollm2-135m-instruct", prompts=8, samples=4, max_new_tokens=64, repeats=2),
+    "quick": dict(model="tiny-random", prompts=4, samples=2, max_new_tokens=16, repeats=3),
+    "default": dict(model="smollm2-135m-instruct", prompts=8, samples=4, max_new_tokens=64, repeats=3),
 }
 MAX_PROMPT_TOKENS = 256
 KV_CACHE_GIB = 1.0
 SEED = 0
+WARMUP_CALLS = 2
 
 
 def prompt_token_ids(model: str, count: int) -> list[list[int]]:
@@ -51,11 +54,12 @@ def prompt_token_ids(model: str, count: int) -> list[list[int]]:
 
 
 def timed_calls(generate, prompts: list[list[int]], repeats: int) -> dict[str, Any]:
-    """Runs ``generate(prompts, seed)`` once to warm up, then ``repeats`` times; returns tokens, seconds and token ids.
+    """Runs ``generate(prompts, seed)`` WARMUP_CALLS times to warm up, then ``repeats`` times; returns tokens, seconds, token ids.
 
     ``generate`` returns the generated token ids of every sample, prompt-major.
     """
-    generate(prompts, SEED + 999)
+    for w in range(WARMUP_CALLS):  # vLLM's first calls on CPU are slow (kernels picked per shape)
+        generate(prompts, SEED + 999 + w)
     seconds, tokens, samples = [], [], []
     for r in range(repeats):
         start = time.perf_counter()
@@ -184,7 +188,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             runs[variant] = {"error": f"exit code {run['returncode']}", "log_tail": benchlib.tail(run["log"], 60)}
             continue
         raw = json.loads(result.read_text())
-        runs[variant] = {**raw, "tokens_per_s": benchlib.per_second(raw["tokens"], raw["seconds"]),
+        rates = [t / s for t, s in zip(raw["tokens"], raw["seconds"]) if s > 0]
+        runs[variant] = {**raw, "tokens_per_s": statistics.median(rates) if rates else None,
                          "peak_rss_gib": run["peak_rss_gib"], "affinity": run["affinity"]}
     base = runs.get("vllm", {}).get("tokens_per_s")
     for name, r in runs.items():
@@ -196,7 +201,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             [name, "n/a", f"FAILED: {r['error']}", "n/a", "n/a", "n/a", "n/a", "n/a"] for name, r in runs.items()]
     headers = ["run", "engines", "start (s)", "tokens", "seconds", "tokens/s", "tokens/s / vLLM", "same tokens as vLLM"]
     print(f"\n**rollout** ({size['model']}): {size['prompts']} prompts x {size['samples']} samples x up to "
-          f"{size['max_new_tokens']} tokens, {size['repeats']} timed calls after 1 warm-up, bf16\n")
+          f"{size['max_new_tokens']} tokens, {size['repeats']} timed calls after {WARMUP_CALLS} warm-ups, bf16\n")
     print(benchlib.markdown_table(headers, rows) + "\n")
     results = {"size": size, "runs": runs}
     print(f"wrote {benchlib.write_results('rollout', results)}")

@@ -157,7 +157,7 @@ def child(args: dict, actors: int, backend: str) -> dict[str, Any]:
     policy = ExportedPolicy(model_dir, "cuda" if torch.cuda.is_available() else "cpu")
     weights = policy.export_weights(torch.bfloat16, "cuda" if on_gpu else "cpu")
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
-    copy_s = memcpy_seconds(weights, args["repeats"])
+    copy_s = memcpy_seconds(weights, max(args["repeats"], 9))  # cheap; more samples steady the median
     cfg = actors_config(actors, backend)
     benchlib.init_local_ray()
     handles = start_rollout_actors(cfg, model_dir, MAX_MODEL_LEN)
