@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import ray
 import torch
@@ -20,6 +21,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rlray.config import Config
 from rlray.learner.reference import ReferenceModel
 from rlray.rollout import Completion, RolloutEngine, SamplingSpec
+from rlray.rollout.wire import unpack_weights
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +41,9 @@ class RolloutActor:
         """Returns ``sampling.n`` completions per prompt, prompt-major (see ``RolloutEngine.generate``)."""
         return self.engine.generate(prompt_token_ids, sampling)
 
-    def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> int:
-        """Loads new policy weights, resets the cache, and returns the new policy version."""
-        self.engine.update_weights(named_tensors, version)
+    def update_weights(self, named_tensors: dict[str, Any], version: int) -> int:
+        """Loads new policy weights (tensors, or ``rollout.wire.pack_weights`` output), resets the cache; returns the new version."""
+        self.engine.update_weights(unpack_weights(named_tensors), version)
         return self.engine.policy_version
 
     def policy_version(self) -> int:

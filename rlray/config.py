@@ -17,10 +17,10 @@ import json
 import re
 from pathlib import Path
 import warnings
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 
 class ConfigError(ValueError):
@@ -31,6 +31,15 @@ class _Section(BaseModel):
     """Base of every config section: unknown keys are errors, assignments are validated."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+def _core_list_text(value: Any) -> Any:
+    """Reads a one-core list given as a number (``cpu_threads=1`` on the command line parses as 1) as text."""
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+CoreList = Annotated[str, BeforeValidator(_core_list_text)]
+"""A core list such as "0-1", "1" or "0,2-3" (a bare core number is accepted and read as text)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -428,6 +437,14 @@ class LearnerConfig(_Section):
         8, ge=1, description="Sequences per forward/backward on one rank (gradient accumulation unit)."
     )
     torch_threads: int = Field(2, ge=1, description="torch.set_num_threads in each learner worker.")
+    cpu_affinity: CoreList | list[CoreList] | None = Field(
+        None,
+        description=(
+            "CPU only: cores each learner worker process is pinned to (every thread; Linux), one core list for "
+            "every worker ('0') or one per worker (['0', '1']); None leaves the affinity alone. With "
+            "resources.rollout.cpu_threads on other cores, rollout and update stop competing for cores."
+        ),
+    )
     optimizer: Literal["adamw", "adamw_8bit"] = Field(
         "adamw",
         description="adamw (torch) or adamw_8bit (bitsandbytes AdamW8bit: 8-bit states; CUDA learners only).",
@@ -614,7 +631,7 @@ class RolloutResources(_Section):
     max_restarts: int = Field(
         2, ge=-1, description="Times Ray restarts a dead rollout actor (-1: without limit); its prompts go to another."
     )
-    cpu_threads: str | list[str] | None = Field(
+    cpu_threads: CoreList | list[CoreList] | None = Field(
         None,
         description=(
             "Cores of each actor's vLLM CPU threads (VLLM_CPU_OMP_THREADS_BIND): one core list for every "
@@ -743,6 +760,15 @@ class Config(_Section):
         for item in threads if isinstance(threads, list) else [threads] if threads else []:
             if item not in ("auto", "nobind") and not _CORE_LIST.match(item):
                 raise ValueError(f"resources.rollout.cpu_threads={item!r} is not a core list; use e.g. '0-1', '1' or '0,2-3'")
+        affinity = self.learner.cpu_affinity
+        if isinstance(affinity, list) and len(affinity) != res.learner.num_workers:
+            raise ValueError(
+                f"learner.cpu_affinity={affinity!r} has {len(affinity)} entries for "
+                f"resources.learner.num_workers={res.learner.num_workers}; give one core list per worker"
+            )
+        for item in affinity if isinstance(affinity, list) else [affinity] if affinity else []:
+            if not _CORE_LIST.match(item):
+                raise ValueError(f"learner.cpu_affinity={item!r} is not a core list; use e.g. '0', '0-1' or '0,2-3'")
         if res.learner.strategy == "fsdp" and res.learner.gpus == 0:
             raise ValueError("resources.learner.strategy='fsdp' needs GPUs; set resources.learner.gpus>0 or strategy=ddp")
         if res.colocate and (res.rollout.gpus == 0 or res.learner.gpus == 0):

@@ -33,12 +33,14 @@ from rlray import guard, online_sampling, schema, snapshots
 from rlray import ops as ops_lib
 from rlray.collective import Collective, RayTrainCollective, current_collective
 from rlray.config import Config
+from rlray.cores import parse_core_list, pin_process
 from rlray.data import PromptStream, load_prompt_rows, prepare_prompts
 from rlray.fleet import RolloutFleet, RolloutPipeline
 from rlray.hooks import StepEnd, StepHook, run_hooks
 from rlray.learner import POLICY_LOSS_OF, AdvantageSpec, LossSpec, Normaliser, PolicyLearner
 from rlray.learner import online as learner_online
 from rlray.learner.critic import build_critic
+from rlray.learner.policy import to_local_gpu
 from rlray.models import load_tokenizer, resolve_model_path
 from rlray.online_sampling import Rollouts
 from rlray.reward import RewardScorer
@@ -409,6 +411,7 @@ def setup(
 ) -> Context:
     """Builds the learner on every rank; on rank 0 also the data stream, eval prompts, tracker, fleet and reward client."""
     torch.set_num_threads(cfg.learner.torch_threads)
+    pin_learner(cfg, coll.rank)
     seed_everything(cfg.run.seed + coll.rank)
     tokenizer = load_tokenizer(model_dir, cfg.model.chat_template)
     kwargs = learner_kwargs(cfg, coll.world, with_reference=reference_actor is None)
@@ -442,14 +445,26 @@ def setup(
     return ctx
 
 
+def pin_learner(cfg: Config, rank: int) -> None:
+    """Pins this learner worker's process to its ``learner.cpu_affinity`` cores (CPU learners; None: no change)."""
+    affinity = cfg.learner.cpu_affinity
+    if affinity is None or cfg.resources.learner.gpus > 0:
+        return
+    cores = parse_core_list(affinity[rank] if isinstance(affinity, list) else affinity)
+    log.info("learner rank %d pinned to cores %s", rank, pin_process(cores))
+
+
 def learner_kwargs(cfg: Config, world: int, *, with_reference: bool = True) -> dict:
-    """Returns ``PolicyLearner`` keyword arguments from the config (DDP or FSDP wrapping when world > 1)."""
+    """Returns ``PolicyLearner`` keyword arguments from the config (DDP or FSDP wrapping when world > 1; one
+    GPU rank moves the model to its GPU)."""
     wrap = None
     if world > 1:
         import ray.train.torch
 
         strategy = cfg.resources.learner.strategy
         wrap = functools.partial(ray.train.torch.prepare_model, parallel_strategy=strategy)
+    elif cfg.resources.learner.gpus > 0 and torch.cuda.is_available():
+        wrap = to_local_gpu
     return dict(
         dtype=cfg.model.dtype,
         lr=cfg.learner.lr,

@@ -1,7 +1,8 @@
 """Weight sync: learner -> rollout actors, version-tagged, after every update (loop stage 7).
 
 - ``ObjectStoreSync`` (CPU, and any cluster): rank 0 exports the policy (HF names, engine dtype),
-  puts it in Ray's object store once, and every actor loads it in place (``update_weights``:
+  puts it in Ray's object store once as raw bytes (``rollout.wire``: no tensor pickling, zero-copy
+  reads), and every actor loads it in place (``update_weights``:
   vLLM's layerwise reload, which also repacks vLLM's CPU GEMM weights; ../shared/ENVIRONMENT.md).
 - ``VllmTransferSync`` (GPU): vLLM's weight-transfer engines. "nccl": rank 0 broadcasts over an
   NCCL group it shares with every engine worker (``NCCLTrainerWeightTransferEngine``). "ipc": with
@@ -22,6 +23,7 @@ import ray
 import torch
 
 from rlray.fleet import RolloutFleet
+from rlray.rollout.wire import pack_weights
 
 
 class ObjectStoreSync:
@@ -42,7 +44,7 @@ class ObjectStoreSync:
             return
         weights = learner.export_weights(self.dtype)
         if rank == 0:
-            self.fleet.push_weights(ray.put(weights), version, wait=self.wait)
+            self.fleet.push_weights(ray.put(pack_weights(weights)), version, wait=self.wait)
 
 
 def _dict_source() -> Any:
@@ -135,7 +137,7 @@ class VllmTransferSync:
         self._client.version = version
         self._engine.send_weights()
         if rank == 0:
-            exporter = None if learner.sharded else (lambda: ray.put(learner.export_weights(self.dtype)))
+            exporter = None if learner.sharded else (lambda: ray.put(pack_weights(learner.export_weights(self.dtype))))
             self.fleet.mark_synced(version, exporter)
         self._source.tensors = {}
 

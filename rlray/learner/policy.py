@@ -53,6 +53,11 @@ def _trim(mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def to_local_gpu(model: torch.nn.Module) -> torch.nn.Module:
+    """Returns ``model`` moved to this process's current CUDA device (a one-rank GPU learner, which has no DDP to wrap it)."""
+    return model.to(torch.device("cuda", torch.cuda.current_device()))
+
+
 MicroLoss = Callable[[torch.nn.Module, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """fn(model, micro-batch) -> (loss share to backward, {stat name: 0-dim tensor summed over the micro-batch})."""
 

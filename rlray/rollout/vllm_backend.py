@@ -14,7 +14,8 @@ that process.
 Threads: in process, vLLM ignores VLLM_CPU_OMP_THREADS_BIND (only its multiprocess executor
 reads it) and runs on torch's thread pool. Ray sets OMP_NUM_THREADS=1 in actors with fractional
 CPUs, which costs ~40% throughput on 2 cores (425 vs 680 tokens/s), so the backend sets torch's
-thread count to the number of cores named in cpu_threads itself.
+thread count to the number of cores named in cpu_threads itself, and, when cpu_threads is given,
+pins the whole process (every thread; rlray.cores.pin_process) to those cores.
 
 Randomness: at start, vLLM seeds this process's global RNGs (random, numpy, torch) with `seed`,
 and requests without a per-request seed draw from torch's global generator. A SamplingSpec seed
@@ -41,6 +42,7 @@ from typing import Any
 
 import torch
 
+from rlray.cores import parse_core_list, pin_process
 from rlray.rollout import vllm_worker
 from rlray.rollout.types import FINISH_REASONS, Completion, SamplingSpec
 
@@ -57,18 +59,10 @@ def core_count(cpu_threads: str) -> int | None:
     """
     if cpu_threads in ("auto", "nobind"):
         return None
-    cores: set[int] = set()
     try:
-        for part in cpu_threads.split(","):
-            first, _, last = part.strip().partition("-")
-            cores.update(range(int(first), int(last or first) + 1))
+        return len(parse_core_list(cpu_threads))
     except ValueError:
-        raise ValueError(
-            f"cpu_threads={cpu_threads!r} is not a core list; use e.g. '0-1', '1' or '0,2-3'"
-        ) from None
-    if not cores:
-        raise ValueError(f"cpu_threads={cpu_threads!r} names no cores; use e.g. '0-1'")
-    return len(cores)
+        raise ValueError(f"cpu_threads={cpu_threads!r} is not a core list; use e.g. '0-1', '1' or '0,2-3'") from None
 
 
 def vllm_env(cpu_threads: str | None) -> dict[str, str]:
@@ -133,6 +127,10 @@ class VllmBackend:
                 "or rlray[vllm] (GPU), or set rollout.backend=hf"
             ) from err
         on_cpu = current_platform.is_cpu()
+        bind = os.environ["VLLM_CPU_OMP_THREADS_BIND"]
+        self._affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        if on_cpu and cpu_threads is not None and core_count(cpu_threads) is not None:
+            pin_process(parse_core_list(cpu_threads))  # in process, vLLM does not bind its threads (module docstring)
         if on_cpu:
             # kv_cache_gib owns the KV-cache size, exactly (fractions too). vLLM's legacy
             # VLLM_CPU_KVCACHE_SPACE (whole GiB) would override it, so it must not be set.
@@ -160,7 +158,7 @@ class VllmBackend:
             worker_extension_cls=vllm_worker.EXTENSION,
             **({"weight_transfer_config": {"backend": weight_transfer}} if weight_transfer else {}),
         )
-        threads = core_count(os.environ["VLLM_CPU_OMP_THREADS_BIND"])
+        threads = core_count(bind)
         if on_cpu and threads is not None:
             self._set_num_threads(threads)  # the real one; see "Threads" in the module docstring
 
@@ -247,7 +245,7 @@ class VllmBackend:
             raise RuntimeError("vLLM refused to reset the prefix cache: requests are still running")
 
     def shutdown(self) -> None:
-        """Stops the engine core, frees the model and KV cache and tears down torch.distributed."""
+        """Stops the engine core, frees the model and KV cache, tears down torch.distributed and restores the thread count and core affinity."""
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
         self._llm.llm_engine.engine_core.shutdown()
@@ -256,6 +254,8 @@ class VllmBackend:
         cleanup_dist_env_and_memory()
         torch.set_num_threads = self._set_num_threads
         torch.set_num_threads(self._num_threads)
+        if self._affinity:
+            pin_process(self._affinity)
 
 
 def _to_completion(prompt_index: int, out: Any, policy_version: int) -> Completion:

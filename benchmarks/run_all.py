@@ -1,0 +1,100 @@
+"""Runs every benchmark on its default sizes (``make bench``) and prints one summary of the ratios.
+
+    python benchmarks/run_all.py                     # default sizes (the README table)
+    python benchmarks/run_all.py --quick             # seconds-scale sizes, a smoke run of every script
+    python benchmarks/run_all.py --trl-vllm          # also TRL GRPOTrainer with vLLM colocate (long start-up)
+    python benchmarks/run_all.py --only rollout weight_sync
+
+Order: grpo_vs_trl (TRL, rlray sync, rlray async), rollout (rlray vs bare vLLM), weight_sync (N = 1, 2
+actors vs memcpy), experience (its step time is rlray sync's, read from grpo_vs_trl's results).
+Each script runs in-process one after another (their measured runs are child processes of their
+own), prints its table and writes bench_results/<name>.json; a script that fails is reported and the
+others still run. At the end: the summary of the ratios against their targets, also written to
+bench_results/summary.json, and the exit code is 1 when a script failed (a missed target is not a
+failure: the targets are tracked, not asserted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+from typing import Any
+
+import benchlib
+
+BENCHMARKS = ("grpo_vs_trl", "rollout", "weight_sync", "experience")
+
+
+def run_one(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Runs benchmark ``name`` with the shared flags; returns its results (the dict its main returns)."""
+    import importlib
+
+    module = importlib.import_module(name)
+    argv = ["--quick"] if args.quick else []
+    if name == "grpo_vs_trl" and args.trl_vllm:
+        argv.append("--trl-vllm")
+    return module.main(argv)
+
+
+def summary_rows(results: dict[str, dict[str, Any]]) -> list[list[Any]]:
+    """Returns the summary table's rows: measure, value, target, met? (n/a where a result is missing)."""
+    rows: list[list[Any]] = []
+
+    def add(measure: str, value: float | None, target: str, met: bool | None) -> None:
+        rows.append([measure, value, target, "n/a" if met is None or value is None else ("yes" if met else "no")])
+
+    for model, r in (results.get("grpo_vs_trl") or {}).get("models", {}).items():
+        runs = r.get("runs", {})
+        sync = runs.get("rlray-sync", {}).get("step_time_vs_trl")
+        add(f"{model}: rlray sync step time / TRL", sync, "<= 0.60", sync is not None and sync <= 0.6)
+        asy = runs.get("rlray-async", {}).get("step_time_vs_sync")
+        add(f"{model}: rlray async / sync step time", asy, "<= 0.75 (own hardware)", asy is not None and asy <= 0.75)
+    for name, r in (results.get("rollout") or {}).get("runs", {}).items():
+        if name != "vllm":
+            v = r.get("vs_vllm")
+            add(f"rollout tokens/s: {name} / bare vLLM", v, ">= 0.90", v is not None and v >= 0.9)
+    for name, r in (results.get("weight_sync") or {}).get("runs", {}).items():
+        v = r.get("sync_vs_memcpy")
+        add(f"weight sync bytes/s / memcpy: {name}", v, ">= 0.50", v is not None and v >= 0.5)
+    for r in (results.get("experience") or {}).get("runs", []):
+        if r.get("case") == "step":
+            v = r.get("move_vs_step")
+            add(f"experience move / step time: {r['world']} rank(s)", v, "<= 0.02", v is not None and v <= 0.02)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the benchmarks, prints the summary; returns the exit code (1 when a benchmark failed)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="seconds-scale sizes (smoke run)")
+    parser.add_argument("--trl-vllm", action="store_true", help="also run TRL with vLLM colocate (grpo_vs_trl)")
+    parser.add_argument("--only", nargs="+", choices=BENCHMARKS, help="run only these benchmarks")
+    args = parser.parse_args(argv)
+    results: dict[str, Any] = {}
+    failed, seconds = [], {}
+    for name in args.only or BENCHMARKS:
+        print(f"\n===== {name}{' (--quick)' if args.quick else ''} =====", flush=True)
+        start = time.perf_counter()
+        try:
+            results[name] = run_one(name, args)
+        except Exception:  # report and go on: one broken benchmark should not hide the others
+            traceback.print_exc()
+            failed.append(name)
+        seconds[name] = time.perf_counter() - start
+        print(f"({name}: {seconds[name]:.0f} s)", flush=True)
+    raw = summary_rows(results)
+    rows = [[m, benchlib.fmt(v, 3), t, ok] for m, v, t, ok in raw]
+    print("\n===== summary (ratios measured inside one run; targets tracked, not asserted) =====\n")
+    print(benchlib.markdown_table(["measure", "value", "target", "met"], rows))
+    print("\nseconds per benchmark: " + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items()))
+    if failed:
+        print(f"FAILED: {', '.join(failed)}")
+    benchlib.write_results("summary", {"quick": args.quick, "seconds": seconds, "failed": failed,
+                                       "rows": [dict(zip(("measure", "value", "target", "met"), r)) for r in raw]})
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,264 @@
+"""Weight sync into N rollout actors (N = 1, 2) as bytes/s, beside a plain memory copy of the same bytes.
+
+    python benchmarks/weight_sync.py                 # SmolLM2-135M-Instruct, default sizes
+    python benchmarks/weight_sync.py --quick         # tiny-random, seconds-scale sizes
+    python benchmarks/weight_sync.py --model tiny-random --actors 1 2 --repeats 5
+
+One child process per N (a fresh local Ray cluster each). The child loads the policy as the learner
+does (float32 master weights) and exports it as rlray's learner does for every sync: its Hugging Face
+state dict cast to the engine dtype (bf16), contiguous (``PolicyLearner.export_weights``). Then, in
+the same process and run:
+
+- ``memcpy``: copying those exact tensors into preallocated tensors of the same device (``copy_``),
+  the bandwidth the machine gives a plain copy of these bytes;
+- ``sync``: what loop stage 7 does after every update with the object-store backend
+  (``rlray.weight_sync.ObjectStoreSync``): ``ray.put`` of the exported dict once (as raw bytes,
+  ``rlray.rollout.wire``), then
+  ``RolloutFleet.push_weights(..., wait=True)``: every actor fetches the dict and loads it in place
+  (vLLM's layerwise reload, which on CPU also repacks the GEMM weights), tagged with a new version.
+  ``put`` and ``load`` are reported separately.
+- ``ipc`` on a CUDA machine: the same push through ``VllmTransferSync`` with CUDA IPC (one actor
+  on GPU 0 beside this process, the colocated default), exported on the GPU. (The NCCL backend needs
+  the actors on GPUs of their own, apart from the sender's; it is not measured here.)
+
+bytes/s = bytes of the exported weights / seconds of a sync (median over ``--repeats`` after one
+warm-up sync); the ratio is sync bytes/s / memcpy bytes/s (target >= 0.5). With N actors the same
+bytes reach N engines, so the table also shows bytes delivered per second (N x bytes / seconds).
+On CPU the actors split the cores (``resources.rollout.cpu_threads``). Prints a markdown table and
+writes bench_results/weight_sync.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import benchlib
+
+SIZES = {
+    "quick": dict(model="tiny-random", actors=[1, 2], repeats=2),
+    "default": dict(model="smollm2-135m-instruct", actors=[1, 2], repeats=4),
+}
+MAX_MODEL_LEN = 512
+KV_CACHE_GIB = 0.5
+
+
+class ExportedPolicy:
+    """The learner side of a sync: holds the float32 policy and exports it like ``PolicyLearner.export_weights``."""
+
+    sharded = False
+
+    def __init__(self, model_dir: str, device: str) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+
+    def export_weights(self, dtype: Any, device: Any = "cpu") -> dict[str, Any]:
+        """Returns the HF state dict cast to ``dtype`` on ``device``, contiguous (what every sync ships)."""
+        return {k: v.detach().to(device, dtype).contiguous() for k, v in self.module.state_dict().items()}
+
+
+def memcpy_seconds(tensors: dict[str, Any], repeats: int) -> list[float]:
+    """Returns the seconds of ``repeats`` copies of every tensor into preallocated tensors on the same device."""
+    import torch
+
+    dst = {k: torch.empty_like(v) for k, v in tensors.items()}
+    cuda = any(v.is_cuda for v in tensors.values())
+    out = []
+    for _ in range(repeats + 1):  # the first copy touches the destination pages; not counted
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for k, v in tensors.items():
+            dst[k].copy_(v)
+        if cuda:
+            torch.cuda.synchronize()
+        out.append(time.perf_counter() - start)
+    return out[1:]
+
+
+def actors_config(actors: int, backend: str) -> Any:
+    """Returns the rlray config of ``actors`` rollout actors (CPU: split cores; CUDA: shares of GPU 0)."""
+    import torch
+
+    from rlray.config import config_from_dict
+    from rlray.placement import split_cores
+
+    tree: dict[str, Any] = {"resources": {"rollout": {"num_workers": actors}},
+                            "rollout": {"kv_cache_gib": KV_CACHE_GIB, "weight_sync": backend}}
+    if backend == "ipc":  # CUDA IPC: the actors share GPU 0 with this process (the learner's place)
+        tree["resources"].update(colocate=True, learner={"gpus": 0.5})
+        tree["resources"]["rollout"]["gpus"] = round(0.4 / actors, 2)
+        tree["rollout"]["gpu_memory_utilization"] = round(0.3 / actors, 2)
+    elif torch.cuda.is_available():
+        tree["resources"]["rollout"]["gpus"] = round(0.4 / actors, 2)
+        tree["rollout"]["gpu_memory_utilization"] = round(0.3 / actors, 2)
+    else:
+        tree["resources"]["rollout"]["cpu_threads"] = split_cores(actors, sorted(os.sched_getaffinity(0)))
+    return config_from_dict(tree, ["model.dtype=bfloat16"])
+
+
+def time_object_store(fleet: Any, weights: dict[str, Any], repeats: int) -> dict[str, list[float]]:
+    """Returns put / load / total seconds of 1 + ``repeats`` object-store syncs (the first is the warm-up, dropped)."""
+    import ray
+
+    from rlray.rollout.wire import pack_weights
+
+    put, load, total = [], [], []
+    for version in range(1, repeats + 2):
+        start = time.perf_counter()
+        ref = ray.put(pack_weights(weights))
+        mid = time.perf_counter()
+        fleet.push_weights(ref, version, wait=True)
+        end = time.perf_counter()
+        put.append(mid - start)
+        load.append(end - mid)
+        total.append(end - start)
+        del ref
+    return {"put_s": put[1:], "load_s": load[1:], "seconds": total[1:]}
+
+
+def time_transfer(fleet: Any, policy: ExportedPolicy, backend: str, repeats: int) -> dict[str, list[float]]:
+    """Returns the seconds of 1 + ``repeats`` pushes through vLLM's weight-transfer engines (CUDA only; warm-up dropped)."""
+    import torch
+
+    from rlray.weight_sync import VllmTransferSync
+
+    sync = VllmTransferSync(fleet, backend, torch.bfloat16, tensor_parallel_size=1)
+    total = []
+    for version in range(1, repeats + 2):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        sync.push(policy, 0, version)
+        torch.cuda.synchronize()
+        total.append(time.perf_counter() - start)
+    return {"seconds": total[1:]}
+
+
+def child(args: dict, actors: int, backend: str) -> dict[str, Any]:
+    """Measures memcpy and one backend's sync into ``actors`` rollout actors, in this process."""
+    import ray
+    import torch
+
+    from rlray.actors import kill_actors, start_rollout_actors
+    from rlray.fleet import RolloutFleet
+    from rlray.models import resolve_model_path
+
+    model_dir = resolve_model_path(args["model"])
+    on_gpu = backend != "object_store"
+    policy = ExportedPolicy(model_dir, "cuda" if torch.cuda.is_available() else "cpu")
+    weights = policy.export_weights(torch.bfloat16, "cuda" if on_gpu else "cpu")
+    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    copy_s = memcpy_seconds(weights, max(args["repeats"], 9))  # cheap; more samples steady the median
+    cfg = actors_config(actors, backend)
+    benchlib.init_local_ray()
+    handles = start_rollout_actors(cfg, model_dir, MAX_MODEL_LEN)
+    try:
+        fleet = RolloutFleet(handles)
+        timed = time_object_store(fleet, weights, args["repeats"]) if not on_gpu else time_transfer(
+            fleet, policy, backend, args["repeats"])
+        versions = ray.get([h.policy_version.remote() for h in handles])
+    finally:
+        kill_actors(handles)
+        ray.shutdown()
+    return {"bytes": nbytes, "tensors": len(weights), "memcpy_s": copy_s, "actors": actors, "backend": backend,
+            "versions": versions, "cpu_threads": cfg.resources.rollout.cpu_threads, **timed}
+
+
+def summarise(raw: dict[str, Any]) -> dict[str, Any]:
+    """Returns the figures of one run: median seconds, bytes/s of sync and memcpy, their ratio."""
+    sync_s = statistics.median(raw["seconds"])
+    copy_s = statistics.median(raw["memcpy_s"])
+    out = {
+        "sync_s": sync_s,
+        "memcpy_s": copy_s,
+        "sync_bytes_per_s": benchlib.ratio(raw["bytes"], sync_s),
+        "memcpy_bytes_per_s": benchlib.ratio(raw["bytes"], copy_s),
+        "delivered_bytes_per_s": benchlib.ratio(raw["bytes"] * raw["actors"], sync_s),
+    }
+    out["sync_vs_memcpy"] = benchlib.ratio(out["sync_bytes_per_s"], out["memcpy_bytes_per_s"])
+    for key in ("put_s", "load_s"):
+        if key in raw:
+            out[key.replace("_s", "_median_s")] = statistics.median(raw[key])
+    return out
+
+
+def runs_here(actors: list[int]) -> list[tuple[int, str]]:
+    """Returns the (N actors, backend) runs of this machine: object_store for every N, plus CUDA IPC x1 on CUDA."""
+    import torch
+
+    runs = [(n, "object_store") for n in actors]
+    if torch.cuda.is_available():
+        runs.append((1, "ipc"))  # the default backend of a colocated GPU run (one actor beside the learner)
+    return runs
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Runs every (N, backend); prints the table and writes bench_results/weight_sync.json; returns the results."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny-random, seconds-scale sizes")
+    parser.add_argument("--model", help="model alias or folder")
+    parser.add_argument("--actors", type=int, nargs="+", help="rollout actor counts (default: 1 2)")
+    parser.add_argument("--repeats", type=int, help="timed syncs after one warm-up")
+    parser.add_argument("--timeout-s", type=float, default=900.0, help="limit per run")
+    args = parser.parse_args(argv)
+    size = dict(SIZES["quick" if args.quick else "default"])
+    size.update({k: v for k, v in vars(args).items() if k in size and v is not None})
+    work = Path(tempfile.mkdtemp(prefix="bench-weight-sync-"))
+    (work / "args.json").write_text(json.dumps(size))
+    runs: dict[str, Any] = {}
+    for actors, backend in runs_here(size["actors"]):
+        name = f"{backend} x{actors}"
+        result = work / f"{backend}-{actors}.json"
+        argv_child = [sys.executable, str(Path(__file__).resolve()), "--child", str(actors), backend,
+                      str(work / "args.json"), str(result)]
+        print(f"  {name}: running (log {result.with_suffix('.log')})", flush=True)
+        run = benchlib.run_child(argv_child, log_path=result.with_suffix(".log"), timeout_s=args.timeout_s)
+        if run["returncode"] != 0 or not result.exists():
+            print(f"  {name}: FAILED; last lines of the log:\n{benchlib.tail(run['log'])}", flush=True)
+            runs[name] = {"actors": actors, "backend": backend, "error": f"exit code {run['returncode']}",
+                          "log_tail": benchlib.tail(run["log"], 60)}
+            continue
+        raw = json.loads(result.read_text())
+        runs[name] = {**raw, **summarise(raw), "affinity": run["affinity"]}
+    print(f"\n**weight sync** ({size['model']}): {size['repeats']} timed syncs after 1 warm-up, bf16 weights\n")
+    print(table(runs) + "\n")
+    results = {"size": size, "runs": runs}
+    print(f"wrote {benchlib.write_results('weight_sync', results)}")
+    return results
+
+
+HEADERS = ["backend", "actors", "MiB", "sync (s)", "put (s)", "load (s)", "sync MiB/s", "memcpy MiB/s",
+           "sync / memcpy", "delivered MiB/s (N x)"]
+
+
+def table(runs: dict[str, Any]) -> str:
+    """Returns the markdown table of the weight-sync runs (a failed run shows its error)."""
+    mib = 2**20
+    rows = []
+    for r in runs.values():
+        if "error" in r:
+            rows.append([r["backend"], str(r["actors"]), f"FAILED: {r['error']}", *["n/a"] * (len(HEADERS) - 3)])
+            continue
+        rows.append([r["backend"], str(r["actors"]), benchlib.fmt(r["bytes"] / mib, 1), benchlib.fmt(r["sync_s"], 3),
+                     benchlib.fmt(r.get("put_median_s"), 3), benchlib.fmt(r.get("load_median_s"), 3),
+                     benchlib.fmt(r["sync_bytes_per_s"] / mib, 0), benchlib.fmt(r["memcpy_bytes_per_s"] / mib, 0),
+                     r["sync_vs_memcpy"], benchlib.fmt(r["delivered_bytes_per_s"] / mib, 0)])
+    return benchlib.markdown_table(HEADERS, rows)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        n, backend, args_json, result_json = sys.argv[2:]
+        out = child(json.loads(Path(args_json).read_text()), int(n), backend)
+        Path(result_json).write_text(json.dumps(out))
+    else:
+        main()

@@ -1,0 +1,76 @@
+"""The pure helpers of the benchmark scripts (benchmarks/benchlib.py, summaries of weight_sync.py and run_all.py)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    """Imports the scripts as the scripts import each other (benchmarks/ on sys.path)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        yield {name: importlib.import_module(name) for name in ("benchlib", "weight_sync", "run_all")}
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_ratio_and_rates(bench):
+    b = bench["benchlib"]
+    assert b.ratio(3.0, 4.0) == 0.75
+    assert b.ratio(None, 4.0) is None and b.ratio(3.0, None) is None and b.ratio(3.0, 0.0) is None
+    assert b.per_second([10, 30], [1.0, 3.0]) == 10.0  # 40 tokens over 4 s, not the mean of the rates
+    assert b.per_second([5], [0.0]) is None
+
+
+def test_step_durations_and_median_after_warmup(bench):
+    b = bench["benchlib"]
+    ends = [10.0, 12.0, 15.0, 16.0, 20.0]  # steps 1..5 end here
+    durations = b.step_durations(ends)
+    assert durations == [2.0, 3.0, 1.0, 4.0]  # steps 2..5
+    assert b.median_after_warmup(durations, warmup=1) == 2.5  # steps 2..5
+    assert b.median_after_warmup(durations, warmup=2) == 3.0  # steps 3..5: 3, 1, 4
+    assert b.median_after_warmup(durations, warmup=5) is None
+
+
+def test_markdown_table_formats_cells(bench):
+    b = bench["benchlib"]
+    text = b.markdown_table(["run", "s", "ratio"], [["a", 1.234, None], ["b", 7, 0.5]])
+    assert text.splitlines() == ["| run | s | ratio |", "|---|---|---|", "| a | 1.23 | n/a |", "| b | 7 | 0.50 |"]
+    with pytest.raises(ValueError, match="2 cells for 3 headers"):
+        b.markdown_table(["a", "b", "c"], [[1, 2]])
+    assert b.fmt(2.0, 0) == "2" and b.fmt_percent(0.0153) == "1.5%" and b.fmt_percent(None) == "n/a"
+
+
+def test_weight_sync_summary(bench):
+    raw = {"bytes": 1000, "actors": 2, "seconds": [0.5, 0.1, 0.2], "memcpy_s": [0.01, 0.02, 0.03],
+           "put_s": [0.1, 0.05, 0.07], "load_s": [0.4, 0.05, 0.13]}
+    out = bench["weight_sync"].summarise(raw)
+    assert out["sync_s"] == 0.2 and out["memcpy_s"] == 0.02
+    assert out["sync_bytes_per_s"] == pytest.approx(5000.0)
+    assert out["memcpy_bytes_per_s"] == pytest.approx(50000.0)
+    assert out["sync_vs_memcpy"] == pytest.approx(0.1)
+    assert out["delivered_bytes_per_s"] == pytest.approx(10000.0)  # the same bytes reach 2 engines
+    assert out["put_median_s"] == 0.07 and out["load_median_s"] == 0.13
+
+
+def test_run_all_summary_rows_compare_with_targets(bench):
+    results = {
+        "grpo_vs_trl": {"models": {"m": {"runs": {"trl": {"step_time_vs_trl": 1.0},
+                                                  "rlray-sync": {"step_time_vs_trl": 0.5},
+                                                  "rlray-async": {"step_time_vs_sync": 0.9}}}}},
+        "rollout": {"runs": {"vllm": {"vs_vllm": 1.0}, "rlray": {"vs_vllm": 0.95}}},
+        "weight_sync": {"runs": {"object_store x1": {"sync_vs_memcpy": 0.2}, "object_store x2": {"error": "x"}}},
+        "experience": {"runs": [{"case": "step", "world": 1, "move_vs_step": 0.01},
+                                {"case": "scaled", "world": 1, "move_vs_step": None}]},
+    }
+    rows = bench["run_all"].summary_rows(results)
+    assert [(r[1], r[3]) for r in rows] == [(0.5, "yes"), (0.9, "no"), (0.95, "yes"), (0.2, "no"), (None, "n/a"),
+                                            (0.01, "yes")]
+    assert bench["run_all"].summary_rows({}) == []
