@@ -185,7 +185,10 @@ def run_trial(params: dict[str, Any], *, base: dict[str, Any], parent_run_id: st
     the learner fills after each step and calls ``tune.report`` (with a pointer checkpoint on
     snapshot steps), so ASHA and PBT decide between steps. Started with a Tune checkpoint, the run
     resumes from the snapshot it points at (tag ``rlray.tune_source_trial_id``: the trial that wrote
-    it), and the trial's earlier unfinished runs are closed as KILLED.
+    it), and the trial's earlier unfinished runs are closed as KILLED. The last step
+    (``run.max_steps``) is reported only after the run ended: Tune may end a trial at any report, and
+    ending it kills this process, which owns the run's actors (monitor, queues), before the run could
+    write its final status.
 
     Raises:
         BaseException: whatever the run raised (Tune records the trial as errored).
@@ -216,12 +219,18 @@ def run_trial(params: dict[str, Any], *, base: dict[str, Any], parent_run_id: st
 
     thread = threading.Thread(target=fit, name=f"rlray-trial-{trial_id}", daemon=True)
     thread.start()
+    last = None  # the last step's result, reported once the run ended (see the docstring)
     while (item := results.get()) is not None:
-        _report(*item, trial_id)  # returns once the scheduler lets the trial continue
+        if item[0]["step"] >= cfg.run.max_steps:
+            last = item
+        else:
+            _report(*item, trial_id)  # returns once the scheduler lets the trial continue
         acks.put(True)
     thread.join()
     if "error" in outcome:
         raise outcome["error"]
+    if last is not None:
+        _report(*last, trial_id)
 
 
 # --------------------------------------------------------------------------------------------
