@@ -28,12 +28,12 @@ PBT_SWEEP = {
 
 @pytest.fixture(scope="module")
 def pbt_sweep(ray_session, tmp_path_factory, gsm8k_dir, tiny_model_path):
-    """Runs a 2-trial PBT sweep (4 steps each, perturbation every 2 steps, tiny-random); returns (result, uri).
+    """Runs a 2-trial PBT sweep (3 steps each, perturbation every 2 steps, tiny-random); returns (result, uri).
 
     The outcome is known in advance. Trials run one at a time. PBT ranks by learner/lr (mode max), so
     trial 1 (lr 3.5e-5) is worse than trial 0 (lr 1.9e-4) at its perturbation time (step 2): it is
     stopped and restarted from trial 0's step-2 snapshot with trial 0's lr x0.8 or x1.2 (resampling
-    off), and runs steps 3-4 in a new child run. Step 4, the last, is never a perturbation time.
+    off), and runs step 3 in a new child run. Step 3, the last, is never a perturbation time.
     """
     from rlray.tune import run_sweep
 
@@ -42,7 +42,7 @@ def pbt_sweep(ray_session, tmp_path_factory, gsm8k_dir, tiny_model_path):
     cfg = load_config(
         REPO / "configs/grpo_gsm8k_tiny.yaml",
         [f"run.output_dir={folder}/out", f"tracking.mlflow_uri={uri}", f"data.train_files=[{gsm8k_dir}/train.jsonl]",
-         "run.max_steps=4", "eval.num_problems=0", "rollout.backend=hf", "run.name=pbt", "tracking.experiment=pbt",
+         "run.max_steps=3", "eval.num_problems=0", "rollout.backend=hf", "run.name=pbt", "tracking.experiment=pbt",
          "checkpoint.every_steps=1000"],  # the sweep sets it to the perturbation interval
     )
     return run_sweep(cfg, SweepConfig.model_validate(PBT_SWEEP)), uri
@@ -64,9 +64,9 @@ def test_pbt_sweep_exploits_the_better_trials_snapshot(pbt_sweep):
     assert _lr(first) == pytest.approx(1.8789852661499492e-4) and _lr(worse) == pytest.approx(3.463964459891803e-05)
     better_id, worse_id = first.data.tags["rlray.tune_trial_id"], worse.data.tags["rlray.tune_trial_id"]
     assert exploited.data.tags["rlray.tune_trial_id"] == worse_id != better_id
-    # trial 0 ran its 4 steps; its step-2 snapshot is what trial 1 copied
+    # trial 0 ran its 3 steps; its step-2 snapshot is what trial 1 copied
     assert first.info.status == "FINISHED"
-    assert [s for s, _ in get_run_metrics(uri, first.info.run_id)["learner/lr"]] == [1, 2, 3, 4]
+    assert [s for s, _ in get_run_metrics(uri, first.info.run_id)["learner/lr"]] == [1, 2, 3]
     source = f"{first.data.tags['rlray.snapshot_dir']}/step_00000002"
     manifest = checkpoint.read_manifest(source)
     assert (manifest["step"], manifest["run_id"]) == (2, first.info.run_id)
@@ -84,16 +84,16 @@ def test_pbt_sweep_exploits_the_better_trials_snapshot(pbt_sweep):
     assert any(math.isclose(mutated, _lr(first) * f, rel_tol=1e-9) for f in (0.8, 1.2)), mutated
     metrics = get_run_metrics(uri, exploited.info.run_id)
     assert metrics["run/restored_step"] == [(2, 2.0)]
-    assert metrics["learner/lr"] == [(3, pytest.approx(mutated)), (4, pytest.approx(mutated))]  # the mutated value won
+    assert metrics["learner/lr"] == [(3, pytest.approx(mutated))]  # the mutated value won
     # lineage: the exploited run's snapshots continue the version chain of trial 0's step-2 snapshot
     final = checkpoint.read_manifest(exploited.data.tags["rlray.last_snapshot"])
-    assert (final["step"], final["run_id"], final["kind"]) == (4, exploited.info.run_id, "final")
+    assert (final["step"], final["run_id"], final["kind"]) == (3, exploited.info.run_id, "final")
     assert final["parent_version"] == lineage.version_of(uri, "pbt", source)
     assert final["data_cursor"]["epoch"] == manifest["data_cursor"]["epoch"]
     # the summary says which run came from which trial's snapshot; the best is the highest lr at the end
     summary = {t.run_id: t for t in result.trials}
     assert (summary[exploited.info.run_id].source_trial_id, summary[exploited.info.run_id].resumed_from) == (better_id, source)
-    assert summary[first.info.run_id].source_trial_id == "" and summary[first.info.run_id].steps == 4
+    assert summary[first.info.run_id].source_trial_id == "" and summary[first.info.run_id].steps == 3
     best = first if _lr(first) > mutated else exploited
     assert result.best_run_id == best.info.run_id
 
