@@ -1,13 +1,21 @@
 """Per-step hooks: how the world outside the step loop sees each step and asks the run to stop.
 
-``loop.train`` calls every hook on rank 0 after a step's metrics are logged. A hook returns None,
-or a short reason (a string) to stop the run at this step boundary; rank 0 then broadcasts the
-decision and every learner rank leaves the loop together, so the run ends with the usual final
-snapshot and its MLflow status is set by the driver. Hooks travel to the Ray Train workers inside
-``train_loop_config``, so they must pickle (module-level classes holding actor handles do).
+``loop.train`` calls every hook on rank 0 at each step boundary, in one of two places:
 
-Callers today: ``StopWhenRequested`` (``ray job stop`` -> SIGTERM on the driver -> ``RunControl``)
-and ``rlray.tune``'s trial reporter (per-step metrics to Ray Tune for ASHA).
+- a *control* hook (the default) runs after the step's metrics are logged and before the step's
+  snapshot. It returns None, or a short reason (a string) to stop the run at this step boundary;
+  rank 0 then broadcasts the decision and every learner rank leaves the loop together, so the run
+  ends with a snapshot of this step ("stop") and its MLflow status is set by the driver.
+- an *observer* hook (class attribute ``after_snapshot = True``) runs after the step's snapshot is
+  complete and sees its URI in ``StepEnd.snapshot`` (None when no snapshot was written at this step).
+  It cannot stop the run (its return value is ignored).
+
+Hooks travel to the Ray Train workers inside ``train_loop_config``, so they must pickle (module-level
+classes holding actor handles do).
+
+Callers today: ``StopWhenRequested`` (control: ``ray job stop`` -> SIGTERM on the driver ->
+``RunControl``) and ``rlray.tune``'s trial reporter (observer: per-step metrics and the step's
+snapshot to Ray Tune, for ASHA and PBT).
 """
 
 from __future__ import annotations
@@ -29,24 +37,40 @@ class StepEnd:
         step: number of steps done, 1-based (the MLflow step of ``metrics``).
         max_steps: ``run.max_steps`` of the run.
         metrics: the step's logged metrics ({"reward/mean": ..., ...}), eval keys included on eval steps.
+        snapshot: URI of the complete snapshot written at this step boundary (observer hooks only; None
+            for control hooks, and when no snapshot was due or the write failed).
     """
 
     step: int
     max_steps: int
     metrics: dict[str, float] = field(default_factory=dict)
+    snapshot: str | None = None
 
 
 StepHook = Callable[[StepEnd], "str | None"]
 
 
-def run_hooks(hooks: Sequence[StepHook], event: StepEnd) -> str | None:
-    """Returns the stop reasons of ``hooks`` joined by '; ', or None when no hook asks to stop.
+def is_observer(hook: StepHook) -> bool:
+    """Returns True when ``hook`` runs after the step's snapshot (``after_snapshot = True``), not before it."""
+    return bool(getattr(hook, "after_snapshot", False))
 
-    Every hook is called, in order, even after one asked to stop (reporting hooks still see the
-    last step).
+
+def run_hooks(hooks: Sequence[StepHook], event: StepEnd) -> str | None:
+    """Runs the control hooks of ``hooks`` (before the snapshot); returns their stop reasons joined by
+    '; ', or None when none asks to stop.
+
+    Every control hook is called, in order, even after one asked to stop. Observer hooks are skipped
+    (``run_observers`` calls them after the snapshot).
     """
-    reasons = [r for r in (hook(event) for hook in hooks) if r]
+    reasons = [r for r in (hook(event) for hook in hooks if not is_observer(hook)) if r]
     return "; ".join(reasons) or None
+
+
+def run_observers(hooks: Sequence[StepHook], event: StepEnd) -> None:
+    """Calls the observer hooks of ``hooks`` in order with ``event`` (which carries the step's snapshot URI)."""
+    for hook in hooks:
+        if is_observer(hook):
+            hook(event)
 
 
 class RunControl:

@@ -36,7 +36,7 @@ from rlray.config import Config
 from rlray.cores import parse_core_list, pin_process
 from rlray.data import PromptStream, load_prompt_rows, prepare_prompts
 from rlray.fleet import RolloutFleet, RolloutPipeline
-from rlray.hooks import StepEnd, StepHook, run_hooks
+from rlray.hooks import StepEnd, StepHook, run_hooks, run_observers
 from rlray.learner import POLICY_LOSS_OF, AdvantageSpec, LossSpec, Normaliser, PolicyLearner
 from rlray.learner import online as learner_online
 from rlray.learner.critic import build_critic
@@ -526,7 +526,8 @@ def train(cfg: Config, model_dir: str, actors: list[Any], run_id: str | None = N
         coll: collectives; defaults to Ray Train's when inside a worker group, else world 1.
         reference_actor: the reference actor (resources.reference.placement == "actor"), else None.
         ops: the monitor handle, start time, commit and resume snapshot from the driver.
-        hooks: per-step hooks, called on rank 0 after each step is logged (the same list on every rank).
+        hooks: per-step hooks, called on rank 0 at each step boundary (the same list on every rank):
+            control hooks before the step's snapshot, observers after it (``rlray.hooks``).
 
     Raises:
         guard.EarlyOOM: out of memory again after the fallback.
@@ -548,11 +549,13 @@ def train(cfg: Config, model_dir: str, actors: list[Any], run_id: str | None = N
 
 def restart_delay(cfg: Config, coll: Collective, ops: RunOps, source: str | None, restarted: bool) -> Config:
     """Counts this learner start with the monitor (a second start is a restart, alerted), waits
-    ``monitor.restart_delay_s`` after a restart, and returns the config to run (a restart adopts the
-    config the restored snapshot was trained with)."""
+    ``monitor.restart_delay_s`` after a restart, and returns the config to run: restoring this run's own
+    snapshot (``restarted``, the same on every rank) adopts the config it was trained with; a snapshot
+    the run was started from (``checkpoint.resume_from``, a PBT exploit) keeps ``cfg``, on every start."""
+    restart = restarted
     if coll.rank == 0 and ops.monitor is not None:
-        restarted = ray.get(ops.monitor.learner_started.remote()) > 1 or restarted
-    if restarted:
+        restart = ray.get(ops.monitor.learner_started.remote()) > 1 or restarted
+    if restart:
         log.warning("learner restarted; waiting monitor.restart_delay_s=%g s before resuming", cfg.monitor.restart_delay_s)
         time.sleep(cfg.monitor.restart_delay_s)
     return ops_lib.config_for_restore(cfg, source, restarted)
@@ -582,16 +585,19 @@ def _train(cfg: Config, model_dir: str, actors: list[Any], run_id: str | None, c
             stop_reason = _finish_step_rank0(ctx, run, metrics, bar, ops, hooks) if ctx.rank == 0 else None
             if hooks:  # every rank leaves together at this step boundary when rank 0's hooks asked to stop
                 stop_reason = ctx.coll.broadcast(stop_reason)
+            written = None  # the snapshot of this step boundary, for observer hooks (Tune's reporter)
             if trip is not None:
                 ops_lib.handle_trip(ctx, run, trip, ops, reload_rollouts=lambda: reload_rollouts(ctx))
             elif stop_reason and run.step < ctx.cfg.run.max_steps:
-                snapshots.snapshot(ctx, run, ops, kind="stop", metrics=metrics)
+                written = snapshots.snapshot(ctx, run, ops, kind="stop", metrics=metrics)
                 run.status = f"stopped: {stop_reason}"
                 if ctx.rank == 0:
                     ctx.tracker.set_tags({"rlray.stop_reason": stop_reason, "rlray.stop_step": str(run.step)})
             elif snapshots.snapshot_due(ctx.cfg, run.step):
-                snapshots.snapshot(ctx, run, ops, kind="final" if run.step == ctx.cfg.run.max_steps else "periodic",
-                                 metrics=metrics)
+                written = snapshots.snapshot(ctx, run, ops, kind="final" if run.step == ctx.cfg.run.max_steps else "periodic",
+                                           metrics=metrics)
+            if ctx.rank == 0:
+                run_observers(hooks, StepEnd(step + 1, ctx.cfg.run.max_steps, dict(metrics), snapshot=written))
         if run.status == RUNNING:
             run.status = "FINISHED"
     except guard.EarlyOOM:

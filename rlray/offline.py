@@ -37,7 +37,7 @@ from rlray.learner.preference import PAIR_OBJECTIVES, PairNormaliser, Preference
 from rlray.loop import learner_kwargs
 from rlray.models import load_tokenizer
 from rlray.models.heads import load_reward_model
-from rlray.hooks import StepEnd, StepHook, run_hooks
+from rlray.hooks import StepEnd, StepHook, run_hooks, run_observers
 from rlray.runstate import RUNNING, RunOps
 from rlray.tracking import Tracker
 
@@ -331,16 +331,19 @@ def train(
                 stop_reason = run_hooks(hooks, StepEnd(run.step, ctx.cfg.run.max_steps, dict(metrics)))
             if hooks:
                 stop_reason = coll.broadcast(stop_reason)
+            done, written = run.step, None  # the step and its snapshot, for observer hooks (Tune's reporter)
             if trip is not None:
                 ops_lib.handle_trip(ctx, run, trip, ops, reload_rollouts=lambda: None)
             elif stop_reason and run.step < ctx.cfg.run.max_steps:
-                snapshots.snapshot(ctx, run, ops, kind="stop", metrics=metrics)
+                written = snapshots.snapshot(ctx, run, ops, kind="stop", metrics=metrics)
                 run.status = f"stopped: {stop_reason}"
                 if coll.rank == 0:
                     ctx.tracker.set_tags({"rlray.stop_reason": stop_reason, "rlray.stop_step": str(run.step)})
             elif snapshots.snapshot_due(ctx.cfg, run.step):
                 kind = "final" if run.step == ctx.cfg.run.max_steps else "periodic"
-                snapshots.snapshot(ctx, run, ops, kind=kind, metrics=metrics)
+                written = snapshots.snapshot(ctx, run, ops, kind=kind, metrics=metrics)
+            if coll.rank == 0:
+                run_observers(hooks, StepEnd(done, ctx.cfg.run.max_steps, dict(metrics), snapshot=written))
         if run.status == RUNNING:
             run.status = "FINISHED"
     finally:

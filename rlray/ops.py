@@ -25,13 +25,14 @@ log = logging.getLogger(__name__)
 # Start
 # --------------------------------------------------------------------------------------------
 def restore_source(cfg: Config, ops: RunOps, run_id: str, in_ray_train: bool) -> tuple[str | None, bool]:
-    """Returns (snapshot URI to restore or None, True when this is a restart with a snapshot).
+    """Returns (snapshot URI to restore or None, True when it is one of this run's own snapshots).
 
-    Inside Ray Train: a checkpoint Ray hands over from another run's folder (a Tune PBT exploit) wins.
-    Otherwise a complete snapshot in this run's own folder means the learner was restarted: the newest
-    one wins, even one Ray Train never registered (its ``ray.train.report`` was cut off by the failure,
-    or the controller had not taken it in yet; ``begin`` reports it again so Ray's bookkeeping catches
-    up). Without either, ``ops.resume_from``.
+    Inside Ray Train: a checkpoint Ray hands over from another run's folder wins; like
+    ``ops.resume_from`` it is a start from that snapshot, not a restart (the config as given, e.g. a
+    PBT trial's mutated values, stays in force). Otherwise a complete snapshot in this run's own
+    folder means the learner was restarted: the newest one wins, even one Ray Train never registered
+    (its ``ray.train.report`` was cut off by the failure, or the controller had not taken it in yet;
+    ``begin`` reports it again so Ray's bookkeeping catches up). Without either, ``ops.resume_from``.
     """
     if in_ray_train:
         import ray.train
@@ -40,7 +41,7 @@ def restore_source(cfg: Config, ops: RunOps, run_id: str, in_ray_train: bool) ->
         ckpt = ray.train.get_checkpoint()
         parent, name = ckpt.path.rstrip("/").rsplit("/", 2)[-2:] if ckpt is not None else (None, None)
         if ckpt is not None and parent != checkpoint.run_dir_name(run_id):
-            return _uri_of(ckpt), True
+            return _uri_of(ckpt), False
         newest = checkpoint.latest_snapshot(run_dir, cfg.checkpoint.s3.storage_options())
         if newest or ckpt is not None:
             return newest or checkpoint.join(run_dir, name), True
@@ -55,8 +56,9 @@ def _uri_of(ckpt: Any) -> str:
 
 
 def config_for_restore(cfg: Config, source: str | None, restarted: bool) -> Config:
-    """Returns the config to build the learner with: after a Ray Train restart, the trained sections come
-    from the snapshot (a rollback or OOM fallback may have changed them); otherwise ``cfg`` as given."""
+    """Returns the config to build the learner with: when ``source`` is this run's own snapshot (``restarted``,
+    a Ray Train restart), the trained sections come from it (a rollback or OOM fallback may have changed
+    them); otherwise ``cfg`` as given (a resume or a PBT exploit: the user's or the mutated values win)."""
     if source is None or not restarted:
         return cfg
     return trainstate.adopt_trained_config(cfg, trainstate.snapshot_config(source, cfg.checkpoint.s3.storage_options()))

@@ -76,7 +76,8 @@ class SchedulerSpec(_Strict):
         2.0, gt=1.0, description="ASHA: a trial continues past a rung when in the top 1/reduction_factor there."
     )
     perturbation_interval_steps: int = Field(
-        2, ge=1, description="PBT: steps between exploit/explore decisions (each needs a fresh snapshot)."
+        2, ge=1, description="PBT: steps between exploit/explore decisions; below run.max_steps. Trials snapshot at "
+        "each (checkpoint.every_steps is set to it)."
     )
     quantile_fraction: float = Field(
         0.25, gt=0.0, le=0.5, description="PBT: the bottom fraction of trials copies a trial of the top fraction."
@@ -152,8 +153,9 @@ def load_sweep(path: str | Path) -> SweepConfig:
 def check_sweep(sweep: SweepConfig, base: Config) -> None:
     """Checks the sweep against the experiment config it varies.
 
-    Every value of every space (both bounds of a range) must give a valid config, and the ASHA
-    grace period must end before the last step (``run.max_steps``).
+    Every value of every space (both bounds of a range) must give a valid config, the ASHA grace
+    period must end before the last step (``run.max_steps``), and PBT must have a perturbation time
+    before the last step and keep the snapshots it copies.
 
     Raises:
         SweepError: naming ``space.<key>`` (with the config's own message) or the scheduler field.
@@ -169,4 +171,25 @@ def check_sweep(sweep: SweepConfig, base: Config) -> None:
         raise SweepError(
             f"scheduler.grace_period_steps={sweep.scheduler.grace_period_steps} must be below run.max_steps="
             f"{base.run.max_steps} (ASHA judges trials before their last step); lower it or raise run.max_steps"
+        )
+    if sweep.scheduler.name == "pbt":
+        _check_pbt(sweep, base)
+
+
+def _check_pbt(sweep: SweepConfig, base: Config) -> None:
+    """Checks that PBT can perturb before the last step and finds the snapshots it copies.
+
+    Raises:
+        SweepError: naming the scheduler field or the config key to change.
+    """
+    interval = sweep.scheduler.perturbation_interval_steps
+    if interval >= base.run.max_steps:
+        raise SweepError(
+            f"scheduler.perturbation_interval_steps={interval} must be below run.max_steps={base.run.max_steps} "
+            "(the last step is never a perturbation time); lower it or raise run.max_steps"
+        )
+    if base.checkpoint.keep_last < 2:
+        raise SweepError(
+            f"checkpoint.keep_last={base.checkpoint.keep_last}: PBT copies the snapshot of a trial's last "
+            "perturbation time, which a newer snapshot must not prune; set checkpoint.keep_last>=2"
         )

@@ -13,9 +13,11 @@ in ``rlray train``; Tune itself reserves only ``trial_driver_cpus`` for the tria
 Train V2 places its workers outside Tune's placement group). Trials run concurrently as far as the
 cluster's resources divided by one trial's demand allow, or ``max_concurrent_trials``.
 
-PBT is accepted by the schema (``scheduler.name: pbt`` and its fields) and refused at start: it
-needs each trial to write periodic snapshots and to start from another trial's snapshot (see
-``pbt_unavailable_reason``).
+Snapshots: the reporter is an observer hook (it runs after the step's snapshot), and each snapshot
+a trial writes is reported to Tune as a pointer checkpoint (``rlray.pbt``: a ``snapshot.json`` naming
+the snapshot URI). A trial that Tune (re)starts with a checkpoint, a PBT exploit above all, runs with
+``checkpoint.resume_from`` set to the snapshot it names, in a new MLflow child run; the run it
+replaces is closed as KILLED. PBT itself: ``rlray.pbt``.
 """
 
 from __future__ import annotations
@@ -55,27 +57,16 @@ def param_space(sweep: SweepConfig) -> dict[str, Any]:
     return out
 
 
-def pbt_unavailable_reason() -> str:
-    """Returns why PBT cannot run in this build: what the trials lack."""
-    return (
-        "scheduler.name='pbt' exploits by restarting a trial from another trial's snapshot, and rlray "
-        "trials cannot do that yet: the loop writes only the end-of-run snapshot, run_training cannot "
-        "resume from one, and the per-step hook event carries no snapshot URI to report to Tune. Use "
-        "scheduler.name='asha' or 'fifo'"
-    )
-
-
 def make_scheduler(sweep: SweepConfig, max_steps: int) -> Any:
-    """Returns the Tune scheduler of the sweep (time in RL steps, capped at ``max_steps``).
-
-    Raises:
-        SweepError: ``scheduler.name='pbt'`` (see ``pbt_unavailable_reason``).
-    """
+    """Returns the Tune scheduler of the sweep (time in RL steps, capped at ``max_steps``): FIFO, ASHA, or
+    ``rlray.pbt.SnapshotPBT``."""
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+
+    from rlray.pbt import make_pbt
 
     s = sweep.scheduler
     if s.name == "pbt":
-        raise SweepError(pbt_unavailable_reason())
+        return make_pbt(sweep, max_steps)
     if s.name == "fifo":
         return FIFOScheduler()
     # Rungs lie before the last step (max_t = max_steps - 1, no stop at max_t): a trial that reaches
@@ -109,30 +100,35 @@ def concurrent_trials(demand: dict[str, float], cluster: dict[str, float]) -> in
 
 
 class TuneStepReporter:
-    """Per-step hook (rank 0): hands the step's metrics to the trial function and waits for Tune.
+    """Per-step observer hook (rank 0, after the step's snapshot): hands the step to the trial function
+    and waits for Tune.
 
-    It puts ``{"step": n, **metrics}`` on ``results`` and blocks on ``acks`` until the trial
-    function's ``tune.report`` returned, that is until the scheduler let the trial go on. A trial
-    the scheduler stops therefore never starts another step. It never asks the run to stop.
+    It puts ``({"step": n, **metrics}, snapshot URI or None)`` on ``results`` and blocks on ``acks``
+    until the trial function's ``tune.report`` returned, that is until the scheduler let the trial go
+    on. A trial the scheduler stops (ASHA) or restarts (a PBT exploit) therefore never starts another
+    step. It never asks the run to stop.
 
     Args:
         results: ``ray.util.queue.Queue`` the trial function reads.
         acks: ``ray.util.queue.Queue`` the trial function puts one item on per relayed result.
     """
 
+    after_snapshot = True  # rlray.hooks: runs after the step's snapshot and sees its URI
+
     def __init__(self, results: Any, acks: Any) -> None:
         self.results = results
         self.acks = acks
 
     def __call__(self, event: StepEnd) -> None:
-        self.results.put({"step": event.step, **event.metrics})
+        self.results.put(({"step": event.step, **event.metrics}, event.snapshot))
         self.acks.get()
         return None
 
 
-def trial_config(base: dict[str, Any], params: dict[str, Any], trial_id: str) -> Config:
+def trial_config(base: dict[str, Any], params: dict[str, Any], trial_id: str, resume_from: str | None = None) -> Config:
     """Returns the config of one trial: ``base`` with the sampled ``params``, its own output folder (and so
-    its own snapshot folder) and a free monitor port.
+    its own snapshot folder), a free monitor port, and ``checkpoint.resume_from`` when it starts from a
+    snapshot (Tune's checkpoint: a PBT exploit or a restart).
 
     Raises:
         ConfigError: a sampled value is invalid (``check_sweep`` catches this before any trial).
@@ -142,15 +138,57 @@ def trial_config(base: dict[str, Any], params: dict[str, Any], trial_id: str) ->
                     for k, v in sorted(params.items()))
     overrides += [f"run.output_dir={base['run']['output_dir']}/trials/{trial_id}", f"run.name={json.dumps(name)}",
                   "monitor.port=0"]  # trials run side by side: each /health on a free port (tagged on its run)
+    if resume_from:
+        overrides.append(f"checkpoint.resume_from={json.dumps(resume_from)}")
     return config_from_dict(base, overrides)
+
+
+def close_replaced_runs(cfg: Config, parent_run_id: str, trial_id: str, pointer: dict[str, Any]) -> list[str]:
+    """Closes the unfinished MLflow runs of a trial that Tune restarted from ``pointer``'s snapshot as KILLED
+    (tags ``rlray.stop_reason`` and ``rlray.replaced_by_snapshot``); returns their run ids.
+
+    The run a PBT exploit (or a Tune restart) replaces was left RUNNING when Tune stopped its process.
+    """
+    source = pointer["trial_id"]
+    reason = (f"PBT exploit: restarted from trial {source}'s snapshot at step {pointer['step']}" if source != trial_id
+              else f"restarted by Tune from the trial's snapshot at step {pointer['step']}")
+    closed = []
+    for run in child_runs(cfg.tracking.mlflow_uri, parent_run_id=parent_run_id, trial_id=trial_id):
+        if run.info.status not in ("FINISHED", "KILLED"):
+            tracker = Tracker(cfg.tracking.mlflow_uri, cfg.tracking.experiment, run_id=run.info.run_id)
+            tracker.set_tags({"rlray.stop_reason": reason, "rlray.replaced_by_snapshot": pointer["snapshot"]})
+            tracker.finish("KILLED")
+            closed.append(run.info.run_id)
+    return closed
+
+
+def _report(result: dict[str, Any], snapshot: str | None, trial_id: str) -> None:
+    """Relays one step to Tune, with a pointer checkpoint to ``snapshot`` when one was written."""
+    import tempfile
+
+    from ray import tune
+
+    from rlray.pbt import write_pointer
+
+    if snapshot is None:
+        tune.report(result)
+        return
+    with tempfile.TemporaryDirectory(prefix="rlray-pointer-") as tmp:
+        write_pointer(tmp, snapshot=snapshot, step=result["step"], trial_id=trial_id)
+        tune.report(result, checkpoint=tune.Checkpoint.from_directory(tmp))  # Tune copies the folder
 
 
 def run_trial(params: dict[str, Any], *, base: dict[str, Any], parent_run_id: str) -> None:
     """The Tune function trainable: runs one ``rlray train`` and relays its per-step metrics to Tune.
 
     ``run_training`` runs in a helper thread; this thread (Tune's) reads the queue that rank 0 of
-    the learner fills after each step and calls ``tune.report``, so ASHA can stop the trial
-    between steps.
+    the learner fills after each step and calls ``tune.report`` (with a pointer checkpoint on
+    snapshot steps), so ASHA and PBT decide between steps. Started with a Tune checkpoint, the run
+    resumes from the snapshot it points at (tag ``rlray.tune_source_trial_id``: the trial that wrote
+    it), and the trial's earlier unfinished runs are closed as KILLED. The last step
+    (``run.max_steps``) is reported only after the run ended: Tune may end a trial at any report, and
+    ending it kills this process, which owns the run's actors (monitor, queues), before the run could
+    write its final status.
 
     Raises:
         BaseException: whatever the run raised (Tune records the trial as errored).
@@ -159,19 +197,21 @@ def run_trial(params: dict[str, Any], *, base: dict[str, Any], parent_run_id: st
     from ray.util.queue import Queue
 
     from rlray.driver import run_training
+    from rlray.pbt import read_pointer
 
     trial_id = tune.get_context().get_trial_id()
-    cfg = trial_config(base, params, trial_id)
+    pointer = read_pointer(tune.get_checkpoint())
+    cfg = trial_config(base, params, trial_id, resume_from=pointer["snapshot"] if pointer else None)
+    tags = {"mlflow.parentRunId": parent_run_id, "rlray.tune_trial_id": trial_id}
+    if pointer:
+        replaced = close_replaced_runs(cfg, parent_run_id, trial_id, pointer)
+        tags.update({"rlray.tune_source_trial_id": pointer["trial_id"], "rlray.replaces_runs": ",".join(replaced)})
     results, acks = (Queue(actor_options={"num_cpus": 0}) for _ in range(2))
     outcome: dict[str, BaseException] = {}
 
     def fit() -> None:
         try:
-            run_training(
-                cfg,
-                step_hooks=[TuneStepReporter(results, acks)],
-                tags={"mlflow.parentRunId": parent_run_id, "rlray.tune_trial_id": trial_id},
-            )
+            run_training(cfg, step_hooks=[TuneStepReporter(results, acks)], tags=tags)
         except BaseException as err:  # re-raised in Tune's thread below
             outcome["error"] = err
         finally:
@@ -179,12 +219,18 @@ def run_trial(params: dict[str, Any], *, base: dict[str, Any], parent_run_id: st
 
     thread = threading.Thread(target=fit, name=f"rlray-trial-{trial_id}", daemon=True)
     thread.start()
-    while (result := results.get()) is not None:
-        tune.report(result)  # returns once the scheduler lets the trial continue
+    last = None  # the last step's result, reported once the run ended (see the docstring)
+    while (item := results.get()) is not None:
+        if item[0]["step"] >= cfg.run.max_steps:
+            last = item
+        else:
+            _report(*item, trial_id)  # returns once the scheduler lets the trial continue
         acks.put(True)
     thread.join()
     if "error" in outcome:
         raise outcome["error"]
+    if last is not None:
+        _report(*last, trial_id)
 
 
 # --------------------------------------------------------------------------------------------
@@ -192,7 +238,9 @@ def run_trial(params: dict[str, Any], *, base: dict[str, Any], parent_run_id: st
 # --------------------------------------------------------------------------------------------
 @dataclass
 class TrialSummary:
-    """One trial as MLflow recorded it: its child run, swept values, status and the sweep metric."""
+    """One child run of a trial as MLflow recorded it: swept values, status, steps logged, the last value of
+    the sweep metric, and for a run that started from a snapshot (a PBT exploit) the trial that wrote
+    it and its URI ("" otherwise)."""
 
     trial_id: str
     run_id: str
@@ -200,6 +248,8 @@ class TrialSummary:
     status: str
     steps: int
     metric: float | None
+    source_trial_id: str = ""
+    resumed_from: str = ""
 
 
 @dataclass
@@ -220,7 +270,8 @@ class TrialRunCloser(ray_tune.Callback):
     FAILED, when the dying learner raised first). ``on_trial_complete`` closes it at once as KILLED
     with ``rlray.stop_reason``; ``on_trial_error`` as FAILED. ``reconcile`` repeats this after
     ``Tuner.fit`` returns, when no trial process can write any more, so the final statuses hold.
-    A run that finished by itself (FINISHED) is never touched.
+    A run that finished by itself (FINISHED) is never touched; one that a restart of its trial replaced
+    (a PBT exploit; tag ``rlray.replaced_by_snapshot``) stays KILLED with its own reason.
 
     Args:
         uri: MLflow tracking URI of the sweep.
@@ -237,10 +288,13 @@ class TrialRunCloser(ray_tune.Callback):
     def _close(self, trial_id: str) -> None:
         status, reason = self.outcomes[trial_id]
         for run in child_runs(self.uri, parent_run_id=None, trial_id=trial_id, experiment=self.experiment):
-            if run.info.status not in ("FINISHED", status):
+            replaced = "rlray.replaced_by_snapshot" in run.data.tags  # closed by the trial's restart (PBT)
+            want = "KILLED" if replaced else status
+            if run.info.status not in ("FINISHED", want):
                 tracker = Tracker(self.uri, self.experiment, run_id=run.info.run_id)
-                tracker.set_tags({"rlray.stop_reason": reason})
-                tracker.finish(status)
+                if not replaced:
+                    tracker.set_tags({"rlray.stop_reason": reason})
+                tracker.finish(want)
 
     def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         self.outcomes[trial.trial_id] = self.STOPPED
@@ -271,6 +325,8 @@ def summarize(uri: str, parent_run_id: str, sweep: SweepConfig) -> tuple[list[Tr
                 status=run.info.status,
                 steps=len(history),
                 metric=history[-1][1] if history else None,
+                source_trial_id=run.data.tags.get("rlray.tune_source_trial_id", ""),
+                resumed_from=run.data.tags.get("rlray.resumed_from", ""),
             )
         )
     scored = [t for t in trials if t.metric is not None and math.isfinite(t.metric)]
@@ -286,15 +342,18 @@ def run_sweep(cfg: Config, sweep: SweepConfig) -> SweepResult:
     ``sweep/trials.json`` at the end, and tags ``rlray.sweep.best_run_id`` / ``.best_value``.
 
     Raises:
-        SweepError: the sweep does not fit the config (``check_sweep``) or asks for PBT.
+        SweepError: the sweep does not fit the config (``check_sweep``).
     """
     import ray
     from ray import tune
     from ray.tune.search import BasicVariantGenerator
 
     from rlray.driver import init_ray, resolve_paths
+    from rlray.pbt import pbt_base_config
 
     check_sweep(sweep, cfg)
+    if sweep.scheduler.name == "pbt":
+        cfg = pbt_base_config(cfg, sweep)
     scheduler = make_scheduler(sweep, cfg.run.max_steps)
     init_ray()
     cfg = resolve_paths(cfg)

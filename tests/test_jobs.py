@@ -1,4 +1,5 @@
-"""`ray job submit` of jobs/train.py to a Ray head started by this test, and `ray job stop` mid-run.
+"""`ray job submit` of jobs/train.py to a Ray head started by this test, `ray job stop` mid-run, and
+rlray's dashboard metrics (``ray.util.metrics``) read from the head's metrics export port.
 
 The head runs on 127.0.0.1 with its own free ports and temp dir, as a child process of this test,
 and is stopped by terminating that process (never `ray stop`, which would end every Ray cluster on
@@ -40,15 +41,23 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
+class Head(NamedTuple):
+    """A private Ray head: its dashboard (job submission) URL and its Prometheus metrics URL."""
+
+    url: str
+    metrics_url: str
+
+
 @pytest.fixture(scope="module")
 def ray_head():
-    """Yields the dashboard URL of a private single-node Ray head (2 CPUs) on 127.0.0.1."""
+    """Yields the URLs of a private single-node Ray head (2 CPUs) on 127.0.0.1."""
     gcs, dash, agent, client, metrics = _free_ports(5)
     temp_dir = tempfile.mkdtemp(prefix="rr")  # short: Ray's socket paths must stay < 108 chars
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") and k != "PYTHONPATH"}
     # Loopback only, so no token auth (Ray 2.60's `ray start` default): the client here sends no token.
     env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}", HF_HUB_OFFLINE="1", RAY_AUTH_MODE="disabled",
-               RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0")
+               RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
+               RAY_metrics_report_interval_ms="1000")  # application metrics reach the export port within ~1 s
     ray_bin = Path(sys.executable).parent / "ray"
     head = subprocess.Popen(
         [str(ray_bin), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
@@ -70,7 +79,7 @@ def ray_head():
                 if head.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"Ray head did not come up (exit code {head.poll()})") from None
                 time.sleep(2)
-        yield url
+        yield Head(url, f"http://127.0.0.1:{metrics}/metrics")
     finally:
         # SIGTERM to `ray start --block` stops its own head; the process group catches stragglers.
         head.terminate()
@@ -110,8 +119,8 @@ def _submit(url: str, folder: Path, gsm8k_dir: Path, overrides: list[str]) -> Jo
 def jobs(ray_head, tmp_path_factory, gsm8k_dir, tiny_model_path) -> dict[str, Job]:
     """Submits both test jobs at once (each takes 1 of the head's 2 CPUs), so their start-ups overlap."""
     return {
-        "short": _submit(ray_head, tmp_path_factory.mktemp("short"), gsm8k_dir, ["run.max_steps=2"]),
-        "long": _submit(ray_head, tmp_path_factory.mktemp("long"), gsm8k_dir, ["run.max_steps=500"]),
+        "short": _submit(ray_head.url, tmp_path_factory.mktemp("short"), gsm8k_dir, ["run.max_steps=2"]),
+        "long": _submit(ray_head.url, tmp_path_factory.mktemp("long"), gsm8k_dir, ["run.max_steps=500"]),
     }
 
 
@@ -168,6 +177,48 @@ def test_job_submit_runs_rlray_train(jobs):
         assert key in METRIC_KEYS and [s for s, _ in metrics[key]] == [1, 2], key
     manifest = json.loads((Path(run.data.tags["rlray.last_snapshot"]) / "manifest.json").read_text())
     assert manifest["step"] == 2 and manifest["kind"] == "final"
+
+
+# gauge on Ray's metrics endpoint -> the step metric it shows (rlray.monitor.FROM_STEP_METRICS, "ray_" prefixed)
+DASHBOARD = {"ray_rlray_reward_mean": "reward/mean", "ray_rlray_kl": "algo/kl",
+             "ray_rlray_tokens_per_s": "perf/tokens_per_s", "ray_rlray_staleness": "rollout/staleness_mean"}
+
+
+def _scrape(metrics_url: str, run_id: str) -> dict[str, float]:
+    """Returns {series name: value} of the ``ray_rlray_*`` samples labelled ``run_id`` on a Prometheus page."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(metrics_url, timeout=10) as resp:
+        text = resp.read().decode()
+    return {s.name: s.value for family in text_string_to_metric_families(text) if family.name.startswith("ray_rlray_")
+            for s in family.samples if s.labels.get("run_id") == run_id}
+
+
+@pytest.mark.ray
+def test_dashboard_metrics_on_the_ray_metrics_endpoint(ray_head, jobs):
+    """The run's monitor actor feeds ray.util.metrics; the head exports them on its metrics port.
+
+    A finished job's series age out of Ray's export (two report intervals after its actor died), so
+    they are read while the long job runs (before the next test stops it): the scrape must show a
+    step >= 2 together with exactly that step's figures as MLflow logged them.
+    """
+    client, job_id, uri, folder = jobs["long"]
+    deadline, seen = time.monotonic() + 600, {}
+    while True:
+        assert time.monotonic() < deadline, f"no consistent rlray series on {ray_head.metrics_url}; last seen {seen}"
+        assert str(client.get_job_status(job_id).value) in {"PENDING", "RUNNING"}, client.get_job_logs(job_id)[-4000:]
+        run_id = _only_run(uri).info.run_id if "rlray step 1/500" in client.get_job_logs(job_id) else None
+        seen = _scrape(ray_head.metrics_url, run_id) if run_id else {}
+        step = int(seen.get("ray_rlray_step", 0))
+        if step >= 2:
+            logged = {k: dict(v) for k, v in get_run_metrics(uri, run_id).items()}  # MLflow logs before the monitor
+            want = {name: logged[key].get(step) for name, key in DASHBOARD.items()}
+            if all(name in seen and seen[name] == pytest.approx(v, rel=1e-9) for name, v in want.items()):
+                break  # gauges are exported one by one: a scrape may catch the step before its figures
+        time.sleep(1)
+    assert seen["ray_rlray_healthy"] == 1.0 and seen["ray_rlray_tokens_per_s"] > 0.0
 
 
 @pytest.mark.ray

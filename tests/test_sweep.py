@@ -27,7 +27,7 @@ def _error(tmp_path: Path, tree: dict) -> str:
 
 
 def test_shipped_sweeps_exist():
-    assert [p.name for p in SWEEPS] == ["grpo_lr_beta.yaml"]
+    assert [p.name for p in SWEEPS] == ["grpo_lr_beta.yaml", "grpo_pbt_lr_kl.yaml"]
 
 
 @pytest.mark.parametrize("path", SWEEPS, ids=lambda p: p.name)
@@ -43,6 +43,14 @@ def test_grpo_lr_beta_contents():
     assert sweep.space["learner.lr"].grid == [3e-6, 1e-5, 3e-5]
     assert sweep.space["algo.kl_coef"].grid == [0.0, 0.04]
     assert (sweep.metric, sweep.mode, sweep.scheduler.name, sweep.scheduler.grace_period_steps) == ("reward/mean", "max", "asha", 4)
+
+
+def test_grpo_pbt_lr_kl_contents():
+    sweep = load_sweep(REPO / "configs" / "sweeps" / "grpo_pbt_lr_kl.yaml")
+    assert (sweep.space["learner.lr"].loguniform, sweep.space["algo.kl_coef"].uniform) == ((3e-6, 3e-5), (0.0, 0.08))
+    s = sweep.scheduler
+    assert (sweep.metric, s.name, s.perturbation_interval_steps, s.quantile_fraction, s.resample_probability) == (
+        "reward/mean", "pbt", 4, 0.25, 0.25)
 
 
 def test_unknown_top_level_key_is_named(tmp_path):
