@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from rlray.config import load_config
-from rlray.reward import RewardScorer
+from rlray.reward import RewardFunctionError, RewardScorer
 from rlray.reward.server import RewardServerError, RewardTimeoutError, ScorerSandbox, ScoreRequest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,7 +29,8 @@ def test_score_request_checks_lengths():
 
 def test_sandbox_times_out_restarts_and_keeps_serving():
     fn = f"{REPO}/tests/fixtures/server_rewards.py:misbehaving"
-    sandbox = ScorerSandbox({"correct_weight": 1.0, "format_weight": 0.2, "functions": [(fn, 0.5)]}, timeout_s=3.0)
+    sandbox = ScorerSandbox({"correct_weight": 1.0, "format_weight": 0.2, "functions": [{"path": fn, "weight": 0.5}]},
+                            timeout_s=3.0)
     try:
         got = sandbox.score(PROMPTS, COMPLETIONS, REFERENCES)
         # correct + 0.2 * format + 0.5 * misbehaving(=1): [1 + 0.2 + 0.5, 0 + 0 + 0.5, 1 + 0.2 + 0.5]
@@ -38,7 +39,7 @@ def test_sandbox_times_out_restarts_and_keeps_serving():
         with pytest.raises(RewardTimeoutError, match=r"reward.server.timeout_s=3 s"):
             sandbox.score(["p"], ["HANG"], ["#### 1"])
         assert time.monotonic() - t < 30  # killed at the timeout, not after the 60 s sleep
-        with pytest.raises(RewardServerError, match="returned 0 values for 1 completions"):
+        with pytest.raises(RewardFunctionError, match="returned 0 values for 1 completions"):
             sandbox.score(["p"], ["BAD"], ["#### 1"])
         assert sandbox.score(PROMPTS, COMPLETIONS, REFERENCES)["reward"] == pytest.approx([1.7, 0.5, 1.7])
     finally:
@@ -47,7 +48,7 @@ def test_sandbox_times_out_restarts_and_keeps_serving():
 
 def test_sandbox_reports_a_scorer_that_cannot_be_built():
     with pytest.raises(RewardServerError, match="could not be built: RewardFunctionError"):
-        ScorerSandbox({"correct_weight": 1.0, "format_weight": 0.2, "functions": [("no_such_module:fn", 1.0)]}, 5.0)
+        ScorerSandbox({"correct_weight": 1.0, "format_weight": 0.2, "functions": [{"path": "no_such_module:fn"}]}, 5.0)
 
 
 # --------------------------------------------------------------------------------------------
