@@ -83,7 +83,7 @@ def test_a_function_that_cannot_load_names_itself():
         RewardScorer(correct_weight=1.0, format_weight=0.0, functions=[{"path": f"{FIXTURES}/faulty_rewards.py:nope"}])
 
 
-def test_untrusted_code_runs_without_the_environment_and_under_a_memory_cap(monkeypatch):
+def test_untrusted_code_runs_without_the_environment_and_under_memory_and_time_limits(monkeypatch):
     monkeypatch.setenv("RLRAY_TEST_SECRET", "s3cr3t")
     spec = f"{FIXTURES}/faulty_rewards.py:environment_and_memory"
     trusted = RewardScorer(correct_weight=0.0, format_weight=0.0, functions=[{"path": spec}])
@@ -100,6 +100,16 @@ def test_untrusted_code_runs_without_the_environment_and_under_a_memory_cap(monk
     finally:
         trusted.close()
         untrusted.close()
+    # and the time limit: an untrusted function that hangs is killed after its timeout_s, the sample fails
+    hanging = RewardScorer(correct_weight=0.0, format_weight=0.0,
+                           functions=[{"path": FLAKY, "untrusted": True, "memory_gib": 1.0, "timeout_s": 1.0}])
+    try:
+        t = time.monotonic()
+        assert math.isnan(hanging.score(["p"], ["HANG"], ["1"])["reward"][0])
+        assert time.monotonic() - t < 20  # not the function's 60 s sleep
+        assert hanging.score(["p"], ["abcd"], ["1"])["reward"] == [pytest.approx(0.4)]  # a fresh, limited child
+    finally:
+        hanging.close()
 
 
 def test_process_sandbox_timeout_crash_and_errors():
