@@ -1,8 +1,8 @@
 """The driver killed (SIGKILL, no clean-up of any kind) after its first snapshot: `rlray train --resume latest`
 with the same config continues from the newest complete snapshot and finishes the remaining steps.
 
-Marked slow (about 4 minutes on 2 shared cores: two driver start-ups); the exactness of a resume is pinned
-in the default suite by tests/test_ops_loop.py::test_resume_reproduces_the_uninterrupted_run."""
+About 75 s (two driver start-ups, the transformers rollout backend); the exactness of a resume is pinned by
+tests/test_ops_loop.py::test_resume_reproduces_the_uninterrupted_run."""
 
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ MAX_STEPS = 3
 
 
 @pytest.mark.ray
-@pytest.mark.slow
 def test_a_killed_driver_resumes_from_its_latest_snapshot(ray_session, tmp_path, gsm8k_dir, capsys):
     lines = (gsm8k_dir / "train.jsonl").read_text().splitlines()[:4]
     (tmp_path / "train4.jsonl").write_text("\n".join(lines) + "\n")

@@ -8,8 +8,11 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
+
 from rlray import loop, schema
 from rlray.data import PromptRow
+from rlray.rollout import RolloutEngine
 from rlray.rollout.hf_backend import HFBackend
 from rlray.rollout.types import Completion, SamplingSpec
 
@@ -37,3 +40,25 @@ def test_the_rollout_stops_on_any_of_several_eos_ids(tmp_path, tiny_model_path):
     batch = schema.collate(table, model_eos)
     assert batch["response_mask"].tolist() == [[True] * (cut + 1), [True, True] + [False] * (cut - 1)]
     assert batch["response_ids"][0].tolist() == ids[: cut + 1]
+
+
+@pytest.mark.slow
+def test_vllm_stops_on_any_of_several_eos_ids(tmp_path, tiny_model_path):
+    """The vLLM backend reads the eos_token_id list of generation_config.json itself (vLLM adds the extra ids
+    to each request's stop ids); greedy decoding matches the transformers backend, so the stop is known."""
+    greedy = SamplingSpec(n=2, max_new_tokens=12, temperature=0.0)
+    ids = HFBackend(tiny_model_path, dtype="float32", seed=0).generate([PROMPT], greedy, 0)[0].response_token_ids
+    model_eos = json.loads((Path(tiny_model_path) / "config.json").read_text())["eos_token_id"]
+    assert model_eos not in ids and len(ids) == 12  # greedy on the random model repeats one token, no EOS
+    cut = 0  # so its first token is made the second EOS: the rollout stops right there
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_path, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [model_eos, ids[cut]]}))
+    engine = RolloutEngine(str(folder), backend="vllm", dtype="float32", seed=0, max_model_len=64, kv_cache_gib=0.5,
+                           cpu_threads="0-1")  # fmt: skip
+    try:
+        got = engine.generate([PROMPT], greedy)
+    finally:
+        engine.shutdown()
+    assert [c.response_token_ids for c in got] == [ids[: cut + 1]] * 2
+    assert [c.finish_reason for c in got] == ["stop", "stop"] and all(len(c.rollout_logprobs) == cut + 1 for c in got)
