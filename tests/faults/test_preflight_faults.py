@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from moto.core.authorization import enable_iam_authentication
 
 from rlray import cli, driver
 
@@ -45,12 +44,12 @@ def test_a_missing_bucket_fails_at_start(train, moto_s3):
             "(FileNotFoundError") in err and "check the bucket name and the checkpoint.s3.* credentials" in err
 
 
-def test_bad_credentials_fail_at_start_and_are_not_printed(train, moto_s3):
-    s3 = [f"checkpoint.s3.endpoint_url={moto_s3['endpoint_url']}", f"checkpoint.s3.region={moto_s3['region']}",
-          "checkpoint.s3.access_key_id=AKIAWRONGKEY", "checkpoint.s3.secret_access_key=wrong-secret-value"]  # fmt: skip
-    with enable_iam_authentication():  # moto now checks keys like AWS: this one does not exist
-        status, err = train(f"checkpoint.uri=s3://{moto_s3['bucket']}/snapshots", *s3)
+def test_bad_credentials_fail_at_start_and_are_not_printed(train, moto_s3_checking_keys):
+    s3 = moto_s3_checking_keys  # checks keys like AWS: this one does not exist
+    keys = [f"checkpoint.s3.endpoint_url={s3['endpoint_url']}", f"checkpoint.s3.region={s3['region']}",
+            "checkpoint.s3.access_key_id=AKIAWRONGKEY", "checkpoint.s3.secret_access_key=wrong-secret-value"]  # fmt: skip
+    status, err = train("checkpoint.uri=s3://rlray-test/snapshots", *keys)
     assert status == 2
-    assert f"rlray: checkpoint.uri='s3://{moto_s3['bucket']}/snapshots': snapshots cannot be written there (PermissionError" in err
+    assert "rlray: checkpoint.uri='s3://rlray-test/snapshots': snapshots cannot be written there (PermissionError" in err
     assert "check the bucket name and the checkpoint.s3.* credentials" in err
     assert "wrong-secret-value" not in err
