@@ -112,6 +112,33 @@ def ray_storage(root: str, options: dict[str, Any] | None = None) -> tuple[str, 
     return path, pyarrow.fs.PyFileSystem(pyarrow.fs.FSSpecHandler(fs))
 
 
+def check_storage(root: str, options: dict[str, Any] | None = None) -> None:
+    """Checks that snapshots can be written under ``root``: writes, reads back and deletes a small probe.
+
+    Run before anything starts, so that a missing bucket or bad credentials fail the run at once instead
+    of at its first snapshot.
+
+    Raises:
+        SnapshotError: the probe could not be written, read or deleted (names ``checkpoint.uri``, the cause
+            and where to look: the bucket name or the ``checkpoint.s3.*`` credentials).
+    """
+    probe = join(root, f".rlray-probe-{time.time_ns()}")
+    fs, path = open_fs(probe, options)
+    try:
+        if "://" not in root:
+            Path(root).mkdir(parents=True, exist_ok=True)
+        fs.pipe_file(path, b"rlray")
+        fs.invalidate_cache(path)
+        if fs.cat_file(path) != b"rlray":
+            raise OSError("the probe object read back differs from what was written")
+        fs.rm(path)
+    except Exception as err:  # s3fs maps NoSuchBucket to FileNotFoundError, bad keys to PermissionError
+        hint = "check the bucket name and the checkpoint.s3.* credentials" if root.startswith("s3://") else "check the path"
+        raise SnapshotError(
+            f"checkpoint.uri='{root}': snapshots cannot be written there ({type(err).__name__}: {err}); {hint}"
+        ) from None
+
+
 # --------------------------------------------------------------------------------------------
 # Write and read
 # --------------------------------------------------------------------------------------------

@@ -17,7 +17,10 @@ def _train(args: argparse.Namespace) -> int:
     overrides = list(args.overrides) + ([f"checkpoint.resume_from={args.resume}"] if args.resume else [])
     result = run_training(load_config(args.config, overrides))
     print(json.dumps({"run_id": result.run_id, "status": result.status, "tracking_uri": result.tracking_uri,
-                      "final_snapshot": result.final_snapshot, "monitor_url": result.monitor_url}, indent=2))
+                      "final_snapshot": result.final_snapshot, "monitor_url": result.monitor_url,
+                      **({"error": result.error} if result.error else {})}, indent=2))
+    if result.error:
+        print(f"rlray train: {result.error}", file=sys.stderr)
     return 0 if result.status == "FINISHED" else 1
 
 
@@ -203,11 +206,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     from rlray.checkpoint import SnapshotError
+    from rlray.data import DataError
+    from rlray.models import ModelError
+    from rlray.placement import PlacementError
+    from rlray.reward import RewardFunctionError
 
     try:
         return args.func(args)
-    except (ConfigError, SnapshotError) as err:
-        print(f"rlray: {err}", file=sys.stderr)
+    except (ConfigError, SnapshotError, DataError, ModelError, PlacementError, RewardFunctionError) as err:
+        print(f"rlray: {err}", file=sys.stderr)  # bad input found before the run: the message says what to fix
         return 2
 
 

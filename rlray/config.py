@@ -116,7 +116,14 @@ class DataConfig(_Section):
         description="Same forms as train_files; used by eval.",
     )
     max_prompt_tokens: int = Field(
-        256, ge=8, description="Prompts longer than this (in tokens, after the chat template) are skipped and counted."
+        256, ge=8, description="Longest prompt, in tokens after the chat template; see data.long_prompts."
+    )
+    long_prompts: Literal["skip", "error"] = Field(
+        "skip",
+        description=(
+            "Train prompts longer than max_prompt_tokens: 'skip' drops them (logged, counted in "
+            "data/skipped_long_prompts); 'error' stops before the run starts, naming the first one."
+        ),
     )
     shuffle: bool = Field(
         True, description="Shuffle train prompts (offline: train pairs) each epoch (seeded by run.seed)."
@@ -175,6 +182,24 @@ class RewardFunctionConfig(_Section):
 
     path: str = Field(..., description="'package.module:function' or 'path/to/file.py:function'.")
     weight: float = Field(1.0, description="Weight of this term in the summed reward.")
+    timeout_s: float = Field(
+        10.0,
+        gt=0.0,
+        description=(
+            "Seconds one call of this function may take (it runs in its own process); past it the process is "
+            "killed and restarted, and that call's samples count as failed (reward/failed, left out of the step)."
+        ),
+    )
+    untrusted: bool = Field(
+        False,
+        description=(
+            "Treat the function as untrusted code (code-execution rewards): its process also gets an "
+            "address-space cap of memory_gib, an emptied environment (no credentials) and a private temp folder."
+        ),
+    )
+    memory_gib: float = Field(
+        2.0, gt=0.0, description="Address-space cap (RLIMIT_AS) of an untrusted function's process, in GiB."
+    )
 
 
 class RewardServerConfig(_Section):
@@ -203,6 +228,19 @@ class RewardServerConfig(_Section):
             "Seconds one scorer call (rules, user functions, reward model) may take; past it the sandbox "
             "process is killed and restarted and the requests of that batch fail with a timeout error."
         ),
+    )
+    client_attempts: int = Field(
+        5,
+        ge=1,
+        description=(
+            "Tries of one scoring request from the loop while no replica answers (a restarting replica), with "
+            "exponential back-off from 1 s (at most 30 s between tries); then the step fails with a clear error."
+        ),
+    )
+    client_timeout_s: float = Field(
+        300.0,
+        gt=0.0,
+        description="Seconds the loop waits for one try of a scoring request, queueing for a replica included.",
     )
 
 
@@ -954,6 +992,20 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return tree
 
 
+def _is_secret(loc: tuple) -> bool:
+    """Returns True when the dotted location names a SecretStr field (its value must never be printed)."""
+    model: Any = Config
+    for part in loc:
+        fields = getattr(model, "model_fields", None)
+        if fields is None or not isinstance(part, str) or part not in fields:
+            return False
+        ann = fields[part].annotation
+        if SecretStr in get_args(ann) or ann is SecretStr:
+            return True
+        model = ann
+    return False
+
+
 def _format_errors(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
@@ -963,7 +1015,8 @@ def _format_errors(err: ValidationError) -> str:
         elif e["type"] == "value_error" and not key:
             lines.append(str(e["msg"]).removeprefix("Value error, "))
         else:
-            lines.append(f"{key or '<root>'}={e.get('input')!r}: {e['msg']}")
+            shown = "'**********'" if _is_secret(e["loc"]) else repr(e.get("input"))
+            lines.append(f"{key or '<root>'}={shown}: {e['msg']}")
     return "invalid config:\n  - " + "\n  - ".join(lines)
 
 

@@ -3,6 +3,8 @@
 ``rlray train``, ``jobs/train.py`` and sweeps call ``run_training``. The step loop itself runs inside
 the Ray Train training function (``rlray.loop.train_worker``); this module only wires it up:
 
+0. check every input (model, tokenizer, data, reward functions, snapshot storage; ``rlray.preflight``)
+   before Ray or MLflow start,
 1. check that every role's resources fit the cluster (before any actor starts),
 2. the rollout actors in their placement group (rlray:rollout-<i>),
 3. the reward Serve application rlray-reward (when reward.server.enabled),
@@ -41,14 +43,15 @@ log = logging.getLogger(__name__)
 @dataclass
 class TrainResult:
     """Outcome of a run: the MLflow run id, the resolved tracking URI, the last complete snapshot's URI,
-    the status (FINISHED, FAILED, KILLED, or 'stopped: <reason>' when a guard stopped it) and the
-    monitor's URL."""
+    the status (FINISHED, FAILED, KILLED, or 'stopped: <reason>' when a guard stopped it), the
+    monitor's URL and, when a step hit an error a restart cannot fix, its message."""
 
     run_id: str
     tracking_uri: str
     final_snapshot: str
     status: str
     monitor_url: str = ""
+    error: str = ""
 
 
 def init_ray(*, include_dashboard: bool | None = None) -> None:
@@ -189,6 +192,9 @@ def run_training(
         tags: extra MLflow tags of the run (a sweep sets ``mlflow.parentRunId``).
 
     Raises:
+        rlray.models.ModelError, rlray.data.DataError, rlray.reward.RewardFunctionError,
+            rlray.checkpoint.SnapshotError: an input of the run is unusable (``rlray.preflight``; nothing
+            was started).
         rlray.placement.PlacementError: the resources do not fit the cluster (nothing was started).
         ray.train.TrainingFailedError: learner workers failed more than ``monitor.max_failures`` times.
         rlray.checkpoint.SnapshotError: ``checkpoint.resume_from`` names no complete snapshot.
@@ -196,14 +202,15 @@ def run_training(
     """
     from rlray import checkpoint, lineage
     from rlray.actors import start_monitor
+    from rlray.preflight import preflight
 
     started_at = time.time()
-    init_ray()
     cfg = resolve_paths(cfg)
+    model_dir = preflight(cfg)
+    init_ray()
     check_cluster(cfg)
     opts = cfg.checkpoint.s3.storage_options()
     resume = checkpoint.resolve_snapshot(cfg.checkpoint.resume_from, cfg.checkpoint_uri, opts) if cfg.checkpoint.resume_from else None
-    model_dir = resolve_model_path(cfg.model.path)
     tracker = Tracker(cfg.tracking.mlflow_uri, cfg.tracking.experiment, run_name=cfg.run.name)
     tracker.log_config(cfg)
     ops = RunOps(started_at=started_at, git_commit=lineage.git_commit(), resume_from=resume)
@@ -213,7 +220,6 @@ def run_training(
     log.info("MLflow run %s in %s", tracker.run_id, cfg.tracking.mlflow_uri)
     actors, reference, pg, own_app = [], None, None, False
     status = "FAILED"
-    control = start_run_control()
     control = start_run_control()
     try:
         namespace = f"rlray-{tracker.run_id}"  # keeps actor names of concurrent runs (sweep trials) apart
@@ -256,7 +262,7 @@ def run_training(
             serve.delete(cfg.reward.server.app_name)
     tags = tracker.tags()
     return TrainResult(tracker.run_id, cfg.tracking.mlflow_uri, tags.get("rlray.last_snapshot", ""), status,
-                       tags.get("rlray.monitor_url", ""))
+                       tags.get("rlray.monitor_url", ""), tags.get("rlray.error", ""))
 
 
 def _mlflow_status(status: str) -> str:

@@ -16,8 +16,10 @@ Ray's object store; every rank takes part in the update. A step, top to bottom:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
+import math
 import random
 import time
 from collections.abc import Sequence
@@ -34,7 +36,7 @@ from rlray import ops as ops_lib
 from rlray.collective import Collective, RayTrainCollective, current_collective
 from rlray.config import Config
 from rlray.cores import parse_core_list, pin_process
-from rlray.data import PromptStream, load_prompt_rows, prepare_prompts
+from rlray.data import DataError, PromptStream, load_prompt_rows, prepare_prompts
 from rlray.fleet import RolloutFleet, RolloutPipeline
 from rlray.hooks import StepEnd, StepHook, run_hooks, run_observers
 from rlray.learner import POLICY_LOSS_OF, AdvantageSpec, LossSpec, Normaliser, PolicyLearner
@@ -43,7 +45,7 @@ from rlray.learner.critic import build_critic
 from rlray.learner.policy import to_local_gpu
 from rlray.models import load_tokenizer, resolve_model_path
 from rlray.online_sampling import Rollouts
-from rlray.reward import RewardScorer
+from rlray.reward import RewardFunctionError, RewardScorer
 from rlray.reward.server import LocalRewardClient, ScoreResult, ServeRewardClient
 from rlray.rollout import Completion, SamplingSpec
 from rlray.runstate import RUNNING, RunOps, RunState
@@ -52,14 +54,24 @@ from rlray.weight_sync import make_weight_sync
 
 log = logging.getLogger(__name__)
 
+# Errors found during a step that a retry cannot fix (a reward function returning the wrong number of values,
+# bad data): every rank stops at once with the message, and Ray Train does not restart the learner.
+FATAL_STEP_ERRORS: tuple[type[BaseException], ...] = (RewardFunctionError, DataError)
+
+
+class FatalStepError(RuntimeError):
+    """A step hit one of ``FATAL_STEP_ERRORS`` on rank 0; raised on every rank with rank 0's message."""
+
 
 @dataclass
 class StepBatch:
-    """What rank 0 hands to every rank for one step: shard references and global denominators."""
+    """What rank 0 hands to every rank for one step: shard references and global denominators (or the
+    fatal error that ends the run)."""
 
     shard_refs: list[Any]
     minibatch_norms: list[Normaliser]
     rollout_metrics: dict[str, float]
+    fatal: str | None = None
 
 
 @dataclass
@@ -79,6 +91,7 @@ class Context:
     tracker: Tracker | None = None  # rank 0 only
     tokenizer: Any = None
     reward: LocalRewardClient | ServeRewardClient | None = None  # rank 0 only
+    reward_kwargs: dict | None = None  # rank 0: the reward config ``reward`` was built from (scorer_kwargs)
     fleet: RolloutFleet | None = None  # rank 0 only
     pipeline: RolloutPipeline | None = None  # rank 0 only
     weight_sync: Any = None  # every rank (rlray.weight_sync)
@@ -131,7 +144,7 @@ def scorer_kwargs(cfg: Config) -> dict:
     return {
         "correct_weight": cfg.reward.correct_weight,
         "format_weight": cfg.reward.format_weight,
-        "functions": [(f.path, f.weight) for f in cfg.reward.functions],
+        "functions": [f.model_dump() for f in cfg.reward.functions],
         "model_path": cfg.reward.model_path,
         "model_weight": cfg.reward.model_weight,
     }
@@ -144,8 +157,9 @@ def build_scorer(cfg: Config) -> RewardScorer:
 
 def reward_client(cfg: Config) -> LocalRewardClient | ServeRewardClient:
     """Returns the Serve application's client when reward.server.enabled, else an in-process scorer."""
-    if cfg.reward.server.enabled:
-        return ServeRewardClient(cfg.reward.server.app_name)
+    srv = cfg.reward.server
+    if srv.enabled:
+        return ServeRewardClient(srv.app_name, attempts=srv.client_attempts, timeout_s=srv.client_timeout_s)
     return LocalRewardClient(build_scorer(cfg), cfg.reward.version)
 
 
@@ -178,9 +192,15 @@ def build_experience(
     """Returns the step's experience table (``schema.EXPERIENCE_SCHEMA``), one row per completion.
 
     ``baseline_rewards`` (ReMax: the greedy response's reward, one per completion) fills baseline_reward.
+    A completion whose reward (or baseline) is NaN failed in the reward stage: its response_mask is all
+    False, so no advantage statistic and no loss term sees it (``learner.advantages`` takes a row as valid
+    when its mask has a True), and its reward stays NaN in the table.
     """
     comps = {k: v for k, v in rewards.items() if k != "reward"}
     extra = {} if baseline_rewards is None else {"baseline_reward": baseline_rewards}
+    scored = [math.isfinite(r) for r in rewards["reward"]]
+    if baseline_rewards is not None:
+        scored = [ok and math.isfinite(b) for ok, b in zip(scored, baseline_rewards)]
     return schema.make_table(
         {
             **extra,
@@ -189,7 +209,7 @@ def build_experience(
             "sample_index": [c.sample_index for c in completions],
             "prompt_token_ids": [prompt_ids[c.prompt_index] for c in completions],
             "response_token_ids": [c.response_token_ids for c in completions],
-            "response_mask": [[True] * len(c.response_token_ids) for c in completions],
+            "response_mask": [[ok] * len(c.response_token_ids) for c, ok in zip(completions, scored)],
             "rollout_logprobs": [c.rollout_logprobs for c in completions],
             "reward": rewards["reward"],
             "reward_components": [{k: v[i] for k, v in comps.items()} for i in range(len(completions))],
@@ -214,18 +234,27 @@ def minibatch_normalisers(table: pa.Table, cfg: Config, world: int) -> list[Norm
     return norms
 
 
-def distribute(ctx: Context, table: pa.Table | None, rollout_metrics: dict[str, float] | None) -> tuple[pa.Table, StepBatch]:
+def distribute(
+    ctx: Context, table: pa.Table | None, rollout_metrics: dict[str, float] | None, fatal: str | None = None
+) -> tuple[pa.Table, StepBatch]:
     """Hands every rank its contiguous shard of whole groups through the object store.
 
     Rank 0 puts one Arrow table per rank (``ray.put``) and broadcasts only the references; each rank
     then fetches its own shard, so experience never passes through the other ranks.
+
+    Raises:
+        FatalStepError: on every rank, when rank 0 passes ``fatal`` (its stages 1-3 hit a fatal error).
     """
     batch = None
-    if ctx.rank == 0:
+    if ctx.rank == 0 and fatal is not None:
+        batch = StepBatch([], [], {}, fatal)
+    elif ctx.rank == 0:
         refs = [ray.put(table.slice(s.start, s.stop - s.start)) for s in
                 (schema.shard_rows(table.num_rows, r, ctx.world) for r in range(ctx.world))]
         batch = StepBatch(refs, minibatch_normalisers(table, ctx.cfg, ctx.world), rollout_metrics or {})
     batch = ctx.coll.broadcast(batch)
+    if batch.fatal is not None:
+        raise FatalStepError(batch.fatal)
     return ray.get(batch.shard_refs[ctx.rank]), batch
 
 
@@ -292,19 +321,25 @@ def rollout_stats(
 ) -> dict[str, float]:
     """Returns reward/* and rollout/* metrics of a step's experience (rank 0).
 
+    Reward statistics are over the samples that have a reward; ``reward/failed`` counts the others (a
+    reward function raised, timed out or returned NaN: ``build_experience`` masked them out). A group
+    has no signal when fewer than 2 of its samples have a reward or their rewards are all equal.
     Staleness of a sample = the learner's policy version that the update starts from, minus the
     version that generated the sample (0 in synchronous mode, at most rollout.max_staleness).
     """
     lengths = np.asarray(table.column("response_token_ids").combine_chunks().value_lengths(), dtype=np.float64)
     r = np.asarray(rewards["reward"], dtype=np.float64)
-    groups = r.reshape(prompts_per_step, -1)
+    ok = np.isfinite(r)
+    groups = np.where(ok, r, np.nan).reshape(prompts_per_step, -1)
+    spread = [np.ptp(g[np.isfinite(g)]) > 0 if np.isfinite(g).sum() >= 2 else False for g in groups]
     staleness = learner_version - np.asarray(table.column("policy_version").to_pylist(), dtype=np.float64)
     return {
-        "reward/mean": float(r.mean()),
-        "reward/std": float(r.std()),
+        "reward/mean": float(r[ok].mean()) if ok.any() else math.nan,
+        "reward/std": float(r[ok].std()) if ok.any() else math.nan,
+        "reward/failed": float((~ok).sum()),
         "reward/accuracy": float(np.mean(rewards["accuracy"])),
         "reward/format_rate": float(np.mean(rewards["format"])),
-        "algo/groups_without_signal": float((groups.std(1) == 0).mean()),
+        "algo/groups_without_signal": float(1.0 - np.mean(spread)),
         "rollout/response_tokens_mean": float(lengths.mean()),
         "rollout/truncated_rate": float(np.mean([f == "length" for f in table.column("finish_reason").to_pylist()])),
         "rollout/generated_tokens": float(lengths.sum()),
@@ -314,28 +349,51 @@ def rollout_stats(
     }
 
 
+def collect_experience(ctx: Context, step: int) -> tuple[pa.Table, dict[str, float]]:
+    """Stages 1-3 (rank 0): returns the step's experience table and its reward/rollout/timing metrics.
+
+    Samples whose reward failed are counted in reward/failed and logged; a step whose groups all lack
+    reward variance (zero advantages for the group estimators) is logged as having no signal.
+    """
+    cfg, timings = ctx.cfg, {}
+    # 1-2. prompts and rollout; the pipeline keeps steps step+1..step+max_staleness in flight
+    t = time.perf_counter()
+    got = ctx.pipeline.next(step)
+    rows, prompt_ids, completions = got.rows, got.prompt_ids, got.completions
+    timings["timing/rollout_s"] = time.perf_counter() - t
+    # 3. rewards
+    t = time.perf_counter()
+    scored = score(ctx.reward, rows, completions, ctx.tokenizer)
+    timings["timing/reward_s"] = time.perf_counter() - t
+    t = time.perf_counter()  # algorithm extras: DAPO refill, overlong shaping, ReMax baseline
+    sampling = sampling_for_step(cfg, step)
+    got, baseline, algo_metrics = algorithm_sampling(ctx, sampling, Rollouts(rows, prompt_ids, completions, scored.values))
+    timings["timing/algo_sampling_s"] = time.perf_counter() - t
+    table = build_experience(got.rows, got.prompt_ids, got.completions, got.rewards, baseline)
+    stats = rollout_stats(table, got.rewards, cfg.learner.prompts_per_step, ctx.policy_version)
+    if stats["reward/failed"]:
+        log.warning("step %d: %d of %d samples have no reward (a reward function failed); they are left out of "
+                    "the update (reward/failed)", step + 1, stats["reward/failed"], table.num_rows)
+    if stats["algo/groups_without_signal"] == 1.0:
+        log.warning("step %d: no prompt group has rewards that differ: the advantages are zero and the update "
+                    "carries no reward signal (algo/groups_without_signal=1)", step + 1)
+    return table, {**stats, **algo_metrics, **timings, "reward/version": float(scored.version)}
+
+
 def run_step(ctx: Context, step: int) -> dict[str, float]:
-    """Runs one RL step (stages 1-7) on this rank; returns its metrics (complete on rank 0)."""
-    cfg, timings, table, rmetrics = ctx.cfg, {}, None, None
+    """Runs one RL step (stages 1-7) on this rank; returns its metrics (complete on rank 0).
+
+    Raises:
+        FatalStepError: on every rank, when rank 0's stages 1-3 hit one of ``FATAL_STEP_ERRORS``.
+    """
+    table, rmetrics, fatal = None, None, None
     t_step = time.perf_counter()
     if ctx.rank == 0:
-        # 1-2. prompts and rollout; the pipeline keeps steps step+1..step+max_staleness in flight
-        t = time.perf_counter()
-        got = ctx.pipeline.next(step)
-        rows, prompt_ids, completions = got.rows, got.prompt_ids, got.completions
-        timings["timing/rollout_s"] = time.perf_counter() - t
-        # 3. rewards
-        t = time.perf_counter()
-        scored = score(ctx.reward, rows, completions, ctx.tokenizer)
-        timings["timing/reward_s"] = time.perf_counter() - t
-        t = time.perf_counter()  # algorithm extras: DAPO refill, overlong shaping, ReMax baseline
-        sampling = sampling_for_step(cfg, step)
-        got, baseline, algo_metrics = algorithm_sampling(ctx, sampling, Rollouts(rows, prompt_ids, completions, scored.values))
-        timings["timing/algo_sampling_s"] = time.perf_counter() - t
-        table = build_experience(got.rows, got.prompt_ids, got.completions, got.rewards, baseline)
-        stats = rollout_stats(table, got.rewards, cfg.learner.prompts_per_step, ctx.policy_version)
-        rmetrics = {**stats, **algo_metrics, **timings, "reward/version": float(scored.version)}
-    shard, batch = distribute(ctx, table, rmetrics)
+        try:
+            table, rmetrics = collect_experience(ctx, step)
+        except FATAL_STEP_ERRORS as err:
+            fatal = f"{type(err).__name__}: {err}"
+    shard, batch = distribute(ctx, table, rmetrics, fatal)
     data = schema.collate(shard, ctx.pad_token_id)
     t = time.perf_counter()
     data = reference_and_old_logprobs(ctx, data)
@@ -422,7 +480,8 @@ def setup(
     if coll.rank == 0:
         render = dict(instruction=cfg.data.instruction, system_prompt=cfg.data.system_prompt)
         train_rows, train_ids, ctx.skipped_long_prompts = prepare_prompts(
-            load_prompt_rows(cfg.data.train_files), tokenizer, max_prompt_tokens=cfg.data.max_prompt_tokens, **render
+            load_prompt_rows(cfg.data.train_files), tokenizer, max_prompt_tokens=cfg.data.max_prompt_tokens,
+            long_prompts=cfg.data.long_prompts, **render,
         )
         ctx.stream = PromptStream(train_rows, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
         ctx.prompt_ids = {r.prompt_id: ids for r, ids in zip(train_rows, train_ids)}
@@ -431,7 +490,7 @@ def setup(
             rows, ids, _ = prepare_prompts(eval_rows, tokenizer, max_prompt_tokens=10**9, **render)
             ctx.eval_prompts = list(zip(rows, ids))
         ctx.tracker = Tracker(cfg.tracking.mlflow_uri, cfg.tracking.experiment, run_id=run_id)
-        ctx.reward = reward_client(cfg)
+        ctx.reward, ctx.reward_kwargs = reward_client(cfg), scorer_kwargs(cfg)
         ctx.fleet = RolloutFleet(actors)
         ctx.pipeline = RolloutPipeline(
             ctx.fleet, functools.partial(take_prompts, ctx), functools.partial(sampling_for_step, cfg),
@@ -603,10 +662,17 @@ def _train(cfg: Config, model_dir: str, actors: list[Any], run_id: str | None, c
     except guard.EarlyOOM:
         retrying = True
         raise
+    except FatalStepError as err:
+        if ctx.rank == 0:
+            log.error("the run stops at step %d: %s", run.step + 1, err)
+            ctx.tracker.set_tags({"rlray.error": str(err)[:5000]})
+        raise
     finally:
         if bar is not None:
             bar.close()
         ops_lib.finish(ctx, run, ops, record=not retrying)
+        if ctx.reward is not None:
+            ctx.reward.close()
     coll.barrier()
     return Outcome(run.status, run.step, run.last_snapshot, metrics)
 
@@ -651,8 +717,9 @@ def reload_rollouts(ctx: Context) -> None:
         ctx.pipeline.reset()  # drop rollouts in flight (async mode): they used the old weights and cursor
     ctx.policy_version -= 1
     ctx.policy_version = sync_weights(ctx)
-    if ctx.rank == 0:
-        ctx.reward = reward_client(ctx.cfg)  # a rollback may change reward.*
+    if ctx.rank == 0 and ctx.reward_kwargs != (kwargs := scorer_kwargs(ctx.cfg)):  # a rollback may change reward.*
+        ctx.reward.close()
+        ctx.reward, ctx.reward_kwargs = reward_client(ctx.cfg), kwargs
 
 
 def train_worker(loop_config: dict) -> None:
@@ -662,5 +729,8 @@ def train_worker(loop_config: dict) -> None:
     cfg = Config.model_validate(loop_config["config"])
     coll = current_collective()
     name_learner_process(coll.rank)
-    train(cfg, loop_config["model_dir"], loop_config["rollout_actors"], loop_config["run_id"], coll,
-          loop_config.get("reference_actor"), loop_config.get("ops"), loop_config.get("step_hooks", ()))
+    try:
+        train(cfg, loop_config["model_dir"], loop_config["rollout_actors"], loop_config["run_id"], coll,
+              loop_config.get("reference_actor"), loop_config.get("ops"), loop_config.get("step_hooks", ()))
+    except FatalStepError:  # recorded (status FAILED, tag rlray.error): a restart would fail the same way
+        return

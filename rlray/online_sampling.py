@@ -13,6 +13,7 @@ the next prompts, so these functions need neither Ray nor an engine (tests pass 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +68,8 @@ class Rollouts:
 def groups_with_spread(batch: Rollouts, metric: str = "accuracy") -> list[int]:
     """Returns the prompt indices whose completions' ``metric`` term is not constant (``algos.groups_with_spread``).
 
+    Samples whose reward or ``metric`` failed (NaN) do not count toward the spread.
+
     Raises:
         KeyError: ``metric`` is not one of the batch's reward terms (names algo.dynamic_sampling_metric).
     """
@@ -77,8 +80,9 @@ def groups_with_spread(batch: Rollouts, metric: str = "accuracy") -> list[int]:
             f"algo.dynamic_sampling_metric='{metric}' is not a reward term; the reward stage gives {sorted(batch.rewards)}"
         )
     acc = torch.tensor(batch.rewards[metric], dtype=torch.float32)
+    valid = acc.isfinite() & torch.tensor(batch.rewards["reward"], dtype=torch.float32).isfinite()
     groups = torch.tensor([c.prompt_index for c in batch.completions], dtype=torch.long)
-    keep = algos.groups_with_spread(acc, groups)
+    keep = algos.groups_with_spread(torch.where(valid, acc, 0.0), groups, valid_mask=valid)
     return sorted({int(g) for g in groups[keep].tolist()})
 
 
@@ -204,8 +208,9 @@ def apply(
         per_prompt = [0.0] * len(batch.rows)
         for c, r in zip(scored.completions, scored.rewards["reward"]):
             per_prompt[c.prompt_index] = r
-        baseline = per_completion(per_prompt, batch.completions)
-        metrics["reward/baseline_mean"] = sum(per_prompt) / max(len(per_prompt), 1)
+        baseline = per_completion(per_prompt, batch.completions)  # NaN where the greedy reward failed
+        scored = [r for r in per_prompt if math.isfinite(r)]
+        metrics["reward/baseline_mean"] = sum(scored) / len(scored) if scored else math.nan
     n = max(len(batch.completions), 1)
     if spec.overlong_cache_tokens:
         metrics["reward/overlong_penalty_mean"] = sum(batch.rewards["overlong"]) / n

@@ -259,6 +259,7 @@ def finish(ctx: Any, run: RunState, ops: RunOps, *, record: bool = True) -> None
         run.status = "FAILED"
     try:  # runs on the way out of a failure too: never hide the original error
         ctx.tracker.set_tags({"rlray.status": run.status, "rlray.final_step": str(run.step)})
+        ctx.tracker.close(spill_path=snapshots.local_log_path(ctx.cfg, run).with_name(f"mlflow-unsent-{run.run_id}.jsonl"))
         if ops.monitor is not None:
             import ray
 

@@ -3,10 +3,17 @@
 One run per training job. Params are the flattened config at start; metrics are namespaced
 (``rollout/``, ``reward/``, ``learner/``, ``algo/``, ``timing/``, ``perf/``, ``eval/``); the resolved
 config is an artifact. ``METRIC_KEYS`` is the one list of metric names a step logs.
+
+The store going away mid-run never stops training: ``Tracker`` keeps the metrics, tags and text artifacts
+it could not write (with their original steps and timestamps), warns once per outage, and writes them all,
+in order, at the next write that gets through (a warning says so). ``close`` retries for a while at the
+end of the run; what still cannot be written is saved to a JSON Lines file and named in an error, never
+dropped. Errors that retrying cannot fix (``INVALID_PARAMETER_VALUE``, a deleted run) are raised.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
@@ -14,7 +21,9 @@ from pathlib import Path
 
 import mlflow
 from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
+from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from rlray.config import Config
 
@@ -26,6 +35,7 @@ ALGO_STAGES = ("algo_sampling", "reference")  # rank-0 DAPO/ReMax sampling extra
 METRIC_KEYS: tuple[str, ...] = (
     "reward/mean",
     "reward/std",
+    "reward/failed",
     "reward/accuracy",
     "reward/format_rate",
     "algo/kl",
@@ -114,27 +124,59 @@ def resolve_tracking_uri(uri: str, base: Path | None = None) -> str:
     return uri
 
 
+# MLflow error codes that retrying cannot fix: raised at once instead of buffered.
+_CLIENT_ERRORS = ("INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "INVALID_STATE", "BAD_REQUEST")
+
+
+class StoreUnavailableError(RuntimeError):
+    """The MLflow store did not take buffered writes in time; names the file they were saved to."""
+
+
+def _retryable(err: BaseException) -> bool:
+    """Returns True for a store error worth waiting out (the store is down), False for a bad request."""
+    return not (isinstance(err, MlflowException) and err.error_code in _CLIENT_ERRORS)
+
+
 class Tracker:
-    """Writes one MLflow run: params, per-step metrics, tags and artifacts.
+    """Writes one MLflow run: params, per-step metrics, tags and artifacts; buffers writes while the store is down.
 
     Args:
         uri: MLflow tracking URI (``tracking.mlflow_uri``, already resolved).
         experiment: experiment name; created when missing.
         run_id: continue this run (resume) instead of creating one.
         run_name: name of a new run.
+        client: the ``MlflowClient`` to write through (tests inject a failing one); None makes one for ``uri``.
+
+    Raises:
+        mlflow.exceptions.MlflowException: the store cannot be reached at start (the run must not start blind).
     """
 
-    def __init__(self, uri: str, experiment: str, *, run_id: str | None = None, run_name: str | None = None) -> None:
-        self.client = MlflowClient(tracking_uri=uri)
+    def __init__(self, uri: str, experiment: str, *, run_id: str | None = None, run_name: str | None = None,
+                 client: MlflowClient | None = None) -> None:
+        self.uri = uri
+        self.client = client or MlflowClient(tracking_uri=uri)
         exp = self.client.get_experiment_by_name(experiment)
         self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(experiment)
         if run_id is None:
             run = self.client.create_run(self.experiment_id, run_name=run_name)
             run_id = run.info.run_id
         self.run_id = run_id
+        self._metrics: list[Metric] = []  # written in order, oldest first
+        self._tags: dict[str, str] = {}
+        self._texts: list[tuple[str, str]] = []
+        self._down_since: float | None = None
+
+    @property
+    def pending(self) -> int:
+        """Returns how many metrics, tags and artifacts wait for the store."""
+        return len(self._metrics) + len(self._tags) + len(self._texts)
 
     def log_config(self, cfg: Config) -> None:
-        """Logs the flattened config as params and the resolved YAML as ``config/resolved.yaml``."""
+        """Logs the flattened config as params and the resolved YAML as ``config/resolved.yaml``.
+
+        Raises:
+            mlflow.exceptions.MlflowException: the store is down (called before the run starts).
+        """
         params = [Param(k, str(v)[:6000]) for k, v in sorted(cfg.flat().items())]
         for i in range(0, len(params), 100):
             self.client.log_batch(self.run_id, params=params[i : i + 100])
@@ -142,27 +184,97 @@ class Tracker:
         self.set_tags({"rlray.config_hash": cfg.config_hash()})
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        """Logs ``metrics`` at ``step``; keys are sanitised, non-finite values are logged as they are."""
+        """Logs ``metrics`` at ``step`` (buffered while the store is down); keys are sanitised, non-finite
+        values are logged as they are."""
         ts = int(time.time() * 1000)
-        batch = [Metric(sanitize_key(k), float(v), ts, step) for k, v in metrics.items()]
-        for i in range(0, len(batch), 500):
-            self.client.log_batch(self.run_id, metrics=batch[i : i + 500])
+        self._metrics.extend(Metric(sanitize_key(k), float(v), ts, step) for k, v in metrics.items())
+        self.flush()
 
     def set_tags(self, tags: dict[str, str]) -> None:
-        """Sets run tags (string values)."""
-        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+        """Sets run tags (string values; buffered while the store is down, the last value of a key wins)."""
+        self._tags.update({k: str(v) for k, v in tags.items()})
+        self.flush()
 
     def log_text(self, text: str, artifact_file: str) -> None:
-        """Stores ``text`` as an artifact at ``artifact_file``."""
-        self.client.log_text(self.run_id, text, artifact_file)
+        """Stores ``text`` as an artifact at ``artifact_file`` (buffered while the store is down)."""
+        self._texts.append((text, artifact_file))
+        self.flush()
+
+    def flush(self) -> bool:
+        """Writes everything buffered; returns True when nothing is left.
+
+        Raises:
+            mlflow.exceptions.MlflowException: the store rejected a write as invalid (not an outage).
+        """
+        try:
+            while self._metrics:
+                self.client.log_batch(self.run_id, metrics=self._metrics[:500])
+                del self._metrics[:500]
+            if self._tags:
+                self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in self._tags.items()])
+                self._tags.clear()
+            while self._texts:
+                self.client.log_text(self.run_id, *self._texts[0])
+                self._texts.pop(0)
+        except Exception as err:
+            if not _retryable(err):
+                raise
+            if self._down_since is None:
+                self._down_since = time.monotonic()
+                log.warning("MLflow store %s is unreachable (%s: %s); buffering metrics, tags and artifacts until it "
+                            "returns, the run goes on", self.uri, type(err).__name__, str(err)[:300])
+            return False
+        if self._down_since is not None:
+            log.warning("MLflow store %s is back after %.0f s; the buffered metrics, tags and artifacts were written",
+                        self.uri, time.monotonic() - self._down_since)
+            self._down_since = None
+        return True
+
+    def close(self, *, wait_s: float = 60.0, spill_path: str | Path | None = None) -> None:
+        """Writes what is buffered, retrying for up to ``wait_s`` seconds while the store is down.
+
+        Args:
+            wait_s: how long to wait for the store, in seconds.
+            spill_path: where to save what could not be written (JSON Lines: one {"kind": "metric" | "tag" |
+                "text", ...} per line); None puts ``mlflow-unsent-<run id>.jsonl`` in the working folder.
+
+        Raises:
+            StoreUnavailableError: the store stayed down; the message names the file with the unsent records.
+        """
+        if not self.pending:
+            return
+        retrying = Retrying(stop=stop_after_delay(wait_s), wait=wait_exponential(multiplier=0.5, max=10.0),
+                            retry=retry_if_exception_type(StoreUnavailableError), reraise=True)
+        try:
+            retrying(self._flush_or_raise)
+        except StoreUnavailableError:
+            path = Path(spill_path or f"mlflow-unsent-{self.run_id}.jsonl")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("a") as out:
+                for m in self._metrics:
+                    out.write(json.dumps({"kind": "metric", "key": m.key, "value": m.value, "timestamp": m.timestamp,
+                                          "step": m.step}) + "\n")
+                out.writelines(json.dumps({"kind": "tag", "key": k, "value": v}) + "\n" for k, v in self._tags.items())
+                out.writelines(json.dumps({"kind": "text", "file": f, "text": t}) + "\n" for t, f in self._texts)
+            count = self.pending
+            self._metrics, self._tags, self._texts = [], {}, []
+            raise StoreUnavailableError(
+                f"MLflow store {self.uri} stayed unreachable for {wait_s:g} s at the end of run {self.run_id}; "
+                f"{count} unsent metrics/tags/artifacts were saved to {path.resolve()}"
+            ) from None
+
+    def _flush_or_raise(self) -> None:
+        if not self.flush():
+            raise StoreUnavailableError("the store is down")
 
     def finish(self, status: str = "FINISHED") -> None:
-        """Ends the run with ``status`` (FINISHED, FAILED or KILLED)."""
+        """Writes what is buffered (``close``), then ends the run with ``status`` (FINISHED, FAILED or KILLED)."""
+        self.close()
         self.client.set_terminated(self.run_id, status=status)
 
     def tags(self) -> dict[str, str]:
-        """Returns the run's tags."""
-        return dict(self.client.get_run(self.run_id).data.tags)
+        """Returns the run's tags, buffered ones included (a read: raises while the store is down)."""
+        return {**self.client.get_run(self.run_id).data.tags, **self._tags}
 
     def last_logged_step(self, key: str = "timing/step_s") -> int:
         """Returns the highest step at which ``key`` was logged in this run, 0 when never."""
@@ -170,8 +282,6 @@ class Tracker:
 
     def register_model_version(self, name: str, source: str, tags: dict[str, str]) -> str:
         """Registers ``source`` as a new version of registered model ``name`` (created when missing); returns the version."""
-        from mlflow.exceptions import MlflowException
-
         try:
             self.client.create_registered_model(name, description="rlray snapshots; lineage in version tags")
         except MlflowException as err:

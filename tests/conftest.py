@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -94,25 +95,67 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(no_cuda)
 
 
-@pytest.fixture(scope="session")
-def moto_s3():
-    """Returns a real S3 API on 127.0.0.1 (moto in server mode) with an empty bucket 'rlray-test'.
+@contextlib.contextmanager
+def moto_server(**env: str):
+    """Runs moto's S3 API in a child process on a free 127.0.0.1 port with an empty bucket 'rlray-test'.
 
-    Yields {"endpoint_url", "key", "secret", "region", "bucket"}; tests reach it through s3fs.
+    Yields {"endpoint_url", "key", "secret", "region", "bucket"}. A child process, not moto's threaded
+    server: that one imports flask into the test process, and vLLM's CPU start-up scans every module's
+    globals, which flask's request proxies refuse outside a request (RuntimeError in the engine tests).
+    ``env`` is added to the child's environment (``INITIAL_NO_AUTH_ACTION_COUNT="0"`` makes moto check
+    credentials like AWS: then no key is valid and the bucket is not created).
     """
-    import s3fs
-    from moto.server import ThreadedMotoServer
+    import socket
+    import subprocess
+    import sys
+    import time
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    info = {"endpoint_url": f"http://{host}:{port}", "key": "testing", "secret": "testing", "region": "us-east-1",
+    import s3fs
+
+    from rlray.weight_sync import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    info = {"endpoint_url": f"http://127.0.0.1:{port}", "key": "testing", "secret": "testing", "region": "us-east-1",
             "bucket": "rlray-test"}
     fs = s3fs.S3FileSystem(key="testing", secret="testing", endpoint_url=info["endpoint_url"],
                            client_kwargs={"region_name": "us-east-1"}, skip_instance_cache=True)
-    fs.call_s3("create_bucket", Bucket="rlray-test")
-    yield info
-    server.stop()
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"moto's S3 server did not start on 127.0.0.1:{port}") from None
+                time.sleep(0.2)
+        if env.get("INITIAL_NO_AUTH_ACTION_COUNT") != "0":
+            fs.call_s3("create_bucket", Bucket="rlray-test")
+        yield info
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def moto_s3():
+    """Returns a real S3 API on 127.0.0.1 (moto in server mode, a child process) with an empty bucket 'rlray-test'.
+
+    Yields {"endpoint_url", "key", "secret", "region", "bucket"}; tests reach it through s3fs.
+    """
+    with moto_server() as info:
+        yield info
+
+
+@pytest.fixture
+def moto_s3_checking_keys():
+    """Returns an S3 API like ``moto_s3`` that checks credentials as AWS does (no key is valid; no bucket)."""
+    with moto_server(INITIAL_NO_AUTH_ACTION_COUNT="0") as info:
+        yield info
+
+
 @pytest.fixture(scope="session")
 def tiny_sweep(ray_session, tmp_path_factory, gsm8k_dir, tiny_model_path):
     """Runs one 2-trial ASHA sweep (grid over learner.lr, up to 2 steps each, tiny-random); returns (result, uri, sweep).

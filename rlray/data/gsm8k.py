@@ -9,8 +9,10 @@ Source forms accepted by ``load_prompt_rows`` (one string each, as in ``data.tra
 - a Hugging Face dataset id: ``owner/name[:config[:split]]``, e.g. ``openai/gsm8k:main:test``. The
   split defaults to ``train``; the config to the dataset's default.
 
-All three go through ``datasets.load_dataset`` (the ``json``/``parquet`` builders with ``data_files``
-for files and URIs).
+JSON Lines files (``.jsonl``, local or URI) are read by ``rlray.data.jsonl``, so a malformed line or
+text that is not UTF-8 is named by ``<file>:<line>``; ``.json``, Parquet and hub ids go through
+``datasets.load_dataset`` (the ``json``/``parquet`` builders with ``data_files`` for files and URIs).
+Row errors name ``<file>:<line>`` for JSON Lines and ``<source> row <i> (0-based)`` otherwise.
 """
 
 from __future__ import annotations
@@ -21,14 +23,12 @@ from pathlib import Path, PurePosixPath
 
 import datasets
 
+from rlray.data.jsonl import DataError, read_jsonl
+
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
 _HF_ID = re.compile(r"^(?P<repo>[\w.-]+/[\w.-]+)(?::(?P<config>[\w.-]*))?(?::(?P<split>[\w.\[\]:%-]+))?$")
 ANSWER_MARKER = "####"
-
-
-class DataError(ValueError):
-    """Prompt data that cannot be used. The message names the file, row or column and the fix."""
 
 
 @dataclass(frozen=True)
@@ -58,9 +58,10 @@ def load_prompt_rows(files: list[str], *, storage_options: dict | None = None) -
 
     Raises:
         DataError: no sources, a local file that is missing or empty, an unknown file type, a source
-            without rows, missing 'question'/'answer' columns (the message lists the columns it has),
-            a row whose answer has no '####' marker (names the source and the 0-based row), or a
-            prompt id that appears twice.
+            without rows, a JSON Lines line that is not UTF-8, not JSON or not an object (names
+            ``file:line``), missing 'question'/'answer' columns (the message lists the columns it has),
+            an empty question or a non-string answer, an answer without a '####' marker (each names the
+            file and line, or the 0-based row), or a prompt id that appears twice.
     """
     if not files:
         raise DataError("no prompt files given; set data.train_files / data.eval_files")
@@ -88,29 +89,43 @@ def reference_answer(answer: str) -> str | None:
 
 def _rows_of(source: str, storage_options: dict | None) -> list[PromptRow]:
     """Returns the rows of one source, validated."""
-    dataset, stem = _load(source, storage_options)
-    if len(dataset) == 0:
-        raise DataError(f"{source}: has no rows")
-    missing = [c for c in ("question", "answer") if c not in dataset.column_names]
+    if _is_jsonl(source):
+        records = read_jsonl(source, storage_options=storage_options)
+        columns = list(dict.fromkeys(k for _, r in records for k in r))
+        stem = PurePosixPath(source).name.split(".", 1)[0]
+        entries = [(f"{source}:{line}", r.get("question"), r.get("answer"), r.get("id")) for line, r in records]
+    else:
+        dataset, stem = _load(source, storage_options)
+        if len(dataset) == 0:
+            raise DataError(f"{source}: has no rows")
+        columns = dataset.column_names
+        ids = dataset["id"] if "id" in columns else [None] * len(dataset)
+        questions, answers = (dataset[c] if c in columns else [] for c in ("question", "answer"))
+        entries = [(f"{source} row {i} (0-based)", q, a, r) for i, (q, a, r) in enumerate(zip(questions, answers, ids))]
+    missing = [c for c in ("question", "answer") if c not in columns]
     if missing:
-        raise DataError(
-            f"{source}: rows need columns 'question' and 'answer'; missing {missing}, "
-            f"it has columns {dataset.column_names}"
-        )
-    ids = dataset["id"] if "id" in dataset.column_names else [None] * len(dataset)
-    rows = []
-    for index, (question, answer, row_id) in enumerate(zip(dataset["question"], dataset["answer"], ids)):
-        where = f"{source} row {index} (0-based)"
-        if not isinstance(question, str) or not question.strip():
-            raise DataError(f"{where}: 'question' must be a non-empty string, got {question!r:.80}")
-        if not isinstance(answer, str):
-            raise DataError(f"{where}: 'answer' must be a string, got {answer!r:.80}")
-        final = reference_answer(answer)
-        if final is None:
-            raise DataError(f"{where}: 'answer' must end with a '#### <final answer>' line, got {answer[-80:]!r}")
-        prompt_id = f"{stem}:{index}" if row_id is None else str(row_id)
-        rows.append(PromptRow(prompt_id=prompt_id, question=question, answer=final))
-    return rows
+        raise DataError(f"{source}: rows need columns 'question' and 'answer'; missing {missing}, it has columns {columns}")
+    return [_prompt_row(where, stem, index, *entry) for index, (where, *entry) in enumerate(entries)]
+
+
+def _prompt_row(where: str, stem: str, index: int, question: object, answer: object, row_id: object) -> PromptRow:
+    """Returns one validated row; ``where`` names it in errors."""
+    if not isinstance(question, str) or not question.strip():
+        raise DataError(f"{where}: 'question' must be a non-empty string, got {question!r:.80}")
+    if not isinstance(answer, str):
+        raise DataError(f"{where}: 'answer' must be a string, got {answer!r:.80}")
+    final = reference_answer(answer)
+    if final is None:
+        raise DataError(f"{where}: 'answer' must end with a '#### <final answer>' line, got {answer[-80:]!r}")
+    return PromptRow(prompt_id=f"{stem}:{index}" if row_id is None else str(row_id), question=question, answer=final)
+
+
+def _is_jsonl(source: str) -> bool:
+    """Returns True for a ``.jsonl`` path or URI (optionally compressed)."""
+    suffixes = PurePosixPath(source).suffixes
+    if suffixes and suffixes[-1] in _COMPRESSIONS:
+        suffixes = suffixes[:-1]
+    return bool(suffixes) and suffixes[-1].lower() == ".jsonl"
 
 
 def _load(source: str, storage_options: dict | None) -> tuple[datasets.Dataset, str]:

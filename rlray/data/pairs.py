@@ -6,9 +6,11 @@ the final assistant turn are the prompt (shared by both sides); the final assist
 responses. The prompt is rendered with the tokenizer's chat template (Human -> user, Assistant ->
 assistant, with the generation prompt); a response is its text followed by EOS, as TRL's DPOTrainer does.
 
-Rows whose two dialogues differ before the final assistant turn, or whose final assistant turn is empty,
-cannot form a pair and are skipped and counted (hh-rlhf harmless-base test: 5 and 4 of 2312 rows). Rows
-that are not such dialogues at all are errors that name the file and the row.
+Rows whose two dialogues differ before the final assistant turn, whose final assistant turn is empty, or
+whose chosen and rejected responses are identical (no preference to learn) cannot form a pair and are
+skipped, counted and logged (hh-rlhf harmless-base test: 5, 4 and 0 of 2312 rows). Rows that are not such
+dialogues at all, lines that are not UTF-8 or JSON, and a pair id that appears twice (two files with the
+same name) are errors that name the file and line (``rlray.data.jsonl``).
 
 The pairs become a ``pyarrow.Table`` (``PAIR_SCHEMA``); the reference policy's sequence logprobs are
 computed once per pair and stored in it (``ref_*`` columns) before training.
@@ -16,18 +18,20 @@ computed once per pair and stored in it (``ref_*`` columns) before training.
 
 from __future__ import annotations
 
-import json
+import logging
 import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-import fsspec
 import numpy as np
 import pyarrow as pa
 import torch
 
-from rlray.data.gsm8k import DataError
+from rlray.data.jsonl import DataError, read_jsonl
 from rlray.schema import pack_sequences
+
+log = logging.getLogger(__name__)
 
 _TURN = re.compile(r"\n\n(Human|Assistant):")
 _ROLES = {"Human": "user", "Assistant": "assistant"}
@@ -79,14 +83,6 @@ def parse_dialogue(text: str) -> tuple[list[dict[str, str]], str]:
     return [{"role": r, "content": c} for r, c in turns[:-1]], turns[-1][1]
 
 
-def _read_rows(path: str) -> list[str]:
-    try:
-        with fsspec.open(path, "rt", encoding="utf-8", compression="infer") as handle:
-            return handle.read().splitlines()
-    except (OSError, EOFError) as err:
-        raise DataError(f"{path}: cannot read preference pairs: {err}") from err
-
-
 def load_preference_pairs(files: list[str], *, max_pairs: int | None = None) -> tuple[list[PreferencePair], int]:
     """Returns (pairs in file order, number of rows skipped) from JSONL files (local or fsspec URIs, .gz fine).
 
@@ -95,39 +91,43 @@ def load_preference_pairs(files: list[str], *, max_pairs: int | None = None) -> 
         max_pairs: stop after this many pairs (``offline.max_pairs``); None reads everything.
 
     Raises:
-        DataError: no files, an unreadable or empty file, a row that is not a JSON object with string
-            'chosen' and 'rejected', or a side that is not an hh-rlhf dialogue (names the file and 0-based row).
+        DataError: no files, an unreadable or empty file, a line that is not UTF-8 or not a JSON object with
+            string 'chosen' and 'rejected', a side that is not an hh-rlhf dialogue (each names ``file:line``),
+            or a pair id that appears twice.
     """
     if not files:
         raise DataError("no preference files given; set offline.pairs_files")
     pairs: list[PreferencePair] = []
-    skipped = 0
+    seen: dict[str, str] = {}
+    skipped: Counter[str] = Counter()
     for path in files:
-        lines = _read_rows(path)
-        if not any(line.strip() for line in lines):
-            raise DataError(f"{path}: has no rows")
+        if max_pairs is not None and len(pairs) >= max_pairs:
+            break
         stem = PurePosixPath(path).name.split(".", 1)[0]
-        for index, line in enumerate(lines):
+        for line, row in read_jsonl(path):
             if max_pairs is not None and len(pairs) >= max_pairs:
-                return pairs, skipped
-            if not line.strip():
-                continue
-            pair = _parse_row(line, f"{path} row {index} (0-based)", f"{stem}:{index}")
+                break
+            pair, reason = _parse_row(row, f"{path}:{line}", f"{stem}:{line - 1}")
             if pair is None:
-                skipped += 1
-            else:
-                pairs.append(pair)
-    return pairs, skipped
+                skipped[reason] += 1
+                continue
+            if pair.prompt_id in seen:
+                raise DataError(
+                    f"{path}:{line}: pair id '{pair.prompt_id}' appears twice ({seen[pair.prompt_id]} and {path}); "
+                    "give the files distinct names"
+                )
+            seen[pair.prompt_id] = path
+            pairs.append(pair)
+    if skipped:
+        log.warning("skipped %d preference rows that cannot form a pair (%s)", sum(skipped.values()),
+                    ", ".join(f"{n} {why}" for why, n in sorted(skipped.items())))
+    return pairs, sum(skipped.values())
 
 
-def _parse_row(line: str, where: str, prompt_id: str) -> PreferencePair | None:
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise DataError(f"{where}: not valid JSON: {err}") from None
-    if not isinstance(row, dict) or not all(isinstance(row.get(k), str) for k in ("chosen", "rejected")):
-        keys = sorted(row) if isinstance(row, dict) else type(row).__name__
-        raise DataError(f"{where}: need string fields 'chosen' and 'rejected', got {keys}")
+def _parse_row(row: dict, where: str, prompt_id: str) -> tuple[PreferencePair | None, str]:
+    """Returns (the pair, "") or (None, why it was skipped); raises DataError naming ``where``."""
+    if not all(isinstance(row.get(k), str) for k in ("chosen", "rejected")):
+        raise DataError(f"{where}: need string fields 'chosen' and 'rejected', got {sorted(row)}")
     sides = {}
     for key in ("chosen", "rejected"):
         try:
@@ -135,9 +135,13 @@ def _parse_row(line: str, where: str, prompt_id: str) -> PreferencePair | None:
         except ValueError as err:
             raise DataError(f"{where}: '{key}': {err}; got {row[key][:80]!r}") from None
     (prompt, chosen), (other_prompt, rejected) = sides["chosen"], sides["rejected"]
-    if prompt != other_prompt or not chosen or not rejected:
-        return None
-    return PreferencePair(prompt_id, tuple(prompt), chosen, rejected)
+    if prompt != other_prompt:
+        return None, "with different prompts"
+    if not chosen or not rejected:
+        return None, "with an empty response"
+    if chosen == rejected:
+        return None, "with identical chosen and rejected responses"
+    return PreferencePair(prompt_id, tuple(prompt), chosen, rejected), ""
 
 
 def split_pairs(

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 from typing import Any
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from rlray.data.gsm8k import PromptRow
+from rlray.data.gsm8k import DataError, PromptRow
+
+log = logging.getLogger(__name__)
 
 
 def render_prompt(
@@ -40,6 +43,7 @@ def prepare_prompts(
     max_prompt_tokens: int,
     instruction: str,
     system_prompt: str | None,
+    long_prompts: str = "skip",
 ) -> tuple[list[PromptRow], list[list[int]], int]:
     """Returns (kept rows, their prompt token ids, number skipped): ``render_prompt`` then ``filter_long_prompts``.
 
@@ -49,9 +53,30 @@ def prepare_prompts(
         max_prompt_tokens: the longest prompt kept, in tokens after the chat template (``data.max_prompt_tokens``).
         instruction: text appended to each question (``data.instruction``).
         system_prompt: the system turn (``data.system_prompt``), or None.
+        long_prompts: ``data.long_prompts``: "skip" drops longer prompts (logged with the count and the first
+            ids), "error" raises.
+
+    Raises:
+        DataError: ``long_prompts="error"`` and a prompt is longer than ``max_prompt_tokens`` (names the
+            first one's id, its length and the two ways out); or every prompt was skipped.
     """
     ids = [render_prompt(tokenizer, r.question, instruction=instruction, system_prompt=system_prompt) for r in rows]
-    return filter_long_prompts(rows, ids, max_prompt_tokens)
+    long = [(r.prompt_id, len(i)) for r, i in zip(rows, ids) if len(i) > max_prompt_tokens]
+    if long and long_prompts == "error":
+        raise DataError(
+            f"prompt '{long[0][0]}' has {long[0][1]} tokens after the chat template, more than "
+            f"data.max_prompt_tokens={max_prompt_tokens} ({len(long)} of {len(rows)} prompts are); raise "
+            "data.max_prompt_tokens or set data.long_prompts=skip"
+        )
+    kept = filter_long_prompts(rows, ids, max_prompt_tokens)
+    if long:
+        log.warning("skipped %d of %d prompts longer than data.max_prompt_tokens=%d (first: %s)", len(long), len(rows),
+                    max_prompt_tokens, ", ".join(f"'{p}' {n} tokens" for p, n in long[:3]))
+    if rows and not kept[0]:
+        raise DataError(
+            f"every one of the {len(rows)} prompts is longer than data.max_prompt_tokens={max_prompt_tokens}; raise it"
+        )
+    return kept
 
 
 def filter_long_prompts(

@@ -1,16 +1,22 @@
 """The reward server: the Serve application ``rlray-reward`` and the clients the loop scores through.
 
 Layers, bottom up:
-- ``ScorerSandbox``: a child process that holds one ``RewardScorer`` (rules, user functions, and the
-  reward model when the scorer has one). A call that runs past ``timeout_s`` kills the process,
-  starts a fresh one and fails with ``RewardTimeoutError``, so a hung user function never wedges a
-  replica (Python threads cannot be killed; processes can).
+- ``ScorerSandbox``: a child process (``rlray.reward.sandbox.ProcessSandbox``, the same mechanism that
+  runs each user function with its own timeout) that holds one ``RewardScorer`` (rules, user functions,
+  and the reward model when the scorer has one). A call that runs past ``timeout_s`` kills the process,
+  starts a fresh one and fails with ``RewardTimeoutError``, so nothing wedges a replica (Python threads
+  cannot be killed; processes can).
 - ``RewardService``: a plain class with a version number and a sandbox. ``swap`` builds the new
   sandbox first and only then replaces the old one, so calls keep being served during a swap.
 - ``RewardDeployment``: the thin Serve deployment. ``@serve.batch`` merges concurrent requests into
   one scorer call; ``reconfigure`` (Serve's user_config) hot-swaps the scorer and its version;
   FastAPI serves ``POST /score``.
-- ``LocalRewardClient`` / ``ServeRewardClient``: what the loop calls, ``score(...) -> ScoreResult``.
+- ``LocalRewardClient`` / ``ServeRewardClient``: what the loop calls, ``score(...) -> ScoreResult``. The
+  Serve client retries with exponential back-off while no replica answers (a killed replica is restarted
+  by Serve), then fails with ``RewardServerUnavailableError``.
+
+A sample whose reward could not be computed (a user function raised, timed out or returned NaN) has NaN
+in "reward" (``null`` in the HTTP reply); the loop counts it in ``reward/failed`` and leaves it out.
 
 Hot swap: deploying the application again with a new user_config (``{"version": v, "scorer": kwargs}``,
 e.g. a new reward-model path in the kwargs) makes Serve call ``reconfigure`` on the running replicas
@@ -24,14 +30,19 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import multiprocessing
-import threading
+import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, Field, model_validator
+from tenacity import RetryError, Retrying, retry_if_exception, stop_after_attempt, wait_exponential
+
+from rlray.reward.sandbox import ProcessSandbox, SandboxCrashed, SandboxError, SandboxTimeout
+from rlray.reward.scorer import RewardFunctionError
 
 APP_NAME = "rlray-reward"
+log = logging.getLogger(__name__)
 _START_TIMEOUT_S = 300.0  # loading a reward model can take minutes
 
 
@@ -41,6 +52,10 @@ class RewardTimeoutError(TimeoutError):
 
 class RewardServerError(RuntimeError):
     """The scorer failed inside the sandbox (a bad user function, a model that cannot load)."""
+
+
+class RewardServerUnavailableError(RewardServerError):
+    """The reward Serve application did not answer after every retry; names the application and the attempts."""
 
 
 @dataclass(frozen=True)
@@ -84,31 +99,18 @@ class ScoreReply(BaseModel):
 # --------------------------------------------------------------------------------------------
 # Sandbox process
 # --------------------------------------------------------------------------------------------
-def _sandbox_main(conn: Any, scorer_kwargs: dict) -> None:
-    """Child process: builds the scorer, then answers (prompts, completions, references) until None."""
-    try:
-        from rlray.reward.scorer import RewardScorer
+def _serve_scorer(**scorer_kwargs: Any) -> Any:
+    """Sandbox factory (runs in the child): returns the ``score`` method of a new ``RewardScorer``."""
+    from rlray.reward.scorer import RewardScorer
 
-        scorer = RewardScorer(**scorer_kwargs)
-    except Exception as err:  # reported to the parent, which raises it with the message
-        conn.send(("error", f"{type(err).__name__}: {err}"))
-        return
-    conn.send(("ready", None))
-    while True:
-        try:
-            msg = conn.recv()
-        except EOFError:
-            return
-        if msg is None:
-            return
-        try:
-            conn.send(("ok", scorer.score(*msg)))
-        except Exception as err:
-            conn.send(("error", f"{type(err).__name__}: {err}"))
+    return RewardScorer(**scorer_kwargs).score
 
 
 class ScorerSandbox:
-    """A ``RewardScorer`` in a child process, called one batch at a time with a timeout.
+    """A ``RewardScorer`` in a child process (``rlray.reward.sandbox.ProcessSandbox``), one batch at a time.
+
+    The scorer's user functions run in sandboxes of their own inside it (with their own timeouts);
+    ``timeout_s`` bounds a whole scorer call on top of that.
 
     Args:
         scorer_kwargs: keyword arguments of ``RewardScorer`` (plain values; they are pickled).
@@ -122,59 +124,39 @@ class ScorerSandbox:
     def __init__(self, scorer_kwargs: dict, timeout_s: float) -> None:
         self.scorer_kwargs = dict(scorer_kwargs)
         self.timeout_s = timeout_s
-        self._lock = threading.Lock()
-        self._start()
-
-    def _start(self) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_sandbox_main, args=(child, self.scorer_kwargs), daemon=True)
-        self._proc.start()
-        child.close()
-        if not self._conn.poll(_START_TIMEOUT_S):
-            self._kill()
-            raise RewardTimeoutError(f"the reward scorer did not start within {_START_TIMEOUT_S:.0f} s")
-        status, detail = self._conn.recv()
-        if status != "ready":
-            self._kill()
-            raise RewardServerError(f"the reward scorer could not be built: {detail}")
+        try:
+            self._box = ProcessSandbox(_serve_scorer, self.scorer_kwargs, timeout_s=timeout_s,
+                                       start_timeout_s=_START_TIMEOUT_S, name="reward scorer")
+        except SandboxTimeout:
+            raise RewardTimeoutError(f"the reward scorer did not start within {_START_TIMEOUT_S:.0f} s") from None
+        except SandboxError as err:
+            raise RewardServerError(f"the reward scorer could not be built: {err}") from None
 
     def score(self, prompts: list[str], completions: list[str], references: list[str]) -> dict[str, list[float]]:
         """Returns the scorer's {term: [B values]} for one batch (thread-safe; calls run one at a time).
 
         Raises:
             RewardTimeoutError: the call ran past ``timeout_s`` (the child is killed and restarted).
-            RewardServerError: the scorer raised (its type and message are kept).
+            RewardFunctionError: a user function returned a wrong number of values (a programming error).
+            RewardServerError: the scorer raised otherwise, or its process died (type and message are kept).
         """
-        with self._lock:
-            self._conn.send((prompts, completions, references))
-            if not self._conn.poll(self.timeout_s):
-                self._kill()
-                self._start()
-                raise RewardTimeoutError(
-                    f"scoring {len(completions)} completions took longer than reward.server.timeout_s="
-                    f"{self.timeout_s:g} s; the scorer process was restarted (a user reward function may hang)"
-                )
-            status, value = self._conn.recv()
-        if status != "ok":
-            raise RewardServerError(value)
-        return value
+        try:
+            return self._box(prompts, completions, references)
+        except SandboxTimeout:
+            raise RewardTimeoutError(
+                f"scoring {len(completions)} completions took longer than reward.server.timeout_s="
+                f"{self.timeout_s:g} s; the scorer process was restarted (a user reward function may hang)"
+            ) from None
+        except SandboxError as err:
+            if isinstance(err.original, RewardFunctionError):
+                raise err.original from None
+            raise RewardServerError(str(err)) from None
+        except SandboxCrashed as err:
+            raise RewardServerError(str(err)) from None
 
     def close(self) -> None:
         """Waits for a call in progress, then stops the child process."""
-        with self._lock:
-            try:
-                self._conn.send(None)
-            except (BrokenPipeError, OSError):
-                pass
-            self._proc.join(timeout=5)
-            self._kill()
-
-    def _kill(self) -> None:
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(timeout=5)
-        self._conn.close()
+        self._box.close()
 
 
 class RewardService:
@@ -259,7 +241,7 @@ def _make_deployment():
                 return await self._score_batch(body)
             except RewardTimeoutError as err:
                 raise HTTPException(status_code=504, detail=str(err)) from err
-            except RewardServerError as err:
+            except (RewardServerError, RewardFunctionError) as err:
                 raise HTTPException(status_code=500, detail=str(err)) from err
 
         @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.01)
@@ -329,7 +311,7 @@ def deploy_reward_app(app: Any, *, name: str = APP_NAME, host: str = "127.0.0.1"
 # Clients (what the loop calls)
 # --------------------------------------------------------------------------------------------
 class LocalRewardClient:
-    """Scores in this process with a ``RewardScorer`` (no server).
+    """Scores in this process with a ``RewardScorer`` (no server; user functions still run in their sandboxes).
 
     Args:
         scorer: the scorer.
@@ -341,27 +323,87 @@ class LocalRewardClient:
         self.version = version
 
     def score(self, prompts: list[str], completions: list[str], references: list[str]) -> ScoreResult:
-        """Returns the scorer's values and this client's version."""
+        """Returns the scorer's values and this client's version (NaN for failed samples)."""
         return ScoreResult(self.version, self.scorer.score(prompts, completions, references))
+
+    def close(self) -> None:
+        """Stops the scorer's user-function processes."""
+        self.scorer.close()
+
+
+# Answers of a live server: retrying the same batch cannot change them.
+_ANSWERS = (RewardFunctionError, RewardServerError, RewardTimeoutError, ValueError)
+
+
+def _unreachable(err: BaseException) -> bool:
+    """Returns True for errors that mean the server did not answer (a dead or restarting replica, a timeout)."""
+    import ray.exceptions
+    from ray.serve.exceptions import RayServeException
+
+    if isinstance(err, _ANSWERS):
+        return False
+    return isinstance(err, (ray.exceptions.RayActorError, RayServeException, TimeoutError, ConnectionError))
 
 
 class ServeRewardClient:
-    """Scores through the Serve application's DeploymentHandle.
+    """Scores through the Serve application's DeploymentHandle, retrying while the server does not answer.
+
+    A request that fails because no replica answers (a killed replica that Serve restarts, an application
+    being redeployed, a request past ``timeout_s``) is sent again after an exponential back-off (tenacity:
+    ``backoff_s``, doubling, at most 30 s); after ``attempts`` tries, ``RewardServerUnavailableError``.
 
     Args:
         app_name: the Serve application name (``reward.server.app_name``).
+        attempts: tries per request (``reward.server.client_attempts``).
+        timeout_s: seconds one try may take, queueing for a replica included (``reward.server.client_timeout_s``).
+        backoff_s: the first wait between tries, in seconds.
+        handle: the DeploymentHandle to use (tests); None looks the application up.
+
+    Raises:
+        RewardServerUnavailableError: the application cannot be found after every try.
     """
 
-    def __init__(self, app_name: str = APP_NAME) -> None:
-        from ray import serve
+    def __init__(self, app_name: str = APP_NAME, *, attempts: int = 5, timeout_s: float = 300.0,
+                 backoff_s: float = 1.0, handle: Any = None) -> None:
+        self.app_name, self.attempts, self.timeout_s, self.backoff_s = app_name, attempts, timeout_s, backoff_s
+        if handle is None:
+            from ray import serve
 
-        self.handle = serve.get_app_handle(app_name)
+            handle = self._retrying(lambda: serve.get_app_handle(app_name), "find the application")
+        self.handle = handle
 
     def score(self, prompts: list[str], completions: list[str], references: list[str]) -> ScoreResult:
         """Returns the server's scores and the version that produced them.
 
         Raises:
-            RewardTimeoutError, RewardServerError: raised by the server for this request.
+            RewardTimeoutError, RewardServerError, RewardFunctionError: raised by the server for this request.
+            RewardServerUnavailableError: no answer after ``attempts`` tries.
         """
-        reply = self.handle.score.remote({"prompts": prompts, "completions": completions, "references": references}).result()
+        body = {"prompts": prompts, "completions": completions, "references": references}
+        reply = self._retrying(lambda: self.handle.score.remote(body).result(timeout_s=self.timeout_s), "score")
         return ScoreResult(int(reply["version"]), reply["scores"])
+
+    def close(self) -> None:
+        """Does nothing: the application outlives its clients."""
+
+    def _retrying(self, call: Any, what: str) -> Any:
+        """Returns ``call()``, retried with back-off while the server does not answer."""
+        t0 = time.monotonic()
+
+        def before_sleep(state: Any) -> None:
+            log.warning("reward server '%s': %s failed (try %d of %d: %s); retrying", self.app_name, what,
+                        state.attempt_number, self.attempts, state.outcome.exception())
+
+        retrying = Retrying(
+            stop=stop_after_attempt(self.attempts), wait=wait_exponential(multiplier=self.backoff_s, max=30.0),
+            retry=retry_if_exception(_unreachable), before_sleep=before_sleep,
+        )  # fmt: skip
+        try:
+            return retrying(call)
+        except RetryError as err:
+            last = err.last_attempt.exception()
+            raise RewardServerUnavailableError(
+                f"the reward server (Serve application '{self.app_name}') did not answer: {what} failed {self.attempts} "
+                f"times over {time.monotonic() - t0:.0f} s, last with {type(last).__name__}: {last}; check "
+                "`serve status` and reward.server.*, or raise reward.server.client_attempts"
+            ) from last

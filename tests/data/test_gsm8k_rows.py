@@ -71,11 +71,23 @@ def test_uri_passes_storage_options(monkeypatch):
     calls: list = []
     monkeypatch.setattr(gsm8k.datasets, "load_dataset", _fake_loader(calls))
     options = {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": "http://127.0.0.1:5000"}}
-    rows = load_prompt_rows(["s3://bucket/gsm8k/train.jsonl"], storage_options=options)
+    rows = load_prompt_rows(["s3://bucket/gsm8k/train.parquet"], storage_options=options)
     assert calls == [
-        ("json", None, {"data_files": "s3://bucket/gsm8k/train.jsonl", "storage_options": options, "split": "train"})
+        ("parquet", None, {"data_files": "s3://bucket/gsm8k/train.parquet", "storage_options": options, "split": "train"})
     ]
     assert rows == [PromptRow("train:0", "1+1?", "2")]
+
+
+def test_jsonl_uri_is_read_through_fsspec(gsm8k_dir, moto_s3):
+    import s3fs
+
+    fs = s3fs.S3FileSystem(key=moto_s3["key"], secret=moto_s3["secret"], endpoint_url=moto_s3["endpoint_url"],
+                           client_kwargs={"region_name": moto_s3["region"]}, skip_instance_cache=True)
+    real = _real_rows(gsm8k_dir, 3)
+    fs.pipe_file(f"{moto_s3['bucket']}/gsm8k/mini.jsonl", "".join(json.dumps(r) + "\n" for r in real).encode())
+    options = {"key": moto_s3["key"], "secret": moto_s3["secret"], "endpoint_url": moto_s3["endpoint_url"]}
+    rows = load_prompt_rows([f"s3://{moto_s3['bucket']}/gsm8k/mini.jsonl"], storage_options=options)
+    assert [r.prompt_id for r in rows] == ["mini:0", "mini:1", "mini:2"] and rows[0].answer == "18"
 
 
 def test_hub_id_syntax(monkeypatch):
@@ -115,7 +127,7 @@ def test_answer_without_marker_names_file_and_row(gsm8k_dir, tmp_path):
     path = _write_jsonl(tmp_path / "broken.jsonl", real)
     with pytest.raises(DataError) as err:
         load_prompt_rows([path])
-    assert f"{path} row 1 (0-based): 'answer' must end with a '#### <final answer>' line" in str(err.value)
+    assert f"{path}:2: 'answer' must end with a '#### <final answer>' line" in str(err.value)
 
 
 def test_duplicate_prompt_ids(gsm8k_dir, tmp_path):

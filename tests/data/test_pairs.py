@@ -49,14 +49,14 @@ def test_load_counts_unusable_pairs_and_keeps_ids(tmp_path):
 @pytest.mark.parametrize(
     "row, message",
     [
-        ("{not json", r"row 1 \(0-based\): not valid JSON"),
-        ({"chosen": DIALOGUE.format("4")}, r"row 1 \(0-based\): need string fields 'chosen' and 'rejected'"),
-        ({"chosen": "plain text", "rejected": DIALOGUE.format("5")}, r"row 1 \(0-based\): 'chosen': expected a dialogue"),
+        ("{not json", r":2: not valid JSON \(Expecting property name enclosed in double quotes at column 2\)"),
+        ({"chosen": DIALOGUE.format("4")}, r":2: need string fields 'chosen' and 'rejected'"),
+        ({"chosen": "plain text", "rejected": DIALOGUE.format("5")}, r":2: 'chosen': expected a dialogue"),
     ],
 )
 def test_bad_rows_name_file_and_row(tmp_path, row, message):
     path = _write(tmp_path / "bad.jsonl.gz", [{"chosen": DIALOGUE.format("4"), "rejected": DIALOGUE.format("5")}, row])
-    with pytest.raises(DataError, match=f"bad.jsonl.gz {message}"):
+    with pytest.raises(DataError, match=f"bad.jsonl.gz{message}"):
         load_preference_pairs([path])
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from rlray.config import load_config
-from rlray.reward import RewardScorer
+from rlray.reward import RewardFunctionError, RewardScorer
 from rlray.reward.server import RewardServerError, RewardTimeoutError, ScorerSandbox, ScoreRequest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,7 +29,8 @@ def test_score_request_checks_lengths():
 
 def test_sandbox_times_out_restarts_and_keeps_serving():
     fn = f"{REPO}/tests/fixtures/server_rewards.py:misbehaving"
-    sandbox = ScorerSandbox({"correct_weight": 1.0, "format_weight": 0.2, "functions": [(fn, 0.5)]}, timeout_s=3.0)
+    sandbox = ScorerSandbox({"correct_weight": 1.0, "format_weight": 0.2, "functions": [{"path": fn, "weight": 0.5}]},
+                            timeout_s=3.0)
     try:
         got = sandbox.score(PROMPTS, COMPLETIONS, REFERENCES)
         # correct + 0.2 * format + 0.5 * misbehaving(=1): [1 + 0.2 + 0.5, 0 + 0 + 0.5, 1 + 0.2 + 0.5]
@@ -38,7 +39,7 @@ def test_sandbox_times_out_restarts_and_keeps_serving():
         with pytest.raises(RewardTimeoutError, match=r"reward.server.timeout_s=3 s"):
             sandbox.score(["p"], ["HANG"], ["#### 1"])
         assert time.monotonic() - t < 30  # killed at the timeout, not after the 60 s sleep
-        with pytest.raises(RewardServerError, match="returned 0 values for 1 completions"):
+        with pytest.raises(RewardFunctionError, match="returned 0 values for 1 completions"):
             sandbox.score(["p"], ["BAD"], ["#### 1"])
         assert sandbox.score(PROMPTS, COMPLETIONS, REFERENCES)["reward"] == pytest.approx([1.7, 0.5, 1.7])
     finally:
@@ -47,7 +48,7 @@ def test_sandbox_times_out_restarts_and_keeps_serving():
 
 def test_sandbox_reports_a_scorer_that_cannot_be_built():
     with pytest.raises(RewardServerError, match="could not be built: RewardFunctionError"):
-        ScorerSandbox({"correct_weight": 1.0, "format_weight": 0.2, "functions": [("no_such_module:fn", 1.0)]}, 5.0)
+        ScorerSandbox({"correct_weight": 1.0, "format_weight": 0.2, "functions": [{"path": "no_such_module:fn"}]}, 5.0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -149,3 +150,47 @@ def test_hot_swap_serves_every_request(server):
     v2 = _local(["reward.format_weight=0.7"], path)["reward"]
     assert v1 != pytest.approx(v2)
     assert all(r == pytest.approx(v1 if v == 1 else v2) for _, v, r in seen)
+
+
+@pytest.mark.ray
+def test_a_killed_replica_is_restarted_and_scoring_goes_on(server):
+    """ray.kill of the replica actor while a client scores in a loop: Serve starts a new replica, the client
+    retries (tenacity back-off) and every request gets its scores."""
+    import ray
+    from ray._private.state import actors as list_actors
+
+    from rlray.reward.server import ServeRewardClient
+
+    def replicas() -> dict[str, str]:
+        return {a["ActorID"]: a["Name"] for a in list_actors().values()
+                if a["State"] == "ALIVE" and a["ActorClassName"].startswith("ServeReplica:rlray-reward")}  # fmt: skip
+
+    before = replicas()
+    assert len(before) == 1
+    client = ServeRewardClient(attempts=10, timeout_s=30.0, backoff_s=0.5)
+    answers, errors, stop = [], [], threading.Event()
+
+    def score_loop():
+        while not stop.is_set():
+            try:
+                answers.append((time.monotonic(), client.score(PROMPTS, COMPLETIONS, REFERENCES).values["reward"]))
+            except BaseException as err:  # noqa: BLE001 - any failure fails the test
+                errors.append(err)
+
+    thread = threading.Thread(target=score_loop)
+    thread.start()
+    time.sleep(1.0)
+    killed_at = time.monotonic()
+    ray.kill(ray.get_actor(next(iter(before.values())), namespace="serve"), no_restart=True)
+    deadline = time.monotonic() + 120
+    while not (replicas().keys() - before.keys()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    after = [t for t, _ in answers if t > killed_at]
+    while len(after) < 3 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        after = [t for t, _ in answers if t > killed_at]
+    stop.set()
+    thread.join(timeout=120)
+    assert errors == []
+    assert len(replicas().keys() - before.keys()) == 1  # a new replica, started by Serve
+    assert len(after) >= 3 and all(len(r) == len(PROMPTS) for _, r in answers)

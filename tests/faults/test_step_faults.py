@@ -1,0 +1,192 @@
+"""Faults inside a step, through the real stage functions and a real tiny learner (world size 1): failed rewards,
+constant rewards, every response truncated (with overlong shaping), empty responses, and a fatal reward error."""
+
+from __future__ import annotations
+
+import logging
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rlray import loop, schema
+from rlray.collective import Collective
+from rlray.config import config_from_dict
+from rlray.data import PromptRow
+from rlray.learner import PolicyLearner
+from rlray.learner import online as learner_online
+from rlray.reward import RewardFunctionError
+from rlray.reward.server import LocalRewardClient
+from rlray.rollout import Completion
+
+G = 4  # samples per prompt
+ROWS = [PromptRow("p0", "q0", "1"), PromptRow("p1", "q1", "2")]
+PROMPT_IDS = [[11, 12, 13], [21, 22, 23, 24]]
+
+
+def _cfg(*overrides: str):
+    return config_from_dict({}, [
+        "learner.prompts_per_step=2", f"rollout.samples_per_prompt={G}", "rollout.max_new_tokens=8",
+        "learner.sequences_per_minibatch=8", "learner.sequences_per_microbatch=4", "algo.kl_coef=0.04",
+        "model.dtype=float32", *overrides])  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def learner(tiny_model_path):
+    return PolicyLearner(tiny_model_path, dtype="float32", lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, warmup_steps=0,
+                         max_grad_norm=1.0, temperature=1.0, use_reference=True)  # fmt: skip
+
+
+def _completions(lengths: list[int], finish: str = "stop") -> list[Completion]:
+    return [Completion(i // G, i % G, [100 + t for t in range(n)], [-1.0] * n, finish, 0) for i, n in enumerate(lengths)]
+
+
+def _rewards(values: list[float]) -> dict[str, list[float]]:
+    return {"reward": values, "accuracy": [0.0] * len(values), "format": [0.0] * len(values)}
+
+
+def _stages_4_to_6(cfg, learner, table):
+    """Stages 4-6 exactly as loop.run_step runs them on one rank; returns (data, metrics)."""
+    spec = loop.update_spec(cfg, 1)
+    data = schema.collate(table, 0)
+    data = learner_online.reference_and_old(learner, data, spec)
+    data = learner_online.advantages(data, spec, lambda d: d)
+    metrics = learner_online.update(learner, data, loop.minibatch_normalisers(table, cfg, 1), spec, lambda d: d)
+    return data, metrics
+
+
+def _finite(data: dict, metrics: dict) -> bool:
+    tensors = [v for k, v in data.items() if v.is_floating_point() and k != "reward"]
+    return all(bool(t.isfinite().all()) for t in tensors) and all(math.isfinite(v) for v in metrics.values())
+
+
+def test_failed_rewards_are_left_out_of_the_statistics_and_the_loss_and_counted(learner):
+    cfg = _cfg()
+    nan = math.nan
+    rewards = _rewards([1.0, nan, 0.0, 0.5, nan, nan, nan, nan])  # group 1 failed entirely
+    completions = _completions([3, 2, 4, 1, 2, 2, 3, 3])
+    table = loop.build_experience(ROWS, PROMPT_IDS, completions, rewards)
+    masks = table.column("response_mask").to_pylist()
+    assert [any(m) for m in masks] == [True, False, True, True, False, False, False, False]
+    assert [len(m) for m in masks] == [3, 2, 4, 1, 2, 2, 3, 3]  # the masks keep the response lengths
+    assert math.isnan(table.column("reward")[1].as_py())  # the table says "no reward", it does not invent one
+    stats = loop.rollout_stats(table, rewards, 2, 0)
+    assert stats["reward/failed"] == 5.0
+    assert stats["reward/mean"] == pytest.approx(0.5) and stats["reward/std"] == pytest.approx(math.sqrt(1 / 6))
+    assert stats["algo/groups_without_signal"] == 0.5  # group 1 has no scored sample
+    # every token still counts for throughput; only the 8 valid tokens count in the loss normaliser
+    assert stats["rollout/generated_tokens"] == 20.0
+    assert [n.num_tokens for n in loop.minibatch_normalisers(table, cfg, 1)] == [8.0]
+    data, metrics = _stages_4_to_6(cfg, learner, table)
+    # group 0's valid rewards [1, 0, 0.5]: mean 0.5, unbiased std 0.5, so advantages [1, -1, 0]; failed rows 0
+    adv = data["advantages"][:, 0]
+    torch.testing.assert_close(adv, torch.tensor([1.0, 0.0, -1.0, 0.0, 0.0, 0.0, 0.0, 0.0]), atol=1e-5, rtol=0)
+    assert _finite(data, metrics)
+
+
+def test_every_group_with_constant_reward_is_logged_and_gives_zero_advantages(learner, caplog):
+    cfg = _cfg()
+    completions = _completions([3, 2, 4, 1, 2, 5, 3, 3])
+    ctx = _rank0_ctx(cfg, completions, _FixedScorer([0.3] * G + [1.0] * G))
+    with caplog.at_level(logging.WARNING, logger="rlray.loop"):
+        table, metrics = loop.collect_experience(ctx, 6)
+    assert metrics["algo/groups_without_signal"] == 1.0 and metrics["reward/failed"] == 0.0
+    assert "step 7: no prompt group has rewards that differ: the advantages are zero" in caplog.text
+    data, learned = _stages_4_to_6(cfg, learner, table)
+    assert torch.count_nonzero(data["advantages"]) == 0
+    assert learned["learner/pg_loss"] == 0.0
+    assert _finite(data, learned)
+
+
+def test_every_response_truncated_keeps_masks_and_gets_the_overlong_penalty(learner):
+    cfg = _cfg("algo.overlong_cache_tokens=4", "algo.overlong_penalty_factor=1.0")
+    completions = _completions([8] * 8, finish="length")  # all at rollout.max_new_tokens=8, none with EOS
+    ctx = _rank0_ctx(cfg, completions, _FixedScorer([0.0, 1.0] * G))
+    table, metrics = loop.collect_experience(ctx, 0)
+    assert metrics["rollout/truncated_rate"] == 1.0
+    assert table.column("response_mask").to_pylist() == [[True] * 8] * 8  # every generated token counts
+    # DAPO soft overlong punishment: length 8 = max_new_tokens, past the 4-token interval: the full -1.0
+    components = [dict(c) for c in table.column("reward_components").to_pylist()]
+    assert [c["overlong"] for c in components] == [-1.0] * 8
+    assert table.column("reward").to_pylist() == [-1.0, 0.0] * G
+    assert metrics["reward/overlong_penalty_mean"] == -1.0
+    data, learned = _stages_4_to_6(cfg, learner, table)
+    assert _finite(data, learned)
+
+
+def test_empty_responses_do_not_break_the_schema_or_the_learner(learner):
+    """The engines never return 0 tokens (max_new_tokens >= 1, and a stop keeps its EOS), but a 0-token row must
+    still flow: it has no valid token, so like a failed row it is left out of the statistics and the loss."""
+    cfg = _cfg()
+    completions = _completions([0, 2, 0, 3, 0, 0, 0, 0])
+    rewards = _rewards([0.5, 1.0, 0.0, 0.0, 0.2, 0.2, 0.2, 0.2])
+    table = loop.build_experience(ROWS, PROMPT_IDS, completions, rewards)
+    batch = schema.collate(table, 0)
+    assert batch["response_mask"].shape == (8, 3) and batch["response_mask"].sum().item() == 5
+    stats = loop.rollout_stats(table, rewards, 2, 0)
+    assert stats["rollout/response_tokens_mean"] == pytest.approx(5 / 8)
+    data, metrics = _stages_4_to_6(cfg, learner, table)
+    adv = data["advantages"]
+    assert torch.count_nonzero(adv[[0, 2, 4, 5, 6, 7]]) == 0  # rows without tokens carry nothing
+    # the two rows with tokens form group 0's valid set: rewards [1.0, 0.0] -> advantages +-0.7071 (unbiased std)
+    torch.testing.assert_close(adv[1, :2], torch.full((2,), 0.5 / (math.sqrt(0.5) + 1e-6)), atol=1e-5, rtol=0)
+    torch.testing.assert_close(adv[3, :3], torch.full((3,), -0.5 / (math.sqrt(0.5) + 1e-6)), atol=1e-5, rtol=0)
+    assert _finite(data, metrics)
+
+
+def test_a_reward_function_with_the_wrong_count_stops_every_rank_at_once():
+    cfg = _cfg()
+    ctx = _rank0_ctx(cfg, _completions([2] * 8), _Raising(RewardFunctionError("reward function 'f.py:f' returned 7 values for 8 completions")))
+    ctx.coll = Collective()
+    with pytest.raises(loop.FatalStepError, match="RewardFunctionError: reward function 'f.py:f' returned 7 values"):
+        loop.run_step(ctx, 0)
+    other_rank = SimpleNamespace(rank=1, coll=SimpleNamespace(broadcast=lambda _: loop.StepBatch([], [], {}, "DataError: x")))
+    with pytest.raises(loop.FatalStepError, match="DataError: x"):
+        loop.distribute(other_rank, None, None)
+
+
+def test_the_training_function_ends_normally_after_a_fatal_step(monkeypatch):
+    """Ray Train restarts a worker whose function raises; a fatal step was already recorded, so it returns."""
+    calls = []
+
+    def fatal_train(*args, **kwargs):
+        calls.append(args[0].run.max_steps)
+        raise loop.FatalStepError("RewardFunctionError: wrong count")
+
+    monkeypatch.setattr(loop, "train", fatal_train)
+    config = {"config": _cfg("run.max_steps=7").model_dump(), "model_dir": "m", "rollout_actors": [], "run_id": "r"}
+    assert loop.train_worker(config) is None and calls == [7]
+
+
+# --------------------------------------------------------------------------------------------
+# A rank-0 context for stages 1-3 without Ray: a fixed rollout and a scripted reward
+# --------------------------------------------------------------------------------------------
+class _FixedScorer:
+    def __init__(self, values):
+        self.values = values
+
+    def score(self, prompts, completions, references):
+        return _rewards(list(self.values))
+
+    def close(self):
+        pass
+
+
+class _Raising(_FixedScorer):
+    def __init__(self, err):
+        self.err = err
+
+    def score(self, prompts, completions, references):
+        raise self.err
+
+
+class _Tokenizer:
+    def batch_decode(self, ids, skip_special_tokens=True):
+        return [" ".join(map(str, x)) for x in ids]
+
+
+def _rank0_ctx(cfg, completions, scorer):
+    got = SimpleNamespace(rows=ROWS, prompt_ids=PROMPT_IDS, completions=completions)
+    return SimpleNamespace(cfg=cfg, rank=0, world=1, pipeline=SimpleNamespace(next=lambda step: got),
+                           reward=LocalRewardClient(scorer, 1), tokenizer=_Tokenizer(), policy_version=0)

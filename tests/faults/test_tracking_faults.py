@@ -1,0 +1,76 @@
+"""MLflow down: a real outage of the sqlite store (its file moved away and a folder put in its place) while a
+Tracker logs; metrics, tags and artifacts are buffered with a warning and written when the store returns; at
+the end of a run what cannot be written is saved to a file, never dropped; invalid writes still raise."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+from rlray.tracking import StoreUnavailableError, Tracker, get_run_metrics
+
+
+@contextmanager
+def store_down(db: Path):
+    """Takes the sqlite store away for the block: the file moves out and a folder takes its name."""
+    os.rename(db, db.with_suffix(".away"))
+    db.mkdir()
+    try:
+        yield
+    finally:
+        db.rmdir()
+        os.rename(db.with_suffix(".away"), db)
+
+
+def test_metrics_tags_and_artifacts_are_buffered_while_the_store_is_down(tmp_path, caplog):
+    db = tmp_path / "mlflow.db"
+    uri = f"sqlite:///{db}"
+    tracker = Tracker(uri, "outage")
+    tracker.log_metrics({"reward/mean": 0.1}, step=1)
+    with caplog.at_level(logging.WARNING, logger="rlray.tracking"), store_down(db):
+        tracker.log_metrics({"reward/mean": 0.2, "learner/loss": 1.5}, step=2)
+        tracker.set_tags({"rlray.status": "RUNNING"})
+        tracker.log_text("a: 1\n", "config/rollback_1.yaml")
+        tracker.log_metrics({"reward/mean": 0.3}, step=3)
+        tracker.set_tags({"rlray.status": "RUNNING again"})
+        assert tracker.pending == 5  # 3 metrics, 1 tag (the last value wins), 1 artifact
+    warnings = [r.getMessage() for r in caplog.records]
+    assert sum("is unreachable" in w and "buffering metrics, tags and artifacts" in w for w in warnings) == 1
+    tracker.log_metrics({"reward/mean": 0.4}, step=4)  # the store is back: everything is written, in order
+    assert tracker.pending == 0
+    assert any("is back after" in r.getMessage() for r in caplog.records)
+    metrics = get_run_metrics(uri, tracker.run_id)
+    assert metrics["reward/mean"] == [(1, 0.1), (2, 0.2), (3, 0.3), (4, 0.4)] and metrics["learner/loss"] == [(2, 1.5)]
+    client = MlflowClient(uri)
+    assert client.get_run(tracker.run_id).data.tags["rlray.status"] == "RUNNING again"
+    assert client.download_artifacts(tracker.run_id, "config/rollback_1.yaml", str(tmp_path)).endswith("rollback_1.yaml")
+
+
+def test_what_cannot_be_written_at_the_end_is_saved_to_a_file(tmp_path):
+    db = tmp_path / "mlflow.db"
+    tracker = Tracker(f"sqlite:///{db}", "outage")
+    spill = tmp_path / "logs" / "unsent.jsonl"
+    with store_down(db):
+        tracker.log_metrics({"reward/mean": 0.5}, step=7)
+        tracker.set_tags({"rlray.status": "FINISHED"})
+        with pytest.raises(StoreUnavailableError, match=rf"stayed unreachable for 0.5 s .* 2 unsent metrics/tags/artifacts were saved to {spill}"):
+            tracker.close(wait_s=0.5, spill_path=spill)
+    records = [json.loads(line) for line in spill.read_text().splitlines()]
+    assert records[0]["kind"] == "metric" and (records[0]["key"], records[0]["value"], records[0]["step"]) == ("reward/mean", 0.5, 7)
+    assert records[1] == {"kind": "tag", "key": "rlray.status", "value": "FINISHED"}
+    assert tracker.pending == 0
+
+
+def test_an_invalid_write_is_raised_not_buffered(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    tracker = Tracker(uri, "invalid")
+    MlflowClient(uri).delete_run(tracker.run_id)
+    with pytest.raises(MlflowException, match="must be in the 'active' state"):
+        tracker.log_metrics({"reward/mean": 1.0}, step=1)
