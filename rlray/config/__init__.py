@@ -1,0 +1,86 @@
+"""The one config schema of rlray.
+
+Every default lives here and nowhere else. A config is loaded from YAML, then dotted
+``key=value`` overrides are applied (``learner.lr=1e-5``), then the whole tree is validated.
+Errors name the dotted key, the value that was given and the fix (for an unknown key, the
+nearest valid key).
+
+Sections: run, model, data, rollout, reward, algo, learner, eval, tracking, checkpoint, guard,
+monitor, resources.
+
+Modules: base, run, reward, algo, ops, resources, schema (``Config``) and loading (YAML and overrides).
+"""
+
+from rlray.config.algo import (  # noqa: F401
+    GROUP_ALGOS,
+    OFFLINE_ALGOS,
+    ONLINE_ALGOS,
+    REFERENCE_ALGOS,
+    AlgoConfig,
+    AlgoName,
+    CriticConfig,
+    LearnerConfig,
+    OfflineConfig,
+)
+from rlray.config.base import _CORE_LIST, ConfigError, CoreList, _core_list_text, _Section, flatten  # noqa: F401
+from rlray.config.loading import (  # noqa: F401
+    _format_errors,
+    _is_secret,
+    _parse_value,
+    _suggest,
+    _valid_keys,
+    apply_overrides,
+    config_from_dict,
+    load_config,
+    validate_tree,
+)
+from rlray.config.ops import CheckpointConfig, GuardConfig, MonitorConfig, S3Config  # noqa: F401
+from rlray.config.resources import (  # noqa: F401
+    LearnerResources,
+    ReferenceResources,
+    ResourcesConfig,
+    RewardResources,
+    RolloutResources,
+)
+from rlray.config.reward import RewardConfig, RewardFunctionConfig, RewardServerConfig  # noqa: F401
+from rlray.config.run import DataConfig, EvalConfig, LoraConfig, ModelConfig, RolloutConfig, RunConfig, TrackingConfig  # noqa: F401
+from rlray.config.schema import Config  # noqa: F401
+
+__all__ = [
+    "ConfigError",
+    "CoreList",
+    "RunConfig",
+    "LoraConfig",
+    "ModelConfig",
+    "DataConfig",
+    "RolloutConfig",
+    "EvalConfig",
+    "TrackingConfig",
+    "RewardFunctionConfig",
+    "RewardServerConfig",
+    "RewardConfig",
+    "AlgoName",
+    "ONLINE_ALGOS",
+    "OFFLINE_ALGOS",
+    "GROUP_ALGOS",
+    "REFERENCE_ALGOS",
+    "AlgoConfig",
+    "CriticConfig",
+    "OfflineConfig",
+    "LearnerConfig",
+    "S3Config",
+    "CheckpointConfig",
+    "GuardConfig",
+    "MonitorConfig",
+    "RolloutResources",
+    "LearnerResources",
+    "RewardResources",
+    "ReferenceResources",
+    "ResourcesConfig",
+    "Config",
+    "flatten",
+    "apply_overrides",
+    "config_from_dict",
+    "validate_tree",
+    "load_config",
+]

@@ -1,0 +1,225 @@
+"""Config sections algo, critic, offline and learner: what is optimised and how."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Literal, get_args
+
+from pydantic import Field, model_validator
+
+from rlray.config.base import CoreList, _Section
+
+AlgoName = Literal[
+    "grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "ppo",
+    "dpo", "ipo", "kto", "orpo", "simpo", "reward_model", "sft",
+]  # fmt: skip
+ONLINE_ALGOS: tuple[str, ...] = get_args(AlgoName)[:10]  # rollouts, rewards, advantages (GSM8K)
+OFFLINE_ALGOS: tuple[str, ...] = get_args(AlgoName)[10:]  # preference pairs
+# Online algorithms whose advantage is a statistic of each prompt's group: they need samples_per_prompt >= 2.
+GROUP_ALGOS: tuple[str, ...] = ("grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo", "reinforce_pp_baseline")
+# Offline methods that compare the policy with the frozen initial policy (reference logprobs cached per pair).
+REFERENCE_ALGOS: tuple[str, ...] = ("dpo", "ipo", "kto")
+
+
+class AlgoConfig(_Section):
+    """The algorithm: online RL (advantage estimator, policy loss, KL, aggregation) or an offline method.
+
+    One schema for all 17 algorithms; each field says which algorithms read it. configs/algos/<name>.yaml
+    holds each algorithm's recommended values (from its paper, TRL or verl).
+    """
+
+    name: AlgoName = Field(
+        "grpo",
+        description=(
+            "Online (rollouts on GSM8K): grpo, dr_grpo, dapo, gspo, cispo, rloo, reinforce_pp, "
+            "reinforce_pp_baseline, remax, ppo. Offline (preference pairs in offline.pairs_files): dpo, ipo, "
+            "kto, orpo, simpo, reward_model, sft."
+        ),
+    )
+    # ---- online: policy loss
+    clip_eps_low: float = Field(
+        0.2, ge=0.0, le=1.0, description="Online: ratio >= 1 - clip_eps_low (PPO clip; CISPO: 1.0 = no lower bound)."
+    )
+    clip_eps_high: float = Field(
+        0.28, ge=0.0, le=10.0,
+        description="Online: ratio <= 1 + clip_eps_high (DAPO clip-higher 0.28; GSPO ~4e-4; CISPO cap 1 + 4.0).",
+    )
+    dual_clip: float | None = Field(
+        None, gt=1.0,
+        description="Online, PPO-clip losses: dual-clip constant c > 1 bounding the loss at -c*A for A < 0 (verl 3.0); None off.",
+    )
+    entropy_coef: float = Field(
+        0.0, ge=0.0, description="Online: weight of the entropy bonus per token (nats), aggregated like the policy loss; 0 off."
+    )
+    tis_cap: float | None = Field(
+        2.0, gt=0.0,
+        description=(
+            "Online: truncated importance-sampling cap C for samples drawn by a mismatched or stale behaviour "
+            "policy (the rollout engine; async mode lags by up to rollout.max_staleness versions): the per-token "
+            "loss is weighted by min(pi_old/pi_rollout, C) (Yao et al. 2025; TRL's vLLM correction uses 2.0); "
+            "None off."
+        ),
+    )
+    tis_level: Literal["token", "sequence"] = Field(
+        "token", description="Online, with tis_cap: ratio per token, or the product over the sequence."
+    )
+    # ---- online: KL to the reference policy
+    kl_coef: float = Field(0.04, ge=0.0, description="Online: KL-to-reference weight beta per token; 0 disables the reference model.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3", description="Online: per-token KL estimator (Schulman 2020): k1 log-ratio, k2 squared/2, k3 unbiased."
+    )
+    kl_in: Literal["loss", "reward"] = Field(
+        "loss",
+        description=(
+            "Online: add kl_coef*KL to the per-token loss (GRPO, TRL) or subtract it from the per-token reward "
+            "before the advantage (PPO, REINFORCE++; InstructGPT eq. 2)."
+        ),
+    )
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="Online: how per-token losses reduce to one scalar (normalisers are global over ranks)."
+    )
+    # ---- online: advantages
+    adv_std_scale: Literal["group", "batch", "none"] = Field(
+        "group", description="grpo, dapo, gspo, cispo: divide advantages by the group std, the batch std, or nothing."
+    )
+    adv_eps: float = Field(1e-6, gt=0.0, description="Online: floor added to a std before dividing advantages.")
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="ppo, reinforce_pp: discount per response token.")
+    gae_lambda: float = Field(1.0, ge=0.0, le=1.0, description="ppo: GAE lambda (verl 1.0, OpenRLHF 0.95).")
+    # ---- online: DAPO
+    dynamic_sampling_max_rounds: int = Field(
+        3, ge=1,
+        description=(
+            "dapo: rollout rounds per step to fill learner.prompts_per_step groups whose accuracy varies "
+            "(verl max_num_gen_batches); past it the step fails with a clear error."
+        ),
+    )
+    dynamic_sampling_metric: str = Field(
+        "accuracy",
+        description=(
+            "dapo: the reward term whose spread within a group keeps the group: 'accuracy' (raw correctness, as "
+            "DAPO), 'format', 'reward', or a user reward function's name (verl filter_groups.metric)."
+        ),
+    )
+    overlong_cache_tokens: int = Field(
+        0, ge=0,
+        description=(
+            "Online: DAPO soft overlong punishment over the last N tokens before rollout.max_new_tokens "
+            "(reward falls linearly to -overlong_penalty_factor); 0 off."
+        ),
+    )
+    overlong_penalty_factor: float = Field(1.0, ge=0.0, description="Online, with overlong_cache_tokens: the largest penalty (reward units).")
+    # ---- offline
+    beta: float = Field(
+        0.1, gt=0.0,
+        description="dpo/ipo/kto: KL strength (TRL 0.1; ipo's tau); orpo: odds-ratio weight lambda; simpo: reward scale (paper 2.0-2.5).",
+    )
+    dpo_loss: Literal["sigmoid", "robust", "hinge"] = Field(
+        "sigmoid", description="dpo: sigmoid (Rafailov et al.), robust (rDPO, uses label_smoothing) or hinge (SLiC)."
+    )
+    label_smoothing: float = Field(
+        0.0, ge=0.0, lt=0.5, description="dpo with dpo_loss=robust: assumed label-flip rate of the pairs."
+    )
+    kto_desirable_weight: float = Field(1.0, gt=0.0, description="kto: lambda_D, weight of desirable (chosen) examples.")
+    kto_undesirable_weight: float = Field(1.0, gt=0.0, description="kto: lambda_U, weight of undesirable (rejected) examples.")
+    simpo_gamma: float = Field(0.5, description="simpo: target reward margin gamma (TRL simpo_gamma 0.5; paper 0.5-1.6).")
+    rm_center_coef: float = Field(
+        0.0, ge=0.0, description="reward_model: weight of the centering term (r_c + r_r)^2 (Eisenstein et al. 0.01); 0 off."
+    )
+
+    @property
+    def family(self) -> Literal["online", "offline"]:
+        """Returns "online" (rollouts, rewards, advantages) or "offline" (preference pairs)."""
+        return "online" if self.name in ONLINE_ALGOS else "offline"
+
+    @model_validator(mode="after")
+    def _check_algo(self) -> "AlgoConfig":
+        if self.dual_clip is not None and self.name in ("gspo", "cispo"):
+            raise ValueError(
+                f"algo.dual_clip={self.dual_clip}: dual-clip bounds the token-level PPO-clip loss, which "
+                f"algo.name='{self.name}' does not use; set algo.dual_clip=null"
+            )
+        if self.name == "gspo" and max(self.clip_eps_low, self.clip_eps_high) > 0.01:
+            warnings.warn(
+                f"algo.name='gspo' with clip_eps_low={self.clip_eps_low}, clip_eps_high={self.clip_eps_high}: GSPO "
+                "clips a length-normalised sequence ratio and needs ranges ~1e-3 or smaller (the paper uses 3e-4 "
+                "and 4e-4); see configs/algos/gspo.yaml",
+                stacklevel=2,
+            )
+        return self
+
+
+class CriticConfig(_Section):
+    """PPO's critic (read only when algo.name is ppo): a value head on a causal-LM trunk, trained with its own AdamW."""
+
+    model_path: str | None = Field(
+        None,
+        description=(
+            "Checkpoint of the critic's trunk (folder or alias, like model.path); None copies the policy checkpoint. "
+            "A fresh value head (one output per token) is put on top."
+        ),
+    )
+    lr: float = Field(1e-5, gt=0.0, description="Critic AdamW learning rate (verl critic default 1e-5).")
+    value_clip_eps: float | None = Field(
+        0.5, gt=0.0, description="Clip range of the value loss around the rollout-time values, in reward units (verl 0.5); None off."
+    )
+    max_grad_norm: float = Field(1.0, gt=0.0, description="Global L2 gradient-norm clip of the critic.")
+
+
+class OfflineConfig(_Section):
+    """Preference pairs for the offline methods (dpo, ipo, kto, orpo, simpo, reward_model, sft)."""
+
+    pairs_files: list[str] = Field(
+        default_factory=lambda: ["data/hh-rlhf-harmless/test.jsonl.gz"],
+        description=(
+            "JSONL files (.gz fine) of {chosen, rejected} full dialogues in hh-rlhf form "
+            "('\\n\\nHuman: ... \\n\\nAssistant: ...'); the shared prefix is the prompt."
+        ),
+    )
+    max_pairs: int | None = Field(
+        None, ge=2, description="Use only the first N pairs of the files (before the split); None uses all."
+    )
+    eval_fraction: float = Field(
+        0.05, ge=0.0, le=0.5, description="Fraction of pairs held out for eval (a seeded split by run.seed); 0 disables eval."
+    )
+    max_prompt_tokens: int = Field(
+        256, ge=8, description="Prompt tokens kept per pair after the chat template; longer prompts keep their end."
+    )
+    max_response_tokens: int = Field(
+        128, ge=2, description="Response tokens kept per response (EOS included); longer responses keep their start."
+    )
+    pairs_per_step: int = Field(8, ge=1, description="Pairs per optimizer step, across all learner ranks.")
+    pairs_per_microbatch: int = Field(
+        4, ge=1, description="Pairs per forward/backward on one rank (2x sequences: chosen and rejected)."
+    )
+    eval_every_steps: int = Field(0, ge=0, description="Eval every N steps; 0 = before training and after the last step only.")
+
+
+class LearnerConfig(_Section):
+    """The policy update."""
+
+    prompts_per_step: int = Field(8, ge=1, description="Prompts per RL step, across all learner ranks.")
+    lr: float = Field(1e-6, gt=0.0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up, in optimizer steps.")
+    max_grad_norm: float = Field(1.0, gt=0.0, description="Global gradient-norm clip (L2).")
+    epochs: int = Field(1, ge=1, description="Passes over each step's experience (PPO epochs).")
+    sequences_per_minibatch: int = Field(
+        32, ge=1, description="Sequences per optimizer step, across all learner ranks."
+    )
+    sequences_per_microbatch: int = Field(
+        8, ge=1, description="Sequences per forward/backward on one rank (gradient accumulation unit)."
+    )
+    torch_threads: int = Field(2, ge=1, description="torch.set_num_threads in each learner worker.")
+    cpu_affinity: CoreList | list[CoreList] | None = Field(
+        None,
+        description=(
+            "CPU only: cores each learner worker process is pinned to (every thread; Linux), one core list for "
+            "every worker ('0') or one per worker (['0', '1']); None leaves the affinity alone. With "
+            "resources.rollout.cpu_threads on other cores, rollout and update stop competing for cores."
+        ),
+    )
+    optimizer: Literal["adamw", "adamw_8bit"] = Field(
+        "adamw",
+        description="adamw (torch) or adamw_8bit (bitsandbytes AdamW8bit: 8-bit states; CUDA learners only).",
+    )

@@ -1,0 +1,78 @@
+"""Config section resources: Ray resource requests, placement, threads and core pinning of each role."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from rlray.config.base import CoreList, _Section
+
+
+class RolloutResources(_Section):
+    """Ray resources of the rollout fleet (one vLLM engine per actor)."""
+
+    num_workers: int = Field(1, ge=1, description="Rollout actors (engines), named rlray:rollout-<i>.")
+    cpus: float = Field(0.25, gt=0.0, description="Logical Ray CPUs per actor (fractions allowed).")
+    gpus: float = Field(0.0, ge=0.0, description="Ray GPUs per tensor-parallel rank of an actor.")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per engine (vLLM tensor parallelism).")
+    max_restarts: int = Field(
+        2, ge=-1, description="Times Ray restarts a dead rollout actor (-1: without limit); its prompts go to another."
+    )
+    cpu_threads: CoreList | list[CoreList] | None = Field(
+        None,
+        description=(
+            "Cores of each actor's vLLM CPU threads (VLLM_CPU_OMP_THREADS_BIND): one core list for every "
+            "actor ('0-1'), a list with one per actor (['0', '1']), or None to split this node's cores "
+            "evenly over the actors. Separate from the logical Ray CPUs above."
+        ),
+    )
+
+
+class LearnerResources(_Section):
+    """Ray resources of the Ray Train learner group."""
+
+    num_workers: int = Field(1, ge=1, description="Ray Train data-parallel workers (learner ranks).")
+    cpus: float = Field(0.25, gt=0.0, description="Logical Ray CPUs per worker (fractions allowed).")
+    gpus: float = Field(0.0, ge=0.0, description="Ray GPUs per worker.")
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="Data parallelism: ddp (gloo on CPU, NCCL on GPU) or fsdp (GPU only)."
+    )
+
+
+class RewardResources(_Section):
+    """Ray resources of the reward Serve application (used when reward.server.enabled)."""
+
+    replicas: int = Field(1, ge=1, description="Serve replicas of the reward deployment.")
+    cpus: float = Field(0.25, gt=0.0, description="Logical Ray CPUs per replica.")
+    gpus: float = Field(0.0, ge=0.0, description="Ray GPUs per replica (for a reward model).")
+
+
+class ReferenceResources(_Section):
+    """Where the frozen reference model runs (used when algo.kl_coef > 0)."""
+
+    placement: Literal["learner", "actor"] = Field(
+        "learner",
+        description="learner: a copy on every learner worker; actor: one Ray actor rlray:reference-0 shared by all ranks.",
+    )
+    cpus: float = Field(0.25, gt=0.0, description="Logical Ray CPUs of the reference actor.")
+    gpus: float = Field(0.0, ge=0.0, description="Ray GPUs of the reference actor.")
+
+
+class ResourcesConfig(_Section):
+    """Ray resources per role and their placement. Thread counts are separate (learner.torch_threads, rollout cpu_threads)."""
+
+    rollout: RolloutResources = Field(default_factory=RolloutResources)
+    learner: LearnerResources = Field(default_factory=LearnerResources)
+    reward: RewardResources = Field(default_factory=RewardResources)
+    reference: ReferenceResources = Field(default_factory=ReferenceResources)
+    colocate: bool = Field(
+        False,
+        description="Rollout actors share the learner workers' GPUs (fractional gpus on both; weights by CUDA IPC).",
+    )
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="Ray placement-group strategy of the rollout actors and of the learner workers."
+    )
+    placement_timeout_s: float = Field(
+        120.0, gt=0.0, description="Seconds to wait for a placement group before failing with what is missing."
+    )

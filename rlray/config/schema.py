@@ -1,0 +1,207 @@
+"""The whole config (``Config``): every section and the checks that span sections."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import yaml
+from pydantic import Field, SecretStr, model_validator
+
+from rlray.config.algo import GROUP_ALGOS, AlgoConfig, CriticConfig, LearnerConfig, OfflineConfig
+from rlray.config.base import _CORE_LIST, _Section, flatten
+from rlray.config.ops import CheckpointConfig, GuardConfig, MonitorConfig
+from rlray.config.resources import ResourcesConfig
+from rlray.config.reward import RewardConfig
+from rlray.config.run import DataConfig, EvalConfig, ModelConfig, RolloutConfig, RunConfig, TrackingConfig
+
+
+class Config(_Section):
+    """A whole rlray experiment."""
+
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
+    offline: OfflineConfig = Field(default_factory=OfflineConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    guard: GuardConfig = Field(default_factory=GuardConfig)
+    monitor: MonitorConfig = Field(default_factory=MonitorConfig)
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+
+    @model_validator(mode="after")
+    def _check_sizes(self) -> "Config":
+        ln = self.learner
+        world = self.resources.learner.num_workers
+        self._check_resources()
+        self._check_learner_options()
+        self._check_ops()
+        if self.algo.family == "offline":
+            return self._check_offline_sizes(world)
+        sequences = self.sequences_per_step
+        if self.algo.name in GROUP_ALGOS and self.rollout.samples_per_prompt < 2:
+            raise ValueError(
+                f"rollout.samples_per_prompt={self.rollout.samples_per_prompt}: the group estimator "
+                f"'{self.algo.name}' needs at least 2 samples per prompt; set rollout.samples_per_prompt>=2"
+            )
+        if self.algo.overlong_cache_tokens >= self.rollout.max_new_tokens:
+            raise ValueError(
+                f"algo.overlong_cache_tokens={self.algo.overlong_cache_tokens} must be below "
+                f"rollout.max_new_tokens={self.rollout.max_new_tokens}; lower it (0 disables overlong shaping)"
+            )
+        if ln.prompts_per_step % world:
+            raise ValueError(
+                f"learner.prompts_per_step={ln.prompts_per_step} does not divide over "
+                f"resources.learner.num_workers={world}; make it a multiple of {world}"
+            )
+        if sequences % ln.sequences_per_minibatch:
+            raise ValueError(
+                f"learner.sequences_per_minibatch={ln.sequences_per_minibatch} does not divide the "
+                f"{sequences} sequences per step (prompts_per_step*samples_per_prompt); pick a divisor of {sequences}"
+            )
+        if ln.sequences_per_minibatch % (ln.sequences_per_microbatch * world):
+            raise ValueError(
+                f"learner.sequences_per_microbatch={ln.sequences_per_microbatch} x {world} learner worker(s) "
+                f"does not divide learner.sequences_per_minibatch={ln.sequences_per_minibatch}; pick a divisor"
+            )
+        return self
+
+    def _check_resources(self) -> None:
+        res = self.resources
+        threads = res.rollout.cpu_threads
+        if isinstance(threads, list) and len(threads) != res.rollout.num_workers:
+            raise ValueError(
+                f"resources.rollout.cpu_threads={threads!r} has {len(threads)} entries for "
+                f"resources.rollout.num_workers={res.rollout.num_workers}; give one core list per actor"
+            )
+        for item in threads if isinstance(threads, list) else [threads] if threads else []:
+            if item not in ("auto", "nobind") and not _CORE_LIST.match(item):
+                raise ValueError(f"resources.rollout.cpu_threads={item!r} is not a core list; use e.g. '0-1', '1' or '0,2-3'")
+        affinity = self.learner.cpu_affinity
+        if isinstance(affinity, list) and len(affinity) != res.learner.num_workers:
+            raise ValueError(
+                f"learner.cpu_affinity={affinity!r} has {len(affinity)} entries for "
+                f"resources.learner.num_workers={res.learner.num_workers}; give one core list per worker"
+            )
+        for item in affinity if isinstance(affinity, list) else [affinity] if affinity else []:
+            if not _CORE_LIST.match(item):
+                raise ValueError(f"learner.cpu_affinity={item!r} is not a core list; use e.g. '0', '0-1' or '0,2-3'")
+        if res.learner.strategy == "fsdp" and res.learner.gpus == 0:
+            raise ValueError("resources.learner.strategy='fsdp' needs GPUs; set resources.learner.gpus>0 or strategy=ddp")
+        if res.colocate and (res.rollout.gpus == 0 or res.learner.gpus == 0):
+            raise ValueError(
+                "resources.colocate=true shares GPUs between rollout and learner; set resources.rollout.gpus and "
+                "resources.learner.gpus to fractions (e.g. 0.4 and 0.5) or colocate=false"
+            )
+
+    def _check_learner_options(self) -> None:
+        res = self.resources
+        if self.learner.optimizer == "adamw_8bit" and res.learner.gpus == 0:
+            raise ValueError(
+                "learner.optimizer='adamw_8bit' runs on CUDA only (bitsandbytes); set resources.learner.gpus>0 "
+                "or learner.optimizer=adamw"
+            )
+        sync = self.rollout.weight_sync
+        if sync in ("nccl", "ipc") and (res.rollout.gpus == 0 or res.learner.gpus == 0):
+            raise ValueError(
+                f"rollout.weight_sync='{sync}' needs GPUs on rollout and learner; set resources.rollout.gpus and "
+                "resources.learner.gpus, or rollout.weight_sync=object_store"
+            )
+        if sync == "ipc" and not res.colocate:
+            raise ValueError("rollout.weight_sync='ipc' needs resources.colocate=true (CUDA IPC shares one GPU)")
+        if self.weight_sync_backend == "ipc" and res.learner.strategy == "fsdp":
+            raise ValueError("CUDA IPC weight sync needs a full model on every learner GPU; use ddp, or rollout.weight_sync=nccl")
+        if self.model.lora.rank and res.learner.strategy == "fsdp":
+            raise ValueError("model.lora.rank>0 with resources.learner.strategy='fsdp' is not supported; use ddp")
+
+    @property
+    def weight_sync_backend(self) -> str:
+        """Returns the resolved rollout.weight_sync: object_store, nccl or ipc."""
+        if self.rollout.weight_sync != "auto":
+            return self.rollout.weight_sync
+        if self.resources.rollout.gpus == 0 or self.resources.learner.gpus == 0:
+            return "object_store"
+        return "ipc" if self.resources.colocate else "nccl"
+
+    def _check_offline_sizes(self, world: int) -> "Config":
+        off = self.offline
+        if off.pairs_per_step % (off.pairs_per_microbatch * world):
+            raise ValueError(
+                f"offline.pairs_per_microbatch={off.pairs_per_microbatch} x {world} learner worker(s) does not "
+                f"divide offline.pairs_per_step={off.pairs_per_step}; pick a divisor"
+            )
+        if off.max_pairs is not None and off.eval_fraction and round(off.max_pairs * off.eval_fraction) < 1:
+            raise ValueError(
+                f"offline.eval_fraction={off.eval_fraction} of offline.max_pairs={off.max_pairs} holds out no pair; "
+                "raise either, or set offline.eval_fraction=0 to disable eval"
+            )
+        return self
+
+    def _check_ops(self) -> None:
+        g, m = self.guard, self.monitor
+        for item in g.rollback_overrides:
+            key = item.split("=", 1)[0].rstrip("*").strip()
+            if "=" not in item or not key.startswith(("learner.", "algo.", "reward.")):
+                raise ValueError(
+                    f"guard.rollback_overrides item '{item}': use 'key=value' or 'key*=factor' with a key "
+                    "under learner., algo. or reward. (e.g. 'learner.lr*=0.5')"
+                )
+        if "webhook" in m.alerts and m.webhook_url is None:
+            raise ValueError("monitor.alerts has 'webhook' but monitor.webhook_url is unset; set the URL or drop 'webhook'")
+
+    @property
+    def sequences_per_step(self) -> int:
+        """Sequences generated per step: prompts_per_step * samples_per_prompt."""
+        return self.learner.prompts_per_step * self.rollout.samples_per_prompt
+
+    @property
+    def minibatches_per_epoch(self) -> int:
+        """Optimizer steps per epoch over one step's experience."""
+        return self.sequences_per_step // self.learner.sequences_per_minibatch
+
+    @property
+    def checkpoint_uri(self) -> str:
+        """Snapshot storage root: ``checkpoint.uri``, or ``<run.output_dir>/snapshots`` when unset."""
+        return (self.checkpoint.uri or f"{self.run.output_dir.rstrip('/')}/snapshots").rstrip("/")
+
+    @property
+    def eval_max_new_tokens(self) -> int:
+        """Generation cap used by eval, in tokens."""
+        return self.eval.max_new_tokens or self.rollout.max_new_tokens
+
+    def dump_with_secrets(self) -> dict[str, Any]:
+        """Returns the config as a JSON-safe nested dict with SecretStr values revealed.
+
+        Only for handing a config to another process of the same run (a sweep trial); never log it.
+        """
+
+        def reveal(value: Any) -> Any:
+            if isinstance(value, SecretStr):
+                return value.get_secret_value()
+            if isinstance(value, dict):
+                return {k: reveal(v) for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return [reveal(v) for v in value]
+            return value
+
+        return json.loads(json.dumps(reveal(self.model_dump())))
+
+    def flat(self) -> dict[str, Any]:
+        """Returns the config as a flat {dotted.key: value} dict (for MLflow params)."""
+        return flatten(self.model_dump(mode="json"))
+
+    def config_hash(self) -> str:
+        """Returns a short sha256 of the resolved config (JSON, sorted keys)."""
+        blob = json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def to_yaml(self) -> str:
+        """Returns the resolved config as YAML text."""
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
