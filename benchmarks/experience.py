@@ -32,7 +32,6 @@ import argparse
 import random
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import benchlib

@@ -1,7 +1,7 @@
 """The driver: starts Ray, checks the resources, starts every role and owns the MLflow run.
 
 ``rlray train``, ``jobs/train.py`` and sweeps call ``run_training``. The step loop itself runs inside
-the Ray Train training function (``rlray.loop.train_worker``); this module only wires it up:
+the Ray Train training function (``rlray.training.train_worker``); this module only wires it up:
 
 0. check every input (model, tokenizer, data, reward functions, snapshot storage; ``rlray.preflight``)
    before Ray or MLflow start,
@@ -151,12 +151,12 @@ def learner_trainer(cfg: Config, loop_config: dict) -> Any:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from rlray import checkpoint, loop, offline
+    from rlray import checkpoint, offline, training
 
     res = cfg.resources.learner
     storage_path, storage_fs = checkpoint.ray_storage(cfg.checkpoint_uri, cfg.checkpoint.s3.storage_options())
     return TorchTrainer(
-        loop.train_worker if cfg.algo.family == "online" else offline.train_worker,
+        training.train_worker if cfg.algo.family == "online" else offline.train_worker,
         train_loop_config=loop_config,
         scaling_config=ScalingConfig(
             num_workers=res.num_workers,

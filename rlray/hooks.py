@@ -1,6 +1,6 @@
 """Per-step hooks: how the world outside the step loop sees each step and asks the run to stop.
 
-``loop.train`` calls every hook on rank 0 at each step boundary, in one of two places:
+``rlray.training.train`` calls every hook on rank 0 at each step boundary, in one of two places:
 
 - a *control* hook (the default) runs after the step's metrics are logged and before the step's
   snapshot. It returns None, or a short reason (a string) to stop the run at this step boundary;

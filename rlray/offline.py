@@ -16,7 +16,6 @@ share of the step's pairs. A run, top to bottom:
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,7 +33,7 @@ from rlray.data import PromptStream
 from rlray.data.pairs import collate_pairs, load_preference_pairs, pairs_table, split_pairs
 from rlray.learner import PolicyLearner, autocast_context
 from rlray.learner.preference import PAIR_OBJECTIVES, PairNormaliser, PreferenceSpec, pair_outputs
-from rlray.loop import learner_kwargs
+from rlray.training import learner_kwargs
 from rlray.models import load_tokenizer
 from rlray.models.heads import load_reward_model
 from rlray.hooks import StepEnd, StepHook, run_hooks, run_observers
@@ -83,7 +82,7 @@ class OfflineContext:
 def build_learner(cfg: Config, model_dir: str, world: int) -> PolicyLearner:
     """Returns the learner: the policy, or a one-label sequence-classification model for reward_model.
 
-    The same keyword arguments as online runs (``rlray.loop.learner_kwargs``: dtype, optimizer, LoRA,
+    The same keyword arguments as online runs (``rlray.training.learner_kwargs``: dtype, optimizer, LoRA,
     DDP/FSDP wrapping), except temperature 1 (no sampling temperature to undo) and no separate
     reference model (the reference is the initial policy: its logprobs are cached before step 1).
     """
@@ -129,7 +128,7 @@ def _sequence_logps(learner: PolicyLearner, batch: dict[str, torch.Tensor]) -> t
 
 def setup(cfg: Config, model_dir: str, run_id: str | None, coll: Collective) -> OfflineContext:
     """Builds the learner, the pair tables (with cached reference logprobs), the cursor and, on rank 0, the tracker."""
-    from rlray.loop import seed_everything
+    from rlray.training import seed_everything
 
     torch.set_num_threads(cfg.learner.torch_threads)
     seed_everything(cfg.run.seed + coll.rank)
@@ -300,7 +299,7 @@ def train(
     Raises:
         rlray.data.DataError: the pairs cannot be loaded (names the file and row).
     """
-    from rlray.loop import _progress, restart_delay
+    from rlray.training import _progress, restart_delay
 
     coll = coll or current_collective()
     ops = ops or RunOps()

@@ -1,6 +1,6 @@
 """Operations around the step loop: restore, guards, rollback, heartbeat, status (snapshots: rlray/snapshots.py).
 
-``rlray.loop.train`` calls these between steps (stage 8: log, guard, snapshot) and at the start and
+``rlray.training.train`` calls these between steps (stage 8: log, guard, snapshot) and at the start and
 end of a run; every function runs on every learner rank unless it says "rank 0". Ranks agree on
 each decision (trip, snapshot success) through the collective, so they call Ray Train's report and
 the collectives the same number of times.

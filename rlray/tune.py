@@ -34,7 +34,7 @@ from ray import tune as ray_tune
 
 from rlray.config import Config, config_from_dict
 from rlray.hooks import StepEnd
-from rlray.sweep import SweepConfig, SweepError, check_sweep
+from rlray.sweep import SweepConfig, check_sweep
 from rlray.tracking import Tracker, child_runs
 
 log = logging.getLogger(__name__)

@@ -83,17 +83,6 @@ def ray_session():
     ray.shutdown()
 
 
-def pytest_collection_modifyitems(config, items):
-    """Skips tests marked ``gpu`` when CUDA is not available (marker-based, not pytest.skip in the body)."""
-    import torch
-
-    if torch.cuda.is_available():
-        return
-    no_cuda = pytest.mark.skip(reason="needs CUDA")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(no_cuda)
-
 
 @contextlib.contextmanager
 def moto_server(**env: str):

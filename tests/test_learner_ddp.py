@@ -51,7 +51,8 @@ def update_once(loop_config: dict) -> None:
     """One update (stages 4-6) on this rank; rank 0 writes the new weights, gradients and metrics."""
     from rlray.collective import current_collective
     from rlray.learner import PolicyLearner
-    from rlray.loop import Context, compute_advantages, distribute, learner_kwargs, reference_and_old_logprobs, update_policy
+    from rlray.loop import Context, compute_advantages, distribute, reference_and_old_logprobs, update_policy
+    from rlray.training import learner_kwargs
 
     cfg = Config.model_validate(loop_config["config"])
     coll = current_collective()

@@ -22,11 +22,11 @@ from rlray.loop import (
     run_step,
     sampling_for_step,
     score,
-    setup,
     sync_weights,
     take_prompts,
     update_policy,
 )
+from rlray.training import setup
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.ray

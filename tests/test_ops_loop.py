@@ -1,4 +1,4 @@
-"""Operations inside the step loop, run in-process (``rlray.loop.train``, world size 1) against one real
+"""Operations inside the step loop, run in-process (``rlray.training.train``, world size 1) against one real
 vLLM rollout actor: exact resume, the epoch boundary, lineage, rollback, guards, the OOM fallback and a
 full disk. Heartbeats and /health through the driver are in tests/test_restart.py."""
 
@@ -16,7 +16,7 @@ import ray
 import torch
 from safetensors.torch import load_file
 
-from rlray import checkpoint, lineage, loop
+from rlray import checkpoint, lineage, loop, training
 from rlray.cli import main as cli_main
 from rlray.config import Config, load_config
 from rlray.runstate import RunOps
@@ -68,13 +68,13 @@ def make_cfg(env: Env, name: str, *overrides: str) -> Config:
     return resolve_paths(cfg)
 
 
-def run(env: Env, cfg: Config, *, monitor: bool = False, **ops) -> tuple[loop.Outcome, str, object]:
+def run(env: Env, cfg: Config, *, monitor: bool = False, **ops) -> tuple[training.Outcome, str, object]:
     """Runs ``train`` in this process; returns (outcome, MLflow run id, (monitor actor, port) or None)."""
     from rlray.actors import start_monitor
 
     tracker = Tracker(cfg.tracking.mlflow_uri, cfg.tracking.experiment)
     mon = start_monitor(cfg, tracker.run_id) if monitor else None
-    out = loop.train(cfg, env.model_path, env.actors, tracker.run_id, ops=RunOps(monitor=mon and mon[0], **ops))
+    out = training.train(cfg, env.model_path, env.actors, tracker.run_id, ops=RunOps(monitor=mon and mon[0], **ops))
     return out, tracker.run_id, mon
 
 

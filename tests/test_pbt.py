@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,7 +11,7 @@ import pytest
 from rlray import checkpoint, lineage
 from rlray.config import load_config
 from rlray.hooks import StepEnd, is_observer, run_hooks, run_observers
-from rlray.pbt import ClipToSpace, SnapshotPBT, hyperparam_mutations, make_pbt, pbt_base_config, read_pointer, write_pointer
+from rlray.pbt import ClipToSpace, SnapshotPBT, hyperparam_mutations, pbt_base_config, read_pointer, write_pointer
 from rlray.sweep import SweepConfig, SweepError, check_sweep
 from rlray.tracking import Tracker, child_runs, get_run, get_run_metrics
 from rlray.tune import TrialRunCloser, TuneStepReporter, close_replaced_runs, make_scheduler, trial_config

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rlray import loop, schema
+from rlray import loop, schema, training
 from rlray.collective import Collective
 from rlray.config import config_from_dict
 from rlray.data import PromptRow
@@ -154,9 +154,9 @@ def test_the_training_function_ends_normally_after_a_fatal_step(monkeypatch):
         calls.append(args[0].run.max_steps)
         raise loop.FatalStepError("RewardFunctionError: wrong count")
 
-    monkeypatch.setattr(loop, "train", fatal_train)
+    monkeypatch.setattr(training, "train", fatal_train)
     config = {"config": _cfg("run.max_steps=7").model_dump(), "model_dir": "m", "rollout_actors": [], "run_id": "r"}
-    assert loop.train_worker(config) is None and calls == [7]
+    assert training.train_worker(config) is None and calls == [7]
 
 
 # --------------------------------------------------------------------------------------------

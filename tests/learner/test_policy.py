@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from rlray import schema
-from rlray.learner import LossSpec, Normaliser, PolicyLearner, response_logprobs, split_microbatches
+from rlray.learner import LossSpec, Normaliser, PolicyLearner, split_microbatches
 
 
 def _table(pad_id: int):
