@@ -48,7 +48,8 @@ def _overrides(name: str, tmp_path: Path, gsm8k_dir: Path, hh_file: Path, mlflow
     common = [f"run.output_dir={tmp_path}/out", f"tracking.mlflow_uri={mlflow_uri}", "run.max_steps=2",
               "model.path=tiny-random", "model.dtype=float32", "learner.lr=1e-3", "learner.warmup_steps=0",
               "learner.torch_threads=1",  # one thread: tiny tensors on a busy 2-core machine (tests/algos/conftest.py)
-              "guard.kl_threshold=null"]  # lr 1e-3 on a random model moves the k3 KL past 0.03 in a step or two
+              "guard.kl_threshold=null",  # lr 1e-3 on a random model moves the k3 KL past 0.03 in a step or two
+              "monitor.port=0"]  # a free port: the default 8888 may be held by a run outside the tests
     if name in OFFLINE_ALGOS:
         return common + [f"offline.pairs_files=[{hh_file}]", "offline.max_pairs=16", "offline.eval_fraction=0.25",
                          "offline.pairs_per_step=4", "offline.pairs_per_microbatch=2", "offline.max_prompt_tokens=48",
