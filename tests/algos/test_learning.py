@@ -299,3 +299,16 @@ DPO_STEPS = 15  # seen: accuracy 0.0 (margins start at exactly 0) -> 1.0 for see
 def test_dpo_preference_accuracy_rises_above_0_9():
     before, after = train_dpo(DPO_STEPS)
     assert after > 0.9, f"DPO training-pair accuracy {before:.2f} -> {after:.2f} in {DPO_STEPS} steps"
+
+
+if __name__ == "__main__":  # the numbers behind the asserts: python tests/algos/test_learning.py [SEED ...]
+    import sys
+
+    torch.set_num_threads(1)  # as tests/algos/conftest.py
+    print(f"| algorithm | seed | mean reward before | after | gain | steps | asserted |\n|{'---|' * 7}")
+    for seed in [int(s) for s in sys.argv[1:]] or [0]:
+        for name in sorted(LOSS):
+            before, after = train_online(name, STEPS, seed=seed)
+            print(f"| {name} | {seed} | {before:.3f} | {after:.3f} | {after - before:+.3f} | {STEPS} | gain >= {MIN_GAIN} |")
+        before, after = train_dpo(DPO_STEPS, seed=seed)
+        print(f"| dpo (pair accuracy) | {seed} | {before:.3f} | {after:.3f} | {after - before:+.3f} | {DPO_STEPS} | after > 0.9 |")
