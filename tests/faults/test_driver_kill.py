@@ -60,7 +60,7 @@ def test_a_killed_driver_resumes_from_its_latest_snapshot(ray_session, tmp_path,
     assert killed.info.status == "RUNNING"  # nothing ran after the kill: not even the MLflow run's end
     latest = checkpoint.latest_snapshot(root)
     step = checkpoint.read_manifest(latest)["step"]
-    assert 1 <= step < MAX_STEPS and f"run-{killed.info.run_id}/step_" in latest
+    assert MAX_STEPS > step >= 1 and f"run-{killed.info.run_id}/step_" in latest
 
     assert cli.main(["train", str(config), *overrides, "--resume", "latest"]) == 0
     printed = capsys.readouterr().out  # Ray's worker logs, then the result as indented JSON
