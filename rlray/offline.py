@@ -26,7 +26,6 @@ import torch
 
 from rlray import algos
 from rlray import ops as ops_lib
-from rlray import snapshots
 from rlray.collective import Collective, RayTrainCollective, current_collective
 from rlray.config import REFERENCE_ALGOS, Config
 from rlray.data import PromptStream
@@ -330,17 +329,8 @@ def train(
                 stop_reason = run_hooks(hooks, StepEnd(run.step, ctx.cfg.run.max_steps, dict(metrics)))
             if hooks:
                 stop_reason = coll.broadcast(stop_reason)
-            done, written = run.step, None  # the step and its snapshot, for observer hooks (Tune's reporter)
-            if trip is not None:
-                ops_lib.handle_trip(ctx, run, trip, ops, reload_rollouts=lambda: None)
-            elif stop_reason and run.step < ctx.cfg.run.max_steps:
-                written = snapshots.snapshot(ctx, run, ops, kind="stop", metrics=metrics)
-                run.status = f"stopped: {stop_reason}"
-                if coll.rank == 0:
-                    ctx.tracker.set_tags({"rlray.stop_reason": stop_reason, "rlray.stop_step": str(run.step)})
-            elif snapshots.snapshot_due(ctx.cfg, run.step):
-                kind = "final" if run.step == ctx.cfg.run.max_steps else "periodic"
-                written = snapshots.snapshot(ctx, run, ops, kind=kind, metrics=metrics)
+            done = run.step  # the step and its snapshot, for observer hooks (Tune's reporter)
+            written = ops_lib.end_step(ctx, run, ops, trip, stop_reason, metrics, lambda: None)
             if coll.rank == 0:
                 run_observers(hooks, StepEnd(done, ctx.cfg.run.max_steps, dict(metrics), snapshot=written))
         if run.status == RUNNING:

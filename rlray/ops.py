@@ -199,6 +199,33 @@ def handle_trip(ctx: Any, run: RunState, trip: guard.Trip, ops: RunOps, reload_r
                               "rlray.stop_message": trip.message})
 
 
+def end_step(ctx: Any, run: RunState, ops: RunOps, trip: guard.Trip | None, stop_reason: str | None,
+             metrics: dict[str, float], reload_rollouts: Callable[[], None]) -> str | None:
+    """Stage 8 at a step boundary, the same for online and offline runs; returns the snapshot written, or None.
+
+    A tripped guard is handled (stop or rollback, ``handle_trip``). Otherwise a hook's stop request before
+    the last step writes a "stop" snapshot and ends the run with status 'stopped: <reason>' (MLflow tags
+    rlray.stop_reason and rlray.stop_step); otherwise a due snapshot ("periodic", or "final" after the last
+    step) is written. Every rank calls it with the same ``trip`` and ``stop_reason``.
+
+    Raises:
+        rlray.checkpoint.SnapshotError: a snapshot could not be written (the previous one is intact).
+    """
+    if trip is not None:
+        handle_trip(ctx, run, trip, ops, reload_rollouts=reload_rollouts)
+        return None
+    if stop_reason and run.step < ctx.cfg.run.max_steps:
+        written = snapshots.snapshot(ctx, run, ops, kind="stop", metrics=metrics)
+        run.status = f"stopped: {stop_reason}"
+        if ctx.coll.rank == 0:
+            ctx.tracker.set_tags({"rlray.stop_reason": stop_reason, "rlray.stop_step": str(run.step)})
+        return written
+    if snapshots.snapshot_due(ctx.cfg, run.step):
+        kind = "final" if run.step == ctx.cfg.run.max_steps else "periodic"
+        return snapshots.snapshot(ctx, run, ops, kind=kind, metrics=metrics)
+    return None
+
+
 def last_good_snapshot(run: RunState) -> str | None:
     """Rank 0: returns the newest complete snapshot that a KL trip at ``run.step`` does not implicate, or None.
 

@@ -20,7 +20,7 @@ import numpy as np
 import ray
 import torch
 
-from rlray import guard, snapshots
+from rlray import guard
 from rlray import ops as ops_lib
 from rlray.collective import Collective, RayTrainCollective, current_collective
 from rlray.config import Config
@@ -235,17 +235,8 @@ def _train(cfg: Config, model_dir: str, actors: list[Any], run_id: str | None, c
             stop_reason = _finish_step_rank0(ctx, run, metrics, bar, ops, hooks) if ctx.rank == 0 else None
             if hooks:  # every rank leaves together at this step boundary when rank 0's hooks asked to stop
                 stop_reason = ctx.coll.broadcast(stop_reason)
-            written = None  # the snapshot of this step boundary, for observer hooks (Tune's reporter)
-            if trip is not None:
-                ops_lib.handle_trip(ctx, run, trip, ops, reload_rollouts=lambda: reload_rollouts(ctx))
-            elif stop_reason and run.step < ctx.cfg.run.max_steps:
-                written = snapshots.snapshot(ctx, run, ops, kind="stop", metrics=metrics)
-                run.status = f"stopped: {stop_reason}"
-                if ctx.rank == 0:
-                    ctx.tracker.set_tags({"rlray.stop_reason": stop_reason, "rlray.stop_step": str(run.step)})
-            elif snapshots.snapshot_due(ctx.cfg, run.step):
-                written = snapshots.snapshot(ctx, run, ops, kind="final" if run.step == ctx.cfg.run.max_steps else "periodic",
-                                           metrics=metrics)
+            # the snapshot of this step boundary, for observer hooks (Tune's reporter)
+            written = ops_lib.end_step(ctx, run, ops, trip, stop_reason, metrics, lambda: reload_rollouts(ctx))
             if ctx.rank == 0:
                 run_observers(hooks, StepEnd(step + 1, ctx.cfg.run.max_steps, dict(metrics), snapshot=written))
         if run.status == RUNNING:
