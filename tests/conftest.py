@@ -172,3 +172,19 @@ def tiny_sweep(ray_session, tmp_path_factory, gsm8k_dir, tiny_model_path):
          "scheduler": {"name": "asha", "grace_period_steps": 1, "reduction_factor": 2}, "max_concurrent_trials": 1}
     )
     return run_sweep(cfg, sweep), uri, sweep
+
+
+class ListQueue(list):
+    """A ray.util.queue.Queue stand-in for one process: put appends, get pops the oldest (IndexError when empty)."""
+
+    def put(self, item):
+        self.append(item)
+
+    def get(self):
+        return self.pop(0)
+
+
+@pytest.fixture
+def list_queue() -> type[ListQueue]:
+    """The ``ListQueue`` class: a queue stand-in for Tune's step reporter tests."""
+    return ListQueue

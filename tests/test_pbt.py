@@ -222,15 +222,8 @@ def test_pointer_round_trip(tmp_path):
     assert read_pointer(None) is None
 
 
-def test_step_reporter_is_an_observer_that_hands_over_the_snapshot():
-    class ListQueue(list):
-        def put(self, item):
-            self.append(item)
-
-        def get(self):
-            return self.pop(0)
-
-    results, acks = ListQueue(), ListQueue([True])
+def test_step_reporter_is_an_observer_that_hands_over_the_snapshot(list_queue):
+    results, acks = list_queue(), list_queue([True])
     reporter = TuneStepReporter(results, acks)
     assert is_observer(reporter)
     calls = []

@@ -117,15 +117,8 @@ def test_scheduler_and_param_space():
     assert isinstance(make_scheduler(fifo, max_steps=3), FIFOScheduler)
 
 
-def test_step_reporter_hands_metrics_over_and_waits_for_the_ack():
-    class ListQueue(list):
-        def put(self, item):
-            self.append(item)
-
-        def get(self):
-            return self.pop(0)
-
-    results, acks = ListQueue(), ListQueue([True])
+def test_step_reporter_hands_metrics_over_and_waits_for_the_ack(list_queue):
+    results, acks = list_queue(), list_queue([True])
     reporter = TuneStepReporter(results, acks)
     assert reporter(StepEnd(3, 10, {"reward/mean": 0.5, "algo/kl": 0.01})) is None  # never asks to stop
     assert results == [({"step": 3, "reward/mean": 0.5, "algo/kl": 0.01}, None)]  # no snapshot at this step
