@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from pathlib import Path
 
@@ -188,3 +189,36 @@ class ListQueue(list):
 def list_queue() -> type[ListQueue]:
     """The ``ListQueue`` class: a queue stand-in for Tune's step reporter tests."""
     return ListQueue
+
+
+@pytest.fixture
+def tiny_grpo_run(tmp_path, gsm8k_dir):
+    """A function that runs configs/grpo_gsm8k_tiny.yaml for 3 steps with extra overrides and a length reward
+    (a random model never solves GSM8K), asserts the main-job checks shared by the end-to-end tests (run
+    FINISHED, each of ``required`` metric keys logged at steps 1-3 and declared in METRIC_KEYS, finite losses)
+    and returns (MLflow uri, result, metrics)."""
+    from rlray.config import RewardFunctionConfig, load_config
+    from rlray.driver import run_training
+    from rlray.tracking import METRIC_KEYS, get_run_metrics
+
+    def run(required: list[str], *overrides: str):
+        uri = f"sqlite:///{tmp_path}/mlflow.db"
+        cfg = load_config(
+            REPO_ROOT / "configs/grpo_gsm8k_tiny.yaml",
+            [f"run.output_dir={tmp_path}/out", f"tracking.mlflow_uri={uri}", f"data.train_files=[{gsm8k_dir}/train.jsonl]",
+             f"data.eval_files=[{gsm8k_dir}/test.jsonl]", "run.max_steps=3", "learner.lr=1e-3", *overrides],
+        )
+        cfg.reward.functions = [
+            RewardFunctionConfig(path=f"{REPO_ROOT}/tests/fixtures/rewards.py:completion_length", weight=1.0)
+        ]
+        result = run_training(cfg)
+        assert result.status == "FINISHED"
+        metrics = get_run_metrics(uri, result.run_id)
+        for key in required:
+            assert key in metrics, key
+            assert [s for s, _ in metrics[key]] == [1, 2, 3], key
+        assert set(required) <= set(METRIC_KEYS)
+        assert all(math.isfinite(v) for _, v in metrics["learner/pg_loss"] + metrics["learner/grad_norm"])
+        return uri, result, metrics
+
+    return run

@@ -2,15 +2,13 @@
 gloo), the reward on Ray Serve, the reference model as its own actor, and async rollouts (k = 1),
 for 3 GRPO steps on `tiny-random`, with the main-job assertions (tests/test_loop_e2e.py)."""
 
-import math
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlray.config import RewardFunctionConfig, load_config
-from rlray.tracking import METRIC_KEYS, get_run, get_run_metrics
+from rlray.tracking import get_run
 
 REPO = Path(__file__).resolve().parents[1]
 REQUIRED = [
@@ -22,28 +20,14 @@ REQUIRED = [
 
 
 @pytest.mark.ray
-def test_two_rollouts_two_learners_serve_reward_async(ray_session, tmp_path, gsm8k_dir, tiny_model_path):
-    from rlray.driver import run_training
+def test_two_rollouts_two_learners_serve_reward_async(ray_session, tiny_grpo_run, tiny_model_path):
     from rlray.weight_sync import free_port
 
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    cfg = load_config(
-        REPO / "configs/grpo_gsm8k_tiny.yaml",
-        [f"run.output_dir={tmp_path}/out", f"tracking.mlflow_uri={uri}", f"data.train_files=[{gsm8k_dir}/train.jsonl]",
-         f"data.eval_files=[{gsm8k_dir}/test.jsonl]", "run.max_steps=3", "learner.lr=1e-3", "learner.torch_threads=1",
-         "resources.rollout.num_workers=2", "resources.learner.num_workers=2", "resources.reference.placement=actor",
-         "reward.server.enabled=true", f"reward.server.port={free_port()}", "reward.version=7",
-         "rollout.max_staleness=1"],
+    uri, result, metrics = tiny_grpo_run(
+        REQUIRED, "learner.torch_threads=1", "resources.rollout.num_workers=2", "resources.learner.num_workers=2",
+        "resources.reference.placement=actor", "reward.server.enabled=true", f"reward.server.port={free_port()}",
+        "reward.version=7", "rollout.max_staleness=1",
     )
-    cfg.reward.functions = [RewardFunctionConfig(path=f"{REPO}/tests/fixtures/rewards.py:completion_length", weight=1.0)]
-    result = run_training(cfg)
-    assert result.status == "FINISHED"
-    metrics = get_run_metrics(uri, result.run_id)
-    for key in REQUIRED:
-        assert key in metrics, key
-        assert [s for s, _ in metrics[key]] == [1, 2, 3], key
-    assert set(REQUIRED) <= set(METRIC_KEYS)
-    assert all(math.isfinite(v) for _, v in metrics["learner/pg_loss"] + metrics["learner/grad_norm"])
     # k = 1: step 2 trains on the rollout made with version 0 while step 1 trained, step 3 on version 1
     assert [v for _, v in metrics["rollout/policy_version"]] == [0.0, 0.0, 1.0]
     assert [v for _, v in metrics["rollout/staleness_max"]] == [0.0, 1.0, 1.0]

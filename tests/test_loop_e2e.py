@@ -1,14 +1,12 @@
 """End to end: GRPO steps with `tiny-random` through vLLM rollout actors, Ray Train and MLflow."""
 
-import math
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlray.config import RewardFunctionConfig, load_config
-from rlray.tracking import METRIC_KEYS, get_run, get_run_metrics
+from rlray.tracking import get_run
 
 REPO = Path(__file__).resolve().parents[1]
 REQUIRED = [
@@ -19,25 +17,8 @@ REQUIRED = [
 
 
 @pytest.mark.ray
-def test_grpo_three_steps_through_ray(ray_session, tmp_path, gsm8k_dir, tiny_model_path):
-    from rlray.driver import run_training
-
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    cfg = load_config(
-        REPO / "configs/grpo_gsm8k_tiny.yaml",
-        [f"run.output_dir={tmp_path}/out", f"tracking.mlflow_uri={uri}", f"data.train_files=[{gsm8k_dir}/train.jsonl]",
-         f"data.eval_files=[{gsm8k_dir}/test.jsonl]", "run.max_steps=3", "learner.lr=1e-3"],
-    )
-    # a random model never solves GSM8K: a length term gives the update a signal
-    cfg.reward.functions = [RewardFunctionConfig(path=f"{REPO}/tests/fixtures/rewards.py:completion_length", weight=1.0)]
-    result = run_training(cfg)
-    assert result.status == "FINISHED"
-    metrics = get_run_metrics(uri, result.run_id)
-    for key in REQUIRED:
-        assert key in metrics, key
-        assert [s for s, _ in metrics[key]] == [1, 2, 3], key
-    assert set(REQUIRED) <= set(METRIC_KEYS)
-    assert all(math.isfinite(v) for _, v in metrics["learner/pg_loss"] + metrics["learner/grad_norm"])
+def test_grpo_three_steps_through_ray(ray_session, tiny_grpo_run, tiny_model_path):
+    uri, result, metrics = tiny_grpo_run(REQUIRED)
     # step s rolled out with the policy of version s-1: every sync reached the engine
     assert [v for _, v in metrics["rollout/policy_version"]] == [0.0, 1.0, 2.0]
     # eval before training (step 0) and after the last step
