@@ -251,8 +251,8 @@ def run_training(
         status = "KILLED"
         raise
     finally:
-        tracker.set_tags({"rlray.status": status})
-        tracker.finish(_mlflow_status(status))
+        # a sweep closes a stopped trial's run as KILLED before its process dies; the dying run keeps that
+        tracker.finish_unless_ended(_mlflow_status(status), {"rlray.status": status})
         kill_actors([*actors, *([reference] if reference else []), *([ops.monitor] if ops.monitor is not None else []), control])
         if pg is not None:
             remove_placement_group(pg)

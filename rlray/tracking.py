@@ -272,6 +272,32 @@ class Tracker:
         self.close()
         self.client.set_terminated(self.run_id, status=status)
 
+    def finish_unless_ended(self, status: str, tags: dict[str, str] | None = None) -> str:
+        """Ends the run with ``status`` and ``tags`` unless it was already ended; returns the status it ends with.
+
+        Writes what is buffered first (``close``). A run that someone else already ended keeps its status:
+        a sweep's ``TrialRunCloser`` ends the run of a trial the scheduler stopped (KILLED) before Tune
+        stops the trial's process, and that process, dying, must not overwrite it with FAILED. When the
+        status cannot be read (store down), the run is ended as asked.
+
+        Raises:
+            StoreUnavailableError: the store stayed down (``close``).
+        """
+        self.close()
+        try:
+            current = self.client.get_run(self.run_id).info.status
+        except Exception as err:
+            if not _retryable(err):
+                raise
+            current = "RUNNING"
+        if current != "RUNNING":
+            log.info("MLflow run %s was already ended as %s; not ending it again as %s", self.run_id, current, status)
+            return current
+        if tags:
+            self.set_tags(tags)
+        self.finish(status)
+        return status
+
     def tags(self) -> dict[str, str]:
         """Returns the run's tags, buffered ones included (a read: raises while the store is down)."""
         return {**self.client.get_run(self.run_id).data.tags, **self._tags}
