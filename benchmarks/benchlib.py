@@ -274,6 +274,27 @@ def run_child(argv: list[str], *, log_path: Path, timeout_s: float, env: dict[st
     }
 
 
+def run_script_child(script: str | Path, args: Sequence[str], *, result_path: Path, log_path: Path, timeout_s: float,
+                     label: str) -> dict[str, Any]:
+    """Runs ``script --child ARGS`` (a benchmark re-running itself for one measurement) and returns the outcome.
+
+    The child writes its figures as JSON to ``result_path``. Progress and, on failure, the log's last lines
+    are printed under ``label``.
+
+    Returns:
+        ``run_child``'s fields plus the child's JSON; a child that failed, timed out or wrote no result gets
+        ``error`` ("exit code N" or "timed out") and ``log_tail`` (its last 60 log lines) instead.
+    """
+    argv = [sys.executable, str(Path(script).resolve()), "--child", *map(str, args)]
+    print(f"  {label}: running (log {log_path})", flush=True)
+    run = run_child(argv, log_path=log_path, timeout_s=timeout_s)
+    if run["returncode"] != 0 or not result_path.exists():
+        why = "timed out" if run["returncode"] is None else f"exit code {run['returncode']}"
+        print(f"  {label}: FAILED ({why}); last lines of the log:\n{tail(run['log'])}", flush=True)
+        return {**run, "error": why, "log_tail": tail(run["log"], 60)}
+    return {**run, **json.loads(result_path.read_text())}
+
+
 def tail(path: str | Path, lines: int = 30) -> str:
     """Returns the last ``lines`` lines of a text file (a failed child's log)."""
     try:

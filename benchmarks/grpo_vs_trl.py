@@ -330,14 +330,8 @@ def run_variant(variant: str, spec: RunSpec, timeout_s: float) -> dict[str, Any]
     work = Path(spec.workdir)
     spec_path, result_path = work / "spec.json", work / f"{variant}.result.json"
     spec_path.write_text(json.dumps(asdict(spec)))
-    argv = [sys.executable, str(Path(__file__).resolve()), "--child", variant, str(spec_path), str(result_path)]
-    print(f"  {variant}: running (log {work / f'{variant}.log'})", flush=True)
-    run = benchlib.run_child(argv, log_path=work / f"{variant}.log", timeout_s=timeout_s)
-    if run["returncode"] != 0 or not result_path.exists():
-        why = "timed out" if run["returncode"] is None else f"exit code {run['returncode']}"
-        print(f"  {variant}: FAILED ({why}); last lines of the log:\n{benchlib.tail(run['log'])}", flush=True)
-        return {**run, "error": why, "log_tail": benchlib.tail(run["log"], 60)}
-    return {**run, **json.loads(result_path.read_text())}
+    return benchlib.run_script_child(__file__, [variant, spec_path, result_path], result_path=result_path,
+                                     log_path=work / f"{variant}.log", timeout_s=timeout_s, label=variant)
 
 
 def compare(model: str, spec: RunSpec, variants: list[str], timeout_s: float, keep: bool) -> dict[str, Any]:

@@ -180,17 +180,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     runs: dict[str, Any] = {}
     for variant in args.variants or variants_here():
         result = work / f"{variant}.json"
-        argv_child = [sys.executable, str(Path(__file__).resolve()), "--child", variant, str(work / "args.json"), str(result)]
-        print(f"  {variant}: running (log {work / f'{variant}.log'})", flush=True)
-        run = benchlib.run_child(argv_child, log_path=work / f"{variant}.log", timeout_s=args.timeout_s)
-        if run["returncode"] != 0 or not result.exists():
-            print(f"  {variant}: FAILED; last lines of the log:\n{benchlib.tail(run['log'])}", flush=True)
-            runs[variant] = {"error": f"exit code {run['returncode']}", "log_tail": benchlib.tail(run["log"], 60)}
+        raw = benchlib.run_script_child(__file__, [variant, work / "args.json", result], result_path=result,
+                                        log_path=work / f"{variant}.log", timeout_s=args.timeout_s, label=variant)
+        if "error" in raw:
+            runs[variant] = {"error": raw["error"], "log_tail": raw["log_tail"]}
             continue
-        raw = json.loads(result.read_text())
         rates = [t / s for t, s in zip(raw["tokens"], raw["seconds"]) if s > 0]
-        runs[variant] = {**raw, "tokens_per_s": statistics.median(rates) if rates else None,
-                         "peak_rss_gib": run["peak_rss_gib"], "affinity": run["affinity"]}
+        runs[variant] = {**raw, "tokens_per_s": statistics.median(rates) if rates else None}
     base = runs.get("vllm", {}).get("tokens_per_s")
     for name, r in runs.items():
         r["vs_vllm"] = benchlib.ratio(r.get("tokens_per_s"), base)

@@ -218,17 +218,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for actors, backend in runs_here(size["actors"]):
         name = f"{backend} x{actors}"
         result = work / f"{backend}-{actors}.json"
-        argv_child = [sys.executable, str(Path(__file__).resolve()), "--child", str(actors), backend,
-                      str(work / "args.json"), str(result)]
-        print(f"  {name}: running (log {result.with_suffix('.log')})", flush=True)
-        run = benchlib.run_child(argv_child, log_path=result.with_suffix(".log"), timeout_s=args.timeout_s)
-        if run["returncode"] != 0 or not result.exists():
-            print(f"  {name}: FAILED; last lines of the log:\n{benchlib.tail(run['log'])}", flush=True)
-            runs[name] = {"actors": actors, "backend": backend, "error": f"exit code {run['returncode']}",
-                          "log_tail": benchlib.tail(run["log"], 60)}
+        raw = benchlib.run_script_child(__file__, [actors, backend, work / "args.json", result], result_path=result,
+                                        log_path=result.with_suffix(".log"), timeout_s=args.timeout_s, label=name)
+        if "error" in raw:
+            runs[name] = {"actors": actors, "backend": backend, "error": raw["error"], "log_tail": raw["log_tail"]}
             continue
-        raw = json.loads(result.read_text())
-        runs[name] = {**raw, **summarise(raw), "affinity": run["affinity"]}
+        runs[name] = {**raw, **summarise(raw)}
     print(f"\n**weight sync** ({size['model']}): {size['repeats']} timed syncs after 1 warm-up, bf16 weights\n")
     print(table(runs) + "\n")
     results = {"size": size, "runs": runs}

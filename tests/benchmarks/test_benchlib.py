@@ -74,3 +74,32 @@ def test_run_all_summary_rows_compare_with_targets(bench):
     assert [(r[1], r[3]) for r in rows] == [(0.5, "yes"), (0.9, "no"), (0.95, "yes"), (0.2, "no"), (None, "n/a"),
                                             (0.01, "yes")]
     assert bench["run_all"].summary_rows({}) == []
+
+
+CHILD_SCRIPT = """
+import json, sys
+from pathlib import Path
+assert sys.argv[1] == "--child"
+mode, result = sys.argv[2], Path(sys.argv[3])
+print("child says", mode)
+if mode == "ok":
+    result.write_text(json.dumps({"tokens": [3, 4], "mode": mode}))
+elif mode == "no-result":
+    pass
+else:
+    sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize(("mode", "error"), [("ok", None), ("fail", "exit code 3"), ("no-result", "exit code 0")])
+def test_run_script_child_merges_the_result_or_names_the_failure(bench, tmp_path, mode, error):
+    script = tmp_path / "child.py"
+    script.write_text(CHILD_SCRIPT)
+    result, log = tmp_path / "result.json", tmp_path / "child.log"
+    out = bench["benchlib"].run_script_child(script, [mode, result], result_path=result, log_path=log,
+                                             timeout_s=60, label=mode)
+    assert out["log"] == str(log) and out["wall_s"] > 0
+    if error is None:
+        assert out["returncode"] == 0 and out["tokens"] == [3, 4] and out["mode"] == "ok" and "error" not in out
+    else:
+        assert out["error"] == error and f"child says {mode}" in out["log_tail"] and "tokens" not in out
