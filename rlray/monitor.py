@@ -87,6 +87,19 @@ class MetricsRegistry:
         if name in self._ray:
             self._ray[name].inc(value)
 
+    def republish(self) -> None:
+        """Sets every Ray gauge again to the value it holds now.
+
+        Ray (2.60, OpenTelemetry export) evicts a gauge series that was not set within two metrics
+        report intervals, so a gauge set once per step (tens of seconds) or once per stall check
+        would blink in and out of the head's metrics export and the dashboard's charts. The
+        monitor calls this every second from its watcher thread. Counters are cumulative in Ray
+        and are not evicted.
+        """
+        for name, gauge in self._ray.items():
+            if name in GAUGES:
+                gauge.set(self.value(name))
+
     def value(self, name: str) -> float:
         """Returns the current value of a gauge or counter (as served on /metrics)."""
         suffix = "_total" if name in COUNTERS else ""
@@ -171,6 +184,7 @@ class RunMonitor:
         self._lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
         self._stop = threading.Event()
+        self.metrics.set("rlray_healthy", 1.0)  # exported from the start, not only after the first stall check
         self._watcher = threading.Thread(target=self._watch, name="rlray-stall-watch", daemon=True)
         self._watcher.start()
 
@@ -183,7 +197,9 @@ class RunMonitor:
             if self.status == "stalled":
                 self.status, self.reason = "healthy", None
                 log.info("run %s: heartbeats are back at step %d", self.run_id, step)
-        for name, value in (("rlray_step", step), ("rlray_epoch", epoch), ("rlray_policy_version", policy_version)):
+            healthy = 1.0 if self.status == "healthy" else 0.0
+        for name, value in (("rlray_step", step), ("rlray_epoch", epoch), ("rlray_policy_version", policy_version),
+                            ("rlray_healthy", healthy)):
             self.metrics.set(name, value)
 
     def record_step(self, step: int, epoch: int, policy_version: int, step_metrics: dict[str, float]) -> None:
@@ -304,8 +320,9 @@ class RunMonitor:
             self._server.server_close()
 
     def _watch(self) -> None:
-        while not self._stop.wait(min(5.0, self.heartbeat_s / 4)):
+        while not self._stop.wait(min(1.0, self.heartbeat_s / 4)):
             self.check_stall()
+            self.metrics.republish()
 
 
 class Heartbeat:

@@ -59,20 +59,62 @@ def test_monitor_binds_localhost_and_reports_a_taken_port(monitor):
         other.close()
 
 
+def test_healthy_gauge_is_exported_from_the_start():
+    """Before any heartbeat or stall check (the watcher's first check is 1 s away), rlray_healthy reads 1."""
+    m = RunMonitor("run9", heartbeat_s=60.0, alerter=Alerter(["log"]))
+    try:
+        assert 'rlray_healthy{run_id="run9"} 1.0' in m.metrics.render().decode()
+    finally:
+        m.close()
+
+
+class _RayGauge:
+    """Stands in for a ray.util.metrics.Gauge: records every value set."""
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def set(self, value: float) -> None:
+        self.values.append(value)
+
+
+def test_ray_gauges_are_set_again_every_second():
+    """Ray evicts a gauge not set within 2 report intervals; the watcher sets each one again every second
+    with the value the registry holds, so a once-per-step figure stays on the head's export between steps."""
+    m = RunMonitor("run7", heartbeat_s=60.0, alerter=Alerter(["log"]))
+    try:
+        fakes = {name: _RayGauge() for name in ("rlray_reward_mean", "rlray_step", "rlray_healthy")}
+        m.metrics._ray = dict(fakes)
+        m.record_step(4, 1, 4, {"reward/mean": 0.375})
+        assert fakes["rlray_reward_mean"].values == [0.375] and fakes["rlray_step"].values == [4.0]
+        start, deadline = time.monotonic(), time.monotonic() + 20
+        while len(fakes["rlray_reward_mean"].values) < 3:  # two wake-ups of the watcher
+            assert time.monotonic() < deadline, fakes["rlray_reward_mean"].values
+            time.sleep(0.05)
+        assert time.monotonic() - start >= 1.5  # at 1 s intervals, not faster
+        assert set(fakes["rlray_reward_mean"].values) == {0.375} and set(fakes["rlray_step"].values) == {4.0}
+        assert set(fakes["rlray_healthy"].values) == {1.0}
+    finally:
+        m.close()
+
+
 def test_stalled_after_two_missed_heartbeats_then_recovers(monitor, caplog):
     monitor.beat(5, 1, 5)
-    assert monitor.health()["status"] == "healthy"
+    assert monitor.health()["status"] == "healthy" and monitor.metrics.value("rlray_healthy") == 1.0
     time.sleep(0.45)  # > 2 x 0.2 s without a heartbeat
     health = monitor.health()
     assert health["status"] == "stalled" and "no heartbeat for" in health["reason"]
+    assert monitor.metrics.value("rlray_healthy") == 0.0
     time.sleep(0.3)
     stalls = [a for a in monitor.alerts if a["kind"] == "stall"]
     assert len(stalls) == 1 and stalls[0]["step"] == 5  # one alert per stall, not one per check
     assert "ALERT stall" in caplog.text
     monitor.beat(6, 1, 6)
+    assert monitor.metrics.value("rlray_healthy") == 1.0  # set by the heartbeat itself
     assert monitor.health()["status"] == "healthy"
     monitor.set_status("stopped", "kl_guard")
     assert (monitor.health()["status"], monitor.health()["reason"]) == ("stopped", "kl_guard")
+    assert monitor.metrics.value("rlray_healthy") == 0.0
 
 
 def test_restart_is_counted_and_alerted(monitor):
