@@ -16,7 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from rlray.config import Config, ConfigError, config_from_dict
+from rlray.config import Config, ConfigError, config_from_dict, validation_error_lines
 from rlray.tracking import METRIC_KEYS
 
 
@@ -118,18 +118,9 @@ class SweepConfig(_Strict):
         return self
 
 
-def _format_errors(err: ValidationError) -> str:
-    lines = []
-    for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"])
-        if e["type"] == "extra_forbidden":
-            lines.append(f"unknown key '{key}' (sweep keys: {', '.join(SweepConfig.model_fields)}; "
-                         f"space entries: grid, choice, uniform, loguniform; scheduler: {', '.join(SchedulerSpec.model_fields)})")
-        elif e["type"] == "value_error":
-            lines.append(f"{key + ': ' if key else ''}{str(e['msg']).removeprefix('Value error, ')}")
-        else:
-            lines.append(f"{key or '<root>'}={e.get('input')!r}: {e['msg']}")
-    return "\n  - ".join(lines)
+def _sweep_key_hint(key: str) -> str:
+    return (f" (sweep keys: {', '.join(SweepConfig.model_fields)}; space entries: grid, choice, uniform, loguniform; "
+            f"scheduler: {', '.join(SchedulerSpec.model_fields)})")
 
 
 def load_sweep(path: str | Path) -> SweepConfig:
@@ -147,7 +138,8 @@ def load_sweep(path: str | Path) -> SweepConfig:
     try:
         return SweepConfig.model_validate(tree)
     except ValidationError as err:
-        raise SweepError(f"invalid sweep file '{path}':\n  - {_format_errors(err)}") from None
+        lines = validation_error_lines(err, unknown_key_hint=_sweep_key_hint)
+        raise SweepError(f"invalid sweep file '{path}':\n  - " + "\n  - ".join(lines)) from None
 
 
 def check_sweep(sweep: SweepConfig, base: Config) -> None:

@@ -44,6 +44,22 @@ def test_operations_validation_names_the_keys():
         config_from_dict({"monitor": {"port": 70000}})
 
 
+def test_config_errors_never_print_a_secret():
+    """A validator's error names the keys but not the section's input; other errors on a section that holds a
+    secret show '**********' (the s3 error used to print {'secret_access_key': ...})."""
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"checkpoint": {"s3": {"secret_access_key": "s3cr3t-value"}}})
+    assert "s3cr3t-value" not in str(err.value)
+    assert "  - checkpoint.s3: checkpoint.s3.access_key_id and checkpoint.s3.secret_access_key must be set" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"checkpoint": {"s3": ["s3cr3t-value"]}})
+    assert "checkpoint.s3='**********': Input should be a valid dictionary" in str(err.value) and "s3cr3t" not in str(err.value)
+    with pytest.raises(ConfigError, match=r"monitor.webhook_url='\*{10}': Input should be a valid string"):
+        config_from_dict({"monitor": {"webhook_url": 12345}})
+    with pytest.raises(ConfigError, match=r"monitor.port=70000: Input should be less than or equal to 65535"):
+        config_from_dict({"monitor": {"port": 70000}})  # a section without secrets still shows the input
+
+
 def test_cli_resume_and_ops_commands_parse():
     p = build_parser()
     a = p.parse_args(["train", "c.yaml", "learner.lr=1e-5", "--resume", "latest"])

@@ -64,6 +64,17 @@ def test_rollout_cpu_threads_per_actor():
         config_from_dict({"resources": {"rollout": {"num_workers": 2, "cpu_threads": ["0"]}}})
     with pytest.raises(ConfigError, match=r"cpu_threads='0-x' is not a core list"):
         config_from_dict({"resources": {"rollout": {"cpu_threads": "0-x"}}})
+    assert config_from_dict({"resources": {"rollout": {"cpu_threads": "nobind"}}}).resources.rollout.cpu_threads == "nobind"
+
+
+def test_learner_cpu_affinity_is_checked_like_the_rollout_cores():
+    cfg = config_from_dict({"resources": {"learner": {"num_workers": 2}}, "learner": {"cpu_affinity": ["0", "1"]}})
+    assert cfg.learner.cpu_affinity == ["0", "1"]
+    with pytest.raises(ConfigError, match=r"learner.cpu_affinity=\['0'\] has 1 entries for resources.learner.num_workers=2; "
+                                          r"give one core list per worker"):
+        config_from_dict({"resources": {"learner": {"num_workers": 2}}, "learner": {"cpu_affinity": ["0"]}})
+    with pytest.raises(ConfigError, match=r"learner.cpu_affinity='auto' is not a core list; use e.g. '0', '0-1' or '0,2-3'"):
+        config_from_dict({"learner": {"cpu_affinity": "auto"}})  # 'auto'/'nobind' are vLLM words, not the learner's
 
 
 @pytest.mark.parametrize(

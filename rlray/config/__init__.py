@@ -24,7 +24,6 @@ from rlray.config.algo import (  # noqa: F401
 )
 from rlray.config.base import _CORE_LIST, ConfigError, CoreList, _core_list_text, _Section, flatten  # noqa: F401
 from rlray.config.loading import (  # noqa: F401
-    _format_errors,
     _is_secret,
     _parse_value,
     _suggest,
@@ -33,6 +32,7 @@ from rlray.config.loading import (  # noqa: F401
     config_from_dict,
     load_config,
     validate_tree,
+    validation_error_lines,
 )
 from rlray.config.ops import CheckpointConfig, GuardConfig, MonitorConfig, S3Config  # noqa: F401
 from rlray.config.resources import (  # noqa: F401

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, get_args
 
@@ -70,32 +71,55 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return tree
 
 
-def _is_secret(loc: tuple) -> bool:
-    """Returns True when the dotted location names a SecretStr field (its value must never be printed)."""
-    model: Any = Config
-    for part in loc:
-        fields = getattr(model, "model_fields", None)
-        if fields is None or not isinstance(part, str) or part not in fields:
-            return False
-        ann = fields[part].annotation
-        if SecretStr in get_args(ann) or ann is SecretStr:
+def _holds_secret(ann: Any) -> bool:
+    """Returns True when an annotation is SecretStr (or Optional of it) or a section with a SecretStr anywhere below."""
+    for t in (ann, *get_args(ann)):
+        if t is SecretStr:
             return True
-        model = ann
+        if isinstance(t, type) and issubclass(t, BaseModel) and any(_holds_secret(f.annotation) for f in t.model_fields.values()):
+            return True
     return False
 
 
-def _format_errors(err: ValidationError) -> str:
+def _is_secret(loc: tuple) -> bool:
+    """Returns True when the location (e.g. ("checkpoint", "s3")) names a SecretStr field or a section that
+    holds one: its input must never be printed. Unknown locations are not secret."""
+    ann: Any = Config
+    for part in loc:
+        models = [t for t in (ann, *get_args(ann)) if isinstance(t, type) and issubclass(t, BaseModel)]
+        model = next((m for m in models if isinstance(part, str) and part in m.model_fields), None)
+        if model is None:
+            return False
+        ann = model.model_fields[part].annotation
+    return _holds_secret(ann)
+
+
+def validation_error_lines(err: ValidationError, *, unknown_key_hint: Callable[[str], str],
+                           is_secret: Callable[[tuple], bool] = lambda loc: False) -> list[str]:
+    """Returns one line per pydantic error, each naming the dotted key (shared by config and sweep files).
+
+    - an unknown key: ``unknown key 'a.b'`` followed by ``unknown_key_hint('a.b')`` (e.g. the nearest valid key);
+    - a ``ValueError`` from our validators: ``a.b: <message>`` (the message names the value itself), never the
+      section's input, which may hold secrets;
+    - any other error: ``a.b=<input>: <message>``, with the input shown as ``'**********'`` where
+      ``is_secret(loc)`` is True.
+
+    Args:
+        err: the ValidationError of ``model_validate``.
+        unknown_key_hint: suffix for an unknown key, from the dotted key ("" for none).
+        is_secret: True for an error location whose input must not be printed.
+    """
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
         if e["type"] == "extra_forbidden":
-            lines.append(f"unknown key '{key}'{_suggest(key)}")
-        elif e["type"] == "value_error" and not key:
-            lines.append(str(e["msg"]).removeprefix("Value error, "))
+            lines.append(f"unknown key '{key}'{unknown_key_hint(key)}")
+        elif e["type"] == "value_error":
+            lines.append(f"{key + ': ' if key else ''}{str(e['msg']).removeprefix('Value error, ')}")
         else:
-            shown = "'**********'" if _is_secret(e["loc"]) else repr(e.get("input"))
+            shown = "'**********'" if is_secret(e["loc"]) else repr(e.get("input"))
             lines.append(f"{key or '<root>'}={shown}: {e['msg']}")
-    return "invalid config:\n  - " + "\n  - ".join(lines)
+    return lines
 
 
 def config_from_dict(tree: dict[str, Any], overrides: list[str] | None = None) -> Config:
@@ -116,7 +140,8 @@ def validate_tree(tree: dict[str, Any]) -> Config:
     try:
         return Config.model_validate(tree)
     except ValidationError as err:
-        raise ConfigError(_format_errors(err)) from None
+        lines = validation_error_lines(err, unknown_key_hint=_suggest, is_secret=_is_secret)
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(lines)) from None
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:

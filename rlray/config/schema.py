@@ -17,6 +17,21 @@ from rlray.config.reward import RewardConfig
 from rlray.config.run import DataConfig, EvalConfig, ModelConfig, RolloutConfig, RunConfig, TrackingConfig
 
 
+def _check_core_lists(key: str, value: str | list[str] | None, count_key: str, count: int, unit: str, *,
+                      words: tuple[str, ...], example: str) -> None:
+    """Checks a core-list option: one core list for all, a list of one per ``unit``, or None.
+
+    Raises:
+        ValueError: a list whose length is not ``count``, or an entry that is neither a core list
+            ("0-1", "1", "0,2-3") nor one of ``words``; the message names ``key``.
+    """
+    if isinstance(value, list) and len(value) != count:
+        raise ValueError(f"{key}={value!r} has {len(value)} entries for {count_key}={count}; give one core list per {unit}")
+    for item in value if isinstance(value, list) else [value] if value else []:
+        if item not in words and not _CORE_LIST.match(item):
+            raise ValueError(f"{key}={item!r} is not a core list; use e.g. {example}")
+
+
 class Config(_Section):
     """A whole rlray experiment."""
 
@@ -75,24 +90,10 @@ class Config(_Section):
 
     def _check_resources(self) -> None:
         res = self.resources
-        threads = res.rollout.cpu_threads
-        if isinstance(threads, list) and len(threads) != res.rollout.num_workers:
-            raise ValueError(
-                f"resources.rollout.cpu_threads={threads!r} has {len(threads)} entries for "
-                f"resources.rollout.num_workers={res.rollout.num_workers}; give one core list per actor"
-            )
-        for item in threads if isinstance(threads, list) else [threads] if threads else []:
-            if item not in ("auto", "nobind") and not _CORE_LIST.match(item):
-                raise ValueError(f"resources.rollout.cpu_threads={item!r} is not a core list; use e.g. '0-1', '1' or '0,2-3'")
-        affinity = self.learner.cpu_affinity
-        if isinstance(affinity, list) and len(affinity) != res.learner.num_workers:
-            raise ValueError(
-                f"learner.cpu_affinity={affinity!r} has {len(affinity)} entries for "
-                f"resources.learner.num_workers={res.learner.num_workers}; give one core list per worker"
-            )
-        for item in affinity if isinstance(affinity, list) else [affinity] if affinity else []:
-            if not _CORE_LIST.match(item):
-                raise ValueError(f"learner.cpu_affinity={item!r} is not a core list; use e.g. '0', '0-1' or '0,2-3'")
+        _check_core_lists("resources.rollout.cpu_threads", res.rollout.cpu_threads, "resources.rollout.num_workers",
+                          res.rollout.num_workers, "actor", words=("auto", "nobind"), example="'0-1', '1' or '0,2-3'")
+        _check_core_lists("learner.cpu_affinity", self.learner.cpu_affinity, "resources.learner.num_workers",
+                          res.learner.num_workers, "worker", words=(), example="'0', '0-1' or '0,2-3'")
         if res.learner.strategy == "fsdp" and res.learner.gpus == 0:
             raise ValueError("resources.learner.strategy='fsdp' needs GPUs; set resources.learner.gpus>0 or strategy=ddp")
         if res.colocate and (res.rollout.gpus == 0 or res.learner.gpus == 0):
