@@ -8,7 +8,7 @@ export RLRAY_DATA_MIRROR ?= $(if $(wildcard ../shared/data),$(abspath ../shared/
 export TOKENIZERS_PARALLELISM := false
 PYTEST_ARGS ?=
 
-.PHONY: install data demo test bench clean
+.PHONY: install data demo test lint bench clean
 
 install: $(STAMP) data
 
@@ -30,8 +30,13 @@ data: $(STAMP)
 demo: install
 	$(BIN)/rlray train configs/grpo_gsm8k_smollm2.yaml
 
+# ruff first (pinned in the dev extra, configured in pyproject.toml): a lint error fails the run, as on CI.
 test: install
+	$(BIN)/ruff check .
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check .
 
 bench: install
 	$(BIN)/python benchmarks/run_all.py

@@ -11,6 +11,7 @@ Pure helpers (``markdown_table``, ``ratio``, ``median_after_warmup``, ``step_dur
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import platform
@@ -77,7 +78,7 @@ def step_durations(end_times: Sequence[float]) -> list[float]:
     Step 1 has no previous end (its time includes start-up effects), so it has no duration here;
     ``median_after_warmup`` drops it with the other warm-up steps.
     """
-    return [b - a for a, b in zip(end_times, end_times[1:])]
+    return [b - a for a, b in itertools.pairwise(end_times)]
 
 
 def median_after_warmup(step_times: Sequence[float], warmup: int) -> float | None:
@@ -177,7 +178,7 @@ class TreeMemory:
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
-    def start(self) -> "TreeMemory":
+    def start(self) -> TreeMemory:
         """Starts sampling in a daemon thread; returns self."""
         self._thread = threading.Thread(target=self._run, name="tree-memory", daemon=True)
         self._thread.start()
@@ -347,7 +348,7 @@ def init_local_ray(num_cpus: int | None = None) -> None:
 
 
 class StepRecorder:
-    """rlray step hook (``rlray.hooks``): appends one JSON line per step to ``path``: step, wall time, metrics.
+    """rlray step hook (``rlray.run.hooks``): appends one JSON line per step to ``path``: step, wall time, metrics.
 
     Runs on learner rank 0 (a Ray Train worker on the same machine), so its ``time.time()`` compares
     with the benchmark's own clock. Never asks the run to stop.

@@ -4,11 +4,11 @@
     python benchmarks/experience.py --quick          # tiny-random at grpo_vs_trl's --quick sizes
     python benchmarks/experience.py --step-s 12.5    # compare with a step time you measured
 
-The step's experience table is built exactly as loop stage 3 builds it (``rlray.loop.build_experience``)
+The step's experience table is built exactly as stage 3 of the online step builds it (``rlray.run.online.build_experience``)
 from the first GSM8K train prompts of the model, rendered as rlray renders them, and completions of
 max_new_tokens tokens each (random token ids and logprobs: what moves is the same number of bytes).
 Then, for a world of W learner ranks (W = 1, 2; each rank a Ray actor, as Ray Train workers are),
-what ``rlray.loop.distribute`` and the collation do every step, timed from rank 0's side:
+what ``rlray.run.online.distribute`` and the collation do every step, timed from rank 0's side:
 
 - ``put``: rank 0 puts one Arrow shard per rank into the object store (``ray.put`` of
   ``table.slice``);
@@ -16,7 +16,7 @@ what ``rlray.loop.distribute`` and the collation do every step, timed from rank 
 - ``collate``: every rank turns its shard into padded tensors (``schema.collate``).
 
 ``move``: rank 0's wall time from the first put until every rank holds its collated tensors (the call
-to each rank stands in for the loop's broadcast of the references), the median over ``--repeats``
+to each rank stands in for the step's broadcast of the references), the median over ``--repeats``
 after one warm-up; get and collate are the slowest rank's.
 The step time is rlray sync's median step time on the same model and sizes, from
 bench_results/grpo_vs_trl.json when that run exists (``make bench`` runs it first); otherwise this
@@ -65,9 +65,9 @@ class Rank:
 
 def experience_table(model: str, prompts: int, samples: int, tokens: int) -> tuple[Any, int]:
     """Returns (the step's experience table, the tokenizer's pad id) for ``prompts`` x ``samples`` completions of ``tokens`` tokens."""
-    from rlray.loop import build_experience
     from rlray.models import load_tokenizer, resolve_model_path
     from rlray.rollout import Completion
+    from rlray.run.online import build_experience
 
     rows, prompt_ids = benchlib.gsm8k_prompts(model, prompts, grpo_vs_trl.MAX_PROMPT_TOKENS)
     tokenizer = load_tokenizer(resolve_model_path(model))
@@ -95,7 +95,7 @@ def time_world(table: Any, pad_token_id: int, world: int, repeats: int) -> dict[
         refs = [ray.put(table.slice(s.start, s.stop - s.start)) for s in
                 (schema.shard_rows(table.num_rows, r, world) for r in range(world))]
         put_s = time.perf_counter() - start
-        got = ray.get([rank.take.remote([ref]) for rank, ref in zip(ranks, refs)])
+        got = ray.get([rank.take.remote([ref]) for rank, ref in zip(ranks, refs, strict=True)])
         move.append(time.perf_counter() - start)
         put.append(put_s)
         get.append(max(g["get_s"] for g in got))

@@ -34,6 +34,7 @@ Prints one markdown table per model and writes bench_results/grpo_vs_trl.json.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import tempfile
@@ -104,7 +105,7 @@ def write_prompt_file(spec: RunSpec, dest: Path) -> list[int]:
     raw = [json.loads(line) for line in source.read_text().splitlines()[: wanted * 2]]
     rows = load_prompt_rows([str(source)])[: len(raw)]
     lines, lengths = [], []
-    for record, row in zip(raw, rows):
+    for record, row in zip(raw, rows, strict=True):
         n = len(render_prompt(tokenizer, row.question, instruction=instruction, system_prompt=None))
         if n <= MAX_PROMPT_TOKENS:
             lines.append(json.dumps({"question": record["question"], "answer": record["answer"]}))
@@ -177,7 +178,7 @@ def child_rlray(spec: RunSpec, max_staleness: int, result_path: Path) -> None:
     import torch
 
     from rlray.config import config_from_dict
-    from rlray.driver import run_training
+    from rlray.launch.driver import run_training
 
     started = time.time()
     device = benchlib.device()
@@ -284,7 +285,7 @@ def child_trl(spec: RunSpec, use_vllm: bool, result_path: Path) -> None:
         "started": started,
         "ends": clock.ends,
         "generated_tokens": [log["completions/mean_length"] * sequences for log in clock.logs],
-        "trained_tokens_logged": [b - a for a, b in zip([0.0, *seen], seen)],
+        "trained_tokens_logged": [b - a for a, b in itertools.pairwise([0.0, *seen])],
         "reward_mean": [log.get("reward", float("nan")) for log in clock.logs],
     }))
 
@@ -307,7 +308,7 @@ def summarise(raw: dict[str, Any], spec: RunSpec, prompt_tokens: list[int]) -> d
     durations = benchlib.step_durations(raw["ends"])
     kept = durations[spec.warmup - 1 :]
     gen = raw["generated_tokens"][spec.warmup :]
-    trained = [g + p for g, p in zip(raw["generated_tokens"], prompt_tokens)][spec.warmup :]
+    trained = [g + p for g, p in zip(raw["generated_tokens"], prompt_tokens, strict=False)][spec.warmup :]
     out = {
         "median_step_s": benchlib.median_after_warmup(durations, spec.warmup),
         "generated_tokens_per_s": benchlib.per_second(gen, kept),
@@ -371,7 +372,7 @@ def add_ratios(runs: dict[str, Any]) -> None:
     step_time_vs_trl < 1 and tokens_per_s_vs_trl > 1 mean faster than TRL; rss_vs_trl < 1 means less memory.
     """
     base = runs.get("trl", {})
-    for name, r in runs.items():
+    for r in runs.values():
         r["step_time_vs_trl"] = benchlib.ratio(r.get("median_step_s"), base.get("median_step_s"))
         r["generated_tokens_per_s_vs_trl"] = benchlib.ratio(r.get("generated_tokens_per_s"), base.get("generated_tokens_per_s"))
         r["trained_tokens_per_s_vs_trl"] = benchlib.ratio(r.get("trained_tokens_per_s"), base.get("trained_tokens_per_s"))

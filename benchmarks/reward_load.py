@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     if url is None:
         sys.path.insert(0, str(REPO))
         from rlray.config import load_config
-        from rlray.driver import init_ray, resolve_paths, start_reward_server
+        from rlray.launch.driver import init_ray, resolve_paths, start_reward_server
 
         cfg = resolve_paths(load_config(args.config, ["reward.server.enabled=true", *args.overrides]))
         init_ray(include_dashboard=False)

@@ -107,12 +107,12 @@ def child_rlray(args: dict, prompts: list[list[int]], actors: int) -> dict[str, 
     import ray
     import torch
 
-    from rlray.actors import kill_actors, start_rollout_actors
     from rlray.config import config_from_dict
-    from rlray.fleet import RolloutFleet
+    from rlray.launch.actors import kill_actors, start_rollout_actors
+    from rlray.launch.placement import split_cores
     from rlray.models import resolve_model_path
-    from rlray.placement import split_cores
     from rlray.rollout import SamplingSpec
+    from rlray.rollout.fleet import RolloutFleet
 
     on_cpu = not torch.cuda.is_available()
     tree: dict[str, Any] = {"resources": {"rollout": {"num_workers": actors}}}
@@ -185,10 +185,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if "error" in raw:
             runs[variant] = {"error": raw["error"], "log_tail": raw["log_tail"]}
             continue
-        rates = [t / s for t, s in zip(raw["tokens"], raw["seconds"]) if s > 0]
+        rates = [t / s for t, s in zip(raw["tokens"], raw["seconds"], strict=True) if s > 0]
         runs[variant] = {**raw, "tokens_per_s": statistics.median(rates) if rates else None}
     base = runs.get("vllm", {}).get("tokens_per_s")
-    for name, r in runs.items():
+    for r in runs.values():
         r["vs_vllm"] = benchlib.ratio(r.get("tokens_per_s"), base)
         r["same_tokens_as_vllm"] = ("fingerprint" in r and r.get("fingerprint") == runs.get("vllm", {}).get("fingerprint"))
     rows = [[name, r.get("actors", 1), benchlib.fmt(r.get("start_s"), 1), sum(r.get("tokens", [])) or "n/a",

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     if failed:
         print(f"FAILED: {', '.join(failed)}")
     benchlib.write_results("summary", {"quick": args.quick, "seconds": seconds, "failed": failed,
-                                       "rows": [dict(zip(("measure", "value", "target", "met"), r)) for r in raw]})
+                                       "rows": [dict(zip(("measure", "value", "target", "met"), r, strict=True)) for r in raw]})
     return 1 if failed else 0
 
 

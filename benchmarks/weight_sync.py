@@ -11,8 +11,8 @@ the same process and run:
 
 - ``memcpy``: copying those exact tensors into preallocated tensors of the same device (``copy_``),
   the bandwidth the machine gives a plain copy of these bytes;
-- ``sync``: what loop stage 7 does after every update with the object-store backend
-  (``rlray.weight_sync.ObjectStoreSync``): ``ray.put`` of the exported dict once (as raw bytes,
+- ``sync``: what stage 7 of the online step does after every update with the object-store backend
+  (``rlray.rollout.weight_sync.ObjectStoreSync``): ``ray.put`` of the exported dict once (as raw bytes,
   ``rlray.rollout.wire``), then
   ``RolloutFleet.push_weights(..., wait=True)``: every actor fetches the dict and loads it in place
   (vLLM's layerwise reload, which on CPU also repacks the GEMM weights), tagged with a new version.
@@ -90,7 +90,7 @@ def actors_config(actors: int, backend: str) -> Any:
     import torch
 
     from rlray.config import config_from_dict
-    from rlray.placement import split_cores
+    from rlray.launch.placement import split_cores
 
     tree: dict[str, Any] = {"resources": {"rollout": {"num_workers": actors}},
                             "rollout": {"kv_cache_gib": KV_CACHE_GIB, "weight_sync": backend}}
@@ -130,7 +130,7 @@ def time_transfer(fleet: Any, policy: ExportedPolicy, backend: str, repeats: int
     """Returns the seconds of 1 + ``repeats`` pushes through vLLM's weight-transfer engines (CUDA only; warm-up dropped)."""
     import torch
 
-    from rlray.weight_sync import VllmTransferSync
+    from rlray.rollout.weight_sync import VllmTransferSync
 
     sync = VllmTransferSync(fleet, backend, torch.bfloat16, tensor_parallel_size=1)
     total = []
@@ -148,9 +148,9 @@ def child(args: dict, actors: int, backend: str) -> dict[str, Any]:
     import ray
     import torch
 
-    from rlray.actors import kill_actors, start_rollout_actors
-    from rlray.fleet import RolloutFleet
+    from rlray.launch.actors import kill_actors, start_rollout_actors
     from rlray.models import resolve_model_path
+    from rlray.rollout.fleet import RolloutFleet
 
     model_dir = resolve_model_path(args["model"])
     on_gpu = backend != "object_store"

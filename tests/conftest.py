@@ -102,7 +102,7 @@ def moto_server(**env: str):
 
     import s3fs
 
-    from rlray.weight_sync import free_port
+    from rlray.rollout.weight_sync import free_port
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
@@ -154,11 +154,11 @@ def tiny_sweep(ray_session, tmp_path_factory, gsm8k_dir, tiny_model_path):
     the outcome is known in advance: at the rung after step 1 the lr=1e-3 trial is worse than the
     first trial and ASHA stops it; the lr=1e-4 trial runs both steps. Shared by the sweep test and
     the analysis-notebook test. The rollout uses the transformers backend: the subject is the Tune
-    wiring, and vLLM's start-up is covered by test_loop_e2e.
+    wiring, and vLLM's start-up is covered by run/test_online_e2e.
     """
     from rlray.config import load_config
-    from rlray.sweep import SweepConfig
-    from rlray.tune import run_sweep
+    from rlray.sweep.spec import SweepConfig
+    from rlray.sweep.tune import run_sweep
 
     folder = tmp_path_factory.mktemp("sweep")
     uri = f"sqlite:///{folder}/mlflow.db"
@@ -198,8 +198,8 @@ def tiny_grpo_run(tmp_path, gsm8k_dir):
     FINISHED, each of ``required`` metric keys logged at steps 1-3 and declared in METRIC_KEYS, finite losses)
     and returns (MLflow uri, result, metrics)."""
     from rlray.config import RewardFunctionConfig, load_config
-    from rlray.driver import run_training
-    from rlray.tracking import METRIC_KEYS, get_run_metrics
+    from rlray.launch.driver import run_training
+    from rlray.observe.tracking import METRIC_KEYS, get_run_metrics
 
     def run(required: list[str], *overrides: str):
         uri = f"sqlite:///{tmp_path}/mlflow.db"

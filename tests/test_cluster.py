@@ -15,12 +15,12 @@ import copy
 import json
 import re
 import shlex
-import tomllib
 from pathlib import Path
 
 import jsonschema
 import kubernetes_validate
 import pytest
+import tomllib
 import yaml
 from dockerfile_parse import DockerfileParser
 

@@ -34,7 +34,7 @@ from rlray.config.loading import (  # noqa: F401
     validate_tree,
     validation_error_lines,
 )
-from rlray.config.ops import CheckpointConfig, GuardConfig, MonitorConfig, S3Config  # noqa: F401
+from rlray.config.operations import CheckpointConfig, GuardConfig, MonitorConfig, S3Config  # noqa: F401
 from rlray.config.resources import (  # noqa: F401
     LearnerResources,
     ReferenceResources,

@@ -132,7 +132,7 @@ class AlgoConfig(_Section):
         return "online" if self.name in ONLINE_ALGOS else "offline"
 
     @model_validator(mode="after")
-    def _check_algo(self) -> "AlgoConfig":
+    def _check_algo(self) -> AlgoConfig:
         if self.dual_clip is not None and self.name in ("gspo", "cispo"):
             raise ValueError(
                 f"algo.dual_clip={self.dual_clip}: dual-clip bounds the token-level PPO-clip loss, which "

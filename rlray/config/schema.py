@@ -11,7 +11,7 @@ from pydantic import Field, SecretStr, model_validator
 
 from rlray.config.algo import GROUP_ALGOS, AlgoConfig, CriticConfig, LearnerConfig, OfflineConfig
 from rlray.config.base import _CORE_LIST, _Section, flatten
-from rlray.config.ops import CheckpointConfig, GuardConfig, MonitorConfig
+from rlray.config.operations import CheckpointConfig, GuardConfig, MonitorConfig
 from rlray.config.resources import ResourcesConfig
 from rlray.config.reward import RewardConfig
 from rlray.config.run import DataConfig, EvalConfig, ModelConfig, RolloutConfig, RunConfig, TrackingConfig
@@ -52,7 +52,7 @@ class Config(_Section):
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
 
     @model_validator(mode="after")
-    def _check_sizes(self) -> "Config":
+    def _check_sizes(self) -> Config:
         ln = self.learner
         world = self.resources.learner.num_workers
         self._check_resources()
@@ -131,7 +131,7 @@ class Config(_Section):
             return "object_store"
         return "ipc" if self.resources.colocate else "nccl"
 
-    def _check_offline_sizes(self, world: int) -> "Config":
+    def _check_offline_sizes(self, world: int) -> Config:
         off = self.offline
         if off.pairs_per_step % (off.pairs_per_microbatch * world):
             raise ValueError(

@@ -101,7 +101,7 @@ def _rows_of(source: str, storage_options: dict | None) -> list[PromptRow]:
         columns = dataset.column_names
         ids = dataset["id"] if "id" in columns else [None] * len(dataset)
         questions, answers = (dataset[c] if c in columns else [] for c in ("question", "answer"))
-        entries = [(f"{source} row {i} (0-based)", q, a, r) for i, (q, a, r) in enumerate(zip(questions, answers, ids))]
+        entries = [(f"{source} row {i} (0-based)", q, a, r) for i, (q, a, r) in enumerate(zip(questions, answers, ids, strict=False))]
     missing = [c for c in ("question", "answer") if c not in columns]
     if missing:
         raise DataError(f"{source}: rows need columns 'question' and 'answer'; missing {missing}, it has columns {columns}")

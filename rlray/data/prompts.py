@@ -61,7 +61,7 @@ def prepare_prompts(
             first one's id, its length and the two ways out); or every prompt was skipped.
     """
     ids = [render_prompt(tokenizer, r.question, instruction=instruction, system_prompt=system_prompt) for r in rows]
-    long = [(r.prompt_id, len(i)) for r, i in zip(rows, ids) if len(i) > max_prompt_tokens]
+    long = [(r.prompt_id, len(i)) for r, i in zip(rows, ids, strict=True) if len(i) > max_prompt_tokens]
     if long and long_prompts == "error":
         raise DataError(
             f"prompt '{long[0][0]}' has {long[0][1]} tokens after the chat template, more than "
@@ -94,7 +94,7 @@ def filter_long_prompts(
     """
     if len(rows) != len(token_ids):
         raise ValueError(f"filter_long_prompts: {len(rows)} rows but {len(token_ids)} token id lists")
-    kept = [(row, ids) for row, ids in zip(rows, token_ids) if len(ids) <= max_prompt_tokens]
+    kept = [(row, ids) for row, ids in zip(rows, token_ids, strict=True) if len(ids) <= max_prompt_tokens]
     return [row for row, _ in kept], [ids for _, ids in kept], len(rows) - len(kept)
 
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 import torch
 
 from rlray import algos
+from rlray.learner.batching import split_microbatches
 from rlray.learner.logprobs import autocast_context
 from rlray.learner.objective import Normaliser
-from rlray.learner.policy import PolicyLearner, split_microbatches
+from rlray.learner.policy import PolicyLearner
 from rlray.models.heads import load_value_model, response_values
 
 CRITIC_STAT_KEYS = ("value_loss_sum", "value_clipped_sum", "value_tokens")

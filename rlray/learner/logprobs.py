@@ -9,6 +9,8 @@ import contextlib
 
 import torch
 
+from rlray.learner.batching import split_microbatches, to_device
+
 
 def autocast_context(dtype: str) -> contextlib.AbstractContextManager:
     """Returns a bf16 autocast context on the model's device type when ``dtype == 'bfloat16'``.
@@ -81,8 +83,6 @@ def batched_logprobs(
         temperature: sampling temperature (> 0); see ``response_logprobs``.
         microbatch_size: rows per forward.
     """
-    from rlray.learner.policy import split_microbatches, to_device
-
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()

@@ -1,6 +1,6 @@
 """Stages 4-6 of the online step on one learner rank: reference/old logprobs and values, advantages, the update.
 
-``rlray.loop`` calls these with plain values (``UpdateSpec``, built from the config there). The algorithm is
+``rlray.run.online`` calls these with plain values (``UpdateSpec``, built from the config there). The algorithm is
 chosen by plain dicts keyed by ``algo.name``: ``ADVANTAGE_ESTIMATORS`` (learner/advantages.py) and
 ``POLICY_LOSS_OF`` (learner/objective.py, into ``algos.POLICY_LOSSES``). PPO's critic rides on the policy
 learner (``learner.critic``) and takes one optimizer step per policy mini-batch.

@@ -1,6 +1,6 @@
 """The policy learner: forward/backward, logprobs, the optimizer and weight export.
 
-A plain class; ``rlray.loop`` runs it inside each Ray Train worker. Legend: B sequences, T response
+A plain class; ``rlray.run.online`` runs it inside each Ray Train worker. Legend: B sequences, T response
 tokens, Pm longest prompt.
 """
 
@@ -9,48 +9,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 
 import torch
 
+from rlray.learner.batching import split_microbatches, to_device
 from rlray.learner.logprobs import autocast_context, batched_logprobs, response_logprobs
 from rlray.learner.objective import LossSpec, Normaliser, policy_objective
 from rlray.models import load_causal_lm
-
-
-def split_microbatches(batch: dict[str, torch.Tensor], size: int) -> Iterator[dict[str, torch.Tensor]]:
-    """Yields consecutive row slices of ``batch`` with ``size`` rows each (the last may be shorter).
-
-    Padding columns that are empty in every row of a slice are trimmed, so short micro-batches do
-    not pay for the longest response of the step.
-    """
-    n = batch["input_ids"].shape[0]
-    for start in range(0, n, size):
-        mb = {k: v[start : start + size] for k, v in batch.items()}
-        yield _trim(mb)
-
-
-def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """Returns ``batch`` with every tensor on ``device`` (the same dict when it is already there)."""
-    if all(v.device == device for v in batch.values()):
-        return batch
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-
-
-def _trim(mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    t_full = mb["response_ids"].shape[1]
-    t = int(mb["attention_mask"][:, -t_full:].sum(1).max().item()) if t_full else 0
-    p_full = mb["input_ids"].shape[1] - t_full
-    p = int(mb["attention_mask"][:, :p_full].sum(1).max().item())
-    out = {}
-    for k, v in mb.items():
-        if v.dim() == 2 and v.shape[1] == p_full + t_full:
-            out[k] = v[:, p_full - p : p_full + t]
-        elif v.dim() == 2 and v.shape[1] == t_full:
-            out[k] = v[:, :t]
-        else:
-            out[k] = v
-    return out
 
 
 def to_local_gpu(model: torch.nn.Module) -> torch.nn.Module:

@@ -30,7 +30,7 @@ PAIR_STAT_KEYS = ("pairs", "correct", "margin_sum", "chosen_reward_sum", "reject
 
 @dataclass(frozen=True)
 class PreferenceSpec:
-    """Plain values of an offline objective (built from ``cfg.algo`` by rlray.offline).
+    """Plain values of an offline objective (built from ``cfg.algo`` by rlray.run.offline).
 
     Attributes:
         beta: dpo/ipo/kto KL strength, orpo's lambda, simpo's reward scale.

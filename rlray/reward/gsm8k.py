@@ -134,7 +134,7 @@ def gsm8k_reward(
     """
     if len(responses) != len(references):
         raise ValueError(f"gsm8k_reward: {len(responses)} responses but {len(references)} references")
-    grades = [grade_gsm8k(r, ref) for r, ref in zip(responses, references)]
+    grades = [grade_gsm8k(r, ref) for r, ref in zip(responses, references, strict=True)]
     accuracy = [a for a, _ in grades]
     fmt = [f for _, f in grades]
     reward = [correct_weight * a + format_weight * f for a, f in grades]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from rlray.checkpoint import MANIFEST, local_model_dir
+from rlray.checkpoint.storage import MANIFEST, local_model_dir
 from rlray.models import load_tokenizer
 from rlray.models.heads import load_reward_model, sequence_scores
 from rlray.schema import pack_sequences
@@ -24,7 +24,7 @@ def reward_model_dir(path: str) -> str:
     """Returns the local Hugging Face folder of a reward-model snapshot, snapshot URI or plain folder.
 
     Raises:
-        rlray.checkpoint.SnapshotError: a snapshot URI without a manifest.
+        rlray.checkpoint.storage.SnapshotError: a snapshot URI without a manifest.
         FileNotFoundError: a local path that does not exist.
     """
     if "://" in path or Path(path, MANIFEST).is_file():
@@ -44,7 +44,7 @@ class RewardModel:
         max_completion_tokens: completion tokens kept (the start), EOS included.
 
     Raises:
-        FileNotFoundError, rlray.checkpoint.SnapshotError, rlray.models.ModelError: the folder cannot be used.
+        FileNotFoundError, rlray.checkpoint.storage.SnapshotError, rlray.models.ModelError: the folder cannot be used.
     """
 
     def __init__(
@@ -71,7 +71,7 @@ class RewardModel:
         out: list[float] = []
         for start in range(0, len(completions), self.batch_size):
             ids = [self.token_ids(p, c) for p, c in zip(prompts[start : start + self.batch_size],
-                                                        completions[start : start + self.batch_size])]  # fmt: skip
+                                                        completions[start : start + self.batch_size], strict=True)]  # fmt: skip
             batch = pack_sequences([p for p, _ in ids], [c for _, c in ids], self.tokenizer.pad_token_id)
             out.extend(sequence_scores(self.model, batch).tolist())
         return out

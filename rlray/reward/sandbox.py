@@ -26,6 +26,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import resource
 import tempfile
 import threading
 import time
@@ -76,8 +77,6 @@ def _apply_limits(limits: Limits) -> None:
     """Applies ``limits`` to this (child) process before any user code is loaded."""
     if not limits.untrusted:
         return
-    import resource
-
     cap = int(limits.memory_gib * 2**30)
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))

@@ -223,7 +223,8 @@ class RewardScorer:
         self.model_weight = model_weight
         self.model = None
         if model_path is not None:
-            from rlray.reward.reward_model import RewardModel  # loads transformers models only when asked
+            # deferred: torch + transformers, which the spawned scorer sandbox needs only with a reward model
+            from rlray.reward.reward_model import RewardModel
 
             self.model = RewardModel(model_path)
 
@@ -242,10 +243,10 @@ class RewardScorer:
         for fn in self.functions:
             values = fn.score(prompts, completions, references)
             out[fn.name] = values
-            out["reward"] = [r + fn.weight * v for r, v in zip(out["reward"], values)]
+            out["reward"] = [r + fn.weight * v for r, v in zip(out["reward"], values, strict=True)]
         if self.model is not None:
             out["reward_model"] = self.model.score(prompts, completions)
-            out["reward"] = [r + self.model_weight * v for r, v in zip(out["reward"], out["reward_model"])]
+            out["reward"] = [r + self.model_weight * v for r, v in zip(out["reward"], out["reward_model"], strict=True)]
         return out
 
     def close(self) -> None:

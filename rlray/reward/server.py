@@ -39,7 +39,7 @@ from pydantic import BaseModel, Field, model_validator
 from tenacity import RetryError, Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from rlray.reward.sandbox import ProcessSandbox, SandboxCrashed, SandboxError, SandboxTimeout
-from rlray.reward.scorer import RewardFunctionError
+from rlray.reward.scorer import RewardFunctionError, RewardScorer
 
 APP_NAME = "rlray-reward"
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class ScoreRequest(BaseModel):
     references: list[str]
 
     @model_validator(mode="after")
-    def _same_length(self) -> "ScoreRequest":
+    def _same_length(self) -> ScoreRequest:
         n = len(self.completions)
         if len(self.prompts) != n or len(self.references) != n:
             raise ValueError(
@@ -101,8 +101,6 @@ class ScoreReply(BaseModel):
 # --------------------------------------------------------------------------------------------
 def _serve_scorer(**scorer_kwargs: Any) -> Any:
     """Sandbox factory (runs in the child): returns the ``score`` method of a new ``RewardScorer``."""
-    from rlray.reward.scorer import RewardScorer
-
     return RewardScorer(**scorer_kwargs).score
 
 
@@ -203,6 +201,7 @@ class RewardService:
 @functools.cache
 def _make_deployment():
     """Returns the Serve deployment class (built on first use, so importing this module needs no Serve)."""
+    # deferred: Serve + FastAPI take seconds, and every scorer sandbox (spawned) imports this module
     from fastapi import FastAPI, HTTPException
     from ray import serve
 
@@ -301,7 +300,7 @@ def deploy_reward_app(app: Any, *, name: str = APP_NAME, host: str = "127.0.0.1"
     Deploying an application that already runs under ``name`` updates it in place: a changed
     user_config (a new reward version) is applied through ``reconfigure`` on the live replicas.
     """
-    from ray import serve
+    from ray import serve  # deferred: as in _make_deployment
 
     serve.start(http_options={"host": host, "port": port})
     return serve.run(app, name=name, route_prefix=f"/{name}" if name != APP_NAME else "/")
@@ -337,7 +336,7 @@ _ANSWERS = (RewardFunctionError, RewardServerError, RewardTimeoutError, ValueErr
 
 def _unreachable(err: BaseException) -> bool:
     """Returns True for errors that mean the server did not answer (a dead or restarting replica, a timeout)."""
-    import ray.exceptions
+    import ray.exceptions  # deferred: as in _make_deployment
     from ray.serve.exceptions import RayServeException
 
     if isinstance(err, _ANSWERS):
@@ -367,7 +366,7 @@ class ServeRewardClient:
                  backoff_s: float = 1.0, handle: Any = None) -> None:
         self.app_name, self.attempts, self.timeout_s, self.backoff_s = app_name, attempts, timeout_s, backoff_s
         if handle is None:
-            from ray import serve
+            from ray import serve  # deferred: as in _make_deployment
 
             handle = self._retrying(lambda: serve.get_app_handle(app_name), "find the application")
         self.handle = handle

@@ -23,6 +23,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
+from rlray.rollout.hf_backend import HFBackend
 from rlray.rollout.types import Completion, SamplingSpec
 
 __all__ = ["Completion", "RolloutEngine", "SamplingSpec"]
@@ -279,9 +280,7 @@ def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
 def _make_backend(backend: str, model_path: str, **kwargs) -> _Backend:
     """Returns the started backend (imports vLLM only when it is asked for)."""
     if backend == "hf":
-        from rlray.rollout.hf_backend import HFBackend
-
         return HFBackend(model_path, dtype=kwargs["dtype"], seed=kwargs["seed"])
-    from rlray.rollout.vllm_backend import VllmBackend
+    from rlray.rollout.vllm_backend import VllmBackend  # deferred: vllm is optional (the cpu or vllm extra)
 
     return VllmBackend(model_path, **kwargs)

@@ -6,7 +6,7 @@ these records without vLLM installed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 FINISH_REASONS = ("stop", "length")
 
@@ -67,6 +67,9 @@ class Completion:
             learner's logprobs are compared with.
         finish_reason: "stop" (an EOS/stop token was generated) or "length" (hit max_new_tokens).
         policy_version: the engine's policy version when this was generated.
+        loss_mask: per response token, True where the token was sampled by the policy and counts in
+            the loss; same length as response_token_ids. All True for a single-turn completion (the
+            default); a multi-turn episode sets False on its observation tokens.
     """
 
     prompt_index: int
@@ -75,3 +78,11 @@ class Completion:
     rollout_logprobs: list[float]
     finish_reason: str
     policy_version: int
+    loss_mask: list[bool] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.loss_mask:
+            self.loss_mask = [True] * len(self.response_token_ids)
+        elif len(self.loss_mask) != len(self.response_token_ids):
+            raise ValueError(f"Completion.loss_mask has {len(self.loss_mask)} entries for "
+                             f"{len(self.response_token_ids)} response tokens")

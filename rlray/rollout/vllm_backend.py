@@ -118,7 +118,7 @@ class VllmBackend:
         weight_transfer: str | None = None,
     ) -> None:
         os.environ.update(vllm_env(cpu_threads))
-        try:
+        try:  # deferred: vllm is optional, and vllm_env() must be in os.environ before vllm is imported
             import vllm
             from vllm.platforms import current_platform
         except ImportError as err:
@@ -175,7 +175,7 @@ class VllmBackend:
         Raises:
             RuntimeError: vLLM returned no logprobs or a finish reason other than stop/length.
         """
-        from vllm import SamplingParams
+        from vllm import SamplingParams  # deferred: vllm is optional (imported in __init__, after vllm_env())
 
         # vLLM refuses n > 1 with greedy sampling; the n greedy samples are one sequence, so
         # decode it once and copy it.
@@ -246,7 +246,7 @@ class VllmBackend:
 
     def shutdown(self) -> None:
         """Stops the engine core, frees the model and KV cache, tears down torch.distributed and restores the thread count and core affinity."""
-        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory  # deferred: vllm is optional
 
         self._llm.llm_engine.engine_core.shutdown()
         del self._llm
@@ -272,7 +272,7 @@ def _to_completion(prompt_index: int, out: Any, policy_version: int) -> Completi
     token_ids = [int(t) for t in out.token_ids]
     if out.logprobs is None or len(out.logprobs) != len(token_ids):
         raise RuntimeError(f"vLLM returned no per-token logprobs for prompt {prompt_index} sample {out.index}")
-    logprobs = [float(step[tok].logprob) for step, tok in zip(out.logprobs, token_ids)]
+    logprobs = [float(step[tok].logprob) for step, tok in zip(out.logprobs, token_ids, strict=True)]
     return Completion(
         prompt_index=prompt_index,
         sample_index=out.index,

@@ -37,6 +37,7 @@ class WeightSyncExtension:
         Args:
             weights: (HF state_dict name, tensor) pairs, already in the engine's dtype.
         """
+        # deferred: vllm is optional, and vllm_backend imports this module before vllm
         from vllm.config import set_current_vllm_config
 
         quiet_benign_reload_warnings()

@@ -59,7 +59,7 @@ def test_prepare_prompts_on_real_rows(gsm8k_dir, tiny_tokenizer):
     median = sorted(len(i) for i in ids)[100]
     kept_rows, kept_ids, skipped = prepare_prompts(rows, tiny_tokenizer, max_prompt_tokens=median, **render)
     assert skipped == sum(len(i) > median for i in ids) > 0 and max(len(i) for i in kept_ids) == median
-    assert kept_rows == [r for r, i in zip(rows, ids) if len(i) <= median]
+    assert kept_rows == [r for r, i in zip(rows, ids, strict=True) if len(i) <= median]
 
 
 def test_filter_long_prompts_hand_case():

@@ -3,7 +3,7 @@ with the same config continues from the newest complete snapshot and finishes th
 has a prompt past data.max_prompt_tokens: skipped, and counted in data/skipped_long_prompts at every step.
 
 About 75 s (two driver start-ups, the transformers rollout backend); the exactness of a resume is pinned by
-tests/test_ops_loop.py::test_resume_reproduces_the_uninterrupted_run."""
+tests/run/test_session.py::test_resume_reproduces_the_uninterrupted_run."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from rlray import checkpoint, cli
+from rlray import cli
+from rlray.checkpoint import storage as checkpoint
 from rlray.config import load_config
 from rlray.data import load_prompt_rows, prepare_prompts
 

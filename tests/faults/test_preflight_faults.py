@@ -1,4 +1,4 @@
-"""Checks at start (rlray.preflight, through the CLI): a missing model path, and an s3:// snapshot URI with a
+"""Checks at start (rlray.launch.preflight, through the CLI): a missing model path, and an s3:// snapshot URI with a
 missing bucket or bad credentials, fail with exit status 2 and a message naming the key before Ray starts
 (not at the first snapshot, minutes into the run)."""
 
@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlray import cli, driver
+from rlray import cli
+from rlray.launch import driver
 
 REPO = Path(__file__).resolve().parents[2]
 

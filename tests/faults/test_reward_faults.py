@@ -18,6 +18,7 @@ from rlray.reward.server import RewardServerError, RewardServerUnavailableError,
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 sys.path.insert(0, str(FIXTURES))
 import faulty_rewards  # noqa: E402  (by name: sandbox children import it from sys.path)
+
 FLAKY = f"{FIXTURES}/faulty_rewards.py:flaky"
 PROMPTS = ["p0", "p1", "p2", "p3"]
 REFS = ["1", "1", "1", "1"]

@@ -14,10 +14,11 @@ import yaml
 from mlflow.tracking import MlflowClient
 from pydantic import BaseModel
 
-from rlray import cli, driver
+from rlray import cli
 from rlray.config import Config, ConfigError, config_from_dict
+from rlray.launch import driver
+from rlray.observe.tracking import Tracker
 from rlray.reward.server import deploy_reward_app
-from rlray.tracking import Tracker
 
 REPO = Path(__file__).resolve().parents[2]
 SECRETS = {"access": "AKIASECRETKEY42", "secret": "s3cr3t-Value-42", "hook": "https://hooks.example/T0k3n-42"}
@@ -71,13 +72,13 @@ def _unsafe_loads(source: str, name: str) -> list[str]:
         owner = node.func.value.id if isinstance(node.func.value, ast.Name) else ""
         call = f"{owner}.{node.func.attr}"
         kwargs = {k.arg: k.value for k in node.keywords}
-        is_true = lambda key: isinstance(kwargs.get(key), ast.Constant) and kwargs[key].value is True  # noqa: E731
-        if call == "torch.load" and not is_true("weights_only"):
+        set_true = {key for key, value in kwargs.items() if isinstance(value, ast.Constant) and value.value is True}
+        if call == "torch.load" and "weights_only" not in set_true:
             found.append(f"{name}:{node.lineno} {call}")
         elif owner in ("pickle", "joblib", "dill", "cloudpickle") and node.func.attr in ("load", "loads"):
             if (name, call) not in ALLOWED_PICKLE:
                 found.append(f"{name}:{node.lineno} {call}")
-        elif (node.func.attr == "from_pretrained" and "Model" in owner and not is_true("use_safetensors")
+        elif (node.func.attr == "from_pretrained" and "Model" in owner and "use_safetensors" not in set_true
               and "gguf_file" not in kwargs):  # fmt: skip
             found.append(f"{name}:{node.lineno} {call}")
     return found

@@ -10,15 +10,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rlray import loop, schema, training
-from rlray.collective import Collective
+from rlray import schema
 from rlray.config import config_from_dict
 from rlray.data import PromptRow
 from rlray.learner import PolicyLearner
 from rlray.learner import online as learner_online
+from rlray.learner.collective import Collective
 from rlray.reward import RewardFunctionError
 from rlray.reward.server import LocalRewardClient
 from rlray.rollout import Completion
+from rlray.run import build, online, worker
+from rlray.run.online import OnlineRun, StageTimer
+from rlray.run.state import WorkerArgs
 
 G = 4  # samples per prompt
 ROWS = [PromptRow("p0", "q0", "1"), PromptRow("p1", "q1", "2")]
@@ -47,12 +50,12 @@ def _rewards(values: list[float]) -> dict[str, list[float]]:
 
 
 def _stages_4_to_6(cfg, learner, table):
-    """Stages 4-6 exactly as loop.run_step runs them on one rank; returns (data, metrics)."""
-    spec = loop.update_spec(cfg, 1)
+    """Stages 4-6 exactly as online.run_step runs them on one rank; returns (data, metrics)."""
+    spec = build.update_spec(cfg, 1)
     data = schema.collate(table, 0)
     data = learner_online.reference_and_old(learner, data, spec)
     data = learner_online.advantages(data, spec, lambda d: d)
-    metrics = learner_online.update(learner, data, loop.minibatch_normalisers(table, cfg, 1), spec, lambda d: d)
+    metrics = learner_online.update(learner, data, online.minibatch_normalisers(table, cfg, 1), spec, lambda d: d)
     return data, metrics
 
 
@@ -66,18 +69,18 @@ def test_failed_rewards_are_left_out_of_the_statistics_and_the_loss_and_counted(
     nan = math.nan
     rewards = _rewards([1.0, nan, 0.0, 0.5, nan, nan, nan, nan])  # group 1 failed entirely
     completions = _completions([3, 2, 4, 1, 2, 2, 3, 3])
-    table = loop.build_experience(ROWS, PROMPT_IDS, completions, rewards)
+    table = online.build_experience(ROWS, PROMPT_IDS, completions, rewards)
     masks = table.column("response_mask").to_pylist()
     assert [any(m) for m in masks] == [True, False, True, True, False, False, False, False]
     assert [len(m) for m in masks] == [3, 2, 4, 1, 2, 2, 3, 3]  # the masks keep the response lengths
     assert math.isnan(table.column("reward")[1].as_py())  # the table says "no reward", it does not invent one
-    stats = loop.rollout_stats(table, rewards, 2, 0)
+    stats = online.rollout_stats(table, rewards, 2, 0)
     assert stats["reward/failed"] == 5.0
     assert stats["reward/mean"] == pytest.approx(0.5) and stats["reward/std"] == pytest.approx(math.sqrt(1 / 6))
     assert stats["algo/groups_without_signal"] == 0.5  # group 1 has no scored sample
     # every token still counts for throughput; only the 8 valid tokens count in the loss normaliser
     assert stats["rollout/generated_tokens"] == 20.0
-    assert [n.num_tokens for n in loop.minibatch_normalisers(table, cfg, 1)] == [8.0]
+    assert [n.num_tokens for n in online.minibatch_normalisers(table, cfg, 1)] == [8.0]
     data, metrics = _stages_4_to_6(cfg, learner, table)
     # group 0's valid rewards [1, 0, 0.5]: mean 0.5, unbiased std 0.5, so advantages [1, -1, 0]; failed rows 0
     adv = data["advantages"][:, 0]
@@ -89,8 +92,8 @@ def test_every_group_with_constant_reward_is_logged_and_gives_zero_advantages(le
     cfg = _cfg()
     completions = _completions([3, 2, 4, 1, 2, 5, 3, 3])
     ctx = _rank0_ctx(cfg, completions, _FixedScorer([0.3] * G + [1.0] * G))
-    with caplog.at_level(logging.WARNING, logger="rlray.loop"):
-        table, metrics = loop.collect_experience(ctx, 6)
+    with caplog.at_level(logging.WARNING, logger="rlray.run.online"):
+        table, metrics = online.collect_experience(ctx, 6, StageTimer())
     assert metrics["algo/groups_without_signal"] == 1.0 and metrics["reward/failed"] == 0.0
     assert "step 7: no prompt group has rewards that differ: the advantages are zero" in caplog.text
     data, learned = _stages_4_to_6(cfg, learner, table)
@@ -103,7 +106,7 @@ def test_every_response_truncated_keeps_masks_and_gets_the_overlong_penalty(lear
     cfg = _cfg("algo.overlong_cache_tokens=4", "algo.overlong_penalty_factor=1.0")
     completions = _completions([8] * 8, finish="length")  # all at rollout.max_new_tokens=8, none with EOS
     ctx = _rank0_ctx(cfg, completions, _FixedScorer([0.0, 1.0] * G))
-    table, metrics = loop.collect_experience(ctx, 0)
+    table, metrics = online.collect_experience(ctx, 0, StageTimer())
     assert metrics["rollout/truncated_rate"] == 1.0
     assert table.column("response_mask").to_pylist() == [[True] * 8] * 8  # every generated token counts
     # DAPO soft overlong punishment: length 8 = max_new_tokens, past the 4-token interval: the full -1.0
@@ -121,10 +124,10 @@ def test_empty_responses_do_not_break_the_schema_or_the_learner(learner):
     cfg = _cfg()
     completions = _completions([0, 2, 0, 3, 0, 0, 0, 0])
     rewards = _rewards([0.5, 1.0, 0.0, 0.0, 0.2, 0.2, 0.2, 0.2])
-    table = loop.build_experience(ROWS, PROMPT_IDS, completions, rewards)
+    table = online.build_experience(ROWS, PROMPT_IDS, completions, rewards)
     batch = schema.collate(table, 0)
     assert batch["response_mask"].shape == (8, 3) and batch["response_mask"].sum().item() == 5
-    stats = loop.rollout_stats(table, rewards, 2, 0)
+    stats = online.rollout_stats(table, rewards, 2, 0)
     assert stats["rollout/response_tokens_mean"] == pytest.approx(5 / 8)
     data, metrics = _stages_4_to_6(cfg, learner, table)
     adv = data["advantages"]
@@ -139,11 +142,11 @@ def test_a_reward_function_with_the_wrong_count_stops_every_rank_at_once():
     cfg = _cfg()
     ctx = _rank0_ctx(cfg, _completions([2] * 8), _Raising(RewardFunctionError("reward function 'f.py:f' returned 7 values for 8 completions")))
     ctx.coll = Collective()
-    with pytest.raises(loop.FatalStepError, match="RewardFunctionError: reward function 'f.py:f' returned 7 values"):
-        loop.run_step(ctx, 0)
-    other_rank = SimpleNamespace(rank=1, coll=SimpleNamespace(broadcast=lambda _: loop.StepBatch([], [], {}, "DataError: x")))
-    with pytest.raises(loop.FatalStepError, match="DataError: x"):
-        loop.distribute(other_rank, None, None)
+    with pytest.raises(online.FatalStepError, match="RewardFunctionError: reward function 'f.py:f' returned 7 values"):
+        online.run_step(ctx, 0, lambda m: None)
+    other_rank = SimpleNamespace(rank=1, coll=SimpleNamespace(broadcast=lambda _: online.StepBatch([], [], {}, "DataError: x")))
+    with pytest.raises(online.FatalStepError, match="DataError: x"):
+        online.distribute(other_rank, None, None)
 
 
 def test_the_training_function_ends_normally_after_a_fatal_step(monkeypatch):
@@ -152,11 +155,11 @@ def test_the_training_function_ends_normally_after_a_fatal_step(monkeypatch):
 
     def fatal_train(*args, **kwargs):
         calls.append(args[0].run.max_steps)
-        raise loop.FatalStepError("RewardFunctionError: wrong count")
+        raise online.FatalStepError("RewardFunctionError: wrong count")
 
-    monkeypatch.setattr(training, "train", fatal_train)
-    config = {"config": _cfg("run.max_steps=7").model_dump(), "model_dir": "m", "rollout_actors": [], "run_id": "r"}
-    assert training.train_worker(config) is None and calls == [7]
+    monkeypatch.setattr(worker, "train", fatal_train)
+    args = WorkerArgs(config=_cfg("run.max_steps=7").model_dump(), model_dir="m", run_id="r")
+    assert worker.train_worker({"args": args}) is None and calls == [7]
 
 
 # --------------------------------------------------------------------------------------------
@@ -188,5 +191,5 @@ class _Tokenizer:
 
 def _rank0_ctx(cfg, completions, scorer):
     got = SimpleNamespace(rows=ROWS, prompt_ids=PROMPT_IDS, completions=completions)
-    return SimpleNamespace(cfg=cfg, rank=0, world=1, pipeline=SimpleNamespace(next=lambda step: got),
-                           reward=LocalRewardClient(scorer, 1), tokenizer=_Tokenizer(), policy_version=0)
+    return OnlineRun(cfg, Collective(), None, _Tokenizer(), pipeline=SimpleNamespace(next=lambda step: got),
+                     reward=LocalRewardClient(scorer, 1))

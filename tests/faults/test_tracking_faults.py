@@ -14,7 +14,7 @@ import pytest
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from rlray.tracking import StoreUnavailableError, Tracker, get_run_metrics
+from rlray.observe.tracking import StoreUnavailableError, Tracker, get_run_metrics
 
 
 @contextmanager
@@ -34,7 +34,7 @@ def test_metrics_tags_and_artifacts_are_buffered_while_the_store_is_down(tmp_pat
     uri = f"sqlite:///{db}"
     tracker = Tracker(uri, "outage")
     tracker.log_metrics({"reward/mean": 0.1}, step=1)
-    with caplog.at_level(logging.WARNING, logger="rlray.tracking"), store_down(db):
+    with caplog.at_level(logging.WARNING, logger="rlray.observe.tracking"), store_down(db):
         tracker.log_metrics({"reward/mean": 0.2, "learner/loss": 1.5}, step=2)
         tracker.set_tags({"rlray.status": "RUNNING"})
         tracker.log_text("a: 1\n", "config/rollback_1.yaml")

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from rlray import schema
-from rlray.learner import LossSpec, Normaliser, PolicyLearner
-from rlray.loop import build_experience
 from rlray.data import PromptRow
+from rlray.learner import LossSpec, Normaliser, PolicyLearner
 from rlray.rollout import Completion
+from rlray.run.online import build_experience
 
 
 def _learner(path):

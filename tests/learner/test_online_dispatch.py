@@ -9,7 +9,7 @@ from rlray import algos
 from rlray.config import ONLINE_ALGOS, config_from_dict
 from rlray.learner import ADVANTAGE_ESTIMATORS, POLICY_LOSS_OF, AdvantageSpec, LossSpec, Normaliser, policy_objective
 from rlray.learner.advantages import collective_sum
-from rlray.loop import update_spec
+from rlray.run.build import update_spec
 
 B, T = 8, 5
 

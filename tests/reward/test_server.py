@@ -13,7 +13,7 @@ import pytest
 
 from rlray.config import load_config
 from rlray.reward import RewardFunctionError, RewardScorer
-from rlray.reward.server import RewardServerError, RewardTimeoutError, ScorerSandbox, ScoreRequest
+from rlray.reward.server import RewardServerError, RewardTimeoutError, ScoreRequest, ScorerSandbox
 
 REPO = Path(__file__).resolve().parents[2]
 LENGTH_FN = f"{REPO}/tests/fixtures/rewards.py:completion_length"
@@ -60,7 +60,7 @@ def server(ray_session, tmp_path_factory):
     from ray import serve
 
     from rlray.cli import main
-    from rlray.weight_sync import free_port
+    from rlray.rollout.weight_sync import free_port
 
     port = free_port()
     path = tmp_path_factory.mktemp("reward") / "reward.yaml"
@@ -76,7 +76,7 @@ def server(ray_session, tmp_path_factory):
 
 
 def _local(cfg_overrides: list[str], path: Path) -> dict:
-    from rlray.loop import scorer_kwargs
+    from rlray.run.build import scorer_kwargs
 
     return RewardScorer(**scorer_kwargs(load_config(path, cfg_overrides))).score(PROMPTS, COMPLETIONS, REFERENCES)
 

@@ -232,7 +232,7 @@ def test_greedy_is_deterministic(engine: RolloutEngine, prompts):
     greedy = SamplingSpec(n=3, max_new_tokens=16, temperature=0.0)
     first, second = engine.generate(prompts, greedy), engine.generate(prompts, greedy)
     assert [c.response_token_ids for c in first] == [c.response_token_ids for c in second]
-    for a, b in zip(first, second):
+    for a, b in zip(first, second, strict=True):
         assert a.rollout_logprobs == pytest.approx(b.rollout_logprobs, abs=1e-6)
     for p in range(3):  # the n greedy samples of one prompt are the same sequence
         assert len({tuple(c.response_token_ids) for c in first if c.prompt_index == p}) == 1

@@ -1,0 +1,176 @@
+"""What a snapshot holds and how a learner rank writes and restores it.
+
+A snapshot (layout in ``rlray.checkpoint``) holds the policy weights, optimizer and scheduler state,
+every rank's RNG states (torch, numpy, python), the data cursor, the step, the epoch, the policy
+version, the number of rollbacks so far and the config the state was trained with. Restoring it
+and pushing the weights to the rollout engines puts a run exactly where it was: with the same
+config and seed, a resumed step samples and updates as the uninterrupted run did.
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from rlray.checkpoint import storage as checkpoint
+from rlray.config import Config, validate_tree
+
+TRAINER_STATE = "trainer_state.pt"
+CONFIG_FILE = "config.yaml"
+# Sections a run may change while it trains (rollback overrides, the OOM fallback); a restart keeps
+# the values its snapshot was trained with.
+TRAINED_SECTIONS = ("learner", "algo", "reward")
+
+
+# --------------------------------------------------------------------------------------------
+# RNG
+# --------------------------------------------------------------------------------------------
+def rng_state() -> dict[str, Any]:
+    """Returns this process's torch, numpy and python RNG states as tensors, lists and numbers.
+
+    Only types that ``torch.load(weights_only=True)`` reads back are used (numpy's key array and
+    python's state tuple become lists).
+    """
+    np_state = np.random.get_state(legacy=False)
+    return {
+        "torch": torch.get_rng_state(),
+        "numpy": {"key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)), "pos": int(np_state["state"]["pos"]),
+                  "has_gauss": int(np_state["has_gauss"]), "gauss": float(np_state["gauss"])},
+        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restores RNG states saved by ``rng_state``."""
+    torch.set_rng_state(state["torch"])
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+
+
+# --------------------------------------------------------------------------------------------
+# Write
+# --------------------------------------------------------------------------------------------
+def write_payload(out: Path, *, learner: Any, tokenizer: Any, cfg: Config) -> None:
+    """Writes rank 0's payload into the local folder ``out``: model/, trainer_state.pt, config.yaml."""
+    learner.module.save_pretrained(out / "model", safe_serialization=True)
+    tokenizer.save_pretrained(out / "model")
+    torch.save(learner.state_dict(), out / TRAINER_STATE)
+    (out / CONFIG_FILE).write_text(cfg.to_yaml())
+
+
+def write_rng(uri: str, rank: int, options: dict[str, Any] | None) -> dict[str, int]:
+    """Writes this rank's RNG states to ``<uri>/rng/rank_<rank>.pt``; returns {relative path: bytes}.
+
+    Raises:
+        rlray.checkpoint.storage.SnapshotError: the write failed.
+    """
+    with tempfile.TemporaryDirectory(prefix="rlray-rng-") as tmp:
+        torch.save(rng_state(), Path(tmp) / f"rank_{rank}.pt")
+        sizes = checkpoint.put_files(checkpoint.join(uri, "rng"), Path(tmp), options)
+    return {f"rng/{k}": v for k, v in sizes.items()}
+
+
+def write_rank0(uri: str, *, learner: Any, tokenizer: Any, cfg: Config, options: dict[str, Any] | None) -> dict[str, int]:
+    """Writes rank 0's payload and RNG states to the snapshot folder ``uri``; returns {relative path: bytes}.
+
+    Raises:
+        rlray.checkpoint.storage.SnapshotError: the write failed (the folder is left without a manifest).
+    """
+    with tempfile.TemporaryDirectory(prefix="rlray-snap-") as tmp:
+        write_payload(Path(tmp), learner=learner, tokenizer=tokenizer, cfg=cfg)
+        sizes = checkpoint.put_files(uri, Path(tmp), options)
+    return {**sizes, **write_rng(uri, 0, options)}
+
+
+# --------------------------------------------------------------------------------------------
+# Restore
+# --------------------------------------------------------------------------------------------
+def snapshot_config(uri: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Returns the config tree a snapshot was trained with (its config.yaml; secrets are masked there).
+
+    Raises:
+        rlray.checkpoint.storage.SnapshotError: the snapshot is incomplete or has no config.
+    """
+    checkpoint.read_manifest(uri, options, verify=False)
+    fs, root = checkpoint.open_fs(uri, options)
+    try:
+        return yaml.safe_load(fs.cat_file(f"{root}/{CONFIG_FILE}"))
+    except (OSError, yaml.YAMLError) as err:
+        raise checkpoint.SnapshotError(f"could not read the config of snapshot '{uri}': {err}") from err
+
+
+def adopt_trained_config(cfg: Config, trained: dict[str, Any]) -> Config:
+    """Returns ``cfg`` with the sections a run changes while training taken from ``trained``.
+
+    The learner, algo and reward sections and ``model.gradient_checkpointing`` come from the
+    snapshot's config (a rollback or the OOM fallback may have changed them); everything else,
+    secrets included, stays as in ``cfg``.
+
+    Raises:
+        rlray.config.ConfigError: the merged config is invalid.
+    """
+    tree = cfg.model_dump()
+    for section in TRAINED_SECTIONS:
+        tree[section] = trained[section]
+    tree["model"]["gradient_checkpointing"] = trained["model"]["gradient_checkpointing"]
+    return validate_tree(tree)
+
+
+def load_model_weights(module: torch.nn.Module, model_dir: Path) -> None:
+    """Loads every ``*.safetensors`` file of ``model_dir`` into ``module`` in place.
+
+    Raises:
+        RuntimeError: a tensor the module has is missing (other than a tied LM head) or an unknown one.
+    """
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        state.update(load_file(str(file)))
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    tied = bool(getattr(module.config, "tie_word_embeddings", False))
+    missing = [k for k in missing if not (tied and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise RuntimeError(f"snapshot weights do not fit the policy: missing {missing[:3]}, unexpected {unexpected[:3]}")
+
+
+def set_optimizer_hparams(learner: Any, cfg: Config) -> None:
+    """Sets lr, betas, weight decay and the grad clip of a learner from ``cfg.learner``.
+
+    Loading an optimizer state brings back the hyper-parameters it was saved with; this makes the
+    config in effect (a user's on resume, the rollback's after a rollback) win. The scheduler keeps
+    its step count, so warm-up continues where it was.
+    """
+    ln = cfg.learner
+    learner.max_grad_norm = ln.max_grad_norm
+    learner.scheduler.base_lrs = [ln.lr for _ in learner.optimizer.param_groups]
+    factor = learner.scheduler.lr_lambdas[0](learner.scheduler.last_epoch)
+    for group in learner.optimizer.param_groups:
+        group.update(lr=ln.lr * factor, initial_lr=ln.lr, betas=tuple(ln.betas), weight_decay=ln.weight_decay)
+    # get_last_lr() reads the scheduler's cached value, which the loaded state set to the old lr
+    learner.scheduler._last_lr = [group["lr"] for group in learner.optimizer.param_groups]
+
+
+def restore_learner(uri: str, *, learner: Any, rank: int, options: dict[str, Any] | None) -> dict[str, Any]:
+    """Loads a snapshot's weights, optimizer, scheduler and this rank's RNG states; returns its manifest.
+
+    Raises:
+        rlray.checkpoint.storage.SnapshotError: the snapshot is incomplete or damaged.
+    """
+    manifest = checkpoint.read_manifest(uri, options)
+    with tempfile.TemporaryDirectory(prefix="rlray-restore-") as tmp:
+        local = checkpoint.fetch_local(uri, Path(tmp) / "snap", options)
+        with torch.no_grad():
+            load_model_weights(learner.module, local / "model")
+        learner.load_state_dict(torch.load(local / TRAINER_STATE, weights_only=True))
+        rng = local / "rng" / f"rank_{rank}.pt"
+        if rng.exists():
+            set_rng_state(torch.load(rng, weights_only=True))
+    return manifest

@@ -1,0 +1,181 @@
+"""Lineage: every snapshot is a version of the registered model ``rlray-<experiment>`` in MLflow.
+
+A version's tags record where it came from: ``rlray.parent_version`` (the version the training
+continued from, across resumes and rollbacks), ``rlray.step``, ``rlray.config_hash``,
+``rlray.dataset_hash``, ``rlray.git_commit``, ``rlray.run_id``, ``rlray.snapshot_uri`` and
+``metric.<key>`` for the step's metrics. Following parents from any version reaches the run's first
+snapshot. ``prepare_rollback`` turns a run (or a storage URI) and a step or version into a config that
+resumes from that snapshot with the config it was trained with.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rlray.checkpoint import storage as checkpoint
+from rlray.checkpoint.contents import adopt_trained_config, snapshot_config
+from rlray.config import Config, validate_tree
+from rlray.observe import tracking
+
+HEADLINE_METRICS = ("reward/mean", "reward/accuracy", "algo/kl", "learner/loss", "eval/accuracy")
+
+
+def model_name(experiment: str) -> str:
+    """Returns the registered model name of an experiment: ``rlray-<experiment>`` (unsafe characters -> '-')."""
+    return "rlray-" + re.sub(r"[^0-9A-Za-z_.-]", "-", experiment)
+
+
+def git_commit(path: str | Path | None = None) -> str:
+    """Returns the git commit of the code (the checkout holding rlray), or 'unknown' outside git."""
+    here = Path(path or Path(__file__).resolve().parent)
+    try:
+        out = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 else "unknown"
+
+
+def version_tags(manifest: dict[str, Any], uri: str, metrics: dict[str, float]) -> dict[str, str]:
+    """Returns the lineage tags of the snapshot at ``uri`` from its manifest and the step's metrics."""
+    tags = {
+        "rlray.parent_version": manifest.get("parent_version") or "",
+        "rlray.step": str(manifest["step"]),
+        "rlray.epoch": str(manifest["epoch"]),
+        "rlray.policy_version": str(manifest["policy_version"]),
+        "rlray.config_hash": manifest["config_hash"],
+        "rlray.dataset_hash": manifest["dataset_hash"],
+        "rlray.git_commit": manifest["git_commit"],
+        "rlray.run_id": manifest["run_id"],
+        "rlray.snapshot_uri": uri,
+        "rlray.kind": manifest["kind"],
+    }
+    tags.update({f"metric.{k}": f"{metrics[k]:.6g}" for k in HEADLINE_METRICS if k in metrics})
+    return tags
+
+
+def register(tracker: tracking.Tracker, experiment: str, uri: str, manifest: dict[str, Any], metrics: dict[str, float]) -> str:
+    """Registers the snapshot at ``uri`` as a new version of ``rlray-<experiment>``; returns the version."""
+    return tracker.register_model_version(model_name(experiment), uri, version_tags(manifest, uri, metrics))
+
+
+def version_of(tracking_uri: str, experiment: str, snapshot_uri: str) -> str | None:
+    """Returns the registered version of the snapshot at ``snapshot_uri``, or None when it has none."""
+    found = tracking.model_versions(tracking_uri, model_name(experiment), tag=("rlray.snapshot_uri", snapshot_uri))
+    return found[-1]["version"] if found else None
+
+
+def chain(tracking_uri: str, experiment: str, version: str) -> list[dict]:
+    """Returns the versions from ``version`` back through its parents to the first snapshot (newest first).
+
+    Raises:
+        ValueError: a parent cycle (a corrupted registry).
+    """
+    name = model_name(experiment)
+    out, seen = [], set()
+    current: str | None = version
+    while current:
+        if current in seen:
+            raise ValueError(f"model '{name}': parent cycle at version {current}")
+        seen.add(current)
+        v = tracking.model_version(tracking_uri, name, current)
+        out.append(v)
+        current = v["tags"].get("rlray.parent_version") or None
+    return out
+
+
+def run_versions(tracking_uri: str, experiment: str, run_id: str) -> list[dict]:
+    """Returns the versions registered by one run, oldest first."""
+    return tracking.model_versions(tracking_uri, model_name(experiment), run_id=run_id)
+
+
+def all_versions(tracking_uri: str, experiment: str) -> list[dict]:
+    """Returns every version of ``rlray-<experiment>``, oldest first."""
+    return tracking.model_versions(tracking_uri, model_name(experiment))
+
+
+def format_versions(versions: list[dict]) -> str:
+    """Returns a text table of versions: version, parent, step, run, kind, headline metrics, snapshot."""
+    lines = [f"{'version':>7}  {'parent':>6}  {'step':>6}  {'run':<12}  {'kind':<8}  {'reward/mean':>11}  snapshot"]
+    for v in versions:
+        t = v["tags"]
+        lines.append(
+            f"{v['version']:>7}  {t.get('rlray.parent_version') or '-':>6}  {t.get('rlray.step', '?'):>6}  "
+            f"{(v['run_id'] or '')[:12]:<12}  {t.get('rlray.kind', ''):<8}  {t.get('metric.reward/mean', '-'):>11}  {v['source']}"
+        )
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# Rollback
+# --------------------------------------------------------------------------------------------
+def find_snapshot(ref: str, to: str, cfg: Config) -> str:
+    """Returns the snapshot URI for ``rlray rollback REF --to TO``.
+
+    Args:
+        ref: an MLflow run id (its snapshots are found through the tag ``rlray.snapshot_dir``), a run
+            folder URI, or a storage root URI.
+        to: a step ('12') or a registered version ('v3').
+        cfg: gives the MLflow store, the experiment and the S3 options.
+
+    Raises:
+        rlray.checkpoint.storage.SnapshotError: no complete snapshot matches.
+    """
+    opts = cfg.checkpoint.s3.storage_options()
+    if not (to.isdigit() or (to[:1].lower() == "v" and to[1:].isdigit())):
+        raise checkpoint.SnapshotError(f"--to {to!r}: give a step (12) or a registered model version (v3)")
+    if to.lower().startswith("v"):
+        v = tracking.model_version(cfg.tracking.mlflow_uri, model_name(cfg.tracking.experiment), to[1:])
+        checkpoint.read_manifest(v["source"], opts)
+        return v["source"]
+    base = ref if ("/" in ref or "://" in ref) else tracking.get_run(cfg.tracking.mlflow_uri, ref).data.tags.get("rlray.snapshot_dir")
+    if not base:
+        raise checkpoint.SnapshotError(f"run '{ref}' has no rlray.snapshot_dir tag (was it started by rlray train?)")
+    hits = [s for s in checkpoint.list_snapshots(base, opts) if s.step == int(to) and s.complete]
+    if not hits:
+        raise checkpoint.SnapshotError(f"no complete snapshot at step {to} under '{base}'")
+    return max(hits, key=lambda s: s.manifest["written_at"]).uri
+
+
+def prepare_rollback(ref: str, to: str, cfg: Config, dest: Path, *, base: Config | None = None) -> dict[str, Any]:
+    """Writes ``dest/config.yaml``, the config the chosen snapshot was trained with and
+    ``checkpoint.resume_from`` set to it, so ``rlray train dest/config.yaml`` resumes from there.
+
+    Args:
+        ref, to: see ``find_snapshot``.
+        cfg: where to look (MLflow store, experiment, S3 options).
+        dest: folder for config.yaml.
+        base: a config to keep everything but the trained sections (learner, algo, reward and
+            model.gradient_checkpointing) from; None takes the snapshot's whole config.
+
+    Returns:
+        {snapshot, step, policy_version, config, command}.
+
+    Raises:
+        rlray.checkpoint.storage.SnapshotError: no complete snapshot matches.
+    """
+    opts = cfg.checkpoint.s3.storage_options()
+    uri = find_snapshot(ref, to, cfg)
+    manifest = checkpoint.read_manifest(uri, opts)
+    trained = snapshot_config(uri, opts)
+    tree = adopt_trained_config(base, trained).model_dump(mode="json") if base is not None else trained
+    tree["checkpoint"]["resume_from"] = uri
+    # secrets are not written to disk: give them again in the config or through the AWS credential chain
+    tree["checkpoint"]["s3"].update({"access_key_id": None, "secret_access_key": None})
+    if tree["monitor"]["webhook_url"] is not None:
+        tree["monitor"]["webhook_url"] = None
+        tree["monitor"]["alerts"] = [a for a in tree["monitor"]["alerts"] if a != "webhook"]
+    validate_tree(tree)
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "config.yaml").write_text(yaml.safe_dump(tree, sort_keys=False))
+    return {
+        "snapshot": uri,
+        "step": manifest["step"],
+        "policy_version": manifest["policy_version"],
+        "config": str(dest / "config.yaml"),
+        "command": f"rlray train {dest / 'config.yaml'}",
+    }

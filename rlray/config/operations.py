@@ -1,0 +1,158 @@
+"""Config sections checkpoint (with s3), guard and monitor: operations."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, SecretStr, model_validator
+
+from rlray.config.base import _Section
+
+
+class S3Config(_Section):
+    """Options of s3fs for ``s3://`` snapshot storage; unset values use the AWS defaults (env, profile)."""
+
+    endpoint_url: str | None = Field(
+        None, description="S3 API endpoint (MinIO, moto, a private cloud); None uses AWS's."
+    )
+    region: str | None = Field(None, description="S3 region name; None uses the AWS default chain.")
+    access_key_id: SecretStr | None = Field(
+        None, description="Access key id; None uses the AWS credential chain. Never logged."
+    )
+    secret_access_key: SecretStr | None = Field(
+        None, description="Secret access key (set together with access_key_id). Never logged."
+    )
+
+    @model_validator(mode="after")
+    def _keys_in_pairs(self) -> S3Config:
+        if (self.access_key_id is None) != (self.secret_access_key is None):
+            raise ValueError(
+                "checkpoint.s3.access_key_id and checkpoint.s3.secret_access_key must be set together "
+                "(or both left unset to use the AWS credential chain)"
+            )
+        return self
+
+    def storage_options(self) -> dict[str, Any]:
+        """Returns s3fs keyword arguments (secrets revealed: pass them to s3fs only, never log them)."""
+        opts: dict[str, Any] = {}
+        if self.endpoint_url:
+            opts["endpoint_url"] = self.endpoint_url
+        if self.region:
+            opts["client_kwargs"] = {"region_name": self.region}
+        if self.access_key_id is not None and self.secret_access_key is not None:
+            opts["key"] = self.access_key_id.get_secret_value()
+            opts["secret"] = self.secret_access_key.get_secret_value()
+        return opts
+
+
+class CheckpointConfig(_Section):
+    """Snapshots: Ray Train checkpoints under ``uri`` carrying rlray's manifest (rlray/checkpoint/storage.py)."""
+
+    uri: str | None = Field(
+        None,
+        description=(
+            "Snapshot storage, the Ray Train storage_path: a local folder or s3://bucket/prefix. "
+            "None means <run.output_dir>/snapshots. Each run writes <uri>/run-<mlflow run id>/step_<N>/."
+        ),
+    )
+    every_steps: int = Field(
+        1000, ge=1, description="Take a snapshot every N RL steps; one is also taken after the last step."
+    )
+    keep_last: int = Field(
+        3, ge=1, description="Complete snapshots kept per run (Ray Train num_to_keep); the newest is never removed."
+    )
+    max_age_days: float = Field(
+        30.0,
+        gt=0.0,
+        description=(
+            "Snapshots of earlier runs under checkpoint.uri older than this many days are deleted at each "
+            "snapshot; the newest complete snapshot is always kept."
+        ),
+    )
+    log_max_age_days: float = Field(
+        7.0, gt=0.0, description="Run logs under <checkpoint.uri>/logs older than this many days are deleted."
+    )
+    resume_from: str | None = Field(
+        None,
+        description=(
+            "Start from a snapshot: 'latest' (the newest complete one under checkpoint.uri) or a snapshot "
+            "URI. Set by `rlray train --resume` and `rlray rollback`."
+        ),
+    )
+    s3: S3Config = Field(default_factory=S3Config)
+
+
+class GuardConfig(_Section):
+    """Guards that stop (or roll back) a run that goes wrong."""
+
+    kl_threshold: float | None = Field(
+        0.03,
+        gt=0.0,
+        description=(
+            "Trip when a step's mean per-token k3 KL to the reference model (algo/kl, nats per token) "
+            "exceeds this; None disables the KL guard."
+        ),
+    )
+    on_trip: Literal["stop", "rollback"] = Field(
+        "stop",
+        description="What a KL trip does: stop the run, or restore the last good snapshot and continue.",
+    )
+    rollback_overrides: list[str] = Field(
+        default_factory=lambda: ["learner.lr*=0.5"],
+        description=(
+            "Config changes applied at each rollback: 'key=value' sets, 'key*=factor' multiplies the "
+            "current value. Keys under learner., algo. or reward. only."
+        ),
+    )
+    max_rollbacks: int = Field(
+        2, ge=0, description="Rollbacks allowed per run; the next KL trip stops the run."
+    )
+    max_nonfinite_steps: int = Field(
+        3,
+        ge=1,
+        description=(
+            "A step with a NaN/inf loss or gradient norm is skipped (no optimizer update); the run stops "
+            "after this many such steps in a row."
+        ),
+    )
+    memory_fraction: float = Field(
+        0.9,
+        gt=0.0,
+        le=1.0,
+        description=(
+            "Memory cap of each learner worker as a fraction of its GPU's memory "
+            "(torch.cuda.set_per_process_memory_fraction) or, on CPU, of the machine's RAM (RSS watchdog)."
+        ),
+    )
+    memory_cap_gib: float | None = Field(
+        None, gt=0.0, description="Absolute memory cap per learner worker in GiB; overrides memory_fraction."
+    )
+    memory_check_s: float = Field(1.0, gt=0.0, description="Seconds between RSS checks of the CPU watchdog.")
+
+
+class MonitorConfig(_Section):
+    """GET /health and /metrics, heartbeats, alerts and automatic restarts."""
+
+    port: int = Field(
+        8888, ge=0, le=65535, description="Port of /health and /metrics; 0 picks a free port (printed and tagged)."
+    )
+    host: str = Field("127.0.0.1", description="Address the monitor binds; 0.0.0.0 exposes it to the network.")
+    heartbeat_s: float = Field(
+        300.0,
+        gt=0.0,
+        description="Seconds between heartbeats (a log line and an MLflow metric); 2 missed ones mean 'stalled'.",
+    )
+    alerts: list[Literal["log", "mlflow", "webhook"]] = Field(
+        default_factory=lambda: ["log", "mlflow"],
+        description="Where alerts go (guard trip, restart, stall, failed snapshot): log, MLflow tag, webhook.",
+    )
+    webhook_url: SecretStr | None = Field(
+        None, description="URL that alerts are POSTed to as JSON (needs 'webhook' in monitor.alerts). Never logged."
+    )
+    webhook_attempts: int = Field(3, ge=1, description="Tries per webhook alert (exponential back-off).")
+    max_failures: int = Field(
+        3, ge=0, description="Learner failures Ray Train restarts from the latest snapshot (FailureConfig)."
+    )
+    restart_delay_s: float = Field(
+        30.0, ge=0.0, description="Seconds a restarted learner waits before it restores and resumes."
+    )

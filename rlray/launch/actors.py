@@ -1,0 +1,278 @@
+"""Thin Ray actors over rlray's plain classes. Each remote method delegates in a few lines.
+
+- ``RolloutActor`` over ``RolloutEngine`` (one vLLM engine per actor), named ``rlray:rollout-<i>``,
+  placed in the rollout placement group, restarted by Ray up to ``resources.rollout.max_restarts``.
+- ``ReferenceActor`` over ``ReferenceModel``, named ``rlray:reference-0`` (when
+  ``resources.reference.placement == "actor"``).
+- The reward Serve deployment lives in ``rlray.reward.server`` (Serve builds its own actors).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import ray
+import torch
+from ray.util.placement_group import PlacementGroup
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+from rlray.config import Config
+from rlray.launch.placement import rollout_cpu_threads
+from rlray.learner.reference import ReferenceModel
+from rlray.observe.monitor import Alerter, RunMonitor
+from rlray.observe.tracking import Tracker
+from rlray.rollout import Completion, RolloutEngine, SamplingSpec
+from rlray.rollout.wire import unpack_weights
+
+log = logging.getLogger(__name__)
+
+
+class RolloutActor:
+    """Ray actor around a ``RolloutEngine`` (one vLLM engine per actor).
+
+    Args:
+        model_path: local Hugging Face folder of the initial policy.
+        engine_kwargs: keyword arguments of ``RolloutEngine`` (dtype, seed, backend, ...).
+    """
+
+    def __init__(self, model_path: str, engine_kwargs: dict) -> None:
+        self.engine = RolloutEngine(model_path, **engine_kwargs)
+
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSpec) -> list[Completion]:
+        """Returns ``sampling.n`` completions per prompt, prompt-major (see ``RolloutEngine.generate``)."""
+        return self.engine.generate(prompt_token_ids, sampling)
+
+    def update_weights(self, named_tensors: dict[str, Any], version: int) -> int:
+        """Loads new policy weights (tensors, or ``rollout.wire.pack_weights`` output), resets the cache; returns the new version."""
+        self.engine.update_weights(unpack_weights(named_tensors), version)
+        return self.engine.policy_version
+
+    def policy_version(self) -> int:
+        """Returns the policy version the engine generates with."""
+        return self.engine.policy_version
+
+    def ready(self) -> bool:
+        """Returns True once the engine is built (used to wait for start-up)."""
+        return True
+
+    # vLLM weight transfer (NCCL / CUDA IPC), driven by rlray.rollout.weight_sync.VllmTransferSync
+    def transfer_init(self, init_info: dict) -> None:
+        """Joins the trainer's weight-transfer group (``RolloutEngine.init_weight_transfer``)."""
+        self.engine.init_weight_transfer(init_info)
+
+    def transfer_start(self) -> None:
+        """Begins a weight update (``RolloutEngine.start_weight_transfer``)."""
+        self.engine.start_weight_transfer()
+
+    def transfer_receive(self, update_info: dict) -> None:
+        """Receives the weights the trainer is sending (``RolloutEngine.receive_weights``)."""
+        self.engine.receive_weights(update_info)
+
+    def transfer_finish(self, version: int) -> int:
+        """Ends the update, resets the cache, and returns the new policy version."""
+        self.engine.finish_weight_transfer(version)
+        return self.engine.policy_version
+
+    def transfer_shutdown(self) -> None:
+        """Leaves the weight-transfer group (``RolloutEngine.shutdown_weight_transfer``)."""
+        self.engine.shutdown_weight_transfer()
+
+
+class ReferenceActor:
+    """Ray actor around a ``ReferenceModel`` (the frozen reference policy shared by every learner rank).
+
+    Args:
+        model_path: local Hugging Face folder of the initial policy.
+        model_kwargs: keyword arguments of ``ReferenceModel`` (dtype, temperature, torch_threads).
+    """
+
+    def __init__(self, model_path: str, model_kwargs: dict) -> None:
+        self.model = ReferenceModel(model_path, **model_kwargs)
+
+    def logprobs(self, batch: dict[str, torch.Tensor], microbatch_size: int) -> torch.Tensor:
+        """Returns [B, T] float32 reference logprobs of the batch's responses."""
+        return self.model.logprobs(batch, microbatch_size)
+
+    def ready(self) -> bool:
+        """Returns True once the model is loaded."""
+        return True
+
+
+def rollout_engine_kwargs(cfg: Config, max_model_len: int, cpu_threads: str | None = None) -> dict:
+    """Returns ``RolloutEngine`` keyword arguments from the config (plain values only).
+
+    Args:
+        cfg: the config.
+        max_model_len: prompt + response cap, in tokens.
+        cpu_threads: this actor's core list (see ``rlray.launch.placement.rollout_cpu_threads``).
+    """
+    sync = cfg.weight_sync_backend
+    return {
+        "dtype": cfg.model.dtype,
+        "seed": cfg.run.seed,
+        "max_model_len": max_model_len,
+        "backend": cfg.rollout.backend,
+        "enforce_eager": cfg.rollout.enforce_eager,
+        "kv_cache_gib": cfg.rollout.kv_cache_gib,
+        "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization,
+        "tensor_parallel_size": cfg.resources.rollout.tensor_parallel_size,
+        "cpu_threads": cpu_threads,
+        "weight_transfer": None if sync == "object_store" else sync,
+    }
+
+
+def start_rollout_actors(
+    cfg: Config,
+    model_path: str,
+    max_model_len: int,
+    placement: PlacementGroup | None = None,
+    namespace: str | None = None,
+) -> list[ray.actor.ActorHandle]:
+    """Returns ``resources.rollout.num_workers`` started rollout actors, named ``rlray:rollout-<i>``.
+
+    Each actor gets its own core list (``resources.rollout.cpu_threads``, or this node's cores split
+    evenly), bundle ``i`` of ``placement`` when given, and Ray restarts it up to
+    ``resources.rollout.max_restarts`` times (the fleet re-sends its prompts and weights). Blocks
+    until each engine is built, so start-up errors surface here. ``namespace`` (the run's own, from
+    the driver) keeps the names of concurrent runs on one cluster (sweep trials) apart; without a
+    placement group the actors never join a placement group of the caller (a Tune trial's captures
+    its children).
+    """
+
+    res = cfg.resources.rollout
+    cls = ray.remote(RolloutActor)
+    actors = []
+    for i, threads in enumerate(rollout_cpu_threads(cfg)):
+        name = f"rlray:rollout-{i}"
+        wait_for_name(name, namespace)
+        strategy = PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=i) if placement else "DEFAULT"
+        actors.append(
+            cls.options(
+                name=name,
+                namespace=namespace,
+                num_cpus=res.cpus,
+                num_gpus=res.gpus * res.tensor_parallel_size,
+                max_restarts=res.max_restarts,
+                max_task_retries=0,  # the fleet re-sends a dead actor's prompts itself
+                scheduling_strategy=strategy,
+            ).remote(model_path, rollout_engine_kwargs(cfg, max_model_len, threads))
+        )
+    ray.get([a.ready.remote() for a in actors])
+    return actors
+
+
+def start_reference_actor(cfg: Config, model_path: str, namespace: str | None = None) -> ray.actor.ActorHandle:
+    """Returns the started reference actor ``rlray:reference-0`` (resources.reference) in ``namespace``."""
+    res = cfg.resources.reference
+    wait_for_name("rlray:reference-0", namespace)
+    actor = ray.remote(ReferenceActor).options(
+        name="rlray:reference-0", namespace=namespace, num_cpus=res.cpus, num_gpus=res.gpus, scheduling_strategy="DEFAULT"
+    ).remote(
+        model_path,
+        {"dtype": cfg.model.dtype, "temperature": cfg.rollout.temperature, "torch_threads": cfg.learner.torch_threads},
+    )
+    ray.get(actor.ready.remote())
+    return actor
+
+
+def wait_for_name(name: str, namespace: str | None = None, timeout_s: float = 30.0) -> None:
+    """Waits until no live actor holds ``name`` (a killed actor frees its name asynchronously).
+
+    Raises:
+        RuntimeError: the name is still taken after ``timeout_s`` (another run uses it).
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"a Ray actor named '{name}' is alive: another rlray run uses this cluster's names")
+        time.sleep(0.2)
+
+
+def kill_actors(actors: list[ray.actor.ActorHandle]) -> None:
+    """Kills actors for good (no restart)."""
+    for a in actors:
+        ray.kill(a, no_restart=True)
+class MonitorActor:
+    """Ray actor around a ``RunMonitor``: serves /health and /metrics and takes the learner's reports.
+
+    Args:
+        run_id: MLflow run id.
+        tracking_uri, experiment: MLflow store and experiment (for the "mlflow" alert sink).
+        sinks: ``monitor.alerts``.
+        webhook_url: the revealed ``monitor.webhook_url`` (None without one).
+        webhook_attempts: ``monitor.webhook_attempts``.
+        heartbeat_s: ``monitor.heartbeat_s``.
+    """
+
+    def __init__(self, run_id: str, tracking_uri: str, experiment: str, sinks: list[str], webhook_url: str | None,
+                 webhook_attempts: int, heartbeat_s: float) -> None:
+
+        tracker = Tracker(tracking_uri, experiment, run_id=run_id) if "mlflow" in sinks else None
+        alerter = Alerter(sinks, tracker=tracker, webhook_url=webhook_url, webhook_attempts=webhook_attempts)
+        self.monitor = RunMonitor(run_id, heartbeat_s=heartbeat_s, alerter=alerter, ray_metrics=True)
+
+    def serve(self, host: str, port: int) -> int:
+        """Starts the HTTP server; returns the bound port."""
+        return self.monitor.serve(host, port)
+
+    def beat(self, step: int, epoch: int, policy_version: int) -> None:
+        """Records a heartbeat."""
+        self.monitor.beat(step, epoch, policy_version)
+
+    def record_step(self, step: int, epoch: int, policy_version: int, step_metrics: dict[str, float]) -> None:
+        """Records a finished step."""
+        self.monitor.record_step(step, epoch, policy_version, step_metrics)
+
+    def record_snapshot(self, step: int | None) -> None:
+        """Records a complete (step) or failed (None) snapshot."""
+        self.monitor.record_snapshot(step)
+
+    def learner_started(self) -> int:
+        """Counts a learner start; returns the count (more than 1 means a restart)."""
+        return self.monitor.learner_started()
+
+    def alert(self, kind: str, message: str, step: int | None = None) -> None:
+        """Sends an alert to every sink."""
+        self.monitor.alert(kind, message, step)
+
+    def set_status(self, status: str, reason: str | None = None) -> None:
+        """Sets the run's status."""
+        self.monitor.set_status(status, reason)
+
+    def health(self) -> dict:
+        """Returns the /health document."""
+        return self.monitor.health()
+
+    def alerts(self) -> list[dict]:
+        """Returns every alert sent so far."""
+        return list(self.monitor.alerts)
+
+
+def start_monitor(cfg: Config, run_id: str) -> tuple[ray.actor.ActorHandle, int]:
+    """Returns (monitor actor, bound port): a ``MonitorActor`` on this node serving ``monitor.host:port``.
+
+    The actor is pinned to the caller's node, so ``curl 127.0.0.1:<port>/health`` works where the run was
+    started. Port 0 picks a free port.
+
+    Raises:
+        OSError: the port is taken.
+    """
+
+    m = cfg.monitor
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    actor = ray.remote(MonitorActor).options(num_cpus=0, scheduling_strategy=here).remote(
+        run_id, cfg.tracking.mlflow_uri, cfg.tracking.experiment, list(m.alerts),
+        m.webhook_url.get_secret_value() if m.webhook_url else None, m.webhook_attempts, m.heartbeat_s,
+    )
+    try:
+        port = ray.get(actor.serve.remote(m.host, m.port))
+    except ray.exceptions.RayTaskError as err:
+        ray.kill(actor)
+        raise OSError(str(err.cause)) from None
+    return actor, port

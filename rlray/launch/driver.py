@@ -1,0 +1,335 @@
+"""The driver: starts Ray, checks the resources, starts every role and owns the MLflow run.
+
+``rlray train``, ``jobs/train.py`` and sweeps call ``run_training``. The run loop itself runs inside
+the Ray Train training function (``rlray.run.worker.train_worker``); this module only wires it up:
+
+0. check every input (model, tokenizer, data, reward functions, snapshot storage; ``rlray.launch.preflight``)
+   before Ray or MLflow start,
+1. check that every role's resources fit the cluster (before any actor starts),
+2. the rollout actors in their placement group (rlray:rollout-<i>),
+3. the reward Serve application rlray-reward (when reward.server.enabled),
+4. the reference actor rlray:reference-0 (when resources.reference.placement == "actor"),
+5. the Ray Train TorchTrainer (DDP or FSDP over resources.learner.num_workers workers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.train import CheckpointConfig as RayCheckpointConfig
+from ray.train import FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+from ray.util.placement_group import remove_placement_group
+
+from rlray.checkpoint import lineage
+from rlray.checkpoint import storage as checkpoint
+from rlray.config import Config
+from rlray.data import load_prompt_rows, prepare_prompts
+from rlray.launch.actors import kill_actors, start_monitor, start_reference_actor, start_rollout_actors
+from rlray.launch.placement import check_cluster, rollout_placement_group
+from rlray.launch.preflight import preflight
+from rlray.models import load_tokenizer, resolve_model_path
+from rlray.observe.tracking import Tracker, resolve_tracking_uri
+from rlray.rollout.fleet import RolloutFleet
+from rlray.run import build, online, worker
+from rlray.run.hooks import StepHook, StopWhenRequested, start_run_control
+from rlray.run.state import RunServices, WorkerArgs
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    """Outcome of a run: the MLflow run id, the resolved tracking URI, the last complete snapshot's URI,
+    the status (FINISHED, FAILED, KILLED, or 'stopped: <reason>' when a guard stopped it), the
+    monitor's URL and, when a step hit an error a restart cannot fix, its message."""
+
+    run_id: str
+    tracking_uri: str
+    final_snapshot: str
+    status: str
+    monitor_url: str = ""
+    error: str = ""
+
+
+def init_ray(*, include_dashboard: bool | None = None) -> None:
+    """Connects to the cluster in RAY_ADDRESS, or starts an embedded local Ray (bound to 127.0.0.1)."""
+    if ray.is_initialized():
+        return
+    env = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0")}
+    # Inside `ray job submit` the job's runtime_env already applies, and Ray refuses a ray.init
+    # runtime_env that sets one of its env vars again: add only what the job leaves unset.
+    if job_json := os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
+        job_env = (json.loads(job_json).get("runtime_env") or {}).get("env_vars") or {}
+        env = {k: v for k, v in env.items() if k not in job_env}
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": env})
+    else:
+        ray.init(include_dashboard=include_dashboard, dashboard_host="127.0.0.1", runtime_env={"env_vars": env})
+
+
+def resolve_paths(cfg: Config, base: Path | None = None) -> Config:
+    """Returns a copy of ``cfg`` with local relative paths made absolute against ``base`` (cwd).
+
+    Ray workers and jobs can run in another folder than the shell that started the run, so the
+    driver pins the MLflow store, the output and snapshot folders, and local data files once.
+    """
+    base = base or Path.cwd()
+    out = cfg.model_copy(deep=True)
+    out.tracking.mlflow_uri = resolve_tracking_uri(cfg.tracking.mlflow_uri, base)
+
+    def local(p: str) -> str:
+        return p if "://" in p or Path(p).is_absolute() or not (base / p).exists() else str((base / p).resolve())
+
+    if "://" not in cfg.run.output_dir:
+        out.run.output_dir = str((base / cfg.run.output_dir).resolve())
+    if cfg.checkpoint.uri and "://" not in cfg.checkpoint.uri:
+        out.checkpoint.uri = str((base / cfg.checkpoint.uri).resolve())
+    ref = cfg.checkpoint.resume_from
+    if ref and ref != "latest" and "://" not in ref:
+        out.checkpoint.resume_from = str((base / ref).resolve())
+    out.data.train_files = [local(p) for p in cfg.data.train_files]
+    out.data.eval_files = [local(p) for p in cfg.data.eval_files]
+    out.model.path = local(cfg.model.path)
+    out.offline.pairs_files = [local(p) for p in cfg.offline.pairs_files]
+    for section in (out.reward, out.critic):
+        if section.model_path is not None:
+            section.model_path = local(section.model_path)
+    for fn in out.reward.functions:
+        target, name = fn.path.rsplit(":", 1) if ":" in fn.path else (fn.path, "")
+        if target.endswith(".py"):
+            fn.path = f"{local(target)}:{name}"
+    return out
+
+
+def max_model_len(cfg: Config) -> int:
+    """Returns the engine's context length: longest prompt plus the longest generation, in tokens."""
+    return cfg.data.max_prompt_tokens + max(cfg.rollout.max_new_tokens, cfg.eval_max_new_tokens)
+
+
+def start_reward_server(cfg: Config) -> bool:
+    """Deploys (or updates in place) the reward Serve application of ``cfg`` and waits until it serves.
+
+    Serve's HTTP proxy binds reward.server.host:port (127.0.0.1 by default); ``POST /score`` works
+    for outside tools. Deploying again with a new reward.version hot-swaps the scorer.
+
+    Returns:
+        True when this call created the application, False when it updated a running one.
+    """
+    # deferred: Ray Serve's import takes seconds and only runs with reward.server.enabled need it
+    from ray import serve
+
+    from rlray.reward.server import build_reward_app, deploy_reward_app
+
+    srv, res = cfg.reward.server, cfg.resources.reward
+    existed = srv.app_name in serve.status().applications  # empty when Serve has not started
+    app = build_reward_app(
+        scorer_kwargs=build.scorer_kwargs(cfg),
+        version=cfg.reward.version,
+        replicas=res.replicas,
+        cpus=res.cpus,
+        gpus=res.gpus,
+        max_batch_size=srv.max_batch_size,
+        batch_wait_timeout_s=srv.batch_wait_timeout_s,
+        timeout_s=srv.timeout_s,
+    )
+    deploy_reward_app(app, name=srv.app_name, host=srv.host, port=srv.port)
+    return not existed
+
+
+def learner_trainer(cfg: Config, args: WorkerArgs) -> Any:
+    """Returns the Ray Train ``TorchTrainer`` of the learner group: snapshots as its checkpoints, restarts by FailureConfig.
+
+    Ray Train's storage is ``checkpoint.uri`` (s3fs for ``s3://``), its run name ``run-<run_id>``,
+    ``keep_last`` its ``num_to_keep`` and ``monitor.max_failures`` its ``max_failures``; workers use
+    ``resources.learner`` under ``resources.placement_strategy``. Offline methods train on preference
+    pairs in the same run loop (``rlray.run.worker`` picks the kind).
+    """
+
+    res = cfg.resources.learner
+    storage_path, storage_fs = checkpoint.ray_storage(cfg.checkpoint_uri, cfg.checkpoint.s3.storage_options())
+    return TorchTrainer(
+        worker.train_worker,
+        train_loop_config={"args": args},
+        scaling_config=ScalingConfig(
+            num_workers=res.num_workers,
+            use_gpu=res.gpus > 0,
+            resources_per_worker={"CPU": res.cpus, **({"GPU": res.gpus} if res.gpus else {})},
+            placement_strategy=cfg.resources.placement_strategy,
+        ),
+        run_config=RunConfig(
+            name=checkpoint.run_dir_name(args.run_id),
+            storage_path=storage_path,
+            storage_filesystem=storage_fs,
+            checkpoint_config=RayCheckpointConfig(num_to_keep=cfg.checkpoint.keep_last),
+            failure_config=FailureConfig(max_failures=cfg.monitor.max_failures),
+        ),
+    )
+
+
+def run_training(
+    cfg: Config, *, step_hooks: Sequence[StepHook] = (), tags: dict[str, str] | None = None
+) -> TrainResult:
+    """Runs a whole training job and returns its result.
+
+    Starts the monitor (/health on ``monitor.port``) and the rollout actors, then a Ray Train
+    ``TorchTrainer`` whose checkpoints are rlray's snapshots under ``checkpoint.uri``; learner
+    failures are restarted from the latest snapshot (``monitor.max_failures``). SIGTERM (``ray job
+    stop``) on the driver's main thread asks the loop to stop at the next step boundary, with a
+    snapshot of the last finished step. The MLflow run ends FINISHED, KILLED (a guard, SIGTERM or a
+    hook stopped it; tags ``rlray.status`` and ``rlray.stop_reason`` say which) or FAILED.
+
+    Args:
+        cfg: the validated config.
+        step_hooks: extra per-step hooks run on learner rank 0 (``rlray.run.hooks``; Tune's reporter).
+        tags: extra MLflow tags of the run (a sweep sets ``mlflow.parentRunId``).
+
+    Raises:
+        rlray.models.ModelError, rlray.data.DataError, rlray.reward.RewardFunctionError,
+            rlray.checkpoint.storage.SnapshotError: an input of the run is unusable (``rlray.launch.preflight``; nothing
+            was started).
+        rlray.launch.placement.PlacementError: the resources do not fit the cluster (nothing was started).
+        ray.train.TrainingFailedError: learner workers failed more than ``monitor.max_failures`` times.
+        rlray.checkpoint.storage.SnapshotError: ``checkpoint.resume_from`` names no complete snapshot.
+        OSError: ``monitor.port`` is taken.
+    """
+    started_at = time.time()
+    cfg = resolve_paths(cfg)
+    model_dir = preflight(cfg)
+    init_ray()
+    check_cluster(cfg)
+    opts = cfg.checkpoint.s3.storage_options()
+    resume = checkpoint.resolve_snapshot(cfg.checkpoint.resume_from, cfg.checkpoint_uri, opts) if cfg.checkpoint.resume_from else None
+    tracker = Tracker(cfg.tracking.mlflow_uri, cfg.tracking.experiment, run_name=cfg.run.name)
+    tracker.log_config(cfg)
+    services = RunServices(started_at=started_at, git_commit=lineage.git_commit(), resume_from=resume)
+    run_dir = checkpoint.join(cfg.checkpoint_uri, checkpoint.run_dir_name(tracker.run_id))
+    tracker.set_tags({"rlray.model_dir": model_dir, "rlray.output_dir": cfg.run.output_dir, "rlray.snapshot_dir": run_dir,
+                      "rlray.git_commit": services.git_commit, **({"rlray.resumed_from": resume} if resume else {}), **(tags or {})})
+    log.info("MLflow run %s in %s", tracker.run_id, cfg.tracking.mlflow_uri)
+    actors, reference, pg, own_app = [], None, None, False
+    status, outcome, url = "FAILED", None, ""
+    control = services.control = start_run_control()
+    try:
+        namespace = f"rlray-{tracker.run_id}"  # keeps actor names of concurrent runs (sweep trials) apart
+        services.monitor, port = start_monitor(cfg, tracker.run_id)
+        url = f"http://{cfg.monitor.host}:{port}"
+        tracker.set_tags({"rlray.monitor_url": url})
+        print(f"rlray: health at {url}/health, metrics at {url}/metrics", flush=True)
+        online = cfg.algo.family == "online"  # offline methods train on preference pairs: no rollout actors
+        if online:
+            pg = rollout_placement_group(cfg)
+            actors = start_rollout_actors(cfg, model_dir, max_model_len(cfg), pg, namespace=namespace)
+        if online and cfg.reward.server.enabled:
+            own_app = start_reward_server(cfg)
+        if online and cfg.algo.kl_coef > 0 and cfg.resources.reference.placement == "actor":
+            reference = start_reference_actor(cfg, model_dir, namespace=namespace)
+        trainer = learner_trainer(cfg, WorkerArgs(
+            config=cfg.model_dump(),  # python mode: SecretStr values travel, and are never logged
+            model_dir=model_dir,
+            run_id=tracker.run_id,
+            rollout_actors=actors,
+            reference_actor=reference,
+            services=services,
+            step_hooks=[StopWhenRequested(control), *step_hooks],
+        ))
+        with stop_on_sigterm(control):
+            trainer.fit()
+        outcome = ray.get(control.outcome.remote())
+        status = outcome.status if outcome is not None else "FAILED"
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    finally:
+        # a sweep closes a stopped trial's run as KILLED before its process dies; the dying run keeps that
+        tracker.finish_unless_ended(_mlflow_status(status), {"rlray.status": status})
+        kill_actors([*actors, *([reference] if reference else []), *([services.monitor] if services.monitor is not None else []), control])
+        if pg is not None:
+            remove_placement_group(pg)
+        if own_app:  # a server started by `rlray serve-reward` before the run stays up
+            from ray import serve  # deferred: only runs with reward.server.enabled import Ray Serve
+
+            serve.delete(cfg.reward.server.app_name)
+    return TrainResult(tracker.run_id, cfg.tracking.mlflow_uri, (outcome.last_snapshot if outcome else None) or "", status,
+                       url, outcome.error if outcome else "")
+
+
+def _mlflow_status(status: str) -> str:
+    """Returns the MLflow run status of an rlray status: FINISHED, KILLED or FAILED as they are, and
+    'stopped: <reason>' (a guard) as KILLED."""
+    return "KILLED" if status.startswith("stopped") else status
+
+
+@contextlib.contextmanager
+def stop_on_sigterm(control: ray.actor.ActorHandle) -> Iterator[None]:
+    """Within the block, SIGTERM asks the run to stop at its next step boundary (main thread only).
+
+    ``ray job stop`` sends SIGTERM to the job's entry process and SIGKILLs it after
+    ``RAY_JOB_STOP_WAIT_TIME_S`` (3 s by default; jobs/runtime_env.yaml raises it): the step in
+    flight, the final snapshot and the MLflow status must fit in that grace period. A second
+    SIGTERM stops at once (KeyboardInterrupt, MLflow status KILLED). Off the main thread (a Tune
+    trial), signals cannot be handled and the block runs unchanged. The previous handler is
+    restored on exit.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = 0
+
+    def handler(signum: int, frame: object) -> None:
+        nonlocal received
+        received += 1
+        if received > 1:
+            raise KeyboardInterrupt(f"signal {signum} received twice")
+        log.warning("SIGTERM: stopping at the next step boundary (send it again to stop at once)")
+        control.request_stop.remote("SIGTERM")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def evaluate_checkpoint(cfg: Config, checkpoint_path: str) -> dict[str, float]:
+    """Returns greedy eval metrics of a snapshot (or any model path) on ``data.eval_files``.
+
+    Starts one rollout actor on the checkpoint's model and scores the first ``eval.num_problems``
+    problems with training's evaluation (``rlray.run.online.evaluate_prompts``: the same keys).
+
+    Raises:
+        rlray.checkpoint.storage.SnapshotError: ``checkpoint_path`` is an incomplete snapshot.
+        ValueError: ``eval.num_problems`` is 0.
+    """
+    if cfg.eval.num_problems == 0:
+        raise ValueError("eval.num_problems=0: set eval.num_problems>=1 to evaluate")
+    init_ray(include_dashboard=False)
+    cfg = resolve_paths(cfg)
+    opts = cfg.checkpoint.s3.storage_options()
+    is_snapshot = Path(checkpoint_path, "manifest.json").exists() or "://" in checkpoint_path
+    model_dir = checkpoint.local_model_dir(checkpoint_path, options=opts) if is_snapshot else resolve_model_path(checkpoint_path)
+    tokenizer = load_tokenizer(model_dir, cfg.model.chat_template)
+    rows = load_prompt_rows(cfg.data.eval_files)[: cfg.eval.num_problems]
+    rows, ids, _ = prepare_prompts(
+        rows, tokenizer, max_prompt_tokens=10**9, instruction=cfg.data.instruction, system_prompt=cfg.data.system_prompt
+    )
+    one = cfg.model_copy(deep=True)
+    one.resources.rollout.num_workers = 1
+    one.resources.rollout.cpu_threads = None  # this node's cores, all to the one actor
+    actors = start_rollout_actors(one, model_dir, max_model_len(cfg))
+    try:
+        return online.evaluate_prompts(RolloutFleet(actors), build.local_reward_client(cfg), list(zip(rows, ids, strict=True)), tokenizer,
+                                       build.eval_sampling(cfg))
+    finally:
+        kill_actors(actors)

@@ -1,0 +1,81 @@
+"""Checks before a run starts: everything a run reads is found and valid before Ray, actors or MLflow start.
+
+Inside the run the same problems would surface only in the learner's setup (rank 0), minutes later and
+after Ray Train's restarts (``monitor.max_failures``, each after ``monitor.restart_delay_s``). Here they fail
+at once with the error of the module that owns the input, which names the config key, file, row or line:
+
+- ``model.path`` (and PPO's ``critic.model_path``) resolve to a model folder (``ModelError``), and the
+  tokenizer loads with a chat template, or ``model.chat_template`` is given (``ModelError``);
+- the data files load and every row validates (``DataError``): ``data.train_files`` and, with eval on,
+  ``data.eval_files`` for online algorithms (with ``data.long_prompts=error`` also no prompt is too
+  long), ``offline.pairs_files`` for offline ones;
+- each ``reward.functions[i].path`` names a file that exists or a module that can be found
+  (``RewardFunctionError``; the function itself is loaded in its sandbox, never in the driver);
+- snapshots can be written under ``checkpoint.uri`` (``SnapshotError``): a missing bucket or bad
+  ``checkpoint.s3.*`` credentials fail here, not at the first snapshot.
+
+Resources larger than the cluster are checked by ``rlray.launch.placement.check_cluster`` once Ray is up.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from rlray.checkpoint import storage as checkpoint
+from rlray.config import Config
+from rlray.data import load_preference_pairs, load_prompt_rows, prepare_prompts
+from rlray.models import load_tokenizer, resolve_model_path
+from rlray.reward.scorer import RewardFunctionError
+
+
+def preflight(cfg: Config) -> str:
+    """Returns the resolved local model folder of ``model.path`` after checking every input of the run.
+
+    Args:
+        cfg: the config with local paths already resolved (``rlray.launch.driver.resolve_paths``).
+
+    Raises:
+        rlray.models.ModelError: the model path, tokenizer or chat template cannot be used.
+        rlray.data.DataError: a data file is missing, empty or has a bad row, line or column.
+        rlray.reward.RewardFunctionError: a reward function's file or module does not exist.
+        rlray.checkpoint.storage.SnapshotError: snapshots cannot be written under ``checkpoint.uri``.
+    """
+    model_dir = resolve_model_path(cfg.model.path)
+    tokenizer = load_tokenizer(model_dir, cfg.model.chat_template)
+    if cfg.algo.family == "online":
+        rows = load_prompt_rows(cfg.data.train_files)
+        if cfg.data.long_prompts == "error":
+            prepare_prompts(rows, tokenizer, max_prompt_tokens=cfg.data.max_prompt_tokens, long_prompts="error",
+                            instruction=cfg.data.instruction, system_prompt=cfg.data.system_prompt)
+        if cfg.eval.num_problems:
+            load_prompt_rows(cfg.data.eval_files)
+        for fn in cfg.reward.functions:
+            check_function_spec(fn.path)
+        if cfg.algo.name == "ppo" and cfg.critic.model_path:
+            resolve_model_path(cfg.critic.model_path)
+    else:
+        load_preference_pairs(cfg.offline.pairs_files, max_pairs=cfg.offline.max_pairs)
+    checkpoint.check_storage(cfg.checkpoint_uri, cfg.checkpoint.s3.storage_options())
+    return model_dir
+
+
+def check_function_spec(spec: str) -> None:
+    """Checks that a reward function spec names an existing file or a findable module, without running it.
+
+    Raises:
+        RewardFunctionError: a malformed spec, a missing file or a module that cannot be found (names it).
+    """
+    if ":" not in spec:
+        raise RewardFunctionError(f"reward function '{spec}' must be 'module.path:function' or 'file.py:function'")
+    target = spec.rsplit(":", 1)[0]
+    if target.endswith(".py"):
+        if not Path(target).is_file():
+            raise RewardFunctionError(f"reward function '{spec}': file {Path(target).resolve()} does not exist")
+        return
+    try:
+        found = importlib.util.find_spec(target) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise RewardFunctionError(f"reward function '{spec}': module '{target}' cannot be found")

@@ -1,0 +1,358 @@
+"""Run monitor: GET /health and /metrics, heartbeats and stall detection, alerts.
+
+``RunMonitor`` is a plain class; the driver runs it in a Ray actor (``rlray.launch.actors.MonitorActor``) on
+its own node, so it outlives learner restarts. Learner rank 0 sends it heartbeats, step figures and
+alerts. One ``MetricsRegistry`` feeds both Ray's metrics (``ray.util.metrics``, scraped by the Ray
+dashboard and Prometheus as ``ray_rlray_*``) and the ``/metrics`` page (``rlray_*``), so the two never
+disagree.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import prometheus_client
+from ray.util import metrics as ray_metrics_api
+from tenacity import retry, stop_after_attempt, wait_exponential
+
+log = logging.getLogger(__name__)
+
+GAUGES: dict[str, str] = {
+    "rlray_step": "RL steps finished",
+    "rlray_epoch": "data epoch of the training cursor",
+    "rlray_policy_version": "policy version held by the rollout engines",
+    "rlray_reward_mean": "mean reward of the last step",
+    "rlray_kl": "mean per-token KL to the reference of the last step (nats)",
+    "rlray_tokens_per_s": "generated tokens per second of wall time in the last step",
+    "rlray_staleness": "policy versions between the learner and the rollouts of the last step",
+    "rlray_healthy": "1 when healthy, 0 when stalled or stopped",
+    "rlray_heartbeat_age_s": "seconds since the last heartbeat",
+    "rlray_snapshot_step": "step of the last complete snapshot",
+}
+COUNTERS: dict[str, str] = {
+    "rlray_restarts": "learner restarts by Ray Train",
+    "rlray_alerts": "alerts sent",
+    "rlray_snapshot_failures": "snapshots that failed to write",
+}
+# gauge -> the step metric it shows (tracking.METRIC_KEYS)
+FROM_STEP_METRICS: dict[str, str] = {
+    "rlray_reward_mean": "reward/mean",
+    "rlray_kl": "algo/kl",
+    "rlray_tokens_per_s": "perf/tokens_per_s",
+    "rlray_staleness": "rollout/staleness_mean",
+}
+
+
+class MetricsRegistry:
+    """One set of figures, written to Ray's metrics and to a Prometheus registry served on /metrics.
+
+    Args:
+        run_id: MLflow run id, the ``run_id`` label/tag of every series.
+        ray_metrics: also record through ``ray.util.metrics`` (needs a connected Ray process).
+    """
+
+    def __init__(self, run_id: str, *, ray_metrics: bool) -> None:
+        self.run_id = run_id
+        self.registry = prometheus_client.CollectorRegistry()
+        self._prom: dict[str, Any] = {}
+        self._ray: dict[str, Any] = {}
+        for name, doc in GAUGES.items():
+            self._prom[name] = prometheus_client.Gauge(name, doc, ["run_id"], registry=self.registry).labels(run_id)
+        for name, doc in COUNTERS.items():
+            self._prom[name] = prometheus_client.Counter(name, doc, ["run_id"], registry=self.registry).labels(run_id)
+        if ray_metrics:
+            for name, doc in GAUGES.items():
+                self._ray[name] = ray_metrics_api.Gauge(name, doc, tag_keys=("run_id",))
+            for name, doc in COUNTERS.items():
+                self._ray[name] = ray_metrics_api.Counter(name, doc, tag_keys=("run_id",))
+            for m in self._ray.values():
+                m.set_default_tags({"run_id": run_id})
+
+    def set(self, name: str, value: float) -> None:
+        """Sets gauge ``name`` (one of GAUGES) in both registries."""
+        self._prom[name].set(value)
+        if name in self._ray:
+            self._ray[name].set(value)
+
+    def inc(self, name: str, value: float = 1.0) -> None:
+        """Adds ``value`` to counter ``name`` (one of COUNTERS) in both registries."""
+        self._prom[name].inc(value)
+        if name in self._ray:
+            self._ray[name].inc(value)
+
+    def republish(self) -> None:
+        """Sets every Ray gauge again to the value it holds now.
+
+        Ray (2.60, OpenTelemetry export) evicts a gauge series that was not set within two metrics
+        report intervals, so a gauge set once per step (tens of seconds) or once per stall check
+        would blink in and out of the head's metrics export and the dashboard's charts. The
+        monitor calls this every second from its watcher thread. Counters are cumulative in Ray
+        and are not evicted.
+        """
+        for name, gauge in self._ray.items():
+            if name in GAUGES:
+                gauge.set(self.value(name))
+
+    def value(self, name: str) -> float:
+        """Returns the current value of a gauge or counter (as served on /metrics)."""
+        suffix = "_total" if name in COUNTERS else ""
+        return float(self.registry.get_sample_value(name + suffix, {"run_id": self.run_id}) or 0.0)
+
+    def render(self) -> bytes:
+        """Returns the Prometheus text exposition of every series."""
+        return prometheus_client.generate_latest(self.registry)
+
+
+class Alerter:
+    """Sends alerts to the sinks of ``monitor.alerts``: the log, an MLflow run tag, an HTTP webhook.
+
+    Args:
+        sinks: any of "log", "mlflow", "webhook".
+        tracker: an ``rlray.observe.tracking.Tracker`` for the "mlflow" sink (tags ``rlray.alert.<kind>``).
+        webhook_url: the revealed URL for "webhook" (JSON POST).
+        webhook_attempts: tries per alert, with exponential back-off.
+    """
+
+    def __init__(self, sinks: list[str], *, tracker: Any = None, webhook_url: str | None = None,
+                 webhook_attempts: int = 3, webhook_timeout_s: float = 10.0) -> None:
+        self.sinks = list(sinks)
+        self.tracker = tracker
+        self.webhook_url = webhook_url
+        self.webhook_attempts = webhook_attempts
+        self.webhook_timeout_s = webhook_timeout_s
+
+    def send(self, kind: str, message: str, fields: dict[str, Any]) -> list[str]:
+        """Sends one alert to every sink; returns the sinks that failed (each failure is logged, never raised)."""
+        failed = []
+        if "log" in self.sinks:
+            log.warning("ALERT %s: %s", kind, message)
+        if "mlflow" in self.sinks and self.tracker is not None:
+            try:
+                self.tracker.set_tags({f"rlray.alert.{kind}": message[:5000]})
+            except Exception as err:  # an alert must never take the monitor down
+                log.error("alert %s: MLflow tag failed: %s", kind, err)
+                failed.append("mlflow")
+        if "webhook" in self.sinks and self.webhook_url:
+            body = json.dumps({"kind": kind, "message": message, **fields}).encode()
+            try:
+                self._post(body)
+            except Exception as err:
+                log.error("alert %s: webhook failed after %d attempts: %s", kind, self.webhook_attempts, err)
+                failed.append("webhook")
+        return failed
+
+    def _post(self, body: bytes) -> None:
+        @retry(stop=stop_after_attempt(self.webhook_attempts), wait=wait_exponential(multiplier=0.2, max=10), reraise=True)
+        def post() -> None:
+            req = urllib.request.Request(self.webhook_url, data=body, headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=self.webhook_timeout_s) as resp:
+                resp.read()
+
+        post()
+
+
+class RunMonitor:
+    """Health of one run: status, progress, heartbeats, alerts, and the HTTP server that shows them.
+
+    Status is ``healthy`` while heartbeats come, ``stalled`` after 2 heartbeat intervals without one,
+    and ``stopped`` (with a reason) once the run ends.
+
+    Args:
+        run_id: MLflow run id.
+        heartbeat_s: the heartbeat interval in seconds (``monitor.heartbeat_s``).
+        alerter: where alerts go.
+        ray_metrics: also feed Ray's metrics (inside a Ray process).
+    """
+
+    def __init__(self, run_id: str, *, heartbeat_s: float, alerter: Alerter, ray_metrics: bool = False) -> None:
+        self.run_id = run_id
+        self.heartbeat_s = heartbeat_s
+        self.alerter = alerter
+        self.metrics = MetricsRegistry(run_id, ray_metrics=ray_metrics)
+        self.status, self.reason = "healthy", None
+        self.step = self.epoch = self.policy_version = 0
+        self.last_heartbeat = time.monotonic()
+        self.learner_starts = 0
+        self.alerts: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._server: ThreadingHTTPServer | None = None
+        self._stop = threading.Event()
+        self.metrics.set("rlray_healthy", 1.0)  # exported from the start, not only after the first stall check
+        self._watcher = threading.Thread(target=self._watch, name="rlray-stall-watch", daemon=True)
+        self._watcher.start()
+
+    # ---- updates from the learner ---------------------------------------------------------
+    def beat(self, step: int, epoch: int, policy_version: int) -> None:
+        """Records a heartbeat with the run's position; a stalled run becomes healthy again."""
+        with self._lock:
+            self.last_heartbeat = time.monotonic()
+            self.step, self.epoch, self.policy_version = step, epoch, policy_version
+            if self.status == "stalled":
+                self.status, self.reason = "healthy", None
+                log.info("run %s: heartbeats are back at step %d", self.run_id, step)
+            healthy = 1.0 if self.status == "healthy" else 0.0
+        for name, value in (("rlray_step", step), ("rlray_epoch", epoch), ("rlray_policy_version", policy_version),
+                            ("rlray_healthy", healthy)):
+            self.metrics.set(name, value)
+
+    def record_step(self, step: int, epoch: int, policy_version: int, step_metrics: dict[str, float]) -> None:
+        """Records a finished step (counts as a heartbeat) and its headline figures."""
+        self.beat(step, epoch, policy_version)
+        for gauge, key in FROM_STEP_METRICS.items():
+            if key in step_metrics:
+                self.metrics.set(gauge, float(step_metrics[key]))
+
+    def record_snapshot(self, step: int | None) -> None:
+        """Records a complete snapshot at ``step``, or a failed one when ``step`` is None."""
+        if step is None:
+            self.metrics.inc("rlray_snapshot_failures")
+        else:
+            self.metrics.set("rlray_snapshot_step", step)
+
+    def learner_started(self) -> int:
+        """Counts a learner (rank 0) start; returns how many there were. A start after the first is a
+        restart by Ray Train, which is counted and alerted."""
+        with self._lock:
+            self.learner_starts += 1
+            starts = self.learner_starts
+            self.last_heartbeat = time.monotonic()
+            self.status, self.reason = "healthy", None
+        if starts > 1:
+            self.metrics.inc("rlray_restarts")
+            self.alert("restart", f"learner restarted by Ray Train (start {starts}); resuming from the latest snapshot",
+                       self.step)
+        return starts
+
+    def alert(self, kind: str, message: str, step: int | None = None) -> None:
+        """Sends an alert (guard_trip, restart, stall, snapshot_failed, ...) to every configured sink."""
+        fields = {"run_id": self.run_id, "step": self.step if step is None else step, "time": time.time()}
+        with self._lock:
+            self.alerts.append({"kind": kind, "message": message, **fields})
+        self.metrics.inc("rlray_alerts")
+        self.alerter.send(kind, message, fields)
+
+    def set_status(self, status: str, reason: str | None = None) -> None:
+        """Sets the status: 'healthy', or 'stopped' with a reason (finished, kl_guard, failed, ...)."""
+        with self._lock:
+            self.status, self.reason = status, reason
+        self.metrics.set("rlray_healthy", 1.0 if status == "healthy" else 0.0)
+
+    # ---- reads ------------------------------------------------------------------------------
+    def health(self) -> dict[str, Any]:
+        """Returns the /health document: status, reason, epoch, step, policy_version,
+        seconds_since_heartbeat, run_id, restarts."""
+        self.check_stall()
+        with self._lock:
+            return {
+                "status": self.status,
+                "reason": self.reason,
+                "epoch": self.epoch,
+                "step": self.step,
+                "policy_version": self.policy_version,
+                "seconds_since_heartbeat": round(time.monotonic() - self.last_heartbeat, 3),
+                "run_id": self.run_id,
+                "restarts": max(0, self.learner_starts - 1),
+            }
+
+    def check_stall(self) -> bool:
+        """Marks the run stalled (and alerts once) when no heartbeat came for 2 intervals; returns True if so."""
+        with self._lock:
+            age = time.monotonic() - self.last_heartbeat
+            newly = self.status == "healthy" and age > 2 * self.heartbeat_s
+            if newly:
+                self.status, self.reason = "stalled", f"no heartbeat for {age:.0f} s (monitor.heartbeat_s={self.heartbeat_s:g})"
+            stalled = self.status == "stalled"
+        self.metrics.set("rlray_heartbeat_age_s", age)
+        self.metrics.set("rlray_healthy", 1.0 if self.status == "healthy" else 0.0)
+        if newly:
+            self.alert("stall", self.reason)
+        return stalled
+
+    # ---- HTTP ---------------------------------------------------------------------------------
+    def serve(self, host: str, port: int) -> int:
+        """Starts the HTTP server (GET /health, GET /metrics) in a thread; returns the bound port.
+
+        Raises:
+            OSError: the port is taken (the message names host and port).
+        """
+        monitor = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server API)
+                path = self.path.split("?", 1)[0]
+                if path == "/health":
+                    body, ctype = json.dumps(monitor.health()).encode(), "application/json"
+                elif path == "/metrics":
+                    monitor.check_stall()
+                    body, ctype = monitor.metrics.render(), prometheus_client.CONTENT_TYPE_LATEST
+                else:
+                    self.send_error(404, "GET /health or /metrics")
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:  # keep scrapes out of the run's log
+                return
+
+        try:
+            self._server = ThreadingHTTPServer((host, port), Handler)
+        except OSError as err:
+            raise OSError(f"monitor: cannot bind {host}:{port} ({err}); set monitor.port (0 picks a free one)") from err
+        self._server.daemon_threads = True
+        threading.Thread(target=self._server.serve_forever, name="rlray-monitor-http", daemon=True).start()
+        return int(self._server.server_address[1])
+
+    def close(self) -> None:
+        """Stops the HTTP server and the stall watcher."""
+        self._stop.set()
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(1.0, self.heartbeat_s / 4)):
+            self.check_stall()
+            self.metrics.republish()
+
+
+class Heartbeat:
+    """Calls ``beat()`` now and then every ``interval_s`` seconds in a daemon thread, until ``stop()``.
+
+    The learner's rank 0 runs one; its ``beat`` writes the heartbeat log line, the MLflow metric and
+    the monitor's heartbeat.
+    """
+
+    def __init__(self, beat: Any, interval_s: float) -> None:
+        self._beat = beat
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rlray-heartbeat", daemon=True)
+
+    def start(self) -> Heartbeat:
+        """Starts the thread (the first beat is immediate); returns self."""
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stops the thread, waiting for a beat in progress to finish."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self._beat()
+            except Exception as err:  # a failed heartbeat must not kill training; the monitor sees the gap
+                log.error("heartbeat failed: %s", err)
+            if self._stop.wait(self._interval_s):
+                return

@@ -1,0 +1,370 @@
+"""MLflow tracking and the Model Registry: the only module of rlray that imports mlflow.
+
+One run per training job. Params are the flattened config at start; metrics are namespaced
+(``rollout/``, ``reward/``, ``learner/``, ``algo/``, ``timing/``, ``perf/``, ``eval/``); the resolved
+config is an artifact. ``METRIC_KEYS`` is the one list of metric names a step logs.
+
+The store going away mid-run never stops training: ``Tracker`` keeps the metrics, tags and text artifacts
+it could not write (with their original steps and timestamps), warns once per outage, and writes them all,
+in order, at the next write that gets through (a warning says so). ``close`` retries for a while at the
+end of the run; what still cannot be written is saved to a JSON Lines file and named in an error, never
+dropped. Errors that retrying cannot fix (``INVALID_PARAMETER_VALUE``, a deleted run) are raised.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from pathlib import Path
+
+import mlflow
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
+
+from rlray.config import Config
+
+log = logging.getLogger(__name__)
+
+STAGES = ("rollout", "reward", "logprobs", "advantages", "update", "weight_sync", "eval", "step", "snapshot")
+ALGO_STAGES = ("algo_sampling", "reference")  # rank-0 DAPO/ReMax sampling extras; offline reference logprobs (once)
+
+METRIC_KEYS: tuple[str, ...] = (
+    "reward/mean",
+    "reward/std",
+    "reward/failed",
+    "reward/accuracy",
+    "reward/format_rate",
+    "algo/kl",
+    "algo/advantage_abs_mean",
+    "algo/clip_fraction",
+    "algo/groups_without_signal",
+    "learner/pg_loss",
+    "learner/loss",
+    "learner/grad_norm",
+    "learner/lr",
+    "rollout/response_tokens_mean",
+    "rollout/truncated_rate",
+    "rollout/logprob_abs_diff",
+    "rollout/policy_version",
+    "rollout/staleness_mean",
+    "rollout/staleness_max",
+    "reward/version",
+    "rollout/generated_tokens",
+    "data/epoch",
+    "data/skipped_long_prompts",
+    "perf/tokens_per_s",
+    "perf/generated_tokens_per_s",
+    *(f"timing/{s}_s" for s in STAGES),
+    # online algorithm options (logged when the option is on)
+    "algo/entropy",
+    "algo/dual_clip_fraction",
+    "algo/tis_weight_mean",
+    "algo/dynamic_sampling_rounds",
+    "reward/baseline_mean",
+    "reward/overlong_penalty_mean",
+    "reward/model_score",
+    # PPO's critic
+    "learner/value_loss",
+    "learner/critic_grad_norm",
+    "algo/value_clip_fraction",
+    # offline methods: (implicit) rewards of chosen and rejected responses, per step and on the eval pairs
+    "algo/pairwise_accuracy",
+    "algo/reward_margin",
+    "algo/chosen_reward",
+    "algo/rejected_reward",
+    "algo/kto_kl",
+    "data/train_pairs",
+    "data/eval_pairs",
+    "data/skipped_pairs",
+    *(f"timing/{s}_s" for s in ALGO_STAGES),
+    # operations (guards, rollback, restore, snapshots, heartbeat)
+    "guard/nonfinite_in_row",
+    "run/rollbacks",
+    "run/restored_step",
+    "checkpoint/failures",
+    "monitor/heartbeat_s",
+    "monitor/rss_gib",
+)
+EVAL_KEYS: tuple[str, ...] = (
+    "eval/accuracy",
+    "eval/format_rate",
+    "eval/response_tokens_mean",
+    "eval/loss",
+    "eval/pairwise_accuracy",
+    "eval/reward_margin",
+    "eval/chosen_reward",
+    "eval/rejected_reward",
+)
+
+_BAD = re.compile(r"[^0-9A-Za-z_\-. /]")
+
+
+def sanitize_key(key: str) -> str:
+    """Returns ``key`` with characters MLflow rejects replaced by '_' (keeps a-z, 0-9, _ - . / space)."""
+    return _BAD.sub("_", key)
+
+
+def resolve_tracking_uri(uri: str, base: Path | None = None) -> str:
+    """Returns ``uri`` with a relative sqlite path made absolute against ``base`` (default: cwd).
+
+    Ray workers and jobs may run in another folder than the user's shell; resolving once on the
+    driver keeps every process on the same store. The sqlite file's folder is created.
+    """
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
+        path = (base or Path.cwd()) / uri[len(prefix) :]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return prefix + str(path.resolve())
+    if uri.startswith(prefix):
+        Path(uri[len(prefix) - 1 :]).parent.mkdir(parents=True, exist_ok=True)
+    return uri
+
+
+# MLflow error codes that retrying cannot fix: raised at once instead of buffered.
+_CLIENT_ERRORS = ("INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "INVALID_STATE", "BAD_REQUEST")
+
+
+class StoreUnavailableError(RuntimeError):
+    """The MLflow store did not take buffered writes in time; names the file they were saved to."""
+
+
+def _retryable(err: BaseException) -> bool:
+    """Returns True for a store error worth waiting out (the store is down), False for a bad request."""
+    return not (isinstance(err, MlflowException) and err.error_code in _CLIENT_ERRORS)
+
+
+class Tracker:
+    """Writes one MLflow run: params, per-step metrics, tags and artifacts; buffers writes while the store is down.
+
+    Args:
+        uri: MLflow tracking URI (``tracking.mlflow_uri``, already resolved).
+        experiment: experiment name; created when missing.
+        run_id: continue this run (resume) instead of creating one.
+        run_name: name of a new run.
+        client: the ``MlflowClient`` to write through (tests inject a failing one); None makes one for ``uri``.
+
+    Raises:
+        mlflow.exceptions.MlflowException: the store cannot be reached at start (the run must not start blind).
+    """
+
+    def __init__(self, uri: str, experiment: str, *, run_id: str | None = None, run_name: str | None = None,
+                 client: MlflowClient | None = None) -> None:
+        self.uri = uri
+        self.client = client or MlflowClient(tracking_uri=uri)
+        exp = self.client.get_experiment_by_name(experiment)
+        self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(experiment)
+        if run_id is None:
+            run = self.client.create_run(self.experiment_id, run_name=run_name)
+            run_id = run.info.run_id
+        self.run_id = run_id
+        self._metrics: list[Metric] = []  # written in order, oldest first
+        self._tags: dict[str, str] = {}
+        self._texts: list[tuple[str, str]] = []
+        self._down_since: float | None = None
+
+    @property
+    def pending(self) -> int:
+        """Returns how many metrics, tags and artifacts wait for the store."""
+        return len(self._metrics) + len(self._tags) + len(self._texts)
+
+    def log_config(self, cfg: Config) -> None:
+        """Logs the flattened config as params and the resolved YAML as ``config/resolved.yaml``.
+
+        Raises:
+            mlflow.exceptions.MlflowException: the store is down (called before the run starts).
+        """
+        params = [Param(k, str(v)[:6000]) for k, v in sorted(cfg.flat().items())]
+        for i in range(0, len(params), 100):
+            self.client.log_batch(self.run_id, params=params[i : i + 100])
+        self.client.log_text(self.run_id, cfg.to_yaml(), "config/resolved.yaml")
+        self.set_tags({"rlray.config_hash": cfg.config_hash()})
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Logs ``metrics`` at ``step`` (buffered while the store is down); keys are sanitised, non-finite
+        values are logged as they are."""
+        ts = int(time.time() * 1000)
+        self._metrics.extend(Metric(sanitize_key(k), float(v), ts, step) for k, v in metrics.items())
+        self.flush()
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        """Sets run tags (string values; buffered while the store is down, the last value of a key wins)."""
+        self._tags.update({k: str(v) for k, v in tags.items()})
+        self.flush()
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        """Stores ``text`` as an artifact at ``artifact_file`` (buffered while the store is down)."""
+        self._texts.append((text, artifact_file))
+        self.flush()
+
+    def flush(self) -> bool:
+        """Writes everything buffered; returns True when nothing is left.
+
+        Raises:
+            mlflow.exceptions.MlflowException: the store rejected a write as invalid (not an outage).
+        """
+        try:
+            while self._metrics:
+                self.client.log_batch(self.run_id, metrics=self._metrics[:500])
+                del self._metrics[:500]
+            if self._tags:
+                self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in self._tags.items()])
+                self._tags.clear()
+            while self._texts:
+                self.client.log_text(self.run_id, *self._texts[0])
+                self._texts.pop(0)
+        except Exception as err:
+            if not _retryable(err):
+                raise
+            if self._down_since is None:
+                self._down_since = time.monotonic()
+                log.warning("MLflow store %s is unreachable (%s: %s); buffering metrics, tags and artifacts until it "
+                            "returns, the run goes on", self.uri, type(err).__name__, str(err)[:300])
+            return False
+        if self._down_since is not None:
+            log.warning("MLflow store %s is back after %.0f s; the buffered metrics, tags and artifacts were written",
+                        self.uri, time.monotonic() - self._down_since)
+            self._down_since = None
+        return True
+
+    def close(self, *, wait_s: float = 60.0, spill_path: str | Path | None = None) -> None:
+        """Writes what is buffered, retrying for up to ``wait_s`` seconds while the store is down.
+
+        Args:
+            wait_s: how long to wait for the store, in seconds.
+            spill_path: where to save what could not be written (JSON Lines: one {"kind": "metric" | "tag" |
+                "text", ...} per line); None puts ``mlflow-unsent-<run id>.jsonl`` in the working folder.
+
+        Raises:
+            StoreUnavailableError: the store stayed down; the message names the file with the unsent records.
+        """
+        if not self.pending:
+            return
+        retrying = Retrying(stop=stop_after_delay(wait_s), wait=wait_exponential(multiplier=0.5, max=10.0),
+                            retry=retry_if_exception_type(StoreUnavailableError), reraise=True)
+        try:
+            retrying(self._flush_or_raise)
+        except StoreUnavailableError:
+            path = Path(spill_path or f"mlflow-unsent-{self.run_id}.jsonl")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("a") as out:
+                for m in self._metrics:
+                    out.write(json.dumps({"kind": "metric", "key": m.key, "value": m.value, "timestamp": m.timestamp,
+                                          "step": m.step}) + "\n")
+                out.writelines(json.dumps({"kind": "tag", "key": k, "value": v}) + "\n" for k, v in self._tags.items())
+                out.writelines(json.dumps({"kind": "text", "file": f, "text": t}) + "\n" for t, f in self._texts)
+            count = self.pending
+            self._metrics, self._tags, self._texts = [], {}, []
+            raise StoreUnavailableError(
+                f"MLflow store {self.uri} stayed unreachable for {wait_s:g} s at the end of run {self.run_id}; "
+                f"{count} unsent metrics/tags/artifacts were saved to {path.resolve()}"
+            ) from None
+
+    def _flush_or_raise(self) -> None:
+        if not self.flush():
+            raise StoreUnavailableError("the store is down")
+
+    def finish(self, status: str = "FINISHED") -> None:
+        """Writes what is buffered (``close``), then ends the run with ``status`` (FINISHED, FAILED or KILLED)."""
+        self.close()
+        self.client.set_terminated(self.run_id, status=status)
+
+    def finish_unless_ended(self, status: str, tags: dict[str, str] | None = None) -> str:
+        """Ends the run with ``status`` and ``tags`` unless it was already ended; returns the status it ends with.
+
+        Writes what is buffered first (``close``). A run that someone else already ended keeps its status:
+        a sweep's ``TrialRunCloser`` ends the run of a trial the scheduler stopped (KILLED) before Tune
+        stops the trial's process, and that process, dying, must not overwrite it with FAILED. When the
+        status cannot be read (store down), the run is ended as asked.
+
+        Raises:
+            StoreUnavailableError: the store stayed down (``close``).
+        """
+        self.close()
+        try:
+            current = self.client.get_run(self.run_id).info.status
+        except Exception as err:
+            if not _retryable(err):
+                raise
+            current = "RUNNING"
+        if current != "RUNNING":
+            log.info("MLflow run %s was already ended as %s; not ending it again as %s", self.run_id, current, status)
+            return current
+        if tags:
+            self.set_tags(tags)
+        self.finish(status)
+        return status
+
+    def tags(self) -> dict[str, str]:
+        """Returns the run's tags, buffered ones included (a read: raises while the store is down)."""
+        return {**self.client.get_run(self.run_id).data.tags, **self._tags}
+
+    def last_logged_step(self, key: str = "timing/step_s") -> int:
+        """Returns the highest step at which ``key`` was logged in this run, 0 when never."""
+        return max((m.step for m in self.client.get_metric_history(self.run_id, key)), default=0)
+
+    def register_model_version(self, name: str, source: str, tags: dict[str, str]) -> str:
+        """Registers ``source`` as a new version of registered model ``name`` (created when missing); returns the version."""
+        try:
+            self.client.create_registered_model(name, description="rlray snapshots; lineage in version tags")
+        except MlflowException as err:
+            if err.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+        mv = self.client.create_model_version(name, source=source, run_id=self.run_id,
+                                              tags={k: str(v)[:5000] for k, v in tags.items()})
+        return str(mv.version)
+
+
+def model_versions(uri: str, name: str, *, run_id: str | None = None, tag: tuple[str, str] | None = None) -> list[dict]:
+    """Returns the versions of registered model ``name`` (optionally of one run, or with one tag value),
+    oldest first, each as {version, run_id, source, tags}."""
+    client = MlflowClient(tracking_uri=uri)
+    query = f"name='{name}'"
+    if run_id:
+        query += f" and run_id='{run_id}'"
+    if tag:
+        query += f" and tags.`{tag[0]}`='{tag[1]}'"
+    found = client.search_model_versions(query)
+    rows = [{"version": str(v.version), "run_id": v.run_id, "source": v.source, "tags": dict(v.tags)} for v in found]
+    return sorted(rows, key=lambda r: int(r["version"]))
+
+
+def model_version(uri: str, name: str, version: str) -> dict:
+    """Returns one version of registered model ``name`` as {version, run_id, source, tags}."""
+    v = MlflowClient(tracking_uri=uri).get_model_version(name, version)
+    return {"version": str(v.version), "run_id": v.run_id, "source": v.source, "tags": dict(v.tags)}
+
+
+def get_run_metrics(uri: str, run_id: str) -> dict[str, list[tuple[int, float]]]:
+    """Returns {metric key: [(step, value), ...]} of a run, sorted by step (for tests and eval tools)."""
+    client = MlflowClient(tracking_uri=uri)
+    keys = client.get_run(run_id).data.metrics.keys()
+    return {k: sorted((m.step, m.value) for m in client.get_metric_history(run_id, k)) for k in keys}
+
+
+def get_run(uri: str, run_id: str) -> mlflow.entities.Run:
+    """Returns the MLflow run entity (params, tags, status)."""
+    return MlflowClient(tracking_uri=uri).get_run(run_id)
+
+
+def child_runs(
+    uri: str, *, parent_run_id: str | None, trial_id: str | None = None, experiment: str | None = None
+) -> list[mlflow.entities.Run]:
+    """Returns sweep trial runs, oldest first: children of ``parent_run_id`` and/or of Tune trial ``trial_id``.
+
+    The search covers the parent's experiment, or ``experiment`` (a name) when no parent is given.
+    """
+    client = MlflowClient(tracking_uri=uri)
+    if parent_run_id:
+        experiment_id = client.get_run(parent_run_id).info.experiment_id
+    else:
+        exp = client.get_experiment_by_name(experiment)
+        if exp is None:
+            return []
+        experiment_id = exp.experiment_id
+    filters = [f"tags.`mlflow.parentRunId` = '{parent_run_id}'"] if parent_run_id else []
+    filters += [f"tags.`rlray.tune_trial_id` = '{trial_id}'"] if trial_id else []
+    return client.search_runs([experiment_id], filter_string=" and ".join(filters), order_by=["attributes.start_time ASC"])

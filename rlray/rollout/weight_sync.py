@@ -1,0 +1,188 @@
+"""Weight sync: learner -> rollout actors, version-tagged, after every update (loop stage 7).
+
+- ``ObjectStoreSync`` (CPU, and any cluster): rank 0 exports the policy (HF names, engine dtype),
+  puts it in Ray's object store once as raw bytes (``rollout.wire``: no tensor pickling, zero-copy
+  reads), and every actor loads it in place (``update_weights``:
+  vLLM's layerwise reload, which also repacks vLLM's CPU GEMM weights; ../shared/ENVIRONMENT.md).
+- ``VllmTransferSync`` (GPU): vLLM's weight-transfer engines. "nccl": rank 0 broadcasts over an
+  NCCL group it shares with every engine worker (``NCCLTrainerWeightTransferEngine``). "ipc": with
+  colocated actors every learner rank shares its GPU copy through CUDA IPC handles
+  (``IPCTrainerWeightTransferEngine``); no bytes cross the network. Both are driven through
+  ``FleetTransferClient``, vLLM's ``VLLMWeightSyncClient`` protocol over our rollout actors.
+
+Caches are reset after every sync (the engines drop their prefix cache in the same call).
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import ray
+import torch
+
+from rlray.rollout.fleet import RolloutFleet
+from rlray.rollout.wire import pack_weights
+
+
+class ObjectStoreSync:
+    """Pushes weights through the object store (``ray.put`` once, every actor fetches it).
+
+    Args:
+        fleet: the rollout fleet (rank 0; None on other ranks).
+        dtype: dtype of the shipped tensors (the engine's).
+        wait: block until every actor loaded the weights (sync mode); async mode checks later.
+    """
+
+    def __init__(self, fleet: RolloutFleet | None, dtype: torch.dtype, *, wait: bool = True) -> None:
+        self.fleet, self.dtype, self.wait = fleet, dtype, wait
+
+    def push(self, learner: Any, rank: int, version: int) -> None:
+        """Exports the policy on rank 0 (on every rank with FSDP, a collective) and sends it, tagged ``version``."""
+        if rank != 0 and not learner.sharded:
+            return
+        weights = learner.export_weights(self.dtype)
+        if rank == 0:
+            self.fleet.push_weights(ray.put(pack_weights(weights)), version, wait=self.wait)
+
+
+def _dict_source() -> Any:
+    """Returns a vLLM ``WeightSource`` over a ready {name: tensor} dict (set ``.tensors`` before each send).
+
+    Built on first use, so that importing this module does not need vLLM.
+    """
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource  # deferred: vllm is optional (GPU sync only)
+
+    class DictSource(WeightSource):
+        def __init__(self) -> None:
+            self.tensors: dict[str, torch.Tensor] = {}
+
+        def metadata(self) -> list[ParamMeta]:
+            return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in self.tensors.items()]
+
+        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+            yield from self.tensors.items()
+
+    return DictSource()
+
+
+class FleetTransferClient:
+    """vLLM's ``VLLMWeightSyncClient`` protocol over rlray's rollout actors (all of them, as one unit).
+
+    NCCL ranks: the trainer is rank 0 and actor i's tensor-parallel workers take ranks
+    ``1 + i * tp .. i * tp + tp``; vLLM gives every engine rank_offset 1, so this client rewrites it
+    per actor (the engines are separate, not data-parallel replicas of one).
+
+    Args:
+        actors: rollout actor handles.
+        tensor_parallel_size: workers per engine.
+    """
+
+    def __init__(self, actors: list[Any], tensor_parallel_size: int) -> None:
+        self.actors, self.tp = list(actors), tensor_parallel_size
+        self.version = 0  # tagged on the engines by finish_weight_update
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        infos = [dict(init_info) for _ in self.actors]
+        for i, info in enumerate(infos):
+            if "rank_offset" in info:
+                info["rank_offset"] = 1 + i * self.tp
+        ray.get([a.transfer_init.remote(info) for a, info in zip(self.actors, infos, strict=True)])
+
+    def start_weight_update(self) -> None:
+        ray.get([a.transfer_start.remote() for a in self.actors])
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        ray.get([a.transfer_receive.remote(update_info) for a in self.actors])
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        got = ray.get([a.transfer_finish.remote(self.version) for a in self.actors])
+        if any(v != self.version for v in got):
+            raise RuntimeError(f"weight transfer: rollout actors report versions {got}, expected {self.version}")
+
+
+class VllmTransferSync:
+    """Pushes weights with vLLM's NCCL broadcast ("nccl") or CUDA IPC ("ipc") weight-transfer engines.
+
+    The transfer group is built at the first push and rebuilt after a rollout actor has died (a
+    restarted actor is first brought up to date through the object store by the fleet).
+
+    Args:
+        fleet: the rollout fleet (rank 0; None on other ranks).
+        backend: "nccl" or "ipc".
+        dtype: dtype of the shipped tensors.
+        tensor_parallel_size: GPUs per engine.
+    """
+
+    def __init__(self, fleet: RolloutFleet | None, backend: str, dtype: torch.dtype, tensor_parallel_size: int) -> None:
+        if backend not in ("nccl", "ipc"):
+            raise ValueError(f"VllmTransferSync: backend={backend!r}; use 'nccl' or 'ipc'")
+        self.fleet, self.backend, self.dtype, self.tp = fleet, backend, dtype, tensor_parallel_size
+        self._engine: Any = None
+        self._client: FleetTransferClient | None = None
+        self._source: Any = None
+        self._failures_at_init = -1
+
+    def push(self, learner: Any, rank: int, version: int) -> None:
+        """Exports the policy on the GPU (every rank for ipc or FSDP) and sends it, tagged ``version``."""
+        every_rank = self.backend == "ipc" or learner.sharded
+        if rank != 0 and not every_rank:
+            return
+        device = torch.device("cuda", torch.cuda.current_device())
+        if self._source is None:
+            self._source = _dict_source()
+        self._source.tensors = learner.export_weights(self.dtype, device=device)
+        self._ensure_group(rank)
+        self._client.version = version
+        self._engine.send_weights()
+        if rank == 0:
+            exporter = None if learner.sharded else (lambda: ray.put(pack_weights(learner.export_weights(self.dtype))))
+            self.fleet.mark_synced(version, exporter)
+        self._source.tensors = {}
+
+    def _ensure_group(self, rank: int) -> None:
+        # ipc: a collective on every rank, so every rank rebuilds when rank 0 must (the failure count
+        # lives on rank 0; the ipc group has no rendezvous state of its own to rebuild).
+        failures = self.fleet.failures if self.fleet is not None else 0
+        if self._engine is not None and failures == self._failures_at_init:
+            return
+        if self._engine is not None:
+            self._engine.shutdown()
+            ray.get([a.transfer_shutdown.remote() for a in self._client.actors])
+        # vLLM's trainer engines call the client on the sender (rank 0) only; other ranks hold an empty one.
+        self._client = FleetTransferClient(self.fleet.live_actors if rank == 0 else [], self.tp)
+        self._engine = self._trainer_engine(rank)
+        self._failures_at_init = failures
+
+    def _trainer_engine(self, rank: int) -> Any:
+        # deferred: vllm is optional (GPU sync only)
+        if self.backend == "ipc":
+            from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
+
+            return IPCTrainerWeightTransferEngine.trainer_init(
+                IPCTrainerInitInfo(rank=rank), client=self._client, source=self._source
+            )
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
+
+        info = NCCLTrainerInitInfo(
+            master_address=ray.util.get_node_ip_address(),
+            master_port=free_port(),
+            world_size=1 + len(self._client.actors) * self.tp,
+            rank=rank,
+        )
+        return NCCLTrainerWeightTransferEngine.trainer_init(info, client=self._client, source=self._source)
+
+
+def free_port() -> int:
+    """Returns a TCP port that is free on this node now (for the NCCL group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def make_weight_sync(backend: str, fleet: RolloutFleet | None, dtype: torch.dtype, *, wait: bool, tensor_parallel_size: int):
+    """Returns the weight sync of ``backend`` (``Config.weight_sync_backend``): object_store, nccl or ipc."""
+    if backend == "object_store":
+        return ObjectStoreSync(fleet, dtype, wait=wait)
+    return VllmTransferSync(fleet, backend, dtype, tensor_parallel_size)

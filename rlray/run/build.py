@@ -1,0 +1,137 @@
+"""The config, turned into the plain values and objects of the building blocks.
+
+Building-block packages (``rlray.learner``, ``rlray.reward``, ``rlray.rollout``) never read the config:
+every place that turns ``Config`` fields into their arguments is here, used by the run (rank 0's
+step, every rank's learner) and by the driver (``rlray.launch``: the reward server, ``rlray eval``).
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from typing import Any
+
+import numpy as np
+import ray.train.torch
+import torch
+
+from rlray.config import Config
+from rlray.learner import POLICY_LOSS_OF, AdvantageSpec, LossSpec, PolicyLearner
+from rlray.learner import online as learner_online
+from rlray.learner.critic import build_critic
+from rlray.learner.policy import to_local_gpu
+from rlray.models import resolve_model_path
+from rlray.reward import RewardScorer
+from rlray.reward.server import LocalRewardClient, ServeRewardClient
+from rlray.rollout import SamplingSpec
+
+
+def seed_everything(seed: int) -> None:
+    """Seeds python's, numpy's and torch's global generators with ``seed``."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def learner_kwargs(cfg: Config, world: int, *, with_reference: bool = True) -> dict[str, Any]:
+    """Returns ``PolicyLearner`` keyword arguments from the config.
+
+    DDP or FSDP wrapping (``resources.learner.strategy``) when ``world`` > 1; one GPU rank moves the
+    model to its GPU. The reference model is built when the KL is in use or the KL guard is on (it
+    needs the KL), unless ``with_reference`` is False (a reference actor, or offline runs).
+    """
+    wrap = None
+    if world > 1:
+        wrap = functools.partial(ray.train.torch.prepare_model, parallel_strategy=cfg.resources.learner.strategy)
+    elif cfg.resources.learner.gpus > 0 and torch.cuda.is_available():
+        wrap = to_local_gpu
+    return dict(
+        dtype=cfg.model.dtype,
+        lr=cfg.learner.lr,
+        betas=cfg.learner.betas,
+        weight_decay=cfg.learner.weight_decay,
+        warmup_steps=cfg.learner.warmup_steps,
+        max_grad_norm=cfg.learner.max_grad_norm,
+        temperature=cfg.rollout.temperature,
+        use_reference=(cfg.algo.kl_coef > 0 or cfg.guard.kl_threshold is not None) and with_reference,
+        gradient_checkpointing=cfg.model.gradient_checkpointing,
+        wrap_model=wrap,
+        optimizer=cfg.learner.optimizer,
+        lora=cfg.model.lora.model_dump() if cfg.model.lora.rank else None,
+    )
+
+
+def ppo_critic(cfg: Config, model_dir: str, wrap: Any) -> PolicyLearner:
+    """Returns PPO's critic learner: a value head on ``critic.model_path`` (resolved), or on the policy checkpoint."""
+    path = resolve_model_path(cfg.critic.model_path) if cfg.critic.model_path else model_dir
+    return build_critic(path, dtype=cfg.model.dtype, lr=cfg.critic.lr, max_grad_norm=cfg.critic.max_grad_norm, wrap_model=wrap)
+
+
+def sampling_for_step(cfg: Config, step: int) -> SamplingSpec:
+    """Returns the training SamplingSpec of 0-based ``step``.
+
+    The seed is per call (seed * 1_000_003 + step): samples depend on the seed, the step, the prompts
+    and the weights only.
+    """
+    return SamplingSpec(
+        n=cfg.rollout.samples_per_prompt,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        seed=cfg.run.seed * 1_000_003 + step,
+    )
+
+
+def eval_sampling(cfg: Config) -> SamplingSpec:
+    """Returns the evaluation SamplingSpec: one greedy completion of up to ``eval_max_new_tokens`` tokens."""
+    return SamplingSpec(n=1, max_new_tokens=cfg.eval_max_new_tokens, temperature=0.0, top_p=1.0)
+
+
+def scorer_kwargs(cfg: Config) -> dict[str, Any]:
+    """Returns the keyword arguments of ``RewardScorer`` for ``cfg.reward`` (plain values; also the Serve user_config)."""
+    return {
+        "correct_weight": cfg.reward.correct_weight,
+        "format_weight": cfg.reward.format_weight,
+        "functions": [f.model_dump() for f in cfg.reward.functions],
+        "model_path": cfg.reward.model_path,
+        "model_weight": cfg.reward.model_weight,
+    }
+
+
+def local_reward_client(cfg: Config) -> LocalRewardClient:
+    """Returns an in-process reward client over the scorer described by ``cfg.reward``."""
+    return LocalRewardClient(RewardScorer(**scorer_kwargs(cfg)), cfg.reward.version)
+
+
+def reward_client(cfg: Config) -> LocalRewardClient | ServeRewardClient:
+    """Returns the Serve application's client when ``reward.server.enabled``, else an in-process scorer."""
+    srv = cfg.reward.server
+    if srv.enabled:
+        return ServeRewardClient(srv.app_name, attempts=srv.client_attempts, timeout_s=srv.client_timeout_s)
+    return local_reward_client(cfg)
+
+
+def update_spec(cfg: Config, world: int) -> learner_online.UpdateSpec:
+    """Returns the plain values of stages 4-6 from ``cfg.algo``, ``cfg.learner`` and ``cfg.critic``.
+
+    With one epoch and one mini-batch the update is on-policy: old logprobs are taken inside the
+    update (no extra forward), unless the KL sits in the reward, whose penalty needs them first.
+    """
+    a, ln = cfg.algo, cfg.learner
+    kl_in_loss = a.kl_in == "loss"
+    return learner_online.UpdateSpec(
+        algo=a.name,
+        loss=LossSpec(
+            a.clip_eps_low, a.clip_eps_high, a.kl_coef if kl_in_loss else 0.0, a.kl_estimator, a.loss_agg,
+            cfg.rollout.max_new_tokens, POLICY_LOSS_OF[a.name], a.dual_clip, a.entropy_coef, a.tis_cap, a.tis_level,
+        ),
+        advantage=AdvantageSpec(
+            a.adv_std_scale, a.adv_eps, a.gamma, a.gae_lambda, 0.0 if kl_in_loss else a.kl_coef, a.kl_estimator
+        ),
+        epochs=ln.epochs,
+        rows_per_minibatch=ln.sequences_per_minibatch // world,
+        microbatch_size=ln.sequences_per_microbatch,
+        old_logprobs_before_update=ln.epochs > 1 or cfg.minibatches_per_epoch > 1 or (not kl_in_loss and a.kl_coef > 0),
+        value_clip_eps=cfg.critic.value_clip_eps,
+        loss_world_size=world,
+    )  # fmt: skip

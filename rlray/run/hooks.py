@@ -1,0 +1,124 @@
+"""Per-step hooks: how the world outside the step loop sees each step and asks the run to stop.
+
+``rlray.run.worker.train`` calls every hook on rank 0 at each step boundary, in one of two places:
+
+- a *control* hook (the default) runs after the step's metrics are logged and before the step's
+  snapshot. It returns None, or a short reason (a string) to stop the run at this step boundary;
+  rank 0 then broadcasts the decision and every learner rank leaves the loop together, so the run
+  ends with a snapshot of this step ("stop") and its MLflow status is set by the driver.
+- an *observer* hook (class attribute ``after_snapshot = True``) runs after the step's snapshot is
+  complete and sees its URI in ``StepEnd.snapshot`` (None when no snapshot was written at this step).
+  It cannot stop the run (its return value is ignored).
+
+Hooks travel to the Ray Train workers inside ``train_loop_config``, so they must pickle (module-level
+classes holding actor handles do).
+
+Callers today: ``StopWhenRequested`` (control: ``ray job stop`` -> SIGTERM on the driver ->
+``RunControl``) and ``rlray.sweep.tune``'s trial reporter (observer: per-step metrics and the step's
+snapshot to Ray Tune, for ASHA and PBT).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import ray
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepEnd:
+    """What a hook sees after a step (on rank 0).
+
+    Attributes:
+        step: number of steps done, 1-based (the MLflow step of ``metrics``).
+        max_steps: ``run.max_steps`` of the run.
+        metrics: the step's logged metrics ({"reward/mean": ..., ...}), eval keys included on eval steps.
+        snapshot: URI of the complete snapshot written at this step boundary (observer hooks only; None
+            for control hooks, and when no snapshot was due or the write failed).
+    """
+
+    step: int
+    max_steps: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    snapshot: str | None = None
+
+
+StepHook = Callable[[StepEnd], "str | None"]
+
+
+def is_observer(hook: StepHook) -> bool:
+    """Returns True when ``hook`` runs after the step's snapshot (``after_snapshot = True``), not before it."""
+    return bool(getattr(hook, "after_snapshot", False))
+
+
+def run_hooks(hooks: Sequence[StepHook], event: StepEnd) -> str | None:
+    """Runs the control hooks of ``hooks`` (before the snapshot); returns their stop reasons joined by
+    '; ', or None when none asks to stop.
+
+    Every control hook is called, in order, even after one asked to stop. Observer hooks are skipped
+    (``run_observers`` calls them after the snapshot).
+    """
+    reasons = [r for r in (hook(event) for hook in hooks if not is_observer(hook)) if r]
+    return "; ".join(reasons) or None
+
+
+def run_observers(hooks: Sequence[StepHook], event: StepEnd) -> None:
+    """Calls the observer hooks of ``hooks`` in order with ``event`` (which carries the step's snapshot URI)."""
+    for hook in hooks:
+        if is_observer(hook):
+            hook(event)
+
+
+class RunControl:
+    """A run's stop flag and outcome, shared by the driver and the learner's rank 0 (as a Ray actor).
+
+    The driver sets the flag (for example from its SIGTERM handler); the ``StopWhenRequested`` hook
+    reads it at every step boundary. Rank 0 records how the run ended (``rlray.run.state.RunOutcome``)
+    when it leaves the step loop; the driver reads it after Ray Train returns.
+    """
+
+    def __init__(self) -> None:
+        self._reason: str | None = None
+        self._outcome: object = None
+
+    def record_outcome(self, outcome: object) -> None:
+        """Keeps rank 0's ``RunOutcome`` (the last attempt's wins after a restart)."""
+        self._outcome = outcome
+
+    def outcome(self) -> object:
+        """Returns the recorded ``RunOutcome``, or None when no attempt got to record one."""
+        return self._outcome
+
+    def request_stop(self, reason: str) -> None:
+        """Records a stop request; the first reason wins."""
+        self._reason = self._reason or reason
+
+    def stop_reason(self) -> str | None:
+        """Returns the recorded stop reason, or None while no stop was requested."""
+        return self._reason
+
+
+def start_run_control() -> ray.actor.ActorHandle:
+    """Returns a started ``RunControl`` actor (0 CPUs; it only holds a flag)."""
+    return ray.remote(num_cpus=0)(RunControl).remote()
+
+
+class StopWhenRequested:
+    """Hook: returns the ``RunControl`` stop reason at each step boundary, or None.
+
+    Args:
+        control: handle of the run's ``RunControl`` actor.
+    """
+
+    def __init__(self, control: ray.actor.ActorHandle) -> None:
+        self.control = control
+
+    def __call__(self, event: StepEnd) -> str | None:
+        reason = ray.get(self.control.stop_reason.remote())
+        if reason:
+            log.warning("stop requested (%s): ending the run after step %d", reason, event.step)
+        return reason

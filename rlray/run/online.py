@@ -1,0 +1,496 @@
+"""The online run: ``OnlineRun`` and ``run_step``, the one place that sequences an RL step.
+
+It runs inside the Ray Train training function on every learner rank. Rank 0 drives the rollout
+actors and the reward, builds the step's experience table and hands each rank its shard through
+Ray's object store; every rank takes part in the update. A step, top to bottom (``run_step``):
+
+  1. take prompts (the data cursor lives in the snapshot)
+  2. rollout on the rollout actors (rlray.rollout.fleet; in async mode, steps t+1..t+k are already in flight)
+  3. rewards (in process, or the Serve application rlray-reward), and the algorithm's extra samples
+  4. reference and old logprobs (skipped when they cannot change the update)
+  5. advantages
+  6. learner update (mini-batches, epochs)
+  7. weight sync to the rollouts (version-tagged)
+  8. log, guard, snapshot, hooks (``rlray.run.session.step_boundary``, shared with offline runs)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import ray
+import torch
+
+from rlray import schema
+from rlray.config import Config
+from rlray.cores import parse_core_list, pin_process
+from rlray.data import DataError, PromptRow, PromptStream, load_prompt_rows, prepare_prompts
+from rlray.learner import Normaliser, PolicyLearner
+from rlray.learner import online as learner_online
+from rlray.learner.collective import Collective
+from rlray.models import load_tokenizer
+from rlray.observe.tracking import Tracker
+from rlray.reward import RewardFunctionError
+from rlray.reward.server import LocalRewardClient, ScoreResult, ServeRewardClient
+from rlray.rollout import Completion, SamplingSpec
+from rlray.rollout.fleet import RolloutFleet, RolloutPipeline
+from rlray.rollout.weight_sync import make_weight_sync
+from rlray.run import build, online_sampling
+from rlray.run.context import RunContext, StepBoundary
+from rlray.run.online_sampling import Rollouts
+from rlray.run.session import FatalStepError
+
+log = logging.getLogger(__name__)
+
+# Errors found during a step that a retry cannot fix (a reward function returning the wrong number of values,
+# bad data): every rank stops at once with the message, and Ray Train does not restart the learner.
+FATAL_STEP_ERRORS: tuple[type[BaseException], ...] = (RewardFunctionError, DataError)
+
+RewardClient = LocalRewardClient | ServeRewardClient
+
+
+@dataclass
+class StepBatch:
+    """What rank 0 hands to every rank for one step: shard references and global denominators (or the
+    fatal error that ends the run)."""
+
+    shard_refs: list[Any]
+    minibatch_norms: list[Normaliser]
+    rollout_metrics: dict[str, float]
+    fatal: str | None = None
+
+
+class StageTimer:
+    """Wall time of a step's stages, kept as ``timing/<stage>_s`` metrics.
+
+    ``with timer("rollout"): ...`` adds the block's seconds to ``timer.metrics["timing/rollout_s"]``.
+    """
+
+    def __init__(self) -> None:
+        self.metrics: dict[str, float] = {}
+        self._start = time.perf_counter()
+
+    @contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            key = f"timing/{stage}_s"
+            self.metrics[key] = self.metrics.get(key, 0.0) + time.perf_counter() - t
+
+    def elapsed_s(self) -> float:
+        """Returns the seconds since the timer was made (the step's wall time so far)."""
+        return time.perf_counter() - self._start
+
+
+@dataclass
+class OnlineRun(RunContext):
+    """Everything an online step needs on one rank; built once per worker by ``setup``.
+
+    Rank 0 only: prompt_ids, eval_prompts, reward, fleet, pipeline (the rest of the ranks hold None/empty).
+    """
+
+    pad_token_id: int = 0
+    actors: list[Any] = field(default_factory=list)
+    prompt_ids: dict[str, list[int]] = field(default_factory=dict)  # prompt_id -> token ids
+    eval_prompts: list[tuple[PromptRow, list[int]]] = field(default_factory=list)
+    reward: RewardClient | None = None
+    reward_kwargs: dict[str, Any] | None = None  # the reward config ``reward`` was built from (build.scorer_kwargs)
+    fleet: RolloutFleet | None = None
+    pipeline: RolloutPipeline | None = None
+    weight_sync: Any = None  # every rank (rlray.rollout.weight_sync)
+    reference_actor: Any = None  # when resources.reference.placement == "actor"
+    skipped_long_prompts: int = 0
+
+    def take_prompts(self) -> tuple[list[PromptRow], list[list[int]]]:
+        """Stage 1 (rank 0): returns the next step's prompt rows and their token ids (advances the cursor)."""
+        rows = self.stream.next_batch(self.cfg.learner.prompts_per_step)
+        return rows, [self.prompt_ids[r.prompt_id] for r in rows]
+
+    def sampling_for(self, step: int) -> SamplingSpec:
+        """Returns the training SamplingSpec of 0-based ``step`` (``build.sampling_for_step``)."""
+        return build.sampling_for_step(self.cfg, step)
+
+    def run_step(self, step: int, end_step: StepBoundary) -> dict[str, float]:
+        """Runs 0-based ``step`` (``run_step``)."""
+        return run_step(self, step, end_step)
+
+    def start_metrics(self) -> dict[str, float]:
+        """Returns the eval metrics of the initial policy (rank 0, when ``eval.num_problems``), else {}."""
+        return evaluate(self) if self.cfg.eval.num_problems else {}
+
+    def evaluate_when_due(self, steps_done: int) -> dict[str, float]:
+        """Returns eval metrics every ``eval.every_steps`` steps and after the last one (rank 0), else {}."""
+        cfg, every = self.cfg, self.cfg.eval.every_steps
+        due = (every and steps_done % every == 0) or steps_done == cfg.run.max_steps
+        return evaluate(self) if cfg.eval.num_problems and due else {}
+
+    def progress_text(self, steps_done: int, metrics: dict[str, float]) -> str:
+        """Returns 'rlray step k/N reward=... kl=... tokens/s=...'."""
+        return (f"rlray step {steps_done}/{self.cfg.run.max_steps} reward={metrics['reward/mean']:.3f} "
+                f"kl={metrics['algo/kl']:.4f} tokens/s={metrics['perf/tokens_per_s']:.0f}")
+
+    def reload_rollouts(self) -> None:
+        """Pushes the learner's current policy to every rollout actor, tagged with ``policy_version``.
+
+        Used at start, after a restore and after a rollback, so the engines generate with exactly the
+        learner's weights; it is stage 7's push with the version kept.
+        """
+        if self.rank == 0:
+            self.pipeline.reset()  # drop rollouts in flight (async mode): they used the old weights and cursor
+        self.policy_version -= 1
+        self.policy_version = sync_weights(self)
+        if self.rank == 0 and self.reward_kwargs != (kwargs := build.scorer_kwargs(self.cfg)):  # a rollback may change reward.*
+            self.reward.close()
+            self.reward, self.reward_kwargs = build.reward_client(self.cfg), kwargs
+
+    def consumed_cursor(self) -> dict[str, Any]:
+        """Returns the cursor of the steps done (async mode: the pipeline has taken prompts of steps in flight)."""
+        return self.pipeline.consumed_cursor()
+
+    def close(self) -> None:
+        """Closes rank 0's reward client."""
+        if self.reward is not None:
+            self.reward.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Setup
+# --------------------------------------------------------------------------------------------
+def setup(cfg: Config, coll: Collective, *, model_dir: str, actors: list[Any], run_id: str | None,
+          reference_actor: Any = None) -> OnlineRun:
+    """Builds the learner on every rank; on rank 0 also the data stream, eval prompts, tracker, fleet and reward client.
+
+    Raises:
+        rlray.data.DataError: the prompt files cannot be read (names the file and line).
+    """
+    torch.set_num_threads(cfg.learner.torch_threads)
+    pin_learner(cfg, coll.rank)
+    build.seed_everything(cfg.run.seed + coll.rank)
+    tokenizer = load_tokenizer(model_dir, cfg.model.chat_template)
+    kwargs = build.learner_kwargs(cfg, coll.world, with_reference=reference_actor is None)
+    critic = build.ppo_critic(cfg, model_dir, kwargs["wrap_model"]) if cfg.algo.name == "ppo" else None
+    learner = PolicyLearner(model_dir, critic=critic, **kwargs)
+    ctx = OnlineRun(cfg, coll, learner, tokenizer, pad_token_id=tokenizer.pad_token_id, actors=actors,
+                    reference_actor=reference_actor)
+    if coll.rank == 0:
+        render = dict(instruction=cfg.data.instruction, system_prompt=cfg.data.system_prompt)
+        train_rows, train_ids, ctx.skipped_long_prompts = prepare_prompts(
+            load_prompt_rows(cfg.data.train_files), tokenizer, max_prompt_tokens=cfg.data.max_prompt_tokens,
+            long_prompts=cfg.data.long_prompts, **render,
+        )
+        ctx.stream = PromptStream(train_rows, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
+        ctx.prompt_ids = {r.prompt_id: ids for r, ids in zip(train_rows, train_ids, strict=True)}
+        if cfg.eval.num_problems:
+            eval_rows = load_prompt_rows(cfg.data.eval_files)[: cfg.eval.num_problems]
+            rows, ids, _ = prepare_prompts(eval_rows, tokenizer, max_prompt_tokens=10**9, **render)
+            ctx.eval_prompts = list(zip(rows, ids, strict=True))
+        ctx.tracker = Tracker(cfg.tracking.mlflow_uri, cfg.tracking.experiment, run_id=run_id)
+        ctx.reward, ctx.reward_kwargs = build.reward_client(cfg), build.scorer_kwargs(cfg)
+        ctx.fleet = RolloutFleet(actors)
+        ctx.pipeline = RolloutPipeline(ctx.fleet, ctx.take_prompts, ctx.sampling_for, cfg.rollout.max_staleness,
+                                       cursor=ctx.stream.state_dict, restore_cursor=ctx.stream.load_state_dict)
+    dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+    ctx.weight_sync = make_weight_sync(
+        cfg.weight_sync_backend, ctx.fleet, dtype,
+        wait=cfg.rollout.max_staleness == 0, tensor_parallel_size=cfg.resources.rollout.tensor_parallel_size,
+    )
+    return ctx
+
+
+def pin_learner(cfg: Config, rank: int) -> None:
+    """Pins this learner worker's process to its ``learner.cpu_affinity`` cores (CPU learners; None: no change)."""
+    affinity = cfg.learner.cpu_affinity
+    if affinity is None or cfg.resources.learner.gpus > 0:
+        return
+    cores = parse_core_list(affinity[rank] if isinstance(affinity, list) else affinity)
+    log.info("learner rank %d pinned to cores %s", rank, pin_process(cores))
+
+
+# --------------------------------------------------------------------------------------------
+# The step
+# --------------------------------------------------------------------------------------------
+def run_step(ctx: OnlineRun, step: int, end_step: StepBoundary) -> dict[str, float]:
+    """Runs one RL step (stages 1-8) on this rank; returns its metrics (complete on rank 0).
+
+    Raises:
+        FatalStepError: on every rank, when rank 0's stages 1-3 hit one of ``FATAL_STEP_ERRORS``.
+    """
+    timer, spec = StageTimer(), build.update_spec(ctx.cfg, ctx.world)
+    table, rollout_metrics, fatal = None, None, None
+    if ctx.rank == 0:
+        try:  # 1-3. prompts, rollout, rewards (rank 0)
+            table, rollout_metrics = collect_experience(ctx, step, timer)
+        except FATAL_STEP_ERRORS as err:
+            fatal = f"{type(err).__name__}: {err}"
+    shard, batch = distribute(ctx, table, rollout_metrics, fatal)
+    data = schema.collate(shard, ctx.pad_token_id)
+    with timer("logprobs"):  # 4. reference and old logprobs
+        data = reference_and_old_logprobs(ctx, data, spec)
+    with timer("advantages"):  # 5. advantages
+        data = compute_advantages(ctx, data, spec)
+    with timer("update"):  # 6. learner update
+        metrics = update_policy(ctx, data, batch.minibatch_norms, spec)
+    with timer("weight_sync"):  # 7. weight sync
+        ctx.policy_version = sync_weights(ctx)
+    if ctx.rank == 0:
+        metrics.update(step_metrics(ctx, batch.rollout_metrics, data, timer))
+    end_step(metrics)  # 8. log, guard, snapshot, hooks
+    return metrics
+
+
+def collect_experience(ctx: OnlineRun, step: int, timer: StageTimer) -> tuple[pa.Table, dict[str, float]]:
+    """Stages 1-3 (rank 0): returns the step's experience table and its reward/rollout metrics.
+
+    Samples whose reward failed are counted in reward/failed and logged; a step whose groups all lack
+    reward variance (zero advantages for the group estimators) is logged as having no signal.
+    """
+    with timer("rollout"):  # 1-2. prompts and rollout; the pipeline keeps steps step+1..step+max_staleness in flight
+        got = ctx.pipeline.next(step)
+    with timer("reward"):  # 3. rewards
+        scored = score(ctx.reward, got.rows, got.completions, ctx.tokenizer)
+    with timer("algo_sampling"):  # 3b. DAPO refill, overlong shaping, ReMax's greedy baseline
+        drawn = Rollouts(got.rows, got.prompt_ids, got.completions, scored.values)
+        drawn, baseline, algo_metrics = algorithm_sampling(ctx, ctx.sampling_for(step), drawn)
+    table = build_experience(drawn.rows, drawn.prompt_ids, drawn.completions, drawn.rewards, baseline)
+    stats = rollout_stats(table, drawn.rewards, ctx.cfg.learner.prompts_per_step, ctx.policy_version)
+    if stats["reward/failed"]:
+        log.warning("step %d: %d of %d samples have no reward (a reward function failed); they are left out of "
+                    "the update (reward/failed)", step + 1, stats["reward/failed"], table.num_rows)
+    if stats["algo/groups_without_signal"] == 1.0:
+        log.warning("step %d: no prompt group has rewards that differ: the advantages are zero and the update "
+                    "carries no reward signal (algo/groups_without_signal=1)", step + 1)
+    return table, {**stats, **algo_metrics, **timer.metrics, "reward/version": float(scored.version)}
+
+
+def step_metrics(ctx: OnlineRun, rollout_metrics: dict[str, float], data: dict[str, torch.Tensor],
+                 timer: StageTimer) -> dict[str, float]:
+    """Returns rank 0's step-level metrics: rollout and reward statistics, stage times, throughput, data position."""
+    step_s = timer.elapsed_s()
+    gen = rollout_metrics["rollout/generated_tokens"]
+    return {
+        **{k: v for k, v in rollout_metrics.items() if not k.startswith("_")},
+        "algo/advantage_abs_mean": float(data["advantages"].abs().sum() / data["response_mask"].sum().clamp(min=1)),
+        **timer.metrics,
+        "timing/step_s": step_s,
+        "perf/tokens_per_s": gen / step_s,
+        "perf/generated_tokens_per_s": gen / max(rollout_metrics["timing/rollout_s"], 1e-9),
+        "data/epoch": float(ctx.stream.epoch),
+        "data/skipped_long_prompts": float(ctx.skipped_long_prompts),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Stages
+# --------------------------------------------------------------------------------------------
+def score(reward: RewardClient, rows: list[PromptRow], completions: list[Completion], tokenizer: Any) -> ScoreResult:
+    """Stage 3: returns the reward version and {"reward", "accuracy", "format", <user terms>}, one value per completion."""
+    texts = tokenizer.batch_decode([c.response_token_ids for c in completions], skip_special_tokens=True)
+    questions = [rows[c.prompt_index].question for c in completions]
+    refs = [rows[c.prompt_index].answer for c in completions]
+    return reward.score(questions, texts, refs)
+
+
+def algorithm_sampling(
+    ctx: OnlineRun, sampling: SamplingSpec, batch: Rollouts
+) -> tuple[Rollouts, list[float] | None, dict[str, float]]:
+    """Stage 3b (rank 0): DAPO refill, overlong shaping and ReMax's greedy baseline (``online_sampling.apply``)."""
+
+    def draw(num_prompts: int, round_index: int) -> Rollouts:  # stages 1-3 for further prompts, reseeded per round
+        rows = ctx.stream.next_batch(num_prompts)
+        ids = [ctx.prompt_ids[r.prompt_id] for r in rows]
+        seed = None if sampling.seed is None else sampling.seed + 100_003 * round_index
+        completions = ctx.fleet.generate(ids, dataclasses.replace(sampling, seed=seed))
+        return Rollouts(rows, ids, completions, score(ctx.reward, rows, completions, ctx.tokenizer).values)
+
+    def greedy(b: Rollouts) -> Rollouts:  # one temperature-0 completion per prompt, scored
+        done = ctx.fleet.generate(b.prompt_ids, SamplingSpec(n=1, max_new_tokens=sampling.max_new_tokens, temperature=0.0))
+        return Rollouts(b.rows, b.prompt_ids, done, score(ctx.reward, b.rows, done, ctx.tokenizer).values)
+
+    return online_sampling.apply(batch, draw, greedy, online_sampling.spec_from(ctx.cfg))
+
+
+def build_experience(
+    rows: list[PromptRow],
+    prompt_ids: list[list[int]],
+    completions: list[Completion],
+    rewards: dict[str, list[float]],
+    baseline_rewards: list[float] | None = None,
+) -> pa.Table:
+    """Returns the step's experience table (``schema.EXPERIENCE_SCHEMA``), one row per completion.
+
+    ``baseline_rewards`` (ReMax: the greedy response's reward, one per completion) fills baseline_reward.
+    response_mask is the completion's loss mask (all True for single-turn rollouts). A completion whose
+    reward (or baseline) is NaN failed in the reward stage: its response_mask is all False, so no
+    advantage statistic and no loss term sees it (``learner.advantages`` takes a row as valid when its
+    mask has a True), and its reward stays NaN in the table.
+    """
+    comps = {k: v for k, v in rewards.items() if k != "reward"}
+    extra = {} if baseline_rewards is None else {"baseline_reward": baseline_rewards}
+    scored = [math.isfinite(r) for r in rewards["reward"]]
+    if baseline_rewards is not None:
+        scored = [ok and math.isfinite(b) for ok, b in zip(scored, baseline_rewards, strict=True)]
+    return schema.make_table(
+        {
+            **extra,
+            "prompt_id": [rows[c.prompt_index].prompt_id for c in completions],
+            "group_id": [c.prompt_index for c in completions],
+            "sample_index": [c.sample_index for c in completions],
+            "prompt_token_ids": [prompt_ids[c.prompt_index] for c in completions],
+            "response_token_ids": [c.response_token_ids for c in completions],
+            "response_mask": [[ok and m for m in c.loss_mask] for c, ok in zip(completions, scored, strict=True)],
+            "rollout_logprobs": [c.rollout_logprobs for c in completions],
+            "reward": rewards["reward"],
+            "reward_components": [{k: v[i] for k, v in comps.items()} for i in range(len(completions))],
+            "policy_version": [c.policy_version for c in completions],
+            "finish_reason": [c.finish_reason for c in completions],
+        }
+    )
+
+
+def minibatch_normalisers(table: pa.Table, cfg: Config, world: int) -> list[Normaliser]:
+    """Returns the global token and sequence counts of each mini-batch (rank 0, after all masking).
+
+    Mini-batch m takes rows [m*k, (m+1)*k) of every rank's shard, k = sequences_per_minibatch / world.
+    """
+    valid = np.array([sum(m) for m in table.column("response_mask").to_pylist()], dtype=np.float64)
+    per_rank = table.num_rows // world
+    k = cfg.learner.sequences_per_minibatch // world
+    norms = []
+    for m in range(per_rank // k):
+        idx = np.concatenate([np.arange(r * per_rank + m * k, r * per_rank + (m + 1) * k) for r in range(world)])
+        norms.append(Normaliser(float(max(valid[idx].sum(), 1.0)), float(len(idx)), world))
+    return norms
+
+
+def distribute(
+    ctx: OnlineRun, table: pa.Table | None, rollout_metrics: dict[str, float] | None, fatal: str | None = None
+) -> tuple[pa.Table, StepBatch]:
+    """Hands every rank its contiguous shard of whole groups through the object store.
+
+    Rank 0 puts one Arrow table per rank (``ray.put``) and broadcasts only the references; each rank
+    then fetches its own shard, so experience never passes through the other ranks.
+
+    Raises:
+        FatalStepError: on every rank, when rank 0 passes ``fatal`` (its stages 1-3 hit a fatal error).
+    """
+    batch = None
+    if ctx.rank == 0 and fatal is not None:
+        batch = StepBatch([], [], {}, fatal)
+    elif ctx.rank == 0:
+        refs = [ray.put(table.slice(s.start, s.stop - s.start)) for s in
+                (schema.shard_rows(table.num_rows, r, ctx.world) for r in range(ctx.world))]
+        batch = StepBatch(refs, minibatch_normalisers(table, ctx.cfg, ctx.world), rollout_metrics or {})
+    batch = ctx.coll.broadcast(batch)
+    if batch.fatal is not None:
+        raise FatalStepError(batch.fatal)
+    return ray.get(batch.shard_refs[ctx.rank]), batch
+
+
+def reference_and_old_logprobs(ctx: OnlineRun, data: dict[str, torch.Tensor],
+                               spec: learner_online.UpdateSpec) -> dict[str, torch.Tensor]:
+    """Stage 4: adds ref_logprobs (KL on), old_logprobs (off-policy update or KL in the reward) and old_values (PPO).
+
+    With one epoch and one mini-batch the update is on-policy: old logprobs equal the current ones
+    and are taken inside the update (no extra forward), as TRL does for a single iteration, unless the
+    KL sits in the reward, whose penalty needs them before the advantages.
+    """
+    if ctx.reference_actor is not None:  # resources.reference.placement == "actor"
+        data["ref_logprobs"] = ray.get(ctx.reference_actor.logprobs.remote(data, ctx.cfg.learner.sequences_per_microbatch))
+    return learner_online.reference_and_old(ctx.learner, data, spec)
+
+
+def compute_advantages(ctx: OnlineRun, data: dict[str, torch.Tensor], spec: learner_online.UpdateSpec) -> dict[str, torch.Tensor]:
+    """Stage 5: adds the algorithm's advantages (``learner.ADVANTAGE_ESTIMATORS[algo.name]``); batch statistics over all ranks."""
+    return learner_online.advantages(data, spec, ctx.coll.all_reduce_sum)
+
+
+def update_policy(ctx: OnlineRun, data: dict[str, torch.Tensor], norms: list[Normaliser],
+                  spec: learner_online.UpdateSpec) -> dict[str, float]:
+    """Stage 6: epochs x mini-batches of optimizer steps (and PPO's critic); returns statistics summed over ranks."""
+    return learner_online.update(ctx.learner, data, norms, spec, ctx.coll.all_reduce_sum)
+
+
+def sync_weights(ctx: OnlineRun) -> int:
+    """Stage 7: pushes the policy from the learner to every rollout actor; returns the new policy version.
+
+    Object store on CPU, NCCL broadcast or CUDA IPC on GPU (``rlray.rollout.weight_sync``); in async mode
+    the push queues behind the rollouts already in flight instead of waiting for them.
+    """
+    version = ctx.policy_version + 1
+    ctx.weight_sync.push(ctx.learner, ctx.rank, version)
+    return version
+
+
+def rollout_stats(
+    table: pa.Table, rewards: dict[str, list[float]], prompts_per_step: int, learner_version: int
+) -> dict[str, float]:
+    """Returns reward/* and rollout/* metrics of a step's experience (rank 0).
+
+    Reward statistics are over the samples that have a reward; ``reward/failed`` counts the others (a
+    reward function raised, timed out or returned NaN: ``build_experience`` masked them out). A group
+    has no signal when fewer than 2 of its samples have a reward or their rewards are all equal.
+    Staleness of a sample = the learner's policy version that the update starts from, minus the
+    version that generated the sample (0 in synchronous mode, at most rollout.max_staleness).
+    """
+    lengths = np.asarray(table.column("response_token_ids").combine_chunks().value_lengths(), dtype=np.float64)
+    r = np.asarray(rewards["reward"], dtype=np.float64)
+    ok = np.isfinite(r)
+    groups = np.where(ok, r, np.nan).reshape(prompts_per_step, -1)
+    spread = [np.ptp(g[np.isfinite(g)]) > 0 if np.isfinite(g).sum() >= 2 else False for g in groups]
+    staleness = learner_version - np.asarray(table.column("policy_version").to_pylist(), dtype=np.float64)
+    return {
+        "reward/mean": float(r[ok].mean()) if ok.any() else math.nan,
+        "reward/std": float(r[ok].std()) if ok.any() else math.nan,
+        "reward/failed": float((~ok).sum()),
+        "reward/accuracy": float(np.mean(rewards["accuracy"])),
+        "reward/format_rate": float(np.mean(rewards["format"])),
+        "algo/groups_without_signal": float(1.0 - np.mean(spread)),
+        "rollout/response_tokens_mean": float(lengths.mean()),
+        "rollout/truncated_rate": float(np.mean([f == "length" for f in table.column("finish_reason").to_pylist()])),
+        "rollout/generated_tokens": float(lengths.sum()),
+        "rollout/policy_version": float(min(table.column("policy_version").to_pylist())),
+        "rollout/staleness_mean": float(staleness.mean()),
+        "rollout/staleness_max": float(staleness.max()),
+    }
+
+
+
+
+# --------------------------------------------------------------------------------------------
+# Evaluation (training's and ``rlray eval``'s)
+# --------------------------------------------------------------------------------------------
+def evaluate(ctx: OnlineRun) -> dict[str, float]:
+    """Returns greedy eval metrics of the current policy on ``eval.num_problems`` held-out prompts (rank 0; {} elsewhere)."""
+    if not ctx.eval_prompts:
+        return {}
+    return evaluate_prompts(ctx.fleet, ctx.reward, ctx.eval_prompts, ctx.tokenizer, build.eval_sampling(ctx.cfg))
+
+
+def evaluate_prompts(fleet: RolloutFleet, reward: RewardClient, prompts: list[tuple[PromptRow, list[int]]], tokenizer: Any,
+                     sampling: SamplingSpec) -> dict[str, float]:
+    """Returns eval/accuracy, eval/format_rate, eval/response_tokens_mean and eval/num_problems.
+
+    One completion per prompt (``sampling``: greedy for training's eval and ``rlray eval``), spread over
+    the rollout actors, scored by ``reward``. Accuracy and format rate are means over the prompts;
+    response length is in tokens, EOS included.
+    """
+    rows = [r for r, _ in prompts]
+    completions = fleet.generate([ids for _, ids in prompts], sampling)
+    got = score(reward, rows, completions, tokenizer).values
+    return {
+        "eval/accuracy": float(np.mean(got["accuracy"])),
+        "eval/format_rate": float(np.mean(got["format"])),
+        "eval/response_tokens_mean": float(np.mean([len(c.response_token_ids) for c in completions])),
+        "eval/num_problems": float(len(completions)),
+    }

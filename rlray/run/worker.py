@@ -1,0 +1,49 @@
+"""The Ray Train training function of every run: builds the rank's run of the config's kind and runs it."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from rlray.config import Config
+from rlray.learner.collective import current_collective, name_learner_process
+from rlray.run import offline, online, session
+from rlray.run.session import FatalStepError
+from rlray.run.state import RunOutcome, WorkerArgs
+
+
+def train(cfg: Config, args: WorkerArgs, coll: Any = None) -> RunOutcome:
+    """Runs the config's kind of run (online or offline) on this rank; returns how it ended.
+
+    Args:
+        cfg: the validated config (``args.config`` validated).
+        args: what the driver handed over (model folder, run id, actors, services, hooks).
+        coll: collectives; defaults to Ray Train's when inside a worker group, else world 1.
+
+    Raises:
+        rlray.run.session.FatalStepError: a step hit an error a restart cannot fix.
+        rlray.run.guards.EarlyOOM: out of memory again after the fallback.
+    """
+    coll = coll or current_collective()
+    if cfg.algo.family == "online":
+        build = functools.partial(online.setup, model_dir=args.model_dir, actors=args.rollout_actors, run_id=args.run_id,
+                                  reference_actor=args.reference_actor)
+    else:
+        build = functools.partial(offline.setup, model_dir=args.model_dir, run_id=args.run_id)
+    return session.train(build, cfg, coll, run_id=args.run_id, services=args.services, hooks=args.step_hooks)
+
+
+def train_worker(loop_config: dict[str, WorkerArgs]) -> None:
+    """The Ray Train training function: validates the config of ``loop_config["args"]`` and runs it on this rank.
+
+    A ``FatalStepError`` ends the worker quietly: it is recorded (MLflow status FAILED, tag rlray.error,
+    the run's outcome) and a restart would fail the same way.
+    """
+    args = loop_config["args"]
+    cfg = Config.model_validate(args.config)
+    coll = current_collective()
+    name_learner_process(coll.rank)
+    try:
+        train(cfg, args, coll)
+    except FatalStepError:
+        return

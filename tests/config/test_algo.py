@@ -1,0 +1,66 @@
+"""Algorithm config: one YAML per algorithm, validation that names keys, families."""
+
+import warnings
+from pathlib import Path
+
+import pytest
+
+from rlray.config import GROUP_ALGOS, OFFLINE_ALGOS, ONLINE_ALGOS, ConfigError, config_from_dict, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_one_config_per_algorithm():
+    names = {p.stem for p in (REPO / "configs" / "algos").glob("*.yaml")}
+    assert names == set(ONLINE_ALGOS) | set(OFFLINE_ALGOS)
+    assert len(ONLINE_ALGOS) == 10 and len(OFFLINE_ALGOS) == 7
+    for name in names:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no shipped config trips a warning (e.g. GSPO's clip range)
+            cfg = load_config(REPO / "configs" / "algos" / f"{name}.yaml")
+        assert cfg.algo.name == name
+        assert cfg.algo.family == ("online" if name in ONLINE_ALGOS else "offline")
+
+
+@pytest.mark.parametrize("name", GROUP_ALGOS)
+def test_group_estimators_need_two_samples(name):
+    with pytest.raises(ConfigError, match=f"rollout.samples_per_prompt=1: the group estimator '{name}' needs at least 2"):
+        config_from_dict({"algo": {"name": name, "clip_eps_low": 1e-3, "clip_eps_high": 1e-3},
+                          "rollout": {"samples_per_prompt": 1}})  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["reinforce_pp", "remax", "ppo"])
+def test_non_group_estimators_take_one_sample(name):
+    cfg = config_from_dict({"algo": {"name": name}, "rollout": {"samples_per_prompt": 1},
+                            "learner": {"sequences_per_minibatch": 8}})  # fmt: skip
+    assert cfg.sequences_per_step == 8
+
+
+def test_gspo_with_ppo_sized_clip_ranges_warns():
+    with pytest.warns(UserWarning, match=r"algo.name='gspo' with clip_eps_low=0.2, clip_eps_high=0.28: GSPO"):
+        config_from_dict({"algo": {"name": "gspo"}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config_from_dict({"algo": {"name": "gspo", "clip_eps_low": 3e-4, "clip_eps_high": 4e-4}})
+
+
+def test_option_errors_name_key_value_and_fix():
+    with pytest.raises(ConfigError, match=r"algo.dual_clip=3.0: .* algo.name='cispo' does not use; set algo.dual_clip=null"):
+        config_from_dict({"algo": {"name": "cispo", "dual_clip": 3.0}})
+    with pytest.raises(ConfigError, match=r"algo.dual_clip=1.0"):
+        config_from_dict({"algo": {"dual_clip": 1.0}})
+    with pytest.raises(ConfigError, match=r"algo.overlong_cache_tokens=16 must be below rollout.max_new_tokens=16"):
+        config_from_dict({"algo": {"name": "dapo", "overlong_cache_tokens": 16}, "rollout": {"max_new_tokens": 16}})
+    with pytest.raises(ConfigError, match=r"algo.label_smoothing=0.5"):
+        config_from_dict({"algo": {"name": "dpo", "label_smoothing": 0.5}})
+    with pytest.raises(ConfigError, match=r"algo.name='dpo_v2': Input should be 'grpo', .* 'reward_model' or 'sft'"):
+        config_from_dict({"algo": {"name": "dpo_v2"}})
+
+
+def test_offline_sizes():
+    cfg = config_from_dict({"algo": {"name": "dpo"}, "rollout": {"samples_per_prompt": 1}})
+    assert cfg.algo.family == "offline"  # the online size rules do not apply
+    with pytest.raises(ConfigError, match="offline.pairs_per_microbatch=3 x 1 learner worker"):
+        config_from_dict({"algo": {"name": "sft"}, "offline": {"pairs_per_step": 8, "pairs_per_microbatch": 3}})
+    with pytest.raises(ConfigError, match=r"offline.eval_fraction=0.01 of offline.max_pairs=20 holds out no pair"):
+        config_from_dict({"algo": {"name": "kto"}, "offline": {"max_pairs": 20, "eval_fraction": 0.01}})

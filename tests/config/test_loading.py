@@ -1,0 +1,102 @@
+"""Config schema: every shipped config loads; bad keys and values get errors that name them."""
+
+from pathlib import Path
+
+import pytest
+
+from rlray.config import Config, ConfigError, apply_overrides, config_from_dict, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = sorted(p for p in (REPO / "configs").rglob("*.yaml") if "sweeps" not in p.parts)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_config_loads(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, Config)
+    assert cfg.sequences_per_step == cfg.learner.prompts_per_step * cfg.rollout.samples_per_prompt
+
+
+def test_configs_exist():
+    names = {p.name for p in CONFIGS}
+    assert {"grpo_gsm8k_smollm2.yaml", "grpo_gsm8k_tiny.yaml"} <= names
+
+
+def test_unknown_key_is_named_with_suggestion():
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"learner": {"learning_rate": 1e-5}})
+    assert "unknown key 'learner.learning_rate'" in str(err.value)
+    assert "did you mean 'learner.lr'" in str(err.value)
+
+
+def test_unknown_section_is_named():
+    with pytest.raises(ConfigError, match="unknown key 'rolout'; did you mean 'rollout'"):
+        config_from_dict({"rolout": {"max_new_tokens": 8}})
+
+
+def test_unknown_override_key_is_named(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("run: {max_steps: 2}\n")
+    with pytest.raises(ConfigError, match="unknown key 'rollout.max_new_token'; did you mean 'rollout.max_new_tokens'"):
+        load_config(path, ["rollout.max_new_token=4"])
+
+
+def test_wrong_type_and_range_name_key_and_value():
+    with pytest.raises(ConfigError, match=r"run\.max_steps='ten'"):
+        config_from_dict({"run": {"max_steps": "ten"}})
+    with pytest.raises(ConfigError, match=r"rollout\.top_p=1\.5"):
+        config_from_dict({"rollout": {"top_p": 1.5}})
+    with pytest.raises(ConfigError, match=r"algo\.kl_estimator='k4'"):
+        config_from_dict({"algo": {"kl_estimator": "k4"}})
+
+
+def test_sizes_that_cannot_divide():
+    with pytest.raises(ConfigError, match="samples_per_prompt=1"):
+        config_from_dict({"rollout": {"samples_per_prompt": 1}})
+    with pytest.raises(ConfigError, match="prompts_per_step=3 does not divide over resources.learner.num_workers=2"):
+        config_from_dict({"learner": {"prompts_per_step": 3}, "resources": {"learner": {"num_workers": 2}}})
+    with pytest.raises(ConfigError, match="sequences_per_minibatch=24 does not divide the 32 sequences"):
+        config_from_dict({"learner": {"prompts_per_step": 8, "sequences_per_minibatch": 24}})
+    with pytest.raises(ConfigError, match="sequences_per_microbatch=5"):
+        config_from_dict({"learner": {"sequences_per_microbatch": 5}})
+
+
+def test_overrides_parse_like_yaml():
+    tree = apply_overrides({}, ["learner.lr=1e-5", "run.max_steps=7", "data.shuffle=false", "data.train_files=[a.jsonl,b.jsonl]", "run.name=null"])
+    assert tree == {
+        "learner": {"lr": 1e-5},
+        "run": {"max_steps": 7, "name": None},
+        "data": {"shuffle": False, "train_files": ["a.jsonl", "b.jsonl"]},
+    }
+    cfg = config_from_dict({}, ["learner.lr=3e-6"])
+    assert cfg.learner.lr == pytest.approx(3e-6)
+
+
+def test_override_without_equals_is_an_error():
+    with pytest.raises(ConfigError, match="not of the form dotted.key=value"):
+        apply_overrides({}, ["learner.lr"])
+
+
+def test_missing_or_bad_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "list.yaml"
+    bad.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(bad)
+
+
+def test_flat_and_hash_are_stable():
+    a, b = Config(), Config()
+    assert a.flat()["learner.lr"] == 1e-6
+    assert a.flat()["resources.rollout.num_workers"] == 1
+    assert a.config_hash() == b.config_hash()
+    b.learner.lr = 2e-6
+    assert a.config_hash() != b.config_hash()
+
+
+def test_names_other_tools_rely_on():
+    flat = Config().flat()
+    for key in ("run.max_steps", "run.output_dir", "run.seed", "model.path", "data.train_files", "data.eval_files", "tracking.mlflow_uri"):
+        assert key in flat
+    assert flat["tracking.mlflow_uri"] == "sqlite:///mlruns/mlflow.db"

@@ -1,0 +1,80 @@
+"""Config section resources: defaults, bounds, core-list values and errors that name the dotted key."""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+
+from rlray.config import ConfigError, config_from_dict
+from rlray.config.resources import LearnerResources, ReferenceResources, ResourcesConfig, RolloutResources
+
+
+def test_defaults():
+    res = ResourcesConfig()
+    assert (res.rollout.num_workers, res.rollout.cpus, res.rollout.gpus) == (1, 0.25, 0.0)
+    assert (res.rollout.tensor_parallel_size, res.rollout.max_restarts, res.rollout.cpu_threads) == (1, 2, None)
+    assert (res.learner.num_workers, res.learner.cpus, res.learner.gpus, res.learner.strategy) == (1, 0.25, 0.0, "ddp")
+    assert (res.reward.replicas, res.reward.cpus, res.reward.gpus) == (1, 0.25, 0.0)
+    assert (res.reference.placement, res.reference.cpus, res.reference.gpus) == ("learner", 0.25, 0.0)
+    assert (res.colocate, res.placement_strategy, res.placement_timeout_s) == (False, "PACK", 120.0)
+
+
+@pytest.mark.parametrize(
+    ("section", "values"),
+    [
+        (RolloutResources, {"num_workers": 0}),
+        (RolloutResources, {"cpus": 0.0}),  # gt 0
+        (RolloutResources, {"gpus": -0.5}),
+        (RolloutResources, {"tensor_parallel_size": 0}),
+        (RolloutResources, {"max_restarts": -2}),  # -1 means no limit; below is refused
+        (LearnerResources, {"strategy": "zero3"}),
+        (ReferenceResources, {"placement": "driver"}),
+        (ResourcesConfig, {"placement_strategy": "pack"}),  # Ray's names are upper case
+        (ResourcesConfig, {"placement_timeout_s": 0.0}),
+        (RolloutResources, {"num_actors": 2}),  # unknown key
+    ],
+)
+def test_out_of_range_values_are_refused(section, values):
+    with pytest.raises(pydantic.ValidationError):
+        section(**values)
+
+
+def test_bounds_are_inclusive_where_documented():
+    assert RolloutResources(max_restarts=-1, gpus=0.0).max_restarts == -1
+    assert RolloutResources(cpus=0.01).cpus == 0.01
+
+
+def test_core_lists_read_a_bare_number_as_text():
+    assert RolloutResources(cpu_threads=1).cpu_threads == "1"  # cpu_threads=1 on the command line parses as int
+    assert RolloutResources(cpu_threads=["0", 1]).cpu_threads == ["0", "1"]
+    assert RolloutResources(cpu_threads="0,2-3").cpu_threads == "0,2-3"
+
+
+def test_assignment_is_validated():
+    res = ResourcesConfig()
+    with pytest.raises(pydantic.ValidationError):
+        res.learner.num_workers = 0
+    res.learner.num_workers = 2
+    assert res.learner.num_workers == 2
+
+
+@pytest.mark.parametrize(
+    ("tree", "message"),
+    [
+        ({"rollout": {"num_workers": 0}}, "resources.rollout.num_workers=0: Input should be greater than or equal to 1"),
+        ({"learner": {"strategy": "zero3"}}, "resources.learner.strategy='zero3': Input should be 'ddp' or 'fsdp'"),
+        ({"rollout": {"cpu_threads": "x"}}, "resources.rollout.cpu_threads='x' is not a core list"),
+        ({"rollout": {"cpu_threads": ["0"], "num_workers": 2}}, "has 1 entries for resources.rollout.num_workers=2"),
+        ({"learner": {"strategy": "fsdp"}}, "resources.learner.strategy='fsdp' needs GPUs"),
+    ],
+)
+def test_errors_name_the_dotted_key(tree, message):
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"resources": tree})
+    assert message in str(err.value)
+
+
+def test_loaded_values_reach_the_section():
+    cfg = config_from_dict({"resources": {"rollout": {"num_workers": 2, "cpu_threads": ["0", "1"]}, "colocate": False}})
+    assert cfg.resources.rollout.num_workers == 2
+    assert cfg.resources.rollout.cpu_threads == ["0", "1"]

@@ -1,0 +1,118 @@
+"""Resources per role, the fit check before anything starts, and per-actor core lists."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlray.config import ConfigError, config_from_dict
+from rlray.launch.placement import PlacementError, RoleRequest, check_fit, role_requests, rollout_cpu_threads, split_cores
+
+
+def test_defaults_fit_two_rollouts_two_learners_and_a_reward_replica_on_two_cpus():
+    cfg = config_from_dict({
+        "resources": {"rollout": {"num_workers": 2}, "learner": {"num_workers": 2}, "reference": {"placement": "actor"}},
+        "reward": {"server": {"enabled": True}},
+    })
+    reqs = role_requests(cfg)
+    assert [(r.role, r.count, r.per_worker) for r in reqs] == [
+        ("rollout", 2, {"CPU": 0.25}), ("learner", 2, {"CPU": 0.25}), ("reward", 1, {"CPU": 0.25}),
+        ("reference", 1, {"CPU": 0.25}),
+    ]
+    check_fit(reqs, {"CPU": 2.0}, [{"CPU": 2.0}])  # 0.5 + 0.5 + 0.25 + 0.25 = 1.5 <= 2
+
+
+def test_roles_that_are_off_ask_for_nothing():
+    cfg = config_from_dict({"algo": {"kl_coef": 0.0}, "resources": {"reference": {"placement": "actor"}}})
+    assert [r.role for r in role_requests(cfg)] == ["rollout", "learner"]
+
+
+def test_tensor_parallel_multiplies_rollout_gpus():
+    cfg = config_from_dict({"resources": {"rollout": {"num_workers": 2, "gpus": 1, "tensor_parallel_size": 4}}})
+    assert role_requests(cfg)[0].per_worker == {"CPU": 0.25, "GPU": 4}
+
+
+def test_a_request_that_does_not_fit_names_each_role_and_the_cluster():
+    reqs = [RoleRequest("rollout", 4, {"CPU": 0.5, "GPU": 1}), RoleRequest("learner", 2, {"CPU": 1.0, "GPU": 1})]
+    with pytest.raises(PlacementError) as err:
+        check_fit(reqs, {"CPU": 16.0, "GPU": 4.0}, [{"CPU": 8.0, "GPU": 2.0}, {"CPU": 8.0, "GPU": 2.0}])
+    msg = str(err.value)
+    assert "rollout wants 4 x {CPU: 0.5, GPU: 1} = {CPU: 2, GPU: 4}" in msg
+    assert "learner wants 2 x {CPU: 1, GPU: 1} = {CPU: 2, GPU: 2}" in msg
+    assert "together they want {CPU: 4, GPU: 6}, but the cluster has {CPU: 16, GPU: 4}" in msg
+
+
+def test_a_bundle_larger_than_every_node_is_named():
+    reqs = [RoleRequest("rollout", 1, {"CPU": 1.0, "GPU": 4})]
+    with pytest.raises(PlacementError, match=r"one rollout worker \({CPU: 1, GPU: 4}\) fits on no single node"):
+        check_fit(reqs, {"CPU": 16.0, "GPU": 4.0}, [{"CPU": 8.0, "GPU": 2.0}, {"CPU": 8.0, "GPU": 2.0}])
+
+
+def test_split_cores():
+    assert split_cores(2, [0, 1]) == ["0", "1"]
+    assert split_cores(1, [0, 1]) == ["0-1"]
+    assert split_cores(2, [0, 1, 2, 3, 4]) == ["0-1", "2-4"]
+    assert split_cores(3, [0, 1]) == ["0", "1", "0"]
+    assert split_cores(1, [0, 2, 3]) == ["0,2,3"]
+
+
+def test_rollout_cpu_threads_per_actor():
+    one = config_from_dict({"resources": {"rollout": {"num_workers": 2, "cpu_threads": "0-1"}}})
+    assert rollout_cpu_threads(one) == ["0-1", "0-1"]
+    each = config_from_dict({"resources": {"rollout": {"num_workers": 2, "cpu_threads": ["1", "0"]}}})
+    assert rollout_cpu_threads(each) == ["1", "0"]
+    with pytest.raises(ConfigError, match=r"cpu_threads=\['0'\] has 1 entries for resources.rollout.num_workers=2"):
+        config_from_dict({"resources": {"rollout": {"num_workers": 2, "cpu_threads": ["0"]}}})
+    with pytest.raises(ConfigError, match=r"cpu_threads='0-x' is not a core list"):
+        config_from_dict({"resources": {"rollout": {"cpu_threads": "0-x"}}})
+    assert config_from_dict({"resources": {"rollout": {"cpu_threads": "nobind"}}}).resources.rollout.cpu_threads == "nobind"
+
+
+def test_learner_cpu_affinity_is_checked_like_the_rollout_cores():
+    cfg = config_from_dict({"resources": {"learner": {"num_workers": 2}}, "learner": {"cpu_affinity": ["0", "1"]}})
+    assert cfg.learner.cpu_affinity == ["0", "1"]
+    with pytest.raises(ConfigError, match=r"learner.cpu_affinity=\['0'\] has 1 entries for resources.learner.num_workers=2; "
+                                          r"give one core list per worker"):
+        config_from_dict({"resources": {"learner": {"num_workers": 2}}, "learner": {"cpu_affinity": ["0"]}})
+    with pytest.raises(ConfigError, match=r"learner.cpu_affinity='auto' is not a core list; use e.g. '0', '0-1' or '0,2-3'"):
+        config_from_dict({"learner": {"cpu_affinity": "auto"}})  # 'auto'/'nobind' are vLLM words, not the learner's
+
+
+@pytest.mark.parametrize(
+    ("tree", "message"),
+    [
+        ({"learner": {"optimizer": "adamw_8bit"}}, "learner.optimizer='adamw_8bit' runs on CUDA only"),
+        ({"resources": {"learner": {"strategy": "fsdp"}}}, "resources.learner.strategy='fsdp' needs GPUs"),
+        ({"rollout": {"weight_sync": "nccl"}}, "rollout.weight_sync='nccl' needs GPUs on rollout and learner"),
+        ({"resources": {"colocate": True}}, "resources.colocate=true shares GPUs"),
+    ],
+)
+def test_gpu_only_options_fail_at_load_naming_the_key(tree, message):
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict(tree)
+
+
+def test_weight_sync_auto_resolves_by_placement():
+    assert config_from_dict({}).weight_sync_backend == "object_store"
+    gpu = {"rollout": {"gpus": 1}, "learner": {"gpus": 1}}
+    assert config_from_dict({"resources": gpu}).weight_sync_backend == "nccl"
+    shared = {"rollout": {"gpus": 0.4}, "learner": {"gpus": 0.5}, "colocate": True}
+    assert config_from_dict({"resources": shared}).weight_sync_backend == "ipc"
+
+
+@pytest.mark.ray
+def test_training_that_cannot_fit_fails_before_any_actor_starts(ray_session, tmp_path):
+    import ray
+
+    from rlray.launch.driver import run_training
+
+    cfg = config_from_dict({
+        "run": {"output_dir": str(tmp_path)}, "tracking": {"mlflow_uri": f"sqlite:///{tmp_path}/m.db"},
+        "resources": {"rollout": {"num_workers": 8, "cpus": 1.0}},
+    })
+    with pytest.raises(PlacementError, match=r"rollout wants 8 x {CPU: 1} = {CPU: 8}") as err:
+        run_training(cfg)
+    cpus = ray.cluster_resources()["CPU"]
+    assert f"together they want {{CPU: {8 + 0.25:g}}}, but the cluster has {{CPU: {cpus:g}, GPU: 0}}" in str(err.value)
+    with pytest.raises(ValueError):
+        ray.get_actor("rlray:rollout-0")
+    assert not (tmp_path / "m.db").exists()  # no MLflow run was created either

@@ -1,0 +1,91 @@
+"""Checks before a run starts (rlray.launch.preflight), called directly: the model folder it returns, the snapshot
+folder it probes, and the errors of a long prompt, a local checkpoint.uri that cannot be written and a missing
+reward function. The CLI path (exit status 2 for a missing model, an S3 bucket or bad keys) is in
+tests/faults/test_preflight_faults.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rlray.checkpoint.storage import SnapshotError
+from rlray.config import Config, config_from_dict
+from rlray.data import DataError
+from rlray.launch.preflight import check_function_spec, preflight
+from rlray.reward.scorer import RewardFunctionError
+
+REPO = Path(__file__).resolve().parents[2]
+REWARDS = REPO / "tests" / "fixtures" / "rewards.py"
+
+
+@pytest.fixture
+def cfg_of(tmp_path):
+    """Returns cfg_of(*overrides) -> a GRPO config on the tiny model, with 3 train and 2 eval rows in ``tmp_path``.
+
+    Row 1 of train.jsonl has a ~300-word question (over 300 tokens); the others, with the default instruction, fit in 256.
+    """
+    rows = [{"question": "What is 2 + 3?", "answer": "2 + 3 = 5\n#### 5"},
+            {"question": "word " * 300 + "How many words?", "answer": "#### 300"},
+            {"question": "What is 4 * 4?", "answer": "#### 16"}]  # fmt: skip
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[::2]))
+
+    def make(*overrides: str) -> Config:
+        return config_from_dict({}, [
+            "model.path=tiny-random", f"data.train_files=[{tmp_path}/train.jsonl]", f"data.eval_files=[{tmp_path}/test.jsonl]",
+            "eval.num_problems=2", f"run.output_dir={tmp_path}/out", f"tracking.mlflow_uri=sqlite:///{tmp_path}/m.db",
+            f"reward.functions=[{{path: '{REWARDS}:completion_length', weight: 1.0}}]", *overrides])  # fmt: skip
+
+    return make
+
+
+def test_a_valid_config_returns_the_model_folder_and_leaves_the_snapshot_folder_empty(cfg_of, tmp_path, tiny_model_path):
+    cfg = cfg_of()
+    assert cfg.algo.family == "online" and cfg.data.long_prompts == "skip"
+    assert preflight(cfg) == tiny_model_path  # the alias 'tiny-random' resolved to the cached folder
+    snapshots = tmp_path / "out" / "snapshots"
+    assert snapshots.is_dir() and list(snapshots.iterdir()) == []  # created by the write probe, which it removed
+
+
+def test_a_prompt_too_long_with_long_prompts_error_fails_before_the_storage_probe(cfg_of, tmp_path):
+    cfg = cfg_of("data.long_prompts=error", "data.max_prompt_tokens=256")
+    with pytest.raises(DataError, match=r"prompt 'train:1' has \d+ tokens after the chat template, more than "
+                                        r"data.max_prompt_tokens=256 \(1 of 3 prompts are\)"):  # fmt: skip
+        preflight(cfg)
+    assert not (tmp_path / "out").exists()  # the data is checked before snapshots are probed
+
+
+def test_a_local_checkpoint_uri_that_cannot_be_written_fails(cfg_of, tmp_path):
+    (tmp_path / "a-file").write_text("not a folder")
+    uri = f"{tmp_path}/a-file/snapshots"
+    with pytest.raises(SnapshotError) as err:
+        preflight(cfg_of(f"checkpoint.uri={uri}"))
+    message = str(err.value)
+    assert message.startswith(f"checkpoint.uri='{uri}': snapshots cannot be written there (")
+    assert message.endswith("; check the path")  # not the S3 hint about buckets and credentials
+
+
+def test_a_missing_reward_function_file_fails(cfg_of, tmp_path):
+    cfg = cfg_of(f"reward.functions=[{{path: '{tmp_path}/nope.py:score', weight: 1.0}}]")
+    with pytest.raises(RewardFunctionError, match=f"reward function '{tmp_path}/nope.py:score': file "
+                                                  f"{tmp_path}/nope.py does not exist"):  # fmt: skip
+        preflight(cfg)
+
+
+@pytest.mark.parametrize("spec", [f"{REWARDS}:completion_length", "json:loads", "rlray.reward.scorer:anything"])
+def test_check_function_spec_accepts_an_existing_file_or_module(spec):
+    assert check_function_spec(spec) is None  # only the file or module is checked, not the function name
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [("rewards.py", "reward function 'rewards.py' must be 'module.path:function' or 'file.py:function'"),
+     ("no_such_pkg_xyz.sub:fn", "reward function 'no_such_pkg_xyz.sub:fn': module 'no_such_pkg_xyz.sub' cannot be found"),
+     ("json.no_such_mod:fn", "reward function 'json.no_such_mod:fn': module 'json.no_such_mod' cannot be found")],
+)  # fmt: skip
+def test_check_function_spec_names_what_is_missing(spec, message):
+    with pytest.raises(RewardFunctionError) as err:
+        check_function_spec(spec)
+    assert str(err.value) == message

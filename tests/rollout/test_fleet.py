@@ -1,0 +1,170 @@
+"""The rollout fleet and the async pipeline on fake rollout actors (real Ray actors, real restarts).
+
+A fake actor "generates" deterministic completions that encode the prompt, the sample, the seed and
+the actor's policy version, so every assertion can count and trace exactly what came back.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import ray
+from ray.exceptions import ActorUnavailableError
+
+from rlray.rollout import Completion, SamplingSpec
+from rlray.rollout.fleet import RolloutFleet, RolloutPipeline, offset_seed
+
+pytestmark = pytest.mark.ray
+
+
+class FakeRolloutActor:
+    """Same methods as rlray.launch.actors.RolloutActor; dies (os._exit) in generate while an armed flag file exists."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.die_flag: str | None = None
+        self.calls = 0
+
+    def arm(self, die_flag: str) -> None:
+        self.die_flag = die_flag
+
+    def reset(self) -> None:
+        self.version, self.calls = 0, 0
+
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSpec) -> list[Completion]:
+        self.calls += 1
+        if self.die_flag and os.path.exists(self.die_flag):
+            os.remove(self.die_flag)  # die once: the restarted actor finds no flag
+            os._exit(1)
+        return [
+            Completion(p, j, [ids[0], j, sampling.seed or 0], [-0.5, -0.5, -0.5], "length", self.version)
+            for p, ids in enumerate(prompt_token_ids)
+            for j in range(sampling.n)
+        ]
+
+    def update_weights(self, named_tensors: dict, version: int) -> int:
+        self.version = version
+        return version
+
+    def policy_version(self) -> int:
+        return self.version
+
+    def call_count(self) -> int:
+        return self.calls
+
+
+@pytest.fixture(scope="module")
+def fake_actors(ray_session) -> list:
+    """Two fake rollout actors for the module (Ray restarts each once), reset before every test."""
+    cls = ray.remote(FakeRolloutActor).options(num_cpus=0.01, max_restarts=1, max_task_retries=0)
+    actors = [cls.remote() for _ in range(2)]
+    yield actors
+    for a in actors:
+        ray.kill(a, no_restart=True)
+
+
+@pytest.fixture
+def actors(fake_actors) -> list:
+    ray.get([a.reset.remote() for a in fake_actors])
+    return fake_actors
+
+
+SAMPLING = SamplingSpec(n=3, max_new_tokens=3, temperature=1.0, seed=100)
+
+
+def test_offset_seed_moves_by_whole_groups():
+    # chunk starting at prompt 4 with n=3 samples per prompt: seed 100 + 4*3 = 112
+    assert offset_seed(SAMPLING, 4).seed == 112
+    assert offset_seed(SamplingSpec(n=3, max_new_tokens=3, temperature=1.0), 4).seed is None
+
+
+def test_prompts_are_split_in_whole_groups_over_actors(actors):
+    fleet = RolloutFleet(actors)
+    prompts = [[1000 + i] for i in range(7)]
+    out = fleet.generate(prompts, SAMPLING)
+    assert [(c.prompt_index, c.sample_index) for c in out] == [(p, j) for p in range(7) for j in range(3)]
+    assert [c.response_token_ids[0] for c in out] == [1000 + p for p in range(7) for _ in range(3)]
+    # chunks of 4 and 3 prompts: seeds offset by the chunk's first prompt (0, 4) times n=3
+    assert sorted({c.response_token_ids[2] for c in out}) == [100, 112]
+    assert ray.get([a.call_count.remote() for a in fleet.actors]) == [1, 1]
+
+
+def test_dead_actor_prompts_go_to_another_actor_exactly_once(actors, tmp_path):
+    flag = tmp_path / "die"
+    flag.touch()
+    ray.get(actors[1].arm.remote(str(flag)))
+    fleet = RolloutFleet(actors)
+    fleet.push_weights(ray.put({}), 5)
+    prompts = [[2000 + i] for i in range(8)]
+    out = fleet.generate(prompts, SAMPLING)
+    # every prompt id comes back exactly n times: nothing lost, nothing duplicated
+    counts = {}
+    for c in out:
+        counts[c.response_token_ids[0]] = counts.get(c.response_token_ids[0], 0) + 1
+    assert counts == {2000 + i: 3 for i in range(8)}
+    assert [c.prompt_index for c in out] == [p for p in range(8) for _ in range(3)]
+    assert fleet.reassigned == 1
+    # the reassigned chunk kept its seed (prompts 4..7 -> 100 + 4*3) and its samples came from version 5
+    assert {c.response_token_ids[2] for c in out if c.prompt_index >= 4} == {112}
+    assert {c.policy_version for c in out} == {5}
+    # while it restarts, the live actor takes all prompts; once back (fresh state, version 0) it is
+    # brought to version 5 before it is used again
+    assert _wait_restarted(fleet.actors[1]) == 0
+    out = fleet.generate(prompts, SAMPLING)
+    assert {c.policy_version for c in out} == {5}
+    assert ray.get(fleet.actors[1].policy_version.remote()) == 5
+    assert ray.get(fleet.actors[1].call_count.remote()) == 1  # its chunk of the third rollout
+    assert not Path(flag).exists()
+
+
+def _wait_restarted(actor, timeout_s: float = 60.0) -> int:
+    """Returns the actor's policy version once it answers again after a restart."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return ray.get(actor.policy_version.remote())
+        except ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def _pipeline(k: int, fleet: RolloutFleet) -> tuple[RolloutPipeline, list[int]]:
+    taken = []
+
+    def take():
+        start = len(taken) * 4
+        taken.append(start)
+        return [f"row{start + i}" for i in range(4)], [[start + i] for i in range(4)]
+
+    sampling = lambda step: SamplingSpec(n=2, max_new_tokens=3, temperature=1.0, seed=step)  # noqa: E731
+    return RolloutPipeline(fleet, take, sampling, k), taken
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_pipeline_staleness_is_bounded_by_k(actors, k):
+    fleet = RolloutFleet(actors)
+    pipe, taken = _pipeline(k, fleet)
+    staleness = []
+    for step in range(6):
+        batch = pipe.next(step)
+        learner_version = step  # the update of step t starts from version t
+        staleness.append(max(learner_version - c.policy_version for c in batch.completions))
+        # prompts come in order, each step exactly once
+        assert [c.response_token_ids[0] for c in batch.completions][::2] == list(range(4 * step, 4 * step + 4))
+        assert {c.response_token_ids[2] for c in batch.completions} >= {step}
+        assert pipe.in_flight == k
+        fleet.push_weights(ray.put({}), step + 1, wait=(k == 0))
+    # rollouts run on the weights of k updates ago: 0, 1, .., k, k, k (never more than k)
+    assert staleness == [min(step, k) for step in range(6)]
+    assert len(taken) == 6 + k  # the data cursor runs k steps ahead
+
+
+def test_pipeline_rejects_out_of_order_steps(actors):
+    pipe, _ = _pipeline(1, RolloutFleet(actors))
+    pipe.next(0)
+    with pytest.raises(ValueError, match="asked for step 3, the next rollout in flight is step 1"):
+        pipe.next(3)

@@ -1,0 +1,184 @@
+"""The import architecture of rlray, checked by parsing every module with ``ast`` (nothing is imported).
+
+Every import counts: module-level, function-local and ``TYPE_CHECKING`` ones. ``from rlray.pkg import name``
+resolves to the module ``rlray.pkg.name`` when that is a module file, else to the package ``rlray.pkg``.
+A "package" below is the first name under ``rlray.`` (``rlray.learner.policy`` is in ``learner``).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+_BASE = {"algos", "config", "schema", "cores"}  # DESIGN.md lines 1-2
+_PARTS = {"data", "models", "rollout", "envs", "reward", "learner", "checkpoint", "observe"}  # line 3
+
+ALLOWED: dict[str, set[str]] = {
+    # Lines 1-3: no edge but those written here (same-package imports are always allowed).
+    "rlray": set(),  # the root package only holds __version__
+    "algos": set(),  # pure torch math
+    "config": set(),
+    "schema": set(),
+    "cores": set(),
+    "data": {"schema"},  # prompt and pair tables are built on the experience record's Arrow schema
+    "models": set(),
+    # cores: pin the engine's threads; models: load the HF fallback engine; schema: rollouts become experience rows
+    "rollout": {"cores", "models", "schema"},
+    "envs": {"schema", "models"},  # episodes write experience rows; tool schemas need the tokenizer's chat template
+    # models: a reward model is a loaded LM with a head; schema: scores read experience rows;
+    # checkpoint: a reward model can load from a snapshot
+    "reward": {"models", "schema", "checkpoint"},
+    "learner": {"algos", "models"},  # learner applies the math of algos to the models it loads
+    # config: a snapshot stores the run's config; observe: lineage registers snapshots in MLflow via observe.tracking
+    "checkpoint": {"config", "observe"},
+    "observe": {"config"},  # params logged to MLflow are the flattened config
+    # Lines 4-7: anything on an earlier line (sweep: only what a sweep needs).
+    "run": _BASE | _PARTS,
+    "launch": _BASE | _PARTS | {"run"},
+    "sweep": {"config", "checkpoint", "observe", "run", "launch"},
+    "cli": _BASE | _PARTS | {"run", "launch", "sweep"},
+}
+BUILDING_BLOCKS = {"algos", "data", "models", "rollout", "envs", "reward", "learner", "schema", "cores"}
+
+
+def _modules() -> dict[str, Path]:
+    """Returns {dotted module name: file} for every module under rlray/ (a package is its ``__init__.py``)."""
+    out = {}
+    for path in sorted((REPO / "rlray").rglob("*.py")):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _resolve(name: str) -> str | None:
+    """Returns the longest prefix of dotted ``name`` that is an rlray module, or None (not rlray)."""
+    parts = name.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in MODULES:
+            return ".".join(parts[:n])
+    return None
+
+
+@functools.cache
+def _imports(path: Path) -> list[tuple[int, str, str]]:
+    """Returns (line, imported rlray module, imported name or "") for every import in the file at ``path``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    here = ".".join(path.relative_to(REPO).with_suffix("").parts)
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, m, "") for a in node.names if (m := _resolve(a.name))]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: the file's package, then one part less per extra dot
+                package = here.split(".")[:-1]
+                anchor = package[: len(package) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            for a in node.names:
+                target = f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base
+                if m := _resolve(target):
+                    out.append((node.lineno, m, "" if m == f"{base}.{a.name}" else a.name))
+    return out
+
+
+@functools.cache
+def _graph() -> dict[str, list[tuple[int, str]]]:
+    """Returns {module: [(line, imported module), ...]} over every rlray module."""
+    return {mod: [(line, m) for line, m, _ in _imports(path)] for mod, path in MODULES.items()}
+
+
+def _package(module: str) -> str:
+    """Returns the package of a dotted module: "learner" for rlray.learner.policy, "cores" for rlray.cores."""
+    return module.split(".")[1] if "." in module else module
+
+
+def _where(module: str, line: int) -> str:
+    """Returns "rlray/<path>.py:<line>" for a line of ``module``."""
+    return f"{MODULES[module].relative_to(REPO)}:{line}"
+
+
+def test_imports_follow_the_allowed_table():
+    """Every import between packages is an edge of ALLOWED (an earlier line, or a peer edge written there)."""
+    bad = []
+    for mod, edges in _graph().items():
+        src = _package(mod)
+        if src not in ALLOWED:
+            bad.append(f"{MODULES[mod].relative_to(REPO)}: package {src!r} is not in ALLOWED; add it")
+            continue
+        bad += [
+            f"{_where(mod, line)}: {src} -> {_package(t)} ({t})"
+            for line, t in edges
+            if _package(t) != src and _package(t) not in ALLOWED[src]
+        ]
+    assert not bad, "imports not in ALLOWED:\n" + "\n".join(bad)
+
+
+def test_no_import_cycle():
+    """No cycle between modules (function-local imports count: a deferred import hides a cycle, it does not break it)."""
+    graph = {m: sorted({t for _, t in edges if t != m}) for m, edges in _graph().items()}
+    cycles, state, stack = [], {}, []
+
+    def visit(m: str) -> None:
+        state[m] = "open"
+        stack.append(m)
+        for t in graph[m]:
+            if state.get(t) == "open":
+                cycles.append(" -> ".join([*stack[stack.index(t) :], t]))
+            elif t not in state:
+                visit(t)
+        stack.pop()
+        state[m] = "done"
+
+    for m in graph:
+        if m not in state:
+            visit(m)
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_building_blocks_do_not_import_config():
+    """Building blocks take plain values; run/ and launch/ turn the config into them (DESIGN.md, line 3)."""
+    bad = [
+        f"{_where(mod, line)}: {_package(mod)} imports {t}; take plain values and let rlray.run/rlray.launch read the config"
+        for mod, edges in _graph().items()
+        if _package(mod) in BUILDING_BLOCKS
+        for line, t in edges
+        if _package(t) == "config"
+    ]
+    assert not bad, "building blocks importing rlray.config:\n" + "\n".join(bad)
+
+
+def _only_reexports(path: Path) -> bool:
+    """Returns True when the file holds only a docstring, imports and dunder assignments (``__all__``)."""
+    for stmt in ast.parse(path.read_text()).body:
+        if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+            continue
+        if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant) and isinstance(stmt.value.value, str):
+            continue
+        if isinstance(stmt, ast.Assign) and all(isinstance(t, ast.Name) and t.id.startswith("__") for t in stmt.targets):
+            continue
+        return False
+    return True
+
+
+def test_every_module_is_imported_by_a_test():
+    """Every module is imported by some file under tests/: itself, or a name that its package re-exports from it."""
+    reexported = {  # (package, name) -> the module that defines the name
+        (mod, name): t for mod, path in MODULES.items() if path.name == "__init__.py" for _, t, name in _imports(path) if name
+    }
+    tested = set()
+    for path in (REPO / "tests").rglob("*.py"):
+        for _, m, name in _imports(path):
+            tested.add(m)
+            tested.add(reexported.get((m, name), m))
+    untested = [
+        str(path.relative_to(REPO))
+        for mod, path in MODULES.items()
+        if mod not in tested and path.name != "__main__.py" and not (path.name == "__init__.py" and _only_reexports(path))
+    ]
+    assert not untested, "modules that no test imports:\n" + "\n".join(untested)
