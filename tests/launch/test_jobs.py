@@ -18,8 +18,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, NamedTuple
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import pytest
 import yaml

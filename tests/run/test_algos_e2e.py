@@ -158,7 +158,7 @@ def test_reward_model_scores_in_the_reward_stage(ray_session, tmp_path, data, ti
     model.config.pad_token_id = None
     tok = AutoTokenizer.from_pretrained(final / "model")
     expect = []
-    for p, c in zip(prompts, completions):
+    for p, c in zip(prompts, completions, strict=True):
         text = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
         ids = tok(text, add_special_tokens=False)["input_ids"] + tok(c, add_special_tokens=False)["input_ids"]
         with torch.no_grad():

@@ -24,8 +24,8 @@ class TrainerProbe:
     """A GPU process that plays learner rank 0: holds a PolicyLearner on cuda and pushes its weights."""
 
     def __init__(self, model_path: str, actors: list, backend: str) -> None:
-        from rlray.rollout.fleet import RolloutFleet
         from rlray.learner import PolicyLearner
+        from rlray.rollout.fleet import RolloutFleet
         from rlray.rollout.weight_sync import VllmTransferSync
 
         torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU

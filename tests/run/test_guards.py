@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from rlray.run import guards
 from rlray.config import ConfigError, GuardConfig, config_from_dict
+from rlray.run import guards
 
 OK = {"learner/loss": 0.1, "learner/grad_norm": 2.0, "algo/kl": 0.01}
 

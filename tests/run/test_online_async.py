@@ -87,7 +87,7 @@ def test_k0_equals_the_synchronous_stage_sequence(cfg_and_actors, tiny_model_pat
         expected.append({**m, "reward/mean": sum(scored.values["reward"]) / len(completions)})
         ref.policy_version = sync_weights(ref)
 
-    for g, e in zip(got, expected):
+    for g, e in zip(got, expected, strict=True):
         assert {k: g[k] for k in UPDATE_KEYS} == {k: e[k] for k in UPDATE_KEYS}
         assert g["reward/mean"] == pytest.approx(e["reward/mean"], abs=1e-12)
         assert g["rollout/staleness_max"] == 0.0

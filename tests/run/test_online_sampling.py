@@ -4,8 +4,8 @@ import pytest
 
 from rlray.algos import DynamicSamplingError
 from rlray.data import PromptRow
-from rlray.run.online_sampling import Rollouts, SamplingExtras, apply, dynamic_sampling, overlong_shaping
 from rlray.rollout import Completion
+from rlray.run.online_sampling import Rollouts, SamplingExtras, apply, dynamic_sampling, overlong_shaping
 
 G = 2  # samples per prompt
 

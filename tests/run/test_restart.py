@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from rlray.checkpoint import storage as checkpoint
 from rlray.checkpoint import lineage
+from rlray.checkpoint import storage as checkpoint
 from rlray.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]

@@ -8,13 +8,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from rlray.checkpoint import storage as checkpoint
 from rlray.checkpoint import lineage
+from rlray.checkpoint import storage as checkpoint
 from rlray.config import load_config
+from rlray.observe.tracking import Tracker, child_runs, get_run, get_run_metrics
 from rlray.run.hooks import StepEnd, is_observer, run_hooks, run_observers
 from rlray.sweep.pbt import ClipToSpace, SnapshotPBT, hyperparam_mutations, pbt_base_config, read_pointer, write_pointer
 from rlray.sweep.spec import SweepConfig, SweepError, check_sweep
-from rlray.observe.tracking import Tracker, child_runs, get_run, get_run_metrics
 from rlray.sweep.tune import TrialRunCloser, TuneStepReporter, close_replaced_runs, make_scheduler, trial_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -163,7 +163,7 @@ def test_every_trial_is_checkpointed_and_the_worse_copies_the_better_whatever_ca
         for t in (a, b):
             pbt._trial_state[t] = _PBTTrialState(t)
         exploits = []
-        monkeypatch.setattr(pbt, "_exploit", lambda ctl, trial, clone: exploits.append((trial.trial_id, clone.trial_id)))
+        monkeypatch.setattr(pbt, "_exploit", lambda ctl, trial, clone, seen=exploits: seen.append((trial.trial_id, clone.trial_id)))
         score = {"a": 2.0, "b": 1.0}
         trials = {"a": a, "b": b}
         for name in order:

@@ -9,11 +9,17 @@ from pathlib import Path
 import pytest
 
 from rlray.config import load_config
+from rlray.observe.tracking import Tracker, child_runs, get_run, get_run_metrics
 from rlray.run.hooks import StepEnd
 from rlray.sweep.spec import SweepConfig
-from rlray.observe.tracking import Tracker, child_runs, get_run, get_run_metrics
 from rlray.sweep.tune import (
-    TrialRunCloser, concurrent_trials, make_scheduler, param_space, trial_config, trial_demand, TuneStepReporter,
+    TrialRunCloser,
+    TuneStepReporter,
+    concurrent_trials,
+    make_scheduler,
+    param_space,
+    trial_config,
+    trial_demand,
 )
 
 REPO = Path(__file__).resolve().parents[2]
