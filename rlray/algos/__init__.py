@@ -43,6 +43,7 @@ from rlray.algos.dapo import (
 )
 from rlray.algos.kl import KL_ESTIMATORS, kl_penalty
 from rlray.algos.policy_losses import (
+    LOG_RATIO_BOUND,
     cispo_loss,
     entropy_bonus_loss,
     entropy_from_logits,
@@ -87,6 +88,7 @@ __all__ = [
     "AGGREGATION_MODES",
     "GROUP_ADVANTAGES",
     "KL_ESTIMATORS",
+    "LOG_RATIO_BOUND",
     "PAIRWISE_LOSSES",
     "POLICY_LOSSES",
     "STD_SCALES",

@@ -63,17 +63,42 @@ def group_mean_count(rewards: Tensor, group_ids: Tensor, valid_mask: Tensor) -> 
     """Returns (rewards with invalid rows zeroed [B], group mean per row [B], valid rows in the group per row [B]).
 
     Args:
-        rewards: [B] float32 sequence rewards; values of invalid rows are ignored.
+        rewards: [B] float sequence rewards (float32, float64 or bfloat16; outputs keep the dtype); values of
+            invalid rows are ignored.
         group_ids: [B] int64 group of each row (any order, ragged).
         valid_mask: [B] bool, True where the reward counts.
 
     Source: the per-group mean of GRPO (Shao et al. 2024, eq. 3's mean({r})), computed with index_add so
-    groups need not be contiguous. A group without valid rows has mean 0 and count 0.
+    groups need not be contiguous. A group without valid rows has mean 0 and count 0. The mean of a
+    constant group (every valid reward equal, max == min) is that reward exactly: sum / count rounds in
+    floating point (fp32 0.1 * 3 / 3 != 0.1), and the ulp left in r - mean would otherwise be blown up by a
+    std division (GRPO advantages of 0.05 to 0.4, and far more in bfloat16, where 0 is right).
     """
     zeroed = torch.where(valid_mask, rewards, torch.zeros_like(rewards))
     sums = _per_group_sum(zeroed, group_ids)
     counts = _per_group_sum(valid_mask.to(rewards.dtype), group_ids)
-    return zeroed, sums / counts.clamp(min=1.0), counts
+    highest, lowest = group_max_min(rewards, group_ids, valid_mask)
+    mean = torch.where(highest == lowest, highest, sums / counts.clamp(min=1.0))
+    return zeroed, mean, counts
+
+
+def group_max_min(values: Tensor, group_ids: Tensor, valid_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Returns (max [B], min [B]): per row, the largest and smallest value over the valid rows of its group.
+
+    Args:
+        values: [B] float (any float dtype; outputs keep it); values of invalid rows are ignored.
+        group_ids: [B] int64 group of each row (any order, ragged).
+        valid_mask: [B] bool, True where the value counts.
+
+    A group without valid rows gets max -inf and min +inf (so max == min never holds for it).
+    Source: scatter_reduce amax/amin, the per-prompt spread test of verl DAPO ``filter_groups``.
+    """
+    inverse = torch.unique(group_ids, return_inverse=True)[1]
+    num_groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    inf = torch.tensor(float("inf"), dtype=values.dtype, device=values.device)
+    highest = (-inf).expand(num_groups).scatter_reduce(0, inverse, torch.where(valid_mask, values, -inf), "amax")
+    lowest = inf.expand(num_groups).scatter_reduce(0, inverse, torch.where(valid_mask, values, inf), "amin")
+    return highest[inverse], lowest[inverse]
 
 
 def _per_group_sum(values: Tensor, group_ids: Tensor) -> Tensor:
@@ -106,8 +131,10 @@ def grpo_advantages(
 
     The mean is always the group mean over valid rows. ``std`` is the *unbiased* (Bessel, n - 1) standard
     deviation, as TRL 1.16 uses: of the row's group ("group"), of all valid rows ("batch", PPO-Lite), or no
-    division at all ("none", Dr.GRPO). A group with one valid row has std 0 and advantage exactly 0; a
-    constant-reward group gives 0, not NaN, since eps > 0 floors the divisor.
+    division at all ("none", Dr.GRPO). A group with one valid row has std 0 and advantage exactly 0. A
+    constant-reward group (every valid reward equal) gives exactly 0 with every std_scale, group size, reward
+    value and dtype: its mean is the common reward exactly (``group_mean_count``), so no rounding residue
+    reaches the division.
 
     Args:
         rewards: [B] float32 sequence rewards (any float dtype; the output keeps it).
@@ -159,6 +186,7 @@ def dr_grpo_advantages(rewards: Tensor, group_ids: Tensor, *, valid_mask: Tensor
 
     Source: Liu et al. 2025, "Understanding R1-Zero-Like Training" (Dr.GRPO), Sec. 3.1;
     equals TRL 1.16 GRPO with scale_rewards="none". Pair it with seq-mean-token-sum-norm aggregation.
+    A constant-reward group gives exactly 0 (see ``group_mean_count``).
     """
     return grpo_advantages(rewards, group_ids, std_scale="none", valid_mask=valid_mask)
 
@@ -168,7 +196,7 @@ def rloo_advantages(rewards: Tensor, group_ids: Tensor, *, valid_mask: Tensor | 
     """Returns [B] float32 leave-one-out advantages r_i - mean_{j != i, valid} r_j, 0 for invalid rows.
 
     Equivalently n/(n-1) * (r_i - mean_g) with n the valid rows of the group. A group with one valid row
-    has no baseline and gets 0.
+    has no baseline and gets 0; a constant-reward group gets exactly 0 (see ``group_mean_count``).
 
     Args:
         rewards: [B] float32 sequence rewards.
@@ -190,6 +218,9 @@ def rloo_advantages(rewards: Tensor, group_ids: Tensor, *, valid_mask: Tensor | 
 @torch.no_grad()
 def remax_advantages(rewards: Tensor, baseline_rewards: Tensor, *, valid_mask: Tensor | None = None) -> Tensor:
     """Returns [B] float32 ReMax advantages r(x, y) - r(x, y_greedy), 0 for invalid rows.
+
+    The baseline is the greedy response's reward, not a group mean: a group whose samples all score r gets
+    r - r_greedy, which is 0 only where the greedy response scores r too (Li et al.'s definition).
 
     Args:
         rewards: [B] float32 rewards of the sampled responses.
@@ -297,6 +328,8 @@ def reinforce_pp_advantages(
 
     G_t = sum_{s >= t, valid} gamma^(k(s) - k(t)) r_s over valid tokens (k counts valid tokens, so masked
     gaps neither add reward nor discount), then ``whiten`` over every valid token of the batch.
+    There is no group baseline: the rows of a constant-reward group are whitened like any other rows and
+    generally get non-zero advantages (Hu 2025's definition; use the -baseline variant for a group baseline).
 
     Args:
         token_rewards: [B, T] float32 from ``token_level_rewards`` (KL in the reward plus the outcome reward
@@ -342,7 +375,9 @@ def reinforce_pp_baseline_advantages(
 
     Invalid rows, fully masked rows and masked tokens get 0 and are left out of the group means and the
     whitening (a row the learner masked out entirely does not move its group's baseline). Use it with
-    KL in the loss (k2 or k3), as the paper does.
+    KL in the loss (k2 or k3), as the paper does. A constant-reward group is centred to exactly 0, then the
+    batch whitening maps that 0 to -mean / std of the batch's centred tokens: every token of the group gets
+    that one value, which is 0 only when the batch mean is 0 (Hu 2025's and verl's definition).
 
     Args:
         rewards: [B] float32 sequence rewards.

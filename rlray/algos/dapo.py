@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rlray.algos.advantages import group_mean_count
+from rlray.algos.advantages import group_max_min, group_mean_count
 
 
 class DynamicSamplingError(RuntimeError):
@@ -66,18 +66,10 @@ def groups_with_spread(
     if bad.any():
         row = int(bad.nonzero()[0, 0])
         raise ValueError(f"groups_with_spread: accuracies[{row}]={accuracies[row].item()} is not finite on a valid row")
-    inverse = torch.unique(group_ids, return_inverse=True)[1]
-    num_groups = int(inverse.max()) + 1 if inverse.numel() else 0
     acc = accuracies.float()
-    big = torch.finfo(acc.dtype).max
-    highest = torch.full((num_groups,), -big, dtype=acc.dtype, device=acc.device).scatter_reduce(
-        0, inverse, torch.where(valid_mask, acc, torch.full_like(acc, -big)), "amax"
-    )
-    lowest = torch.full((num_groups,), big, dtype=acc.dtype, device=acc.device).scatter_reduce(
-        0, inverse, torch.where(valid_mask, acc, torch.full_like(acc, big)), "amin"
-    )
+    highest, lowest = group_max_min(acc, group_ids, valid_mask)
     _, _, count = group_mean_count(acc, group_ids, valid_mask)
-    spread = (highest - lowest)[inverse]
+    spread = highest - lowest
     return valid_mask & (count >= 2) & (spread > min_spread)
 
 

@@ -8,6 +8,9 @@ With the log ratio ``d = logprobs - ref_logprobs`` (nats) of a token sampled fro
     k2 = d**2 / 2                   biased, low variance, >= 0; its gradient is the gradient of KL(pi || ref)
     k3 = exp(-d) - 1 + d            unbiased, low variance, >= 0 (TRL's GRPO KL)
 Source: J. Schulman, "Approximating KL Divergence" (2020), http://joschu.net/blog/kl-approx.html.
+k2 and k3 use d clamped to [-LOG_RATIO_BOUND, LOG_RATIO_BOUND] (20 nats, policy_losses.py): exp(-d) overflows fp32
+below -88.7 nats (k3 inf, gradient -inf) and d**2 past 1.8e19. Inside the bound nothing changes; outside it the
+estimate is that of the bound and passes no gradient. verl's ``kl_penalty`` clamps k3's d to [-20, 20] as well.
 
 Two ways to use them (issue 3): in the reward, ``token_level_rewards(..., kl=kl_penalty(...), kl_coef=beta)``
 (REINFORCE++, PPO; see advantages.py), or in the loss, ``per_token_loss + beta * kl_penalty(...)``
@@ -18,6 +21,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from rlray.algos.policy_losses import LOG_RATIO_BOUND
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
@@ -39,7 +44,9 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor
         ValueError: unknown estimator or shapes differ.
 
     Source: Schulman (2020); k3 is TRL 1.16 ``GRPOTrainer._compute_loss`` (grpo_trainer.py lines 3098-3101),
-    k1 the log ratio TRL's RLOOTrainer puts in the reward. No clamping (verl clamps k3 to [-10, 10]).
+    k1 the log ratio TRL's RLOOTrainer puts in the reward. k2 and k3 clamp d to +-LOG_RATIO_BOUND nats (module
+    docstring; verl clamps k3's d to [-20, 20], then k3 itself to [-10, 10], which we do not), so they are finite,
+    with a finite gradient, for any finite log ratio; TRL 1.16 does not clamp. k1 is not clamped.
     """
     if logprobs.shape != ref_logprobs.shape:
         raise ValueError(
@@ -48,8 +55,9 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor
     log_ratio = logprobs - ref_logprobs
     if estimator == "k1":
         return log_ratio
+    bounded = log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     if estimator == "k2":
-        return 0.5 * log_ratio.square()
+        return 0.5 * bounded.square()
     if estimator == "k3":
-        return torch.exp(-log_ratio) + log_ratio - 1.0
+        return torch.exp(-bounded) + bounded - 1.0
     raise ValueError(f"kl_penalty: unknown estimator {estimator!r}; expected one of {KL_ESTIMATORS}")

@@ -9,14 +9,30 @@ Shared signature of the policy losses (``rlray.algos.POLICY_LOSSES``):
 ``logprobs`` [B, T] float32 carry the gradient; ``old_logprobs`` [B, T] float32 (the policy that sampled the
 batch, as recomputed by the learner) and ``advantages`` [B, T] float32 (a per-sequence advantage broadcast by
 the caller) are detached; ``response_mask`` [B, T] bool. Losses and diagnostics are 0 at masked positions and
-values there never reach the result (``torch.where``, not products). The ratio is exp(logprobs - old_logprobs)
-with no clamping of the log ratio. Reduce with ``aggregate_loss`` (and ``masked_mean`` for diagnostics).
+values there never reach the result (``torch.where``, not products). Reduce with ``aggregate_loss`` (and
+``masked_mean`` for diagnostics).
+
+The ratio is exp(logprobs - old_logprobs) with each token's log-ratio first clamped to
+[-LOG_RATIO_BOUND, LOG_RATIO_BOUND] nats (also in GSPO, CISPO and truncated IS): exp overflows fp32 past
+88.7 nats, and an inf ratio made PPO's loss inf and its gradient inf or NaN (0 * inf in the backward of a
+``torch.where`` or ``maximum``), as stale old or rollout logprobs can produce. Inside the bound nothing changes;
+outside it the ratio is e^+-20 and the clamped log-ratio passes no gradient. Source: verl ``core_algos.py
+compute_policy_loss`` clamps negative_approx_kl to [-20, 20] before exp. TRL 1.16 does not clamp.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+LOG_RATIO_BOUND = 20.0
+"""Nats: every log-ratio is clamped to [-LOG_RATIO_BOUND, LOG_RATIO_BOUND] before exp (ratio <= 4.85e8), as verl."""
+
+
+def _log_ratio(logprobs: Tensor, other_logprobs: Tensor, response_mask: Tensor) -> Tensor:
+    """Returns [B, T] logprobs - other_logprobs clamped to +-LOG_RATIO_BOUND nats, 0 at masked positions."""
+    diff = torch.where(response_mask, logprobs - other_logprobs, torch.zeros_like(logprobs))
+    return diff.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
 
 
 def _check(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, fn: str) -> None:
@@ -68,8 +84,10 @@ def ppo_clip_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Returns (per-token loss [B, T], diagnostics) of PPO's clipped surrogate with clip-higher and dual-clip.
 
-    loss_t = max(-A r, -A clip(r, 1 - clip_eps_low, 1 + clip_eps_high)), r = exp(logprobs - old_logprobs).
-    With ``dual_clip = c`` (> 1), tokens with A < 0 use min(loss_t, -c A), bounding the loss when r >> 1.
+    loss_t = max(-A r, -A clip(r, 1 - clip_eps_low, 1 + clip_eps_high)), r = exp(logprobs - old_logprobs)
+    with the log-ratio clamped to +-LOG_RATIO_BOUND nats (module docstring; verl does the same), so the loss and
+    its gradient are finite for any finite log-ratio. With ``dual_clip = c`` (> 1), tokens with A < 0 use
+    min(loss_t, -c A), bounding the loss when r >> 1.
 
     Args:
         logprobs: [B, T] float32 current-policy log-probabilities of the sampled tokens, with grad.
@@ -83,6 +101,7 @@ def ppo_clip_loss(
     Returns:
         (loss [B, T], diagnostics): "ratio"; "clipped_low" (r < 1 - eps_low and A < 0); "clipped_high"
         (r > 1 + eps_high and A > 0); "dual_clipped" (A < 0 and the -c A bound is active); each [B, T] float32.
+        "ratio" is the bounded ratio, in [e^-20, e^20].
 
     Raises:
         ValueError: shapes differ, mask not bool, eps out of range, or dual_clip <= 1.
@@ -96,9 +115,8 @@ def ppo_clip_loss(
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"ppo_clip_loss: dual_clip={dual_clip} must be > 1 (or None)")
     zero = torch.zeros_like(logprobs)
-    log_ratio = torch.where(response_mask, logprobs - old_logprobs, zero)
     advantages = torch.where(response_mask, advantages, torch.zeros_like(advantages))
-    ratio = torch.exp(log_ratio)
+    ratio = torch.exp(_log_ratio(logprobs, old_logprobs, response_mask))
     low, high = 1.0 - clip_eps_low, 1.0 + clip_eps_high
     loss = _clip_loss(ratio, advantages, low, high)
     diagnostics = _diagnostics(ratio, advantages, response_mask, low, high)
@@ -123,7 +141,9 @@ def gspo_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Returns (per-token loss [B, T], diagnostics) of GSPO's clipped sequence-level-ratio objective.
 
-    s_i = exp(mean over valid tokens of (logprobs - old_logprobs)), the length-normalised sequence ratio.
+    s_i = exp(mean over valid tokens of (logprobs - old_logprobs)), the length-normalised sequence ratio, with
+    each token's log-ratio clamped to +-LOG_RATIO_BOUND nats first (so the mean, and s_i, are bounded too, and
+    the sum cannot overflow; verl's GSPO clamps the sequence log-ratio at 10 instead).
     Token form (GSPO-token): s_it = sg(s_i) * exp(logprobs_t - sg(logprobs_t)), whose value is s_i and whose
     gradient flows through token t only; loss_t = max(-A_t s_it, -A_t clip(s_it, 1 - eps_low, 1 + eps_high)).
     With a per-sequence advantage and ``seq-mean-token-mean`` aggregation this is exactly GSPO's objective
@@ -149,7 +169,7 @@ def gspo_loss(
     _check(logprobs, old_logprobs, advantages, response_mask, "gspo_loss")
     _check_eps(clip_eps_low, clip_eps_high, "gspo_loss")
     zero = torch.zeros_like(logprobs)
-    log_ratio = torch.where(response_mask, logprobs - old_logprobs, zero)
+    log_ratio = _log_ratio(logprobs, old_logprobs, response_mask)
     num_tokens = response_mask.sum(dim=-1, keepdim=True).clamp(min=1).to(logprobs.dtype)
     seq_log_ratio = (log_ratio.sum(dim=-1, keepdim=True) / num_tokens).detach()
     token_logprobs = torch.where(response_mask, logprobs, zero)
@@ -171,7 +191,9 @@ def cispo_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Returns (per-token loss [B, T], diagnostics) of CISPO: a REINFORCE loss weighted by a clipped, detached IS ratio.
 
-    loss_t = -sg(clip(r_t, 1 - clip_eps_low, 1 + clip_eps_high)) * A_t * logprobs_t. Unlike PPO no token loses
+    loss_t = -sg(clip(r_t, 1 - clip_eps_low, 1 + clip_eps_high)) * A_t * logprobs_t, the log-ratio of r_t clamped
+    to +-LOG_RATIO_BOUND nats (module docstring: the weight stays finite even with a huge clip_eps_high; with no
+    lower clip a ratio below e^-20 weighs e^-20). Unlike PPO no token loses
     its gradient; the clip only bounds the weight. ``clip_eps_low=1.0`` disables the lower bound (MiniMax-M1
     and TRL use none); TRL's ``epsilon_high`` (an absolute cap, e.g. 5.0) is ``1 + clip_eps_high`` here.
 
@@ -196,7 +218,7 @@ def cispo_loss(
     _check(logprobs, old_logprobs, advantages, response_mask, "cispo_loss")
     _check_eps(clip_eps_low, clip_eps_high, "cispo_loss")
     zero = torch.zeros_like(logprobs)
-    ratio = torch.exp(torch.where(response_mask, logprobs - old_logprobs, zero)).detach()
+    ratio = torch.exp(_log_ratio(logprobs, old_logprobs, response_mask)).detach()
     low, high = 1.0 - clip_eps_low, 1.0 + clip_eps_high
     weight = ratio.clamp(low, high)
     advantages = torch.where(response_mask, advantages, torch.zeros_like(advantages))
@@ -218,7 +240,9 @@ def truncated_is_weights(
     Corrects the mismatch between the rollout engine (vLLM) and the learner's recomputation of the same
     policy: multiply the per-token policy loss by these weights before aggregation. "token" uses the
     per-token ratio exp(old_logprobs_t - rollout_logprobs_t); "sequence" uses the product over the valid
-    tokens of the row, exp(sum_t (old - rollout)), on every token of the row.
+    tokens of the row, exp(sum_t (old - rollout)), on every token of the row. Each token's log-ratio is clamped
+    to +-LOG_RATIO_BOUND nats first (module docstring), so the row sum is finite and no inf - inf makes a NaN;
+    weights inside the bound are unchanged.
 
     Args:
         old_logprobs: [B, T] float32 learner log-probabilities of the sampled tokens (before the update).
@@ -244,7 +268,7 @@ def truncated_is_weights(
     if level not in ("token", "sequence"):
         raise ValueError(f"truncated_is_weights: unknown level {level!r}; expected 'token' or 'sequence'")
     zero = torch.zeros_like(old_logprobs)
-    diff = torch.where(response_mask, old_logprobs - rollout_logprobs, zero)
+    diff = _log_ratio(old_logprobs, rollout_logprobs, response_mask)
     if level == "sequence":
         diff = diff.sum(dim=-1, keepdim=True).expand_as(diff)
     return torch.where(response_mask, torch.exp(diff).clamp(max=cap), zero)

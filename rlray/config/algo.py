@@ -56,7 +56,8 @@ class AlgoConfig(_Section):
         description=(
             "Online: truncated importance-sampling cap C for samples drawn by a mismatched or stale behaviour "
             "policy (the rollout engine; async mode lags by up to rollout.max_staleness versions): the per-token "
-            "loss is weighted by min(pi_old/pi_rollout, C) (Yao et al. 2025; TRL's vLLM correction uses 2.0); "
+            "loss is weighted by min(pi_old/pi_rollout, C) (Yao et al. 2025 use 2.0; TRL 1.16's vLLM correction "
+            "defaults to 3.0, vllm_importance_sampling_clip_max); "
             "None off."
         ),
     )

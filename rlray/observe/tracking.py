@@ -9,6 +9,10 @@ it could not write (with their original steps and timestamps), warns once per ou
 in order, at the next write that gets through (a warning says so). ``close`` retries for a while at the
 end of the run; what still cannot be written is saved to a JSON Lines file and named in an error, never
 dropped. Errors that retrying cannot fix (``INVALID_PARAMETER_VALUE``, a deleted run) are raised.
+
+A sqlite store is created (MLflow's tables and schema migrations) once per file, under a file lock, before
+any other use (``ensure_store``): rlray commands started together on a fresh working folder would otherwise
+all run MLflow's migrations at once, and all but one die in them.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import time
 from pathlib import Path
 
 import mlflow
+from filelock import FileLock
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
@@ -100,28 +105,99 @@ EVAL_KEYS: tuple[str, ...] = (
     "eval/rejected_reward",
 )
 
-_BAD = re.compile(r"[^0-9A-Za-z_\-. /]")
+# What MLflow 3 accepts in a metric name on Linux and macOS (mlflow/utils/validation.py,
+# validate_param_and_metric_name: r"^[/\w.\- :]*$"): alphanumerics and underscores (\w, Unicode), dashes,
+# periods, spaces, colons and slashes. Everything else becomes "_".
+_BAD = re.compile(r"[^\w\-. :/]")
 
 
 def sanitize_key(key: str) -> str:
-    """Returns ``key`` with characters MLflow rejects replaced by '_' (keeps a-z, 0-9, _ - . / space)."""
+    """Returns ``key`` with each character MLflow rejects in a metric name replaced by '_'.
+
+    Kept: what MLflow allows (alphanumerics, underscores, dashes, periods, spaces, colons, slashes). Two keys
+    that differ only in replaced characters ("loss@0", "loss#0") become one; ``KeySanitizer`` refuses that.
+    """
     return _BAD.sub("_", key)
+
+
+class KeySanitizer:
+    """Sanitises metric keys (``sanitize_key``) and refuses two different keys that would become one.
+
+    It remembers every key it has seen, so a collision is caught across calls as well as within one.
+    """
+
+    def __init__(self) -> None:
+        self._source: dict[str, str] = {}  # sanitised key -> the original key that took it
+
+    def __call__(self, key: str) -> str:
+        """Returns the MLflow key of ``key``.
+
+        Raises:
+            ValueError: another key already became the same MLflow key; names both keys and the shared one.
+        """
+        clean = sanitize_key(key)
+        first = self._source.setdefault(clean, key)
+        if first != key:
+            raise ValueError(
+                f"metric keys {first!r} and {key!r} both become the MLflow key {clean!r} (MLflow allows only "
+                "alphanumerics, '_', '-', '.', ' ', ':' and '/'; the rest become '_'); rename one of them"
+            )
+        return clean
 
 
 def resolve_tracking_uri(uri: str, base: Path | None = None) -> str:
     """Returns ``uri`` with a relative sqlite path made absolute against ``base`` (default: cwd).
 
     Ray workers and jobs may run in another folder than the user's shell; resolving once on the
-    driver keeps every process on the same store. The sqlite file's folder is created.
+    driver keeps every process on the same store. The sqlite file's folder is created; the store itself
+    is created at first use (``ensure_store``).
     """
     prefix = "sqlite:///"
     if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
         path = (base or Path.cwd()) / uri[len(prefix) :]
         path.parent.mkdir(parents=True, exist_ok=True)
-        return prefix + str(path.resolve())
-    if uri.startswith(prefix):
+        uri = prefix + str(path.resolve())
+    elif uri.startswith(prefix):
         Path(uri[len(prefix) - 1 :]).parent.mkdir(parents=True, exist_ok=True)
     return uri
+
+
+_READY_STORES: set[str] = set()  # sqlite URIs this process has created or checked
+STORE_LOCK_TIMEOUT_S = 600.0
+
+
+def ensure_store(uri: str) -> None:
+    """Creates the MLflow store at a sqlite ``uri`` (tables and schema migrations) once, under a file lock.
+
+    MLflow creates a sqlite store on first use, running its alembic migrations; processes that do this at
+    the same time on a fresh file fail ("duplicate column name" in a migration). Here the first process to
+    take ``<db file>.lock`` creates the store and the others, waiting on the lock, find it made. Other URIs
+    (a tracking server, in-memory sqlite) are left alone, and each URI is checked once per process. A
+    store at an older schema is not upgraded here: MLflow's error asks to back it up and run
+    ``mlflow db upgrade <uri>``.
+
+    Args:
+        uri: MLflow tracking URI; a relative sqlite path is taken against the working folder.
+
+    Raises:
+        filelock.Timeout: another process held the lock for ``STORE_LOCK_TIMEOUT_S`` seconds.
+        mlflow.exceptions.MlflowException: the store cannot be created, or its schema is out of date.
+    """
+    prefix = "sqlite:///"
+    db = uri[len(prefix) :].split("?", 1)[0]
+    if not uri.startswith(prefix) or db in ("", ":memory:") or uri in _READY_STORES:
+        return
+    path = Path(db)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{path}.lock", timeout=STORE_LOCK_TIMEOUT_S):
+        MlflowClient(tracking_uri=uri).search_experiments(max_results=1)  # opening the store creates it
+    _READY_STORES.add(uri)
+
+
+def _client(uri: str) -> MlflowClient:
+    """Returns an ``MlflowClient`` for ``uri`` after ``ensure_store``."""
+    ensure_store(uri)
+    return MlflowClient(tracking_uri=uri)
 
 
 # MLflow error codes that retrying cannot fix: raised at once instead of buffered.
@@ -135,6 +211,21 @@ class StoreUnavailableError(RuntimeError):
 def _retryable(err: BaseException) -> bool:
     """Returns True for a store error worth waiting out (the store is down), False for a bad request."""
     return not (isinstance(err, MlflowException) and err.error_code in _CLIENT_ERRORS)
+
+
+def _experiment_id(client: MlflowClient, name: str) -> str:
+    """Returns the id of experiment ``name``, created when missing (another process may create it first)."""
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    try:
+        return client.create_experiment(name)
+    except MlflowException as err:
+        exp = client.get_experiment_by_name(name)
+        if exp is None:
+            raise
+        log.debug("experiment %r was created by another process (%s)", name, err.error_code)
+        return exp.experiment_id
 
 
 class Tracker:
@@ -154,9 +245,8 @@ class Tracker:
     def __init__(self, uri: str, experiment: str, *, run_id: str | None = None, run_name: str | None = None,
                  client: MlflowClient | None = None) -> None:
         self.uri = uri
-        self.client = client or MlflowClient(tracking_uri=uri)
-        exp = self.client.get_experiment_by_name(experiment)
-        self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(experiment)
+        self.client = client or _client(uri)
+        self.experiment_id = _experiment_id(self.client, experiment)
         if run_id is None:
             run = self.client.create_run(self.experiment_id, run_name=run_name)
             run_id = run.info.run_id
@@ -165,6 +255,7 @@ class Tracker:
         self._tags: dict[str, str] = {}
         self._texts: list[tuple[str, str]] = []
         self._down_since: float | None = None
+        self._key = KeySanitizer()
 
     @property
     def pending(self) -> int:
@@ -184,10 +275,15 @@ class Tracker:
         self.set_tags({"rlray.config_hash": cfg.config_hash()})
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        """Logs ``metrics`` at ``step`` (buffered while the store is down); keys are sanitised, non-finite
-        values are logged as they are."""
+        """Logs ``metrics`` at ``step`` (buffered while the store is down); non-finite values are logged as they are.
+
+        Keys are sanitised (``sanitize_key``: characters MLflow rejects become '_').
+
+        Raises:
+            ValueError: two different keys of this run become the same MLflow key (``KeySanitizer``).
+        """
         ts = int(time.time() * 1000)
-        self._metrics.extend(Metric(sanitize_key(k), float(v), ts, step) for k, v in metrics.items())
+        self._metrics.extend(Metric(self._key(k), float(v), ts, step) for k, v in metrics.items())
         self.flush()
 
     def set_tags(self, tags: dict[str, str]) -> None:
@@ -321,7 +417,7 @@ class Tracker:
 def model_versions(uri: str, name: str, *, run_id: str | None = None, tag: tuple[str, str] | None = None) -> list[dict]:
     """Returns the versions of registered model ``name`` (optionally of one run, or with one tag value),
     oldest first, each as {version, run_id, source, tags}."""
-    client = MlflowClient(tracking_uri=uri)
+    client = _client(uri)
     query = f"name='{name}'"
     if run_id:
         query += f" and run_id='{run_id}'"
@@ -334,20 +430,20 @@ def model_versions(uri: str, name: str, *, run_id: str | None = None, tag: tuple
 
 def model_version(uri: str, name: str, version: str) -> dict:
     """Returns one version of registered model ``name`` as {version, run_id, source, tags}."""
-    v = MlflowClient(tracking_uri=uri).get_model_version(name, version)
+    v = _client(uri).get_model_version(name, version)
     return {"version": str(v.version), "run_id": v.run_id, "source": v.source, "tags": dict(v.tags)}
 
 
 def get_run_metrics(uri: str, run_id: str) -> dict[str, list[tuple[int, float]]]:
     """Returns {metric key: [(step, value), ...]} of a run, sorted by step (for tests and eval tools)."""
-    client = MlflowClient(tracking_uri=uri)
+    client = _client(uri)
     keys = client.get_run(run_id).data.metrics.keys()
     return {k: sorted((m.step, m.value) for m in client.get_metric_history(run_id, k)) for k in keys}
 
 
 def get_run(uri: str, run_id: str) -> mlflow.entities.Run:
     """Returns the MLflow run entity (params, tags, status)."""
-    return MlflowClient(tracking_uri=uri).get_run(run_id)
+    return _client(uri).get_run(run_id)
 
 
 def child_runs(
@@ -357,7 +453,7 @@ def child_runs(
 
     The search covers the parent's experiment, or ``experiment`` (a name) when no parent is given.
     """
-    client = MlflowClient(tracking_uri=uri)
+    client = _client(uri)
     if parent_run_id:
         experiment_id = client.get_run(parent_run_id).info.experiment_id
     else:

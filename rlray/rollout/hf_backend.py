@@ -1,9 +1,10 @@
 """The transformers backend of RolloutEngine: a small fallback for machines without vLLM.
 
 It samples with `model.generate` (temperature, top-p; no top-k or penalties) and reads each
-generated token's logprob from the RAW logits (`output_logits=True`, taken before any logits
-processor), so rollout_logprobs mean the same as with the vLLM backend: log_softmax of the
-model's logits at temperature 1.
+generated token's logprob from the raw logits (`output_logits=True`, taken before any logits
+processor) divided by the temperature, so rollout_logprobs mean the same as with the vLLM
+backend and the learner: log_softmax(logits / temperature) (greedy: the raw logits). Unlike
+vLLM, top-p truncation is not renormalised into them.
 """
 
 from __future__ import annotations

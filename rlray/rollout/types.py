@@ -62,9 +62,12 @@ class Completion:
         response_token_ids: generated token ids, INCLUDING the EOS token when
             finish_reason == "stop".
         rollout_logprobs: per generated token, the log-probability (nats) of that token under
-            the engine's RAW model, i.e. log_softmax of the logits at temperature 1 with no
-            top-p or other processing; same length as response_token_ids. This is what the
-            learner's logprobs are compared with.
+            the behaviour policy that sampled it: log_softmax(logits / temperature), the raw
+            logits for greedy (temperature 0); same length as response_token_ids. The learner
+            scales its logits by the same temperature (rlray.learner.response_logprobs, as TRL
+            and verl do), so the two compare like with like. Top-p: the vllm backend
+            renormalises over the kept nucleus, the hf backend does not; with top_p = 1 both
+            equal the learner's logprobs.
         finish_reason: "stop" (an EOS/stop token was generated) or "length" (hit max_new_tokens).
         policy_version: the engine's policy version when this was generated.
         loss_mask: per response token, True where the token was sampled by the policy and counts in

@@ -167,6 +167,9 @@ class VllmBackend:
     ) -> list[Completion]:
         """Returns n completions per prompt, prompt-major, with behaviour-policy logprobs.
 
+        rollout_logprobs are vLLM's processed logprobs: log_softmax(logits / temperature) after
+        top-p truncation (greedy: the raw logits), not temperature-1 logprobs.
+
         Args:
             prompt_token_ids: P prompts, each a non-empty list of token ids.
             sampling: what to sample; seeds per request as in SamplingSpec.

@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rlray.algos import (
     GROUP_ADVANTAGES,
@@ -18,6 +20,7 @@ from rlray.algos import (
     token_level_rewards,
     whiten,
 )
+from rlray.algos.advantages import group_mean_count
 
 ATOL = 1e-6
 
@@ -223,6 +226,86 @@ def test_reinforce_pp_masked_values_do_not_matter(gen, ragged_mask):
     torch.testing.assert_close(reinforce_pp_advantages(noisy, mask), reinforce_pp_advantages(rewards, mask))
     kl = torch.where(mask, torch.rand(4, 4, generator=gen), torch.full((4, 4), float("nan")))
     assert torch.isfinite(token_level_rewards(torch.ones(4), mask, kl=kl, kl_coef=0.1)).all()
+
+
+# --------------------------------------------------------------------------------------------
+# Properties (hypothesis): constant groups give exactly 0 in every group-baseline estimator
+# --------------------------------------------------------------------------------------------
+# Every estimator with a group baseline: GRPO with each std scale and eps (dapo, gspo and cispo use GRPO's),
+# Dr.GRPO and RLOO.
+BASELINE_FNS = {
+    **{
+        f"grpo_{scale}_{eps:g}": (lambda s, e: lambda r, g, v: grpo_advantages(r, g, std_scale=s, eps=e, valid_mask=v))(
+            scale, eps
+        )
+        for scale in ("group", "batch", "none")
+        for eps in (1e-8, 1e-6, 1e-4)
+    },
+    "dr_grpo": lambda r, g, v: dr_grpo_advantages(r, g, valid_mask=v),
+    "rloo": lambda r, g, v: rloo_advantages(r, g, valid_mask=v),
+}
+DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+# rewards people use (fractions of a rubric, 0/1, +-1, shaped scores) and any float32 value
+REWARD_VALUES = st.one_of(
+    st.sampled_from([0.0, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0, -1.0, -0.5, 1 / 3, 2 / 3, 0.05, 5.3, 100.1, 1e-3]),
+    st.floats(-1e4, 1e4, allow_nan=False, width=32),
+)
+
+
+@settings(derandomize=True, max_examples=300, deadline=None)
+@given(
+    size=st.integers(1, 64),
+    value=REWARD_VALUES,
+    dtype=st.sampled_from(DTYPES),
+    other=st.lists(st.sampled_from([0.0, 0.25, 0.5, 1.0, -2.0]), min_size=0, max_size=6),
+    invalid=st.lists(st.booleans(), min_size=64, max_size=64),
+)
+def test_constant_group_is_exactly_zero_in_every_group_estimator(size, value, dtype, other, invalid):
+    # a constant group (rows 0..size-1, some rows invalid with garbage rewards) next to an optional other group,
+    # so that the batch std is the other group's; the constant group's advantages must be exactly 0
+    rewards = torch.tensor([value] * size + other, dtype=torch.float64).to(dtype)
+    group_ids = torch.tensor([5] * size + [2] * len(other))
+    valid = torch.ones(rewards.shape, dtype=torch.bool)
+    valid[:size] = ~torch.tensor(invalid[:size]) | (torch.arange(size) == 0)  # at least one valid row
+    rewards[:size] = torch.where(valid[:size], rewards[:size], torch.tensor(float("nan"), dtype=dtype))
+    for name, fn in BASELINE_FNS.items():
+        out = fn(rewards, group_ids, valid)
+        assert out.dtype == dtype, name
+        assert torch.isfinite(out).all(), name
+        assert (out[:size] == 0).all(), (name, out[:size].tolist())
+
+
+@settings(derandomize=True, max_examples=200, deadline=None)
+@given(
+    rewards=st.lists(st.sampled_from([0.0, 0.1, 0.3, 0.7, 1.0, 1 / 3, -1.0]), min_size=2, max_size=32),
+    dtype=st.sampled_from(DTYPES),
+)
+def test_group_mean_of_a_non_constant_group_is_sum_over_count(rewards, dtype):
+    # the exact-mean rule only touches constant groups: every other group keeps sum / count, bit for bit
+    r = torch.tensor(rewards, dtype=torch.float64).to(dtype)
+    group_ids = torch.zeros(len(rewards), dtype=torch.int64)
+    _, mean, count = group_mean_count(r, group_ids, torch.ones_like(r, dtype=torch.bool))
+    index_add_sum = torch.zeros(1, dtype=dtype).index_add_(0, group_ids, r)[0]  # the summation order of before
+    expected = index_add_sum / torch.tensor(float(len(rewards)), dtype=dtype) if r.max() != r.min() else r[0]
+    assert count[0] == len(rewards)
+    assert (mean == expected).all()
+
+
+@settings(derandomize=True, max_examples=100, deadline=None)
+@given(size=st.integers(1, 32), value=REWARD_VALUES, dtype=st.sampled_from(DTYPES))
+def test_estimators_without_a_group_baseline_follow_their_definitions(size, value, dtype):
+    # REINFORCE++-baseline centres a constant group to exactly 0, and whitening maps that 0 to -mean/std of the
+    # batch's centred tokens; with a second group [0, 1] and equal lengths that mean is 0, so the output is 0
+    rewards = torch.tensor([value] * size + [0.0, 1.0], dtype=torch.float64).to(dtype)
+    group_ids = torch.tensor([1] * size + [0, 0])
+    mask = torch.ones(size + 2, 3, dtype=torch.bool)
+    out = reinforce_pp_baseline_advantages(rewards, group_ids, mask)
+    assert torch.isfinite(out).all() and (out[:size] == 0).all()
+    # ReMax: r - r_greedy, 0 only where the greedy response scores the same
+    base = torch.full_like(rewards, value)
+    assert (remax_advantages(rewards, base)[:size] == 0).all()
+    # REINFORCE++ has no baseline: it whitens the returns of the batch, finite even for one constant group
+    assert torch.isfinite(reinforce_pp_advantages(token_level_rewards(rewards[:size], mask[:size]), mask[:size])).all()
 
 
 # --------------------------------------------------------------------------------------------

@@ -6,8 +6,10 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from rlray.algos import KL_ESTIMATORS, kl_penalty
+from rlray.algos import KL_ESTIMATORS, LOG_RATIO_BOUND, kl_penalty
 
 ATOL = 1e-6
 
@@ -54,3 +56,35 @@ def test_kl_errors():
         kl_penalty(torch.zeros(1, 2), torch.zeros(1, 2), "k4")
     with pytest.raises(ValueError, match="differ"):
         kl_penalty(torch.zeros(1, 2), torch.zeros(1, 3), "k1")
+
+
+FP32_MAX = float(torch.finfo(torch.float32).max)
+
+
+@settings(derandomize=True, max_examples=300, deadline=None)
+@given(
+    log_ratio=st.one_of(st.sampled_from([20.0, -20.0, 88.8, -88.8, -104.0, 2e19, -2e19, FP32_MAX, -FP32_MAX]),
+                        st.floats(-FP32_MAX, FP32_MAX, width=32)),  # fmt: skip
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
+    estimator=st.sampled_from(KL_ESTIMATORS),
+)
+def test_kl_is_finite_with_a_finite_gradient_for_any_log_ratio(log_ratio, dtype, estimator):
+    # k3's exp(-d) overflows fp32 below -88.7 nats and k2's d**2 past 1.8e19: both clamp d to +-20 nats first
+    lp = torch.full((1, 1), -1.0, dtype=dtype, requires_grad=True)
+    ref = (torch.full((1, 1), -1.0, dtype=torch.float64) - log_ratio).to(dtype)
+    if not torch.isfinite(ref).all():  # beyond bfloat16's range
+        return
+    kl = kl_penalty(lp, ref, estimator)
+    kl.sum().backward()
+    assert torch.isfinite(kl).all() and torch.isfinite(lp.grad).all(), (kl, lp.grad)
+
+
+@settings(derandomize=True, max_examples=200, deadline=None)
+@given(d=st.floats(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+def test_kl_inside_the_bound_is_the_unclamped_formula(d):
+    # float64, d = logprobs - ref within +-20 nats: exactly Schulman's k1, k2, k3 (TRL's k3), no clamping visible
+    lp, ref = torch.zeros(1, 1, dtype=torch.float64), torch.full((1, 1), -d, dtype=torch.float64)
+    diff = lp - ref
+    assert torch.equal(kl_penalty(lp, ref, "k1"), diff)
+    assert torch.equal(kl_penalty(lp, ref, "k2"), 0.5 * diff.square())
+    assert torch.equal(kl_penalty(lp, ref, "k3"), torch.exp(-diff) + diff - 1.0)

@@ -6,17 +6,23 @@ import math
 
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from rlray.algos import (
+    LOG_RATIO_BOUND,
     POLICY_LOSSES,
     aggregate_loss,
     cispo_loss,
     entropy_bonus_loss,
     entropy_from_logits,
     gspo_loss,
+    kl_penalty,
     ppo_clip_loss,
     truncated_is_weights,
 )
+from rlray.algos import kl as kl_module
+from rlray.algos import policy_losses as policy_losses_module
 
 ATOL = 1e-6
 
@@ -178,6 +184,111 @@ def test_entropy_matches_torch_distributions(gen):
     logits = torch.randn(2, 3, 11, generator=gen) * 3
     expected = torch.distributions.Categorical(logits=logits).entropy()
     torch.testing.assert_close(entropy_from_logits(logits), expected, atol=ATOL, rtol=0)
+
+
+# --------------------------------------------------------------------------------------------
+# Properties (hypothesis): huge log-ratios give a finite loss and gradient; inside the bound nothing changes
+# --------------------------------------------------------------------------------------------
+# every policy loss with each of its options: PPO's clip, clip-higher and dual clip, GSPO's tiny ranges, CISPO
+# with and without a lower clip and with a cap so large that only the log-ratio bound keeps the weight finite
+LOSS_OPTIONS = {
+    "ppo_clip": (ppo_clip_loss, {"clip_eps_low": 0.2, "clip_eps_high": 0.2}),
+    "ppo_clip_higher": (ppo_clip_loss, {"clip_eps_low": 0.2, "clip_eps_high": 0.28}),
+    "ppo_dual_clip": (ppo_clip_loss, {"clip_eps_low": 0.2, "clip_eps_high": 0.28, "dual_clip": 3.0}),
+    "gspo": (gspo_loss, {"clip_eps_low": 3e-4, "clip_eps_high": 4e-4}),
+    "cispo": (cispo_loss, {"clip_eps_low": 1.0, "clip_eps_high": 4.0}),
+    "cispo_lower_clip": (cispo_loss, {"clip_eps_low": 0.2, "clip_eps_high": 0.28}),
+    "cispo_no_cap": (cispo_loss, {"clip_eps_low": 1.0, "clip_eps_high": 1e30}),
+}
+FP32_MAX = float(torch.finfo(torch.float32).max)
+# log-ratios (nats) near the bound, past exp's fp32 overflow (88.7), and anywhere up to the fp32 limits
+HUGE_LOG_RATIOS = st.one_of(
+    st.sampled_from([0.0, 19.9, 20.0, 20.5, -20.5, 88.0, 88.8, 89.0, -104.0, 1e4, -1e4, 1e30, FP32_MAX, -FP32_MAX]),
+    st.floats(-FP32_MAX, FP32_MAX, width=32),
+)
+
+
+def _objective(name, lp, log_ratios, rollout_log_ratios, ref_log_ratios, advantage, tis, kl, dtype):
+    """Returns (token-mean objective, logprobs leaf): a policy loss with optional TIS weights and KL in the loss.
+
+    Each list has one entry per valid token, plus a masked token of garbage; old = lp - log_ratio, rollout =
+    old - rollout_log_ratio, ref = lp - ref_log_ratio, all built in float64 and cast to dtype.
+    """
+    fn, kwargs = LOSS_OPTIONS[name]
+
+    def row(values, pad):
+        return torch.tensor([[*values, pad]], dtype=torch.float64)
+
+    lp64 = row(lp, -1.0)
+    old = (lp64 - row(log_ratios, float("nan"))).to(dtype)
+    rollout = (old.double() - row(rollout_log_ratios, float("nan"))).to(dtype)
+    ref = (lp64 - row(ref_log_ratios, float("nan"))).to(dtype)
+    assume(torch.isfinite(old[:, :-1]).all() and torch.isfinite(rollout[:, :-1]).all() and torch.isfinite(ref[:, :-1]).all())
+    x = lp64.to(dtype).requires_grad_(True)
+    mask = torch.tensor([[True] * len(lp) + [False]])
+    adv = torch.full_like(x, advantage).detach()
+    loss, _ = fn(x, old, adv, mask, **kwargs)
+    if tis is not None:
+        loss = loss * truncated_is_weights(old, rollout, mask, cap=3.0, level=tis)
+    if kl is not None:
+        loss = loss + 0.04 * kl_penalty(x, ref, kl)
+    return aggregate_loss(loss, mask, "token-mean"), x
+
+
+@pytest.mark.parametrize("name", sorted(LOSS_OPTIONS))
+@settings(derandomize=True, max_examples=120, deadline=None)
+@given(
+    data=st.data(),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
+    advantage=st.floats(-10.0, 10.0),
+    tis=st.sampled_from([None, "token", "sequence"]),
+    kl=st.sampled_from([None, "k1", "k2", "k3"]),
+)
+def test_huge_log_ratios_give_finite_loss_and_gradient(name, data, dtype, advantage, tis, kl):
+    n = data.draw(st.integers(1, 5), label="tokens")  # short responses: GSPO's mean barely dilutes a huge token
+    tokens = st.lists(HUGE_LOG_RATIOS, min_size=n, max_size=n)
+    lp = data.draw(st.lists(st.floats(-30.0, 0.0, width=32), min_size=n, max_size=n), label="logprobs")
+    log_ratios, rollout, ref = data.draw(tokens), data.draw(tokens), data.draw(tokens)
+    total, x = _objective(name, lp, log_ratios, rollout, ref, advantage, tis, kl, dtype)
+    total.backward()
+    assert torch.isfinite(total), (name, total)
+    assert torch.isfinite(x.grad).all(), (name, x.grad)
+
+
+@pytest.mark.parametrize("name", sorted(LOSS_OPTIONS))
+@settings(derandomize=True, max_examples=60, deadline=None)
+@given(
+    data=st.data(),
+    advantage=st.floats(-10.0, 10.0),
+    tis=st.sampled_from([None, "token", "sequence"]),
+    kl=st.sampled_from([None, "k1", "k2", "k3"]),
+)
+def test_inside_the_bound_the_loss_and_gradient_are_unchanged(name, data, advantage, tis, kl):
+    # the same objective with the bound lifted (patched to inf) is equal bit for bit when every log-ratio is inside
+    n = data.draw(st.integers(1, 5), label="tokens")
+    tokens = st.lists(st.floats(-LOG_RATIO_BOUND, LOG_RATIO_BOUND), min_size=n, max_size=n)
+    lp = data.draw(st.lists(st.floats(-30.0, 0.0), min_size=n, max_size=n), label="logprobs")
+    log_ratios, rollout, ref = data.draw(tokens), data.draw(tokens), data.draw(tokens)
+    results = []
+    for bound in (LOG_RATIO_BOUND, float("inf")):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(policy_losses_module, "LOG_RATIO_BOUND", bound)
+            patch.setattr(kl_module, "LOG_RATIO_BOUND", bound)
+            total, x = _objective(name, lp, log_ratios, rollout, ref, advantage, tis, kl, torch.float64)
+            total.backward()
+            results.append((total.detach(), x.grad))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def test_the_bound_is_verls_20_nats():
+    # verl core_algos.py compute_policy_loss: negative_approx_kl = torch.clamp(negative_approx_kl, min=-20.0, max=20.0)
+    assert LOG_RATIO_BOUND == 20.0
+    lp = torch.zeros(1, 1, requires_grad=True)
+    loss, diag = ppo_clip_loss(lp, torch.full((1, 1), -1000.0), -torch.ones(1, 1), torch.ones(1, 1, dtype=torch.bool),
+                               clip_eps_low=0.2, clip_eps_high=0.2)  # fmt: skip
+    close(diag["ratio"], [[math.exp(20.0)]])
+    loss.sum().backward()
+    assert lp.grad.item() == 0.0  # past the bound the clamped log-ratio passes no gradient
 
 
 @pytest.mark.parametrize(

@@ -74,6 +74,18 @@ def test_kl_in_the_reward_enters_the_advantage():
     assert ADVANTAGE_ESTIMATORS["dr_grpo"](d, AdvantageSpec(), _local)["advantages"].abs().max() == 0
 
 
+@pytest.mark.parametrize("std_scale", ["group", "batch"])
+def test_constant_groups_get_exactly_zero_in_every_group_baseline_algo(std_scale):
+    # groups of 3 x 0.1 and 7 x 0.7 (fp32 sum / count misses both by an ulp) next to a group with spread
+    rewards = torch.tensor([0.1] * 3 + [0.7] * 7 + [0.0, 1.0])
+    d = {"reward": rewards, "group_id": torch.tensor([0] * 3 + [1] * 7 + [2] * 2),
+         "response_mask": torch.ones(12, 2, dtype=torch.bool)}  # fmt: skip
+    for name in ("grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo"):
+        adv = ADVANTAGE_ESTIMATORS[name](dict(d), AdvantageSpec(std_scale=std_scale, eps=1e-6), _local)["advantages"]
+        assert (adv[:10] == 0).all(), (name, adv[:10, 0].tolist())
+        assert (adv[10:, 0] != 0).all(), name
+
+
 def _two_ranks(fn):
     """Runs fn(rank, sum_fn) on 2 threads whose sum_fn all-reduces a 0-dim tensor; returns both results."""
     barrier, slots, out = threading.Barrier(2), [None, None], [None, None]

@@ -168,11 +168,13 @@ def test_logprobs_match_transformers(engine: RolloutEngine, tiny_hf, prompts, te
         assert max_abs_diff(c, tiny_hf, prompts[c.prompt_index], temperature) < ATOL_NATS
 
 
-def test_logprobs_are_temperature_scaled_not_raw(engine: RolloutEngine, tiny_hf, prompts):
+@pytest.mark.parametrize("temperature", [0.5, 0.7])
+def test_logprobs_are_temperature_scaled_not_raw(engine: RolloutEngine, tiny_hf, prompts, temperature: float):
+    # Completion.rollout_logprobs is documented as log_softmax(logits / T): the behaviour policy at T (what the
+    # learner computes with logits / T), not the raw model at T=1.
     prompt = prompts[1]
-    c = engine.generate([prompt], SamplingSpec(n=1, max_new_tokens=16, temperature=0.5, seed=2))[0]
-    # The behaviour policy at T=0.5 (what the learner computes with logits / T), not the raw model.
-    assert max_abs_diff(c, tiny_hf, prompt, 0.5) < ATOL_NATS
+    c = engine.generate([prompt], SamplingSpec(n=1, max_new_tokens=16, temperature=temperature, seed=2))[0]
+    assert max_abs_diff(c, tiny_hf, prompt, temperature) < ATOL_NATS
     assert max_abs_diff(c, tiny_hf, prompt, 1.0) > 100 * ATOL_NATS
 
 
