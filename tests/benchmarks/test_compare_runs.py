@@ -1,0 +1,54 @@
+"""benchmarks/compare_runs.py: two MLflow runs repeat each other, key by key and step by step."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import sys
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def compare():
+    sys.path.insert(0, str(BENCH))
+    try:
+        yield importlib.import_module("compare_runs")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def _run(client: MlflowClient, exp: str, metrics: dict[str, list[tuple[int, float]]]) -> str:
+    run = client.create_run(exp)
+    for key, series in metrics.items():
+        for step, value in series:
+            client.log_metric(run.info.run_id, key, value, step=step)
+    client.set_terminated(run.info.run_id)
+    return run.info.run_id
+
+
+def test_equal_runs_pass_and_a_difference_fails(compare, tmp_path, capsys):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("cmp")
+    base = {"reward/mean": [(1, 0.113), (2, 0.25)], "timing/step_s": [(1, 40.0)], "monitor/rss_gib": [(0, 2.0)]}
+    a = _run(client, exp, base)
+    b = _run(client, exp, {**base, "timing/step_s": [(1, 39.0)], "monitor/rss_gib": [(0, 2.5)]})  # ignored keys differ
+    c = _run(client, exp, {**base, "reward/mean": [(1, 0.113), (2, 0.2500001)]})
+    d = _run(client, exp, {**base, "algo/kl": [(1, 0.0)]})  # a key only one run has
+    assert compare.main([a, b, "--tracking-uri", uri]) == 0
+    assert compare.main([a, c, "--tracking-uri", uri]) == 1
+    out = capsys.readouterr().out
+    assert "reward/mean" in out and "DIFF" in out
+    assert compare.main([a, c, "--tracking-uri", uri, "--atol", "1e-6"]) == 0  # |0.25 - 0.2500001| = 1e-7
+    assert compare.main([a, d, "--tracking-uri", uri]) == 1
+
+
+def test_nan_equals_nan_and_not_a_number(compare):
+    assert compare.value_diff(math.nan, math.nan) == 0.0
+    assert compare.value_diff(1.0, math.nan) == math.inf
+    assert compare.compare_series([(1, 1.0)], [(1, 1.0), (2, 2.0)], 0.0)[2] == "steps differ"  # a step only one run has
