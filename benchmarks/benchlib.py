@@ -319,17 +319,24 @@ def gsm8k_train_file() -> Path:
     return fetch_dataset("gsm8k", REPO / "data") / "train.jsonl"
 
 
+def gsm8k_instruction() -> str:
+    """Returns the GSM8K one-shot instruction of the demo config (configs/grpo_gsm8k_smollm2.yaml, data.instruction)."""
+    from rlray.config import load_config
+
+    return load_config(REPO / "configs" / "grpo_gsm8k_smollm2.yaml").data.instruction
+
+
 def gsm8k_prompts(model: str, count: int, max_tokens: int) -> tuple[list[Any], list[list[int]]]:
     """Returns (rows, token ids) of the first ``count`` GSM8K train questions whose prompt, rendered as rlray
-    renders it for ``model`` (chat template, the default instruction), has at most ``max_tokens`` tokens."""
-    from rlray.config import DataConfig
+    renders it for ``model`` (chat template, the demo config's GSM8K instruction), has at most ``max_tokens`` tokens."""
     from rlray.data import load_prompt_rows, render_prompt
     from rlray.models import load_tokenizer, resolve_model_path
 
     tokenizer = load_tokenizer(resolve_model_path(model))
+    instruction = gsm8k_instruction()
     rows, ids = [], []
-    for row in load_prompt_rows([str(gsm8k_train_file())]):
-        rendered = render_prompt(tokenizer, row.question, instruction=DataConfig().instruction, system_prompt=None)
+    for row in load_prompt_rows([str(gsm8k_train_file())], prompt_column="question"):
+        rendered = render_prompt(tokenizer, row.prompt, instruction=instruction, system_prompt=None)
         if len(rendered) <= max_tokens:
             rows.append(row)
             ids.append(rendered)

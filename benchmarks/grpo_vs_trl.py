@@ -9,7 +9,7 @@ Every run gets the same model, prompts (the first GSM8K train questions, in file
 shuffling), samples per prompt, max new tokens, learning rate (constant, AdamW, grad-norm clip 1.0),
 KL (k3, the same beta, a reference model on both sides), loss (token-mean over the step, clip 0.2 /
 0.28), precision (bf16 autocast over float32 master weights), one optimizer step per RL step, and
-the same reward: rlray's GSM8K reward (``rlray.reward.gsm8k_reward``, 1.0 correct + 0.2 format)
+the same reward: rlray's GSM8K verifiers (``gsm8k_correct`` + ``gsm8k_format``, 1.0 correct + 0.2 format)
 wrapped as a TRL reward function.
 
 - ``trl``: GRPOTrainer with its default transformers generation, one process, torch on every core.
@@ -94,19 +94,18 @@ SIZES = {
 def write_prompt_file(spec: RunSpec, dest: Path) -> list[int]:
     """Writes the first GSM8K train rows whose rendered prompt fits MAX_PROMPT_TOKENS to ``dest`` (JSONL);
     returns each written row's prompt length in tokens (chat template and instruction included)."""
-    from rlray.config import DataConfig
     from rlray.data import load_prompt_rows, render_prompt
     from rlray.models import load_tokenizer, resolve_model_path
 
     tokenizer = load_tokenizer(resolve_model_path(spec.model))
-    instruction = DataConfig().instruction
+    instruction = benchlib.gsm8k_instruction()
     source = benchlib.gsm8k_train_file()
     wanted = spec.prompts_per_step * (spec.steps + 2)  # async mode takes one step ahead
     raw = [json.loads(line) for line in source.read_text().splitlines()[: wanted * 2]]
-    rows = load_prompt_rows([str(source)])[: len(raw)]
+    rows = load_prompt_rows([str(source)], prompt_column="question")[: len(raw)]
     lines, lengths = [], []
     for record, row in zip(raw, rows, strict=True):
-        n = len(render_prompt(tokenizer, row.question, instruction=instruction, system_prompt=None))
+        n = len(render_prompt(tokenizer, row.prompt, instruction=instruction, system_prompt=None))
         if n <= MAX_PROMPT_TOKENS:
             lines.append(json.dumps({"question": record["question"], "answer": record["answer"]}))
             lengths.append(n)
@@ -136,7 +135,9 @@ def rlray_overrides(spec: RunSpec, max_staleness: int, device: str, gpus: int) -
         f"data.max_prompt_tokens={MAX_PROMPT_TOKENS}",
         f"rollout.samples_per_prompt={spec.samples_per_prompt}", f"rollout.max_new_tokens={spec.max_new_tokens}",
         f"rollout.temperature={spec.temperature}", "rollout.top_p=1.0", f"rollout.max_staleness={max_staleness}",
-        f"reward.correct_weight={CORRECT_WEIGHT}", f"reward.format_weight={FORMAT_WEIGHT}",
+        "data.prompt_column=question", f"data.instruction={json.dumps(benchlib.gsm8k_instruction())}",
+        f"reward.functions=[{{function: gsm8k_correct, weight: {CORRECT_WEIGHT}}}, "
+        f"{{function: gsm8k_format, weight: {FORMAT_WEIGHT}}}]",
         "algo.name=grpo", f"algo.kl_coef={spec.kl_coef}", "algo.kl_estimator=k3", "algo.loss_agg=token-mean",
         "algo.clip_eps_low=0.2", "algo.clip_eps_high=0.28",
         f"learner.prompts_per_step={spec.prompts_per_step}", f"learner.lr={spec.lr}", "learner.warmup_steps=0",
@@ -226,21 +227,21 @@ def child_trl(spec: RunSpec, use_vllm: bool, result_path: Path) -> None:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rlray.config import DataConfig
     from rlray.data import load_prompt_rows
     from rlray.models import load_tokenizer, resolve_model_path
-    from rlray.reward import gsm8k_reward
+    from rlray.reward.verifiers import gsm8k_correct, gsm8k_format
 
     model_dir = resolve_model_path(spec.model)
-    instruction = DataConfig().instruction
-    rows = load_prompt_rows([spec.data_file])
+    instruction = benchlib.gsm8k_instruction()
+    rows = load_prompt_rows([spec.data_file], prompt_column="question")
     dataset = Dataset.from_list(
-        [{"prompt": [{"role": "user", "content": f"{r.question}\n\n{instruction}"}], "answer": r.answer} for r in rows]
+        [{"prompt": [{"role": "user", "content": f"{r.prompt}\n\n{instruction}"}], "answer": r.columns["answer"]} for r in rows]
     )
 
     def gsm8k(prompts: list, completions: list, answer: list[str], **_: Any) -> list[float]:
-        texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
-        return gsm8k_reward(texts, answer, correct_weight=CORRECT_WEIGHT, format_weight=FORMAT_WEIGHT)["reward"]
+        correct = gsm8k_correct(prompts, completions, answer=answer)  # rlray's built-in verifiers, TRL's signature
+        fmt = gsm8k_format(prompts, completions)
+        return [CORRECT_WEIGHT * c + FORMAT_WEIGHT * f for c, f in zip(correct, fmt, strict=True)]
 
     class StepClock(TrainerCallback):
         def __init__(self) -> None:

@@ -48,11 +48,12 @@ FIELDS: tuple[Field, ...] = (
     Field("old_logprobs", pa.list_(pa.float32()), "T", "logprob under the learner's policy before this step's update (nats)", True),
     Field("ref_logprobs", pa.list_(pa.float32()), "T", "logprob under the frozen reference model (nats)", True),
     Field("reward", pa.float32(), "", "scalar sequence reward (weighted sum of the components)"),
-    Field("reward_components", pa.map_(pa.string(), pa.float32()), "", "named reward terms, e.g. accuracy, format"),
+    Field("reward_components", pa.map_(pa.string(), pa.float32()), "", "named reward terms (NaN failed, null skipped)"),
     Field("advantages", pa.list_(pa.float32()), "T", "per-token advantage (a sequence advantage broadcast over T)", True),
     Field("baseline_reward", pa.float32(), "", "ReMax: reward of the greedy response to the same prompt (else null)", True),
     Field("policy_version", pa.int64(), "", "policy version of the rollout engine that generated the row"),
     Field("finish_reason", pa.string(), "", "'stop' (EOS) or 'length' (hit max_new_tokens)"),
+    Field("prompt_columns", pa.string(), "", "the prompt row's other dataset columns as one JSON object (any types)", True),
 )
 
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in FIELDS)

@@ -199,7 +199,7 @@ def tiny_grpo_run(tmp_path, gsm8k_dir):
     and returns (MLflow uri, result, metrics)."""
     from rlray.config import RewardFunctionConfig, load_config
     from rlray.launch.driver import run_training
-    from rlray.observe.tracking import METRIC_KEYS, get_run_metrics
+    from rlray.observe.tracking import METRIC_KEYS, get_run_metrics, term_keys
 
     def run(required: list[str], *overrides: str):
         uri = f"sqlite:///{tmp_path}/mlflow.db"
@@ -209,7 +209,7 @@ def tiny_grpo_run(tmp_path, gsm8k_dir):
              f"data.eval_files=[{gsm8k_dir}/test.jsonl]", "run.max_steps=3", "learner.lr=1e-3", *overrides],
         )
         cfg.reward.functions = [
-            RewardFunctionConfig(path=f"{REPO_ROOT}/tests/fixtures/rewards.py:completion_length", weight=1.0)
+            RewardFunctionConfig(function=f"{REPO_ROOT}/tests/fixtures/rewards.py:completion_length", weight=1.0)
         ]
         result = run_training(cfg)
         assert result.status == "FINISHED"
@@ -217,7 +217,7 @@ def tiny_grpo_run(tmp_path, gsm8k_dir):
         for key in required:
             assert key in metrics, key
             assert [s for s, _ in metrics[key]] == [1, 2, 3], key
-        assert set(required) <= set(METRIC_KEYS)
+        assert set(required) <= set(METRIC_KEYS) | set(term_keys(["completion_length"]))
         assert all(math.isfinite(v) for _, v in metrics["learner/pg_loss"] + metrics["learner/grad_norm"])
         return uri, result, metrics
 

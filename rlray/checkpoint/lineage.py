@@ -22,7 +22,7 @@ from rlray.checkpoint.contents import adopt_trained_config, snapshot_config
 from rlray.config import Config, validate_tree
 from rlray.observe import tracking
 
-HEADLINE_METRICS = ("reward/mean", "reward/accuracy", "algo/kl", "learner/loss", "eval/accuracy")
+HEADLINE_METRICS = ("reward/mean", "algo/kl", "learner/loss", "eval/reward_mean")
 
 
 def model_name(experiment: str) -> str:

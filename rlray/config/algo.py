@@ -13,7 +13,7 @@ AlgoName = Literal[
     "grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "ppo",
     "dpo", "ipo", "kto", "orpo", "simpo", "reward_model", "sft",
 ]  # fmt: skip
-ONLINE_ALGOS: tuple[str, ...] = get_args(AlgoName)[:10]  # rollouts, rewards, advantages (GSM8K)
+ONLINE_ALGOS: tuple[str, ...] = get_args(AlgoName)[:10]  # rollouts, rewards, advantages
 OFFLINE_ALGOS: tuple[str, ...] = get_args(AlgoName)[10:]  # preference pairs
 # Online algorithms whose advantage is a statistic of each prompt's group: they need samples_per_prompt >= 2.
 GROUP_ALGOS: tuple[str, ...] = ("grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo", "reinforce_pp_baseline")
@@ -31,7 +31,7 @@ class AlgoConfig(_Section):
     name: AlgoName = Field(
         "grpo",
         description=(
-            "Online (rollouts on GSM8K): grpo, dr_grpo, dapo, gspo, cispo, rloo, reinforce_pp, "
+            "Online (rollouts on prompt data): grpo, dr_grpo, dapo, gspo, cispo, rloo, reinforce_pp, "
             "reinforce_pp_baseline, remax, ppo. Offline (preference pairs in offline.pairs_files): dpo, ipo, "
             "kto, orpo, simpo, reward_model, sft."
         ),
@@ -90,15 +90,16 @@ class AlgoConfig(_Section):
     dynamic_sampling_max_rounds: int = Field(
         3, ge=1,
         description=(
-            "dapo: rollout rounds per step to fill learner.prompts_per_step groups whose accuracy varies "
+            "dapo: rollout rounds per step to fill learner.prompts_per_step groups whose dynamic_sampling_metric varies "
             "(verl max_num_gen_batches); past it the step fails with a clear error."
         ),
     )
     dynamic_sampling_metric: str = Field(
-        "accuracy",
+        "reward",
         description=(
-            "dapo: the reward term whose spread within a group keeps the group: 'accuracy' (raw correctness, as "
-            "DAPO), 'format', 'reward', or a user reward function's name (verl filter_groups.metric)."
+            "dapo: the reward term whose spread within a group keeps the group: 'reward' (the summed reward) or "
+            "a reward.functions entry's name, e.g. 'gsm8k_correct' for raw correctness as in DAPO (verl "
+            "filter_groups.metric)."
         ),
     )
     overlong_cache_tokens: int = Field(

@@ -1,22 +1,43 @@
-"""Config section reward: the GSM8K rule terms, user reward functions, the Serve reward server and a reward model."""
+"""Config section reward: reward terms (built-in verifiers, user functions), the Serve reward server and a reward model."""
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Any
+
+from pydantic import Field, model_validator
 
 from rlray.config.base import _Section
 
 
 class RewardFunctionConfig(_Section):
-    """A user reward function (TRL's convention: fn(prompts, completions, **columns) -> list[float])."""
+    """One reward term: a built-in verifier or a user function (TRL's convention: fn(prompts, completions, **columns)).
 
-    path: str = Field(..., description="'package.module:function' or 'path/to/file.py:function'.")
+    The term is logged as ``reward/<name>`` (its mean over the samples it applied to) and
+    ``reward/<name>_skipped`` (samples it returned None for). Built-ins (``rlray.reward.verifiers``):
+    math_equal, exact_match, regex_match, gsm8k_correct, gsm8k_format.
+    """
+
+    function: str = Field(
+        ...,
+        description=(
+            "A built-in verifier (math_equal, exact_match, regex_match, gsm8k_correct, gsm8k_format), or a user "
+            "function as 'package.module:function' or 'path/to/file.py:function'."
+        ),
+    )
+    name: str | None = Field(
+        None,
+        description="Name of the term in metrics (reward/<name>); default: the built-in's or the function's own name.",
+    )
     weight: float = Field(1.0, description="Weight of this term in the summed reward.")
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments bound to the function, e.g. {pattern: '#### \\d+$'} or {column: solution}.",
+    )
     timeout_s: float = Field(
         10.0,
         gt=0.0,
         description=(
-            "Seconds one call of this function may take (it runs in its own process); past it the process is "
+            "Seconds one call of a user function may take (it runs in its own process); past it the process is "
             "killed and restarted, and that call's samples count as failed (reward/failed, left out of the step)."
         ),
     )
@@ -30,6 +51,21 @@ class RewardFunctionConfig(_Section):
     memory_gib: float = Field(
         2.0, gt=0.0, description="Address-space cap (RLIMIT_AS) of an untrusted function's process, in GiB."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _retired_path(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "path" in data:
+            raise ValueError(
+                f"reward.functions[].path was renamed to 'function' (path={data['path']!r}); write "
+                "function: 'module:fn' or 'file.py:fn', or a built-in verifier name"
+            )
+        return data
+
+    @property
+    def term_name(self) -> str:
+        """Returns the metric name of this term: ``name``, else the text after the last ':' of ``function``."""
+        return self.name or self.function.rsplit(":", 1)[-1]
 
 
 class RewardServerConfig(_Section):
@@ -75,14 +111,18 @@ class RewardServerConfig(_Section):
 
 
 class RewardConfig(_Section):
-    """Reward: GSM8K correctness (math-verify) plus a small format term, plus optional user functions."""
+    """Reward: weighted terms (built-in verifiers and user functions) plus an optional reward model.
 
-    correct_weight: float = Field(1.0, description="Reward for a final answer equal to the reference.")
-    format_weight: float = Field(
-        0.2, description="Reward for ending with a '#### <number>' line, whether right or wrong."
-    )
+    Example (the GSM8K configs): ``functions: [{function: gsm8k_correct, weight: 1.0}, {function:
+    gsm8k_format, weight: 0.2}]``. An online run needs at least one term or a reward model.
+    """
+
     functions: list[RewardFunctionConfig] = Field(
-        default_factory=list, description="User reward functions added to the reward with their weights."
+        default_factory=list,
+        description=(
+            "Reward terms summed with their weights: built-in verifiers and user functions side by side, each "
+            "logged as reward/<name>."
+        ),
     )
     version: int = Field(
         1,
@@ -101,3 +141,30 @@ class RewardConfig(_Section):
         ),
     )
     model_weight: float = Field(1.0, description="Weight of the reward-model score (raw head output) in the summed reward.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _retired_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key, term in (("correct_weight", "gsm8k_correct"), ("format_weight", "gsm8k_format")):
+                if key in data:
+                    raise ValueError(
+                        f"reward.{key} was removed; GSM8K's terms are reward functions now: reward.functions: "
+                        f"[{{function: {term}, weight: {data[key]}}}] (see configs/grpo_gsm8k_smollm2.yaml)"
+                    )
+        return data
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> RewardConfig:
+        seen: dict[str, int] = {}
+        for i, f in enumerate(self.functions):
+            name = f.term_name
+            if name in ("reward", "reward_model"):
+                raise ValueError(f"reward.functions[{i}] is named '{name}', a reserved name; set its name")
+            if name in seen:
+                raise ValueError(
+                    f"reward.functions[{seen[name]}] and reward.functions[{i}] are both named '{name}' "
+                    "(metric reward/<name>); give one of them a distinct name"
+                )
+            seen[name] = i
+        return self

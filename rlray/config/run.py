@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from rlray.config.base import _Section
 
@@ -52,11 +52,13 @@ class ModelConfig(_Section):
             "'tiny-random' (seeded random Llama with SmolLM2's tokenizer, for tests)."
         ),
     )
-    dtype: Literal["float32", "bfloat16"] = Field(
-        "bfloat16",
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
         description=(
             "Compute precision: bfloat16 runs the learner under bf16 autocast over float32 "
-            "master weights and the rollout engine in bf16; float32 runs both in float32."
+            "master weights and the rollout engine in bf16; float32 runs both in float32; auto picks bfloat16 "
+            "on GPUs and on CPUs with native bf16 (AVX-512 BF16 or AMX), else float32 (emulated bf16 is ~40x "
+            "slower than float32 on an AVX2-only CPU)."
         ),
     )
     chat_template: str | None = Field(
@@ -69,15 +71,26 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    """Prompt data (GSM8K-style rows: question, answer ending in '#### N')."""
+    """Prompt data in TRL's formats: a prompt column holding a string (standard) or a list of {role, content}
+    messages (conversational); every other column reaches the reward functions as keyword arguments."""
 
     train_files: list[str] = Field(
         default_factory=lambda: ["data/gsm8k/train.jsonl"],
-        description="JSONL or Parquet paths, s3:// URIs, or one Hugging Face dataset id.",
+        description=(
+            "JSONL or Parquet paths, s3:// URIs, or one Hugging Face dataset id; a single path is a list of one."
+        ),
     )
     eval_files: list[str] = Field(
         default_factory=lambda: ["data/gsm8k/test.jsonl"],
         description="Same forms as train_files; used by eval.",
+    )
+    prompt_column: str = Field(
+        "prompt",
+        min_length=1,
+        description=(
+            "Column holding the prompt (TRL: 'prompt'; OpenRLHF's input_key). GSM8K files use 'question'. The "
+            "other columns travel with the samples to the reward functions."
+        ),
     )
     max_prompt_tokens: int = Field(
         256, ge=8, description="Longest prompt, in tokens after the chat template; see data.long_prompts."
@@ -93,16 +106,20 @@ class DataConfig(_Section):
         True, description="Shuffle train prompts (offline: train pairs) each epoch (seeded by run.seed)."
     )
     instruction: str = Field(
-        "Answer in at most three short lines and end with the final answer as '#### <number>'.\n\n"
-        "Example:\nQuestion: Tom has 3 bags with 4 apples each. He eats 2 apples. How many apples are left?\n"
-        "Answer: 3 * 4 = 12 apples. 12 - 2 = 10 apples.\n#### 10",
+        "",
         description=(
-            "Text appended to every question in the user turn (after a blank line); asks for the "
-            "checkable '#### <number>' format with a one-shot example (measured on SmolLM2-135M: "
-            "format rate ~0.5 with it, ~0.03 without)."
+            "Text appended to the prompt after a blank line (a standard prompt, or the last user message of a "
+            "conversational one); empty adds nothing. The GSM8K configs ask here for the checkable "
+            "'#### <number>' format with a one-shot example."
         ),
     )
     system_prompt: str | None = Field(None, description="Optional system turn for the chat template.")
+
+    @field_validator("train_files", "eval_files", mode="before")
+    @classmethod
+    def _one_path_is_a_list(cls, value: Any) -> Any:
+        """A single path (``data.train_files=path`` on the command line, as verl's quickstart) is a list of one."""
+        return [value] if isinstance(value, str) else value
 
 
 class RolloutConfig(_Section):

@@ -66,6 +66,7 @@ class Config(_Section):
                 f"rollout.samples_per_prompt={self.rollout.samples_per_prompt}: the group estimator "
                 f"'{self.algo.name}' needs at least 2 samples per prompt; set rollout.samples_per_prompt>=2"
             )
+        self._check_reward_terms()
         if self.algo.overlong_cache_tokens >= self.rollout.max_new_tokens:
             raise ValueError(
                 f"algo.overlong_cache_tokens={self.algo.overlong_cache_tokens} must be below "
@@ -87,6 +88,20 @@ class Config(_Section):
                 f"does not divide learner.sequences_per_minibatch={ln.sequences_per_minibatch}; pick a divisor"
             )
         return self
+
+    def _check_reward_terms(self) -> None:
+        names = [f.term_name for f in self.reward.functions]
+        metric = self.algo.dynamic_sampling_metric
+        if self.algo.name == "dapo" and metric != "reward" and metric not in names:
+            if metric in ("accuracy", "format"):
+                raise ValueError(
+                    f"algo.dynamic_sampling_metric={metric!r} was renamed: GSM8K's terms are reward functions now; use "
+                    f"{'gsm8k_correct' if metric == 'accuracy' else 'gsm8k_format'} (a reward.functions entry's name)"
+                )
+            raise ValueError(
+                f"algo.dynamic_sampling_metric={metric!r} is not a reward term; use 'reward' or one of the "
+                f"reward.functions names {names}"
+            )
 
     def _check_resources(self) -> None:
         res = self.resources

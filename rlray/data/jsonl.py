@@ -1,6 +1,6 @@
 """JSON Lines files (local or fsspec URIs, compressed or not), read with errors that name the file and line.
 
-Both the prompt loader (``rlray.data.gsm8k``) and the preference-pair loader (``rlray.data.pairs``) read
+Both the prompt loader (``rlray.data.rows``) and the preference-pair loader (``rlray.data.pairs``) read
 ``.jsonl`` sources here, so a malformed line, bytes that are not UTF-8, or a line that is not a JSON
 object give the same ``DataError`` naming ``<file>:<line>`` (1-based, as editors and compilers count).
 """

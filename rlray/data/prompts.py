@@ -1,4 +1,4 @@
-"""Prompt rendering (chat template) and the training data cursor ``PromptStream``."""
+"""Prompt rendering (the chat template over a standard or conversational prompt) and the data cursor ``PromptStream``."""
 
 from __future__ import annotations
 
@@ -9,30 +9,60 @@ from typing import Any
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from rlray.data.gsm8k import DataError, PromptRow
+from rlray.data.jsonl import DataError
+from rlray.data.rows import PromptRow
 
 log = logging.getLogger(__name__)
 
 
 def render_prompt(
-    tokenizer: PreTrainedTokenizerBase, question: str, *, instruction: str, system_prompt: str | None
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: str | list[dict[str, Any]],
+    *,
+    instruction: str,
+    system_prompt: str | None,
 ) -> list[int]:
-    """Returns the prompt token ids: the chat template over (system?, user) with the generation prompt.
+    """Returns the prompt token ids: the chat template over the prompt's messages, ready for generation.
 
-    The user turn is ``question + "\\n\\n" + instruction`` (``data.instruction``). The template is
-    rendered to text and then tokenized with ``add_special_tokens=False``, so a BOS that the template
-    writes is not doubled (the same as TRL's GRPOTrainer). A template that adds its own default
-    system turn (SmolLM2's does) keeps it when ``system_prompt`` is None.
+    A standard prompt (a string) becomes ``[system?, user]``: the user turn is ``prompt + "\\n\\n" +
+    instruction`` (``data.instruction``), or ``prompt`` alone when the instruction is empty. A
+    conversational prompt (a list of ``{"role", "content"}`` messages) is copied; ``system_prompt`` is
+    put first unless the first message already is a system message (the row's own wins), and
+    ``"\\n\\n" + instruction`` is appended to the content of the last user message when the instruction
+    is non-empty. When the last message is an assistant message (a prefill) the template renders it
+    open, for the model to continue (``continue_final_message=True``; transformers drops whitespace at
+    the end of the prefill), else it adds the generation prompt.
+
+    The template is rendered to text and then tokenized with ``add_special_tokens=False``, so a BOS
+    that the template writes is not doubled (the same as TRL's GRPOTrainer). A template that adds its
+    own default system turn (SmolLM2's does) keeps it when no system message is given.
 
     Args:
         tokenizer: a tokenizer with a chat template (see ``rlray.models.load_tokenizer``).
-        question: the problem text.
-        instruction: text appended to the question in the user turn.
-        system_prompt: the system turn (``data.system_prompt``), or None for the template's default.
+        prompt: ``PromptRow.prompt``: a non-empty string, or a list of messages as ``load_prompt_rows``
+            validates them; it is not modified.
+        instruction: text appended to the (last) user turn after a blank line; "" for none.
+        system_prompt: the system turn (``data.system_prompt``), or None for the row's or the template's default.
+
+    Raises:
+        ValueError: a conversational prompt without a user message and a non-empty ``instruction``.
     """
-    messages = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
-    messages.append({"role": "user", "content": f"{question}\n\n{instruction}"})
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    if isinstance(prompt, str):
+        messages = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
+        messages.append({"role": "user", "content": f"{prompt}\n\n{instruction}" if instruction else prompt})
+    else:
+        messages = [dict(m) for m in prompt]
+        if system_prompt is not None and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": system_prompt})
+        if instruction:
+            users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+            if not users:
+                raise ValueError("render_prompt: the conversation has no 'user' message to append data.instruction to")
+            messages[users[-1]]["content"] = f"{messages[users[-1]]['content']}\n\n{instruction}"
+    prefill = messages[-1]["role"] == "assistant"
+    text = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=not prefill, continue_final_message=prefill, tokenize=False
+    )
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -51,7 +81,7 @@ def prepare_prompts(
         rows: prompt rows (``load_prompt_rows``).
         tokenizer: a tokenizer with a chat template.
         max_prompt_tokens: the longest prompt kept, in tokens after the chat template (``data.max_prompt_tokens``).
-        instruction: text appended to each question (``data.instruction``).
+        instruction: text appended to each prompt's (last) user turn (``data.instruction``); "" for none.
         system_prompt: the system turn (``data.system_prompt``), or None.
         long_prompts: ``data.long_prompts``: "skip" drops longer prompts (logged with the count and the first
             ids), "error" raises.
@@ -60,7 +90,7 @@ def prepare_prompts(
         DataError: ``long_prompts="error"`` and a prompt is longer than ``max_prompt_tokens`` (names the
             first one's id, its length and the two ways out); or every prompt was skipped.
     """
-    ids = [render_prompt(tokenizer, r.question, instruction=instruction, system_prompt=system_prompt) for r in rows]
+    ids = [render_prompt(tokenizer, r.prompt, instruction=instruction, system_prompt=system_prompt) for r in rows]
     long = [(r.prompt_id, len(i)) for r, i in zip(rows, ids, strict=True) if len(i) > max_prompt_tokens]
     if long and long_prompts == "error":
         raise DataError(

@@ -25,6 +25,7 @@ from rlray.observe.monitor import Alerter, RunMonitor
 from rlray.observe.tracking import Tracker
 from rlray.rollout import Completion, RolloutEngine, SamplingSpec
 from rlray.rollout.wire import unpack_weights
+from rlray.run import build
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ def rollout_engine_kwargs(cfg: Config, max_model_len: int, cpu_threads: str | No
     """
     sync = cfg.weight_sync_backend
     return {
-        "dtype": cfg.model.dtype,
+        "dtype": build.compute_dtype(cfg),
         "seed": cfg.run.seed,
         "max_model_len": max_model_len,
         "backend": cfg.rollout.backend,
@@ -171,7 +172,7 @@ def start_reference_actor(cfg: Config, model_path: str, namespace: str | None = 
         name="rlray:reference-0", namespace=namespace, num_cpus=res.cpus, num_gpus=res.gpus, scheduling_strategy="DEFAULT"
     ).remote(
         model_path,
-        {"dtype": cfg.model.dtype, "temperature": cfg.rollout.temperature, "torch_threads": cfg.learner.torch_threads},
+        {"dtype": build.compute_dtype(cfg), "temperature": cfg.rollout.temperature, "torch_threads": cfg.learner.torch_threads},
     )
     ray.get(actor.ready.remote())
     return actor

@@ -80,13 +80,16 @@ def init_ray(*, include_dashboard: bool | None = None) -> None:
 
 
 def resolve_paths(cfg: Config, base: Path | None = None) -> Config:
-    """Returns a copy of ``cfg`` with local relative paths made absolute against ``base`` (cwd).
+    """Returns a copy of ``cfg`` with local relative paths made absolute against ``base`` (cwd), and
+    ``model.dtype=auto`` resolved on this machine (``build.compute_dtype``).
 
     Ray workers and jobs can run in another folder than the shell that started the run, so the
-    driver pins the MLflow store, the output and snapshot folders, and local data files once.
+    driver pins the MLflow store, the output and snapshot folders, and local data files once; the
+    dtype is pinned too, so MLflow's params say which one ran.
     """
     base = base or Path.cwd()
     out = cfg.model_copy(deep=True)
+    out.model.dtype = build.compute_dtype(cfg)
     out.tracking.mlflow_uri = resolve_tracking_uri(cfg.tracking.mlflow_uri, base)
 
     def local(p: str) -> str:
@@ -107,9 +110,9 @@ def resolve_paths(cfg: Config, base: Path | None = None) -> Config:
         if section.model_path is not None:
             section.model_path = local(section.model_path)
     for fn in out.reward.functions:
-        target, name = fn.path.rsplit(":", 1) if ":" in fn.path else (fn.path, "")
+        target, name = fn.function.rsplit(":", 1) if ":" in fn.function else (fn.function, "")
         if target.endswith(".py"):
-            fn.path = f"{local(target)}:{name}"
+            fn.function = f"{local(target)}:{name}"
     return out
 
 
@@ -320,7 +323,7 @@ def evaluate_checkpoint(cfg: Config, checkpoint_path: str) -> dict[str, float]:
     is_snapshot = Path(checkpoint_path, "manifest.json").exists() or "://" in checkpoint_path
     model_dir = checkpoint.local_model_dir(checkpoint_path, options=opts) if is_snapshot else resolve_model_path(checkpoint_path)
     tokenizer = load_tokenizer(model_dir, cfg.model.chat_template)
-    rows = load_prompt_rows(cfg.data.eval_files)[: cfg.eval.num_problems]
+    rows = load_prompt_rows(cfg.data.eval_files, prompt_column=cfg.data.prompt_column)[: cfg.eval.num_problems]
     rows, ids, _ = prepare_prompts(
         rows, tokenizer, max_prompt_tokens=10**9, instruction=cfg.data.instruction, system_prompt=cfg.data.system_prompt
     )
@@ -329,7 +332,11 @@ def evaluate_checkpoint(cfg: Config, checkpoint_path: str) -> dict[str, float]:
     one.resources.rollout.cpu_threads = None  # this node's cores, all to the one actor
     actors = start_rollout_actors(one, model_dir, max_model_len(cfg))
     try:
-        return online.evaluate_prompts(RolloutFleet(actors), build.local_reward_client(cfg), list(zip(rows, ids, strict=True)), tokenizer,
-                                       build.eval_sampling(cfg))
+        reward = build.local_reward_client(cfg, build.dataset_columns(rows))
+        try:
+            return online.evaluate_prompts(RolloutFleet(actors), reward, list(zip(rows, ids, strict=True)), tokenizer,
+                                           build.eval_sampling(cfg))
+        finally:
+            reward.close()
     finally:
         kill_actors(actors)

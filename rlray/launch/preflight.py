@@ -9,7 +9,7 @@ at once with the error of the module that owns the input, which names the config
 - the data files load and every row validates (``DataError``): ``data.train_files`` and, with eval on,
   ``data.eval_files`` for online algorithms (with ``data.long_prompts=error`` also no prompt is too
   long), ``offline.pairs_files`` for offline ones;
-- each ``reward.functions[i].path`` names a file that exists or a module that can be found
+- each ``reward.functions[i].function`` is a built-in verifier, a file that exists or a module that can be found
   (``RewardFunctionError``; the function itself is loaded in its sandbox, never in the driver);
 - snapshots can be written under ``checkpoint.uri`` (``SnapshotError``): a missing bucket or bad
   ``checkpoint.s3.*`` credentials fail here, not at the first snapshot.
@@ -20,13 +20,17 @@ Resources larger than the cluster are checked by ``rlray.launch.placement.check_
 from __future__ import annotations
 
 import importlib.util
+import logging
 from pathlib import Path
 
 from rlray.checkpoint import storage as checkpoint
 from rlray.config import Config
 from rlray.data import load_preference_pairs, load_prompt_rows, prepare_prompts
-from rlray.models import load_tokenizer, resolve_model_path
+from rlray.models import cpu_supports_bf16, load_tokenizer, resolve_model_path
 from rlray.reward.scorer import RewardFunctionError
+from rlray.reward.verifiers import BUILTIN_VERIFIERS
+
+log = logging.getLogger(__name__)
 
 
 def preflight(cfg: Config) -> str:
@@ -43,15 +47,24 @@ def preflight(cfg: Config) -> str:
     """
     model_dir = resolve_model_path(cfg.model.path)
     tokenizer = load_tokenizer(model_dir, cfg.model.chat_template)
+    gpus = cfg.resources.learner.gpus > 0 or cfg.resources.rollout.gpus > 0
+    if cfg.model.dtype == "bfloat16" and not gpus and not cpu_supports_bf16():
+        log.warning("model.dtype=bfloat16 on a CPU without native bf16 (no AVX-512 BF16 or AMX): torch emulates it, "
+                    "~40x slower than float32 for matmuls; set model.dtype=auto or float32")
     if cfg.algo.family == "online":
-        rows = load_prompt_rows(cfg.data.train_files)
+        rows = load_prompt_rows(cfg.data.train_files, prompt_column=cfg.data.prompt_column)
         if cfg.data.long_prompts == "error":
             prepare_prompts(rows, tokenizer, max_prompt_tokens=cfg.data.max_prompt_tokens, long_prompts="error",
                             instruction=cfg.data.instruction, system_prompt=cfg.data.system_prompt)
         if cfg.eval.num_problems:
-            load_prompt_rows(cfg.data.eval_files)
+            load_prompt_rows(cfg.data.eval_files, prompt_column=cfg.data.prompt_column)
+        if not cfg.reward.functions and cfg.reward.model_path is None:
+            raise RewardFunctionError(
+                "this online run has no reward: set reward.functions (built-in verifiers such as "
+                "[{function: math_equal}], or your own 'file.py:function') or reward.model_path"
+            )
         for fn in cfg.reward.functions:
-            check_function_spec(fn.path)
+            check_function_spec(fn.function)
         if cfg.algo.name == "ppo" and cfg.critic.model_path:
             resolve_model_path(cfg.critic.model_path)
     else:
@@ -61,13 +74,18 @@ def preflight(cfg: Config) -> str:
 
 
 def check_function_spec(spec: str) -> None:
-    """Checks that a reward function spec names an existing file or a findable module, without running it.
+    """Checks that a reward function spec is a built-in verifier, an existing file or a findable module, without running it.
 
     Raises:
         RewardFunctionError: a malformed spec, a missing file or a module that cannot be found (names it).
     """
     if ":" not in spec:
-        raise RewardFunctionError(f"reward function '{spec}' must be 'module.path:function' or 'file.py:function'")
+        if spec in BUILTIN_VERIFIERS:
+            return
+        raise RewardFunctionError(
+            f"reward function '{spec}' is neither a built-in verifier ({', '.join(sorted(BUILTIN_VERIFIERS))}) nor "
+            "'module.path:function' / 'file.py:function'"
+        )
     target = spec.rsplit(":", 1)[0]
     if target.endswith(".py"):
         if not Path(target).is_file():

@@ -4,9 +4,20 @@ from rlray.models.loading import (
     ALIASES,
     ModelError,
     cache_dir,
+    cpu_supports_bf16,
     load_causal_lm,
     load_tokenizer,
+    resolve_dtype,
     resolve_model_path,
 )
 
-__all__ = ["ALIASES", "ModelError", "cache_dir", "load_causal_lm", "load_tokenizer", "resolve_model_path"]
+__all__ = [
+    "ALIASES",
+    "ModelError",
+    "cache_dir",
+    "cpu_supports_bf16",
+    "load_causal_lm",
+    "load_tokenizer",
+    "resolve_dtype",
+    "resolve_model_path",
+]

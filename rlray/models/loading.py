@@ -86,6 +86,29 @@ def resolve_model_path(path: str) -> str:
     )
 
 
+def cpu_supports_bf16() -> bool:
+    """Returns whether this CPU has native bfloat16 matmuls (AVX-512 BF16 or AMX tiles), as torch reports it.
+
+    Without them torch emulates bf16: measured here on an AVX2-only AMD EPYC (2 threads), a 512x576 @ 576x1536
+    matmul took 1064 ms in bf16 against 25 ms in float32 (~40x slower).
+    """
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def resolve_dtype(dtype: str, *, gpu: bool) -> str:
+    """Returns the compute dtype of ``model.dtype``: "auto" becomes "bfloat16" on a GPU or a CPU with native bf16
+    (``cpu_supports_bf16``), else "float32"; "float32" and "bfloat16" are returned as given.
+
+    Raises:
+        ValueError: ``dtype`` is none of auto, float32, bfloat16.
+    """
+    if dtype not in ("auto", "float32", "bfloat16"):
+        raise ValueError(f"model.dtype={dtype!r}: use auto, float32 or bfloat16")
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if gpu or cpu_supports_bf16() else "float32"
+
+
 def load_tokenizer(folder: str, chat_template: str | None = None) -> PreTrainedTokenizerBase:
     """Returns the tokenizer of ``folder`` with a pad token and a chat template.
 

@@ -41,8 +41,6 @@ METRIC_KEYS: tuple[str, ...] = (
     "reward/mean",
     "reward/std",
     "reward/failed",
-    "reward/accuracy",
-    "reward/format_rate",
     "algo/kl",
     "algo/advantage_abs_mean",
     "algo/clip_fraction",
@@ -95,8 +93,8 @@ METRIC_KEYS: tuple[str, ...] = (
     "monitor/rss_gib",
 )
 EVAL_KEYS: tuple[str, ...] = (
-    "eval/accuracy",
-    "eval/format_rate",
+    "eval/reward_mean",
+    "eval/num_problems",
     "eval/response_tokens_mean",
     "eval/loss",
     "eval/pairwise_accuracy",
@@ -104,6 +102,24 @@ EVAL_KEYS: tuple[str, ...] = (
     "eval/chosen_reward",
     "eval/rejected_reward",
 )
+# Per reward term (reward.functions[].name, or the function's own name): its mean over the samples it scored
+# and the count it skipped (returned None for), per step and at evaluation.
+TERM_KEY_PATTERNS: tuple[str, ...] = ("reward/{term}", "reward/{term}_skipped", "eval/{term}", "eval/{term}_skipped")
+
+
+# Metric keys of earlier releases and what replaced them (GSM8K's terms became reward functions).
+RENAMED_KEYS: dict[str, str] = {
+    "reward/accuracy": "reward/gsm8k_correct",
+    "reward/format_rate": "reward/gsm8k_format",
+    "eval/accuracy": "eval/gsm8k_correct",
+    "eval/format_rate": "eval/gsm8k_format",
+}
+
+
+def term_keys(terms: list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """Returns the metric keys of reward terms ``terms`` (``TERM_KEY_PATTERNS`` filled in), e.g. reward/gsm8k_correct."""
+    return tuple(p.format(term=t) for t in terms for p in TERM_KEY_PATTERNS)
+
 
 # What MLflow 3 accepts in a metric name on Linux and macOS (mlflow/utils/validation.py,
 # validate_param_and_metric_name: r"^[/\w.\- :]*$"): alphanumerics and underscores (\w, Unicode), dashes,

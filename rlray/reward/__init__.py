@@ -1,13 +1,28 @@
-"""Rewards: rule-based GSM8K grading (math-verify correctness plus a '#### <number>' format term) and user functions."""
+"""Rewards: weighted terms in TRL's reward-function convention (built-in verifiers, user functions) and a reward model."""
 
+from rlray.reward.functions import RewardFunctionError, load_reward_function
 from rlray.reward.gsm8k import extract_final_answer, grade_gsm8k, gsm8k_reward
-from rlray.reward.scorer import RewardFunctionError, RewardScorer, load_reward_function
+from rlray.reward.scorer import RewardScorer
+from rlray.reward.verifiers import (
+    BUILTIN_VERIFIERS,
+    exact_match,
+    gsm8k_correct,
+    gsm8k_format,
+    math_equal,
+    regex_match,
+)
 
 __all__ = [
+    "BUILTIN_VERIFIERS",
     "RewardFunctionError",
     "RewardScorer",
+    "exact_match",
     "extract_final_answer",
     "grade_gsm8k",
+    "gsm8k_correct",
+    "gsm8k_format",
     "gsm8k_reward",
     "load_reward_function",
+    "math_equal",
+    "regex_match",
 ]

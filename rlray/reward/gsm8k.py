@@ -1,11 +1,12 @@
-"""Rule-based GSM8K reward: correctness of the final answer (math-verify) plus a format term.
+"""Rule-based GSM8K grading (math-verify correctness plus a format rule) and the bounded math-verify machinery.
 
-Decisions (first release):
+The built-in verifiers ``gsm8k_correct``, ``gsm8k_format`` and ``math_equal`` (``rlray.reward.verifiers``)
+are thin wrappers over this module. Decisions (first release):
 
-- **Format** (``reward.format_weight``) is 1 when the response *ends with* a ``#### <number>`` line:
+- **Format** (verifier ``gsm8k_format``) is 1 when the response *ends with* a ``#### <number>`` line:
   its last non-blank line holds a '####' marker followed by a plain number (optional ``$``, sign,
   thousands commas, decimals; trailing units or a period are allowed: ``#### $1,080.00 dollars.``).
-- **Accuracy** (``reward.correct_weight``) is 1 when the final answer equals the reference under
+- **Accuracy** (verifier ``gsm8k_correct``) is 1 when the final answer equals the reference under
   math-verify (``math_verify.parse`` + ``math_verify.verify``). The final answer is the text after
   the last '####' marker when there is one (its leading plain number when it starts with one, so
   ``#### 18 eggs, 3 each`` means 18); when there is no '####' answer, math-verify's own extraction
@@ -21,7 +22,8 @@ Decisions (first release):
   every parsed expression that could be expensive (``_is_bounded``: at most ``MAX_EXPR_NODES`` nodes,
   powers only of atoms with numeric exponents ``|e| <= MAX_EXPONENT``, no function calls such as
   factorial). math-verify's string fallback of such an answer is still compared as a string.
-  GSM8K references are plain integers, so nothing correct is lost.
+  GSM8K references are plain integers, so nothing correct is lost. ``answers_match`` is this bounded
+  comparison on its own, shared with the ``math_equal`` verifier.
 - ``grade_gsm8k`` never raises on any strings: an unexpected error inside math-verify grades as
   accuracy 0.
 
@@ -105,7 +107,8 @@ def grade_gsm8k(response: str, reference: str) -> tuple[float, float]:
 
     Args:
         response: the decoded completion (special tokens skipped).
-        reference: the reference final answer, e.g. ``"72"`` or ``"1,080"`` (``PromptRow.answer``).
+        reference: the reference final answer, e.g. ``"72"`` or ``"1,080"`` (the text after the last '####'
+            of a GSM8K solution).
     """
     fmt = 1.0 if has_answer_line(response) else 0.0
     try:
@@ -121,13 +124,16 @@ def gsm8k_reward(
 ) -> dict[str, list[float]]:
     """Returns per-response ``{"reward", "accuracy", "format"}`` lists, each as long as ``responses``.
 
-    ``reward[i] = correct_weight * accuracy[i] + format_weight * format[i]``.
+    ``reward[i] = correct_weight * accuracy[i] + format_weight * format[i]``: the GSM8K demo's reward as
+    one function (benchmarks/grpo_vs_trl.py hands it to TRL). A run gets the same numbers from the terms
+    ``[{function: gsm8k_correct, weight: correct_weight}, {function: gsm8k_format, weight: format_weight}]``
+    (``rlray.reward.scorer.summed_reward`` adds them in that order, bit for bit equal).
 
     Args:
         responses: decoded completions, B of them.
         references: the reference final answer of each completion's prompt, B of them.
-        correct_weight: reward for a correct final answer (``reward.correct_weight``).
-        format_weight: reward for ending with a '#### <number>' line (``reward.format_weight``).
+        correct_weight: reward for a correct final answer.
+        format_weight: reward for ending with a '#### <number>' line.
 
     Raises:
         ValueError: ``responses`` and ``references`` differ in length.
@@ -143,23 +149,46 @@ def gsm8k_reward(
 
 def _is_correct(response: str, reference: str) -> bool:
     """Returns whether the response's final answer equals ``reference`` under math-verify."""
-    gold = _parse_reference(reference)
-    if not gold:
-        return False
     final = extract_final_answer(response)
     if final is None:
         text = response[-MAX_RESPONSE_CHARS:]
     else:
         text = plain_number(final) or final[:MAX_ANSWER_CHARS]
+    return answers_match(text, reference)
+
+
+def answers_match(text: str, reference: str) -> bool:
+    """Returns whether math-verify finds in ``text`` an answer equal to ``reference``, without signals.
+
+    Bounded in time (module docstring): ``reference`` is parsed as a plain number when it is one, else
+    as text, else as LaTeX inside ``$...$`` (``"\\sqrt{2}"``); ``text`` (a final answer such as
+    ``"\\boxed{1/2}"``, or a response tail) goes through math-verify's default extraction; unbounded
+    parses are dropped before ``verify``. False when either side yields nothing.
+
+    Args:
+        text: the answer text, at most ``MAX_RESPONSE_CHARS`` characters (callers cut it).
+        reference: the reference answer text, e.g. ``"18"``, ``"0.5"`` or ``"\\frac{1}{2}"``.
+
+    Raises:
+        Exception: whatever math-verify or sympy raise on odd input; callers grade that as wrong.
+    """
+    gold = _parse_reference(reference)
+    if not gold:
+        return False
     predicted = [p for p in parse(text, parsing_timeout=None) if _is_bounded(p)]
     return bool(predicted) and verify(list(gold), predicted, timeout_seconds=None)
 
 
 @functools.lru_cache(maxsize=8192)
 def _parse_reference(reference: str) -> tuple:
-    """Returns math-verify's parse of a reference answer (plain numbers normalised), bounded items only."""
+    """Returns math-verify's parse of a reference answer (plain numbers normalised), bounded items only.
+
+    A reference that math-verify finds nothing in as plain text (bare LaTeX such as ``\\sqrt{2}``) is
+    parsed again inside ``$...$``.
+    """
     text = plain_number(reference.strip()) or reference.strip()[:MAX_ANSWER_CHARS]
-    return tuple(p for p in parse(text, parsing_timeout=None) if _is_bounded(p))
+    parsed = parse(text, parsing_timeout=None) or parse(f"${text}$", parsing_timeout=None)
+    return tuple(p for p in parsed if _is_bounded(p))
 
 
 def _is_bounded(item: object) -> bool:

@@ -3,9 +3,9 @@
 The folder is either a snapshot written by ``algo.name=reward_model`` (``<output_dir>/final``, whose
 ``model/`` holds the Hugging Face files; remote snapshot URIs are downloaded) or any Hugging Face
 sequence-classification checkpoint with one label. Inputs are laid out as in training
-(``rlray.data.pairs``): the prompt as a user turn through the tokenizer's chat template with the
-generation prompt, then the completion's tokens and EOS; the score is the head's raw output at the
-last completion token (``rlray.models.heads.sequence_scores``).
+(``rlray.data.pairs``): the prompt as a user turn (a conversational prompt: its own messages) through the
+tokenizer's chat template with the generation prompt, then the completion's tokens and EOS; the score is
+the head's raw output at the last completion token (``rlray.models.heads.sequence_scores``).
 """
 
 from __future__ import annotations
@@ -57,16 +57,21 @@ class RewardModel:
         self.max_prompt_tokens = max_prompt_tokens
         self.max_completion_tokens = max_completion_tokens
 
-    def token_ids(self, prompt: str, completion: str) -> tuple[list[int], list[int]]:
-        """Returns (prompt ids, completion ids + EOS) as the reward model was trained on them."""
+    def token_ids(self, prompt: str | list[dict], completion: str) -> tuple[list[int], list[int]]:
+        """Returns (prompt ids, completion ids + EOS) as the reward model was trained on them.
+
+        A string prompt is one user turn; a conversational prompt (TRL's list of ``{"role", "content"}``
+        messages) goes through the chat template as it is.
+        """
         tok = self.tokenizer
-        text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         prompt_ids = tok(text, add_special_tokens=False)["input_ids"][-self.max_prompt_tokens :]
         completion_ids = tok(completion, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         return prompt_ids, completion_ids[: self.max_completion_tokens]
 
     @torch.no_grad()
-    def score(self, prompts: list[str], completions: list[str]) -> list[float]:
+    def score(self, prompts: list[str | list[dict]], completions: list[str]) -> list[float]:
         """Returns one float score per (prompt, completion) pair (the head's raw output)."""
         out: list[float] = []
         for start in range(0, len(completions), self.batch_size):

@@ -1,222 +1,228 @@
-"""The reward stage: the built-in GSM8K terms, user reward functions and a reward model, combined by weight.
+"""The reward stage: weighted reward terms (built-in verifiers and user functions) and a reward model.
 
-User functions use TRL's reward-function convention, so functions written for TRL's trainers work
-unchanged: ``fn(prompts: list[str], completions: list[str], **columns) -> list[float]``, called once
-per batch with keyword columns ``answer`` (the reference answers). A function is named in the config as
-``"package.module:function"`` or ``"path/to/file.py:function"``.
+**Entries.** Each ``reward.functions[i]`` (``RewardFunctionConfig.model_dump()``) names a reward function in
+TRL's convention (``rlray.reward.functions``: prompts, completions, completion_ids and the dataset's columns as
+keyword lists, the entry's kwargs bound on top): a built-in verifier (``rlray.reward.verifiers``; run in this
+process, trusted and cheap: ``timeout_s``, ``untrusted`` and ``memory_gib`` do not apply to it) or a user
+function ``"package.module:function"`` / ``"path/to/file.py:function"``, which runs in its own sandbox
+process (``rlray.reward.sandbox``) with a time limit (``timeout_s``) and, when ``untrusted`` (code-execution
+rewards), a memory cap, an empty environment and a private working folder. Its term is named ``name``, else
+the built-in's or the function's own name (metric ``reward/<name>``); "reward" and "reward_model" are
+reserved and names are unique. Signatures are checked when the scorer is built (``BoundFunction.check``).
 
-Each user function runs in its own sandbox process (``rlray.reward.sandbox``) with a time limit
-(``reward.functions[i].timeout_s``, default 10 s), and, when marked ``untrusted`` (code-execution rewards),
-with a memory cap, an empty environment and a private working folder. A sample whose reward cannot be
-computed is *failed*: its "reward" (and the function's own term) is NaN, and the loop leaves it out of the
-group statistics and the loss and counts it in ``reward/failed``. A sample fails when the function
+**Values.** Each term's value for a sample is
 
-- returns None, NaN or inf for it;
-- raises: the batch is then scored again one completion at a time, so only the completions it raises on
-  fail (a timeout during that retry fails the rest of the batch);
-- runs past its timeout or its process dies (a memory cap): every completion of that call fails.
+- a float;
+- None, *skipped*: the function returned None for it (TRL's rule: the term does not apply to this sample);
+- NaN, *failed*: the function returned NaN or inf for it, raised (the batch is then scored again one
+  completion at a time, so only the completions it raises on fail; a timeout during that retry fails the
+  rest of the batch), ran past its timeout, or its process died (a memory cap): every completion of such a
+  call fails.
 
-A function that returns a different *number* of values than completions, or a value that is not a number,
-is a programming error: ``RewardFunctionError`` names the function, and the run stops at once.
+``reward[i]`` is the sum over terms whose value is not None of ``weight * value``, plus ``model_weight *
+reward_model[i]`` with a reward model (its raw score, which always applies), summed in Python floats from
+0.0 in config order (``summed_reward``; so ``[gsm8k_correct 1.0, gsm8k_format 0.2]`` gives exactly
+``1.0 * accuracy + 0.2 * format``). It is NaN when any term failed, and also when every term skipped the
+sample and there is no reward model: nothing rewarded it, so it counts as failed (TRL marks such rows NaN as
+well). The loop leaves NaN samples out of the group statistics and the loss and counts them in
+``reward/failed``.
+
+A function that returns a different *number* of values than completions, or a value that is not a number or
+None, is a programming error: ``RewardFunctionError`` names the entry, and the run stops at once.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
+import inspect
 import logging
 import math
-import numbers
+import re
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
-from rlray.reward.gsm8k import gsm8k_reward
+from rlray.reward.functions import (
+    BoundFunction,
+    RewardFunctionError,
+    check_values,
+    column_values,
+    load_bound_function,
+    load_reward_function,
+)
 from rlray.reward.sandbox import Limits, ProcessSandbox, SandboxCrashed, SandboxError, SandboxTimeout
+from rlray.reward.verifiers import BUILTIN_VERIFIERS, prepare_kwargs
 
-RewardFn = Callable[..., list[float]]
+__all__ = ["RewardFunctionError", "RewardScorer", "RewardTerm", "load_reward_function", "summed_reward", "term_name"]
 log = logging.getLogger(__name__)
+RESERVED_NAMES = ("reward", "reward_model")
+_ENTRY_KEYS = ("function", "name", "weight", "kwargs", "timeout_s", "untrusted", "memory_gib")
 
 
-class RewardFunctionError(ValueError):
-    """A user reward function that cannot be loaded or returned unusable values; names the function."""
-
-
-def load_reward_function(spec: str) -> RewardFn:
-    """Returns the callable named by ``"module.path:function"`` or ``"file.py:function"``.
-
-    Raises:
-        RewardFunctionError: malformed spec, missing module/file, or missing or non-callable attribute.
-    """
-    if ":" not in spec:
-        raise RewardFunctionError(f"reward function '{spec}' must be 'module.path:function' or 'file.py:function'")
-    target, name = spec.rsplit(":", 1)
-    try:
-        if target.endswith(".py"):
-            path = Path(target).resolve()
-            if not path.is_file():
-                raise RewardFunctionError(f"reward function '{spec}': file {path} does not exist")
-            mod_spec = importlib.util.spec_from_file_location(f"rlray_user_reward_{path.stem}", path)
-            module = importlib.util.module_from_spec(mod_spec)
-            mod_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(target)
-    except ImportError as err:
-        raise RewardFunctionError(f"reward function '{spec}': cannot import '{target}': {err}") from err
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise RewardFunctionError(f"reward function '{spec}': '{target}' has no callable '{name}'")
-    return fn
-
-
-def _serve_reward_function(spec: str) -> Callable[[list[str], list[str], list[str]], Any]:
-    """Sandbox factory (runs in the child): loads ``spec`` and returns a positional caller of it.
-
-    The caller turns the function's result into a list when it is iterable (a generator or an array
-    crosses the pipe as a list); anything else is returned as is and rejected by the parent.
-    """
-    fn = load_reward_function(spec)
-
-    def call(prompts: list[str], completions: list[str], references: list[str]) -> Any:
-        values = fn(prompts=prompts, completions=completions, answer=references)
-        if isinstance(values, (str, bytes, dict)):
-            return values
-        try:
-            return list(values)
-        except TypeError:
-            return values
-
-    return call
-
-
-class UserFunction:
-    """One user reward function in its own sandbox process; returns NaN for the samples it fails on.
+class RewardTerm:
+    """One weighted term: a built-in in this process, or a user function in its own sandbox process.
 
     Args:
-        path: ``"module:function"`` or ``"file.py:function"`` (``reward.functions[i].path``).
-        weight: weight of its term in the summed reward.
-        timeout_s: seconds one call may take before its process is killed.
-        untrusted: run under ``Limits(untrusted=True)`` (memory cap, empty environment, private folder).
-        memory_gib: the address-space cap of an untrusted function's process, in GiB.
+        index: its position in ``reward.functions`` (for messages).
+        function: a built-in verifier name or ``"module:function"`` / ``"file.py:function"``.
+        name: the term's name (metric ``reward/<name>``); None: the text after the last ':' of ``function``.
+        weight: weight of its values in the summed reward.
+        kwargs: keyword arguments bound to the function.
+        timeout_s, untrusted, memory_gib: a user function's sandbox (``reward.functions[i].*``).
+        columns: the dataset's extra column names, or None when unknown (signature check).
 
     Raises:
-        RewardFunctionError: the function cannot be loaded (its process reports why) or does not start.
+        RewardFunctionError: an unknown built-in, a function that cannot be loaded or whose signature does not
+            fit, a bad ``pattern``, or a built-in's ``column`` that the dataset lacks; names the entry.
     """
 
-    def __init__(self, path: str, weight: float = 1.0, timeout_s: float = 10.0, untrusted: bool = False,
-                 memory_gib: float = 2.0) -> None:
-        self.path, self.weight = path, weight
-        self.name = path.rsplit(":", 1)[-1]
+    def __init__(self, index: int, *, function: str, name: str | None = None, weight: float = 1.0,
+                 kwargs: dict[str, Any] | None = None, timeout_s: float = 10.0, untrusted: bool = False,
+                 memory_gib: float = 2.0, columns: Sequence[str] | None = None) -> None:  # fmt: skip
+        self.spec, self.weight = function, weight
+        self.name = term_name(function, name)
+        self.label = f"reward.functions[{index}] (function='{function}', name='{self.name}')"
+        self.box: ProcessSandbox | None = None
+        kwargs = dict(kwargs or {})
+        if ":" not in function:
+            self._call = self._builtin(kwargs, columns)
+            return
+        factory_kwargs = {"spec": function, "label": self.label, "kwargs": kwargs,
+                          "columns": None if columns is None else list(columns)}  # fmt: skip
         try:
-            self.sandbox = ProcessSandbox(
-                _serve_reward_function, {"spec": path}, timeout_s=timeout_s, start_timeout_s=max(60.0, timeout_s),
+            self.box = ProcessSandbox(
+                load_bound_function, factory_kwargs, timeout_s=timeout_s, start_timeout_s=max(60.0, timeout_s),
                 limits=Limits(untrusted=untrusted, memory_gib=memory_gib), name=f"reward function {self.name}",
             )  # fmt: skip
         except SandboxError as err:
             if isinstance(err.original, RewardFunctionError):
                 raise err.original from None
-            raise RewardFunctionError(f"reward function '{path}' could not be loaded: {err}") from None
+            raise RewardFunctionError(f"{self.label} could not be loaded: {err}") from None
         except SandboxTimeout as err:
-            raise RewardFunctionError(f"reward function '{path}': {err}") from None
+            raise RewardFunctionError(f"{self.label}: {err}") from None
+        self._call = self.box
 
-    def score(self, prompts: list[str], completions: list[str], references: list[str]) -> list[float]:
-        """Returns one value per completion, NaN where the sample failed (see the module docstring).
+    def _builtin(self, kwargs: dict[str, Any], columns: Sequence[str] | None) -> Callable[..., Any]:
+        """Returns an in-process caller of the built-in ``self.spec`` that reports a raise as ``SandboxError``."""
+        if self.spec not in BUILTIN_VERIFIERS:
+            raise RewardFunctionError(
+                f"{self.label}: '{self.spec}' is not a built-in verifier ({', '.join(BUILTIN_VERIFIERS)}); a user "
+                "function is 'package.module:function' or 'path/to/file.py:function'"
+            )
+        try:
+            bound = BoundFunction.check(BUILTIN_VERIFIERS[self.spec], self.label, prepare_kwargs(kwargs), columns,
+                                        named_kwargs_only=True)
+        except re.error as err:
+            raise RewardFunctionError(f"{self.label}: kwargs pattern {kwargs['pattern']!r} is not a regular expression: {err}") from None
+        param = inspect.signature(bound.fn).parameters.get("column")  # the built-ins that read a column name it so
+        column = bound.kwargs.get("column", None if param is None else param.default)
+        if isinstance(column, str) and columns is not None and column not in columns:
+            raise RewardFunctionError(f"{self.label} reads column '{column}', which the dataset lacks (columns: "
+                                      f"{sorted(columns)}); set kwargs column to one of them")  # fmt: skip
+
+        def call(*args: Any) -> Any:
+            try:
+                return bound(*args)
+            except Exception as err:  # noqa: BLE001 - a raise fails the samples, as in a user function's sandbox
+                raise SandboxError(type(err).__name__, str(err), err) from err
+
+        return call
+
+    def score(self, prompts: list, completions: list, completion_ids: list | None, columns: dict[str, list]) -> list[float | None]:
+        """Returns one value per completion: a float, None (skipped) or NaN (failed; module docstring).
 
         Raises:
-            RewardFunctionError: a wrong number of values, or a value that is not a number (names the function).
+            RewardFunctionError: a wrong number of values, or a value that is not a number or None.
         """
         try:
-            values = self.sandbox(prompts, completions, references)
+            values = self._call(prompts, completions, completion_ids, columns)
         except SandboxError as err:
             if len(completions) == 1:
                 return self._failed(1, 1, str(err))
-            return self._one_by_one(prompts, completions, references, str(err))
+            return self._one_by_one(prompts, completions, completion_ids, columns, str(err))
         except (SandboxTimeout, SandboxCrashed) as err:
             return self._failed(len(completions), len(completions), str(err))
-        out = check_values(self.path, values, len(completions))
-        if bad := sum(not math.isfinite(v) for v in out):
-            log.warning("reward function '%s' returned None/NaN/inf for %d of %d completions; they are excluded",
+        out = check_values(self.label, values, len(completions))
+        if bad := sum(v is not None and math.isnan(v) for v in out):
+            log.warning("reward function '%s' returned NaN/inf for %d of %d completions; they are excluded",
                         self.name, bad, len(out))
         return out
 
-    def _one_by_one(self, prompts: list[str], completions: list[str], references: list[str], first: str) -> list[float]:
+    def _one_by_one(self, prompts: list, completions: list, completion_ids: list | None, columns: dict[str, list],
+                    first: str) -> list[float | None]:  # fmt: skip
         """Returns the values of a batch the function raised on, scored one completion at a time."""
-        out = [math.nan] * len(completions)
+        out: list[float | None] = [math.nan] * len(completions)
         for i in range(len(completions)):
+            ids = None if completion_ids is None else completion_ids[i : i + 1]
+            one = {k: v[i : i + 1] for k, v in columns.items()}
             try:
-                out[i] = check_values(self.path, self.sandbox([prompts[i]], [completions[i]], [references[i]]), 1)[0]
+                out[i] = check_values(self.label, self._call(prompts[i : i + 1], completions[i : i + 1], ids, one), 1)[0]
             except SandboxError:
                 continue
             except (SandboxTimeout, SandboxCrashed) as err:
                 first = f"{first}; then {err}"
                 break
-        return self._failed(sum(not math.isfinite(v) for v in out), len(out), first, out)
+        return self._failed(sum(v is not None and math.isnan(v) for v in out), len(out), first, out)
 
-    def _failed(self, bad: int, total: int, why: str, values: list[float] | None = None) -> list[float]:
+    def _failed(self, bad: int, total: int, why: str, values: list[float | None] | None = None) -> list[float | None]:
         log.warning("reward function '%s' failed on %d of %d completions (%s); they are excluded", self.name, bad,
                     total, why[:500])
         return values if values is not None else [math.nan] * total
 
     def close(self) -> None:
-        """Stops the function's process."""
-        self.sandbox.close()
+        """Stops the user function's process (built-ins have none)."""
+        if self.box is not None:
+            self.box.close()
 
 
-def check_values(spec: str, values: object, expected: int) -> list[float]:
-    """Returns ``values`` as floats (None, NaN and inf become NaN: failed samples).
+def term_name(function: str, name: str | None) -> str:
+    """Returns a term's name: ``name``, else the text after the last ':' of ``function`` (a built-in's own name)."""
+    return name or function.rsplit(":", 1)[-1]
 
-    Raises:
-        RewardFunctionError: not a list of ``expected`` values, or a value that is not a real number.
+
+def summed_reward(terms: Sequence[tuple[float, Sequence[float | None]]], n: int) -> list[float]:
+    """Returns ``reward[i] = sum of weight * value[i]`` over (weight, values) terms whose value is not None.
+
+    Summed in Python floats from 0.0 in the order given; NaN where a value is NaN, and where every value is
+    None (nothing rewarded the sample).
     """
-    if not isinstance(values, (list, tuple)):
-        raise RewardFunctionError(
-            f"reward function '{spec}' returned {type(values).__name__}, not a list of {expected} numbers"
-        )
-    if len(values) != expected:
-        raise RewardFunctionError(f"reward function '{spec}' returned {len(values)} values for {expected} completions")
     out = []
-    for i, v in enumerate(values):
-        if v is None:
-            out.append(math.nan)
-        elif isinstance(v, numbers.Real) or (hasattr(v, "item") and getattr(v, "ndim", None) == 0):
-            out.append(float(v))
-        else:
-            raise RewardFunctionError(f"reward function '{spec}' returned a non-numeric value {v!r:.60} for completion {i}")
-    return [v if math.isfinite(v) else math.nan for v in out]
+    for i in range(n):
+        total, applied = 0.0, False
+        for weight, values in terms:
+            if values[i] is not None:
+                total += weight * values[i]
+                applied = True
+        out.append(total if applied else math.nan)
+    return out
 
 
 class RewardScorer:
-    """Scores completions: GSM8K correctness and format terms, weighted user functions and a reward model.
+    """Scores completions: weighted reward terms (built-ins and user functions) and a reward model.
 
     Args:
-        correct_weight: weight of the math-verify correctness term (0/1 per completion).
-        format_weight: weight of the '#### <number>' format term (0/1 per completion).
-        functions: user reward functions, each a dict of ``UserFunction`` arguments (path, weight,
+        functions: the terms, each ``RewardFunctionConfig.model_dump()`` (function, name, weight, kwargs,
             timeout_s, untrusted, memory_gib); see the module docstring.
         model_path: a reward-model snapshot or Hugging Face sequence-classification folder
             (``rlray.reward.reward_model.RewardModel``), or None for no reward-model term.
         model_weight: weight of the reward model's raw score.
+        columns: the dataset's extra column names, or None when unknown (a standalone server): the
+            signature check then accepts any parameter name, and calls pass the columns the rows carry.
 
     Raises:
-        RewardFunctionError: a user function cannot be loaded.
+        RewardFunctionError: a bad entry (unknown key, reserved or duplicate name, unknown built-in, a function
+            that cannot be loaded or whose signature does not fit); the message names the entry.
+        ValueError: a column named prompts, completions or completion_ids.
         rlray.models.ModelError, FileNotFoundError: the reward model cannot be loaded.
     """
 
-    def __init__(
-        self,
-        *,
-        correct_weight: float,
-        format_weight: float,
-        functions: Sequence[dict] = (),
-        model_path: str | None = None,
-        model_weight: float = 1.0,
-    ) -> None:
-        self.correct_weight = correct_weight
-        self.format_weight = format_weight
-        self.functions: list[UserFunction] = []
+    def __init__(self, *, functions: Sequence[dict], model_path: str | None = None, model_weight: float = 1.0,
+                 columns: Sequence[str] | None = None) -> None:  # fmt: skip
+        self.columns = None if columns is None else list(columns)
+        column_values([], self.columns)  # a column named like prompts/completions/completion_ids fails here, not mid-run
+        _check_entries(functions)
+        self.terms: list[RewardTerm] = []
         try:
-            for f in functions:
-                self.functions.append(UserFunction(**f))
+            for i, entry in enumerate(functions):
+                self.terms.append(RewardTerm(i, **entry, columns=self.columns))
         except BaseException:
             self.close()
             raise
@@ -228,28 +234,66 @@ class RewardScorer:
 
             self.model = RewardModel(model_path)
 
-    def score(self, prompts: list[str], completions: list[str], references: list[str]) -> dict[str, list[float]]:
-        """Returns {"reward": [...], "accuracy": [...], "format": [...], <function name>: [...]}, B values each.
+    def score(self, prompts: list[str | list[dict]], completions: list[str], columns: list[dict[str, Any]],
+              completion_ids: list[list[int]] | None = None) -> dict[str, list[float | None]]:  # fmt: skip
+        """Returns ``{"reward": [B], <term name>: [B], ...}`` (plus ``"reward_model"`` with a model).
 
-        ``reward = correct_weight * accuracy + format_weight * format + sum_f weight_f * f
-        (+ model_weight * reward_model)``; with a reward model its raw scores are under "reward_model".
-        A failed sample (module docstring) has NaN in "reward" and in the failing function's term.
+        Args:
+            prompts: B prompts as the dataset has them (strings or lists of ``{"role", "content"}`` messages).
+            completions: B decoded completions.
+            columns: B dicts, each sample's prompt row's other columns (values as in the file).
+            completion_ids: B lists of completion token ids, or None.
+
+        Term values are floats, None (skipped) or NaN (failed); "reward" is ``summed_reward`` of the terms in
+        config order, then the model term (module docstring).
 
         Raises:
-            RewardFunctionError: a user function returned a different number of values than completions,
-                or a value that is not a number (the message names the function).
+            ValueError: the four lists differ in length, or a column named like a standard argument.
+            RewardFunctionError: a function returned a different number of values than completions, or a value
+                that is not a number or None (the message names the entry).
         """
-        out = gsm8k_reward(completions, references, correct_weight=self.correct_weight, format_weight=self.format_weight)
-        for fn in self.functions:
-            values = fn.score(prompts, completions, references)
-            out[fn.name] = values
-            out["reward"] = [r + fn.weight * v for r, v in zip(out["reward"], values, strict=True)]
+        n = len(completions)
+        if len(prompts) != n or len(columns) != n or (completion_ids is not None and len(completion_ids) != n):
+            ids = "None" if completion_ids is None else len(completion_ids)
+            raise ValueError(f"RewardScorer.score: prompts ({len(prompts)}), completions ({n}), columns "
+                             f"({len(columns)}) and completion_ids ({ids}) must have the same length")  # fmt: skip
+        values = column_values(columns, self.columns)
+        shaped = [[{"role": "assistant", "content": c}] if isinstance(p, list) else c for p, c in zip(prompts, completions, strict=True)]
+        terms = {t.name: t.score(list(prompts), shaped, completion_ids, values) if n else [] for t in self.terms}
+        weighted = [(t.weight, terms[t.name]) for t in self.terms]
         if self.model is not None:
-            out["reward_model"] = self.model.score(prompts, completions)
-            out["reward"] = [r + self.model_weight * v for r, v in zip(out["reward"], out["reward_model"], strict=True)]
-        return out
+            terms["reward_model"] = self.model.score(prompts, completions)
+            weighted.append((self.model_weight, terms["reward_model"]))
+        return {"reward": summed_reward(weighted, n), **terms}
 
     def close(self) -> None:
         """Stops the user functions' processes."""
-        for fn in self.functions:
-            fn.close()
+        for term in self.terms:
+            term.close()
+
+
+def _check_entries(functions: Sequence[dict]) -> None:
+    """Checks the entries' keys and names before any process starts.
+
+    Raises:
+        RewardFunctionError: an entry that is not a dict with ``function``, an unknown key, a reserved name
+            (reward, reward_model) or two entries with one name (names both).
+    """
+    seen: dict[str, int] = {}
+    for i, entry in enumerate(functions):
+        if not isinstance(entry, dict) or not isinstance(entry.get("function"), str):
+            raise RewardFunctionError(f"reward.functions[{i}] must be a dict with a 'function' string, got {entry!r:.200}")
+        if unknown := sorted(set(entry) - set(_ENTRY_KEYS)):
+            raise RewardFunctionError(f"reward.functions[{i}] ('{entry['function']}') has unknown keys {unknown}; "
+                                      f"known: {list(_ENTRY_KEYS)}")  # fmt: skip
+        name = term_name(entry["function"], entry.get("name"))
+        if name in RESERVED_NAMES:
+            raise RewardFunctionError(f"reward.functions[{i}] ('{entry['function']}') is named '{name}', a reserved "
+                                      "name (the summed reward and the reward model's term); set its name")  # fmt: skip
+        if name in seen:
+            j = seen[name]
+            raise RewardFunctionError(
+                f"reward.functions[{j}] ('{functions[j]['function']}') and reward.functions[{i}] ('{entry['function']}') "
+                f"are both named '{name}' (metric reward/<name>); give one of them a distinct name"
+            )
+        seen[name] = i

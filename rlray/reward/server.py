@@ -2,7 +2,7 @@
 
 Layers, bottom up:
 - ``ScorerSandbox``: a child process (``rlray.reward.sandbox.ProcessSandbox``, the same mechanism that
-  runs each user function with its own timeout) that holds one ``RewardScorer`` (rules, user functions,
+  runs each user function with its own timeout) that holds one ``RewardScorer`` (built-in verifiers, user functions,
   and the reward model when the scorer has one). A call that runs past ``timeout_s`` kills the process,
   starts a fresh one and fails with ``RewardTimeoutError``, so nothing wedges a replica (Python threads
   cannot be killed; processes can).
@@ -15,8 +15,14 @@ Layers, bottom up:
   Serve client retries with exponential back-off while no replica answers (a killed replica is restarted
   by Serve), then fails with ``RewardServerUnavailableError``.
 
-A sample whose reward could not be computed (a user function raised, timed out or returned NaN) has NaN
-in "reward" (``null`` in the HTTP reply); the loop counts it in ``reward/failed`` and leaves it out.
+A request carries B prompts (strings or TRL conversational message lists), B completions, B column dicts
+(each sample's prompt row's other columns, passed to the reward functions as keyword lists) and, optionally,
+B completion token-id lists; ``rlray.reward.scorer`` describes how they are scored. A term's value is a
+float, NaN (*failed*: the function raised, timed out or returned NaN/inf; NaN in "reward" too, and the loop
+counts the sample in ``reward/failed`` and leaves it out) or None (*skipped*: the function returned None,
+the term does not apply). JSON has no NaN, so the HTTP reply keeps the two apart by writing NaN as the
+string ``"NaN"`` and None as ``null`` (``ScoreReply``: ``ser_json_inf_nan="strings"``);
+``ScoreReply.model_validate_json`` reads ``"NaN"`` back as a float NaN, and so does ``ServeRewardClient``.
 
 Hot swap: deploying the application again with a new user_config (``{"version": v, "scorer": kwargs}``,
 e.g. a new reward-model path in the kwargs) makes Serve call ``reconfigure`` on the running replicas
@@ -35,7 +41,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tenacity import RetryError, Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from rlray.reward.sandbox import ProcessSandbox, SandboxCrashed, SandboxError, SandboxTimeout
@@ -64,36 +70,47 @@ class ScoreResult:
 
     Attributes:
         version: reward version (``reward.version`` of the deployed config).
-        values: {"reward": [...], "accuracy": [...], "format": [...], <user terms>: [...]}, B each.
+        values: {"reward": [...], <term name>: [...], ("reward_model": [...])}, B each: floats, NaN where the
+            sample failed, None where a term skipped it (``rlray.reward.scorer``).
     """
 
     version: int
-    values: dict[str, list[float]]
+    values: dict[str, list[float | None]]
 
 
 class ScoreRequest(BaseModel):
-    """One scoring request: B prompts, completions and reference answers (the JSON body of POST /score)."""
+    """One scoring request, the JSON body of POST /score: B samples."""
 
-    prompts: list[str]
-    completions: list[str]
-    references: list[str]
+    prompts: list[str | list[dict[str, Any]]] = Field(
+        description="the prompts as the dataset has them: strings, or lists of {role, content} messages"
+    )
+    completions: list[str] = Field(description="the decoded completions")
+    columns: list[dict[str, Any]] = Field(
+        description="each sample's prompt row's other columns (e.g. {answer: ...}); keyword lists of the reward functions"
+    )
+    completion_ids: list[list[int]] | None = Field(None, description="the completions' token ids, or null")
 
     @model_validator(mode="after")
     def _same_length(self) -> ScoreRequest:
         n = len(self.completions)
-        if len(self.prompts) != n or len(self.references) != n:
+        ids = None if self.completion_ids is None else len(self.completion_ids)
+        if len(self.prompts) != n or len(self.columns) != n or ids not in (None, n):
             raise ValueError(
-                f"prompts ({len(self.prompts)}), completions ({n}) and references ({len(self.references)}) "
-                "must have the same length"
+                f"prompts ({len(self.prompts)}), completions ({n}), columns ({len(self.columns)}) and "
+                f"completion_ids ({ids}) must have the same length"
             )
         return self
 
 
 class ScoreReply(BaseModel):
-    """The JSON reply of POST /score."""
+    """The reply of POST /score; in JSON, NaN (a failed sample) is the string "NaN" and None (skipped) is null."""
+
+    model_config = ConfigDict(ser_json_inf_nan="strings")
 
     version: int = Field(description="reward version that scored the request")
-    scores: dict[str, list[float]] = Field(description="reward terms, one value per completion")
+    scores: dict[str, list[float | None]] = Field(
+        description='reward terms, one value per completion: a number, "NaN" where it failed, null where skipped'
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -130,8 +147,11 @@ class ScorerSandbox:
         except SandboxError as err:
             raise RewardServerError(f"the reward scorer could not be built: {err}") from None
 
-    def score(self, prompts: list[str], completions: list[str], references: list[str]) -> dict[str, list[float]]:
+    def score(self, prompts: list[str | list[dict]], completions: list[str], columns: list[dict[str, Any]],
+              completion_ids: list[list[int]] | None = None) -> dict[str, list[float | None]]:  # fmt: skip
         """Returns the scorer's {term: [B values]} for one batch (thread-safe; calls run one at a time).
+
+        Arguments as in ``RewardScorer.score``.
 
         Raises:
             RewardTimeoutError: the call ran past ``timeout_s`` (the child is killed and restarted).
@@ -139,7 +159,7 @@ class ScorerSandbox:
             RewardServerError: the scorer raised otherwise, or its process died (type and message are kept).
         """
         try:
-            return self._box(prompts, completions, references)
+            return self._box(prompts, completions, columns, completion_ids)
         except SandboxTimeout:
             raise RewardTimeoutError(
                 f"scoring {len(completions)} completions took longer than reward.server.timeout_s="
@@ -174,10 +194,11 @@ class RewardService:
         """Returns the version that new calls are scored with."""
         return self._current[0]
 
-    def score(self, prompts: list[str], completions: list[str], references: list[str]) -> ScoreResult:
+    def score(self, prompts: list[str | list[dict]], completions: list[str], columns: list[dict[str, Any]],
+              completion_ids: list[list[int]] | None = None) -> ScoreResult:  # fmt: skip
         """Returns the scores of one batch and the version that produced them (see ``ScorerSandbox.score``)."""
         version, sandbox = self._current
-        return ScoreResult(version, sandbox.score(prompts, completions, references))
+        return ScoreResult(version, sandbox.score(prompts, completions, columns, completion_ids))
 
     def swap(self, version: int, scorer_kwargs: dict, timeout_s: float) -> None:
         """Builds a new sandbox, makes it current, then closes the old one after its call in progress.
@@ -202,7 +223,7 @@ class RewardService:
 def _make_deployment():
     """Returns the Serve deployment class (built on first use, so importing this module needs no Serve)."""
     # deferred: Serve + FastAPI take seconds, and every scorer sandbox (spawned) imports this module
-    from fastapi import FastAPI, HTTPException
+    from fastapi import FastAPI, HTTPException, Response
     from ray import serve
 
     api = FastAPI(title="rlray reward", docs_url=None, redoc_url=None)
@@ -234,10 +255,11 @@ def _make_deployment():
             return self.service.version
 
         @api.post("/score", response_model=ScoreReply)
-        async def http_score(self, body: ScoreRequest) -> dict:
-            """POST /score: JSON ScoreRequest in, ScoreReply out (errors: 504 timeout, 500 scorer failure)."""
+        async def http_score(self, body: ScoreRequest) -> Any:
+            """POST /score: JSON ScoreRequest in, ScoreReply out, NaN as "NaN" (errors: 504 timeout, 500 scorer failure)."""
             try:
-                return await self._score_batch(body)
+                reply = ScoreReply.model_validate(await self._score_batch(body))
+                return Response(reply.model_dump_json(), media_type="application/json")
             except RewardTimeoutError as err:
                 raise HTTPException(status_code=504, detail=str(err)) from err
             except (RewardServerError, RewardFunctionError) as err:
@@ -247,8 +269,12 @@ def _make_deployment():
         async def _score_batch(self, requests: list[ScoreRequest]) -> list[dict]:
             prompts = [x for r in requests for x in r.prompts]
             completions = [x for r in requests for x in r.completions]
-            references = [x for r in requests for x in r.references]
-            result = await asyncio.to_thread(self.service.score, prompts, completions, references)
+            columns = [x for r in requests for x in r.columns]
+            if all(r.completion_ids is not None for r in requests):
+                completion_ids = [x for r in requests for x in r.completion_ids]
+            else:  # a request without ids: the merged batch has none (a function that needs them gets None)
+                completion_ids = None
+            result = await asyncio.to_thread(self.service.score, prompts, completions, columns, completion_ids)
             out, start = [], 0
             for r in requests:
                 end = start + len(r.completions)
@@ -321,9 +347,10 @@ class LocalRewardClient:
         self.scorer = scorer
         self.version = version
 
-    def score(self, prompts: list[str], completions: list[str], references: list[str]) -> ScoreResult:
-        """Returns the scorer's values and this client's version (NaN for failed samples)."""
-        return ScoreResult(self.version, self.scorer.score(prompts, completions, references))
+    def score(self, prompts: list[str | list[dict]], completions: list[str], columns: list[dict[str, Any]],
+              completion_ids: list[list[int]] | None = None) -> ScoreResult:  # fmt: skip
+        """Returns the scorer's values (NaN failed, None skipped) and this client's version."""
+        return ScoreResult(self.version, self.scorer.score(prompts, completions, columns, completion_ids))
 
     def close(self) -> None:
         """Stops the scorer's user-function processes."""
@@ -371,16 +398,20 @@ class ServeRewardClient:
             handle = self._retrying(lambda: serve.get_app_handle(app_name), "find the application")
         self.handle = handle
 
-    def score(self, prompts: list[str], completions: list[str], references: list[str]) -> ScoreResult:
-        """Returns the server's scores and the version that produced them.
+    def score(self, prompts: list[str | list[dict]], completions: list[str], columns: list[dict[str, Any]],
+              completion_ids: list[list[int]] | None = None) -> ScoreResult:  # fmt: skip
+        """Returns the server's scores (NaN failed, None skipped) and the version that produced them.
+
+        Arguments as in ``RewardScorer.score``; they travel to the replica pickled (no JSON, so NaN stays NaN).
 
         Raises:
             RewardTimeoutError, RewardServerError, RewardFunctionError: raised by the server for this request.
             RewardServerUnavailableError: no answer after ``attempts`` tries.
         """
-        body = {"prompts": prompts, "completions": completions, "references": references}
+        body = {"prompts": prompts, "completions": completions, "columns": columns, "completion_ids": completion_ids}
         reply = self._retrying(lambda: self.handle.score.remote(body).result(timeout_s=self.timeout_s), "score")
-        return ScoreResult(int(reply["version"]), reply["scores"])
+        reply = ScoreReply.model_validate(reply)  # "NaN" strings, should a reply come through JSON, become NaN
+        return ScoreResult(reply.version, reply.scores)
 
     def close(self) -> None:
         """Does nothing: the application outlives its clients."""

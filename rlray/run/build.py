@@ -16,11 +16,12 @@ import ray.train.torch
 import torch
 
 from rlray.config import Config
+from rlray.data import PromptRow
 from rlray.learner import POLICY_LOSS_OF, AdvantageSpec, LossSpec, PolicyLearner
 from rlray.learner import online as learner_online
 from rlray.learner.critic import build_critic
 from rlray.learner.policy import to_local_gpu
-from rlray.models import resolve_model_path
+from rlray.models import resolve_dtype, resolve_model_path
 from rlray.reward import RewardScorer
 from rlray.reward.server import LocalRewardClient, ServeRewardClient
 from rlray.rollout import SamplingSpec
@@ -46,7 +47,7 @@ def learner_kwargs(cfg: Config, world: int, *, with_reference: bool = True) -> d
     elif cfg.resources.learner.gpus > 0 and torch.cuda.is_available():
         wrap = to_local_gpu
     return dict(
-        dtype=cfg.model.dtype,
+        dtype=compute_dtype(cfg),
         lr=cfg.learner.lr,
         betas=cfg.learner.betas,
         weight_decay=cfg.learner.weight_decay,
@@ -64,7 +65,12 @@ def learner_kwargs(cfg: Config, world: int, *, with_reference: bool = True) -> d
 def ppo_critic(cfg: Config, model_dir: str, wrap: Any) -> PolicyLearner:
     """Returns PPO's critic learner: a value head on ``critic.model_path`` (resolved), or on the policy checkpoint."""
     path = resolve_model_path(cfg.critic.model_path) if cfg.critic.model_path else model_dir
-    return build_critic(path, dtype=cfg.model.dtype, lr=cfg.critic.lr, max_grad_norm=cfg.critic.max_grad_norm, wrap_model=wrap)
+    return build_critic(path, dtype=compute_dtype(cfg), lr=cfg.critic.lr, max_grad_norm=cfg.critic.max_grad_norm, wrap_model=wrap)
+
+
+def compute_dtype(cfg: Config) -> str:
+    """Returns ``model.dtype`` with "auto" resolved on this machine: "bfloat16" or "float32" (``models.resolve_dtype``)."""
+    return resolve_dtype(cfg.model.dtype, gpu=cfg.resources.learner.gpus > 0 or cfg.resources.rollout.gpus > 0)
 
 
 def sampling_for_step(cfg: Config, step: int) -> SamplingSpec:
@@ -87,28 +93,38 @@ def eval_sampling(cfg: Config) -> SamplingSpec:
     return SamplingSpec(n=1, max_new_tokens=cfg.eval_max_new_tokens, temperature=0.0, top_p=1.0)
 
 
-def scorer_kwargs(cfg: Config) -> dict[str, Any]:
-    """Returns the keyword arguments of ``RewardScorer`` for ``cfg.reward`` (plain values; also the Serve user_config)."""
+def scorer_kwargs(cfg: Config, columns: list[str] | None = None) -> dict[str, Any]:
+    """Returns the keyword arguments of ``RewardScorer`` for ``cfg.reward`` (plain values; also the Serve user_config).
+
+    Args:
+        cfg: the run's config.
+        columns: the datasets' extra column names (``dataset_columns``) for the reward functions' signature
+            check, or None when unknown (a reward server deployed before the data is read).
+    """
     return {
-        "correct_weight": cfg.reward.correct_weight,
-        "format_weight": cfg.reward.format_weight,
         "functions": [f.model_dump() for f in cfg.reward.functions],
         "model_path": cfg.reward.model_path,
         "model_weight": cfg.reward.model_weight,
+        "columns": columns,
     }
 
 
-def local_reward_client(cfg: Config) -> LocalRewardClient:
+def dataset_columns(rows: list[PromptRow]) -> list[str]:
+    """Returns the extra column names of prompt rows (every row's ``columns`` keys), sorted."""
+    return sorted({name for row in rows for name in row.columns})
+
+
+def local_reward_client(cfg: Config, columns: list[str] | None = None) -> LocalRewardClient:
     """Returns an in-process reward client over the scorer described by ``cfg.reward``."""
-    return LocalRewardClient(RewardScorer(**scorer_kwargs(cfg)), cfg.reward.version)
+    return LocalRewardClient(RewardScorer(**scorer_kwargs(cfg, columns)), cfg.reward.version)
 
 
-def reward_client(cfg: Config) -> LocalRewardClient | ServeRewardClient:
+def reward_client(cfg: Config, columns: list[str] | None = None) -> LocalRewardClient | ServeRewardClient:
     """Returns the Serve application's client when ``reward.server.enabled``, else an in-process scorer."""
     srv = cfg.reward.server
     if srv.enabled:
         return ServeRewardClient(srv.app_name, attempts=srv.client_attempts, timeout_s=srv.client_timeout_s)
-    return local_reward_client(cfg)
+    return local_reward_client(cfg, columns)
 
 
 def update_spec(cfg: Config, world: int) -> learner_online.UpdateSpec:

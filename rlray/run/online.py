@@ -33,7 +33,7 @@ import torch
 from rlray import schema
 from rlray.config import Config
 from rlray.cores import parse_core_list, pin_process
-from rlray.data import DataError, PromptRow, PromptStream, load_prompt_rows, prepare_prompts
+from rlray.data import DataError, PromptRow, PromptStream, columns_json, load_prompt_rows, prepare_prompts
 from rlray.learner import Normaliser, PolicyLearner
 from rlray.learner import online as learner_online
 from rlray.learner.collective import Collective
@@ -106,6 +106,7 @@ class OnlineRun(RunContext):
     eval_prompts: list[tuple[PromptRow, list[int]]] = field(default_factory=list)
     reward: RewardClient | None = None
     reward_kwargs: dict[str, Any] | None = None  # the reward config ``reward`` was built from (build.scorer_kwargs)
+    reward_columns: list[str] | None = None  # the datasets' extra column names (reward functions' keyword arguments)
     fleet: RolloutFleet | None = None
     pipeline: RolloutPipeline | None = None
     weight_sync: Any = None  # every rank (rlray.rollout.weight_sync)
@@ -150,9 +151,10 @@ class OnlineRun(RunContext):
             self.pipeline.reset()  # drop rollouts in flight (async mode): they used the old weights and cursor
         self.policy_version -= 1
         self.policy_version = sync_weights(self)
-        if self.rank == 0 and self.reward_kwargs != (kwargs := build.scorer_kwargs(self.cfg)):  # a rollback may change reward.*
+        kwargs = build.scorer_kwargs(self.cfg, self.reward_columns) if self.rank == 0 else None
+        if self.rank == 0 and self.reward_kwargs != kwargs:  # a rollback may change reward.*
             self.reward.close()
-            self.reward, self.reward_kwargs = build.reward_client(self.cfg), kwargs
+            self.reward, self.reward_kwargs = build.reward_client(self.cfg, self.reward_columns), kwargs
 
     def consumed_cursor(self) -> dict[str, Any]:
         """Returns the cursor of the steps done (async mode: the pipeline has taken prompts of steps in flight)."""
@@ -185,22 +187,25 @@ def setup(cfg: Config, coll: Collective, *, model_dir: str, actors: list[Any], r
                     reference_actor=reference_actor)
     if coll.rank == 0:
         render = dict(instruction=cfg.data.instruction, system_prompt=cfg.data.system_prompt)
+        all_train_rows = load_prompt_rows(cfg.data.train_files, prompt_column=cfg.data.prompt_column)
         train_rows, train_ids, ctx.skipped_long_prompts = prepare_prompts(
-            load_prompt_rows(cfg.data.train_files), tokenizer, max_prompt_tokens=cfg.data.max_prompt_tokens,
-            long_prompts=cfg.data.long_prompts, **render,
+            all_train_rows, tokenizer, max_prompt_tokens=cfg.data.max_prompt_tokens, long_prompts=cfg.data.long_prompts,
+            **render,
         )
         ctx.stream = PromptStream(train_rows, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
         ctx.prompt_ids = {r.prompt_id: ids for r, ids in zip(train_rows, train_ids, strict=True)}
         if cfg.eval.num_problems:
-            eval_rows = load_prompt_rows(cfg.data.eval_files)[: cfg.eval.num_problems]
+            eval_rows = load_prompt_rows(cfg.data.eval_files, prompt_column=cfg.data.prompt_column)[: cfg.eval.num_problems]
             rows, ids, _ = prepare_prompts(eval_rows, tokenizer, max_prompt_tokens=10**9, **render)
             ctx.eval_prompts = list(zip(rows, ids, strict=True))
         ctx.tracker = Tracker(cfg.tracking.mlflow_uri, cfg.tracking.experiment, run_id=run_id)
-        ctx.reward, ctx.reward_kwargs = build.reward_client(cfg), build.scorer_kwargs(cfg)
+        ctx.reward_columns = build.dataset_columns(all_train_rows + [r for r, _ in ctx.eval_prompts])
+        ctx.reward = build.reward_client(cfg, ctx.reward_columns)
+        ctx.reward_kwargs = build.scorer_kwargs(cfg, ctx.reward_columns)
         ctx.fleet = RolloutFleet(actors)
         ctx.pipeline = RolloutPipeline(ctx.fleet, ctx.take_prompts, ctx.sampling_for, cfg.rollout.max_staleness,
                                        cursor=ctx.stream.state_dict, restore_cursor=ctx.stream.load_state_dict)
-    dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+    dtype = torch.bfloat16 if build.compute_dtype(cfg) == "bfloat16" else torch.float32
     ctx.weight_sync = make_weight_sync(
         cfg.weight_sync_backend, ctx.fleet, dtype,
         wait=cfg.rollout.max_staleness == 0, tensor_parallel_size=cfg.resources.rollout.tensor_parallel_size,
@@ -294,11 +299,16 @@ def step_metrics(ctx: OnlineRun, rollout_metrics: dict[str, float], data: dict[s
 # Stages
 # --------------------------------------------------------------------------------------------
 def score(reward: RewardClient, rows: list[PromptRow], completions: list[Completion], tokenizer: Any) -> ScoreResult:
-    """Stage 3: returns the reward version and {"reward", "accuracy", "format", <user terms>}, one value per completion."""
+    """Stage 3: returns the reward version and {"reward", <term name>, ...}, one value per completion.
+
+    Each completion is scored with its prompt as the dataset had it (a string or TRL messages), its
+    decoded text (special tokens skipped), its token ids and its row's other columns (TRL's keyword
+    arguments). Term values: a float, NaN (failed) or None (the term skipped the sample).
+    """
     texts = tokenizer.batch_decode([c.response_token_ids for c in completions], skip_special_tokens=True)
-    questions = [rows[c.prompt_index].question for c in completions]
-    refs = [rows[c.prompt_index].answer for c in completions]
-    return reward.score(questions, texts, refs)
+    prompts = [rows[c.prompt_index].prompt for c in completions]
+    columns = [rows[c.prompt_index].columns for c in completions]
+    return reward.score(prompts, texts, columns, [list(c.response_token_ids) for c in completions])
 
 
 def algorithm_sampling(
@@ -352,6 +362,7 @@ def build_experience(
             "rollout_logprobs": [c.rollout_logprobs for c in completions],
             "reward": rewards["reward"],
             "reward_components": [{k: v[i] for k, v in comps.items()} for i in range(len(completions))],
+            "prompt_columns": [columns_json(rows[c.prompt_index]) for c in completions],
             "policy_version": [c.policy_version for c in completions],
             "finish_reason": [c.finish_reason for c in completions],
         }
@@ -453,8 +464,7 @@ def rollout_stats(
         "reward/mean": float(r[ok].mean()) if ok.any() else math.nan,
         "reward/std": float(r[ok].std()) if ok.any() else math.nan,
         "reward/failed": float((~ok).sum()),
-        "reward/accuracy": float(np.mean(rewards["accuracy"])),
-        "reward/format_rate": float(np.mean(rewards["format"])),
+        **term_metrics(rewards, "reward"),
         "algo/groups_without_signal": float(1.0 - np.mean(spread)),
         "rollout/response_tokens_mean": float(lengths.mean()),
         "rollout/truncated_rate": float(np.mean([f == "length" for f in table.column("finish_reason").to_pylist()])),
@@ -470,6 +480,27 @@ def rollout_stats(
 # --------------------------------------------------------------------------------------------
 # Evaluation (training's and ``rlray eval``'s)
 # --------------------------------------------------------------------------------------------
+def term_metrics(rewards: dict[str, list[float | None]], prefix: str) -> dict[str, float]:
+    """Returns ``<prefix>/<term>`` and ``<prefix>/<term>_skipped`` for every reward term but the summed "reward".
+
+    ``<term>`` is the mean over the samples the term scored (None: skipped; NaN: failed, both left out;
+    NaN when none was scored); ``<term>_skipped`` counts the samples it returned None for (TRL's rule:
+    the term does not apply). The reward model's raw score is ``reward/model_score`` (``online_sampling``).
+
+    Args:
+        rewards: {"reward": [B], <term>: [B] floats, NaN or None} (``RewardScorer.score``).
+        prefix: "reward" for a step, "eval" for evaluation.
+    """
+    out: dict[str, float] = {}
+    for name, values in rewards.items():
+        if name in ("reward", "reward_model"):
+            continue
+        scored = [v for v in values if v is not None and math.isfinite(v)]
+        out[f"{prefix}/{name}"] = float(np.mean(scored)) if scored else math.nan
+        out[f"{prefix}/{name}_skipped"] = float(sum(v is None for v in values))
+    return out
+
+
 def evaluate(ctx: OnlineRun) -> dict[str, float]:
     """Returns greedy eval metrics of the current policy on ``eval.num_problems`` held-out prompts (rank 0; {} elsewhere)."""
     if not ctx.eval_prompts:
@@ -479,18 +510,20 @@ def evaluate(ctx: OnlineRun) -> dict[str, float]:
 
 def evaluate_prompts(fleet: RolloutFleet, reward: RewardClient, prompts: list[tuple[PromptRow, list[int]]], tokenizer: Any,
                      sampling: SamplingSpec) -> dict[str, float]:
-    """Returns eval/accuracy, eval/format_rate, eval/response_tokens_mean and eval/num_problems.
+    """Returns eval/reward_mean, eval/<term> and eval/<term>_skipped per reward term, eval/response_tokens_mean and
+    eval/num_problems.
 
     One completion per prompt (``sampling``: greedy for training's eval and ``rlray eval``), spread over
-    the rollout actors, scored by ``reward``. Accuracy and format rate are means over the prompts;
-    response length is in tokens, EOS included.
+    the rollout actors, scored by ``reward``. Term means are over the prompts the term applied to
+    (``term_metrics``); response length is in tokens, EOS included.
     """
     rows = [r for r, _ in prompts]
     completions = fleet.generate([ids for _, ids in prompts], sampling)
     got = score(reward, rows, completions, tokenizer).values
+    rewards = np.asarray(got["reward"], dtype=np.float64)
     return {
-        "eval/accuracy": float(np.mean(got["accuracy"])),
-        "eval/format_rate": float(np.mean(got["format"])),
+        "eval/reward_mean": float(np.nanmean(rewards)) if np.isfinite(rewards).any() else math.nan,
+        **term_metrics(got, "eval"),
         "eval/response_tokens_mean": float(np.mean([len(c.response_token_ids) for c in completions])),
         "eval/num_problems": float(len(completions)),
     }

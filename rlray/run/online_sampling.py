@@ -1,7 +1,7 @@
 """Rank-0 sampling extras of the online algorithms, between the reward stage and the experience table.
 
-- DAPO dynamic sampling (``dynamic_sampling``): keep the groups whose raw accuracy (or another reward term,
-  ``algo.dynamic_sampling_metric``) varies, draw further
+- DAPO dynamic sampling (``dynamic_sampling``): keep the groups whose reward term
+  ``algo.dynamic_sampling_metric`` (the summed reward, or one term such as raw correctness) varies, draw further
   prompts until ``prompts_per_step`` such groups are collected, and fail clearly past the round limit.
 - DAPO soft overlong punishment (``overlong_shaping``): a length penalty added to the reward.
 - ReMax's greedy baseline (``per_completion`` spreads the greedy reward of each prompt over its samples).
@@ -32,7 +32,7 @@ class Rollouts:
         rows: P prompt rows (``PromptRow``).
         prompt_ids: P prompt token-id lists.
         completions: completions, prompt-major; ``prompt_index`` indexes ``rows``.
-        rewards: {"reward", "accuracy", "format", ...} lists, one value per completion.
+        rewards: {"reward", <term name>, ...} lists, one value per completion (``RewardScorer.score``).
     """
 
     rows: list[Any]
@@ -65,10 +65,11 @@ class Rollouts:
         )
 
 
-def groups_with_spread(batch: Rollouts, metric: str = "accuracy") -> list[int]:
+def groups_with_spread(batch: Rollouts, metric: str = "reward") -> list[int]:
     """Returns the prompt indices whose completions' ``metric`` term is not constant (``algos.groups_with_spread``).
 
-    Samples whose reward or ``metric`` failed (NaN) do not count toward the spread.
+    Samples whose reward or ``metric`` failed (NaN), or that the ``metric`` term skipped (None), do not count
+    toward the spread.
 
     Raises:
         KeyError: ``metric`` is not one of the batch's reward terms (names algo.dynamic_sampling_metric).
@@ -79,7 +80,7 @@ def groups_with_spread(batch: Rollouts, metric: str = "accuracy") -> list[int]:
         raise KeyError(
             f"algo.dynamic_sampling_metric='{metric}' is not a reward term; the reward stage gives {sorted(batch.rewards)}"
         )
-    acc = torch.tensor(batch.rewards[metric], dtype=torch.float32)
+    acc = torch.tensor([math.nan if v is None else v for v in batch.rewards[metric]], dtype=torch.float32)
     valid = acc.isfinite() & torch.tensor(batch.rewards["reward"], dtype=torch.float32).isfinite()
     groups = torch.tensor([c.prompt_index for c in batch.completions], dtype=torch.long)
     keep = algos.groups_with_spread(torch.where(valid, acc, 0.0), groups, valid_mask=valid)
@@ -92,7 +93,7 @@ def dynamic_sampling(
     *,
     target_groups: int,
     max_rounds: int,
-    metric: str = "accuracy",
+    metric: str = "reward",
 ) -> tuple[Rollouts, int]:
     """Returns (``target_groups`` prompt groups whose ``metric`` varies, rollout rounds used), DAPO-style.
 
@@ -157,7 +158,7 @@ class SamplingExtras:
     target_groups: int
     max_rounds: int
     max_new_tokens: int
-    metric: str = "accuracy"
+    metric: str = "reward"
     overlong_cache_tokens: int = 0
     overlong_penalty_factor: float = 1.0
 

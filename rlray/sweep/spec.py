@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rlray.config import Config, ConfigError, config_from_dict, validation_error_lines
-from rlray.observe.tracking import METRIC_KEYS
+from rlray.observe.tracking import METRIC_KEYS, RENAMED_KEYS, term_keys
 
 
 class SweepError(ConfigError):
@@ -90,7 +90,7 @@ class SchedulerSpec(_Strict):
 class SweepConfig(_Strict):
     """A sweep file: what to search, how to rank trials, and the scheduler."""
 
-    metric: str = Field("reward/mean", description="Per-step metric that ranks trials (a key of tracking.METRIC_KEYS).")
+    metric: str = Field("reward/mean", description="Per-step metric that ranks trials (a key of tracking.METRIC_KEYS, or reward/<term name>).")
     mode: Literal["max", "min"] = Field("max", description="Whether a higher or a lower metric is better.")
     space: dict[str, Space] = Field(
         ..., min_length=1, description="Dotted config key -> its values, e.g. learner.lr: {loguniform: [1e-6, 1e-4]}."
@@ -109,8 +109,13 @@ class SweepConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> SweepConfig:
-        if self.metric not in METRIC_KEYS:
-            raise ValueError(f"metric={self.metric!r} is not a per-step metric; use one of tracking.METRIC_KEYS, e.g. 'reward/mean'")
+        if self.metric in RENAMED_KEYS:
+            raise ValueError(f"metric={self.metric!r} was renamed {RENAMED_KEYS[self.metric]!r} (a reward function's term)")
+        if self.metric not in METRIC_KEYS and not self.metric.startswith("reward/"):  # terms: check_sweep
+            raise ValueError(
+                f"metric={self.metric!r} is not a per-step metric; use one of tracking.METRIC_KEYS, e.g. 'reward/mean', "
+                "or a reward term's reward/<name>"
+            )
         if self.scheduler.name == "pbt":
             grids = [k for k, s in self.space.items() if s.kind == "grid"]
             if grids:
@@ -150,8 +155,15 @@ def check_sweep(sweep: SweepConfig, base: Config) -> None:
     before the last step and keep the snapshots it copies.
 
     Raises:
-        SweepError: naming ``space.<key>`` (with the config's own message) or the scheduler field.
+        SweepError: naming ``space.<key>`` (with the config's own message), the scheduler field, or a
+            ``metric`` that is neither a per-step metric nor one of the config's reward terms.
     """
+    terms = [k for k in term_keys([f.term_name for f in base.reward.functions]) if k.startswith("reward/")]
+    if sweep.metric not in METRIC_KEYS and sweep.metric not in terms:
+        raise SweepError(
+            f"metric={sweep.metric!r} is neither a per-step metric (tracking.METRIC_KEYS, e.g. 'reward/mean') nor "
+            f"one of the config's reward terms {terms}"
+        )
     tree = base.model_dump(mode="json")
     for key, space in sweep.space.items():
         for value in space.probe_values():

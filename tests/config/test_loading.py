@@ -100,3 +100,48 @@ def test_names_other_tools_rely_on():
     for key in ("run.max_steps", "run.output_dir", "run.seed", "model.path", "data.train_files", "data.eval_files", "tracking.mlflow_uri"):
         assert key in flat
     assert flat["tracking.mlflow_uri"] == "sqlite:///mlruns/mlflow.db"
+
+
+# --- issue 12: TRL prompt formats, reward terms, retired keys -------------------------------------------------
+def test_retired_reward_weights_name_their_replacement():
+    with pytest.raises(ConfigError, match=r"reward.correct_weight was removed; .*\[\{function: gsm8k_correct, weight: 1.0\}\]"):
+        config_from_dict({"reward": {"correct_weight": 1.0}})
+    with pytest.raises(ConfigError, match=r"reward.format_weight was removed; .*\[\{function: gsm8k_format, weight: 0.2\}\]"):
+        config_from_dict({"reward": {"format_weight": 0.2}})
+    with pytest.raises(ConfigError, match=r"reward.functions\[\].path was renamed to 'function' \(path='f.py:g'\)"):
+        config_from_dict({"reward": {"functions": [{"path": "f.py:g"}]}})
+
+
+def test_a_single_path_is_a_list_of_one(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("run: {max_steps: 2}\n")
+    cfg = load_config(path, ["data.train_files=my/prompts.jsonl", "data.eval_files=s3://b/e.parquet"])
+    assert cfg.data.train_files == ["my/prompts.jsonl"] and cfg.data.eval_files == ["s3://b/e.parquet"]
+    assert load_config(path, ["data.train_files=[a.jsonl, b.jsonl]"]).data.train_files == ["a.jsonl", "b.jsonl"]
+
+
+def test_prompt_column_and_instruction_defaults_are_trl_ones():
+    cfg = Config()
+    assert cfg.data.prompt_column == "prompt" and cfg.data.instruction == "" and cfg.reward.functions == []
+    assert load_config(REPO / "configs/grpo_gsm8k_smollm2.yaml").data.prompt_column == "question"
+
+
+def test_reward_term_names_are_unique_and_not_reserved():
+    cfg = config_from_dict({"reward": {"functions": [{"function": "gsm8k_correct"}, {"function": "f.py:score", "weight": 0.5},
+                                                     {"function": "m.mod:score", "name": "score_b"}]}})
+    assert [f.term_name for f in cfg.reward.functions] == ["gsm8k_correct", "score", "score_b"]
+    with pytest.raises(ConfigError, match=r"reward.functions\[0\] and reward.functions\[1\] are both named 'score'"):
+        config_from_dict({"reward": {"functions": [{"function": "f.py:score"}, {"function": "m.mod:score"}]}})
+    with pytest.raises(ConfigError, match=r"reward.functions\[0\] is named 'reward', a reserved name"):
+        config_from_dict({"reward": {"functions": [{"function": "f.py:reward"}]}})
+
+
+def test_dapo_filters_on_a_reward_term_that_exists():
+    base = {"algo": {"name": "dapo"}, "reward": {"functions": [{"function": "gsm8k_correct"}]}}
+    assert config_from_dict(base).algo.dynamic_sampling_metric == "reward"
+    ok = config_from_dict({**base, "algo": {"name": "dapo", "dynamic_sampling_metric": "gsm8k_correct"}})
+    assert ok.algo.dynamic_sampling_metric == "gsm8k_correct"
+    with pytest.raises(ConfigError, match=r"algo.dynamic_sampling_metric='length' is not a reward term; .*\['gsm8k_correct'\]"):
+        config_from_dict({**base, "algo": {"name": "dapo", "dynamic_sampling_metric": "length"}})
+    with pytest.raises(ConfigError, match=r"algo.dynamic_sampling_metric='accuracy' was renamed: .* use gsm8k_correct"):
+        config_from_dict({**base, "algo": {"name": "dapo", "dynamic_sampling_metric": "accuracy"}})

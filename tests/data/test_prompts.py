@@ -8,13 +8,13 @@ from collections import Counter
 import pytest
 
 from rlray.config import DataConfig
-from rlray.data.gsm8k import PromptRow, load_prompt_rows
 from rlray.data.prompts import PromptStream, filter_long_prompts, prepare_prompts, render_prompt
+from rlray.data.rows import PromptRow, load_prompt_rows
 from rlray.models.loading import load_tokenizer
 
 
 def _rows(n: int) -> list[PromptRow]:
-    return [PromptRow(f"r:{i}", f"question {i}", str(i)) for i in range(n)]
+    return [PromptRow(f"r:{i}", f"question {i}", {"answer": str(i)}) for i in range(n)]
 
 
 def _ids(rows: list[PromptRow]) -> list[int]:
@@ -48,10 +48,96 @@ def test_render_prompt_default_system_and_user_first_template(tiny_model_path, t
     assert text == "<|im_start|>user\nQ?\n\nI.<|im_end|>\n<|im_start|>assistant\n"
 
 
+GSM8K_INSTRUCTION = (  # the GSM8K instruction of configs before data.instruction defaulted to ""
+    "Answer in at most three short lines and end with the final answer as '#### <number>'.\n\n"
+    "Example:\nQuestion: Tom has 3 bags with 4 apples each. He eats 2 apples. How many apples are left?\n"
+    "Answer: 3 * 4 = 12 apples. 12 - 2 = 10 apples.\n#### 10"
+)
+
+
+def _template_ids(tokenizer, messages: list[dict], **kwargs) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def test_render_gsm8k_question_is_unchanged(gsm8k_dir, tiny_tokenizer):
+    rows = load_prompt_rows([str(gsm8k_dir / "train.jsonl")], prompt_column="question")[:20]
+    for row in rows:
+        user = {"role": "user", "content": row.prompt + "\n\n" + GSM8K_INSTRUCTION}
+        expected = _template_ids(tiny_tokenizer, [user], add_generation_prompt=True)
+        assert render_prompt(tiny_tokenizer, row.prompt, instruction=GSM8K_INSTRUCTION, system_prompt=None) == expected
+        system = {"role": "system", "content": "You do math."}
+        expected = _template_ids(tiny_tokenizer, [system, user], add_generation_prompt=True)
+        assert render_prompt(tiny_tokenizer, row.prompt, instruction=GSM8K_INSTRUCTION, system_prompt="You do math.") == expected
+
+
+def test_render_standard_prompt_without_instruction(tiny_tokenizer):
+    text = tiny_tokenizer.decode(render_prompt(tiny_tokenizer, "Q?", instruction="", system_prompt="S."))
+    assert text == "<|im_start|>system\nS.<|im_end|>\n<|im_start|>user\nQ?<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_render_conversation_instruction_goes_into_last_user_message(tiny_tokenizer):
+    prompt = [
+        {"role": "user", "content": "First?"},
+        {"role": "assistant", "content": "One."},
+        {"role": "user", "content": "Second?"},
+    ]
+    before = json.dumps(prompt)
+    text = tiny_tokenizer.decode(render_prompt(tiny_tokenizer, prompt, instruction="Be brief.", system_prompt="S."))
+    assert text == (
+        "<|im_start|>system\nS.<|im_end|>\n"
+        "<|im_start|>user\nFirst?<|im_end|>\n"
+        "<|im_start|>assistant\nOne.<|im_end|>\n"
+        "<|im_start|>user\nSecond?\n\nBe brief.<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert json.dumps(prompt) == before  # the row's messages are not modified
+    no_instruction = render_prompt(tiny_tokenizer, prompt, instruction="", system_prompt=None)
+    assert no_instruction == _template_ids(tiny_tokenizer, prompt, add_generation_prompt=True)
+    assert tiny_tokenizer.decode(no_instruction).startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+
+
+def test_render_conversation_own_system_message_wins(tiny_tokenizer):
+    prompt = [{"role": "system", "content": "Row system."}, {"role": "user", "content": "Hi"}]
+    for system_prompt in ("Config system.", None):
+        text = tiny_tokenizer.decode(render_prompt(tiny_tokenizer, prompt, instruction="", system_prompt=system_prompt))
+        assert text == "<|im_start|>system\nRow system.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_render_conversation_prefill_is_continued(tiny_tokenizer):
+    prompt = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "Let me add:"},
+    ]
+    ids = render_prompt(tiny_tokenizer, prompt, instruction="End with '#### N'.", system_prompt="ignored")
+    assert tiny_tokenizer.decode(ids) == (
+        "<|im_start|>system\nYou are terse.<|im_end|>\n"
+        "<|im_start|>user\nWhat is 2+2?\n\nEnd with '#### N'.<|im_end|>\n"
+        "<|im_start|>assistant\nLet me add:"  # open: no <|im_end|>, no second assistant header
+    )
+    assert ids[-len(tiny_tokenizer("Let me add:")["input_ids"]):] == tiny_tokenizer("Let me add:")["input_ids"]
+
+
+def test_render_conversation_without_user_message_and_instruction(tiny_tokenizer):
+    with pytest.raises(ValueError, match="no 'user' message to append data.instruction to"):
+        render_prompt(tiny_tokenizer, [{"role": "system", "content": "S"}], instruction="I.", system_prompt=None)
+
+
+def test_prepare_prompts_mixes_both_formats(tmp_path, tiny_tokenizer):
+    path = tmp_path / "both.jsonl"
+    path.write_text(json.dumps({"prompt": "Q?"}) + "\n" + json.dumps({"prompt": [{"role": "user", "content": "Q?"}]}) + "\n")
+    rows = load_prompt_rows([str(path)])
+    kept_rows, kept_ids, skipped = prepare_prompts(rows, tiny_tokenizer, max_prompt_tokens=100, instruction="I.",
+                                                   system_prompt=None)
+    assert kept_rows == rows and skipped == 0
+    assert kept_ids[0] == kept_ids[1] == render_prompt(tiny_tokenizer, "Q?", instruction="I.", system_prompt=None)
+
+
 def test_prepare_prompts_on_real_rows(gsm8k_dir, tiny_tokenizer):
     cfg = DataConfig()
-    rows = load_prompt_rows([str(gsm8k_dir / "test.jsonl")])[:200]
-    ids = [render_prompt(tiny_tokenizer, r.question, instruction=cfg.instruction, system_prompt=None) for r in rows]
+    rows = load_prompt_rows([str(gsm8k_dir / "test.jsonl")], prompt_column="question")[:200]
+    ids = [render_prompt(tiny_tokenizer, r.prompt, instruction=cfg.instruction, system_prompt=None) for r in rows]
     render = dict(instruction=cfg.instruction, system_prompt=None)
     kept_rows, kept_ids, skipped = prepare_prompts(rows, tiny_tokenizer, max_prompt_tokens=cfg.max_prompt_tokens, **render)
     assert skipped == sum(len(i) > cfg.max_prompt_tokens for i in ids) and len(kept_rows) == 200 - skipped
@@ -117,7 +203,7 @@ def test_stream_state_mismatch_errors():
         PromptStream(_rows(7), seed=12, shuffle=True).load_state_dict(state)
     with pytest.raises(ValueError, match="num_rows=7 does not match this stream \\(8\\)"):
         PromptStream(_rows(8), seed=11, shuffle=True).load_state_dict(state)
-    renamed = [PromptRow(f"x:{i}", "q", "1") for i in range(7)]
+    renamed = [PromptRow(f"x:{i}", "q", {}) for i in range(7)]
     with pytest.raises(ValueError, match="rows_fingerprint"):
         PromptStream(renamed, seed=11, shuffle=True).load_state_dict(state)
     with pytest.raises(ValueError, match="at least one prompt row"):

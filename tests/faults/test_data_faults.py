@@ -17,7 +17,7 @@ from rlray.data import DataError, PromptRow, load_preference_pairs, load_prompt_
 from rlray.reward.gsm8k import grade_gsm8k
 
 DIALOGUE = "\n\nHuman: what is 2+2?\n\nAssistant: {}"
-GOOD = {"question": "What is 2 + 2?", "answer": "2 + 2 = 4\n#### 4"}
+GOOD = {"prompt": "What is 2 + 2?", "answer": "2 + 2 = 4\n#### 4"}
 
 
 def _lines(path: Path, lines: list[bytes]) -> str:
@@ -27,7 +27,7 @@ def _lines(path: Path, lines: list[bytes]) -> str:
 
 def test_a_malformed_json_line_is_named_by_file_and_line(tmp_path):
     path = _lines(tmp_path / "rows.jsonl", [json.dumps(GOOD).encode(), b"", json.dumps(GOOD).encode()[:-1]])
-    with pytest.raises(DataError, match=rf"^{path}:3: not valid JSON \(Expecting ',' delimiter at column 61\)$"):
+    with pytest.raises(DataError, match=rf"^{path}:3: not valid JSON \(Expecting ',' delimiter at column 59\)$"):
         load_prompt_rows([path])
     pairs = _lines(tmp_path / "pairs.jsonl", [json.dumps({"chosen": DIALOGUE.format("4"), "rejected": DIALOGUE.format("5")}).encode(),
                                               b'{"chosen": "x", "rejected": [1,'])
@@ -38,9 +38,9 @@ def test_a_malformed_json_line_is_named_by_file_and_line(tmp_path):
 
 
 def test_text_that_is_not_utf8_is_named_by_file_line_and_byte(tmp_path):
-    latin1 = json.dumps({"question": "Combien coûte un café ?", "answer": "#### 2"}, ensure_ascii=False).encode("latin-1")
+    latin1 = json.dumps({"prompt": "Combien coûte un café ?", "answer": "#### 2"}, ensure_ascii=False).encode("latin-1")
     path = _lines(tmp_path / "rows.jsonl", [json.dumps(GOOD).encode(), latin1])
-    with pytest.raises(DataError, match=rf"^{path}:2: not valid UTF-8 \(byte 0xfb at column 25\); re-encode the file as UTF-8$"):
+    with pytest.raises(DataError, match=rf"^{path}:2: not valid UTF-8 \(byte 0xfb at column 23\); re-encode the file as UTF-8$"):
         load_prompt_rows([path])
     gz = tmp_path / "pairs.jsonl.gz"
     with gzip.open(gz, "wb") as f:
@@ -50,16 +50,21 @@ def test_text_that_is_not_utf8_is_named_by_file_line_and_byte(tmp_path):
 
 
 def test_an_empty_prompt_is_an_error_naming_the_line(tmp_path):
-    path = _lines(tmp_path / "rows.jsonl", [json.dumps(GOOD).encode(), json.dumps({"question": "  ", "answer": "#### 1"}).encode()])
-    with pytest.raises(DataError, match=rf"^{path}:2: 'question' must be a non-empty string, got '  '$"):
+    path = _lines(tmp_path / "rows.jsonl", [json.dumps(GOOD).encode(), json.dumps({"prompt": "  ", "answer": "#### 1"}).encode()])
+    with pytest.raises(DataError, match=rf"^{path}:2: prompt column 'prompt' is an empty string \('  '\)$"):
         load_prompt_rows([path])
     missing = _lines(tmp_path / "some.jsonl", [json.dumps(GOOD).encode(), json.dumps({"answer": "#### 1"}).encode()])
-    with pytest.raises(DataError, match=rf"^{missing}:2: 'question' must be a non-empty string, got None$"):
+    with pytest.raises(DataError, match=rf"^{missing}:2: this row has no prompt column 'prompt' \(data.prompt_column\); "
+                                        r"it has columns \['answer'\]$"):  # fmt: skip
         load_prompt_rows([missing])
+    chat = _lines(tmp_path / "chat.jsonl", [json.dumps({"prompt": [{"role": "user"}]}).encode()])
+    with pytest.raises(DataError, match=rf"^{chat}:1: prompt column 'prompt' message 0 \(0-based\) has no 'content'; "
+                                        r"it has keys \['role'\]$"):  # fmt: skip
+        load_prompt_rows([chat])
 
 
 def test_long_prompts_are_skipped_and_counted_or_an_error_as_configured(tiny_tokenizer, caplog):
-    rows = [PromptRow("short", "2+2?", "4"), PromptRow("long", "word " * 200, "1"), PromptRow("ok", "3+3?", "6")]
+    rows = [PromptRow("short", "2+2?", {"answer": "4"}), PromptRow("long", "word " * 200, {"answer": "1"}), PromptRow("ok", "3+3?", {"answer": "6"})]
     render = dict(instruction="Answer.", system_prompt=None)
     lengths = [len(ids) for ids in prepare_prompts(rows, tiny_tokenizer, max_prompt_tokens=10**6, **render)[1]]
     limit = lengths[0] + 5
@@ -112,8 +117,9 @@ JSON_VALUES = st.recursive(
     max_leaves=8,
 )
 ROWS = st.lists(
-    st.dictionaries(st.sampled_from(["question", "answer", "id", "chosen", "rejected", "x"]),
-                    JSON_VALUES | st.sampled_from(["#### 3", DIALOGUE.format("a"), "q?"]), max_size=5),
+    st.dictionaries(st.sampled_from(["prompt", "answer", "id", "chosen", "rejected", "x"]),
+                    JSON_VALUES | st.sampled_from(["#### 3", DIALOGUE.format("a"), "q?", [{"role": "user", "content": "q?"}]]),
+                    max_size=5),
     min_size=1, max_size=4,
 )  # fmt: skip
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -140,8 +146,9 @@ def test_fuzz_random_json_rows_load_or_raise_data_errors(tmp_path, rows):
         got = load_prompt_rows([str(path)])
     except DataError:
         pass
-    else:  # what loads is valid: a non-empty question and a reference answer
-        assert all(r.question.strip() and r.answer for r in got)
+    else:  # what loads is valid: a non-empty prompt string, or messages with a user turn
+        assert all(r.prompt.strip() if isinstance(r.prompt, str) else any(m["role"] == "user" for m in r.prompt) for r in got)
+        assert all("prompt" not in r.columns for r in got)
     try:
         pairs, skipped = load_preference_pairs([str(path)])
     except DataError:

@@ -37,10 +37,10 @@ def test_a_killed_driver_resumes_from_its_latest_snapshot(ray_session, tmp_path,
     overrides = [f"data.train_files=[{tmp_path}/train4.jsonl]", "eval.num_problems=0", f"run.max_steps={MAX_STEPS}",
                  f"run.output_dir={tmp_path}/out", f"tracking.mlflow_uri={uri}", "tracking.experiment=killed",
                  "rollout.backend=hf", "rollout.max_new_tokens=8", "checkpoint.every_steps=1", "guard.kl_threshold=null",
-                 f"reward.functions=[{{path: '{REPO}/tests/fixtures/rewards.py:completion_length', weight: 1.0}}]"]  # fmt: skip
+                 f"reward.functions=[{{function: '{REPO}/tests/fixtures/rewards.py:completion_length', weight: 1.0}}]"]  # fmt: skip
     # the longest of the 4 prompts is past data.max_prompt_tokens: skipped, and counted in every step's metrics
     cfg = load_config(config, overrides)
-    rows = load_prompt_rows(cfg.data.train_files)
+    rows = load_prompt_rows(cfg.data.train_files, prompt_column=cfg.data.prompt_column)
     lengths = sorted(len(ids) for ids in prepare_prompts(rows, tiny_tokenizer, max_prompt_tokens=10**9,
                                                          instruction=cfg.data.instruction, system_prompt=cfg.data.system_prompt)[1])  # fmt: skip
     assert lengths[-1] > lengths[-2]

@@ -37,7 +37,7 @@ def test_the_rollout_stops_on_any_of_several_eos_ids(tmp_path, tiny_model_path):
     got = [c, Completion(0, 1, ids[:2], free.rollout_logprobs[:2], "stop", 0)]  # a shorter neighbour pads the batch
     # masks come from the completions (single-turn: all True): every generated token counts, the stop token included, nothing after it
     rewards = {"reward": [1.0, 0.0], "accuracy": [1.0, 0.0], "format": [0.0, 0.0]}
-    table = online.build_experience([PromptRow("p", "q", "1")], [PROMPT], got, rewards)
+    table = online.build_experience([PromptRow("p", "q", {"answer": "1"})], [PROMPT], got, rewards)
     batch = schema.collate(table, model_eos)
     assert batch["response_mask"].tolist() == [[True] * (cut + 1), [True, True] + [False] * (cut - 1)]
     assert batch["response_ids"][0].tolist() == ids[: cut + 1]

@@ -24,7 +24,7 @@ from rlray.run.online import OnlineRun, StageTimer
 from rlray.run.state import WorkerArgs
 
 G = 4  # samples per prompt
-ROWS = [PromptRow("p0", "q0", "1"), PromptRow("p1", "q1", "2")]
+ROWS = [PromptRow("p0", "q0", {"answer": "1"}), PromptRow("p1", "q1", {"answer": "2"})]
 PROMPT_IDS = [[11, 12, 13], [21, 22, 23, 24]]
 
 
@@ -169,7 +169,7 @@ class _FixedScorer:
     def __init__(self, values):
         self.values = values
 
-    def score(self, prompts, completions, references):
+    def score(self, prompts, completions, columns, completion_ids=None):
         return _rewards(list(self.values))
 
     def close(self):
@@ -180,7 +180,7 @@ class _Raising(_FixedScorer):
     def __init__(self, err):
         self.err = err
 
-    def score(self, prompts, completions, references):
+    def score(self, prompts, completions, columns, completion_ids=None):
         raise self.err
 
 

@@ -24,7 +24,7 @@ REWARDS = REPO / "tests" / "fixtures" / "rewards.py"
 def cfg_of(tmp_path):
     """Returns cfg_of(*overrides) -> a GRPO config on the tiny model, with 3 train and 2 eval rows in ``tmp_path``.
 
-    Row 1 of train.jsonl has a ~300-word question (over 300 tokens); the others, with the default instruction, fit in 256.
+    Row 1 of train.jsonl has a ~300-word question (over 300 tokens); the others fit in 256.
     """
     rows = [{"question": "What is 2 + 3?", "answer": "2 + 3 = 5\n#### 5"},
             {"question": "word " * 300 + "How many words?", "answer": "#### 300"},
@@ -34,9 +34,10 @@ def cfg_of(tmp_path):
 
     def make(*overrides: str) -> Config:
         return config_from_dict({}, [
-            "model.path=tiny-random", f"data.train_files=[{tmp_path}/train.jsonl]", f"data.eval_files=[{tmp_path}/test.jsonl]",
+            "model.path=tiny-random", "data.prompt_column=question", f"data.train_files=[{tmp_path}/train.jsonl]",
+            f"data.eval_files=[{tmp_path}/test.jsonl]",
             "eval.num_problems=2", f"run.output_dir={tmp_path}/out", f"tracking.mlflow_uri=sqlite:///{tmp_path}/m.db",
-            f"reward.functions=[{{path: '{REWARDS}:completion_length', weight: 1.0}}]", *overrides])  # fmt: skip
+            f"reward.functions=[{{function: '{REWARDS}:completion_length', weight: 1.0}}]", *overrides])  # fmt: skip
 
     return make
 
@@ -68,7 +69,7 @@ def test_a_local_checkpoint_uri_that_cannot_be_written_fails(cfg_of, tmp_path):
 
 
 def test_a_missing_reward_function_file_fails(cfg_of, tmp_path):
-    cfg = cfg_of(f"reward.functions=[{{path: '{tmp_path}/nope.py:score', weight: 1.0}}]")
+    cfg = cfg_of(f"reward.functions=[{{function: '{tmp_path}/nope.py:score', weight: 1.0}}]")
     with pytest.raises(RewardFunctionError, match=f"reward function '{tmp_path}/nope.py:score': file "
                                                   f"{tmp_path}/nope.py does not exist"):  # fmt: skip
         preflight(cfg)
@@ -81,7 +82,8 @@ def test_check_function_spec_accepts_an_existing_file_or_module(spec):
 
 @pytest.mark.parametrize(
     ("spec", "message"),
-    [("rewards.py", "reward function 'rewards.py' must be 'module.path:function' or 'file.py:function'"),
+    [("rewards.py", "reward function 'rewards.py' is neither a built-in verifier (exact_match, gsm8k_correct, "
+                    "gsm8k_format, math_equal, regex_match) nor 'module.path:function' / 'file.py:function'"),
      ("no_such_pkg_xyz.sub:fn", "reward function 'no_such_pkg_xyz.sub:fn': module 'no_such_pkg_xyz.sub' cannot be found"),
      ("json.no_such_mod:fn", "reward function 'json.no_such_mod:fn': module 'json.no_such_mod' cannot be found")],
 )  # fmt: skip
@@ -89,3 +91,27 @@ def test_check_function_spec_names_what_is_missing(spec, message):
     with pytest.raises(RewardFunctionError) as err:
         check_function_spec(spec)
     assert str(err.value) == message
+
+
+def test_an_online_run_without_any_reward_fails_naming_both_ways(cfg_of):
+    with pytest.raises(RewardFunctionError, match=r"this online run has no reward: set reward.functions .* or reward.model_path"):
+        preflight(cfg_of("reward.functions=[]"))
+
+
+def test_built_in_verifiers_pass_and_an_unknown_name_lists_them(cfg_of, tiny_model_path):
+    assert preflight(cfg_of("reward.functions=[{function: gsm8k_correct}, {function: regex_match, kwargs: {pattern: x}}]")) == tiny_model_path
+    with pytest.raises(RewardFunctionError, match=r"reward function 'gsm8k_corect' is neither a built-in verifier "
+                                                  r"\(exact_match, gsm8k_correct, gsm8k_format, math_equal, regex_match\)"):  # fmt: skip
+        preflight(cfg_of("reward.functions=[{function: gsm8k_corect}]"))
+
+
+def test_bf16_on_a_cpu_without_native_bf16_is_warned_about(cfg_of, monkeypatch, caplog):
+    import rlray.launch.preflight as pf
+
+    monkeypatch.setattr(pf, "cpu_supports_bf16", lambda: False)
+    with caplog.at_level("WARNING", logger="rlray.launch.preflight"):
+        preflight(cfg_of("model.dtype=bfloat16"))
+        assert "model.dtype=bfloat16 on a CPU without native bf16" in caplog.text
+        caplog.clear()
+        preflight(cfg_of("model.dtype=float32"))
+    assert "bf16" not in caplog.text

@@ -17,7 +17,7 @@ def _learner(path):
 
 def _experience(eos: int):
     """Two prompts x 2 samples: a truncated response (no EOS), EOS-terminated ones, and one with EOS inside."""
-    rows = [PromptRow("p0", "q0", "1"), PromptRow("p1", "q1", "2")]
+    rows = [PromptRow("p0", "q0", {"answer": "1"}), PromptRow("p1", "q1", {"answer": "2"})]
     prompt_ids = [[11, 12, 13], [21, 22, 23, 24, 25]]
     completions = [
         Completion(0, 0, [101, 102, 103, 104, 105, 106], [-1.0] * 6, "length", 0),  # hit max_new_tokens: no EOS

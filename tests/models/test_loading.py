@@ -175,3 +175,16 @@ def test_smollm2_alias_converts_and_generates(tmp_path, monkeypatch):
     )
     out = model.generate(**prompt, max_new_tokens=12, do_sample=False)
     assert "Paris" in tokenizer.decode(out[0, prompt["input_ids"].shape[1] :])
+
+
+def test_model_dtype_auto_is_bf16_only_where_bf16_is_native(monkeypatch):
+    from rlray.models import loading
+
+    assert loading.resolve_dtype("auto", gpu=True) == "bfloat16"
+    assert loading.resolve_dtype("float32", gpu=True) == "float32" and loading.resolve_dtype("bfloat16", gpu=False) == "bfloat16"
+    monkeypatch.setattr(loading, "cpu_supports_bf16", lambda: False)
+    assert loading.resolve_dtype("auto", gpu=False) == "float32"
+    monkeypatch.setattr(loading, "cpu_supports_bf16", lambda: True)
+    assert loading.resolve_dtype("auto", gpu=False) == "bfloat16"
+    with pytest.raises(ValueError, match="model.dtype='float16': use auto, float32 or bfloat16"):
+        loading.resolve_dtype("float16", gpu=False)

@@ -58,6 +58,16 @@ def test_token_ids_follow_the_training_layout(reward):
     assert reward.token_ids("x", "")[1] == [tok.eos_token_id]  # an empty completion is EOS alone
 
 
+def test_conversational_prompts_go_through_the_template_as_they_are(reward):
+    tok = reward.tokenizer
+    assert reward.token_ids([{"role": "user", "content": "Say hi."}], "hello") == reward.token_ids("Say hi.", "hello")
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi."}]
+    prompt_ids, completion_ids = reward.token_ids(chat, "hello")
+    text = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert prompt_ids == tok(text, add_special_tokens=False)["input_ids"]
+    assert "Be brief." in tok.decode(prompt_ids) and completion_ids == reward.token_ids("Say hi.", "hello")[1]
+
+
 def test_token_ids_keep_the_prompt_end_and_the_completion_start(reward, monkeypatch):
     full_prompt, full_completion = reward.token_ids("Count to three.", "one two three four five")
     monkeypatch.setattr(reward, "max_prompt_tokens", 4)

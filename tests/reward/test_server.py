@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 import urllib.error
@@ -13,42 +14,62 @@ import pytest
 
 from rlray.config import load_config
 from rlray.reward import RewardFunctionError, RewardScorer
-from rlray.reward.server import RewardServerError, RewardTimeoutError, ScoreRequest, ScorerSandbox
+from rlray.reward.server import RewardServerError, RewardTimeoutError, ScoreReply, ScoreRequest, ScorerSandbox
 
 REPO = Path(__file__).resolve().parents[2]
 LENGTH_FN = f"{REPO}/tests/fixtures/rewards.py:completion_length"
-PROMPTS = ["What is 2 + 3?", "What is 10 - 4?", "Name a prime."]
+FLAKY_FN = f"{REPO}/tests/fixtures/faulty_rewards.py:flaky"
+PROMPTS = ["What is 2 + 3?", [{"role": "user", "content": "What is 10 - 4?"}], "Name a prime."]  # one conversational
 COMPLETIONS = ["2 + 3 = 5\n#### 5", "It is 7", "#### 7"]
-REFERENCES = ["#### 5", "#### 6", "#### 7"]
+COLUMNS = [{"answer": "#### 5"}, {"answer": "#### 6", "level": 1}, {"answer": "#### 7"}]  # GSM8K-style solutions
+
+
+def _functions(format_weight: float) -> str:
+    """Returns reward.functions as YAML flow text: length, flaky, GSM8K correctness and format."""
+    return (f"[{{function: '{LENGTH_FN}', weight: 1.0}}, {{function: '{FLAKY_FN}', weight: 1.0}}, "
+            f"{{function: gsm8k_correct, weight: 1.0}}, {{function: gsm8k_format, weight: {format_weight}}}]")  # fmt: skip
 
 
 def test_score_request_checks_lengths():
-    with pytest.raises(ValueError, match=r"prompts \(1\), completions \(2\) and references \(2\)"):
-        ScoreRequest(prompts=["a"], completions=["b", "c"], references=["d", "e"])
+    with pytest.raises(ValueError, match=r"prompts \(1\), completions \(2\), columns \(2\) and completion_ids \(None\)"):
+        ScoreRequest(prompts=["a"], completions=["b", "c"], columns=[{}, {}])
+    with pytest.raises(ValueError, match=r"completion_ids \(1\) must have the same length"):
+        ScoreRequest(prompts=["a", "b"], completions=["b", "c"], columns=[{}, {}], completion_ids=[[1]])
+    request = ScoreRequest.model_validate_json(json.dumps({"prompts": PROMPTS, "completions": COMPLETIONS, "columns": COLUMNS}))
+    assert (request.prompts, request.columns, request.completion_ids) == (PROMPTS, COLUMNS, None)  # messages stay messages
+
+
+def test_score_reply_json_keeps_failed_and_skipped_apart():
+    reply = ScoreReply(version=2, scores={"reward": [1.5, math.nan, 0.25], "flaky": [0.5, math.nan, None]})
+    text = reply.model_dump_json()
+    assert json.loads(text) == {"version": 2, "scores": {"reward": [1.5, "NaN", 0.25], "flaky": [0.5, "NaN", None]}}
+    back = ScoreReply.model_validate_json(text).scores
+    assert back["reward"][0] == 1.5 and math.isnan(back["reward"][1]) and back["flaky"][2] is None
 
 
 def test_sandbox_times_out_restarts_and_keeps_serving():
     fn = f"{REPO}/tests/fixtures/server_rewards.py:misbehaving"
-    sandbox = ScorerSandbox({"correct_weight": 1.0, "format_weight": 0.2, "functions": [{"path": fn, "weight": 0.5}]},
-                            timeout_s=3.0)
+    functions = [{"function": "gsm8k_correct", "weight": 1.0}, {"function": "gsm8k_format", "weight": 0.2},
+                 {"function": fn, "weight": 0.5}]  # fmt: skip
+    sandbox = ScorerSandbox({"functions": functions, "columns": ["answer", "level"]}, timeout_s=3.0)
     try:
-        got = sandbox.score(PROMPTS, COMPLETIONS, REFERENCES)
-        # correct + 0.2 * format + 0.5 * misbehaving(=1): [1 + 0.2 + 0.5, 0 + 0 + 0.5, 1 + 0.2 + 0.5]
-        assert got["reward"] == pytest.approx([1.7, 0.5, 1.7])
+        got = sandbox.score(PROMPTS, COMPLETIONS, COLUMNS)
+        # 1.0 * correct + 0.2 * format + 0.5 * misbehaving(=1): [1 + 0.2 + 0.5, 0 + 0 + 0.5, 1 + 0.2 + 0.5]
+        assert got["reward"] == [1.0 + 0.2 + 0.5, 0.0 + 0.0 + 0.5, 1.0 + 0.2 + 0.5]
         t = time.monotonic()
         with pytest.raises(RewardTimeoutError, match=r"reward.server.timeout_s=3 s"):
-            sandbox.score(["p"], ["HANG"], ["#### 1"])
+            sandbox.score(["p"], ["HANG"], [{"answer": "#### 1"}])
         assert time.monotonic() - t < 30  # killed at the timeout, not after the 60 s sleep
-        with pytest.raises(RewardFunctionError, match="returned 0 values for 1 completions"):
-            sandbox.score(["p"], ["BAD"], ["#### 1"])
-        assert sandbox.score(PROMPTS, COMPLETIONS, REFERENCES)["reward"] == pytest.approx([1.7, 0.5, 1.7])
+        with pytest.raises(RewardFunctionError, match="misbehaving'\\) returned 0 values for 1 completions"):
+            sandbox.score(["p"], ["BAD"], [{"answer": "#### 1"}])
+        assert sandbox.score(PROMPTS, COMPLETIONS, COLUMNS)["reward"] == got["reward"]
     finally:
         sandbox.close()
 
 
 def test_sandbox_reports_a_scorer_that_cannot_be_built():
     with pytest.raises(RewardServerError, match="could not be built: RewardFunctionError"):
-        ScorerSandbox({"correct_weight": 1.0, "format_weight": 0.2, "functions": [{"path": "no_such_module:fn"}]}, 5.0)
+        ScorerSandbox({"functions": [{"function": "no_such_module:fn"}]}, 5.0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -56,7 +77,7 @@ def test_sandbox_reports_a_scorer_that_cannot_be_built():
 # --------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(ray_session, tmp_path_factory):
-    """Deploys rlray-reward (version 1, length reward) with HTTP on a free loopback port; yields (config path, port)."""
+    """Deploys rlray-reward (version 1: length, flaky and the GSM8K terms) with HTTP on a free loopback port; yields (config path, port)."""
     from ray import serve
 
     from rlray.cli import main
@@ -66,7 +87,7 @@ def server(ray_session, tmp_path_factory):
     path = tmp_path_factory.mktemp("reward") / "reward.yaml"
     path.write_text(
         "reward:\n"
-        f"  functions: [{{path: '{LENGTH_FN}', weight: 1.0}}]\n"
+        f"  functions: {_functions(0.2)}\n"
         f"  server: {{enabled: true, port: {port}, max_batch_size: 8}}\n"
     )
     serve.shutdown()  # HTTP options are cluster-wide and fixed at Serve's first start
@@ -78,7 +99,11 @@ def server(ray_session, tmp_path_factory):
 def _local(cfg_overrides: list[str], path: Path) -> dict:
     from rlray.run.build import scorer_kwargs
 
-    return RewardScorer(**scorer_kwargs(load_config(path, cfg_overrides))).score(PROMPTS, COMPLETIONS, REFERENCES)
+    scorer = RewardScorer(**scorer_kwargs(load_config(path, cfg_overrides)))
+    try:
+        return scorer.score(PROMPTS, COMPLETIONS, COLUMNS)
+    finally:
+        scorer.close()
 
 
 def _post(port: int, body: dict) -> tuple[int, dict]:
@@ -98,19 +123,25 @@ def test_handle_and_http_give_the_local_scores(server):
 
     path, port = server
     expected = _local([], path)
-    got = ServeRewardClient().score(PROMPTS, COMPLETIONS, REFERENCES)
+    got = ServeRewardClient().score(PROMPTS, COMPLETIONS, COLUMNS)
     assert got.version == 1
     assert got.values == expected  # the same scorer, pickled floats: exact
-    status, reply = _post(port, {"prompts": PROMPTS, "completions": COMPLETIONS, "references": REFERENCES})
+    status, reply = _post(port, {"prompts": PROMPTS, "completions": COMPLETIONS, "columns": COLUMNS})
     assert status == 200 and reply["version"] == 1
     assert reply["scores"] == expected  # JSON round-trips Python floats exactly
-    status, reply = _post(port, {"prompts": ["a"], "completions": ["b", "c"], "references": ["d"]})
+    # flaky fails "NAN" (NaN, written "NaN") and skips "NONE" (None, written null); the reward of a failed sample is NaN
+    status, reply = _post(port, {"prompts": ["p", "p"], "completions": ["NAN", "NONE"], "columns": [{"answer": "1"}, {}]})
+    assert status == 200 and reply["scores"]["flaky"] == ["NaN", None] and reply["scores"]["reward"][0] == "NaN"
+    assert reply["scores"]["reward"][1] == 0.04 + 0.0 + 0.2 * 0.0  # length 4/100; no answer column: correct skipped
+    handle = ServeRewardClient().score(["p", "p"], ["NAN", "NONE"], [{"answer": "1"}, {}]).values
+    assert math.isnan(handle["flaky"][0]) and handle["flaky"][1] is None and handle["gsm8k_correct"] == [0.0, None]
+    status, reply = _post(port, {"prompts": ["a"], "completions": ["b", "c"], "columns": [{}]})
     assert status == 422 and "must have the same length" in json.dumps(reply)
 
 
 @pytest.mark.ray
 def test_hot_swap_serves_every_request(server):
-    """Redeploys version 2 (format_weight 0.7) through the CLI while 3 clients score; no request fails."""
+    """Redeploys version 2 (gsm8k_format weight 0.7) through the CLI while 3 clients score; no request fails."""
     from rlray.cli import main
     from rlray.reward.server import ServeRewardClient
 
@@ -123,7 +154,7 @@ def test_hot_swap_serves_every_request(server):
     def hammer():
         while not stop.is_set():
             try:
-                got = client.score(PROMPTS, COMPLETIONS, REFERENCES)
+                got = client.score(PROMPTS, COMPLETIONS, COLUMNS)
                 seen.append((time.monotonic(), got.version, got.values["reward"]))
             except BaseException as err:  # noqa: BLE001 - any failure fails the test
                 errors.append(err)
@@ -133,7 +164,7 @@ def test_hot_swap_serves_every_request(server):
         t.start()
     try:
         time.sleep(1.0)
-        assert main(["serve-reward", str(path), "reward.version=2", "reward.format_weight=0.7", "--detach"]) == 0
+        assert main(["serve-reward", str(path), "reward.version=2", f"reward.functions={_functions(0.7)}", "--detach"]) == 0
         deadline = time.monotonic() + 60
         while not any(v == 2 for _, v, _ in seen) and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -147,7 +178,7 @@ def test_hot_swap_serves_every_request(server):
     assert versions[0] == 1 and versions[-1] == 2
     assert versions == sorted(versions)  # one replica: once swapped, never back
     v1 = _local([], path)["reward"]
-    v2 = _local(["reward.format_weight=0.7"], path)["reward"]
+    v2 = _local([f"reward.functions={_functions(0.7)}"], path)["reward"]
     assert v1 != pytest.approx(v2)
     assert all(r == pytest.approx(v1 if v == 1 else v2) for _, v, r in seen)
 
@@ -173,7 +204,7 @@ def test_a_killed_replica_is_restarted_and_scoring_goes_on(server):
     def score_loop():
         while not stop.is_set():
             try:
-                answers.append((time.monotonic(), client.score(PROMPTS, COMPLETIONS, REFERENCES).values["reward"]))
+                answers.append((time.monotonic(), client.score(PROMPTS, COMPLETIONS, COLUMNS).values["reward"]))
             except BaseException as err:  # noqa: BLE001 - any failure fails the test
                 errors.append(err)
 

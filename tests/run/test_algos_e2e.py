@@ -19,12 +19,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlray.config import OFFLINE_ALGOS, ONLINE_ALGOS, RewardFunctionConfig, load_config
-from rlray.observe.tracking import EVAL_KEYS, METRIC_KEYS, get_run, get_run_metrics
+from rlray.config import OFFLINE_ALGOS, ONLINE_ALGOS, load_config
+from rlray.observe.tracking import EVAL_KEYS, METRIC_KEYS, get_run, get_run_metrics, term_keys
 
 REPO = Path(__file__).resolve().parents[2]
 CI_ALGOS = ("grpo", "ppo", "rloo", "dpo", "kto", "reward_model", "sft")
 LENGTH_REWARD = f"{REPO}/tests/fixtures/rewards.py:completion_length"
+TERMS = term_keys(["completion_length"])
 
 ONLINE_METRICS = ["reward/mean", "algo/kl", "algo/advantage_abs_mean", "learner/pg_loss", "learner/loss",
                   "learner/grad_norm", "rollout/response_tokens_mean", "timing/update_s", "timing/algo_sampling_s"]
@@ -57,7 +58,8 @@ def _overrides(name: str, tmp_path: Path, gsm8k_dir: Path, hh_file: Path, mlflow
     return common + [f"data.train_files=[{gsm8k_dir}/train.jsonl]", f"data.eval_files=[{gsm8k_dir}/test.jsonl]",
                      "rollout.backend=hf", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=8",
                      "learner.prompts_per_step=2", "learner.sequences_per_minibatch=4",
-                     "learner.sequences_per_microbatch=2", "eval.num_problems=0"] + ALGO_OVERRIDES.get(name, [])
+                     "learner.sequences_per_microbatch=2", "eval.num_problems=0",
+                     f"reward.functions=[{{function: '{LENGTH_REWARD}', weight: 1.0}}]"] + ALGO_OVERRIDES.get(name, [])
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +86,6 @@ def run_algo(name: str, tmp_path: Path, data: tuple[Path, Path, str], tiny_model
     from rlray.launch.driver import run_training
 
     cfg = load_config(REPO / f"configs/algos/{name}.yaml", _overrides(name, tmp_path, *data))
-    if name in ONLINE_ALGOS:
-        cfg.reward.functions = [RewardFunctionConfig(path=LENGTH_REWARD, weight=1.0)]
     result = run_training(cfg)
     assert result.status == "FINISHED"
     uri = cfg.tracking.mlflow_uri
@@ -94,8 +94,9 @@ def run_algo(name: str, tmp_path: Path, data: tuple[Path, Path, str], tiny_model
     for key in expected:
         assert key in metrics, f"{name}: {key} not logged"
         assert [s for s, _ in metrics[key]][-2:] == [1, 2], key
-        assert key in METRIC_KEYS, key
-    assert set(metrics) <= set(METRIC_KEYS) | set(EVAL_KEYS), set(metrics) - set(METRIC_KEYS) - set(EVAL_KEYS)
+        assert key in METRIC_KEYS or key in TERMS, key
+    declared = set(METRIC_KEYS) | set(EVAL_KEYS) | set(TERMS)
+    assert set(metrics) <= declared, set(metrics) - declared
     assert all(math.isfinite(v) for _, v in metrics["learner/loss"] + metrics["learner/grad_norm"])
     assert get_run(uri, result.run_id).data.params["algo.name"] == name
     final = Path(result.final_snapshot)
@@ -151,8 +152,8 @@ def test_reward_model_scores_in_the_reward_stage(ray_session, tmp_path, data, ti
     assert config["architectures"] == ["LlamaForSequenceClassification"] and len(config["id2label"]) == 1
     prompts = ["How do I bake bread?", "What is 2 + 2?", "Say hi."]
     completions = ["Mix flour, water and yeast, then bake it.", "4", "hi"]
-    scorer = RewardScorer(correct_weight=0.0, format_weight=0.0, model_path=str(final), model_weight=2.0)
-    got = scorer.score(prompts, completions, ["1", "4", "0"])
+    scorer = RewardScorer(functions=[], model_path=str(final), model_weight=2.0)
+    got = scorer.score(prompts, completions, [{"answer": "1"}, {"answer": "4"}, {"answer": "0"}])
     # the reference: Hugging Face's own forward, one unpadded sequence at a time (pooled at the last token)
     model = AutoModelForSequenceClassification.from_pretrained(final / "model").eval()
     model.config.pad_token_id = None

@@ -9,8 +9,7 @@ from dataclasses import dataclass
 import pytest
 
 from rlray.config import Config
-from rlray.data import PromptStream
-from rlray.data.gsm8k import PromptRow
+from rlray.data import PromptRow, PromptStream
 from rlray.learner.collective import Collective
 from rlray.run.context import RunContext
 from rlray.run.online import StageTimer
@@ -39,7 +38,7 @@ LEARNER = object()  # RunContext never calls the learner in the methods tested h
 
 
 def _stream() -> PromptStream:
-    return PromptStream([PromptRow(f"r:{i}", f"question {i}", str(i)) for i in range(5)], seed=1, shuffle=True)
+    return PromptStream([PromptRow(f"r:{i}", f"question {i}", {"answer": str(i)}) for i in range(5)], seed=1, shuffle=True)
 
 
 def test_run_context_cannot_be_made_without_its_abstract_methods():

@@ -12,7 +12,7 @@ from rlray.observe.tracking import get_run
 
 REPO = Path(__file__).resolve().parents[2]
 REQUIRED = [
-    "reward/mean", "reward/accuracy", "reward/format_rate", "reward/version", "algo/kl", "learner/pg_loss",
+    "reward/mean", "reward/completion_length", "reward/completion_length_skipped", "reward/version", "algo/kl", "learner/pg_loss",
     "learner/grad_norm", "rollout/response_tokens_mean", "rollout/truncated_rate", "rollout/staleness_mean",
     "rollout/staleness_max", "perf/tokens_per_s", "timing/rollout_s", "timing/reward_s", "timing/logprobs_s",
     "timing/update_s", "timing/weight_sync_s", "timing/step_s",
@@ -33,7 +33,7 @@ def test_two_rollouts_two_learners_serve_reward_async(ray_session, tiny_grpo_run
     assert [v for _, v in metrics["rollout/staleness_max"]] == [0.0, 1.0, 1.0]
     # every step was scored by the Serve application, version 7
     assert [v for _, v in metrics["reward/version"]] == [7.0, 7.0, 7.0]
-    assert [s for s, _ in metrics["eval/accuracy"]] == [0, 3]
+    assert [s for s, _ in metrics["eval/reward_mean"]] == [0, 3]
     run = get_run(uri, result.run_id)
     assert run.info.status == "FINISHED"
     assert run.data.params["resources.learner.num_workers"] == "2"

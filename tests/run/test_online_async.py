@@ -44,7 +44,7 @@ def cfg_and_actors(ray_session, tmp_path_factory, gsm8k_dir, tiny_model_path):
          f"data.train_files=[{train}]", "eval.num_problems=0", "rollout.backend=hf",
          "learner.lr=1e-3", "learner.torch_threads=1", "resources.rollout.num_workers=2"],
     )
-    cfg.reward.functions = [RewardFunctionConfig(path=f"{REPO}/tests/fixtures/rewards.py:completion_length", weight=1.0)]
+    cfg.reward.functions = [RewardFunctionConfig(function=f"{REPO}/tests/fixtures/rewards.py:completion_length", weight=1.0)]
     actors = start_rollout_actors(cfg, tiny_model_path, 512)
     yield cfg, actors
     kill_actors(actors)

@@ -10,7 +10,7 @@ from rlray.observe.tracking import get_run
 
 REPO = Path(__file__).resolve().parents[2]
 REQUIRED = [
-    "reward/mean", "reward/accuracy", "reward/format_rate", "algo/kl", "learner/pg_loss", "learner/grad_norm",
+    "reward/mean", "reward/completion_length", "reward/completion_length_skipped", "algo/kl", "learner/pg_loss", "learner/grad_norm",
     "rollout/response_tokens_mean", "rollout/truncated_rate", "perf/tokens_per_s",
     "timing/rollout_s", "timing/reward_s", "timing/logprobs_s", "timing/update_s", "timing/weight_sync_s", "timing/step_s",
 ]
@@ -22,7 +22,7 @@ def test_grpo_three_steps_through_ray(ray_session, tiny_grpo_run, tiny_model_pat
     # step s rolled out with the policy of version s-1: every sync reached the engine
     assert [v for _, v in metrics["rollout/policy_version"]] == [0.0, 1.0, 2.0]
     # eval before training (step 0) and after the last step
-    assert [s for s, _ in metrics["eval/accuracy"]] == [0, 3]
+    assert [s for s, _ in metrics["eval/reward_mean"]] == [0, 3]
     run = get_run(uri, result.run_id)
     assert run.info.status == "FINISHED"
     assert run.data.params["learner.prompts_per_step"] == "2"

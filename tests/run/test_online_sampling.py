@@ -13,7 +13,7 @@ G = 2  # samples per prompt
 def batch(prompt_names: list[str], accuracy: list[float], lengths: list[int] | None = None) -> Rollouts:
     """G completions per prompt; completion i has accuracy[i], reward 10*accuracy[i] and lengths[i] tokens."""
     lengths = lengths or [3] * len(accuracy)
-    rows = [PromptRow(p, f"question {p}", "1") for p in prompt_names]
+    rows = [PromptRow(p, f"question {p}", {"answer": "1"}) for p in prompt_names]
     completions = [
         Completion(i // G, i % G, [7] * lengths[i], [-1.0] * lengths[i], "stop", 0) for i in range(len(accuracy))
     ]

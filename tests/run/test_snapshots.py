@@ -14,8 +14,7 @@ from rlray.checkpoint import contents, lineage
 from rlray.checkpoint import storage as checkpoint
 from rlray.checkpoint.storage import SnapshotError
 from rlray.config import Config, config_from_dict
-from rlray.data import PromptStream
-from rlray.data.gsm8k import PromptRow
+from rlray.data import PromptRow, PromptStream
 from rlray.learner import PolicyLearner
 from rlray.learner.collective import Collective
 from rlray.observe.tracking import Tracker, get_run, get_run_metrics
@@ -90,7 +89,7 @@ def session(tmp_path, mlflow_uri, learner, tiny_tokenizer):
     uri = mlflow_uri
     cfg = _cfg(f"run.output_dir={tmp_path}/out", f"tracking.mlflow_uri={uri}", "tracking.experiment=snaps")
     tracker = Tracker(uri, cfg.tracking.experiment)
-    stream = PromptStream([PromptRow(f"r:{i}", f"question {i}", str(i)) for i in range(4)], seed=0, shuffle=False)
+    stream = PromptStream([PromptRow(f"r:{i}", f"question {i}", {"answer": str(i)}) for i in range(4)], seed=0, shuffle=False)
     ctx = StubRun(cfg, Collective(), learner, tiny_tokenizer, stream=stream, tracker=tracker, policy_version=9)
     run = RunState(tracker.run_id, checkpoint.join(cfg.checkpoint_uri, checkpoint.run_dir_name(tracker.run_id)),
                    cfg.checkpoint.s3.storage_options(), in_ray_train=False, step=4)  # fmt: skip

@@ -80,8 +80,17 @@ def test_bad_space_is_rejected_naming_the_key(tmp_path, space, needle):
 
 
 def test_metric_must_be_a_per_step_metric(tmp_path):
-    msg = _error(tmp_path, {"metric": "reward/avg", "space": {"learner.lr": {"grid": [1e-5]}}})
-    assert "metric='reward/avg'" in msg and "reward/mean" in msg
+    msg = _error(tmp_path, {"metric": "learner/avg", "space": {"learner.lr": {"grid": [1e-5]}}})
+    assert "metric='learner/avg'" in msg and "reward/mean" in msg
+    assert "metric='reward/accuracy' was renamed 'reward/gsm8k_correct'" in _error(
+        tmp_path, {"metric": "reward/accuracy", "space": {"learner.lr": {"grid": [1e-5]}}})
+    # reward/<x> may be a reward term: checked against the config's terms
+    base = load_config(REPO / "configs/grpo_gsm8k_smollm2.yaml")
+    check_sweep(load_sweep(_write(tmp_path, {"metric": "reward/gsm8k_format", "space": {"learner.lr": {"grid": [1e-5]}}})), base)
+    typo = load_sweep(_write(tmp_path, {"metric": "reward/avg", "space": {"learner.lr": {"grid": [1e-5]}}}))
+    with pytest.raises(SweepError, match=r"metric='reward/avg' is neither a per-step metric .* reward terms "
+                                         r"\['reward/gsm8k_correct', 'reward/gsm8k_correct_skipped', 'reward/gsm8k_format'"):
+        check_sweep(typo, base)
 
 
 def test_mode_and_empty_space(tmp_path):
