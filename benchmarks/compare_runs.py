@@ -3,12 +3,16 @@
     python benchmarks/compare_runs.py RUN_A RUN_B
     python benchmarks/compare_runs.py RUN_A RUN_B --tracking-uri sqlite:////path/to/mlruns/mlflow.db
     python benchmarks/compare_runs.py RUN_A RUN_B --atol 1e-6 --ignore eval/
+    python benchmarks/compare_runs.py RUN_A RUN_B --tracking-uri sqlite:////old/mlruns/mlflow.db \
+        --tracking-uri-b sqlite:////new/mlruns/mlflow.db --rename reward/accuracy=reward/gsm8k_correct
 
 Reads each run's full history of every metric key (``MlflowClient.get_metric_history``) and compares
 the (step, value) series key by key. Keys under ``timing/``, ``perf/`` and ``monitor/`` are left out
 by default: they are wall-clock or memory readings by nature (step seconds, tokens/s, the monitor's
 heartbeat age and RSS), not results of the run. A key logged by only one run is a difference;
-values must be equal exactly (NaN equals NaN) unless ``--atol`` allows more. Prints a markdown table
+values must be equal exactly (NaN equals NaN) unless ``--atol`` allows more. Runs of two versions may
+live in two stores (``--tracking-uri-b``) and name a metric differently (``--rename A_KEY=B_KEY`` reads
+run A's key under run B's name). Prints a markdown table
 (key, steps, max |diff|, status; a DIFF names its first differing step) and a summary line; exits 0
 when the runs are equal, 1 when not (or when no key was left to compare).
 
@@ -97,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run_a", metavar="RUN_A", help="MLflow run id")
     p.add_argument("run_b", metavar="RUN_B", help="MLflow run id")
     p.add_argument("--tracking-uri", default=DEFAULT_URI, help=f"MLflow tracking URI (default: {DEFAULT_URI})")
+    p.add_argument("--tracking-uri-b", default=None, help="RUN_B's tracking URI when it is in another store (default: --tracking-uri)")
+    p.add_argument("--rename", nargs="*", default=[], metavar="A_KEY=B_KEY",
+                   help="compare run A's A_KEY with run B's B_KEY (a metric renamed between versions)")
     p.add_argument("--atol", type=float, default=0.0, help="largest |A - B| that still counts as equal (default: 0, exact)")
     p.add_argument("--ignore", nargs="*", default=list(DEFAULT_IGNORE), metavar="PREFIX",
                    help="key prefixes to leave out; replaces the default (%(default)s); --ignore with no prefix compares every key")
@@ -104,15 +111,19 @@ def main(argv: list[str] | None = None) -> int:
 
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=args.tracking_uri)
-    hist_a = metric_histories(client, args.run_a, args.ignore)
-    hist_b = metric_histories(client, args.run_b, args.ignore)
+    renames = dict(item.split("=", 1) for item in args.rename if "=" in item)
+    if len(renames) != len(args.rename):
+        p.error("--rename takes A_KEY=B_KEY items")
+    hist_a = metric_histories(MlflowClient(tracking_uri=args.tracking_uri), args.run_a, args.ignore)
+    hist_a = {renames.get(k, k): v for k, v in hist_a.items()}
+    hist_b = metric_histories(MlflowClient(tracking_uri=args.tracking_uri_b or args.tracking_uri), args.run_b, args.ignore)
     rows = compare_runs(hist_a, hist_b, args.atol)
     table = []
     for key, steps, diff, status in rows:
         note = first_difference(hist_a[key], hist_b[key], args.atol) if status == "DIFF" else ""
         table.append([key, steps, "n/a" if diff is None else f"{diff:.3g}", status + (f" ({note})" if note else "")])
-    print(f"A = {args.run_a}\nB = {args.run_b}\nignored prefixes: {', '.join(args.ignore) or 'none'}; atol = {args.atol:g}\n")
+    print(f"A = {args.run_a}\nB = {args.run_b}\nignored prefixes: {', '.join(args.ignore) or 'none'}; atol = {args.atol:g}"
+          + (f"; renamed (A -> B): {', '.join(f'{a} -> {b}' for a, b in renames.items())}" if renames else "") + "\n")
     print(markdown_table(["key", "steps", r"max \|diff\|", "status"], table))
     bad = [r[0] for r in rows if r[3] != "equal"]
     if not rows:

@@ -52,3 +52,14 @@ def test_nan_equals_nan_and_not_a_number(compare):
     assert compare.value_diff(math.nan, math.nan) == 0.0
     assert compare.value_diff(1.0, math.nan) == math.inf
     assert compare.compare_series([(1, 1.0)], [(1, 1.0), (2, 2.0)], 0.0)[2] == "steps differ"  # a step only one run has
+
+
+def test_runs_in_two_stores_with_a_renamed_key(compare, tmp_path, capsys):
+    old_uri, new_uri = f"sqlite:///{tmp_path}/old.db", f"sqlite:///{tmp_path}/new.db"
+    old, new = MlflowClient(old_uri), MlflowClient(new_uri)
+    a = _run(old, old.create_experiment("cmp"), {"reward/accuracy": [(1, 0.5)], "reward/mean": [(1, 0.7)]})
+    b = _run(new, new.create_experiment("cmp"), {"reward/gsm8k_correct": [(1, 0.5)], "reward/mean": [(1, 0.7)]})
+    common = [a, b, "--tracking-uri", old_uri, "--tracking-uri-b", new_uri]
+    assert compare.main(common) == 1  # without the rename each key is only in one run
+    assert compare.main([*common, "--rename", "reward/accuracy=reward/gsm8k_correct"]) == 0
+    assert "renamed (A -> B): reward/accuracy -> reward/gsm8k_correct" in capsys.readouterr().out
