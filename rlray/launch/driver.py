@@ -231,7 +231,8 @@ def run_training(
         services.monitor, port = start_monitor(cfg, tracker.run_id)
         url = f"http://{cfg.monitor.host}:{port}"
         tracker.set_tags({"rlray.monitor_url": url})
-        print(f"rlray: health at {url}/health, metrics at {url}/metrics", flush=True)
+        print(f"rlray: live page at {url}/ (curves and samples), health at {url}/health, metrics at {url}/metrics",
+              flush=True)
         online = cfg.algo.family == "online"  # offline methods train on preference pairs: no rollout actors
         if online:
             pg = rollout_placement_group(cfg)
