@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -281,6 +282,7 @@ class Tracker:
         self._key = KeySanitizer()
         self.tensorboard_dir = None if tensorboard_dir is None else Path(tensorboard_dir) / run_id
         self._tb = None  # the SummaryWriter, opened at the first metric
+        self._tb_lock = threading.Lock()  # the heartbeat thread logs metrics too
 
     @property
     def pending(self) -> int:
@@ -316,13 +318,14 @@ class Tracker:
         self.flush()
 
     def _write_tensorboard(self, batch: list[Metric]) -> None:
-        if self._tb is None:
-            from torch.utils.tensorboard import SummaryWriter  # deferred: only runs with tracking.tensorboard_dir
+        with self._tb_lock:
+            if self._tb is None:
+                from torch.utils.tensorboard import SummaryWriter  # deferred: only runs with tracking.tensorboard_dir
 
-            self._tb = SummaryWriter(log_dir=str(self.tensorboard_dir))
-        for m in batch:
-            self._tb.add_scalar(m.key, m.value, global_step=m.step, walltime=m.timestamp / 1000)
-        self._tb.flush()
+                self._tb = SummaryWriter(log_dir=str(self.tensorboard_dir))
+            for m in batch:
+                self._tb.add_scalar(m.key, m.value, global_step=m.step, walltime=m.timestamp / 1000)
+            self._tb.flush()
 
     def log_samples(self, samples: list[StepSample], step: int) -> None:
         """Logs a step's kept rollouts as the table ``samples/step_<step:06d>.json`` (``mlflow.log_table``,
@@ -386,9 +389,10 @@ class Tracker:
         Raises:
             StoreUnavailableError: the store stayed down; the message names the file with the unsent records.
         """
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None  # a metric logged after this opens a new event file in the same folder
+        with self._tb_lock:
+            if self._tb is not None:
+                self._tb.close()
+                self._tb = None  # a metric logged after this opens a new event file in the same folder
         if not self.pending:
             return
         retrying = Retrying(stop=stop_after_delay(wait_s), wait=wait_exponential(multiplier=0.5, max=10.0),
