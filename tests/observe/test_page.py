@@ -176,16 +176,18 @@ def test_page_script_draws_the_curves_and_shows_markup_as_text(served, tmp_path)
     monitor.record_snapshot(3)
     urls = ["/health", "/api/metrics?since=0", "/api/samples", "/api/samples?step=2"]
     responses = {u: {"status": 200, "body": _get(port, u)[2].decode()} for u in urls}
+    monitor.record_step(4, 0, 4, _step_metrics(4))  # the next poll asks for the steps after 3 only
+    responses["/api/metrics?since=3"] = {"status": 200, "body": _get(port, "/api/metrics?since=3")[2].decode()}
     html = _get(port, "/")[2].decode()
     ids = re.findall(r'id="([^"]+)"', html)
-    events = [["th:reward", "click", None], ["sample-step", "change", "2"]]
+    events = [["th:reward", "click", None], ["sample-step", "change", "2"], [None, "tick", None]]
     out = subprocess.run(["node", str(Path(__file__).parents[1] / "fixtures" / "page_dom.js"), str(page.PAGE_DIR / "monitor.js"),
                           json.dumps(ids), json.dumps(responses), json.dumps(events)],
                          capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
     assert got["warnings"] == []
-    first, by_reward_up, step2 = (snap["dom"] for snap in got["snapshots"])
+    first, by_reward_up, step2, polled = (snap["dom"] for snap in got["snapshots"])
     assert first["step"]["text"] == "3" and first["snapshot"]["text"] == "step 3" and first["run-id"]["text"] == "run42"
     charts = first["charts"]["children"]
     assert len(charts) == 9
@@ -213,3 +215,6 @@ def test_page_script_draws_the_curves_and_shows_markup_as_text(served, tmp_path)
     rows2 = step2["sample-table"]["children"][1]["children"]
     assert len(rows2) == 1 and rows2[0]["children"][-1]["children"][0]["text"] == "4</s>"
     assert "/api/samples?step=2" in got["fetched"]
+    assert got["fetched"].count("/api/metrics?since=0") == 1 and "/api/metrics?since=3" in got["fetched"]
+    reward = polled["charts"]["children"][0]
+    assert [n["text"] for n in _walk(reward) if n["tag"] == "#text"] == ["reward/mean 0.4", "reward/gsm8k_correct 1"]

@@ -18,7 +18,7 @@ const CHARTS = [
   {title: "Step time by stage (s)", keys: (k) => k.startsWith("timing/")},
 ];
 
-const state = {historyId: null, since: 0, points: [], klLimit: null, sampleStep: "latest", samples: null, sort: {key: "reward", desc: true}};
+const state = {historyId: null, since: 0, points: [], drawn: false, klLimit: null, sampleStep: "latest", samples: null, sort: {key: "reward", desc: true}};
 
 function el(tag, className, text) {
   const node = document.createElement(tag);
@@ -66,16 +66,17 @@ async function pollHealth() {
 async function pollMetrics() {
   let doc = await getJSON(`/api/metrics?since=${state.since}`);
   if (state.historyId !== null && doc.history_id !== state.historyId) { // steps ran again (rollback, restart)
-    state.points = []; state.since = 0;
+    state.points = []; state.since = 0; state.drawn = false;
     doc = await getJSON("/api/metrics?since=0");
   }
   state.historyId = doc.history_id;
   state.klLimit = doc.kl_limit;
-  if (doc.points.length) {
+  if (doc.points.length || !state.drawn) { // redraw only when there is something new
     state.points.push(...doc.points);
-    state.since = state.points[state.points.length - 1].step;
+    if (state.points.length) state.since = state.points[state.points.length - 1].step;
+    drawCharts();
+    state.drawn = true;
   }
-  drawCharts();
 }
 
 function niceTicks(lo, hi, count) {
