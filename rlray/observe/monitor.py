@@ -319,7 +319,7 @@ class RunMonitor:
                 code, doc = 404, {"error": f"no page at {path}; GET /, /api/metrics, /api/samples, /health or /metrics"}
         except ValueError as err:
             code, doc = 400, {"error": str(err)}
-        return code, json.dumps(doc, allow_nan=False).encode(), "application/json"
+        return code, page.json_bytes(doc), "application/json"
 
     def serve(self, host: str, port: int) -> int:
         """Starts the HTTP server (``respond``: the page, its JSON, /health, /metrics) in a thread; returns the bound port.

@@ -15,6 +15,7 @@ monitor's own origin alone, so text that holds ``<script>`` can never run.
 from __future__ import annotations
 
 import bisect
+import json
 import math
 import threading
 from collections import OrderedDict
@@ -125,6 +126,13 @@ class PageData:
                              f"steps with samples ({steps or 'none yet'}); every step's samples are in MLflow as "
                              f"samples/step_{step:06d}.json", "steps": steps}
             return 200, {"step": step, "steps": steps, "samples": list(self._samples[step])}
+
+
+def json_bytes(doc: Any) -> bytes:
+    """Returns ``doc`` as JSON with ``<``, ``>`` and ``&`` escaped (``\\u003c`` ...), so no markup in sample text
+    survives even where JSON ends up inside HTML; ``JSON.parse`` gives the exact text back. NaN is refused."""
+    text = json.dumps(doc, allow_nan=False)
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026").encode()
 
 
 def static_file(path: str) -> tuple[bytes, str] | None:

@@ -111,13 +111,15 @@ def test_samples_endpoint_keeps_the_last_steps_and_404s_the_rest(served):
 
 
 def test_sample_text_is_data_in_the_json(served):
-    """A completion holding markup comes back as the exact string inside JSON, served as application/json with
-    nosniff (a browser never renders it as HTML); the page puts it in the DOM as text (next tests)."""
+    """A completion holding markup comes back escaped in the JSON (no '<', '>' or '&' in the body), served as
+    application/json with nosniff; parsed, it is the exact text; the page puts it in the DOM as text (next tests)."""
     monitor, port = served
     monitor.record_samples(1, [_sample(1, XSS)])
     status, headers, body = _get(port, "/api/samples?step=1")
     assert (headers["Content-Type"], headers["X-Content-Type-Options"]) == ("application/json", "nosniff")
-    assert json.loads(body)["samples"][0]["completion"] == XSS
+    assert b"<" not in body and b">" not in body and b"&" not in body  # escaped: \u003cscript\u003e
+    assert b"\\u003cscript\\u003e" in body
+    assert json.loads(body)["samples"][0]["completion"] == XSS  # the exact text comes back
 
 
 def test_page_is_self_contained_and_builds_the_dom_with_text_only(served):
