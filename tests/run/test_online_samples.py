@@ -69,3 +69,46 @@ def test_step_samples_decode_and_carry_every_field():
     assert [(s.finish_reason, s.policy_version, s.response_tokens) for s in got] == [("length", 3, 1), ("stop", 3, 3),
                                                                                     ("stop", 3, 1)]
     assert online.step_samples(FakeTokenizer(), table, [], [], step=7) == []
+
+
+class _Remote:
+    def __init__(self, calls, name):
+        self.calls, self.name = calls, name
+
+    def remote(self, *args):
+        self.calls.append((self.name, args))
+
+
+class _Recorder:
+    """Stands in for the Tracker and the MonitorActor handle: records each call."""
+
+    def __init__(self):
+        self.calls = []
+        self.record_step, self.record_samples = _Remote(self.calls, "record_step"), _Remote(self.calls, "record_samples")
+
+    def log_metrics(self, metrics, step):
+        self.calls.append(("log_metrics", (step,)))
+
+    def log_samples(self, samples, step):
+        self.calls.append(("log_samples", (step, len(samples))))
+
+
+def test_stage_8_logs_the_samples_once_and_sends_them_to_the_page():
+    from rlray.observe.samples import StepSample
+    from rlray.run import session
+
+    tracker, monitor = _Recorder(), _Recorder()
+    ctx = SimpleNamespace(tracker=tracker, stream=SimpleNamespace(epoch=1), policy_version=5)
+    services = SimpleNamespace(monitor=monitor)
+    kept = [StepSample(5, "a", "q", "c", 1.0, {}, 0.5, "stop", 4, 1)]
+    run = SimpleNamespace(step=5, logged_through=4)
+    session.record(ctx, run, {"reward/mean": 1.0}, services, kept)
+    assert tracker.calls == [("log_metrics", (5,)), ("log_samples", (5, 1))] and run.logged_through == 5
+    assert [(name, args[0]) for name, args in monitor.calls] == [("record_step", 5), ("record_samples", 5)]
+    assert monitor.calls[1][1][1] == kept
+    tracker.calls.clear(), monitor.calls.clear()
+    session.record(ctx, run, {"reward/mean": 1.0}, services, kept)  # a step MLflow already has (a restart): the page only
+    assert tracker.calls == [] and [name for name, _ in monitor.calls] == ["record_step", "record_samples"]
+    monitor.calls.clear()
+    session.record(ctx, SimpleNamespace(step=6, logged_through=5), {}, services)  # offline steps keep no samples
+    assert [name for name, _ in monitor.calls] == ["record_step"]
