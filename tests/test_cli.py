@@ -57,3 +57,15 @@ def test_config_describe_comments_every_field_and_still_loads(capsys):
 def test_config_names_a_bad_key(capsys):
     assert cli.main(["config", CONFIG, "tracking.sample_per_step=3"]) == 2
     assert "tracking.sample_per_step" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("describe", [[], ["--describe"]])
+def test_config_never_prints_a_secret(tmp_path, capsys, describe):
+    secret = "https://hooks.example/T0k3nS3cr3t"
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"monitor": {"alerts": ["log", "webhook"], "webhook_url": secret},
+                                    "checkpoint": {"s3": {"access_key_id": "AKIAid", "secret_access_key": "AKIAverysecret"}}}))
+    assert cli.main(["config", str(path), *describe]) == 0
+    out = capsys.readouterr().out
+    assert "T0k3nS3cr3t" not in out and "AKIAverysecret" not in out
+    assert yaml.safe_load(out)["monitor"]["webhook_url"] == "**********"
