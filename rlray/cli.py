@@ -1,4 +1,4 @@
-"""The ``rlray`` command line: train, sweep, eval, serve-reward, rollback, models, snapshots, data.
+"""The ``rlray`` command line: train, sweep, eval, serve-reward, rollback, models, snapshots, data, config.
 
 Each command imports what it needs inside its function: ``rlray --help`` and ``rlray data`` start in
 a second instead of paying for Ray, torch and vLLM (the one place where function-local imports are the rule).
@@ -12,6 +12,7 @@ import logging
 import sys
 from pathlib import Path
 
+from rlray import __version__
 from rlray.config import Config, ConfigError, load_config
 
 
@@ -130,6 +131,17 @@ def _data(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    if args.describe:
+        from rlray.config.describe import described_yaml
+
+        print(described_yaml(cfg), end="")
+    else:
+        print(cfg.to_yaml(), end="")
+    return 0
+
+
 def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="config file for the MLflow store, experiment and S3 options (default: built-in)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -139,6 +151,7 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """Returns the argument parser of the ``rlray`` command."""
     p = argparse.ArgumentParser(prog="rlray", description="Ray-native RL post-training for LLMs")
+    p.add_argument("--version", action="version", version=f"rlray {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="run an experiment: rlray train CONFIG [dotted.key=value ...] [--resume latest|URI]")
@@ -194,6 +207,13 @@ def build_parser() -> argparse.ArgumentParser:
     for q in ssub.choices.values():
         _config_args(q)
     s.set_defaults(func=_snapshots)
+
+    c = sub.add_parser("config", help="print the resolved config: rlray config CONFIG [dotted.key=value ...] [--describe]")
+    c.add_argument("config")
+    c.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. learner.lr=1e-5")
+    c.add_argument("--describe", action="store_true",
+                   help="precede each field with its description (unit and scope) and default, as YAML comments")
+    c.set_defaults(func=_config)
 
     d = sub.add_parser("data", help="datasets: rlray data fetch gsm8k|hh-rlhf-harmless [--dest data]")
     dsub = d.add_subparsers(dest="data_command", required=True)

@@ -39,7 +39,7 @@ ALLOWED: dict[str, set[str]] = {
     "run": _BASE | _PARTS,
     "launch": _BASE | _PARTS | {"run"},
     "sweep": {"config", "checkpoint", "observe", "run", "launch"},
-    "cli": _BASE | _PARTS | {"run", "launch", "sweep"},
+    "cli": _BASE | _PARTS | {"run", "launch", "sweep", "rlray"},  # rlray: the root package's __version__ (--version)
 }
 BUILDING_BLOCKS = {"algos", "data", "models", "rollout", "envs", "reward", "learner", "schema", "cores"}
 

@@ -131,10 +131,11 @@ class GuardConfig(_Section):
 
 
 class MonitorConfig(_Section):
-    """GET /health and /metrics, heartbeats, alerts and automatic restarts."""
+    """The monitor (the live page, GET /health and /metrics), heartbeats, alerts and automatic restarts."""
 
     port: int = Field(
-        8888, ge=0, le=65535, description="Port of /health and /metrics; 0 picks a free port (printed and tagged)."
+        8888, ge=0, le=65535,
+        description="Port of the live page (/), /health and /metrics; 0 picks a free port (printed and tagged).",
     )
     host: str = Field("127.0.0.1", description="Address the monitor binds; 0.0.0.0 exposes it to the network.")
     heartbeat_s: float = Field(
@@ -148,6 +149,14 @@ class MonitorConfig(_Section):
     )
     webhook_url: SecretStr | None = Field(
         None, description="URL that alerts are POSTed to as JSON (needs 'webhook' in monitor.alerts). Never logged."
+    )
+    page_sample_steps: int = Field(
+        20,
+        ge=1,
+        description=(
+            "Steps whose kept samples (tracking.samples_per_step) the monitor holds in memory for its page's sample "
+            "viewer; older steps' samples stay in MLflow."
+        ),
     )
     webhook_attempts: int = Field(3, ge=1, description="Tries per webhook alert (exponential back-off).")
     max_failures: int = Field(

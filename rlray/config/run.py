@@ -167,10 +167,26 @@ class EvalConfig(_Section):
 
 
 class TrackingConfig(_Section):
-    """MLflow tracking."""
+    """MLflow tracking, the samples kept per step, and TensorBoard."""
 
     mlflow_uri: str = Field(
         "sqlite:///mlruns/mlflow.db",
         description="MLflow tracking URI; the default is one sqlite store shared by every run in the working folder.",
     )
     experiment: str = Field("rlray", description="MLflow experiment name.")
+    samples_per_step: int = Field(
+        4,
+        ge=0,
+        description=(
+            "Rollouts kept per online step (spread over the prompt groups, picked with run.seed and the step): "
+            "prompt, completion, reward terms, advantage, stop reason and policy version, logged to MLflow as the "
+            "table samples/step_<step>.json and shown on the monitor's page; 0 keeps none."
+        ),
+    )
+    tensorboard_dir: str | None = Field(
+        None,
+        description=(
+            "Folder for TensorBoard event files: every scalar logged to MLflow (step and eval metrics) is also "
+            "written to <tensorboard_dir>/<MLflow run id> (view: tensorboard --logdir DIR --port 6006); None: off."
+        ),
+    )

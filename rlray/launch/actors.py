@@ -22,6 +22,7 @@ from rlray.config import Config
 from rlray.launch.placement import rollout_cpu_threads
 from rlray.learner.reference import ReferenceModel
 from rlray.observe.monitor import Alerter, RunMonitor
+from rlray.observe.samples import StepSample
 from rlray.observe.tracking import Tracker
 from rlray.rollout import Completion, RolloutEngine, SamplingSpec
 from rlray.rollout.wire import unpack_weights
@@ -200,7 +201,7 @@ def kill_actors(actors: list[ray.actor.ActorHandle]) -> None:
     for a in actors:
         ray.kill(a, no_restart=True)
 class MonitorActor:
-    """Ray actor around a ``RunMonitor``: serves /health and /metrics and takes the learner's reports.
+    """Ray actor around a ``RunMonitor``: serves the live page, /health and /metrics and takes the learner's reports.
 
     Args:
         run_id: MLflow run id.
@@ -209,14 +210,17 @@ class MonitorActor:
         webhook_url: the revealed ``monitor.webhook_url`` (None without one).
         webhook_attempts: ``monitor.webhook_attempts``.
         heartbeat_s: ``monitor.heartbeat_s``.
+        kl_limit: ``guard.kl_threshold`` (the page draws it on the KL chart).
+        page_sample_steps: ``monitor.page_sample_steps``.
     """
 
     def __init__(self, run_id: str, tracking_uri: str, experiment: str, sinks: list[str], webhook_url: str | None,
-                 webhook_attempts: int, heartbeat_s: float) -> None:
+                 webhook_attempts: int, heartbeat_s: float, kl_limit: float | None = None, page_sample_steps: int = 20) -> None:
 
         tracker = Tracker(tracking_uri, experiment, run_id=run_id) if "mlflow" in sinks else None
         alerter = Alerter(sinks, tracker=tracker, webhook_url=webhook_url, webhook_attempts=webhook_attempts)
-        self.monitor = RunMonitor(run_id, heartbeat_s=heartbeat_s, alerter=alerter, ray_metrics=True)
+        self.monitor = RunMonitor(run_id, heartbeat_s=heartbeat_s, alerter=alerter, ray_metrics=True, kl_limit=kl_limit,
+                                  page_sample_steps=page_sample_steps)
 
     def serve(self, host: str, port: int) -> int:
         """Starts the HTTP server; returns the bound port."""
@@ -229,6 +233,10 @@ class MonitorActor:
     def record_step(self, step: int, epoch: int, policy_version: int, step_metrics: dict[str, float]) -> None:
         """Records a finished step."""
         self.monitor.record_step(step, epoch, policy_version, step_metrics)
+
+    def record_samples(self, step: int, samples: list[StepSample]) -> None:
+        """Keeps a step's samples for the page (rank 0 sends them at stage 8)."""
+        self.monitor.record_samples(step, samples)
 
     def record_snapshot(self, step: int | None) -> None:
         """Records a complete (step) or failed (None) snapshot."""
@@ -270,6 +278,7 @@ def start_monitor(cfg: Config, run_id: str) -> tuple[ray.actor.ActorHandle, int]
     actor = ray.remote(MonitorActor).options(num_cpus=0, scheduling_strategy=here).remote(
         run_id, cfg.tracking.mlflow_uri, cfg.tracking.experiment, list(m.alerts),
         m.webhook_url.get_secret_value() if m.webhook_url else None, m.webhook_attempts, m.heartbeat_s,
+        cfg.guard.kl_threshold, m.page_sample_steps,
     )
     try:
         port = ray.get(actor.serve.remote(m.host, m.port))

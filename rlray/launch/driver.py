@@ -84,7 +84,7 @@ def resolve_paths(cfg: Config, base: Path | None = None) -> Config:
     ``model.dtype=auto`` resolved on this machine (``build.compute_dtype``).
 
     Ray workers and jobs can run in another folder than the shell that started the run, so the
-    driver pins the MLflow store, the output and snapshot folders, and local data files once; the
+    driver pins the MLflow store, the output, snapshot and TensorBoard folders, and local data files once; the
     dtype is pinned too, so MLflow's params say which one ran.
     """
     base = base or Path.cwd()
@@ -97,6 +97,8 @@ def resolve_paths(cfg: Config, base: Path | None = None) -> Config:
 
     if "://" not in cfg.run.output_dir:
         out.run.output_dir = str((base / cfg.run.output_dir).resolve())
+    if cfg.tracking.tensorboard_dir and "://" not in cfg.tracking.tensorboard_dir:
+        out.tracking.tensorboard_dir = str((base / cfg.tracking.tensorboard_dir).resolve())
     if cfg.checkpoint.uri and "://" not in cfg.checkpoint.uri:
         out.checkpoint.uri = str((base / cfg.checkpoint.uri).resolve())
     ref = cfg.checkpoint.resume_from
@@ -229,7 +231,8 @@ def run_training(
         services.monitor, port = start_monitor(cfg, tracker.run_id)
         url = f"http://{cfg.monitor.host}:{port}"
         tracker.set_tags({"rlray.monitor_url": url})
-        print(f"rlray: health at {url}/health, metrics at {url}/metrics", flush=True)
+        print(f"rlray: live page at {url}/ (curves and samples), health at {url}/health, metrics at {url}/metrics",
+              flush=True)
         online = cfg.algo.family == "online"  # offline methods train on preference pairs: no rollout actors
         if online:
             pg = rollout_placement_group(cfg)

@@ -1,10 +1,12 @@
-"""Run monitor: GET /health and /metrics, heartbeats and stall detection, alerts.
+"""Run monitor: the live page (GET /, /api/metrics, /api/samples), GET /health and /metrics, heartbeats and
+stall detection, alerts.
 
 ``RunMonitor`` is a plain class; the driver runs it in a Ray actor (``rlray.launch.actors.MonitorActor``) on
 its own node, so it outlives learner restarts. Learner rank 0 sends it heartbeats, step figures and
 alerts. One ``MetricsRegistry`` feeds both Ray's metrics (``ray.util.metrics``, scraped by the Ray
 dashboard and Prometheus as ``ray_rlray_*``) and the ``/metrics`` page (``rlray_*``), so the two never
-disagree.
+disagree. The same step reports feed the live page's curves (``rlray.observe.page.PageData``), and rank 0
+sends each step's kept samples for its sample viewer.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import logging
 import threading
 import time
+import urllib.parse
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -20,6 +23,9 @@ from typing import Any
 import prometheus_client
 from ray.util import metrics as ray_metrics_api
 from tenacity import retry, stop_after_attempt, wait_exponential
+
+from rlray.observe import page
+from rlray.observe.samples import StepSample
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +46,7 @@ COUNTERS: dict[str, str] = {
     "rlray_alerts": "alerts sent",
     "rlray_snapshot_failures": "snapshots that failed to write",
 }
+HEALTH_ALERTS = 5  # the newest alerts /health (and the page's status bar) lists
 # gauge -> the step metric it shows (tracking.METRIC_KEYS)
 FROM_STEP_METRICS: dict[str, str] = {
     "rlray_reward_mean": "reward/mean",
@@ -168,15 +175,20 @@ class RunMonitor:
         heartbeat_s: the heartbeat interval in seconds (``monitor.heartbeat_s``).
         alerter: where alerts go.
         ray_metrics: also feed Ray's metrics (inside a Ray process).
+        kl_limit: the KL guard's threshold (``guard.kl_threshold``), drawn on the page's KL chart; None: off.
+        page_sample_steps: steps whose samples the page keeps (``monitor.page_sample_steps``).
     """
 
-    def __init__(self, run_id: str, *, heartbeat_s: float, alerter: Alerter, ray_metrics: bool = False) -> None:
+    def __init__(self, run_id: str, *, heartbeat_s: float, alerter: Alerter, ray_metrics: bool = False,
+                 kl_limit: float | None = None, page_sample_steps: int = 20) -> None:
         self.run_id = run_id
         self.heartbeat_s = heartbeat_s
         self.alerter = alerter
         self.metrics = MetricsRegistry(run_id, ray_metrics=ray_metrics)
         self.status, self.reason = "healthy", None
         self.step = self.epoch = self.policy_version = 0
+        self.snapshot_step: int | None = None
+        self.page = page.PageData(page_sample_steps, kl_limit)
         self.last_heartbeat = time.monotonic()
         self.learner_starts = 0
         self.alerts: list[dict[str, Any]] = []
@@ -202,17 +214,23 @@ class RunMonitor:
             self.metrics.set(name, value)
 
     def record_step(self, step: int, epoch: int, policy_version: int, step_metrics: dict[str, float]) -> None:
-        """Records a finished step (counts as a heartbeat) and its headline figures."""
+        """Records a finished step (counts as a heartbeat): its headline figures and the page's curves."""
         self.beat(step, epoch, policy_version)
         for gauge, key in FROM_STEP_METRICS.items():
             if key in step_metrics:
                 self.metrics.set(gauge, float(step_metrics[key]))
+        self.page.record_step(step, step_metrics)
+
+    def record_samples(self, step: int, samples: list[StepSample]) -> None:
+        """Keeps a step's samples for the page's sample viewer (the last ``page_sample_steps`` steps)."""
+        self.page.record_samples(step, samples)
 
     def record_snapshot(self, step: int | None) -> None:
         """Records a complete snapshot at ``step``, or a failed one when ``step`` is None."""
         if step is None:
             self.metrics.inc("rlray_snapshot_failures")
         else:
+            self.snapshot_step = step
             self.metrics.set("rlray_snapshot_step", step)
 
     def learner_started(self) -> int:
@@ -246,7 +264,8 @@ class RunMonitor:
     # ---- reads ------------------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
         """Returns the /health document: status, reason, epoch, step, policy_version,
-        seconds_since_heartbeat, run_id, restarts."""
+        seconds_since_heartbeat, run_id, restarts, snapshot_step (of the last complete snapshot, None before
+        one) and alerts (the newest ``HEALTH_ALERTS``, oldest first, each {kind, message, step, time})."""
         self.check_stall()
         with self._lock:
             return {
@@ -258,6 +277,8 @@ class RunMonitor:
                 "seconds_since_heartbeat": round(time.monotonic() - self.last_heartbeat, 3),
                 "run_id": self.run_id,
                 "restarts": max(0, self.learner_starts - 1),
+                "snapshot_step": self.snapshot_step,
+                "alerts": [{k: a[k] for k in ("kind", "message", "step", "time")} for a in self.alerts[-HEALTH_ALERTS:]],
             }
 
     def check_stall(self) -> bool:
@@ -275,8 +296,33 @@ class RunMonitor:
         return stalled
 
     # ---- HTTP ---------------------------------------------------------------------------------
+    def respond(self, path: str, query: dict[str, list[str]]) -> tuple[int, bytes, str]:
+        """Returns (HTTP status, body, content type) of GET ``path`` with ``query``.
+
+        Routes: / and /static/monitor.js (the page), /api/metrics?since=STEP (the plotted figures of the
+        steps after STEP; 0 or absent: all), /api/samples?step=N (the kept samples of step N, absent: the
+        newest; 404 when not kept), /health (JSON), /metrics (Prometheus text). Errors are JSON {error}.
+        """
+        if path in page.STATIC:
+            return (200, *page.static_file(path))
+        if path == "/metrics":
+            self.check_stall()
+            return 200, self.metrics.render(), prometheus_client.CONTENT_TYPE_LATEST
+        try:
+            if path == "/health":
+                code, doc = 200, self.health()
+            elif path == "/api/metrics":
+                code, doc = 200, {"run_id": self.run_id, **self.page.metrics_since(_int_arg(query, "since", 0))}
+            elif path == "/api/samples":
+                code, doc = self.page.samples_of(_int_arg(query, "step", None))
+            else:
+                code, doc = 404, {"error": f"no page at {path}; GET /, /api/metrics, /api/samples, /health or /metrics"}
+        except ValueError as err:
+            code, doc = 400, {"error": str(err)}
+        return code, page.json_bytes(doc), "application/json"
+
     def serve(self, host: str, port: int) -> int:
-        """Starts the HTTP server (GET /health, GET /metrics) in a thread; returns the bound port.
+        """Starts the HTTP server (``respond``: the page, its JSON, /health, /metrics) in a thread; returns the bound port.
 
         Raises:
             OSError: the port is taken (the message names host and port).
@@ -285,18 +331,14 @@ class RunMonitor:
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server API)
-                path = self.path.split("?", 1)[0]
-                if path == "/health":
-                    body, ctype = json.dumps(monitor.health()).encode(), "application/json"
-                elif path == "/metrics":
-                    monitor.check_stall()
-                    body, ctype = monitor.metrics.render(), prometheus_client.CONTENT_TYPE_LATEST
-                else:
-                    self.send_error(404, "GET /health or /metrics")
-                    return
-                self.send_response(200)
+                url = urllib.parse.urlsplit(self.path)
+                code, body, ctype = monitor.respond(url.path, urllib.parse.parse_qs(url.query))
+                self.send_response(code)
                 self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(body)))
+                self.send_header("Cache-Control", "no-store")
+                self.send_header("X-Content-Type-Options", "nosniff")
+                self.send_header("Content-Security-Policy", page.CONTENT_SECURITY_POLICY)
                 self.end_headers()
                 self.wfile.write(body)
 
@@ -322,6 +364,21 @@ class RunMonitor:
         while not self._stop.wait(min(1.0, self.heartbeat_s / 4)):
             self.check_stall()
             self.metrics.republish()
+
+
+def _int_arg(query: dict[str, list[str]], name: str, default: int | None) -> int | None:
+    """Returns query parameter ``name`` as an int, ``default`` when absent.
+
+    Raises:
+        ValueError: the value is not an integer (the message names the parameter and the value).
+    """
+    values = query.get(name)
+    if not values:
+        return default
+    try:
+        return int(values[-1])
+    except ValueError:
+        raise ValueError(f"{name}={values[-1]!r} is not a step number; use an integer, e.g. {name}=12") from None
 
 
 class Heartbeat:

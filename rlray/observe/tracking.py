@@ -2,7 +2,10 @@
 
 One run per training job. Params are the flattened config at start; metrics are namespaced
 (``rollout/``, ``reward/``, ``learner/``, ``algo/``, ``timing/``, ``perf/``, ``eval/``); the resolved
-config is an artifact. ``METRIC_KEYS`` is the one list of metric names a step logs.
+config is an artifact. ``METRIC_KEYS`` is the one list of metric names a step logs. Each online step's kept
+rollouts are a table artifact (``log_samples``: ``samples/step_<step>.json``). With ``tensorboard_dir`` every
+metric also goes to TensorBoard event files in ``<tensorboard_dir>/<run id>``, written as it is logged (an
+MLflow outage does not hold them back).
 
 The store going away mid-run never stops training: ``Tracker`` keeps the metrics, tags and text artifacts
 it could not write (with their original steps and timestamps), warns once per outage, and writes them all,
@@ -20,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -31,6 +35,7 @@ from mlflow.tracking import MlflowClient
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from rlray.config import Config
+from rlray.observe.samples import StepSample, table_columns
 
 log = logging.getLogger(__name__)
 
@@ -253,13 +258,15 @@ class Tracker:
         run_id: continue this run (resume) instead of creating one.
         run_name: name of a new run.
         client: the ``MlflowClient`` to write through (tests inject a failing one); None makes one for ``uri``.
+        tensorboard_dir: also write every metric to TensorBoard in ``<tensorboard_dir>/<run id>``
+            (``tracking.tensorboard_dir``); None: MLflow only.
 
     Raises:
         mlflow.exceptions.MlflowException: the store cannot be reached at start (the run must not start blind).
     """
 
     def __init__(self, uri: str, experiment: str, *, run_id: str | None = None, run_name: str | None = None,
-                 client: MlflowClient | None = None) -> None:
+                 client: MlflowClient | None = None, tensorboard_dir: str | Path | None = None) -> None:
         self.uri = uri
         self.client = client or _client(uri)
         self.experiment_id = _experiment_id(self.client, experiment)
@@ -270,13 +277,17 @@ class Tracker:
         self._metrics: list[Metric] = []  # written in order, oldest first
         self._tags: dict[str, str] = {}
         self._texts: list[tuple[str, str]] = []
+        self._tables: list[tuple[dict[str, list], str]] = []  # (columns, artifact file)
         self._down_since: float | None = None
         self._key = KeySanitizer()
+        self.tensorboard_dir = None if tensorboard_dir is None else Path(tensorboard_dir) / run_id
+        self._tb = None  # the SummaryWriter, opened at the first metric
+        self._tb_lock = threading.Lock()  # the heartbeat thread logs metrics too
 
     @property
     def pending(self) -> int:
         """Returns how many metrics, tags and artifacts wait for the store."""
-        return len(self._metrics) + len(self._tags) + len(self._texts)
+        return len(self._metrics) + len(self._tags) + len(self._texts) + len(self._tables)
 
     def log_config(self, cfg: Config) -> None:
         """Logs the flattened config as params and the resolved YAML as ``config/resolved.yaml``.
@@ -293,14 +304,35 @@ class Tracker:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Logs ``metrics`` at ``step`` (buffered while the store is down); non-finite values are logged as they are.
 
-        Keys are sanitised (``sanitize_key``: characters MLflow rejects become '_').
+        Keys are sanitised (``sanitize_key``: characters MLflow rejects become '_'). With ``tensorboard_dir``
+        the same keys, values, step and time go to TensorBoard at once.
 
         Raises:
             ValueError: two different keys of this run become the same MLflow key (``KeySanitizer``).
         """
         ts = int(time.time() * 1000)
-        self._metrics.extend(Metric(self._key(k), float(v), ts, step) for k, v in metrics.items())
+        batch = [Metric(self._key(k), float(v), ts, step) for k, v in metrics.items()]
+        self._metrics.extend(batch)
+        if self.tensorboard_dir is not None:
+            self._write_tensorboard(batch)
         self.flush()
+
+    def _write_tensorboard(self, batch: list[Metric]) -> None:
+        with self._tb_lock:
+            if self._tb is None:
+                from torch.utils.tensorboard import SummaryWriter  # deferred: only runs with tracking.tensorboard_dir
+
+                self._tb = SummaryWriter(log_dir=str(self.tensorboard_dir))
+            for m in batch:
+                self._tb.add_scalar(m.key, m.value, global_step=m.step, walltime=m.timestamp / 1000)
+            self._tb.flush()
+
+    def log_samples(self, samples: list[StepSample], step: int) -> None:
+        """Logs a step's kept rollouts as the table ``samples/step_<step:06d>.json`` (``mlflow.log_table``,
+        buffered while the store is down); nothing when ``samples`` is empty."""
+        if samples:
+            self._tables.append((table_columns(samples), f"samples/step_{step:06d}.json"))
+            self.flush()
 
     def set_tags(self, tags: dict[str, str]) -> None:
         """Sets run tags (string values; buffered while the store is down, the last value of a key wins)."""
@@ -328,6 +360,9 @@ class Tracker:
             while self._texts:
                 self.client.log_text(self.run_id, *self._texts[0])
                 self._texts.pop(0)
+            while self._tables:
+                self.client.log_table(self.run_id, *self._tables[0])
+                self._tables.pop(0)
         except Exception as err:
             if not _retryable(err):
                 raise
@@ -343,16 +378,21 @@ class Tracker:
         return True
 
     def close(self, *, wait_s: float = 60.0, spill_path: str | Path | None = None) -> None:
-        """Writes what is buffered, retrying for up to ``wait_s`` seconds while the store is down.
+        """Closes the TensorBoard writer, then writes what is buffered, retrying for up to ``wait_s`` seconds
+        while the store is down.
 
         Args:
             wait_s: how long to wait for the store, in seconds.
             spill_path: where to save what could not be written (JSON Lines: one {"kind": "metric" | "tag" |
-                "text", ...} per line); None puts ``mlflow-unsent-<run id>.jsonl`` in the working folder.
+                "text" | "table", ...} per line); None puts ``mlflow-unsent-<run id>.jsonl`` in the working folder.
 
         Raises:
             StoreUnavailableError: the store stayed down; the message names the file with the unsent records.
         """
+        with self._tb_lock:
+            if self._tb is not None:
+                self._tb.close()
+                self._tb = None  # a metric logged after this opens a new event file in the same folder
         if not self.pending:
             return
         retrying = Retrying(stop=stop_after_delay(wait_s), wait=wait_exponential(multiplier=0.5, max=10.0),
@@ -368,8 +408,9 @@ class Tracker:
                                           "step": m.step}) + "\n")
                 out.writelines(json.dumps({"kind": "tag", "key": k, "value": v}) + "\n" for k, v in self._tags.items())
                 out.writelines(json.dumps({"kind": "text", "file": f, "text": t}) + "\n" for t, f in self._texts)
+                out.writelines(json.dumps({"kind": "table", "file": f, "columns": c}) + "\n" for c, f in self._tables)
             count = self.pending
-            self._metrics, self._tags, self._texts = [], {}, []
+            self._metrics, self._tags, self._texts, self._tables = [], {}, [], []
             raise StoreUnavailableError(
                 f"MLflow store {self.uri} stayed unreachable for {wait_s:g} s at the end of run {self.run_id}; "
                 f"{count} unsent metrics/tags/artifacts were saved to {path.resolve()}"

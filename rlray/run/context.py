@@ -8,18 +8,23 @@ steps, evaluation and progress line of their kind.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from rlray.config import Config
 from rlray.data import PromptStream
 from rlray.learner import PolicyLearner
 from rlray.learner.collective import Collective
+from rlray.observe.samples import StepSample
 from rlray.observe.tracking import Tracker
 
-StepBoundary = Callable[[dict[str, float]], None]
-"""Stage 8 of a step (log, guard, snapshot, hooks), handed to ``RunContext.run_step`` by the session."""
+
+class StepBoundary(Protocol):
+    """Stage 8 of a step (log, guard, snapshot, hooks), handed to ``RunContext.run_step`` by the session."""
+
+    def __call__(self, metrics: dict[str, float], samples: Sequence[StepSample] = ()) -> None:
+        """Ends the step with its metrics (complete on rank 0) and rank 0's kept samples (online runs)."""
 
 
 @dataclass

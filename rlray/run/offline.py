@@ -178,7 +178,8 @@ def setup(cfg: Config, coll: Collective, *, model_dir: str, run_id: str | None) 
         "timing/reference_s": time.perf_counter() - t,
     }
     if coll.rank == 0:
-        ctx.tracker = Tracker(cfg.tracking.mlflow_uri, cfg.tracking.experiment, run_id=run_id)
+        ctx.tracker = Tracker(cfg.tracking.mlflow_uri, cfg.tracking.experiment, run_id=run_id,
+                              tensorboard_dir=cfg.tracking.tensorboard_dir)
     return ctx
 
 

@@ -11,7 +11,9 @@ Ray's object store; every rank takes part in the update. A step, top to bottom (
   5. advantages
   6. learner update (mini-batches, epochs)
   7. weight sync to the rollouts (version-tagged)
-  8. log, guard, snapshot, hooks (``rlray.run.session.step_boundary``, shared with offline runs)
+  8. log, guard, snapshot, hooks (``rlray.run.session.step_boundary``, shared with offline runs), with the
+     step's kept samples (``tracking.samples_per_step``: rows rank 0 picks from the whole step, their
+     advantages gathered from the ranks that hold them)
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from rlray.learner import Normaliser, PolicyLearner
 from rlray.learner import online as learner_online
 from rlray.learner.collective import Collective
 from rlray.models import load_tokenizer
+from rlray.observe import samples as kept
+from rlray.observe.samples import StepSample
 from rlray.observe.tracking import Tracker
 from rlray.reward import RewardFunctionError
 from rlray.reward.server import LocalRewardClient, ScoreResult, ServeRewardClient
@@ -67,6 +71,7 @@ class StepBatch:
     minibatch_norms: list[Normaliser]
     rollout_metrics: dict[str, float]
     fatal: str | None = None
+    sample_rows: list[int] = field(default_factory=list)  # rows of the step's table kept as samples
 
 
 class StageTimer:
@@ -198,7 +203,8 @@ def setup(cfg: Config, coll: Collective, *, model_dir: str, actors: list[Any], r
             eval_rows = load_prompt_rows(cfg.data.eval_files, prompt_column=cfg.data.prompt_column)[: cfg.eval.num_problems]
             rows, ids, _ = prepare_prompts(eval_rows, tokenizer, max_prompt_tokens=10**9, **render)
             ctx.eval_prompts = list(zip(rows, ids, strict=True))
-        ctx.tracker = Tracker(cfg.tracking.mlflow_uri, cfg.tracking.experiment, run_id=run_id)
+        ctx.tracker = Tracker(cfg.tracking.mlflow_uri, cfg.tracking.experiment, run_id=run_id,
+                              tensorboard_dir=cfg.tracking.tensorboard_dir)
         ctx.reward_columns = build.dataset_columns(all_train_rows + [r for r, _ in ctx.eval_prompts])
         ctx.reward = build.reward_client(cfg, ctx.reward_columns)
         ctx.reward_kwargs = build.scorer_kwargs(cfg, ctx.reward_columns)
@@ -238,19 +244,22 @@ def run_step(ctx: OnlineRun, step: int, end_step: StepBoundary) -> dict[str, flo
             table, rollout_metrics = collect_experience(ctx, step, timer)
         except FATAL_STEP_ERRORS as err:
             fatal = f"{type(err).__name__}: {err}"
-    shard, batch = distribute(ctx, table, rollout_metrics, fatal)
+    shard, batch = distribute(ctx, table, rollout_metrics, fatal, step=step)
     data = schema.collate(shard, ctx.pad_token_id)
     with timer("logprobs"):  # 4. reference and old logprobs
         data = reference_and_old_logprobs(ctx, data, spec)
-    with timer("advantages"):  # 5. advantages
+    with timer("advantages"):  # 5. advantages (and those of the kept samples, from every rank)
         data = compute_advantages(ctx, data, spec)
+        advantages = sample_advantages(ctx, data, batch.sample_rows)
     with timer("update"):  # 6. learner update
         metrics = update_policy(ctx, data, batch.minibatch_norms, spec)
     with timer("weight_sync"):  # 7. weight sync
         ctx.policy_version = sync_weights(ctx)
+    samples: list[StepSample] = []
     if ctx.rank == 0:
         metrics.update(step_metrics(ctx, batch.rollout_metrics, data, timer))
-    end_step(metrics)  # 8. log, guard, snapshot, hooks
+        samples = step_samples(ctx.tokenizer, table, batch.sample_rows, advantages, step + 1)
+    end_step(metrics, samples)  # 8. log, guard, snapshot, hooks
     return metrics
 
 
@@ -385,12 +394,14 @@ def minibatch_normalisers(table: pa.Table, cfg: Config, world: int) -> list[Norm
 
 
 def distribute(
-    ctx: OnlineRun, table: pa.Table | None, rollout_metrics: dict[str, float] | None, fatal: str | None = None
+    ctx: OnlineRun, table: pa.Table | None, rollout_metrics: dict[str, float] | None, fatal: str | None = None, *,
+    step: int = 0,
 ) -> tuple[pa.Table, StepBatch]:
     """Hands every rank its contiguous shard of whole groups through the object store.
 
     Rank 0 puts one Arrow table per rank (``ray.put``) and broadcasts only the references; each rank
-    then fetches its own shard, so experience never passes through the other ranks.
+    then fetches its own shard, so experience never passes through the other ranks. The broadcast also
+    carries the rows of 0-based ``step`` kept as samples (``observe.samples.pick_rows``).
 
     Raises:
         FatalStepError: on every rank, when rank 0 passes ``fatal`` (its stages 1-3 hit a fatal error).
@@ -401,7 +412,9 @@ def distribute(
     elif ctx.rank == 0:
         refs = [ray.put(table.slice(s.start, s.stop - s.start)) for s in
                 (schema.shard_rows(table.num_rows, r, ctx.world) for r in range(ctx.world))]
-        batch = StepBatch(refs, minibatch_normalisers(table, ctx.cfg, ctx.world), rollout_metrics or {})
+        rows = kept.pick_rows(table.column("group_id").to_pylist(), ctx.cfg.tracking.samples_per_step, ctx.cfg.run.seed,
+                              step + 1)
+        batch = StepBatch(refs, minibatch_normalisers(table, ctx.cfg, ctx.world), rollout_metrics or {}, sample_rows=rows)
     batch = ctx.coll.broadcast(batch)
     if batch.fatal is not None:
         raise FatalStepError(batch.fatal)
@@ -424,6 +437,45 @@ def reference_and_old_logprobs(ctx: OnlineRun, data: dict[str, torch.Tensor],
 def compute_advantages(ctx: OnlineRun, data: dict[str, torch.Tensor], spec: learner_online.UpdateSpec) -> dict[str, torch.Tensor]:
     """Stage 5: adds the algorithm's advantages (``learner.ADVANTAGE_ESTIMATORS[algo.name]``); batch statistics over all ranks."""
     return learner_online.advantages(data, spec, ctx.coll.all_reduce_sum)
+
+
+def sample_advantages(ctx: OnlineRun, data: dict[str, torch.Tensor], rows: list[int]) -> list[float]:
+    """Stage 5b: returns the sequence advantage of each kept row (``rows``: indices into the step's whole table).
+
+    A row's sequence advantage is its first loss token's advantage (for group estimators, the one value
+    broadcast over the row), NaN when no token counts (a failed reward). Each rank fills in the rows of
+    its shard; one sum over ranks gathers them (a collective every rank calls when samples are kept).
+
+    Args:
+        data: this rank's shard, with advantages [B/world, T] float32 and response_mask [B/world, T] bool.
+    """
+    if not rows:
+        return []
+    per_rank = data["advantages"].shape[0]
+    local = {}
+    for i, row in enumerate(rows):
+        j, value = row - ctx.rank * per_rank, 0.0
+        if 0 <= j < per_rank:
+            mask = data["response_mask"][j]
+            value = float(data["advantages"][j][mask][0]) if mask.any() else math.nan
+        local[f"{i:06d}"] = value
+    summed = ctx.coll.all_reduce_sum(local)
+    return [summed[f"{i:06d}"] for i in range(len(rows))]
+
+
+def step_samples(tokenizer: Any, table: pa.Table, rows: list[int], advantages: list[float], step: int) -> list[StepSample]:
+    """Returns the kept samples of 1-based ``step`` (rank 0): rows ``rows`` of the step's experience table with
+    prompt and completion decoded (special tokens kept, so the chat template and EOS show) and ``advantages``
+    (``sample_advantages``)."""
+    picked = table.take(rows).to_pylist() if rows else []
+    prompts = tokenizer.batch_decode([r["prompt_token_ids"] for r in picked], skip_special_tokens=False)
+    completions = tokenizer.batch_decode([r["response_token_ids"] for r in picked], skip_special_tokens=False)
+    return [
+        StepSample(step, r["prompt_id"], prompt, completion, math.nan if r["reward"] is None else float(r["reward"]),
+                   dict(r["reward_components"] or []), adv, r["finish_reason"], int(r["policy_version"]),
+                   len(r["response_token_ids"]))
+        for r, prompt, completion, adv in zip(picked, prompts, completions, advantages, strict=True)
+    ]
 
 
 def update_policy(ctx: OnlineRun, data: dict[str, torch.Tensor], norms: list[Normaliser],

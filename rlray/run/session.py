@@ -29,6 +29,7 @@ from rlray.checkpoint import storage as checkpoint
 from rlray.config import Config
 from rlray.learner.collective import Collective, RayTrainCollective
 from rlray.observe.monitor import Heartbeat
+from rlray.observe.samples import StepSample
 from rlray.run import guards, snapshots
 from rlray.run.context import RunContext
 from rlray.run.hooks import StepEnd, StepHook, run_hooks, run_observers
@@ -99,8 +100,8 @@ def _train(build: BuildContext, cfg: Config, coll: Collective, services: RunServ
     metrics: dict[str, float] = {}
     retrying, error = False, ""
 
-    def end_step(step_metrics: dict[str, float]) -> None:  # stage 8, called by the step itself
-        step_boundary(ctx, run, services, hooks, step_metrics, bar)
+    def end_step(step_metrics: dict[str, float], samples: Sequence[StepSample] = ()) -> None:  # stage 8, called by the step
+        step_boundary(ctx, run, services, hooks, step_metrics, bar, samples)
 
     try:
         if run.step == 0:
@@ -155,8 +156,9 @@ def _progress_bar(total: int, initial: int) -> Any:
 
 
 def step_boundary(ctx: RunContext, run: RunState, services: RunServices, hooks: Sequence[StepHook],
-                  metrics: dict[str, float], bar: Any) -> None:
-    """Stage 8 of a step, on every rank: eval when due, guards, log once, progress, hooks, snapshot.
+                  metrics: dict[str, float], bar: Any, samples: Sequence[StepSample] = ()) -> None:
+    """Stage 8 of a step, on every rank: eval when due, guards, log once (metrics and rank 0's kept ``samples``),
+    progress, hooks, snapshot.
 
     ``run.step`` counts the step just done. Rank 0's control hooks may ask to stop; the decision is
     broadcast so every rank leaves the loop at this boundary. Observer hooks see the snapshot written here.
@@ -166,7 +168,7 @@ def step_boundary(ctx: RunContext, run: RunState, services: RunServices, hooks: 
     trip = check_guards(ctx, run, metrics, services)
     stop_reason = None
     if ctx.rank == 0:
-        record(ctx, run, metrics, services)
+        record(ctx, run, metrics, services, samples)
         line = ctx.progress_text(run.step, metrics)
         bar.set_description(line)
         bar.update(1)
@@ -329,13 +331,18 @@ def check_guards(ctx: RunContext, run: RunState, metrics: dict[str, float], serv
     return ctx.coll.broadcast(trip)
 
 
-def record(ctx: RunContext, run: RunState, metrics: dict[str, float], services: RunServices) -> None:
-    """Rank 0: logs the step's metrics (once per step, across restarts) and updates the monitor."""
+def record(ctx: RunContext, run: RunState, metrics: dict[str, float], services: RunServices,
+           samples: Sequence[StepSample] = ()) -> None:
+    """Rank 0: logs the step's metrics and kept samples (once per step, across restarts) and updates the monitor
+    (its page's curves and sample viewer)."""
     if run.step > run.logged_through:
         ctx.tracker.log_metrics(metrics, step=run.step)
+        ctx.tracker.log_samples(list(samples), step=run.step)
         run.logged_through = run.step
     if services.monitor is not None:
         services.monitor.record_step.remote(run.step, ctx.stream.epoch, ctx.policy_version, metrics)
+        if samples:
+            services.monitor.record_samples.remote(run.step, list(samples))
 
 
 def handle_trip(ctx: RunContext, run: RunState, trip: guards.Trip, services: RunServices) -> None:

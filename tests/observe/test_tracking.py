@@ -4,6 +4,7 @@ what MLflow allows and collisions are refused; processes started together create
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -88,3 +89,63 @@ def test_three_processes_create_a_fresh_store_together(tmp_path):
         [MlflowClient(f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}").get_experiment_by_name("race").experiment_id]
     )
     assert sorted(r.info.run_name for r in runs) == ["run-0", "run-1"]
+
+
+def test_tensorboard_gets_every_scalar_mlflow_gets(tmp_path):
+    """With tensorboard_dir, the step and eval metrics logged through the Tracker are also TensorBoard scalars in
+    <dir>/<run id>, with the same keys, values and steps as MLflow holds; closing the run closes the writer."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = Tracker(uri, "tb", tensorboard_dir=tmp_path / "tb")
+    tracker.log_metrics({"eval/reward_mean": 0.125}, step=0)  # the initial policy's eval
+    tracker.log_metrics({"reward/mean": 0.25, "algo/kl": 0.001, "learner/pg_loss": -0.5}, step=1)
+    tracker.log_metrics({"reward/mean": 0.5, "algo/kl": 0.002, "learner/pg_loss": 0.75, "eval/reward_mean": 0.375}, step=2)
+    tracker.log_metrics({"loss@0": 1.5}, step=2)  # sanitised the same way for both
+    tracker.finish()
+    assert tracker._tb is None
+    events = EventAccumulator(str(tmp_path / "tb" / tracker.run_id))
+    events.Reload()
+    in_tensorboard = {k: [(e.step, e.value) for e in events.Scalars(k)] for k in events.Tags()["scalars"]}
+    in_mlflow = get_run_metrics(uri, tracker.run_id)
+    assert set(in_tensorboard) == set(in_mlflow) == {"eval/reward_mean", "reward/mean", "algo/kl", "learner/pg_loss", "loss_0"}
+    for key, series in in_mlflow.items():  # TensorBoard stores float32: equal to float32 precision
+        assert [s for s, _ in in_tensorboard[key]] == [s for s, _ in series], key
+        assert [v for _, v in in_tensorboard[key]] == pytest.approx([v for _, v in series], rel=1e-6), key
+
+
+def test_no_tensorboard_files_without_a_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "plain")
+    tracker.log_metrics({"reward/mean": 0.25}, step=1)
+    tracker.finish()
+    assert tracker.tensorboard_dir is None and not list(tmp_path.rglob("events.out.tfevents*"))
+
+
+def test_samples_are_a_table_per_step(tmp_path):
+    """log_samples writes samples/step_<step>.json as an MLflow table: one row per sample, each reward term a
+    column, a failed term "failed", a skipped one null, a failed reward and a missing advantage null."""
+    import math
+
+    from rlray.observe.samples import StepSample
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = Tracker(uri, "samples")
+    samples = [
+        StepSample(3, "p1", "Q: 1+1?", "2</s>", 1.0, {"math": 1.0, "fmt": None}, 0.5, "stop", 2, 4),
+        StepSample(3, "p2", "Q: <script>x</script>", "oops", math.nan, {"math": math.nan, "fmt": 0.0}, math.nan, "length", 2, 9),
+    ]
+    tracker.log_samples(samples, step=3)
+    tracker.log_samples([], step=4)  # nothing kept: no artifact
+    client = MlflowClient(uri)
+    assert [f.path for f in client.list_artifacts(tracker.run_id, "samples")] == ["samples/step_000003.json"]
+    assert {"path": "samples/step_000003.json", "type": "table"} in json.loads(
+        client.get_run(tracker.run_id).data.tags["mlflow.loggedArtifacts"])  # the MLflow UI shows it as a table
+    table = json.loads(Path(client.download_artifacts(tracker.run_id, "samples/step_000003.json", str(tmp_path))).read_text())
+    rows = [dict(zip(table["columns"], r, strict=True)) for r in table["data"]]  # pandas' "split" layout
+    assert rows[0]["prompt"] == "Q: 1+1?" and rows[1]["prompt"] == "Q: <script>x</script>"
+    assert [r["reward/math"] for r in rows] == [1.0, "failed"] and [r["reward/fmt"] for r in rows] == [None, 0.0]
+    assert [(r["reward"], r["advantage"]) for r in rows] == [(1.0, 0.5), (None, None)]
+    assert [(r["finish_reason"], r["policy_version"], r["response_tokens"], r["step"]) for r in rows] == [
+        ("stop", 2, 4, 3), ("length", 2, 9, 3)]
+    assert [r["completion"] for r in rows] == ["2</s>", "oops"] and [r["prompt_id"] for r in rows] == ["p1", "p2"]

@@ -1,0 +1,143 @@
+"""The monitor's live page: the figures it plots, the samples it shows, and its files.
+
+``PageData`` keeps what the page needs as the learner reports it (``RunMonitor.record_step`` and
+``record_samples``): the series of the keys the page plots (``is_page_key``), appended once per step, and
+the kept samples of the last ``sample_steps`` steps. A request reads a slice (``metrics_since``: only the
+steps after the page's last one), so polling costs the new steps, never the whole history.
+
+The page itself is two files in ``page/`` served as they are: ``index.html`` and ``monitor.js``, which
+polls ``/api/metrics``, ``/api/samples`` and ``/health`` and draws the curves as inline SVG with its own
+small functions (no CDN, no internet, no JavaScript package). Sample text reaches the page as JSON data and
+is put into the DOM with ``textContent`` only; the page's Content-Security-Policy allows scripts from the
+monitor's own origin alone, so text that holds ``<script>`` can never run.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+from rlray.observe.samples import StepSample, json_row
+from rlray.observe.tracking import METRIC_KEYS, STAGES
+
+PAGE_DIR = Path(__file__).with_name("page")
+STATIC: dict[str, tuple[str, str]] = {  # URL path -> (file in PAGE_DIR, content type)
+    "/": ("index.html", "text/html; charset=utf-8"),
+    "/static/monitor.js": ("monitor.js", "text/javascript; charset=utf-8"),
+}
+CONTENT_SECURITY_POLICY = (
+    "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
+    "connect-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'"
+)
+
+# The step metrics the page plots; reward terms (reward/<term>) are added by ``is_page_key``.
+PAGE_KEYS: tuple[str, ...] = (
+    "reward/mean",
+    "eval/reward_mean",
+    "learner/pg_loss",
+    "learner/value_loss",
+    "learner/grad_norm",
+    "algo/kl",
+    "algo/entropy",
+    "rollout/response_tokens_mean",
+    "rollout/truncated_rate",
+    "perf/tokens_per_s",
+    "perf/generated_tokens_per_s",
+    *(f"timing/{s}_s" for s in STAGES),
+)
+
+
+def is_page_key(key: str) -> bool:
+    """Returns True for a step metric the page plots: ``PAGE_KEYS`` and each reward term's mean (reward/<term>:
+    a reward/ key that is not one of ``METRIC_KEYS`` and not a term's skipped count)."""
+    if key in PAGE_KEYS:
+        return True
+    return key.startswith("reward/") and key not in METRIC_KEYS and not key.endswith("_skipped")
+
+
+def _json_number(value: float) -> float | None:
+    """Returns ``value`` as a float, or None for NaN and infinities (JSON has neither)."""
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+class PageData:
+    """The figures and samples behind the page, safe to update and read from several threads.
+
+    Args:
+        sample_steps: steps whose samples are kept (``monitor.page_sample_steps``); older ones are dropped.
+        kl_limit: the KL guard's threshold drawn on the KL chart (``guard.kl_threshold``), None when off.
+    """
+
+    def __init__(self, sample_steps: int, kl_limit: float | None = None) -> None:
+        self.sample_steps = sample_steps
+        self.kl_limit = kl_limit
+        self.history_id = 0  # changes when steps are recorded again (rollback, restart): the page reloads
+        self._steps: list[int] = []
+        self._points: list[dict[str, Any]] = []  # {"step": s, "values": {key: float | None}}, by step
+        self._samples: OrderedDict[int, list[dict[str, Any]]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def record_step(self, step: int, metrics: dict[str, float]) -> None:
+        """Appends a step's plotted figures; a step at or before the last one (a rollback or a restart ran
+        it again) first drops the steps from it on and changes ``history_id``."""
+        point = {"step": step, "values": {k: _json_number(v) for k, v in metrics.items() if is_page_key(k)}}
+        with self._lock:
+            if self._steps and step <= self._steps[-1]:
+                cut = bisect.bisect_left(self._steps, step)
+                del self._steps[cut:], self._points[cut:]
+                self.history_id += 1
+            self._steps.append(step)
+            self._points.append(point)
+
+    def record_samples(self, step: int, samples: list[StepSample]) -> None:
+        """Keeps a step's samples (as JSON rows), dropping the oldest step beyond ``sample_steps``."""
+        rows = [json_row(s) for s in samples]
+        with self._lock:
+            self._samples.pop(step, None)
+            self._samples[step] = rows
+            while len(self._samples) > self.sample_steps:
+                self._samples.popitem(last=False)
+
+    def metrics_since(self, since: int) -> dict[str, Any]:
+        """Returns the /api/metrics document: {history_id, kl_limit, points: the steps after ``since``}."""
+        with self._lock:
+            cut = bisect.bisect_right(self._steps, since)
+            return {"history_id": self.history_id, "kl_limit": self.kl_limit, "points": self._points[cut:]}
+
+    def samples_of(self, step: int | None) -> tuple[int, dict[str, Any]]:
+        """Returns (HTTP status, /api/samples document) for ``step``, or for the newest kept step when None.
+
+        The document is {step, steps (every kept step, oldest first), samples}; 404 with {error, steps} when
+        ``step`` is not kept.
+        """
+        with self._lock:
+            steps = list(self._samples)
+            if step is None:
+                step = steps[-1] if steps else None
+                return 200, {"step": step, "steps": steps, "samples": list(self._samples.get(step, []))}
+            if step not in self._samples:
+                return 404, {"error": f"no samples kept for step {step}; the monitor keeps the last {self.sample_steps} "
+                             f"steps with samples ({steps or 'none yet'}); every step's samples are in MLflow as "
+                             f"samples/step_{step:06d}.json", "steps": steps}
+            return 200, {"step": step, "steps": steps, "samples": list(self._samples[step])}
+
+
+def json_bytes(doc: Any) -> bytes:
+    """Returns ``doc`` as JSON with ``<``, ``>`` and ``&`` escaped (``\\u003c`` ...), so no markup in sample text
+    survives even where JSON ends up inside HTML; ``JSON.parse`` gives the exact text back. NaN is refused."""
+    text = json.dumps(doc, allow_nan=False)
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026").encode()
+
+
+def static_file(path: str) -> tuple[bytes, str] | None:
+    """Returns (content, content type) of the page's file served at URL ``path``, or None."""
+    if path not in STATIC:
+        return None
+    name, ctype = STATIC[path]
+    return (PAGE_DIR / name).read_bytes(), ctype

@@ -1,0 +1,253 @@
+// rlray's live page: polls /health, /api/metrics and /api/samples and draws inline SVG charts.
+// No library and no network beyond the monitor itself. Data reaches the DOM through textContent and
+// setAttribute only (never innerHTML), so a completion holding "<script>" shows as text.
+"use strict";
+
+const POLL_MS = 2000;
+const SVG_NS = "http://www.w3.org/2000/svg"; // the SVG namespace name, not a URL that is fetched
+const COLORS = ["#2563eb", "#dc2626", "#059669", "#d97706", "#7c3aed", "#0891b2", "#db2777", "#65a30d", "#475569", "#ea580c"];
+const CHARTS = [
+  {title: "Reward (mean, each term, eval)", keys: (k) => k.startsWith("reward/") || k === "eval/reward_mean"},
+  {title: "Policy loss", keys: (k) => k === "learner/pg_loss" || k === "learner/value_loss"},
+  {title: "KL to the reference (nats/token)", keys: (k) => k === "algo/kl", limit: true},
+  {title: "Entropy (nats/token)", keys: (k) => k === "algo/entropy"},
+  {title: "Gradient norm", keys: (k) => k === "learner/grad_norm"},
+  {title: "Response length (tokens)", keys: (k) => k === "rollout/response_tokens_mean"},
+  {title: "Truncation rate", keys: (k) => k === "rollout/truncated_rate"},
+  {title: "Throughput (tokens/s)", keys: (k) => k.startsWith("perf/")},
+  {title: "Step time by stage (s)", keys: (k) => k.startsWith("timing/")},
+];
+
+const state = {historyId: null, since: 0, points: [], drawn: false, klLimit: null, sampleStep: "latest", samples: null, sort: {key: "reward", desc: true}};
+
+function el(tag, className, text) {
+  const node = document.createElement(tag);
+  if (className) node.className = className;
+  if (text !== undefined && text !== null) node.textContent = String(text);
+  return node;
+}
+
+function svg(tag, attrs) {
+  const node = document.createElementNS(SVG_NS, tag);
+  for (const [k, v] of Object.entries(attrs || {})) node.setAttribute(k, String(v));
+  return node;
+}
+
+function fmt(v) {
+  if (v === null || v === undefined) return "-";
+  if (typeof v !== "number") return String(v);
+  if (v !== 0 && (Math.abs(v) >= 1e5 || Math.abs(v) < 1e-3)) return v.toExponential(2);
+  return String(Number(v.toPrecision(4)));
+}
+
+async function getJSON(url) {
+  const response = await fetch(url, {cache: "no-store"});
+  const doc = await response.json();
+  if (!response.ok) throw new Error(doc.error || response.statusText);
+  return doc;
+}
+
+// ---- status ------------------------------------------------------------------------------
+async function pollHealth() {
+  const h = await getJSON("/health");
+  const set = (id, value) => { document.getElementById(id).textContent = fmt(value); };
+  set("run-id", h.run_id);
+  const status = document.getElementById("status");
+  status.textContent = h.reason ? `${h.status} (${h.reason})` : h.status;
+  status.className = `status-${h.status}`;
+  set("step", h.step); set("epoch", h.epoch); set("policy-version", h.policy_version); set("restarts", h.restarts);
+  set("snapshot", h.snapshot_step === null ? "none yet" : `step ${h.snapshot_step}`);
+  set("heartbeat", `${Math.round(h.seconds_since_heartbeat)} s ago`);
+  const list = document.getElementById("alerts");
+  list.replaceChildren(...h.alerts.slice().reverse().map((a) => el("li", null, `${a.kind} at step ${a.step}: ${a.message}`)));
+}
+
+// ---- curves ------------------------------------------------------------------------------
+async function pollMetrics() {
+  let doc = await getJSON(`/api/metrics?since=${state.since}`);
+  if (state.historyId !== null && doc.history_id !== state.historyId) { // steps ran again (rollback, restart)
+    state.points = []; state.since = 0; state.drawn = false;
+    doc = await getJSON("/api/metrics?since=0");
+  }
+  state.historyId = doc.history_id;
+  state.klLimit = doc.kl_limit;
+  if (doc.points.length || !state.drawn) { // redraw only when there is something new
+    state.points.push(...doc.points);
+    if (state.points.length) state.since = state.points[state.points.length - 1].step;
+    drawCharts();
+    state.drawn = true;
+  }
+}
+
+function niceTicks(lo, hi, count) {
+  const span = hi - lo;
+  const raw = span / count;
+  const mag = Math.pow(10, Math.floor(Math.log10(raw)));
+  const step = [1, 2, 5, 10].map((m) => m * mag).find((s) => span / s <= count) || 10 * mag;
+  const ticks = [];
+  for (let t = Math.ceil(lo / step) * step; t <= hi + step * 1e-9; t += step) ticks.push(Number(t.toPrecision(12)));
+  return ticks;
+}
+
+function drawCharts() {
+  const keys = new Set();
+  for (const p of state.points) for (const k of Object.keys(p.values)) keys.add(k);
+  const sorted = [...keys].sort((a, b) => (a === "reward/mean" ? -1 : b === "reward/mean" ? 1 : a.localeCompare(b)));
+  const boxes = CHARTS.map((spec) => drawChart(spec, sorted.filter(spec.keys)));
+  document.getElementById("charts").replaceChildren(...boxes);
+}
+
+function drawChart(spec, keys) {
+  const box = el("div", "chart");
+  box.append(el("h2", null, spec.title));
+  const series = keys.map((k) => ({key: k, pts: state.points.map((p) => [p.step, p.values[k]]).filter((xy) => xy[1] !== undefined)}));
+  const limit = spec.limit ? state.klLimit : null;
+  const values = series.flatMap((s) => s.pts.map((xy) => xy[1])).filter((v) => v !== null);
+  if (!values.length) {
+    box.append(el("div", "empty", state.points.length ? "not logged by this run" : "waiting for the first step"));
+    return box;
+  }
+  const W = 440, H = 200, L = 56, R = 10, T = 8, B = 24;
+  const steps = series.flatMap((s) => s.pts.map((xy) => xy[0]));
+  let [x0, x1] = [Math.min(...steps), Math.max(...steps)];
+  if (x0 === x1) { x0 -= 1; x1 += 1; }
+  let [y0, y1] = [Math.min(...values), Math.max(...values)];
+  if (limit !== null) { y0 = Math.min(y0, limit); y1 = Math.max(y1, limit); }
+  if (y0 === y1) { y0 -= Math.abs(y0) * 0.1 || 1; y1 += Math.abs(y1) * 0.1 || 1; }
+  const pad = (y1 - y0) * 0.05; y0 -= pad; y1 += pad;
+  const X = (x) => L + ((x - x0) / (x1 - x0)) * (W - L - R);
+  const Y = (y) => T + (1 - (y - y0) / (y1 - y0)) * (H - T - B);
+  const root = svg("svg", {viewBox: `0 0 ${W} ${H}`, role: "img"});
+  root.append(svg("rect", {x: L, y: T, width: W - L - R, height: H - T - B, fill: "#fff", stroke: "#d1d5db"}));
+  for (const t of niceTicks(y0, y1, 4)) {
+    root.append(svg("line", {x1: L, x2: W - R, y1: Y(t), y2: Y(t), stroke: "#f3f4f6"}));
+    const label = svg("text", {x: L - 4, y: Y(t) + 4, "text-anchor": "end", "font-size": 10, fill: "#6b7280"});
+    label.textContent = fmt(t);
+    root.append(label);
+  }
+  for (const t of niceTicks(x0, x1, 5).filter((t) => Number.isInteger(t))) {
+    const label = svg("text", {x: X(t), y: H - 8, "text-anchor": "middle", "font-size": 10, fill: "#6b7280"});
+    label.textContent = String(t);
+    root.append(label);
+  }
+  if (limit !== null) {
+    root.append(svg("line", {x1: L, x2: W - R, y1: Y(limit), y2: Y(limit), stroke: "#dc2626", "stroke-dasharray": "5 4"}));
+    const label = svg("text", {x: W - R - 4, y: Y(limit) - 4, "text-anchor": "end", "font-size": 10, fill: "#dc2626"});
+    label.textContent = `guard ${fmt(limit)}`;
+    root.append(label);
+  }
+  const legend = el("div", "legend");
+  series.forEach((s, i) => {
+    const color = COLORS[i % COLORS.length];
+    let run = [];
+    const flush = () => {
+      if (run.length === 1) root.append(svg("circle", {cx: run[0][0], cy: run[0][1], r: 2.5, fill: color}));
+      if (run.length > 1) root.append(svg("polyline", {points: run.map((xy) => xy.join(",")).join(" "), fill: "none", stroke: color, "stroke-width": 1.6}));
+      run = [];
+    };
+    for (const [x, y] of s.pts) {
+      if (y === null) { flush(); continue; }
+      run.push([X(x).toFixed(1), Y(y).toFixed(1)]);
+      if (limit !== null && y > limit) root.append(svg("circle", {cx: X(x), cy: Y(y), r: 3.5, fill: "none", stroke: "#dc2626"}));
+    }
+    flush();
+    const last = s.pts.length ? s.pts[s.pts.length - 1][1] : null;
+    const item = el("span");
+    const swatch = el("span", "swatch");
+    swatch.style.background = color;
+    item.append(swatch, document.createTextNode(`${s.key} ${fmt(last)}`));
+    legend.append(item);
+  });
+  box.append(root, legend);
+  return box;
+}
+
+// ---- samples -----------------------------------------------------------------------------
+async function pollSamples() {
+  const latest = await getJSON("/api/samples");
+  updateStepChoices(latest.steps);
+  if (state.sampleStep === "latest") {
+    if (!state.samples || state.samples.step !== latest.step) { state.samples = latest; drawSamples(); }
+    return;
+  }
+  if (!state.samples || state.samples.step !== Number(state.sampleStep)) {
+    try {
+      state.samples = await getJSON(`/api/samples?step=${encodeURIComponent(state.sampleStep)}`);
+      note("");
+    } catch (err) {
+      note(err.message);
+      state.sampleStep = "latest"; state.samples = latest;
+    }
+    drawSamples();
+  }
+}
+
+function note(text) { document.getElementById("note").textContent = text; }
+
+function updateStepChoices(steps) {
+  const select = document.getElementById("sample-step");
+  const wanted = ["latest", ...steps.slice().reverse().map(String)];
+  const have = [...select.options].map((o) => o.value);
+  if (wanted.join() !== have.join()) {
+    select.replaceChildren(...wanted.map((v) => { const o = el("option", null, v === "latest" ? "latest" : `step ${v}`); o.value = v; return o; }));
+  }
+  select.value = wanted.includes(String(state.sampleStep)) ? String(state.sampleStep) : "latest";
+}
+
+function sortValue(sample, key) {
+  const v = key === "reward" || key === "advantage" ? sample[key] : sample.terms[key];
+  return typeof v === "number" ? v : null;
+}
+
+function drawSamples() {
+  const table = document.getElementById("sample-table");
+  const doc = state.samples;
+  if (!doc || !doc.samples.length) {
+    table.tHead.replaceChildren();
+    table.tBodies[0].replaceChildren();
+    if (!document.getElementById("note").textContent) note("no samples yet (tracking.samples_per_step > 0 keeps some each step)");
+    return;
+  }
+  const terms = [...new Set(doc.samples.flatMap((s) => Object.keys(s.terms)))].sort();
+  const columns = [["reward", true], ["advantage", true], ...terms.map((t) => [t, true]), ["stop reason"], ["tokens"], ["policy version"], ["prompt"], ["completion"]];
+  const head = el("tr");
+  for (const [name, sortable] of columns) {
+    const arrow = state.sort.key === name ? (state.sort.desc ? " \u25bc" : " \u25b2") : "";
+    const th = el("th", sortable ? "sortable" : null, name + arrow);
+    if (sortable) th.addEventListener("click", () => { state.sort = {key: name, desc: state.sort.key === name ? !state.sort.desc : true}; drawSamples(); });
+    head.append(th);
+  }
+  table.tHead.replaceChildren(head);
+  const rows = doc.samples.slice().sort((a, b) => {
+    const va = sortValue(a, state.sort.key), vb = sortValue(b, state.sort.key);
+    if (va === null || vb === null) return (va === null) - (vb === null); // missing values last
+    return state.sort.desc ? vb - va : va - vb;
+  });
+  table.tBodies[0].replaceChildren(...rows.map((s) => {
+    const tr = el("tr");
+    const num = (v) => el("td", "num" + (v === "failed" ? " failed" : v === null ? " skipped" : ""), v === null ? "skipped" : fmt(v));
+    tr.append(el("td", "num" + (s.reward === null ? " failed" : ""), s.reward === null ? "failed" : fmt(s.reward)));
+    tr.append(el("td", "num", fmt(s.advantage)));
+    for (const t of terms) tr.append(t in s.terms ? num(s.terms[t]) : el("td", "skipped", "-"));
+    tr.append(el("td", null, s.finish_reason), el("td", "num", s.response_tokens), el("td", "num", s.policy_version));
+    for (const text of [s.prompt, s.completion]) {
+      const td = el("td", "text");
+      td.append(el("div", null, text));
+      tr.append(td);
+    }
+    return tr;
+  }));
+}
+
+// ---- loop --------------------------------------------------------------------------------
+document.getElementById("sample-step").addEventListener("change", (event) => {
+  state.sampleStep = event.target.value; state.samples = null; note("");
+  pollSamples().catch((err) => note(err.message));
+});
+
+async function poll() {
+  const results = await Promise.allSettled([pollHealth(), pollMetrics(), pollSamples()]);
+  for (const r of results) if (r.status === "rejected") console.warn("rlray page:", r.reason);
+  setTimeout(poll, POLL_MS);
+}
+poll();

@@ -1,0 +1,111 @@
+"""Rollout samples kept for people: which rows of a step to keep, the record, and its two encodings.
+
+Each online step keeps ``tracking.samples_per_step`` of its rollouts (``pick_rows``). A kept row becomes a
+``StepSample``, which goes to MLflow as one table per step (``table_columns``: ``samples/step_<step>.json``)
+and to the monitor's page (``json_row``). Both encodings are JSON-safe: a failed reward term (NaN) is the
+string "failed", a skipped term (None) is null, a failed reward or a missing advantage is null.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+FAILED = "failed"  # a reward term that failed (NaN in the experience table), as JSON shows it
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One kept rollout of an online step.
+
+    Attributes:
+        step: the 1-based step (the MLflow step of its metrics).
+        prompt_id: the dataset id of the prompt.
+        prompt: the prompt as the policy saw it (decoded prompt tokens, chat template included).
+        completion: the decoded response (special tokens kept, so EOS shows).
+        reward: the summed reward; NaN when a reward function failed (the sample was left out of the update).
+        terms: each reward term's value: a float, NaN (failed) or None (the term skipped the sample).
+        advantage: the sequence advantage (the first loss token's advantage); NaN when no token counts.
+        finish_reason: 'stop' (EOS) or 'length' (max_new_tokens), or an environment's stop reason.
+        policy_version: the policy version that generated it.
+        response_tokens: the response length in tokens.
+    """
+
+    step: int
+    prompt_id: str
+    prompt: str
+    completion: str
+    reward: float
+    terms: dict[str, float | None]
+    advantage: float
+    finish_reason: str
+    policy_version: int
+    response_tokens: int
+
+
+def pick_rows(group_ids: list[int], count: int, seed: int, step: int) -> list[int]:
+    """Returns the sorted indices of ``count`` rows to keep, spread across the prompt groups.
+
+    Groups are visited in a random order, taking one random row of each per round, until ``count`` rows are
+    taken (all rows when there are fewer). The same (group_ids, count, seed, step) always gives the same rows.
+
+    Args:
+        group_ids: [B] the group (prompt) of each row.
+        count: rows to keep (``tracking.samples_per_step``); 0 keeps none.
+        seed: ``run.seed``.
+        step: the step (any fixed numbering).
+    """
+    rng = np.random.default_rng([seed, step])
+    groups: dict[int, list[int]] = {}
+    for i, g in enumerate(group_ids):
+        groups.setdefault(int(g), []).append(i)
+    order = [sorted(groups)[int(j)] for j in rng.permutation(len(groups))]
+    pools = {g: [groups[g][int(j)] for j in rng.permutation(len(groups[g]))] for g in order}
+    picked: list[int] = []
+    while len(picked) < min(count, len(group_ids)):
+        for g in order:
+            if pools[g] and len(picked) < count:
+                picked.append(pools[g].pop())
+    return sorted(picked)
+
+
+def _number(value: float | None) -> float | None:
+    """Returns ``value``, or None when it is None, NaN or infinite (JSON has no NaN)."""
+    return None if value is None or not math.isfinite(value) else float(value)
+
+
+def _term(value: float | None) -> float | str | None:
+    """Returns a term's JSON value: the float, "failed" for NaN, None (skipped) for None."""
+    if value is None:
+        return None
+    return FAILED if math.isnan(value) else _number(value)
+
+
+def json_row(sample: StepSample) -> dict[str, Any]:
+    """Returns ``sample`` as a JSON-safe dict (the monitor page's record); ``terms`` stays a nested object."""
+    return {
+        "step": sample.step,
+        "prompt_id": sample.prompt_id,
+        "prompt": sample.prompt,
+        "completion": sample.completion,
+        "reward": _number(sample.reward),
+        "terms": {name: _term(v) for name, v in sample.terms.items()},
+        "advantage": _number(sample.advantage),
+        "finish_reason": sample.finish_reason,
+        "policy_version": sample.policy_version,
+        "response_tokens": sample.response_tokens,
+    }
+
+
+def table_columns(samples: list[StepSample]) -> dict[str, list[Any]]:
+    """Returns the step's samples as table columns (``mlflow.log_table``): the fields of ``json_row`` with each
+    reward term in its own column ``reward/<term>`` (null where a sample lacks the term)."""
+    rows = [json_row(s) for s in samples]
+    names = sorted({name for r in rows for name in r["terms"]})
+    columns: dict[str, list[Any]] = {k: [r[k] for r in rows] for k in rows[0] if k != "terms"} if rows else {}
+    for name in names:
+        columns[f"reward/{name}"] = [r["terms"].get(name) for r in rows]
+    return columns

@@ -1,0 +1,222 @@
+"""The monitor's live page (issue 13): its JSON endpoints give back what the learner reported (the same figures
+MLflow logs), incrementally; kept samples by step, 404 for a step not kept; the page is self-contained (no
+external URL), escapes sample text, and its script runs against the endpoints (node, with a stand-in DOM)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import subprocess
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from rlray.observe import page
+from rlray.observe.monitor import Alerter, RunMonitor
+from rlray.observe.samples import StepSample
+from rlray.observe.tracking import Tracker, get_run_metrics
+
+XSS = "</div><script>alert('pwned')</script><img src=x onerror=alert(1)>"
+
+
+def _get(port: int, path: str) -> tuple[int, dict[str, str], bytes]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as err:
+        return err.code, dict(err.headers), err.read()
+
+
+@pytest.fixture
+def served():
+    m = RunMonitor("run42", heartbeat_s=60.0, alerter=Alerter(["log"]), kl_limit=0.03, page_sample_steps=2)
+    port = m.serve("127.0.0.1", 0)
+    yield m, port
+    m.close()
+
+
+def _step_metrics(step: int) -> dict[str, float]:
+    return {"reward/mean": 0.1 * step, "reward/std": 0.5, "reward/gsm8k_correct": 0.25 * step,
+            "reward/gsm8k_correct_skipped": 1.0, "algo/kl": 0.01 * step, "learner/pg_loss": -0.02 * step,
+            "rollout/response_tokens_mean": 40.0 + step, "rollout/truncated_rate": 0.125, "perf/tokens_per_s": 900.0,
+            "timing/rollout_s": 1.5, "timing/update_s": 2.5, "timing/step_s": 4.25, "data/epoch": 0.0,
+            "algo/entropy": math.nan}
+
+
+def _sample(step: int, completion: str = "4</s>", reward: float = 1.0) -> StepSample:
+    return StepSample(step, f"p{step}", "<|im_start|>user\nWhat is 2+2?", completion, reward,
+                      {"gsm8k_correct": reward, "gsm8k_format": None}, 0.5, "stop", step - 1, 3)
+
+
+def test_metrics_endpoint_gives_what_mlflow_logged_and_only_newer_steps(served, tmp_path):
+    monitor, port = served
+    tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "page")
+    for step in (1, 2, 3):  # rank 0's record(): the same dict goes to MLflow and to the monitor
+        tracker.log_metrics(_step_metrics(step), step=step)
+        monitor.record_step(step, 0, step, _step_metrics(step))
+    status, headers, body = _get(port, "/api/metrics")
+    doc = json.loads(body)
+    assert status == 200 and headers["Content-Type"] == "application/json"
+    assert (doc["run_id"], doc["kl_limit"], doc["history_id"]) == ("run42", 0.03, 0)
+    assert [p["step"] for p in doc["points"]] == [1, 2, 3]
+    plotted = set(doc["points"][0]["values"])
+    assert plotted == {"reward/mean", "reward/gsm8k_correct", "algo/kl", "learner/pg_loss", "rollout/response_tokens_mean",
+                       "rollout/truncated_rate", "perf/tokens_per_s", "timing/rollout_s", "timing/update_s", "timing/step_s",
+                       "algo/entropy"}  # only what the page plots: no reward/std, skipped counts or data/epoch
+    logged = get_run_metrics(tracker.uri, tracker.run_id)
+    for key in plotted - {"algo/entropy"}:
+        assert [(p["step"], p["values"][key]) for p in doc["points"]] == logged[key], key
+    assert doc["points"][0]["values"]["algo/entropy"] is None  # NaN is null: the page's JSON.parse takes it
+    newer = json.loads(_get(port, "/api/metrics?since=2")[2])
+    assert [p["step"] for p in newer["points"]] == [3] and newer["points"][0] == doc["points"][2]
+    assert json.loads(_get(port, "/api/metrics?since=3")[2])["points"] == []
+    status, _, body = _get(port, "/api/metrics?since=two")
+    assert status == 400 and "since='two' is not a step number" in json.loads(body)["error"]
+    tracker.finish()
+
+
+def test_steps_run_again_replace_the_later_ones_and_change_the_history_id(served):
+    monitor, port = served
+    for step in (1, 2, 3, 4):
+        monitor.record_step(step, 0, step, _step_metrics(step))
+    monitor.record_step(3, 0, 3, {"reward/mean": 9.0})  # a rollback to the snapshot of step 2 runs step 3 again
+    doc = json.loads(_get(port, "/api/metrics?since=0")[2])
+    assert doc["history_id"] == 1 and [p["step"] for p in doc["points"]] == [1, 2, 3]
+    assert doc["points"][-1]["values"] == {"reward/mean": 9.0}
+
+
+def test_samples_endpoint_keeps_the_last_steps_and_404s_the_rest(served):
+    monitor, port = served
+    doc = json.loads(_get(port, "/api/samples")[2])
+    assert doc == {"step": None, "steps": [], "samples": []}
+    for step in (1, 2, 3):  # page_sample_steps=2: step 1 is dropped
+        monitor.record_samples(step, [_sample(step), _sample(step, "nope", math.nan)])
+    doc = json.loads(_get(port, "/api/samples")[2])
+    assert (doc["step"], doc["steps"]) == (3, [2, 3])
+    assert doc["samples"][0] == {"step": 3, "prompt_id": "p3", "prompt": "<|im_start|>user\nWhat is 2+2?", "completion": "4</s>",
+                                 "reward": 1.0, "terms": {"gsm8k_correct": 1.0, "gsm8k_format": None}, "advantage": 0.5,
+                                 "finish_reason": "stop", "policy_version": 2, "response_tokens": 3}
+    assert doc["samples"][1]["reward"] is None and doc["samples"][1]["terms"]["gsm8k_correct"] == "failed"
+    assert json.loads(_get(port, "/api/samples?step=2")[2])["samples"][0]["prompt_id"] == "p2"
+    status, headers, body = _get(port, "/api/samples?step=1")
+    err = json.loads(body)
+    assert status == 404 and headers["Content-Type"] == "application/json"
+    assert "no samples kept for step 1" in err["error"] and "[2, 3]" in err["error"] and "samples/step_000001.json" in err["error"]
+    assert err["steps"] == [2, 3]
+    assert _get(port, "/api/samples?step=x")[0] == 400
+
+
+def test_sample_text_is_data_in_the_json(served):
+    """A completion holding markup comes back escaped in the JSON (no '<', '>' or '&' in the body), served as
+    application/json with nosniff; parsed, it is the exact text; the page puts it in the DOM as text (next tests)."""
+    monitor, port = served
+    monitor.record_samples(1, [_sample(1, XSS)])
+    status, headers, body = _get(port, "/api/samples?step=1")
+    assert (headers["Content-Type"], headers["X-Content-Type-Options"]) == ("application/json", "nosniff")
+    assert b"<" not in body and b">" not in body and b"&" not in body  # escaped: \u003cscript\u003e
+    assert b"\\u003cscript\\u003e" in body
+    assert json.loads(body)["samples"][0]["completion"] == XSS  # the exact text comes back
+
+
+def test_page_is_self_contained_and_builds_the_dom_with_text_only(served):
+    monitor, port = served
+    status, headers, html = _get(port, "/")
+    html = html.decode()
+    assert status == 200 and headers["Content-Type"].startswith("text/html")
+    assert '<script src="/static/monitor.js"></script>' in html
+    assert "http://" not in html and "https://" not in html  # no CDN, nothing from the internet
+    assert "script-src 'self'" in headers["Content-Security-Policy"]  # no inline or foreign script runs
+    status, headers, js = _get(port, "/static/monitor.js")
+    js = js.decode()
+    assert status == 200 and headers["Content-Type"].startswith("text/javascript")
+    assert "innerHTML" not in js.replace("never innerHTML", "") and "insertAdjacentHTML" not in js
+    assert "document.write" not in js and "eval(" not in js
+    assert "textContent" in js
+    urls = re.findall(r"https?://[^\s\"'`]+", js)
+    assert urls == ["http://www.w3.org/2000/svg"]  # the SVG namespace name only, never fetched
+    assert re.findall(r"fetch\(([^,)]+)", js) == ["url"] and re.findall(r"getJSON\(([`\"][^`\"]*)", js)
+    assert all(u.strip("`\"").startswith("/") for u in re.findall(r"getJSON\(([`\"][^`\"]*)", js))  # the monitor's own paths
+    assert _get(port, "/static/other.js")[0] == 404
+
+
+def test_health_has_the_status_facts_the_page_shows(served):
+    monitor, port = served
+    monitor.record_step(4, 1, 4, _step_metrics(4))
+    monitor.record_snapshot(4)
+    monitor.alert("guard_trip", "kl_guard: KL 0.05 > 0.03; stopping", 4)
+    health = json.loads(_get(port, "/health")[2])
+    assert (health["step"], health["epoch"], health["policy_version"], health["snapshot_step"]) == (4, 1, 4, 4)
+    assert [(a["kind"], a["step"], a["message"]) for a in health["alerts"]] == [("guard_trip", 4, "kl_guard: KL 0.05 > 0.03; stopping")]
+
+
+def test_is_page_key():
+    assert page.is_page_key("reward/mean") and page.is_page_key("reward/my_term") and page.is_page_key("timing/update_s")
+    assert not page.is_page_key("reward/my_term_skipped") and not page.is_page_key("reward/std")
+    assert not page.is_page_key("monitor/rss_gib") and not page.is_page_key("data/epoch")
+
+
+def _walk(node):
+    yield node
+    for child in node["children"]:
+        yield from _walk(child)
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs node to run the page's script (no browser here)")
+def test_page_script_draws_the_curves_and_shows_markup_as_text(served, tmp_path):
+    """The page's script, run by node against the monitor's real answers and a stand-in DOM that refuses
+    innerHTML: it fills the status bar, draws every chart (the KL chart with the guard line), lists the samples
+    with a completion holding <script> as plain text, sorts by reward, and switches to an earlier step."""
+    monitor, port = served
+    for step in (1, 2, 3):
+        monitor.record_step(step, 0, step, _step_metrics(step))
+    monitor.record_samples(2, [_sample(2)])
+    monitor.record_samples(3, [_sample(3, XSS, 0.0), _sample(3, "8</s>", 1.0), _sample(3, "x", math.nan)])
+    monitor.record_snapshot(3)
+    urls = ["/health", "/api/metrics?since=0", "/api/samples", "/api/samples?step=2"]
+    responses = {u: {"status": 200, "body": _get(port, u)[2].decode()} for u in urls}
+    monitor.record_step(4, 0, 4, _step_metrics(4))  # the next poll asks for the steps after 3 only
+    responses["/api/metrics?since=3"] = {"status": 200, "body": _get(port, "/api/metrics?since=3")[2].decode()}
+    html = _get(port, "/")[2].decode()
+    ids = re.findall(r'id="([^"]+)"', html)
+    events = [["th:reward", "click", None], ["sample-step", "change", "2"], [None, "tick", None]]
+    out = subprocess.run(["node", str(Path(__file__).parents[1] / "fixtures" / "page_dom.js"), str(page.PAGE_DIR / "monitor.js"),
+                          json.dumps(ids), json.dumps(responses), json.dumps(events)],
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["warnings"] == []
+    first, by_reward_up, step2, polled = (snap["dom"] for snap in got["snapshots"])
+    assert first["step"]["text"] == "3" and first["snapshot"]["text"] == "step 3" and first["run-id"]["text"] == "run42"
+    charts = first["charts"]["children"]
+    assert len(charts) == 9
+    titles = [c["children"][0]["text"] for c in charts]
+    kl = charts[titles.index("KL to the reference (nats/token)")]
+    kl_svg = [n for n in _walk(kl) if n["tag"] == "svg"][0]
+    assert any(n["tag"] == "line" and n["attrs"].get("stroke") == "#dc2626" for n in _walk(kl_svg))  # the guard
+    assert any(n["text"] == "guard 0.03" for n in _walk(kl_svg))
+    reward = charts[titles.index("Reward (mean, each term, eval)")]
+    assert sum(n["tag"] == "polyline" for n in _walk(reward)) == 2  # reward/mean and the gsm8k_correct term
+    legend = [n["text"] for n in _walk(reward) if n["tag"] == "#text"]
+    assert legend == ["reward/mean 0.3", "reward/gsm8k_correct 0.75"]
+    entropy = charts[titles.index("Entropy (nats/token)")]
+    assert [n["text"] for n in _walk(entropy) if n["cls"] == "empty"] == ["not logged by this run"]  # NaN only
+    rows = first["sample-table"]["children"][1]["children"]
+    assert len(rows) == 3
+    everything = [n for snap in (first, by_reward_up, step2) for root in snap.values() for n in _walk(root)]
+    assert not any(n["tag"] in ("script", "img") for n in everything)  # no markup from the data became elements
+    assert XSS in [n["text"] for n in _walk(first["sample-table"])]  # shown as text, character for character
+    rewards = [r["children"][0]["text"] for r in rows]
+    assert rewards == ["1", "0", "failed"]  # newest step, by reward high to low, the failed one last
+    rows_up = by_reward_up["sample-table"]["children"][1]["children"]
+    assert [r["children"][0]["text"] for r in rows_up] == ["0", "1", "failed"]
+    assert [o["value"] for o in first["sample-step"]["children"]] == ["latest", "3", "2"]
+    rows2 = step2["sample-table"]["children"][1]["children"]
+    assert len(rows2) == 1 and rows2[0]["children"][-1]["children"][0]["text"] == "4</s>"
+    assert "/api/samples?step=2" in got["fetched"]
+    assert got["fetched"].count("/api/metrics?since=0") == 1 and "/api/metrics?since=3" in got["fetched"]
+    reward = polled["charts"]["children"][0]
+    assert [n["text"] for n in _walk(reward) if n["tag"] == "#text"] == ["reward/mean 0.4", "reward/gsm8k_correct 1"]

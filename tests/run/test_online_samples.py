@@ -1,0 +1,114 @@
+"""The samples a step keeps (stage 5b and 8): rows picked across the whole step, the sequence advantage of each
+gathered from the learner rank whose shard holds it, prompts and completions decoded, reward terms as the
+experience table has them (NaN failed, None skipped)."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import torch
+
+from rlray import schema
+from rlray.data import PromptRow
+from rlray.learner.collective import Collective
+from rlray.rollout import Completion
+from rlray.run import online
+
+ROWS = [PromptRow("a", "What is 2+2?", {}), PromptRow("b", "Capital of Peru?", {})]
+
+
+class FakeTokenizer:
+    """Decodes ids as 't<id>' joined by spaces; special tokens are kept (the viewer shows the template and EOS)."""
+
+    def batch_decode(self, ids, skip_special_tokens):
+        assert not skip_special_tokens
+        return [" ".join(f"t{i}" for i in seq) for seq in ids]
+
+
+def _table():
+    completions = [Completion(0, 0, [5, 6], [-0.1, -0.2], "stop", 3), Completion(0, 1, [7], [-0.3], "length", 3),
+                   Completion(1, 0, [8, 9, 10], [-0.1] * 3, "stop", 3), Completion(1, 1, [11], [-0.2], "stop", 3)]
+    rewards = {"reward": [1.0, 0.0, math.nan, 0.5], "math": [1.0, 0.0, math.nan, None]}
+    return online.build_experience(ROWS, [[1, 2], [3]], completions, rewards)
+
+
+def _shard_data(table, rank, world):
+    s = schema.shard_rows(table.num_rows, rank, world)
+    data = schema.collate(table.slice(s.start, s.stop - s.start), pad_token_id=0)
+    # per-token advantages: row r holds 10*r + t at token t, so the first token's value names the row
+    rows = torch.arange(s.start, s.stop, dtype=torch.float32)[:, None]
+    data["advantages"] = 10 * rows + torch.arange(data["response_mask"].shape[1], dtype=torch.float32)
+    return data
+
+
+def test_each_rank_fills_in_its_rows_and_the_sum_gathers_them():
+    table, rows = _table(), [0, 2, 3]
+    per_rank = []
+    for rank in range(2):
+        ctx = SimpleNamespace(rank=rank, coll=Collective())  # its sum hands back this rank's values; the test adds them
+        per_rank.append(online.sample_advantages(ctx, _shard_data(table, rank, 2), rows))
+    # rank 0 holds rows 0-1, rank 1 rows 2-3; row 2 failed its reward (no loss token: NaN), row 3's first token is 30
+    assert per_rank[0] == [0.0, 0.0, 0.0]
+    assert math.isnan(per_rank[1][1]) and (per_rank[1][0], per_rank[1][2]) == (0.0, 30.0)
+    gathered = [a + b for a, b in zip(*per_rank, strict=True)]
+    assert gathered[0] == 0.0 and math.isnan(gathered[1]) and gathered[2] == 30.0
+    one = online.sample_advantages(SimpleNamespace(rank=0, coll=Collective()), _shard_data(table, 0, 1), [1, 3])
+    assert one == [10.0, 30.0]
+    assert online.sample_advantages(SimpleNamespace(rank=0, coll=Collective()), _shard_data(table, 0, 1), []) == []
+
+
+def test_step_samples_decode_and_carry_every_field():
+    table = _table()
+    got = online.step_samples(FakeTokenizer(), table, [1, 2, 3], [10.0, math.nan, 30.0], step=7)
+    assert [(s.step, s.prompt_id, s.prompt, s.completion) for s in got] == [
+        (7, "a", "t1 t2", "t7"), (7, "b", "t3", "t8 t9 t10"), (7, "b", "t3", "t11")]
+    assert [s.terms for s in got][0] == {"math": 0.0} and got[2].terms == {"math": None}
+    assert math.isnan(got[1].reward) and math.isnan(got[1].terms["math"]) and math.isnan(got[1].advantage)
+    assert [(s.reward, s.advantage) for s in (got[0], got[2])] == [(0.0, 10.0), (0.5, 30.0)]
+    assert [(s.finish_reason, s.policy_version, s.response_tokens) for s in got] == [("length", 3, 1), ("stop", 3, 3),
+                                                                                    ("stop", 3, 1)]
+    assert online.step_samples(FakeTokenizer(), table, [], [], step=7) == []
+
+
+class _Remote:
+    def __init__(self, calls, name):
+        self.calls, self.name = calls, name
+
+    def remote(self, *args):
+        self.calls.append((self.name, args))
+
+
+class _Recorder:
+    """Stands in for the Tracker and the MonitorActor handle: records each call."""
+
+    def __init__(self):
+        self.calls = []
+        self.record_step, self.record_samples = _Remote(self.calls, "record_step"), _Remote(self.calls, "record_samples")
+
+    def log_metrics(self, metrics, step):
+        self.calls.append(("log_metrics", (step,)))
+
+    def log_samples(self, samples, step):
+        self.calls.append(("log_samples", (step, len(samples))))
+
+
+def test_stage_8_logs_the_samples_once_and_sends_them_to_the_page():
+    from rlray.observe.samples import StepSample
+    from rlray.run import session
+
+    tracker, monitor = _Recorder(), _Recorder()
+    ctx = SimpleNamespace(tracker=tracker, stream=SimpleNamespace(epoch=1), policy_version=5)
+    services = SimpleNamespace(monitor=monitor)
+    kept = [StepSample(5, "a", "q", "c", 1.0, {}, 0.5, "stop", 4, 1)]
+    run = SimpleNamespace(step=5, logged_through=4)
+    session.record(ctx, run, {"reward/mean": 1.0}, services, kept)
+    assert tracker.calls == [("log_metrics", (5,)), ("log_samples", (5, 1))] and run.logged_through == 5
+    assert [(name, args[0]) for name, args in monitor.calls] == [("record_step", 5), ("record_samples", 5)]
+    assert monitor.calls[1][1][1] == kept
+    tracker.calls.clear(), monitor.calls.clear()
+    session.record(ctx, run, {"reward/mean": 1.0}, services, kept)  # a step MLflow already has (a restart): the page only
+    assert tracker.calls == [] and [name for name, _ in monitor.calls] == ["record_step", "record_samples"]
+    monitor.calls.clear()
+    session.record(ctx, SimpleNamespace(step=6, logged_through=5), {}, services)  # offline steps keep no samples
+    assert [name for name, _ in monitor.calls] == ["record_step"]
