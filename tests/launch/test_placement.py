@@ -108,6 +108,7 @@ def test_training_that_cannot_fit_fails_before_any_actor_starts(ray_session, tmp
     cfg = config_from_dict({
         "run": {"output_dir": str(tmp_path)}, "tracking": {"mlflow_uri": f"sqlite:///{tmp_path}/m.db"},
         "resources": {"rollout": {"num_workers": 8, "cpus": 1.0}},
+        "data": {"prompt_column": "question"}, "reward": {"functions": [{"function": "gsm8k_correct"}]},
     })
     with pytest.raises(PlacementError, match=r"rollout wants 8 x {CPU: 1} = {CPU: 8}") as err:
         run_training(cfg)

@@ -53,6 +53,7 @@ def _lr(run) -> float:
 
 
 @pytest.mark.ray
+@pytest.mark.slow  # 283 s on the 2-core CI machine (a real 4-trial PBT sweep); the scheduler's logic is unit-tested below
 def test_pbt_sweep_exploits_the_better_trials_snapshot(pbt_sweep):
     result, uri = pbt_sweep
     assert result.status == "FINISHED"
