@@ -28,6 +28,7 @@ MAX_STEPS = 3
 
 
 @pytest.mark.ray
+@pytest.mark.slow  # 161 s on the 2-core CI machine; resume itself is covered in make test by tests/run/test_session.py and test_restart.py
 def test_a_killed_driver_resumes_from_its_latest_snapshot(ray_session, tmp_path, gsm8k_dir, tiny_tokenizer, capsys):
     lines = (gsm8k_dir / "train.jsonl").read_text().splitlines()[:4]
     (tmp_path / "train4.jsonl").write_text("\n".join(lines) + "\n")
