@@ -2,7 +2,8 @@
 
 Every field is listed once in ``FIELDS`` with its dtype, shape and meaning; the Arrow schema and the
 tensor collation are derived from that list. Shapes: B sequences in the step, T response tokens of
-one row (ragged across rows), Lp prompt tokens of one row (ragged).
+one row (ragged across rows), Lp prompt tokens of one row (ragged), K assistant turns of an episode.
+An episode's response holds its sampled and observation tokens; response_mask is its loss mask.
 
 A table moves through Ray's object store (``ray.put``) from the rollout side to the learner ranks;
 each rank takes its rows with ``shard_rows`` and turns them into padded tensors with ``collate``.
@@ -54,6 +55,11 @@ FIELDS: tuple[Field, ...] = (
     Field("policy_version", pa.int64(), "", "policy version of the rollout engine that generated the row"),
     Field("finish_reason", pa.string(), "", "'stop' (EOS) or 'length' (hit max_new_tokens)"),
     Field("prompt_columns", pa.string(), "", "the prompt row's other dataset columns as one JSON object (any types)", True),
+    Field("stop_reason", pa.string(), "", "why an episode ended (rlray.envs.episode.STOP_REASONS); null when single-turn "
+          "without environments", True),
+    Field("num_turns", pa.int32(), "", "assistant turns of an episode (null without environments)", True),
+    Field("turn_rewards", pa.list_(pa.float32()), "K", "the environment's reward after each turn, NaN where none was "
+          "given (null without environments)", True),
 )
 
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in FIELDS)

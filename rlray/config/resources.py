@@ -59,6 +59,17 @@ class ReferenceResources(_Section):
     gpus: float = Field(0.0, ge=0.0, description="Ray GPUs of the reference actor.")
 
 
+class EnvResources(_Section):
+    """Ray resources of the environment hosts (used when env.environments is set)."""
+
+    num_workers: int = Field(1, ge=1, description="Environment host actors, named rlray:env-<i>; each runs many episodes.")
+    cpus: float = Field(0.25, gt=0.0, description="Logical Ray CPUs per host (fractions allowed).")
+    threads: int = Field(8, ge=1, description="Episodes' reset and step calls a host runs at once (threads).")
+    max_restarts: int = Field(
+        1, ge=-1, description="Times Ray restarts a dead host (-1: without limit); its episodes are run again once."
+    )
+
+
 class ResourcesConfig(_Section):
     """Ray resources per role and their placement. Thread counts are separate (learner.torch_threads, rollout cpu_threads)."""
 
@@ -66,6 +77,7 @@ class ResourcesConfig(_Section):
     learner: LearnerResources = Field(default_factory=LearnerResources)
     reward: RewardResources = Field(default_factory=RewardResources)
     reference: ReferenceResources = Field(default_factory=ReferenceResources)
+    env: EnvResources = Field(default_factory=EnvResources)
     colocate: bool = Field(
         False,
         description="Rollout actors share the learner workers' GPUs (fractional gpus on both; weights by CUDA IPC).",

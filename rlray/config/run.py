@@ -62,7 +62,11 @@ class ModelConfig(_Section):
         ),
     )
     chat_template: str | None = Field(
-        None, description="Jinja chat template to use when the tokenizer has none."
+        None,
+        description=(
+            "Chat template that replaces the tokenizer's own (given or not): a Jinja string, or the name of one shipped "
+            "with rlray ('smollm2-tools': SmolLM2's ChatML with hermes tool calling). None keeps the tokenizer's."
+        ),
     )
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in the backward pass to save memory."
@@ -132,6 +136,21 @@ class RolloutConfig(_Section):
     max_new_tokens: int = Field(160, ge=1, description="Cap on generated tokens per completion.")
     temperature: float = Field(1.0, gt=0.0, le=5.0, description="Sampling temperature for training rollouts.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass for training rollouts.")
+    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens when sampling; 0 disables top-k.")
+    min_p: float = Field(
+        0.0, ge=0.0, lt=1.0, description="Drop tokens below min_p times the top token's probability; 0 disables min-p."
+    )
+    stop: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Stop strings: a turn ends after the token that completes one (kept in the tokens; finish reason stop). "
+            "Environments with a text protocol add their own (EnvReset.stop). vllm backend only."
+        ),
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra variables for the chat template (e.g. {enable_thinking: false}), for prompts and episodes.",
+    )
     enforce_eager: bool = Field(
         True, description="Skip vLLM graph compilation (start-up ~30 s instead of ~2 min on CPU)."
     )

@@ -11,6 +11,7 @@ from pydantic import Field, SecretStr, model_validator
 
 from rlray.config.algo import GROUP_ALGOS, AlgoConfig, CriticConfig, LearnerConfig, OfflineConfig
 from rlray.config.base import _CORE_LIST, _Section, flatten
+from rlray.config.env import EnvConfig
 from rlray.config.operations import CheckpointConfig, GuardConfig, MonitorConfig
 from rlray.config.resources import ResourcesConfig
 from rlray.config.reward import RewardConfig
@@ -40,6 +41,7 @@ class Config(_Section):
     data: DataConfig = Field(default_factory=DataConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
     offline: OfflineConfig = Field(default_factory=OfflineConfig)
@@ -67,6 +69,7 @@ class Config(_Section):
                 f"'{self.algo.name}' needs at least 2 samples per prompt; set rollout.samples_per_prompt>=2"
             )
         self._check_reward_terms()
+        self._check_env()
         if self.algo.overlong_cache_tokens >= self.rollout.max_new_tokens:
             raise ValueError(
                 f"algo.overlong_cache_tokens={self.algo.overlong_cache_tokens} must be below "
@@ -88,6 +91,28 @@ class Config(_Section):
                 f"does not divide learner.sequences_per_minibatch={ln.sequences_per_minibatch}; pick a divisor"
             )
         return self
+
+    def _check_env(self) -> None:
+        env = self.env
+        if env.default is not None and env.default not in env.environments:
+            raise ValueError(f"env.default={env.default!r} is not in env.environments {sorted(env.environments)}")
+        if env.enabled and env.max_episode_tokens is not None and env.max_episode_tokens < (
+                self.data.max_prompt_tokens + self.rollout.max_new_tokens):
+            raise ValueError(
+                f"env.max_episode_tokens={env.max_episode_tokens} leaves no room for one turn: it must be at least "
+                f"data.max_prompt_tokens + rollout.max_new_tokens = {self.data.max_prompt_tokens + self.rollout.max_new_tokens}"
+            )
+        if env.enabled and self.rollout.stop and self.rollout.backend == "hf":
+            raise ValueError("rollout.stop needs rollout.backend=vllm (the hf fallback stops on EOS only)")
+
+    @property
+    def episode_tokens(self) -> int:
+        """Returns the longest episode in tokens (env.max_episode_tokens, or its default; see its description)."""
+        env = self.env
+        if env.max_episode_tokens is not None:
+            return env.max_episode_tokens
+        return (self.data.max_prompt_tokens + env.max_turns * self.rollout.max_new_tokens
+                + (env.max_turns - 1) * env.max_observation_tokens)
 
     def _check_reward_terms(self) -> None:
         names = [f.term_name for f in self.reward.functions]

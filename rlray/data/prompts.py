@@ -47,23 +47,35 @@ def render_prompt(
     Raises:
         ValueError: a conversational prompt without a user message and a non-empty ``instruction``.
     """
-    if isinstance(prompt, str):
-        messages = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
-        messages.append({"role": "user", "content": f"{prompt}\n\n{instruction}" if instruction else prompt})
-    else:
-        messages = [dict(m) for m in prompt]
-        if system_prompt is not None and messages[0]["role"] != "system":
-            messages.insert(0, {"role": "system", "content": system_prompt})
-        if instruction:
-            users = [i for i, m in enumerate(messages) if m["role"] == "user"]
-            if not users:
-                raise ValueError("render_prompt: the conversation has no 'user' message to append data.instruction to")
-            messages[users[-1]]["content"] = f"{messages[users[-1]]['content']}\n\n{instruction}"
+    messages = prompt_messages(prompt, instruction=instruction, system_prompt=system_prompt)
     prefill = messages[-1]["role"] == "assistant"
     text = tokenizer.apply_chat_template(
         messages, add_generation_prompt=not prefill, continue_final_message=prefill, tokenize=False
     )
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def prompt_messages(prompt: str | list[dict[str, Any]], *, instruction: str, system_prompt: str | None) -> list[dict[str, Any]]:
+    """Returns the messages of a prompt with data.instruction and data.system_prompt applied (``render_prompt``'s rules).
+
+    Also used for an episode's opening messages (``EnvReset.prompt``).
+
+    Raises:
+        ValueError: a conversational prompt without a user message and a non-empty ``instruction``.
+    """
+    if isinstance(prompt, str):
+        messages = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
+        messages.append({"role": "user", "content": f"{prompt}\n\n{instruction}" if instruction else prompt})
+        return messages
+    messages = [dict(m) for m in prompt]
+    if system_prompt is not None and (not messages or messages[0]["role"] != "system"):
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    if instruction:
+        users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+        if not users:
+            raise ValueError("render_prompt: the conversation has no 'user' message to append data.instruction to")
+        messages[users[-1]]["content"] = f"{messages[users[-1]]['content']}\n\n{instruction}"
+    return messages
 
 
 def prepare_prompts(

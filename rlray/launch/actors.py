@@ -179,6 +179,28 @@ def start_reference_actor(cfg: Config, model_path: str, namespace: str | None = 
     return actor
 
 
+def start_env_hosts(cfg: Config, namespace: str | None = None) -> list[ray.actor.ActorHandle]:
+    """Returns the started environment hosts ``rlray:env-<i>`` (resources.env), or [] without env.environments.
+
+    Raises:
+        ValueError: an environment class cannot be loaded (raised by the first host; names the environment).
+    """
+    if not cfg.env.enabled:
+        return []
+    from rlray.envs.host import EnvironmentHost  # deferred: environments' imports only when configured
+
+    res, hosts = cfg.resources.env, []
+    for i in range(res.num_workers):
+        wait_for_name(f"rlray:env-{i}", namespace)
+        hosts.append(ray.remote(EnvironmentHost).options(
+            name=f"rlray:env-{i}", namespace=namespace, num_cpus=res.cpus, max_restarts=res.max_restarts,
+            max_concurrency=1, scheduling_strategy="DEFAULT",
+        ).remote(dict(cfg.env.environments), tool_parser=cfg.env.tool_parser, step_timeout_s=cfg.env.step_timeout_s,
+                 threads=res.threads))
+    ray.get([h.ping.remote() for h in hosts])
+    return hosts
+
+
 def wait_for_name(name: str, namespace: str | None = None, timeout_s: float = 30.0) -> None:
     """Waits until no live actor holds ``name`` (a killed actor frees its name asynchronously).
 

@@ -36,7 +36,7 @@ from rlray.checkpoint import lineage
 from rlray.checkpoint import storage as checkpoint
 from rlray.config import Config
 from rlray.data import load_prompt_rows, prepare_prompts
-from rlray.launch.actors import kill_actors, start_monitor, start_reference_actor, start_rollout_actors
+from rlray.launch.actors import kill_actors, start_env_hosts, start_monitor, start_reference_actor, start_rollout_actors
 from rlray.launch.placement import check_cluster, rollout_placement_group
 from rlray.launch.preflight import preflight
 from rlray.models import load_tokenizer, resolve_model_path
@@ -115,12 +115,18 @@ def resolve_paths(cfg: Config, base: Path | None = None) -> Config:
         target, name = fn.function.rsplit(":", 1) if ":" in fn.function else (fn.function, "")
         if target.endswith(".py"):
             fn.function = f"{local(target)}:{name}"
+    for env_name, spec in cfg.env.environments.items():
+        target, name = spec.rsplit(":", 1)
+        if target.endswith(".py"):
+            out.env.environments[env_name] = f"{local(target)}:{name}"
     return out
 
 
 def max_model_len(cfg: Config) -> int:
-    """Returns the engine's context length: longest prompt plus the longest generation, in tokens."""
-    return cfg.data.max_prompt_tokens + max(cfg.rollout.max_new_tokens, cfg.eval_max_new_tokens)
+    """Returns the engine's context length: longest prompt plus the longest generation, in tokens (with environments,
+    at least the longest episode, ``Config.episode_tokens``)."""
+    single = cfg.data.max_prompt_tokens + max(cfg.rollout.max_new_tokens, cfg.eval_max_new_tokens)
+    return max(single, cfg.episode_tokens) if cfg.env.enabled else single
 
 
 def start_reward_server(cfg: Config) -> bool:
@@ -223,7 +229,7 @@ def run_training(
     tracker.set_tags({"rlray.model_dir": model_dir, "rlray.output_dir": cfg.run.output_dir, "rlray.snapshot_dir": run_dir,
                       "rlray.git_commit": services.git_commit, **({"rlray.resumed_from": resume} if resume else {}), **(tags or {})})
     log.info("MLflow run %s in %s", tracker.run_id, cfg.tracking.mlflow_uri)
-    actors, reference, pg, own_app = [], None, None, False
+    actors, reference, pg, own_app, env_hosts = [], None, None, False, []
     status, outcome, url = "FAILED", None, ""
     control = services.control = start_run_control()
     try:
@@ -237,6 +243,8 @@ def run_training(
         if online:
             pg = rollout_placement_group(cfg)
             actors = start_rollout_actors(cfg, model_dir, max_model_len(cfg), pg, namespace=namespace)
+        if online:
+            env_hosts = start_env_hosts(cfg, namespace=namespace)
         if online and cfg.reward.server.enabled:
             own_app = start_reward_server(cfg)
         if online and cfg.algo.kl_coef > 0 and cfg.resources.reference.placement == "actor":
@@ -247,6 +255,7 @@ def run_training(
             run_id=tracker.run_id,
             rollout_actors=actors,
             reference_actor=reference,
+            env_hosts=env_hosts,
             services=services,
             step_hooks=[StopWhenRequested(control), *step_hooks],
         ))
@@ -260,7 +269,8 @@ def run_training(
     finally:
         # a sweep closes a stopped trial's run as KILLED before its process dies; the dying run keeps that
         tracker.finish_unless_ended(_mlflow_status(status), {"rlray.status": status})
-        kill_actors([*actors, *([reference] if reference else []), *([services.monitor] if services.monitor is not None else []), control])
+        monitor = [services.monitor] if services.monitor is not None else []
+        kill_actors([*actors, *env_hosts, *([reference] if reference else []), *monitor, control])
         if pg is not None:
             remove_placement_group(pg)
         if own_app:  # a server started by `rlray serve-reward` before the run stays up

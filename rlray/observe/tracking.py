@@ -96,7 +96,19 @@ METRIC_KEYS: tuple[str, ...] = (
     "checkpoint/failures",
     "monitor/heartbeat_s",
     "monitor/rss_gib",
+    # environments (multi-turn episodes; logged when env.environments is set)
+    "env/episodes",
+    "env/turns_mean",
+    "env/tool_calls_mean",
+    "env/tool_errors",
+    "env/failed",
+    "env/observation_tokens_mean",
+    "env/observations_truncated",
+    "env/episodes_rerun",
 )
+# Families of metric keys, by prefix: one key per episode stop reason (rlray.envs.episode.STOP_REASONS) and one per
+# number an environment reports in EnvStep.metrics (its mean over the step's episodes).
+METRIC_KEY_PREFIXES: tuple[str, ...] = ("env/stop_reason/", "env/metric/")
 EVAL_KEYS: tuple[str, ...] = (
     "eval/reward_mean",
     "eval/num_problems",
@@ -106,6 +118,8 @@ EVAL_KEYS: tuple[str, ...] = (
     "eval/reward_margin",
     "eval/chosen_reward",
     "eval/rejected_reward",
+    "eval/env_success",
+    "eval/env_turns_mean",
 )
 # Per reward term (reward.functions[].name, or the function's own name): its mean over the samples it scored
 # and the count it skipped (returned None for), per step and at evaluation.
@@ -119,6 +133,12 @@ RENAMED_KEYS: dict[str, str] = {
     "eval/accuracy": "eval/gsm8k_correct",
     "eval/format_rate": "eval/gsm8k_format",
 }
+
+
+def is_metric_key(key: str) -> bool:
+    """Returns True when ``key`` is in ``METRIC_KEYS`` or ``EVAL_KEYS`` or starts with one of ``METRIC_KEY_PREFIXES``
+    (reward terms' keys are checked with ``term_keys``)."""
+    return key in METRIC_KEYS or key in EVAL_KEYS or key.startswith(METRIC_KEY_PREFIXES)
 
 
 def term_keys(terms: list[str] | tuple[str, ...]) -> tuple[str, ...]:

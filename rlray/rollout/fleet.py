@@ -89,17 +89,33 @@ class RolloutFleet:
         self._pending_sync: list[tuple[int, Any, int]] = []  # (actor, ref, version)
 
     # ---- generation -----------------------------------------------------------------------
-    def submit(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> PendingRollout:
+    def submit(self, prompt_ids: list[list[int]], sampling: SamplingSpec, rows: list[Any] | None = None, *,
+               actor_keys: list[int] | None = None) -> PendingRollout:
         """Sends one contiguous chunk of prompts to each usable actor and returns without waiting.
+
+        Args:
+            prompt_ids: P prompts' token ids.
+            sampling: what to sample.
+            rows: the prompts' dataset rows; unused here (the episode rollout, ``rlray.run.episodes``, has the
+                same ``submit`` and needs them).
+            actor_keys: P ints; when given, prompt i goes to usable actor ``actor_keys[i] % len(usable)``
+                instead of contiguous chunks, so that an episode's turns stay on one engine (its prefix cache).
 
         Raises:
             RolloutError: no actor is alive.
         """
         usable = self._usable()
-        chunks = [c for c in np.array_split(np.arange(len(prompt_ids)), len(usable)) if len(c)]
+        if actor_keys is None:
+            chunks = [[int(x) for x in c] for c in np.array_split(np.arange(len(prompt_ids)), len(usable)) if len(c)]
+            targets = usable[: len(chunks)]  # fewer chunks than actors for a small batch
+        else:
+            by_actor: dict[int, list[int]] = {}
+            for i, key in enumerate(actor_keys):
+                by_actor.setdefault(usable[key % len(usable)], []).append(i)
+            targets, chunks = list(by_actor), list(by_actor.values())
         pending = PendingRollout(prompt_ids, sampling, [])
-        for actor, idx in zip(usable, chunks, strict=False):  # fewer chunks than actors for a small batch
-            pending.chunks.append(self._call(pending, [int(x) for x in idx], actor))
+        for actor, idx in zip(targets, chunks, strict=True):
+            pending.chunks.append(self._call(pending, idx, actor))
         return pending
 
     def collect(self, pending: PendingRollout) -> list[Completion]:
@@ -126,10 +142,10 @@ class RolloutFleet:
                 c.prompt_index = chunk.indices[c.prompt_index]
             done[chunk.indices[0]] = completions
         self._check_pending_sync(block=False)
-        return [c for first in sorted(done) for c in done[first]]
+        return sorted((c for got in done.values() for c in got), key=lambda c: (c.prompt_index, c.sample_index))
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> list[Completion]:
-        """Returns ``collect(submit(...))``: a blocking rollout."""
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec, rows: list[Any] | None = None) -> list[Completion]:
+        """Returns ``collect(submit(...))``: a blocking rollout (``rows`` unused, as in ``submit``)."""
         return self.collect(self.submit(prompt_ids, sampling))
 
     def _call(self, pending: PendingRollout, indices: list[int], actor: int, attempts: int = 1) -> _Chunk:
@@ -295,7 +311,7 @@ class RolloutPipeline:
         while self._next_step <= step + self.max_staleness:
             before = self.cursor() if self.cursor else None
             rows, ids = self.take_prompts()
-            pending = self.fleet.submit(ids, self.sampling_for(self._next_step))
+            pending = self.fleet.submit(ids, self.sampling_for(self._next_step), rows)
             self._queue.append((self._next_step, rows, ids, pending, self.fleet.version, before))
             self._next_step += 1
         got, rows, ids, pending, version, _ = self._queue.popleft()

@@ -1,6 +1,6 @@
 """The transformers backend of RolloutEngine: a small fallback for machines without vLLM.
 
-It samples with `model.generate` (temperature, top-p; no top-k or penalties) and reads each
+It samples with `model.generate` (temperature, top-p, top-k, min-p; no stop strings or penalties) and reads each
 generated token's logprob from the raw logits (`output_logits=True`, taken before any logits
 processor) divided by the temperature, so rollout_logprobs mean the same as with the vLLM
 backend and the learner: log_softmax(logits / temperature) (greedy: the raw logits). Unlike
@@ -48,6 +48,8 @@ class HFBackend:
             sampling: what to sample.
             policy_version: stamped on every Completion.
         """
+        if sampling.stop:
+            raise ValueError(f"stop strings {list(sampling.stop)!r} need rollout.backend=vllm (the hf fallback stops on EOS only)")
         rows = [ids for ids in prompt_token_ids for _ in range(sampling.n)]
         input_ids, attention_mask = _left_pad(rows, pad_id=self._eos_ids[0])
         # Every processor is set explicitly: generate() fills unset (None) fields from the
@@ -58,7 +60,8 @@ class HFBackend:
             do_sample=not sampling.greedy,
             temperature=1.0 if sampling.greedy else sampling.temperature,
             top_p=1.0 if sampling.greedy else sampling.top_p,
-            top_k=0,
+            top_k=0 if sampling.greedy else sampling.top_k,
+            min_p=None if sampling.greedy or not sampling.min_p else sampling.min_p,
             typical_p=1.0,
             repetition_penalty=1.0,
             no_repeat_ngram_size=0,

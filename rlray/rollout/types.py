@@ -23,6 +23,10 @@ class SamplingSpec:
         seed: reseeds the engine's sampling generator at the start of the call, so that the
             call's samples are a deterministic function of (seed, prompts, weights); None draws
             from the engine's generator as it stands (seeded once at engine start).
+        top_k: keep the k most likely tokens; 0 disables top-k filtering.
+        min_p: drop tokens whose probability is below min_p times the most likely one's; 0.0 disables it.
+        stop: stop strings; generation ends after the token that completes one (finish_reason "stop",
+            the stop string's tokens kept in response_token_ids).
 
     Raises:
         ValueError: a field out of range (the message names the field and the value).
@@ -33,6 +37,9 @@ class SamplingSpec:
     temperature: float
     top_p: float = 1.0
     seed: int | None = None
+    top_k: int = 0
+    min_p: float = 0.0
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
@@ -45,11 +52,54 @@ class SamplingSpec:
             raise ValueError(f"SamplingSpec.top_p={self.top_p!r}: need 0 < top_p <= 1")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"SamplingSpec.seed={self.seed!r}: need None or an int >= 0")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"SamplingSpec.top_k={self.top_k!r}: need an int >= 0 (0 disables top-k)")
+        if not 0.0 <= self.min_p < 1.0:
+            raise ValueError(f"SamplingSpec.min_p={self.min_p!r}: need 0 <= min_p < 1 (0 disables min-p)")
+        self.stop = tuple(self.stop)
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"SamplingSpec.stop={self.stop!r}: need non-empty strings")
 
     @property
     def greedy(self) -> bool:
         """Returns True when sampling is argmax (temperature 0.0)."""
         return self.temperature == 0.0
+
+
+@dataclass
+class EpisodeInfo:
+    """What one multi-turn episode recorded besides its tokens (``rlray.run.episodes``).
+
+    Attributes:
+        environment: the environment's name (env.environments key); "" for a single-turn row.
+        stop_reason: why the episode ended (``rlray.envs.episode.STOP_REASONS``).
+        num_turns: assistant turns sampled.
+        turn_rewards: the environment's reward after each turn (None: none given that turn).
+        env_reward: the episode's environment reward (the sum of the turn rewards given, or the
+            final reward), None when the environment gave none.
+        failed: the episode failed (an environment error or time limit); it is left out of the update.
+        tool_calls: tool calls parsed over the episode; tool_errors: calls that failed (malformed,
+            unknown tool, bad arguments, a raising tool).
+        observation_tokens: tokens of observations (loss mask off).
+        observations_truncated: observation messages cut to env.max_observation_tokens.
+        metrics: the environment's own per-episode numbers (summed over turns), logged as env/<name> means.
+        message: the error of a failed episode ("" otherwise).
+        rerun: the episode was run again from the start because its environment host died.
+    """
+
+    environment: str
+    stop_reason: str
+    num_turns: int
+    turn_rewards: list[float | None] = field(default_factory=list)
+    env_reward: float | None = None
+    failed: bool = False
+    tool_calls: int = 0
+    tool_errors: int = 0
+    observation_tokens: int = 0
+    observations_truncated: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+    message: str = ""
+    rerun: bool = False
 
 
 @dataclass
@@ -73,6 +123,9 @@ class Completion:
         loss_mask: per response token, True where the token was sampled by the policy and counts in
             the loss; same length as response_token_ids. All True for a single-turn completion (the
             default); a multi-turn episode sets False on its observation tokens.
+        prompt_token_ids: the prompt this completion continues when it is not the one given to
+            generate() (an episode: the environment's opening prompt); None: the given prompt.
+        episode: what the environment episode recorded (None for a single-turn completion).
     """
 
     prompt_index: int
@@ -82,6 +135,8 @@ class Completion:
     finish_reason: str
     policy_version: int
     loss_mask: list[bool] = field(default_factory=list)
+    prompt_token_ids: list[int] | None = None
+    episode: EpisodeInfo | None = None
 
     def __post_init__(self) -> None:
         if not self.loss_mask:

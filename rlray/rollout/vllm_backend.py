@@ -189,9 +189,12 @@ class VllmBackend:
                 max_tokens=sampling.max_new_tokens,
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
-                top_k=0,
+                top_k=sampling.top_k,
+                min_p=sampling.min_p,
+                stop=list(sampling.stop) or None,
+                include_stop_str_in_output=True,  # the stop string's tokens stay in the episode's token sequence
                 logprobs=0,  # only the sampled token's logprob
-                detokenize=False,  # token ids only; detokenizing cut throughput ~5x here
+                detokenize=bool(sampling.stop),  # token ids only (detokenizing cut throughput ~5x) unless stop strings
             )
             for p in range(len(prompt_token_ids))
         ]

@@ -85,12 +85,15 @@ def sampling_for_step(cfg: Config, step: int) -> SamplingSpec:
         temperature=cfg.rollout.temperature,
         top_p=cfg.rollout.top_p,
         seed=cfg.run.seed * 1_000_003 + step,
+        top_k=cfg.rollout.top_k,
+        min_p=cfg.rollout.min_p,
+        stop=tuple(cfg.rollout.stop),
     )
 
 
 def eval_sampling(cfg: Config) -> SamplingSpec:
     """Returns the evaluation SamplingSpec: one greedy completion of up to ``eval_max_new_tokens`` tokens."""
-    return SamplingSpec(n=1, max_new_tokens=cfg.eval_max_new_tokens, temperature=0.0, top_p=1.0)
+    return SamplingSpec(n=1, max_new_tokens=cfg.eval_max_new_tokens, temperature=0.0, top_p=1.0, stop=tuple(cfg.rollout.stop))
 
 
 def scorer_kwargs(cfg: Config, columns: list[str] | None = None) -> dict[str, Any]:

@@ -50,6 +50,7 @@ from rlray.rollout.fleet import RolloutFleet, RolloutPipeline
 from rlray.rollout.weight_sync import make_weight_sync
 from rlray.run import build, online_sampling
 from rlray.run.context import RunContext, StepBoundary
+from rlray.run.episodes import EpisodeLimits, EpisodeRollout, add_env_reward, episode_metrics
 from rlray.run.online_sampling import Rollouts
 from rlray.run.session import FatalStepError
 
@@ -113,6 +114,7 @@ class OnlineRun(RunContext):
     reward_kwargs: dict[str, Any] | None = None  # the reward config ``reward`` was built from (build.scorer_kwargs)
     reward_columns: list[str] | None = None  # the datasets' extra column names (reward functions' keyword arguments)
     fleet: RolloutFleet | None = None
+    rollouts: RolloutFleet | EpisodeRollout | None = None  # the fleet, or episodes over it when env.environments is set
     pipeline: RolloutPipeline | None = None
     weight_sync: Any = None  # every rank (rlray.rollout.weight_sync)
     reference_actor: Any = None  # when resources.reference.placement == "actor"
@@ -175,7 +177,7 @@ class OnlineRun(RunContext):
 # Setup
 # --------------------------------------------------------------------------------------------
 def setup(cfg: Config, coll: Collective, *, model_dir: str, actors: list[Any], run_id: str | None,
-          reference_actor: Any = None) -> OnlineRun:
+          reference_actor: Any = None, env_hosts: list[Any] | None = None) -> OnlineRun:
     """Builds the learner on every rank; on rank 0 also the data stream, eval prompts, tracker, fleet and reward client.
 
     Raises:
@@ -209,7 +211,8 @@ def setup(cfg: Config, coll: Collective, *, model_dir: str, actors: list[Any], r
         ctx.reward = build.reward_client(cfg, ctx.reward_columns)
         ctx.reward_kwargs = build.scorer_kwargs(cfg, ctx.reward_columns)
         ctx.fleet = RolloutFleet(actors)
-        ctx.pipeline = RolloutPipeline(ctx.fleet, ctx.take_prompts, ctx.sampling_for, cfg.rollout.max_staleness,
+        ctx.rollouts = episode_rollout(cfg, ctx.fleet, env_hosts or [], tokenizer) if cfg.env.enabled else ctx.fleet
+        ctx.pipeline = RolloutPipeline(ctx.rollouts, ctx.take_prompts, ctx.sampling_for, cfg.rollout.max_staleness,
                                        cursor=ctx.stream.state_dict, restore_cursor=ctx.stream.load_state_dict)
     dtype = torch.bfloat16 if build.compute_dtype(cfg) == "bfloat16" else torch.float32
     ctx.weight_sync = make_weight_sync(
@@ -217,6 +220,21 @@ def setup(cfg: Config, coll: Collective, *, model_dir: str, actors: list[Any], r
         wait=cfg.rollout.max_staleness == 0, tensor_parallel_size=cfg.resources.rollout.tensor_parallel_size,
     )
     return ctx
+
+
+def episode_rollout(cfg: Config, fleet: RolloutFleet, hosts: list[Any], tokenizer: Any) -> EpisodeRollout:
+    """Returns the episode rollout of ``cfg.env`` over ``fleet`` and the environment hosts (rank 0)."""
+    from rlray.data.prompts import prompt_messages
+
+    env = cfg.env
+    limits = EpisodeLimits(env.max_turns, cfg.episode_tokens, env.max_observation_tokens, env.episode_timeout_s)
+
+    def prepare(messages: list[dict]) -> list[dict]:
+        return prompt_messages(messages, instruction=cfg.data.instruction, system_prompt=cfg.data.system_prompt)
+
+    return EpisodeRollout(fleet, hosts, tokenizer, limits, env_column=env.column, default_env=env.default,
+                          known_envs=list(env.environments), prepare=prepare,
+                          chat_template_kwargs=cfg.rollout.chat_template_kwargs)
 
 
 def pin_learner(cfg: Config, rank: int) -> None:
@@ -272,12 +290,13 @@ def collect_experience(ctx: OnlineRun, step: int, timer: StageTimer) -> tuple[pa
     with timer("rollout"):  # 1-2. prompts and rollout; the pipeline keeps steps step+1..step+max_staleness in flight
         got = ctx.pipeline.next(step)
     with timer("reward"):  # 3. rewards
-        scored = score(ctx.reward, got.rows, got.completions, ctx.tokenizer)
+        scored = score(ctx.reward, got.rows, got.completions, ctx.tokenizer, ctx.cfg.env.reward_weight)
     with timer("algo_sampling"):  # 3b. DAPO refill, overlong shaping, ReMax's greedy baseline
         drawn = Rollouts(got.rows, got.prompt_ids, got.completions, scored.values)
         drawn, baseline, algo_metrics = algorithm_sampling(ctx, ctx.sampling_for(step), drawn)
     table = build_experience(drawn.rows, drawn.prompt_ids, drawn.completions, drawn.rewards, baseline)
     stats = rollout_stats(table, drawn.rewards, ctx.cfg.learner.prompts_per_step, ctx.policy_version)
+    stats.update(episode_metrics(drawn.completions))
     if stats["reward/failed"]:
         log.warning("step %d: %d of %d samples have no reward (a reward function failed); they are left out of "
                     "the update (reward/failed)", step + 1, stats["reward/failed"], table.num_rows)
@@ -307,34 +326,42 @@ def step_metrics(ctx: OnlineRun, rollout_metrics: dict[str, float], data: dict[s
 # --------------------------------------------------------------------------------------------
 # Stages
 # --------------------------------------------------------------------------------------------
-def score(reward: RewardClient, rows: list[PromptRow], completions: list[Completion], tokenizer: Any) -> ScoreResult:
+def score(reward: RewardClient, rows: list[PromptRow], completions: list[Completion], tokenizer: Any,
+          env_reward_weight: float = 1.0) -> ScoreResult:
     """Stage 3: returns the reward version and {"reward", <term name>, ...}, one value per completion.
 
     Each completion is scored with its prompt as the dataset had it (a string or TRL messages), its
-    decoded text (special tokens skipped), its token ids and its row's other columns (TRL's keyword
-    arguments). Term values: a float, NaN (failed) or None (the term skipped the sample).
+    decoded text (special tokens skipped; an episode's text holds every turn and observation), its token
+    ids and its row's other columns (TRL's keyword arguments). Term values: a float, NaN (failed) or
+    None (the term skipped the sample). Episodes add the environment's reward as the term "env"
+    (``rlray.run.episodes.add_env_reward``, weighted by env.reward_weight).
     """
     texts = tokenizer.batch_decode([c.response_token_ids for c in completions], skip_special_tokens=True)
     prompts = [rows[c.prompt_index].prompt for c in completions]
     columns = [rows[c.prompt_index].columns for c in completions]
-    return reward.score(prompts, texts, columns, [list(c.response_token_ids) for c in completions])
+    got = reward.score(prompts, texts, columns, [list(c.response_token_ids) for c in completions])
+    if any(c.episode is not None for c in completions):
+        got = dataclasses.replace(got, values=add_env_reward(got.values, completions, env_reward_weight))
+    return got
 
 
 def algorithm_sampling(
     ctx: OnlineRun, sampling: SamplingSpec, batch: Rollouts
 ) -> tuple[Rollouts, list[float] | None, dict[str, float]]:
     """Stage 3b (rank 0): DAPO refill, overlong shaping and ReMax's greedy baseline (``online_sampling.apply``)."""
+    weight = ctx.cfg.env.reward_weight
 
     def draw(num_prompts: int, round_index: int) -> Rollouts:  # stages 1-3 for further prompts, reseeded per round
         rows = ctx.stream.next_batch(num_prompts)
         ids = [ctx.prompt_ids[r.prompt_id] for r in rows]
         seed = None if sampling.seed is None else sampling.seed + 100_003 * round_index
-        completions = ctx.fleet.generate(ids, dataclasses.replace(sampling, seed=seed))
-        return Rollouts(rows, ids, completions, score(ctx.reward, rows, completions, ctx.tokenizer).values)
+        completions = ctx.rollouts.generate(ids, dataclasses.replace(sampling, seed=seed), rows)
+        return Rollouts(rows, ids, completions, score(ctx.reward, rows, completions, ctx.tokenizer, weight).values)
 
     def greedy(b: Rollouts) -> Rollouts:  # one temperature-0 completion per prompt, scored
-        done = ctx.fleet.generate(b.prompt_ids, SamplingSpec(n=1, max_new_tokens=sampling.max_new_tokens, temperature=0.0))
-        return Rollouts(b.rows, b.prompt_ids, done, score(ctx.reward, b.rows, done, ctx.tokenizer).values)
+        greedy_spec = SamplingSpec(n=1, max_new_tokens=sampling.max_new_tokens, temperature=0.0, stop=sampling.stop)
+        done = ctx.rollouts.generate(b.prompt_ids, greedy_spec, b.rows)  # episodes: one greedy episode per prompt
+        return Rollouts(b.rows, b.prompt_ids, done, score(ctx.reward, b.rows, done, ctx.tokenizer, weight).values)
 
     return online_sampling.apply(batch, draw, greedy, online_sampling.spec_from(ctx.cfg))
 
@@ -365,7 +392,7 @@ def build_experience(
             "prompt_id": [rows[c.prompt_index].prompt_id for c in completions],
             "group_id": [c.prompt_index for c in completions],
             "sample_index": [c.sample_index for c in completions],
-            "prompt_token_ids": [prompt_ids[c.prompt_index] for c in completions],
+            "prompt_token_ids": [c.prompt_token_ids or prompt_ids[c.prompt_index] for c in completions],
             "response_token_ids": [c.response_token_ids for c in completions],
             "response_mask": [[ok and m for m in c.loss_mask] for c, ok in zip(completions, scored, strict=True)],
             "rollout_logprobs": [c.rollout_logprobs for c in completions],
@@ -374,8 +401,21 @@ def build_experience(
             "prompt_columns": [columns_json(rows[c.prompt_index]) for c in completions],
             "policy_version": [c.policy_version for c in completions],
             "finish_reason": [c.finish_reason for c in completions],
+            **episode_columns(completions),
         }
     )
+
+
+def episode_columns(completions: list[Completion]) -> dict[str, list]:
+    """Returns the experience columns of episodes (stop_reason, num_turns, turn_rewards), {} when none is an episode."""
+    if all(c.episode is None for c in completions):
+        return {}
+    return {
+        "stop_reason": [c.episode.stop_reason if c.episode else None for c in completions],
+        "num_turns": [c.episode.num_turns if c.episode else None for c in completions],
+        "turn_rewards": [[math.nan if r is None else r for r in c.episode.turn_rewards] if c.episode else None
+                         for c in completions],
+    }
 
 
 def minibatch_normalisers(table: pa.Table, cfg: Config, world: int) -> list[Normaliser]:
@@ -557,11 +597,12 @@ def evaluate(ctx: OnlineRun) -> dict[str, float]:
     """Returns greedy eval metrics of the current policy on ``eval.num_problems`` held-out prompts (rank 0; {} elsewhere)."""
     if not ctx.eval_prompts:
         return {}
-    return evaluate_prompts(ctx.fleet, ctx.reward, ctx.eval_prompts, ctx.tokenizer, build.eval_sampling(ctx.cfg))
+    return evaluate_prompts(ctx.rollouts, ctx.reward, ctx.eval_prompts, ctx.tokenizer, build.eval_sampling(ctx.cfg),
+                            ctx.cfg.env.reward_weight)
 
 
-def evaluate_prompts(fleet: RolloutFleet, reward: RewardClient, prompts: list[tuple[PromptRow, list[int]]], tokenizer: Any,
-                     sampling: SamplingSpec) -> dict[str, float]:
+def evaluate_prompts(fleet: RolloutFleet | EpisodeRollout, reward: RewardClient, prompts: list[tuple[PromptRow, list[int]]],
+                     tokenizer: Any, sampling: SamplingSpec, env_reward_weight: float = 1.0) -> dict[str, float]:
     """Returns eval/reward_mean, eval/<term> and eval/<term>_skipped per reward term, eval/response_tokens_mean and
     eval/num_problems.
 
@@ -570,12 +611,18 @@ def evaluate_prompts(fleet: RolloutFleet, reward: RewardClient, prompts: list[tu
     (``term_metrics``); response length is in tokens, EOS included.
     """
     rows = [r for r, _ in prompts]
-    completions = fleet.generate([ids for _, ids in prompts], sampling)
-    got = score(reward, rows, completions, tokenizer).values
+    completions = fleet.generate([ids for _, ids in prompts], sampling, rows)
+    got = score(reward, rows, completions, tokenizer, env_reward_weight).values
     rewards = np.asarray(got["reward"], dtype=np.float64)
+    episodes = [c.episode for c in completions if c.episode is not None and c.episode.environment]
+    env_metrics = {} if not episodes else {
+        "eval/env_success": float(np.mean([(e.env_reward or 0.0) > 0 and not e.failed for e in episodes])),
+        "eval/env_turns_mean": float(np.mean([e.num_turns for e in episodes])),
+    }
     return {
         "eval/reward_mean": float(np.nanmean(rewards)) if np.isfinite(rewards).any() else math.nan,
         **term_metrics(got, "eval"),
+        **env_metrics,
         "eval/response_tokens_mean": float(np.mean([len(c.response_token_ids) for c in completions])),
         "eval/num_problems": float(len(completions)),
     }

@@ -1,0 +1,441 @@
+"""Episodes: multi-turn rollouts that alternate engine turns and environment steps (rank 0).
+
+``EpisodeRollout`` has the rollout fleet's ``submit``/``collect``/``generate``, so the step, the async
+pipeline, DAPO's refill, ReMax's greedy baseline and evaluation use it unchanged. Each prompt row
+becomes ``n`` episodes (the group); a row whose ``env.column`` names an environment (or every row, with
+``env.default``) runs in that environment, any other row is a one-turn episode (a single-turn prompt,
+stop reason ``single_turn``).
+
+One step's episodes advance turn by turn together:
+  1. reset every environment episode (one call per environment host, the host runs them on threads);
+  2. while any episode is active: check its limits (turns, episode tokens, time), send every active
+     episode's token sequence to the engines in one ``submit`` (an episode keeps its rollout actor,
+     ``actor_keys``, so vLLM's prefix cache serves its turns), append the sampled tokens (loss mask on),
+     send every environment episode's turn to its host in one call per host, and append the observation
+     tokens (loss mask off, ``rlray.envs.episode.Trajectory``);
+  3. close the episodes on their hosts.
+
+Faults: an environment that raises or passes its time limit fails its episode (stop reason ``env_error``
+or ``timeout``; reward NaN, so the update and the group statistics leave it out, and ``env/failed``
+counts it). The episodes of a host that dies are run again once, from the start, on the hosts that
+answer (``env/episodes_rerun``); a second death fails them (stop reason ``actor_died``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import ray
+
+from rlray.envs.episode import TemplateDriftError, Trajectory, open_trajectory, truncate_observations
+from rlray.rollout import Completion, SamplingSpec
+from rlray.rollout.fleet import ACTOR_ERRORS, RolloutFleet
+from rlray.rollout.types import EpisodeInfo
+
+log = logging.getLogger(__name__)
+
+SEED_STRIDE_PER_TURN = 1_000_003  # a turn's sampling seed: the step's seed + turn * stride (then offset per chunk)
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    """Limits that end an episode, each with its own stop reason.
+
+    Attributes:
+        max_turns: assistant turns per episode (``max_turns``).
+        max_episode_tokens: prompt + all turns + observations, in tokens; a turn starts only when
+            ``max_new_tokens`` more still fit (``max_episode_tokens``).
+        max_observation_tokens: cap per observation message's content, in tokens (cut and counted).
+        episode_timeout_s: wall seconds per episode (``episode_timeout``, a failure), checked between turns.
+    """
+
+    max_turns: int
+    max_episode_tokens: int
+    max_observation_tokens: int
+    episode_timeout_s: float
+
+
+@dataclass
+class _Episode:
+    """One running episode: its group position, environment, host and trajectory."""
+
+    prompt_index: int
+    sample_index: int
+    order: int  # position in the step's episode list (actor and host assignment)
+    environment: str  # "" for a single-turn row
+    key: str
+    traj: Trajectory | None = None
+    stop: tuple[str, ...] = ()
+    host: int = 0
+    started: float = field(default_factory=time.monotonic)
+    tool_calls: int = 0
+    tool_errors: int = 0
+    observation_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+    message: str = ""
+    final_reward: float | None = None
+    rerun: bool = False
+
+
+@dataclass
+class PendingEpisodes:
+    """A submitted step of episodes: a background thread runs them; ``collect`` joins it."""
+
+    thread: threading.Thread
+    result: list[Completion] = field(default_factory=list)
+    error: BaseException | None = None
+
+
+class EpisodeRollout:
+    """Rank 0's rollout when environments are configured: episodes across the rollout fleet and environment hosts.
+
+    Args:
+        fleet: the rollout fleet (engines).
+        hosts: ``EnvironmentHost`` actor handles (at least one).
+        tokenizer: the policy's tokenizer (chat template set).
+        limits: the episode limits.
+        env_column: the row column naming a row's environment.
+        default_env: the environment of rows without that column ("" or None: they are single-turn).
+        known_envs: the configured environment names (a row naming another is an error).
+        prepare: turns a row's opening messages into the final ones (data.instruction and data.system_prompt).
+        chat_template_kwargs: extra chat-template variables (rollout.chat_template_kwargs).
+
+    Raises:
+        ValueError: no host.
+    """
+
+    def __init__(self, fleet: RolloutFleet, hosts: list[Any], tokenizer: Any, limits: EpisodeLimits, *,
+                 env_column: str, default_env: str | None, known_envs: list[str],
+                 prepare: Callable[[list[dict]], list[dict]], chat_template_kwargs: dict[str, Any] | None = None) -> None:
+        if not hosts:
+            raise ValueError("EpisodeRollout needs at least one environment host (resources.env.num_workers)")
+        self.fleet, self.hosts, self.tokenizer, self.limits = fleet, list(hosts), tokenizer, limits
+        self.env_column, self.default_env, self.known_envs = env_column, default_env or "", set(known_envs)
+        self.prepare, self.chat_template_kwargs = prepare, dict(chat_template_kwargs or {})
+        self._dead: set[int] = set()
+
+    @property
+    def version(self) -> int:
+        """Returns the fleet's latest policy version."""
+        return self.fleet.version
+
+    def submit(self, prompt_ids: list[list[int]], sampling: SamplingSpec, rows: list[Any] | None = None) -> PendingEpisodes:
+        """Starts the episodes of ``rows`` (``sampling.n`` per row) on a background thread; returns at once.
+
+        Raises:
+            ValueError: ``rows`` is None (episodes need the rows' columns).
+        """
+        if rows is None:
+            raise ValueError("EpisodeRollout.submit needs the prompt rows")
+        pending = PendingEpisodes(threading.Thread(target=lambda: None))
+
+        def work() -> None:
+            try:
+                pending.result = self.run(rows, prompt_ids, sampling)
+            except BaseException as err:  # noqa: BLE001 - re-raised by collect on the caller's thread
+                pending.error = err
+
+        pending.thread = threading.Thread(target=work, name="rlray-episodes", daemon=True)
+        pending.thread.start()
+        return pending
+
+    def collect(self, pending: PendingEpisodes) -> list[Completion]:
+        """Returns the episodes' completions, prompt-major (``n`` per row), waiting for them.
+
+        Raises:
+            whatever the episode loop raised (``RolloutError``, a bad row's ``ValueError``).
+        """
+        pending.thread.join()
+        if pending.error is not None:
+            raise pending.error
+        return pending.result
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec, rows: list[Any] | None = None) -> list[Completion]:
+        """Returns ``collect(submit(...))``, run on the caller's thread."""
+        if rows is None:
+            raise ValueError("EpisodeRollout.generate needs the prompt rows")
+        return self.run(rows, prompt_ids, sampling)
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def run(self, rows: list[Any], prompt_ids: list[list[int]], sampling: SamplingSpec) -> list[Completion]:
+        """Runs ``sampling.n`` episodes per row to their end; returns their completions, prompt-major.
+
+        Episodes whose environment host died are run again once from the start on a live host.
+        """
+        step_key = uuid.uuid4().hex[:12]
+        episodes = []
+        for p, row in enumerate(rows):
+            env = self.environment_of(row)
+            for s in range(sampling.n):
+                episodes.append(_Episode(p, s, len(episodes), env, f"{step_key}-{p}-{s}"))
+        self._run_episodes(episodes, rows, prompt_ids, sampling)
+        died = [i for i, ep in enumerate(episodes) if ep.traj.stop_reason == "actor_died"]
+        if died and self._live_hosts(probe=True):
+            log.warning("running %d episodes again whose environment host died", len(died))
+            again = [dataclasses.replace(episodes[i], key=f"{episodes[i].key}-rerun", traj=None, stop=(),
+                                         started=time.monotonic(), tool_calls=0, tool_errors=0, observation_tokens=0,
+                                         metrics={}, message="", final_reward=None) for i in died]
+            self._run_episodes(again, rows, prompt_ids, sampling)
+            for i, ep in zip(died, again, strict=True):
+                ep.rerun = True
+                episodes[i] = ep
+        return [self._completion(ep) for ep in episodes]
+
+    def _run_episodes(self, episodes: list[_Episode], rows: list[Any], prompt_ids: list[list[int]],
+                      sampling: SamplingSpec) -> None:
+        live = self._live_hosts()
+        for ep in episodes:
+            ep.host = live[ep.order % len(live)]
+            if not ep.environment:
+                ep.traj = Trajectory(list(prompt_ids[ep.prompt_index]), [])
+        self._reset([ep for ep in episodes if ep.environment], rows)
+        turn_sampling = dataclasses.replace(sampling, n=1)
+        turn = 0
+        while active := [ep for ep in episodes if not ep.traj.done]:
+            self._check_limits(active, sampling.max_new_tokens)
+            active = [ep for ep in active if not ep.traj.done]
+            if not active:
+                break
+            self._sample_turn(active, turn_sampling, turn)
+            self._step_envs([ep for ep in active if ep.environment and not ep.traj.done])
+            turn += 1
+        self._close(episodes)
+
+    def _live_hosts(self, *, probe: bool = False) -> list[int]:
+        """Returns the hosts not known dead (``probe``: ping the dead ones first; Ray may have restarted them)."""
+        if probe:
+            for h in sorted(self._dead):
+                try:
+                    ray.get(self.hosts[h].ping.remote(), timeout=30)
+                    self._dead.discard(h)
+                except (*ACTOR_ERRORS, ray.exceptions.GetTimeoutError):
+                    continue
+        return [h for h in range(len(self.hosts)) if h not in self._dead] or list(range(len(self.hosts)))
+
+    def environment_of(self, row: Any) -> str:
+        """Returns the environment name of a prompt row ("" for a single-turn row).
+
+        Raises:
+            ValueError: the row names an environment that is not configured (names the row and the known ones).
+        """
+        name = row.columns.get(self.env_column) or self.default_env
+        if name and name not in self.known_envs:
+            raise ValueError(f"prompt row '{row.prompt_id}': column '{self.env_column}' names environment '{name}', "
+                             f"which is not in env.environments {sorted(self.known_envs)}")
+        return str(name or "")
+
+    def _reset(self, episodes: list[_Episode], rows: list[Any]) -> None:
+        def request(ep: _Episode) -> tuple:
+            row = rows[ep.prompt_index]
+            return ep.key, ep.environment, {"prompt": row.prompt, **row.columns}
+
+        for ep, reply in self._per_host(episodes, "reset", request):
+            ep.traj = Trajectory([], [])  # replaced below unless the reset failed
+            if reply is None or reply.error:
+                self._fail(ep, "actor_died" if reply is None else reply.error, "" if reply is None else reply.message)
+                continue
+            ep.stop = tuple(reply.stop)
+            try:
+                ep.traj = open_trajectory(self.tokenizer, self.prepare(reply.prompt), tools=reply.tools,
+                                          chat_template_kwargs=self.chat_template_kwargs)
+            except Exception as err:  # noqa: BLE001 - a prompt the template cannot render fails its episode
+                self._fail(ep, "env_error", f"chat template: {type(err).__name__}: {err}")
+
+    def _check_limits(self, active: list[_Episode], max_new_tokens: int) -> None:
+        now = time.monotonic()
+        for ep in active:
+            if ep.environment and now - ep.started > self.limits.episode_timeout_s:
+                self._fail(ep, "episode_timeout", f"ran past env.episode_timeout_s={self.limits.episode_timeout_s}")
+            elif len(ep.traj.token_ids) + max_new_tokens > self.limits.max_episode_tokens:
+                ep.traj.stop_reason = "max_episode_tokens"
+
+    def _sample_turn(self, active: list[_Episode], sampling: SamplingSpec, turn: int) -> None:
+        """Sends every active episode's next turn to the engines (one submit per distinct stop-string set)."""
+        seed = None if sampling.seed is None else sampling.seed + SEED_STRIDE_PER_TURN * turn
+        groups: dict[tuple[str, ...], list[_Episode]] = {}
+        for ep in active:
+            groups.setdefault(tuple(sampling.stop) + ep.stop, []).append(ep)
+        submitted = []
+        for stop, eps in groups.items():
+            spec = dataclasses.replace(sampling, seed=seed, stop=stop)
+            submitted.append((eps, self.fleet.submit([ep.traj.token_ids for ep in eps], spec,
+                                                     actor_keys=[ep.order for ep in eps])))
+        for eps, pending in submitted:
+            for ep, c in zip(eps, self.fleet.collect(pending), strict=True):
+                text = self.tokenizer.decode(c.response_token_ids, skip_special_tokens=True)
+                ep.traj.add_turn(c.response_token_ids, c.rollout_logprobs, c.finish_reason, c.policy_version, text)
+                if not ep.environment:
+                    ep.traj.stop_reason = "single_turn"
+                elif c.finish_reason == "length":
+                    ep.traj.stop_reason = "length"
+
+    def _step_envs(self, episodes: list[_Episode]) -> None:
+        def request(ep: _Episode) -> tuple:
+            return ep.key, ep.traj.messages[-1]["content"], ep.traj.finish_reason, ep.traj.num_turns - 1
+
+        for ep, reply in self._per_host(episodes, "step", request):
+            if reply is None or reply.error:
+                self._fail(ep, "actor_died" if reply is None else reply.error, "" if reply is None else reply.message)
+                continue
+            step = reply.step
+            ep.traj.turn_rewards.append(None if step.reward is None else float(step.reward))
+            ep.tool_calls += reply.tool_calls
+            ep.tool_errors += reply.tool_errors
+            for k, v in step.metrics.items():
+                if k not in ("tool_calls", "tool_errors"):
+                    ep.metrics[k] = ep.metrics.get(k, 0.0) + float(v)
+            if step.done:
+                ep.traj.stop_reason = "done"
+            elif step.truncated:
+                ep.traj.stop_reason = "env_truncated"
+            elif ep.traj.num_turns >= self.limits.max_turns:
+                ep.traj.stop_reason = "max_turns"
+            elif not step.observations:
+                continue  # the model takes another turn right after its own (no observation)
+            else:
+                observations, cut = truncate_observations(self.tokenizer, step.observations,
+                                                          self.limits.max_observation_tokens)
+                ep.traj.observations_truncated += cut
+                try:
+                    ep.observation_tokens += ep.traj.add_observations(self.tokenizer, observations)
+                except TemplateDriftError as err:
+                    ep.traj.stop_reason, ep.message = "template_drift", str(err)
+
+    def _close(self, episodes: list[_Episode]) -> None:
+        """Asks each host for the final rewards of episodes a limit ended, then drops every episode's instance."""
+        by_host: dict[int, list[_Episode]] = {}
+        for ep in episodes:
+            if ep.environment and ep.traj.stop_reason != "actor_died":
+                by_host.setdefault(ep.host, []).append(ep)
+        for h, eps in by_host.items():
+            if h in self._dead:
+                continue
+            limited = [ep for ep in eps if ep.traj.stop_reason in ("max_turns", "length", "max_episode_tokens",
+                                                                   "template_drift")]
+            try:
+                if limited:
+                    for ep, r in zip(limited, ray.get(self.hosts[h].final_rewards.remote([e.key for e in limited])),
+                                     strict=True):
+                        ep.final_reward = r
+                ray.get(self.hosts[h].close.remote([ep.key for ep in eps]))
+            except ACTOR_ERRORS as err:
+                self._dead.add(h)
+                log.warning("environment host %d died while closing episodes (%s)", h, type(err).__name__)
+
+    def _per_host(self, episodes: list[_Episode], method: str, request: Callable[[_Episode], tuple]) -> list[tuple]:
+        """Returns (episode, reply or None when its host died) for one batched call per host."""
+        by_host: dict[int, list[_Episode]] = {}
+        for ep in episodes:
+            by_host.setdefault(ep.host, []).append(ep)
+        refs = {h: getattr(self.hosts[h], method).remote([request(ep) for ep in eps]) for h, eps in by_host.items()}
+        out = []
+        for h, eps in by_host.items():
+            try:
+                replies = ray.get(refs[h])
+            except ACTOR_ERRORS as err:
+                self._dead.add(h)
+                log.warning("environment host %d died (%s); its %d episodes fail (stop reason actor_died)", h,
+                            type(err).__name__, len(eps))
+                replies = [None] * len(eps)
+            out += list(zip(eps, replies, strict=True))
+        return out
+
+    def _fail(self, ep: _Episode, reason: str, message: str) -> None:
+        if ep.traj is None:
+            ep.traj = Trajectory([], [])
+        ep.traj.stop_reason, ep.message = reason, message
+        log.warning("episode %s (%s) failed: %s %s", ep.key, ep.environment, reason, message[:300])
+
+    def _completion(self, ep: _Episode) -> Completion:
+        traj = ep.traj
+        env_reward = traj.env_reward
+        if ep.final_reward is not None:
+            env_reward = (env_reward or 0.0) + float(ep.final_reward)
+        info = EpisodeInfo(
+            environment=ep.environment, stop_reason=traj.stop_reason, num_turns=traj.num_turns,
+            turn_rewards=list(traj.turn_rewards), env_reward=env_reward, failed=traj.failed,
+            tool_calls=ep.tool_calls, tool_errors=ep.tool_errors, observation_tokens=ep.observation_tokens,
+            observations_truncated=traj.observations_truncated, metrics=dict(ep.metrics), message=ep.message,
+            rerun=ep.rerun,
+        )
+        if not traj.response_ids:  # failed before its first turn: one masked-out placeholder token
+            eos = int(self.tokenizer.eos_token_id)
+            return Completion(ep.prompt_index, ep.sample_index, [eos], [0.0], "stop", self.fleet.version, [False],
+                              prompt_token_ids=traj.prompt_ids or [eos], episode=info)
+        return Completion(ep.prompt_index, ep.sample_index, list(traj.response_ids), list(traj.logprobs),
+                          traj.finish_reason, min(traj.policy_versions), list(traj.loss_mask),
+                          prompt_token_ids=list(traj.prompt_ids), episode=info)
+
+
+# --------------------------------------------------------------------------------------------
+# Rewards and metrics of episodes
+# --------------------------------------------------------------------------------------------
+def add_env_reward(values: dict[str, list[float | None]], completions: list[Completion], weight: float) -> dict[str, list]:
+    """Returns the scored values with the environment's reward added as the term "env".
+
+    For each completion: a failed episode's reward is NaN (left out of the update); an episode with an
+    environment reward r gets ``reward = functions' reward + weight * r``, where the functions' reward
+    counts as 0 when every function skipped the sample (None) and stays NaN when one failed; a
+    completion without an episode or an episode without an environment reward keeps its reward and
+    gets None for "env" (skipped).
+
+    Args:
+        values: ``RewardScorer.score``'s result: {"reward": [B], <term>: [B]}.
+        completions: the B completions (``Completion.episode``).
+        weight: env.reward_weight.
+    """
+    terms = [k for k in values if k != "reward"]
+    reward, env = list(values["reward"]), []
+    for i, c in enumerate(completions):
+        ep = c.episode
+        if ep is not None and ep.failed:
+            reward[i] = math.nan
+            env.append(math.nan)
+            continue
+        r = None if ep is None else ep.env_reward
+        env.append(r)
+        if r is None:
+            continue
+        skipped_all = all(values[t][i] is None for t in terms)
+        base = 0.0 if skipped_all else reward[i]
+        reward[i] = base + weight * r
+    return {**values, "reward": reward, "env": env}
+
+
+def episode_metrics(completions: list[Completion]) -> dict[str, float]:
+    """Returns env/* metrics of a step's episodes (an empty dict when no completion is an episode).
+
+    env/turns_mean, env/tool_calls_mean, env/tool_errors (sum), env/failed (count), env/observation_tokens_mean,
+    env/observations_truncated (sum), env/episodes_rerun (sum), env/stop_reason/<reason> (count per reason) and
+    env/metric/<name> (the mean of each number in the environments' EnvStep.metrics, summed per episode, over the
+    episodes that reported it) over the multi-turn episodes of the step (``tracking.METRIC_KEY_PREFIXES``).
+    """
+    eps = [c.episode for c in completions if c.episode is not None and c.episode.environment]
+    if not eps:
+        return {}
+    out = {
+        "env/episodes": float(len(eps)),
+        "env/turns_mean": float(np.mean([e.num_turns for e in eps])),
+        "env/tool_calls_mean": float(np.mean([e.tool_calls for e in eps])),
+        "env/tool_errors": float(sum(e.tool_errors for e in eps)),
+        "env/failed": float(sum(e.failed for e in eps)),
+        "env/observation_tokens_mean": float(np.mean([e.observation_tokens for e in eps])),
+        "env/observations_truncated": float(sum(e.observations_truncated for e in eps)),
+        "env/episodes_rerun": float(sum(e.rerun for e in eps)),
+    }
+    for e in eps:
+        out[f"env/stop_reason/{e.stop_reason}"] = out.get(f"env/stop_reason/{e.stop_reason}", 0.0) + 1.0
+    names = sorted({k for e in eps for k in e.metrics})
+    for k in names:
+        vals = [e.metrics[k] for e in eps if k in e.metrics]
+        out[f"env/metric/{k}"] = float(np.mean(vals))
+    return out
