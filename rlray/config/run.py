@@ -62,7 +62,12 @@ class ModelConfig(_Section):
         ),
     )
     chat_template: str | None = Field(
-        None, description="Jinja chat template to use when the tokenizer has none."
+        None,
+        description=(
+            "Chat template replacing the tokenizer's own (null keeps the tokenizer's): a Jinja template string, or "
+            "the name of one shipped with rlray: 'smollm2-tools' (SmolLM2's ChatML plus Hermes-style tool calling, "
+            "for tool environments)."
+        ),
     )
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in the backward pass to save memory."
