@@ -64,8 +64,9 @@ class ModelConfig(_Section):
     chat_template: str | None = Field(
         None,
         description=(
-            "Chat template that replaces the tokenizer's own (given or not): a Jinja string, or the name of one shipped "
-            "with rlray ('smollm2-tools': SmolLM2's ChatML with hermes tool calling). None keeps the tokenizer's."
+            "Chat template replacing the tokenizer's own (null keeps the tokenizer's): a Jinja template string, or "
+            "the name of one shipped with rlray: 'smollm2-tools' (SmolLM2's ChatML plus Hermes-style tool calling, "
+            "for tool environments)."
         ),
     )
     gradient_checkpointing: bool = Field(

@@ -2,22 +2,26 @@
 
 from rlray.models.loading import (
     ALIASES,
+    CHAT_TEMPLATES,
     ModelError,
     cache_dir,
     cpu_supports_bf16,
     load_causal_lm,
     load_tokenizer,
+    resolve_chat_template,
     resolve_dtype,
     resolve_model_path,
 )
 
 __all__ = [
     "ALIASES",
+    "CHAT_TEMPLATES",
     "ModelError",
     "cache_dir",
     "cpu_supports_bf16",
     "load_causal_lm",
     "load_tokenizer",
     "resolve_dtype",
+    "resolve_chat_template",
     "resolve_model_path",
 ]

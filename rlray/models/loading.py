@@ -36,6 +36,9 @@ SMOLLM2_ALIAS = "smollm2-135m-instruct"
 TINY_RANDOM_ALIAS = "tiny-random"
 ALIASES = (SMOLLM2_ALIAS, TINY_RANDOM_ALIAS)
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Chat templates shipped with rlray (rlray/models/templates/), by the name model.chat_template accepts.
+CHAT_TEMPLATES = {"smollm2-tools": "smollm2_tools.jinja"}
+_TEMPLATES_DIR = Path(__file__).parent / "templates"
 
 
 class ModelError(ValueError):
@@ -109,6 +112,14 @@ def resolve_dtype(dtype: str, *, gpu: bool) -> str:
     return "bfloat16" if gpu or cpu_supports_bf16() else "float32"
 
 
+def resolve_chat_template(chat_template: str) -> str:
+    """Returns the Jinja text of ``chat_template``: the file of a shipped template name (``CHAT_TEMPLATES``), else the
+    string itself (a Jinja template)."""
+    if chat_template in CHAT_TEMPLATES:
+        return (_TEMPLATES_DIR / CHAT_TEMPLATES[chat_template]).read_text(encoding="utf-8")
+    return chat_template
+
+
 def load_tokenizer(folder: str, chat_template: str | None = None) -> PreTrainedTokenizerBase:
     """Returns the tokenizer of ``folder`` with a pad token and a chat template.
 
@@ -118,8 +129,9 @@ def load_tokenizer(folder: str, chat_template: str | None = None) -> PreTrainedT
 
     Args:
         folder: a local Hugging Face folder (see ``resolve_model_path``).
-        chat_template: a Jinja chat template (``model.chat_template``); when given it replaces the
-            tokenizer's own.
+        chat_template: ``model.chat_template``: the name of a template shipped with rlray (``CHAT_TEMPLATES``:
+            ``"smollm2-tools"``, SmolLM2's ChatML with Hermes tool calling) or a Jinja template string; when given
+            it replaces the tokenizer's own.
 
     Raises:
         ModelError: the folder has no loadable tokenizer, the tokenizer has neither a pad nor an EOS
@@ -134,7 +146,7 @@ def load_tokenizer(folder: str, chat_template: str | None = None) -> PreTrainedT
             raise ModelError(f"model folder '{folder}': the tokenizer has neither a pad token nor an EOS token")
         tokenizer.pad_token = tokenizer.eos_token
     if chat_template is not None:
-        tokenizer.chat_template = chat_template
+        tokenizer.chat_template = resolve_chat_template(chat_template)
     if not tokenizer.chat_template:
         raise ModelError(
             f"model folder '{folder}': the tokenizer has no chat template; set model.chat_template to a Jinja template"

@@ -1,0 +1,39 @@
+"""Environments: the contract (``base``), tools and their parsers, a tool-calling base class, the TRL adapter.
+
+Plain Python, no Ray: an environment is tested as an object (DESIGN.md, Environments).
+"""
+
+from rlray.envs.base import AssistantTurn, Environment, EnvReset, EnvStep, Message, ToolCall
+from rlray.envs.toolenv import ToolEnvironment, tool_step
+from rlray.envs.tools import (
+    TOOL_CALL_PARSERS,
+    call_tool,
+    parse_hermes,
+    parse_tool_calls,
+    resolve_awaitable,
+    tool_result_text,
+    tool_schemas,
+)
+from rlray.envs.trl import TRLEnvironment, is_trl_environment, load_environment, trl_tool_names
+
+__all__ = [
+    "TOOL_CALL_PARSERS",
+    "AssistantTurn",
+    "EnvReset",
+    "EnvStep",
+    "Environment",
+    "Message",
+    "TRLEnvironment",
+    "ToolCall",
+    "ToolEnvironment",
+    "call_tool",
+    "is_trl_environment",
+    "load_environment",
+    "parse_hermes",
+    "parse_tool_calls",
+    "resolve_awaitable",
+    "tool_result_text",
+    "tool_schemas",
+    "tool_step",
+    "trl_tool_names",
+]

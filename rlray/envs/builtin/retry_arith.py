@@ -1,0 +1,64 @@
+"""RetryArithmeticEnv: one arithmetic question, answered with the number only, retried after "Wrong, try again.".
+
+Row columns: ``a``, ``op`` (``"+"``, ``"-"`` or ``"*"``), ``b``, ``answer`` (the integer result) and optionally
+``max_attempts`` (default 3). Meant as the smallest multi-turn task SmolLM2-135M can learn on a CPU: two-digit
+sums and differences (``rlray.envs.builtin.generate``).
+
+Protocol: a turn is a valid action when its text, stripped, is an integer (an optional leading minus sign, an
+optional trailing period: ``"42"``, ``"42."``, ``"-7"``); anything else is invalid and counts as a wrong attempt.
+A wrong or invalid attempt with attempts left is answered by the user message ``"Wrong, try again."``.
+
+Reward schedule, given on the last turn only (None before): 1.0 when the first attempt is correct, 0.5 when a
+later attempt is, 0.0 when every attempt fails (the episode then ends as truncated). Metrics each turn:
+``attempts`` (attempts so far, this one included) and ``valid_action`` (1.0 when the turn was a number).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from rlray.envs.base import AssistantTurn, EnvReset, EnvStep
+
+REWARD_FIRST_ATTEMPT = 1.0
+REWARD_LATER_ATTEMPT = 0.5
+DEFAULT_MAX_ATTEMPTS = 3
+RETRY_MESSAGE = "Wrong, try again."
+OPERATIONS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+_ANSWER = re.compile(r"-?\d+\.?")
+
+
+def parse_answer(text: str) -> int | None:
+    """Returns the integer of a number-only answer (``" 42.\\n"`` gives 42), or None when the text is anything else."""
+    stripped = text.strip()
+    return int(stripped.rstrip(".")) if _ANSWER.fullmatch(stripped) else None
+
+
+class RetryArithmeticEnv:
+    """One arithmetic question with retries (protocol and reward schedule in the module docstring)."""
+
+    def reset(self, *, a: int, op: str, b: int, answer: int, max_attempts: int = DEFAULT_MAX_ATTEMPTS, **row: Any) -> EnvReset:
+        """Returns one user message: ``"What is {a} {op} {b}? Answer with the number only."``.
+
+        Raises:
+            ValueError: ``op`` is not + - *, ``answer`` is not ``a op b``, or ``max_attempts`` < 1.
+        """
+        if op not in OPERATIONS:
+            raise ValueError(f"RetryArithmeticEnv: op={op!r}; use one of {sorted(OPERATIONS)}")
+        if OPERATIONS[op](int(a), int(b)) != int(answer) or max_attempts < 1:
+            raise ValueError(f"RetryArithmeticEnv: need answer == a {op} b and max_attempts >= 1, got {a=} {b=} {answer=} {max_attempts=}")
+        self.answer, self.max_attempts, self.attempts = int(answer), int(max_attempts), 0
+        return EnvReset(prompt=[{"role": "user", "content": f"What is {a} {op} {b}? Answer with the number only."}])
+
+    def step(self, turn: AssistantTurn) -> EnvStep:
+        """Returns the end of the episode with its reward for a correct answer or the last failed attempt, else the
+        retry message."""
+        self.attempts += 1
+        value = parse_answer(turn.text)
+        metrics = {"attempts": float(self.attempts), "valid_action": float(value is not None)}
+        if value == self.answer:
+            reward = REWARD_FIRST_ATTEMPT if self.attempts == 1 else REWARD_LATER_ATTEMPT
+            return EnvStep(reward=reward, done=True, metrics=metrics)
+        if self.attempts >= self.max_attempts:
+            return EnvStep(reward=0.0, truncated=True, metrics=metrics)
+        return EnvStep(observations=[{"role": "user", "content": RETRY_MESSAGE}], metrics=metrics)

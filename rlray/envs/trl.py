@@ -1,0 +1,182 @@
+"""Run classes written for TRL 1.16's ``GRPOTrainer(environment_factory=...)`` unchanged, and load environments.
+
+TRL's environment shape (read from ``trl/trainer/grpo_trainer.py``, version 1.16.0):
+- ``reset(**row)`` gets every column of the dataset row (``prompt`` included) and returns None or a string; a
+  string is appended to the content of the prompt's *last* message (``prompt[-1]``) by plain concatenation, no
+  separator (``content + observation``); a list of content parts is appended as parts.
+- the tools are the class's public functions (``inspect.getmembers(type(env), inspect.isfunction)``, names not
+  starting with ``_``), minus ``reset`` and ``get_reward``, bound to the instance;
+- the rollout goes on while a turn calls tools and ends on the first turn without a tool call;
+- an optional ``get_reward()`` (sync or async) scores the finished rollout from the instance's state.
+
+``TRLEnvironment`` wraps one such instance in rlray's contract: ``reset`` builds the prompt, ``step`` answers tool
+calls through ``tools.call_tool`` and ends the episode on a turn without calls, with ``get_reward()`` (or None).
+Differences from TRL: one instance per episode (TRL pools and re-resets instances); tool results and errors
+read as ``tools.call_tool`` writes them; a turn with only unparsable calls is answered with error observations.
+
+``load_environment`` resolves ``"package.module:Class"`` or ``"path/to/file.py:Class"`` to a factory, wrapping
+TRL-shaped classes (``is_trl_environment``) once, when the class is loaded (STYLE.md, anti-pattern 4).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rlray.envs.base import AssistantTurn, Environment, EnvReset, EnvStep, Message
+from rlray.envs.toolenv import tool_step
+from rlray.envs.tools import resolve_awaitable
+
+_NOT_TOOLS = ("reset", "get_reward")
+
+
+@functools.cache
+def trl_tool_names(cls: type) -> tuple[str, ...]:
+    """Returns the names of a TRL environment class's tools: its public functions except reset and get_reward (sorted,
+    as ``inspect.getmembers`` lists them; TRL's rule)."""
+    return tuple(
+        name
+        for name, _ in inspect.getmembers(cls, predicate=inspect.isfunction)
+        if not name.startswith("_") and name not in _NOT_TOOLS
+    )
+
+
+def _reset_returns_env_reset(cls: type) -> bool | None:
+    """Returns True when ``cls.reset`` is annotated to return EnvReset, False when annotated to return something else
+    (str, None), None when it has no return annotation. String annotations are read as written."""
+    annotation = inspect.signature(cls.reset).return_annotation
+    if annotation is inspect.Signature.empty:
+        return None
+    if isinstance(annotation, str):
+        return annotation.split(".")[-1] == "EnvReset"
+    return annotation is EnvReset
+
+
+def is_trl_environment(obj_or_class: Any) -> bool:
+    """Returns whether a class (or an instance's class) is written for TRL's ``environment_factory``.
+
+    The rule, applied once when the class is loaded: it needs a callable ``reset``; a ``reset`` annotated to
+    return ``EnvReset`` means rlray's contract (False); annotated to return anything else (``str | None``) means
+    TRL (True); unannotated, a class without a ``step`` function is TRL's and one with ``step`` is rlray's. (A TRL
+    class may have a tool named ``step``; annotate its ``reset`` with ``-> str | None`` to be unambiguous.)
+    """
+    cls = obj_or_class if isinstance(obj_or_class, type) else type(obj_or_class)
+    if not callable(getattr(cls, "reset", None)):
+        return False
+    returns_env_reset = _reset_returns_env_reset(cls)
+    if returns_env_reset is not None:
+        return not returns_env_reset
+    return not callable(getattr(cls, "step", None))
+
+
+def _append_to_content(content: Any, observation: Any) -> Any:
+    """Returns ``content + observation`` as TRL builds it: str + str; a str next to a list of parts becomes a
+    ``{"type": "text"}`` part first."""
+    if isinstance(observation, list) and isinstance(content, str):
+        content = [{"type": "text", "text": content}]
+    if isinstance(observation, str) and isinstance(content, list):
+        observation = [{"type": "text", "text": observation}]
+    return content + observation
+
+
+class TRLEnvironment:
+    """rlray's environment contract over one instance of a TRL ``environment_factory`` class (module docstring)."""
+
+    def __init__(self, instance: Any) -> None:
+        """Wraps ``instance``; its tools are the bound public methods named by ``trl_tool_names``.
+
+        Raises:
+            TypeError: the instance has no callable ``reset``.
+        """
+        if not callable(getattr(instance, "reset", None)):
+            raise TypeError(f"{type(instance).__name__} has no callable reset(); TRL environments need one")
+        self.instance = instance
+        self.tools = [getattr(instance, name) for name in trl_tool_names(type(instance))]
+        self.tools_by_name = {tool.__name__: tool for tool in self.tools}
+
+    def reset(self, **row: Any) -> EnvReset:
+        """Returns the opening conversation: ``row["prompt"]`` (a str becomes one user message; a list of messages is
+        copied; missing means one empty user message, as TRL), with the string ``instance.reset(**row)`` returns
+        appended to the last message's content as TRL does; the tools are the instance's public methods."""
+        prompt = row.get("prompt", [{"role": "user", "content": ""}])
+        messages: list[Message] = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+        observation = self.instance.reset(**row)
+        if observation is not None:
+            messages[-1] = {**messages[-1], "content": _append_to_content(messages[-1]["content"], observation)}
+        return EnvReset(prompt=messages, tools=list(self.tools))
+
+    def step(self, turn: AssistantTurn) -> EnvStep:
+        """Returns the tool observations for a turn with tool calls; for a turn without, the end of the episode with
+        the reward ``instance.get_reward()`` (awaited when async; None when the class has no ``get_reward``)."""
+        result = tool_step(self.tools_by_name, turn)
+        if result is not None:
+            return result
+        get_reward = getattr(self.instance, "get_reward", None)
+        reward = None if get_reward is None else resolve_awaitable(get_reward())
+        return EnvStep(
+            reward=None if reward is None else float(reward), done=True, metrics={"tool_calls": 0.0, "tool_errors": 0.0}
+        )
+
+
+def _import_file(path_text: str, spec: str) -> Any:
+    """Returns the module loaded from the Python file ``path_text`` (relative to the current folder), registered in
+    ``sys.modules`` under a name derived from its resolved path, so loading it twice gives the same module."""
+    path = Path(path_text).expanduser().resolve()
+    if not path.is_file():
+        raise ValueError(f"environment {spec!r}: file {path_text!r} not found (relative paths start at {Path.cwd()})")
+    name = f"rlray_env_{path.stem}_{hashlib.sha256(str(path).encode()).hexdigest()[:12]}"
+    if name in sys.modules:
+        return sys.modules[name]
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def load_environment(spec: str) -> Callable[[], Environment]:
+    """Returns a factory building one environment per call (one per episode) from ``spec``.
+
+    Args:
+        spec: ``"package.module:ClassName"`` (imported) or ``"path/to/file.py:ClassName"`` (a file, relative to
+            the current folder). A TRL-shaped class (``is_trl_environment``) is wrapped in ``TRLEnvironment``.
+
+    Raises:
+        ValueError: the spec has no ``:Class`` part, the module or file is missing, the class is missing or not a
+            class, or it has no callable ``reset``; each message names the spec.
+    """
+    module_part, sep, class_name = spec.rpartition(":")
+    if not sep or not module_part or not class_name:
+        raise ValueError(f"environment {spec!r}: use 'package.module:ClassName' or 'path/to/file.py:ClassName'")
+    if module_part.endswith(".py") or "/" in module_part:
+        module = _import_file(module_part, spec)
+    else:
+        try:
+            module = importlib.import_module(module_part)
+        except ModuleNotFoundError as err:
+            raise ValueError(f"environment {spec!r}: cannot import module {module_part!r}: {err}") from err
+    cls = getattr(module, class_name, None)
+    if not isinstance(cls, type):
+        found = "is not a class" if cls is not None else "is not defined there"
+        raise ValueError(f"environment {spec!r}: {class_name!r} {found} in {module_part!r}")
+    if not callable(getattr(cls, "reset", None)):
+        raise ValueError(f"environment {spec!r}: class {class_name} has no reset method; an environment needs reset(**row)")
+    if is_trl_environment(cls):
+        return functools.partial(_build_trl, cls)
+    return cls
+
+
+def _build_trl(cls: type) -> TRLEnvironment:
+    """Returns a new instance of the TRL-shaped ``cls`` wrapped in ``TRLEnvironment``."""
+    return TRLEnvironment(cls())
