@@ -125,6 +125,14 @@ class TRLEnvironment:
         )
 
 
+    def final_reward(self) -> float | None:
+        """Returns ``instance.get_reward()`` for an episode a limit ended (max turns, tokens) before a turn without a
+        tool call; TRL scores every episode with get_reward at its end. None without ``get_reward``."""
+        get_reward = getattr(self.instance, "get_reward", None)
+        reward = None if get_reward is None else resolve_awaitable(get_reward())
+        return None if reward is None else float(reward)
+
+
 def _import_file(path_text: str, spec: str) -> Any:
     """Returns the module loaded from the Python file ``path_text`` (relative to the current folder), registered in
     ``sys.modules`` under a name derived from its resolved path, so loading it twice gives the same module."""
