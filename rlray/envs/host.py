@@ -159,7 +159,6 @@ class EnvironmentHost:
                 except Exception:  # noqa: BLE001 - closing must not fail a finished episode
                     log.warning("close of episode %s raised:\n%s", key, traceback.format_exc())
 
-    @property
     def open_episodes(self) -> int:
         """Returns how many episodes are open on this host."""
         return len(self._episodes)

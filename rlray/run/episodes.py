@@ -179,7 +179,7 @@ class EpisodeRollout:
                 episodes.append(_Episode(p, s, len(episodes), env, f"{step_key}-{p}-{s}"))
         self._run_episodes(episodes, rows, prompt_ids, sampling)
         died = [i for i, ep in enumerate(episodes) if ep.traj.stop_reason == "actor_died"]
-        if died and self._live_hosts(probe=True):
+        if died and self._revive_hosts():
             log.warning("running %d episodes again whose environment host died", len(died))
             again = [dataclasses.replace(episodes[i], key=f"{episodes[i].key}-rerun", traj=None, stop=(),
                                          started=time.monotonic(), tool_calls=0, tool_errors=0, observation_tokens=0,
@@ -210,16 +210,25 @@ class EpisodeRollout:
             turn += 1
         self._close(episodes)
 
-    def _live_hosts(self, *, probe: bool = False) -> list[int]:
-        """Returns the hosts not known dead (``probe``: ping the dead ones first; Ray may have restarted them)."""
-        if probe:
-            for h in sorted(self._dead):
-                try:
-                    ray.get(self.hosts[h].ping.remote(), timeout=30)
-                    self._dead.discard(h)
-                except (*ACTOR_ERRORS, ray.exceptions.GetTimeoutError):
-                    continue
+    def _live_hosts(self) -> list[int]:
+        """Returns the hosts not known dead (all of them when every one is: their calls then fail as actor_died)."""
         return [h for h in range(len(self.hosts)) if h not in self._dead] or list(range(len(self.hosts)))
+
+    def _revive_hosts(self, timeout_s: float = 60.0) -> list[int]:
+        """Pings the hosts known dead until they answer (Ray restarts a host up to resources.env.max_restarts
+        times) or ``timeout_s`` passes; returns the hosts alive now (possibly none)."""
+        deadline = time.monotonic() + timeout_s
+        for h in sorted(self._dead):
+            while time.monotonic() < deadline:
+                try:
+                    ray.get(self.hosts[h].ping.remote(), timeout=max(deadline - time.monotonic(), 0.1))
+                    self._dead.discard(h)
+                    break
+                except ray.exceptions.ActorUnavailableError:  # restarting
+                    time.sleep(0.5)
+                except (*ACTOR_ERRORS, ray.exceptions.GetTimeoutError):
+                    break
+        return [h for h in range(len(self.hosts)) if h not in self._dead]
 
     def environment_of(self, row: Any) -> str:
         """Returns the environment name of a prompt row ("" for a single-turn row).

@@ -1,0 +1,152 @@
+"""The episode loop (rlray.run.episodes) over real environment hosts (Ray actors) and a scripted fake fleet:
+mixed environments and single-turn rows in one step, masks, rewards, limits, faults, a host that dies."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import ray
+
+from rlray.data import PromptRow
+from rlray.envs.host import EnvironmentHost
+from rlray.rollout import Completion, SamplingSpec
+from rlray.run.episodes import EpisodeLimits, EpisodeRollout, add_env_reward, episode_metrics
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "test_envs.py"
+ENVS = {name: f"{FIXTURE}:{cls}" for name, cls in
+        [("countdown", "CountdownEnv"), ("raise", "RaisingEnv"), ("hang", "HangingEnv"), ("die", "DieOnceEnv")]}
+
+
+class ScriptedFleet:
+    """A rollout fleet whose 'engine' answers 'stop' once the prompt holds two 'go on' observations, else 'more'."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tok, self.version, self.calls = tokenizer, 0, []
+
+    def submit(self, prompt_ids, sampling, rows=None, *, actor_keys=None):
+        self.calls.append((len(prompt_ids), list(actor_keys or []), sampling))
+        return prompt_ids, sampling
+
+    def collect(self, pending):
+        prompt_ids, sampling = pending
+        out = []
+        for i, ids in enumerate(prompt_ids):
+            text = "stop" if self.tok.decode(ids).count("go on") >= 2 else "more"
+            tokens = self.tok(text, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+            for s in range(sampling.n):
+                out.append(Completion(i, s, tokens, [-0.5] * len(tokens), "stop", self.version))
+        return out
+
+
+def rollout(tokenizer, hosts, *, max_turns=8, max_episode_tokens=4096):
+    limits = EpisodeLimits(max_turns, max_episode_tokens, 64, 600.0)
+    return EpisodeRollout(ScriptedFleet(tokenizer), hosts, tokenizer, limits, env_column="environment", default_env=None,
+                          known_envs=list(ENVS), prepare=lambda m: m)
+
+
+def host(**kwargs):
+    return ray.remote(EnvironmentHost).options(max_concurrency=1, **kwargs).remote(ENVS, step_timeout_s=1.0)
+
+
+@pytest.fixture(scope="module")
+def env_host(ray_session):
+    h = host()
+    yield h
+    ray.kill(h)
+
+
+def rows(*envs):
+    return [PromptRow(f"p{i}", "hello", {"environment": e} if e else {}) for i, e in enumerate(envs)]
+
+
+def test_mixed_step_masks_rewards_and_metrics(env_host, tiny_tokenizer):
+    tok = tiny_tokenizer
+    ep = rollout(tok, [env_host])
+    batch = rows("countdown", None, "raise")
+    single_ids = tok("single", add_special_tokens=False)["input_ids"]
+    got = ep.generate([[1, 2], single_ids, [3]], SamplingSpec(n=2, max_new_tokens=8, temperature=1.0, seed=5), batch)
+    assert [(c.prompt_index, c.sample_index) for c in got] == [(p, s) for p in range(3) for s in range(2)]
+    countdown, single, raised = got[0], got[2], got[4]
+
+    # countdown: "more", "go on", "more", "go on", "stop" -> 3 turns, done, reward 3.0 (the turn count)
+    more = tok("more", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    stop = tok("stop", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    obs = tok("\n<|im_start|>user\ngo on<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    assert countdown.response_token_ids == more + obs + more + obs + stop
+    assert countdown.loss_mask == [True] * len(more) + [False] * len(obs) + [True] * len(more) + [False] * len(obs) + [True] * len(stop)
+    assert [lp for lp, m in zip(countdown.rollout_logprobs, countdown.loss_mask, strict=True) if not m] == [0.0] * 2 * len(obs)
+    assert countdown.episode.stop_reason == "done" and countdown.episode.num_turns == 3
+    assert countdown.episode.turn_rewards == [None, None, 3.0] and countdown.episode.env_reward == 3.0
+    opening = tok.apply_chat_template([{"role": "user", "content": "countdown"}], tokenize=False, add_generation_prompt=True)
+    assert countdown.prompt_token_ids == tok(opening, add_special_tokens=False)["input_ids"]
+
+    # the single-turn row: one completion of its own prompt, every token trained on
+    assert single.episode.stop_reason == "single_turn" and single.episode.environment == ""
+    assert single.prompt_token_ids == single_ids and all(single.loss_mask)
+
+    # the raising environment fails its episodes; the run goes on
+    assert raised.episode.failed and raised.episode.stop_reason == "env_error"
+    assert "the environment broke" in raised.episode.message
+
+    # one engine call per turn for all active episodes, each episode on the same actor key every turn
+    fleet = ep.fleet
+    assert [n for n, _, _ in fleet.calls] == [6, 2, 2]  # 6 episodes, then the 2 countdowns (the rest ended)
+    assert fleet.calls[1][1] == fleet.calls[2][1] == [0, 1]
+    assert fleet.calls[0][2].seed == 5 and fleet.calls[1][2].seed == 5 + 1_000_003
+
+    # rewards: a function term skipped the env rows (None) and scored the single-turn one
+    values = {"reward": [math.nan, math.nan, 0.5, 0.5, math.nan, math.nan], "f": [None, None, 0.5, 0.5, None, None]}
+    summed = add_env_reward(values, got, weight=2.0)
+    assert summed["reward"][:4] == [6.0, 6.0, 0.5, 0.5]
+    assert all(math.isnan(r) for r in summed["reward"][4:])
+    assert summed["env"][:4] == [3.0, 3.0, None, None]
+
+    metrics = episode_metrics(got)
+    assert metrics["env/episodes"] == 4.0  # the single-turn rows are not episodes of an environment
+    assert metrics["env/turns_mean"] == (3 + 3 + 1 + 1) / 4
+    assert metrics["env/failed"] == 2.0
+    assert metrics["env/stop_reason/done"] == 2.0 and metrics["env/stop_reason/env_error"] == 2.0
+    assert metrics["env/metric/said_stop"] == 1.0  # summed per episode (0 + 0 + 1), mean over the 2 that reported
+    assert metrics["env/observation_tokens_mean"] == (2 * len(obs) * 2) / 4
+    assert ray.get(env_host.open_episodes.remote()) == 0  # every instance closed
+
+
+def test_limits_end_episodes_with_their_own_stop_reasons(env_host, tiny_tokenizer):
+    sampling = SamplingSpec(n=1, max_new_tokens=4, temperature=1.0)
+    got = rollout(tiny_tokenizer, [env_host], max_turns=2).generate([[1]], sampling, rows("countdown"))[0]
+    assert got.episode.stop_reason == "max_turns" and got.episode.num_turns == 2
+    assert got.episode.env_reward == -1.0  # no turn reward; final_reward() of a limit-ended episode
+    assert not got.episode.failed
+
+    text = tiny_tokenizer.apply_chat_template([{"role": "user", "content": "countdown"}], tokenize=False,
+                                              add_generation_prompt=True)
+    opening = len(tiny_tokenizer(text, add_special_tokens=False)["input_ids"])
+    tight = rollout(tiny_tokenizer, [env_host], max_episode_tokens=opening + 4 + 10)  # one turn fits, a second does not
+    got = tight.generate([[1]], sampling, rows("countdown"))[0]
+    assert got.episode.stop_reason == "max_episode_tokens" and got.episode.num_turns == 1
+
+
+def test_a_hanging_environment_times_out(env_host, tiny_tokenizer):
+    got = rollout(tiny_tokenizer, [env_host]).generate([[1]], SamplingSpec(n=1, max_new_tokens=4, temperature=1.0),
+                                                      rows("hang"))[0]
+    assert got.episode.stop_reason == "timeout" and got.episode.failed
+
+
+def test_unknown_environment_names_the_row(env_host, tiny_tokenizer):
+    with pytest.raises(ValueError, match=r"prompt row 'p0': column 'environment' names environment 'chess'"):
+        rollout(tiny_tokenizer, [env_host]).generate([[1]], SamplingSpec(n=1, max_new_tokens=4, temperature=1.0),
+                                                    rows("chess"))
+
+
+def test_episodes_of_a_dead_host_run_again_once(ray_session, tiny_tokenizer, tmp_path):
+    h = host(max_restarts=1)
+    marker = tmp_path / "died"
+    batch = [PromptRow("p0", "hello", {"environment": "die", "marker": str(marker)})]
+    got = rollout(tiny_tokenizer, [h]).generate([[1]], SamplingSpec(n=2, max_new_tokens=4, temperature=1.0), batch)
+    assert marker.exists()
+    assert [c.episode.stop_reason for c in got] == ["done", "done"]
+    assert [c.episode.rerun for c in got] == [True, True]
+    assert episode_metrics(got)["env/episodes_rerun"] == 2.0
+    ray.kill(h)
