@@ -215,10 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="precede each field with its description (unit and scope) and default, as YAML comments")
     c.set_defaults(func=_config)
 
-    d = sub.add_parser("data", help="datasets: rlray data fetch gsm8k|hh-rlhf-harmless [--dest data]")
+    d = sub.add_parser("data", help="datasets: rlray data fetch gsm8k|hh-rlhf-harmless|retry-arith|guess-number [--dest data]")
     dsub = d.add_subparsers(dest="data_command", required=True)
     f = dsub.add_parser("fetch")
-    f.add_argument("name", choices=["gsm8k", "hh-rlhf-harmless"])
+    f.add_argument("name", choices=["gsm8k", "hh-rlhf-harmless", "retry-arith", "guess-number"])
     f.add_argument("--dest", default="data")
     f.set_defaults(func=_data)
     return p

@@ -6,6 +6,8 @@
 2. the Hugging Face hub (``openai/gsm8k`` config ``main``; ``Anthropic/hh-rlhf`` data_dir ``harmless-base``);
 3. for gsm8k only, the raw files of github.com/openai/grade-school-math.
 
+The environments' datasets ``retry-arith`` and ``guess-number`` are generated locally instead (``GENERATED``).
+
 Each file lands atomically (written to a temporary folder, then ``os.replace``d into place), so a
 folder that has all the expected files is complete, and a second call does nothing.
 
@@ -30,6 +32,14 @@ DOWNLOAD_TIMEOUT_S = 60.0
 EXPECTED_FILES = {
     "gsm8k": ("train.jsonl", "test.jsonl"),
     "hh-rlhf-harmless": ("test.jsonl.gz",),
+    "retry-arith": ("train.jsonl", "calibration.jsonl", "heldout.jsonl"),
+    "guess-number": ("train.jsonl", "calibration.jsonl", "heldout.jsonl"),
+}
+# Datasets written here from a seeded generator (rlray.envs.builtin.generate), not downloaded: name -> (generator
+# kind, environment name in the configs, rows per split, seed). Their splits never share an item.
+GENERATED = {
+    "retry-arith": ("retry_arith", "retry_arith", {"train": 2000, "calibration": 200, "heldout": 200}, 0),
+    "guess-number": ("guess", "guess", {"train": 400, "calibration": 61, "heldout": 54}, 0),
 }
 
 
@@ -79,10 +89,27 @@ def _complete(name: str, folder: Path) -> bool:
 
 def _sources(name: str) -> list[tuple[str, Callable[[str, Path], None]]]:
     """Returns the (label, filler) pairs to try for ``name``, in order."""
+    if name in GENERATED:
+        return [("seeded generator (rlray.envs.builtin.generate)", _generate)]
     sources = [(f"mirror (env {MIRROR_ENV})", _from_mirror), ("Hugging Face hub", _from_hub)]
     if name == "gsm8k":
         sources.append(("GitHub openai/grade-school-math", _from_github))
     return sources
+
+
+def _generate(name: str, out: Path) -> None:
+    """Writes a generated dataset's three splits into ``out``; each row also gets ``prompt`` (a one-line description,
+    the environment writes the real opening) and ``environment`` (the environment's name in the configs)."""
+    from rlray.envs.builtin.generate import build_rows
+
+    kind, environment, sizes, seed = GENERATED[name]
+    for split, n in sizes.items():
+        rows = build_rows(kind, n, seed, split)
+        for row in rows:
+            row["prompt"] = (f"What is {row['a']} {row['op']} {row['b']}?" if kind == "retry_arith"
+                             else f"Guess a number between {row['low']} and {row['high']}.")
+            row["environment"] = environment
+        _write_jsonl(rows, out / f"{split}.jsonl")
 
 
 def _from_mirror(name: str, out: Path) -> None:

@@ -108,6 +108,8 @@ class EpisodeRollout:
         known_envs: the configured environment names (a row naming another is an error).
         prepare: turns a row's opening messages into the final ones (data.instruction and data.system_prompt).
         chat_template_kwargs: extra chat-template variables (rollout.chat_template_kwargs).
+        prompt_column: the data's prompt column (data.prompt_column); ``reset`` gets the row's prompt as ``prompt``
+            and under this name too, with every other column.
 
     Raises:
         ValueError: no host.
@@ -115,12 +117,14 @@ class EpisodeRollout:
 
     def __init__(self, fleet: RolloutFleet, hosts: list[Any], tokenizer: Any, limits: EpisodeLimits, *,
                  env_column: str, default_env: str | None, known_envs: list[str],
-                 prepare: Callable[[list[dict]], list[dict]], chat_template_kwargs: dict[str, Any] | None = None) -> None:
+                 prepare: Callable[[list[dict]], list[dict]], chat_template_kwargs: dict[str, Any] | None = None,
+                 prompt_column: str = "prompt") -> None:
         if not hosts:
             raise ValueError("EpisodeRollout needs at least one environment host (resources.env.num_workers)")
         self.fleet, self.hosts, self.tokenizer, self.limits = fleet, list(hosts), tokenizer, limits
         self.env_column, self.default_env, self.known_envs = env_column, default_env or "", set(known_envs)
         self.prepare, self.chat_template_kwargs = prepare, dict(chat_template_kwargs or {})
+        self.prompt_column = prompt_column
         self._dead: set[int] = set()
 
     @property
@@ -245,7 +249,7 @@ class EpisodeRollout:
     def _reset(self, episodes: list[_Episode], rows: list[Any]) -> None:
         def request(ep: _Episode) -> tuple:
             row = rows[ep.prompt_index]
-            return ep.key, ep.environment, {"prompt": row.prompt, **row.columns}
+            return ep.key, ep.environment, {**row.columns, "prompt": row.prompt, self.prompt_column: row.prompt}
 
         for ep, reply in self._per_host(episodes, "reset", request):
             ep.traj = Trajectory([], [])  # replaced below unless the reset failed

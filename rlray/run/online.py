@@ -234,7 +234,7 @@ def episode_rollout(cfg: Config, fleet: RolloutFleet, hosts: list[Any], tokenize
 
     return EpisodeRollout(fleet, hosts, tokenizer, limits, env_column=env.column, default_env=env.default,
                           known_envs=list(env.environments), prepare=prepare,
-                          chat_template_kwargs=cfg.rollout.chat_template_kwargs)
+                          chat_template_kwargs=cfg.rollout.chat_template_kwargs, prompt_column=cfg.data.prompt_column)
 
 
 def pin_learner(cfg: Config, rank: int) -> None:
