@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,8 +20,6 @@ from rlray.envs import (
 from rlray.envs.builtin import GuessNumberEnv
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "envs" / "trl_calculator.py"
-sys.path.insert(0, str(FIXTURE.parent))
-from trl_calculator import TRLCalculatorEnv  # noqa: E402
 
 
 def turn(text: str, index: int = 0) -> AssistantTurn:
@@ -30,8 +27,8 @@ def turn(text: str, index: int = 0) -> AssistantTurn:
     return AssistantTurn(text=text, tool_calls=calls, tool_call_errors=errors, turn_index=index)
 
 
-def test_reset_appends_the_returned_string_like_trl():
-    env = TRLEnvironment(TRLCalculatorEnv())
+def test_reset_appends_the_returned_string_like_trl(trl_calculator_cls):
+    env = TRLEnvironment(trl_calculator_cls())
     row = {"prompt": [{"role": "system", "content": "S"}, {"role": "user", "content": "What is 6 x 7?"}], "a": 6, "b": 7}
     opened = env.reset(**row)
     # TRL: prompt[-1]["content"] + observation, no separator (grpo_trainer.py, _generate_and_score_completions)
@@ -63,8 +60,8 @@ def test_standard_prompt_and_reset_returning_none_and_content_parts():
     assert parts.prompt == [{"role": "user", "content": [{"type": "text", "text": "A"}, {"type": "text", "text": "B"}]}]
 
 
-def test_tools_are_public_methods_except_reset_and_get_reward():
-    assert trl_tool_names(TRLCalculatorEnv) == ("multiply",)
+def test_tools_are_public_methods_except_reset_and_get_reward(trl_calculator_cls):
+    assert trl_tool_names(trl_calculator_cls) == ("multiply",)
 
     class Game:
         def reset(self, **kwargs) -> str | None: ...
@@ -83,8 +80,8 @@ def test_tools_are_public_methods_except_reset_and_get_reward():
     assert trl_tool_names(Game) == ("look", "move")  # sorted, as inspect.getmembers lists them
 
 
-def test_scripted_three_turn_episode():
-    env = TRLEnvironment(TRLCalculatorEnv())
+def test_scripted_three_turn_episode(trl_calculator_cls):
+    env = TRLEnvironment(trl_calculator_cls())
     env.reset(prompt="What is 6 x 7?", a=6, b=7)
     first = env.step(turn('<tool_call>{"name": "multiply", "arguments": {"a": 6, "b": 6}}</tool_call>'))
     assert first.observations == [{"role": "tool", "name": "multiply", "content": "36"}]
@@ -102,8 +99,8 @@ def test_scripted_three_turn_episode():
     assert env.instance.results == [36, 42]
 
 
-def test_episode_without_the_right_call_scores_zero_and_no_get_reward_gives_none():
-    env = TRLEnvironment(TRLCalculatorEnv())
+def test_episode_without_the_right_call_scores_zero_and_no_get_reward_gives_none(trl_calculator_cls):
+    env = TRLEnvironment(trl_calculator_cls())
     env.reset(prompt="What is 6 x 7?", a=6, b=7)
     assert env.step(turn("42")).reward == 0.0
 
@@ -115,8 +112,8 @@ def test_episode_without_the_right_call_scores_zero_and_no_get_reward_gives_none
     assert bare.step(turn("done")).reward is None
 
 
-def test_async_get_reward_is_awaited():
-    class AsyncJudge(TRLCalculatorEnv):
+def test_async_get_reward_is_awaited(trl_calculator_cls):
+    class AsyncJudge(trl_calculator_cls):
         async def get_reward(self) -> float:
             await asyncio.sleep(0)
             return 0.25 + len(self.results)
@@ -127,7 +124,7 @@ def test_async_get_reward_is_awaited():
     assert env.step(turn("6", 1)).reward == 1.25
 
 
-def test_is_trl_environment():
+def test_is_trl_environment(trl_calculator_cls):
     class Native:
         def reset(self, **row) -> EnvReset: ...
 
@@ -146,7 +143,7 @@ def test_is_trl_environment():
     class TRLUnannotated:
         def reset(self, **kwargs): ...
 
-    assert is_trl_environment(TRLCalculatorEnv) and is_trl_environment(TRLCalculatorEnv())
+    assert is_trl_environment(trl_calculator_cls) and is_trl_environment(trl_calculator_cls())
     assert is_trl_environment(TRLWithStepTool) and is_trl_environment(TRLUnannotated)
     assert not is_trl_environment(Native) and not is_trl_environment(NativeUnannotated)
     assert not is_trl_environment(GuessNumberEnv) and not is_trl_environment(object)
