@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from rlray.models import CHAT_TEMPLATES, load_tokenizer, resolve_chat_template
+from rlray.models import CHAT_TEMPLATES, ModelError, load_tokenizer, resolve_chat_template
 
 CONVERSATIONS = [
     [{"role": "user", "content": "hi"}],
@@ -45,6 +45,8 @@ def test_alias_and_jinja_string_both_load(tiny_model_path):
     text = resolve_chat_template("smollm2-tools")
     assert text.startswith("{#- SmolLM2's ChatML template") and "<tool_call>" in text
     assert resolve_chat_template("{{ 'x' }}") == "{{ 'x' }}"
+    with pytest.raises(ModelError, match=r"model.chat_template='smollm2-tool' is neither .* \['smollm2-tools'\]"):
+        resolve_chat_template("smollm2-tool")  # a typo would otherwise render as literal text
     assert load_tokenizer(tiny_model_path, chat_template="smollm2-tools").chat_template == text
 
 
