@@ -174,6 +174,7 @@ def test_load_environment_from_module_and_file(monkeypatch):
         ("no_colon", "use 'package.module:ClassName'"),
         ("rlray.envs.nope:X", "cannot import module 'rlray.envs.nope'"),
         ("missing/file.py:X", "file 'missing/file.py' not found"),
+        ("some/dir:X", "'some/dir' is not a .py file"),
         ("rlray.envs.builtin.guess:Missing", "'Missing' is not defined there"),
         ("FILE:NOT_A_CLASS", "'NOT_A_CLASS' is not a class"),
         ("FILE:NotAnEnv", "class NotAnEnv has no reset method"),
