@@ -137,6 +137,8 @@ def _import_file(path_text: str, spec: str) -> Any:
     """Returns the module loaded from the Python file ``path_text`` (relative to the current folder), registered in
     ``sys.modules`` under a name derived from its resolved path, so loading it twice gives the same module."""
     path = Path(path_text).expanduser().resolve()
+    if path.suffix != ".py":
+        raise ValueError(f"environment {spec!r}: {path_text!r} is not a .py file; use 'path/to/file.py:ClassName'")
     if not path.is_file():
         raise ValueError(f"environment {spec!r}: file {path_text!r} not found (relative paths start at {Path.cwd()})")
     name = f"rlray_env_{path.stem}_{hashlib.sha256(str(path).encode()).hexdigest()[:12]}"

@@ -114,9 +114,19 @@ def resolve_dtype(dtype: str, *, gpu: bool) -> str:
 
 def resolve_chat_template(chat_template: str) -> str:
     """Returns the Jinja text of ``chat_template``: the file of a shipped template name (``CHAT_TEMPLATES``), else the
-    string itself (a Jinja template)."""
+    string itself (a Jinja template).
+
+    Raises:
+        ModelError: the value is neither a shipped name nor Jinja (it holds no ``{{`` or ``{%``: a mistyped name
+            would otherwise render as literal text).
+    """
     if chat_template in CHAT_TEMPLATES:
         return (_TEMPLATES_DIR / CHAT_TEMPLATES[chat_template]).read_text(encoding="utf-8")
+    if "{{" not in chat_template and "{%" not in chat_template:
+        raise ModelError(
+            f"model.chat_template={chat_template[:60]!r} is neither a Jinja template nor a shipped template name; "
+            f"use one of {sorted(CHAT_TEMPLATES)} or a Jinja string"
+        )
     return chat_template
 
 
