@@ -12,7 +12,7 @@ optional reward and done/truncated. The episode's reward is the sum of the turn 
 when no turn gave one: the episode then has no environment reward and the reward functions alone score
 it). Classes written for TRL's ``GRPOTrainer(environment_factory=...)`` run through ``rlray.envs.trl``.
 
-Two optional methods: ``final_reward(self) -> float | None`` is called once when a limit (max turns,
+Two optional methods: ``reward_at_limit(self) -> float | None`` is called once when a limit (max turns,
 tokens, a truncated turn) ends an episode before the environment said done, and its value is added to
 the episode's reward; ``close(self)`` is called when the episode is over (release resources).
 

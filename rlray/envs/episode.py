@@ -31,13 +31,14 @@ STOP_REASONS = (
     "max_turns",  # env.max_turns assistant turns were sampled
     "length",  # a turn hit rollout.max_new_tokens
     "max_episode_tokens",  # the next turn would not fit in env.max_episode_tokens
+    "prompt_too_long",  # the opening prompt leaves no room for a first turn (failed)
     "template_drift",  # the chat template does not extend the previous tokens
     "env_error",  # the environment raised (the episode failed)
     "timeout",  # a reset or step call ran past env.step_timeout_s (failed)
     "episode_timeout",  # the episode ran past env.episode_timeout_s (failed)
     "actor_died",  # the environment actor died twice (failed)
 )
-FAILED_STOP_REASONS = frozenset({"env_error", "timeout", "episode_timeout", "actor_died"})
+FAILED_STOP_REASONS = frozenset({"env_error", "timeout", "episode_timeout", "actor_died", "prompt_too_long"})
 
 
 class TemplateDriftError(ValueError):

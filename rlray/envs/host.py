@@ -134,17 +134,17 @@ class EnvironmentHost:
 
         return self._run([(one, req) for req in requests], StepReply)
 
-    def final_rewards(self, keys: list[str]) -> list[float | None]:
-        """Returns each episode's ``final_reward()`` (an optional method: None when absent), for episodes that a
+    def rewards_at_limit(self, keys: list[str]) -> list[float | None]:
+        """Returns each episode's ``reward_at_limit()`` (an optional method: None when absent), for episodes that a
         limit ended before the environment said done."""
         out = []
         for key in keys:
             env = self._episodes.get(key)
-            final = getattr(env, "final_reward", None)  # optional part of the contract (rlray.envs.base)
+            final = getattr(env, "reward_at_limit", None)  # optional part of the contract (rlray.envs.base)
             try:
                 out.append(None if final is None else final())
             except Exception:  # noqa: BLE001 - a failing final reward is no reward, logged
-                log.warning("final_reward of episode %s raised:\n%s", key, traceback.format_exc())
+                log.warning("reward_at_limit of episode %s raised:\n%s", key, traceback.format_exc())
                 out.append(None)
         return out
 

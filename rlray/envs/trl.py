@@ -124,8 +124,7 @@ class TRLEnvironment:
             reward=None if reward is None else float(reward), done=True, metrics={"tool_calls": 0.0, "tool_errors": 0.0}
         )
 
-
-    def final_reward(self) -> float | None:
+    def reward_at_limit(self) -> float | None:
         """Returns ``instance.get_reward()`` for an episode a limit ended (max turns, tokens) before a turn without a
         tool call; TRL scores every episode with get_reward at its end. None without ``get_reward``."""
         get_reward = getattr(self.instance, "get_reward", None)

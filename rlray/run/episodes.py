@@ -82,7 +82,7 @@ class _Episode:
     observation_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     message: str = ""
-    final_reward: float | None = None
+    limit_reward: float | None = None
     rerun: bool = False
 
 
@@ -187,7 +187,7 @@ class EpisodeRollout:
             log.warning("running %d episodes again whose environment host died", len(died))
             again = [dataclasses.replace(episodes[i], key=f"{episodes[i].key}-rerun", traj=None, stop=(),
                                          started=time.monotonic(), tool_calls=0, tool_errors=0, observation_tokens=0,
-                                         metrics={}, message="", final_reward=None) for i in died]
+                                         metrics={}, message="", limit_reward=None) for i in died]
             self._run_episodes(again, rows, prompt_ids, sampling)
             for i, ep in zip(died, again, strict=True):
                 ep.rerun = True
@@ -269,7 +269,12 @@ class EpisodeRollout:
             if ep.environment and now - ep.started > self.limits.episode_timeout_s:
                 self._fail(ep, "episode_timeout", f"ran past env.episode_timeout_s={self.limits.episode_timeout_s}")
             elif len(ep.traj.token_ids) + max_new_tokens > self.limits.max_episode_tokens:
-                ep.traj.stop_reason = "max_episode_tokens"
+                if ep.traj.num_turns:
+                    ep.traj.stop_reason = "max_episode_tokens"
+                else:
+                    self._fail(ep, "prompt_too_long", f"the opening prompt has {len(ep.traj.prompt_ids)} tokens; with "
+                               f"rollout.max_new_tokens={max_new_tokens} it exceeds env.max_episode_tokens="
+                               f"{self.limits.max_episode_tokens}")
 
     def _sample_turn(self, active: list[_Episode], sampling: SamplingSpec, turn: int) -> None:
         """Sends every active episode's next turn to the engines (one submit per distinct stop-string set)."""
@@ -336,9 +341,9 @@ class EpisodeRollout:
                                                                    "template_drift")]
             try:
                 if limited:
-                    for ep, r in zip(limited, ray.get(self.hosts[h].final_rewards.remote([e.key for e in limited])),
+                    for ep, r in zip(limited, ray.get(self.hosts[h].rewards_at_limit.remote([e.key for e in limited])),
                                      strict=True):
-                        ep.final_reward = r
+                        ep.limit_reward = r
                 ray.get(self.hosts[h].close.remote([ep.key for ep in eps]))
             except ACTOR_ERRORS as err:
                 self._dead.add(h)
@@ -371,8 +376,8 @@ class EpisodeRollout:
     def _completion(self, ep: _Episode) -> Completion:
         traj = ep.traj
         env_reward = traj.env_reward
-        if ep.final_reward is not None:
-            env_reward = (env_reward or 0.0) + float(ep.final_reward)
+        if ep.limit_reward is not None:
+            env_reward = (env_reward or 0.0) + float(ep.limit_reward)
         info = EpisodeInfo(
             environment=ep.environment, stop_reason=traj.stop_reason, num_turns=traj.num_turns,
             turn_rewards=list(traj.turn_rewards), env_reward=env_reward, failed=traj.failed,
@@ -395,11 +400,11 @@ class EpisodeRollout:
 def add_env_reward(values: dict[str, list[float | None]], completions: list[Completion], weight: float) -> dict[str, list]:
     """Returns the scored values with the environment's reward added as the term "env".
 
-    For each completion: a failed episode's reward is NaN (left out of the update); an episode with an
-    environment reward r gets ``reward = functions' reward + weight * r``, where the functions' reward
-    counts as 0 when every function skipped the sample (None) and stays NaN when one failed; a
-    completion without an episode or an episode without an environment reward keeps its reward and
-    gets None for "env" (skipped).
+    For each completion: a failed episode's reward is NaN (left out of the update); an environment's
+    episode gets ``reward = functions' reward + weight * r`` with r its environment reward, 0.0 when the
+    environment gave none (the episode happened and earned nothing), where the functions' reward counts
+    as 0 when every function skipped the sample (None) and stays NaN when one failed; a single-turn
+    completion keeps its reward and gets None for "env" (skipped).
 
     Args:
         values: ``RewardScorer.score``'s result: {"reward": [B], <term>: [B]}.
@@ -414,10 +419,11 @@ def add_env_reward(values: dict[str, list[float | None]], completions: list[Comp
             reward[i] = math.nan
             env.append(math.nan)
             continue
-        r = None if ep is None else ep.env_reward
-        env.append(r)
-        if r is None:
+        if ep is None or not ep.environment:
+            env.append(None)
             continue
+        r = 0.0 if ep.env_reward is None else ep.env_reward
+        env.append(r)
         skipped_all = all(values[t][i] is None for t in terms)
         base = 0.0 if skipped_all else reward[i]
         reward[i] = base + weight * r

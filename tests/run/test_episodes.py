@@ -117,7 +117,7 @@ def test_limits_end_episodes_with_their_own_stop_reasons(env_host, tiny_tokenize
     sampling = SamplingSpec(n=1, max_new_tokens=4, temperature=1.0)
     got = rollout(tiny_tokenizer, [env_host], max_turns=2).generate([[1]], sampling, rows("countdown"))[0]
     assert got.episode.stop_reason == "max_turns" and got.episode.num_turns == 2
-    assert got.episode.env_reward == -1.0  # no turn reward; final_reward() of a limit-ended episode
+    assert got.episode.env_reward == -1.0  # no turn reward; reward_at_limit() of a limit-ended episode
     assert not got.episode.failed
 
     text = tiny_tokenizer.apply_chat_template([{"role": "user", "content": "countdown"}], tokenize=False,
@@ -150,3 +150,20 @@ def test_episodes_of_a_dead_host_run_again_once(ray_session, tiny_tokenizer, tmp
     assert [c.episode.rerun for c in got] == [True, True]
     assert episode_metrics(got)["env/episodes_rerun"] == 2.0
     ray.kill(h)
+
+
+def test_env_reward_defaults_to_zero_and_failed_episodes_are_nan():
+    from rlray.rollout.types import EpisodeInfo
+
+    def comp(episode):
+        return Completion(0, 0, [1], [0.0], "stop", 0, episode=episode)
+
+    got = [comp(EpisodeInfo("guess", "length", 1)),  # no reward from the environment: 0.0
+           comp(EpisodeInfo("guess", "done", 2, [None, 0.9], 0.9)),
+           comp(EpisodeInfo("guess", "env_error", 1, failed=True)),
+           comp(None)]  # single-turn: keeps the functions' reward
+    values = {"reward": [math.nan, 0.25, 1.0, 0.75], "f": [None, 0.25, 1.0, 0.75]}
+    out = add_env_reward(values, got, weight=1.0)
+    assert out["env"][:2] == [0.0, 0.9] and math.isnan(out["env"][2]) and out["env"][3] is None
+    assert out["reward"][0] == 0.0 and out["reward"][1] == 0.25 + 0.9 and math.isnan(out["reward"][2])
+    assert out["reward"][3] == 0.75

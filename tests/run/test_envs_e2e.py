@@ -1,0 +1,42 @@
+"""End to end: 2 GRPO steps of configs/envs/mixed_tiny.yaml (three environments and single-turn rows in one run)
+through vLLM rollout actors, environment hosts, Ray Train and MLflow."""
+
+from pathlib import Path
+
+import pytest
+
+from rlray.observe.tracking import get_run, get_run_metrics, is_metric_key, term_keys
+
+REPO = Path(__file__).resolve().parents[2]
+ENV_KEYS = ["env/episodes", "env/turns_mean", "env/tool_calls_mean", "env/tool_errors", "env/failed",
+            "env/observation_tokens_mean", "env/episodes_rerun", "reward/env", "reward/exact_match"]
+
+
+@pytest.mark.ray
+def test_mixed_environments_two_steps_through_ray(ray_session, tmp_path):
+    from rlray.config import load_config
+    from rlray.launch.driver import run_training
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cfg = load_config(REPO / "configs/envs/mixed_tiny.yaml",
+                      [f"run.output_dir={tmp_path}/out", f"tracking.mlflow_uri={uri}",
+                       f"data.train_files=[{REPO}/docs/examples/mixed_envs.jsonl]",
+                       f"data.eval_files=[{REPO}/docs/examples/mixed_envs.jsonl]", "learner.lr=1e-3"])
+    result = run_training(cfg)
+    assert result.status == "FINISHED"
+    assert get_run(uri, result.run_id).info.status == "FINISHED"
+    metrics = get_run_metrics(uri, result.run_id)
+    for key in ENV_KEYS:
+        assert [s for s, _ in metrics[key]] == [1, 2], key
+    # the 2 steps take the file's 8 rows once (4 prompts each): 6 environment rows x 2 samples are episodes, the
+    # 2 single-turn rows are not
+    assert sum(v for _, v in metrics["env/episodes"]) == 12.0
+    stops = {k: dict(v) for k, v in metrics.items() if k.startswith("env/stop_reason/")}
+    for step, episodes in metrics["env/episodes"]:
+        assert sum(v.get(step, 0.0) for v in stops.values()) == episodes  # every episode has one stop reason
+    assert all(v == 0.0 for _, v in metrics["env/failed"])  # no environment broke
+    assert all(v == 0.0 for _, v in metrics["reward/failed"])  # every sample has a reward (env 0.0 without one)
+    logged = [k for k in metrics if k.startswith(("env/", "rollout/", "learner/", "algo/"))]
+    assert all(is_metric_key(k) for k in logged), [k for k in logged if not is_metric_key(k)]
+    assert {"reward/env", "reward/env_skipped", "eval/env", "eval/exact_match"} <= set(metrics) & set(term_keys(["env", "exact_match"]))
+    assert "eval/env_success" in metrics and "eval/env_turns_mean" in metrics
