@@ -145,3 +145,11 @@ def test_dapo_filters_on_a_reward_term_that_exists():
         config_from_dict({**base, "algo": {"name": "dapo", "dynamic_sampling_metric": "length"}})
     with pytest.raises(ConfigError, match=r"algo.dynamic_sampling_metric='accuracy' was renamed: .* use gsm8k_correct"):
         config_from_dict({**base, "algo": {"name": "dapo", "dynamic_sampling_metric": "accuracy"}})
+
+
+def test_adapter_path_with_a_lora_rank_is_refused_naming_both_keys():
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"model": {"adapter_path": "ckpt/adapter", "lora": {"rank": 8}}})
+    assert "model.adapter_path='ckpt/adapter' with model.lora.rank=8: the adapter brings its own LoRA settings; " \
+           "set model.lora.rank=0" in str(err.value)
+    assert config_from_dict({"model": {"adapter_path": "ckpt/adapter"}}).model.adapter_path == "ckpt/adapter"
