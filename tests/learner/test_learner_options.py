@@ -148,3 +148,19 @@ def test_an_existing_adapter_trains_from_its_saved_weights(tiny_model_path, tiny
 def test_lora_and_adapter_path_together_are_refused(tiny_model_path):
     with pytest.raises(ValueError, match="pass lora or adapter_path, not both"):
         _learner(tiny_model_path, lora=LORA, adapter_path="/nonexistent")
+
+
+def test_a_lora_snapshot_restores_the_trained_adapter(tiny_model_path, tiny_tokenizer, tmp_path):
+    from rlray.checkpoint.contents import load_model_weights
+
+    data = _batch(tiny_tokenizer.pad_token_id)
+    trained = _learner(tiny_model_path, lora=LORA)
+    trained.train_minibatch(data, SPEC, Normaliser(float(data["response_mask"].sum()), 4.0), 2)
+    trained.module.save_pretrained(tmp_path / "model", safe_serialization=True)  # what a snapshot's model/ holds
+    want = trained.logprobs(data, reference=False, microbatch_size=4)
+    fresh = _learner(tiny_model_path, lora=LORA)
+    assert (fresh.logprobs(data, reference=False, microbatch_size=4) - want).abs().max() > 1e-3
+    load_model_weights(fresh.module, tmp_path / "model")
+    torch.testing.assert_close(fresh.logprobs(data, reference=False, microbatch_size=4), want, atol=1e-6, rtol=0)
+    with pytest.raises(RuntimeError, match="the snapshot holds a LoRA adapter but the policy has none"):
+        load_model_weights(_learner(tiny_model_path).module, tmp_path / "model")
