@@ -128,17 +128,43 @@ def adopt_trained_config(cfg: Config, trained: dict[str, Any]) -> Config:
 def load_model_weights(module: torch.nn.Module, model_dir: Path) -> None:
     """Loads every ``*.safetensors`` file of ``model_dir`` into ``module`` in place.
 
+    A LoRA policy (``model.lora.rank`` or ``model.adapter_path``) is a peft model whose ``save_pretrained``
+    wrote the adapter only (adapter_config.json, adapter_model.safetensors, names without the adapter
+    name): its tensors go in through peft's ``set_peft_model_state_dict``, and every adapter tensor of the
+    module must be among them (the base weights are model.path's, never trained).
+
     Raises:
         RuntimeError: a tensor the module has is missing (other than a tied LM head) or an unknown one.
     """
     state: dict[str, torch.Tensor] = {}
     for file in sorted(Path(model_dir).glob("*.safetensors")):
         state.update(load_file(str(file)))
+    if (Path(model_dir) / "adapter_config.json").is_file():
+        _load_adapter_weights(module, state)
+        return
     missing, unexpected = module.load_state_dict(state, strict=False)
     tied = bool(getattr(module.config, "tie_word_embeddings", False))
     missing = [k for k in missing if not (tied and k == "lm_head.weight")]
     if missing or unexpected:
         raise RuntimeError(f"snapshot weights do not fit the policy: missing {missing[:3]}, unexpected {unexpected[:3]}")
+
+
+def _load_adapter_weights(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Loads a peft adapter state dict (``save_pretrained``'s names) into the peft model ``module``.
+
+    Raises:
+        RuntimeError: the module is not a LoRA policy, or an adapter tensor is missing or unknown.
+    """
+    from peft import PeftModel, set_peft_model_state_dict
+
+    if not isinstance(module, PeftModel):
+        raise RuntimeError("the snapshot holds a LoRA adapter but the policy has none; set model.lora.rank or "
+                           "model.adapter_path as the snapshot's run did")
+    result = set_peft_model_state_dict(module, state)
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(f"snapshot adapter does not fit the policy: missing {missing[:3]}, "
+                           f"unexpected {list(result.unexpected_keys)[:3]}")
 
 
 def set_optimizer_hparams(learner: Any, cfg: Config) -> None:

@@ -110,6 +110,15 @@ class AlgoConfig(_Section):
         ),
     )
     overlong_penalty_factor: float = Field(1.0, ge=0.0, description="Online, with overlong_cache_tokens: the largest penalty (reward units).")
+    mask_truncated: bool = Field(
+        False,
+        description=(
+            "Online: leave responses that hit rollout.max_new_tokens (finish_reason 'length') out of the loss and "
+            "its token normaliser (DAPO's overlong filtering; TRL mask_truncated_completions), counted per step in "
+            "rollout/truncated_masked. Unlike TRL they also leave the group baseline (mean and std), as samples "
+            "whose reward failed do; their rewards still count in reward/mean."
+        ),
+    )
     # ---- offline
     beta: float = Field(
         0.1, gt=0.0,

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any
+from types import UnionType
+from typing import Annotated, Any, Union, get_args, get_origin
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationInfo, field_validator
 
 
 class ConfigError(ValueError):
@@ -13,9 +14,25 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    """Base of every config section: unknown keys are errors, assignments are validated."""
+    """Base of every config section: unknown keys are errors, assignments are validated, and a boolean is
+    never read as a number (pydantic's lax mode turns ``learner.lr=true`` into 1.0 without a word)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_as_number(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, bool) and info.field_name is not None:
+            kinds = _number_kinds(cls.model_fields[info.field_name].annotation)
+            if kinds and bool not in kinds:
+                raise ValueError(f"got {str(value).lower()}, a boolean; give a number")
+        return value
+
+
+def _number_kinds(ann: Any) -> set[type]:
+    """Returns the scalar types among int, float and bool that an annotation (or its Optional/Union members) holds."""
+    members = get_args(ann) if get_origin(ann) in (Union, UnionType) else (ann,)
+    return {t for t in members if t in (int, float, bool)}
 
 
 def _core_list_text(value: Any) -> Any:

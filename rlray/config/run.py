@@ -73,6 +73,15 @@ class ModelConfig(_Section):
         False, description="Recompute activations in the backward pass to save memory."
     )
     lora: LoraConfig = Field(default_factory=LoraConfig)
+    adapter_path: str | None = Field(
+        None,
+        description=(
+            "PEFT LoRA adapter folder to continue training (adapter_config.json + adapter_model.safetensors, "
+            "as peft's save_pretrained writes), on the base model.path; its own rank, alpha and targets apply, so "
+            "model.lora.rank must stay 0. Only the adapter trains; the reference (KL) is model.path without it, "
+            "as in TRL. None starts from model.path alone."
+        ),
+    )
 
 
 class DataConfig(_Section):

@@ -161,6 +161,13 @@ class Config(_Section):
             raise ValueError("CUDA IPC weight sync needs a full model on every learner GPU; use ddp, or rollout.weight_sync=nccl")
         if self.model.lora.rank and res.learner.strategy == "fsdp":
             raise ValueError("model.lora.rank>0 with resources.learner.strategy='fsdp' is not supported; use ddp")
+        if self.model.adapter_path is not None and self.model.lora.rank:
+            raise ValueError(
+                f"model.adapter_path='{self.model.adapter_path}' with model.lora.rank={self.model.lora.rank}: the "
+                "adapter brings its own LoRA settings; set model.lora.rank=0, or unset model.adapter_path"
+            )
+        if self.model.adapter_path is not None and res.learner.strategy == "fsdp":
+            raise ValueError("model.adapter_path with resources.learner.strategy='fsdp' is not supported; use ddp")
 
     @property
     def weight_sync_backend(self) -> str:

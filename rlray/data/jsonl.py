@@ -60,6 +60,8 @@ def _parse_line(path: str, number: int, line: bytes) -> dict[str, Any]:
         raise DataError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
     except RecursionError:
         raise DataError(f"{where}: not valid JSON (nested too deeply)") from None
+    except ValueError as err:  # Python's own limits, e.g. an integer of more than 4300 digits
+        raise DataError(f"{where}: cannot read this JSON ({err})") from None
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected a JSON object per line, got {type(row).__name__}")
     return row

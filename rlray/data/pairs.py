@@ -126,8 +126,12 @@ def load_preference_pairs(files: list[str], *, max_pairs: int | None = None) -> 
 
 def _parse_row(row: dict, where: str, prompt_id: str) -> tuple[PreferencePair | None, str]:
     """Returns (the pair, "") or (None, why it was skipped); raises DataError naming ``where``."""
-    if not all(isinstance(row.get(k), str) for k in ("chosen", "rejected")):
-        raise DataError(f"{where}: need string fields 'chosen' and 'rejected', got {sorted(row)}")
+    for key in ("chosen", "rejected"):
+        if key not in row:
+            raise DataError(f"{where}: need string fields 'chosen' and 'rejected'; '{key}' is missing (keys {sorted(row)})")
+        if not isinstance(row[key], str):
+            raise DataError(f"{where}: '{key}' must be a string (an hh-rlhf dialogue), got {type(row[key]).__name__} "
+                            f"{row[key]!r:.80}")
     sides = {}
     for key in ("chosen", "rejected"):
         try:

@@ -97,7 +97,8 @@ def load_prompt_rows(
             ``file:line``); a source without ``prompt_column`` (names the column, ``data.prompt_column``
             and the columns the source has); a row without it, or whose prompt is neither a non-empty
             string nor a non-empty list of messages with a known string 'role' and a string 'content'
-            (names ``file:line`` or the 0-based row, and the message index); or a prompt id that appears twice.
+            (names ``file:line`` or the 0-based row, and the message index); an 'id' that is neither a string nor
+            an integer; or a prompt id that appears twice.
     """
     if not files:
         raise DataError("no prompt files given; set data.train_files / data.eval_files")
@@ -160,6 +161,9 @@ def _prompt_row(where: str, default_id: str, record: dict[str, Any], prompt_colu
         raise DataError(f"{where}: prompt column '{prompt_column}' {problem}")
     columns = {k: v for k, v in record.items() if k != prompt_column}
     row_id = record.get("id")
+    if row_id is not None and (isinstance(row_id, bool) or not isinstance(row_id, (str, int))):
+        raise DataError(f"{where}: column 'id' must be a string or an integer (the prompt id), got "
+                        f"{type(row_id).__name__} {row_id!r:.80}")
     return PromptRow(prompt_id=default_id if row_id is None else str(row_id), prompt=prompt, columns=columns)
 
 
@@ -232,4 +236,8 @@ def _call_load(source: str, path: str, name: str | None, **kwargs) -> datasets.D
     try:
         return datasets.load_dataset(path, name, **kwargs)
     except Exception as err:  # datasets raises many types (FileNotFoundError, DatasetGenerationError, ...)
-        raise DataError(f"{source}: cannot load it with datasets.load_dataset: {type(err).__name__}: {err}") from err
+        cause = err
+        while cause.__cause__ is not None:  # DatasetGenerationError wraps the parser's error, which names the row
+            cause = cause.__cause__
+        why = f"{type(err).__name__}: {err}" + (f" ({type(cause).__name__}: {cause})" if cause is not err else "")
+        raise DataError(f"{source}: cannot load it with datasets.load_dataset: {why}") from err

@@ -107,6 +107,8 @@ def resolve_paths(cfg: Config, base: Path | None = None) -> Config:
     out.data.train_files = [local(p) for p in cfg.data.train_files]
     out.data.eval_files = [local(p) for p in cfg.data.eval_files]
     out.model.path = local(cfg.model.path)
+    if cfg.model.adapter_path is not None:
+        out.model.adapter_path = local(cfg.model.adapter_path)
     out.offline.pairs_files = [local(p) for p in cfg.offline.pairs_files]
     for section in (out.reward, out.critic):
         if section.model_path is not None:

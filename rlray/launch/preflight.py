@@ -6,6 +6,7 @@ at once with the error of the module that owns the input, which names the config
 
 - ``model.path`` (and PPO's ``critic.model_path``) resolve to a model folder (``ModelError``), and the
   tokenizer loads with a chat template, or ``model.chat_template`` is given (``ModelError``);
+- ``model.adapter_path`` is a LoRA adapter folder whose tensors fit the base model (``ModelError``);
 - the data files load and every row validates (``DataError``): ``data.train_files`` and, with eval on,
   ``data.eval_files`` for online algorithms (with ``data.long_prompts=error`` also no prompt is too
   long), ``offline.pairs_files`` for offline ones;
@@ -27,6 +28,7 @@ from rlray.checkpoint import storage as checkpoint
 from rlray.config import Config
 from rlray.data import load_preference_pairs, load_prompt_rows, prepare_prompts
 from rlray.models import cpu_supports_bf16, load_tokenizer, resolve_model_path
+from rlray.models.adapters import check_adapter
 from rlray.reward.scorer import RewardFunctionError
 from rlray.reward.verifiers import BUILTIN_VERIFIERS
 
@@ -47,6 +49,8 @@ def preflight(cfg: Config) -> str:
     """
     model_dir = resolve_model_path(cfg.model.path)
     tokenizer = load_tokenizer(model_dir, cfg.model.chat_template)
+    if cfg.model.adapter_path is not None:
+        check_adapter(cfg.model.adapter_path, model_dir)
     gpus = cfg.resources.learner.gpus > 0 or cfg.resources.rollout.gpus > 0
     if cfg.model.dtype == "bfloat16" and not gpus and not cpu_supports_bf16():
         log.warning("model.dtype=bfloat16 on a CPU without native bf16 (no AVX-512 BF16 or AMX): torch emulates it, "

@@ -17,6 +17,7 @@ from rlray.learner.batching import split_microbatches, to_device
 from rlray.learner.logprobs import autocast_context, batched_logprobs, response_logprobs
 from rlray.learner.objective import LossSpec, Normaliser, policy_objective
 from rlray.models import load_causal_lm
+from rlray.models.adapters import load_adapter
 
 
 def to_local_gpu(model: torch.nn.Module) -> torch.nn.Module:
@@ -48,12 +49,15 @@ class PolicyLearner:
         optimizer: "adamw" (torch) or "adamw_8bit" (bitsandbytes AdamW8bit; CUDA only).
         lora: peft LoRA settings {"rank", "alpha", "dropout", "target_modules"}; None or rank 0 trains
             every weight. Only the adapters train; ``export_weights`` returns merged weights.
+        adapter_path: a peft LoRA adapter folder to continue (``rlray.models.adapters.load_adapter``: loaded
+            trainable, with its own settings; exclusive with ``lora``), or None.
         model_loader: builds the float32 model from ``model_path``; None loads a causal LM.
         critic: PPO's critic (a learner over ``rlray.models.load_value_model``); its weights and optimizer
             state travel in this learner's ``state_dict``.
 
     Raises:
-        rlray.models.ModelError: the folder cannot be loaded.
+        rlray.models.ModelError: the folder cannot be loaded, or the adapter does not fit it.
+        ValueError: both ``lora`` (rank > 0) and ``adapter_path`` are given.
         ImportError: optimizer "adamw_8bit" without bitsandbytes.
     """
 
@@ -73,6 +77,7 @@ class PolicyLearner:
         wrap_model: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
         optimizer: str = "adamw",
         lora: dict | None = None,
+        adapter_path: str | None = None,
         model_loader: Callable[[str], torch.nn.Module] | None = None,
         critic: PolicyLearner | None = None,
     ) -> None:
@@ -85,11 +90,15 @@ class PolicyLearner:
         if gradient_checkpointing:
             policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.use_reference = use_reference
-        self.lora = bool(lora and lora["rank"])
+        if adapter_path is not None and lora and lora["rank"]:
+            raise ValueError("pass lora or adapter_path, not both: the adapter brings its own LoRA settings")
+        self.lora = bool(lora and lora["rank"]) or adapter_path is not None
         self.reference = None
         if use_reference and not self.lora:
             self.reference = copy.deepcopy(policy).eval().requires_grad_(False)
-        if self.lora:
+        if adapter_path is not None:
+            policy = load_adapter(policy, adapter_path, model_path)
+        elif self.lora:
             policy = apply_lora(policy, **lora)
         self.module = policy  # unwrapped, for export and checkpoints
         self.model = wrap_model(policy) if wrap_model else policy

@@ -14,6 +14,8 @@ Legend: B sequences, Pm longest prompt, T longest response, H hidden size.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoModelForTokenClassification, PreTrainedModel
 
@@ -21,7 +23,17 @@ from rlray.models.loading import ModelError
 
 
 def _load_head_model(cls, folder: str, key: str) -> PreTrainedModel:
-    config = AutoConfig.from_pretrained(folder)
+    """Returns ``cls`` with one label from ``folder``; errors are ModelError naming ``key`` and the folder."""
+    if not (Path(folder) / "config.json").is_file():
+        what = "is not an existing folder" if not Path(folder).is_dir() else "has no config.json"
+        raise ModelError(
+            f"{key}='{folder}' {what}, so it is not a Hugging Face model folder; "
+            f"set {key} to a folder with config.json and safetensors weights"
+        )
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError, KeyError) as err:
+        raise ModelError(f"{key}='{folder}': cannot read its config.json: {err}") from err
     config.num_labels = 1
     config.classifier_dropout = 0.0
     config.use_cache = False
@@ -40,18 +52,25 @@ def load_value_model(folder: str) -> PreTrainedModel:
     """Returns a float32 token-classification model with one label (PPO's critic), trunk from ``folder``.
 
     Raises:
-        ModelError: the folder cannot be loaded as a one-label token-classification model (names critic.model_path).
+        ModelError: the folder is missing, has no config.json, or cannot be loaded as a one-label
+            token-classification model (names critic.model_path and the folder).
     """
     return _load_head_model(AutoModelForTokenClassification, folder, "critic.model_path")
 
 
-def load_reward_model(folder: str) -> PreTrainedModel:
+def load_reward_model(folder: str, key: str = "reward.model_path") -> PreTrainedModel:
     """Returns a float32 sequence-classification model with one label, trunk (and head, if saved) from ``folder``.
 
+    Args:
+        folder: a local Hugging Face folder.
+        key: the config key that gave ``folder``, named in errors (``model.path`` when
+            algo.name=reward_model trains one).
+
     Raises:
-        ModelError: the folder cannot be loaded as a one-label sequence-classification model.
+        ModelError: the folder is missing, has no config.json, or cannot be loaded as a one-label
+            sequence-classification model (names ``key`` and the folder).
     """
-    return _load_head_model(AutoModelForSequenceClassification, folder, "reward model path")
+    return _load_head_model(AutoModelForSequenceClassification, folder, key)
 
 
 def _hidden_states(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:

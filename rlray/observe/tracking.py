@@ -74,6 +74,7 @@ METRIC_KEYS: tuple[str, ...] = (
     "algo/dynamic_sampling_rounds",
     "reward/baseline_mean",
     "reward/overlong_penalty_mean",
+    "rollout/truncated_masked",
     "reward/model_score",
     # PPO's critic
     "learner/value_loss",

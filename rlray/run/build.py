@@ -59,6 +59,7 @@ def learner_kwargs(cfg: Config, world: int, *, with_reference: bool = True) -> d
         wrap_model=wrap,
         optimizer=cfg.learner.optimizer,
         lora=cfg.model.lora.model_dump() if cfg.model.lora.rank else None,
+        adapter_path=cfg.model.adapter_path,
     )
 
 

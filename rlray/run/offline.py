@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import pyarrow as pa
 import torch
@@ -98,7 +99,7 @@ def build_learner(cfg: Config, model_dir: str, world: int) -> PolicyLearner:
     """
     kwargs = build.learner_kwargs(cfg, world, with_reference=False)
     kwargs["temperature"] = 1.0
-    kwargs["model_loader"] = load_reward_model if cfg.algo.name == "reward_model" else None
+    kwargs["model_loader"] = partial(load_reward_model, key="model.path") if cfg.algo.name == "reward_model" else None
     return PolicyLearner(model_dir, **kwargs)
 
 

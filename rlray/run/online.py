@@ -294,8 +294,11 @@ def collect_experience(ctx: OnlineRun, step: int, timer: StageTimer) -> tuple[pa
     with timer("algo_sampling"):  # 3b. DAPO refill, overlong shaping, ReMax's greedy baseline
         drawn = Rollouts(got.rows, got.prompt_ids, got.completions, scored.values)
         drawn, baseline, algo_metrics = algorithm_sampling(ctx, ctx.sampling_for(step), drawn)
-    table = build_experience(drawn.rows, drawn.prompt_ids, drawn.completions, drawn.rewards, baseline)
-    stats = rollout_stats(table, drawn.rewards, ctx.cfg.learner.prompts_per_step, ctx.policy_version)
+    mask_truncated = ctx.cfg.algo.mask_truncated
+    table = build_experience(drawn.rows, drawn.prompt_ids, drawn.completions, drawn.rewards, baseline,
+                             mask_truncated=mask_truncated)
+    stats = rollout_stats(table, drawn.rewards, ctx.cfg.learner.prompts_per_step, ctx.policy_version,
+                          mask_truncated=mask_truncated)
     stats.update(episode_metrics(drawn.completions))
     if stats["reward/failed"]:
         log.warning("step %d: %d of %d samples have no reward (a reward function failed); they are left out of "
@@ -372,6 +375,8 @@ def build_experience(
     completions: list[Completion],
     rewards: dict[str, list[float]],
     baseline_rewards: list[float] | None = None,
+    *,
+    mask_truncated: bool = False,
 ) -> pa.Table:
     """Returns the step's experience table (``schema.EXPERIENCE_SCHEMA``), one row per completion.
 
@@ -379,13 +384,16 @@ def build_experience(
     response_mask is the completion's loss mask (all True for single-turn rollouts). A completion whose
     reward (or baseline) is NaN failed in the reward stage: its response_mask is all False, so no
     advantage statistic and no loss term sees it (``learner.advantages`` takes a row as valid when its
-    mask has a True), and its reward stays NaN in the table.
+    mask has a True), and its reward stays NaN in the table. With ``mask_truncated`` (``algo.mask_truncated``)
+    a completion that hit max_new_tokens (finish_reason "length") is masked the same way, its reward kept.
     """
     comps = {k: v for k, v in rewards.items() if k != "reward"}
     extra = {} if baseline_rewards is None else {"baseline_reward": baseline_rewards}
     scored = [math.isfinite(r) for r in rewards["reward"]]
     if baseline_rewards is not None:
         scored = [ok and math.isfinite(b) for ok, b in zip(scored, baseline_rewards, strict=True)]
+    if mask_truncated:
+        scored = [ok and c.finish_reason != "length" for ok, c in zip(scored, completions, strict=True)]
     return schema.make_table(
         {
             **extra,
@@ -536,20 +544,27 @@ def sync_weights(ctx: OnlineRun) -> int:
 
 
 def rollout_stats(
-    table: pa.Table, rewards: dict[str, list[float]], prompts_per_step: int, learner_version: int
+    table: pa.Table, rewards: dict[str, list[float]], prompts_per_step: int, learner_version: int, *,
+    mask_truncated: bool = False,
 ) -> dict[str, float]:
     """Returns reward/* and rollout/* metrics of a step's experience (rank 0).
 
     Reward statistics are over the samples that have a reward; ``reward/failed`` counts the others (a
     reward function raised, timed out or returned NaN: ``build_experience`` masked them out). A group
-    has no signal when fewer than 2 of its samples have a reward or their rewards are all equal.
+    has no signal when fewer than 2 of its samples enter the update (a reward and a True in their
+    response_mask) or their rewards are all equal. With ``mask_truncated``, ``rollout/truncated_masked``
+    counts the samples left out of the loss for hitting max_new_tokens (finish_reason "length").
     Staleness of a sample = the learner's policy version that the update starts from, minus the
     version that generated the sample (0 in synchronous mode, at most rollout.max_staleness).
     """
     lengths = np.asarray(table.column("response_token_ids").combine_chunks().value_lengths(), dtype=np.float64)
     r = np.asarray(rewards["reward"], dtype=np.float64)
     ok = np.isfinite(r)
-    groups = np.where(ok, r, np.nan).reshape(prompts_per_step, -1)
+    in_update = ok & np.asarray([any(m) for m in table.column("response_mask").to_pylist()], dtype=bool)
+    groups = np.where(in_update, r, np.nan).reshape(prompts_per_step, -1)
+    finish = table.column("finish_reason").to_pylist()
+    truncated = np.asarray([f == "length" for f in finish], dtype=bool)
+    extra = {"rollout/truncated_masked": float(truncated.sum())} if mask_truncated else {}
     spread = [np.ptp(g[np.isfinite(g)]) > 0 if np.isfinite(g).sum() >= 2 else False for g in groups]
     staleness = learner_version - np.asarray(table.column("policy_version").to_pylist(), dtype=np.float64)
     return {
@@ -559,7 +574,8 @@ def rollout_stats(
         **term_metrics(rewards, "reward"),
         "algo/groups_without_signal": float(1.0 - np.mean(spread)),
         "rollout/response_tokens_mean": float(lengths.mean()),
-        "rollout/truncated_rate": float(np.mean([f == "length" for f in table.column("finish_reason").to_pylist()])),
+        "rollout/truncated_rate": float(truncated.mean()),
+        **extra,
         "rollout/generated_tokens": float(lengths.sum()),
         "rollout/policy_version": float(min(table.column("policy_version").to_pylist())),
         "rollout/staleness_mean": float(staleness.mean()),

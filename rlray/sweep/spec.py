@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from rlray.config import Config, ConfigError, config_from_dict, validation_error_lines
+from rlray.config.base import _Section
 from rlray.observe.tracking import METRIC_KEYS, RENAMED_KEYS, term_keys
 
 
@@ -27,8 +28,8 @@ class SweepError(ConfigError):
 # --------------------------------------------------------------------------------------------
 # Sweep file schema
 # --------------------------------------------------------------------------------------------
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Strict(_Section):
+    """Base of the sweep file's sections: the config's rules (unknown keys are errors, a boolean is not a number)."""
 
 
 class Space(_Strict):
@@ -132,12 +133,15 @@ def load_sweep(path: str | Path) -> SweepConfig:
     """Returns the validated sweep file at ``path``.
 
     Raises:
-        SweepError: missing file, not a YAML mapping, or a schema error (naming the dotted key).
+        SweepError: missing file, not valid YAML, not a YAML mapping, or a schema error (naming the dotted key).
     """
     path = Path(path)
     if not path.is_file():
         raise SweepError(f"sweep file '{path}' does not exist")
-    tree = yaml.safe_load(path.read_text()) or {}
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise SweepError(f"sweep file '{path}' is not valid YAML: {err}") from None
     if not isinstance(tree, dict):
         raise SweepError(f"sweep file '{path}' must hold a mapping, got {type(tree).__name__}")
     try:

@@ -145,3 +145,76 @@ def test_dapo_filters_on_a_reward_term_that_exists():
         config_from_dict({**base, "algo": {"name": "dapo", "dynamic_sampling_metric": "length"}})
     with pytest.raises(ConfigError, match=r"algo.dynamic_sampling_metric='accuracy' was renamed: .* use gsm8k_correct"):
         config_from_dict({**base, "algo": {"name": "dapo", "dynamic_sampling_metric": "accuracy"}})
+
+
+def test_adapter_path_with_a_lora_rank_is_refused_naming_both_keys():
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"model": {"adapter_path": "ckpt/adapter", "lora": {"rank": 8}}})
+    assert "model.adapter_path='ckpt/adapter' with model.lora.rank=8: the adapter brings its own LoRA settings; " \
+           "set model.lora.rank=0" in str(err.value)
+    assert config_from_dict({"model": {"adapter_path": "ckpt/adapter"}}).model.adapter_path == "ckpt/adapter"
+
+
+def _leaves(model, prefix=""):
+    """Yields (dotted key, annotation) of every non-section field below ``model``."""
+    from pydantic import BaseModel
+
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            yield from _leaves(ann, prefix + name + ".")
+        else:
+            yield prefix + name, ann
+
+
+SECTIONS = list(Config.model_fields)
+BAD_VALUES = ["'bogus'", "-1", "1e30", "[1, 2]", "''", "-0.5", "true", "{a: 1}"]
+
+
+@pytest.mark.parametrize("section", SECTIONS)
+def test_every_bad_value_of_every_field_is_refused_by_its_dotted_key(section):
+    """Each field of the section, fed each bad value as an override: accepted as valid, or a ConfigError whose
+    message names the field's dotted key. A mapping is never a valid leaf value, so every field refuses it."""
+    leaves = [key for key, _ in _leaves(Config) if key.split(".")[0] == section]
+    assert leaves
+    for key in leaves:
+        for value in BAD_VALUES:
+            try:
+                config_from_dict({}, [f"{key}={value}"])
+            except ConfigError as err:
+                assert key in str(err), (key, value, str(err))
+            else:
+                assert value != "{a: 1}", f"{key} accepted a mapping"
+
+
+NUMBER_FIELDS = [key for key, ann in _leaves(Config) if ann in (int, float, int | None, float | None)]
+
+
+@pytest.mark.parametrize("key", ["learner.lr", "learner.epochs", "guard.kl_threshold", "resources.learner.gpus",
+                                 "eval.max_new_tokens"])
+def test_a_boolean_is_not_read_as_a_number(key):
+    # pydantic's lax mode would take true as 1 and false as 0 without a word
+    for value in ("true", "false"):
+        with pytest.raises(ConfigError) as err:
+            config_from_dict({}, [f"{key}={value}"])
+        assert f"{key}: got {value}, a boolean; give a number" in str(err.value)
+
+
+def test_every_number_field_refuses_a_boolean():
+    assert len(NUMBER_FIELDS) > 50
+    for key in NUMBER_FIELDS:
+        with pytest.raises(ConfigError, match="a boolean; give a number"):
+            config_from_dict({}, [f"{key}=true"])
+    assert config_from_dict({}, ["algo.mask_truncated=true", "learner.lr=1"]).learner.lr == 1.0  # bools and ints still fit
+
+
+def test_a_section_given_a_value_and_a_bad_yaml_file_name_the_key_and_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"learner=5: Input should be a valid dictionary"):
+        config_from_dict({"learner": 5})
+    path = tmp_path / "c.yaml"
+    path.write_text("learner:\n  lr: [1e-5\n")
+    with pytest.raises(ConfigError, match=rf"(?s)config file '{path}' is not valid YAML: .*line 2, column 7"):
+        load_config(path)
+    path.write_text("learner:\n  lr: true\n")
+    with pytest.raises(ConfigError, match=rf"^{path}: invalid config:\n  - learner.lr: got true, a boolean"):
+        load_config(path)

@@ -40,6 +40,8 @@ def test_utf8_text_is_kept(tmp_path):
         (b'"text"\n', ":1: expected a JSON object per line, got str"),
         (b'{"a": 1}\n{"a": "\xff"}\n', ":2: not valid UTF-8 (byte 0xff at column 8); re-encode the file as UTF-8"),
         (b"[" * 100_000 + b"\n", ":1: not valid JSON (nested too deeply)"),
+        (b'{"a": 1}\n{"n": 1' + b"0" * 5000 + b"}\n", ":2: cannot read this JSON (Exceeds the limit (4300 digits) for "
+         "integer string conversion: value has 5001 digits; use sys.set_int_max_str_digits() to increase the limit)"),
     ],
 )
 def test_bad_lines_are_named(tmp_path, data, message):

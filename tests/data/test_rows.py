@@ -267,3 +267,20 @@ def test_duplicate_prompt_ids(gsm8k_dir, tmp_path):
     same_ids = _write_jsonl(tmp_path / "ids.jsonl", [{"prompt": "a", "id": 1}, {"prompt": "b", "id": "1"}])
     with pytest.raises(DataError, match="prompt id '1' appears twice"):
         load_prompt_rows([same_ids])
+
+
+@pytest.mark.parametrize("row_id, shown", [([1], "list [1]"), (True, "bool True"), ({"k": 1}, "dict {'k': 1}")])
+def test_an_id_that_is_not_a_string_or_integer_names_its_line(tmp_path, row_id, shown):
+    path = _write_jsonl(tmp_path / "ids.jsonl", [{"prompt": "a", "id": "x"}, {"prompt": "b", "id": row_id}])
+    with pytest.raises(DataError) as err:
+        load_prompt_rows([path])
+    assert str(err.value) == f"{path}:2: column 'id' must be a string or an integer (the prompt id), got {shown}"
+
+
+def test_a_broken_json_file_names_the_parser_cause(tmp_path):
+    (tmp_path / "bad.json").write_text('{"prompt": ')
+    with pytest.raises(DataError) as err:
+        load_prompt_rows([str(tmp_path / "bad.json")])
+    assert str(err.value).startswith(f"{tmp_path / 'bad.json'}: cannot load it with datasets.load_dataset: "
+                                     "DatasetGenerationError: An error occurred while generating the dataset (")
+    assert "JSON parse error" in str(err.value) and "in row 0" in str(err.value)

@@ -1,5 +1,6 @@
 """Faults inside a step, through the real stage functions and a real tiny learner (world size 1): failed rewards,
-constant rewards, every response truncated (with overlong shaping), empty responses, and a fatal reward error."""
+constant rewards, every response truncated (with overlong shaping, and left out by algo.mask_truncated), empty
+responses, and a fatal reward error."""
 
 from __future__ import annotations
 
@@ -116,6 +117,55 @@ def test_every_response_truncated_keeps_masks_and_gets_the_overlong_penalty(lear
     assert metrics["reward/overlong_penalty_mean"] == -1.0
     data, learned = _stages_4_to_6(cfg, learner, table)
     assert _finite(data, learned)
+
+
+def _mixed_truncation() -> list[Completion]:
+    """Group 0: rows 0 and 2 hit max_new_tokens=8, rows 1 and 3 stopped; group 1: all four hit it."""
+    lengths, finish = [8, 3, 8, 2, 8, 8, 8, 8], ["length", "stop", "length", "stop"] + ["length"] * 4
+    return [Completion(i // G, i % G, [100 + t for t in range(n)], [-1.0] * n, f, 0)
+            for i, (n, f) in enumerate(zip(lengths, finish, strict=True))]
+
+
+def test_mask_truncated_leaves_truncated_rows_out_of_the_loss_and_counts_them(learner):
+    cfg = _cfg("algo.mask_truncated=true")
+    rewards = _rewards([0.0, 1.0, 0.5, 0.0, 0.2, 0.4, 0.6, 0.8])
+    table = online.build_experience(ROWS, PROMPT_IDS, _mixed_truncation(), rewards, mask_truncated=True)
+    masks = table.column("response_mask").to_pylist()
+    assert [any(m) for m in masks] == [False, True, False, True, False, False, False, False]
+    assert [len(m) for m in masks] == [8, 3, 8, 2, 8, 8, 8, 8]  # lengths kept, every position False
+    assert table.column("reward").to_pylist() == pytest.approx(rewards["reward"])  # rewards kept
+    stats = online.rollout_stats(table, rewards, 2, 0, mask_truncated=True)
+    assert stats["rollout/truncated_masked"] == 6.0 and stats["rollout/truncated_rate"] == 0.75
+    assert stats["reward/mean"] == pytest.approx(3.5 / 8) and stats["reward/failed"] == 0.0  # all 8 rewards count
+    assert stats["algo/groups_without_signal"] == 0.5  # group 1 has no row left in the update
+    assert stats["rollout/generated_tokens"] == 53.0  # 8+3+8+2+32 generated; the loss normaliser sees 3+2
+    assert [n.num_tokens for n in online.minibatch_normalisers(table, cfg, 1)] == [5.0]
+    data, metrics = _stages_4_to_6(cfg, learner, table)
+    # group 0's rows in the update, rewards [1.0, 0.0]: mean 0.5, unbiased std sqrt(0.5), advantages +-0.7071
+    a = 0.5 / (math.sqrt(0.5) + 1e-6)
+    adv = data["advantages"]
+    torch.testing.assert_close(adv[1, :3], torch.full((3,), a), atol=1e-5, rtol=0)
+    torch.testing.assert_close(adv[3, :2], torch.full((2,), -a), atol=1e-5, rtol=0)
+    assert torch.count_nonzero(adv[[0, 2, 4, 5, 6, 7]]) == 0
+    assert _finite(data, metrics)
+
+
+def test_without_mask_truncated_truncated_rows_train_and_no_count_is_logged():
+    rewards = _rewards([0.0, 1.0, 0.5, 0.0, 0.2, 0.4, 0.6, 0.8])
+    table = online.build_experience(ROWS, PROMPT_IDS, _mixed_truncation(), rewards)
+    assert all(all(m) for m in table.column("response_mask").to_pylist())
+    stats = online.rollout_stats(table, rewards, 2, 0)
+    assert "rollout/truncated_masked" not in stats and stats["algo/groups_without_signal"] == 0.0
+    assert [n.num_tokens for n in online.minibatch_normalisers(table, _cfg(), 1)] == [53.0]
+
+
+def test_algo_mask_truncated_reaches_the_step_and_its_metric():
+    cfg = _cfg("algo.mask_truncated=true")
+    ctx = _rank0_ctx(cfg, _mixed_truncation(), _FixedScorer([0.0, 1.0, 0.5, 0.0, 0.2, 0.4, 0.6, 0.8]))
+    table, metrics = online.collect_experience(ctx, 0, StageTimer())
+    assert metrics["rollout/truncated_masked"] == 6.0
+    assert sum(any(m) for m in table.column("response_mask").to_pylist()) == 2
+    assert _cfg().algo.mask_truncated is False  # off by default, as in TRL
 
 
 def test_empty_responses_do_not_break_the_schema_or_the_learner(learner):

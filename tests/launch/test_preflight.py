@@ -14,6 +14,7 @@ from rlray.checkpoint.storage import SnapshotError
 from rlray.config import Config, config_from_dict
 from rlray.data import DataError
 from rlray.launch.preflight import check_function_spec, preflight
+from rlray.models import ModelError
 from rlray.reward.scorer import RewardFunctionError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -115,3 +116,10 @@ def test_bf16_on_a_cpu_without_native_bf16_is_warned_about(cfg_of, monkeypatch, 
         caplog.clear()
         preflight(cfg_of("model.dtype=float32"))
     assert "bf16" not in caplog.text
+
+
+def test_an_adapter_path_that_is_no_adapter_fails_before_the_storage_probe(cfg_of, tmp_path, tiny_model_path):
+    with pytest.raises(ModelError) as err:
+        preflight(cfg_of(f"model.adapter_path={tiny_model_path}"))
+    assert str(err.value).startswith(f"model.adapter_path='{tiny_model_path}' is a full model folder")
+    assert not (tmp_path / "out" / "snapshots").exists()

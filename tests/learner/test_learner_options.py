@@ -115,3 +115,52 @@ def test_logged_kl_is_k3_whatever_the_loss_estimator():
     assert loss.item() == pytest.approx((-0.5 + 0.2) / 2, abs=1e-6)  # the loss uses k1 (advantages are 0)
     expect_k3 = (math.exp(0.5) - 1 - 0.5) + (math.exp(-0.2) - 1 + 0.2)
     assert stats["kl_sum"].item() == pytest.approx(expect_k3, abs=1e-6)  # the logged KL is k3
+
+
+def test_an_existing_adapter_trains_from_its_saved_weights(tiny_model_path, tiny_tokenizer, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    from rlray.models import load_causal_lm
+
+    start = get_peft_model(load_causal_lm(tiny_model_path), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    with torch.no_grad():
+        for name, param in start.named_parameters():
+            if "lora_B" in name:
+                param.fill_(0.01)  # non-zero, so the adapter changes the policy
+    start.save_pretrained(tmp_path / "adapter")
+    data = _batch(tiny_tokenizer.pad_token_id)
+    expected = start.eval()
+    learner = _learner(tiny_model_path, adapter_path=str(tmp_path / "adapter"))
+    trainable = [n for n, p in learner.module.named_parameters() if p.requires_grad]
+    assert len(trainable) == 4 and all("lora_" in n for n in trainable)  # 2 layers x q_proj x (A, B)
+    from rlray.learner.logprobs import batched_logprobs
+
+    before = learner.logprobs(data, reference=False, microbatch_size=4)
+    torch.testing.assert_close(before, batched_logprobs(expected, data, dtype="float32", temperature=1.0,
+                                                        microbatch_size=4), atol=1e-6, rtol=0)  # fmt: skip
+    base = learner.logprobs(data, reference=True, microbatch_size=4)  # the reference is model.path without the adapter
+    assert (before - base).abs().max() > 1e-4
+    learner.train_minibatch(data, SPEC, Normaliser(float(data["response_mask"].sum()), 4.0), 2)
+    after = learner.logprobs(data, reference=False, microbatch_size=4)
+    assert (after - before).abs().max() > 1e-3  # it trains
+
+
+def test_lora_and_adapter_path_together_are_refused(tiny_model_path):
+    with pytest.raises(ValueError, match="pass lora or adapter_path, not both"):
+        _learner(tiny_model_path, lora=LORA, adapter_path="/nonexistent")
+
+
+def test_a_lora_snapshot_restores_the_trained_adapter(tiny_model_path, tiny_tokenizer, tmp_path):
+    from rlray.checkpoint.contents import load_model_weights
+
+    data = _batch(tiny_tokenizer.pad_token_id)
+    trained = _learner(tiny_model_path, lora=LORA)
+    trained.train_minibatch(data, SPEC, Normaliser(float(data["response_mask"].sum()), 4.0), 2)
+    trained.module.save_pretrained(tmp_path / "model", safe_serialization=True)  # what a snapshot's model/ holds
+    want = trained.logprobs(data, reference=False, microbatch_size=4)
+    fresh = _learner(tiny_model_path, lora=LORA)
+    assert (fresh.logprobs(data, reference=False, microbatch_size=4) - want).abs().max() > 1e-3
+    load_model_weights(fresh.module, tmp_path / "model")
+    torch.testing.assert_close(fresh.logprobs(data, reference=False, microbatch_size=4), want, atol=1e-6, rtol=0)
+    with pytest.raises(RuntimeError, match="the snapshot holds a LoRA adapter but the policy has none"):
+        load_model_weights(_learner(tiny_model_path).module, tmp_path / "model")

@@ -106,3 +106,27 @@ def test_config_without_pad_token_takes_eos(tiny_model_path, tmp_path):
     del config["pad_token_id"]
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert load_reward_model(str(tmp_path)).config.pad_token_id == EOS
+
+
+@pytest.mark.parametrize("loader, key", [(load_value_model, "critic.model_path"), (load_reward_model, "reward.model_path")])
+def test_a_folder_without_config_json_is_a_model_error_naming_the_key(loader, key, tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")  # a folder, but not a Hugging Face one
+    with pytest.raises(ModelError) as err:
+        loader(str(tmp_path))
+    assert str(err.value).startswith(f"{key}='{tmp_path}' has no config.json")
+    missing = tmp_path / "absent"
+    with pytest.raises(ModelError) as err:
+        loader(str(missing))
+    assert str(err.value).startswith(f"{key}='{missing}' is not an existing folder")
+
+
+def test_reward_model_errors_name_the_key_the_caller_gives(tmp_path):
+    with pytest.raises(ModelError, match=r"^model\.path='"):
+        load_reward_model(str(tmp_path), key="model.path")
+
+
+def test_an_unreadable_config_json_is_a_model_error(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ModelError) as err:
+        load_value_model(str(tmp_path))
+    assert str(err.value).startswith(f"critic.model_path='{tmp_path}': cannot read its config.json")

@@ -131,6 +131,19 @@ def test_missing_and_non_mapping_files(tmp_path):
     (tmp_path / "list.yaml").write_text("- a\n- b\n")
     with pytest.raises(SweepError, match="must hold a mapping, got list"):
         load_sweep(tmp_path / "list.yaml")
+    (tmp_path / "broken.yaml").write_text("space:\n  learner.lr: {grid: [1e-5\n")
+    with pytest.raises(SweepError, match=rf"^sweep file '{tmp_path / 'broken.yaml'}' is not valid YAML: "):
+        load_sweep(tmp_path / "broken.yaml")
+
+
+@pytest.mark.parametrize("key, tree, shown", [
+    ("num_samples", {"num_samples": True}, "true"),
+    ("scheduler.grace_period_steps", {"scheduler": {"grace_period_steps": True}}, "true"),
+    ("trial_driver_cpus", {"trial_driver_cpus": False}, "false"),
+])
+def test_a_boolean_is_not_read_as_a_number_in_a_sweep_file(tmp_path, key, tree, shown):
+    message = _error(tmp_path, {"space": {"learner.lr": {"grid": [1e-5]}}, **tree})
+    assert f"  - {key}: got {shown}, a boolean; give a number" in message
 
 
 def test_cli_sweep_reports_a_bad_sweep_file_without_starting_ray(tmp_path, capsys):
