@@ -44,12 +44,13 @@ from rlray.algos.dapo import (
 from rlray.algos.kl import KL_ESTIMATORS, kl_penalty
 from rlray.algos.policy_losses import (
     LOG_RATIO_BOUND,
+    ROLLOUT_CORRECTION_MODES,
     cispo_loss,
     entropy_bonus_loss,
     entropy_from_logits,
     gspo_loss,
     ppo_clip_loss,
-    truncated_is_weights,
+    rollout_correction_weights,
 )
 from rlray.algos.preference import (
     bradley_terry_loss,
@@ -90,6 +91,7 @@ __all__ = [
     "KL_ESTIMATORS",
     "LOG_RATIO_BOUND",
     "PAIRWISE_LOSSES",
+    "ROLLOUT_CORRECTION_MODES",
     "POLICY_LOSSES",
     "STD_SCALES",
     "SumFn",
@@ -123,7 +125,7 @@ __all__ = [
     "sequence_logps",
     "simpo_loss",
     "token_level_rewards",
-    "truncated_is_weights",
+    "rollout_correction_weights",
     "value_loss",
     "whiten",
 ]
