@@ -19,7 +19,8 @@ Batch-level statistics (GRPO's batch std, ``whiten`` and the REINFORCE++ estimat
 
 The rest have their own signatures: token-level estimators (``reinforce_pp_advantages``,
 ``reinforce_pp_baseline_advantages``, ``gae_advantages``), ``remax_advantages``, ``kl_penalty``,
-``aggregate_loss``, ``value_loss``, KTO/ORPO/SimPO/Bradley-Terry and the DAPO helpers.
+``aggregate_loss``, ``value_loss``, KTO/ORPO/SimPO/Bradley-Terry, the DAPO helpers and on-policy
+distillation (``reverse_kl_advantages``, ``generalized_jsd``).
 """
 
 from rlray.algos.advantages import (
@@ -41,6 +42,7 @@ from rlray.algos.dapo import (
     groups_with_spread,
     overlong_penalty,
 )
+from rlray.algos.distillation import generalized_jsd, reverse_kl_advantages
 from rlray.algos.kl import KL_ESTIMATORS, kl_penalty
 from rlray.algos.policy_losses import (
     LOG_RATIO_BOUND,
@@ -106,6 +108,7 @@ __all__ = [
     "entropy_bonus_loss",
     "entropy_from_logits",
     "gae_advantages",
+    "generalized_jsd",
     "groups_with_spread",
     "grpo_advantages",
     "gspo_loss",
@@ -118,6 +121,7 @@ __all__ = [
     "overlong_penalty",
     "ppo_clip_loss",
     "reinforce_pp_advantages",
+    "reverse_kl_advantages",
     "reinforce_pp_baseline_advantages",
     "remax_advantages",
     "rloo_advantages",
