@@ -19,7 +19,8 @@ Batch-level statistics (GRPO's batch std, ``whiten`` and the REINFORCE++ estimat
 
 The rest have their own signatures: token-level estimators (``reinforce_pp_advantages``,
 ``reinforce_pp_baseline_advantages``, ``gae_advantages``), ``remax_advantages``, ``kl_penalty``,
-``aggregate_loss``, ``value_loss``, KTO/ORPO/SimPO/Bradley-Terry and the DAPO helpers.
+``aggregate_loss``, ``value_loss``, KTO/ORPO/SimPO/Bradley-Terry, the DAPO helpers and on-policy
+distillation (``reverse_kl_advantages``, ``generalized_jsd``).
 """
 
 from rlray.algos.advantages import (
@@ -41,15 +42,17 @@ from rlray.algos.dapo import (
     groups_with_spread,
     overlong_penalty,
 )
+from rlray.algos.distillation import generalized_jsd, reverse_kl_advantages
 from rlray.algos.kl import KL_ESTIMATORS, kl_penalty
 from rlray.algos.policy_losses import (
     LOG_RATIO_BOUND,
+    ROLLOUT_CORRECTION_MODES,
     cispo_loss,
     entropy_bonus_loss,
     entropy_from_logits,
     gspo_loss,
     ppo_clip_loss,
-    truncated_is_weights,
+    rollout_correction_weights,
 )
 from rlray.algos.preference import (
     bradley_terry_loss,
@@ -90,6 +93,7 @@ __all__ = [
     "KL_ESTIMATORS",
     "LOG_RATIO_BOUND",
     "PAIRWISE_LOSSES",
+    "ROLLOUT_CORRECTION_MODES",
     "POLICY_LOSSES",
     "STD_SCALES",
     "SumFn",
@@ -104,6 +108,7 @@ __all__ = [
     "entropy_bonus_loss",
     "entropy_from_logits",
     "gae_advantages",
+    "generalized_jsd",
     "groups_with_spread",
     "grpo_advantages",
     "gspo_loss",
@@ -116,6 +121,7 @@ __all__ = [
     "overlong_penalty",
     "ppo_clip_loss",
     "reinforce_pp_advantages",
+    "reverse_kl_advantages",
     "reinforce_pp_baseline_advantages",
     "remax_advantages",
     "rloo_advantages",
@@ -123,7 +129,7 @@ __all__ = [
     "sequence_logps",
     "simpo_loss",
     "token_level_rewards",
-    "truncated_is_weights",
+    "rollout_correction_weights",
     "value_loss",
     "whiten",
 ]

@@ -22,6 +22,8 @@ compute_policy_loss`` clamps negative_approx_kl to [-20, 20] before exp. TRL 1.1
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -231,47 +233,89 @@ def cispo_loss(
     return torch.where(response_mask, loss, zero), diagnostics
 
 
-@torch.no_grad()
-def truncated_is_weights(
-    old_logprobs: Tensor, rollout_logprobs: Tensor, response_mask: Tensor, *, cap: float, level: str = "token"
-) -> Tensor:
-    """Returns [B, T] float32 detached truncated importance weights min(pi_learner / pi_rollout, cap); 0 if masked.
+ROLLOUT_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+"""The four rollout-correction modes of TRL 1.16 (``GRPOConfig.vllm_importance_sampling_mode``)."""
 
-    Corrects the mismatch between the rollout engine (vLLM) and the learner's recomputation of the same
-    policy: multiply the per-token policy loss by these weights before aggregation. "token" uses the
-    per-token ratio exp(old_logprobs_t - rollout_logprobs_t); "sequence" uses the product over the valid
-    tokens of the row, exp(sum_t (old - rollout)), on every token of the row. Each token's log-ratio is clamped
-    to +-LOG_RATIO_BOUND nats first (module docstring), so the row sum is finite and no inf - inf makes a NaN;
-    weights inside the bound are unchanged.
+
+@torch.no_grad()
+def rollout_correction_weights(
+    old_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    response_mask: Tensor,
+    *,
+    mode: str,
+    ratio_min: float | None = None,
+    ratio_max: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Returns ([B, T] float32 detached importance weights, [B, T] bool corrected) for the rollout/learner mismatch.
+
+    The batch was sampled by the rollout engine (pi_rollout: vLLM kernels and precision, and in async mode a
+    policy up to rollout.max_staleness versions older); the learner's objective is about pi_old, its own
+    recomputation of the policy at the start of the step. The weight corrects against the behaviour policy
+    that really sampled: r = pi_old / pi_rollout of the sampled token ("token_*": r_t = exp(old_t - rollout_t))
+    or of the whole response ("sequence_*": r = exp(sum over valid tokens of (old_t - rollout_t)), the same
+    value on every token of the row). Then, with bounds [C_min, C_max] (None = unbounded on that side):
+        *_truncate: w = clip(r, C_min, C_max)                  (truncated IS; keeps every sample)
+        *_mask:     w = r if C_min <= r <= C_max else 0        (masked IS; drops the token or sequence)
+    Multiply the per-token policy loss by w before aggregation (the denominators keep masked tokens, as TRL).
+
+    Log-ratio bound (module docstring): each token's log-ratio is clamped to +-LOG_RATIO_BOUND nats and, in the
+    sequence modes, so is the row's summed log-ratio before exp, so every weight lies in [0, e^20] and no
+    inf - inf or overflow makes a NaN. Whether a ratio is outside [C_min, C_max] is decided on the summed,
+    unclamped-at-row-level log-ratio, so masking matches TRL for any bound. Inside the bound the weights equal
+    TRL's.
 
     Args:
-        old_logprobs: [B, T] float32 learner log-probabilities of the sampled tokens (before the update).
-        rollout_logprobs: [B, T] float32 log-probabilities reported by the rollout engine for the same tokens.
-        response_mask: [B, T] bool, True on tokens that count.
-        cap: truncation C > 0 (2.0 in Yao et al.).
-        level: "token" | "sequence".
+        old_logprobs: [B, T] float32 learner log-probabilities of the sampled tokens before the update (pi_old).
+        rollout_logprobs: [B, T] float32 log-probabilities the rollout engine reported for the same tokens.
+        response_mask: [B, T] bool, True on tokens that count (sampled tokens; not observations or padding).
+        mode: one of ``ROLLOUT_CORRECTION_MODES``.
+        ratio_min: C_min > 0, or None (no lower bound).
+        ratio_max: C_max > 0, or None (no upper bound).
+
+    Returns:
+        weights: [B, T] float32, 0 at masked positions.
+        corrected: [B, T] bool, True on valid tokens whose ratio lay outside [C_min, C_max] (truncated, or
+            masked to 0); in the sequence modes every valid token of such a row.
 
     Raises:
-        ValueError: shapes differ, mask not bool, cap <= 0, or unknown level.
+        ValueError: shapes differ, mask not bool, unknown mode, a bound <= 0, C_min >= C_max, or a truncate
+            mode with neither bound.
 
-    Source: Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training" (TIS);
-    TRL 1.16 ``GRPOTrainer`` vllm_importance_sampling_mode token_truncate / sequence_truncate
-    (grpo_trainer.py lines 2660-2685, with clip_min None).
+    Source: TRL 1.16 ``GRPOTrainer._generate_and_score_completions`` (grpo_trainer.py lines 2660-2705) and
+    ``GRPOConfig`` vllm_importance_sampling_mode / _clip_min / _clip_max; Yao et al. 2025, "Your Efficient RL
+    Framework Secretly Brings You Off-Policy RL Training" (token TIS); verl/NeMo-RL masked (rejection) IS.
     """
-    if not (old_logprobs.shape == rollout_logprobs.shape == response_mask.shape) or response_mask.dtype != torch.bool:
+    _check_correction(old_logprobs, rollout_logprobs, response_mask, mode, ratio_min, ratio_max)
+    log_ratio = _log_ratio(old_logprobs, rollout_logprobs, response_mask)
+    if mode.startswith("sequence"):
+        log_ratio = log_ratio.sum(dim=-1, keepdim=True).expand_as(log_ratio)
+    log_min = -math.inf if ratio_min is None else math.log(ratio_min)
+    log_max = math.inf if ratio_max is None else math.log(ratio_max)
+    outside = (log_ratio < log_min) | (log_ratio > log_max)
+    truncate = mode.endswith("truncate")
+    log_weight = log_ratio.clamp(log_min, log_max) if truncate else log_ratio
+    weights = torch.exp(log_weight.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+    keep = response_mask if truncate else response_mask & ~outside
+    return torch.where(keep, weights, torch.zeros_like(weights)), outside & response_mask
+
+
+def _check_correction(old, rollout, mask, mode: str, ratio_min: float | None, ratio_max: float | None) -> None:
+    fn = "rollout_correction_weights"
+    if not (old.shape == rollout.shape == mask.shape) or mask.dtype != torch.bool:
         raise ValueError(
-            f"truncated_is_weights: old_logprobs {tuple(old_logprobs.shape)}, rollout_logprobs "
-            f"{tuple(rollout_logprobs.shape)} and bool response_mask {tuple(response_mask.shape)} must match"
+            f"{fn}: old_logprobs {tuple(old.shape)}, rollout_logprobs {tuple(rollout.shape)} and bool "
+            f"response_mask {tuple(mask.shape)} must match"
         )
-    if cap <= 0:
-        raise ValueError(f"truncated_is_weights: cap={cap} must be > 0")
-    if level not in ("token", "sequence"):
-        raise ValueError(f"truncated_is_weights: unknown level {level!r}; expected 'token' or 'sequence'")
-    zero = torch.zeros_like(old_logprobs)
-    diff = _log_ratio(old_logprobs, rollout_logprobs, response_mask)
-    if level == "sequence":
-        diff = diff.sum(dim=-1, keepdim=True).expand_as(diff)
-    return torch.where(response_mask, torch.exp(diff).clamp(max=cap), zero)
+    if mode not in ROLLOUT_CORRECTION_MODES:
+        raise ValueError(f"{fn}: unknown mode {mode!r}; expected one of {ROLLOUT_CORRECTION_MODES}")
+    for name, bound in (("ratio_min", ratio_min), ("ratio_max", ratio_max)):
+        if bound is not None and not bound > 0:
+            raise ValueError(f"{fn}: {name}={bound} must be > 0 (or None)")
+    if ratio_min is not None and ratio_max is not None and ratio_min >= ratio_max:
+        raise ValueError(f"{fn}: ratio_min={ratio_min} must be below ratio_max={ratio_max}")
+    if mode.endswith("truncate") and ratio_min is None and ratio_max is None:
+        raise ValueError(f"{fn}: mode {mode!r} needs ratio_min or ratio_max")
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from pydantic import Field, model_validator
 
@@ -19,6 +19,58 @@ OFFLINE_ALGOS: tuple[str, ...] = get_args(AlgoName)[10:]  # preference pairs
 GROUP_ALGOS: tuple[str, ...] = ("grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo", "reinforce_pp_baseline")
 # Offline methods that compare the policy with the frozen initial policy (reference logprobs cached per pair).
 REFERENCE_ALGOS: tuple[str, ...] = ("dpo", "ipo", "kto")
+
+
+class RolloutCorrectionConfig(_Section):
+    """Online: importance weights w = f(pi_old / pi_rollout) on the policy loss (``algos.rollout_correction_weights``).
+
+    The rollout engine's probabilities differ from the learner's (kernels, precision, and in async mode a policy
+    up to rollout.max_staleness versions older). The ratio is per token, or the product over the response
+    (sequence modes); *_truncate clips it to [ratio_min, ratio_max], *_mask zeroes the token or sequence outside.
+
+    The default, token_truncate with ratio_max 2.0 (Yao et al. 2025's TIS), keeps every sample and never
+    depends on response length. TRL 1.16 defaults to sequence_mask with ratio_max 3.0; a sequence ratio is a
+    product of hundreds of token ratios, so on long responses or stale async samples it leaves [C_min, C_max]
+    often and masking then drops whole responses (watch algo/rollout_corrected_sequence_fraction). Set
+    mode=sequence_mask, ratio_max=3.0 for TRL's behaviour.
+    """
+
+    mode: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = Field(
+        "token_truncate",
+        description=(
+            "none (no correction), token_truncate (w_t = clip(r_t, min, max)), token_mask (w_t = r_t inside "
+            "[min, max], else 0), sequence_truncate / sequence_mask (the same on r = prod_t r_t, on every token of "
+            "the response); r_t = pi_old / pi_rollout of a sampled token (TRL vllm_importance_sampling_mode)."
+        ),
+    )
+    ratio_min: float | None = Field(
+        None, gt=0.0, le=1.0,
+        description=(
+            "Lower bound C_min on the ratio pi_old / pi_rollout (unitless, in (0, 1]); None: no lower bound "
+            "(TRL vllm_importance_sampling_clip_min, default None)."
+        ),
+    )
+    ratio_max: float | None = Field(
+        2.0, ge=1.0,
+        description=(
+            "Upper bound C_max on the ratio pi_old / pi_rollout (unitless, >= 1; Yao et al. 2.0, TRL "
+            "vllm_importance_sampling_clip_max 3.0); None: no upper bound."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> RolloutCorrectionConfig:
+        lo, hi = self.ratio_min, self.ratio_max
+        if lo is not None and hi is not None and lo >= hi:
+            raise ValueError(
+                f"algo.rollout_correction.ratio_min={lo} must be below ratio_max={hi}; 1.0 (no mismatch) must lie inside"
+            )
+        if self.mode != "none" and lo is None and hi is None:
+            raise ValueError(
+                f"algo.rollout_correction.mode={self.mode!r} with ratio_min and ratio_max both null corrects nothing; "
+                "set a bound (e.g. ratio_max: 2.0) or mode: none"
+            )
+        return self
 
 
 class AlgoConfig(_Section):
@@ -51,18 +103,9 @@ class AlgoConfig(_Section):
     entropy_coef: float = Field(
         0.0, ge=0.0, description="Online: weight of the entropy bonus per token (nats), aggregated like the policy loss; 0 off."
     )
-    tis_cap: float | None = Field(
-        2.0, gt=0.0,
-        description=(
-            "Online: truncated importance-sampling cap C for samples drawn by a mismatched or stale behaviour "
-            "policy (the rollout engine; async mode lags by up to rollout.max_staleness versions): the per-token "
-            "loss is weighted by min(pi_old/pi_rollout, C) (Yao et al. 2025 use 2.0; TRL 1.16's vLLM correction "
-            "defaults to 3.0, vllm_importance_sampling_clip_max); "
-            "None off."
-        ),
-    )
-    tis_level: Literal["token", "sequence"] = Field(
-        "token", description="Online, with tis_cap: ratio per token, or the product over the sequence."
+    rollout_correction: RolloutCorrectionConfig = Field(
+        default_factory=lambda: RolloutCorrectionConfig(),
+        description="Online: importance correction of the rollout engine's mismatch with the learner (TRL 1.16's four modes).",
     )
     # ---- online: KL to the reference policy
     kl_coef: float = Field(0.04, ge=0.0, description="Online: KL-to-reference weight beta per token; 0 disables the reference model.")
@@ -141,6 +184,21 @@ class AlgoConfig(_Section):
     def family(self) -> Literal["online", "offline"]:
         """Returns "online" (rollouts, rewards, advantages) or "offline" (preference pairs)."""
         return "online" if self.name in ONLINE_ALGOS else "offline"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _retired_tis(cls, data: Any) -> Any:
+        if isinstance(data, dict) and ("tis_cap" in data or "tis_level" in data):
+            cap, level = data.get("tis_cap", 2.0), data.get("tis_level", "token")  # the retired keys' own defaults
+            fix = (
+                "algo.rollout_correction.mode=none" if cap is None
+                else f"algo.rollout_correction.mode={level}_truncate and algo.rollout_correction.ratio_max={cap}"
+            )  # fmt: skip
+            raise ValueError(
+                f"algo.tis_cap / algo.tis_level (tis_cap={cap!r}, tis_level={level!r}) were replaced by "
+                f"algo.rollout_correction; write {fix}"
+            )
+        return data
 
     @model_validator(mode="after")
     def _check_algo(self) -> AlgoConfig:

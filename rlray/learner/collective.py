@@ -38,6 +38,10 @@ class Collective:
         """Returns the element-wise sum of ``values`` over ranks (same keys on every rank)."""
         return dict(values)
 
+    def all_reduce_max(self, values: dict[str, float]) -> dict[str, float]:
+        """Returns the element-wise max of ``values`` over ranks (same keys on every rank)."""
+        return dict(values)
+
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Returns the concatenation along dim 0 of every rank's ``tensor`` (equal shapes)."""
         return tensor
@@ -65,6 +69,14 @@ class RayTrainCollective(Collective):
         keys = sorted(values)
         t = torch.tensor([values[k] for k in keys], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return {k: float(v) for k, v in zip(keys, t.tolist(), strict=True)}
+
+    def all_reduce_max(self, values: dict[str, float]) -> dict[str, float]:
+        if self.world == 1:
+            return dict(values)
+        keys = sorted(values)
+        t = torch.tensor([values[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return {k: float(v) for k, v in zip(keys, t.tolist(), strict=True)}
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -26,9 +26,18 @@ POLICY_LOSS_OF: dict[str, str] = {
 }
 
 STAT_KEYS = (
-    "pg_loss_sum", "kl_sum", "clipped_sum", "dual_clipped_sum", "entropy_sum", "tis_weight_sum", "rollout_diff_sum",
-    "tokens",
+    "pg_loss_sum", "kl_sum", "clipped_sum", "dual_clipped_sum", "entropy_sum", "is_weight_sum", "rollout_diff_sum",
+    "rollout_kl_sum", "corrected_tokens", "corrected_sequences", "sequences", "tokens", "rollout_ratio_max",
 )  # fmt: skip
+# Statistics reduced by max (over micro-batches, mini-batches and ranks); every other one is summed.
+MAX_STAT_KEYS = ("rollout_ratio_max",)
+
+
+def reduce_stat(key: str, total: float | None, value: float) -> float:
+    """Returns ``total`` combined with ``value``: the max for ``MAX_STAT_KEYS``, else the sum (None: first value)."""
+    if total is None:
+        return value
+    return max(total, value) if key in MAX_STAT_KEYS else total + value
 
 
 @dataclass(frozen=True)
@@ -45,8 +54,9 @@ class LossSpec:
         policy_loss: a key of ``algos.POLICY_LOSSES`` ("ppo_clip", "gspo", "cispo").
         dual_clip: dual-clip constant c > 1 for "ppo_clip", or None.
         entropy_coef: weight of the entropy bonus (0 disables it and skips computing the entropy).
-        tis_cap: truncated importance-sampling cap on pi_learner / pi_rollout, or None.
-        tis_level: "token" | "sequence".
+        correction: rollout-correction mode, "none" or a key of ``algos.ROLLOUT_CORRECTION_MODES``
+            (``algos.rollout_correction_weights``).
+        correction_min / correction_max: its bounds [C_min, C_max] on pi_old / pi_rollout (None: unbounded).
     """
 
     clip_eps_low: float
@@ -58,8 +68,9 @@ class LossSpec:
     policy_loss: str = "ppo_clip"
     dual_clip: float | None = None
     entropy_coef: float = 0.0
-    tis_cap: float | None = None
-    tis_level: str = "token"
+    correction: str = "none"
+    correction_min: float | None = None
+    correction_max: float | None = None
 
 
 @dataclass(frozen=True)
@@ -103,15 +114,29 @@ def policy_objective(
 
     loss = aggregate(w * policy_loss(logprobs, old_logprobs, A) + kl_coef * KL(logprobs, ref_logprobs)
     - entropy_coef * H), following GRPO (Shao et al. 2024, eq. 3) with TRL GRPOTrainer's placement of the
-    KL inside the per-token loss, and w the truncated IS weight min(exp(old - rollout), tis_cap) of Yao et
-    al. 2025 (1 when tis_cap is None). Summing the returned loss over the micro-batches of a mini-batch (and
+    KL inside the per-token loss (grpo_trainer.py lines 3146-3150: the IS weight multiplies the policy loss
+    only, then the KL is added). Summing the returned loss over the micro-batches of a mini-batch (and
     averaging gradients over ranks) gives the full mini-batch loss.
+
+    What is corrected against what (``spec.correction``): three policies meet here. pi_rollout sampled the
+    tokens (the engine's numerics; in async mode also a policy up to rollout.max_staleness versions older),
+    pi_old is the learner's policy at the start of the step (``old_logprobs``), pi_theta the one being
+    updated. w = f(pi_old / pi_rollout) (``algos.rollout_correction_weights``) corrects the behaviour
+    mismatch, staleness included, and is detached; the policy loss's own ratio pi_theta / pi_old (PPO's clip,
+    CISPO's weight, GSPO's length-normalised sequence ratio exp(mean_t log(pi_theta / pi_old))) keeps the
+    trust region around pi_old. The two multiply (decoupled PPO: Hilton et al. 2022, "Batch size-invariance
+    for policy optimization", Sec. 3; TRL applies its vLLM IS ratio the same way): a token clipped by PPO
+    stays clipped whatever w is, and w scales the gradient of the others. With GSPO and a sequence mode, the
+    sequence weight is the unnormalised product prod_t pi_old / pi_rollout (TRL's), not GSPO's mean; with a
+    token mode, GSPO-token's token t carries w_t on its own gradient, where TRL's sequence form spreads
+    mean_t(w_t) over the row (same value and same per-row gradient sum; pinned in test_trl_reference.py). On-policy
+    (one epoch, one mini-batch) pi_old is the detached pi_theta, so only w departs from 1.
 
     Args:
         logprobs: [B, T] float32 current policy logprobs (with grad).
         mb: collated micro-batch: old_logprobs [B, T], advantages [B, T], response_mask [B, T] bool,
             ref_logprobs [B, T] when there is a reference model, rollout_logprobs [B, T] when the engine
-            reported them (required with tis_cap).
+            reported them (required with a correction mode).
         spec: objective choice and coefficients.
         norm: global denominators of the mini-batch.
         entropy: [B, T] float32 per-token policy entropy in nats (with grad); required when
@@ -119,24 +144,24 @@ def policy_objective(
 
     Returns:
         loss: scalar float32 to call backward on.
-        stats: sums over valid tokens (``*_sum``, keys ``STAT_KEYS``) for the caller to divide by the token
-            count: pg_loss_sum, kl_sum (k3 estimator, whatever ``spec.kl_estimator`` is), clipped_sum, dual_clipped_sum, entropy_sum, tis_weight_sum,
-            rollout_diff_sum (|rollout - old logprobs|, the engine/learner mismatch); and tokens.
+        stats: ``STAT_KEYS`` as 0-dim tensors, sums over this micro-batch's valid tokens unless said otherwise
+            (``_stats``).
 
     Raises:
-        ValueError: entropy_coef > 0 without ``entropy``, or tis_cap without rollout_logprobs.
+        ValueError: entropy_coef > 0 without ``entropy``, or a correction mode without rollout_logprobs.
     """
     mask = mb["response_mask"]
     pg_loss, diag = _policy_loss(logprobs, mb, spec)
     per_token = pg_loss
-    tis = None
-    if spec.tis_cap is not None:
+    weights = corrected = None
+    if spec.correction != "none":
         if "rollout_logprobs" not in mb:
-            raise ValueError("policy_objective: tis_cap needs rollout_logprobs in the micro-batch")
-        tis = algos.truncated_is_weights(
-            mb["old_logprobs"], mb["rollout_logprobs"], mask, cap=spec.tis_cap, level=spec.tis_level
-        )
-        per_token = per_token * tis
+            raise ValueError(f"policy_objective: rollout correction {spec.correction!r} needs rollout_logprobs")
+        weights, corrected = algos.rollout_correction_weights(
+            mb["old_logprobs"], mb["rollout_logprobs"], mask,
+            mode=spec.correction, ratio_min=spec.correction_min, ratio_max=spec.correction_max,
+        )  # fmt: skip
+        per_token = per_token * weights
     kl_k3 = None  # the logged algo/kl (and the KL guard's input) is always the k3 estimate, whatever the loss uses
     if "ref_logprobs" in mb:
         kl = algos.kl_penalty(logprobs, mb["ref_logprobs"], spec.kl_estimator)
@@ -155,23 +180,48 @@ def policy_objective(
         num_sequences=norm.num_sequences,
         max_response_tokens=spec.max_response_tokens,
     ) * norm.world_size
-    return loss, _stats(mb, mask, pg_loss, diag, kl_k3, entropy, tis)
+    stats = _stats(mb, mask, pg_loss, diag, kl_k3, entropy)
+    stats.update(_mismatch_stats(mb, mask, weights, corrected))
+    return loss, stats
 
 
-def _stats(mb, mask, pg_loss, diag, kl, entropy, tis) -> dict[str, torch.Tensor]:
-    zero = torch.zeros(())
-
-    def masked_sum(x: torch.Tensor | None) -> torch.Tensor:
-        return zero if x is None else torch.where(mask, x.detach().float(), torch.zeros_like(x.float())).sum()
-
-    rollout_diff = (mb["rollout_logprobs"] - mb["old_logprobs"]).abs() if "rollout_logprobs" in mb else None
+def _stats(mb, mask, pg_loss, diag, kl, entropy) -> dict[str, torch.Tensor]:
     return {
-        "pg_loss_sum": masked_sum(pg_loss),
-        "kl_sum": masked_sum(kl),
-        "clipped_sum": masked_sum(diag["clipped_low"] + diag["clipped_high"]),
-        "dual_clipped_sum": masked_sum(diag.get("dual_clipped")),
-        "entropy_sum": masked_sum(entropy),
-        "tis_weight_sum": masked_sum(tis),
-        "rollout_diff_sum": masked_sum(rollout_diff),
+        "pg_loss_sum": _masked_sum(pg_loss, mask),
+        "kl_sum": _masked_sum(kl, mask),
+        "clipped_sum": _masked_sum(diag["clipped_low"] + diag["clipped_high"], mask),
+        "dual_clipped_sum": _masked_sum(diag.get("dual_clipped"), mask),
+        "entropy_sum": _masked_sum(entropy, mask),
         "tokens": mask.float().sum(),
     }
+
+
+def _masked_sum(x: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
+    if x is None:
+        return torch.zeros(())
+    return torch.where(mask, x.detach().float(), torch.zeros_like(x, dtype=torch.float32)).sum()
+
+
+def _mismatch_stats(mb, mask, weights, corrected) -> dict[str, torch.Tensor]:
+    """Returns the rollout/learner mismatch statistics of a micro-batch (0 where rollout_logprobs are absent).
+
+    rollout_diff_sum: sum of |rollout - old| (nats); rollout_kl_sum: sum of the k3 estimate of
+    KL(pi_rollout || pi_old) on the sampled tokens, exp(old - rollout) - (old - rollout) - 1 (nats; Schulman
+    2020, samples from pi_rollout); rollout_ratio_max: the largest token ratio pi_old / pi_rollout (log-ratio
+    bounded at LOG_RATIO_BOUND; a max, not a sum); is_weight_sum: sum of the correction weights;
+    corrected_tokens: valid tokens truncated or masked; corrected_sequences: rows with one or more such
+    tokens; sequences: rows with one or more valid tokens.
+    """
+    zero = torch.zeros(())
+    out = {"sequences": mask.any(dim=-1).float().sum(), "is_weight_sum": _masked_sum(weights, mask)}
+    out["corrected_tokens"] = zero if corrected is None else corrected.float().sum()
+    out["corrected_sequences"] = zero if corrected is None else corrected.any(dim=-1).float().sum()
+    if "rollout_logprobs" not in mb:
+        return {**out, "rollout_diff_sum": zero, "rollout_kl_sum": zero, "rollout_ratio_max": zero}
+    rollout, old = mb["rollout_logprobs"].float(), mb["old_logprobs"].float()
+    log_ratio = torch.where(mask, old - rollout, torch.zeros_like(old)).clamp(-algos.LOG_RATIO_BOUND, algos.LOG_RATIO_BOUND)
+    ratio_max = torch.exp(log_ratio[mask]).max() if bool(mask.any()) else zero
+    out["rollout_diff_sum"] = _masked_sum((rollout - old).abs(), mask)
+    out["rollout_kl_sum"] = _masked_sum(algos.kl_penalty(rollout, old, "k3"), mask)
+    out["rollout_ratio_max"] = ratio_max
+    return out

@@ -17,7 +17,7 @@ import torch
 
 from rlray.learner.advantages import ADVANTAGE_ESTIMATORS, AdvantageSpec, collective_sum
 from rlray.learner.critic import CRITIC_STAT_KEYS, critic_values, train_critic_minibatch
-from rlray.learner.objective import STAT_KEYS, LossSpec, Normaliser
+from rlray.learner.objective import MAX_STAT_KEYS, STAT_KEYS, LossSpec, Normaliser, reduce_stat
 from rlray.learner.policy import PolicyLearner
 
 AllReduceSum = Callable[[dict[str, float]], dict[str, float]]
@@ -79,12 +79,14 @@ def update(
     norms: list[Normaliser],
     spec: UpdateSpec,
     all_reduce_sum: AllReduceSum,
+    all_reduce_max: AllReduceSum | None = None,
 ) -> dict[str, float]:
     """Stage 6: epochs x mini-batches of policy (and critic) optimizer steps; returns metrics summed over ranks.
 
     Mini-batch m is rows [m*k, (m+1)*k) of the shard with k = ``spec.rows_per_minibatch``; ``norms[m]`` holds
     its global token and sequence counts. Diagnostics are from the first epoch; loss, grad norms and lr are
-    averaged over every optimizer step.
+    averaged over every optimizer step. ``all_reduce_max`` takes the max of ``MAX_STAT_KEYS`` over ranks
+    (None: one rank, the local max is the max).
     """
     k, critic = spec.rows_per_minibatch, learner.critic
     totals: dict[str, float] = {}
@@ -99,15 +101,21 @@ def update(
             steps += 1
             for key, v in stats.items():
                 if epoch == 0 or key in ("grad_norm", "loss", "lr", "critic_grad_norm"):
-                    totals[key] = totals.get(key, 0.0) + v
-    return _update_metrics(totals, steps, spec, critic is not None, all_reduce_sum)
+                    totals[key] = reduce_stat(key, totals.get(key), v)
+    return _update_metrics(totals, steps, spec, critic is not None, all_reduce_sum, all_reduce_max or dict)
 
 
 def _update_metrics(
-    totals: dict[str, float], steps: int, spec: UpdateSpec, has_critic: bool, all_reduce_sum: AllReduceSum
+    totals: dict[str, float],
+    steps: int,
+    spec: UpdateSpec,
+    has_critic: bool,
+    all_reduce_sum: AllReduceSum,
+    all_reduce_max: AllReduceSum,
 ) -> dict[str, float]:
-    keys = STAT_KEYS + ("loss",) + (CRITIC_STAT_KEYS if has_critic else ())
+    keys = tuple(k for k in STAT_KEYS if k not in MAX_STAT_KEYS) + ("loss",) + (CRITIC_STAT_KEYS if has_critic else ())
     summed = all_reduce_sum({key: totals[key] for key in keys})
+    summed.update(all_reduce_max({key: totals[key] for key in MAX_STAT_KEYS}))
     world = spec.loss_world_size
     tokens = max(summed["tokens"], 1.0)
     loss = spec.loss
@@ -116,6 +124,9 @@ def _update_metrics(
         "algo/kl": summed["kl_sum"] / tokens,
         "algo/clip_fraction": summed["clipped_sum"] / tokens,
         "rollout/logprob_abs_diff": summed["rollout_diff_sum"] / tokens,
+        # rollout/learner mismatch, every step (0 without rollout logprobs): k3 KL(pi_rollout || pi_old), max ratio
+        "algo/rollout_kl": summed["rollout_kl_sum"] / tokens,
+        "algo/rollout_ratio_max": summed["rollout_ratio_max"],
         # each rank's loss is its share of the mini-batch loss times world (Normaliser.world_size)
         "learner/loss": summed["loss"] / (steps * world),
         "learner/grad_norm": totals["grad_norm"] / steps,
@@ -124,9 +135,12 @@ def _update_metrics(
     optional = {
         "algo/entropy": (loss.entropy_coef > 0, "entropy_sum"),
         "algo/dual_clip_fraction": (loss.dual_clip is not None, "dual_clipped_sum"),
-        "algo/tis_weight_mean": (loss.tis_cap is not None, "tis_weight_sum"),
+        "algo/rollout_is_weight_mean": (loss.correction != "none", "is_weight_sum"),
+        "algo/rollout_corrected_token_fraction": (loss.correction != "none", "corrected_tokens"),
     }
     out.update({name: summed[key] / tokens for name, (on, key) in optional.items() if on})
+    if loss.correction != "none":
+        out["algo/rollout_corrected_sequence_fraction"] = summed["corrected_sequences"] / max(summed["sequences"], 1.0)
     if has_critic:
         value_tokens = max(summed["value_tokens"], 1.0)
         out["learner/value_loss"] = summed["value_loss_sum"] / value_tokens

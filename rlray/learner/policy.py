@@ -15,7 +15,7 @@ import torch
 
 from rlray.learner.batching import split_microbatches, to_device
 from rlray.learner.logprobs import autocast_context, batched_logprobs, response_logprobs
-from rlray.learner.objective import LossSpec, Normaliser, policy_objective
+from rlray.learner.objective import LossSpec, Normaliser, policy_objective, reduce_stat
 from rlray.models import load_causal_lm
 from rlray.models.adapters import load_adapter
 
@@ -180,8 +180,8 @@ class PolicyLearner:
             loss_fn: ``MicroLoss``; runs the forward (under autocast where it wants) and returns the loss share.
 
         Returns:
-            loss (sum of the micro-batch losses), each statistic summed over micro-batches, grad_norm (pre-clip
-            global L2 norm) and lr.
+            loss (sum of the micro-batch losses), each statistic summed over micro-batches (the max for
+            ``objective.MAX_STAT_KEYS``), grad_norm (pre-clip global L2 norm) and lr.
         """
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {"loss": 0.0}
@@ -195,7 +195,7 @@ class PolicyLearner:
                 loss.backward()
             totals["loss"] += float(loss.detach())
             for k, v in stats.items():
-                totals[k] = totals.get(k, 0.0) + float(v)
+                totals[k] = reduce_stat(k, totals.get(k), float(v))
         if self.sharded:
             grad_norm = self.model.clip_grad_norm_(self.max_grad_norm)
         else:

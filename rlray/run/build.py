@@ -143,7 +143,8 @@ def update_spec(cfg: Config, world: int) -> learner_online.UpdateSpec:
         algo=a.name,
         loss=LossSpec(
             a.clip_eps_low, a.clip_eps_high, a.kl_coef if kl_in_loss else 0.0, a.kl_estimator, a.loss_agg,
-            cfg.rollout.max_new_tokens, POLICY_LOSS_OF[a.name], a.dual_clip, a.entropy_coef, a.tis_cap, a.tis_level,
+            cfg.rollout.max_new_tokens, POLICY_LOSS_OF[a.name], a.dual_clip, a.entropy_coef,
+            a.rollout_correction.mode, a.rollout_correction.ratio_min, a.rollout_correction.ratio_max,
         ),
         advantage=AdvantageSpec(
             a.adv_std_scale, a.adv_eps, a.gamma, a.gae_lambda, 0.0 if kl_in_loss else a.kl_coef, a.kl_estimator

@@ -529,7 +529,7 @@ def step_samples(tokenizer: Any, table: pa.Table, rows: list[int], advantages: l
 def update_policy(ctx: OnlineRun, data: dict[str, torch.Tensor], norms: list[Normaliser],
                   spec: learner_online.UpdateSpec) -> dict[str, float]:
     """Stage 6: epochs x mini-batches of optimizer steps (and PPO's critic); returns statistics summed over ranks."""
-    return learner_online.update(ctx.learner, data, norms, spec, ctx.coll.all_reduce_sum)
+    return learner_online.update(ctx.learner, data, norms, spec, ctx.coll.all_reduce_sum, ctx.coll.all_reduce_max)
 
 
 def sync_weights(ctx: OnlineRun) -> int:

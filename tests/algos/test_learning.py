@@ -1,4 +1,4 @@
-"""Learning tests: every online algorithm raises reward on a toy task; DPO learns its training pairs.
+"""Learning tests: every online algorithm raises reward on a toy task; DPO learns its training pairs; distillation.
 
 The task: a prompt p (one of 8) asks for its target token 1 + p % 7. A response is up to T_MAX = 6 tokens over a
 vocabulary of V = 8 with EOS = 0 (the EOS token counts as generated; later positions are padding, also token 0,
@@ -26,6 +26,7 @@ from rlray.algos import (
     dr_grpo_advantages,
     dynamic_sampling_shortfall,
     gae_advantages,
+    generalized_jsd,
     groups_with_spread,
     grpo_advantages,
     gspo_loss,
@@ -35,6 +36,7 @@ from rlray.algos import (
     reinforce_pp_advantages,
     reinforce_pp_baseline_advantages,
     remax_advantages,
+    reverse_kl_advantages,
     rloo_advantages,
     sequence_logps,
     token_level_rewards,
@@ -312,3 +314,69 @@ if __name__ == "__main__":  # the numbers behind the asserts: python tests/algos
             print(f"| {name} | {seed} | {before:.3f} | {after:.3f} | {after - before:+.3f} | {STEPS} | gain >= {MIN_GAIN} |")
         before, after = train_dpo(DPO_STEPS, seed=seed)
         print(f"| dpo (pair accuracy) | {seed} | {before:.3f} | {after:.3f} | {after - before:+.3f} | {DPO_STEPS} | after > 0.9 |")
+
+
+# --------------------------------------------------------------------------------------------
+# On-policy distillation: the task reward is off; the student learns from a teacher's scores of its own samples
+# --------------------------------------------------------------------------------------------
+class FixedTeacher(nn.Module):
+    """A teacher policy: logits `margin` on each prompt's target token, 0 elsewhere (margin 0: uniform)."""
+
+    def __init__(self, margin: float):
+        super().__init__()
+        self.margin = margin
+
+    def forward(self, prompts: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        logits = torch.zeros(*tokens.shape, V)
+        logits[torch.arange(prompts.numel()), :, TARGETS[prompts]] = self.margin
+        return logits
+
+
+def train_distill(divergence: str, teacher_margin: float, steps: int, lr: float = 0.02, seed: int = 0):
+    """Returns (mean task reward before, after) ``steps`` steps of pure on-policy distillation (no task reward).
+
+    "reverse_kl": advantages = reverse_kl_advantages(old, teacher, mask, weight=1) into PPO-clip, token-mean;
+    "jsd": loss = token-mean generalized_jsd(student logits, teacher logits, beta=0.5) on the student's samples.
+    """
+    torch.manual_seed(seed)
+    policy, teacher = TinyLM(), FixedTeacher(teacher_margin)
+    opt = torch.optim.Adam(policy.parameters(), lr=lr)
+    gen = torch.Generator().manual_seed(seed)
+    before = mean_reward(policy)
+    for _ in range(steps):
+        batch = rollout(policy, gen)  # the task reward it computes is never used
+        prompts, tokens, mask = batch["prompts"], batch["tokens"], batch["mask"]
+        with torch.no_grad():
+            old = token_logprobs(policy, prompts, tokens)
+            teacher_lp = token_logprobs(teacher, prompts, tokens)
+        adv = reverse_kl_advantages(old, teacher_lp, mask, weight=1.0)
+        for _epoch in range(2):
+            opt.zero_grad()
+            if divergence == "reverse_kl":
+                per_token, _ = ppo_clip_loss(token_logprobs(policy, prompts, tokens), old, adv, mask,
+                                             clip_eps_low=0.2, clip_eps_high=0.2)  # fmt: skip
+            else:
+                per_token = generalized_jsd(policy(prompts, tokens), teacher(prompts, tokens), beta=0.5)
+            aggregate_loss(per_token, mask, "token-mean").backward()
+            nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+            opt.step()
+    return before, mean_reward(policy)
+
+
+# Stated margin: distilled from a good teacher (target logit +5: p(target) = e^5 / (e^5 + 7) = 0.955), the student
+# raises the task reward (random 0.101) by at least DISTILL_GAIN in DISTILL_STEPS steps, seed 0; distilled from a
+# uniform teacher (negative control) it gains less than 0.05. Seen with seeds 0-2: good teacher 0.09-0.11 -> 0.95-0.99
+# (both divergences), uniform teacher -> 0.091-0.093.
+DISTILL_STEPS, DISTILL_GAIN = 15, 0.6
+
+
+@pytest.mark.parametrize("divergence", ["reverse_kl", "jsd"])
+def test_distillation_from_a_good_teacher_raises_reward(divergence):
+    before, after = train_distill(divergence, 5.0, DISTILL_STEPS)
+    assert after - before >= DISTILL_GAIN, f"{divergence}: {before:.3f} -> {after:.3f} in {DISTILL_STEPS} steps"
+
+
+@pytest.mark.parametrize("divergence", ["reverse_kl", "jsd"])
+def test_distillation_from_a_uniform_teacher_does_not(divergence):
+    before, after = train_distill(divergence, 0.0, DISTILL_STEPS)
+    assert after - before < 0.05, f"{divergence} with a uniform teacher: {before:.3f} -> {after:.3f}"

@@ -1,4 +1,4 @@
-"""Policy losses (PPO clip, GSPO, CISPO), truncated IS and entropy: hand-computed values, gradients, invariances."""
+"""Policy losses (PPO clip, GSPO, CISPO), rollout correction and entropy: hand-computed values, gradients, invariances."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from rlray.algos import (
     gspo_loss,
     kl_penalty,
     ppo_clip_loss,
-    truncated_is_weights,
+    rollout_correction_weights,
 )
 from rlray.algos import kl as kl_module
 from rlray.algos import policy_losses as policy_losses_module
@@ -162,14 +162,96 @@ def test_on_policy_ppo_gradient_is_policy_gradient(gen):
         torch.testing.assert_close(g, -adv, atol=ATOL, rtol=0)
 
 
-def test_truncated_is_hand_computed():
-    # old - rollout = [log 3, log 0.5, (masked)]: token weights min(r, 2) = [2, 0.5, 0];
-    # sequence weight min(3 * 0.5, 2) = 1.5 on each valid token
-    old = torch.tensor([[math.log(3.0), math.log(0.5), 5.0]])
-    rollout = torch.zeros(1, 3)
-    mask = torch.tensor([[True, True, False]])
-    close(truncated_is_weights(old, rollout, mask, cap=2.0), [[2.0, 0.5, 0.0]])
-    close(truncated_is_weights(old, rollout, mask, cap=2.0, level="sequence"), [[1.5, 1.5, 0.0]])
+LN = math.log
+
+
+def _mismatch_rows():
+    # row 0: old - rollout = [ln 3, ln 0.5, ln 0.25] (+ a masked garbage 5.0); sequence ratio 3 * 0.5 * 0.25 = 0.375
+    # row 1: [ln 2, ln 2, 0]; sequence ratio 4
+    old = torch.tensor([[LN(3.0), LN(0.5), LN(0.25), 5.0], [LN(2.0), LN(2.0), 0.0, -7.0]])
+    mask = torch.tensor([[True, True, True, False], [True, True, True, False]])
+    return old, torch.zeros(2, 4), mask
+
+
+@pytest.mark.parametrize(
+    "mode, ratio_min, ratio_max, weights, corrected",
+    [
+        # token ratios [3, .5, .25] and [2, 2, 1] against [0.4, 2]: 3 -> 2, .25 -> 0.4; 2 sits on the bound (kept)
+        ("token_truncate", 0.4, 2.0, [[2.0, 0.5, 0.4, 0], [2.0, 2.0, 1.0, 0]], [[1, 0, 1, 0], [0, 0, 0, 0]]),
+        ("token_mask", 0.4, 2.0, [[0.0, 0.5, 0.0, 0], [2.0, 2.0, 1.0, 0]], [[1, 0, 1, 0], [0, 0, 0, 0]]),
+        # sequence ratios 0.375 (< 0.4: raised to 0.4, or the row masked) and 4 (> 2: cut to 2, or masked)
+        ("sequence_truncate", 0.4, 2.0, [[0.4] * 3 + [0], [2.0] * 3 + [0]], [[1, 1, 1, 0], [1, 1, 1, 0]]),
+        ("sequence_mask", 0.4, 2.0, [[0.0] * 4, [0.0] * 4], [[1, 1, 1, 0], [1, 1, 1, 0]]),
+        # one-sided bounds (None = unbounded): 0.375 stays, 4 is cut or masked; TRL's mask-only-below-C_min case
+        ("sequence_truncate", None, 2.0, [[0.375] * 3 + [0], [2.0] * 3 + [0]], [[0, 0, 0, 0], [1, 1, 1, 0]]),
+        ("sequence_mask", 0.4, None, [[0.0] * 4, [4.0] * 3 + [0]], [[1, 1, 1, 0], [0, 0, 0, 0]]),
+        ("token_mask", None, 2.5, [[0.0, 0.5, 0.25, 0], [2.0, 2.0, 1.0, 0]], [[1, 0, 0, 0], [0, 0, 0, 0]]),
+    ],
+)
+def test_rollout_correction_hand_computed(mode, ratio_min, ratio_max, weights, corrected):
+    old, rollout, mask = _mismatch_rows()
+    w, c = rollout_correction_weights(old, rollout, mask, mode=mode, ratio_min=ratio_min, ratio_max=ratio_max)
+    close(w, weights)
+    assert c.tolist() == torch.tensor(corrected, dtype=torch.bool).tolist()
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+def test_rollout_correction_is_one_without_mismatch_and_ignores_masked_values(mode, gen):
+    # rollout == old (synchronous, identical numerics): every weight is 1 and nothing is corrected, whatever the bounds
+    old = -torch.rand(3, 5, generator=gen)
+    mask = torch.rand(3, 5, generator=gen) > 0.3
+    w, c = rollout_correction_weights(old, old.clone(), mask, mode=mode, ratio_min=0.9, ratio_max=1.1)
+    close(w, mask.float())
+    assert not c.any()
+    # garbage (nan, inf) at masked positions never reaches the weights
+    garbage = torch.where(mask, old, torch.full_like(old, float("nan")))
+    w2, _ = rollout_correction_weights(garbage, torch.where(mask, old, float("inf")), mask, mode=mode, ratio_max=1.1)
+    close(w2, mask.float())
+
+
+def test_rollout_correction_corrects_against_the_stale_sampler():
+    # async staleness: the engine sampled with a policy 2 versions older whose logprobs are 0.5 nats lower on
+    # token 0 and 0.1 nats higher on token 1; pi_old is the learner's policy now. The weight is pi_old / pi_rollout
+    # of the sampler that really drew the tokens: [e^0.5, e^-0.1] = [1.648721, 0.904837], below C_max = 2.
+    old = torch.tensor([[-1.0, -2.0]])
+    stale_rollout = torch.tensor([[-1.5, -1.9]])
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    w, _ = rollout_correction_weights(old, stale_rollout, mask, mode="token_truncate", ratio_max=2.0)
+    close(w, [[math.exp(0.5), math.exp(-0.1)]])
+    w, c = rollout_correction_weights(old, stale_rollout, mask, mode="sequence_mask", ratio_min=0.5, ratio_max=1.2)
+    close(w, [[0.0, 0.0]])  # sequence ratio e^0.4 = 1.4918 > 1.2: the stale response is dropped
+    assert c.all()
+
+
+def test_rollout_correction_composes_with_ppo_clip_by_product():
+    # tokens: ratio pi_theta/pi_old = [1.5, 1.0] (A = 1, eps 0.2: token 0 clipped at 1.2, no gradient), IS weight
+    # pi_old/pi_rollout = [0.5, 2.0]. Loss = mean(w * -A min(r, clip(r))) = (-0.5 * 1.2 - 2.0 * 1.0) / 2 = -1.3;
+    # d/dlogprobs = [0 (clipped, whatever w), -w_1 * r_1 / 2 = -1.0]
+    lp = torch.tensor([[LN(1.5), 0.0]], requires_grad=True)
+    old, rollout = torch.zeros(1, 2), torch.tensor([[LN(2.0), -LN(2.0)]])
+    mask, adv = torch.ones(1, 2, dtype=torch.bool), torch.ones(1, 2)
+    loss, _ = ppo_clip_loss(lp, old, adv, mask, clip_eps_low=0.2, clip_eps_high=0.2)
+    w, _ = rollout_correction_weights(old, rollout, mask, mode="token_truncate", ratio_max=3.0)
+    total = aggregate_loss(loss * w, mask, "token-mean")
+    total.backward()
+    close(total.detach(), -1.3)
+    close(lp.grad, [[0.0, -1.0]])
+
+
+def test_rollout_correction_with_gspo_multiplies_the_sequence_ratio():
+    # GSPO's own ratio is length-normalised: s = exp(mean(lp - old)) = exp((0.2 + 0.0) / 2) = e^0.1, inside
+    # [1 - 0.3, 1 + 0.3]; the sequence-mode weight is the unnormalised product pi_old / pi_rollout = e^(0.3 + 0.3)
+    # = e^0.6 (TRL's), applied to every token. Loss (A = 1, seq-mean-token-mean) = -e^0.6 * e^0.1 = -2.013753;
+    # each token's gradient = -e^0.6 * e^0.1 / 2 = -1.006876
+    lp = torch.tensor([[0.2, 0.0]], requires_grad=True)
+    old, rollout = torch.zeros(1, 2), torch.full((1, 2), -0.3)
+    mask, adv = torch.ones(1, 2, dtype=torch.bool), torch.ones(1, 2)
+    loss, _ = gspo_loss(lp, old, adv, mask, clip_eps_low=0.3, clip_eps_high=0.3)
+    w, _ = rollout_correction_weights(old, rollout, mask, mode="sequence_truncate", ratio_max=3.0)
+    total = aggregate_loss(loss * w, mask, "seq-mean-token-mean")
+    total.backward()
+    close(total.detach(), -math.exp(0.7))
+    close(lp.grad, [[-math.exp(0.7) / 2] * 2])
 
 
 def test_entropy_hand_computed():
@@ -208,8 +290,15 @@ HUGE_LOG_RATIOS = st.one_of(
 )
 
 
-def _objective(name, lp, log_ratios, rollout_log_ratios, ref_log_ratios, advantage, tis, kl, dtype):
-    """Returns (token-mean objective, logprobs leaf): a policy loss with optional TIS weights and KL in the loss.
+# rollout corrections (mode, C_min, C_max): both bounds, and one-sided ones that leave huge ratios unbounded
+CORRECTIONS = [
+    None, ("token_truncate", None, 3.0), ("token_mask", 0.5, 3.0), ("sequence_truncate", 0.5, 3.0),
+    ("sequence_mask", 0.5, None), ("sequence_truncate", 0.5, None),
+]  # fmt: skip
+
+
+def _objective(name, lp, log_ratios, rollout_log_ratios, ref_log_ratios, advantage, correction, kl, dtype):
+    """Returns (token-mean objective, logprobs leaf): a policy loss with optional rollout correction and KL in the loss.
 
     Each list has one entry per valid token, plus a masked token of garbage; old = lp - log_ratio, rollout =
     old - rollout_log_ratio, ref = lp - ref_log_ratio, all built in float64 and cast to dtype.
@@ -228,8 +317,9 @@ def _objective(name, lp, log_ratios, rollout_log_ratios, ref_log_ratios, advanta
     mask = torch.tensor([[True] * len(lp) + [False]])
     adv = torch.full_like(x, advantage).detach()
     loss, _ = fn(x, old, adv, mask, **kwargs)
-    if tis is not None:
-        loss = loss * truncated_is_weights(old, rollout, mask, cap=3.0, level=tis)
+    if correction is not None:
+        mode, lo, hi = correction
+        loss = loss * rollout_correction_weights(old, rollout, mask, mode=mode, ratio_min=lo, ratio_max=hi)[0]
     if kl is not None:
         loss = loss + 0.04 * kl_penalty(x, ref, kl)
     return aggregate_loss(loss, mask, "token-mean"), x
@@ -241,15 +331,15 @@ def _objective(name, lp, log_ratios, rollout_log_ratios, ref_log_ratios, advanta
     data=st.data(),
     dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
     advantage=st.floats(-10.0, 10.0),
-    tis=st.sampled_from([None, "token", "sequence"]),
+    correction=st.sampled_from(CORRECTIONS),
     kl=st.sampled_from([None, "k1", "k2", "k3"]),
 )
-def test_huge_log_ratios_give_finite_loss_and_gradient(name, data, dtype, advantage, tis, kl):
+def test_huge_log_ratios_give_finite_loss_and_gradient(name, data, dtype, advantage, correction, kl):
     n = data.draw(st.integers(1, 5), label="tokens")  # short responses: GSPO's mean barely dilutes a huge token
     tokens = st.lists(HUGE_LOG_RATIOS, min_size=n, max_size=n)
     lp = data.draw(st.lists(st.floats(-30.0, 0.0, width=32), min_size=n, max_size=n), label="logprobs")
     log_ratios, rollout, ref = data.draw(tokens), data.draw(tokens), data.draw(tokens)
-    total, x = _objective(name, lp, log_ratios, rollout, ref, advantage, tis, kl, dtype)
+    total, x = _objective(name, lp, log_ratios, rollout, ref, advantage, correction, kl, dtype)
     total.backward()
     assert torch.isfinite(total), (name, total)
     assert torch.isfinite(x.grad).all(), (name, x.grad)
@@ -260,21 +350,24 @@ def test_huge_log_ratios_give_finite_loss_and_gradient(name, data, dtype, advant
 @given(
     data=st.data(),
     advantage=st.floats(-10.0, 10.0),
-    tis=st.sampled_from([None, "token", "sequence"]),
+    correction=st.sampled_from(CORRECTIONS),
     kl=st.sampled_from([None, "k1", "k2", "k3"]),
 )
-def test_inside_the_bound_the_loss_and_gradient_are_unchanged(name, data, advantage, tis, kl):
+def test_inside_the_bound_the_loss_and_gradient_are_unchanged(name, data, advantage, correction, kl):
     # the same objective with the bound lifted (patched to inf) is equal bit for bit when every log-ratio is inside
+    # (in the sequence modes the row's summed rollout log-ratio is one too, so its tokens share the bound)
     n = data.draw(st.integers(1, 5), label="tokens")
     tokens = st.lists(st.floats(-LOG_RATIO_BOUND, LOG_RATIO_BOUND), min_size=n, max_size=n)
+    rollout_bound = LOG_RATIO_BOUND / n if correction and correction[0].startswith("sequence") else LOG_RATIO_BOUND
     lp = data.draw(st.lists(st.floats(-30.0, 0.0), min_size=n, max_size=n), label="logprobs")
-    log_ratios, rollout, ref = data.draw(tokens), data.draw(tokens), data.draw(tokens)
+    log_ratios, ref = data.draw(tokens), data.draw(tokens)
+    rollout = data.draw(st.lists(st.floats(-rollout_bound, rollout_bound), min_size=n, max_size=n))
     results = []
     for bound in (LOG_RATIO_BOUND, float("inf")):
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(policy_losses_module, "LOG_RATIO_BOUND", bound)
             patch.setattr(kl_module, "LOG_RATIO_BOUND", bound)
-            total, x = _objective(name, lp, log_ratios, rollout, ref, advantage, tis, kl, torch.float64)
+            total, x = _objective(name, lp, log_ratios, rollout, ref, advantage, correction, kl, torch.float64)
             total.backward()
             results.append((total.detach(), x.grad))
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
@@ -311,7 +404,14 @@ def test_shape_and_mask_errors():
         gspo_loss(x, torch.zeros(1, 3), x, torch.ones(1, 2, dtype=torch.bool), clip_eps_low=0.1, clip_eps_high=0.1)
     with pytest.raises(ValueError, match="bool"):
         cispo_loss(x, x, x, torch.ones(1, 2), clip_eps_low=0.1, clip_eps_high=0.1)
-    with pytest.raises(ValueError, match="level"):
-        truncated_is_weights(x, x, torch.ones(1, 2, dtype=torch.bool), cap=2.0, level="seq")
-    with pytest.raises(ValueError, match="cap"):
-        truncated_is_weights(x, x, torch.ones(1, 2, dtype=torch.bool), cap=0.0)
+    m = torch.ones(1, 2, dtype=torch.bool)
+    with pytest.raises(ValueError, match="unknown mode 'sequence'"):
+        rollout_correction_weights(x, x, m, mode="sequence", ratio_max=2.0)
+    with pytest.raises(ValueError, match="ratio_max=0.0 must be > 0"):
+        rollout_correction_weights(x, x, m, mode="token_truncate", ratio_max=0.0)
+    with pytest.raises(ValueError, match="ratio_min=2.0 must be below ratio_max=2.0"):
+        rollout_correction_weights(x, x, m, mode="token_mask", ratio_min=2.0, ratio_max=2.0)
+    with pytest.raises(ValueError, match="'sequence_truncate' needs ratio_min or ratio_max"):
+        rollout_correction_weights(x, x, m, mode="sequence_truncate")
+    with pytest.raises(ValueError, match="must match"):
+        rollout_correction_weights(x, torch.zeros(1, 3), m, mode="token_mask", ratio_max=2.0)

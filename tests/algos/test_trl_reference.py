@@ -8,7 +8,7 @@ minimal stand-in for ``self`` (no model, no Accelerate state: gather/reduce are 
     Bradley-Terry reward loss (+ centering)    trl/trainer/reward_trainer.py RewardTrainer.compute_loss (778-816)
     ORPO odds-ratio term                       trl/experimental/orpo/orpo_trainer.py ORPOTrainer.odds_ratio_loss
     SimPO                                      trl/experimental/cpo/cpo_trainer.py CPOTrainer.cpo_loss ("simpo")
-Advantages and the vLLM importance weights are computed inline in ``_generate_and_score_completions``; those
+Advantages and the vLLM importance weights (rollout correction) are computed inline in ``_generate_and_score_completions``; those
 tests restate the named lines, using TRL's own ``nanstd``.
 
 TRL GRPO loss_type -> our (policy loss, aggregate_loss mode, normaliser):
@@ -27,6 +27,7 @@ TRL adds beta * k3 to the per-token loss (KL in the loss); so do we: + beta * kl
 
 from __future__ import annotations
 
+import math
 import types
 import warnings
 from collections import defaultdict
@@ -36,6 +37,7 @@ import pytest
 import torch
 
 from rlray.algos import (
+    ROLLOUT_CORRECTION_MODES,
     aggregate_loss,
     bradley_terry_loss,
     cispo_loss,
@@ -51,9 +53,9 @@ from rlray.algos import (
     ppo_clip_loss,
     rloo_advantages,
     robust_dpo_loss,
+    rollout_correction_weights,
     sequence_logps,
     simpo_loss,
-    truncated_is_weights,
 )
 
 with warnings.catch_warnings():
@@ -288,17 +290,120 @@ def test_cispo_matches_trl_compute_loss(beta, gen):
     torch.testing.assert_close(grad, trl_grad, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("level", ["token", "sequence"])
-def test_truncated_is_matches_trl(level, gen):
-    # restated from grpo_trainer.py lines 2660-2685 (mode token_truncate / sequence_truncate, clip_min None)
-    mask = torch.rand(4, 6, generator=gen) > 0.3
-    old, rollout = -torch.rand(4, 6, generator=gen), -torch.rand(4, 6, generator=gen)
-    diff = (old - rollout) * mask
-    if level == "sequence":
-        diff = diff.sum(dim=-1, keepdim=True)
-    trl_ratio = torch.clamp(torch.exp(diff), min=None, max=1.5)
-    ours = truncated_is_weights(old, rollout, mask, cap=1.5, level=level)
-    torch.testing.assert_close(ours, (trl_ratio * mask).expand(4, 6) * mask, atol=ATOL, rtol=0)
+# --------------------------------------------------------------------------------------------
+# Rollout correction: the vLLM IS ratio (restated from grpo_trainer.py lines 2660-2705, modes token_truncate /
+# token_mask / sequence_truncate / sequence_mask, clip_min / clip_max), then applied by _compute_loss itself
+# (lines 3146-3147: per_token_loss * importance_sampling_ratio, before the KL is added)
+# --------------------------------------------------------------------------------------------
+# (C_min, C_max) per level: token ratios exp(N(0, 0.5^2)) and sequence ratios (sums of up to 7 of them) both
+# fall on either side; TRL's default (None, 3.0) and the one-sided lower bound too
+BOUNDS = {"token": [(0.6, 1.5), (None, 1.3), (0.8, None)], "sequence": [(0.5, 2.0), (None, 3.0), (0.8, None)]}
+CASES = [(mode, lo, hi) for mode in ROLLOUT_CORRECTION_MODES for lo, hi in BOUNDS[mode.split("_")[0]]]
+
+
+def _trl_is_ratio(old, sampling, mask, mode, clip_min, clip_max):
+    """Restates grpo_trainer.py lines 2660-2705 (no tool mask); returns [B, T] (token) or [B, 1] (sequence)."""
+    per_token_logps_diff = torch.nan_to_num((old - sampling) * mask, nan=0.0)
+    if mode in ["sequence_mask", "sequence_truncate"]:
+        logps_diff = per_token_logps_diff.sum(dim=-1, keepdim=True)
+    else:
+        logps_diff = per_token_logps_diff
+    ratio = torch.exp(logps_diff)
+    if mode in ["sequence_truncate", "token_truncate"]:
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    min_val = clip_min if clip_min is not None else -math.inf
+    max_val = clip_max if clip_max is not None else math.inf
+    return ratio.masked_fill((ratio < min_val) | (ratio > max_val), value=0.0)
+
+
+def _mismatch_batch(gen):
+    lengths = torch.tensor([7, 3, 1, 5, 6, 2])
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    logprobs = -torch.rand(B, T, generator=gen) * 2
+    old = logprobs + 0.3 * torch.randn(B, T, generator=gen)
+    rollout = old + 0.5 * torch.randn(B, T, generator=gen)  # engine mismatch and staleness
+    ref = logprobs + 0.2 * torch.randn(B, T, generator=gen)
+    advantages = torch.randn(B, generator=gen)
+    return mask, logprobs, old, rollout, ref, advantages
+
+
+@pytest.mark.parametrize("mode, lo, hi", CASES)
+def test_weights_match_trl(mode, lo, hi, gen):
+    mask, _, old, rollout, _, _ = _mismatch_batch(gen)
+    ours, corrected = rollout_correction_weights(old, rollout, mask, mode=mode, ratio_min=lo, ratio_max=hi)
+    trl = _trl_is_ratio(old, rollout, mask.long(), mode, lo, hi).expand(B, T) * mask
+    torch.testing.assert_close(ours, trl, atol=ATOL, rtol=0)
+    assert corrected[mask].any() and not corrected[mask].all()  # both sides of the bounds are exercised
+    assert not corrected[~mask].any()
+
+
+def _trl_corrected_loss(loss_type, level, logprobs, old, ref, advantages, mask, is_ratio, *, eps_low, eps_high):
+    policy = logprobs.clone().requires_grad_(True)
+    stub = _trainer_stub(
+        _get_per_token_logps_and_entropies=lambda model, *a, **k: (policy, torch.zeros_like(policy), None),
+        top_entropy_quantile=1.0,
+        off_policy_mask_threshold=None,
+        importance_sampling_level=level,
+        beta=0.04,
+        args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1),
+        loss_type=loss_type,
+        epsilon_low=eps_low,
+        epsilon_high=eps_high,
+        use_vllm=True,
+        vllm_importance_sampling_correction=True,
+        current_gradient_accumulation_steps=1,
+        max_completion_length=MAX_LEN,
+        _entropy_bonus_enabled=False,
+    )
+    inputs = {
+        "prompt_ids": torch.zeros(B, 2, dtype=torch.long),
+        "prompt_mask": torch.ones(B, 2, dtype=torch.long),
+        "completion_ids": torch.zeros(B, T, dtype=torch.long),
+        "completion_mask": mask.long(),
+        "advantages": advantages,
+        "old_per_token_logps": old,
+        "ref_per_token_logps": ref,
+        "importance_sampling_ratio": is_ratio,
+        "num_items_in_batch": torch.tensor(float(mask.sum())),
+    }
+    loss = GRPOTrainer._compute_loss(stub, None, inputs)
+    (grad,) = torch.autograd.grad(loss, policy)
+    return loss.detach(), grad
+
+
+# (TRL loss_type, importance_sampling_level, our loss, our aggregation, (eps_low, eps_high) as TRL reads them)
+LOSSES = [
+    ("grpo", "token", ppo_clip_loss, "seq-mean-token-mean", (0.2, 0.28)),
+    ("dapo", "token", ppo_clip_loss, "token-mean", (0.2, 0.28)),
+    ("grpo", "sequence", gspo_loss, "seq-mean-token-mean", (3e-2, 4e-2)),  # GSPO
+    ("cispo", "token", cispo_loss, "token-mean", (0.2, 1.3)),
+]
+
+
+@pytest.mark.parametrize("mode, lo, hi", CASES)
+@pytest.mark.parametrize("loss_type, level, loss_fn, agg, eps", LOSSES)
+def test_corrected_loss_and_gradient_match_trl_compute_loss(loss_type, level, loss_fn, agg, eps, mode, lo, hi, gen):
+    mask, logprobs, old, rollout, ref, advantages = _mismatch_batch(gen)
+    is_ratio = _trl_is_ratio(old, rollout, mask.long(), mode, lo, hi)
+    trl_loss, trl_grad = _trl_corrected_loss(loss_type, level, logprobs, old, ref, advantages, mask, is_ratio,
+                                   eps_low=eps[0], eps_high=eps[1])  # fmt: skip
+    # ours: CISPO's absolute cap epsilon_high is 1 + clip_eps_high, and no lower clip (clip_eps_low = 1)
+    low, high = (1.0, eps[1] - 1.0) if loss_type == "cispo" else eps
+    policy = logprobs.clone().requires_grad_(True)
+    per_token, _ = loss_fn(policy, old, advantages[:, None].expand(B, T), mask, clip_eps_low=low, clip_eps_high=high)
+    w, _ = rollout_correction_weights(old, rollout, mask, mode=mode, ratio_min=lo, ratio_max=hi)
+    per_token = per_token * w + 0.04 * kl_penalty(policy, ref, "k3")
+    loss = aggregate_loss(per_token, mask, agg, num_tokens=float(mask.sum()) if agg == "token-mean" else None)
+    (grad,) = torch.autograd.grad(loss, policy)
+    torch.testing.assert_close(loss.detach(), trl_loss, atol=ATOL, rtol=0)
+    if level == "sequence" and mode.startswith("token"):
+        # GSPO with a per-token weight: our GSPO is the GSPO-token form, whose token t carries the gradient of its
+        # own term (w_t scales token t), where TRL's sequence form spreads mean_t(w_t) over the row. The values are
+        # equal, and so is each row's summed gradient: sum_t s w_t / |y|^2 = s mean_t(w_t) / |y|.
+        torch.testing.assert_close(grad.sum(-1), trl_grad.sum(-1), atol=ATOL, rtol=0)
+        assert not torch.allclose(grad, trl_grad, atol=1e-3)
+    else:
+        torch.testing.assert_close(grad, trl_grad, atol=ATOL, rtol=0)
 
 
 # --------------------------------------------------------------------------------------------

@@ -64,3 +64,31 @@ def test_offline_sizes():
         config_from_dict({"algo": {"name": "sft"}, "offline": {"pairs_per_step": 8, "pairs_per_microbatch": 3}})
     with pytest.raises(ConfigError, match=r"offline.eval_fraction=0.01 of offline.max_pairs=20 holds out no pair"):
         config_from_dict({"algo": {"name": "kto"}, "offline": {"max_pairs": 20, "eval_fraction": 0.01}})
+
+
+def test_rollout_correction_defaults_and_modes():
+    rc = config_from_dict({}).algo.rollout_correction
+    assert (rc.mode, rc.ratio_min, rc.ratio_max) == ("token_truncate", None, 2.0)  # Yao et al.'s TIS
+    trl = config_from_dict({"algo": {"rollout_correction": {"mode": "sequence_mask", "ratio_max": 3.0}}})
+    assert trl.algo.rollout_correction.mode == "sequence_mask"
+    assert config_from_dict({"algo": {"rollout_correction": {"mode": "none", "ratio_max": None}}})
+
+
+@pytest.mark.parametrize(
+    "algo, match",
+    [
+        ({"tis_cap": 3.0, "tis_level": "sequence"}, r"algo.tis_cap / algo.tis_level .* were replaced by algo.rollout_correction; "
+         r"write algo.rollout_correction.mode=sequence_truncate and algo.rollout_correction.ratio_max=3.0"),
+        ({"tis_cap": None}, r"write algo.rollout_correction.mode=none"),
+        ({"tis_level": "token"}, r"mode=token_truncate and algo.rollout_correction.ratio_max=2.0"),
+        ({"rollout_correction": {"mode": "seq_mask"}}, r"algo.rollout_correction.mode='seq_mask': Input should be 'none'"),
+        ({"rollout_correction": {"ratio_max": 0.5}}, r"algo.rollout_correction.ratio_max=0.5: .*greater than or equal to 1"),
+        ({"rollout_correction": {"ratio_min": 0.0}}, r"algo.rollout_correction.ratio_min=0.0: .*greater than 0"),
+        ({"rollout_correction": {"ratio_min": 1.5}}, r"algo.rollout_correction.ratio_min=1.5: .*less than or equal to 1"),
+        ({"rollout_correction": {"ratio_min": 1.0, "ratio_max": 1.0}}, r"ratio_min=1.0 must be below ratio_max=1.0"),
+        ({"rollout_correction": {"mode": "sequence_mask", "ratio_max": None}}, r"corrects nothing; set a bound"),
+    ],
+)
+def test_rollout_correction_errors_name_key_value_and_fix(algo, match):
+    with pytest.raises(ConfigError, match=match):
+        config_from_dict({"algo": algo})

@@ -95,10 +95,12 @@ def test_truncated_importance_weights_scale_the_policy_loss():
     }
     norm = Normaliser(2.0, 1.0)
     off, _ = policy_objective(lp, mb, SPEC, norm)
-    on, _ = policy_objective(lp, mb, LossSpec(**{**SPEC.__dict__, "tis_level": "token", "tis_cap": 2.0}), norm)
+    on, _ = policy_objective(lp, mb, LossSpec(**{**SPEC.__dict__, "correction": "token_truncate", "correction_max": 2.0}), norm)
     assert off.item() == pytest.approx(-1.0, abs=1e-6)
     assert on.item() == pytest.approx(-1.75, abs=1e-6)
-    w = algos.truncated_is_weights(mb["old_logprobs"], mb["rollout_logprobs"], mb["response_mask"], cap=2.0)
+    w, _ = algos.rollout_correction_weights(
+        mb["old_logprobs"], mb["rollout_logprobs"], mb["response_mask"], mode="token_truncate", ratio_max=2.0
+    )
     assert w[0].tolist() == pytest.approx([1.5, 2.0])
 
 

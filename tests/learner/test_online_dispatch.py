@@ -139,16 +139,18 @@ def test_objective_options_compose_the_algos_pieces():
     logprobs, mb = _objective_inputs()
     mask = mb["response_mask"]
     entropy = torch.tensor([[1.0, 2.0, 3.0], [4.0, 99.0, 99.0]])
-    spec = LossSpec(0.2, 0.28, 0.1, "k2", "token-mean", 3, "ppo_clip", dual_clip=3.0, entropy_coef=0.01, tis_cap=2.0)
+    spec = LossSpec(0.2, 0.28, 0.1, "k2", "token-mean", 3, "ppo_clip", dual_clip=3.0, entropy_coef=0.01,
+                    correction="token_truncate", correction_max=2.0)
     loss, stats = policy_objective(logprobs, mb, spec, Normaliser(4.0, 2.0, world_size=2), entropy=entropy)
     pg, diag = algos.ppo_clip_loss(logprobs, mb["old_logprobs"], mb["advantages"], mask, clip_eps_low=0.2,
                                    clip_eps_high=0.28, dual_clip=3.0)  # fmt: skip
-    w = algos.truncated_is_weights(mb["old_logprobs"], mb["rollout_logprobs"], mask, cap=2.0)
+    w, _ = algos.rollout_correction_weights(mb["old_logprobs"], mb["rollout_logprobs"], mask, mode="token_truncate",
+                                            ratio_max=2.0)  # fmt: skip
     per_token = w * pg + 0.1 * algos.kl_penalty(logprobs, mb["ref_logprobs"], "k2") - 0.01 * entropy
     want = 2 * torch.where(mask, per_token, 0.0).sum() / 4.0  # token-mean over 4 global tokens, x world_size 2
     torch.testing.assert_close(loss, want)
     assert float(stats["entropy_sum"]) == pytest.approx(1 + 2 + 3 + 4)  # masked 99s never count
-    assert float(stats["tis_weight_sum"]) == pytest.approx(float(w.sum()))
+    assert float(stats["is_weight_sum"]) == pytest.approx(float(w.sum()))
     assert float(stats["tokens"]) == 4.0
 
 

@@ -188,3 +188,18 @@ def test_model_dtype_auto_is_bf16_only_where_bf16_is_native(monkeypatch):
     assert loading.resolve_dtype("auto", gpu=False) == "bfloat16"
     with pytest.raises(ValueError, match="model.dtype='float16': use auto, float32 or bfloat16"):
         loading.resolve_dtype("float16", gpu=False)
+
+
+def test_tiny_random_seed_suffix_builds_a_differently_seeded_twin(tmp_path, monkeypatch, tiny_model_path):
+    # a distillation teacher for tests: same architecture and tokenizer (vocabulary), other weights
+    monkeypatch.setenv("RLRAY_CACHE", str(tmp_path))
+    twin = Path(resolve_model_path("tiny-random@1"))
+    assert twin == tmp_path / "models" / "tiny-random-seed1"
+    first = load_file(str(Path(tiny_model_path) / "model.safetensors"))
+    second = load_file(str(twin / "model.safetensors"))
+    assert first.keys() == second.keys() and all(first[k].shape == second[k].shape for k in first)
+    assert not torch.equal(first["model.embed_tokens.weight"], second["model.embed_tokens.weight"])
+    assert _sha256(Path(tiny_model_path) / "tokenizer.json") == _sha256(twin / "tokenizer.json")
+    assert loading.tiny_random_seed("tiny-random") == 0 and loading.tiny_random_seed("tiny-random@12") == 12
+    with pytest.raises(ModelError, match="'tiny-random@x': write 'tiny-random' or 'tiny-random@N'"):
+        resolve_model_path("tiny-random@x")

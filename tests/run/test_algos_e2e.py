@@ -38,11 +38,11 @@ EXTRA_METRICS = {  # what each algorithm adds
     "dapo": ["algo/dynamic_sampling_rounds", "reward/overlong_penalty_mean"],
     "remax": ["reward/baseline_mean"],
     "kto": ["algo/kto_kl"],
-    "grpo": ["algo/entropy", "algo/tis_weight_mean"],
+    "grpo": ["algo/entropy", "algo/rollout_is_weight_mean", "algo/rollout_corrected_sequence_fraction"],
 }
 ALGO_OVERRIDES = {  # options switched on so that every code path runs once
     "ppo": ["algo.dual_clip=3.0"],
-    "grpo": ["algo.entropy_coef=0.001", "algo.tis_cap=2.0"],
+    "grpo": ["algo.entropy_coef=0.001", "algo.rollout_correction.mode=sequence_mask", "algo.rollout_correction.ratio_max=3.0"],
     "dapo": ["algo.dynamic_sampling_metric=completion_length", "algo.overlong_cache_tokens=4"],
 }
 
