@@ -194,6 +194,15 @@ class EvalConfig(_Section):
     num_problems: int = Field(50, ge=0, description="First N problems of data.eval_files; 0 disables eval.")
     every_steps: int = Field(0, ge=0, description="Eval every N steps (and before training); 0 = before and after only.")
     max_new_tokens: int | None = Field(None, ge=1, description="Generation cap for eval; None uses rollout.max_new_tokens.")
+    pass_k: int = Field(
+        1,
+        ge=1,
+        description=(
+            "k of pass@k (``rlray eval`` only): besides the greedy pass, k samples per problem at rollout.temperature "
+            "(seeded with run.seed); eval/pass@k is the share of problems with at least one sample whose reward is "
+            "above 0. 1: greedy only."
+        ),
+    )
 
 
 class TrackingConfig(_Section):

@@ -15,6 +15,7 @@ the Ray Train training function (``rlray.run.worker.train_worker``); this module
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -323,8 +324,9 @@ def stop_on_sigterm(control: ray.actor.ActorHandle) -> Iterator[None]:
 def evaluate_checkpoint(cfg: Config, checkpoint_path: str) -> dict[str, float]:
     """Returns greedy eval metrics of a snapshot (or any model path) on ``data.eval_files``.
 
-    Starts one rollout actor on the checkpoint's model and scores the first ``eval.num_problems``
-    problems with training's evaluation (``rlray.run.online.evaluate_prompts``: the same keys).
+    Starts one rollout actor on the checkpoint's model (and the environment hosts when env.environments is
+    set: rows then run as episodes) and scores the first ``eval.num_problems`` problems with training's
+    evaluation (``rlray.run.online.evaluate_prompts``: the same keys), plus eval/pass@k when ``eval.pass_k`` > 1.
 
     Raises:
         rlray.checkpoint.storage.SnapshotError: ``checkpoint_path`` is an incomplete snapshot.
@@ -346,12 +348,19 @@ def evaluate_checkpoint(cfg: Config, checkpoint_path: str) -> dict[str, float]:
     one.resources.rollout.num_workers = 1
     one.resources.rollout.cpu_threads = None  # this node's cores, all to the one actor
     actors = start_rollout_actors(one, model_dir, max_model_len(cfg))
+    hosts = start_env_hosts(cfg)
     try:
         reward = build.local_reward_client(cfg, build.dataset_columns(rows))
+        fleet = RolloutFleet(actors)
+        rollouts = online.episode_rollout(cfg, fleet, hosts, tokenizer) if cfg.env.enabled else fleet
+        pass_k = None
+        if cfg.eval.pass_k > 1:
+            pass_k = dataclasses.replace(build.sampling_for_step(cfg, 0), n=cfg.eval.pass_k,
+                                         max_new_tokens=cfg.eval_max_new_tokens, seed=cfg.run.seed)
         try:
-            return online.evaluate_prompts(RolloutFleet(actors), reward, list(zip(rows, ids, strict=True)), tokenizer,
-                                           build.eval_sampling(cfg))
+            return online.evaluate_prompts(rollouts, reward, list(zip(rows, ids, strict=True)), tokenizer,
+                                           build.eval_sampling(cfg), cfg.env.reward_weight, pass_k)
         finally:
             reward.close()
     finally:
-        kill_actors(actors)
+        kill_actors([*actors, *hosts])

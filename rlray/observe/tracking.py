@@ -113,7 +113,7 @@ METRIC_KEYS: tuple[str, ...] = (
 )
 # Families of metric keys, by prefix: one key per episode stop reason (rlray.envs.episode.STOP_REASONS) and one per
 # number an environment reports in EnvStep.metrics (its mean over the step's episodes).
-METRIC_KEY_PREFIXES: tuple[str, ...] = ("env/stop_reason/", "env/metric/")
+METRIC_KEY_PREFIXES: tuple[str, ...] = ("env/stop_reason/", "env/metric/", "eval/env_metric/", "eval/pass@")
 EVAL_KEYS: tuple[str, ...] = (
     "eval/reward_mean",
     "eval/num_problems",
@@ -125,6 +125,7 @@ EVAL_KEYS: tuple[str, ...] = (
     "eval/rejected_reward",
     "eval/env_success",
     "eval/env_turns_mean",
+    "eval/env_failed",
 )
 # Per reward term (reward.functions[].name, or the function's own name): its mean over the samples it scored
 # and the count it skipped (returned None for), per step and at evaluation.

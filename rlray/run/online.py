@@ -618,13 +618,17 @@ def evaluate(ctx: OnlineRun) -> dict[str, float]:
 
 
 def evaluate_prompts(fleet: RolloutFleet | EpisodeRollout, reward: RewardClient, prompts: list[tuple[PromptRow, list[int]]],
-                     tokenizer: Any, sampling: SamplingSpec, env_reward_weight: float = 1.0) -> dict[str, float]:
+                     tokenizer: Any, sampling: SamplingSpec, env_reward_weight: float = 1.0,
+                     pass_k: SamplingSpec | None = None) -> dict[str, float]:
     """Returns eval/reward_mean, eval/<term> and eval/<term>_skipped per reward term, eval/response_tokens_mean and
-    eval/num_problems.
+    eval/num_problems; with environments also eval/env_success (share of episodes whose environment reward is
+    above 0), eval/env_turns_mean, eval/env_failed and eval/env_metric/<name> (means of the environments' numbers);
+    with ``pass_k`` also eval/pass@<k>.
 
-    One completion per prompt (``sampling``: greedy for training's eval and ``rlray eval``), spread over
-    the rollout actors, scored by ``reward``. Term means are over the prompts the term applied to
-    (``term_metrics``); response length is in tokens, EOS included.
+    One completion (or episode) per prompt (``sampling``: greedy for training's eval and ``rlray eval``), spread
+    over the rollout actors, scored by ``reward``. Term means are over the prompts the term applied to
+    (``term_metrics``); response length is in tokens, EOS included. ``pass_k`` (k = its n samples per prompt)
+    adds the share of prompts with a sample whose reward is above 0.
     """
     rows = [r for r, _ in prompts]
     completions = fleet.generate([ids for _, ids in prompts], sampling, rows)
@@ -634,7 +638,15 @@ def evaluate_prompts(fleet: RolloutFleet | EpisodeRollout, reward: RewardClient,
     env_metrics = {} if not episodes else {
         "eval/env_success": float(np.mean([(e.env_reward or 0.0) > 0 and not e.failed for e in episodes])),
         "eval/env_turns_mean": float(np.mean([e.num_turns for e in episodes])),
+        "eval/env_failed": float(sum(e.failed for e in episodes)),
+        **{f"eval/env_metric/{k}": float(np.mean([e.metrics[k] for e in episodes if k in e.metrics]))
+           for k in sorted({k for e in episodes for k in e.metrics})},
     }
+    if pass_k is not None:
+        sampled = fleet.generate([ids for _, ids in prompts], pass_k, rows)
+        values = np.asarray(score(reward, rows, sampled, tokenizer, env_reward_weight).values["reward"], dtype=np.float64)
+        solved = np.nan_to_num(values, nan=0.0).reshape(len(rows), pass_k.n) > 0
+        env_metrics[f"eval/pass@{pass_k.n}"] = float(solved.any(axis=1).mean())
     return {
         "eval/reward_mean": float(np.nanmean(rewards)) if np.isfinite(rewards).any() else math.nan,
         **term_metrics(got, "eval"),
