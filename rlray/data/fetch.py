@@ -35,7 +35,7 @@ EXPECTED_FILES = {
     "retry-arith": ("train.jsonl", "calibration.jsonl", "heldout.jsonl"),
     "guess-number": ("train.jsonl", "calibration.jsonl", "heldout.jsonl"),
 }
-# Datasets written here from a seeded generator (rlray.envs.builtin.generate), not downloaded: name -> (generator
+# Datasets written here from a seeded generator (rlray.data.generate), not downloaded: name -> (generator
 # kind, environment name in the configs, rows per split, seed). Their splits never share an item.
 GENERATED = {
     "retry-arith": ("retry_arith", "retry_arith", {"train": 2000, "calibration": 200, "heldout": 200}, 0),
@@ -90,7 +90,7 @@ def _complete(name: str, folder: Path) -> bool:
 def _sources(name: str) -> list[tuple[str, Callable[[str, Path], None]]]:
     """Returns the (label, filler) pairs to try for ``name``, in order."""
     if name in GENERATED:
-        return [("seeded generator (rlray.envs.builtin.generate)", _generate)]
+        return [("seeded generator (rlray.data.generate)", _generate)]
     sources = [(f"mirror (env {MIRROR_ENV})", _from_mirror), ("Hugging Face hub", _from_hub)]
     if name == "gsm8k":
         sources.append(("GitHub openai/grade-school-math", _from_github))
@@ -100,7 +100,7 @@ def _sources(name: str) -> list[tuple[str, Callable[[str, Path], None]]]:
 def _generate(name: str, out: Path) -> None:
     """Writes a generated dataset's three splits into ``out``; each row also gets ``prompt`` (a one-line description,
     the environment writes the real opening) and ``environment`` (the environment's name in the configs)."""
-    from rlray.envs.builtin.generate import build_rows
+    from rlray.data.generate import build_rows
 
     kind, environment, sizes, seed = GENERATED[name]
     for split, n in sizes.items():

@@ -46,8 +46,9 @@ class StepReply:
 
     Attributes:
         step: what the environment returned (empty when ``error`` is set).
-        tool_calls: calls parsed from the turn; tool_errors: calls that could not be parsed, plus the
-            environment's own ``tool_errors`` metric (unknown tool, bad arguments, a raising tool).
+        tool_calls: calls the turn attempted; tool_errors: calls that failed (could not be parsed, an unknown
+            tool, bad arguments, a raising tool). The environment's own ``tool_calls`` / ``tool_errors`` metrics
+            when it reports them (``ToolEnvironment`` does), else the parser's counts.
         error: None, or "env_error"/"timeout" with ``message``.
     """
 
@@ -129,8 +130,9 @@ class EnvironmentHost:
             if not isinstance(got, EnvStep):
                 raise TypeError(f"{type(self._episodes[key]).__name__}.step returned {type(got).__name__}, expected "
                                 "rlray.envs.EnvStep")
-            own = int(got.metrics.get("tool_errors", 0))
-            return StepReply(got, len(calls), len(errors) + own)
+            # a ToolEnvironment counts its own calls and errors (parse errors included); else the parser's counts
+            n_calls = int(got.metrics.get("tool_calls", len(calls) + len(errors)))
+            return StepReply(got, n_calls, int(got.metrics.get("tool_errors", len(errors))))
 
         return self._run([(one, req) for req in requests], StepReply)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import json
+
 import pytest
 
 from rlray.data import fetch
@@ -68,7 +70,21 @@ def test_incomplete_mirror_is_a_failed_source(tmp_path, monkeypatch, no_network)
 
 
 def test_unknown_name_and_cli(tmp_path, mirror, no_network, capsys):
-    with pytest.raises(ValueError, match=r"unknown dataset 'mnist'; known: \['gsm8k', 'hh-rlhf-harmless'\]"):
+    with pytest.raises(ValueError, match=r"unknown dataset 'mnist'; known: \['gsm8k', 'guess-number', 'hh-rlhf-harmless', 'retry-arith'\]"):
         fetch_dataset("mnist", tmp_path)
     assert fetch.main(["gsm8k", "--dest", str(tmp_path)]) == 0
     assert f"gsm8k: {tmp_path / 'gsm8k'}" in capsys.readouterr().out
+
+
+def test_environment_datasets_are_generated_without_network(tmp_path, no_network):
+    folder = fetch_dataset("retry-arith", tmp_path)
+    rows = {split: [json.loads(x) for x in (folder / f"{split}.jsonl").read_text().splitlines()]
+            for split in ("train", "calibration", "heldout")}
+    assert {k: len(v) for k, v in rows.items()} == {"train": 2000, "calibration": 200, "heldout": 200}
+    ids = [{r["id"] for r in v} for v in rows.values()]
+    assert not (ids[0] & ids[1] or ids[0] & ids[2] or ids[1] & ids[2])  # disjoint items
+    first = rows["train"][0]
+    assert first["environment"] == "retry_arith"
+    assert first["prompt"] == f"What is {first['a']} {first['op']} {first['b']}?"
+    again = fetch_dataset("retry-arith", tmp_path / "again")
+    assert (again / "heldout.jsonl").read_bytes() == (folder / "heldout.jsonl").read_bytes()  # seeded

@@ -7,10 +7,10 @@ from fractions import Fraction
 
 import pytest
 
+from rlray.data.generate import SPLITS, build_rows, split_of, write_rows
 from rlray.envs import AssistantTurn, Environment, parse_tool_calls, tool_schemas
-from rlray.envs.builtin import CalculatorEnv, GuessNumberEnv, RetryArithmeticEnv, build_rows, calculate, write_rows
+from rlray.envs.builtin import CalculatorEnv, GuessNumberEnv, RetryArithmeticEnv, calculate
 from rlray.envs.builtin.calculator import last_number, reference_number
-from rlray.envs.builtin.generate import SPLITS, split_of
 from rlray.envs.builtin.guess import first_integer, success_reward
 from rlray.envs.builtin.retry_arith import parse_answer
 
@@ -160,9 +160,9 @@ def test_retry_later_attempt_and_failure():
     env.reset(**ARITH_ROW)
     first = env.step(turn("The sum is 82"))  # not number-only: invalid, counts as an attempt
     assert first.observations == [{"role": "user", "content": "Wrong, try again."}]
-    assert (first.reward, first.done, first.metrics) == (None, False, {"attempts": 1.0, "valid_action": 0.0})
+    assert (first.reward, first.done, first.metrics) == (None, False, {"valid_action": 0.0})
     second = env.step(turn("81", 1))
-    assert second.metrics == {"attempts": 2.0, "valid_action": 1.0} and not second.done
+    assert second.metrics == {"valid_action": 1.0} and not second.done
     third = env.step(turn("82", 2))
     assert (third.reward, third.done) == (0.5, True)
 

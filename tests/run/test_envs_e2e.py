@@ -28,9 +28,9 @@ def test_mixed_environments_two_steps_through_ray(ray_session, tmp_path):
     metrics = get_run_metrics(uri, result.run_id)
     for key in ENV_KEYS:
         assert [s for s, _ in metrics[key]] == [1, 2], key
-    # the 2 steps take the file's 8 rows once (4 prompts each): 6 environment rows x 2 samples are episodes, the
+    # the 2 steps take the file's 10 rows once (5 prompts each): 8 environment rows x 2 samples are episodes, the
     # 2 single-turn rows are not
-    assert sum(v for _, v in metrics["env/episodes"]) == 12.0
+    assert sum(v for _, v in metrics["env/episodes"]) == 16.0
     stops = {k: dict(v) for k, v in metrics.items() if k.startswith("env/stop_reason/")}
     for step, episodes in metrics["env/episodes"]:
         assert sum(v.get(step, 0.0) for v in stops.values()) == episodes  # every episode has one stop reason
@@ -40,3 +40,12 @@ def test_mixed_environments_two_steps_through_ray(ray_session, tmp_path):
     assert all(is_metric_key(k) for k in logged), [k for k in logged if not is_metric_key(k)]
     assert {"reward/env", "reward/env_skipped", "eval/env", "eval/exact_match"} <= set(metrics) & set(term_keys(["env", "exact_match"]))
     assert "eval/env_success" in metrics and "eval/env_turns_mean" in metrics
+
+
+def test_readme_shows_the_environment_file_and_the_command_this_test_runs():
+    readme = (REPO / "README.md").read_text()
+    code = (REPO / "docs/examples/my_env.py").read_text().rstrip()
+    assert f"```python\n{code}\n```" in readme  # the file as the README shows it
+    assert "```bash\nrlray train configs/envs/mixed_tiny.yaml\n```" in readme
+    assert "docs/examples/my_env.py:WordLengthEnv" in (REPO / "configs/envs/mixed_tiny.yaml").read_text()
+    assert len(code.splitlines()) <= 30

@@ -2,15 +2,16 @@
 
 Row columns: ``a``, ``op`` (``"+"``, ``"-"`` or ``"*"``), ``b``, ``answer`` (the integer result) and optionally
 ``max_attempts`` (default 3). Meant as the smallest multi-turn task SmolLM2-135M can learn on a CPU: two-digit
-sums and differences (``rlray.envs.builtin.generate``).
+sums and differences (``rlray.data.generate``).
 
 Protocol: a turn is a valid action when its text, stripped, is an integer (an optional leading minus sign, an
 optional trailing period: ``"42"``, ``"42."``, ``"-7"``); anything else is invalid and counts as a wrong attempt.
 A wrong or invalid attempt with attempts left is answered by the user message ``"Wrong, try again."``.
 
 Reward schedule, given on the last turn only (None before): 1.0 when the first attempt is correct, 0.5 when a
-later attempt is, 0.0 when every attempt fails (the episode then ends as truncated). Metrics each turn:
-``attempts`` (attempts so far, this one included) and ``valid_action`` (1.0 when the turn was a number).
+later attempt is, 0.0 when every attempt fails (the episode then ends as truncated). Metrics (summed over an
+episode's turns by the rollout): ``valid_action`` each turn (1.0 when the turn was a number), and ``attempts`` on
+the last turn (the attempts the episode took).
 """
 
 from __future__ import annotations
@@ -55,10 +56,10 @@ class RetryArithmeticEnv:
         retry message."""
         self.attempts += 1
         value = parse_answer(turn.text)
-        metrics = {"attempts": float(self.attempts), "valid_action": float(value is not None)}
+        metrics = {"valid_action": float(value is not None)}
         if value == self.answer:
             reward = REWARD_FIRST_ATTEMPT if self.attempts == 1 else REWARD_LATER_ATTEMPT
-            return EnvStep(reward=reward, done=True, metrics=metrics)
+            return EnvStep(reward=reward, done=True, metrics={**metrics, "attempts": float(self.attempts)})
         if self.attempts >= self.max_attempts:
-            return EnvStep(reward=0.0, truncated=True, metrics=metrics)
+            return EnvStep(reward=0.0, truncated=True, metrics={**metrics, "attempts": float(self.attempts)})
         return EnvStep(observations=[{"role": "user", "content": RETRY_MESSAGE}], metrics=metrics)
