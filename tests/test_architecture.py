@@ -27,7 +27,8 @@ ALLOWED: dict[str, set[str]] = {
     "models": set(),
     # cores: pin the engine's threads; models: load the HF fallback engine; schema: rollouts become experience rows
     "rollout": {"cores", "models", "schema"},
-    "envs": {"schema", "models"},  # episodes write experience rows; tool schemas need the tokenizer's chat template
+    # models: tool schemas need the tokenizer's chat template; reward: untrusted environments run in its sandbox
+    "envs": {"schema", "models", "reward"},
     # models: a reward model is a loaded LM with a head; schema: scores read experience rows;
     # checkpoint: a reward model can load from a snapshot
     "reward": {"models", "schema", "checkpoint"},

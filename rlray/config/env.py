@@ -49,10 +49,19 @@ class EnvConfig(_Section):
         60.0,
         gt=0.0,
         description=(
-            "Seconds one reset or step call may take (a SOFT limit: the episode fails with stop reason timeout and the "
-            "thread is abandoned, not killed; untrusted tools belong in the sandbox, whose limit is hard)."
+            "Seconds one reset or step call may take; past it the episode fails (stop reason timeout). Soft without "
+            "env.sandbox (the thread is abandoned, not killed), hard with it (the episode's process is killed)."
         ),
     )
+    sandbox: bool = Field(
+        False,
+        description=(
+            "Run each episode's environment (and so its tools) in its own child process with the sandbox's untrusted "
+            "limits (memory cap, emptied environment variables, private temp folder): for untrusted environment or "
+            "tool code; a timeout then kills that episode only. Costs a process start (seconds) per episode."
+        ),
+    )
+    memory_gib: float = Field(2.0, gt=0.0, description="Address-space cap of a sandboxed episode's process, in GiB.")
     episode_timeout_s: float = Field(
         600.0, gt=0.0, description="Seconds one episode may run, checked between turns (stop reason episode_timeout)."
     )

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
-
-import json
 
 import pytest
 

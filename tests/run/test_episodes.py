@@ -167,3 +167,13 @@ def test_env_reward_defaults_to_zero_and_failed_episodes_are_nan():
     assert out["env"][:2] == [0.0, 0.9] and math.isnan(out["env"][2]) and out["env"][3] is None
     assert out["reward"][0] == 0.0 and out["reward"][1] == 0.25 + 0.9 and math.isnan(out["reward"][2])
     assert out["reward"][3] == 0.75
+
+
+def test_sandboxed_episodes_have_a_hard_time_limit_that_ends_one_episode(ray_session, tiny_tokenizer):
+    h = ray.remote(EnvironmentHost).options(max_concurrency=1).remote(ENVS, step_timeout_s=2.0, sandbox=True)
+    got = rollout(tiny_tokenizer, [h]).generate([[1], [2]], SamplingSpec(n=1, max_new_tokens=4, temperature=1.0),
+                                                rows("hang", "countdown"))
+    assert got[0].episode.stop_reason == "timeout" and got[0].episode.failed
+    assert got[1].episode.stop_reason == "done" and got[1].episode.env_reward == 3.0  # its neighbour went on
+    assert ray.get(h.open_episodes.remote()) == 0
+    ray.kill(h)
