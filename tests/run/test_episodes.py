@@ -177,3 +177,36 @@ def test_sandboxed_episodes_have_a_hard_time_limit_that_ends_one_episode(ray_ses
     assert got[1].episode.stop_reason == "done" and got[1].episode.env_reward == 3.0  # its neighbour went on
     assert ray.get(h.open_episodes.remote()) == 0
     ray.kill(h)
+
+
+def test_async_pipeline_runs_episodes_ahead_and_redraws_them_after_a_reset(env_host, tiny_tokenizer):
+    """Episodes of step t+1 run while step t trains (max_staleness 1); a reset (restore, rollback) drops the
+    episodes in flight and rewinds the data cursor to exactly the consumed steps, so they are drawn again."""
+    from rlray.rollout.fleet import RolloutPipeline
+
+    data = rows("countdown", None, "countdown", None, "countdown", None)
+    cursor = {"next": 0}
+
+    def take():
+        i = cursor["next"]
+        cursor["next"] = i + 2
+        picked = [data[i % 6], data[(i + 1) % 6]]
+        return picked, [[1 + i], [2 + i]]
+
+    def restore(state):
+        cursor.update(state)
+
+    ep = rollout(tiny_tokenizer, [env_host])
+    pipe = RolloutPipeline(ep, take, lambda s: SamplingSpec(n=2, max_new_tokens=4, temperature=1.0, seed=s), 1,
+                           cursor=lambda: dict(cursor), restore_cursor=restore)
+    first = pipe.next(0)
+    assert [r.prompt_id for r in first.rows] == ["p0", "p1"] and pipe.in_flight == 1  # step 1's episodes run
+    assert [c.episode.stop_reason for c in first.completions] == ["done", "done", "single_turn", "single_turn"]
+    assert pipe.consumed_cursor() == {"next": 2}
+    pipe.reset()
+    assert cursor == {"next": 2} and pipe.in_flight == 0
+    again = pipe.next(1)
+    assert [r.prompt_id for r in again.rows] == ["p2", "p3"]  # step 1's rows, drawn again
+    pipe.reset()  # waits for step 2's episodes in flight, then drops them
+    assert cursor == {"next": 4}
+    assert ray.get(env_host.open_episodes.remote()) == 0
