@@ -261,3 +261,33 @@ def test_generate_rejects_bad_prompts(engine: RolloutEngine):
     with pytest.raises(ValueError, match="prompt 0 has 241 tokens; .* at most 240"):
         engine.generate([[1] * 241], spec)
     assert engine.generate([], spec) == []
+
+
+def test_top_k_one_samples_the_argmax(engine: RolloutEngine, prompts):
+    greedy = engine.generate(prompts, SamplingSpec(n=1, max_new_tokens=10, temperature=0.0))
+    top1 = engine.generate(prompts, SamplingSpec(n=2, max_new_tokens=10, temperature=1.0, top_k=1, seed=3))
+    for c in top1:  # top-k 1 keeps only the most likely token: every sample is the greedy sequence
+        assert c.response_token_ids == greedy[c.prompt_index].response_token_ids
+
+
+def test_stop_strings_end_the_turn_after_the_completing_token(engine: RolloutEngine, prompts, tiny_tokenizer, request):
+    greedy = engine.generate(prompts[:1], SamplingSpec(n=1, max_new_tokens=16, temperature=0.0))[0].response_token_ids
+    texts = [tiny_tokenizer.decode(greedy[: i + 1]) for i in range(len(greedy))]
+    # a stop string: the text the 4th token adds (the first index where it is new and not blank)
+    k = next(i for i in range(3, len(greedy)) if texts[i][len(texts[i - 1]):].strip()
+             and texts[i][len(texts[i - 1]):] not in texts[i - 1])
+    stop = texts[k][len(texts[k - 1]):]
+    spec = SamplingSpec(n=1, max_new_tokens=16, temperature=0.0, stop=(stop,))
+    if engine_backend(request) == "hf":
+        with pytest.raises(ValueError, match="need rollout.backend=vllm"):
+            engine.generate(prompts[:1], spec)
+        return
+    got = engine.generate(prompts[:1], spec)[0]
+    assert got.finish_reason == "stop"
+    assert got.response_token_ids == greedy[: k + 1]  # the completing token is kept; nothing after it
+    assert len(got.rollout_logprobs) == k + 1
+
+
+def engine_backend(request) -> str:
+    """Returns the backend of the module's parametrized ``engine`` fixture ("vllm" or "hf")."""
+    return request.node.callspec.params["engine"]
