@@ -41,6 +41,16 @@ def test_mixed_environments_two_steps_through_ray(ray_session, tmp_path):
     assert {"reward/env", "reward/env_skipped", "eval/env", "eval/exact_match"} <= set(metrics) & set(term_keys(["env", "exact_match"]))
     assert "eval/env_success" in metrics and "eval/env_turns_mean" in metrics
 
+    # `rlray eval` of the final snapshot runs the held-out rows as episodes too, with pass@k
+    from rlray.launch.driver import evaluate_checkpoint
+
+    cfg.eval.pass_k = 2
+    got = evaluate_checkpoint(cfg, result.final_snapshot)
+    assert got["eval/num_problems"] == 4.0
+    assert 0.0 <= got["eval/env_success"] <= 1.0 and got["eval/env_turns_mean"] >= 1.0
+    assert 0.0 <= got["eval/pass@2"] <= 1.0 and got["eval/env_failed"] == 0.0
+    assert all(is_metric_key(k) or k in term_keys(["env", "exact_match"]) for k in got), got
+
 
 def test_readme_shows_the_environment_file_and_the_command_this_test_runs():
     readme = (REPO / "README.md").read_text()
