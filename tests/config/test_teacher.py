@@ -53,3 +53,15 @@ def test_jsd_needs_the_teacher_on_the_learner():
 def test_a_teacher_needs_an_online_algorithm():
     with pytest.raises(ConfigError, match=r"teacher.path='tiny-random@1' with the offline method algo.name='dpo'"):
         config_from_dict({"algo": {"name": "dpo"}, "teacher": {"path": "tiny-random@1"}})
+
+
+def test_the_pure_distillation_config():
+    from pathlib import Path
+
+    from rlray.config import load_config
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "distill_tiny.yaml")
+    assert (cfg.model.path, cfg.teacher.path, cfg.teacher.divergence, cfg.teacher.weight) == (
+        "tiny-random", "tiny-random@1", "reverse_kl", 1.0)
+    assert cfg.reward.functions == [] and cfg.reward.model_path is None  # task reward off
+    assert cfg.algo.family == "online" and cfg.resources.teacher.placement == "learner"
