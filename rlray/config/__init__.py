@@ -5,10 +5,10 @@ Every default lives here and nowhere else. A config is loaded from YAML, then do
 Errors name the dotted key, the value that was given and the fix (for an unknown key, the
 nearest valid key).
 
-Sections: run, model, data, rollout, reward, algo, learner, eval, tracking, checkpoint, guard,
+Sections: run, model, data, rollout, reward, env, algo, teacher, learner, eval, tracking, checkpoint, guard,
 monitor, resources.
 
-Modules: base, run, reward, algo, ops, resources, schema (``Config``) and loading (YAML and overrides).
+Modules: base, run, reward, algo, teacher, ops, resources, schema (``Config``) and loading (YAML and overrides).
 """
 
 from rlray.config.algo import (  # noqa: F401
@@ -41,10 +41,12 @@ from rlray.config.resources import (  # noqa: F401
     ResourcesConfig,
     RewardResources,
     RolloutResources,
+    TeacherResources,
 )
 from rlray.config.reward import RewardConfig, RewardFunctionConfig, RewardServerConfig  # noqa: F401
 from rlray.config.run import DataConfig, EvalConfig, LoraConfig, ModelConfig, RolloutConfig, RunConfig, TrackingConfig  # noqa: F401
 from rlray.config.schema import Config  # noqa: F401
+from rlray.config.teacher import TeacherConfig  # noqa: F401
 
 __all__ = [
     "ConfigError",
@@ -76,6 +78,8 @@ __all__ = [
     "LearnerResources",
     "RewardResources",
     "ReferenceResources",
+    "TeacherResources",
+    "TeacherConfig",
     "ResourcesConfig",
     "Config",
     "flatten",

@@ -59,6 +59,20 @@ class ReferenceResources(_Section):
     gpus: float = Field(0.0, ge=0.0, description="Ray GPUs of the reference actor.")
 
 
+class TeacherResources(_Section):
+    """Where the frozen distillation teacher runs (used when teacher.path is set)."""
+
+    placement: Literal["learner", "actor"] = Field(
+        "learner",
+        description=(
+            "learner: a copy on every learner worker (needed by teacher.divergence=jsd); actor: one Ray actor "
+            "rlray:teacher-0 shared by all ranks, sending per-token logprobs of the sampled tokens (reverse_kl only)."
+        ),
+    )
+    cpus: float = Field(0.25, gt=0.0, description="Logical Ray CPUs of the teacher actor.")
+    gpus: float = Field(0.0, ge=0.0, description="Ray GPUs of the teacher actor.")
+
+
 class EnvResources(_Section):
     """Ray resources of the environment hosts (used when env.environments is set)."""
 
@@ -77,6 +91,7 @@ class ResourcesConfig(_Section):
     learner: LearnerResources = Field(default_factory=LearnerResources)
     reward: RewardResources = Field(default_factory=RewardResources)
     reference: ReferenceResources = Field(default_factory=ReferenceResources)
+    teacher: TeacherResources = Field(default_factory=TeacherResources)
     env: EnvResources = Field(default_factory=EnvResources)
     colocate: bool = Field(
         False,

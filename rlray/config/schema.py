@@ -16,6 +16,7 @@ from rlray.config.operations import CheckpointConfig, GuardConfig, MonitorConfig
 from rlray.config.resources import ResourcesConfig
 from rlray.config.reward import RewardConfig
 from rlray.config.run import DataConfig, EvalConfig, ModelConfig, RolloutConfig, RunConfig, TrackingConfig
+from rlray.config.teacher import TeacherConfig
 
 
 def _check_core_lists(key: str, value: str | list[str] | None, count_key: str, count: int, unit: str, *,
@@ -43,6 +44,7 @@ class Config(_Section):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     env: EnvConfig = Field(default_factory=EnvConfig)
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    teacher: TeacherConfig = Field(default_factory=TeacherConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
     offline: OfflineConfig = Field(default_factory=OfflineConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
@@ -60,6 +62,7 @@ class Config(_Section):
         self._check_resources()
         self._check_learner_options()
         self._check_ops()
+        self._check_teacher()
         if self.algo.family == "offline":
             return self._check_offline_sizes(world)
         sequences = self.sequences_per_step
@@ -91,6 +94,22 @@ class Config(_Section):
                 f"does not divide learner.sequences_per_minibatch={ln.sequences_per_minibatch}; pick a divisor"
             )
         return self
+
+    def _check_teacher(self) -> None:
+        teacher = self.teacher
+        if not teacher.enabled:
+            return
+        if self.algo.family == "offline":
+            raise ValueError(
+                f"teacher.path='{teacher.path}' with the offline method algo.name='{self.algo.name}': on-policy "
+                "distillation needs an online algorithm (the student samples); pick one (e.g. grpo) or unset teacher.path"
+            )
+        if teacher.divergence == "jsd" and self.resources.teacher.placement != "learner":
+            raise ValueError(
+                "teacher.divergence='jsd' with resources.teacher.placement='actor': the JSD needs the teacher's "
+                "full-vocabulary logits in the learner's micro-batch (never sent across the object store); set "
+                "resources.teacher.placement=learner, or teacher.divergence=reverse_kl"
+            )
 
     def _check_env(self) -> None:
         env = self.env

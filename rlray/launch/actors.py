@@ -3,7 +3,8 @@
 - ``RolloutActor`` over ``RolloutEngine`` (one vLLM engine per actor), named ``rlray:rollout-<i>``,
   placed in the rollout placement group, restarted by Ray up to ``resources.rollout.max_restarts``.
 - ``ReferenceActor`` over ``ReferenceModel``, named ``rlray:reference-0`` (when
-  ``resources.reference.placement == "actor"``).
+  ``resources.reference.placement == "actor"``), and the same class over the distillation teacher's model,
+  named ``rlray:teacher-0`` (when ``teacher.path`` is set and ``resources.teacher.placement == "actor"``).
 - The reward Serve deployment lives in ``rlray.reward.server`` (Serve builds its own actors).
 """
 
@@ -83,10 +84,11 @@ class RolloutActor:
 
 
 class ReferenceActor:
-    """Ray actor around a ``ReferenceModel`` (the frozen reference policy shared by every learner rank).
+    """Ray actor around a ``ReferenceModel``: a frozen model shared by every learner rank that sends [B, T] logprobs
+    of the sampled tokens (the reference policy, or the distillation teacher).
 
     Args:
-        model_path: local Hugging Face folder of the initial policy.
+        model_path: local Hugging Face folder of the initial policy (reference) or of the teacher.
         model_kwargs: keyword arguments of ``ReferenceModel`` (dtype, temperature, torch_threads).
     """
 
@@ -165,12 +167,22 @@ def start_rollout_actors(
     return actors
 
 
-def start_reference_actor(cfg: Config, model_path: str, namespace: str | None = None) -> ray.actor.ActorHandle:
-    """Returns the started reference actor ``rlray:reference-0`` (resources.reference) in ``namespace``."""
-    res = cfg.resources.reference
-    wait_for_name("rlray:reference-0", namespace)
+def start_reference_actor(cfg: Config, model_path: str, namespace: str | None = None, *,
+                          role: str = "reference") -> ray.actor.ActorHandle:
+    """Returns a started ``ReferenceActor`` in ``namespace``: role "reference" (``rlray:reference-0``,
+    resources.reference, ``model_path`` the policy's) or "teacher" (``rlray:teacher-0``, resources.teacher,
+    ``model_path`` the teacher's).
+
+    Raises:
+        ValueError: an unknown role.
+    """
+    if role not in ("reference", "teacher"):
+        raise ValueError(f"start_reference_actor: role={role!r}; use 'reference' or 'teacher'")
+    res = cfg.resources.reference if role == "reference" else cfg.resources.teacher
+    name = f"rlray:{role}-0"
+    wait_for_name(name, namespace)
     actor = ray.remote(ReferenceActor).options(
-        name="rlray:reference-0", namespace=namespace, num_cpus=res.cpus, num_gpus=res.gpus, scheduling_strategy="DEFAULT"
+        name=name, namespace=namespace, num_cpus=res.cpus, num_gpus=res.gpus, scheduling_strategy="DEFAULT"
     ).remote(
         model_path,
         {"dtype": build.compute_dtype(cfg), "temperature": cfg.rollout.temperature, "torch_threads": cfg.learner.torch_threads},

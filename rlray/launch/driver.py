@@ -8,7 +8,8 @@ the Ray Train training function (``rlray.run.worker.train_worker``); this module
 1. check that every role's resources fit the cluster (before any actor starts),
 2. the rollout actors in their placement group (rlray:rollout-<i>),
 3. the reward Serve application rlray-reward (when reward.server.enabled),
-4. the reference actor rlray:reference-0 (when resources.reference.placement == "actor"),
+4. the reference actor rlray:reference-0 (when resources.reference.placement == "actor") and the teacher actor
+   rlray:teacher-0 (when teacher.path is set and resources.teacher.placement == "actor"),
 5. the Ray Train TorchTrainer (DDP or FSDP over resources.learner.num_workers workers).
 """
 
@@ -110,6 +111,8 @@ def resolve_paths(cfg: Config, base: Path | None = None) -> Config:
     out.model.path = local(cfg.model.path)
     if cfg.model.adapter_path is not None:
         out.model.adapter_path = local(cfg.model.adapter_path)
+    if cfg.teacher.path is not None:
+        out.teacher.path = local(cfg.teacher.path)
     out.offline.pairs_files = [local(p) for p in cfg.offline.pairs_files]
     for section in (out.reward, out.critic):
         if section.model_path is not None:
@@ -221,6 +224,7 @@ def run_training(
     started_at = time.time()
     cfg = resolve_paths(cfg)
     model_dir = preflight(cfg)
+    teacher_dir = resolve_model_path(cfg.teacher.path) if cfg.teacher.enabled else None  # preflight checked it
     init_ray()
     check_cluster(cfg)
     opts = cfg.checkpoint.s3.storage_options()
@@ -232,7 +236,7 @@ def run_training(
     tracker.set_tags({"rlray.model_dir": model_dir, "rlray.output_dir": cfg.run.output_dir, "rlray.snapshot_dir": run_dir,
                       "rlray.git_commit": services.git_commit, **({"rlray.resumed_from": resume} if resume else {}), **(tags or {})})
     log.info("MLflow run %s in %s", tracker.run_id, cfg.tracking.mlflow_uri)
-    actors, reference, pg, own_app, env_hosts = [], None, None, False, []
+    actors, reference, teacher, pg, own_app, env_hosts = [], None, None, None, False, []
     status, outcome, url = "FAILED", None, ""
     control = services.control = start_run_control()
     try:
@@ -252,12 +256,16 @@ def run_training(
             own_app = start_reward_server(cfg)
         if online and cfg.algo.kl_coef > 0 and cfg.resources.reference.placement == "actor":
             reference = start_reference_actor(cfg, model_dir, namespace=namespace)
+        if online and cfg.teacher.enabled and cfg.resources.teacher.placement == "actor":
+            teacher = start_reference_actor(cfg, teacher_dir, namespace=namespace, role="teacher")
         trainer = learner_trainer(cfg, WorkerArgs(
             config=cfg.model_dump(),  # python mode: SecretStr values travel, and are never logged
             model_dir=model_dir,
             run_id=tracker.run_id,
             rollout_actors=actors,
             reference_actor=reference,
+            teacher_dir=teacher_dir,
+            teacher_actor=teacher,
             env_hosts=env_hosts,
             services=services,
             step_hooks=[StopWhenRequested(control), *step_hooks],
@@ -273,7 +281,7 @@ def run_training(
         # a sweep closes a stopped trial's run as KILLED before its process dies; the dying run keeps that
         tracker.finish_unless_ended(_mlflow_status(status), {"rlray.status": status})
         monitor = [services.monitor] if services.monitor is not None else []
-        kill_actors([*actors, *env_hosts, *([reference] if reference else []), *monitor, control])
+        kill_actors([*actors, *env_hosts, *[a for a in (reference, teacher) if a is not None], *monitor, control])
         if pg is not None:
             remove_placement_group(pg)
         if own_app:  # a server started by `rlray serve-reward` before the run stays up

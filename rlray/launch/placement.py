@@ -60,6 +60,8 @@ def role_requests(cfg: Config) -> list[RoleRequest]:
         out.append(RoleRequest("reward", res.reward.replicas, _bundle(res.reward.cpus, res.reward.gpus)))
     if cfg.algo.kl_coef > 0 and res.reference.placement == "actor":
         out.append(RoleRequest("reference", 1, _bundle(res.reference.cpus, res.reference.gpus)))
+    if cfg.teacher.enabled and res.teacher.placement == "actor":
+        out.append(RoleRequest("teacher", 1, _bundle(res.teacher.cpus, res.teacher.gpus)))
     if cfg.env.enabled:
         out.append(RoleRequest("env", res.env.num_workers, _bundle(res.env.cpus, 0.0)))
     return out

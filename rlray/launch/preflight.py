@@ -7,6 +7,8 @@ at once with the error of the module that owns the input, which names the config
 - ``model.path`` (and PPO's ``critic.model_path``) resolve to a model folder (``ModelError``), and the
   tokenizer loads with a chat template, or ``model.chat_template`` is given (``ModelError``);
 - ``model.adapter_path`` is a LoRA adapter folder whose tensors fit the base model (``ModelError``);
+- ``teacher.path`` resolves to a model folder whose vocabulary is the student's: the same vocabulary size and
+  the same token-to-id map (``ModelError`` naming both models and both sizes);
 - the data files load and every row validates (``DataError``): ``data.train_files`` and, with eval on,
   ``data.eval_files`` for online algorithms (with ``data.long_prompts=error`` also no prompt is too
   long), ``offline.pairs_files`` for offline ones;
@@ -27,7 +29,7 @@ from pathlib import Path
 from rlray.checkpoint import storage as checkpoint
 from rlray.config import Config
 from rlray.data import load_preference_pairs, load_prompt_rows, prepare_prompts
-from rlray.models import cpu_supports_bf16, load_tokenizer, resolve_model_path
+from rlray.models import ModelError, cpu_supports_bf16, load_tokenizer, resolve_model_path, vocabulary
 from rlray.models.adapters import check_adapter
 from rlray.reward.scorer import RewardFunctionError
 from rlray.reward.verifiers import BUILTIN_VERIFIERS
@@ -42,7 +44,8 @@ def preflight(cfg: Config) -> str:
         cfg: the config with local paths already resolved (``rlray.launch.driver.resolve_paths``).
 
     Raises:
-        rlray.models.ModelError: the model path, tokenizer or chat template cannot be used.
+        rlray.models.ModelError: the model path, tokenizer or chat template cannot be used, or the teacher's
+            cannot, or its vocabulary differs from the student's.
         rlray.data.DataError: a data file is missing, empty or has a bad row, line or column.
         rlray.reward.RewardFunctionError: a reward function's file or module does not exist.
         rlray.checkpoint.storage.SnapshotError: snapshots cannot be written under ``checkpoint.uri``.
@@ -51,6 +54,8 @@ def preflight(cfg: Config) -> str:
     tokenizer = load_tokenizer(model_dir, cfg.model.chat_template)
     if cfg.model.adapter_path is not None:
         check_adapter(cfg.model.adapter_path, model_dir)
+    if cfg.teacher.enabled:
+        check_teacher(cfg.teacher.path, cfg.model.path, model_dir)
     gpus = cfg.resources.learner.gpus > 0 or cfg.resources.rollout.gpus > 0
     if cfg.model.dtype == "bfloat16" and not gpus and not cpu_supports_bf16():
         log.warning("model.dtype=bfloat16 on a CPU without native bf16 (no AVX-512 BF16 or AMX): torch emulates it, "
@@ -62,10 +67,11 @@ def preflight(cfg: Config) -> str:
                             instruction=cfg.data.instruction, system_prompt=cfg.data.system_prompt)
         if cfg.eval.num_problems:
             load_prompt_rows(cfg.data.eval_files, prompt_column=cfg.data.prompt_column)
-        if not cfg.reward.functions and cfg.reward.model_path is None:
+        if not cfg.reward.functions and cfg.reward.model_path is None and not cfg.teacher.enabled:
             raise RewardFunctionError(
                 "this online run has no reward: set reward.functions (built-in verifiers such as "
-                "[{function: math_equal}], or your own 'file.py:function') or reward.model_path"
+                "[{function: math_equal}], or your own 'file.py:function'), reward.model_path, or a "
+                "distillation teacher (teacher.path)"
             )
         for fn in cfg.reward.functions:
             check_function_spec(fn.function)
@@ -75,6 +81,36 @@ def preflight(cfg: Config) -> str:
         load_preference_pairs(cfg.offline.pairs_files, max_pairs=cfg.offline.max_pairs)
     checkpoint.check_storage(cfg.checkpoint_uri, cfg.checkpoint.s3.storage_options())
     return model_dir
+
+
+def check_teacher(teacher_path: str, student_path: str, student_dir: str) -> str:
+    """Returns the teacher's resolved local folder after checking that its vocabulary is the student's.
+
+    Both the logits' size (config ``vocab_size``, which the JSD compares position by position) and the
+    tokenizers' token-to-id maps (the teacher scores the student's token ids) must match.
+
+    Args:
+        teacher_path: ``teacher.path`` as configured (a folder, .gguf file or alias).
+        student_path: ``model.path`` as configured (for the message).
+        student_dir: the student's resolved folder.
+
+    Raises:
+        rlray.models.ModelError: the teacher cannot be resolved, or its vocabulary differs (names both models and
+            both vocabulary sizes).
+    """
+    try:
+        teacher_dir = resolve_model_path(teacher_path)
+    except ModelError as err:
+        raise ModelError(str(err).replace("model.path=", "teacher.path=", 1)) from err  # the alias rules are model.path's
+    (teacher_size, teacher_tokens), (student_size, student_tokens) = vocabulary(teacher_dir), vocabulary(student_dir)
+    if teacher_size != student_size or teacher_tokens != student_tokens:
+        what = "vocabulary sizes differ" if teacher_size != student_size else "tokenizers map tokens to different ids"
+        raise ModelError(
+            f"teacher.path='{teacher_path}' (vocabulary {teacher_size} tokens) and model.path='{student_path}' "
+            f"(vocabulary {student_size} tokens): the {what}; on-policy distillation needs a teacher with the "
+            "student's tokenizer (the same model family)"
+        )
+    return teacher_dir
 
 
 def check_function_spec(spec: str) -> None:

@@ -23,6 +23,46 @@ def autocast_context(dtype: str) -> contextlib.AbstractContextManager:
     return torch.autocast(device_type=device, dtype=torch.bfloat16)
 
 
+def response_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor], *, temperature: float = 1.0) -> torch.Tensor:
+    """Returns [B, T, V] float32 next-token logits at the response positions, divided by ``temperature``.
+
+    Position i holds the logits that predict response token i. Only the logits of the T+1 last positions are
+    computed (``logits_to_keep``), so the cost of the vocabulary projection scales with the response, not the
+    prompt. Logits are divided by ``temperature`` before any softmax, as TRL's GRPOTrainer
+    (``_get_per_token_logps_and_entropies``) and verl's ``logprobs_from_logits`` do, so that ratios are taken
+    under the sampling distribution.
+
+    Args:
+        model: a Hugging Face causal LM (or a DDP wrapper of one).
+        batch: ``collate`` output: input_ids [B, Pm+T] int64, attention_mask [B, Pm+T] int64,
+            position_ids [B, Pm+T] int64, response_ids [B, T] int64.
+        temperature: sampling temperature of the rollout (> 0).
+    """
+    t = batch["response_ids"].shape[1]
+    out = model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        position_ids=batch["position_ids"],
+        logits_to_keep=t + 1,
+        use_cache=False,
+    )
+    return out.logits[:, :-1, :].float() / temperature
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor, response_ids: torch.Tensor, *, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Returns logprobs [B, T] float32 (nats) of ``response_ids`` under ``logits`` [B, T, V], and the entropy [B, T]
+    float32 (nats) of each position's distribution or None."""
+    logz = torch.logsumexp(logits, dim=-1)
+    logprobs = logits.gather(-1, response_ids.unsqueeze(-1)).squeeze(-1) - logz
+    entropy = None
+    if with_entropy:
+        probs = torch.softmax(logits, dim=-1)
+        entropy = logz - (probs * logits).sum(-1)
+    return logprobs, entropy
+
+
 def response_logprobs(
     model: torch.nn.Module,
     batch: dict[str, torch.Tensor],
@@ -32,15 +72,11 @@ def response_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns the logprob of each response token, and optionally the policy entropy per token.
 
-    Only the logits of the T+1 last positions are computed (``logits_to_keep``), so the cost of the
-    vocabulary projection scales with the response, not the prompt. Logits are divided by
-    ``temperature`` before the softmax, as TRL's GRPOTrainer (``_get_per_token_logps_and_entropies``)
-    and verl's ``logprobs_from_logits`` do, so that ratios are taken under the sampling distribution.
+    ``logprobs_from_logits`` over ``response_logits`` (temperature-scaled logits of the T+1 last positions only).
 
     Args:
         model: a Hugging Face causal LM (or a DDP wrapper of one).
-        batch: ``collate`` output: input_ids [B, Pm+T] int64, attention_mask [B, Pm+T] int64,
-            position_ids [B, Pm+T] int64, response_ids [B, T] int64.
+        batch: ``collate`` output (input_ids, attention_mask, position_ids [B, Pm+T], response_ids [B, T]).
         temperature: sampling temperature of the rollout (> 0).
         with_entropy: also return the entropy of the next-token distribution (nats).
 
@@ -48,23 +84,8 @@ def response_logprobs(
         logprobs [B, T] float32 in nats (values at padded positions are meaningless; mask them),
         and entropy [B, T] float32 or None.
     """
-    response_ids = batch["response_ids"]
-    t = response_ids.shape[1]
-    out = model(
-        input_ids=batch["input_ids"],
-        attention_mask=batch["attention_mask"],
-        position_ids=batch["position_ids"],
-        logits_to_keep=t + 1,
-        use_cache=False,
-    )
-    logits = out.logits[:, :-1, :].float() / temperature  # position i predicts response token i
-    logz = torch.logsumexp(logits, dim=-1)
-    logprobs = logits.gather(-1, response_ids.unsqueeze(-1)).squeeze(-1) - logz
-    entropy = None
-    if with_entropy:
-        probs = torch.softmax(logits, dim=-1)
-        entropy = logz - (probs * logits).sum(-1)
-    return logprobs, entropy
+    logits = response_logits(model, batch, temperature=temperature)
+    return logprobs_from_logits(logits, batch["response_ids"], with_entropy=with_entropy)
 
 
 @torch.no_grad()

@@ -27,7 +27,7 @@ POLICY_LOSS_OF: dict[str, str] = {
 
 STAT_KEYS = (
     "pg_loss_sum", "kl_sum", "clipped_sum", "dual_clipped_sum", "entropy_sum", "is_weight_sum", "rollout_diff_sum",
-    "rollout_kl_sum", "corrected_tokens", "corrected_sequences", "sequences", "tokens", "rollout_ratio_max",
+    "rollout_kl_sum", "corrected_tokens", "corrected_sequences", "sequences", "tokens", "rollout_ratio_max", "jsd_sum",
 )  # fmt: skip
 # Statistics reduced by max (over micro-batches, mini-batches and ranks); every other one is summed.
 MAX_STAT_KEYS = ("rollout_ratio_max",)
@@ -57,6 +57,9 @@ class LossSpec:
         correction: rollout-correction mode, "none" or a key of ``algos.ROLLOUT_CORRECTION_MODES``
             (``algos.rollout_correction_weights``).
         correction_min / correction_max: its bounds [C_min, C_max] on pi_old / pi_rollout (None: unbounded).
+        jsd_weight: weight of the per-token generalized JSD to a teacher added to the loss (teacher.weight with
+            teacher.divergence=jsd; 0 disables it and skips the teacher's logits).
+        jsd_beta: its beta in [0, 1] (teacher.beta; ``algos.generalized_jsd``).
     """
 
     clip_eps_low: float
@@ -71,6 +74,8 @@ class LossSpec:
     correction: str = "none"
     correction_min: float | None = None
     correction_max: float | None = None
+    jsd_weight: float = 0.0
+    jsd_beta: float = 0.5
 
 
 @dataclass(frozen=True)
@@ -109,11 +114,12 @@ def policy_objective(
     norm: Normaliser,
     *,
     entropy: torch.Tensor | None = None,
+    jsd: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Returns the micro-batch's share of the mini-batch loss, and per-token-summed diagnostics.
 
     loss = aggregate(w * policy_loss(logprobs, old_logprobs, A) + kl_coef * KL(logprobs, ref_logprobs)
-    - entropy_coef * H), following GRPO (Shao et al. 2024, eq. 3) with TRL GRPOTrainer's placement of the
+    - entropy_coef * H + jsd_weight * JSD_beta(student || teacher)), following GRPO (Shao et al. 2024, eq. 3) with TRL GRPOTrainer's placement of the
     KL inside the per-token loss (grpo_trainer.py lines 3146-3150: the IS weight multiplies the policy loss
     only, then the KL is added). Summing the returned loss over the micro-batches of a mini-batch (and
     averaging gradients over ranks) gives the full mini-batch loss.
@@ -141,6 +147,9 @@ def policy_objective(
         norm: global denominators of the mini-batch.
         entropy: [B, T] float32 per-token policy entropy in nats (with grad); required when
             ``spec.entropy_coef > 0``.
+        jsd: [B, T] float32 per-token generalized JSD to the teacher in nats (with grad; ``algos.generalized_jsd``),
+            required when ``spec.jsd_weight > 0``. It is aggregated with the policy loss under the same mask and
+            ``loss_agg`` (TRL's DistillationTrainer: token-mean), so observation tokens are never distilled.
 
     Returns:
         loss: scalar float32 to call backward on.
@@ -148,7 +157,8 @@ def policy_objective(
             (``_stats``).
 
     Raises:
-        ValueError: entropy_coef > 0 without ``entropy``, or a correction mode without rollout_logprobs.
+        ValueError: entropy_coef > 0 without ``entropy``, jsd_weight > 0 without ``jsd``, or a correction mode
+            without rollout_logprobs.
     """
     mask = mb["response_mask"]
     pg_loss, diag = _policy_loss(logprobs, mb, spec)
@@ -172,6 +182,10 @@ def policy_objective(
         if entropy is None:
             raise ValueError("policy_objective: entropy_coef > 0 needs the per-token entropy")
         per_token = per_token + algos.entropy_bonus_loss(entropy, mask, coef=spec.entropy_coef)
+    if spec.jsd_weight > 0:
+        if jsd is None:
+            raise ValueError("policy_objective: jsd_weight > 0 needs the per-token JSD to the teacher")
+        per_token = per_token + spec.jsd_weight * jsd
     loss = algos.aggregate_loss(
         per_token,
         mask,
@@ -181,6 +195,7 @@ def policy_objective(
         max_response_tokens=spec.max_response_tokens,
     ) * norm.world_size
     stats = _stats(mb, mask, pg_loss, diag, kl_k3, entropy)
+    stats["jsd_sum"] = _masked_sum(jsd, mask)
     stats.update(_mismatch_stats(mb, mask, weights, corrected))
     return loss, stats
 

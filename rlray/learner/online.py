@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlray import algos
 from rlray.learner.advantages import ADVANTAGE_ESTIMATORS, AdvantageSpec, collective_sum
 from rlray.learner.critic import CRITIC_STAT_KEYS, critic_values, train_critic_minibatch
 from rlray.learner.objective import MAX_STAT_KEYS, STAT_KEYS, LossSpec, Normaliser, reduce_stat
@@ -38,6 +39,8 @@ class UpdateSpec:
             otherwise the update uses the detached current ones (on-policy).
         value_clip_eps: PPO critic value-loss clip (reward units), or None.
         loss_world_size: learner ranks (each rank's loss share carries this factor; see Normaliser).
+        distill_weight: weight of the teacher's per-token reverse KL added to the advantages (teacher.weight with
+            teacher.divergence=reverse_kl; 0: off). On, stage 4 takes teacher_logprobs and old_logprobs.
     """
 
     algo: str
@@ -49,14 +52,19 @@ class UpdateSpec:
     old_logprobs_before_update: bool
     value_clip_eps: float | None = None
     loss_world_size: int = 1
+    distill_weight: float = 0.0
 
 
 def reference_and_old(learner: PolicyLearner, data: dict[str, torch.Tensor], spec: UpdateSpec) -> dict[str, torch.Tensor]:
-    """Stage 4: adds ref_logprobs [B, T] (when there is a reference), old_logprobs [B, T] (when
-    ``spec.old_logprobs_before_update``) and old_values [B, T] (PPO's critic) to ``data``; returns it."""
+    """Stage 4: adds ref_logprobs [B, T] (when there is a reference), teacher_logprobs [B, T] (reverse-KL
+    distillation, ``spec.distill_weight > 0``), old_logprobs [B, T] (when ``spec.old_logprobs_before_update``) and
+    old_values [B, T] (PPO's critic) to ``data``; returns it. A reference or teacher actor may have filled its
+    logprobs already; the rest come from the models on this learner."""
     mbs = spec.microbatch_size
-    if learner.has_reference and "ref_logprobs" not in data:  # a reference actor may have filled it
+    if learner.has_reference and "ref_logprobs" not in data:
         data["ref_logprobs"] = learner.logprobs(data, reference=True, microbatch_size=mbs)
+    if spec.distill_weight > 0 and "teacher_logprobs" not in data:
+        data["teacher_logprobs"] = learner.teacher_logprobs(data, microbatch_size=mbs)
     if spec.old_logprobs_before_update:
         data["old_logprobs"] = learner.logprobs(data, reference=False, microbatch_size=mbs)
     if learner.critic is not None:
@@ -71,6 +79,35 @@ def advantages(data: dict[str, torch.Tensor], spec: UpdateSpec, all_reduce_sum: 
     """
     data.update(ADVANTAGE_ESTIMATORS[spec.algo](data, spec.advantage, collective_sum(all_reduce_sum)))
     return data
+
+
+def add_reverse_kl(data: dict[str, torch.Tensor], weight: float, all_reduce_sum: AllReduceSum) -> dict[str, float]:
+    """Stage 5b (reverse-KL distillation): adds the teacher's per-token reverse KL to ``data["advantages"]``; returns
+    {"algo/distill_reverse_kl": token mean over every rank, in nats}.
+
+    advantages += ``algos.reverse_kl_advantages(old_logprobs, teacher_logprobs, response_mask, weight)``, i.e.
+    -weight * (log pi_student - log pi_teacher) on loss tokens and nothing elsewhere: observation tokens of
+    environment episodes and padding (response_mask False) keep their advantage untouched. Added after the
+    algorithm's own normalisation, so the task advantage and the distillation signal sum as they are.
+
+    Which student logprobs: ``old_logprobs``, the learner's own at the start of the step (stage 4 takes them
+    whenever ``distill_weight > 0``), not the engine's ``rollout_logprobs``. They come from the same code,
+    autocast and temperature as ``teacher_logprobs`` (``batched_logprobs``), so a teacher with the student's
+    weights gives exactly 0, and the engine's numeric mismatch (or staleness, in async mode) does not enter
+    the distillation signal; rollout correction weighs the samples as for any advantage.
+
+    Args:
+        data: this rank's shard: advantages [B, T] float32, old_logprobs [B, T] float32, teacher_logprobs [B, T]
+            float32, response_mask [B, T] bool.
+        weight: teacher.weight (advantage units per nat), > 0.
+        all_reduce_sum: sums {name: float} over learner ranks (identity with one rank).
+    """
+    mask = data["response_mask"]
+    data["advantages"] = data["advantages"] + algos.reverse_kl_advantages(
+        data["old_logprobs"], data["teacher_logprobs"], mask, weight=weight)
+    diff = torch.where(mask, data["old_logprobs"].float() - data["teacher_logprobs"].float(), 0.0)
+    summed = all_reduce_sum({"kl_sum": float(diff.sum()), "tokens": float(mask.sum())})
+    return {"algo/distill_reverse_kl": summed["kl_sum"] / max(summed["tokens"], 1.0)}
 
 
 def update(
@@ -137,6 +174,7 @@ def _update_metrics(
         "algo/dual_clip_fraction": (loss.dual_clip is not None, "dual_clipped_sum"),
         "algo/rollout_is_weight_mean": (loss.correction != "none", "is_weight_sum"),
         "algo/rollout_corrected_token_fraction": (loss.correction != "none", "corrected_tokens"),
+        "algo/distill_jsd": (loss.jsd_weight > 0, "jsd_sum"),
     }
     out.update({name: summed[key] / tokens for name, (on, key) in optional.items() if on})
     if loss.correction != "none":

@@ -13,8 +13,9 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from rlray import algos
 from rlray.learner.batching import split_microbatches, to_device
-from rlray.learner.logprobs import autocast_context, batched_logprobs, response_logprobs
+from rlray.learner.logprobs import autocast_context, batched_logprobs, logprobs_from_logits, response_logits
 from rlray.learner.objective import LossSpec, Normaliser, policy_objective, reduce_stat
 from rlray.models import load_causal_lm
 from rlray.models.adapters import load_adapter
@@ -30,7 +31,7 @@ MicroLoss = Callable[[torch.nn.Module, dict[str, torch.Tensor]], tuple[torch.Ten
 
 
 class PolicyLearner:
-    """Holds the model (float32 master weights), an optional frozen reference, AdamW and its schedule.
+    """Holds the model (float32 master weights), an optional frozen reference and teacher, AdamW and its schedule.
 
     The model is the policy (a causal LM) by default; ``model_loader`` builds another one-model learner on
     the same machinery (PPO's critic, the reward model of ``algo.name=reward_model``).
@@ -54,6 +55,9 @@ class PolicyLearner:
         model_loader: builds the float32 model from ``model_path``; None loads a causal LM.
         critic: PPO's critic (a learner over ``rlray.models.load_value_model``); its weights and optimizer
             state travel in this learner's ``state_dict``.
+        teacher_path: local Hugging Face folder of a distillation teacher (``teacher.path`` resolved) to hold frozen
+            on this learner (``resources.teacher.placement == "learner"``), or None. It gives teacher logprobs
+            (``teacher_logprobs``) and, for the JSD loss, full logits inside each micro-batch.
 
     Raises:
         rlray.models.ModelError: the folder cannot be loaded, or the adapter does not fit it.
@@ -80,6 +84,7 @@ class PolicyLearner:
         adapter_path: str | None = None,
         model_loader: Callable[[str], torch.nn.Module] | None = None,
         critic: PolicyLearner | None = None,
+        teacher_path: str | None = None,
     ) -> None:
         self.dtype = dtype
         self.temperature = temperature
@@ -104,8 +109,13 @@ class PolicyLearner:
         self.model = wrap_model(policy) if wrap_model else policy
         self.model.train()
         self.sharded = _is_fsdp(self.model)
-        if self.reference is not None:  # on the policy's device (wrap_model moves the policy to its GPU)
-            self.reference.to(next(self.module.parameters()).device)
+        device = next(self.module.parameters()).device  # the policy's (wrap_model moves the policy to its GPU)
+        if self.reference is not None:
+            self.reference.to(device)
+        self.teacher = None
+        if teacher_path is not None:
+            self.teacher = load_causal_lm(teacher_path, dtype=torch.float32).requires_grad_(False).to(device)
+            self.teacher.config.use_cache = False
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(optimizer, params, lr=lr, betas=betas, weight_decay=weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -135,6 +145,18 @@ class PolicyLearner:
                 return batched_logprobs(self.module, batch, **args)
         return batched_logprobs(self.reference if reference else self.module, batch, **args)
 
+    def teacher_logprobs(self, batch: dict[str, torch.Tensor], *, microbatch_size: int) -> torch.Tensor:
+        """Returns [B, T] float32 logprobs of the batch's responses under the teacher (``batched_logprobs``, the
+        same autocast and temperature as the policy's, so a teacher equal to the policy gives the same values).
+
+        Raises:
+            ValueError: this learner holds no teacher (``resources.teacher.placement`` is actor, or no teacher.path).
+        """
+        if self.teacher is None:
+            raise ValueError("this learner holds no teacher (teacher.path unset, or resources.teacher.placement=actor)")
+        return batched_logprobs(self.teacher, batch, dtype=self.dtype, temperature=self.temperature,
+                                microbatch_size=microbatch_size)
+
     def train_minibatch(
         self, minibatch: dict[str, torch.Tensor], spec: LossSpec, norm: Normaliser, microbatch_size: int
     ) -> dict[str, float]:
@@ -145,6 +167,8 @@ class PolicyLearner:
         micro-batch split. Gradients stay on the parameters until the next call (for inspection).
         When ``minibatch["old_logprobs"]`` is absent the update is on-policy and
         old logprobs are the detached current ones (ratio 1, as TRL does for a single iteration).
+        With ``spec.jsd_weight > 0`` the teacher's full logits are computed in each micro-batch (no grad) next to the
+        student's, and the per-token generalized JSD enters the objective (``policy_objective``'s ``jsd``).
 
         Args:
             minibatch: this rank's rows of the mini-batch (``collate`` output with advantages [B, T]).
@@ -157,14 +181,21 @@ class PolicyLearner:
             tokens), grad_norm (pre-clip global L2 norm), lr. Sums are over this rank's valid tokens.
         """
 
+        if spec.jsd_weight > 0 and self.teacher is None:
+            raise ValueError("a JSD distillation loss (jsd_weight > 0) needs a teacher on this learner (teacher_path)")
+
         def micro_loss(model: torch.nn.Module, mb: dict[str, torch.Tensor]):
             with autocast_context(self.dtype):
-                lp, entropy = response_logprobs(
-                    model, mb, temperature=self.temperature, with_entropy=spec.entropy_coef > 0
-                )
+                logits = response_logits(model, mb, temperature=self.temperature)
+            lp, entropy = logprobs_from_logits(logits, mb["response_ids"], with_entropy=spec.entropy_coef > 0)
+            jsd = None
+            if spec.jsd_weight > 0:  # the teacher's [B, T, V] logits live only inside this micro-batch
+                with torch.no_grad(), autocast_context(self.dtype):
+                    teacher_logits = response_logits(self.teacher, mb, temperature=self.temperature)
+                jsd = algos.generalized_jsd(logits, teacher_logits, beta=spec.jsd_beta)
             if "old_logprobs" not in mb:
                 mb = {**mb, "old_logprobs": lp.detach()}
-            return policy_objective(lp.float(), mb, spec, norm, entropy=entropy)
+            return policy_objective(lp.float(), mb, spec, norm, entropy=entropy, jsd=jsd)
 
         return self.optimizer_step(split_microbatches(minibatch, microbatch_size), micro_loss)
 

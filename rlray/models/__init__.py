@@ -11,6 +11,7 @@ from rlray.models.loading import (
     resolve_chat_template,
     resolve_dtype,
     resolve_model_path,
+    vocabulary,
 )
 
 __all__ = [
@@ -24,4 +25,5 @@ __all__ = [
     "resolve_dtype",
     "resolve_chat_template",
     "resolve_model_path",
+    "vocabulary",
 ]

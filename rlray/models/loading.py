@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from filelock import FileLock
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     LlamaConfig,
@@ -181,6 +182,21 @@ def load_tokenizer(folder: str, chat_template: str | None = None) -> PreTrainedT
             f"model folder '{folder}': the tokenizer has no chat template; set model.chat_template to a Jinja template"
         )
     return tokenizer
+
+
+def vocabulary(folder: str) -> tuple[int, dict[str, int]]:
+    """Returns the vocabulary of the model in ``folder``: its size V (the config's text ``vocab_size``, the logits'
+    last dim) and its tokenizer's token-to-id map (``get_vocab()``, added tokens included).
+
+    Raises:
+        ModelError: the folder's config.json or tokenizer cannot be read.
+    """
+    try:
+        config = AutoConfig.from_pretrained(folder)
+        tokens = AutoTokenizer.from_pretrained(folder).get_vocab()
+    except (OSError, ValueError) as err:
+        raise ModelError(f"model folder '{folder}': cannot read its config or tokenizer: {err}") from err
+    return int(config.get_text_config().vocab_size), tokens
 
 
 def load_causal_lm(folder: str, *, dtype: torch.dtype = torch.float32) -> PreTrainedModel:

@@ -75,6 +75,8 @@ METRIC_KEYS: tuple[str, ...] = (
     "algo/rollout_is_weight_mean",
     "algo/rollout_corrected_token_fraction",
     "algo/rollout_corrected_sequence_fraction",
+    "algo/distill_reverse_kl",  # teacher.divergence=reverse_kl: token mean of log pi_old - log pi_teacher (nats)
+    "algo/distill_jsd",  # teacher.divergence=jsd: token mean of the generalized JSD to the teacher (nats)
     "algo/dynamic_sampling_rounds",
     "reward/baseline_mean",
     "reward/overlong_penalty_mean",

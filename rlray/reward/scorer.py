@@ -24,7 +24,9 @@ reward_model[i]`` with a reward model (its raw score, which always applies), sum
 0.0 in config order (``summed_reward``; so ``[gsm8k_correct 1.0, gsm8k_format 0.2]`` gives exactly
 ``1.0 * accuracy + 0.2 * format``). It is NaN when any term failed, and also when every term skipped the
 sample and there is no reward model: nothing rewarded it, so it counts as failed (TRL marks such rows NaN as
-well). The loop leaves NaN samples out of the group statistics and the loss and counts them in
+well). A scorer with no terms at all (no functions, no reward model) gives 0.0 to every sample: the task reward
+is off, as in a pure on-policy distillation run, where the teacher's signal is the only one (preflight allows
+that only with ``teacher.path`` set). The loop leaves NaN samples out of the group statistics and the loss and counts them in
 ``reward/failed``.
 
 A function that returns a different *number* of values than completions, or a value that is not a number or
@@ -245,7 +247,7 @@ class RewardScorer:
             completion_ids: B lists of completion token ids, or None.
 
         Term values are floats, None (skipped) or NaN (failed); "reward" is ``summed_reward`` of the terms in
-        config order, then the model term (module docstring).
+        config order, then the model term (module docstring); 0.0 for every sample when the scorer has no term.
 
         Raises:
             ValueError: the four lists differ in length, or a column named like a standard argument.
@@ -264,7 +266,7 @@ class RewardScorer:
         if self.model is not None:
             terms["reward_model"] = self.model.score(prompts, completions)
             weighted.append((self.model_weight, terms["reward_model"]))
-        return {"reward": summed_reward(weighted, n), **terms}
+        return {"reward": summed_reward(weighted, n) if weighted else [0.0] * n, **terms}
 
     def close(self) -> None:
         """Stops the user functions' processes."""

@@ -34,12 +34,14 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def learner_kwargs(cfg: Config, world: int, *, with_reference: bool = True) -> dict[str, Any]:
+def learner_kwargs(cfg: Config, world: int, *, with_reference: bool = True, teacher_dir: str | None = None) -> dict[str, Any]:
     """Returns ``PolicyLearner`` keyword arguments from the config.
 
     DDP or FSDP wrapping (``resources.learner.strategy``) when ``world`` > 1; one GPU rank moves the
     model to its GPU. The reference model is built when the KL is in use or the KL guard is on (it
-    needs the KL), unless ``with_reference`` is False (a reference actor, or offline runs).
+    needs the KL), unless ``with_reference`` is False (a reference actor, or offline runs). The teacher
+    (``teacher_dir``: ``teacher.path`` resolved by the driver) is held on the learner only with
+    ``resources.teacher.placement == "learner"``.
     """
     wrap = None
     if world > 1:
@@ -60,6 +62,7 @@ def learner_kwargs(cfg: Config, world: int, *, with_reference: bool = True) -> d
         optimizer=cfg.learner.optimizer,
         lora=cfg.model.lora.model_dump() if cfg.model.lora.rank else None,
         adapter_path=cfg.model.adapter_path,
+        teacher_path=teacher_dir if cfg.teacher.enabled and cfg.resources.teacher.placement == "learner" else None,
     )
 
 
@@ -135,7 +138,8 @@ def update_spec(cfg: Config, world: int) -> learner_online.UpdateSpec:
     """Returns the plain values of stages 4-6 from ``cfg.algo``, ``cfg.learner`` and ``cfg.critic``.
 
     With one epoch and one mini-batch the update is on-policy: old logprobs are taken inside the
-    update (no extra forward), unless the KL sits in the reward, whose penalty needs them first.
+    update (no extra forward), unless the KL sits in the reward, whose penalty needs them first, or a
+    reverse-KL teacher needs them as the student's logprobs (``learner_online.add_reverse_kl``).
     """
     a, ln = cfg.algo, cfg.learner
     kl_in_loss = a.kl_in == "loss"
@@ -145,6 +149,7 @@ def update_spec(cfg: Config, world: int) -> learner_online.UpdateSpec:
             a.clip_eps_low, a.clip_eps_high, a.kl_coef if kl_in_loss else 0.0, a.kl_estimator, a.loss_agg,
             cfg.rollout.max_new_tokens, POLICY_LOSS_OF[a.name], a.dual_clip, a.entropy_coef,
             a.rollout_correction.mode, a.rollout_correction.ratio_min, a.rollout_correction.ratio_max,
+            cfg.teacher.jsd_weight, cfg.teacher.beta,
         ),
         advantage=AdvantageSpec(
             a.adv_std_scale, a.adv_eps, a.gamma, a.gae_lambda, 0.0 if kl_in_loss else a.kl_coef, a.kl_estimator
@@ -152,7 +157,9 @@ def update_spec(cfg: Config, world: int) -> learner_online.UpdateSpec:
         epochs=ln.epochs,
         rows_per_minibatch=ln.sequences_per_minibatch // world,
         microbatch_size=ln.sequences_per_microbatch,
-        old_logprobs_before_update=ln.epochs > 1 or cfg.minibatches_per_epoch > 1 or (not kl_in_loss and a.kl_coef > 0),
+        old_logprobs_before_update=(ln.epochs > 1 or cfg.minibatches_per_epoch > 1 or (not kl_in_loss and a.kl_coef > 0)
+                                    or cfg.teacher.reverse_kl_weight > 0),
         value_clip_eps=cfg.critic.value_clip_eps,
         loss_world_size=world,
+        distill_weight=cfg.teacher.reverse_kl_weight,
     )  # fmt: skip

@@ -7,8 +7,8 @@ Ray's object store; every rank takes part in the update. A step, top to bottom (
   1. take prompts (the data cursor lives in the snapshot)
   2. rollout on the rollout actors (rlray.rollout.fleet; in async mode, steps t+1..t+k are already in flight)
   3. rewards (in process, or the Serve application rlray-reward), and the algorithm's extra samples
-  4. reference and old logprobs (skipped when they cannot change the update)
-  5. advantages
+  4. reference, teacher and old logprobs (skipped when they cannot change the update)
+  5. advantages (plus the teacher's per-token reverse KL, with a reverse-KL teacher)
   6. learner update (mini-batches, epochs)
   7. weight sync to the rollouts (version-tagged)
   8. log, guard, snapshot, hooks (``rlray.run.session.step_boundary``, shared with offline runs), with the
@@ -118,6 +118,7 @@ class OnlineRun(RunContext):
     pipeline: RolloutPipeline | None = None
     weight_sync: Any = None  # every rank (rlray.rollout.weight_sync)
     reference_actor: Any = None  # when resources.reference.placement == "actor"
+    teacher_actor: Any = None  # when teacher.path is set and resources.teacher.placement == "actor"
     skipped_long_prompts: int = 0
 
     def take_prompts(self) -> tuple[list[PromptRow], list[list[int]]]:
@@ -177,8 +178,12 @@ class OnlineRun(RunContext):
 # Setup
 # --------------------------------------------------------------------------------------------
 def setup(cfg: Config, coll: Collective, *, model_dir: str, actors: list[Any], run_id: str | None,
-          reference_actor: Any = None, env_hosts: list[Any] | None = None) -> OnlineRun:
+          reference_actor: Any = None, env_hosts: list[Any] | None = None, teacher_dir: str | None = None,
+          teacher_actor: Any = None) -> OnlineRun:
     """Builds the learner on every rank; on rank 0 also the data stream, eval prompts, tracker, fleet and reward client.
+
+    ``teacher_dir`` (``teacher.path`` resolved by the driver) is loaded on every rank's learner when
+    ``resources.teacher.placement == "learner"``; with placement actor, ``teacher_actor`` serves its logprobs.
 
     Raises:
         rlray.data.DataError: the prompt files cannot be read (names the file and line).
@@ -187,11 +192,11 @@ def setup(cfg: Config, coll: Collective, *, model_dir: str, actors: list[Any], r
     pin_learner(cfg, coll.rank)
     build.seed_everything(cfg.run.seed + coll.rank)
     tokenizer = load_tokenizer(model_dir, cfg.model.chat_template)
-    kwargs = build.learner_kwargs(cfg, coll.world, with_reference=reference_actor is None)
+    kwargs = build.learner_kwargs(cfg, coll.world, with_reference=reference_actor is None, teacher_dir=teacher_dir)
     critic = build.ppo_critic(cfg, model_dir, kwargs["wrap_model"]) if cfg.algo.name == "ppo" else None
     learner = PolicyLearner(model_dir, critic=critic, **kwargs)
     ctx = OnlineRun(cfg, coll, learner, tokenizer, pad_token_id=tokenizer.pad_token_id, actors=actors,
-                    reference_actor=reference_actor)
+                    reference_actor=reference_actor, teacher_actor=teacher_actor)
     if coll.rank == 0:
         render = dict(instruction=cfg.data.instruction, system_prompt=cfg.data.system_prompt)
         all_train_rows = load_prompt_rows(cfg.data.train_files, prompt_column=cfg.data.prompt_column)
@@ -264,13 +269,14 @@ def run_step(ctx: OnlineRun, step: int, end_step: StepBoundary) -> dict[str, flo
             fatal = f"{type(err).__name__}: {err}"
     shard, batch = distribute(ctx, table, rollout_metrics, fatal, step=step)
     data = schema.collate(shard, ctx.pad_token_id)
-    with timer("logprobs"):  # 4. reference and old logprobs
+    with timer("logprobs"):  # 4. reference, teacher and old logprobs
         data = reference_and_old_logprobs(ctx, data, spec)
-    with timer("advantages"):  # 5. advantages (and those of the kept samples, from every rank)
+    with timer("advantages"):  # 5. advantages, the teacher's reverse KL, and those of the kept samples (every rank)
         data = compute_advantages(ctx, data, spec)
+        distill_metrics = distill_advantages(ctx, data, spec)
         advantages = sample_advantages(ctx, data, batch.sample_rows)
     with timer("update"):  # 6. learner update
-        metrics = update_policy(ctx, data, batch.minibatch_norms, spec)
+        metrics = update_policy(ctx, data, batch.minibatch_norms, spec) | distill_metrics
     with timer("weight_sync"):  # 7. weight sync
         ctx.policy_version = sync_weights(ctx)
     samples: list[StepSample] = []
@@ -471,20 +477,34 @@ def distribute(
 
 def reference_and_old_logprobs(ctx: OnlineRun, data: dict[str, torch.Tensor],
                                spec: learner_online.UpdateSpec) -> dict[str, torch.Tensor]:
-    """Stage 4: adds ref_logprobs (KL on), old_logprobs (off-policy update or KL in the reward) and old_values (PPO).
+    """Stage 4: adds ref_logprobs (KL on), teacher_logprobs (reverse-KL distillation), old_logprobs (off-policy
+    update, KL in the reward, or reverse-KL distillation) and old_values (PPO).
 
     With one epoch and one mini-batch the update is on-policy: old logprobs equal the current ones
     and are taken inside the update (no extra forward), as TRL does for a single iteration, unless the
-    KL sits in the reward, whose penalty needs them before the advantages.
+    KL sits in the reward, whose penalty needs them before the advantages, or a reverse-KL teacher needs
+    them. A reference or teacher actor (placement actor) sends [B, T] logprobs of the sampled tokens only;
+    a JSD teacher sits on the learner and is run inside the update's micro-batches instead.
     """
+    mbs = ctx.cfg.learner.sequences_per_microbatch
     if ctx.reference_actor is not None:  # resources.reference.placement == "actor"
-        data["ref_logprobs"] = ray.get(ctx.reference_actor.logprobs.remote(data, ctx.cfg.learner.sequences_per_microbatch))
+        data["ref_logprobs"] = ray.get(ctx.reference_actor.logprobs.remote(data, mbs))
+    if ctx.teacher_actor is not None and spec.distill_weight > 0:  # resources.teacher.placement == "actor"
+        data["teacher_logprobs"] = ray.get(ctx.teacher_actor.logprobs.remote(data, mbs))
     return learner_online.reference_and_old(ctx.learner, data, spec)
 
 
 def compute_advantages(ctx: OnlineRun, data: dict[str, torch.Tensor], spec: learner_online.UpdateSpec) -> dict[str, torch.Tensor]:
     """Stage 5: adds the algorithm's advantages (``learner.ADVANTAGE_ESTIMATORS[algo.name]``); batch statistics over all ranks."""
     return learner_online.advantages(data, spec, ctx.coll.all_reduce_sum)
+
+
+def distill_advantages(ctx: OnlineRun, data: dict[str, torch.Tensor], spec: learner_online.UpdateSpec) -> dict[str, float]:
+    """Stage 5b: adds the teacher's per-token reverse KL to the advantages (``learner_online.add_reverse_kl``; a
+    collective every rank calls); returns {"algo/distill_reverse_kl": token mean}, or {} without a reverse-KL teacher."""
+    if spec.distill_weight <= 0:
+        return {}
+    return learner_online.add_reverse_kl(data, spec.distill_weight, ctx.coll.all_reduce_sum)
 
 
 def sample_advantages(ctx: OnlineRun, data: dict[str, torch.Tensor], rows: list[int]) -> list[float]:

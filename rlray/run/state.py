@@ -43,6 +43,8 @@ class WorkerArgs:
         run_id: the MLflow run to log to (created by the driver).
         rollout_actors: the rollout actor handles (online runs; used by rank 0).
         reference_actor: the reference actor (``resources.reference.placement == "actor"``), else None.
+        teacher_dir: local Hugging Face folder of the distillation teacher (``teacher.path`` resolved), else None.
+        teacher_actor: the teacher actor (``teacher.path`` set, ``resources.teacher.placement == "actor"``), else None.
         env_hosts: the environment host actors (``env.environments`` set; used by rank 0), else [].
         services: the monitor, the run control, start time, commit and resume snapshot.
         step_hooks: per-step hooks run on rank 0 (``rlray.run.hooks``; the same list on every rank).
@@ -53,6 +55,8 @@ class WorkerArgs:
     run_id: str | None = None
     rollout_actors: list[Any] = field(default_factory=list)
     reference_actor: Any = None
+    teacher_dir: str | None = None
+    teacher_actor: Any = None
     env_hosts: list[Any] = field(default_factory=list)
     services: RunServices = field(default_factory=RunServices)
     step_hooks: list[StepHook] = field(default_factory=list)

@@ -27,7 +27,8 @@ def train(cfg: Config, args: WorkerArgs, coll: Any = None) -> RunOutcome:
     coll = coll or current_collective()
     if cfg.algo.family == "online":
         build = functools.partial(online.setup, model_dir=args.model_dir, actors=args.rollout_actors, run_id=args.run_id,
-                                  reference_actor=args.reference_actor, env_hosts=args.env_hosts)
+                                  reference_actor=args.reference_actor, env_hosts=args.env_hosts,
+                                  teacher_dir=args.teacher_dir, teacher_actor=args.teacher_actor)
     else:
         build = functools.partial(offline.setup, model_dir=args.model_dir, run_id=args.run_id)
     return session.train(build, cfg, coll, run_id=args.run_id, services=args.services, hooks=args.step_hooks)

@@ -26,6 +26,16 @@ def test_roles_that_are_off_ask_for_nothing():
     assert [r.role for r in role_requests(cfg)] == ["rollout", "learner"]
 
 
+def test_a_teacher_actor_asks_for_its_resources_and_a_learner_teacher_for_none():
+    cfg = config_from_dict({"teacher": {"path": "tiny-random@1"}, "algo": {"kl_coef": 0.0},
+                            "resources": {"teacher": {"placement": "actor", "cpus": 0.5, "gpus": 1}}})
+    assert [(r.role, r.count, r.per_worker) for r in role_requests(cfg)][2:] == [("teacher", 1, {"CPU": 0.5, "GPU": 1})]
+    on_learner = config_from_dict({"teacher": {"path": "tiny-random@1"}, "algo": {"kl_coef": 0.0}})
+    assert [r.role for r in role_requests(on_learner)] == ["rollout", "learner"]
+    off = config_from_dict({"algo": {"kl_coef": 0.0}, "resources": {"teacher": {"placement": "actor"}}})
+    assert [r.role for r in role_requests(off)] == ["rollout", "learner"]  # no teacher.path: no actor
+
+
 def test_tensor_parallel_multiplies_rollout_gpus():
     cfg = config_from_dict({"resources": {"rollout": {"num_workers": 2, "gpus": 1, "tensor_parallel_size": 4}}})
     assert role_requests(cfg)[0].per_worker == {"CPU": 0.25, "GPU": 4}

@@ -94,8 +94,9 @@ def test_check_function_spec_names_what_is_missing(spec, message):
     assert str(err.value) == message
 
 
-def test_an_online_run_without_any_reward_fails_naming_both_ways(cfg_of):
-    with pytest.raises(RewardFunctionError, match=r"this online run has no reward: set reward.functions .* or reward.model_path"):
+def test_an_online_run_without_any_reward_fails_naming_every_way(cfg_of):
+    with pytest.raises(RewardFunctionError, match=r"this online run has no reward: set reward.functions .*, "
+                                                  r"reward.model_path, or a distillation teacher \(teacher.path\)"):
         preflight(cfg_of("reward.functions=[]"))
 
 
@@ -123,3 +124,35 @@ def test_an_adapter_path_that_is_no_adapter_fails_before_the_storage_probe(cfg_o
         preflight(cfg_of(f"model.adapter_path={tiny_model_path}"))
     assert str(err.value).startswith(f"model.adapter_path='{tiny_model_path}' is a full model folder")
     assert not (tmp_path / "out" / "snapshots").exists()
+
+
+def test_a_teacher_with_the_students_vocabulary_passes_and_no_reward_is_then_allowed(cfg_of, tiny_model_path):
+    from rlray.launch.preflight import check_teacher
+    from rlray.models import resolve_model_path
+
+    assert check_teacher("tiny-random@1", "tiny-random", tiny_model_path) == resolve_model_path("tiny-random@1")
+    assert preflight(cfg_of("reward.functions=[]", "teacher.path=tiny-random@1")) == tiny_model_path
+
+
+def test_a_teacher_with_another_vocabulary_fails_naming_both(cfg_of, tmp_path, tiny_model_path):
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(tiny_model_path)
+    config.vocab_size = 1000  # a model of another family: another tokenizer and logits size
+    other = tmp_path / "other"
+    AutoModelForCausalLM.from_config(config).save_pretrained(other)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (Path(tiny_model_path) / name).exists():
+            shutil.copy(Path(tiny_model_path) / name, other / name)
+    with pytest.raises(ModelError) as err:
+        preflight(cfg_of(f"teacher.path={other}"))
+    assert str(err.value).startswith(f"teacher.path='{other}' (vocabulary 1000 tokens) and model.path='tiny-random' "
+                                     "(vocabulary 49152 tokens): "
+                                     "the vocabulary sizes differ")
+
+
+def test_a_missing_teacher_fails_naming_the_key(cfg_of, tmp_path):
+    with pytest.raises(ModelError, match=r"^teacher.path='.*nope' is not an existing folder, a .gguf file or an alias"):
+        preflight(cfg_of(f"teacher.path={tmp_path}/nope"))

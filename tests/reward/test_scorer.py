@@ -156,3 +156,9 @@ def test_empty_batches_and_length_mismatches():
         scorer.score(["p"], ["a", "b"], [{}, {}])
     with pytest.raises(ValueError, match=r"completion_ids \(1\) must have the same length"):
         scorer.score(["p", "q"], ["a", "b"], [{}, {}], completion_ids=[[1]])
+
+
+def test_a_scorer_without_terms_gives_every_sample_0():
+    scorer = RewardScorer(functions=[])  # the task reward is off (pure distillation): 0.0, never NaN (failed)
+    assert scorer.score(["p1", "p2"], ["a", "b"], [{}, {}]) == {"reward": [0.0, 0.0]}
+    assert scorer.score([], [], []) == {"reward": []}
