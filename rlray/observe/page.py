@@ -18,7 +18,10 @@ import bisect
 import json
 import math
 import threading
+import urllib.parse
 from collections import OrderedDict
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -141,3 +144,58 @@ def static_file(path: str) -> tuple[bytes, str] | None:
         return None
     name, ctype = STATIC[path]
     return (PAGE_DIR / name).read_bytes(), ctype
+
+
+# (URL path, query) -> (HTTP status, body, content type): ``RunMonitor.respond`` and ``StoredRun.respond``
+Responder = Callable[[str, dict[str, list[str]]], tuple[int, bytes, str]]
+
+
+def serve_http(respond: Responder, host: str, port: int) -> ThreadingHTTPServer:
+    """Starts an HTTP server on ``host:port`` that answers GET with ``respond`` in a daemon thread; returns it
+    (``server_address[1]`` is the bound port; stop it with ``shutdown()`` and ``server_close()``).
+
+    Every answer carries the page's Content-Security-Policy, ``nosniff`` and ``no-store``; requests are not logged
+    (scrapes stay out of the run's log).
+
+    Raises:
+        OSError: the address cannot be bound (the message names host and port and how to pick another port).
+    """
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server API)
+            url = urllib.parse.urlsplit(self.path)
+            code, body, ctype = respond(url.path, urllib.parse.parse_qs(url.query))
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Cache-Control", "no-store")
+            self.send_header("X-Content-Type-Options", "nosniff")
+            self.send_header("Content-Security-Policy", CONTENT_SECURITY_POLICY)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            return
+
+    try:
+        server = ThreadingHTTPServer((host, port), Handler)
+    except OSError as err:
+        raise OSError(f"monitor: cannot bind {host}:{port} ({err}); set monitor.port (0 picks a free one)") from err
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="rlray-monitor-http", daemon=True).start()
+    return server
+
+
+def int_arg(query: dict[str, list[str]], name: str, default: int | None) -> int | None:
+    """Returns query parameter ``name`` as an int, ``default`` when absent.
+
+    Raises:
+        ValueError: the value is not an integer (the message names the parameter and the value).
+    """
+    values = query.get(name)
+    if not values:
+        return default
+    try:
+        return int(values[-1])
+    except ValueError:
+        raise ValueError(f"{name}={values[-1]!r} is not a step number; use an integer, e.g. {name}=12") from None

@@ -109,3 +109,32 @@ def table_columns(samples: list[StepSample]) -> dict[str, list[Any]]:
     for name in names:
         columns[f"reward/{name}"] = [r["terms"].get(name) for r in rows]
     return columns
+
+
+def rows_from_table(table: dict[str, Any]) -> list[dict[str, Any]]:
+    """Returns the ``json_row`` records of a samples table read back from MLflow (the inverse of ``table_columns``).
+
+    Args:
+        table: the artifact ``samples/step_<step>.json`` as parsed JSON, pandas' "split" layout
+            ``{"columns": [...], "data": [[...], ...]}`` (what ``mlflow.log_table`` writes).
+
+    Each ``reward/<term>`` column goes back into ``terms``; a null there may mean the term skipped the sample or
+    that the sample lacked the term (the table cannot tell them apart). Columns an older or newer rlray wrote
+    (fields this one does not know, or lacks) are kept as they are.
+
+    Raises:
+        ValueError: ``table`` is not in the "split" layout (the message names what is missing).
+    """
+    if not isinstance(table, dict) or not isinstance(table.get("columns"), list) or not isinstance(table.get("data"), list):
+        raise ValueError("a samples table must be {'columns': [...], 'data': [[...], ...]} (mlflow.log_table's layout); "
+                         f"got keys {sorted(table) if isinstance(table, dict) else type(table).__name__}")
+    rows = []
+    for values in table["data"]:
+        row: dict[str, Any] = {"terms": {}}
+        for column, value in zip(table["columns"], values, strict=True):
+            if column.startswith("reward/"):
+                row["terms"][column.removeprefix("reward/")] = value
+            else:
+                row[column] = value
+        rows.append(row)
+    return rows

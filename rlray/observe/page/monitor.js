@@ -53,13 +53,13 @@ async function pollHealth() {
   const set = (id, value) => { document.getElementById(id).textContent = fmt(value); };
   set("run-id", h.run_id);
   const status = document.getElementById("status");
-  status.textContent = h.reason ? `${h.status} (${h.reason})` : h.status;
+  status.textContent = (h.reason ? `${h.status} (${h.reason})` : h.status) + (h.source === "mlflow" ? ", read from MLflow" : "");
   status.className = `status-${h.status}`;
   set("step", h.step); set("epoch", h.epoch); set("policy-version", h.policy_version); set("restarts", h.restarts);
   set("snapshot", h.snapshot_step === null ? "none yet" : `step ${h.snapshot_step}`);
   set("heartbeat", `${Math.round(h.seconds_since_heartbeat)} s ago`);
   const list = document.getElementById("alerts");
-  list.replaceChildren(...h.alerts.slice().reverse().map((a) => el("li", null, `${a.kind} at step ${a.step}: ${a.message}`)));
+  list.replaceChildren(...h.alerts.slice().reverse().map((a) => el("li", null, a.step === null ? `${a.kind}: ${a.message}` : `${a.kind} at step ${a.step}: ${a.message}`)));
 }
 
 // ---- curves ------------------------------------------------------------------------------
