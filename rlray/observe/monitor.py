@@ -176,10 +176,11 @@ class RunMonitor:
         ray_metrics: also feed Ray's metrics (inside a Ray process).
         kl_limit: the KL guard's threshold (``guard.kl_threshold``), drawn on the page's KL chart; None: off.
         page_sample_steps: steps whose samples the page keeps (``monitor.page_sample_steps``).
+        bands: the page's healthy bands (``monitor.bands`` as ``page.Band``).
     """
 
     def __init__(self, run_id: str, *, heartbeat_s: float, alerter: Alerter, ray_metrics: bool = False,
-                 kl_limit: float | None = None, page_sample_steps: int = 20) -> None:
+                 kl_limit: float | None = None, page_sample_steps: int = 20, bands: tuple[page.Band, ...] = ()) -> None:
         self.run_id = run_id
         self.heartbeat_s = heartbeat_s
         self.alerter = alerter
@@ -187,7 +188,7 @@ class RunMonitor:
         self.status, self.reason = "healthy", None
         self.step = self.epoch = self.policy_version = 0
         self.snapshot_step: int | None = None
-        self.page = page.PageData(page_sample_steps, kl_limit)
+        self.page = page.PageData(page_sample_steps, kl_limit, bands)
         self.last_heartbeat = time.monotonic()
         self.learner_starts = 0
         self.alerts: list[dict[str, Any]] = []

@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from rlray.config import MonitorConfig
 from rlray.observe import page, tracking
 from rlray.observe.samples import rows_from_table
 
@@ -37,6 +38,21 @@ def _kl_limit(config: dict[str, Any]) -> float | None:
     or absent."""
     value = (config.get("guard") or {}).get("kl_threshold")
     return None if value is None else float(value)
+
+
+def _bands(config: dict[str, Any]) -> tuple[page.Band, ...]:
+    """Returns ``monitor.bands`` of a run's resolved config as ``page.Band`` (the defaults of this rlray when the run's
+    config has none); a band this rlray cannot read is left out with a warning."""
+    monitor = config.get("monitor") or {}
+    if "bands" not in monitor:
+        return tuple(page.Band(**b.model_dump()) for b in MonitorConfig().bands)
+    bands = []
+    for item in monitor["bands"] or []:
+        try:
+            bands.append(page.Band(**item))
+        except TypeError as err:
+            log.warning("monitor.bands entry %r of this run cannot be read (%s); left out", item, err)
+    return tuple(bands)
 
 
 class StoredRun:
@@ -61,7 +77,7 @@ class StoredRun:
             log.warning("run %s has no readable config/resolved.yaml (%s): no KL guard line or bands", run_id, err)
             config = {}
         self.heartbeat_s = float((config.get("monitor") or {}).get("heartbeat_s", 300.0))
-        self.page = page.PageData(sample_cache_steps, _kl_limit(config))
+        self.page = page.PageData(sample_cache_steps, _kl_limit(config), _bands(config))
         self.mlflow_status = run.info.status
         self.tags: dict[str, str] = dict(run.data.tags)
         self.last: dict[str, float] = {}  # newest value of every key (data/epoch, rollout/policy_version, ...)

@@ -71,6 +71,9 @@ def test_stored_run_answers_the_page_with_what_mlflow_logged(finished_run):
         doc = json.loads(_get(port, "/api/metrics")[2])
         assert (doc["run_id"], doc["kl_limit"], doc["history_id"]) == (run_id, 0.05, 0)
         assert [p["step"] for p in doc["points"]] == [1, 2, 3]  # step 0 held a heartbeat only: no point
+        assert [b["metric"] for b in doc["bands"]] == ["learner/pg_loss", "learner/value_loss", "learner/grad_norm",
+                                                       "reward/mean", "algo/kl"]  # the run's monitor.bands and its guard
+        assert [p["outside"] for p in doc["points"]] == [{}, {}, {}]
         assert set(doc["points"][0]["values"]) == {"reward/mean", "reward/math", "algo/kl", "learner/pg_loss",
                                                    "timing/step_s"}
         logged = get_run_metrics(uri, run_id)
