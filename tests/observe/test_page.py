@@ -99,7 +99,8 @@ def test_samples_endpoint_keeps_the_last_steps_and_404s_the_rest(served):
     assert (doc["step"], doc["steps"]) == (3, [2, 3])
     assert doc["samples"][0] == {"step": 3, "prompt_id": "p3", "prompt": "<|im_start|>user\nWhat is 2+2?", "completion": "4</s>",
                                  "reward": 1.0, "terms": {"gsm8k_correct": 1.0, "gsm8k_format": None}, "advantage": 0.5,
-                                 "finish_reason": "stop", "policy_version": 2, "response_tokens": 3}
+                                 "finish_reason": "stop", "policy_version": 2, "response_tokens": 3,
+                                 "stop_reason": None, "num_turns": None, "turn_rewards": None, "segments": []}
     assert doc["samples"][1]["reward"] is None and doc["samples"][1]["terms"]["gsm8k_correct"] == "failed"
     assert json.loads(_get(port, "/api/samples?step=2")[2])["samples"][0]["prompt_id"] == "p2"
     status, headers, body = _get(port, "/api/samples?step=1")
@@ -289,3 +290,31 @@ def test_page_script_shades_bands_and_marks_steps_outside(tmp_path):
     assert [n["text"] for n in _walk(loss) if n.get("cls") == "band-note"] == [
         "outside its band at 1 step(s); last: step 3: learner/pg_loss is nan"]
     assert sum(n.get("attrs", {}).get("class") == "band" for n in _walk(loss)) == 1
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs node to run the page's script (no browser here)")
+def test_page_script_shows_an_episode_turn_by_turn(served):
+    """An episode's turns and observations are set apart (an observation holding markup stays text), each turn with
+    the environment's reward after it; its stop reason and turns show; a single-turn row keeps one text."""
+    monitor, port = served
+    episode = StepSample(1, "g", "guess a number", "<a>5</a><obs>higher</obs><a>7</a>", 1.0, {"env": 1.0}, 0.5, "stop", 0, 9,
+                         "done", 2, (None, 1.0), ((True, "<a>5</a>"), (False, XSS), (True, "<a>7</a>")))
+    single = StepSample(1, "q", "2+2?", "4", 0.0, {"env": 0.0}, -0.5, "stop", 0, 1)
+    monitor.record_samples(1, [episode, single])
+    responses = {u: {"status": 200, "body": _get(port, u)[2].decode()} for u in ["/health", "/api/metrics?since=0", "/api/samples"]}
+    ids = re.findall(r'id="([^"]+)"', _get(port, "/")[2].decode())
+    out = subprocess.run(["node", str(Path(__file__).parents[1] / "fixtures" / "page_dom.js"), str(page.PAGE_DIR / "monitor.js"),
+                          json.dumps(ids), json.dumps(responses), "[]"], capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
+    table = json.loads(out.stdout)["snapshots"][0]["dom"]["sample-table"]
+    head = [th["text"] for th in table["children"][0]["children"][0]["children"]]
+    assert head[3:6] == ["stop reason", "turns", "tokens"]
+    ep_row, single_row = table["children"][1]["children"]  # by reward, high to low
+    assert [c["text"] for c in ep_row["children"][3:5]] == ["done", "2"]
+    assert [c["text"] for c in single_row["children"][3:5]] == ["stop", "-"]
+    segments = ep_row["children"][-1]["children"][0]["children"]
+    assert [seg["cls"] for seg in segments] == ["seg seg-assistant", "seg seg-observation", "seg seg-assistant"]
+    assert [(seg["children"][0]["text"], seg["children"][1]["text"]) for seg in segments] == [
+        ("turn 1", "<a>5</a>"), ("observation", XSS), ("turn 2 \u00b7 env reward 1", "<a>7</a>")]
+    assert not any(n["tag"] in ("script", "img") for n in _walk(table))
+    assert single_row["children"][-1]["children"][0]["text"] == "4"

@@ -231,7 +231,9 @@ function drawSamples() {
     return;
   }
   const terms = [...new Set(doc.samples.flatMap((s) => Object.keys(s.terms)))].sort();
-  const columns = [["reward", true], ["advantage", true], ...terms.map((t) => [t, true]), ["stop reason"], ["tokens"], ["policy version"], ["prompt"], ["completion"]];
+  const episodes = doc.samples.some((s) => s.num_turns !== null && s.num_turns !== undefined); // older rows lack the field
+  const columns = [["reward", true], ["advantage", true], ...terms.map((t) => [t, true]), ["stop reason"],
+    ...(episodes ? [["turns"]] : []), ["tokens"], ["policy version"], ["prompt"], ["completion"]];
   const head = el("tr");
   for (const [name, sortable] of columns) {
     const arrow = state.sort.key === name ? (state.sort.desc ? " \u25bc" : " \u25b2") : "";
@@ -251,14 +253,37 @@ function drawSamples() {
     tr.append(el("td", "num" + (s.reward === null ? " failed" : ""), s.reward === null ? "failed" : fmt(s.reward)));
     tr.append(el("td", "num", fmt(s.advantage)));
     for (const t of terms) tr.append(t in s.terms ? num(s.terms[t]) : el("td", "skipped", "-"));
-    tr.append(el("td", null, s.finish_reason), el("td", "num", s.response_tokens), el("td", "num", s.policy_version));
-    for (const text of [s.prompt, s.completion]) {
-      const td = el("td", "text");
-      td.append(el("div", null, text));
-      tr.append(td);
-    }
+    tr.append(el("td", null, s.stop_reason || s.finish_reason));
+    if (episodes) tr.append(el("td", "num", s.num_turns === null || s.num_turns === undefined ? "-" : s.num_turns));
+    tr.append(el("td", "num", s.response_tokens), el("td", "num", s.policy_version));
+    const prompt = el("td", "text");
+    prompt.append(el("div", null, s.prompt));
+    tr.append(prompt, completionCell(s));
     return tr;
   }));
+}
+
+// An episode turn by turn: the model's turns and the environment's observations set apart, each turn with the
+// environment's reward after it; a single-turn row (or one whose turns cannot be told apart) as one text.
+function completionCell(s) {
+  const td = el("td", "text");
+  const segments = s.segments || [];
+  if (!segments.length) { td.append(el("div", null, s.completion)); return td; }
+  const box = el("div");
+  let turn = 0;
+  for (const seg of segments) {
+    const part = el("div", `seg seg-${seg.role === "assistant" ? "assistant" : "observation"}`);
+    let label = "observation";
+    if (seg.role === "assistant") {
+      turn += 1;
+      const r = (s.turn_rewards || [])[turn - 1];
+      label = `turn ${turn}` + (r === null || r === undefined ? "" : ` \u00b7 env reward ${fmt(r)}`);
+    }
+    part.append(el("span", "seg-label", label), el("div", null, seg.text));
+    box.append(part);
+  }
+  td.append(box);
+  return td;
 }
 
 // ---- loop --------------------------------------------------------------------------------
