@@ -44,10 +44,7 @@ def test_mask_runs():
 def test_episode_fields_survive_the_mlflow_table_and_old_tables_stay_readable(tmp_path):
     """A kept episode goes to MLflow and back unchanged (segments nested); a table an older rlray wrote (without the
     episode columns) reads back without them."""
-    import json as _json
-    from pathlib import Path as _Path
 
-    from mlflow.tracking import MlflowClient
 
     from rlray.observe.samples import StepSample, json_row, rows_from_table
     from rlray.observe.tracking import Tracker, read_artifact_json
