@@ -1,4 +1,4 @@
-"""The ``rlray`` command line: train, sweep, eval, serve-reward, rollback, models, snapshots, data, config.
+"""The ``rlray`` command line: train, sweep, eval, serve-reward, rollback, models, snapshots, data, config, monitor.
 
 Each command imports what it needs inside its function: ``rlray --help`` and ``rlray data`` start in
 a second instead of paying for Ray, torch and vLLM (the one place where function-local imports are the rule).
@@ -142,6 +142,29 @@ def _config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _monitor(args: argparse.Namespace) -> int:
+    import time
+
+    from rlray.observe.stored import StoredRun
+
+    uri = args.tracking_uri or _optional_config(args).tracking.mlflow_uri
+    run_id = args.run.removeprefix("runs:/").strip("/").split("/", 1)[0]
+    try:
+        stored = StoredRun(uri, run_id, refresh_s=args.refresh_s)
+    except Exception as err:  # mlflow's error for a missing run or store; the message names the run and store
+        print(f"rlray monitor: cannot read run {run_id!r} from {uri}: {err}", file=sys.stderr)
+        return 2
+    port = stored.serve(args.host, args.port)
+    print(f"rlray monitor: run {run_id} ({stored.mlflow_status.lower()}) from {uri}", flush=True)
+    print(f"rlray monitor: page at http://{args.host}:{port}/ (read-only; Ctrl-C stops)", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        stored.close()
+    return 0
+
+
 def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="config file for the MLflow store, experiment and S3 options (default: built-in)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -214,6 +237,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--describe", action="store_true",
                    help="precede each field with its description (unit and scope) and default, as YAML comments")
     c.set_defaults(func=_config)
+
+    o = sub.add_parser("monitor", help="serve the live page of a run kept in MLflow (finished or running): "
+                       "rlray monitor RUN_ID [--port N] [--host ADDR]")
+    o.add_argument("run", metavar="RUN_ID", help="MLflow run id (or runs:/RUN_ID)")
+    o.add_argument("--port", type=int, default=0, help="port to serve on (default 0: a free port, printed)")
+    o.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 exposes the page)")
+    o.add_argument("--tracking-uri", help="MLflow store (default: --config's tracking.mlflow_uri, else sqlite:///mlruns/mlflow.db)")
+    o.add_argument("--refresh-s", type=float, default=10.0, help="seconds between rereads of a running run (default 10)")
+    _config_args(o)
+    o.set_defaults(func=_monitor)
 
     d = sub.add_parser("data", help="datasets: rlray data fetch gsm8k|hh-rlhf-harmless|retry-arith|guess-number [--dest data]")
     dsub = d.add_subparsers(dest="data_command", required=True)

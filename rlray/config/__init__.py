@@ -34,7 +34,7 @@ from rlray.config.loading import (  # noqa: F401
     validate_tree,
     validation_error_lines,
 )
-from rlray.config.operations import CheckpointConfig, GuardConfig, MonitorConfig, S3Config  # noqa: F401
+from rlray.config.operations import BandConfig, CheckpointConfig, GuardConfig, MonitorConfig, S3Config  # noqa: F401
 from rlray.config.resources import (  # noqa: F401
     LearnerResources,
     ReferenceResources,
@@ -73,6 +73,7 @@ __all__ = [
     "S3Config",
     "CheckpointConfig",
     "GuardConfig",
+    "BandConfig",
     "MonitorConfig",
     "RolloutResources",
     "LearnerResources",

@@ -130,6 +130,40 @@ class GuardConfig(_Section):
     memory_check_s: float = Field(1.0, gt=0.0, description="Seconds between RSS checks of the CPU watchdog.")
 
 
+class BandConfig(_Section):
+    """A healthy band of one metric the live page plots: shaded on its chart, with a marker at each step outside it.
+
+    A step is outside when its value is not finite (``finite``), below ``low`` or above ``high``, or when the
+    least-squares slope of the metric over the last ``window`` steps (this one included) is below ``min_slope``.
+    """
+
+    metric: str = Field(description="Plotted metric key, e.g. learner/pg_loss or reward/mean (a reward term: reward/<term>).")
+    low: float | None = Field(None, description="Lowest healthy value, in the metric's unit; None: no lower bound.")
+    high: float | None = Field(None, description="Highest healthy value, in the metric's unit; None: no upper bound.")
+    finite: bool = Field(True, description="NaN or an infinity is outside the band.")
+    min_slope: float | None = Field(
+        None,
+        description=(
+            "Lowest healthy least-squares slope over the last `window` steps, in the metric's unit per step (0.0: "
+            "'not falling'); None: no slope check."
+        ),
+    )
+    window: int = Field(20, ge=2, description="Steps the slope is fitted over (only with min_slope).")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> BandConfig:
+        if self.low is not None and self.high is not None and self.low > self.high:
+            raise ValueError(f"band of {self.metric}: low={self.low} is above high={self.high}; swap them")
+        return self
+
+
+def _default_bands() -> list[BandConfig]:
+    """Returns the bands that hold for every algorithm: finite losses and gradient norms, reward not falling over
+    20 steps. (KL under guard.kl_threshold is always drawn; a PPO-style 'policy loss 0.1-0.5' band is opt-in.)"""
+    finite = [BandConfig(metric=k) for k in ("learner/pg_loss", "learner/value_loss", "learner/grad_norm")]
+    return [*finite, BandConfig(metric="reward/mean", min_slope=0.0, window=20)]
+
+
 class MonitorConfig(_Section):
     """The monitor (the live page, GET /health and /metrics), heartbeats, alerts and automatic restarts."""
 
@@ -156,6 +190,15 @@ class MonitorConfig(_Section):
         description=(
             "Steps whose kept samples (tracking.samples_per_step) the monitor holds in memory for its page's sample "
             "viewer; older steps' samples stay in MLflow."
+        ),
+    )
+    bands: list[BandConfig] = Field(
+        default_factory=_default_bands,
+        description=(
+            "Healthy bands the live page shades, marking each step outside one (a list replaces the defaults: finite "
+            "learner/pg_loss, learner/value_loss and learner/grad_norm, and reward/mean not falling over 20 steps, "
+            "min_slope 0.0). KL under guard.kl_threshold is always drawn. PPO-style runs may add "
+            "{metric: learner/pg_loss, low: 0.1, high: 0.5}."
         ),
     )
     webhook_attempts: int = Field(3, ge=1, description="Tries per webhook alert (exponential back-off).")

@@ -22,6 +22,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from rlray.config import Config
 from rlray.launch.placement import rollout_cpu_threads
 from rlray.learner.reference import ReferenceModel
+from rlray.observe import page
 from rlray.observe.monitor import Alerter, RunMonitor
 from rlray.observe.samples import StepSample
 from rlray.observe.tracking import Tracker
@@ -246,15 +247,18 @@ class MonitorActor:
         heartbeat_s: ``monitor.heartbeat_s``.
         kl_limit: ``guard.kl_threshold`` (the page draws it on the KL chart).
         page_sample_steps: ``monitor.page_sample_steps``.
+        bands: ``monitor.bands``, each as a dict of ``page.Band``'s fields.
     """
 
     def __init__(self, run_id: str, tracking_uri: str, experiment: str, sinks: list[str], webhook_url: str | None,
-                 webhook_attempts: int, heartbeat_s: float, kl_limit: float | None = None, page_sample_steps: int = 20) -> None:
+                 webhook_attempts: int, heartbeat_s: float, kl_limit: float | None = None, page_sample_steps: int = 20,
+                 bands: list[dict[str, Any]] | None = None) -> None:
 
         tracker = Tracker(tracking_uri, experiment, run_id=run_id) if "mlflow" in sinks else None
         alerter = Alerter(sinks, tracker=tracker, webhook_url=webhook_url, webhook_attempts=webhook_attempts)
         self.monitor = RunMonitor(run_id, heartbeat_s=heartbeat_s, alerter=alerter, ray_metrics=True, kl_limit=kl_limit,
-                                  page_sample_steps=page_sample_steps)
+                                  page_sample_steps=page_sample_steps,
+                                  bands=tuple(page.Band(**b) for b in bands or []))
 
     def serve(self, host: str, port: int) -> int:
         """Starts the HTTP server; returns the bound port."""
@@ -312,7 +316,7 @@ def start_monitor(cfg: Config, run_id: str) -> tuple[ray.actor.ActorHandle, int]
     actor = ray.remote(MonitorActor).options(num_cpus=0, scheduling_strategy=here).remote(
         run_id, cfg.tracking.mlflow_uri, cfg.tracking.experiment, list(m.alerts),
         m.webhook_url.get_secret_value() if m.webhook_url else None, m.webhook_attempts, m.heartbeat_s,
-        cfg.guard.kl_threshold, m.page_sample_steps,
+        cfg.guard.kl_threshold, m.page_sample_steps, [b.model_dump() for b in m.bands],
     )
     try:
         port = ray.get(actor.serve.remote(m.host, m.port))

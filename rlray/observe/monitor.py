@@ -15,9 +15,8 @@ import json
 import logging
 import threading
 import time
-import urllib.parse
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
 
 import prometheus_client
@@ -177,10 +176,11 @@ class RunMonitor:
         ray_metrics: also feed Ray's metrics (inside a Ray process).
         kl_limit: the KL guard's threshold (``guard.kl_threshold``), drawn on the page's KL chart; None: off.
         page_sample_steps: steps whose samples the page keeps (``monitor.page_sample_steps``).
+        bands: the page's healthy bands (``monitor.bands`` as ``page.Band``).
     """
 
     def __init__(self, run_id: str, *, heartbeat_s: float, alerter: Alerter, ray_metrics: bool = False,
-                 kl_limit: float | None = None, page_sample_steps: int = 20) -> None:
+                 kl_limit: float | None = None, page_sample_steps: int = 20, bands: tuple[page.Band, ...] = ()) -> None:
         self.run_id = run_id
         self.heartbeat_s = heartbeat_s
         self.alerter = alerter
@@ -188,7 +188,7 @@ class RunMonitor:
         self.status, self.reason = "healthy", None
         self.step = self.epoch = self.policy_version = 0
         self.snapshot_step: int | None = None
-        self.page = page.PageData(page_sample_steps, kl_limit)
+        self.page = page.PageData(page_sample_steps, kl_limit, bands)
         self.last_heartbeat = time.monotonic()
         self.learner_starts = 0
         self.alerts: list[dict[str, Any]] = []
@@ -312,9 +312,9 @@ class RunMonitor:
             if path == "/health":
                 code, doc = 200, self.health()
             elif path == "/api/metrics":
-                code, doc = 200, {"run_id": self.run_id, **self.page.metrics_since(_int_arg(query, "since", 0))}
+                code, doc = 200, {"run_id": self.run_id, **self.page.metrics_since(page.int_arg(query, "since", 0))}
             elif path == "/api/samples":
-                code, doc = self.page.samples_of(_int_arg(query, "step", None))
+                code, doc = self.page.samples_of(page.int_arg(query, "step", None))
             else:
                 code, doc = 404, {"error": f"no page at {path}; GET /, /api/metrics, /api/samples, /health or /metrics"}
         except ValueError as err:
@@ -327,30 +327,7 @@ class RunMonitor:
         Raises:
             OSError: the port is taken (the message names host and port).
         """
-        monitor = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server API)
-                url = urllib.parse.urlsplit(self.path)
-                code, body, ctype = monitor.respond(url.path, urllib.parse.parse_qs(url.query))
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.send_header("Cache-Control", "no-store")
-                self.send_header("X-Content-Type-Options", "nosniff")
-                self.send_header("Content-Security-Policy", page.CONTENT_SECURITY_POLICY)
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: Any) -> None:  # keep scrapes out of the run's log
-                return
-
-        try:
-            self._server = ThreadingHTTPServer((host, port), Handler)
-        except OSError as err:
-            raise OSError(f"monitor: cannot bind {host}:{port} ({err}); set monitor.port (0 picks a free one)") from err
-        self._server.daemon_threads = True
-        threading.Thread(target=self._server.serve_forever, name="rlray-monitor-http", daemon=True).start()
+        self._server = page.serve_http(self.respond, host, port)
         return int(self._server.server_address[1])
 
     def close(self) -> None:
@@ -364,21 +341,6 @@ class RunMonitor:
         while not self._stop.wait(min(1.0, self.heartbeat_s / 4)):
             self.check_stall()
             self.metrics.republish()
-
-
-def _int_arg(query: dict[str, list[str]], name: str, default: int | None) -> int | None:
-    """Returns query parameter ``name`` as an int, ``default`` when absent.
-
-    Raises:
-        ValueError: the value is not an integer (the message names the parameter and the value).
-    """
-    values = query.get(name)
-    if not values:
-        return default
-    try:
-        return int(values[-1])
-    except ValueError:
-        raise ValueError(f"{name}={values[-1]!r} is not a step number; use an integer, e.g. {name}=12") from None
 
 
 class Heartbeat:

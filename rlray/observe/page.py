@@ -18,7 +18,11 @@ import bisect
 import json
 import math
 import threading
+import urllib.parse
 from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -66,17 +70,78 @@ def _json_number(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
+@dataclass(frozen=True)
+class Band:
+    """A healthy band of one plotted metric (``monitor.bands``; the KL guard's is ``Band("algo/kl", high=limit)``).
+
+    Attributes:
+        metric: the plotted metric key.
+        low, high: healthy range in the metric's unit; None: unbounded on that side.
+        finite: NaN and infinities are outside.
+        min_slope: lowest healthy least-squares slope over the last ``window`` steps (unit per step); None: none.
+        window: steps of the slope fit (this one included); the check starts once ``window`` finite values exist.
+    """
+
+    metric: str
+    low: float | None = None
+    high: float | None = None
+    finite: bool = True
+    min_slope: float | None = None
+    window: int = 20
+
+
+def least_squares_slope(points: list[tuple[int, float]]) -> float:
+    """Returns the least-squares slope of ``points`` [(step, value), ...] in value units per step.
+
+    slope = sum((x - mean x)(y - mean y)) / sum((x - mean x)^2); e.g. [(1, 1.0), (2, 0.5), (3, 0.0)] gives -0.5.
+
+    Raises:
+        ValueError: fewer than 2 distinct steps.
+    """
+    xs, ys = [float(x) for x, _ in points], [y for _, y in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0.0:
+        raise ValueError(f"a slope needs 2 distinct steps; got {len(points)} point(s) at steps {sorted(set(xs))}")
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+
+
+def outside_band(band: Band, value: float, recent: list[tuple[int, float]]) -> str | None:
+    """Returns why a step's ``value`` of ``band.metric`` is outside ``band`` (for the page's marker), None when inside.
+
+    Args:
+        band: the band.
+        value: this step's value (any float, NaN included).
+        recent: [(step, value)] of the metric's finite values up to and including this step, oldest first; the last
+            ``band.window`` of them are fitted for ``min_slope``.
+    """
+    if not math.isfinite(value):
+        return f"{band.metric} is {value}" if band.finite else None
+    if band.low is not None and value < band.low:
+        return f"{band.metric} {value:.4g} < {band.low:g}"
+    if band.high is not None and value > band.high:
+        return f"{band.metric} {value:.4g} > {band.high:g}"
+    if band.min_slope is not None and len(recent) >= band.window:
+        slope = least_squares_slope(recent[-band.window :])
+        if slope < band.min_slope:
+            return f"{band.metric} slope {slope:.3g}/step over {band.window} steps < {band.min_slope:g}"
+    return None
+
+
 class PageData:
     """The figures and samples behind the page, safe to update and read from several threads.
 
     Args:
         sample_steps: steps whose samples are kept (``monitor.page_sample_steps``); older ones are dropped.
-        kl_limit: the KL guard's threshold drawn on the KL chart (``guard.kl_threshold``), None when off.
+        kl_limit: the KL guard's threshold drawn on the KL chart (``guard.kl_threshold``), None when off; it is
+            also a band (``Band("algo/kl", high=kl_limit)``).
+        bands: healthy bands (``monitor.bands``); each step's point names the bands it is outside (``outside``).
     """
 
-    def __init__(self, sample_steps: int, kl_limit: float | None = None) -> None:
+    def __init__(self, sample_steps: int, kl_limit: float | None = None, bands: tuple[Band, ...] = ()) -> None:
         self.sample_steps = sample_steps
         self.kl_limit = kl_limit
+        self.bands = tuple(bands) + ((Band("algo/kl", high=kl_limit),) if kl_limit is not None else ())
         self.history_id = 0  # changes when steps are recorded again (rollback, restart): the page reloads
         self._steps: list[int] = []
         self._points: list[dict[str, Any]] = []  # {"step": s, "values": {key: float | None}}, by step
@@ -84,14 +149,25 @@ class PageData:
         self._lock = threading.Lock()
 
     def record_step(self, step: int, metrics: dict[str, float]) -> None:
-        """Appends a step's plotted figures; a step at or before the last one (a rollback or a restart ran
-        it again) first drops the steps from it on and changes ``history_id``."""
-        point = {"step": step, "values": {k: _json_number(v) for k, v in metrics.items() if is_page_key(k)}}
+        """Appends a step's plotted figures and the bands it is outside ({metric: reason}); a step at or before the
+        last one (a rollback or a restart ran it again) first drops the steps from it on and changes ``history_id``.
+
+        Costs O(window) per band, never the whole history."""
+        point: dict[str, Any] = {"step": step, "values": {k: _json_number(v) for k, v in metrics.items() if is_page_key(k)},
+                                 "outside": {}}
         with self._lock:
             if self._steps and step <= self._steps[-1]:
                 cut = bisect.bisect_left(self._steps, step)
                 del self._steps[cut:], self._points[cut:]
                 self.history_id += 1
+            for band in self.bands:
+                if band.metric in metrics and band.metric not in point["outside"]:
+                    value = float(metrics[band.metric])
+                    recent = [(p["step"], p["values"][band.metric]) for p in self._points[-band.window :]
+                              if p["values"].get(band.metric) is not None]
+                    reason = outside_band(band, value, recent + ([(step, value)] if math.isfinite(value) else []))
+                    if reason:
+                        point["outside"][band.metric] = reason
             self._steps.append(step)
             self._points.append(point)
 
@@ -105,10 +181,12 @@ class PageData:
                 self._samples.popitem(last=False)
 
     def metrics_since(self, since: int) -> dict[str, Any]:
-        """Returns the /api/metrics document: {history_id, kl_limit, points: the steps after ``since``}."""
+        """Returns the /api/metrics document: {history_id, kl_limit, bands (each ``Band`` as a dict), points: the
+        steps after ``since``, each {step, values, outside}}."""
         with self._lock:
             cut = bisect.bisect_right(self._steps, since)
-            return {"history_id": self.history_id, "kl_limit": self.kl_limit, "points": self._points[cut:]}
+            return {"history_id": self.history_id, "kl_limit": self.kl_limit, "bands": [asdict(b) for b in self.bands],
+                    "points": self._points[cut:]}
 
     def samples_of(self, step: int | None) -> tuple[int, dict[str, Any]]:
         """Returns (HTTP status, /api/samples document) for ``step``, or for the newest kept step when None.
@@ -141,3 +219,58 @@ def static_file(path: str) -> tuple[bytes, str] | None:
         return None
     name, ctype = STATIC[path]
     return (PAGE_DIR / name).read_bytes(), ctype
+
+
+# (URL path, query) -> (HTTP status, body, content type): ``RunMonitor.respond`` and ``StoredRun.respond``
+Responder = Callable[[str, dict[str, list[str]]], tuple[int, bytes, str]]
+
+
+def serve_http(respond: Responder, host: str, port: int) -> ThreadingHTTPServer:
+    """Starts an HTTP server on ``host:port`` that answers GET with ``respond`` in a daemon thread; returns it
+    (``server_address[1]`` is the bound port; stop it with ``shutdown()`` and ``server_close()``).
+
+    Every answer carries the page's Content-Security-Policy, ``nosniff`` and ``no-store``; requests are not logged
+    (scrapes stay out of the run's log).
+
+    Raises:
+        OSError: the address cannot be bound (the message names host and port and how to pick another port).
+    """
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server API)
+            url = urllib.parse.urlsplit(self.path)
+            code, body, ctype = respond(url.path, urllib.parse.parse_qs(url.query))
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Cache-Control", "no-store")
+            self.send_header("X-Content-Type-Options", "nosniff")
+            self.send_header("Content-Security-Policy", CONTENT_SECURITY_POLICY)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            return
+
+    try:
+        server = ThreadingHTTPServer((host, port), Handler)
+    except OSError as err:
+        raise OSError(f"monitor: cannot bind {host}:{port} ({err}); set monitor.port (0 picks a free one)") from err
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="rlray-monitor-http", daemon=True).start()
+    return server
+
+
+def int_arg(query: dict[str, list[str]], name: str, default: int | None) -> int | None:
+    """Returns query parameter ``name`` as an int, ``default`` when absent.
+
+    Raises:
+        ValueError: the value is not an integer (the message names the parameter and the value).
+    """
+    values = query.get(name)
+    if not values:
+        return default
+    try:
+        return int(values[-1])
+    except ValueError:
+        raise ValueError(f"{name}={values[-1]!r} is not a step number; use an integer, e.g. {name}=12") from None

@@ -32,6 +32,13 @@ class StepSample:
         finish_reason: 'stop' (EOS) or 'length' (max_new_tokens), or an environment's stop reason.
         policy_version: the policy version that generated it.
         response_tokens: the response length in tokens.
+        stop_reason: why a multi-turn episode ended (``rlray.envs.episode.STOP_REASONS``); None for a single-turn row.
+        num_turns: the episode's assistant turns; None for a single-turn row.
+        turn_rewards: the environment's reward after each turn (None where it gave none); None for a single-turn row.
+        segments: the completion cut where the response mask flips: (sampled, text) pairs in order, sampled True for
+            the model's tokens (loss mask on) and False for observation tokens (the environment's replies, chat
+            template included). Empty for a single-turn row, and for a row whose mask is all off (its reward failed,
+            or ``algo.mask_truncated``), where sampled text cannot be told from observations.
     """
 
     step: int
@@ -44,6 +51,24 @@ class StepSample:
     finish_reason: str
     policy_version: int
     response_tokens: int
+    stop_reason: str | None = None
+    num_turns: int | None = None
+    turn_rewards: tuple[float | None, ...] | None = None
+    segments: tuple[tuple[bool, str], ...] = ()
+
+
+def mask_runs(mask: list[bool]) -> list[tuple[int, int, bool]]:
+    """Returns the runs of equal values of ``mask`` as (start, end, value), end exclusive, in order.
+
+    E.g. [T, T, F, F, F, T] gives [(0, 2, True), (2, 5, False), (5, 6, True)]; [] gives [].
+    """
+    runs: list[tuple[int, int, bool]] = []
+    for i, m in enumerate(mask):
+        if runs and runs[-1][2] == bool(m):
+            runs[-1] = (runs[-1][0], i + 1, bool(m))
+        else:
+            runs.append((i, i + 1, bool(m)))
+    return runs
 
 
 def pick_rows(group_ids: list[int], count: int, seed: int, step: int) -> list[int]:
@@ -85,7 +110,11 @@ def _term(value: float | None) -> float | str | None:
 
 
 def json_row(sample: StepSample) -> dict[str, Any]:
-    """Returns ``sample`` as a JSON-safe dict (the monitor page's record); ``terms`` stays a nested object."""
+    """Returns ``sample`` as a JSON-safe dict (the monitor page's record); ``terms`` stays a nested object, each
+    segment is {role: "assistant" | "observation", text}, and a turn reward that is None or NaN is null.
+
+    Rows written before episodes were kept (no stop_reason, num_turns, turn_rewards, segments) stay readable: the
+    page treats a missing field as null."""
     return {
         "step": sample.step,
         "prompt_id": sample.prompt_id,
@@ -97,6 +126,10 @@ def json_row(sample: StepSample) -> dict[str, Any]:
         "finish_reason": sample.finish_reason,
         "policy_version": sample.policy_version,
         "response_tokens": sample.response_tokens,
+        "stop_reason": sample.stop_reason,
+        "num_turns": sample.num_turns,
+        "turn_rewards": None if sample.turn_rewards is None else [_number(r) for r in sample.turn_rewards],
+        "segments": [{"role": "assistant" if sampled else "observation", "text": text} for sampled, text in sample.segments],
     }
 
 
@@ -109,3 +142,32 @@ def table_columns(samples: list[StepSample]) -> dict[str, list[Any]]:
     for name in names:
         columns[f"reward/{name}"] = [r["terms"].get(name) for r in rows]
     return columns
+
+
+def rows_from_table(table: dict[str, Any]) -> list[dict[str, Any]]:
+    """Returns the ``json_row`` records of a samples table read back from MLflow (the inverse of ``table_columns``).
+
+    Args:
+        table: the artifact ``samples/step_<step>.json`` as parsed JSON, pandas' "split" layout
+            ``{"columns": [...], "data": [[...], ...]}`` (what ``mlflow.log_table`` writes).
+
+    Each ``reward/<term>`` column goes back into ``terms``; a null there may mean the term skipped the sample or
+    that the sample lacked the term (the table cannot tell them apart). Columns an older or newer rlray wrote
+    (fields this one does not know, or lacks) are kept as they are.
+
+    Raises:
+        ValueError: ``table`` is not in the "split" layout (the message names what is missing).
+    """
+    if not isinstance(table, dict) or not isinstance(table.get("columns"), list) or not isinstance(table.get("data"), list):
+        raise ValueError("a samples table must be {'columns': [...], 'data': [[...], ...]} (mlflow.log_table's layout); "
+                         f"got keys {sorted(table) if isinstance(table, dict) else type(table).__name__}")
+    rows = []
+    for values in table["data"]:
+        row: dict[str, Any] = {"terms": {}}
+        for column, value in zip(table["columns"], values, strict=True):
+            if column.startswith("reward/"):
+                row["terms"][column.removeprefix("reward/")] = value
+            else:
+                row[column] = value
+        rows.append(row)
+    return rows

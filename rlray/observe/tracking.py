@@ -549,3 +549,55 @@ def child_runs(
     filters = [f"tags.`mlflow.parentRunId` = '{parent_run_id}'"] if parent_run_id else []
     filters += [f"tags.`rlray.tune_trial_id` = '{trial_id}'"] if trial_id else []
     return client.search_runs([experiment_id], filter_string=" and ".join(filters), order_by=["attributes.start_time ASC"])
+
+
+SAMPLES_DIR = "samples"  # artifact folder of the kept samples (``Tracker.log_samples``)
+
+
+def sample_steps(uri: str, run_id: str) -> list[int]:
+    """Returns the steps of run ``run_id`` that have a samples table (``samples/step_<step>.json``), ascending."""
+    files = _client(uri).list_artifacts(run_id, SAMPLES_DIR)
+    names = [f.path.rsplit("/", 1)[-1] for f in files if not f.is_dir]
+    return sorted(int(n[5:-5]) for n in names if re.fullmatch(r"step_\d+\.json", n))
+
+
+def read_artifact_json(uri: str, run_id: str, path: str) -> object:
+    """Returns the parsed JSON artifact ``path`` of run ``run_id`` (e.g. ``samples/step_000003.json``).
+
+    Raises:
+        mlflow.exceptions.MlflowException: the run or the file does not exist, or the store is down.
+        json.JSONDecodeError: the file is not JSON.
+    """
+    return json.loads(read_artifact_text(uri, run_id, path))
+
+
+def read_artifact_text(uri: str, run_id: str, path: str) -> str:
+    """Returns the text of artifact ``path`` of run ``run_id`` (UTF-8), downloaded to a temporary folder.
+
+    Raises:
+        mlflow.exceptions.MlflowException (or OSError from the artifact store): no such run or file.
+    """
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="rlray-artifact-") as tmp:
+        return Path(_client(uri).download_artifacts(run_id, path, tmp)).read_text(encoding="utf-8")
+
+
+def last_metric_time_s(uri: str, run_id: str, key: str) -> float | None:
+    """Returns when metric ``key`` of run ``run_id`` was last logged (Unix seconds), None when never."""
+    history = _client(uri).get_metric_history(run_id, key)
+    return max((m.timestamp for m in history), default=None) / 1000.0 if history else None
+
+
+def metrics_by_step(uri: str, run_id: str) -> dict[int, dict[str, float]]:
+    """Returns {step: {metric key: value}} of run ``run_id``, steps ascending.
+
+    Where a key was logged twice at one step (a rollback or a restart ran the step again), the later write wins,
+    as on the live page.
+    """
+    client = _client(uri)
+    steps: dict[int, dict[str, float]] = {}
+    for key in client.get_run(run_id).data.metrics:
+        for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.timestamp):
+            steps.setdefault(m.step, {})[key] = m.value
+    return dict(sorted(steps.items()))

@@ -41,7 +41,7 @@ from rlray.learner import online as learner_online
 from rlray.learner.collective import Collective
 from rlray.models import load_tokenizer
 from rlray.observe import samples as kept
-from rlray.observe.samples import StepSample
+from rlray.observe.samples import StepSample, mask_runs
 from rlray.observe.tracking import Tracker
 from rlray.reward import RewardFunctionError
 from rlray.reward.server import LocalRewardClient, ScoreResult, ServeRewardClient
@@ -541,9 +541,21 @@ def step_samples(tokenizer: Any, table: pa.Table, rows: list[int], advantages: l
     return [
         StepSample(step, r["prompt_id"], prompt, completion, math.nan if r["reward"] is None else float(r["reward"]),
                    dict(r["reward_components"] or []), adv, r["finish_reason"], int(r["policy_version"]),
-                   len(r["response_token_ids"]))
+                   len(r["response_token_ids"]), r["stop_reason"], r["num_turns"],
+                   None if r["turn_rewards"] is None else tuple(r["turn_rewards"]), episode_segments(tokenizer, r))
         for r, prompt, completion, adv in zip(picked, prompts, completions, advantages, strict=True)
     ]
+
+
+def episode_segments(tokenizer: Any, row: dict[str, Any]) -> tuple[tuple[bool, str], ...]:
+    """Returns an episode row's response cut where its response_mask flips, each run decoded (special tokens kept):
+    (True, sampled text) or (False, observation text); () for a single-turn row (no num_turns) and for a row whose
+    mask is all off (``StepSample.segments``)."""
+    mask = row["response_mask"]
+    if row["num_turns"] is None or not any(mask):
+        return ()
+    ids = row["response_token_ids"]
+    return tuple((sampled, tokenizer.decode(ids[a:b], skip_special_tokens=False)) for a, b, sampled in mask_runs(mask))
 
 
 def update_policy(ctx: OnlineRun, data: dict[str, torch.Tensor], norms: list[Normaliser],

@@ -68,3 +68,20 @@ def test_cli_resume_and_ops_commands_parse():
     assert (r.ref, r.to, r.overrides) == ("abc123", "v3", ["tracking.experiment=x"])
     assert p.parse_args(["models", "show", "7"]).version == "7"
     assert p.parse_args(["snapshots", "lifecycle", "--apply"]).apply
+
+
+def test_monitor_bands_defaults_and_errors():
+    """Defaults hold for every algorithm (finite losses and gradient norms, reward not falling); a policy-loss
+    range is opt-in; a band with low above high names the key and the fix."""
+    from rlray.config import config_from_dict
+
+    bands = config_from_dict({}).monitor.bands
+    assert [(b.metric, b.low, b.high, b.finite, b.min_slope, b.window) for b in bands] == [
+        ("learner/pg_loss", None, None, True, None, 20), ("learner/value_loss", None, None, True, None, 20),
+        ("learner/grad_norm", None, None, True, None, 20), ("reward/mean", None, None, True, 0.0, 20)]
+    cfg = config_from_dict({"monitor": {"bands": [{"metric": "learner/pg_loss", "low": 0.1, "high": 0.5}]}})
+    assert [(b.metric, b.low, b.high) for b in cfg.monitor.bands] == [("learner/pg_loss", 0.1, 0.5)]
+    with pytest.raises(ConfigError, match="monitor.bands.*low=0.5 is above high=0.1; swap them"):
+        config_from_dict({"monitor": {"bands": [{"metric": "learner/pg_loss", "low": 0.5, "high": 0.1}]}})
+    with pytest.raises(ConfigError, match="monitor.bands.0.window"):
+        config_from_dict({"monitor": {"bands": [{"metric": "reward/mean", "min_slope": 0.0, "window": 1}]}})

@@ -99,7 +99,8 @@ def test_samples_endpoint_keeps_the_last_steps_and_404s_the_rest(served):
     assert (doc["step"], doc["steps"]) == (3, [2, 3])
     assert doc["samples"][0] == {"step": 3, "prompt_id": "p3", "prompt": "<|im_start|>user\nWhat is 2+2?", "completion": "4</s>",
                                  "reward": 1.0, "terms": {"gsm8k_correct": 1.0, "gsm8k_format": None}, "advantage": 0.5,
-                                 "finish_reason": "stop", "policy_version": 2, "response_tokens": 3}
+                                 "finish_reason": "stop", "policy_version": 2, "response_tokens": 3,
+                                 "stop_reason": None, "num_turns": None, "turn_rewards": None, "segments": []}
     assert doc["samples"][1]["reward"] is None and doc["samples"][1]["terms"]["gsm8k_correct"] == "failed"
     assert json.loads(_get(port, "/api/samples?step=2")[2])["samples"][0]["prompt_id"] == "p2"
     status, headers, body = _get(port, "/api/samples?step=1")
@@ -220,3 +221,100 @@ def test_page_script_draws_the_curves_and_shows_markup_as_text(served, tmp_path)
     assert got["fetched"].count("/api/metrics?since=0") == 1 and "/api/metrics?since=3" in got["fetched"]
     reward = polled["charts"]["children"][0]
     assert [n["text"] for n in _walk(reward) if n["tag"] == "#text"] == ["reward/mean 0.4", "reward/gsm8k_correct 1"]
+
+
+# ---- healthy bands (monitor.bands) -------------------------------------------------------------
+def test_least_squares_slope_and_outside_band():
+    # x = 1, 2, 3 (mean 2), y = 1.0, 0.5, 0.0 (mean 0.5): sum dx*dy = (-1)(0.5) + 0 + (1)(-0.5) = -1; sum dx^2 = 2
+    assert page.least_squares_slope([(1, 1.0), (2, 0.5), (3, 0.0)]) == -0.5
+    assert page.least_squares_slope([(2, 3.0), (4, 3.0)]) == 0.0
+    with pytest.raises(ValueError, match="2 distinct steps"):
+        page.least_squares_slope([(5, 1.0)])
+    loss = page.Band("learner/pg_loss", low=0.1, high=0.5)
+    assert page.outside_band(loss, 0.3, []) is None
+    assert page.outside_band(loss, 0.05, []) == "learner/pg_loss 0.05 < 0.1"
+    assert page.outside_band(loss, 0.75, []) == "learner/pg_loss 0.75 > 0.5"
+    assert page.outside_band(loss, math.nan, []) == "learner/pg_loss is nan"
+    assert page.outside_band(page.Band("x/y", finite=False), math.inf, []) is None
+    rising = page.Band("reward/mean", min_slope=0.0, window=3)
+    assert page.outside_band(rising, 0.0, [(1, 1.0), (2, 0.5), (3, 0.0)]) == "reward/mean slope -0.5/step over 3 steps < 0"
+    assert page.outside_band(rising, 0.0, [(2, 0.5), (3, 0.0)]) is None  # fewer than window values: no fit yet
+    assert page.outside_band(rising, 2.0, [(1, 1.0), (2, 0.5), (3, 2.0)]) is None  # slope +0.5
+
+
+def test_points_name_the_bands_they_leave():
+    """The KL guard is a band; NaN losses, and reward falling over the window, mark their steps."""
+    monitor = RunMonitor("r", heartbeat_s=60.0, alerter=Alerter(["log"]), kl_limit=0.03,
+                         bands=(page.Band("learner/pg_loss"), page.Band("reward/mean", min_slope=0.0, window=3)))
+    rows = [(1, 0.02, 0.1, 0.9), (2, 0.05, math.nan, 0.8), (3, 0.01, 0.2, 0.7), (4, 0.01, 0.2, 0.9)]
+    for step, kl, loss, reward in rows:
+        monitor.record_step(step, 0, step, {"algo/kl": kl, "learner/pg_loss": loss, "reward/mean": reward})
+    doc = monitor.page.metrics_since(0)
+    assert doc["bands"] == [
+        {"metric": "learner/pg_loss", "low": None, "high": None, "finite": True, "min_slope": None, "window": 20},
+        {"metric": "reward/mean", "low": None, "high": None, "finite": True, "min_slope": 0.0, "window": 3},
+        {"metric": "algo/kl", "low": None, "high": 0.03, "finite": True, "min_slope": None, "window": 20}]
+    outside = [p["outside"] for p in doc["points"]]
+    assert outside[0] == {}
+    assert outside[1] == {"algo/kl": "algo/kl 0.05 > 0.03", "learner/pg_loss": "learner/pg_loss is nan"}
+    # step 3: rewards 0.9, 0.8, 0.7 at steps 1-3 fall by 0.1 per step
+    assert outside[2] == {"reward/mean": "reward/mean slope -0.1/step over 3 steps < 0"}
+    assert outside[3] == {}  # 0.8, 0.7, 0.9 at steps 2-4: slope +0.05
+    monitor.close()
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs node to run the page's script (no browser here)")
+def test_page_script_shades_bands_and_marks_steps_outside(tmp_path):
+    monitor = RunMonitor("r", heartbeat_s=60.0, alerter=Alerter(["log"]), kl_limit=0.03,
+                         bands=(page.Band("learner/pg_loss", low=0.1, high=0.5),))
+    port = monitor.serve("127.0.0.1", 0)
+    try:
+        for step, kl, loss in [(1, 0.01, 0.2), (2, 0.05, 0.3), (3, 0.02, math.nan)]:
+            monitor.record_step(step, 0, step, {"algo/kl": kl, "learner/pg_loss": loss})
+        urls = ["/health", "/api/metrics?since=0", "/api/samples"]
+        responses = {u: {"status": 200, "body": _get(port, u)[2].decode()} for u in urls}
+        ids = re.findall(r'id="([^"]+)"', _get(port, "/")[2].decode())
+        out = subprocess.run(["node", str(Path(__file__).parents[1] / "fixtures" / "page_dom.js"), str(page.PAGE_DIR / "monitor.js"),
+                              json.dumps(ids), json.dumps(responses), "[]"], capture_output=True, text=True, timeout=60, check=False)
+    finally:
+        monitor.close()
+    assert out.returncode == 0, out.stderr
+    charts = json.loads(out.stdout)["snapshots"][0]["dom"]["charts"]["children"]
+    by_title = {c["children"][0]["text"]: c for c in charts}
+    kl, loss = by_title["KL to the reference (nats/token)"], by_title["Policy loss"]
+    assert sum(n.get("attrs", {}).get("class") == "band" for n in _walk(kl)) == 1  # 0 .. guard threshold, shaded
+    kl_markers = [n for n in _walk(kl) if n.get("attrs", {}).get("class") == "band-marker"]
+    assert [m["children"][0]["text"] for m in kl_markers] == ["step 2: algo/kl 0.05 > 0.03"]
+    loss_markers = [n for n in _walk(loss) if n.get("attrs", {}).get("class") == "band-marker"]
+    assert [m["children"][0]["text"] for m in loss_markers] == ["step 3: learner/pg_loss is nan"]
+    assert [n["text"] for n in _walk(loss) if n.get("cls") == "band-note"] == [
+        "outside its band at 1 step(s); last: step 3: learner/pg_loss is nan"]
+    assert sum(n.get("attrs", {}).get("class") == "band" for n in _walk(loss)) == 1
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs node to run the page's script (no browser here)")
+def test_page_script_shows_an_episode_turn_by_turn(served):
+    """An episode's turns and observations are set apart (an observation holding markup stays text), each turn with
+    the environment's reward after it; its stop reason and turns show; a single-turn row keeps one text."""
+    monitor, port = served
+    episode = StepSample(1, "g", "guess a number", "<a>5</a><obs>higher</obs><a>7</a>", 1.0, {"env": 1.0}, 0.5, "stop", 0, 9,
+                         "done", 2, (None, 1.0), ((True, "<a>5</a>"), (False, XSS), (True, "<a>7</a>")))
+    single = StepSample(1, "q", "2+2?", "4", 0.0, {"env": 0.0}, -0.5, "stop", 0, 1)
+    monitor.record_samples(1, [episode, single])
+    responses = {u: {"status": 200, "body": _get(port, u)[2].decode()} for u in ["/health", "/api/metrics?since=0", "/api/samples"]}
+    ids = re.findall(r'id="([^"]+)"', _get(port, "/")[2].decode())
+    out = subprocess.run(["node", str(Path(__file__).parents[1] / "fixtures" / "page_dom.js"), str(page.PAGE_DIR / "monitor.js"),
+                          json.dumps(ids), json.dumps(responses), "[]"], capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
+    table = json.loads(out.stdout)["snapshots"][0]["dom"]["sample-table"]
+    head = [th["text"] for th in table["children"][0]["children"][0]["children"]]
+    assert head[3:6] == ["stop reason", "turns", "tokens"]
+    ep_row, single_row = table["children"][1]["children"]  # by reward, high to low
+    assert [c["text"] for c in ep_row["children"][3:5]] == ["done", "2"]
+    assert [c["text"] for c in single_row["children"][3:5]] == ["stop", "-"]
+    segments = ep_row["children"][-1]["children"][0]["children"]
+    assert [seg["cls"] for seg in segments] == ["seg seg-assistant", "seg seg-observation", "seg seg-assistant"]
+    assert [(seg["children"][0]["text"], seg["children"][1]["text"]) for seg in segments] == [
+        ("turn 1", "<a>5</a>"), ("observation", XSS), ("turn 2 \u00b7 env reward 1", "<a>7</a>")]
+    assert not any(n["tag"] in ("script", "img") for n in _walk(table))
+    assert single_row["children"][-1]["children"][0]["text"] == "4"

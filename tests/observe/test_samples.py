@@ -32,3 +32,36 @@ def test_json_row_has_no_nan_and_keeps_failed_apart_from_skipped():
     cols = table_columns([s, StepSample(2, "p2", "q", "ok", 1.0, {"c": 1.0}, 0.25, "stop", 1, 2)])
     assert cols["reward/a"] == ["failed", None] and cols["reward/c"] == [0.5, 1.0] and cols["advantage"] == [None, 0.25]
     assert table_columns([]) == {}
+
+
+def test_mask_runs():
+    from rlray.observe.samples import mask_runs
+
+    assert mask_runs([True, True, False, False, False, True]) == [(0, 2, True), (2, 5, False), (5, 6, True)]
+    assert mask_runs([False]) == [(0, 1, False)] and mask_runs([]) == []
+
+
+def test_episode_fields_survive_the_mlflow_table_and_old_tables_stay_readable(tmp_path):
+    """A kept episode goes to MLflow and back unchanged (segments nested); a table an older rlray wrote (without the
+    episode columns) reads back without them."""
+
+
+    from rlray.observe.samples import StepSample, json_row, rows_from_table
+    from rlray.observe.tracking import Tracker, read_artifact_json
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = Tracker(uri, "episodes")
+    episode = StepSample(2, "p", "<user>guess", "<a>5</a><obs>higher</obs><a>7</a>", 1.0, {"env": 1.0}, 0.5, "stop", 1, 9,
+                         "done", 2, (None, 1.0), ((True, "<a>5</a>"), (False, "<obs>higher</obs>"), (True, "<a>7</a>")))
+    single = StepSample(2, "q", "2+2?", "4", 0.0, {"env": 0.0}, -0.5, "stop", 1, 1)
+    tracker.log_samples([episode, single], step=2)
+    tracker.flush()
+    rows = rows_from_table(read_artifact_json(uri, tracker.run_id, "samples/step_000002.json"))
+    assert rows == [json_row(episode), json_row(single)]
+    assert rows[0]["segments"][1] == {"role": "observation", "text": "<obs>higher</obs>"} and rows[0]["turn_rewards"] == [None, 1.0]
+    assert rows[1]["segments"] == [] and rows[1]["num_turns"] is None
+    old = {"columns": ["step", "prompt_id", "prompt", "completion", "reward", "advantage", "finish_reason",
+                       "policy_version", "response_tokens", "reward/env"], "data": [[2, "p", "q", "c", 1.0, 0.5, "stop", 1, 3, 1.0]]}
+    assert rows_from_table(old) == [{"step": 2, "prompt_id": "p", "prompt": "q", "completion": "c", "reward": 1.0, "advantage": 0.5,
+                                     "finish_reason": "stop", "policy_version": 1, "response_tokens": 3, "terms": {"env": 1.0}}]
+    tracker.finish()

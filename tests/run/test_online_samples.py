@@ -25,6 +25,9 @@ class FakeTokenizer:
         assert not skip_special_tokens
         return [" ".join(f"t{i}" for i in seq) for seq in ids]
 
+    def decode(self, ids, skip_special_tokens):
+        return self.batch_decode([ids], skip_special_tokens)[0]
+
 
 def _table():
     completions = [Completion(0, 0, [5, 6], [-0.1, -0.2], "stop", 3), Completion(0, 1, [7], [-0.3], "length", 3),
@@ -69,6 +72,33 @@ def test_step_samples_decode_and_carry_every_field():
     assert [(s.finish_reason, s.policy_version, s.response_tokens) for s in got] == [("length", 3, 1), ("stop", 3, 3),
                                                                                     ("stop", 3, 1)]
     assert online.step_samples(FakeTokenizer(), table, [], [], step=7) == []
+
+
+def test_step_samples_cut_an_episode_into_turns_and_observations():
+    """An episode's sampled tokens (mask on) and observation tokens (mask off) become segments in order; its stop
+    reason, turns and turn rewards are kept; a single-turn row and an episode whose mask is all off (failed reward)
+    have no segments."""
+    from rlray.rollout.types import EpisodeInfo
+
+    ep = EpisodeInfo("guess", "done", 2, [None, 1.0])
+    completions = [
+        Completion(0, 0, [5, 6, 20, 21, 22, 7], [-0.1] * 6, "stop", 3, [True, True, False, False, False, True], episode=ep),
+        Completion(0, 1, [8, 23, 9], [-0.1] * 3, "stop", 3, [True, False, True], episode=EpisodeInfo("guess", "max_turns", 2, [0.0, 0.0])),
+        Completion(1, 0, [11], [-0.2], "stop", 3),
+    ]
+    table = online.build_experience(ROWS, [[1, 2], [3]], completions, {"reward": [1.0, math.nan, 0.5]})
+    got = online.step_samples(FakeTokenizer(), table, [0, 1, 2], [0.5, math.nan, 0.0], step=3)
+    assert got[0].segments == ((True, "t5 t6"), (False, "t20 t21 t22"), (True, "t7"))
+    assert (got[0].stop_reason, got[0].num_turns) == ("done", 2)
+    assert math.isnan(got[0].turn_rewards[0]) and got[0].turn_rewards[1] == 1.0  # None is NaN in the table
+    assert got[1].segments == () and got[1].stop_reason == "max_turns"  # reward failed: mask all off, no cut
+    assert (got[2].segments, got[2].stop_reason, got[2].num_turns, got[2].turn_rewards) == ((), None, None, None)
+    from rlray.observe.samples import json_row
+
+    row = json_row(got[0])
+    assert row["segments"] == [{"role": "assistant", "text": "t5 t6"}, {"role": "observation", "text": "t20 t21 t22"},
+                               {"role": "assistant", "text": "t7"}]
+    assert (row["stop_reason"], row["num_turns"], row["turn_rewards"]) == ("done", 2, [None, 1.0])
 
 
 class _Remote:

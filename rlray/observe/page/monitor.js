@@ -18,7 +18,7 @@ const CHARTS = [
   {title: "Step time by stage (s)", keys: (k) => k.startsWith("timing/")},
 ];
 
-const state = {historyId: null, since: 0, points: [], drawn: false, klLimit: null, sampleStep: "latest", samples: null, sort: {key: "reward", desc: true}};
+const state = {historyId: null, since: 0, points: [], drawn: false, klLimit: null, bands: [], sampleStep: "latest", samples: null, sort: {key: "reward", desc: true}};
 
 function el(tag, className, text) {
   const node = document.createElement(tag);
@@ -53,13 +53,13 @@ async function pollHealth() {
   const set = (id, value) => { document.getElementById(id).textContent = fmt(value); };
   set("run-id", h.run_id);
   const status = document.getElementById("status");
-  status.textContent = h.reason ? `${h.status} (${h.reason})` : h.status;
+  status.textContent = (h.reason ? `${h.status} (${h.reason})` : h.status) + (h.source === "mlflow" ? ", read from MLflow" : "");
   status.className = `status-${h.status}`;
   set("step", h.step); set("epoch", h.epoch); set("policy-version", h.policy_version); set("restarts", h.restarts);
   set("snapshot", h.snapshot_step === null ? "none yet" : `step ${h.snapshot_step}`);
   set("heartbeat", `${Math.round(h.seconds_since_heartbeat)} s ago`);
   const list = document.getElementById("alerts");
-  list.replaceChildren(...h.alerts.slice().reverse().map((a) => el("li", null, `${a.kind} at step ${a.step}: ${a.message}`)));
+  list.replaceChildren(...h.alerts.slice().reverse().map((a) => el("li", null, a.step === null ? `${a.kind}: ${a.message}` : `${a.kind} at step ${a.step}: ${a.message}`)));
 }
 
 // ---- curves ------------------------------------------------------------------------------
@@ -71,6 +71,7 @@ async function pollMetrics() {
   }
   state.historyId = doc.history_id;
   state.klLimit = doc.kl_limit;
+  state.bands = doc.bands || [];
   if (doc.points.length || !state.drawn) { // redraw only when there is something new
     state.points.push(...doc.points);
     if (state.points.length) state.since = state.points[state.points.length - 1].step;
@@ -102,6 +103,7 @@ function drawChart(spec, keys) {
   box.append(el("h2", null, spec.title));
   const series = keys.map((k) => ({key: k, pts: state.points.map((p) => [p.step, p.values[k]]).filter((xy) => xy[1] !== undefined)}));
   const limit = spec.limit ? state.klLimit : null;
+  const bands = state.bands.filter((b) => keys.includes(b.metric) && (b.low !== null || b.high !== null));
   const values = series.flatMap((s) => s.pts.map((xy) => xy[1])).filter((v) => v !== null);
   if (!values.length) {
     box.append(el("div", "empty", state.points.length ? "not logged by this run" : "waiting for the first step"));
@@ -113,12 +115,17 @@ function drawChart(spec, keys) {
   if (x0 === x1) { x0 -= 1; x1 += 1; }
   let [y0, y1] = [Math.min(...values), Math.max(...values)];
   if (limit !== null) { y0 = Math.min(y0, limit); y1 = Math.max(y1, limit); }
+  for (const b of bands) for (const v of [b.low, b.high]) if (v !== null) { y0 = Math.min(y0, v); y1 = Math.max(y1, v); }
   if (y0 === y1) { y0 -= Math.abs(y0) * 0.1 || 1; y1 += Math.abs(y1) * 0.1 || 1; }
   const pad = (y1 - y0) * 0.05; y0 -= pad; y1 += pad;
   const X = (x) => L + ((x - x0) / (x1 - x0)) * (W - L - R);
   const Y = (y) => T + (1 - (y - y0) / (y1 - y0)) * (H - T - B);
   const root = svg("svg", {viewBox: `0 0 ${W} ${H}`, role: "img"});
   root.append(svg("rect", {x: L, y: T, width: W - L - R, height: H - T - B, fill: "#fff", stroke: "#d1d5db"}));
+  for (const b of bands) { // the healthy band, shaded
+    const top = Y(b.high === null ? y1 : b.high), bottom = Y(b.low === null ? y0 : b.low);
+    root.append(svg("rect", {x: L, y: top, width: W - L - R, height: Math.max(bottom - top, 0), fill: "#dcfce7", "fill-opacity": 0.7, class: "band"}));
+  }
   for (const t of niceTicks(y0, y1, 4)) {
     root.append(svg("line", {x1: L, x2: W - R, y1: Y(t), y2: Y(t), stroke: "#f3f4f6"}));
     const label = svg("text", {x: L - 4, y: Y(t) + 4, "text-anchor": "end", "font-size": 10, fill: "#6b7280"});
@@ -148,7 +155,6 @@ function drawChart(spec, keys) {
     for (const [x, y] of s.pts) {
       if (y === null) { flush(); continue; }
       run.push([X(x).toFixed(1), Y(y).toFixed(1)]);
-      if (limit !== null && y > limit) root.append(svg("circle", {cx: X(x), cy: Y(y), r: 3.5, fill: "none", stroke: "#dc2626"}));
     }
     flush();
     const last = s.pts.length ? s.pts[s.pts.length - 1][1] : null;
@@ -158,7 +164,23 @@ function drawChart(spec, keys) {
     item.append(swatch, document.createTextNode(`${s.key} ${fmt(last)}`));
     legend.append(item);
   });
+  const left = []; // steps outside a band: a red triangle on the curve (at the top edge for NaN), and a line below
+  for (const p of state.points) {
+    for (const s of series) {
+      const reason = (p.outside || {})[s.key];
+      if (!reason) continue;
+      const v = p.values[s.key];
+      const cx = X(p.step), cy = v === null || v === undefined ? T + 6 : Y(v);
+      const marker = svg("polygon", {points: `${cx},${cy - 6} ${cx - 5},${cy + 4} ${cx + 5},${cy + 4}`, fill: "#dc2626", class: "band-marker"});
+      const title = svg("title");
+      title.textContent = `step ${p.step}: ${reason}`;
+      marker.append(title);
+      root.append(marker);
+      left.push(`step ${p.step}: ${reason}`);
+    }
+  }
   box.append(root, legend);
+  if (left.length) box.append(el("div", "band-note", `outside its band at ${left.length} step(s); last: ${left[left.length - 1]}`));
   return box;
 }
 
@@ -209,7 +231,9 @@ function drawSamples() {
     return;
   }
   const terms = [...new Set(doc.samples.flatMap((s) => Object.keys(s.terms)))].sort();
-  const columns = [["reward", true], ["advantage", true], ...terms.map((t) => [t, true]), ["stop reason"], ["tokens"], ["policy version"], ["prompt"], ["completion"]];
+  const episodes = doc.samples.some((s) => s.num_turns !== null && s.num_turns !== undefined); // older rows lack the field
+  const columns = [["reward", true], ["advantage", true], ...terms.map((t) => [t, true]), ["stop reason"],
+    ...(episodes ? [["turns"]] : []), ["tokens"], ["policy version"], ["prompt"], ["completion"]];
   const head = el("tr");
   for (const [name, sortable] of columns) {
     const arrow = state.sort.key === name ? (state.sort.desc ? " \u25bc" : " \u25b2") : "";
@@ -229,14 +253,37 @@ function drawSamples() {
     tr.append(el("td", "num" + (s.reward === null ? " failed" : ""), s.reward === null ? "failed" : fmt(s.reward)));
     tr.append(el("td", "num", fmt(s.advantage)));
     for (const t of terms) tr.append(t in s.terms ? num(s.terms[t]) : el("td", "skipped", "-"));
-    tr.append(el("td", null, s.finish_reason), el("td", "num", s.response_tokens), el("td", "num", s.policy_version));
-    for (const text of [s.prompt, s.completion]) {
-      const td = el("td", "text");
-      td.append(el("div", null, text));
-      tr.append(td);
-    }
+    tr.append(el("td", null, s.stop_reason || s.finish_reason));
+    if (episodes) tr.append(el("td", "num", s.num_turns === null || s.num_turns === undefined ? "-" : s.num_turns));
+    tr.append(el("td", "num", s.response_tokens), el("td", "num", s.policy_version));
+    const prompt = el("td", "text");
+    prompt.append(el("div", null, s.prompt));
+    tr.append(prompt, completionCell(s));
     return tr;
   }));
+}
+
+// An episode turn by turn: the model's turns and the environment's observations set apart, each turn with the
+// environment's reward after it; a single-turn row (or one whose turns cannot be told apart) as one text.
+function completionCell(s) {
+  const td = el("td", "text");
+  const segments = s.segments || [];
+  if (!segments.length) { td.append(el("div", null, s.completion)); return td; }
+  const box = el("div");
+  let turn = 0;
+  for (const seg of segments) {
+    const part = el("div", `seg seg-${seg.role === "assistant" ? "assistant" : "observation"}`);
+    let label = "observation";
+    if (seg.role === "assistant") {
+      turn += 1;
+      const r = (s.turn_rewards || [])[turn - 1];
+      label = `turn ${turn}` + (r === null || r === undefined ? "" : ` \u00b7 env reward ${fmt(r)}`);
+    }
+    part.append(el("span", "seg-label", label), el("div", null, seg.text));
+    box.append(part);
+  }
+  td.append(box);
+  return td;
 }
 
 // ---- loop --------------------------------------------------------------------------------

@@ -1,0 +1,210 @@
+"""A read-only monitor of a run kept in MLflow (``rlray monitor RUN_ID``): the live page for yesterday's run.
+
+``StoredRun`` reads a run's step metrics, status, tags and samples tables from its MLflow store and answers the
+page's requests exactly as the live monitor does (``/``, ``/api/metrics``, ``/api/samples``, ``/health``), so the
+same page shows it. It reads the metrics once at start, and again every ``refresh_s`` seconds in a background
+thread while the run is still RUNNING (never per request). Samples tables are read when the page first asks
+for a step and the last ``sample_cache_steps`` of them are held. ``/metrics`` (Prometheus) belongs to a live run
+and answers 404 here.
+
+``/health`` is rebuilt from what MLflow holds: status ``stopped`` (reason: the run's ``rlray.stop_reason`` tag, else
+its MLflow status) for an ended run; for a RUNNING one ``healthy`` while its last metric is younger than two
+heartbeats (``monitor.heartbeat_s``), else ``stalled``. Alerts are the ``rlray.alert.<kind>`` tags (the newest
+message of each kind; MLflow keeps no step for them). ``source`` is ``"mlflow"``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+import yaml
+
+from rlray.config import MonitorConfig
+from rlray.observe import page, tracking
+from rlray.observe.samples import rows_from_table
+
+log = logging.getLogger(__name__)
+
+ENDED = ("FINISHED", "FAILED", "KILLED")  # MLflow run statuses after which nothing more is logged
+
+
+def _kl_limit(config: dict[str, Any]) -> float | None:
+    """Returns ``guard.kl_threshold`` of a run's resolved config (a parsed ``config/resolved.yaml``), None when off
+    or absent."""
+    value = (config.get("guard") or {}).get("kl_threshold")
+    return None if value is None else float(value)
+
+
+def _bands(config: dict[str, Any]) -> tuple[page.Band, ...]:
+    """Returns ``monitor.bands`` of a run's resolved config as ``page.Band`` (the defaults of this rlray when the run's
+    config has none); a band this rlray cannot read is left out with a warning."""
+    monitor = config.get("monitor") or {}
+    if "bands" not in monitor:
+        return tuple(page.Band(**b.model_dump()) for b in MonitorConfig().bands)
+    bands = []
+    for item in monitor["bands"] or []:
+        try:
+            bands.append(page.Band(**item))
+        except TypeError as err:
+            log.warning("monitor.bands entry %r of this run cannot be read (%s); left out", item, err)
+    return tuple(bands)
+
+
+class StoredRun:
+    """The page's data of one MLflow run, read-only.
+
+    Args:
+        uri: the MLflow tracking URI (``tracking.mlflow_uri``).
+        run_id: the run to show.
+        refresh_s: seconds between rereads of a RUNNING run's metrics and status (an ended run is read once).
+        sample_cache_steps: steps whose samples tables are held in memory once read.
+
+    Raises:
+        mlflow.exceptions.MlflowException: no run ``run_id`` in the store (``RESOURCE_DOES_NOT_EXIST``).
+    """
+
+    def __init__(self, uri: str, run_id: str, *, refresh_s: float = 10.0, sample_cache_steps: int = 20) -> None:
+        self.uri, self.run_id, self.refresh_s, self.sample_cache_steps = uri, run_id, refresh_s, sample_cache_steps
+        run = tracking.get_run(uri, run_id)
+        try:
+            config = yaml.safe_load(tracking.read_artifact_text(uri, run_id, "config/resolved.yaml")) or {}
+        except Exception as err:  # a run logged without its config (or by another tool) still shows its curves
+            log.warning("run %s has no readable config/resolved.yaml (%s): no KL guard line or bands", run_id, err)
+            config = {}
+        self.heartbeat_s = float((config.get("monitor") or {}).get("heartbeat_s", 300.0))
+        self.page = page.PageData(sample_cache_steps, _kl_limit(config), _bands(config))
+        self.mlflow_status = run.info.status
+        self.tags: dict[str, str] = dict(run.data.tags)
+        self.last: dict[str, float] = {}  # newest value of every key (data/epoch, rollout/policy_version, ...)
+        self.sample_step_list: list[int] = []
+        self.last_logged_s: float | None = None
+        self._samples: OrderedDict[int, list[dict[str, Any]]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._server = None
+        self._refresher: threading.Thread | None = None
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Rereads the run's status, tags, metrics (steps after the last one read go to the page) and its list of
+        samples tables."""
+        run = tracking.get_run(self.uri, self.run_id)
+        by_step = tracking.metrics_by_step(self.uri, self.run_id)
+        steps = tracking.sample_steps(self.uri, self.run_id)
+        heartbeat = tracking.last_metric_time_s(self.uri, self.run_id, "timing/step_s")
+        beat = tracking.last_metric_time_s(self.uri, self.run_id, "monitor/heartbeat_s")
+        with self._lock:
+            self.mlflow_status, self.tags = run.info.status, dict(run.data.tags)
+            done = self.page.metrics_since(0)["points"]
+            last_step = done[-1]["step"] if done else None
+            for step, metrics in by_step.items():
+                self.last.update(metrics)
+                if (last_step is None or step > last_step) and any(page.is_page_key(k) for k in metrics):
+                    self.page.record_step(step, metrics)  # a step with a heartbeat only is no point of the curves
+            self.sample_step_list = steps
+            times = [t for t in (heartbeat, beat) if t is not None]
+            self.last_logged_s = max(times) if times else run.info.start_time / 1000.0
+
+    def samples_of(self, step: int | None) -> tuple[int, dict[str, Any]]:
+        """Returns (HTTP status, /api/samples document) of ``step`` (None: the newest step with samples), read
+        from its samples table; 404 with {error, steps} when the run has no table for ``step``."""
+        with self._lock:
+            steps = list(self.sample_step_list)
+        if step is None:
+            step = steps[-1] if steps else None
+        elif step not in steps:
+            return 404, {"error": f"run {self.run_id} has no samples for step {step} (steps with samples: "
+                         f"{steps or 'none'}; tracking.samples_per_step=0 keeps none)", "steps": steps}
+        if step is None:
+            return 200, {"step": None, "steps": steps, "samples": []}
+        with self._lock:
+            rows = self._samples.get(step)
+        if rows is None:
+            table = tracking.read_artifact_json(self.uri, self.run_id, f"{tracking.SAMPLES_DIR}/step_{step:06d}.json")
+            rows = rows_from_table(table)
+            with self._lock:
+                self._samples[step] = rows
+                while len(self._samples) > self.sample_cache_steps:
+                    self._samples.popitem(last=False)
+        return 200, {"step": step, "steps": steps, "samples": rows}
+
+    def health(self) -> dict[str, Any]:
+        """Returns the /health document of the live monitor, rebuilt from MLflow (see the module's docstring), with
+        ``source`` "mlflow"."""
+        with self._lock:
+            points = self.page.metrics_since(0)["points"]
+            age = time.time() - (self.last_logged_s or time.time())
+            if self.mlflow_status in ENDED:
+                status = "stopped"
+                reason = self.tags.get("rlray.stop_reason") or self.mlflow_status.lower()
+            elif age > 2 * self.heartbeat_s:
+                status, reason = "stalled", f"nothing logged to MLflow for {age:.0f} s (monitor.heartbeat_s={self.heartbeat_s:g})"
+            else:
+                status, reason = "healthy", None
+            snapshot = re.match(r"step_(\d+)", self.tags.get("rlray.last_snapshot", "").rstrip("/").rsplit("/", 1)[-1])
+            alerts = [{"kind": k.removeprefix("rlray.alert."), "message": v, "step": None, "time": None}
+                      for k, v in sorted(self.tags.items()) if k.startswith("rlray.alert.")]
+            return {
+                "status": status,
+                "reason": reason,
+                "epoch": int(self.last.get("data/epoch", 0)),
+                "step": points[-1]["step"] if points else 0,
+                "policy_version": int(self.last.get("rollout/policy_version", 0)),
+                "seconds_since_heartbeat": round(age, 3),
+                "run_id": self.run_id,
+                "restarts": None,  # MLflow keeps no count of learner restarts
+                "snapshot_step": int(snapshot.group(1)) if snapshot else None,
+                "alerts": alerts[-5:],
+                "source": "mlflow",
+            }
+
+    def respond(self, path: str, query: dict[str, list[str]]) -> tuple[int, bytes, str]:
+        """Returns (HTTP status, body, content type) of GET ``path``: the live monitor's routes (``RunMonitor.respond``)
+        but /metrics, which a stored run does not have (404)."""
+        if path in page.STATIC:
+            return (200, *page.static_file(path))
+        try:
+            if path == "/health":
+                code, doc = 200, self.health()
+            elif path == "/api/metrics":
+                code, doc = 200, {"run_id": self.run_id, **self.page.metrics_since(page.int_arg(query, "since", 0))}
+            elif path == "/api/samples":
+                code, doc = self.samples_of(page.int_arg(query, "step", None))
+            else:
+                code, doc = 404, {"error": f"no page at {path} for a run read from MLflow; GET /, /api/metrics, "
+                                  "/api/samples or /health (/metrics is served by a live run's monitor only)"}
+        except ValueError as err:
+            code, doc = 400, {"error": str(err)}
+        return code, page.json_bytes(doc), "application/json"
+
+    def serve(self, host: str, port: int) -> int:
+        """Starts the HTTP server (and, for a RUNNING run, the refresh thread); returns the bound port.
+
+        Raises:
+            OSError: the address cannot be bound.
+        """
+        self._server = page.serve_http(self.respond, host, port)
+        if self.mlflow_status not in ENDED:
+            self._refresher = threading.Thread(target=self._refresh_loop, name="rlray-stored-refresh", daemon=True)
+            self._refresher.start()
+        return int(self._server.server_address[1])
+
+    def close(self) -> None:
+        """Stops the HTTP server and the refresh thread."""
+        self._stop.set()
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+
+    def _refresh_loop(self) -> None:
+        while not self._stop.wait(self.refresh_s) and self.mlflow_status not in ENDED:
+            try:
+                self.refresh()
+            except Exception as err:  # the store being down for a while must not end the page
+                log.warning("monitor of run %s: cannot read MLflow (%s); trying again in %g s", self.run_id, err,
+                            self.refresh_s)
