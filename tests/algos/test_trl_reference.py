@@ -164,7 +164,10 @@ def _grpo_batch(gen: torch.Generator):
     return mask, logprobs, old, ref, advantages
 
 
-def _trl_grpo_loss(loss_type, level, logprobs, old, ref, advantages, mask, *, beta, eps_low, eps_high, num_items):
+def _trl_grpo_loss(loss_type, level, logprobs, old, ref, advantages, mask, *, beta, eps_low, eps_high, num_items,
+                   is_ratio=None):
+    """Returns TRL GRPOTrainer._compute_loss's (loss, d loss / d logprobs) on these tensors; ``is_ratio`` turns on
+    its vLLM importance-sampling correction with those per-token (or per-sequence) ratios."""
     policy = logprobs.clone().requires_grad_(True)
     stub = _trainer_stub(
         _get_per_token_logps_and_entropies=lambda model, *a, **k: (policy, torch.zeros_like(policy), None),
@@ -176,8 +179,8 @@ def _trl_grpo_loss(loss_type, level, logprobs, old, ref, advantages, mask, *, be
         loss_type=loss_type,
         epsilon_low=eps_low,
         epsilon_high=eps_high,
-        use_vllm=False,
-        vllm_importance_sampling_correction=False,
+        use_vllm=is_ratio is not None,
+        vllm_importance_sampling_correction=is_ratio is not None,
         current_gradient_accumulation_steps=1,
         max_completion_length=MAX_LEN,
         _entropy_bonus_enabled=False,
@@ -190,6 +193,7 @@ def _trl_grpo_loss(loss_type, level, logprobs, old, ref, advantages, mask, *, be
         "advantages": advantages,
         "old_per_token_logps": old,
         "ref_per_token_logps": ref,
+        **({} if is_ratio is None else {"importance_sampling_ratio": is_ratio}),
         "num_items_in_batch": torch.tensor(float(num_items)),
     }
     loss = GRPOTrainer._compute_loss(stub, None, inputs)
@@ -337,40 +341,6 @@ def test_weights_match_trl(mode, lo, hi, gen):
     assert not corrected[~mask].any()
 
 
-def _trl_corrected_loss(loss_type, level, logprobs, old, ref, advantages, mask, is_ratio, *, eps_low, eps_high):
-    policy = logprobs.clone().requires_grad_(True)
-    stub = _trainer_stub(
-        _get_per_token_logps_and_entropies=lambda model, *a, **k: (policy, torch.zeros_like(policy), None),
-        top_entropy_quantile=1.0,
-        off_policy_mask_threshold=None,
-        importance_sampling_level=level,
-        beta=0.04,
-        args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1),
-        loss_type=loss_type,
-        epsilon_low=eps_low,
-        epsilon_high=eps_high,
-        use_vllm=True,
-        vllm_importance_sampling_correction=True,
-        current_gradient_accumulation_steps=1,
-        max_completion_length=MAX_LEN,
-        _entropy_bonus_enabled=False,
-    )
-    inputs = {
-        "prompt_ids": torch.zeros(B, 2, dtype=torch.long),
-        "prompt_mask": torch.ones(B, 2, dtype=torch.long),
-        "completion_ids": torch.zeros(B, T, dtype=torch.long),
-        "completion_mask": mask.long(),
-        "advantages": advantages,
-        "old_per_token_logps": old,
-        "ref_per_token_logps": ref,
-        "importance_sampling_ratio": is_ratio,
-        "num_items_in_batch": torch.tensor(float(mask.sum())),
-    }
-    loss = GRPOTrainer._compute_loss(stub, None, inputs)
-    (grad,) = torch.autograd.grad(loss, policy)
-    return loss.detach(), grad
-
-
 # (TRL loss_type, importance_sampling_level, our loss, our aggregation, (eps_low, eps_high) as TRL reads them)
 LOSSES = [
     ("grpo", "token", ppo_clip_loss, "seq-mean-token-mean", (0.2, 0.28)),
@@ -385,8 +355,8 @@ LOSSES = [
 def test_corrected_loss_and_gradient_match_trl_compute_loss(loss_type, level, loss_fn, agg, eps, mode, lo, hi, gen):
     mask, logprobs, old, rollout, ref, advantages = _mismatch_batch(gen)
     is_ratio = _trl_is_ratio(old, rollout, mask.long(), mode, lo, hi)
-    trl_loss, trl_grad = _trl_corrected_loss(loss_type, level, logprobs, old, ref, advantages, mask, is_ratio,
-                                   eps_low=eps[0], eps_high=eps[1])  # fmt: skip
+    trl_loss, trl_grad = _trl_grpo_loss(loss_type, level, logprobs, old, ref, advantages, mask, is_ratio=is_ratio,
+                                        beta=0.04, num_items=mask.sum(), eps_low=eps[0], eps_high=eps[1])
     # ours: CISPO's absolute cap epsilon_high is 1 + clip_eps_high, and no lower clip (clip_eps_low = 1)
     low, high = (1.0, eps[1] - 1.0) if loss_type == "cispo" else eps
     policy = logprobs.clone().requires_grad_(True)
