@@ -26,6 +26,8 @@ $(STAMP): pyproject.toml
 data: $(STAMP)
 	$(BIN)/rlray data fetch gsm8k
 	$(BIN)/rlray data fetch hh-rlhf-harmless
+	$(BIN)/rlray data fetch retry-arith
+	$(BIN)/rlray data fetch guess-number
 
 demo: install
 	$(BIN)/rlray train configs/grpo_gsm8k_smollm2.yaml
