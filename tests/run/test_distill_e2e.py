@@ -1,6 +1,7 @@
 """End to end: 2 steps of pure on-policy distillation (configs/distill_tiny.yaml) through vLLM rollout actors, Ray
 Train and MLflow: the tiny-random student, the differently seeded tiny-random@1 teacher on the learner, no task
-reward."""
+reward. Under `slow`: `make test` covers distillation through Ray in tests/run/test_envs_e2e.py, whose mixed-environment
+run also distills from tiny-random@1 (one run for both, to keep the suite's time)."""
 
 import math
 from pathlib import Path
@@ -13,6 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_pure_distillation_two_steps_through_ray(ray_session, tmp_path, gsm8k_dir):
     from rlray.config import load_config
     from rlray.launch.driver import run_training

@@ -1,6 +1,9 @@
-"""End to end: 2 GRPO steps of configs/envs/mixed_tiny.yaml (three environments and single-turn rows in one run)
-through vLLM rollout actors, environment hosts, Ray Train and MLflow."""
+"""End to end: 2 GRPO steps of configs/envs/mixed_tiny.yaml (four environments and single-turn rows in one run)
+through vLLM rollout actors, environment hosts, Ray Train and MLflow; the run also distills from a differently
+seeded teacher (tiny-random@1: on-policy distillation's end-to-end check shares this run), and `rlray eval` then
+scores its final snapshot."""
 
+import math
 from pathlib import Path
 
 import pytest
@@ -21,7 +24,8 @@ def test_mixed_environments_two_steps_through_ray(ray_session, tmp_path):
     cfg = load_config(REPO / "configs/envs/mixed_tiny.yaml",
                       [f"run.output_dir={tmp_path}/out", f"tracking.mlflow_uri={uri}",
                        f"data.train_files=[{REPO}/docs/examples/mixed_envs.jsonl]",
-                       f"data.eval_files=[{REPO}/docs/examples/mixed_envs.jsonl]", "learner.lr=1e-3"])
+                       f"data.eval_files=[{REPO}/docs/examples/mixed_envs.jsonl]", "learner.lr=1e-3",
+                       "teacher.path=tiny-random@1", "teacher.weight=0.5"])
     result = run_training(cfg)
     assert result.status == "FINISHED"
     assert get_run(uri, result.run_id).info.status == "FINISHED"
@@ -40,6 +44,9 @@ def test_mixed_environments_two_steps_through_ray(ray_session, tmp_path):
     assert all(is_metric_key(k) for k in logged), [k for k in logged if not is_metric_key(k)]
     assert {"reward/env", "reward/env_skipped", "eval/env", "eval/exact_match"} <= set(metrics) & set(term_keys(["env", "exact_match"]))
     assert "eval/env_success" in metrics and "eval/env_turns_mean" in metrics
+    # distillation from the teacher on the sampled tokens (observation tokens are masked out of it)
+    kl = metrics["algo/distill_reverse_kl"]
+    assert [s for s, _ in kl] == [1, 2] and all(math.isfinite(v) and v != 0.0 for _, v in kl)
 
     # `rlray eval` of the final snapshot runs the held-out rows as episodes too, with pass@k
     from rlray.launch.driver import evaluate_checkpoint
