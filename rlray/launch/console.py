@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 log = logging.getLogger(__name__)
 
+CONSOLE_HANDLER = "rlray-console"
 PENDING_HANDLER = "rlray-pending"  # buffers the driver's log records until the run's log folder is known
 DRIVER_LOG = "driver.log"
 RAY_LOGS = "ray"  # subfolder of the run's log folder with Ray's log files
@@ -70,12 +71,14 @@ def configure_console(verbose: bool, stream: TextIO | None = None) -> None:
     ``ConsoleFilter(verbose)``, Python warnings captured into logging (so library FutureWarnings reach the log
     file, not the console), and every record at INFO and above held in memory until ``keep_logs`` names the file.
 
-    Replaces the root logger's handlers; the root level becomes INFO.
+    Replaces the handlers an earlier call added (others, such as pytest's, stay); the root level becomes INFO.
     """
     root = logging.getLogger()
-    for handler in list(root.handlers):
+    for handler in [h for h in root.handlers if h.get_name() in (CONSOLE_HANDLER, PENDING_HANDLER)]:
         root.removeHandler(handler)
+        handler.close()
     console = logging.StreamHandler(stream or sys.stderr)
+    console.set_name(CONSOLE_HANDLER)
     console.addFilter(ConsoleFilter(verbose))
     console.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s" if verbose
                                            else "rlray: %(levelname)s %(name)s: %(message)s"))
