@@ -20,9 +20,9 @@ def _train(args: argparse.Namespace) -> int:
     from rlray.launch.driver import run_training
 
     overrides = list(args.overrides) + ([f"checkpoint.resume_from={args.resume}"] if args.resume else [])
-    result = run_training(load_config(args.config, overrides))
+    result = run_training(load_config(args.config, overrides), verbose=args.verbose)
     print(json.dumps({"run_id": result.run_id, "status": result.status, "tracking_uri": result.tracking_uri,
-                      "final_snapshot": result.final_snapshot, "monitor_url": result.monitor_url,
+                      "final_snapshot": result.final_snapshot, "monitor_url": result.monitor_url, "log_dir": result.log_dir,
                       **({"error": result.error} if result.error else {})}, indent=2))
     if result.error:
         print(f"rlray train: {result.error}", file=sys.stderr)
@@ -181,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("config")
     t.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. learner.lr=1e-5")
     t.add_argument("--resume", help="'latest' (newest complete snapshot under checkpoint.uri) or a snapshot URI")
+    t.add_argument("-v", "--verbose", action="store_true",
+                   help="show every process's output and library logs here (default: start lines, one progress bar, "
+                   "rlray's warnings and alerts; the full logs go to <run.output_dir>/logs/<run id>/)")
     t.set_defaults(func=_train)
 
     w = sub.add_parser("sweep", help="Ray Tune sweep: rlray sweep CONFIG SWEEP.yaml [dotted.key=value ...]")
@@ -259,8 +262,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``rlray`` console script; returns the exit status."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    if args.command == "train":  # a quiet console; the full log goes to the run's folder (rlray.launch.console)
+        from rlray.launch.console import configure_console
+
+        configure_console(args.verbose)
+    else:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from rlray.checkpoint.storage import SnapshotError
     from rlray.data import DataError
     from rlray.launch.placement import PlacementError

@@ -296,6 +296,10 @@ class MonitorActor:
         """Returns the /health document."""
         return self.monitor.health()
 
+    def progress(self) -> dict:
+        """Returns the /health document plus the last step's metrics (the driver's progress bar)."""
+        return self.monitor.progress()
+
     def alerts(self) -> list[dict]:
         """Returns every alert sent so far."""
         return list(self.monitor.alerts)

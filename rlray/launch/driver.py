@@ -38,6 +38,7 @@ from rlray.checkpoint import lineage
 from rlray.checkpoint import storage as checkpoint
 from rlray.config import Config
 from rlray.data import load_prompt_rows, prepare_prompts
+from rlray.launch import console
 from rlray.launch.actors import kill_actors, start_env_hosts, start_monitor, start_reference_actor, start_rollout_actors
 from rlray.launch.placement import check_cluster, rollout_placement_group
 from rlray.launch.preflight import preflight
@@ -63,12 +64,29 @@ class TrainResult:
     status: str
     monitor_url: str = ""
     error: str = ""
+    log_dir: str = ""
 
 
-def init_ray(*, include_dashboard: bool | None = None) -> None:
-    """Connects to the cluster in RAY_ADDRESS, or starts an embedded local Ray (bound to 127.0.0.1)."""
+@dataclass(frozen=True)
+class RayInfo:
+    """What ``init_ray`` learnt of the cluster: the dashboard's address ("" without one, or when Ray was already
+    initialized) and this node's Ray log folder (``<session_dir>/logs``; "" when unknown)."""
+
+    dashboard_url: str = ""
+    logs_dir: str = ""
+
+
+def init_ray(*, include_dashboard: bool | None = None, log_to_driver: bool = True) -> RayInfo:
+    """Connects to the cluster in RAY_ADDRESS, or starts an embedded local Ray (bound to 127.0.0.1); returns its
+    dashboard address and log folder.
+
+    ``log_to_driver=False`` keeps every worker's and actor's output in Ray's log files instead of copying it to
+    this console, and sets the driver's "ray" logger to WARNING (``rlray train`` without ``-v``). Nothing changes
+    when Ray is already initialized.
+    """
     if ray.is_initialized():
-        return
+        return RayInfo()
+    quiet = {} if log_to_driver else {"log_to_driver": False, "logging_level": logging.WARNING}
     env = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0")}
     # Inside `ray job submit` the job's runtime_env already applies, and Ray refuses a ray.init
     # runtime_env that sets one of its env vars again: add only what the job leaves unset.
@@ -76,9 +94,12 @@ def init_ray(*, include_dashboard: bool | None = None) -> None:
         job_env = (json.loads(job_json).get("runtime_env") or {}).get("env_vars") or {}
         env = {k: v for k, v in env.items() if k not in job_env}
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": env})
+        ctx = ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": env}, **quiet)
     else:
-        ray.init(include_dashboard=include_dashboard, dashboard_host="127.0.0.1", runtime_env={"env_vars": env})
+        ctx = ray.init(include_dashboard=include_dashboard, dashboard_host="127.0.0.1", runtime_env={"env_vars": env},
+                       **quiet)
+    session_dir = (getattr(ctx, "address_info", None) or {}).get("session_dir") or ""
+    return RayInfo(getattr(ctx, "dashboard_url", None) or "", str(Path(session_dir, "logs")) if session_dir else "")
 
 
 def resolve_paths(cfg: Config, base: Path | None = None) -> Config:
@@ -196,7 +217,7 @@ def learner_trainer(cfg: Config, args: WorkerArgs) -> Any:
 
 
 def run_training(
-    cfg: Config, *, step_hooks: Sequence[StepHook] = (), tags: dict[str, str] | None = None
+    cfg: Config, *, step_hooks: Sequence[StepHook] = (), tags: dict[str, str] | None = None, verbose: bool | None = None
 ) -> TrainResult:
     """Runs a whole training job and returns its result.
 
@@ -207,10 +228,17 @@ def run_training(
     snapshot of the last finished step. The MLflow run ends FINISHED, KILLED (a guard, SIGTERM or a
     hook stopped it; tags ``rlray.status`` and ``rlray.stop_reason`` say which) or FAILED.
 
+    The console (``rlray.launch.console``): start lines (MLflow run, live page, dashboard, snapshot and log
+    folders), the driver's progress bar when ``verbose`` is given, and last lines naming the log folder
+    ``<run.output_dir>/logs/<run id>`` (``driver.log``, and Ray's log files of the run copied to ``ray/``).
+
     Args:
         cfg: the validated config.
         step_hooks: extra per-step hooks run on learner rank 0 (``rlray.run.hooks``; Tune's reporter).
         tags: extra MLflow tags of the run (a sweep sets ``mlflow.parentRunId``).
+        verbose: ``rlray train``'s console: False keeps other processes' output in their log files (Ray's log
+            forwarding off) and draws the progress bar; True forwards everything and draws the bar; None (a
+            library call, a sweep trial) changes neither forwarding nor draws a bar.
 
     Raises:
         rlray.models.ModelError, rlray.data.DataError, rlray.reward.RewardFunctionError,
@@ -225,7 +253,7 @@ def run_training(
     cfg = resolve_paths(cfg)
     model_dir = preflight(cfg)
     teacher_dir = resolve_model_path(cfg.teacher.path) if cfg.teacher.enabled else None  # preflight checked it
-    init_ray()
+    ray_info = init_ray(log_to_driver=verbose is not False)
     check_cluster(cfg)
     opts = cfg.checkpoint.s3.storage_options()
     resume = checkpoint.resolve_snapshot(cfg.checkpoint.resume_from, cfg.checkpoint_uri, opts) if cfg.checkpoint.resume_from else None
@@ -236,16 +264,22 @@ def run_training(
     tracker.set_tags({"rlray.model_dir": model_dir, "rlray.output_dir": cfg.run.output_dir, "rlray.snapshot_dir": run_dir,
                       "rlray.git_commit": services.git_commit, **({"rlray.resumed_from": resume} if resume else {}), **(tags or {})})
     log.info("MLflow run %s in %s", tracker.run_id, cfg.tracking.mlflow_uri)
+    log_dir = Path(cfg.run.output_dir, "logs", tracker.run_id)
+    log_file = console.keep_logs(log_dir) if "://" not in cfg.run.output_dir else None
     actors, reference, teacher, pg, own_app, env_hosts = [], None, None, None, False, []
-    status, outcome, url = "FAILED", None, ""
+    status, outcome, url, progress = "FAILED", None, "", None
     control = services.control = start_run_control()
     try:
         namespace = f"rlray-{tracker.run_id}"  # keeps actor names of concurrent runs (sweep trials) apart
         services.monitor, port = start_monitor(cfg, tracker.run_id)
         url = f"http://{cfg.monitor.host}:{port}"
-        tracker.set_tags({"rlray.monitor_url": url})
-        print(f"rlray: live page at {url}/ (curves and samples), health at {url}/health, metrics at {url}/metrics",
-              flush=True)
+        tracker.set_tags({"rlray.monitor_url": url, "rlray.log_dir": str(log_dir)})
+        print("\n".join(console.start_lines(
+            run_id=tracker.run_id, tracking_uri=cfg.tracking.mlflow_uri, monitor_url=url, dashboard_url=ray_info.dashboard_url,
+            snapshot_dir=run_dir, log_dir=str(log_dir), verbose=verbose is not False)), flush=True)
+        if verbose is not None:
+            monitor = services.monitor
+            progress = console.DriverProgress(cfg.run.max_steps, lambda: ray.get(monitor.progress.remote(), timeout=30)).start()
         online = cfg.algo.family == "online"  # offline methods train on preference pairs: no rollout actors
         if online:
             pg = rollout_placement_group(cfg)
@@ -272,12 +306,16 @@ def run_training(
         ))
         with stop_on_sigterm(control):
             trainer.fit()
+        if progress is not None:
+            progress.close()  # one last poll while the monitor lives: a finished run's bar ends at 100%
         outcome = ray.get(control.outcome.remote())
         status = outcome.status if outcome is not None else "FAILED"
     except KeyboardInterrupt:
         status = "KILLED"
         raise
     finally:
+        if progress is not None:
+            progress.close()
         # a sweep closes a stopped trial's run as KILLED before its process dies; the dying run keeps that
         tracker.finish_unless_ended(_mlflow_status(status), {"rlray.status": status})
         monitor = [services.monitor] if services.monitor is not None else []
@@ -288,8 +326,22 @@ def run_training(
             from ray import serve  # deferred: only runs with reward.server.enabled import Ray Serve
 
             serve.delete(cfg.reward.server.app_name)
+        if log_file is not None:
+            finish_logs(log_file, log_dir, ray_info, started_at, status, outcome, cfg.run.max_steps)
     return TrainResult(tracker.run_id, cfg.tracking.mlflow_uri, (outcome.last_snapshot if outcome else None) or "", status,
-                       url, outcome.error if outcome else "")
+                       url, outcome.error if outcome else "", str(log_dir) if log_file is not None else "")
+
+
+def finish_logs(log_file: logging.Handler, log_dir: Path, ray_info: RayInfo, started_at: float, status: str,
+                outcome: Any, total_steps: int) -> None:
+    """Copies this node's Ray log files of the run into ``log_dir/ray`` (when the log folder is known), prints the
+    last lines (status, step, snapshot, log folder) and closes ``driver.log``."""
+    ray_files = console.copy_ray_logs(Path(ray_info.logs_dir), log_dir / console.RAY_LOGS, started_at) if ray_info.logs_dir else []
+    print("\n".join(console.end_lines(
+        status=status, step=outcome.step if outcome else 0, total_steps=total_steps,
+        final_snapshot=(outcome.last_snapshot if outcome else None) or "", log_dir=str(log_dir), ray_files=len(ray_files),
+        ray_logs_dir=ray_info.logs_dir)), flush=True)
+    console.release_logs(log_file)
 
 
 def _mlflow_status(status: str) -> str:

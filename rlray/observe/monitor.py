@@ -188,6 +188,7 @@ class RunMonitor:
         self.status, self.reason = "healthy", None
         self.step = self.epoch = self.policy_version = 0
         self.snapshot_step: int | None = None
+        self.last_metrics: dict[str, float] = {}  # the last finished step's metrics (the driver's progress bar)
         self.page = page.PageData(page_sample_steps, kl_limit, bands)
         self.last_heartbeat = time.monotonic()
         self.learner_starts = 0
@@ -216,6 +217,8 @@ class RunMonitor:
     def record_step(self, step: int, epoch: int, policy_version: int, step_metrics: dict[str, float]) -> None:
         """Records a finished step (counts as a heartbeat): its headline figures and the page's curves."""
         self.beat(step, epoch, policy_version)
+        with self._lock:
+            self.last_metrics = {k: float(v) for k, v in step_metrics.items()}
         for gauge, key in FROM_STEP_METRICS.items():
             if key in step_metrics:
                 self.metrics.set(gauge, float(step_metrics[key]))
@@ -280,6 +283,14 @@ class RunMonitor:
                 "snapshot_step": self.snapshot_step,
                 "alerts": [{k: a[k] for k in ("kind", "message", "step", "time")} for a in self.alerts[-HEALTH_ALERTS:]],
             }
+
+    def progress(self) -> dict[str, Any]:
+        """Returns what the driver's progress bar shows (``rlray.launch.console.DriverProgress``): the /health
+        document plus ``metrics``, the last finished step's metrics as recorded ({} before the first step)."""
+        doc = self.health()
+        with self._lock:
+            doc["metrics"] = dict(self.last_metrics)
+        return doc
 
     def check_stall(self) -> bool:
         """Marks the run stalled (and alerts once) when no heartbeat came for 2 intervals; returns True if so."""

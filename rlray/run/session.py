@@ -22,7 +22,6 @@ import psutil
 import ray
 import ray.train
 import torch
-from tqdm import tqdm
 
 from rlray.checkpoint import contents, lineage
 from rlray.checkpoint import storage as checkpoint
@@ -96,12 +95,11 @@ def _train(build: BuildContext, cfg: Config, coll: Collective, services: RunServ
         ctx.tracker.set_tags({"rlray.oom_fallback": oom_note})
         ctx.tracker.log_text(ctx.cfg.to_yaml(), "config/oom_fallback.yaml")
     run = begin(ctx, services, source, in_ray_train=isinstance(coll, RayTrainCollective))
-    bar = _progress_bar(cfg.run.max_steps, run.step) if ctx.rank == 0 else None
     metrics: dict[str, float] = {}
     retrying, error = False, ""
 
     def end_step(step_metrics: dict[str, float], samples: Sequence[StepSample] = ()) -> None:  # stage 8, called by the step
-        step_boundary(ctx, run, services, hooks, step_metrics, bar, samples)
+        step_boundary(ctx, run, services, hooks, step_metrics, samples)
 
     try:
         if run.step == 0:
@@ -125,8 +123,6 @@ def _train(build: BuildContext, cfg: Config, coll: Collective, services: RunServ
             ctx.tracker.set_tags({"rlray.error": error[:5000]})
         raise
     finally:
-        if bar is not None:
-            bar.close()
         finish(ctx, run, services, record=not retrying)
         if not retrying and ctx.rank == 0 and services.control is not None:
             outcome = RunOutcome(run.status, run.step, run.last_snapshot, error, dict(metrics))
@@ -146,19 +142,13 @@ def _early_oom(where: str, fn: Callable[[], Any]) -> Any:
         raise
 
 
-def _progress_bar(total: int, initial: int) -> Any:
-    """Returns rank 0's progress bar: Ray's tqdm inside a Ray worker (one bar on the driver's console), else tqdm."""
-    if ray.is_initialized():
-        from ray.experimental.tqdm_ray import tqdm as ray_tqdm  # deferred: Ray's experimental module, workers only
-
-        return ray_tqdm(total=total, desc="rlray train", position=0)
-    return tqdm(total=total, initial=initial, desc="rlray train")
-
-
 def step_boundary(ctx: RunContext, run: RunState, services: RunServices, hooks: Sequence[StepHook],
-                  metrics: dict[str, float], bar: Any, samples: Sequence[StepSample] = ()) -> None:
+                  metrics: dict[str, float], samples: Sequence[StepSample] = ()) -> None:
     """Stage 8 of a step, on every rank: eval when due, guards, log once (metrics and rank 0's kept ``samples``),
-    progress, hooks, snapshot.
+    a progress line, hooks, snapshot.
+
+    The progress line goes to this process's output (its Ray log file); the console's one bar is drawn by the
+    driver from what ``record`` sent to the monitor (``rlray.launch.console.DriverProgress``).
 
     ``run.step`` counts the step just done. Rank 0's control hooks may ask to stop; the decision is
     broadcast so every rank leaves the loop at this boundary. Observer hooks see the snapshot written here.
@@ -169,10 +159,7 @@ def step_boundary(ctx: RunContext, run: RunState, services: RunServices, hooks: 
     stop_reason = None
     if ctx.rank == 0:
         record(ctx, run, metrics, services, samples)
-        line = ctx.progress_text(run.step, metrics)
-        bar.set_description(line)
-        bar.update(1)
-        print(line, flush=True)  # one plain line per step: `ray job logs` and log files show progress
+        print(ctx.progress_text(run.step, metrics), flush=True)  # one plain line per step, in this worker's log file
         stop_reason = run_hooks(hooks, StepEnd(run.step, ctx.cfg.run.max_steps, dict(metrics)))
     if hooks:  # every rank leaves together at this step boundary when rank 0's hooks asked to stop
         stop_reason = ctx.coll.broadcast(stop_reason)

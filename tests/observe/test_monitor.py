@@ -175,3 +175,20 @@ def test_heartbeat_thread_beats_at_start_and_every_interval():
     assert 3 <= len(beats) <= 5
     gaps = [b - a for a, b in itertools.pairwise(beats)]
     assert all(0.08 <= g <= 0.3 for g in gaps)
+
+
+def test_progress_is_health_plus_the_last_steps_metrics():
+    """The driver's progress bar reads ``progress``: /health's facts and the last finished step's metrics as recorded."""
+    m = RunMonitor("run5", heartbeat_s=60.0, alerter=Alerter(["log"]))
+    try:
+        assert m.progress()["metrics"] == {} and m.progress()["step"] == 0
+        m.record_step(1, 0, 1, {"reward/mean": 0.25, "algo/kl": 0.001})
+        m.record_step(2, 0, 2, {"reward/mean": 0.5, "perf/tokens_per_s": 900})
+        m.alert("guard_trip", "kl above 0.1", step=2)
+        doc = m.progress()
+        assert doc["metrics"] == {"reward/mean": 0.5, "perf/tokens_per_s": 900.0}  # the last step's only
+        assert {k: v for k, v in doc.items() if k != "metrics"} == {**m.health(), "seconds_since_heartbeat":
+                                                                     doc["seconds_since_heartbeat"]}
+        assert (doc["step"], doc["policy_version"], [a["kind"] for a in doc["alerts"]]) == (2, 2, ["guard_trip"])
+    finally:
+        m.close()

@@ -1,0 +1,228 @@
+"""rlray train's console (issue 13): start and last lines, one progress bar drawn by the driver from the monitor's
+progress document that ends at 100%, a quiet console with the full driver log in the run's folder, Ray's log files
+copied there. Pure functions and a fake poll here; the subprocess run of ``rlray train`` is marked slow (Ray)."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+
+from rlray.cli import build_parser
+from rlray.launch import console
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _doc(step: int, alerts: list[dict] | None = None, **metrics: float) -> dict:
+    return {"step": step, "status": "healthy", "alerts": alerts or [], "metrics": metrics}
+
+
+@pytest.fixture
+def root_logging():
+    """Restores the root logger's handlers and level, and warnings capture, after a test that configures them."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield root
+    for h in list(root.handlers):
+        root.removeHandler(h)
+        if h not in handlers:
+            h.close()
+    for h in handlers:
+        root.addHandler(h)
+    root.setLevel(level)
+    logging.captureWarnings(False)
+
+
+def test_start_lines_name_run_page_dashboard_snapshots_and_logs():
+    lines = console.start_lines(run_id="abc123", tracking_uri="sqlite:////w/mlruns/mlflow.db",
+                                monitor_url="http://127.0.0.1:8888", dashboard_url="127.0.0.1:8265",
+                                snapshot_dir="/w/outputs/snapshots/run-abc123", log_dir="/w/outputs/logs/abc123", verbose=False)
+    assert lines == [
+        "rlray: MLflow run abc123 in sqlite:////w/mlruns/mlflow.db (open: mlflow ui --backend-store-uri "
+        "sqlite:////w/mlruns/mlflow.db --port 5000; or rlray monitor abc123)",
+        "rlray: live page at http://127.0.0.1:8888/ (curves and samples), health at http://127.0.0.1:8888/health, "
+        "metrics at http://127.0.0.1:8888/metrics",
+        "rlray: Ray dashboard at http://127.0.0.1:8265",
+        "rlray: snapshots under /w/outputs/snapshots/run-abc123",
+        "rlray: logs in /w/outputs/logs/abc123 (driver.log; every Ray process's log in ray/ when the run ends); "
+        "-v shows them here",
+    ]
+    verbose = console.start_lines(run_id="r", tracking_uri="u", monitor_url="http://h:1", dashboard_url="",
+                                  snapshot_dir="s", log_dir="l", verbose=True)
+    assert len(verbose) == 4 and not any("dashboard" in x for x in verbose)  # no dashboard: no line
+    assert verbose[-1].endswith("when the run ends)")
+
+
+def test_end_lines_name_the_log_folder():
+    assert console.end_lines(status="FINISHED", step=2, total_steps=2, final_snapshot="/s/step_2", log_dir="/l",
+                             ray_files=14, ray_logs_dir="/tmp/ray/session_x/logs") == [
+        "rlray: FINISHED at step 2/2; last snapshot /s/step_2",
+        "rlray: full logs in /l: driver.log, every Ray process's in ray/ (14 files)"]
+    assert console.end_lines(status="FAILED", step=0, total_steps=5, final_snapshot="", log_dir="/l", ray_files=0,
+                             ray_logs_dir="/tmp/ray/session_x/logs") == [
+        "rlray: FAILED at step 0/5",
+        "rlray: full logs in /l: driver.log, every Ray process's in Ray's folder /tmp/ray/session_x/logs on the head node"]
+
+
+def test_progress_fields_and_durations():
+    metrics = {"reward/mean": 0.41234, "algo/kl": 0.003149, "perf/tokens_per_s": 911.6, "timing/step_s": 12.34,
+               "learner/grad_norm": 1.0}
+    assert console.progress_fields(metrics, 333.0) == "reward=0.412 kl=0.0031 tokens/s=912 step=12.3s eta=5m33s"
+    assert console.progress_fields({"learner/loss": 0.69312}, None) == "loss=0.6931"  # an offline run: no reward or KL
+    assert [console.duration_text(s) for s in (0, 42.4, 59.6, 307, 7500)] == ["0s", "42s", "1m00s", "5m07s", "2h05m"]
+
+
+def test_plain_progress_prints_one_line_per_step_and_each_alert_once():
+    """Without a terminal (ray job logs): one line per new step; a poll at the same step prints nothing."""
+    out = io.StringIO()
+    bar = console.DriverProgress(3, poll=lambda: _doc(3), stream=out, tty=False)
+    assert bar.show(_doc(0)) == []  # before the first step
+    first = bar.show(_doc(1, **{"reward/mean": 0.25, "algo/kl": 0.001}))
+    assert first == ["rlray step 1/3 (33%) reward=0.250 kl=0.0010"]  # no ETA from one step
+    assert bar.show(_doc(1, **{"reward/mean": 0.25})) == []
+    alert = {"kind": "guard_trip", "message": "kl 0.2 above 0.1", "step": 2, "time": 100.0}
+    second = bar.show(_doc(2, [alert], **{"reward/mean": 0.5}))
+    assert second[0] == "rlray: alert guard_trip at step 2: kl 0.2 above 0.1"
+    assert re.fullmatch(r"rlray step 2/3 \(66%\) reward=0\.500 eta=\d+s", second[1])
+    assert bar.show(_doc(2, [alert])) == []  # the same alert is not printed again
+    bar.close()  # the last poll says step 3: the run ends at 100%
+    assert out.getvalue().splitlines()[-1].startswith("rlray step 3/3 (100%)")
+    assert out.getvalue().count("alert guard_trip") == 1
+
+
+def test_bar_moves_once_per_step_and_ends_at_100_percent():
+    out = io.StringIO()
+    docs = iter([_doc(1, **{"reward/mean": 0.1}), _doc(2, **{"reward/mean": 0.2})])
+    last = _doc(4, **{"reward/mean": 0.4, "perf/tokens_per_s": 900.0})
+    bar = console.DriverProgress(4, poll=lambda: next(docs, last), stream=out, interval_s=0.01, tty=True).start()
+    deadline = time.monotonic() + 10
+    while bar.step != 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    bar.close()
+    bar.close()  # idempotent
+    text = out.getvalue()
+    assert bar.bar.n == 4 and bar.step == 4
+    final = text.split("\r")[-1]
+    assert "100%" in final and "4/4" in final and "reward=0.400 tokens/s=900" in final
+    assert "rlray train" in final and text.count("100%") >= 1
+
+
+def test_bar_starts_at_a_resumed_step_and_follows_a_rollback():
+    bar = console.DriverProgress(10, poll=lambda: _doc(0), stream=io.StringIO(), tty=True)
+    bar.show(_doc(6))
+    assert bar.bar.n == 6 and bar.eta_s(6, time.monotonic()) is None
+    bar._first = (6, time.monotonic() - 20.0)  # step 6 seen 20 s ago: 10 s per step since
+    assert bar.eta_s(8, bar._first[1] + 20.0) == pytest.approx(2 * 10.0)  # 2 steps left at 10 s each
+    bar.show(_doc(4))  # a rollback to the snapshot of step 4
+    assert bar.bar.n == 4 and bar._first[0] == 4
+    bar.close()
+
+
+def test_a_failing_poll_keeps_the_last_step():
+    def gone():
+        raise RuntimeError("monitor actor died")
+
+    bar = console.DriverProgress(5, poll=gone, stream=io.StringIO(), tty=False)
+    bar.show(_doc(2))
+    bar.close()
+    assert bar.step == 2
+
+
+def test_console_is_quiet_and_the_driver_log_keeps_everything(root_logging, tmp_path):
+    out = io.StringIO()
+    console.configure_console(verbose=False, stream=out)
+    logging.getLogger("rlray.launch.driver").info("MLflow run abc in sqlite:///x")  # before the folder is known
+    logging.getLogger("mlflow.store").warning("a library warning")
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.warn("torch.cuda.amp is deprecated", FutureWarning, stacklevel=1)
+    handler = console.keep_logs(tmp_path / "logs" / "abc")
+    logging.getLogger("rlray.run.session").warning("learner restarted")
+    logging.getLogger("transformers").error("a library error")
+    console.release_logs(handler)
+    assert out.getvalue() == "rlray: WARNING rlray.run.session: learner restarted\n"  # rlray's warnings only
+    kept = (tmp_path / "logs" / "abc" / "driver.log").read_text()
+    order = ["INFO rlray.launch.driver: MLflow run abc", "WARNING mlflow.store: a library warning",
+             "WARNING py.warnings:", "torch.cuda.amp is deprecated", "WARNING rlray.run.session: learner restarted",
+             "ERROR transformers: a library error"]
+    positions = [kept.index(s) for s in order]
+    assert positions == sorted(positions)
+    assert not [h for h in root_logging.handlers if h.get_name() == console.PENDING_HANDLER]  # the buffer is gone
+
+
+def test_verbose_console_shows_every_library(root_logging):
+    out = io.StringIO()
+    console.configure_console(verbose=True, stream=out)
+    logging.getLogger("vllm.engine").info("loading weights")
+    logging.getLogger("rlray.x").debug("not shown")
+    assert "INFO vllm.engine: loading weights" in out.getvalue() and "not shown" not in out.getvalue()
+    f = console.ConsoleFilter(verbose=False)
+    rec = lambda name, level: logging.LogRecord(name, level, "f", 1, "m", None, None)  # noqa: E731
+    assert [f.filter(rec(n, lv)) for n, lv in [("rlray", 30), ("rlray.a", 40), ("rlray.a", 20), ("rlrayx", 30), ("ray", 40)]] == [
+        True, True, False, False, False]
+
+
+def test_copy_ray_logs_keeps_the_runs_files_only(tmp_path):
+    src, dest = tmp_path / "session" / "logs", tmp_path / "run" / "ray"
+    (src / "events").mkdir(parents=True)
+    old = src / "worker-old.out"
+    old.write_text("an earlier job")
+    os.utime(old, (1000.0, 1000.0))
+    (src / "worker-1.out").write_text("rlray step 1/2\n")
+    (src / "events" / "event_GCS.log").write_text("{}")
+    os.symlink(src / "worker-1.out", src / "link.out")
+    copied = console.copy_ray_logs(src, dest, since=2000.0)
+    assert sorted(p.relative_to(dest).as_posix() for p in copied) == ["events/event_GCS.log", "worker-1.out"]
+    assert (dest / "worker-1.out").read_text() == "rlray step 1/2\n"
+    assert console.copy_ray_logs(tmp_path / "missing", dest, since=0.0) == []
+
+
+def test_train_takes_verbose():
+    p = build_parser()
+    assert p.parse_args(["train", "c.yaml", "run.max_steps=2"]).verbose is False
+    args = p.parse_args(["train", "c.yaml", "run.max_steps=2", "-v"])
+    assert args.verbose is True and args.overrides == ["run.max_steps=2"]
+    assert p.parse_args(["train", "c.yaml", "--verbose"]).verbose is True
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_rlray_train_console(tmp_path, gsm8k_dir):
+    """A 2-step ``rlray train`` as a subprocess on its own local Ray: the start lines, one bar that ends at 100%, no
+    library warnings or Ray lines on the console, and the full logs (driver.log, Ray's worker logs) in the run's
+    folder, named in the last lines."""
+    lines = (gsm8k_dir / "train.jsonl").read_text().splitlines()[:4]
+    (tmp_path / "train4.jsonl").write_text("\n".join(lines) + "\n")
+    overrides = [f"data.train_files=[{tmp_path}/train4.jsonl]", "eval.num_problems=0", "run.max_steps=2",
+                 f"run.output_dir={tmp_path}/out", f"tracking.mlflow_uri=sqlite:///{tmp_path}/mlflow.db", "monitor.port=0",
+                 "rollout.backend=hf", "rollout.max_new_tokens=8", "guard.kl_threshold=null",
+                 f"reward.functions=[{{function: '{REPO}/tests/fixtures/rewards.py:completion_length', weight: 1.0}}]"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-m", "rlray.cli", "train", str(REPO / "configs/grpo_gsm8k_tiny.yaml"), *overrides],
+                         capture_output=True, text=True, timeout=1800, env=env, cwd=tmp_path, check=False)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout[out.stdout.index("\n{") + 1:])
+    shown = out.stdout + out.stderr
+    for start in (f"rlray: MLflow run {result['run_id']} in ", "rlray: live page at http://127.0.0.1:",
+                  "rlray: snapshots under ", f"rlray: logs in {result['log_dir']}"):
+        assert start in shown, start
+    # a pipe is no terminal: the driver's progress is one plain line per step (the workers' own lines stay in their logs)
+    progress = [seg for seg in re.split(r"[\r\n]", out.stderr) if seg.startswith("rlray step ")]
+    assert [x.split(" reward=")[0] for x in progress] == ["rlray step 1/2 (50%)", "rlray step 2/2 (100%)"], progress
+    for chatter in ("FutureWarning", "UserWarning", "core_worker.cc", "RayTrainWorker", "(pid=", "Loading"):
+        assert chatter not in shown, chatter
+    log_dir = Path(result["log_dir"])
+    assert f"rlray: full logs in {log_dir}: driver.log" in shown
+    assert f"MLflow run {result['run_id']}" in (log_dir / "driver.log").read_text()
+    worker_logs = "".join(p.read_text(errors="replace") for p in (log_dir / "ray").rglob("worker-*"))
+    assert "rlray step 2/2" in worker_logs

@@ -1,0 +1,118 @@
+"""The monitor's live page in a real browser (issue 13): Debian's chromium, headless, driven by selenium through
+chromedriver with both paths given explicitly (selenium-manager never downloads anything).
+
+The page is served from a RunMonitor filled with a 30-step fake run (tests/fixtures/page_demo.py; no Ray). The
+browser must draw every chart's curves from /api/metrics and the sample viewer's rows from /api/samples, and a
+screenshot of the reward chart must hold the curve's own colour, not only the chart's white background.
+
+Skipped, with the reason, where chromium, chromedriver or selenium is missing and the CI variable is unset; on CI
+(``.ci/run`` installs both packages with apt-get) a missing browser fails the test instead.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import os
+from pathlib import Path
+
+import pytest
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "page_demo.py"
+CURVE_RGB = (0x25, 0x63, 0xEB)  # COLORS[0] of monitor.js: the first series of each chart (reward/mean on the reward chart)
+
+
+def _load_demo():
+    spec = importlib.util.spec_from_file_location("page_demo", FIXTURE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+demo = _load_demo()
+
+
+def _missing() -> str | None:
+    """Returns why the browser test cannot run here, or None when it can."""
+    if demo.browser_paths() is None:
+        return "no chromium/chromedriver (apt-get install -y chromium chromium-driver)"
+    if importlib.util.find_spec("selenium") is None:
+        return "selenium is not installed (the dev extra: pip install -e '.[dev]')"
+    return None
+
+
+@pytest.fixture
+def browser():
+    reason = _missing()
+    if reason is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI is set but the browser test cannot run: {reason}")
+        pytest.skip(reason)
+    b = demo.headless_chromium(*demo.browser_paths())
+    yield b
+    b.quit()
+
+
+@pytest.fixture
+def served_demo():
+    monitor = demo.demo_monitor()
+    port = monitor.serve("127.0.0.1", 0)
+    yield monitor, port
+    monitor.close()
+
+
+def _coloured_pixels(png: bytes, rgb: tuple[int, int, int], tolerance: int = 40) -> tuple[int, int]:
+    """Returns (pixels within ``tolerance`` of ``rgb`` on every channel, pixels that are not near-white) of a PNG."""
+    from PIL import Image  # matplotlib's dependency, in the dev extra
+
+    img = Image.open(io.BytesIO(png)).convert("RGB")
+    near = other = 0
+    for r, g, b in img.getdata():
+        if abs(r - rgb[0]) <= tolerance and abs(g - rgb[1]) <= tolerance and abs(b - rgb[2]) <= tolerance:
+            near += 1
+        if min(r, g, b) < 235:
+            other += 1
+    return near, other
+
+
+def test_page_draws_curves_and_samples_in_chromium(browser, served_demo):
+    from selenium.webdriver.common.by import By
+
+    monitor, port = served_demo
+    browser.get(f"http://127.0.0.1:{port}/")
+    demo.wait_for_page(browser)
+
+    assert browser.find_element(By.ID, "run-id").text == "3f9c2a7be41d4c0c9d7a"
+    assert browser.find_element(By.ID, "step").text == "30"
+    assert browser.find_element(By.ID, "snapshot").text == "step 30"
+    charts = browser.find_elements(By.CSS_SELECTOR, "#charts .chart")
+    titles = [c.find_element(By.TAG_NAME, "h2").text for c in charts]
+    assert titles[0] == "Reward (mean, each term, eval)" and "KL to the reference (nats/token)" in titles
+    # Every chart the demo logs has one polyline per series, each through all 30 steps (no NaN in the demo).
+    reward = charts[0]
+    lines = reward.find_elements(By.CSS_SELECTOR, "svg polyline")
+    assert len(lines) == 3  # reward/mean, reward/gsm8k_correct, reward/gsm8k_format
+    for line in lines:
+        points = line.get_attribute("points").split()
+        assert len(points) == 30 and all(len(p.split(",")) == 2 for p in points)
+    kl = charts[titles.index("KL to the reference (nats/token)")]
+    assert "guard 0.05" in kl.text  # the guard's threshold is drawn, labelled
+    assert len(kl.find_elements(By.CSS_SELECTOR, "svg polyline")[0].get_attribute("points").split()) == 30
+    timing = charts[titles.index("Step time by stage (s)")]
+    assert len(timing.find_elements(By.CSS_SELECTOR, "svg polyline")) == 6  # rollout, reward, logprobs, update, sync, step
+
+    rows = browser.find_elements(By.CSS_SELECTOR, "#sample-table tbody tr")
+    assert len(rows) == 3
+    rewards = [r.find_elements(By.TAG_NAME, "td")[0].text for r in rows]
+    assert rewards == ["1", "1", "0.2"]  # sorted by reward, high to low
+    assert "<b>48 * 2 = 96</b>" in rows[2].text  # markup in a completion shows as text
+    episode = next(r for r in rows if "guess" in r.text)
+    labels = [e.text for e in episode.find_elements(By.CSS_SELECTOR, ".seg-label")]
+    assert labels == ["turn 1", "observation", "turn 2 \u00b7 env reward 1"]
+    steps = [o.text for o in browser.find_elements(By.CSS_SELECTOR, "#sample-step option")]
+    assert steps == ["latest", "step 30", "step 29"]
+
+    # The reward chart's screenshot holds the first curve's colour, beyond the white plot area and grey grid.
+    near, other = _coloured_pixels(reward.find_element(By.TAG_NAME, "svg").screenshot_as_png, CURVE_RGB)
+    assert near > 100, f"only {near} pixels of the curve colour in the reward chart"
+    assert other > near
