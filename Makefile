@@ -8,7 +8,7 @@ export RLRAY_DATA_MIRROR ?= $(if $(wildcard ../shared/data),$(abspath ../shared/
 export TOKENIZERS_PARALLELISM := false
 PYTEST_ARGS ?=
 
-.PHONY: install data demo test lint bench clean
+.PHONY: install data demo test soak lint bench clean
 
 install: $(STAMP) data
 
@@ -36,6 +36,13 @@ demo: install
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+# The long run under chaos (tests/faults/test_soak.py): the tiny model for SOAK_STEPS steps with seeded faults
+# (reward raises and timeouts, a failing environment, killed rollout actor and learner, MLflow away, a failed
+# snapshot); it must end FINISHED with an exact prompt ledger. About 30 minutes at 200 steps on 2 cores.
+SOAK_STEPS ?= 200
+soak: install
+	RLRAY_SOAK_STEPS=$(SOAK_STEPS) $(BIN)/pytest -m slow -s tests/faults/test_soak.py $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check .

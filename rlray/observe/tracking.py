@@ -3,7 +3,8 @@
 One run per training job. Params are the flattened config at start; metrics are namespaced
 (``rollout/``, ``reward/``, ``learner/``, ``algo/``, ``timing/``, ``perf/``, ``eval/``); the resolved
 config is an artifact. ``METRIC_KEYS`` is the one list of metric names a step logs. Each online step's kept
-rollouts are a table artifact (``log_samples``: ``samples/step_<step>.json``). With ``tensorboard_dir`` every
+rollouts are a table artifact (``log_samples``: ``samples/step_<step>.json``), and its prompt ledger a JSON
+artifact (``log_ledger``: ``ledger/step_<step>.json``, read back by ``read_ledger``). With ``tensorboard_dir`` every
 metric also goes to TensorBoard event files in ``<tensorboard_dir>/<run id>``, written as it is logged (an
 MLflow outage does not hold them back).
 
@@ -103,6 +104,8 @@ METRIC_KEYS: tuple[str, ...] = (
     "checkpoint/failures",
     "monitor/heartbeat_s",
     "monitor/rss_gib",
+    "monitor/mlflow_outages",  # outages of the MLflow store that began since the previous step was logged
+    "rollout/actor_failures",  # rollout actor failures seen by the fleet since the previous step (rank 0)
     # environments (multi-turn episodes; logged when env.environments is set)
     "env/episodes",
     "env/turns_mean",
@@ -307,6 +310,8 @@ class Tracker:
         self._texts: list[tuple[str, str]] = []
         self._tables: list[tuple[dict[str, list], str]] = []  # (columns, artifact file)
         self._down_since: float | None = None
+        self.outages = 0  # outages of the store seen (a failed write after a good one), over this Tracker's life
+        self._outages_taken = 0
         self._key = KeySanitizer()
         self.tensorboard_dir = None if tensorboard_dir is None else Path(tensorboard_dir) / run_id
         self._tb = None  # the SummaryWriter, opened at the first metric
@@ -362,6 +367,22 @@ class Tracker:
             self._tables.append((table_columns(samples), f"samples/step_{step:06d}.json"))
             self.flush()
 
+    def log_ledger(self, prompt_ids: list[str], step: int) -> None:
+        """Logs the prompt ledger of 1-based ``step`` as ``ledger/step_<step:06d>.json`` (``{"step", "prompt_ids"}``,
+        buffered while the store is down). A step run again (after a restart or a rollback) replaces its own file.
+
+        Args:
+            prompt_ids: the ids of the prompts the step took from the data stream, in the order taken (its own,
+                then DAPO refills; evaluation prompts are not in it).
+            step: the 1-based step.
+        """
+        self.log_text(json.dumps({"step": step, "prompt_ids": list(prompt_ids)}), f"{LEDGER_DIR}/step_{step:06d}.json")
+
+    def take_outages(self) -> int:
+        """Returns the outages of the store that began since the previous call (0 at the first call without one)."""
+        new, self._outages_taken = self.outages - self._outages_taken, self.outages
+        return new
+
     def set_tags(self, tags: dict[str, str]) -> None:
         """Sets run tags (string values; buffered while the store is down, the last value of a key wins)."""
         self._tags.update({k: str(v) for k, v in tags.items()})
@@ -396,6 +417,7 @@ class Tracker:
                 raise
             if self._down_since is None:
                 self._down_since = time.monotonic()
+                self.outages += 1
                 log.warning("MLflow store %s is unreachable (%s: %s); buffering metrics, tags and artifacts until it "
                             "returns, the run goes on", self.uri, type(err).__name__, str(err)[:300])
             return False
@@ -552,6 +574,32 @@ def child_runs(
 
 
 SAMPLES_DIR = "samples"  # artifact folder of the kept samples (``Tracker.log_samples``)
+LEDGER_DIR = "ledger"  # artifact folder of the per-step prompt ledger (``Tracker.log_ledger``)
+
+
+def read_ledger(uri: str, run_id: str) -> dict[int, list[str]]:
+    """Returns {1-based step: prompt ids, in the order taken} of run ``run_id`` from its ``ledger/step_<step>.json``
+    artifacts (``Tracker.log_ledger``), steps ascending; {} when the run has none.
+
+    Raises:
+        mlflow.exceptions.MlflowException: the run does not exist, or the store is down.
+        ValueError: a ledger file names another step than its file name.
+    """
+    import tempfile
+
+    client = _client(uri)
+    names = [f.path.rsplit("/", 1)[-1] for f in client.list_artifacts(run_id, LEDGER_DIR) if not f.is_dir]
+    ledger: dict[int, list[str]] = {}
+    with tempfile.TemporaryDirectory(prefix="rlray-ledger-") as tmp:
+        local = Path(client.download_artifacts(run_id, LEDGER_DIR, tmp))
+        for name in names:
+            if not re.fullmatch(r"step_\d+\.json", name):
+                continue
+            record = json.loads((local / name).read_text(encoding="utf-8"))
+            if record["step"] != int(name[5:-5]):
+                raise ValueError(f"ledger file {LEDGER_DIR}/{name} of run {run_id} says step {record['step']}")
+            ledger[record["step"]] = [str(p) for p in record["prompt_ids"]]
+    return dict(sorted(ledger.items()))
 
 
 def sample_steps(uri: str, run_id: str) -> list[int]:

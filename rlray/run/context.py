@@ -23,8 +23,10 @@ from rlray.observe.tracking import Tracker
 class StepBoundary(Protocol):
     """Stage 8 of a step (log, guard, snapshot, hooks), handed to ``RunContext.run_step`` by the session."""
 
-    def __call__(self, metrics: dict[str, float], samples: Sequence[StepSample] = ()) -> None:
-        """Ends the step with its metrics (complete on rank 0) and rank 0's kept samples (online runs)."""
+    def __call__(self, metrics: dict[str, float], samples: Sequence[StepSample] = (),
+                 prompt_ids: Sequence[str] | None = None) -> None:
+        """Ends the step with its metrics (complete on rank 0), rank 0's kept samples and the ids of the prompts the
+        step consumed (online runs, rank 0: the prompt ledger, ``rlray.run.ledger``; None: no ledger)."""
 
 
 @dataclass

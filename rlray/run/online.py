@@ -120,6 +120,8 @@ class OnlineRun(RunContext):
     reference_actor: Any = None  # when resources.reference.placement == "actor"
     teacher_actor: Any = None  # when teacher.path is set and resources.teacher.placement == "actor"
     skipped_long_prompts: int = 0
+    step_prompt_ids: list[str] = field(default_factory=list)  # the prompt ledger of the step in progress (rank 0)
+    actor_failures_logged: int = 0  # the fleet's actor failures already counted in rollout/actor_failures (rank 0)
 
     def take_prompts(self) -> tuple[list[PromptRow], list[list[int]]]:
         """Stage 1 (rank 0): returns the next step's prompt rows and their token ids (advances the cursor)."""
@@ -283,7 +285,7 @@ def run_step(ctx: OnlineRun, step: int, end_step: StepBoundary) -> dict[str, flo
     if ctx.rank == 0:
         metrics.update(step_metrics(ctx, batch.rollout_metrics, data, timer))
         samples = step_samples(ctx.tokenizer, table, batch.sample_rows, advantages, step + 1)
-    end_step(metrics, samples)  # 8. log, guard, snapshot, hooks
+    end_step(metrics, samples, list(ctx.step_prompt_ids) if ctx.rank == 0 else None)  # 8. log, guard, snapshot, hooks
     return metrics
 
 
@@ -291,10 +293,13 @@ def collect_experience(ctx: OnlineRun, step: int, timer: StageTimer) -> tuple[pa
     """Stages 1-3 (rank 0): returns the step's experience table and its reward/rollout metrics.
 
     Samples whose reward failed are counted in reward/failed and logged; a step whose groups all lack
-    reward variance (zero advantages for the group estimators) is logged as having no signal.
+    reward variance (zero advantages for the group estimators) is logged as having no signal. The ids of
+    the prompts the step consumes (its own, then any DAPO refills; ``rlray.run.ledger``) are left in
+    ``ctx.step_prompt_ids``.
     """
     with timer("rollout"):  # 1-2. prompts and rollout; the pipeline keeps steps step+1..step+max_staleness in flight
         got = ctx.pipeline.next(step)
+    ctx.step_prompt_ids = [r.prompt_id for r in got.rows]
     with timer("reward"):  # 3. rewards
         scored = score(ctx.reward, got.rows, got.completions, ctx.tokenizer, ctx.cfg.env.reward_weight)
     with timer("algo_sampling"):  # 3b. DAPO refill, overlong shaping, ReMax's greedy baseline
@@ -317,8 +322,12 @@ def collect_experience(ctx: OnlineRun, step: int, timer: StageTimer) -> tuple[pa
 
 def step_metrics(ctx: OnlineRun, rollout_metrics: dict[str, float], data: dict[str, torch.Tensor],
                  timer: StageTimer) -> dict[str, float]:
-    """Returns rank 0's step-level metrics: rollout and reward statistics, stage times, throughput, data position."""
+    """Returns rank 0's step-level metrics: rollout and reward statistics, stage times, throughput, data position, and
+    rollout/actor_failures (rollout actor failures the fleet saw since the previous step; advances
+    ``ctx.actor_failures_logged``)."""
     step_s = timer.elapsed_s()
+    failures = ctx.fleet.failures if ctx.fleet is not None else 0
+    new_failures, ctx.actor_failures_logged = failures - ctx.actor_failures_logged, failures
     gen = rollout_metrics["rollout/generated_tokens"]
     return {
         **{k: v for k, v in rollout_metrics.items() if not k.startswith("_")},
@@ -329,6 +338,7 @@ def step_metrics(ctx: OnlineRun, rollout_metrics: dict[str, float], data: dict[s
         "perf/generated_tokens_per_s": gen / max(rollout_metrics["timing/rollout_s"], 1e-9),
         "data/epoch": float(ctx.stream.epoch),
         "data/skipped_long_prompts": float(ctx.skipped_long_prompts),
+        "rollout/actor_failures": float(new_failures),
     }
 
 
@@ -357,11 +367,16 @@ def score(reward: RewardClient, rows: list[PromptRow], completions: list[Complet
 def algorithm_sampling(
     ctx: OnlineRun, sampling: SamplingSpec, batch: Rollouts
 ) -> tuple[Rollouts, list[float] | None, dict[str, float]]:
-    """Stage 3b (rank 0): DAPO refill, overlong shaping and ReMax's greedy baseline (``online_sampling.apply``)."""
+    """Stage 3b (rank 0): DAPO refill, overlong shaping and ReMax's greedy baseline (``online_sampling.apply``).
+
+    The ids of refill prompts are appended to ``ctx.step_prompt_ids`` (the step's prompt ledger) as they are
+    taken from the stream, whether or not their groups are kept.
+    """
     weight = ctx.cfg.env.reward_weight
 
     def draw(num_prompts: int, round_index: int) -> Rollouts:  # stages 1-3 for further prompts, reseeded per round
         rows = ctx.stream.next_batch(num_prompts)
+        ctx.step_prompt_ids.extend(r.prompt_id for r in rows)
         ids = [ctx.prompt_ids[r.prompt_id] for r in rows]
         seed = None if sampling.seed is None else sampling.seed + 100_003 * round_index
         completions = ctx.rollouts.generate(ids, dataclasses.replace(sampling, seed=seed), rows)

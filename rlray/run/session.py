@@ -98,8 +98,9 @@ def _train(build: BuildContext, cfg: Config, coll: Collective, services: RunServ
     metrics: dict[str, float] = {}
     retrying, error = False, ""
 
-    def end_step(step_metrics: dict[str, float], samples: Sequence[StepSample] = ()) -> None:  # stage 8, called by the step
-        step_boundary(ctx, run, services, hooks, step_metrics, samples)
+    def end_step(step_metrics: dict[str, float], samples: Sequence[StepSample] = (),
+                 prompt_ids: Sequence[str] | None = None) -> None:  # stage 8, called by the step
+        step_boundary(ctx, run, services, hooks, step_metrics, samples, prompt_ids)
 
     try:
         if run.step == 0:
@@ -143,9 +144,10 @@ def _early_oom(where: str, fn: Callable[[], Any]) -> Any:
 
 
 def step_boundary(ctx: RunContext, run: RunState, services: RunServices, hooks: Sequence[StepHook],
-                  metrics: dict[str, float], samples: Sequence[StepSample] = ()) -> None:
+                  metrics: dict[str, float], samples: Sequence[StepSample] = (),
+                  prompt_ids: Sequence[str] | None = None) -> None:
     """Stage 8 of a step, on every rank: eval when due, guards, log once (metrics and rank 0's kept ``samples``),
-    a progress line, hooks, snapshot.
+    the step's prompt ledger (``prompt_ids``, rank 0 of online runs), a progress line, hooks, snapshot.
 
     The progress line goes to this process's output (its Ray log file); the console's one bar is drawn by the
     driver from what ``record`` sent to the monitor (``rlray.launch.console.DriverProgress``).
@@ -158,7 +160,7 @@ def step_boundary(ctx: RunContext, run: RunState, services: RunServices, hooks: 
     trip = check_guards(ctx, run, metrics, services)
     stop_reason = None
     if ctx.rank == 0:
-        record(ctx, run, metrics, services, samples)
+        record(ctx, run, metrics, services, samples, prompt_ids)
         print(ctx.progress_text(run.step, metrics), flush=True)  # one plain line per step, in this worker's log file
         stop_reason = run_hooks(hooks, StepEnd(run.step, ctx.cfg.run.max_steps, dict(metrics)))
     if hooks:  # every rank leaves together at this step boundary when rank 0's hooks asked to stop
@@ -319,10 +321,14 @@ def check_guards(ctx: RunContext, run: RunState, metrics: dict[str, float], serv
 
 
 def record(ctx: RunContext, run: RunState, metrics: dict[str, float], services: RunServices,
-           samples: Sequence[StepSample] = ()) -> None:
-    """Rank 0: logs the step's metrics and kept samples (once per step, across restarts) and updates the monitor
-    (its page's curves and sample viewer)."""
+           samples: Sequence[StepSample] = (), prompt_ids: Sequence[str] | None = None) -> None:
+    """Rank 0: logs the step's metrics and kept samples (once per step, across restarts), the step's prompt ledger
+    (every time the step runs, so a step run again after a restart or rollback replaces its own file and only the
+    steps that survive count; ``Tracker.log_ledger``), and updates the monitor (its page's curves and sample viewer)."""
+    if prompt_ids is not None:
+        ctx.tracker.log_ledger(list(prompt_ids), step=run.step)
     if run.step > run.logged_through:
+        metrics["monitor/mlflow_outages"] = float(ctx.tracker.take_outages())
         ctx.tracker.log_metrics(metrics, step=run.step)
         ctx.tracker.log_samples(list(samples), step=run.step)
         run.logged_through = run.step

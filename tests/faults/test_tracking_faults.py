@@ -45,6 +45,7 @@ def test_metrics_tags_and_artifacts_are_buffered_while_the_store_is_down(tmp_pat
     assert sum("is unreachable" in w and "buffering metrics, tags and artifacts" in w for w in warnings) == 1
     tracker.log_metrics({"reward/mean": 0.4}, step=4)  # the store is back: everything is written, in order
     assert tracker.pending == 0
+    assert tracker.take_outages() == 1 and tracker.take_outages() == 0  # one outage (monitor/mlflow_outages), counted once
     assert any("is back after" in r.getMessage() for r in caplog.records)
     metrics = get_run_metrics(uri, tracker.run_id)
     assert metrics["reward/mean"] == [(1, 0.1), (2, 0.2), (3, 0.3), (4, 0.4)] and metrics["learner/loss"] == [(2, 1.5)]

@@ -122,6 +122,12 @@ class _Recorder:
     def log_samples(self, samples, step):
         self.calls.append(("log_samples", (step, len(samples))))
 
+    def log_ledger(self, prompt_ids, step):
+        self.calls.append(("log_ledger", (step, tuple(prompt_ids))))
+
+    def take_outages(self):
+        return 0
+
 
 def test_stage_8_logs_the_samples_once_and_sends_them_to_the_page():
     from rlray.observe.samples import StepSample
@@ -132,13 +138,16 @@ def test_stage_8_logs_the_samples_once_and_sends_them_to_the_page():
     services = SimpleNamespace(monitor=monitor)
     kept = [StepSample(5, "a", "q", "c", 1.0, {}, 0.5, "stop", 4, 1)]
     run = SimpleNamespace(step=5, logged_through=4)
-    session.record(ctx, run, {"reward/mean": 1.0}, services, kept)
-    assert tracker.calls == [("log_metrics", (5,)), ("log_samples", (5, 1))] and run.logged_through == 5
+    session.record(ctx, run, {"reward/mean": 1.0}, services, kept, ["p3", "p1"])
+    assert tracker.calls == [("log_ledger", (5, ("p3", "p1"))), ("log_metrics", (5,)), ("log_samples", (5, 1))]
+    assert run.logged_through == 5
     assert [(name, args[0]) for name, args in monitor.calls] == [("record_step", 5), ("record_samples", 5)]
     assert monitor.calls[1][1][1] == kept
     tracker.calls.clear(), monitor.calls.clear()
-    session.record(ctx, run, {"reward/mean": 1.0}, services, kept)  # a step MLflow already has (a restart): the page only
-    assert tracker.calls == [] and [name for name, _ in monitor.calls] == ["record_step", "record_samples"]
+    # a step MLflow already has (a restart): its ledger is replaced (the step ran again), its metrics are not logged again
+    session.record(ctx, run, {"reward/mean": 1.0}, services, kept, ["p3", "p4"])
+    assert tracker.calls == [("log_ledger", (5, ("p3", "p4")))]
+    assert [name for name, _ in monitor.calls] == ["record_step", "record_samples"]
     monitor.calls.clear()
     session.record(ctx, SimpleNamespace(step=6, logged_through=5), {}, services)  # offline steps keep no samples
     assert [name for name, _ in monitor.calls] == ["record_step"]

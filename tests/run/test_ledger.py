@@ -1,0 +1,146 @@
+"""The prompt ledger: each online step's prompt ids (refills included) go to MLflow at the step boundary, a step run
+again replaces its own file, and ``rlray.run.ledger`` checks a ledger against the real seeded PromptStream."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from rlray.config import config_from_dict
+from rlray.data import PromptRow, PromptStream
+from rlray.learner.collective import Collective
+from rlray.observe.tracking import Tracker, read_ledger
+from rlray.reward.server import LocalRewardClient
+from rlray.rollout import Completion
+from rlray.run import ledger, online
+from rlray.run.online import OnlineRun, StageTimer
+
+ROWS = [PromptRow(f"q{i}", f"question {i}", {}) for i in range(6)]
+SEED = 7
+
+
+def _order(epoch: int) -> list[str]:
+    """The stream's documented order of ``epoch``: np.random.default_rng([seed, epoch]).permutation(6)."""
+    return [f"q{i}" for i in np.random.default_rng([SEED, epoch]).permutation(6)]
+
+
+S = _order(0) + _order(1)  # the first 12 prompt ids an uninterrupted run takes
+
+
+def _check(steps: dict[int, list[str]], **kwargs) -> ledger.LedgerReport:
+    return ledger.check_ledger(steps, ROWS, seed=SEED, shuffle=True, **kwargs)
+
+
+def test_the_documented_order_is_the_streams():
+    stream = PromptStream(ROWS, seed=SEED, shuffle=True)
+    assert [r.prompt_id for r in stream.next_batch(12)] == S and _order(0) != _order(1)
+
+
+def test_an_exact_ledger_over_one_and_a_half_epochs_with_a_refill():
+    # 4 steps: 2 prompts each, step 2 with one DAPO refill (3 ids): 2 + 3 + 2 + 2 = 9 ids, into epoch 1
+    report = _check({1: S[0:2], 2: S[2:5], 3: S[5:7], 4: S[7:9]})
+    assert report.ok and report.consumed == 9 and report.expected == 9 and report.first_mismatch is None
+    assert report.summary() == "ledger exact: 4 steps took 9 prompts; the stream hands out 9 over that span, each once, in order"
+
+
+def test_a_step_that_took_the_same_prompts_again_shows_duplicates():
+    report = _check({1: S[0:2], 2: S[2:4], 3: S[2:4], 4: S[4:6]})  # step 3 re-took step 2's prompts
+    assert not report.ok
+    assert report.duplicates == {S[2]: 1, S[3]: 1} and report.missing == () and report.out_of_order == ()
+    assert report.first_mismatch == 4 and report.expected == 6
+    assert f"2 taken again: {S[2]} x2, {S[3]} x2" in report.summary()
+
+
+def test_a_lost_step_shows_its_prompts_missing():
+    report = _check({1: S[0:2], 2: S[4:6], 3: S[6:8]})  # S[2:4] were never trained on
+    assert report.missing == (S[2], S[3]) and report.duplicates == {} and report.first_mismatch == 2
+    assert report.expected == 8 and not report.ok
+
+
+def test_a_refill_taken_after_the_next_steps_prompts_is_out_of_order():
+    """Async rollouts with DAPO: step 2's prompts are taken while step 1 trains, so step 1's refill comes after them."""
+    report = _check({1: [S[0], S[1], S[4]], 2: [S[2], S[3]], 3: [S[5]]})
+    assert report.out_of_order == (S[2], S[3]) and report.missing == () and report.duplicates == {}
+    assert report.first_mismatch == 2 and not report.ok
+    assert f"2 out of order: {S[2]}, {S[3]}" in report.summary()
+
+
+def test_a_step_without_a_ledger_file_and_files_past_the_last_step():
+    report = _check({1: S[0:2], 3: S[4:6]})
+    assert report.missing_steps == (2,) and report.missing == (S[2], S[3])
+    # a rollback abandoned step 3's timeline and the run stopped at step 2: step 3's file is not counted
+    report = _check({1: S[0:2], 2: S[2:4], 3: S[0:2]}, last_step=2)
+    assert report.ok and report.later_steps == (3,) and report.steps == 2
+
+
+def test_an_id_outside_the_data_is_unknown():
+    report = _check({1: [S[0], "nope"], 2: S[1:3]})
+    assert report.unknown == ("nope",) and not report.ok and "1 not in the data: nope" in report.summary()
+
+
+def test_the_ledger_goes_to_mlflow_and_a_step_run_again_replaces_its_file(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    tracker = Tracker(uri, "ledger")
+    tracker.log_ledger(S[0:2], step=1)
+    tracker.log_ledger(["q9", "q9"], step=2)  # a step that later ran again after a restore ...
+    tracker.log_ledger(S[2:4], step=2)  # ... replaces its own file
+    tracker.set_tags({"rlray.final_step": "2"})
+    assert read_ledger(uri, tracker.run_id) == {1: S[0:2], 2: S[2:4]}
+    report = ledger.check_run(uri, tracker.run_id, ROWS, seed=SEED, shuffle=True)
+    assert report.ok and report.consumed == 4
+    tracker.close()
+
+
+# --------------------------------------------------------------------------------------------
+# The step records its prompts and DAPO's refills (stages 1-3b through the real functions, fake rollouts)
+# --------------------------------------------------------------------------------------------
+G = 2
+
+
+class _Scripted:
+    """Returns the next scripted reward list at each call."""
+
+    def __init__(self, calls):
+        self.calls = list(calls)
+
+    def score(self, prompts, completions, columns, completion_ids=None):
+        values = self.calls.pop(0)
+        assert len(values) == len(completions)
+        return {"reward": values}
+
+    def close(self):
+        pass
+
+
+class _Tokenizer:
+    def batch_decode(self, ids, skip_special_tokens=True):
+        return [" ".join(map(str, x)) for x in ids]
+
+
+def _completions(num_prompts: int) -> list[Completion]:
+    return [Completion(i // G, i % G, [100 + i, 101], [-1.0, -1.0], "stop", 0) for i in range(num_prompts * G)]
+
+
+def test_collect_experience_records_the_steps_prompts_and_dapos_refills():
+    cfg = config_from_dict({}, ["algo.name=dapo", "learner.prompts_per_step=2", f"rollout.samples_per_prompt={G}",
+                                "learner.sequences_per_minibatch=4", "learner.sequences_per_microbatch=2"])  # fmt: skip
+    stream = PromptStream(ROWS, seed=SEED, shuffle=True)
+    first = stream.next_batch(2)  # what the pipeline took for the step
+    got = SimpleNamespace(rows=first, prompt_ids=[[1], [2]], completions=_completions(2))
+    # round 1: group 0 constant (dropped), group 1 varies; round 2 (1 refill prompt): it varies
+    reward = LocalRewardClient(_Scripted([[0.5, 0.5, 0.0, 1.0], [1.0, 0.0]]), 1)
+    rollouts = SimpleNamespace(generate=lambda ids, sampling, rows: _completions(len(ids)))
+    ctx = OnlineRun(cfg, Collective(), None, _Tokenizer(), stream=stream, pipeline=SimpleNamespace(next=lambda step: got),
+                    reward=reward, rollouts=rollouts, prompt_ids={r.prompt_id: [3] for r in ROWS})  # fmt: skip
+    table, metrics = online.collect_experience(ctx, 0, StageTimer())
+    assert metrics["algo/dynamic_sampling_rounds"] == 2.0
+    assert ctx.step_prompt_ids == S[0:3]  # both prompts of the step, the dropped one too, then the refill
+    assert table.column("prompt_id").to_pylist() == [S[1]] * G + [S[2]] * G  # the update keeps groups 1 and refill
+    assert _check({1: ctx.step_prompt_ids}).ok
+
+
+def test_an_empty_row_list_is_refused():
+    with pytest.raises(ValueError, match="PromptStream needs at least one prompt row"):
+        ledger.check_ledger({}, [], seed=0, shuffle=False)
