@@ -38,6 +38,10 @@ CONSOLE_HANDLER = "rlray-console"
 PENDING_HANDLER = "rlray-pending"  # buffers the driver's log records until the run's log folder is known
 DRIVER_LOG = "driver.log"
 RAY_LOGS = "ray"  # subfolder of the run's log folder with Ray's log files
+# Libraries whose loggers print through handlers of their own and do not propagate (once configured): the quiet
+# console routes them through the root logger instead, so they reach driver.log and the console shows them only
+# with --verbose.
+SELF_PRINTING_LOGGERS = ("mlflow", "ray", "vllm", "transformers", "datasets")
 # (metric key, label, format) of the bar's figures, in order; a key the run does not log is left out
 PROGRESS_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("reward/mean", "reward", "{:.3f}"),
@@ -71,7 +75,8 @@ def configure_console(verbose: bool, stream: TextIO | None = None) -> None:
     ``ConsoleFilter(verbose)``, Python warnings captured into logging (so library FutureWarnings reach the log
     file, not the console), and every record at INFO and above held in memory until ``keep_logs`` names the file.
 
-    Replaces the handlers an earlier call added (others, such as pytest's, stay); the root level becomes INFO.
+    Replaces the handlers an earlier call added (others, such as pytest's, stay); the root level becomes INFO. The
+    loggers of ``SELF_PRINTING_LOGGERS`` lose their own console handlers and propagate to the root.
     """
     root = logging.getLogger()
     for handler in [h for h in root.handlers if h.get_name() in (CONSOLE_HANDLER, PENDING_HANDLER)]:
@@ -88,6 +93,12 @@ def configure_console(verbose: bool, stream: TextIO | None = None) -> None:
     root.addHandler(pending)
     root.setLevel(logging.INFO)
     logging.captureWarnings(True)
+    for name in SELF_PRINTING_LOGGERS:
+        library = logging.getLogger(name)
+        for handler in [h for h in library.handlers if isinstance(h, logging.StreamHandler)
+                        and not isinstance(h, logging.FileHandler)]:
+            library.removeHandler(handler)
+        library.propagate = True
 
 
 def keep_logs(folder: Path) -> logging.Handler:

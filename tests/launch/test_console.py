@@ -155,6 +155,7 @@ def test_console_is_quiet_and_the_driver_log_keeps_everything(root_logging, tmp_
     order = ["INFO rlray.launch.driver: MLflow run abc", "WARNING mlflow.store: a library warning",
              "WARNING py.warnings:", "torch.cuda.amp is deprecated", "WARNING rlray.run.session: learner restarted",
              "ERROR transformers: a library error"]
+    assert all(s in kept for s in order), kept
     positions = [kept.index(s) for s in order]
     assert positions == sorted(positions)
     assert not [h for h in root_logging.handlers if h.get_name() == console.PENDING_HANDLER]  # the buffer is gone
