@@ -48,6 +48,7 @@ def preflight(cfg: Config) -> str:
             cannot, or its vocabulary differs from the student's.
         rlray.data.DataError: a data file is missing, empty or has a bad row, line or column.
         rlray.reward.RewardFunctionError: a reward function's file or module does not exist.
+        ValueError: an environment's file or module does not exist (``check_environment_spec``).
         rlray.checkpoint.storage.SnapshotError: snapshots cannot be written under ``checkpoint.uri``.
     """
     model_dir = resolve_model_path(cfg.model.path)
@@ -67,14 +68,16 @@ def preflight(cfg: Config) -> str:
                             instruction=cfg.data.instruction, system_prompt=cfg.data.system_prompt)
         if cfg.eval.num_problems:
             load_prompt_rows(cfg.data.eval_files, prompt_column=cfg.data.prompt_column)
-        if not cfg.reward.functions and cfg.reward.model_path is None and not cfg.teacher.enabled:
+        if not cfg.reward.functions and cfg.reward.model_path is None and not cfg.teacher.enabled and not cfg.env.enabled:
             raise RewardFunctionError(
                 "this online run has no reward: set reward.functions (built-in verifiers such as "
-                "[{function: math_equal}], or your own 'file.py:function'), reward.model_path, or a "
-                "distillation teacher (teacher.path)"
+                "[{function: math_equal}], or your own 'file.py:function'), reward.model_path, a "
+                "distillation teacher (teacher.path), or environments that reward their episodes (env.environments)"
             )
         for fn in cfg.reward.functions:
             check_function_spec(fn.function)
+        for name, spec in cfg.env.environments.items():
+            check_environment_spec(name, spec)
         if cfg.algo.name == "ppo" and cfg.critic.model_path:
             resolve_model_path(cfg.critic.model_path)
     else:
@@ -137,3 +140,23 @@ def check_function_spec(spec: str) -> None:
         found = False
     if not found:
         raise RewardFunctionError(f"reward function '{spec}': module '{target}' cannot be found")
+
+
+def check_environment_spec(name: str, spec: str) -> None:
+    """Checks that ``env.environments.<name>`` names an existing file or a findable module, without importing it
+    (an untrusted environment only ever runs in its hosts' sandboxes).
+
+    Raises:
+        ValueError: a missing file or a module that cannot be found (names the key and the spec).
+    """
+    target = spec.rsplit(":", 1)[0]
+    if target.endswith(".py"):
+        if not Path(target).is_file():
+            raise ValueError(f"env.environments.{name}='{spec}': file {Path(target).resolve()} does not exist")
+        return
+    try:
+        found = importlib.util.find_spec(target) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise ValueError(f"env.environments.{name}='{spec}': module '{target}' cannot be found")

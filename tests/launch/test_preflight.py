@@ -96,8 +96,18 @@ def test_check_function_spec_names_what_is_missing(spec, message):
 
 def test_an_online_run_without_any_reward_fails_naming_every_way(cfg_of):
     with pytest.raises(RewardFunctionError, match=r"this online run has no reward: set reward.functions .*, "
-                                                  r"reward.model_path, or a distillation teacher \(teacher.path\)"):
+                                                  r"reward.model_path, a distillation teacher \(teacher.path\), or "
+                                                  r"environments that reward their episodes \(env.environments\)"):
         preflight(cfg_of("reward.functions=[]"))
+
+
+def test_environments_are_a_reward_of_their_own(cfg_of, tiny_model_path):
+    env = "env.environments={guess: rlray.envs.builtin.guess:GuessNumberEnv}"
+    assert preflight(cfg_of("reward.functions=[]", env)) == tiny_model_path
+    with pytest.raises(ValueError, match=r"env.environments.mine='no/such/file.py:Env': file .*no/such/file.py does not"):
+        preflight(cfg_of("env.environments={mine: no/such/file.py:Env}"))
+    with pytest.raises(ValueError, match=r"env.environments.x='rlray.envs.nothing:Env': module 'rlray.envs.nothing' cannot"):
+        preflight(cfg_of("env.environments={x: rlray.envs.nothing:Env}"))
 
 
 def test_built_in_verifiers_pass_and_an_unknown_name_lists_them(cfg_of, tiny_model_path):
