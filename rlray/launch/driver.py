@@ -46,6 +46,7 @@ from rlray.models import load_tokenizer, resolve_model_path
 from rlray.observe.tracking import Tracker, resolve_tracking_uri
 from rlray.rollout.fleet import RolloutFleet
 from rlray.run import build, online, worker
+from rlray.run.episodes import EpisodeRollout
 from rlray.run.hooks import StepHook, StopWhenRequested, start_run_control
 from rlray.run.state import RunServices, WorkerArgs
 
@@ -381,12 +382,25 @@ def stop_on_sigterm(control: ray.actor.ActorHandle) -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def evaluate_checkpoint(cfg: Config, checkpoint_path: str) -> dict[str, float]:
-    """Returns greedy eval metrics of a snapshot (or any model path) on ``data.eval_files``.
+@dataclass
+class EvalSetup:
+    """What evaluating a snapshot needs, as ``eval_setup`` yields it: ``rollouts`` (the rollout fleet, or the
+    episode rollout over it when env.environments is set), ``reward`` (the in-process reward client), ``prompts``
+    (the first ``eval.num_problems`` eval rows, each with its prompt token ids) and ``tokenizer``."""
 
-    Starts one rollout actor on the checkpoint's model (and the environment hosts when env.environments is
-    set: rows then run as episodes) and scores the first ``eval.num_problems`` problems with training's
-    evaluation (``rlray.run.online.evaluate_prompts``: the same keys), plus eval/pass@k when ``eval.pass_k`` > 1.
+    rollouts: RolloutFleet | EpisodeRollout
+    reward: Any
+    prompts: list[tuple[Any, list[int]]]
+    tokenizer: Any
+
+
+@contextlib.contextmanager
+def eval_setup(cfg: Config, checkpoint_path: str) -> Iterator[EvalSetup]:
+    """Yields the pieces of a greedy evaluation of a snapshot (or any model path) on ``data.eval_files``.
+
+    Starts one rollout actor on the checkpoint's model, with all of this node's cores (and the environment hosts
+    when env.environments is set: rows then run as episodes), and stops them on exit. ``evaluate_checkpoint``
+    scores with it; a benchmark that needs each row's outcome calls ``rollouts.generate`` itself.
 
     Raises:
         rlray.checkpoint.storage.SnapshotError: ``checkpoint_path`` is an incomplete snapshot.
@@ -413,14 +427,29 @@ def evaluate_checkpoint(cfg: Config, checkpoint_path: str) -> dict[str, float]:
         reward = build.local_reward_client(cfg, build.dataset_columns(rows))
         fleet = RolloutFleet(actors)
         rollouts = online.episode_rollout(cfg, fleet, hosts, tokenizer) if cfg.env.enabled else fleet
-        pass_k = None
-        if cfg.eval.pass_k > 1:
-            pass_k = dataclasses.replace(build.sampling_for_step(cfg, 0), n=cfg.eval.pass_k,
-                                         max_new_tokens=cfg.eval_max_new_tokens, seed=cfg.run.seed)
         try:
-            return online.evaluate_prompts(rollouts, reward, list(zip(rows, ids, strict=True)), tokenizer,
-                                           build.eval_sampling(cfg), cfg.env.reward_weight, pass_k)
+            yield EvalSetup(rollouts, reward, list(zip(rows, ids, strict=True)), tokenizer)
         finally:
             reward.close()
     finally:
         kill_actors([*actors, *hosts])
+
+
+def evaluate_checkpoint(cfg: Config, checkpoint_path: str) -> dict[str, float]:
+    """Returns greedy eval metrics of a snapshot (or any model path) on ``data.eval_files``.
+
+    Scores the first ``eval.num_problems`` problems on one rollout actor (``eval_setup``; rows with an environment
+    run as episodes) with training's evaluation (``rlray.run.online.evaluate_prompts``: the same keys), plus
+    eval/pass@k when ``eval.pass_k`` > 1.
+
+    Raises:
+        rlray.checkpoint.storage.SnapshotError: ``checkpoint_path`` is an incomplete snapshot.
+        ValueError: ``eval.num_problems`` is 0.
+    """
+    with eval_setup(cfg, checkpoint_path) as setup:
+        pass_k = None
+        if cfg.eval.pass_k > 1:
+            pass_k = dataclasses.replace(build.sampling_for_step(cfg, 0), n=cfg.eval.pass_k,
+                                         max_new_tokens=cfg.eval_max_new_tokens, seed=cfg.run.seed)
+        return online.evaluate_prompts(setup.rollouts, setup.reward, setup.prompts, setup.tokenizer,
+                                       build.eval_sampling(cfg), cfg.env.reward_weight, pass_k)

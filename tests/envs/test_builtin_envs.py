@@ -145,6 +145,11 @@ ARITH_ROW = {"a": 37, "op": "+", "b": 45, "answer": 82}
 
 def test_parse_answer():
     assert [parse_answer(t) for t in (" 82\n", "82.", "-7", "82 apples", "8 2", "", "0.5")] == [82, 82, -7, None, None, None, None]
+    # the question's own expression, then "=" and the number: valid; another expression or no question: not
+    question = (37, "+", 45)
+    assert [parse_answer(t, question) for t in ("37 + 45 = 82", "37+45=81.", "12 + 7 = 19", "37 + 45 = 82 apples")] == [
+        82, 81, None, None]
+    assert parse_answer("37 + 45 = 82") is None
 
 
 def test_retry_first_attempt_correct():
@@ -153,6 +158,8 @@ def test_retry_first_attempt_correct():
     assert opened.prompt == [{"role": "user", "content": "What is 37 + 45? Answer with the number only."}]
     result = env.step(turn("82"))
     assert (result.observations, result.reward, result.done, result.metrics) == ([], 1.0, True, {"attempts": 1.0, "valid_action": 1.0})
+    env.reset(**ARITH_ROW)
+    assert env.step(turn("37 + 45 = 82")).reward == 1.0
 
 
 def test_retry_later_attempt_and_failure():

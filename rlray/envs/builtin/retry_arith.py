@@ -5,7 +5,9 @@ Row columns: ``a``, ``op`` (``"+"``, ``"-"`` or ``"*"``), ``b``, ``answer`` (the
 sums and differences (``rlray.data.generate``).
 
 Protocol: a turn is a valid action when its text, stripped, is an integer (an optional leading minus sign, an
-optional trailing period: ``"42"``, ``"42."``, ``"-7"``); anything else is invalid and counts as a wrong attempt.
+optional trailing period: ``"42"``, ``"42."``, ``"-7"``) or the question's own expression followed by ``=`` and an
+integer (``"37 + 45 = 82"``: SmolLM2-135M-Instruct answers that way, never with the bare number, measured on the
+calibration split); anything else (prose, another expression) is invalid and counts as a wrong attempt.
 A wrong or invalid attempt with attempts left is answered by the user message ``"Wrong, try again."``.
 
 Reward schedule, given on the last turn only (None before): 1.0 when the first attempt is correct, 0.5 when a
@@ -27,12 +29,19 @@ DEFAULT_MAX_ATTEMPTS = 3
 RETRY_MESSAGE = "Wrong, try again."
 OPERATIONS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 _ANSWER = re.compile(r"-?\d+\.?")
+_EQUATION = re.compile(r"(-?\d+)\s*([-+*])\s*(-?\d+)\s*=\s*(-?\d+)\.?")
 
 
-def parse_answer(text: str) -> int | None:
-    """Returns the integer of a number-only answer (``" 42.\\n"`` gives 42), or None when the text is anything else."""
+def parse_answer(text: str, question: tuple[int, str, int] | None = None) -> int | None:
+    """Returns the integer of a number-only answer (``" 42.\\n"`` gives 42), or of ``"a op b = N"`` when (a, op, b) is
+    ``question``; None when the text is anything else."""
     stripped = text.strip()
-    return int(stripped.rstrip(".")) if _ANSWER.fullmatch(stripped) else None
+    if _ANSWER.fullmatch(stripped):
+        return int(stripped.rstrip("."))
+    equation = _EQUATION.fullmatch(stripped)
+    if equation and question is not None and (int(equation[1]), equation[2], int(equation[3])) == question:
+        return int(equation[4])
+    return None
 
 
 class RetryArithmeticEnv:
@@ -49,13 +58,14 @@ class RetryArithmeticEnv:
         if OPERATIONS[op](int(a), int(b)) != int(answer) or max_attempts < 1:
             raise ValueError(f"RetryArithmeticEnv: need answer == a {op} b and max_attempts >= 1, got {a=} {b=} {answer=} {max_attempts=}")
         self.answer, self.max_attempts, self.attempts = int(answer), int(max_attempts), 0
+        self.question = (int(a), op, int(b))
         return EnvReset(prompt=[{"role": "user", "content": f"What is {a} {op} {b}? Answer with the number only."}])
 
     def step(self, turn: AssistantTurn) -> EnvStep:
         """Returns the end of the episode with its reward for a correct answer or the last failed attempt, else the
         retry message."""
         self.attempts += 1
-        value = parse_answer(turn.text)
+        value = parse_answer(turn.text, self.question)
         metrics = {"valid_action": float(value is not None)}
         if value == self.answer:
             reward = REWARD_FIRST_ATTEMPT if self.attempts == 1 else REWARD_LATER_ATTEMPT

@@ -1,0 +1,49 @@
+"""benchmarks/env_learning.py: the McNemar test and the paired difference, on hand-computed cases."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def env_learning():
+    sys.path.insert(0, str(BENCH))
+    try:
+        yield importlib.import_module("env_learning")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_mcnemar_one_sided_hand_computed(env_learning):
+    # n = 8 + 2 = 10 changed episodes: P(X >= 8) = (C(10,8) + C(10,9) + C(10,10)) / 2^10 = (45 + 10 + 1) / 1024
+    assert env_learning.mcnemar_one_sided(8, 2) == 56 / 1024
+    # all 5 changes improved: 1 / 2^5
+    assert env_learning.mcnemar_one_sided(5, 0) == 1 / 32
+    # none improved: P(X >= 0) = 1; no change at all: 1
+    assert env_learning.mcnemar_one_sided(0, 3) == 1.0
+    assert env_learning.mcnemar_one_sided(0, 0) == 1.0
+
+
+def test_mcnemar_one_sided_matches_scipy_binomtest(env_learning):
+    stats = pytest.importorskip("scipy.stats")
+    for improved, worsened in [(30, 12), (7, 7), (1, 20), (40, 0)]:
+        expected = stats.binomtest(improved, improved + worsened, 0.5, alternative="greater").pvalue
+        assert env_learning.mcnemar_one_sided(improved, worsened) == pytest.approx(expected, rel=1e-12)
+
+
+def test_paired_difference_hand_computed(env_learning):
+    # diffs 1, 1, 0, 0: mean 0.5; sample variance (4 * 0.25) / 3 = 1/3; SE = sqrt(1/3) / sqrt(4)
+    diff, se = env_learning.paired_difference([0, 0, 0, 1], [1, 1, 0, 1])
+    assert diff == 0.5
+    assert se == pytest.approx(math.sqrt(1 / 3) / 2, abs=1e-12)
+    # diffs 1, 0, 0, -1: mean 0; sample variance 2/3
+    diff, se = env_learning.paired_difference([0, 0, 1, 1], [1, 0, 1, 0])
+    assert diff == 0.0
+    assert se == pytest.approx(math.sqrt(2 / 3) / 2, abs=1e-12)
