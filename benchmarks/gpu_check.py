@@ -218,7 +218,9 @@ def algos_outputs(device: str, seed: int = 0) -> dict[str, torch.Tensor]:
             out[f"loss/{name}/{mode}"] = algos.aggregate_loss(per_token, mask, mode, max_response_tokens=t)
     for est in algos.KL_ESTIMATORS:
         out[f"kl/{est}"] = algos.kl_penalty(lp, ref, est) * mask
-    out["tis/token"] = algos.truncated_is_weights(old, lp, mask, cap=2.0)
+    for mode in algos.ROLLOUT_CORRECTION_MODES:
+        out[f"rollout_correction/{mode}"] = algos.rollout_correction_weights(old, lp, mask, mode=mode, ratio_min=0.5,
+                                                                             ratio_max=2.0)[0]
     seq = lambda x: (x * mask).sum(-1)  # noqa: E731
     for name, fn in algos.PAIRWISE_LOSSES.items():
         out[f"pairwise/{name}"] = fn(seq(lp)[:8], seq(old)[:8], seq(ref)[:8], seq(ref)[8:], beta=0.1)

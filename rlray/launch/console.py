@@ -92,6 +92,7 @@ def configure_console(verbose: bool, stream: TextIO | None = None) -> None:
     root.addHandler(console)
     root.addHandler(pending)
     root.setLevel(logging.INFO)
+    logging.captureWarnings(False)  # forget an earlier capture whose showwarning someone has since replaced
     logging.captureWarnings(True)
     for name in SELF_PRINTING_LOGGERS:
         library = logging.getLogger(name)

@@ -193,7 +193,7 @@ def test_a_reward_function_with_the_wrong_count_stops_every_rank_at_once():
     ctx = _rank0_ctx(cfg, _completions([2] * 8), _Raising(RewardFunctionError("reward function 'f.py:f' returned 7 values for 8 completions")))
     ctx.coll = Collective()
     with pytest.raises(online.FatalStepError, match="RewardFunctionError: reward function 'f.py:f' returned 7 values"):
-        online.run_step(ctx, 0, lambda m, samples=(): None)
+        online.run_step(ctx, 0, lambda m, samples=(), prompt_ids=None: None)
     other_rank = SimpleNamespace(rank=1, coll=SimpleNamespace(broadcast=lambda _: online.StepBatch([], [], {}, "DataError: x")))
     with pytest.raises(online.FatalStepError, match="DataError: x"):
         online.distribute(other_rank, None, None)

@@ -7,6 +7,8 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from rlray.observe.tracking import get_run, get_run_metrics, is_metric_key, term_keys
 
@@ -16,7 +18,7 @@ ENV_KEYS = ["env/episodes", "env/turns_mean", "env/tool_calls_mean", "env/tool_e
 
 
 @pytest.mark.ray
-def test_mixed_environments_two_steps_through_ray(ray_session, tmp_path):
+def test_mixed_environments_two_steps_through_ray(ray_session, tmp_path, tiny_model_path):
     from rlray.config import load_config
     from rlray.launch.driver import run_training
 
@@ -25,11 +27,27 @@ def test_mixed_environments_two_steps_through_ray(ray_session, tmp_path):
                       [f"run.output_dir={tmp_path}/out", f"tracking.mlflow_uri={uri}",
                        f"data.train_files=[{REPO}/docs/examples/mixed_envs.jsonl]",
                        f"data.eval_files=[{REPO}/docs/examples/mixed_envs.jsonl]", "learner.lr=1e-3",
-                       "teacher.path=tiny-random@1", "teacher.weight=0.5"])
+                       "teacher.path=tiny-random@1", "teacher.weight=0.5",
+                       # options that would cost a run of their own: an entropy bonus and masked sequence-level IS
+                       "algo.entropy_coef=0.001", "algo.rollout_correction.mode=sequence_mask",
+                       "algo.rollout_correction.ratio_max=3.0"])
     result = run_training(cfg)
     assert result.status == "FINISHED"
-    assert get_run(uri, result.run_id).info.status == "FINISHED"
+    run = get_run(uri, result.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["learner.prompts_per_step"] == "5" and run.data.tags["rlray.config_hash"]
     metrics = get_run_metrics(uri, result.run_id)
+    # the main job's checks (tests/run/test_online_e2e.py, under slow, runs them on a single-turn GRPO run)
+    for key in ("learner/pg_loss", "learner/grad_norm", "algo/kl", "perf/tokens_per_s", "timing/rollout_s",
+                "timing/reward_s", "timing/logprobs_s", "timing/update_s", "timing/weight_sync_s", "timing/step_s"):
+        assert [s for s, _ in metrics[key]] == [1, 2] and all(math.isfinite(v) for _, v in metrics[key]), key
+    assert [v for _, v in metrics["rollout/policy_version"]] == [0.0, 1.0]  # step 2 sampled with the synced weights
+    assert [s for s, _ in metrics["eval/reward_mean"]] == [0, 2]  # eval before training and after the last step
+    final = Path(result.final_snapshot)
+    assert (final / "manifest.json").exists() and (final / "trainer_state.pt").exists()
+    before = load_file(str(Path(tiny_model_path) / "model.safetensors"))
+    after = load_file(str(final / "model" / "model.safetensors"))
+    assert len([k for k in before if not torch.equal(before[k], after[k])]) >= len(before) // 2
     for key in ENV_KEYS:
         assert [s for s, _ in metrics[key]] == [1, 2], key
     # the 2 steps take the file's 10 rows once (5 prompts each): 8 environment rows x 2 samples are episodes, the
@@ -44,6 +62,9 @@ def test_mixed_environments_two_steps_through_ray(ray_session, tmp_path):
     assert all(is_metric_key(k) for k in logged), [k for k in logged if not is_metric_key(k)]
     assert {"reward/env", "reward/env_skipped", "eval/env", "eval/exact_match"} <= set(metrics) & set(term_keys(["env", "exact_match"]))
     assert "eval/env_success" in metrics and "eval/env_turns_mean" in metrics
+    for key in ("algo/entropy", "algo/rollout_is_weight_mean", "algo/rollout_corrected_sequence_fraction",
+                "algo/rollout_kl", "algo/rollout_ratio_max"):
+        assert [s for s, _ in metrics[key]] == [1, 2] and all(math.isfinite(v) for _, v in metrics[key]), key
     # distillation from the teacher on the sampled tokens (observation tokens are masked out of it)
     kl = metrics["algo/distill_reverse_kl"]
     assert [s for s, _ in kl] == [1, 2] and all(math.isfinite(v) and v != 0.0 for _, v in kl)

@@ -67,7 +67,7 @@ def k0_run(cfg_and_actors, tiny_model_path):
     """Returns (per-step metrics, final float32 weights) of 3 run_step calls with max_staleness = 0."""
     cfg, actors = cfg_and_actors
     ctx = _fresh(cfg, tiny_model_path, actors)
-    got = [run_step(ctx, step, lambda m, samples=(): None) for step in range(3)]
+    got = [run_step(ctx, step, lambda m, samples=(), prompt_ids=None: None) for step in range(3)]
     return got, ctx.learner.export_weights(torch.float32)
 
 
@@ -101,7 +101,7 @@ def test_k2_bounds_staleness_and_changes_the_run(cfg_and_actors, tiny_model_path
     async_cfg = cfg.model_copy(deep=True)
     async_cfg.rollout.max_staleness = 2
     ctx = _fresh(async_cfg, tiny_model_path, actors)
-    got = [run_step(ctx, step, lambda m, samples=(): None) for step in range(4)]
+    got = [run_step(ctx, step, lambda m, samples=(), prompt_ids=None: None) for step in range(4)]
     # step t trains on rollouts of version max(0, t-2): staleness 0, 1, 2, 2 (never above k = 2)
     assert [g["rollout/staleness_max"] for g in got] == [0.0, 1.0, 2.0, 2.0]
     assert [g["rollout/staleness_mean"] for g in got] == [0.0, 1.0, 2.0, 2.0]

@@ -1,4 +1,7 @@
-"""End to end: GRPO steps with `tiny-random` through vLLM rollout actors, Ray Train and MLflow."""
+"""End to end: GRPO steps with `tiny-random` through vLLM rollout actors, Ray Train and MLflow.
+
+Under `slow`: `make test` runs the same checks (weight sync reaching the engines, eval before and after, a
+complete final snapshot whose weights changed) on the mixed-environment GRPO run of tests/run/test_envs_e2e.py."""
 
 from pathlib import Path
 
@@ -17,6 +20,7 @@ REQUIRED = [
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_grpo_three_steps_through_ray(ray_session, tiny_grpo_run, tiny_model_path):
     uri, result, metrics = tiny_grpo_run(REQUIRED)
     # step s rolled out with the policy of version s-1: every sync reached the engine
