@@ -129,17 +129,8 @@ def check_function_spec(spec: str) -> None:
             f"reward function '{spec}' is neither a built-in verifier ({', '.join(sorted(BUILTIN_VERIFIERS))}) nor "
             "'module.path:function' / 'file.py:function'"
         )
-    target = spec.rsplit(":", 1)[0]
-    if target.endswith(".py"):
-        if not Path(target).is_file():
-            raise RewardFunctionError(f"reward function '{spec}': file {Path(target).resolve()} does not exist")
-        return
-    try:
-        found = importlib.util.find_spec(target) is not None
-    except (ImportError, ValueError):
-        found = False
-    if not found:
-        raise RewardFunctionError(f"reward function '{spec}': module '{target}' cannot be found")
+    if (missing := missing_target(spec)) is not None:
+        raise RewardFunctionError(f"reward function '{spec}': {missing}")
 
 
 def check_environment_spec(name: str, spec: str) -> None:
@@ -149,14 +140,18 @@ def check_environment_spec(name: str, spec: str) -> None:
     Raises:
         ValueError: a missing file or a module that cannot be found (names the key and the spec).
     """
+    if (missing := missing_target(spec)) is not None:
+        raise ValueError(f"env.environments.{name}='{spec}': {missing}")
+
+
+def missing_target(spec: str) -> str | None:
+    """Returns why the file or module of a 'file.py:name' / 'module.path:name' spec cannot be used (its file does not
+    exist, or the module cannot be found), or None when it can; nothing is imported."""
     target = spec.rsplit(":", 1)[0]
     if target.endswith(".py"):
-        if not Path(target).is_file():
-            raise ValueError(f"env.environments.{name}='{spec}': file {Path(target).resolve()} does not exist")
-        return
+        return None if Path(target).is_file() else f"file {Path(target).resolve()} does not exist"
     try:
         found = importlib.util.find_spec(target) is not None
     except (ImportError, ValueError):
         found = False
-    if not found:
-        raise ValueError(f"env.environments.{name}='{spec}': module '{target}' cannot be found")
+    return None if found else f"module '{target}' cannot be found"
