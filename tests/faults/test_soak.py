@@ -23,9 +23,9 @@ import json
 import os
 import random
 import signal
+import sys
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -37,6 +37,9 @@ from rlray.data import load_prompt_rows, prepare_prompts
 from rlray.models import load_tokenizer
 from rlray.observe.tracking import get_run, get_run_metrics, read_ledger
 from rlray.run import ledger
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
+from outages import store_down  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = int(os.environ.get("RLRAY_SOAK_STEPS", "200"))
@@ -87,16 +90,6 @@ def _actor_pids(class_name: str) -> list[int]:
     return [a["Pid"] for a in ray._private.state.actors().values() if a["ActorClassName"] == class_name and a["State"] == "ALIVE"]
 
 
-@contextmanager
-def _store_down(db: Path):
-    """Takes the sqlite store away for the block: the file moves out and a folder takes its name."""
-    os.rename(db, db.with_suffix(".away"))
-    db.mkdir()
-    try:
-        yield
-    finally:
-        db.rmdir()
-        os.rename(db.with_suffix(".away"), db)
 
 
 class _Progress:
@@ -142,7 +135,7 @@ def _inject(kind: str, step: int, progress: _Progress, rid: str, db: Path, run_d
         os.kill(_actor_pids("RayTrainWorker")[0], signal.SIGKILL)
         _wait(lambda: progress.count(rid, "run/restored_step") > before, 1800, "the learner's restore", thread)
     elif kind == "mlflow_down":
-        with _store_down(db):
+        with store_down(db):
             time.sleep(OUTAGE_S)
         _wait(lambda: progress.step(rid) >= step + 2, 1800, "two steps after the outage", thread)
     elif kind == "snapshot_fails":

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-from contextlib import contextmanager
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,17 +15,8 @@ from mlflow.tracking import MlflowClient
 
 from rlray.observe.tracking import StoreUnavailableError, Tracker, get_run_metrics
 
-
-@contextmanager
-def store_down(db: Path):
-    """Takes the sqlite store away for the block: the file moves out and a folder takes its name."""
-    os.rename(db, db.with_suffix(".away"))
-    db.mkdir()
-    try:
-        yield
-    finally:
-        db.rmdir()
-        os.rename(db.with_suffix(".away"), db)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
+from outages import store_down  # noqa: E402
 
 
 def test_metrics_tags_and_artifacts_are_buffered_while_the_store_is_down(tmp_path, caplog):
