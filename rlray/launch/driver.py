@@ -47,7 +47,7 @@ from rlray.observe.tracking import Tracker, resolve_tracking_uri
 from rlray.rollout.fleet import RolloutFleet
 from rlray.run import build, online, worker
 from rlray.run.episodes import EpisodeRollout
-from rlray.run.hooks import StepHook, StopWhenRequested, start_run_control
+from rlray.run.hooks import StepHook, StopWhenRequested, hold_hooks_from_env, start_run_control
 from rlray.run.state import RunServices, WorkerArgs
 
 log = logging.getLogger(__name__)
@@ -235,7 +235,8 @@ def run_training(
 
     Args:
         cfg: the validated config.
-        step_hooks: extra per-step hooks run on learner rank 0 (``rlray.run.hooks``; Tune's reporter).
+        step_hooks: extra per-step hooks run on learner rank 0 (``rlray.run.hooks``; Tune's reporter). Tests may
+            add a hold at a step through the environment (``rlray.run.hooks.hold_hooks_from_env``).
         tags: extra MLflow tags of the run (a sweep sets ``mlflow.parentRunId``).
         verbose: ``rlray train``'s console: False keeps other processes' output in their log files (Ray's log
             forwarding off) and draws the progress bar; True forwards everything and draws the bar; None (a
@@ -303,7 +304,7 @@ def run_training(
             teacher_actor=teacher,
             env_hosts=env_hosts,
             services=services,
-            step_hooks=[StopWhenRequested(control), *step_hooks],
+            step_hooks=[StopWhenRequested(control), *hold_hooks_from_env(os.environ), *step_hooks],
         ))
         with stop_on_sigterm(control):
             trainer.fit()

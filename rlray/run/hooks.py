@@ -14,19 +14,26 @@ Hooks travel to the Ray Train workers inside ``train_loop_config``, so they must
 classes holding actor handles do).
 
 Callers today: ``StopWhenRequested`` (control: ``ray job stop`` -> SIGTERM on the driver ->
-``RunControl``) and ``rlray.sweep.tune``'s trial reporter (observer: per-step metrics and the step's
-snapshot to Ray Tune, for ASHA and PBT).
+``RunControl``), ``rlray.sweep.tune``'s trial reporter (observer: per-step metrics and the step's
+snapshot to Ray Tune, for ASHA and PBT) and, for tests only, ``HoldForTest`` (control: holds a live run
+at a step while a test looks at its page; ``hold_hooks_from_env``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import ray
 
 log = logging.getLogger(__name__)
+
+HOLD_STEP_ENV = "RLRAY_TEST_HOLD_AFTER_STEP"  # tests only: the step after which the run waits (``HoldForTest``)
+HOLD_RELEASE_ENV = "RLRAY_TEST_HOLD_RELEASE"  # tests only: the file whose creation lets the held run go on
+HOLD_TIMEOUT_S = 900.0  # seconds a held run waits for its release file before it stops itself
 
 
 @dataclass(frozen=True)
@@ -122,3 +129,53 @@ class StopWhenRequested:
         if reason:
             log.warning("stop requested (%s): ending the run after step %d", reason, event.step)
         return reason
+
+
+class HoldForTest:
+    """Hook, for tests only: after step ``step`` waits until the file ``release`` exists; returns None, or a stop
+    reason when ``timeout_s`` seconds pass without it.
+
+    A control hook, so the step's metrics and samples are in MLflow and on their way to the monitor before it
+    waits, and its snapshot is written after (``rlray.run.session.step_boundary``). Meanwhile the heartbeat goes on
+    and the monitor serves the page at that step, so a test can load the page of a real run at a known step. A
+    release file that never comes ends the run loudly: an error in the log and status 'stopped: test hold ...'.
+    Only ``hold_hooks_from_env`` makes one, when ``RLRAY_TEST_HOLD_AFTER_STEP`` is set.
+
+    Args:
+        step: the 1-based step after which to wait.
+        release: path of the file the test creates to let the run go on (a local path of the learner's node).
+        timeout_s: seconds to wait for it.
+    """
+
+    def __init__(self, step: int, release: str, timeout_s: float = HOLD_TIMEOUT_S) -> None:
+        self.step, self.release, self.timeout_s = step, release, timeout_s
+
+    def __call__(self, event: StepEnd) -> str | None:
+        if event.step != self.step:
+            return None
+        log.warning("test hold: waiting after step %d until %s exists (%s)", event.step, self.release, HOLD_STEP_ENV)
+        deadline = time.monotonic() + self.timeout_s
+        while not Path(self.release).exists():
+            if time.monotonic() > deadline:
+                reason = f"test hold: {self.release} not created within {self.timeout_s:g} s"
+                log.error("%s; stopping the run", reason)
+                return reason
+            time.sleep(0.2)
+        return None
+
+
+def hold_hooks_from_env(env: Mapping[str, str]) -> list[StepHook]:
+    """Returns [a ``HoldForTest``] when ``env`` sets ``RLRAY_TEST_HOLD_AFTER_STEP`` (a step) and
+    ``RLRAY_TEST_HOLD_RELEASE`` (the release file), else [] (every real run).
+
+    Raises:
+        ValueError: the step is not a positive integer, or the release file is not given.
+    """
+    step = env.get(HOLD_STEP_ENV)
+    if not step:
+        return []
+    release = env.get(HOLD_RELEASE_ENV)
+    if not step.isdigit() or int(step) < 1 or not release:
+        raise ValueError(f"{HOLD_STEP_ENV}={step!r} {HOLD_RELEASE_ENV}={release!r}: the test hold needs a step >= 1 "
+                         f"and a release file path; unset {HOLD_STEP_ENV} outside tests")
+    return [HoldForTest(int(step), release)]
