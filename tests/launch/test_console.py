@@ -1,26 +1,21 @@
 """rlray train's console (issue 13): start and last lines, one progress bar drawn by the driver from the monitor's
 progress document that ends at 100%, a quiet console with the full driver log in the run's folder, Ray's log files
-copied there. Pure functions and a fake poll here; the subprocess run of ``rlray train`` is marked slow (Ray)."""
+copied there. Pure functions and a fake poll here; a real ``rlray train`` subprocess's console is checked by
+tests/observe/test_held_run.py (the one held tiny run that also serves the page, JSON and TensorBoard checks)."""
 
 from __future__ import annotations
 
 import io
-import json
 import logging
 import os
 import re
-import subprocess
-import sys
 import time
 import warnings
-from pathlib import Path
 
 import pytest
 
 from rlray.cli import build_parser
 from rlray.launch import console
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _doc(step: int, alerts: list[dict] | None = None, **metrics: float) -> dict:
@@ -194,36 +189,3 @@ def test_train_takes_verbose():
     args = p.parse_args(["train", "c.yaml", "run.max_steps=2", "-v"])
     assert args.verbose is True and args.overrides == ["run.max_steps=2"]
     assert p.parse_args(["train", "c.yaml", "--verbose"]).verbose is True
-
-
-@pytest.mark.slow
-@pytest.mark.ray
-def test_rlray_train_console(tmp_path, gsm8k_dir):
-    """A 2-step ``rlray train`` as a subprocess on its own local Ray: the start lines, one bar that ends at 100%, no
-    library warnings or Ray lines on the console, and the full logs (driver.log, Ray's worker logs) in the run's
-    folder, named in the last lines."""
-    lines = (gsm8k_dir / "train.jsonl").read_text().splitlines()[:4]
-    (tmp_path / "train4.jsonl").write_text("\n".join(lines) + "\n")
-    overrides = [f"data.train_files=[{tmp_path}/train4.jsonl]", "eval.num_problems=0", "run.max_steps=2",
-                 f"run.output_dir={tmp_path}/out", f"tracking.mlflow_uri=sqlite:///{tmp_path}/mlflow.db", "monitor.port=0",
-                 "rollout.backend=hf", "rollout.max_new_tokens=8", "guard.kl_threshold=null",
-                 f"reward.functions=[{{function: '{REPO}/tests/fixtures/rewards.py:completion_length', weight: 1.0}}]"]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-m", "rlray.cli", "train", str(REPO / "configs/grpo_gsm8k_tiny.yaml"), *overrides],
-                         capture_output=True, text=True, timeout=1800, env=env, cwd=tmp_path, check=False)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout[out.stdout.index("\n{") + 1:])
-    shown = out.stdout + out.stderr
-    for start in (f"rlray: MLflow run {result['run_id']} in ", "rlray: live page at http://127.0.0.1:",
-                  "rlray: snapshots under ", f"rlray: logs in {result['log_dir']}"):
-        assert start in shown, start
-    # a pipe is no terminal: the driver's progress is one plain line per step (the workers' own lines stay in their logs)
-    progress = [seg for seg in re.split(r"[\r\n]", out.stderr) if seg.startswith("rlray step ")]
-    assert [x.split(" reward=")[0] for x in progress] == ["rlray step 1/2 (50%)", "rlray step 2/2 (100%)"], progress
-    for chatter in ("FutureWarning", "UserWarning", "core_worker.cc", "RayTrainWorker", "(pid=", "Loading"):
-        assert chatter not in shown, chatter
-    log_dir = Path(result["log_dir"])
-    assert f"rlray: full logs in {log_dir}: driver.log" in shown
-    assert f"MLflow run {result['run_id']}" in (log_dir / "driver.log").read_text()
-    worker_logs = "".join(p.read_text(errors="replace") for p in (log_dir / "ray").rglob("worker-*"))
-    assert "rlray step 2/2" in worker_logs

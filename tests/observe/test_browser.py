@@ -5,52 +5,20 @@ The page is served from a RunMonitor filled with a 30-step fake run (tests/fixtu
 browser must draw every chart's curves from /api/metrics and the sample viewer's rows from /api/samples, and a
 screenshot of the reward chart must hold the curve's own colour, not only the chart's white background.
 
-Skipped, with the reason, where chromium, chromedriver or selenium is missing and the CI variable is unset; on CI
-(``.ci/run`` installs both packages with apt-get) a missing browser fails the test instead.
+The browser comes from tests/observe/conftest.py (skipped without chromium unless CI is set). The real run's page is
+checked by tests/observe/test_held_run.py; this fake run covers what a tiny run does not show: 30 steps, reward terms,
+the KL guard's line, every timing stage, markup in a completion, a multi-turn episode and the step selector.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import io
-import os
+import sys
 from pathlib import Path
 
 import pytest
 
-FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "page_demo.py"
-CURVE_RGB = (0x25, 0x63, 0xEB)  # COLORS[0] of monitor.js: the first series of each chart (reward/mean on the reward chart)
-
-
-def _load_demo():
-    spec = importlib.util.spec_from_file_location("page_demo", FIXTURE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-demo = _load_demo()
-
-
-def _missing() -> str | None:
-    """Returns why the browser test cannot run here, or None when it can."""
-    if demo.browser_paths() is None:
-        return "no chromium/chromedriver (apt-get install -y chromium chromium-driver)"
-    if importlib.util.find_spec("selenium") is None:
-        return "selenium is not installed (the dev extra: pip install -e '.[dev]')"
-    return None
-
-
-@pytest.fixture
-def browser():
-    reason = _missing()
-    if reason is not None:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI is set but the browser test cannot run: {reason}")
-        pytest.skip(reason)
-    b = demo.headless_chromium(*demo.browser_paths())
-    yield b
-    b.quit()
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
+import page_demo as demo  # noqa: E402
 
 
 @pytest.fixture
@@ -59,20 +27,6 @@ def served_demo():
     port = monitor.serve("127.0.0.1", 0)
     yield monitor, port
     monitor.close()
-
-
-def _coloured_pixels(png: bytes, rgb: tuple[int, int, int], tolerance: int = 40) -> tuple[int, int]:
-    """Returns (pixels within ``tolerance`` of ``rgb`` on every channel, pixels that are not near-white) of a PNG."""
-    from PIL import Image  # matplotlib's dependency, in the dev extra
-
-    img = Image.open(io.BytesIO(png)).convert("RGB")
-    near = other = 0
-    for r, g, b in img.getdata():
-        if abs(r - rgb[0]) <= tolerance and abs(g - rgb[1]) <= tolerance and abs(b - rgb[2]) <= tolerance:
-            near += 1
-        if min(r, g, b) < 235:
-            other += 1
-    return near, other
 
 
 def test_page_draws_curves_and_samples_in_chromium(browser, served_demo):
@@ -113,6 +67,6 @@ def test_page_draws_curves_and_samples_in_chromium(browser, served_demo):
     assert steps == ["latest", "step 30", "step 29"]
 
     # The reward chart's screenshot holds the first curve's colour, beyond the white plot area and grey grid.
-    near, other = _coloured_pixels(reward.find_element(By.TAG_NAME, "svg").screenshot_as_png, CURVE_RGB)
+    near, other = demo.coloured_pixels(reward.find_element(By.TAG_NAME, "svg").screenshot_as_png, demo.CURVE_RGB)
     assert near > 100, f"only {near} pixels of the curve colour in the reward chart"
     assert other > near
