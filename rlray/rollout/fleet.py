@@ -272,13 +272,18 @@ class RolloutBatch:
 class RolloutPipeline:
     """Keeps the rollouts of steps t..t+k in flight while step t trains (k = max_staleness).
 
+    Step t + k takes its prompts from the data cursor when step t starts, so in async mode the cursor
+    runs ahead of the steps done, and DAPO refills that step t draws come after the prompts of steps
+    t+1..t+k. ``cursor_state`` records that order, so a restore hands every step the prompts an
+    uninterrupted run gives it.
+
     Args:
         fleet: the rollout fleet.
         take_prompts: returns (rows, prompt token ids) of the next step (advances the data cursor).
         sampling_for: returns the SamplingSpec of a step (its seed depends on the step).
         max_staleness: k, in policy versions; 0 is synchronous.
         cursor: returns the data cursor's state (``PromptStream.state_dict``), recorded before each
-            step's prompts are taken so that a snapshot can save the cursor of the consumed steps.
+            step's prompts are taken, so that a snapshot can name the prompts of the steps in flight.
         restore_cursor: sets the data cursor's state (``PromptStream.load_state_dict``).
     """
 
@@ -297,11 +302,15 @@ class RolloutPipeline:
         self.max_staleness = max_staleness
         self.cursor = cursor
         self.restore_cursor = restore_cursor
-        self._queue: collections.deque = collections.deque()
+        self._queue: collections.deque = collections.deque()  # (step, rows, ids, pending, version, cursor before)
+        self._retake: collections.deque = collections.deque()  # (cursor before, rows, ids) of steps to submit again
         self._next_step: int | None = None
 
     def next(self, step: int) -> RolloutBatch:
         """Returns step ``step``'s rollout, after submitting those of steps up to ``step + k``.
+
+        A step dropped by ``reset`` or named in a loaded ``cursor_state`` is submitted again with the
+        prompts it had, before any step takes new ones.
 
         Raises:
             ValueError: steps are not consumed in order.
@@ -309,8 +318,11 @@ class RolloutPipeline:
         if self._next_step is None:
             self._next_step = step
         while self._next_step <= step + self.max_staleness:
-            before = self.cursor() if self.cursor else None
-            rows, ids = self.take_prompts()
+            if self._retake:
+                before, rows, ids = self._retake.popleft()
+            else:
+                before = self.cursor() if self.cursor else None
+                rows, ids = self.take_prompts()
             pending = self.fleet.submit(ids, self.sampling_for(self._next_step), rows)
             self._queue.append((self._next_step, rows, ids, pending, self.fleet.version, before))
             self._next_step += 1
@@ -319,27 +331,38 @@ class RolloutPipeline:
             raise ValueError(f"RolloutPipeline: asked for step {step}, the next rollout in flight is step {got}")
         return RolloutBatch(step, rows, ids, self.fleet.collect(pending), version)
 
-    def consumed_cursor(self) -> dict | None:
-        """Returns the data cursor as it was before the oldest step still in flight was taken, i.e. the
-        cursor of exactly the consumed steps (what a snapshot must save); the live cursor when none is
-        in flight (always in synchronous mode between steps). None without a ``cursor`` callable."""
-        if self._queue:
-            return self._queue[0][5]
-        return self.cursor() if self.cursor else None
+    def cursor_state(self) -> dict | None:
+        """Returns the data cursor a snapshot keeps, or None without a ``cursor`` callable.
+
+        The cursor counts every prompt taken from the stream: the steps done, their DAPO refills and the
+        steps in flight (whose prompts an async run takes before the refills of the steps before them).
+        "in_flight" holds the cursor before each step in flight, oldest first, so that
+        ``load_cursor_state`` hands those steps the same prompts again.
+        """
+        if self.cursor is None:
+            return None
+        in_flight = [item[5] for item in self._queue] + [item[0] for item in self._retake]
+        return {**self.cursor(), "in_flight": in_flight}
+
+    def load_cursor_state(self, state: dict) -> None:
+        """Drops the rollouts in flight and sets the data cursor to ``state`` (``cursor_state``): the steps
+        in flight when it was saved are submitted first, with their prompts taken again at their cursors."""
+        self.reset()
+        self._retake.clear()
+        for before in state.get("in_flight", []):  # absent in snapshots written before it was kept
+            self.restore_cursor(before)
+            rows, ids = self.take_prompts()
+            self._retake.append((before, rows, ids))
+        self.restore_cursor({k: v for k, v in state.items() if k != "in_flight"})
 
     def reset(self) -> None:
-        """Drops the rollouts in flight (after a restore or rollback: they used old weights) and rewinds
-        the data cursor to the consumed steps, so their prompts are taken again."""
-        if not self._queue:
-            self._next_step = None
-            return
-        cursor = self.consumed_cursor()
+        """Drops the rollouts in flight (after a restore or rollback: they used old weights); their steps
+        are submitted again with the same prompts, and the data cursor stays where it is."""
         for item in self._queue:
             self.fleet.collect(item[3])  # let the engines finish: their calls are ordered before the push
+        self._retake.extendleft((before, rows, ids) for _, rows, ids, _, _, before in reversed(self._queue))
         self._queue.clear()
         self._next_step = None
-        if self.restore_cursor is not None and cursor is not None:
-            self.restore_cursor(cursor)
 
     @property
     def in_flight(self) -> int:

@@ -81,9 +81,13 @@ class RunContext(abc.ABC):
     def reload_rollouts(self) -> None:  # noqa: B027 (a hook with a default: offline runs have no rollouts)
         """Pushes the learner's weights to the rollout engines (start, restore, rollback); none by default."""
 
-    def consumed_cursor(self) -> dict[str, Any]:
-        """Returns the data cursor a snapshot keeps: the prompts of the steps done, not those in flight."""
+    def cursor_state(self) -> dict[str, Any]:
+        """Returns the data cursor a snapshot keeps (``PromptStream.state_dict``: the prompts the steps done took)."""
         return self.stream.state_dict()
+
+    def load_cursor_state(self, state: dict[str, Any]) -> None:
+        """Sets the data cursor to a snapshot's ``state`` (``cursor_state``)."""
+        self.stream.load_state_dict(state)
 
     def close(self) -> None:  # noqa: B027 (a hook with a default: nothing to release)
         """Releases what the run holds besides the learner (clients, connections); nothing by default."""

@@ -6,12 +6,15 @@ dynamic-sampling refills; never evaluation prompts) as the MLflow artifact ``led
 replaces its own file, so the ledger holds the steps that survive. ``check_ledger`` compares the ledger,
 steps 1..last in order, with what the seeded ``PromptStream`` (the run's rows, ``run.seed`` and
 ``data.shuffle``) hands out to an uninterrupted run: every prompt of each epoch exactly once, in the
-epoch's order. No Ray; ``check_run`` reads a run's ledger from MLflow first.
+epoch's order. In async mode (``rollout.max_staleness`` = k > 0) step t + k takes its prompts when step t
+starts, before step t's refills, and the check expects that order (``step_order``). No Ray; ``check_run``
+reads a run's ledger from MLflow first.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from rlray.data import PromptRow, PromptStream
@@ -72,17 +75,43 @@ class LedgerReport:
         return f"ledger wrong: {head}; " + "; ".join(parts) + where
 
 
+def step_order(stream: PromptStream, counts: list[int], *, prompts_per_step: int, max_staleness: int) -> Iterator[str]:
+    """Yields the prompt ids an uninterrupted run's steps take, steps in order, then the stream's further ids.
+
+    Step t takes ``counts[t]`` ids: its ``prompts_per_step`` own prompts, then DAPO refills. Synchronous
+    runs take them in the stream's order. In async mode (``max_staleness`` = k > 0, ``RolloutPipeline``)
+    the own prompts of steps 0..k are taken first, and then each step t takes its refills before step
+    t + k + 1 takes its own prompts. The own prompts of the steps still in flight at the end follow the
+    last step's refills.
+    """
+
+    def take(n: int) -> list[str]:
+        return [r.prompt_id for r in stream.next_batch(n)] if n > 0 else []
+
+    ahead: deque[list[str]] = deque()
+    for count in counts if max_staleness else ():
+        while len(ahead) <= max_staleness:
+            ahead.append(take(prompts_per_step))
+        yield from ahead.popleft()
+        yield from take(count - prompts_per_step)
+    for own in ahead:
+        yield from own
+    while True:
+        yield from take(len(stream))
+
+
 def check_ledger(ledger: dict[int, list[str]], rows: list[PromptRow], *, seed: int, shuffle: bool,
-                 last_step: int | None = None) -> LedgerReport:
+                 last_step: int | None = None, prompts_per_step: int = 0, max_staleness: int = 0) -> LedgerReport:
     """Returns how the ledger of steps 1..``last_step`` compares with the seeded prompt stream.
 
-    The ledger's ids, steps in order, are walked against a fresh ``PromptStream(rows, seed, shuffle)``.
-    An id equal to the stream's next one matches. An id already matched in the current epoch is a
-    duplicate. An id that an earlier skip marked missing is out of order (taken late). An id the stream
-    hands out later, within one epoch's length, marks the ids it skips as missing. Any other is a
-    duplicate; an id that is no row of the data is unknown. ``ok`` is exact; the labels are a best
-    reading of where a wrong ledger departs (a step replayed across an epoch boundary reads as a skip
-    followed by late ids).
+    The ledger's ids, steps in order, are walked against what a fresh ``PromptStream(rows, seed, shuffle)``
+    hands out to the steps of an uninterrupted run (``step_order``; in async mode the ledger gives each
+    step's number of refills). An id equal to the stream's next one matches. An id already matched in
+    the current epoch is a duplicate. An id that an earlier skip marked missing is out of order (taken
+    late). An id the stream hands out later, within one epoch's length, marks the ids it skips as
+    missing. Any other is a duplicate; an id that is no row of the data is unknown. ``ok`` is exact; the
+    labels are a best reading of where a wrong ledger departs (a step replayed across an epoch boundary
+    reads as a skip followed by late ids).
 
     Args:
         ledger: {1-based step: prompt ids in the order taken} (``rlray.observe.tracking.read_ledger``).
@@ -90,19 +119,25 @@ def check_ledger(ledger: dict[int, list[str]], rows: list[PromptRow], *, seed: i
         seed: ``run.seed``.
         shuffle: ``data.shuffle``.
         last_step: the run's last step (its ``rlray.final_step`` tag); None: the ledger's highest step.
+        prompts_per_step: ``learner.prompts_per_step`` (needed in async mode).
+        max_staleness: ``rollout.max_staleness``; 0 for synchronous runs.
 
     Raises:
-        ValueError: ``rows`` is empty (``PromptStream``).
+        ValueError: ``rows`` is empty (``PromptStream``), or ``max_staleness`` > 0 without ``prompts_per_step``.
     """
+    if max_staleness > 0 and prompts_per_step < 1:
+        raise ValueError(f"check_ledger: max_staleness={max_staleness} needs prompts_per_step >= 1")
     stream = PromptStream(rows, seed=seed, shuffle=shuffle)
     known = {r.prompt_id for r in rows}
     last = max(ledger, default=0) if last_step is None else last_step
     consumed = [pid for step in range(1, last + 1) for pid in ledger.get(step, [])]
-    handed: list[str] = []  # the stream's ids, drawn as far as the walk needs
+    order = step_order(stream, [len(ledger.get(step, [])) for step in range(1, last + 1)],
+                       prompts_per_step=prompts_per_step, max_staleness=max_staleness)
+    handed: list[str] = []  # the uninterrupted run's ids, drawn as far as the walk needs
 
     def at(i: int) -> str:
         while len(handed) <= i:
-            handed.extend(r.prompt_id for r in stream.next_batch(len(rows)))
+            handed.append(next(order))
         return handed[i]
 
     size, pos, matched = len(rows), 0, set()
@@ -118,7 +153,7 @@ def check_ledger(ledger: dict[int, list[str]], rows: list[PromptRow], *, seed: i
             continue
         first = n if first is None else first
         start = pos - pos % size  # the current epoch's first stream position
-        here = next(k for k in range(start, start + size) if at(k) == pid) if pid in known else None
+        here = next((k for k in range(start, start + size) if at(k) == pid), None)
         ahead = next((j for j in range(pos + 1, pos + size) if at(j) == pid), None)
         if pid not in known:
             unknown.append(pid)
@@ -142,7 +177,8 @@ def check_ledger(ledger: dict[int, list[str]], rows: list[PromptRow], *, seed: i
     )  # fmt: skip
 
 
-def check_run(uri: str, run_id: str, rows: list[PromptRow], *, seed: int, shuffle: bool) -> LedgerReport:
+def check_run(uri: str, run_id: str, rows: list[PromptRow], *, seed: int, shuffle: bool, prompts_per_step: int = 0,
+              max_staleness: int = 0) -> LedgerReport:
     """Returns ``check_ledger`` of MLflow run ``run_id``'s ledger, up to its ``rlray.final_step`` tag (else its
     highest ledger step).
 
@@ -153,4 +189,5 @@ def check_run(uri: str, run_id: str, rows: list[PromptRow], *, seed: int, shuffl
 
     final = tracking.get_run(uri, run_id).data.tags.get("rlray.final_step")
     return check_ledger(tracking.read_ledger(uri, run_id), rows, seed=seed, shuffle=shuffle,
-                        last_step=None if final is None else int(final))
+                        last_step=None if final is None else int(final), prompts_per_step=prompts_per_step,
+                        max_staleness=max_staleness)

@@ -158,7 +158,7 @@ class OnlineRun(RunContext):
         learner's weights; it is stage 7's push with the version kept.
         """
         if self.rank == 0:
-            self.pipeline.reset()  # drop rollouts in flight (async mode): they used the old weights and cursor
+            self.pipeline.reset()  # drop rollouts in flight (async mode): they used the old weights
         self.policy_version -= 1
         self.policy_version = sync_weights(self)
         kwargs = build.scorer_kwargs(self.cfg, self.reward_columns) if self.rank == 0 else None
@@ -166,9 +166,14 @@ class OnlineRun(RunContext):
             self.reward.close()
             self.reward, self.reward_kwargs = build.reward_client(self.cfg, self.reward_columns), kwargs
 
-    def consumed_cursor(self) -> dict[str, Any]:
-        """Returns the cursor of the steps done (async mode: the pipeline has taken prompts of steps in flight)."""
-        return self.pipeline.consumed_cursor()
+    def cursor_state(self) -> dict[str, Any]:
+        """Returns the data cursor a snapshot keeps (``RolloutPipeline.cursor_state``): it counts every prompt taken,
+        refills and the steps in flight included, and names where each step in flight took its prompts."""
+        return self.pipeline.cursor_state()
+
+    def load_cursor_state(self, state: dict[str, Any]) -> None:
+        """Sets the data cursor to a snapshot's ``state``; the steps then in flight take the same prompts again."""
+        self.pipeline.load_cursor_state(state)
 
     def close(self) -> None:
         """Closes rank 0's reward client."""

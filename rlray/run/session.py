@@ -254,7 +254,7 @@ def _restore(ctx: RunContext, run: RunState, uri: str) -> dict[str, Any]:
     contents.set_optimizer_hparams(ctx.learner, ctx.cfg)
     ctx.policy_version = int(manifest["policy_version"])
     if ctx.stream is not None:  # rank 0 online; every rank offline (each walks the same cursor)
-        ctx.stream.load_state_dict(manifest["data_cursor"])
+        ctx.load_cursor_state(manifest["data_cursor"])
     log.info("rank %d restored snapshot %s (step %d, policy version %d)", ctx.rank, uri, manifest["step"], ctx.policy_version)
     return manifest
 

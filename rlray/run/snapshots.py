@@ -96,7 +96,7 @@ def _write(ctx: RunContext, run: RunState, uri: str, kind: str, metrics: dict[st
 
 
 def _manifest(ctx: RunContext, run: RunState, kind: str, metrics: dict[str, float], services: RunServices) -> dict[str, Any]:
-    cursor = ctx.consumed_cursor()  # async mode: the prompts of the steps done, not those still in flight
+    cursor = ctx.cursor_state()  # async mode: also where the steps still in flight took their prompts
     return {
         "kind": kind,
         "step": run.step,

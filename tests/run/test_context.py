@@ -64,13 +64,16 @@ def test_rank_and_world_come_from_the_collective():
     assert (ctx.rank, ctx.world) == (2, 3)
 
 
-def test_the_default_consumed_cursor_is_the_streams_state():
+def test_the_default_cursor_state_is_the_streams_and_loads_back():
     stream = _stream()
     stream.next_batch(7)  # one epoch of 5, then 2 rows into epoch 1
     ctx = MinimalRun(Config(), Collective(), LEARNER, None, stream=stream)
-    cursor = ctx.consumed_cursor()
+    cursor = ctx.cursor_state()
     assert cursor == stream.state_dict()
     assert (cursor["epoch"], cursor["position"], cursor["num_rows"], cursor["seed"]) == (1, 2, 5, 1)
+    stream.next_batch(4)
+    ctx.load_cursor_state(cursor)
+    assert stream.state_dict() == cursor
 
 
 def test_start_metrics_is_a_copy_of_the_data_metrics():

@@ -179,9 +179,9 @@ def test_sandboxed_episodes_have_a_hard_time_limit_that_ends_one_episode(ray_ses
     ray.kill(h)
 
 
-def test_async_pipeline_runs_episodes_ahead_and_redraws_them_after_a_reset(env_host, tiny_tokenizer):
+def test_async_pipeline_runs_episodes_ahead_and_reruns_them_after_a_reset(env_host, tiny_tokenizer):
     """Episodes of step t+1 run while step t trains (max_staleness 1); a reset (restore, rollback) drops the
-    episodes in flight and rewinds the data cursor to exactly the consumed steps, so they are drawn again."""
+    episodes in flight and runs their steps again with the same rows, the data cursor left where it is."""
     from rlray.rollout.fleet import RolloutPipeline
 
     data = rows("countdown", None, "countdown", None, "countdown", None)
@@ -202,11 +202,11 @@ def test_async_pipeline_runs_episodes_ahead_and_redraws_them_after_a_reset(env_h
     first = pipe.next(0)
     assert [r.prompt_id for r in first.rows] == ["p0", "p1"] and pipe.in_flight == 1  # step 1's episodes run
     assert [c.episode.stop_reason for c in first.completions] == ["done", "done", "single_turn", "single_turn"]
-    assert pipe.consumed_cursor() == {"next": 2}
+    assert pipe.cursor_state() == {"next": 4, "in_flight": [{"next": 2}]}  # step 1 took its rows at cursor 2
     pipe.reset()
-    assert cursor == {"next": 2} and pipe.in_flight == 0
+    assert cursor == {"next": 4} and pipe.in_flight == 0
     again = pipe.next(1)
-    assert [r.prompt_id for r in again.rows] == ["p2", "p3"]  # step 1's rows, drawn again
+    assert [r.prompt_id for r in again.rows] == ["p2", "p3"]  # step 1's rows, run again
     pipe.reset()  # waits for step 2's episodes in flight, then drops them
-    assert cursor == {"next": 4}
+    assert cursor == {"next": 6}
     assert ray.get(env_host.open_episodes.remote()) == 0

@@ -1,5 +1,6 @@
 """The prompt ledger: each online step's prompt ids (refills included) go to MLflow at the step boundary, a step run
-again replaces its own file, and ``rlray.run.ledger`` checks a ledger against the real seeded PromptStream."""
+again replaces its own file, and ``rlray.run.ledger`` checks a ledger against the real seeded PromptStream. Exact
+resume: DAPO refills in sync and async mode, restored from a snapshot's cursor, take what an uninterrupted run takes."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from rlray.learner.collective import Collective
 from rlray.observe.tracking import Tracker, read_ledger
 from rlray.reward.server import LocalRewardClient
 from rlray.rollout import Completion
-from rlray.run import ledger, online
+from rlray.rollout.fleet import RolloutPipeline
+from rlray.run import build, ledger, online
 from rlray.run.online import OnlineRun, StageTimer
 
 ROWS = [PromptRow(f"q{i}", f"question {i}", {}) for i in range(6)]
@@ -65,6 +67,20 @@ def test_a_refill_taken_after_the_next_steps_prompts_is_out_of_order():
     assert report.out_of_order == (S[2], S[3]) and report.missing == () and report.duplicates == {}
     assert report.first_mismatch == 2 and not report.ok
     assert f"2 out of order: {S[2]}, {S[3]}" in report.summary()
+
+
+def test_in_async_mode_the_next_steps_prompts_come_before_a_refill():
+    """max_staleness 1: step 2's prompts are taken when step 1 starts, before step 1's refill; step 3's after it."""
+    steps = {1: [S[0], S[1], S[4]], 2: [S[2], S[3]], 3: [S[5], S[6]]}
+    report = _check(steps, prompts_per_step=2, max_staleness=1)
+    assert report.ok and report.consumed == report.expected == 7
+    # max_staleness 2: steps 2 and 3 took S[2:6] before step 1's refill
+    assert _check({1: [S[0], S[1], S[6]], 2: S[2:4], 3: S[4:6]}, prompts_per_step=2, max_staleness=2).ok
+    # the same ledger with the refill taken again by step 3 is wrong
+    report = _check({1: [S[0], S[1], S[4]], 2: [S[2], S[3]], 3: [S[4], S[5]]}, prompts_per_step=2, max_staleness=1)
+    assert report.duplicates == {S[4]: 1} and report.missing == () and not report.ok
+    with pytest.raises(ValueError, match="max_staleness=1 needs prompts_per_step >= 1"):
+        _check(steps, max_staleness=1)
 
 
 def test_a_step_without_a_ledger_file_and_files_past_the_last_step():
@@ -139,6 +155,83 @@ def test_collect_experience_records_the_steps_prompts_and_dapos_refills():
     assert ctx.step_prompt_ids == S[0:3]  # both prompts of the step, the dropped one too, then the refill
     assert table.column("prompt_id").to_pylist() == [S[1]] * G + [S[2]] * G  # the update keeps groups 1 and refill
     assert _check({1: ctx.step_prompt_ids}).ok
+
+
+class _OddQuestionsFlat:
+    """Reward: 0 for every sample of an odd-numbered question (a flat group DAPO drops and refills), else the
+    parity of the completion's first token (0, 1 within each group of ``_completions``)."""
+
+    def score(self, prompts, completions, columns, completion_ids=None):
+        flat = [int(p.split()[1]) % 2 for p in prompts]
+        return {"reward": [0.0 if f else float(int(c.split()[0]) % 2) for f, c in zip(flat, completions, strict=True)]}
+
+    def close(self):
+        pass
+
+
+class _Fleet:
+    """A rollout fleet and its pipeline's engine without Ray: ``_completions`` for every prompt."""
+
+    version = 0
+
+    def submit(self, ids, sampling, rows):
+        return len(ids)
+
+    def collect(self, num_prompts):
+        return _completions(num_prompts)
+
+    def generate(self, ids, sampling, rows):
+        return _completions(len(ids))
+
+    def push(self, learner, rank, version):  # the weight sync of reload_rollouts
+        pass
+
+
+def _dapo_run(max_staleness: int) -> OnlineRun:
+    """Returns rank 0's context of a DAPO run with the real PromptStream and RolloutPipeline (``setup``'s wiring)."""
+    cfg = config_from_dict({}, ["algo.name=dapo", "learner.prompts_per_step=2", f"rollout.samples_per_prompt={G}",
+                                "learner.sequences_per_minibatch=4", "learner.sequences_per_microbatch=2",
+                                f"rollout.max_staleness={max_staleness}", "algo.dynamic_sampling_max_rounds=20"])  # fmt: skip
+    fleet = _Fleet()
+    ctx = OnlineRun(cfg, Collective(), None, _Tokenizer(), stream=PromptStream(ROWS, seed=SEED, shuffle=True),
+                    reward=LocalRewardClient(_OddQuestionsFlat(), 1), reward_kwargs=build.scorer_kwargs(cfg, None),
+                    rollouts=fleet, fleet=fleet, weight_sync=fleet, prompt_ids={r.prompt_id: [3] for r in ROWS})  # fmt: skip
+    ctx.pipeline = RolloutPipeline(fleet, ctx.take_prompts, ctx.sampling_for, max_staleness, cursor=ctx.stream.state_dict,
+                                   restore_cursor=ctx.stream.load_state_dict)  # fmt: skip
+    return ctx
+
+
+def _steps(ctx: OnlineRun, steps: range, book: dict[int, list[str]]) -> dict[int, list[str]]:
+    """Runs stages 1-3b of 0-based ``steps``; each replaces its 1-based ledger entry in ``book`` (as MLflow does)."""
+    for step in steps:
+        online.collect_experience(ctx, step, StageTimer())
+        book[step + 1] = list(ctx.step_prompt_ids)
+    return book
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1, 2])
+def test_dapo_refills_resume_exactly_from_a_snapshots_cursor(max_staleness):
+    """A restart (a fresh context restored from the cursor a snapshot keeps) and a rollback (the same context, steps in
+    flight, restored to an earlier cursor) both give every later step the prompts an uninterrupted run gives it."""
+    check = dict(prompts_per_step=2, max_staleness=max_staleness)
+    uninterrupted = _steps(_dapo_run(max_staleness), range(8), {})
+    assert sum(map(len, uninterrupted.values())) > 16  # DAPO refilled (odd questions are flat)
+    assert _check(uninterrupted, **check).ok, _check(uninterrupted, **check).summary()
+
+    first = _dapo_run(max_staleness)
+    book = _steps(first, range(3), {})
+    cursor = first.cursor_state()  # the snapshot of step 3
+    assert len(cursor["in_flight"]) == max_staleness
+    _steps(first, range(3, 6), book)
+    first.load_cursor_state(cursor)  # a rollback to it (session.rollback: restore, then reload_rollouts)
+    first.reload_rollouts()
+    assert _steps(first, range(3, 8), book) == uninterrupted
+
+    restarted = _dapo_run(max_staleness)  # a restart: a new process restores the snapshot (session.begin)
+    restarted.load_cursor_state(cursor)
+    restarted.reload_rollouts()
+    book = _steps(restarted, range(3, 8), {s: book[s] for s in (1, 2, 3)})
+    assert book == uninterrupted and _check(book, **check).ok
 
 
 def test_an_empty_row_list_is_refused():

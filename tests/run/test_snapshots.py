@@ -27,7 +27,7 @@ CURSOR = {"epoch": 7, "position": 3, "seed": 11, "shuffle": False, "num_rows": 4
 
 @dataclass
 class StubRun(RunContext):
-    """A run kind with no steps: the session only asks it for the consumed data cursor."""
+    """A run kind with no steps: the session only asks it for the data cursor a snapshot keeps."""
 
     def run_step(self, step, end_step):
         raise AssertionError("a snapshot runs no step")
@@ -38,7 +38,7 @@ class StubRun(RunContext):
     def progress_text(self, steps_done, metrics):
         return ""
 
-    def consumed_cursor(self):
+    def cursor_state(self):
         return dict(CURSOR)  # differs from the stream's own state_dict (epoch 0, position 0)
 
 
