@@ -122,7 +122,7 @@ def load_config(path: str, overrides: list[str]) -> Any:
 def calibrate(args: argparse.Namespace) -> dict[str, Any]:
     """Returns (and prints) the base model's figures on the calibration split."""
     cfg = load_config(args.config, [f"run.seed={args.seed}", *args.set])
-    cfg.data.eval_files = [CALIBRATION_FILE]
+    cfg.data.eval_files = [args.calibration_file]
     cfg.eval.num_problems = args.calibration_episodes
     (episodes,) = episode_outcomes(cfg, cfg.model.path)
     s = summary(episodes)
@@ -144,7 +144,7 @@ def learn(args: argparse.Namespace, started: float) -> dict[str, Any]:
     base_a, base_b = episode_outcomes(eval_cfg, cfg.model.path, repeats=2)
     identical = [(e["success"], e["turns"], e["text"]) for e in base_a] == [(e["success"], e["turns"], e["text"]) for e in base_b]
     print(f"base model evaluated twice: {'identical' if identical else 'DIFFERENT'} episodes", flush=True)
-    result = run_training(cfg)
+    result = run_training(cfg, verbose=args.verbose)
     if not result.final_snapshot:
         raise RuntimeError(f"training ended {result.status} without a snapshot: {result.error}")
     (after,) = episode_outcomes(eval_cfg, result.final_snapshot)
@@ -198,8 +198,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], help="extra dotted config override (repeatable)")
     parser.add_argument("--calibrate", action="store_true", help="only the base model on the calibration split")
     parser.add_argument("--calibration-episodes", type=int, default=200)
+    parser.add_argument("--calibration-file", default=CALIBRATION_FILE, help="JSONL rows of the calibration split")
     parser.add_argument("--name", default=None, help="results file name (default env_learning or env_calibration)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="every process's output on the console (as rlray train -v)")
     args = parser.parse_args(argv)
+    from rlray.launch.console import configure_console
+    from rlray.launch.driver import init_ray
+
+    configure_console(args.verbose)  # as `rlray train`: library chatter and Ray's forwarded lines off unless -v
+    init_ray(include_dashboard=False, log_to_driver=args.verbose)
     out = calibrate(args) if args.calibrate else learn(args, started)
     path = REPO / "outputs" / "env_learning" / f"{args.name or ('env_calibration' if args.calibrate else 'env_learning')}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

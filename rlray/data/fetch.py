@@ -51,7 +51,9 @@ def fetch_dataset(name: str, dest: Path) -> Path:
     """Returns ``dest/<name>``, filled with the dataset's files from the first source that answers.
 
     Args:
-        name: ``"gsm8k"`` (train.jsonl, test.jsonl) or ``"hh-rlhf-harmless"`` (test.jsonl.gz).
+        name: ``"gsm8k"`` (train.jsonl, test.jsonl), ``"hh-rlhf-harmless"`` (test.jsonl.gz), or a generated set
+            (``GENERATED``: ``"retry-arith"``, ``"guess-number"``; train/calibration/heldout.jsonl, written anew on
+            every call, byte-identical for the same generator).
         dest: the data folder (e.g. ``<repo>/data``); created when missing.
 
     Raises:
@@ -61,7 +63,7 @@ def fetch_dataset(name: str, dest: Path) -> Path:
     if name not in EXPECTED_FILES:
         raise ValueError(f"unknown dataset '{name}'; known: {sorted(EXPECTED_FILES)}")
     target = Path(dest) / name
-    if _complete(name, target):
+    if name not in GENERATED and _complete(name, target):  # generated sets are rewritten: cheap, and never stale
         return target
     target.mkdir(parents=True, exist_ok=True)
     failures = []

@@ -83,10 +83,11 @@ def init_ray(*, include_dashboard: bool | None = None, log_to_driver: bool = Tru
 
     ``log_to_driver=False`` keeps every worker's and actor's output in Ray's log files instead of copying it to
     this console, and sets the driver's "ray" logger to WARNING (``rlray train`` without ``-v``). Nothing changes
-    when Ray is already initialized.
+    when Ray is already initialized (the log folder is still returned where this process started that Ray).
     """
-    if ray.is_initialized():
-        return RayInfo()
+    if ray.is_initialized():  # started by the caller (a benchmark, a test): its log folder, when Ray tells it
+        node = getattr(ray._private.worker, "_global_node", None)  # private; absent on a client connection
+        return RayInfo("", node.get_logs_dir_path() if node is not None else "")
     quiet = {} if log_to_driver else {"log_to_driver": False, "logging_level": logging.WARNING}
     env = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0")}
     # Inside `ray job submit` the job's runtime_env already applies, and Ray refuses a ray.init

@@ -87,3 +87,5 @@ def test_environment_datasets_are_generated_without_network(tmp_path, no_network
     assert first["prompt"] == f"What is {first['a']} {first['op']} {first['b']}?"
     again = fetch_dataset("retry-arith", tmp_path / "again")
     assert (again / "heldout.jsonl").read_bytes() == (folder / "heldout.jsonl").read_bytes()  # seeded
+    (folder / "heldout.jsonl").write_text('{"stale": true}\n')  # a set from an older generator is written anew
+    assert (fetch_dataset("retry-arith", tmp_path) / "heldout.jsonl").read_bytes() == (again / "heldout.jsonl").read_bytes()

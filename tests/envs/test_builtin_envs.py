@@ -179,6 +179,18 @@ def test_retry_later_attempt_and_failure():
     assert (last.reward, last.done, last.truncated, last.observations) == (0.0, False, True, [])
 
 
+def test_retry_direction_feedback_says_higher_or_lower():
+    env = RetryArithmeticEnv()
+    env.reset(a=37, op="+", b=45, answer=82, max_attempts=4, feedback="direction")
+    assert env.step(turn("80")).observations == [{"role": "user", "content": "Wrong: the answer is higher than 80. Try again."}]
+    assert env.step(turn("37 + 45 = 91", 1)).observations == [
+        {"role": "user", "content": "Wrong: the answer is lower than 91. Try again."}]
+    assert env.step(turn("eighty-two", 2)).observations == [{"role": "user", "content": "Wrong: reply with a number. Try again."}]
+    assert env.step(turn("82", 3)).reward == 0.5
+    with pytest.raises(ValueError, match="feedback='hint'"):
+        RetryArithmeticEnv().reset(**ARITH_ROW | {"feedback": "hint"})
+
+
 def test_retry_rejects_inconsistent_rows():
     with pytest.raises(ValueError, match="op='/'"):
         RetryArithmeticEnv().reset(a=1, op="/", b=1, answer=1)
@@ -198,7 +210,7 @@ def test_split_of_is_the_hash_bucket():
     assert set(SPLITS) == {"train", "calibration", "heldout"}
 
 
-@pytest.mark.parametrize(("kind", "env_cls", "n_heldout"), [("retry_arith", RetryArithmeticEnv, 1188), ("guess", GuessNumberEnv, 54)])
+@pytest.mark.parametrize(("kind", "env_cls", "n_heldout"), [("retry_arith", RetryArithmeticEnv, 432), ("guess", GuessNumberEnv, 54)])
 def test_rows_are_disjoint_deterministic_and_valid(tmp_path, kind, env_cls, n_heldout):
     sets = {split: build_rows(kind, 50, seed=0, split=split) for split in SPLITS}
     ids = {split: {row["id"] for row in rows} for split, rows in sets.items()}
@@ -222,7 +234,7 @@ def test_rows_are_disjoint_deterministic_and_valid(tmp_path, kind, env_cls, n_he
 def test_retry_rows_content():
     rows = build_rows("retry_arith", 200, seed=0, split="train")
     for row in rows:
-        assert 10 <= row["a"] <= 99 and 10 <= row["b"] <= 99 and row["max_attempts"] == 3
+        assert 0 <= row["a"] <= 50 and 0 <= row["b"] <= 50 and row["max_attempts"] == 3 and row["feedback"] == "direction"
         assert row["answer"] == (row["a"] + row["b"] if row["op"] == "+" else row["a"] - row["b"]) >= 0
         assert row["id"] == f"{row['a']}{row['op']}{row['b']}"
     guess = build_rows("guess", 100, seed=0, split="train")
