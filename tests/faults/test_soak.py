@@ -13,8 +13,8 @@ Faults, and where each is counted:
 
 A 12-step run with each process fault once took 290 s on 2 busy cores (187 s from start to the end of the run):
     RLRAY_SOAK_STEPS=12 pytest -q -m slow -s tests/faults/test_soak.py
-The 200-step run (`make soak`), 16 process faults, should take about 30 minutes there (about 5 s a step plus
-roughly 30 s per learner restart).
+The 200-step run (`make soak`), 16 process faults, took 685 s (615 s from start to the end of the run) beside
+another job's tests; every fault counted, 4 restores, the ledger exact over 400 prompts.
 """
 
 from __future__ import annotations
