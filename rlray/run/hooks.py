@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +104,10 @@ class RunControl:
 
 
 def start_run_control() -> ray.actor.ActorHandle:
-    """Returns a started ``RunControl`` actor (0 CPUs; it only holds a flag)."""
-    return ray.remote(num_cpus=0)(RunControl).remote()
+    """Returns a started ``RunControl`` actor (0 CPUs; it only holds a flag), pinned to the caller's node: it holds
+    the run's outcome, so it must outlive the loss of any other node."""
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return ray.remote(num_cpus=0)(RunControl).options(scheduling_strategy=here).remote()
 
 
 class StopWhenRequested:
