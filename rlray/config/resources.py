@@ -2,11 +2,42 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import AfterValidator, Field
 
 from rlray.config.base import CoreList, _Section
+
+_BUILTIN = {"CPU": "cpus", "GPU": "gpus", "memory": None, "object_store_memory": None}
+
+
+def _check_custom_resources(value: dict[str, float]) -> dict[str, float]:
+    """Checks Ray custom resource amounts: names that are not CPU/GPU/memory, amounts > 0, whole above 1."""
+    for name, amount in value.items():
+        if not name or name in _BUILTIN:
+            fix = f"use the role's {_BUILTIN[name]} field" if _BUILTIN.get(name) else "name a custom resource"
+            raise ValueError(f"{{{name!r}: {amount:g}}}: {name!r} is not a custom resource; {fix}")
+        if not math.isfinite(amount) or amount <= 0 or (amount > 1 and amount != int(amount)):
+            raise ValueError(f"{{{name!r}: {amount:g}}}: give {name!r} an amount > 0, whole when above 1 (e.g. 0.5, 1 or 2)")
+    return value
+
+
+CustomResources = Annotated[dict[str, float], AfterValidator(_check_custom_resources)]
+"""Ray custom resources of one worker ({name: amount}); a node offers them with `ray start --resources`."""
+
+
+def _custom_field(role: str) -> Any:
+    """Returns the ``custom_resources`` field of a role's section (its description names the role)."""
+    example = f'{{"{role}_node": 1}}'
+    return Field(
+        default_factory=dict,
+        description=(
+            f"Ray custom resources per {role} worker ({{name: amount}}, e.g. {example}): only nodes that offer them "
+            f"(`ray start --resources '{example}'`) take this role, so it lands on the nodes meant for it. "
+            "Empty: any node with the CPUs/GPUs."
+        ),
+    )
 
 
 class RolloutResources(_Section):
@@ -15,6 +46,7 @@ class RolloutResources(_Section):
     num_workers: int = Field(1, ge=1, description="Rollout actors (engines), named rlray:rollout-<i>.")
     cpus: float = Field(0.25, gt=0.0, description="Logical Ray CPUs per actor (fractions allowed).")
     gpus: float = Field(0.0, ge=0.0, description="Ray GPUs per tensor-parallel rank of an actor.")
+    custom_resources: CustomResources = _custom_field("rollout")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs per engine (vLLM tensor parallelism).")
     max_restarts: int = Field(
         2, ge=-1, description="Times Ray restarts a dead rollout actor (-1: without limit); its prompts go to another."
@@ -35,6 +67,7 @@ class LearnerResources(_Section):
     num_workers: int = Field(1, ge=1, description="Ray Train data-parallel workers (learner ranks).")
     cpus: float = Field(0.25, gt=0.0, description="Logical Ray CPUs per worker (fractions allowed).")
     gpus: float = Field(0.0, ge=0.0, description="Ray GPUs per worker.")
+    custom_resources: CustomResources = _custom_field("learner")
     strategy: Literal["ddp", "fsdp"] = Field(
         "ddp", description="Data parallelism: ddp (gloo on CPU, NCCL on GPU) or fsdp (GPU only)."
     )
@@ -46,6 +79,7 @@ class RewardResources(_Section):
     replicas: int = Field(1, ge=1, description="Serve replicas of the reward deployment.")
     cpus: float = Field(0.25, gt=0.0, description="Logical Ray CPUs per replica.")
     gpus: float = Field(0.0, ge=0.0, description="Ray GPUs per replica (for a reward model).")
+    custom_resources: CustomResources = _custom_field("reward")
 
 
 class ReferenceResources(_Section):
@@ -57,6 +91,7 @@ class ReferenceResources(_Section):
     )
     cpus: float = Field(0.25, gt=0.0, description="Logical Ray CPUs of the reference actor.")
     gpus: float = Field(0.0, ge=0.0, description="Ray GPUs of the reference actor.")
+    custom_resources: CustomResources = _custom_field("reference")
 
 
 class TeacherResources(_Section):
@@ -71,6 +106,7 @@ class TeacherResources(_Section):
     )
     cpus: float = Field(0.25, gt=0.0, description="Logical Ray CPUs of the teacher actor.")
     gpus: float = Field(0.0, ge=0.0, description="Ray GPUs of the teacher actor.")
+    custom_resources: CustomResources = _custom_field("teacher")
 
 
 class EnvResources(_Section):
@@ -78,6 +114,7 @@ class EnvResources(_Section):
 
     num_workers: int = Field(1, ge=1, description="Environment host actors, named rlray:env-<i>; each runs many episodes.")
     cpus: float = Field(0.25, gt=0.0, description="Logical Ray CPUs per host (fractions allowed).")
+    custom_resources: CustomResources = _custom_field("env")
     threads: int = Field(8, ge=1, description="Episodes' reset and step calls a host runs at once (threads).")
     max_restarts: int = Field(
         1, ge=-1, description="Times Ray restarts a dead host (-1: without limit); its episodes are run again once."
@@ -102,4 +139,14 @@ class ResourcesConfig(_Section):
     )
     placement_timeout_s: float = Field(
         120.0, gt=0.0, description="Seconds to wait for a placement group before failing with what is missing."
+    )
+    node_wait_s: float = Field(
+        60.0,
+        ge=0.0,
+        description=(
+            "Seconds a step waits for a lost rollout actor to be back (Ray restarts it, up to resources.rollout."
+            "max_restarts, once a node with its resources is alive: a preempted node's replacement) before it goes on "
+            "with the remaining actors (rollout/actors_alive); it rejoins whenever it is back. With no actor left, "
+            "the run fails after this wait. 0: go on at once."
+        ),
     )

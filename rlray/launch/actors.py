@@ -138,7 +138,8 @@ def start_rollout_actors(
     """Returns ``resources.rollout.num_workers`` started rollout actors, named ``rlray:rollout-<i>``.
 
     Each actor gets its own core list (``resources.rollout.cpu_threads``, or this node's cores split
-    evenly), bundle ``i`` of ``placement`` when given, and Ray restarts it up to
+    evenly), its custom resources (``resources.rollout.custom_resources``: only nodes that offer them take it),
+    bundle ``i`` of ``placement`` when given, and Ray restarts it up to
     ``resources.rollout.max_restarts`` times (the fleet re-sends its prompts and weights). Blocks
     until each engine is built, so start-up errors surface here. ``namespace`` (the run's own, from
     the driver) keeps the names of concurrent runs on one cluster (sweep trials) apart; without a
@@ -159,6 +160,7 @@ def start_rollout_actors(
                 namespace=namespace,
                 num_cpus=res.cpus,
                 num_gpus=res.gpus * res.tensor_parallel_size,
+                resources=dict(res.custom_resources),
                 max_restarts=res.max_restarts,
                 max_task_retries=0,  # the fleet re-sends a dead actor's prompts itself
                 scheduling_strategy=strategy,
@@ -183,7 +185,8 @@ def start_reference_actor(cfg: Config, model_path: str, namespace: str | None = 
     name = f"rlray:{role}-0"
     wait_for_name(name, namespace)
     actor = ray.remote(ReferenceActor).options(
-        name=name, namespace=namespace, num_cpus=res.cpus, num_gpus=res.gpus, scheduling_strategy="DEFAULT"
+        name=name, namespace=namespace, num_cpus=res.cpus, num_gpus=res.gpus, resources=dict(res.custom_resources),
+        scheduling_strategy="DEFAULT",
     ).remote(
         model_path,
         {"dtype": build.compute_dtype(cfg), "temperature": cfg.rollout.temperature, "torch_threads": cfg.learner.torch_threads},
@@ -206,7 +209,8 @@ def start_env_hosts(cfg: Config, namespace: str | None = None) -> list[ray.actor
     for i in range(res.num_workers):
         wait_for_name(f"rlray:env-{i}", namespace)
         hosts.append(ray.remote(EnvironmentHost).options(
-            name=f"rlray:env-{i}", namespace=namespace, num_cpus=res.cpus, max_restarts=res.max_restarts,
+            name=f"rlray:env-{i}", namespace=namespace, num_cpus=res.cpus, resources=dict(res.custom_resources),
+            max_restarts=res.max_restarts,
             max_concurrency=1, scheduling_strategy="DEFAULT",
         ).remote(dict(cfg.env.environments), tool_parser=cfg.env.tool_parser, step_timeout_s=cfg.env.step_timeout_s,
                  threads=res.threads, sandbox=cfg.env.sandbox, memory_gib=cfg.env.memory_gib))

@@ -40,7 +40,7 @@ from rlray.config import Config
 from rlray.data import load_prompt_rows, prepare_prompts
 from rlray.launch import console
 from rlray.launch.actors import kill_actors, start_env_hosts, start_monitor, start_reference_actor, start_rollout_actors
-from rlray.launch.placement import check_cluster, rollout_placement_group
+from rlray.launch.placement import bundle, check_cluster, rollout_placement_group
 from rlray.launch.preflight import preflight
 from rlray.models import load_tokenizer, resolve_model_path
 from rlray.observe.tracking import Tracker, resolve_tracking_uri
@@ -180,6 +180,7 @@ def start_reward_server(cfg: Config) -> bool:
         replicas=res.replicas,
         cpus=res.cpus,
         gpus=res.gpus,
+        custom_resources=dict(res.custom_resources),
         max_batch_size=srv.max_batch_size,
         batch_wait_timeout_s=srv.batch_wait_timeout_s,
         timeout_s=srv.timeout_s,
@@ -193,7 +194,7 @@ def learner_trainer(cfg: Config, args: WorkerArgs) -> Any:
 
     Ray Train's storage is ``checkpoint.uri`` (s3fs for ``s3://``), its run name ``run-<run_id>``,
     ``keep_last`` its ``num_to_keep`` and ``monitor.max_failures`` its ``max_failures``; workers use
-    ``resources.learner`` under ``resources.placement_strategy``. Offline methods train on preference
+    ``resources.learner`` (its custom resources too) under ``resources.placement_strategy``. Offline methods train on preference
     pairs in the same run loop (``rlray.run.worker`` picks the kind).
     """
 
@@ -205,7 +206,7 @@ def learner_trainer(cfg: Config, args: WorkerArgs) -> Any:
         scaling_config=ScalingConfig(
             num_workers=res.num_workers,
             use_gpu=res.gpus > 0,
-            resources_per_worker={"CPU": res.cpus, **({"GPU": res.gpus} if res.gpus else {})},
+            resources_per_worker=bundle(res.cpus, res.gpus, res.custom_resources),
             placement_strategy=cfg.resources.placement_strategy,
         ),
         run_config=RunConfig(
@@ -427,7 +428,7 @@ def eval_setup(cfg: Config, checkpoint_path: str) -> Iterator[EvalSetup]:
     hosts = start_env_hosts(cfg)
     try:
         reward = build.local_reward_client(cfg, build.dataset_columns(rows))
-        fleet = RolloutFleet(actors)
+        fleet = RolloutFleet(actors, node_wait_s=cfg.resources.node_wait_s)
         rollouts = online.episode_rollout(cfg, fleet, hosts, tokenizer) if cfg.env.enabled else fleet
         try:
             yield EvalSetup(rollouts, reward, list(zip(rows, ids, strict=True)), tokenizer)

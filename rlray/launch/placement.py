@@ -26,7 +26,7 @@ class PlacementError(RuntimeError):
 
 @dataclass(frozen=True)
 class RoleRequest:
-    """Resources one role asks for: ``count`` workers of ``per_worker`` each ({"CPU": x, "GPU": y})."""
+    """Resources one role asks for: ``count`` workers of ``per_worker`` each ({"CPU": x, "GPU": y, <custom>: z})."""
 
     role: str
     count: int
@@ -45,25 +45,32 @@ def _fmt(resources: dict[str, float]) -> str:
     return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(resources.items())) + "}"
 
 
-def _bundle(cpus: float, gpus: float) -> dict[str, float]:
-    return {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+def bundle(cpus: float, gpus: float, custom: dict[str, float] | None = None) -> dict[str, float]:
+    """Returns one worker's Ray resources: {"CPU": cpus, "GPU": gpus (when > 0), **custom}."""
+    return {"CPU": cpus, **({"GPU": gpus} if gpus else {}), **(custom or {})}
+
+
+def rollout_bundle(cfg: Config) -> dict[str, float]:
+    """Returns one rollout actor's Ray resources (its GPUs are gpus x tensor_parallel_size)."""
+    r = cfg.resources.rollout
+    return bundle(r.cpus, r.gpus * r.tensor_parallel_size, r.custom_resources)
 
 
 def role_requests(cfg: Config) -> list[RoleRequest]:
     """Returns the Ray resources each role of ``cfg`` asks for (roles that are off are left out)."""
     res = cfg.resources
     out = [
-        RoleRequest("rollout", res.rollout.num_workers, _bundle(res.rollout.cpus, res.rollout.gpus * res.rollout.tensor_parallel_size)),
-        RoleRequest("learner", res.learner.num_workers, _bundle(res.learner.cpus, res.learner.gpus)),
+        RoleRequest("rollout", res.rollout.num_workers, rollout_bundle(cfg)),
+        RoleRequest("learner", res.learner.num_workers, bundle(res.learner.cpus, res.learner.gpus, res.learner.custom_resources)),
     ]
     if cfg.reward.server.enabled:
-        out.append(RoleRequest("reward", res.reward.replicas, _bundle(res.reward.cpus, res.reward.gpus)))
+        out.append(RoleRequest("reward", res.reward.replicas, bundle(res.reward.cpus, res.reward.gpus, res.reward.custom_resources)))
     if cfg.algo.kl_coef > 0 and res.reference.placement == "actor":
-        out.append(RoleRequest("reference", 1, _bundle(res.reference.cpus, res.reference.gpus)))
+        out.append(RoleRequest("reference", 1, bundle(res.reference.cpus, res.reference.gpus, res.reference.custom_resources)))
     if cfg.teacher.enabled and res.teacher.placement == "actor":
-        out.append(RoleRequest("teacher", 1, _bundle(res.teacher.cpus, res.teacher.gpus)))
+        out.append(RoleRequest("teacher", 1, bundle(res.teacher.cpus, res.teacher.gpus, res.teacher.custom_resources)))
     if cfg.env.enabled:
-        out.append(RoleRequest("env", res.env.num_workers, _bundle(res.env.cpus, 0.0)))
+        out.append(RoleRequest("env", res.env.num_workers, bundle(res.env.cpus, 0.0, res.env.custom_resources)))
     return out
 
 
@@ -98,7 +105,8 @@ def check_fit(requests: list[RoleRequest], cluster: dict[str, float], nodes: lis
                      + ", ".join(_fmt(n) for n in nodes[:4]))
     raise PlacementError(
         "the requested resources do not fit the Ray cluster:\n  - " + "\n  - ".join(lines)
-        + "\nLower resources.<role>.cpus/gpus or num_workers (fractions are allowed), or add nodes."
+        + "\nLower resources.<role>.cpus/gpus or num_workers (fractions are allowed), or add nodes (a custom resource: "
+        "nodes started with `ray start --resources`)."
     )
 
 
@@ -127,14 +135,14 @@ def rollout_placement_group(cfg: Config) -> PlacementGroup:
             holds the resources); the message says what is available.
     """
     res = cfg.resources
-    bundle = _bundle(res.rollout.cpus, res.rollout.gpus * res.rollout.tensor_parallel_size)
-    pg = placement_group([bundle] * res.rollout.num_workers, strategy=res.placement_strategy, name=f"rlray:rollout:{os.getpid()}")
+    one = rollout_bundle(cfg)
+    pg = placement_group([one] * res.rollout.num_workers, strategy=res.placement_strategy, name=f"rlray:rollout:{os.getpid()}")
     try:
         ray.get(pg.ready(), timeout=res.placement_timeout_s)
     except ray.exceptions.GetTimeoutError:
         remove_placement_group(pg)
         raise PlacementError(
-            f"the rollout placement group ({res.rollout.num_workers} x {_fmt(bundle)}, {res.placement_strategy}) was not "
+            f"the rollout placement group ({res.rollout.num_workers} x {_fmt(one)}, {res.placement_strategy}) was not "
             f"ready within resources.placement_timeout_s={res.placement_timeout_s:g} s; available now: "
             f"{_fmt(ray.available_resources())}. Other actors hold the resources, or the strategy cannot be met."
         ) from None

@@ -106,6 +106,8 @@ METRIC_KEYS: tuple[str, ...] = (
     "monitor/rss_gib",
     "monitor/mlflow_outages",  # outages of the MLflow store that began since the previous step was logged
     "rollout/actor_failures",  # rollout actor failures seen by the fleet since the previous step (rank 0)
+    "rollout/rerun_prompts",  # prompts the fleet sent again (a failed actor's) since the previous step (rank 0)
+    "rollout/actors_alive",  # rollout actors in use after the step; fewer than num_workers after a node loss (rank 0)
     # environments (multi-turn episodes; logged when env.environments is set)
     "env/episodes",
     "env/turns_mean",

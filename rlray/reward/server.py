@@ -296,6 +296,7 @@ def build_reward_app(
     replicas: int = 1,
     cpus: float = 0.25,
     gpus: float = 0.0,
+    custom_resources: dict[str, float] | None = None,
     max_batch_size: int = 32,
     batch_wait_timeout_s: float = 0.01,
     timeout_s: float = 60.0,
@@ -307,6 +308,7 @@ def build_reward_app(
         version: reward version reported with every score.
         replicas: Serve replicas.
         cpus, gpus: Ray resources per replica.
+        custom_resources: Ray custom resources per replica ({name: amount}; only nodes that offer them take one).
         max_batch_size: requests merged into one scorer call.
         batch_wait_timeout_s: seconds a partial batch waits.
         timeout_s: seconds one scorer call may take.
@@ -314,7 +316,7 @@ def build_reward_app(
     deployment = _make_deployment()
     return deployment.options(
         num_replicas=replicas,
-        ray_actor_options={"num_cpus": cpus, "num_gpus": gpus},
+        ray_actor_options={"num_cpus": cpus, "num_gpus": gpus, "resources": dict(custom_resources or {})},
         user_config={"version": version, "scorer": scorer_kwargs, "timeout_s": timeout_s},
         max_ongoing_requests=max(4 * max_batch_size, 16),
     ).bind(max_batch_size, batch_wait_timeout_s)

@@ -7,6 +7,11 @@ to ``resources.rollout.max_restarts`` times), the chunks it had not returned are
 the same seeds, to an actor that is alive; a restarted actor gets the latest weights before it is
 used again. Every prompt therefore comes back exactly once (tests/test_fleet.py counts prompt ids).
 
+A failed actor is away until Ray has restarted it, which needs a node with its resources: after a
+node is lost (spot preemption), only once a replacement joins. The next rollout waits up to
+``node_wait_s`` (since the failure) for it, then goes on with the actors that remain; an actor that
+is back later rejoins at the next rollout. With none left after the wait, the rollout fails.
+
 ``RolloutPipeline`` runs the rollout of step t+1..t+k while step t trains (k =
 ``rollout.max_staleness``). Ray runs one actor's calls in the order one caller submitted them, so a
 rollout submitted while the learner is at version v runs after every weight push up to v: its
@@ -19,6 +24,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +38,7 @@ from rlray.rollout import Completion, SamplingSpec
 log = logging.getLogger(__name__)
 
 ACTOR_ERRORS = (RayActorError, ActorDiedError, ActorUnavailableError)
+_ANSWER_S = 1.0  # seconds a live actor may take to answer a probe: a failed actor is waited for at least this long
 
 
 class RolloutError(RuntimeError):
@@ -46,6 +53,17 @@ class _Chunk:
     actor: int
     ref: Any
     attempts: int = 1
+
+
+@dataclass
+class _Away:
+    """A failed actor not yet back: when it failed, a pending call that answers once it is back, and whether it is
+    dead for good (restarts spent) or was given up on after ``node_wait_s`` (both logged once)."""
+
+    since: float
+    probe: Any
+    dead: bool = False
+    given_up: bool = False
 
 
 @dataclass
@@ -70,19 +88,25 @@ class RolloutFleet:
     Args:
         actors: ``RolloutActor`` handles (created with ``max_restarts``).
         max_attempts: calls per chunk before the rollout fails (the first call included).
+        node_wait_s: seconds a rollout waits for a failed actor to be back, counted from its failure, before it
+            goes on without it (``resources.node_wait_s``; 0: at once).
 
     Attributes:
         version: the latest policy version pushed to the actors.
         reassigned: chunks sent again after an actor failure, over the fleet's life (a counter).
+        rerun_prompts: prompts sent again after an actor failure, over the fleet's life (a counter).
     """
 
-    def __init__(self, actors: list[Any], *, max_attempts: int = 4) -> None:
+    def __init__(self, actors: list[Any], *, max_attempts: int = 4, node_wait_s: float = 0.0) -> None:
         if not actors:
             raise ValueError("RolloutFleet needs at least one rollout actor")
         self.actors = list(actors)
         self.max_attempts = max_attempts
+        self.node_wait_s = node_wait_s
         self.version = 0
         self.reassigned = 0
+        self.rerun_prompts = 0
+        self._away: dict[int, _Away] = {}  # failed actors not yet back
         self._latest: Callable[[], Any] | None = None  # returns an ObjectRef of the latest weights
         self._stale: set[int] = set()  # actors that failed since their last successful weight push
         self.failures = 0  # actor failures seen (a weight-transfer group must be rebuilt after one)
@@ -154,19 +178,76 @@ class RolloutFleet:
         return _Chunk(indices, actor, ref, attempts)
 
     def _usable(self) -> list[int]:
-        """Returns the actors ready for work; restarted ones get the latest weights first, dead ones are skipped."""
-        usable = []
-        for i in range(len(self.actors)):
-            if i in self._stale:
-                try:
-                    self._refresh(i)
-                except ACTOR_ERRORS as err:
-                    log.warning("rollout actor %d is not available (%s); skipping it", i, type(err).__name__)
-                    continue
-            usable.append(i)
+        """Returns the actors ready for work: healthy ones, and failed ones that are back (brought to the latest
+        weights first). Waits up to ``node_wait_s`` after a failure for the failed actor (``_take_back``).
+
+        Raises:
+            RolloutError: no actor is usable after the wait.
+        """
+        if self._stale:
+            self._take_back()
+        usable = [i for i in range(len(self.actors)) if i not in self._stale]
         if not usable:
-            raise RolloutError(f"none of the {len(self.actors)} rollout actors is alive (resources.rollout.max_restarts exhausted?)")
+            dead = sorted(i for i, a in self._away.items() if a.dead)
+            raise RolloutError(
+                f"none of the {len(self.actors)} rollout actors is alive: actors {dead} are dead for good (their "
+                f"restarts, resources.rollout.max_restarts, are spent) and {sorted(set(self._away) - set(dead))} were "
+                f"not back within resources.node_wait_s={self.node_wait_s:g} s. Add nodes with the rollout actors' "
+                "resources (resources.rollout.custom_resources), or raise resources.node_wait_s or max_restarts"
+            )
         return usable
+
+    @property
+    def alive(self) -> int:
+        """Returns how many actors are in use (not failed since their last weight push)."""
+        return len(self.actors) - len(self._stale)
+
+    def _take_back(self) -> None:
+        """Brings failed actors that are back to the latest weights and into use; blocks while an actor that failed
+        less than ``node_wait_s`` (at least ``_ANSWER_S``) ago is away, then logs each one given up (once). A given-up
+        actor is checked without waiting at each rollout: it rejoins within two rollouts of being back."""
+        for i in sorted(self._stale - set(self._away)):
+            self._away[i] = _Away(time.monotonic(), self.actors[i].policy_version.remote())
+            if self.node_wait_s > 0:
+                log.warning("rollout actor %d is away; waiting up to %g s (resources.node_wait_s) for it to be back",
+                            i, self.node_wait_s)
+        waited = [a for a in self._away.values() if not (a.dead or a.given_up)]
+        until = max((a.since + max(self.node_wait_s, _ANSWER_S) for a in waited), default=0.0)
+        while True:
+            self._poll_away()
+            waiting = [a.probe for a in self._away.values() if not (a.dead or a.given_up)]
+            now = time.monotonic()
+            if not waiting or now >= until:
+                break
+            ray.wait(waiting, num_returns=1, timeout=min(until - now, 1.0))
+            time.sleep(0.1)  # a probe that fails at once is asked again; keep that from spinning
+        for i, a in self._away.items():
+            if not (a.dead or a.given_up):
+                a.given_up = True
+                log.warning(
+                    "rollout actor %d is not back after %g s (resources.node_wait_s; its node is gone?): going on with "
+                    "%d of %d rollout actors (rollout/actors_alive); it rejoins once Ray restarts it on a node with its "
+                    "resources", i, self.node_wait_s, self.alive, len(self.actors))
+
+    def _poll_away(self) -> None:
+        """Takes back each away actor whose probe answered; asks again where it failed; marks the dead for good."""
+        for i, a in list(self._away.items()):
+            if a.dead or not ray.wait([a.probe], timeout=0)[0]:
+                continue
+            try:
+                ray.get(a.probe)
+                self._refresh(i)
+            except ActorDiedError:
+                a.dead = True
+                log.warning("rollout actor %d is dead for good (resources.rollout.max_restarts spent): going on with "
+                            "%d of %d rollout actors", i, self.alive, len(self.actors))
+                continue
+            except ACTOR_ERRORS:
+                a.probe = self.actors[i].policy_version.remote()  # still restarting (or away again): ask again
+                continue
+            log.warning("rollout actor %d is back after %.1f s, at policy version %d", i, time.monotonic() - a.since,
+                        self.version)
+            del self._away[i]
 
     def _reassign(self, pending: PendingRollout, chunk: _Chunk, err: Exception) -> _Chunk:
         self._mark_failed(chunk.actor)
@@ -181,6 +262,7 @@ class RolloutFleet:
             "rollout actor %d died (%s); its %d prompts go to actor %d", chunk.actor, type(err).__name__, len(chunk.indices), target
         )
         self.reassigned += 1
+        self.rerun_prompts += len(chunk.indices)
         return self._call(pending, chunk.indices, target, chunk.attempts + 1)
 
     # ---- weights --------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +111,10 @@ class RunControl:
 
 
 def start_run_control() -> ray.actor.ActorHandle:
-    """Returns a started ``RunControl`` actor (0 CPUs; it only holds a flag)."""
-    return ray.remote(num_cpus=0)(RunControl).remote()
+    """Returns a started ``RunControl`` actor (0 CPUs; it only holds a flag), pinned to the caller's node: it holds
+    the run's outcome, so it must outlive the loss of any other node."""
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return ray.remote(num_cpus=0)(RunControl).options(scheduling_strategy=here).remote()
 
 
 class StopWhenRequested:

@@ -122,6 +122,7 @@ class OnlineRun(RunContext):
     skipped_long_prompts: int = 0
     step_prompt_ids: list[str] = field(default_factory=list)  # the prompt ledger of the step in progress (rank 0)
     actor_failures_logged: int = 0  # the fleet's actor failures already counted in rollout/actor_failures (rank 0)
+    rerun_prompts_logged: int = 0  # the fleet's re-sent prompts already counted in rollout/rerun_prompts (rank 0)
 
     def take_prompts(self) -> tuple[list[PromptRow], list[list[int]]]:
         """Stage 1 (rank 0): returns the next step's prompt rows and their token ids (advances the cursor)."""
@@ -222,7 +223,7 @@ def setup(cfg: Config, coll: Collective, *, model_dir: str, actors: list[Any], r
         ctx.reward_columns = build.dataset_columns(all_train_rows + [r for r, _ in ctx.eval_prompts])
         ctx.reward = build.reward_client(cfg, ctx.reward_columns)
         ctx.reward_kwargs = build.scorer_kwargs(cfg, ctx.reward_columns)
-        ctx.fleet = RolloutFleet(actors)
+        ctx.fleet = RolloutFleet(actors, node_wait_s=cfg.resources.node_wait_s)
         ctx.rollouts = episode_rollout(cfg, ctx.fleet, env_hosts or [], tokenizer) if cfg.env.enabled else ctx.fleet
         ctx.pipeline = RolloutPipeline(ctx.rollouts, ctx.take_prompts, ctx.sampling_for, cfg.rollout.max_staleness,
                                        cursor=ctx.stream.state_dict, restore_cursor=ctx.stream.load_state_dict)
@@ -328,11 +329,14 @@ def collect_experience(ctx: OnlineRun, step: int, timer: StageTimer) -> tuple[pa
 def step_metrics(ctx: OnlineRun, rollout_metrics: dict[str, float], data: dict[str, torch.Tensor],
                  timer: StageTimer) -> dict[str, float]:
     """Returns rank 0's step-level metrics: rollout and reward statistics, stage times, throughput, data position, and
-    rollout/actor_failures (rollout actor failures the fleet saw since the previous step; advances
-    ``ctx.actor_failures_logged``)."""
+    the fleet's health: rollout/actor_failures and rollout/rerun_prompts (actor failures the fleet saw, and prompts it
+    sent again because of them, since the previous step; advances ``ctx.actor_failures_logged`` and
+    ``ctx.rerun_prompts_logged``) and rollout/actors_alive (actors in use after the step)."""
     step_s = timer.elapsed_s()
     failures = ctx.fleet.failures if ctx.fleet is not None else 0
     new_failures, ctx.actor_failures_logged = failures - ctx.actor_failures_logged, failures
+    rerun = ctx.fleet.rerun_prompts if ctx.fleet is not None else 0
+    new_rerun, ctx.rerun_prompts_logged = rerun - ctx.rerun_prompts_logged, rerun
     gen = rollout_metrics["rollout/generated_tokens"]
     return {
         **{k: v for k, v in rollout_metrics.items() if not k.startswith("_")},
@@ -344,6 +348,8 @@ def step_metrics(ctx: OnlineRun, rollout_metrics: dict[str, float], data: dict[s
         "data/epoch": float(ctx.stream.epoch),
         "data/skipped_long_prompts": float(ctx.skipped_long_prompts),
         "rollout/actor_failures": float(new_failures),
+        "rollout/rerun_prompts": float(new_rerun),
+        "rollout/actors_alive": float(ctx.fleet.alive if ctx.fleet is not None else 0),
     }
 
 

@@ -16,7 +16,9 @@ def test_defaults():
     assert (res.learner.num_workers, res.learner.cpus, res.learner.gpus, res.learner.strategy) == (1, 0.25, 0.0, "ddp")
     assert (res.reward.replicas, res.reward.cpus, res.reward.gpus) == (1, 0.25, 0.0)
     assert (res.reference.placement, res.reference.cpus, res.reference.gpus) == ("learner", 0.25, 0.0)
-    assert (res.colocate, res.placement_strategy, res.placement_timeout_s) == (False, "PACK", 120.0)
+    assert (res.colocate, res.placement_strategy, res.placement_timeout_s, res.node_wait_s) == (False, "PACK", 120.0, 60.0)
+    assert all(getattr(res, role).custom_resources == {} for role in ("rollout", "learner", "reward", "reference",
+                                                                      "teacher", "env"))
 
 
 @pytest.mark.parametrize(
@@ -66,12 +68,30 @@ def test_assignment_is_validated():
         ({"rollout": {"cpu_threads": "x"}}, "resources.rollout.cpu_threads='x' is not a core list"),
         ({"rollout": {"cpu_threads": ["0"], "num_workers": 2}}, "has 1 entries for resources.rollout.num_workers=2"),
         ({"learner": {"strategy": "fsdp"}}, "resources.learner.strategy='fsdp' needs GPUs"),
+        ({"node_wait_s": -1}, "resources.node_wait_s=-1: Input should be greater than or equal to 0"),
+        ({"rollout": {"custom_resources": {"CPU": 1}}},
+         "resources.rollout.custom_resources: {'CPU': 1}: 'CPU' is not a custom resource; use the role's cpus field"),
+        ({"learner": {"custom_resources": {"GPU": 1}}}, "use the role's gpus field"),
+        ({"env": {"custom_resources": {"memory": 1}}},
+         "resources.env.custom_resources: {'memory': 1}: 'memory' is not a custom resource; name a custom resource"),
+        ({"reward": {"custom_resources": {"rm_node": 0}}},
+         "resources.reward.custom_resources: {'rm_node': 0}: give 'rm_node' an amount > 0, whole when above 1"),
+        ({"teacher": {"custom_resources": {"t": 1.5}}}, "resources.teacher.custom_resources: {'t': 1.5}: give 't' an amount"),
+        ({"reference": {"custom_resources": {"r": "many"}}}, "resources.reference.custom_resources.r='many'"),
     ],
 )
 def test_errors_name_the_dotted_key(tree, message):
     with pytest.raises(ConfigError) as err:
         config_from_dict({"resources": tree})
     assert message in str(err.value)
+
+
+def test_custom_resources_take_fractions_and_whole_amounts():
+    cfg = config_from_dict({}, ["resources.rollout.custom_resources={rollout_node: 1}", "resources.node_wait_s=0",
+                                "resources.learner.custom_resources={learner_node: 0.5, big: 2}"])
+    assert cfg.resources.rollout.custom_resources == {"rollout_node": 1.0}
+    assert cfg.resources.learner.custom_resources == {"learner_node": 0.5, "big": 2.0}
+    assert cfg.resources.node_wait_s == 0.0
 
 
 def test_loaded_values_reach_the_section():

@@ -36,6 +36,22 @@ def test_a_teacher_actor_asks_for_its_resources_and_a_learner_teacher_for_none()
     assert [r.role for r in role_requests(off)] == ["rollout", "learner"]  # no teacher.path: no actor
 
 
+def test_custom_resources_join_each_role_request():
+    cfg = config_from_dict({"algo": {"kl_coef": 0.0}, "resources": {
+        "rollout": {"num_workers": 2, "custom_resources": {"rollout_node": 1}},
+        "learner": {"custom_resources": {"learner_node": 1}}}})
+    assert [(r.role, r.per_worker) for r in role_requests(cfg)] == [
+        ("rollout", {"CPU": 0.25, "rollout_node": 1}), ("learner", {"CPU": 0.25, "learner_node": 1})]
+    # two rollout nodes of 1 rollout_node each fit; one node offering it does not
+    nodes = [{"CPU": 2.0}, {"CPU": 1.0, "rollout_node": 1.0}, {"CPU": 1.0, "rollout_node": 1.0, "learner_node": 1.0}]
+    check_fit(role_requests(cfg), {"CPU": 4.0, "rollout_node": 2.0, "learner_node": 1.0}, nodes)
+    with pytest.raises(PlacementError) as err:
+        check_fit(role_requests(cfg), {"CPU": 4.0, "rollout_node": 1.0}, [{"CPU": 2.0}, {"CPU": 2.0, "rollout_node": 1.0}])
+    assert "together they want {CPU: 0.75, learner_node: 1, rollout_node: 2}, but the cluster has " \
+           "{CPU: 4, GPU: 0, learner_node: 0, rollout_node: 1}" in str(err.value)
+    assert "one learner worker ({CPU: 0.25, learner_node: 1}) fits on no single node" in str(err.value)
+
+
 def test_tensor_parallel_multiplies_rollout_gpus():
     cfg = config_from_dict({"resources": {"rollout": {"num_workers": 2, "gpus": 1, "tensor_parallel_size": 4}}})
     assert role_requests(cfg)[0].per_worker == {"CPU": 0.25, "GPU": 4}

@@ -15,7 +15,7 @@ import ray
 from ray.exceptions import ActorUnavailableError
 
 from rlray.rollout import Completion, SamplingSpec
-from rlray.rollout.fleet import RolloutFleet, RolloutPipeline, offset_seed
+from rlray.rollout.fleet import RolloutError, RolloutFleet, RolloutPipeline, offset_seed
 
 pytestmark = pytest.mark.ray
 
@@ -23,7 +23,9 @@ pytestmark = pytest.mark.ray
 class FakeRolloutActor:
     """Same methods as rlray.launch.actors.RolloutActor; dies (os._exit) in generate while an armed flag file exists."""
 
-    def __init__(self) -> None:
+    def __init__(self, restart_delay_s: float = 0.0) -> None:
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            time.sleep(restart_delay_s)  # a restart that waits for a replacement node
         self.version = 0
         self.die_flag: str | None = None
         self.calls = 0
@@ -118,6 +120,58 @@ def test_dead_actor_prompts_go_to_another_actor_exactly_once(actors, tmp_path):
     assert ray.get(fleet.actors[1].policy_version.remote()) == 5
     assert ray.get(fleet.actors[1].call_count.remote()) == 1  # its chunk of the third rollout
     assert not Path(flag).exists()
+
+
+def _dying_actors(tmp_path, restart_delay_s: float) -> tuple[list, Path]:
+    """Returns (two fresh fake actors, the flag file that kills actor 1 in its next generate); actor 1's restart
+    takes ``restart_delay_s``."""
+    cls = ray.remote(FakeRolloutActor).options(num_cpus=0.01, max_restarts=1, max_task_retries=0)
+    actors = [cls.remote(), cls.remote(restart_delay_s)]
+    flag = tmp_path / "die"
+    flag.touch()
+    ray.get(actors[1].arm.remote(str(flag)))
+    return actors, flag
+
+
+def test_an_actor_away_is_waited_for_node_wait_s_then_the_fleet_goes_on_and_takes_it_back(ray_session, tmp_path):
+    actors, _ = _dying_actors(tmp_path, restart_delay_s=8.0)
+    fleet = RolloutFleet(actors, node_wait_s=1.0)
+    prompts = [[3000 + i] for i in range(4)]
+    try:
+        out = fleet.generate(prompts, SAMPLING)  # actor 1 dies on its chunk (prompts 2, 3): they run again on actor 0
+        assert [c.response_token_ids[0] for c in out] == [3000 + p for p in range(4) for _ in range(3)]
+        assert (fleet.reassigned, fleet.rerun_prompts, fleet.alive) == (1, 2, 1)
+        started = time.monotonic()
+        out = fleet.generate(prompts, SAMPLING)  # actor 1 restarts for 8 s: waited for 1 s, then actor 0 alone
+        assert 1.0 <= time.monotonic() - started < 6.0
+        assert [c.response_token_ids[0] for c in out] == [3000 + p for p in range(4) for _ in range(3)]
+        assert {c.response_token_ids[2] for c in out} == {100}  # one chunk: every prompt on actor 0
+        assert fleet.alive == 1 and fleet.rerun_prompts == 2
+        assert _wait_restarted(actors[1]) == 0
+        for _ in range(2):  # back: a given-up actor is checked without waiting, and rejoins within two rollouts
+            fleet.generate(prompts, SAMPLING)
+        assert fleet.alive == 2
+        assert ray.get(actors[1].call_count.remote()) >= 1
+        assert ray.get(actors[1].policy_version.remote()) == 0  # no weights pushed in this test: version 0
+    finally:
+        for a in actors:
+            ray.kill(a, no_restart=True)
+
+
+def test_with_no_actor_left_the_rollout_fails_after_the_wait_naming_why(ray_session, tmp_path):
+    actors, _ = _dying_actors(tmp_path, restart_delay_s=30.0)
+    ray.kill(actors[0], no_restart=True)  # dead for good
+    fleet = RolloutFleet(actors, node_wait_s=1.0)
+    try:
+        started = time.monotonic()
+        with pytest.raises(RolloutError) as err:
+            fleet.generate([[1], [2]], SAMPLING)
+        assert 1.0 <= time.monotonic() - started < 20.0
+        assert ("none of the 2 rollout actors is alive: actors [0] are dead for good (their restarts, "
+                "resources.rollout.max_restarts, are spent) and [1] were not back within resources.node_wait_s=1 s"
+                ) in str(err.value)
+    finally:
+        ray.kill(actors[1], no_restart=True)
 
 
 def _wait_restarted(actor, timeout_s: float = 60.0) -> int:

