@@ -13,7 +13,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,19 +25,12 @@ import yaml
 
 from rlray.observe.tracking import METRIC_KEYS, get_run, get_run_metrics
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
+from ports import free_ports  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[2]
 RUNTIME_ENV = REPO / "jobs" / "runtime_env.yaml"
 PER_STEP = ["reward/mean", "algo/kl", "learner/loss", "perf/tokens_per_s", "timing/step_s"]
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 class Head(NamedTuple):
@@ -51,7 +43,7 @@ class Head(NamedTuple):
 @pytest.fixture(scope="module")
 def ray_head():
     """Yields the URLs of a private single-node Ray head (2 CPUs) on 127.0.0.1."""
-    gcs, dash, agent, client, metrics = _free_ports(5)
+    gcs, dash, agent, client, metrics = free_ports(5)
     temp_dir = tempfile.mkdtemp(prefix="rr")  # short: Ray's socket paths must stay < 108 chars
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") and k != "PYTHONPATH"}
     # Loopback only, so no token auth (Ray 2.60's `ray start` default): the client here sends no token.

@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,22 +36,15 @@ from rlray.models import load_tokenizer
 from rlray.observe.tracking import get_run, get_run_metrics
 from rlray.run import ledger
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
+from ports import free_ports  # noqa: E402
+
 pytestmark = pytest.mark.ray
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs/grpo_gsm8k_tiny.yaml"
 ROWS, P = 6, 2  # prompts in the data (one epoch), prompts per step: an epoch is 3 steps
 STEPS = ROWS // P
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 class Cluster:
@@ -67,7 +59,7 @@ class Cluster:
                    RAY_health_check_initial_delay_ms="1000", RAY_health_check_period_ms="1000",
                    RAY_health_check_timeout_ms="1000", RAY_health_check_failure_threshold="3")
         self.env = env
-        self.gcs_port = _free_ports(1)[0]
+        self.gcs_port = free_ports(1)[0]
         self.address = f"127.0.0.1:{self.gcs_port}"
         self.nodes: dict[int, subprocess.Popen] = {}  # node manager port -> its `ray start --block` process
         self.head_port = self._start(["--head", f"--port={self.gcs_port}", "--include-dashboard=false", "--num-cpus=2",
@@ -75,7 +67,7 @@ class Cluster:
 
     def _start(self, args: list[str], resources: dict[str, float], num_cpus: int | None = None, wait: bool = True,
                ports: list[int] | None = None) -> int:
-        manager, obj, metrics, agent, agent_grpc, env_agent = ports or _free_ports(6)
+        manager, obj, metrics, agent, agent_grpc, env_agent = ports or free_ports(6)
         cmd = [str(Path(sys.executable).parent / "ray"), "start", "--block", "--node-ip-address=127.0.0.1",
                f"--temp-dir={self.temp_dir}", f"--node-manager-port={manager}", f"--object-manager-port={obj}",
                f"--metrics-export-port={metrics}", f"--dashboard-agent-listen-port={agent}",
@@ -91,7 +83,7 @@ class Cluster:
 
     def add_nodes(self, resources: list[dict[str, float]], num_cpus: int = 1) -> list[int]:
         """Starts worker nodes, one offering each of ``resources``, together; returns their node manager ports."""
-        free = _free_ports(6 * len(resources))  # at once: ports picked node by node could repeat before they are bound
+        free = free_ports(6 * len(resources))  # at once: ports picked node by node could repeat before they are bound
         ports = [self._start([f"--address={self.address}"], r, num_cpus, wait=False, ports=free[6 * i: 6 * i + 6])
                  for i, r in enumerate(resources)]
         self._wait_nodes()
