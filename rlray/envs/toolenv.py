@@ -28,6 +28,7 @@ This mirrors TRL's ``GRPOTrainer._tool_call_loop`` (a turn without tool calls en
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable
 from typing import Any
 
@@ -55,7 +56,7 @@ def tool_step(tools: dict[str, Callable[..., Any]], turn: AssistantTurn) -> EnvS
     return EnvStep(observations=observations, metrics={"tool_calls": float(attempted), "tool_errors": float(errors)})
 
 
-class ToolEnvironment:
+class ToolEnvironment(abc.ABC):
     """Base class for native tool-calling environments: implements ``step``; subclasses implement ``reset`` and
     ``final_reward`` (see the module docstring for the step semantics)."""
 
@@ -63,13 +64,10 @@ class ToolEnvironment:
         """Starts with no tools; ``begin`` records them when ``reset`` opens the episode."""
         self.tools_by_name: dict[str, Callable[..., Any]] = {}
 
+    @abc.abstractmethod
     def reset(self, **row: Any) -> EnvReset:
-        """Returns the opening conversation and tools for one dataset row; subclasses return ``self.begin(...)``.
-
-        Raises:
-            NotImplementedError: always, in the base class.
-        """
-        raise NotImplementedError(f"{type(self).__name__} must implement reset(**row) and return self.begin(prompt, tools)")
+        """Returns the opening conversation and tools for one dataset row; subclasses implement it and return
+        ``self.begin(prompt, tools)`` (abstract: a subclass without it cannot be instantiated, TypeError)."""
 
     def begin(self, prompt: list[Message], tools: list[Callable[..., Any]], stop: list[str] | None = None) -> EnvReset:
         """Returns ``EnvReset(prompt, tools, stop)`` and records ``tools`` by ``__name__`` for ``step``'s dispatch.

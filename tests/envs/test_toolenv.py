@@ -96,8 +96,8 @@ def test_final_turn_wrong_answer_and_default_reward():
 
 
 def test_base_reset_and_duplicate_tool_names():
-    with pytest.raises(NotImplementedError, match="ToolEnvironment must implement reset"):
-        ToolEnvironment().reset()
+    with pytest.raises(TypeError, match="abstract method 'reset'|abstract method reset"):
+        ToolEnvironment()
     env = EchoEnv()
     with pytest.raises(ValueError, match=r"tool names must be unique, got \['lookup', 'lookup'\]"):
         env.begin([], tools=[env.lookup, env.lookup])

@@ -143,7 +143,7 @@ def test_an_actor_away_is_waited_for_node_wait_s_then_the_fleet_goes_on_and_take
         assert (fleet.reassigned, fleet.rerun_prompts, fleet.alive) == (1, 2, 1)
         started = time.monotonic()
         out = fleet.generate(prompts, SAMPLING)  # actor 1 restarts for 8 s: waited for 1 s, then actor 0 alone
-        assert 1.0 <= time.monotonic() - started < 6.0
+        assert time.monotonic() - started >= 1.0  # waited node_wait_s; not for the 8 s restart (next line but one)
         assert [c.response_token_ids[0] for c in out] == [3000 + p for p in range(4) for _ in range(3)]
         assert {c.response_token_ids[2] for c in out} == {100}  # one chunk: every prompt on actor 0
         assert fleet.alive == 1 and fleet.rerun_prompts == 2
@@ -166,7 +166,7 @@ def test_with_no_actor_left_the_rollout_fails_after_the_wait_naming_why(ray_sess
         started = time.monotonic()
         with pytest.raises(RolloutError) as err:
             fleet.generate([[1], [2]], SAMPLING)
-        assert 1.0 <= time.monotonic() - started < 20.0
+        assert time.monotonic() - started >= 1.0  # waited node_wait_s, then failed naming why (not after the 30 s restart)
         assert ("none of the 2 rollout actors is alive: actors [0] are dead for good (their restarts, "
                 "resources.rollout.max_restarts, are spent) and [1] were not back within resources.node_wait_s=1 s"
                 ) in str(err.value)
