@@ -16,6 +16,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
 from rlray.config import Config
+from rlray.run import build
 
 _EPS = 1e-9
 
@@ -149,33 +150,6 @@ def rollout_placement_group(cfg: Config) -> PlacementGroup:
     return pg
 
 
-def split_cores(count: int, cores: list[int]) -> list[str]:
-    """Returns one core list per actor, splitting ``cores`` into ``count`` contiguous parts.
-
-    With fewer cores than actors, actor i gets core ``cores[i % len(cores)]``.
-
-    Example: ``split_cores(2, [0, 1])`` is ``["0", "1"]``; ``split_cores(1, [0, 1])`` is ``["0-1"]``.
-    """
-    if count <= len(cores):
-        parts = [cores[len(cores) * i // count : len(cores) * (i + 1) // count] for i in range(count)]
-    else:
-        parts = [[cores[i % len(cores)]] for i in range(count)]
-    return [_core_list(p) for p in parts]
-
-
-def _core_list(cores: list[int]) -> str:
-    """Returns "a-b" for a contiguous run of two or more cores, else "a,b,..."."""
-    if len(cores) > 1 and cores == list(range(cores[0], cores[-1] + 1)):
-        return f"{cores[0]}-{cores[-1]}"
-    return ",".join(str(c) for c in cores)
-
-
 def rollout_cpu_threads(cfg: Config) -> list[str]:
-    """Returns each rollout actor's core list: resources.rollout.cpu_threads, or this node's cores split evenly."""
-    threads = cfg.resources.rollout.cpu_threads
-    n = cfg.resources.rollout.num_workers
-    if isinstance(threads, list):
-        return list(threads)
-    if threads is not None:
-        return [threads] * n
-    return split_cores(n, sorted(os.sched_getaffinity(0)))
+    """Returns each rollout actor's core list: resources.rollout.cpu_threads, or ``rlray.run.build.core_plan``'s."""
+    return build.core_plan(cfg).rollout

@@ -63,16 +63,16 @@ def test_weight_sync_summary(bench):
 def test_run_all_summary_rows_compare_with_targets(bench):
     results = {
         "grpo_vs_trl": {"models": {"m": {"runs": {"trl": {"step_time_vs_trl": 1.0},
-                                                  "rlray-sync": {"step_time_vs_trl": 0.5},
-                                                  "rlray-async": {"step_time_vs_sync": 0.9}}}}},
+                                                  "rlray-sync": {"step_time_vs_trl": 0.5, "peak_pss_vs_trl": 1.3},
+                                                  "rlray-async": {"step_time_vs_sync": 1.05}}}}},
         "rollout": {"runs": {"vllm": {"vs_vllm": 1.0}, "rlray": {"vs_vllm": 0.95}}},
         "weight_sync": {"runs": {"object_store x1": {"sync_vs_memcpy": 0.2}, "object_store x2": {"error": "x"}}},
         "experience": {"runs": [{"case": "step", "world": 1, "move_vs_step": 0.01},
                                 {"case": "scaled", "world": 1, "move_vs_step": None}]},
     }
     rows = bench["run_all"].summary_rows(results)
-    assert [(r[1], r[3]) for r in rows] == [(0.5, "yes"), (0.9, "no"), (0.95, "yes"), (0.2, "no"), (None, "n/a"),
-                                            (0.01, "yes")]
+    assert [(r[1], r[3]) for r in rows] == [(0.5, "yes"), (1.3, "no"), (1.05, "no"), (0.95, "yes"), (0.2, "no"),
+                                            (None, "n/a"), (0.01, "yes")]
     assert bench["run_all"].summary_rows({}) == []
 
 
@@ -103,3 +103,71 @@ def test_run_script_child_merges_the_result_or_names_the_failure(bench, tmp_path
         assert out["returncode"] == 0 and out["tokens"] == [3, 4] and out["mode"] == "ok" and "error" not in out
     else:
         assert out["error"] == error and f"child says {mode}" in out["log_tail"] and "tokens" not in out
+
+
+@pytest.mark.parametrize(("cmdline", "name", "label"), [
+    (["ray::RolloutActor.generate"], "python", "ray::RolloutActor"),
+    (["ray::IDLE"], "python", "ray::IDLE"),
+    (["/venv/lib/python3.12/site-packages/ray/core/src/ray/raylet/raylet", "--node_id=x"], "raylet", "raylet"),
+    (["/venv/bin/python", "-u", "/venv/lib/ray/dashboard/dashboard.py", "--host=127.0.0.1"], "python", "dashboard.py"),
+    (["/venv/bin/python", "-u", "/venv/lib/ray/dashboard/agent.py"], "python", "dashboard/agent.py"),
+    (["ray-dashboard-NodeHead-0 (/venv/bin/python)"], "python", "ray-dashboard-* (modules)"),
+    ([], "gcs_server", "gcs_server"),
+])
+def test_process_label_names_the_role(bench, cmdline, name, label):
+    assert bench["benchlib"].process_label(cmdline, name) == label
+
+
+def test_tree_memory_keeps_the_breakdown_of_the_peak_sample(bench):
+    """The per-process table is the sample of the highest summed PSS: its rows add up to the peak."""
+    import os
+
+    memory = bench["benchlib"].TreeMemory(os.getpid())
+    memory.sample()
+    rows = memory.peak_by_process
+    assert rows["driver"]["processes"] == 1  # this process is the tree's root
+    assert sum(r["pss_gib"] for r in rows.values()) == pytest.approx(memory.peak_pss_gib)
+    assert sum(r["rss_gib"] for r in rows.values()) == pytest.approx(memory.peak_rss_gib)
+
+
+def test_scaling_slope_is_least_squares():
+    sys.path.insert(0, str(BENCH))
+    try:
+        grpo = importlib.import_module("grpo_vs_trl")
+    finally:
+        sys.path.remove(str(BENCH))
+    assert grpo.slope([4, 8, 16], [10.0, 18.0, 34.0]) == 2.0  # exactly on a line: 2 s per prompt
+    assert grpo.slope([64, 128, 256], [1.0, 3.0, 3.0]) == pytest.approx(1 / 112)  # hand-computed: 170.67 / 19114.7
+    assert grpo.slope([4, 8, 16], [10.0, None, 34.0]) == 2.0  # a failed point is left out
+    assert grpo.slope([4, 8, 16], [None, None, 3.0]) is None
+
+
+def test_scaling_runs_each_point_and_fits_each_line(monkeypatch):
+    """``--scaling``: one comparison per point (one size doubles, the rest stay), slopes per run, a table row each."""
+    import argparse
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        grpo = importlib.import_module("grpo_vs_trl")
+    finally:
+        sys.path.remove(str(BENCH))
+    seen = []
+
+    def fake_compare(model, spec, variants, timeout_s, keep):
+        seen.append((spec.prompts_per_step, spec.max_new_tokens, spec.steps))
+        cost = spec.prompts_per_step + spec.max_new_tokens / 16  # made-up step times: linear in both sizes
+        return {"runs": {"trl": {"median_step_s": 2 * cost, "peak_pss_gib": 8.0},
+                         "rlray-sync": {"median_step_s": cost, "peak_pss_gib": 10.0 + spec.prompts_per_step / 4}}}
+
+    monkeypatch.setattr(grpo, "compare", fake_compare)
+    args = argparse.Namespace(dtype="float32", placement="defaults", overrides=[], timeout_s=1.0, keep=False)
+    base = dict(grpo.SIZES["default"]["smollm2-135m-instruct"], steps=4, warmup=2)
+    out = grpo.scaling("smollm2-135m-instruct", base, ["trl", "rlray-sync"], args)
+    assert seen == [(4, 64, 4), (8, 64, 4), (16, 64, 4), (4, 64, 4), (4, 128, 4), (4, 256, 4)]
+    assert out["slopes"]["prompts_per_step"]["trl"]["step_s_per_unit"] == pytest.approx(2.0)
+    assert out["slopes"]["prompts_per_step"]["rlray-sync"]["pss_gib_per_unit"] == pytest.approx(0.25)
+    assert out["slopes"]["max_new_tokens"]["rlray-sync"]["step_s_per_unit"] == pytest.approx(1 / 16)
+    assert out["points"][2]["runs"]["rlray-sync"]["step_time_vs_trl"] == 0.5
+    table = grpo.scaling_table(out)
+    assert "| prompts_per_step | 16 | rlray-sync | 20.00 | 14.00 | 0.50 | 1.75 |" in table
+    assert "- max_new_tokens: trl 0.125 s and 0.0000 GiB per new token" in table
