@@ -176,8 +176,9 @@ def test_with_no_actor_left_the_rollout_fails_after_the_wait_naming_why(ray_sess
 
 def _restarting_actors(restart_delay_s: float) -> list:
     """Returns two fresh fake actors; actor 1 was killed while idle and is restarting for ``restart_delay_s`` (GCS
-    state RESTARTING, as with no node for it): the fleet has not seen it fail, and Ray queues calls to it."""
-    cls = ray.remote(FakeRolloutActor).options(num_cpus=0.01, max_restarts=1, max_task_retries=0)
+    state RESTARTING, as with no node for it): the fleet has not seen it fail, and Ray queues calls to it (its
+    ``max_task_retries=-1``; with 0 a call to it fails at once, which the fleet re-sends as a death)."""
+    cls = ray.remote(FakeRolloutActor).options(num_cpus=0.01, max_restarts=1, max_task_retries=-1)
     actors = [cls.remote(), cls.remote(restart_delay_s)]
     ray.get([a.policy_version.remote() for a in actors])
     assert gcs_actor_state(actors[1]) == "ALIVE"
@@ -203,7 +204,6 @@ def test_a_call_to_an_actor_that_cannot_run_is_lost_after_node_wait_s_and_its_pr
         assert {c.response_token_ids[2] for c in out if c.prompt_index >= 2} == {106}
         assert (fleet.reassigned, fleet.rerun_prompts, fleet.failures, fleet.alive) == (1, 2, 1, 1)
         assert ray.get(actors[0].call_count.remote()) == 2
-        started = time.monotonic()
         fleet.generate(prompts, SAMPLING)  # the lost actor is not waited for again: given up already
         assert fleet.rerun_prompts == 2
         assert _wait_restarted(actors[1]) == 0
