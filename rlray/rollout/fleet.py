@@ -12,6 +12,13 @@ node is lost (spot preemption), only once a replacement joins. The next rollout 
 ``node_wait_s`` (since the failure) for it, then goes on with the actors that remain; an actor that
 is back later rejoins at the next rollout. With none left after the wait, the rollout fails.
 
+A call to an actor that cannot run it never waits without end: Ray queues a call to an actor that
+is restarting (for as long as no node has its resources), so while a call is pending the fleet asks
+the GCS for the actor's state each second. An actor not ALIVE there (restarting, pending creation,
+dead) for ``node_wait_s`` (at least ``_ANSWER_S``) since the fleet first saw it so is lost: its call
+is cancelled and its prompts go, once, to the actors that remain (a weight push to it is dropped,
+and the actor is brought to the latest weights when it is back).
+
 ``RolloutPipeline`` runs the rollout of step t+1..t+k while step t trains (k =
 ``rollout.max_staleness``). Ray runs one actor's calls in the order one caller submitted them, so a
 rollout submitted while the learner is at version v runs after every weight push up to v: its
@@ -31,6 +38,7 @@ from typing import Any
 
 import numpy as np
 import ray
+import ray._private.state
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from rlray.rollout import Completion, SamplingSpec
@@ -39,10 +47,30 @@ log = logging.getLogger(__name__)
 
 ACTOR_ERRORS = (RayActorError, ActorDiedError, ActorUnavailableError)
 _ANSWER_S = 1.0  # seconds a live actor may take to answer a probe: a failed actor is waited for at least this long
+_POLL_S = 1.0  # seconds between looks at the GCS state of the actors a pending call waits for
+_DOWN_STATES = ("DEPENDENCIES_UNREADY", "PENDING_CREATION", "RESTARTING", "DEAD")  # GCS actor states that run no call
 
 
 class RolloutError(RuntimeError):
     """The fleet cannot finish a rollout: every actor failed the same prompts, or none is left."""
+
+
+class ActorLostError(RuntimeError):
+    """A rollout actor could not run a pending call (not ALIVE in the GCS) for ``resources.node_wait_s``."""
+
+
+def gcs_actor_state(actor: Any) -> str:
+    """Returns the actor's state in the GCS: "ALIVE", "RESTARTING", "PENDING_CREATION", "DEPENDENCIES_UNREADY",
+    "DEAD", or "UNKNOWN" when the GCS does not answer (busy) or does not know the actor.
+
+    Reads Ray's GCS actor table directly (``ray._private.state``): the state API (``ray.util.state``) needs the
+    dashboard, which a cluster may run without.
+    """
+    try:
+        info = ray._private.state.actors(actor_id=actor._actor_id.hex())
+    except Exception:  # noqa: BLE001 - the GCS busy or away for a moment: the next poll asks again
+        return "UNKNOWN"
+    return info["State"] if info else "UNKNOWN"
 
 
 @dataclass
@@ -89,7 +117,8 @@ class RolloutFleet:
         actors: ``RolloutActor`` handles (created with ``max_restarts``).
         max_attempts: calls per chunk before the rollout fails (the first call included).
         node_wait_s: seconds a rollout waits for a failed actor to be back, counted from its failure, before it
-            goes on without it (``resources.node_wait_s``; 0: at once).
+            goes on without it (``resources.node_wait_s``; 0: at once); also how long a pending call waits for an
+            actor that cannot run it (not ALIVE in the GCS) before the actor is lost and the call sent elsewhere.
 
     Attributes:
         version: the latest policy version pushed to the actors.
@@ -107,6 +136,7 @@ class RolloutFleet:
         self.reassigned = 0
         self.rerun_prompts = 0
         self._away: dict[int, _Away] = {}  # failed actors not yet back
+        self._down: dict[int, float] = {}  # actor -> when a pending call first found it not ALIVE in the GCS
         self._latest: Callable[[], Any] | None = None  # returns an ObjectRef of the latest weights
         self._stale: set[int] = set()  # actors that failed since their last successful weight push
         self.failures = 0  # actor failures seen (a weight-transfer group must be rebuilt after one)
@@ -148,13 +178,21 @@ class RolloutFleet:
         A chunk whose actor died is sent again to a live actor (same seed), so no prompt is lost
         or generated twice.
 
+        A chunk whose actor cannot run it (``_cannot_run``) is cancelled and sent to a live actor the same way.
+
         Raises:
             RolloutError: a chunk failed ``max_attempts`` times.
         """
         done: dict[int, list[Completion]] = {}
         todo = list(pending.chunks)
         while todo:
-            ready, _ = ray.wait([c.ref for c in todo], num_returns=1)
+            ready, _ = ray.wait([c.ref for c in todo], num_returns=1, timeout=_POLL_S)
+            if not ready:
+                lost = self._cannot_run({c.actor for c in todo})
+                for chunk in [c for c in todo if c.actor in lost]:
+                    todo.remove(chunk)
+                    todo.append(self._reassign(pending, chunk, self._lose(chunk.actor, [chunk.ref])))
+                continue
             chunk = next(c for c in todo if c.ref == ready[0])
             todo.remove(chunk)
             try:
@@ -249,6 +287,36 @@ class RolloutFleet:
                         self.version)
             del self._away[i]
 
+    def _cannot_run(self, actors: set[int]) -> set[int]:
+        """Returns those of ``actors`` that have been unable to run a call (their GCS state in ``_DOWN_STATES``: Ray
+        restarts them with no node for them, or they are dead) for ``node_wait_s`` (at least ``_ANSWER_S``) since a
+        pending call first found them so; an actor seen ALIVE (or that the GCS cannot tell about) starts afresh."""
+        now, lost = time.monotonic(), set()
+        for i in sorted(actors):
+            if gcs_actor_state(self.actors[i]) not in _DOWN_STATES:
+                self._down.pop(i, None)
+                continue
+            if now - self._down.setdefault(i, now) >= max(self.node_wait_s, _ANSWER_S):
+                lost.add(i)
+        return lost
+
+    def _lose(self, actor: int, refs: list[Any]) -> ActorLostError:
+        """Cancels the actor's pending calls ``refs`` (so they never run once it is back), marks it failed and away
+        (given up: the next rollout does not wait for it again), and returns the error that says why."""
+        since = self._down.pop(actor)
+        for ref in refs:
+            try:
+                ray.cancel(ref)
+            except Exception:  # noqa: BLE001 - already finished or gone: its result is never read
+                pass
+        self._mark_failed(actor)
+        self._away[actor] = _Away(since, self.actors[actor].policy_version.remote(), given_up=True)
+        err = ActorLostError(f"rollout actor {actor} could not run its call for {time.monotonic() - since:.1f} s (not "
+                             f"ALIVE: restarting with no node for it, or dead; resources.node_wait_s={self.node_wait_s:g})")
+        log.warning("%s: counted lost; going on with %d of %d rollout actors (rollout/actors_alive)", err, self.alive,
+                    len(self.actors))
+        return err
+
     def _reassign(self, pending: PendingRollout, chunk: _Chunk, err: Exception) -> _Chunk:
         self._mark_failed(chunk.actor)
         if chunk.attempts >= self.max_attempts:
@@ -304,14 +372,22 @@ class RolloutFleet:
         self._stale.add(actor)
 
     def _check_pending_sync(self, *, block: bool) -> None:
-        """Checks finished weight pushes (all of them when ``block``); a failed actor becomes stale."""
-        if not self._pending_sync:
-            return
-        refs = [r for _, r, _ in self._pending_sync]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=None if block else 0)
-        ready_set = set(ready)
-        finished = [p for p in self._pending_sync if p[1] in ready_set]
-        self._pending_sync = [p for p in self._pending_sync if p[1] not in ready_set]
+        """Checks finished weight pushes (all of them when ``block``); a failed actor becomes stale, and one that cannot
+        run its push (``_cannot_run``) is lost."""
+        while self._pending_sync:
+            refs = [r for _, r, _ in self._pending_sync]
+            ready, waiting = ray.wait(refs, num_returns=len(refs), timeout=_POLL_S if block else 0)
+            self._take_synced(set(ready))
+            if not (block and waiting):
+                return
+            for i in self._cannot_run({i for i, _, _ in self._pending_sync}):  # a push to a lost actor is dropped
+                self._lose(i, [r for j, r, _ in self._pending_sync if j == i])
+                self._pending_sync = [p for p in self._pending_sync if p[0] != i]
+
+    def _take_synced(self, ready: set[Any]) -> None:
+        """Checks the finished weight pushes among ``ready``: a failed actor becomes stale, a wrong version raises."""
+        finished = [p for p in self._pending_sync if p[1] in ready]
+        self._pending_sync = [p for p in self._pending_sync if p[1] not in ready]
         for i, ref, version in finished:
             try:
                 got = ray.get(ref)

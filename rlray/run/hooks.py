@@ -17,11 +17,15 @@ Callers today: ``StopWhenRequested`` (control: ``ray job stop`` -> SIGTERM on th
 ``RunControl``), ``rlray.sweep.tune``'s trial reporter (observer: per-step metrics and the step's
 snapshot to Ray Tune, for ASHA and PBT) and, for tests only, ``HoldForTest`` (control: holds a live run
 at a step while a test looks at its page; ``hold_hooks_from_env``).
+
+Not a step hook, also for tests only: ``hold_generate_from_env`` holds a rollout actor's n-th generate call
+(``RLRAY_TEST_HOLD_GENERATE``) so that a test can lose the actor's node while it is provably mid-call.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +38,7 @@ log = logging.getLogger(__name__)
 
 HOLD_STEP_ENV = "RLRAY_TEST_HOLD_AFTER_STEP"  # tests only: the step after which the run waits (``HoldForTest``)
 HOLD_RELEASE_ENV = "RLRAY_TEST_HOLD_RELEASE"  # tests only: the file whose creation lets the held run go on
+HOLD_GENERATE_ENV = "RLRAY_TEST_HOLD_GENERATE"  # tests only: folder whose hold-<n> holds a rollout actor's n-th generate
 HOLD_TIMEOUT_S = 900.0  # seconds a held run waits for its release file before it stops itself
 
 
@@ -182,3 +187,29 @@ def hold_hooks_from_env(env: Mapping[str, str]) -> list[StepHook]:
         raise ValueError(f"{HOLD_STEP_ENV}={step!r} {HOLD_RELEASE_ENV}={release!r}: the test hold needs a step >= 1 "
                          f"and a release file path; unset {HOLD_STEP_ENV} outside tests")
     return [HoldForTest(int(step), release)]
+
+
+def hold_generate_from_env(call: int, env: Mapping[str, str]) -> None:
+    """Returns at once, unless ``env`` sets ``RLRAY_TEST_HOLD_GENERATE`` (tests only) to a folder holding the file
+    ``hold-<call>``: then writes ``held-<call>-<pid>`` there and returns once ``hold-<call>`` is gone.
+
+    ``rlray.launch.actors.RolloutActor`` calls it at the start of its ``call``-th generate (counted from 1 in the actor
+    process), so that a test can kill the actor's node while the call is provably in flight. A hold file that stays
+    is given up after ``HOLD_TIMEOUT_S`` seconds, with an error in the log.
+
+    Args:
+        call: the actor process's generate calls so far, this one included.
+        env: the process environment.
+    """
+    folder = env.get(HOLD_GENERATE_ENV)
+    hold = Path(folder, f"hold-{call}") if folder else None
+    if hold is None or not hold.exists():
+        return
+    Path(folder, f"held-{call}-{os.getpid()}").touch()
+    log.warning("test hold: generate call %d waits while %s exists (%s)", call, hold, HOLD_GENERATE_ENV)
+    deadline = time.monotonic() + HOLD_TIMEOUT_S
+    while hold.exists():
+        if time.monotonic() > deadline:
+            log.error("test hold: %s still exists after %g s; going on", hold, HOLD_TIMEOUT_S)
+            return
+        time.sleep(0.1)

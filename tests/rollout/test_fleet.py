@@ -15,7 +15,7 @@ import ray
 from ray.exceptions import ActorUnavailableError
 
 from rlray.rollout import Completion, SamplingSpec
-from rlray.rollout.fleet import RolloutError, RolloutFleet, RolloutPipeline, offset_seed
+from rlray.rollout.fleet import RolloutError, RolloutFleet, RolloutPipeline, gcs_actor_state, offset_seed
 
 pytestmark = pytest.mark.ray
 
@@ -172,6 +172,64 @@ def test_with_no_actor_left_the_rollout_fails_after_the_wait_naming_why(ray_sess
                 ) in str(err.value)
     finally:
         ray.kill(actors[1], no_restart=True)
+
+
+def _restarting_actors(restart_delay_s: float) -> list:
+    """Returns two fresh fake actors; actor 1 was killed while idle and is restarting for ``restart_delay_s`` (GCS
+    state RESTARTING, as with no node for it): the fleet has not seen it fail, and Ray queues calls to it (its
+    ``max_task_retries=-1``; with 0 a call to it fails at once, which the fleet re-sends as a death)."""
+    cls = ray.remote(FakeRolloutActor).options(num_cpus=0.01, max_restarts=1, max_task_retries=-1)
+    actors = [cls.remote(), cls.remote(restart_delay_s)]
+    ray.get([a.policy_version.remote() for a in actors])
+    assert gcs_actor_state(actors[1]) == "ALIVE"
+    ray.kill(actors[1], no_restart=False)
+    deadline = time.monotonic() + 60
+    while gcs_actor_state(actors[1]) != "RESTARTING":
+        assert time.monotonic() < deadline, gcs_actor_state(actors[1])
+        time.sleep(0.1)
+    return actors
+
+
+def test_a_call_to_an_actor_that_cannot_run_is_lost_after_node_wait_s_and_its_prompts_run_once_elsewhere(ray_session):
+    actors = _restarting_actors(restart_delay_s=6.0)
+    fleet = RolloutFleet(actors, node_wait_s=2.0)
+    prompts = [[4000 + i] for i in range(4)]
+    try:
+        started = time.monotonic()
+        out = fleet.generate(prompts, SAMPLING)  # actor 1's chunk (prompts 2, 3) waits in Ray's queue: lost after 2 s
+        assert time.monotonic() - started >= 2.0  # node_wait_s, counted from when the fleet saw it RESTARTING
+        assert [c.response_token_ids[0] for c in out] == [4000 + p for p in range(4) for _ in range(3)]
+        assert [c.prompt_index for c in out] == [p for p in range(4) for _ in range(3)]
+        # prompts 2, 3 ran again, once, on actor 0 with their own seed (100 + 2*3)
+        assert {c.response_token_ids[2] for c in out if c.prompt_index >= 2} == {106}
+        assert (fleet.reassigned, fleet.rerun_prompts, fleet.failures, fleet.alive) == (1, 2, 1, 1)
+        assert ray.get(actors[0].call_count.remote()) == 2
+        fleet.generate(prompts, SAMPLING)  # the lost actor is not waited for again: given up already
+        assert fleet.rerun_prompts == 2
+        assert _wait_restarted(actors[1]) == 0
+        assert ray.get(actors[1].call_count.remote()) == 0  # the lost call was cancelled: it never ran once back
+        for _ in range(2):  # back: it rejoins within two rollouts
+            fleet.generate(prompts, SAMPLING)
+        assert fleet.alive == 2 and ray.get(actors[1].call_count.remote()) >= 1
+    finally:
+        for a in actors:
+            ray.kill(a, no_restart=True)
+
+
+def test_a_weight_push_to_an_actor_that_cannot_run_is_dropped_after_node_wait_s(ray_session):
+    actors = _restarting_actors(restart_delay_s=30.0)
+    fleet = RolloutFleet(actors, node_wait_s=1.0)
+    try:
+        started = time.monotonic()
+        fleet.push_weights(ray.put({}), 3)  # blocks for every live actor; actor 1 cannot run it
+        assert time.monotonic() - started >= 1.0
+        assert (fleet.alive, fleet.failures, fleet.version) == (1, 1, 3)
+        assert ray.get(actors[0].policy_version.remote()) == 3
+        out = fleet.generate([[1], [2]], SAMPLING)  # actor 0 alone, at version 3, without another wait
+        assert {c.policy_version for c in out} == {3} and fleet.rerun_prompts == 0
+    finally:
+        for a in actors:
+            ray.kill(a, no_restart=True)
 
 
 def _wait_restarted(actor, timeout_s: float = 60.0) -> int:
