@@ -13,11 +13,8 @@ from __future__ import annotations
 
 import json
 import logging
-<<<<<<< HEAD
 import math
-=======
 import os
->>>>>>> n14
 import time
 from pathlib import Path
 from typing import Any
