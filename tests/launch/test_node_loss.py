@@ -86,9 +86,11 @@ class Cluster:
         return manager
 
     def add_nodes(self, resources: list[dict[str, float]], num_cpus: int = 1) -> list[int]:
-        """Starts worker nodes, one offering each of ``resources``, together; returns their node manager ports."""
+        """Starts worker nodes, one offering each of ``resources``, one after another (each up before the next: started
+        together on 2 cores, their raylets failed to register with the GCS in time in most tries); returns their node
+        manager ports."""
         free = free_ports(6 * len(resources))  # at once: ports picked node by node could repeat before they are bound
-        ports = [self._start([f"--address={self.address}"], r, num_cpus, wait=False, ports=free[6 * i: 6 * i + 6])
+        ports = [self._start([f"--address={self.address}"], r, num_cpus, wait=True, ports=free[6 * i: 6 * i + 6])
                  for i, r in enumerate(resources)]
         self._wait_nodes()
         return ports
