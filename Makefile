@@ -9,7 +9,7 @@ export RLRAY_DATA_MIRROR ?= $(if $(wildcard ../shared/data),$(abspath ../shared/
 export TOKENIZERS_PARALLELISM := false
 PYTEST_ARGS ?=
 
-.PHONY: install data demo demo-gsm8k test soak lint bench clean
+.PHONY: install data demo demo-gsm8k browser test soak lint bench clean
 
 install: $(STAMP) data
 
@@ -39,7 +39,19 @@ demo-gsm8k: install
 	$(BIN)/rlray train configs/grpo_gsm8k_smollm2.yaml
 
 # ruff first (pinned in the dev extra, configured in pyproject.toml): a lint error fails the run, as on CI.
-test: install
+# Debian's headless browser for tests/observe/test_browser.py (selenium drives it through chromedriver; nothing is
+# downloaded by selenium-manager). Best effort: without root/sudo or apt-get it says so, and the browser test then
+# fails unless RLRAY_SKIP_BROWSER=1 opts out of it.
+browser:
+	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+	  sudo=""; if [ "$$(id -u)" != 0 ] && command -v sudo >/dev/null; then sudo="sudo -n"; fi; \
+	  if command -v apt-get >/dev/null; then \
+	    $$sudo apt-get update -q && $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver \
+	      || echo "make browser: apt-get could not install chromium chromium-driver (tests/observe/test_browser.py will fail)" >&2; \
+	  else echo "make browser: no apt-get; install chromium and chromedriver for tests/observe/test_browser.py" >&2; fi; \
+	fi
+
+test: install browser
 	$(BIN)/ruff check .
 	$(BIN)/pytest $(PYTEST_ARGS)
 
