@@ -174,6 +174,7 @@ class TreeMemory:
     peak_pss_gib: float = 0.0
     peak_processes: int = 0
     samples: int = 0
+    peak_by_process: dict[str, dict[str, float]] = field(default_factory=dict)  # process_label -> PSS/RSS at the PSS peak
     affinity: dict[str, list[int]] = field(default_factory=dict)  # Ray worker title -> cores it may run on
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -200,16 +201,24 @@ class TreeMemory:
         except psutil.Error:  # the child has exited
             return
         rss = pss = 0
+        by_process: dict[str, dict[str, float]] = {}
         for p in procs:
             try:
                 mem = p.memory_full_info()
+                label = "driver" if p.pid == self.root_pid else process_label(p.cmdline(), p.name())
             except psutil.Error:  # exited between the listing and the read
                 continue
             rss += mem.rss
             pss += getattr(mem, "pss", mem.rss)
+            row = by_process.setdefault(label, {"processes": 0, "pss_gib": 0.0, "rss_gib": 0.0})
+            row["processes"] += 1
+            row["pss_gib"] += getattr(mem, "pss", mem.rss) / GIB
+            row["rss_gib"] += mem.rss / GIB
             self._note_affinity(p)
         self.samples += 1
         self.peak_rss_gib = max(self.peak_rss_gib, rss / GIB)
+        if pss / GIB > self.peak_pss_gib:
+            self.peak_by_process = by_process
         self.peak_pss_gib = max(self.peak_pss_gib, pss / GIB)
         self.peak_processes = max(self.peak_processes, len(procs))
 
@@ -227,6 +236,28 @@ class TreeMemory:
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             self.sample()
+
+
+def process_label(cmdline: Sequence[str], name: str) -> str:
+    """Returns a short role label of one process of a run's tree, for the per-process memory table.
+
+    Ray workers are labelled by their title's class (``ray::RolloutActor.generate`` -> ``ray::RolloutActor``;
+    idle pool workers ``ray::IDLE``); Ray's own daemons by their program (``raylet``, ``gcs_server``,
+    ``dashboard.py``, ``agent.py``, ...); anything else by its process name.
+
+    Example: ``process_label(["ray::RolloutActor.generate"], "python")`` is ``"ray::RolloutActor"``.
+    """
+    first = cmdline[0] if cmdline else name
+    if first.startswith("ray-dashboard-"):  # the dashboard's head modules, one process each
+        return "ray-dashboard-* (modules)"
+    if first.startswith("ray::"):
+        return first.split(" ")[0].split(".")[0]
+    for arg in cmdline[:3]:  # python path/to/script.py ... -> script.py; /path/raylet -> raylet
+        base = os.path.basename(arg)
+        if base.endswith(".py") or base in ("raylet", "gcs_server"):
+            parent = os.path.basename(os.path.dirname(arg))
+            return f"{parent}/{base}" if base in ("main.py", "agent.py") else base
+    return os.path.basename(first) or name
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -247,7 +278,8 @@ def run_child(argv: list[str], *, log_path: Path, timeout_s: float, env: dict[st
     """Runs ``argv`` in a fresh process while sampling its process tree's memory; returns what happened.
 
     Returns:
-        {"returncode", "wall_s", "peak_rss_gib", "peak_pss_gib", "peak_processes", "affinity", "log"}; a run over
+        {"returncode", "wall_s", "peak_rss_gib", "peak_pss_gib", "peak_processes", "peak_by_process", "affinity",
+        "log"} (``peak_by_process``: PSS and RSS per ``process_label`` at the sample of peak PSS); a run over
         ``timeout_s`` is killed (its whole process group) and gets returncode None.
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -270,6 +302,7 @@ def run_child(argv: list[str], *, log_path: Path, timeout_s: float, env: dict[st
         "peak_rss_gib": memory.peak_rss_gib,
         "peak_pss_gib": memory.peak_pss_gib,
         "peak_processes": memory.peak_processes,
+        "peak_by_process": memory.peak_by_process,
         "affinity": memory.affinity,
         "log": str(log_path),
     }
@@ -345,13 +378,17 @@ def gsm8k_prompts(model: str, count: int, max_tokens: int) -> tuple[list[Any], l
     return rows, ids
 
 
-def init_local_ray(num_cpus: int | None = None) -> None:
-    """Starts a fresh local Ray cluster for this process (never joins a cluster another run started)."""
+def init_local_ray(num_cpus: int | None = None, include_dashboard: bool | None = False) -> None:
+    """Starts a fresh local Ray cluster for this process (never joins a cluster another run started), with the
+    worker environment ``rlray train`` gives its workers (``rlray.launch.driver.worker_env``).
+
+    ``include_dashboard=None`` is Ray's default (the dashboard starts, as under ``rlray train``)."""
     import ray
 
-    env = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": env})
+    from rlray.launch.driver import worker_env
+
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=include_dashboard, dashboard_host="127.0.0.1",
+             log_to_driver=False, runtime_env={"env_vars": worker_env(hub_offline_default="1")})
 
 
 class StepRecorder:

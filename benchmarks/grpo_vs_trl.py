@@ -8,7 +8,9 @@
 Every run gets the same model, prompts (the first GSM8K train questions, in file order, no
 shuffling), samples per prompt, max new tokens, learning rate (constant, AdamW, grad-norm clip 1.0),
 KL (k3, the same beta, a reference model on both sides), loss (token-mean over the step, clip 0.2 /
-0.28), precision (bf16 autocast over float32 master weights), one optimizer step per RL step, and
+0.28), precision (``--dtype``: by default what rlray's ``model.dtype=auto`` picks on this machine, bf16 autocast
+over float32 master weights on a GPU or a CPU with native bf16 (AMX / AVX512-BF16), else float32; TRL gets
+``bf16=`` the same), one optimizer step per RL step, and
 the same reward: rlray's GSM8K verifiers (``gsm8k_correct`` + ``gsm8k_format``, 1.0 correct + 0.2 format)
 wrapped as a TRL reward function.
 
@@ -19,9 +21,11 @@ wrapped as a TRL reward function.
 - ``rlray-sync``: ``rlray train`` (Ray, a vLLM rollout actor, a Ray Train learner), rollout.max_staleness=0.
 - ``rlray-async``: the same with rollout.max_staleness=1 (step t+1's rollout overlaps step t's update).
 
-On a CPU machine the rlray runs pin the rollout actor to the last core (resources.rollout.cpu_threads)
-and the learner to the other cores (learner.cpu_affinity, one torch thread per core), in both modes;
-TRL runs in one process whose generation and update take turns on every core. On a CUDA machine
+The rlray runs use the defaults a user gets (``--placement defaults``, the default): no thread or core
+setting is given, ``rlray train``'s own choice applies. ``--placement pinned`` pins, on a CPU machine, the
+rollout actor to the last core (resources.rollout.cpu_threads) and the learner to the other cores
+(learner.cpu_affinity, one torch thread per core), in both modes. TRL runs in one process whose
+generation and update take turns on every core. On a CUDA machine
 (torch.cuda.is_available()) TRL trains on GPU 0 and rlray shares GPU 0 between rollout and learner
 (colocated, CUDA IPC weight sync) or puts them on GPUs 0 and 1 when there are two.
 
@@ -66,6 +70,9 @@ class RunSpec:
     kl_coef: float = 0.01
     temperature: float = 1.0
     seed: int = 0
+    dtype: str = "float32"
+    placement: str = "defaults"
+    overrides: tuple[str, ...] = ()
     data_file: str = ""
     workdir: str = ""
 
@@ -130,7 +137,7 @@ def rlray_overrides(spec: RunSpec, max_staleness: int, device: str, gpus: int) -
 
     work = Path(spec.workdir)
     out = [
-        f"model.path={spec.model}", "model.dtype=bfloat16",
+        f"model.path={spec.model}", f"model.dtype={spec.dtype}",
         f"data.train_files=[{spec.data_file}]", f"data.eval_files=[{spec.data_file}]", "data.shuffle=false",
         f"data.max_prompt_tokens={MAX_PROMPT_TOKENS}",
         f"rollout.samples_per_prompt={spec.samples_per_prompt}", f"rollout.max_new_tokens={spec.max_new_tokens}",
@@ -148,6 +155,8 @@ def rlray_overrides(spec: RunSpec, max_staleness: int, device: str, gpus: int) -
         f"checkpoint.uri={work / 'snapshots'}", "checkpoint.every_steps=100000",
         f"tracking.mlflow_uri=sqlite:///{work / 'mlflow.db'}", "tracking.experiment=bench", "monitor.port=0",
     ]
+    if spec.placement == "defaults":
+        return out + list(spec.overrides)
     if device == "cpu":
         cores = sorted(os.sched_getaffinity(0))
         learner_cores = cores[:-1] or cores
@@ -158,15 +167,17 @@ def rlray_overrides(spec: RunSpec, max_staleness: int, device: str, gpus: int) -
     else:
         out += ["resources.colocate=true", "resources.rollout.gpus=0.4", "resources.learner.gpus=0.5",
                 "rollout.gpu_memory_utilization=0.3"]
-    return out
+    return out + list(spec.overrides)
 
 
-def placement_note(variant: str, device: str, gpus: int) -> str:
-    """Returns how a variant uses the hardware, for the table."""
+def placement_note(variant: str, device: str, gpus: int, placement: str = "pinned") -> str:
+    """Returns how a variant uses the hardware, for the table (``placement``: "defaults" or "pinned")."""
     import os
 
     if variant.startswith("trl"):
         return "1 process, all cores" if device == "cpu" else "1 process, GPU 0"
+    if placement == "defaults":
+        return "rlray defaults"
     if device == "cpu":
         cores = sorted(os.sched_getaffinity(0))
         learner = ",".join(map(str, cores[:-1] or cores))
@@ -186,7 +197,7 @@ def child_rlray(spec: RunSpec, max_staleness: int, result_path: Path) -> None:
     gpus = torch.cuda.device_count() if device == "cuda" else 0
     cfg = config_from_dict({}, rlray_overrides(spec, max_staleness, device, gpus))
     steps_path = Path(spec.workdir) / "steps.jsonl"
-    benchlib.init_local_ray()
+    benchlib.init_local_ray(include_dashboard=None if spec.placement == "defaults" else False)
     result = run_training(cfg, step_hooks=[benchlib.StepRecorder(str(steps_path))])
     steps = benchlib.read_steps(steps_path)
     result_path.write_text(json.dumps({
@@ -265,7 +276,7 @@ def child_trl(spec: RunSpec, use_vllm: bool, result_path: Path) -> None:
         num_generations=spec.samples_per_prompt,
         max_completion_length=spec.max_new_tokens,
         learning_rate=spec.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-        bf16=True, use_cpu=device == "cpu", model_init_kwargs={"dtype": "float32"},
+        bf16=spec.dtype == "bfloat16", use_cpu=device == "cpu", model_init_kwargs={"dtype": "float32"},
         beta=spec.kl_coef, epsilon=0.2, epsilon_high=0.28, loss_type="dapo", scale_rewards="group",
         gradient_checkpointing=False, max_steps=spec.steps, logging_steps=1, save_strategy="no", report_to="none",
         shuffle_dataset=False, temperature=spec.temperature, top_p=1.0, top_k=0, seed=spec.seed,
@@ -351,9 +362,10 @@ def compare(model: str, spec: RunSpec, variants: list[str], timeout_s: float, ke
         spec.workdir = str(root / variant)
         Path(spec.workdir).mkdir(parents=True, exist_ok=True)
         raw = run_variant(variant, spec, timeout_s)
-        figures = {"placement": placement_note(variant, device, gpus), "wall_s": raw["wall_s"],
+        figures = {"placement": placement_note(variant, device, gpus, spec.placement), "wall_s": raw["wall_s"],
                    "peak_rss_gib": raw["peak_rss_gib"], "peak_pss_gib": raw["peak_pss_gib"],
-                   "peak_processes": raw["peak_processes"], "affinity": raw["affinity"]}
+                   "peak_processes": raw["peak_processes"], "peak_by_process": raw.get("peak_by_process", {}),
+                   "affinity": raw["affinity"]}
         if "error" in raw:
             figures.update(error=raw["error"], log_tail=raw["log_tail"])
         else:
@@ -378,6 +390,7 @@ def add_ratios(runs: dict[str, Any]) -> None:
         r["generated_tokens_per_s_vs_trl"] = benchlib.ratio(r.get("generated_tokens_per_s"), base.get("generated_tokens_per_s"))
         r["trained_tokens_per_s_vs_trl"] = benchlib.ratio(r.get("trained_tokens_per_s"), base.get("trained_tokens_per_s"))
         r["peak_rss_vs_trl"] = benchlib.ratio(r.get("peak_rss_gib"), base.get("peak_rss_gib"))
+        r["peak_pss_vs_trl"] = benchlib.ratio(r.get("peak_pss_gib"), base.get("peak_pss_gib"))
     if "rlray-async" in runs and "rlray-sync" in runs:
         runs["rlray-async"]["step_time_vs_sync"] = benchlib.ratio(
             runs["rlray-async"].get("median_step_s"), runs["rlray-sync"].get("median_step_s"))
@@ -385,7 +398,8 @@ def add_ratios(runs: dict[str, Any]) -> None:
 
 HEADERS = ["run", "placement", "median step (s)", "generated tok/s", "trained tok/s", "peak RSS (GiB)",
            "peak PSS (GiB)", "step 1 done at (s)", "step time / TRL", "gen tok/s / TRL", "trained tok/s / TRL",
-           "RSS / TRL"]
+           "PSS / TRL"]
+MEMORY_HEADERS = ["run", "process", "processes", "PSS (GiB)", "RSS (GiB)", "share of the run's PSS"]
 
 
 def table(model: str, result: dict[str, Any]) -> str:
@@ -398,15 +412,91 @@ def table(model: str, result: dict[str, Any]) -> str:
         rows.append([name, r["placement"], r["median_step_s"], benchlib.fmt(r["generated_tokens_per_s"], 1),
                      benchlib.fmt(r["trained_tokens_per_s"], 1), r["peak_rss_gib"], r["peak_pss_gib"],
                      benchlib.fmt(r["first_step_end_s"], 1), r["step_time_vs_trl"], r["generated_tokens_per_s_vs_trl"],
-                     r["trained_tokens_per_s_vs_trl"], r["peak_rss_vs_trl"]])
+                     r["trained_tokens_per_s_vs_trl"], r["peak_pss_vs_trl"]])
     s = result["spec"]
     head = (f"**{model}**: {s['prompts_per_step']} prompts x {s['samples_per_prompt']} samples, "
-            f"{s['max_new_tokens']} new tokens, {s['steps']} steps (first {s['warmup']} not counted), bf16 autocast")
+            f"{s['max_new_tokens']} new tokens, {s['steps']} steps (first {s['warmup']} not counted), "
+            f"{'bf16 autocast' if s.get('dtype') == 'bfloat16' else 'float32'}")
     lines = [head, "", benchlib.markdown_table(HEADERS, rows)]
     async_vs_sync = result["runs"].get("rlray-async", {}).get("step_time_vs_sync")
     if async_vs_sync is not None:
         lines += ["", f"rlray async / sync step time: {async_vs_sync:.2f}"]
+    lines += ["", "Memory per process at each run's peak (PSS: shared pages split among their sharers):", "",
+              memory_table(result)]
     return "\n".join(lines)
+
+
+def memory_table(result: dict[str, Any]) -> str:
+    """Returns the per-process memory table of one model's runs: every process label's PSS and RSS at the
+    sample where the run's summed PSS peaked, largest first (``benchlib.TreeMemory.peak_by_process``)."""
+    rows = []
+    for name, r in result["runs"].items():
+        total = r.get("peak_pss_gib") or 0.0
+        for label, m in sorted(r.get("peak_by_process", {}).items(), key=lambda kv: -kv[1]["pss_gib"]):
+            rows.append([name, label, int(m["processes"]), benchlib.fmt(m["pss_gib"], 2), benchlib.fmt(m["rss_gib"], 2),
+                         benchlib.fmt_percent(m["pss_gib"] / total if total else None)])
+    return benchlib.markdown_table(MEMORY_HEADERS, rows)
+
+
+SCALING = {"prompts_per_step": (4, 8, 16), "max_new_tokens": (64, 128, 256)}
+SCALING_HEADERS = ["grows", "value", "run", "median step (s)", "peak PSS (GiB)", "step time / TRL", "PSS / TRL"]
+
+
+def slope(xs: list[float], ys: list[float | None]) -> float | None:
+    """Returns the least-squares slope of ys over xs (None with fewer than two known points).
+
+    Example: ``slope([4, 8, 16], [10.0, 18.0, 34.0])`` is 2.0 (seconds per prompt).
+    """
+    points = [(x, y) for x, y in zip(xs, ys, strict=True) if y is not None]
+    if len(points) < 2:
+        return None
+    mx = sum(x for x, _ in points) / len(points)
+    my = sum(y for _, y in points) / len(points)
+    den = sum((x - mx) ** 2 for x, _ in points)
+    return sum((x - mx) * (y - my) for x, y in points) / den if den else None
+
+
+def scaling(model: str, base: dict[str, Any], variants: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    """Runs ``variants`` at each point of ``SCALING`` (one size doubles, the others stay at ``base``); returns
+    {"points": [{grows, value, runs}], "slopes": {grows: {run: {"step_s_per_unit", "pss_gib_per_unit"}}}}."""
+    points, slopes = [], {}
+    for grows, values in SCALING.items():
+        rows = []
+        for value in values:
+            size = {**base, grows: value}
+            spec = RunSpec(model=model, dtype=run_dtype(args.dtype), placement=args.placement,
+                           overrides=tuple(args.overrides), **size)
+            print(f"{model}: {grows}={value}: {', '.join(variants)}", flush=True)
+            result = compare(model, spec, variants, args.timeout_s, args.keep)
+            add_ratios(result["runs"])
+            rows.append({"grows": grows, "value": value, "runs": result["runs"]})
+        points += rows
+        slopes[grows] = {v: {"step_s_per_unit": slope(list(values), [r["runs"][v].get("median_step_s") for r in rows]),
+                             "pss_gib_per_unit": slope(list(values), [r["runs"][v].get("peak_pss_gib") for r in rows])}
+                         for v in variants}
+    return {"points": points, "slopes": slopes}
+
+
+def scaling_table(result: dict[str, Any]) -> str:
+    """Returns the scaling table (one row per point and run) and the slope lines under it."""
+    rows = [[p["grows"], p["value"], name, r.get("median_step_s", "FAILED"), r.get("peak_pss_gib"),
+             r.get("step_time_vs_trl"), r.get("peak_pss_vs_trl")]
+            for p in result["points"] for name, r in p["runs"].items()]
+    lines = [benchlib.markdown_table(SCALING_HEADERS, rows), ""]
+    for grows, per_run in result["slopes"].items():
+        unit = "prompt" if grows == "prompts_per_step" else "new token"
+        lines.append(f"- {grows}: " + "; ".join(
+            f"{name} {benchlib.fmt(s['step_s_per_unit'], 3)} s and {benchlib.fmt(s['pss_gib_per_unit'], 4)} GiB per {unit}"
+            for name, s in per_run.items()))
+    return "\n".join(lines)
+
+
+def run_dtype(dtype: str) -> str:
+    """Returns the precision every run gets: ``dtype``, with "auto" resolved as rlray resolves ``model.dtype=auto``
+    here (``rlray.models.resolve_dtype``: bf16 on a GPU or a CPU with native bf16, else float32)."""
+    from rlray.models.loading import resolve_dtype
+
+    return resolve_dtype(dtype, gpu=benchlib.device() == "cuda")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -421,16 +511,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--timeout-s", type=float, default=1200.0, help="limit per run")
     parser.add_argument("--keep", action="store_true", help="keep the runs' folders (logs, MLflow store)")
     parser.add_argument("--name", default="grpo_vs_trl", help="results file name under bench_results/")
+    parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                        help="precision of every run (auto: what rlray's model.dtype=auto picks on this machine)")
+    parser.add_argument("--scaling", action="store_true",
+                        help="instead of the comparison: step time and peak PSS of trl and rlray-sync as prompts per "
+                             "step (4, 8, 16) and max new tokens (64, 128, 256) double, with the slope of each line")
+    parser.add_argument("--placement", choices=("defaults", "pinned"), default="defaults",
+                        help="rlray runs on the defaults a user gets, or pinned by hand (CPU: rollout last core)")
+    parser.add_argument("--overrides", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="extra dotted config overrides of the rlray runs (last wins), e.g. learner.torch_threads=1")
     args = parser.parse_args(argv)
     sizes = SIZES["quick" if args.quick else "default"]
     models = args.models or list(sizes)
     variants = list(args.variants) + (["trl-vllm"] if args.trl_vllm and "trl-vllm" not in args.variants else [])
     results: dict[str, Any] = {"variants": variants, "models": {}}
+    if args.scaling:
+        model = (args.models or ["smollm2-135m-instruct"])[0]
+        base = dict(SIZES["default"].get(model, SIZES["default"]["tiny-random"]))
+        base.update({k: v for k, v in (("steps", args.steps or 4), ("warmup", args.warmup or 2))})
+        variants = [v for v in args.variants if v in ("trl", "rlray-sync")] or ["trl", "rlray-sync"]
+        results = {"scaling": scaling(model, base, variants, args), "model": model}
+        print("\n" + scaling_table(results["scaling"]) + "\n", flush=True)
+        path = benchlib.write_results(f"{args.name}_scaling", results)
+        print(f"wrote {path}")
+        return results
     for model in models:
         size = dict(sizes.get(model, SIZES["default"].get(model, SIZES["default"]["tiny-random"])))
         size.update({k: v for k, v in (("steps", args.steps), ("warmup", args.warmup)) if v is not None})
         size["warmup"] = max(1, min(size["warmup"], size["steps"] - 1))
-        spec = RunSpec(model=model, **size)
+        spec = RunSpec(model=model, dtype=run_dtype(args.dtype), placement=args.placement, overrides=tuple(args.overrides), **size)
         print(f"{model}: {', '.join(variants)}", flush=True)
         results["models"][model] = result = compare(model, spec, variants, args.timeout_s, args.keep)
         add_ratios(result["runs"])

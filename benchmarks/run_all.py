@@ -48,13 +48,15 @@ def summary_rows(results: dict[str, dict[str, Any]]) -> list[list[Any]]:
     for model, r in (results.get("grpo_vs_trl") or {}).get("models", {}).items():
         runs = r.get("runs", {})
         sync = runs.get("rlray-sync", {}).get("step_time_vs_trl")
-        add(f"{model}: rlray sync step time / TRL", sync, "<= 0.60", sync is not None and sync <= 0.6)
+        add(f"{model}: rlray sync step time / TRL", sync, "<= 0.50", sync is not None and sync <= 0.5)
+        pss = runs.get("rlray-sync", {}).get("peak_pss_vs_trl")
+        add(f"{model}: rlray sync peak PSS / TRL", pss, "<= 1.20", pss is not None and pss <= 1.2)
         asy = runs.get("rlray-async", {}).get("step_time_vs_sync")
-        add(f"{model}: rlray async / sync step time", asy, "<= 0.75 (own hardware)", asy is not None and asy <= 0.75)
+        add(f"{model}: rlray async / sync step time", asy, "<= 1.00", asy is not None and asy <= 1.0)
     for name, r in (results.get("rollout") or {}).get("runs", {}).items():
         if name != "vllm":
             v = r.get("vs_vllm")
-            add(f"rollout tokens/s: {name} / bare vLLM", v, ">= 0.90", v is not None and v >= 0.9)
+            add(f"rollout tokens/s: {name} / bare vLLM", v, ">= 0.95", v is not None and v >= 0.95)
     for name, r in (results.get("weight_sync") or {}).get("runs", {}).items():
         v = r.get("sync_vs_memcpy")
         add(f"weight sync bytes/s / memcpy: {name}", v, ">= 0.50", v is not None and v >= 0.5)

@@ -279,7 +279,15 @@ class LearnerConfig(_Section):
     sequences_per_microbatch: int = Field(
         8, ge=1, description="Sequences per forward/backward on one rank (gradient accumulation unit)."
     )
-    torch_threads: int = Field(2, ge=1, description="torch.set_num_threads in each learner worker.")
+    torch_threads: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "torch.set_num_threads in each learner worker (and the reference/teacher actor). None: rlray picks "
+            "(rlray.launch.placement.core_plan): a synchronous run gives every stage all of the machine's cores "
+            "(cores // learner workers); an async run on CPU splits them between rollout and learner."
+        ),
+    )
     cpu_affinity: CoreList | list[CoreList] | None = Field(
         None,
         description=(

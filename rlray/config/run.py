@@ -165,7 +165,15 @@ class RolloutConfig(_Section):
     enforce_eager: bool = Field(
         True, description="Skip vLLM graph compilation (start-up ~30 s instead of ~2 min on CPU)."
     )
-    kv_cache_gib: float = Field(1.0, gt=0.0, description="vLLM CPU KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE).")
+    kv_cache_gib: float | None = Field(
+        None,
+        gt=0.0,
+        description=(
+            "vLLM CPU KV-cache size in GiB per rollout actor (allocated and touched at start). None: sized to what one "
+            "actor's share of a step can hold at once (rlray.launch.actors.auto_kv_cache_gib: sequences x context "
+            "length x the model's KV bytes per token, +25%)."
+        ),
+    )
     gpu_memory_utilization: float = Field(
         0.5, gt=0.0, le=1.0, description="Fraction of GPU memory vLLM may take (GPU only)."
     )

@@ -6,26 +6,26 @@
   ``resources.reference.placement == "actor"``), and the same class over the distillation teacher's model,
   named ``rlray:teacher-0`` (when ``teacher.path`` is set and ``resources.teacher.placement == "actor"``).
 - The reward Serve deployment lives in ``rlray.reward.server`` (Serve builds its own actors).
+- ``MonitorActor`` lives in ``rlray.launch.monitor_actor``, which imports no torch (a lighter process).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import time
+from pathlib import Path
 from typing import Any
 
 import ray
 import torch
 from ray.util.placement_group import PlacementGroup
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlray.config import Config
-from rlray.launch.placement import rollout_cpu_threads
+from rlray.launch.placement import core_plan, rollout_cpu_threads
 from rlray.learner.reference import ReferenceModel
-from rlray.observe import page
-from rlray.observe.monitor import Alerter, RunMonitor
-from rlray.observe.samples import StepSample
-from rlray.observe.tracking import Tracker
 from rlray.rollout import Completion, RolloutEngine, SamplingSpec
 from rlray.rollout.wire import unpack_weights
 from rlray.run import build
@@ -105,13 +105,62 @@ class ReferenceActor:
         return True
 
 
-def rollout_engine_kwargs(cfg: Config, max_model_len: int, cpu_threads: str | None = None) -> dict:
+KV_BLOCK_TOKENS = 16  # vLLM's KV-cache block size on CPU: a sequence holds whole blocks
+KV_MARGIN = 1.25
+DEFAULT_KV_CACHE_GIB = 1.0  # a model whose config does not say its attention shape
+
+
+def kv_bytes_per_token(model_path: str, dtype: str) -> int | None:
+    """Returns the KV-cache bytes of one token of the model at ``model_path`` (2 x layers x KV heads x head dim x
+    dtype bytes, from its config.json), or None when the config does not give the attention shape."""
+    try:
+        conf = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    conf = conf.get("text_config", conf)
+    try:
+        layers, heads = int(conf["num_hidden_layers"]), int(conf["num_attention_heads"])
+        kv_heads = int(conf.get("num_key_value_heads") or heads)
+        head_dim = int(conf.get("head_dim") or int(conf["hidden_size"]) // heads)
+    except (KeyError, TypeError, ValueError):
+        return None
+    return 2 * layers * kv_heads * head_dim * (2 if dtype == "bfloat16" else 4)
+
+
+def auto_kv_cache_gib(cfg: Config, model_path: str, max_model_len: int) -> float:
+    """Returns one rollout actor's CPU KV-cache size in GiB: ``rollout.kv_cache_gib``, or when None the most one actor
+    holds at once, + 25%.
+
+    That is its share of a step's sequences (prompts_per_step x samples_per_prompt, or eval.num_problems greedy
+    ones, over resources.rollout.num_workers), each up to ``max_model_len`` tokens in whole 16-token blocks, times
+    ``kv_bytes_per_token``; at least one full-length sequence (vLLM refuses less), rounded up to 1/64 GiB. vLLM
+    zeroes the whole cache at start, so an oversized one is resident memory for nothing (1 GiB, the old
+    default, was 8x what the benchmark's step needs). A step that needs more than the cache holds still runs:
+    vLLM preempts and recomputes sequences. A model whose config.json lacks the attention shape gets 1 GiB.
+    """
+    if cfg.rollout.kv_cache_gib is not None:
+        return cfg.rollout.kv_cache_gib
+    per_token = kv_bytes_per_token(model_path, build.compute_dtype(cfg))
+    if per_token is None:
+        return DEFAULT_KV_CACHE_GIB
+    actors = cfg.resources.rollout.num_workers
+    sequences = max(math.ceil(cfg.learner.prompts_per_step * cfg.rollout.samples_per_prompt / actors),
+                    math.ceil(cfg.eval.num_problems / actors), 1)
+    tokens = math.ceil(max_model_len / KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
+    gib = sequences * tokens * per_token * KV_MARGIN / 2**30
+    return math.ceil(max(gib, tokens * per_token / 2**30) * 64) / 64
+
+
+def rollout_engine_kwargs(cfg: Config, max_model_len: int, cpu_threads: str | None = None,
+                          model_path: str | None = None) -> dict:
     """Returns ``RolloutEngine`` keyword arguments from the config (plain values only).
 
     Args:
         cfg: the config.
         max_model_len: prompt + response cap, in tokens.
         cpu_threads: this actor's core list (see ``rlray.launch.placement.rollout_cpu_threads``).
+        model_path: the local model folder, for sizing the KV cache (``auto_kv_cache_gib``); None: 1 GiB when
+            ``rollout.kv_cache_gib`` is None.
     """
     sync = cfg.weight_sync_backend
     return {
@@ -120,7 +169,8 @@ def rollout_engine_kwargs(cfg: Config, max_model_len: int, cpu_threads: str | No
         "max_model_len": max_model_len,
         "backend": cfg.rollout.backend,
         "enforce_eager": cfg.rollout.enforce_eager,
-        "kv_cache_gib": cfg.rollout.kv_cache_gib,
+        "kv_cache_gib": (auto_kv_cache_gib(cfg, model_path, max_model_len) if model_path
+                         else cfg.rollout.kv_cache_gib or DEFAULT_KV_CACHE_GIB),
         "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization,
         "tensor_parallel_size": cfg.resources.rollout.tensor_parallel_size,
         "cpu_threads": cpu_threads,
@@ -164,7 +214,7 @@ def start_rollout_actors(
                 max_restarts=res.max_restarts,
                 max_task_retries=0,  # the fleet re-sends a dead actor's prompts itself
                 scheduling_strategy=strategy,
-            ).remote(model_path, rollout_engine_kwargs(cfg, max_model_len, threads))
+            ).remote(model_path, rollout_engine_kwargs(cfg, max_model_len, threads, model_path))
         )
     ray.get([a.ready.remote() for a in actors])
     return actors
@@ -189,7 +239,7 @@ def start_reference_actor(cfg: Config, model_path: str, namespace: str | None = 
         scheduling_strategy="DEFAULT",
     ).remote(
         model_path,
-        {"dtype": build.compute_dtype(cfg), "temperature": cfg.rollout.temperature, "torch_threads": cfg.learner.torch_threads},
+        {"dtype": build.compute_dtype(cfg), "temperature": cfg.rollout.temperature, "torch_threads": core_plan(cfg).learner_threads},
     )
     ray.get(actor.ready.remote())
     return actor
@@ -239,96 +289,3 @@ def kill_actors(actors: list[ray.actor.ActorHandle]) -> None:
     """Kills actors for good (no restart)."""
     for a in actors:
         ray.kill(a, no_restart=True)
-class MonitorActor:
-    """Ray actor around a ``RunMonitor``: serves the live page, /health and /metrics and takes the learner's reports.
-
-    Args:
-        run_id: MLflow run id.
-        tracking_uri, experiment: MLflow store and experiment (for the "mlflow" alert sink).
-        sinks: ``monitor.alerts``.
-        webhook_url: the revealed ``monitor.webhook_url`` (None without one).
-        webhook_attempts: ``monitor.webhook_attempts``.
-        heartbeat_s: ``monitor.heartbeat_s``.
-        kl_limit: ``guard.kl_threshold`` (the page draws it on the KL chart).
-        page_sample_steps: ``monitor.page_sample_steps``.
-        bands: ``monitor.bands``, each as a dict of ``page.Band``'s fields.
-    """
-
-    def __init__(self, run_id: str, tracking_uri: str, experiment: str, sinks: list[str], webhook_url: str | None,
-                 webhook_attempts: int, heartbeat_s: float, kl_limit: float | None = None, page_sample_steps: int = 20,
-                 bands: list[dict[str, Any]] | None = None) -> None:
-
-        tracker = Tracker(tracking_uri, experiment, run_id=run_id) if "mlflow" in sinks else None
-        alerter = Alerter(sinks, tracker=tracker, webhook_url=webhook_url, webhook_attempts=webhook_attempts)
-        self.monitor = RunMonitor(run_id, heartbeat_s=heartbeat_s, alerter=alerter, ray_metrics=True, kl_limit=kl_limit,
-                                  page_sample_steps=page_sample_steps,
-                                  bands=tuple(page.Band(**b) for b in bands or []))
-
-    def serve(self, host: str, port: int) -> int:
-        """Starts the HTTP server; returns the bound port."""
-        return self.monitor.serve(host, port)
-
-    def beat(self, step: int, epoch: int, policy_version: int) -> None:
-        """Records a heartbeat."""
-        self.monitor.beat(step, epoch, policy_version)
-
-    def record_step(self, step: int, epoch: int, policy_version: int, step_metrics: dict[str, float]) -> None:
-        """Records a finished step."""
-        self.monitor.record_step(step, epoch, policy_version, step_metrics)
-
-    def record_samples(self, step: int, samples: list[StepSample]) -> None:
-        """Keeps a step's samples for the page (rank 0 sends them at stage 8)."""
-        self.monitor.record_samples(step, samples)
-
-    def record_snapshot(self, step: int | None) -> None:
-        """Records a complete (step) or failed (None) snapshot."""
-        self.monitor.record_snapshot(step)
-
-    def learner_started(self) -> int:
-        """Counts a learner start; returns the count (more than 1 means a restart)."""
-        return self.monitor.learner_started()
-
-    def alert(self, kind: str, message: str, step: int | None = None) -> None:
-        """Sends an alert to every sink."""
-        self.monitor.alert(kind, message, step)
-
-    def set_status(self, status: str, reason: str | None = None) -> None:
-        """Sets the run's status."""
-        self.monitor.set_status(status, reason)
-
-    def health(self) -> dict:
-        """Returns the /health document."""
-        return self.monitor.health()
-
-    def progress(self) -> dict:
-        """Returns the /health document plus the last step's metrics (the driver's progress bar)."""
-        return self.monitor.progress()
-
-    def alerts(self) -> list[dict]:
-        """Returns every alert sent so far."""
-        return list(self.monitor.alerts)
-
-
-def start_monitor(cfg: Config, run_id: str) -> tuple[ray.actor.ActorHandle, int]:
-    """Returns (monitor actor, bound port): a ``MonitorActor`` on this node serving ``monitor.host:port``.
-
-    The actor is pinned to the caller's node, so ``curl 127.0.0.1:<port>/health`` works where the run was
-    started. Port 0 picks a free port.
-
-    Raises:
-        OSError: the port is taken.
-    """
-
-    m = cfg.monitor
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    actor = ray.remote(MonitorActor).options(num_cpus=0, scheduling_strategy=here).remote(
-        run_id, cfg.tracking.mlflow_uri, cfg.tracking.experiment, list(m.alerts),
-        m.webhook_url.get_secret_value() if m.webhook_url else None, m.webhook_attempts, m.heartbeat_s,
-        cfg.guard.kl_threshold, m.page_sample_steps, [b.model_dump() for b in m.bands],
-    )
-    try:
-        port = ray.get(actor.serve.remote(m.host, m.port))
-    except ray.exceptions.RayTaskError as err:
-        ray.kill(actor)
-        raise OSError(str(err.cause)) from None
-    return actor, port

@@ -39,7 +39,8 @@ from rlray.checkpoint import storage as checkpoint
 from rlray.config import Config
 from rlray.data import load_prompt_rows, prepare_prompts
 from rlray.launch import console
-from rlray.launch.actors import kill_actors, start_env_hosts, start_monitor, start_reference_actor, start_rollout_actors
+from rlray.launch.actors import kill_actors, start_env_hosts, start_reference_actor, start_rollout_actors
+from rlray.launch.monitor_actor import start_monitor
 from rlray.launch.placement import bundle, check_cluster, rollout_placement_group
 from rlray.launch.preflight import preflight
 from rlray.models import load_tokenizer, resolve_model_path
@@ -77,6 +78,15 @@ class RayInfo:
     logs_dir: str = ""
 
 
+def worker_env(hub_offline_default: str = "0") -> dict[str, str]:
+    """Returns the environment variables every Ray worker of a run gets (``init_ray``'s runtime_env).
+
+    - ``TOKENIZERS_PARALLELISM=false``: no tokenizer thread pools beside torch's.
+    - ``HF_HUB_OFFLINE``: this process's value, else ``hub_offline_default``.
+    """
+    return {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", hub_offline_default)}
+
+
 def init_ray(*, include_dashboard: bool | None = None, log_to_driver: bool = True) -> RayInfo:
     """Connects to the cluster in RAY_ADDRESS, or starts an embedded local Ray (bound to 127.0.0.1); returns its
     dashboard address and log folder.
@@ -89,7 +99,7 @@ def init_ray(*, include_dashboard: bool | None = None, log_to_driver: bool = Tru
         node = getattr(ray._private.worker, "_global_node", None)  # private; absent on a client connection
         return RayInfo("", node.get_logs_dir_path() if node is not None else "")
     quiet = {} if log_to_driver else {"log_to_driver": False, "logging_level": logging.WARNING}
-    env = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0")}
+    env = worker_env()
     # Inside `ray job submit` the job's runtime_env already applies, and Ray refuses a ray.init
     # runtime_env that sets one of its env vars again: add only what the job leaves unset.
     if job_json := os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):

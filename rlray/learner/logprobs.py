@@ -23,7 +23,8 @@ def autocast_context(dtype: str) -> contextlib.AbstractContextManager:
     return torch.autocast(device_type=device, dtype=torch.bfloat16)
 
 
-def response_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor], *, temperature: float = 1.0) -> torch.Tensor:
+def response_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor], *, temperature: float = 1.0,
+                    share_prompts: bool = True) -> torch.Tensor:
     """Returns [B, T, V] float32 next-token logits at the response positions, divided by ``temperature``.
 
     Position i holds the logits that predict response token i. Only the logits of the T+1 last positions are
@@ -32,13 +33,22 @@ def response_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor], *, t
     (``_get_per_token_logps_and_entropies``) and verl's ``logprobs_from_logits`` do, so that ratios are taken
     under the sampling distribution.
 
+    Rows that share their prompt (a GRPO group's samples, neighbours in a step) compute it once
+    (``_shared_prompt_logits``): same logits and gradients, fewer tokens. Not with gradient checkpointing,
+    which turns the KV cache off.
+
     Args:
         model: a Hugging Face causal LM (or a DDP wrapper of one).
         batch: ``collate`` output: input_ids [B, Pm+T] int64, attention_mask [B, Pm+T] int64,
             position_ids [B, Pm+T] int64, response_ids [B, T] int64.
         temperature: sampling temperature of the rollout (> 0).
+        share_prompts: compute each run of rows with the same prompt once (False: one pass per row, the
+            reference the shared path is tested against).
     """
     t = batch["response_ids"].shape[1]
+    counts = prompt_groups(batch) if share_prompts and not _sharded(model) else None
+    if counts is not None and t >= 2 and not _checkpointing(model):
+        return _shared_prompt_logits(model, batch, counts).float() / temperature
     out = model(
         input_ids=batch["input_ids"],
         attention_mask=batch["attention_mask"],
@@ -47,6 +57,80 @@ def response_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor], *, t
         use_cache=False,
     )
     return out.logits[:, :-1, :].float() / temperature
+
+
+def prompt_groups(batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """Returns the sizes [G] int64 of the runs of consecutive rows that share their prompt (the same prompt tokens
+    and padding), or None when no two neighbouring rows do (nothing to share).
+
+    A step's rows come prompt-major (the ``samples_per_prompt`` samples of a prompt are neighbours), so a
+    micro-batch of 8 rows at 4 samples per prompt is 2 runs of 4.
+    """
+    t = batch["response_ids"].shape[1]
+    p = batch["input_ids"].shape[1] - t
+    if batch["input_ids"].shape[0] < 2 or p < 1:
+        return None
+    ids, mask = batch["input_ids"][:, :p], batch["attention_mask"][:, :p]
+    same = ((ids[1:] == ids[:-1]) & (mask[1:] == mask[:-1])).all(dim=1)
+    if not bool(same.any()):
+        return None
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), torch.nonzero(~same).flatten() + 1])
+    ends = torch.cat([starts[1:], torch.tensor([ids.shape[0]])])
+    return (ends - starts).to(torch.long)
+
+
+def _sharded(model: torch.nn.Module) -> bool:
+    """Returns True for an FSDP-sharded model (FSDP1's wrapper or FSDP2's ``fully_shard`` class): its forward
+    gathers the weights, so the shared-prompt path's second call is left to the plain path there."""
+    name = type(model).__name__
+    return name.startswith("FSDP") or "FullyShardedDataParallel" in name
+
+
+def _checkpointing(model: torch.nn.Module) -> bool:
+    """Returns True when ``model`` (or the model a DDP / peft wrapper holds) recomputes activations in backward
+    (Hugging Face turns the KV cache off then, so the prompt cannot be shared)."""
+    inner = getattr(model, "module", model)
+    return bool(getattr(inner, "is_gradient_checkpointing", False))
+
+
+def _shared_prompt_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor], counts: torch.Tensor) -> torch.Tensor:
+    """Returns the [B, T, V] response logits of ``response_logits`` with each group's prompt computed once.
+
+    The G distinct prompts ([G, Pm], left-padded) run first, keeping their KV cache (with its autograd graph);
+    the cache is repeated per group (``counts``) and the responses' first T-1 tokens run on top of it. Logit i
+    predicts response token i: logit 0 comes from the prompt's last position, logits 1..T-1 from the response
+    pass. Same values as one pass over prompt + response (up to float rounding), and in backward each prompt
+    position gets the sum of its samples' gradients, which is what separate rows give. A GRPO step of 4 samples
+    per prompt, prompts ~3x the response length, computes about half the tokens.
+
+    With DDP the prompt pass calls the wrapped module (``model.module``) and the response pass the wrapper, so
+    DDP sees one forward per backward; every parameter's gradient still collects both passes before its
+    all-reduce hook fires.
+    """
+    t = batch["response_ids"].shape[1]
+    p = batch["input_ids"].shape[1] - t
+    first = torch.cumsum(counts, 0) - counts  # the first row of every group
+    inner = getattr(model, "module", model) if hasattr(model, "no_sync") else model
+    prompt = inner(
+        input_ids=batch["input_ids"][first, :p],
+        attention_mask=batch["attention_mask"][first, :p],
+        position_ids=batch["position_ids"][first, :p],
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    cache = prompt.past_key_values
+    for layer in cache.layers:
+        layer.keys = layer.keys.repeat_interleave(counts, dim=0)
+        layer.values = layer.values.repeat_interleave(counts, dim=0)
+    out = model(
+        input_ids=batch["input_ids"][:, p : p + t - 1],
+        attention_mask=batch["attention_mask"][:, : p + t - 1],
+        position_ids=batch["position_ids"][:, p : p + t - 1],
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=t - 1,
+    )
+    return torch.cat([prompt.logits.repeat_interleave(counts, dim=0), out.logits], dim=1)
 
 
 def logprobs_from_logits(

@@ -1,7 +1,7 @@
 """Run monitor: the live page (GET /, /api/metrics, /api/samples), GET /health and /metrics, heartbeats and
 stall detection, alerts.
 
-``RunMonitor`` is a plain class; the driver runs it in a Ray actor (``rlray.launch.actors.MonitorActor``) on
+``RunMonitor`` is a plain class; the driver runs it in a Ray actor (``rlray.launch.monitor_actor.MonitorActor``) on
 its own node, so it outlives learner restarts. Learner rank 0 sends it heartbeats, step figures and
 alerts. One ``MetricsRegistry`` feeds both Ray's metrics (``ray.util.metrics``, scraped by the Ray
 dashboard and Prometheus as ``ray_rlray_*``) and the ``/metrics`` page (``rlray_*``), so the two never

@@ -16,6 +16,7 @@ share of the step's pairs. A run, top to bottom:
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -143,7 +144,7 @@ def setup(cfg: Config, coll: Collective, *, model_dir: str, run_id: str | None) 
     Raises:
         rlray.data.DataError: the pairs cannot be loaded (names the file and row).
     """
-    torch.set_num_threads(cfg.learner.torch_threads)
+    torch.set_num_threads(cfg.learner.torch_threads or max(1, len(os.sched_getaffinity(0)) // coll.world))
     build.seed_everything(cfg.run.seed + coll.rank)
     tokenizer = load_tokenizer(model_dir, cfg.model.chat_template)
     learner = build_learner(cfg, model_dir, coll.world)

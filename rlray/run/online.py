@@ -36,6 +36,7 @@ from rlray import schema
 from rlray.config import Config
 from rlray.cores import parse_core_list, pin_process
 from rlray.data import DataError, PromptRow, PromptStream, columns_json, load_prompt_rows, prepare_prompts
+from rlray.launch.placement import core_plan
 from rlray.learner import Normaliser, PolicyLearner
 from rlray.learner import online as learner_online
 from rlray.learner.collective import Collective
@@ -196,7 +197,6 @@ def setup(cfg: Config, coll: Collective, *, model_dir: str, actors: list[Any], r
     Raises:
         rlray.data.DataError: the prompt files cannot be read (names the file and line).
     """
-    torch.set_num_threads(cfg.learner.torch_threads)
     pin_learner(cfg, coll.rank)
     build.seed_everything(cfg.run.seed + coll.rank)
     tokenizer = load_tokenizer(model_dir, cfg.model.chat_template)
@@ -251,12 +251,17 @@ def episode_rollout(cfg: Config, fleet: RolloutFleet, hosts: list[Any], tokenize
 
 
 def pin_learner(cfg: Config, rank: int) -> None:
-    """Pins this learner worker's process to its ``learner.cpu_affinity`` cores (CPU learners; None: no change)."""
-    affinity = cfg.learner.cpu_affinity
-    if affinity is None or cfg.resources.learner.gpus > 0:
+    """Sets this learner worker's torch threads and, on CPU, pins its process to its cores, both as
+    ``rlray.launch.placement.core_plan`` says (``learner.torch_threads`` / ``learner.cpu_affinity`` when set,
+    else the default for a synchronous or an async run on this machine)."""
+    plan = core_plan(cfg)
+    torch.set_num_threads(plan.learner_threads)
+    if plan.learner_cores is None or cfg.resources.learner.gpus > 0:
+        log.info("learner rank %d: %d torch threads, not pinned (%s)", rank, plan.learner_threads, plan.why)
         return
-    cores = parse_core_list(affinity[rank] if isinstance(affinity, list) else affinity)
-    log.info("learner rank %d pinned to cores %s", rank, pin_process(cores))
+    cores = parse_core_list(plan.learner_cores[rank % len(plan.learner_cores)])
+    log.info("learner rank %d: %d torch threads, pinned to cores %s (%s)", rank, plan.learner_threads,
+             pin_process(cores), plan.why)
 
 
 # --------------------------------------------------------------------------------------------

@@ -63,16 +63,16 @@ def test_weight_sync_summary(bench):
 def test_run_all_summary_rows_compare_with_targets(bench):
     results = {
         "grpo_vs_trl": {"models": {"m": {"runs": {"trl": {"step_time_vs_trl": 1.0},
-                                                  "rlray-sync": {"step_time_vs_trl": 0.5},
-                                                  "rlray-async": {"step_time_vs_sync": 0.9}}}}},
+                                                  "rlray-sync": {"step_time_vs_trl": 0.5, "peak_pss_vs_trl": 1.3},
+                                                  "rlray-async": {"step_time_vs_sync": 1.05}}}}},
         "rollout": {"runs": {"vllm": {"vs_vllm": 1.0}, "rlray": {"vs_vllm": 0.95}}},
         "weight_sync": {"runs": {"object_store x1": {"sync_vs_memcpy": 0.2}, "object_store x2": {"error": "x"}}},
         "experience": {"runs": [{"case": "step", "world": 1, "move_vs_step": 0.01},
                                 {"case": "scaled", "world": 1, "move_vs_step": None}]},
     }
     rows = bench["run_all"].summary_rows(results)
-    assert [(r[1], r[3]) for r in rows] == [(0.5, "yes"), (0.9, "no"), (0.95, "yes"), (0.2, "no"), (None, "n/a"),
-                                            (0.01, "yes")]
+    assert [(r[1], r[3]) for r in rows] == [(0.5, "yes"), (1.3, "no"), (1.05, "no"), (0.95, "yes"), (0.2, "no"),
+                                            (None, "n/a"), (0.01, "yes")]
     assert bench["run_all"].summary_rows({}) == []
 
 
@@ -103,3 +103,40 @@ def test_run_script_child_merges_the_result_or_names_the_failure(bench, tmp_path
         assert out["returncode"] == 0 and out["tokens"] == [3, 4] and out["mode"] == "ok" and "error" not in out
     else:
         assert out["error"] == error and f"child says {mode}" in out["log_tail"] and "tokens" not in out
+
+
+@pytest.mark.parametrize(("cmdline", "name", "label"), [
+    (["ray::RolloutActor.generate"], "python", "ray::RolloutActor"),
+    (["ray::IDLE"], "python", "ray::IDLE"),
+    (["/venv/lib/python3.12/site-packages/ray/core/src/ray/raylet/raylet", "--node_id=x"], "raylet", "raylet"),
+    (["/venv/bin/python", "-u", "/venv/lib/ray/dashboard/dashboard.py", "--host=127.0.0.1"], "python", "dashboard.py"),
+    (["/venv/bin/python", "-u", "/venv/lib/ray/dashboard/agent.py"], "python", "dashboard/agent.py"),
+    (["ray-dashboard-NodeHead-0 (/venv/bin/python)"], "python", "ray-dashboard-* (modules)"),
+    ([], "gcs_server", "gcs_server"),
+])
+def test_process_label_names_the_role(bench, cmdline, name, label):
+    assert bench["benchlib"].process_label(cmdline, name) == label
+
+
+def test_tree_memory_keeps_the_breakdown_of_the_peak_sample(bench):
+    """The per-process table is the sample of the highest summed PSS: its rows add up to the peak."""
+    import os
+
+    memory = bench["benchlib"].TreeMemory(os.getpid())
+    memory.sample()
+    rows = memory.peak_by_process
+    assert rows["driver"]["processes"] == 1  # this process is the tree's root
+    assert sum(r["pss_gib"] for r in rows.values()) == pytest.approx(memory.peak_pss_gib)
+    assert sum(r["rss_gib"] for r in rows.values()) == pytest.approx(memory.peak_rss_gib)
+
+
+def test_scaling_slope_is_least_squares():
+    sys.path.insert(0, str(BENCH))
+    try:
+        grpo = importlib.import_module("grpo_vs_trl")
+    finally:
+        sys.path.remove(str(BENCH))
+    assert grpo.slope([4, 8, 16], [10.0, 18.0, 34.0]) == 2.0  # exactly on a line: 2 s per prompt
+    assert grpo.slope([64, 128, 256], [1.0, 3.0, 3.0]) == pytest.approx(1 / 112)  # hand-computed: 170.67 / 19114.7
+    assert grpo.slope([4, 8, 16], [10.0, None, 34.0]) == 2.0  # a failed point is left out
+    assert grpo.slope([4, 8, 16], [None, None, 3.0]) is None

@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 
 from rlray.config import ConfigError, config_from_dict
-from rlray.launch.placement import PlacementError, RoleRequest, check_fit, role_requests, rollout_cpu_threads, split_cores
+from rlray.launch.placement import (
+    PlacementError,
+    RoleRequest,
+    check_fit,
+    core_plan,
+    plan_cores,
+    role_requests,
+    rollout_cpu_threads,
+    split_cores,
+)
 
 
 def test_defaults_fit_two_rollouts_two_learners_and_a_reward_replica_on_two_cpus():
@@ -143,3 +152,102 @@ def test_training_that_cannot_fit_fails_before_any_actor_starts(ray_session, tmp
     with pytest.raises(ValueError):
         ray.get_actor("rlray:rollout-0")
     assert not (tmp_path / "m.db").exists()  # no MLflow run was created either
+
+
+def test_sync_runs_give_every_stage_all_cores():
+    plan = plan_cores([0, 1], rollout_actors=1, learner_workers=1, rollout_on_gpu=False, learner_on_gpu=False,
+                      overlap=False)
+    assert (plan.rollout, plan.learner_threads, plan.learner_cores) == (["0-1"], 2, None)
+    two = plan_cores(list(range(16)), rollout_actors=2, learner_workers=4, rollout_on_gpu=False, learner_on_gpu=False,
+                     overlap=False)
+    assert (two.rollout, two.learner_threads, two.learner_cores) == (["0-7", "8-15"], 4, None)
+
+
+def test_async_on_cpu_splits_the_cores_between_the_stages_from_eight_cores():
+    plan = plan_cores(list(range(16)), rollout_actors=1, learner_workers=1, rollout_on_gpu=False, learner_on_gpu=False,
+                      overlap=True)
+    assert (plan.rollout, plan.learner_threads, plan.learner_cores) == (["8-15"], 8, ["0-7"])
+    odd = plan_cores(list(range(9)), rollout_actors=2, learner_workers=1, rollout_on_gpu=False, learner_on_gpu=False,
+                     overlap=True)
+    assert (odd.rollout, odd.learner_threads, odd.learner_cores) == (["5-6", "7-8"], 5, ["0-4"])
+    for n in (1, 2, 7):  # too few cores: shared, as a synchronous run
+        few = plan_cores(list(range(n)), rollout_actors=1, learner_workers=1, rollout_on_gpu=False,
+                         learner_on_gpu=False, overlap=True)
+        assert (few.learner_threads, few.learner_cores) == (n, None) and "async on" in few.why
+
+
+@pytest.mark.parametrize(("cores", "rollout_gpu", "learner_gpu", "actors", "workers", "rollout", "threads"), [
+    (96, True, True, 4, 4, ["0-23", "24-47", "48-71", "72-95"], 24),  # an 8-GPU node: 4 engines, 4 learner ranks
+    (16, True, True, 1, 1, ["0-15"], 16),  # one GPU node, colocated
+    (32, True, False, 2, 1, ["0-15", "16-31"], 32),  # rollout on GPU, a CPU learner: nothing to share
+    (32, False, True, 1, 2, ["0-31"], 16),
+])
+def test_gpu_node_shapes_never_split_the_cores_between_stages(cores, rollout_gpu, learner_gpu, actors, workers,
+                                                              rollout, threads):
+    for overlap in (False, True):
+        plan = plan_cores(list(range(cores)), rollout_actors=actors, learner_workers=workers,
+                          rollout_on_gpu=rollout_gpu, learner_on_gpu=learner_gpu, overlap=overlap)
+        assert (plan.rollout, plan.learner_threads, plan.learner_cores) == (rollout, threads, None)
+
+
+def test_plan_cores_refuses_no_cores():
+    with pytest.raises(ValueError, match="cores=\\[\\]"):
+        plan_cores([], rollout_actors=1, learner_workers=1, rollout_on_gpu=False, learner_on_gpu=False, overlap=False)
+
+
+def test_settings_given_by_hand_win_over_the_plan():
+    sync = config_from_dict({})
+    assert sync.learner.torch_threads is None
+    plan = core_plan(sync, [0, 1])
+    assert (plan.rollout, plan.learner_threads, plan.learner_cores) == (["0-1"], 2, None)
+    asy = config_from_dict({"rollout": {"max_staleness": 1}})
+    plan = core_plan(asy, list(range(8)))
+    assert (plan.rollout, plan.learner_threads, plan.learner_cores) == (["4-7"], 4, ["0-3"])
+    threads = config_from_dict({"rollout": {"max_staleness": 1}, "learner": {"torch_threads": 3}})
+    assert core_plan(threads, list(range(8))).learner_threads == 3
+    pinned = config_from_dict({"learner": {"cpu_affinity": "0"}, "resources": {"rollout": {"cpu_threads": "1"}}})
+    plan = core_plan(pinned, [0, 1])
+    assert (plan.rollout, plan.learner_threads, plan.learner_cores) == (["1"], 1, ["0"])
+    rollout_only = config_from_dict({"rollout": {"max_staleness": 1}, "resources": {"rollout": {"cpu_threads": "1"}}})
+    plan = core_plan(rollout_only, list(range(8)))  # the rollout's cores by hand: the learner is not pinned against them
+    assert (plan.rollout, plan.learner_threads, plan.learner_cores) == (["1"], 8, None)
+    assert rollout_cpu_threads(asy) == core_plan(asy).rollout
+
+
+def _model_folder(tmp_path, **config):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+def test_auto_kv_cache_holds_one_actors_share_of_a_step(tmp_path):
+    from rlray.launch.actors import auto_kv_cache_gib, kv_bytes_per_token
+
+    smollm2 = _model_folder(tmp_path, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576)
+    assert kv_bytes_per_token(smollm2, "float32") == 2 * 30 * 3 * 64 * 4 == 46080
+    assert kv_bytes_per_token(smollm2, "bfloat16") == 23040
+    cfg = config_from_dict({"model": {"dtype": "float32"}, "learner": {"prompts_per_step": 4, "sequences_per_minibatch": 16},
+                            "rollout": {"samples_per_prompt": 4}, "eval": {"num_problems": 0}})
+    # 16 sequences x 320 tokens x 46080 B x 1.25 = 0.2747 GiB -> 18/64 GiB
+    assert auto_kv_cache_gib(cfg, smollm2, 320) == 18 / 64
+    two = cfg.model_copy(deep=True)
+    two.resources.rollout.num_workers = 2  # half the sequences each: 0.1373 GiB -> 9/64
+    assert auto_kv_cache_gib(two, smollm2, 320) == 9 / 64
+    one = config_from_dict({"model": {"dtype": "float32"}, "learner": {"prompts_per_step": 1, "sequences_per_minibatch": 2,
+                                                                "sequences_per_microbatch": 2},
+                            "rollout": {"samples_per_prompt": 2}, "eval": {"num_problems": 0}})
+    # two sequences of 330 -> 336 tokens (whole blocks) x 1.25 = 0.036 GiB -> 3/64
+    assert auto_kv_cache_gib(one, smollm2, 330) == 3 / 64
+    set_by_hand = config_from_dict({"rollout": {"kv_cache_gib": 0.5}})
+    assert auto_kv_cache_gib(set_by_hand, smollm2, 320) == 0.5
+
+
+def test_auto_kv_cache_of_a_model_without_its_attention_shape_is_one_gib(tmp_path):
+    from rlray.launch.actors import DEFAULT_KV_CACHE_GIB, auto_kv_cache_gib
+
+    assert DEFAULT_KV_CACHE_GIB == 1.0
+    assert auto_kv_cache_gib(config_from_dict({}), _model_folder(tmp_path, hidden_size=8), 64) == 1.0
+    assert auto_kv_cache_gib(config_from_dict({}), str(tmp_path / "missing"), 64) == 1.0
+    with pytest.raises(ConfigError, match="kv_cache_gib"):
+        config_from_dict({"rollout": {"kv_cache_gib": 0}})

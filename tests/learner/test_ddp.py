@@ -31,12 +31,15 @@ def _config(world: int) -> Config:
 
 
 def _table(seed: int = 0):
-    """Returns an 8-row experience table (4 groups of 2) with ragged random prompts and responses."""
+    """Returns an 8-row experience table (4 groups of 2 samples of one prompt each, as a rollout gives them) with
+    ragged random prompts and responses; each micro-batch of 2 rows is one group, so the learner computes its
+    prompt once (``rlray.learner.logprobs._shared_prompt_logits``) under DDP too."""
     g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(5, 500, (3 + k,), generator=g).tolist() for k in range(4)]
     rows = []
     for i in range(8):
-        p, t = 3 + i % 4, 2 + (i * 3) % 5
-        rows.append((torch.randint(5, 500, (p,), generator=g).tolist(), torch.randint(5, 500, (t,), generator=g).tolist()))
+        t = 2 + (i * 3) % 5
+        rows.append((prompts[i // 2], torch.randint(5, 500, (t,), generator=g).tolist()))
     return schema.make_table({
         "prompt_id": [f"p{i // 2}" for i in range(8)], "group_id": [i // 2 for i in range(8)],
         "sample_index": [i % 2 for i in range(8)], "prompt_token_ids": [p for p, _ in rows],

@@ -72,7 +72,7 @@ def make_cfg(env: Env, name: str, *overrides: str) -> Config:
 
 def run(env: Env, cfg: Config, *, monitor: bool = False, **services) -> tuple[RunOutcome, str, object]:
     """Runs ``train`` in this process; returns (outcome, MLflow run id, (monitor actor, port) or None)."""
-    from rlray.launch.actors import start_monitor
+    from rlray.launch.monitor_actor import start_monitor
 
     tracker = Tracker(cfg.tracking.mlflow_uri, cfg.tracking.experiment)
     mon = start_monitor(cfg, tracker.run_id) if monitor else None

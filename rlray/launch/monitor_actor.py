@@ -1,0 +1,114 @@
+"""The run's monitor as a Ray actor: the live page, /health, /metrics and the learner's reports.
+
+Kept apart from ``rlray.launch.actors`` on purpose: Ray imports an actor's module in the actor's process, and
+that module imports torch, vLLM's engine wrapper and the learner; this one imports only ``rlray.observe``, so
+the monitor process stays small (it holds no model).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from rlray.config import Config
+from rlray.observe import page
+from rlray.observe.monitor import Alerter, RunMonitor
+from rlray.observe.samples import StepSample
+from rlray.observe.tracking import Tracker
+
+
+class MonitorActor:
+    """Ray actor around a ``RunMonitor``: serves the live page, /health and /metrics and takes the learner's reports.
+
+    Args:
+        run_id: MLflow run id.
+        tracking_uri, experiment: MLflow store and experiment (for the "mlflow" alert sink).
+        sinks: ``monitor.alerts``.
+        webhook_url: the revealed ``monitor.webhook_url`` (None without one).
+        webhook_attempts: ``monitor.webhook_attempts``.
+        heartbeat_s: ``monitor.heartbeat_s``.
+        kl_limit: ``guard.kl_threshold`` (the page draws it on the KL chart).
+        page_sample_steps: ``monitor.page_sample_steps``.
+        bands: ``monitor.bands``, each as a dict of ``page.Band``'s fields.
+    """
+
+    def __init__(self, run_id: str, tracking_uri: str, experiment: str, sinks: list[str], webhook_url: str | None,
+                 webhook_attempts: int, heartbeat_s: float, kl_limit: float | None = None, page_sample_steps: int = 20,
+                 bands: list[dict[str, Any]] | None = None) -> None:
+
+        tracker = Tracker(tracking_uri, experiment, run_id=run_id) if "mlflow" in sinks else None
+        alerter = Alerter(sinks, tracker=tracker, webhook_url=webhook_url, webhook_attempts=webhook_attempts)
+        self.monitor = RunMonitor(run_id, heartbeat_s=heartbeat_s, alerter=alerter, ray_metrics=True, kl_limit=kl_limit,
+                                  page_sample_steps=page_sample_steps,
+                                  bands=tuple(page.Band(**b) for b in bands or []))
+
+    def serve(self, host: str, port: int) -> int:
+        """Starts the HTTP server; returns the bound port."""
+        return self.monitor.serve(host, port)
+
+    def beat(self, step: int, epoch: int, policy_version: int) -> None:
+        """Records a heartbeat."""
+        self.monitor.beat(step, epoch, policy_version)
+
+    def record_step(self, step: int, epoch: int, policy_version: int, step_metrics: dict[str, float]) -> None:
+        """Records a finished step."""
+        self.monitor.record_step(step, epoch, policy_version, step_metrics)
+
+    def record_samples(self, step: int, samples: list[StepSample]) -> None:
+        """Keeps a step's samples for the page (rank 0 sends them at stage 8)."""
+        self.monitor.record_samples(step, samples)
+
+    def record_snapshot(self, step: int | None) -> None:
+        """Records a complete (step) or failed (None) snapshot."""
+        self.monitor.record_snapshot(step)
+
+    def learner_started(self) -> int:
+        """Counts a learner start; returns the count (more than 1 means a restart)."""
+        return self.monitor.learner_started()
+
+    def alert(self, kind: str, message: str, step: int | None = None) -> None:
+        """Sends an alert to every sink."""
+        self.monitor.alert(kind, message, step)
+
+    def set_status(self, status: str, reason: str | None = None) -> None:
+        """Sets the run's status."""
+        self.monitor.set_status(status, reason)
+
+    def health(self) -> dict:
+        """Returns the /health document."""
+        return self.monitor.health()
+
+    def progress(self) -> dict:
+        """Returns the /health document plus the last step's metrics (the driver's progress bar)."""
+        return self.monitor.progress()
+
+    def alerts(self) -> list[dict]:
+        """Returns every alert sent so far."""
+        return list(self.monitor.alerts)
+
+
+def start_monitor(cfg: Config, run_id: str) -> tuple[ray.actor.ActorHandle, int]:
+    """Returns (monitor actor, bound port): a ``MonitorActor`` on this node serving ``monitor.host:port``.
+
+    The actor is pinned to the caller's node, so ``curl 127.0.0.1:<port>/health`` works where the run was
+    started. Port 0 picks a free port.
+
+    Raises:
+        OSError: the port is taken.
+    """
+
+    m = cfg.monitor
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    actor = ray.remote(MonitorActor).options(num_cpus=0, scheduling_strategy=here).remote(
+        run_id, cfg.tracking.mlflow_uri, cfg.tracking.experiment, list(m.alerts),
+        m.webhook_url.get_secret_value() if m.webhook_url else None, m.webhook_attempts, m.heartbeat_s,
+        cfg.guard.kl_threshold, m.page_sample_steps, [b.model_dump() for b in m.bands],
+    )
+    try:
+        port = ray.get(actor.serve.remote(m.host, m.port))
+    except ray.exceptions.RayTaskError as err:
+        ray.kill(actor)
+        raise OSError(str(err.cause)) from None
+    return actor, port
