@@ -9,7 +9,10 @@ Checks, one table row each:
      cap fails, one below it succeeds;
   3. a forced CUDA out-of-memory error in a learner step under a tight cap, recovered by the
      fallback rlray uses (halve the micro-batch, turn gradient checkpointing on, retry);
-  4. CPU/CUDA parity of rlray.algos outputs on the same random tensors (max |cpu - cuda|).
+  4. CPU/CUDA parity of rlray.algos outputs on the same random tensors (max |cpu - cuda|);
+  5. the learner's shared-prompt forward (rlray.learner.logprobs: a group's prompt computed once) against
+     one pass per row on the device: max |logprob difference|, relative gradient difference, and the
+     seconds of a forward + backward each way (groups of 4 samples per prompt).
 
 The model is a local Hugging Face folder or a hub id (downloaded by transformers). Every function
 also runs on the CPU (``--device cpu``; rows 2 and 3 need CUDA), which is how tests/benchmarks/ checks it.
@@ -237,6 +240,51 @@ def check_algos_parity(device_a: str, device_b: str, atol: float = 1e-5) -> list
              f"{len(diffs)} outputs, max |diff| {diffs[worst]:.2e} ({worst})")]
 
 
+def check_shared_prompts(model, device: str, vocab: int, *, groups: int = 4, samples: int = 4, prompt_tokens: int = 256,
+                         response_tokens: int = 256, bf16: bool = True) -> list[tuple[str, str, str]]:
+    """Compares ``response_logits`` with shared prompts against one pass per row on ``device`` (row 5).
+
+    The batch is ``groups`` prompts x ``samples`` responses (every response full length). Returns one row:
+    ok when the logprobs agree within 1e-3 (bf16 autocast; 1e-5 in float32) and the gradients within 1e-2
+    relative (bf16) of each other, with both timings.
+    """
+    from rlray.learner.logprobs import logprobs_from_logits, response_logits
+
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(10, vocab - 1, (groups, prompt_tokens), generator=g).repeat_interleave(samples, 0)
+    responses = torch.randint(10, vocab - 1, (groups * samples, response_tokens), generator=g)
+    ids = torch.cat([prompts, responses], 1).to(device)
+    n = ids.shape[1]
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+             "position_ids": torch.arange(n, device=device).expand_as(ids).contiguous(),
+             "response_ids": responses.to(device)}
+    out = {}
+    for share in (False, True):
+        model.zero_grad(set_to_none=True)
+        sync(device)
+        t0 = time.perf_counter()
+        with torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16, enabled=bf16):
+            logits = response_logits(model, batch, share_prompts=share)
+        lp, _ = logprobs_from_logits(logits.float(), batch["response_ids"])
+        lp.sum().backward()
+        sync(device)
+        grads = torch.cat([p.grad.flatten().float() for p in model.parameters() if p.grad is not None])
+        out[share] = (time.perf_counter() - t0, lp.detach(), grads)
+    model.zero_grad(set_to_none=True)
+    lp_diff = float((out[True][1] - out[False][1]).abs().max())
+    grad_rel = float((out[True][2] - out[False][2]).norm() / out[False][2].norm())
+    ok = lp_diff <= (1e-3 if bf16 else 1e-5) and grad_rel <= (1e-2 if bf16 else 1e-5)
+    return [("shared-prompt forward+backward", "ok" if ok else "FAILED",
+             f"max |dlogprob| {lp_diff:.2e}, grad rel diff {grad_rel:.2e}; {out[False][0]:.3f} s per row -> "
+             f"{out[True][0]:.3f} s shared ({groups}x{samples}, {prompt_tokens}+{response_tokens} tokens)")]
+
+
+def sync(device: str) -> None:
+    """Waits for the device's queued work (CUDA), so that wall-clock timings are complete."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
 def markdown_table(rows: list[tuple[str, str, str]]) -> str:
     """Returns the rows as a markdown table (check | status | detail)."""
     lines = ["| check | status | detail |", "|---|---|---|"]
@@ -273,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += check_memory_cap(args.device)
         rows += check_oom_fallback(model, batch, args.device, args.microbatch, optimizer)
     rows += check_algos_parity("cpu", args.device if cuda else "cpu")
+    rows += check_shared_prompts(model, args.device, model.config.vocab_size, bf16=cuda)
     print(markdown_table(rows))
     return 0 if all(s == "ok" for _, s, _ in rows) else 1
 

@@ -140,3 +140,34 @@ def test_scaling_slope_is_least_squares():
     assert grpo.slope([64, 128, 256], [1.0, 3.0, 3.0]) == pytest.approx(1 / 112)  # hand-computed: 170.67 / 19114.7
     assert grpo.slope([4, 8, 16], [10.0, None, 34.0]) == 2.0  # a failed point is left out
     assert grpo.slope([4, 8, 16], [None, None, 3.0]) is None
+
+
+def test_scaling_runs_each_point_and_fits_each_line(monkeypatch):
+    """``--scaling``: one comparison per point (one size doubles, the rest stay), slopes per run, a table row each."""
+    import argparse
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        grpo = importlib.import_module("grpo_vs_trl")
+    finally:
+        sys.path.remove(str(BENCH))
+    seen = []
+
+    def fake_compare(model, spec, variants, timeout_s, keep):
+        seen.append((spec.prompts_per_step, spec.max_new_tokens, spec.steps))
+        cost = spec.prompts_per_step + spec.max_new_tokens / 16  # made-up step times: linear in both sizes
+        return {"runs": {"trl": {"median_step_s": 2 * cost, "peak_pss_gib": 8.0},
+                         "rlray-sync": {"median_step_s": cost, "peak_pss_gib": 10.0 + spec.prompts_per_step / 4}}}
+
+    monkeypatch.setattr(grpo, "compare", fake_compare)
+    args = argparse.Namespace(dtype="float32", placement="defaults", overrides=[], timeout_s=1.0, keep=False)
+    base = dict(grpo.SIZES["default"]["smollm2-135m-instruct"], steps=4, warmup=2)
+    out = grpo.scaling("smollm2-135m-instruct", base, ["trl", "rlray-sync"], args)
+    assert seen == [(4, 64, 4), (8, 64, 4), (16, 64, 4), (4, 64, 4), (4, 128, 4), (4, 256, 4)]
+    assert out["slopes"]["prompts_per_step"]["trl"]["step_s_per_unit"] == pytest.approx(2.0)
+    assert out["slopes"]["prompts_per_step"]["rlray-sync"]["pss_gib_per_unit"] == pytest.approx(0.25)
+    assert out["slopes"]["max_new_tokens"]["rlray-sync"]["step_s_per_unit"] == pytest.approx(1 / 16)
+    assert out["points"][2]["runs"]["rlray-sync"]["step_time_vs_trl"] == 0.5
+    table = grpo.scaling_table(out)
+    assert "| prompts_per_step | 16 | rlray-sync | 20.00 | 14.00 | 0.50 | 1.75 |" in table
+    assert "- max_new_tokens: trl 0.125 s and 0.0000 GiB per new token" in table

@@ -63,3 +63,11 @@ def test_algos_parity_row_and_table(gpu_check):
     n_outputs = int(detail.split()[0])
     assert n_outputs >= 20 and "max |diff| 0.00e+00" in detail
     assert gpu_check.markdown_table(rows).splitlines()[:2] == ["| check | status | detail |", "|---|---|---|"]
+
+
+def test_shared_prompt_row_passes_on_cpu_in_float32(gpu_check, tiny_model_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).train()
+    rows = gpu_check.check_shared_prompts(model, "cpu", model.config.vocab_size, groups=2, samples=3, prompt_tokens=9,
+                                          response_tokens=5, bf16=False)
+    assert [(name, status) for name, status, _ in rows] == [("shared-prompt forward+backward", "ok")]
+    assert "2x3, 9+5 tokens" in rows[0][2]
