@@ -284,7 +284,7 @@ class LearnerConfig(_Section):
         ge=1,
         description=(
             "torch.set_num_threads in each learner worker (and the reference/teacher actor). None: rlray picks "
-            "(rlray.launch.placement.core_plan): a synchronous run gives every stage all of the machine's cores "
+            "(rlray.run.build.core_plan): a synchronous run gives every stage all of the machine's cores "
             "(cores // learner workers); an async run on CPU splits them between rollout and learner."
         ),
     )

@@ -24,7 +24,7 @@ from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlray.config import Config
-from rlray.launch.placement import core_plan, rollout_cpu_threads
+from rlray.launch.placement import rollout_cpu_threads
 from rlray.learner.reference import ReferenceModel
 from rlray.rollout import Completion, RolloutEngine, SamplingSpec
 from rlray.rollout.wire import unpack_weights
@@ -239,7 +239,7 @@ def start_reference_actor(cfg: Config, model_path: str, namespace: str | None = 
         scheduling_strategy="DEFAULT",
     ).remote(
         model_path,
-        {"dtype": build.compute_dtype(cfg), "temperature": cfg.rollout.temperature, "torch_threads": core_plan(cfg).learner_threads},
+        {"dtype": build.compute_dtype(cfg), "temperature": cfg.rollout.temperature, "torch_threads": build.core_plan(cfg).learner_threads},
     )
     ray.get(actor.ready.remote())
     return actor

@@ -8,6 +8,7 @@ step, every rank's learner) and by the driver (``rlray.launch``: the reward serv
 from __future__ import annotations
 
 import functools
+import os
 import random
 from typing import Any
 
@@ -16,6 +17,7 @@ import ray.train.torch
 import torch
 
 from rlray.config import Config
+from rlray.cores import CorePlan, parse_core_list, plan_cores
 from rlray.data import PromptRow
 from rlray.learner import POLICY_LOSS_OF, AdvantageSpec, LossSpec, PolicyLearner
 from rlray.learner import online as learner_online
@@ -163,3 +165,26 @@ def update_spec(cfg: Config, world: int) -> learner_online.UpdateSpec:
         loss_world_size=world,
         distill_weight=cfg.teacher.reverse_kl_weight,
     )  # fmt: skip
+
+
+def core_plan(cfg: Config, cores: list[int] | None = None) -> CorePlan:
+    """Returns ``plan_cores`` for ``cfg`` on this machine (``cores``: default ``os.sched_getaffinity(0)``), with what
+    the config sets by hand taking precedence: ``resources.rollout.cpu_threads``, ``learner.torch_threads``
+    and ``learner.cpu_affinity`` (a set learner affinity without set threads gives one thread per pinned core)."""
+    res = cfg.resources
+    cores = sorted(cores if cores is not None else os.sched_getaffinity(0))
+    plan = plan_cores(cores, rollout_actors=res.rollout.num_workers, learner_workers=res.learner.num_workers,
+                      rollout_on_gpu=res.rollout.gpus > 0, learner_on_gpu=res.learner.gpus > 0,
+                      overlap=cfg.rollout.max_staleness > 0)
+    threads = res.rollout.cpu_threads
+    rollout = list(threads) if isinstance(threads, list) else [threads] * res.rollout.num_workers if threads else plan.rollout
+    affinity = cfg.learner.cpu_affinity
+    learner_cores = (list(affinity) if isinstance(affinity, list) else [affinity] * res.learner.num_workers
+                     if affinity is not None else plan.learner_cores)
+    if rollout is not plan.rollout and affinity is None and cfg.learner.torch_threads is None:
+        learner_cores = None  # the rollout's cores are set by hand: do not pin the learner against them
+    torch_threads = cfg.learner.torch_threads
+    if torch_threads is None:
+        torch_threads = len(parse_core_list(learner_cores[0])) if learner_cores else (
+            plan.learner_threads if rollout is plan.rollout else max(1, len(cores) // res.learner.num_workers))
+    return CorePlan(rollout, torch_threads, learner_cores, plan.why)

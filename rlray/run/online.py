@@ -36,7 +36,6 @@ from rlray import schema
 from rlray.config import Config
 from rlray.cores import parse_core_list, pin_process
 from rlray.data import DataError, PromptRow, PromptStream, columns_json, load_prompt_rows, prepare_prompts
-from rlray.launch.placement import core_plan
 from rlray.learner import Normaliser, PolicyLearner
 from rlray.learner import online as learner_online
 from rlray.learner.collective import Collective
@@ -252,9 +251,9 @@ def episode_rollout(cfg: Config, fleet: RolloutFleet, hosts: list[Any], tokenize
 
 def pin_learner(cfg: Config, rank: int) -> None:
     """Sets this learner worker's torch threads and, on CPU, pins its process to its cores, both as
-    ``rlray.launch.placement.core_plan`` says (``learner.torch_threads`` / ``learner.cpu_affinity`` when set,
+    ``rlray.run.build.core_plan`` says (``learner.torch_threads`` / ``learner.cpu_affinity`` when set,
     else the default for a synchronous or an async run on this machine)."""
-    plan = core_plan(cfg)
+    plan = build.core_plan(cfg)
     torch.set_num_threads(plan.learner_threads)
     if plan.learner_cores is None or cfg.resources.learner.gpus > 0:
         log.info("learner rank %d: %d torch threads, not pinned (%s)", rank, plan.learner_threads, plan.why)

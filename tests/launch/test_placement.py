@@ -5,16 +5,15 @@ from __future__ import annotations
 import pytest
 
 from rlray.config import ConfigError, config_from_dict
+from rlray.cores import plan_cores, split_cores
 from rlray.launch.placement import (
     PlacementError,
     RoleRequest,
     check_fit,
-    core_plan,
-    plan_cores,
     role_requests,
     rollout_cpu_threads,
-    split_cores,
 )
+from rlray.run.build import core_plan
 
 
 def test_defaults_fit_two_rollouts_two_learners_and_a_reward_replica_on_two_cpus():
