@@ -285,7 +285,7 @@ def child_trl(spec: RunSpec, use_vllm: bool, result_path: Path) -> None:
         vllm_max_model_length=MAX_PROMPT_TOKENS + spec.max_new_tokens,
     )
     # (on CPU vLLM's gpu_memory_utilization is the share of the machine's RAM it reserves: 0.05 of 23.5 GiB
-    # is ~1.2 GiB of KV cache, as rlray's rollout.kv_cache_gib; 0.3 would ask for 7 GiB.)
+    # is ~1.2 GiB of KV cache (rlray sizes its own to the step: rollout.kv_cache_gib=None); 0.3 would ask for 7 GiB.)
     clock = StepClock()
     trainer = GRPOTrainer(model=model_dir, reward_funcs=[gsm8k], args=args, train_dataset=dataset,
                           processing_class=load_tokenizer(model_dir), callbacks=[clock])
