@@ -250,3 +250,11 @@ def test_auto_kv_cache_of_a_model_without_its_attention_shape_is_one_gib(tmp_pat
     assert auto_kv_cache_gib(config_from_dict({}), str(tmp_path / "missing"), 64) == 1.0
     with pytest.raises(ConfigError, match="kv_cache_gib"):
         config_from_dict({"rollout": {"kv_cache_gib": 0}})
+
+
+@pytest.mark.parametrize(("tree", "key"), [({"learner": {"torch_threads": 0}}, "learner.torch_threads"),
+                                           ({"learner": {"torch_threads": "two"}}, "learner.torch_threads"),
+                                           ({"rollout": {"kv_cache_gib": -1}}, "rollout.kv_cache_gib")])
+def test_bad_thread_and_kv_cache_values_name_the_key(tree, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        config_from_dict(tree)
