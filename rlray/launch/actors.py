@@ -21,8 +21,7 @@ from typing import Any
 
 import ray
 import torch
-from ray.util.placement_group import PlacementGroup
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlray.config import Config
 from rlray.launch.placement import rollout_cpu_threads
@@ -187,19 +186,19 @@ def start_rollout_actors(
     cfg: Config,
     model_path: str,
     max_model_len: int,
-    placement: PlacementGroup | None = None,
+    nodes: list[str] | None = None,
     namespace: str | None = None,
 ) -> list[ray.actor.ActorHandle]:
     """Returns ``resources.rollout.num_workers`` started rollout actors, named ``rlray:rollout-<i>``.
 
     Each actor gets its own core list (``resources.rollout.cpu_threads``, or this node's cores split
     evenly), its custom resources (``resources.rollout.custom_resources``: only nodes that offer them take it),
-    bundle ``i`` of ``placement`` when given, and Ray restarts it up to
+    node ``nodes[i]`` when given (``rlray.launch.placement.rollout_nodes``; soft: a restart after that node is
+    lost goes to any node with the resources), and Ray restarts it up to
     ``resources.rollout.max_restarts`` times (the fleet re-sends its prompts and weights). Blocks
     until each engine is built, so start-up errors surface here. ``namespace`` (the run's own, from
-    the driver) keeps the names of concurrent runs on one cluster (sweep trials) apart; without a
-    placement group the actors never join a placement group of the caller (a Tune trial's captures
-    its children).
+    the driver) keeps the names of concurrent runs on one cluster (sweep trials) apart; the actors never join
+    a placement group of the caller (a Tune trial's captures its children).
     """
 
     res = cfg.resources.rollout
@@ -208,7 +207,7 @@ def start_rollout_actors(
     for i, threads in enumerate(rollout_cpu_threads(cfg)):
         name = f"rlray:rollout-{i}"
         wait_for_name(name, namespace)
-        strategy = PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=i) if placement else "DEFAULT"
+        strategy = NodeAffinitySchedulingStrategy(nodes[i], soft=True) if nodes else "DEFAULT"
         actors.append(
             cls.options(
                 name=name,

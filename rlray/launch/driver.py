@@ -6,7 +6,7 @@ the Ray Train training function (``rlray.run.worker.train_worker``); this module
 0. check every input (model, tokenizer, data, reward functions, snapshot storage; ``rlray.launch.preflight``)
    before Ray or MLflow start,
 1. check that every role's resources fit the cluster (before any actor starts),
-2. the rollout actors in their placement group (rlray:rollout-<i>),
+2. the rollout actors on the nodes a released placement group chose (rlray:rollout-<i>),
 3. the reward Serve application rlray-reward (when reward.server.enabled),
 4. the reference actor rlray:reference-0 (when resources.reference.placement == "actor") and the teacher actor
    rlray:teacher-0 (when teacher.path is set and resources.teacher.placement == "actor"),
@@ -32,7 +32,6 @@ import ray
 from ray.train import CheckpointConfig as RayCheckpointConfig
 from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
-from ray.util.placement_group import remove_placement_group
 
 from rlray.checkpoint import lineage
 from rlray.checkpoint import storage as checkpoint
@@ -41,7 +40,7 @@ from rlray.data import load_prompt_rows, prepare_prompts
 from rlray.launch import console
 from rlray.launch.actors import kill_actors, start_env_hosts, start_reference_actor, start_rollout_actors
 from rlray.launch.monitor_actor import start_monitor
-from rlray.launch.placement import bundle, check_cluster, rollout_placement_group
+from rlray.launch.placement import bundle, check_cluster, rollout_nodes
 from rlray.launch.preflight import preflight
 from rlray.models import load_tokenizer, resolve_model_path
 from rlray.observe.tracking import Tracker, resolve_tracking_uri
@@ -280,7 +279,7 @@ def run_training(
     log.info("MLflow run %s in %s", tracker.run_id, cfg.tracking.mlflow_uri)
     log_dir = Path(cfg.run.output_dir, "logs", tracker.run_id)
     log_file = console.keep_logs(log_dir) if "://" not in cfg.run.output_dir else None
-    actors, reference, teacher, pg, own_app, env_hosts = [], None, None, None, False, []
+    actors, reference, teacher, own_app, env_hosts = [], None, None, False, []
     status, outcome, url, progress = "FAILED", None, "", None
     control = services.control = start_run_control()
     try:
@@ -296,8 +295,7 @@ def run_training(
             progress = console.DriverProgress(cfg.run.max_steps, lambda: ray.get(monitor.progress.remote(), timeout=30)).start()
         online = cfg.algo.family == "online"  # offline methods train on preference pairs: no rollout actors
         if online:
-            pg = rollout_placement_group(cfg)
-            actors = start_rollout_actors(cfg, model_dir, max_model_len(cfg), pg, namespace=namespace)
+            actors = start_rollout_actors(cfg, model_dir, max_model_len(cfg), rollout_nodes(cfg), namespace=namespace)
         if online:
             env_hosts = start_env_hosts(cfg, namespace=namespace)
         if online and cfg.reward.server.enabled:
@@ -334,8 +332,6 @@ def run_training(
         tracker.finish_unless_ended(_mlflow_status(status), {"rlray.status": status})
         monitor = [services.monitor] if services.monitor is not None else []
         kill_actors([*actors, *env_hosts, *[a for a in (reference, teacher) if a is not None], *monitor, control])
-        if pg is not None:
-            remove_placement_group(pg)
         if own_app:  # a server started by `rlray serve-reward` before the run stays up
             from ray import serve  # deferred: only runs with reward.server.enabled import Ray Serve
 

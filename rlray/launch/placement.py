@@ -2,8 +2,8 @@
 
 ``role_requests(cfg)`` turns ``resources:`` into one request per role (rollout, learner, reward,
 reference). ``check_fit`` compares them with the cluster and raises one error that says which
-role wants what and what the cluster has, before any actor starts. The rollout actors then live in
-one placement group (``rollout_placement_group``); Ray Train builds the learner's own group with
+role wants what and what the cluster has, before any actor starts. The rollout actors' nodes are
+chosen by a placement group that is released once read (``rollout_nodes``); Ray Train builds the learner's own group with
 the same strategy (ScalingConfig.placement_strategy), and Serve places the reward replicas.
 """
 
@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
 from rlray.config import Config
 from rlray.run import build
@@ -128,8 +128,15 @@ def check_cluster(cfg: Config) -> list[RoleRequest]:
     return requests
 
 
-def rollout_placement_group(cfg: Config) -> PlacementGroup:
-    """Returns a ready placement group with one bundle per rollout actor (strategy from resources).
+def rollout_nodes(cfg: Config) -> list[str]:
+    """Returns the node id (hex) for each rollout actor, chosen by a placement group that is then released.
+
+    A placement group of one bundle per rollout actor (``resources.placement_strategy``) is reserved, its
+    bundle-to-node map read, and the group removed; the actors are then pinned softly to those nodes
+    (``start_rollout_actors``). Kept as a group, a bundle on a lost node is rescheduled by the GCS without
+    back-off while no node can take it (Ray 2.60: the GCS spun at ~85% of a core after a node loss here;
+    ray-project/ray#65007), and a pending bundle holds back placement groups created after it. Pinned softly,
+    an actor that Ray restarts after its node is lost goes to any node with its resources.
 
     Raises:
         PlacementError: the group is not ready within ``resources.placement_timeout_s`` (other work
@@ -147,7 +154,11 @@ def rollout_placement_group(cfg: Config) -> PlacementGroup:
             f"ready within resources.placement_timeout_s={res.placement_timeout_s:g} s; available now: "
             f"{_fmt(ray.available_resources())}. Other actors hold the resources, or the strategy cannot be met."
         ) from None
-    return pg
+    try:
+        nodes = placement_group_table(pg)["bundles_to_node_id"]
+    finally:
+        remove_placement_group(pg)
+    return [nodes[i] for i in range(res.rollout.num_workers)]
 
 
 def rollout_cpu_threads(cfg: Config) -> list[str]:

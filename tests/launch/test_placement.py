@@ -258,3 +258,23 @@ def test_auto_kv_cache_of_a_model_without_its_attention_shape_is_one_gib(tmp_pat
 def test_bad_thread_and_kv_cache_values_name_the_key(tree, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         config_from_dict(tree)
+
+
+def test_rollout_nodes_name_a_node_per_actor_and_release_their_placement_group(ray_session):
+    import ray
+    from ray.util import placement_group_table
+
+    from rlray.launch.placement import rollout_nodes
+
+    cfg = config_from_dict({"resources": {"rollout": {"num_workers": 2}, "placement_timeout_s": 5}})
+    before = {pg_id for pg_id, pg in placement_group_table().items() if pg["state"] != "REMOVED"}
+    nodes = rollout_nodes(cfg)
+    assert nodes == [ray.get_runtime_context().get_node_id()] * 2  # the session's one node, for each actor
+    mine = [pg for pg_id, pg in placement_group_table().items() if pg_id not in before and pg["name"].startswith("rlray:rollout:")]
+    assert mine and all(pg["state"] == "REMOVED" for pg in mine)  # nothing stays reserved: a lost node is not rescheduled
+
+    too_big = config_from_dict({"resources": {"rollout": {"num_workers": 1, "custom_resources": {"absent_node": 1}},
+                                              "placement_timeout_s": 1}})
+    with pytest.raises(PlacementError, match=r"rollout placement group \(1 x {CPU: 0.25, absent_node: 1}, PACK\) was not "
+                                             r"ready within resources.placement_timeout_s=1 s"):
+        rollout_nodes(too_big)
