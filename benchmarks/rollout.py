@@ -84,7 +84,7 @@ def child_vllm(args: dict, prompts: list[list[int]]) -> dict[str, Any]:
     on_cpu = not torch.cuda.is_available()
     set_num_threads = torch.set_num_threads  # vLLM's CPU worker turns it into a no-op; keep the real one
     start = time.perf_counter()
-    llm = vllm.LLM(model=resolve_model_path(args["model"]), dtype="bfloat16", seed=SEED,
+    llm = vllm.LLM(model=resolve_model_path(args["model"]), dtype=args["dtype"], seed=SEED,
                    max_model_len=MAX_PROMPT_TOKENS + args["max_new_tokens"], enforce_eager=True,
                    gpu_memory_utilization=0.3, kv_cache_memory_bytes=round(KV_CACHE_GIB * 2**30) if on_cpu else None,
                    logprobs_mode="processed_logprobs", disable_log_stats=True)
@@ -108,8 +108,8 @@ def child_rlray(args: dict, prompts: list[list[int]], actors: int) -> dict[str, 
     import torch
 
     from rlray.config import config_from_dict
+    from rlray.cores import split_cores
     from rlray.launch.actors import kill_actors, start_rollout_actors
-    from rlray.launch.placement import split_cores
     from rlray.models import resolve_model_path
     from rlray.rollout import SamplingSpec
     from rlray.rollout.fleet import RolloutFleet
@@ -122,7 +122,7 @@ def child_rlray(args: dict, prompts: list[list[int]], actors: int) -> dict[str, 
         tree["resources"]["rollout"]["gpus"] = 1 if actors > 1 else 0.5
         tree["rollout"] = {"gpu_memory_utilization": 0.3}
     tree.setdefault("rollout", {})["kv_cache_gib"] = KV_CACHE_GIB
-    cfg = config_from_dict(tree, ["model.dtype=bfloat16", f"run.seed={SEED}"])
+    cfg = config_from_dict(tree, [f"model.dtype={args['dtype']}", f"run.seed={SEED}"])
     benchlib.init_local_ray()
     start = time.perf_counter()
     handles = start_rollout_actors(cfg, resolve_model_path(args["model"]), MAX_PROMPT_TOKENS + args["max_new_tokens"])
@@ -172,9 +172,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, help="timed calls after the warm-up")
     parser.add_argument("--variants", nargs="+", help="runs (default: vllm rlray [rlray-2actors])")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="limit per run")
+    parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                        help="engine precision of both (auto: what rlray's model.dtype=auto picks on this machine)")
     args = parser.parse_args(argv)
     size = dict(SIZES["quick" if args.quick else "default"])
     size.update({k: v for k, v in vars(args).items() if k in size and v is not None})
+    from rlray.models.loading import resolve_dtype
+
+    size["dtype"] = resolve_dtype(args.dtype, gpu=benchlib.device() == "cuda")  # as model.dtype=auto resolves
     work = Path(tempfile.mkdtemp(prefix="bench-rollout-"))
     (work / "args.json").write_text(json.dumps(size))
     runs: dict[str, Any] = {}
@@ -197,7 +202,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             [name, "n/a", f"FAILED: {r['error']}", "n/a", "n/a", "n/a", "n/a", "n/a"] for name, r in runs.items()]
     headers = ["run", "engines", "start (s)", "tokens", "seconds", "tokens/s", "tokens/s / vLLM", "same tokens as vLLM"]
     print(f"\n**rollout** ({size['model']}): {size['prompts']} prompts x {size['samples']} samples x up to "
-          f"{size['max_new_tokens']} tokens, {size['repeats']} timed calls after {WARMUP_CALLS} warm-ups, bf16\n")
+          f"{size['max_new_tokens']} tokens, {size['repeats']} timed calls after {WARMUP_CALLS} warm-ups, "
+          f"{size['dtype']}\n")
     print(benchlib.markdown_table(headers, rows) + "\n")
     results = {"size": size, "runs": runs}
     print(f"wrote {benchlib.write_results('rollout', results)}")

@@ -90,7 +90,7 @@ def actors_config(actors: int, backend: str) -> Any:
     import torch
 
     from rlray.config import config_from_dict
-    from rlray.launch.placement import split_cores
+    from rlray.cores import split_cores
 
     tree: dict[str, Any] = {"resources": {"rollout": {"num_workers": actors}},
                             "rollout": {"kv_cache_gib": KV_CACHE_GIB, "weight_sync": backend}}

@@ -48,7 +48,7 @@ def response_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor], *, t
     t = batch["response_ids"].shape[1]
     counts = prompt_groups(batch) if share_prompts and not _sharded(model) else None
     if counts is not None and t >= 2 and not _checkpointing(model):
-        return _shared_prompt_logits(model, batch, counts).float() / temperature
+        return _scaled(_shared_prompt_logits(model, batch, counts), temperature)
     out = model(
         input_ids=batch["input_ids"],
         attention_mask=batch["attention_mask"],
@@ -56,7 +56,14 @@ def response_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor], *, t
         logits_to_keep=t + 1,
         use_cache=False,
     )
-    return out.logits[:, :-1, :].float() / temperature
+    return _scaled(out.logits[:, :-1, :], temperature)
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Returns ``logits`` as float32 divided by ``temperature``: in place (the model's own output, which nothing
+    else reads; Linear's backward does not need its output), no copy at temperature 1."""
+    logits = logits.float()
+    return logits if temperature == 1.0 else logits.div_(temperature)
 
 
 def prompt_groups(batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
@@ -133,15 +140,69 @@ def _shared_prompt_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]
     return torch.cat([prompt.logits.repeat_interleave(counts, dim=0), out.logits], dim=1)
 
 
+_CHUNK_ELEMENTS = 1 << 22  # elements of one chunk's temporaries (16 MiB in float32) in token_logprobs
+
+
+def _chunks(b: int, t: int, v: int) -> list[tuple[int, slice]]:
+    """Returns (row, positions) chunks covering [B, T] with about ``_CHUNK_ELEMENTS`` / V positions each."""
+    step = max(1, _CHUNK_ELEMENTS // max(v, 1))
+    return [(i, slice(s, s + step)) for i in range(b) for s in range(0, t, step)]
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """Chunked ``logits.gather(ids) - logsumexp(logits)``; see ``token_logprobs``."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, ids: torch.Tensor, inplace: bool) -> torch.Tensor:
+        b, t, v = logits.shape
+        logz = torch.empty((b, t), dtype=logits.dtype, device=logits.device)
+        for i, pos in _chunks(b, t, v):
+            logz[i, pos] = torch.logsumexp(logits[i, pos], dim=-1)
+        ctx.save_for_backward(logits, ids, logz)
+        ctx.inplace = inplace
+        return logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - logz
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, ids, logz = ctx.saved_tensors
+        b, t, v = logits.shape
+        out = logits if ctx.inplace else torch.empty_like(logits)
+        for i, pos in _chunks(b, t, v):
+            # d logprob / d logits = onehot(id) - softmax(logits); the onehot part is added below
+            probs = torch.exp(logits[i, pos] - logz[i, pos].unsqueeze(-1))
+            torch.mul(probs, grad[i, pos].unsqueeze(-1).neg(), out=out[i, pos])
+        out.scatter_add_(-1, ids.unsqueeze(-1), grad.unsqueeze(-1).to(out.dtype))
+        return out, None, None
+
+
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, *, inplace_backward: bool = False) -> torch.Tensor:
+    """Returns logprobs [B, T] (nats, the logits' dtype) of ``ids`` [B, T] int64 under ``logits`` [B, T, V].
+
+    ``logits[b, t, ids[b, t]] - logsumexp(logits[b, t])``, computed in chunks of about 4M elements, as TRL's
+    ``selective_log_softmax`` does row by row, and differentiable with a hand-written backward
+    (``grad * (onehot(ids) - softmax(logits))``, chunk by chunk): autograd's logsumexp + gather keep the
+    exp and the scattered gather gradient, two more [B, T, V] tensors, alive in backward; this keeps only the
+    logits and the [B, T] logsumexp, and with ``inplace_backward`` builds the logits' gradient in their own
+    storage (no [B, T, V] allocation at all in backward; only when nothing else in the graph needs the logits,
+    e.g. no entropy or distillation term on them).
+    """
+    return _TokenLogprobs.apply(logits, ids, inplace_backward)
+
+
 def logprobs_from_logits(
-    logits: torch.Tensor, response_ids: torch.Tensor, *, with_entropy: bool = False
+    logits: torch.Tensor, response_ids: torch.Tensor, *, with_entropy: bool = False, inplace_backward: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns logprobs [B, T] float32 (nats) of ``response_ids`` under ``logits`` [B, T, V], and the entropy [B, T]
-    float32 (nats) of each position's distribution or None."""
-    logz = torch.logsumexp(logits, dim=-1)
-    logprobs = logits.gather(-1, response_ids.unsqueeze(-1)).squeeze(-1) - logz
+    float32 (nats) of each position's distribution or None.
+
+    ``inplace_backward``: the caller uses ``logits`` for nothing else that backward needs (no other loss term on
+    them), so the logprobs' backward builds the logits' gradient in their storage (``token_logprobs``); ignored
+    with the entropy, which reads them too. (Were another term to read them, autograd would raise, not mix.)
+    """
+    logprobs = token_logprobs(logits, response_ids, inplace_backward=inplace_backward and not with_entropy)
     entropy = None
     if with_entropy:
+        logz = torch.logsumexp(logits, dim=-1)
         probs = torch.softmax(logits, dim=-1)
         entropy = logz - (probs * logits).sum(-1)
     return logprobs, entropy

@@ -187,7 +187,8 @@ class PolicyLearner:
         def micro_loss(model: torch.nn.Module, mb: dict[str, torch.Tensor]):
             with autocast_context(self.dtype):
                 logits = response_logits(model, mb, temperature=self.temperature)
-            lp, entropy = logprobs_from_logits(logits, mb["response_ids"], with_entropy=spec.entropy_coef > 0)
+            lp, entropy = logprobs_from_logits(logits, mb["response_ids"], with_entropy=spec.entropy_coef > 0,
+                                               inplace_backward=spec.jsd_weight == 0)  # JSD reads the logits too
             jsd = None
             if spec.jsd_weight > 0:  # the teacher's [B, T, V] logits live only inside this micro-batch
                 with torch.no_grad(), autocast_context(self.dtype):
