@@ -19,7 +19,9 @@ wrapped as a TRL reward function.
   CPU with vLLM's linear layers patched to stay loadable (``keep_vllm_cpu_weights_loadable``: without
   it TRL's first weight push fails), which costs vLLM its packed CPU GEMMs.
 - ``rlray-sync``: ``rlray train`` (Ray, a vLLM rollout actor, a Ray Train learner), rollout.max_staleness=0.
-- ``rlray-async``: the same with rollout.max_staleness=1 (step t+1's rollout overlaps step t's update).
+- ``rlray-async``: the same with rollout.max_staleness=1 (step t+1's rollout overlaps step t's update where
+  ``rollout.overlap=auto`` overlaps: not where rollout and learner share a small machine's cores; add
+  ``--overrides rollout.overlap=on`` to overlap anyway).
 
 The rlray runs use the defaults a user gets (``--placement defaults``, the default): no thread or core
 setting is given, ``rlray train``'s own choice applies. ``--placement pinned`` pins, on a CPU machine, the

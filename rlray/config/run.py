@@ -186,6 +186,17 @@ class RolloutConfig(_Section):
             "lags the learner by at most k versions."
         ),
     )
+    overlap: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description=(
+            "With max_staleness > 0: whether the rollouts of the steps ahead run while the current step trains. "
+            "auto: on when the rollout and the update have their own hardware (a stage on GPU, the rollout actors "
+            "on other nodes, or the cores split between the stages: 8+ cores or by hand), off when they share one "
+            "machine's cores, where overlapping only slows both (1.31x the synchronous step on 2 cores, "
+            "benchmarks/grpo_vs_trl.py). off: the steps ahead take their prompts in the same order (the same "
+            "prompt ledger) and generate when their step comes, with the newest weights."
+        ),
+    )
     weight_sync: Literal["auto", "object_store", "nccl", "ipc"] = Field(
         "auto",
         description=(
@@ -194,6 +205,12 @@ class RolloutConfig(_Section):
             "auto picks object_store without GPUs, ipc when colocated, else nccl."
         ),
     )
+
+    @field_validator("overlap", mode="before")
+    @classmethod
+    def _overlap_words(cls, value: Any) -> Any:
+        """YAML reads an unquoted on / off (and yes / no, true / false) as a boolean: take them as "on" / "off"."""
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
 
 class EvalConfig(_Section):

@@ -73,6 +73,15 @@ def gcs_actor_state(actor: Any) -> str:
     return info["State"] if info else "UNKNOWN"
 
 
+def gcs_actor_node(actor: Any) -> str | None:
+    """Returns the node id (hex) the actor runs on, from the GCS actor table, or None when the GCS does not say."""
+    try:
+        info = ray._private.state.actors(actor_id=actor._actor_id.hex())
+    except Exception:  # noqa: BLE001 - the GCS busy or away: unknown
+        return None
+    return (info or {}).get("Address", {}).get("NodeID") or None
+
+
 @dataclass
 class _Chunk:
     """One actor call: prompt indices of the step, the actor that runs it, and its pending result."""
@@ -443,6 +452,9 @@ class RolloutPipeline:
         cursor: returns the data cursor's state (``PromptStream.state_dict``), recorded before each
             step's prompts are taken, so that a snapshot can name the prompts of the steps in flight.
         restore_cursor: sets the data cursor's state (``PromptStream.load_state_dict``).
+        overlap: submit the steps ahead at once, so they generate while step t trains (True), or keep them,
+            prompts taken, until their step asks (False: ``rollout.overlap`` off, for stages that share cores;
+            the same prompts in the same order, generated with the newest weights).
     """
 
     def __init__(
@@ -453,11 +465,13 @@ class RolloutPipeline:
         max_staleness: int,
         cursor: Callable[[], dict] | None = None,
         restore_cursor: Callable[[dict], None] | None = None,
+        overlap: bool = True,
     ) -> None:
         self.fleet = fleet
         self.take_prompts = take_prompts
         self.sampling_for = sampling_for
         self.max_staleness = max_staleness
+        self.overlap = overlap
         self.cursor = cursor
         self.restore_cursor = restore_cursor
         self._queue: collections.deque = collections.deque()  # (step, rows, ids, pending, version, cursor before)
@@ -481,12 +495,16 @@ class RolloutPipeline:
             else:
                 before = self.cursor() if self.cursor else None
                 rows, ids = self.take_prompts()
-            pending = self.fleet.submit(ids, self.sampling_for(self._next_step), rows)
+            pending = None  # kept until its step asks, without overlap
+            if self.overlap or self._next_step == step:
+                pending = self.fleet.submit(ids, self.sampling_for(self._next_step), rows)
             self._queue.append((self._next_step, rows, ids, pending, self.fleet.version, before))
             self._next_step += 1
         got, rows, ids, pending, version, _ = self._queue.popleft()
         if got != step:
             raise ValueError(f"RolloutPipeline: asked for step {step}, the next rollout in flight is step {got}")
+        if pending is None:
+            pending, version = self.fleet.submit(ids, self.sampling_for(step), rows), self.fleet.version
         return RolloutBatch(step, rows, ids, self.fleet.collect(pending), version)
 
     def cursor_state(self) -> dict | None:
@@ -517,12 +535,13 @@ class RolloutPipeline:
         """Drops the rollouts in flight (after a restore or rollback: they used old weights); their steps
         are submitted again with the same prompts, and the data cursor stays where it is."""
         for item in self._queue:
-            self.fleet.collect(item[3])  # let the engines finish: their calls are ordered before the push
+            if item[3] is not None:  # submitted: let the engines finish, their calls are ordered before the push
+                self.fleet.collect(item[3])
         self._retake.extendleft((before, rows, ids) for _, rows, ids, _, _, before in reversed(self._queue))
         self._queue.clear()
         self._next_step = None
 
     @property
     def in_flight(self) -> int:
-        """Returns how many later steps' rollouts are submitted and not yet consumed."""
+        """Returns how many later steps' rollouts are taken (submitted, or kept without overlap) and not consumed."""
         return len(self._queue)

@@ -167,6 +167,35 @@ def update_spec(cfg: Config, world: int) -> learner_online.UpdateSpec:
     )  # fmt: skip
 
 
+def rollout_overlap(cfg: Config, plan: CorePlan, *, shares_node: bool) -> tuple[bool, str]:
+    """Returns (overlap, why): whether an async run's rollouts of the steps ahead run while a step trains
+    (``rollout.overlap``; ``rlray.rollout.fleet.RolloutPipeline``), and a line for the log.
+
+    auto is on when the stages have their own hardware: a stage on GPU, no rollout actor on the learner's node
+    (``shares_node`` False), or the cores split between them (``plan.learner_cores`` set, by ``plan_cores`` on 8+
+    cores or by hand); off when they share one machine's cores, where two stages at once take as long as one after
+    the other plus contention (SmolLM2 on 2 cores: the async step 1.31x the synchronous one).
+
+    Args:
+        cfg: the run's config.
+        plan: ``core_plan(cfg)`` on the learner's machine.
+        shares_node: a rollout actor runs on the learner's node (or where they run is unknown).
+    """
+    if cfg.rollout.max_staleness == 0:
+        return False, "synchronous"
+    if cfg.rollout.overlap != "auto":
+        return cfg.rollout.overlap == "on", f"rollout.overlap={cfg.rollout.overlap}"
+    res = cfg.resources
+    if res.rollout.gpus > 0 or res.learner.gpus > 0:
+        return True, "a stage on GPU"
+    if not shares_node:
+        return True, "the rollout actors run on other nodes than the learner"
+    if plan.learner_cores is not None:
+        return True, "the stages have their own cores"
+    return False, ("the rollout and the update share this node's cores: the steps ahead generate when their step "
+                   "comes (rollout.overlap=on to overlap anyway)")
+
+
 def core_plan(cfg: Config, cores: list[int] | None = None) -> CorePlan:
     """Returns ``plan_cores`` for ``cfg`` on this machine (``cores``: default ``os.sched_getaffinity(0)``), with what
     the config sets by hand taking precedence: ``resources.rollout.cpu_threads``, ``learner.torch_threads``

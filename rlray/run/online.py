@@ -34,7 +34,7 @@ import torch
 
 from rlray import schema
 from rlray.config import Config
-from rlray.cores import parse_core_list, pin_process
+from rlray.cores import CorePlan, parse_core_list, pin_process
 from rlray.data import DataError, PromptRow, PromptStream, columns_json, load_prompt_rows, prepare_prompts
 from rlray.learner import Normaliser, PolicyLearner
 from rlray.learner import online as learner_online
@@ -46,7 +46,7 @@ from rlray.observe.tracking import Tracker
 from rlray.reward import RewardFunctionError
 from rlray.reward.server import LocalRewardClient, ScoreResult, ServeRewardClient
 from rlray.rollout import Completion, SamplingSpec
-from rlray.rollout.fleet import RolloutFleet, RolloutPipeline
+from rlray.rollout.fleet import RolloutFleet, RolloutPipeline, gcs_actor_node
 from rlray.rollout.weight_sync import make_weight_sync
 from rlray.run import build, online_sampling
 from rlray.run.context import RunContext, StepBoundary
@@ -196,7 +196,7 @@ def setup(cfg: Config, coll: Collective, *, model_dir: str, actors: list[Any], r
     Raises:
         rlray.data.DataError: the prompt files cannot be read (names the file and line).
     """
-    pin_learner(cfg, coll.rank)
+    plan = pin_learner(cfg, coll.rank)
     build.seed_everything(cfg.run.seed + coll.rank)
     tokenizer = load_tokenizer(model_dir, cfg.model.chat_template)
     kwargs = build.learner_kwargs(cfg, coll.world, with_reference=reference_actor is None, teacher_dir=teacher_dir)
@@ -224,8 +224,15 @@ def setup(cfg: Config, coll: Collective, *, model_dir: str, actors: list[Any], r
         ctx.reward_kwargs = build.scorer_kwargs(cfg, ctx.reward_columns)
         ctx.fleet = RolloutFleet(actors, node_wait_s=cfg.resources.node_wait_s)
         ctx.rollouts = episode_rollout(cfg, ctx.fleet, env_hosts or [], tokenizer) if cfg.env.enabled else ctx.fleet
+        here = ray.get_runtime_context().get_node_id()
+        nodes = [gcs_actor_node(a) for a in actors]
+        overlap, why = build.rollout_overlap(cfg, plan, shares_node=any(n in (None, here) for n in nodes))
+        if cfg.rollout.max_staleness:
+            log.info("async rollouts (max_staleness %d): overlap %s (%s)", cfg.rollout.max_staleness,
+                     "on" if overlap else "off", why)
         ctx.pipeline = RolloutPipeline(ctx.rollouts, ctx.take_prompts, ctx.sampling_for, cfg.rollout.max_staleness,
-                                       cursor=ctx.stream.state_dict, restore_cursor=ctx.stream.load_state_dict)
+                                       cursor=ctx.stream.state_dict, restore_cursor=ctx.stream.load_state_dict,
+                                       overlap=overlap)
     dtype = torch.bfloat16 if build.compute_dtype(cfg) == "bfloat16" else torch.float32
     ctx.weight_sync = make_weight_sync(
         cfg.weight_sync_backend, ctx.fleet, dtype,
@@ -249,18 +256,19 @@ def episode_rollout(cfg: Config, fleet: RolloutFleet, hosts: list[Any], tokenize
                           chat_template_kwargs=cfg.rollout.chat_template_kwargs, prompt_column=cfg.data.prompt_column)
 
 
-def pin_learner(cfg: Config, rank: int) -> None:
+def pin_learner(cfg: Config, rank: int) -> CorePlan:
     """Sets this learner worker's torch threads and, on CPU, pins its process to its cores, both as
     ``rlray.run.build.core_plan`` says (``learner.torch_threads`` / ``learner.cpu_affinity`` when set,
-    else the default for a synchronous or an async run on this machine)."""
+    else the default for a synchronous or an async run on this machine); returns that plan."""
     plan = build.core_plan(cfg)
     torch.set_num_threads(plan.learner_threads)
     if plan.learner_cores is None or cfg.resources.learner.gpus > 0:
         log.info("learner rank %d: %d torch threads, not pinned (%s)", rank, plan.learner_threads, plan.why)
-        return
+        return plan
     cores = parse_core_list(plan.learner_cores[rank % len(plan.learner_cores)])
     log.info("learner rank %d: %d torch threads, pinned to cores %s (%s)", rank, plan.learner_threads,
              pin_process(cores), plan.why)
+    return plan
 
 
 # --------------------------------------------------------------------------------------------

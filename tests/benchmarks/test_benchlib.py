@@ -130,6 +130,24 @@ def test_tree_memory_keeps_the_breakdown_of_the_peak_sample(bench):
     assert sum(r["rss_gib"] for r in rows.values()) == pytest.approx(memory.peak_rss_gib)
 
 
+def test_tree_memory_samples_at_nice_19_without_renicing_the_process(bench):
+    """The sampling thread yields to the runs it measures; the rest of this process keeps its priority."""
+    import os
+    import time
+
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    memory = bench["benchlib"].TreeMemory(os.getpid(), interval_s=0.05).start()
+    try:
+        deadline = time.monotonic() + 10
+        while memory.samples == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert memory.samples > 0
+        assert os.getpriority(os.PRIO_PROCESS, memory._thread.native_id) == 19
+    finally:
+        memory.stop()
+    assert os.getpriority(os.PRIO_PROCESS, 0) == before
+
+
 def test_scaling_slope_is_least_squares():
     sys.path.insert(0, str(BENCH))
     try:

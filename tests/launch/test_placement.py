@@ -278,3 +278,48 @@ def test_rollout_nodes_name_a_node_per_actor_and_release_their_placement_group(r
     with pytest.raises(PlacementError, match=r"rollout placement group \(1 x {CPU: 0.25, absent_node: 1}, PACK\) was not "
                                              r"ready within resources.placement_timeout_s=1 s"):
         rollout_nodes(too_big)
+
+
+@pytest.mark.parametrize(("tree", "shares_node", "overlap", "why"), [
+    ({}, True, False, "synchronous"),
+    ({"rollout": {"max_staleness": 1}}, True, False, "share this node's cores"),
+    ({"rollout": {"max_staleness": 1}}, False, True, "other nodes"),
+    ({"rollout": {"max_staleness": 1, "overlap": "on"}}, True, True, "rollout.overlap=on"),
+    ({"rollout": {"max_staleness": 2, "overlap": "off"}}, False, False, "rollout.overlap=off"),
+    ({"rollout": {"max_staleness": 1}, "resources": {"rollout": {"gpus": 1}}}, True, True, "a stage on GPU"),
+    ({"rollout": {"max_staleness": 1}, "resources": {"learner": {"gpus": 1}}}, True, True, "a stage on GPU"),
+])
+def test_rollout_overlap_is_on_only_where_the_stages_have_their_own_hardware(tree, shares_node, overlap, why):
+    from rlray.run.build import rollout_overlap
+
+    cfg = config_from_dict(tree)
+    got, reason = rollout_overlap(cfg, core_plan(cfg, cores=[0, 1]), shares_node=shares_node)
+    assert got is overlap and why in reason
+
+
+def test_rollout_overlap_follows_the_core_split_of_the_plan():
+    from rlray.run.build import rollout_overlap
+
+    cfg = config_from_dict({"rollout": {"max_staleness": 1}})
+    assert rollout_overlap(cfg, core_plan(cfg, cores=list(range(16))), shares_node=True) == (
+        True, "the stages have their own cores")  # 16 cores: the plan splits them 8 / 8
+    assert rollout_overlap(cfg, core_plan(cfg, cores=list(range(4))), shares_node=True)[0] is False
+    by_hand = config_from_dict({"rollout": {"max_staleness": 1}, "resources": {"rollout": {"cpu_threads": "1"}},
+                                "learner": {"cpu_affinity": "0"}})
+    assert rollout_overlap(by_hand, core_plan(by_hand, cores=[0, 1]), shares_node=True)[0] is True
+
+
+def test_a_bad_rollout_overlap_names_the_key_and_the_choices():
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"rollout": {"overlap": "maybe"}})
+    assert "rollout.overlap" in str(err.value) and "'auto', 'on' or 'off'" in str(err.value)
+
+
+def test_rollout_overlap_on_and_off_as_yaml_reads_them(tmp_path):
+    from rlray.config import load_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("rollout:\n  max_staleness: 1\n  overlap: on\n")  # YAML 1.1: an unquoted on is True
+    assert load_config(path).rollout.overlap == "on"
+    assert load_config(path, ["rollout.overlap=off"]).rollout.overlap == "off"
+    assert load_config(path, ["rollout.overlap=auto"]).rollout.overlap == "auto"

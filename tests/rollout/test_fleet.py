@@ -244,7 +244,7 @@ def _wait_restarted(actor, timeout_s: float = 60.0) -> int:
             time.sleep(0.2)
 
 
-def _pipeline(k: int, fleet: RolloutFleet) -> tuple[RolloutPipeline, list[int]]:
+def _pipeline(k: int, fleet: RolloutFleet, overlap: bool = True) -> tuple[RolloutPipeline, list[int]]:
     taken = []
 
     def take():
@@ -253,7 +253,7 @@ def _pipeline(k: int, fleet: RolloutFleet) -> tuple[RolloutPipeline, list[int]]:
         return [f"row{start + i}" for i in range(4)], [[start + i] for i in range(4)]
 
     sampling = lambda step: SamplingSpec(n=2, max_new_tokens=3, temperature=1.0, seed=step)  # noqa: E731
-    return RolloutPipeline(fleet, take, sampling, k), taken
+    return RolloutPipeline(fleet, take, sampling, k, overlap=overlap), taken
 
 
 @pytest.mark.parametrize("k", [0, 1, 2])
@@ -273,6 +273,25 @@ def test_pipeline_staleness_is_bounded_by_k(actors, k):
     # rollouts run on the weights of k updates ago: 0, 1, .., k, k, k (never more than k)
     assert staleness == [min(step, k) for step in range(6)]
     assert len(taken) == 6 + k  # the data cursor runs k steps ahead
+
+
+def test_pipeline_without_overlap_takes_the_same_prompts_and_generates_each_step_when_it_comes(actors):
+    fleet = RolloutFleet(actors)
+    pipe, taken = _pipeline(2, fleet, overlap=False)
+    submitted = []
+    submit = fleet.submit
+    fleet.submit = lambda ids, spec, rows=None, **kw: submitted.append(ids[0][0]) or submit(ids, spec, rows, **kw)
+    for step in range(5):
+        batch = pipe.next(step)
+        assert submitted == [4 * s for s in range(step + 1)]  # only the steps asked for ran, in order
+        assert len(taken) == step + 3  # the data cursor runs k = 2 steps ahead, as with overlap
+        assert pipe.in_flight == 2
+        assert [c.response_token_ids[0] for c in batch.completions][::2] == list(range(4 * step, 4 * step + 4))
+        assert {c.policy_version for c in batch.completions} == {step}  # generated with the newest weights
+        assert batch.submitted_at_version == step
+        fleet.push_weights(ray.put({}), step + 1, wait=False)
+    pipe.reset()  # kept steps are not collected (never submitted) and are taken again with their prompts
+    assert pipe.in_flight == 0 and [ids[0][0] for _, _, ids in pipe._retake] == [20, 24]
 
 
 def test_pipeline_rejects_out_of_order_steps(actors):

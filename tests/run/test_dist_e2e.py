@@ -26,7 +26,7 @@ def test_two_rollouts_two_learners_serve_reward_async(ray_session, tiny_grpo_run
     uri, result, metrics = tiny_grpo_run(
         REQUIRED, "learner.torch_threads=1", "resources.rollout.num_workers=2", "resources.learner.num_workers=2",
         "resources.reference.placement=actor", "reward.server.enabled=true", f"reward.server.port={free_port()}",
-        "reward.version=7", "rollout.max_staleness=1",
+        "reward.version=7", "rollout.max_staleness=1", "rollout.overlap=on",
     )
     # k = 1: step 2 trains on the rollout made with version 0 while step 1 trained, step 3 on version 1
     assert [v for _, v in metrics["rollout/policy_version"]] == [0.0, 0.0, 1.0]

@@ -100,6 +100,7 @@ def test_k2_bounds_staleness_and_changes_the_run(cfg_and_actors, tiny_model_path
     cfg, actors = cfg_and_actors
     async_cfg = cfg.model_copy(deep=True)
     async_cfg.rollout.max_staleness = 2
+    async_cfg.rollout.overlap = "on"  # auto turns it off here: rollout and learner share this machine's 2 cores
     ctx = _fresh(async_cfg, tiny_model_path, actors)
     got = [run_step(ctx, step, lambda m, samples=(), prompt_ids=None: None) for step in range(4)]
     # step t trains on rollouts of version max(0, t-2): staleness 0, 1, 2, 2 (never above k = 2)
@@ -112,3 +113,22 @@ def test_k2_bounds_staleness_and_changes_the_run(cfg_and_actors, tiny_model_path
     sync_got, _ = k0_run
     assert got[0]["learner/loss"] == sync_got[0]["learner/loss"]
     assert got[1]["learner/loss"] != sync_got[1]["learner/loss"]
+
+
+def test_k2_without_overlap_is_the_synchronous_run(cfg_and_actors, tiny_model_path, k0_run):
+    """rollout.overlap off (auto on this 2-core machine): the steps ahead keep their prompts, in the async order, and
+    generate when their step comes with the newest weights, so the run is the synchronous one, step for step."""
+    cfg, actors = cfg_and_actors
+    async_cfg = cfg.model_copy(deep=True)
+    async_cfg.rollout.max_staleness = 2
+    ctx = _fresh(async_cfg, tiny_model_path, actors)
+    assert ctx.pipeline.overlap is False  # auto: the rollout actors share the learner's node and its 2 cores
+    got = [run_step(ctx, step, lambda m, samples=(), prompt_ids=None: None) for step in range(3)]
+    assert ctx.pipeline.in_flight == 2  # the data cursor still runs 2 steps ahead
+    sync_got, sync_weights = k0_run
+    for g, s in zip(got, sync_got, strict=True):
+        assert {k: g[k] for k in UPDATE_KEYS} == {k: s[k] for k in UPDATE_KEYS}
+        assert g["rollout/staleness_max"] == 0.0
+    assert [g["rollout/policy_version"] for g in got] == [0.0, 1.0, 2.0]
+    final = ctx.learner.export_weights(torch.float32)
+    assert all(torch.equal(sync_weights[k], final[k]) for k in final)
