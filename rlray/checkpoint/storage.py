@@ -385,7 +385,11 @@ def prune(
     options: dict[str, Any] | None = None,
     now: float | None = None,
 ) -> list[str]:
-    """Deletes snapshots and logs that retention no longer keeps; returns the deleted URIs.
+    """Deletes snapshots and logs that retention no longer keeps; returns the URIs it deleted.
+
+    Ray Train deletes the checkpoints beyond its ``num_to_keep`` on its own, concurrently: a snapshot that
+    vanishes while this lists or deletes it is skipped (a half-deleted one looks incomplete; the soak test met
+    the race: ``rm`` raised FileNotFoundError and cost a learner restart).
 
     Rules: incomplete snapshots of ``current_run`` go at once, those of other runs once their newest
     file is ``INCOMPLETE_GRACE_S`` old; complete snapshots of other runs go when older than
@@ -407,8 +411,11 @@ def prune(
             continue
         if not s.complete:
             grace = 0.0 if s.run == current_run else INCOMPLETE_GRACE_S
-            if now - _newest_mtime(fs, open_fs(s.uri, options)[1]) >= grace:
-                doomed.append(s.uri)
+            try:
+                if now - _newest_mtime(fs, open_fs(s.uri, options)[1]) >= grace:
+                    doomed.append(s.uri)
+            except FileNotFoundError:  # deleted meanwhile (Ray Train's num_to_keep): gone, as wanted
+                continue
         elif s.run != current_run and now - s.manifest["written_at"] > max_age_s:
             doomed.append(s.uri)
     if keep_last is not None:
@@ -419,10 +426,15 @@ def prune(
         path = f"{logs_path}/{name}"
         if not name.startswith(current_run) and now - _newest_mtime(fs, path) > log_max_age_s:
             doomed.append(join(root, LOGS_DIR, name))
+    removed = []
     for uri in doomed:
         f, p = open_fs(uri, options)
-        f.rm(p, recursive=True)
-    return doomed
+        try:
+            f.rm(p, recursive=True)
+        except FileNotFoundError:  # another deleter got there first (Ray Train prunes its checkpoints too)
+            continue
+        removed.append(uri)
+    return removed
 
 
 def lifecycle_rules(root: str, max_age_days: float, log_max_age_days: float) -> dict[str, Any]:

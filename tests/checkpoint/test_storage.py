@@ -88,6 +88,34 @@ def test_incomplete_snapshot_is_ignored_and_pruned(tmp_path):
     assert not broken.exists() and Path(first, "manifest.json").exists()
 
 
+def test_a_snapshot_deleted_by_another_pruner_meanwhile_is_skipped(tmp_path, monkeypatch):
+    """Ray Train removes checkpoints beyond num_to_keep concurrently: one that vanishes between the listing and
+    the delete (here: deleted inside rm, then rm raises as fsspec's local rm does) is not an error."""
+    import shutil
+
+    import fsspec.implementations.local as local
+
+    root = str(tmp_path / "root")
+    payload = _payload(tmp_path, {"a.bin": 100})
+    first = _snap(root, "run-a", 2, payload)
+    gone, kept = Path(root, "run-a", "step_00000004"), Path(root, "run-a", "step_00000006")
+    for broken in (gone, kept):
+        broken.mkdir(parents=True)
+        (broken / "a.bin").write_bytes(b"half")
+    real_rm = local.LocalFileSystem.rm
+
+    def racing_rm(self, path, recursive=False, maxdepth=None):
+        if str(path).endswith("step_00000004"):
+            shutil.rmtree(path)  # the other pruner wins
+            raise FileNotFoundError(path)
+        return real_rm(self, path, recursive=recursive, maxdepth=maxdepth)
+
+    monkeypatch.setattr(local.LocalFileSystem, "rm", racing_rm)
+    removed = checkpoint.prune(root, "run-a", max_age_s=1e9, log_max_age_s=1e9)
+    assert removed == [str(kept)]  # what this call deleted; the other is gone too
+    assert not gone.exists() and not kept.exists() and Path(first, "manifest.json").exists()
+
+
 def test_retention_by_count_and_age_keeps_the_newest(tmp_path):
     root = str(tmp_path / "root")
     payload = _payload(tmp_path, {"a.bin": 10})
