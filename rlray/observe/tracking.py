@@ -285,6 +285,9 @@ def _experiment_id(client: MlflowClient, name: str) -> str:
 class Tracker:
     """Writes one MLflow run: params, per-step metrics, tags and artifacts; buffers writes while the store is down.
 
+    Safe to share between threads (the learner's heartbeat thread and its step loop): one write at a time, so
+    each metric is written once and one outage is counted once.
+
     Args:
         uri: MLflow tracking URI (``tracking.mlflow_uri``, already resolved).
         experiment: experiment name; created when missing.
@@ -318,6 +321,10 @@ class Tracker:
         self.tensorboard_dir = None if tensorboard_dir is None else Path(tensorboard_dir) / run_id
         self._tb = None  # the SummaryWriter, opened at the first metric
         self._tb_lock = threading.Lock()  # the heartbeat thread logs metrics too
+        # One writer at a time: the heartbeat thread and the step loop both log. Without it two flushes write the
+        # same buffered metrics twice and delete some never written, and a write that began before an outage and
+        # ends after another thread saw it fail marks the store back, so one outage is counted twice.
+        self._lock = threading.RLock()
 
     @property
     def pending(self) -> int:
@@ -346,11 +353,12 @@ class Tracker:
             ValueError: two different keys of this run become the same MLflow key (``KeySanitizer``).
         """
         ts = int(time.time() * 1000)
-        batch = [Metric(self._key(k), float(v), ts, step) for k, v in metrics.items()]
-        self._metrics.extend(batch)
-        if self.tensorboard_dir is not None:
-            self._write_tensorboard(batch)
-        self.flush()
+        with self._lock:
+            batch = [Metric(self._key(k), float(v), ts, step) for k, v in metrics.items()]
+            self._metrics.extend(batch)
+            if self.tensorboard_dir is not None:
+                self._write_tensorboard(batch)
+            self.flush()
 
     def _write_tensorboard(self, batch: list[Metric]) -> None:
         with self._tb_lock:
@@ -366,8 +374,10 @@ class Tracker:
         """Logs a step's kept rollouts as the table ``samples/step_<step:06d>.json`` (``mlflow.log_table``,
         buffered while the store is down); nothing when ``samples`` is empty."""
         if samples:
-            self._tables.append((table_columns(samples), f"samples/step_{step:06d}.json"))
-            self.flush()
+            columns = table_columns(samples)
+            with self._lock:
+                self._tables.append((columns, f"samples/step_{step:06d}.json"))
+                self.flush()
 
     def log_ledger(self, prompt_ids: list[str], step: int) -> None:
         """Logs the prompt ledger of 1-based ``step`` as ``ledger/step_<step:06d>.json`` (``{"step", "prompt_ids"}``,
@@ -382,18 +392,21 @@ class Tracker:
 
     def take_outages(self) -> int:
         """Returns the outages of the store that began since the previous call (0 at the first call without one)."""
-        new, self._outages_taken = self.outages - self._outages_taken, self.outages
+        with self._lock:
+            new, self._outages_taken = self.outages - self._outages_taken, self.outages
         return new
 
     def set_tags(self, tags: dict[str, str]) -> None:
         """Sets run tags (string values; buffered while the store is down, the last value of a key wins)."""
-        self._tags.update({k: str(v) for k, v in tags.items()})
-        self.flush()
+        with self._lock:
+            self._tags.update({k: str(v) for k, v in tags.items()})
+            self.flush()
 
     def log_text(self, text: str, artifact_file: str) -> None:
         """Stores ``text`` as an artifact at ``artifact_file`` (buffered while the store is down)."""
-        self._texts.append((text, artifact_file))
-        self.flush()
+        with self._lock:
+            self._texts.append((text, artifact_file))
+            self.flush()
 
     def flush(self) -> bool:
         """Writes everything buffered; returns True when nothing is left.
@@ -401,6 +414,10 @@ class Tracker:
         Raises:
             mlflow.exceptions.MlflowException: the store rejected a write as invalid (not an outage).
         """
+        with self._lock:
+            return self._flush()
+
+    def _flush(self) -> bool:
         try:
             while self._metrics:
                 self.client.log_batch(self.run_id, metrics=self._metrics[:500])
@@ -445,6 +462,10 @@ class Tracker:
             if self._tb is not None:
                 self._tb.close()
                 self._tb = None  # a metric logged after this opens a new event file in the same folder
+        with self._lock:
+            self._close(wait_s, spill_path)
+
+    def _close(self, wait_s: float, spill_path: str | Path | None) -> None:
         if not self.pending:
             return
         retrying = Retrying(stop=stop_after_delay(wait_s), wait=wait_exponential(multiplier=0.5, max=10.0),

@@ -7,7 +7,10 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from mlflow.exceptions import MlflowException
@@ -65,3 +68,63 @@ def test_an_invalid_write_is_raised_not_buffered(tmp_path):
     MlflowClient(uri).delete_run(tracker.run_id)
     with pytest.raises(MlflowException, match="must be in the 'active' state"):
         tracker.log_metrics({"reward/mean": 1.0}, step=1)
+
+
+class _SharedClient:
+    """A stand-in MlflowClient that records logged metrics; writes fail while ``down``; a metric named ``slow`` holds
+    its first write open until ``release`` is set (a write in flight when the store goes away)."""
+
+    def __init__(self) -> None:
+        self.logged: list[tuple[str, int]] = []
+        self.down = False
+        self.in_flight, self.release = threading.Event(), threading.Event()
+
+    def get_experiment_by_name(self, name):
+        return SimpleNamespace(experiment_id="0")
+
+    def create_run(self, experiment_id, run_name=None):
+        return SimpleNamespace(info=SimpleNamespace(run_id="r"))
+
+    def log_batch(self, run_id, metrics=(), tags=()):
+        batch = list(metrics)
+        if any(m.key == "slow" for m in batch) and not self.in_flight.is_set():
+            self.in_flight.set()
+            self.release.wait(10)
+        elif self.down:
+            raise ConnectionError("store down")
+        time.sleep(0)  # let the other thread in between the write and the buffer's update
+        self.logged.extend((m.key, m.step) for m in batch)
+
+
+def test_the_heartbeat_thread_and_the_step_loop_log_each_metric_once():
+    client = _SharedClient()
+    tracker = Tracker("sqlite:///unused", "threads", client=client)
+
+    def log(key: str) -> None:
+        for step in range(300):
+            tracker.log_metrics({key: float(step)}, step=step)
+
+    threads = [threading.Thread(target=log, args=(key,)) for key in ("learner/loss", "monitor/heartbeat_s")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for key in ("learner/loss", "monitor/heartbeat_s"):  # none written twice, none dropped
+        assert sorted(s for k, s in client.logged if k == key) == list(range(300))
+
+
+def test_a_write_in_flight_when_the_store_goes_away_does_not_split_one_outage_in_two():
+    client = _SharedClient()
+    tracker = Tracker("sqlite:///unused", "threads", client=client)
+    heartbeat = threading.Thread(target=tracker.log_metrics, args=({"slow": 1.0}, 1))
+    heartbeat.start()
+    assert client.in_flight.wait(10)
+    client.down = True
+    threading.Timer(0.2, client.release.set).start()  # the heartbeat's write succeeds after the store went away
+    tracker.log_metrics({"learner/loss": 1.0}, step=2)  # fails: the outage begins
+    heartbeat.join()
+    tracker.log_metrics({"learner/loss": 2.0}, step=3)  # still down: the same outage
+    client.down = False
+    tracker.log_metrics({"learner/loss": 3.0}, step=4)
+    assert tracker.take_outages() == 1 and tracker.pending == 0
+    assert [s for k, s in client.logged if k == "learner/loss"] == [2, 3, 4]
