@@ -201,9 +201,15 @@ def child_rlray(spec: RunSpec, max_staleness: int, result_path: Path) -> None:
     steps_path = Path(spec.workdir) / "steps.jsonl"
     benchlib.init_local_ray(include_dashboard=None if spec.placement == "defaults" else False)
     result = run_training(cfg, step_hooks=[benchlib.StepRecorder(str(steps_path))])
+    result_path.write_text(json.dumps(rlray_result(result.status, started, steps_path)))
+
+
+def rlray_result(status: str, started: float, steps_path: Path, extra_metrics: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Returns the result JSON of a finished rlray run from its ``StepRecorder`` file: step ends, generated tokens,
+    reward, stage timings, and the metrics ``extra_metrics`` per step."""
     steps = benchlib.read_steps(steps_path)
-    result_path.write_text(json.dumps({
-        "status": result.status,
+    return {
+        "status": status,
         "started": started,
         "ends": [s["time"] for s in steps],
         "generated_tokens": [s["metrics"]["rollout/generated_tokens"] for s in steps],
@@ -211,7 +217,8 @@ def child_rlray(spec: RunSpec, max_staleness: int, result_path: Path) -> None:
         "timings": {k: [s["metrics"].get(k) for s in steps] for k in
                     ("timing/rollout_s", "timing/reward_s", "timing/logprobs_s", "timing/update_s",
                      "timing/weight_sync_s", "timing/step_s")},
-    }))
+        **{key: [s["metrics"].get(key) for s in steps] for key in extra_metrics},
+    }
 
 
 def keep_vllm_cpu_weights_loadable() -> None:
@@ -233,12 +240,72 @@ def keep_vllm_cpu_weights_loadable() -> None:
     utils.dispatch_cpu_unquantized_gemm = plain_linear
 
 
+def trl_step_clock() -> Any:
+    """Returns a TrainerCallback that records each optimizer step's end time (``ends``) and the logs of the steps
+    (``logs``: the ones carrying ``completions/mean_length``)."""
+    from transformers import TrainerCallback
+
+    class StepClock(TrainerCallback):
+        def __init__(self) -> None:
+            self.ends: list[float] = []
+            self.logs: list[dict] = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.ends.append(time.time())
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "completions/mean_length" in logs:
+                self.logs.append(dict(logs))
+
+    return StepClock()
+
+
+def trl_args(spec: RunSpec, use_vllm: bool, **extra: Any) -> Any:
+    """Returns the GRPOConfig every TRL run of ``spec`` gets (the settings the module docstring lists); ``extra``
+    adds or replaces fields (the environment benchmark's tool-calling limits)."""
+    from trl import GRPOConfig
+
+    device = benchlib.device()
+    fields = dict(
+        output_dir=str(Path(spec.workdir) / "trl-out"),
+        per_device_train_batch_size=spec.sequences_per_microbatch,
+        gradient_accumulation_steps=spec.sequences_per_step // spec.sequences_per_microbatch,
+        num_generations=spec.samples_per_prompt,
+        max_completion_length=spec.max_new_tokens,
+        learning_rate=spec.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+        bf16=spec.dtype == "bfloat16", use_cpu=device == "cpu", model_init_kwargs={"dtype": "float32"},
+        beta=spec.kl_coef, epsilon=0.2, epsilon_high=0.28, loss_type="dapo", scale_rewards="group",
+        gradient_checkpointing=False, max_steps=spec.steps, logging_steps=1, save_strategy="no", report_to="none",
+        shuffle_dataset=False, temperature=spec.temperature, top_p=1.0, top_k=0, seed=spec.seed,
+        dataloader_num_workers=0, disable_tqdm=True, log_completions=False,
+        use_vllm=use_vllm, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3 if device == "cuda" else 0.05,
+        vllm_max_model_length=MAX_PROMPT_TOKENS + spec.max_new_tokens,
+    )
+    # (on CPU vLLM's gpu_memory_utilization is the share of the machine's RAM it reserves: 0.05 of 23.5 GiB
+    # is ~1.2 GiB of KV cache (rlray sizes its own to the step: rollout.kv_cache_gib=None); 0.3 would ask for 7 GiB.)
+    return GRPOConfig(**{**fields, **extra})
+
+
+def trl_result(clock: Any, spec: RunSpec, started: float, extra_logs: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Returns the result JSON of a finished TRL run from its ``trl_step_clock``: step ends, generated tokens per step
+    (completions/mean_length x sequences), tokens seen, reward, and the logged keys ``extra_logs`` per step."""
+    seen = [log.get("num_tokens", 0.0) for log in clock.logs]
+    return {
+        "status": "FINISHED",
+        "started": started,
+        "ends": clock.ends,
+        "generated_tokens": [log["completions/mean_length"] * spec.sequences_per_step for log in clock.logs],
+        "trained_tokens_logged": [b - a for a, b in itertools.pairwise([0.0, *seen])],
+        "reward_mean": [log.get("reward", float("nan")) for log in clock.logs],
+        **{key: [log.get(key) for log in clock.logs] for key in extra_logs},
+    }
+
+
 def child_trl(spec: RunSpec, use_vllm: bool, result_path: Path) -> None:
     """Runs TRL's GRPOTrainer on ``spec`` and writes per-step end times and tokens to ``result_path``."""
     started = time.time()
     from datasets import Dataset
-    from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from rlray.data import load_prompt_rows
     from rlray.models import load_tokenizer, resolve_model_path
@@ -256,52 +323,13 @@ def child_trl(spec: RunSpec, use_vllm: bool, result_path: Path) -> None:
         fmt = gsm8k_format(prompts, completions)
         return [CORRECT_WEIGHT * c + FORMAT_WEIGHT * f for c, f in zip(correct, fmt, strict=True)]
 
-    class StepClock(TrainerCallback):
-        def __init__(self) -> None:
-            self.ends: list[float] = []
-            self.logs: list[dict] = []
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.ends.append(time.time())
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "completions/mean_length" in logs:
-                self.logs.append(dict(logs))
-
-    device = benchlib.device()
-    if use_vllm and device == "cpu":
+    if use_vllm and benchlib.device() == "cpu":
         keep_vllm_cpu_weights_loadable()
-    args = GRPOConfig(
-        output_dir=str(Path(spec.workdir) / "trl-out"),
-        per_device_train_batch_size=spec.sequences_per_microbatch,
-        gradient_accumulation_steps=spec.sequences_per_step // spec.sequences_per_microbatch,
-        num_generations=spec.samples_per_prompt,
-        max_completion_length=spec.max_new_tokens,
-        learning_rate=spec.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-        bf16=spec.dtype == "bfloat16", use_cpu=device == "cpu", model_init_kwargs={"dtype": "float32"},
-        beta=spec.kl_coef, epsilon=0.2, epsilon_high=0.28, loss_type="dapo", scale_rewards="group",
-        gradient_checkpointing=False, max_steps=spec.steps, logging_steps=1, save_strategy="no", report_to="none",
-        shuffle_dataset=False, temperature=spec.temperature, top_p=1.0, top_k=0, seed=spec.seed,
-        dataloader_num_workers=0, disable_tqdm=True, log_completions=False,
-        use_vllm=use_vllm, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3 if device == "cuda" else 0.05,
-        vllm_max_model_length=MAX_PROMPT_TOKENS + spec.max_new_tokens,
-    )
-    # (on CPU vLLM's gpu_memory_utilization is the share of the machine's RAM it reserves: 0.05 of 23.5 GiB
-    # is ~1.2 GiB of KV cache (rlray sizes its own to the step: rollout.kv_cache_gib=None); 0.3 would ask for 7 GiB.)
-    clock = StepClock()
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=[gsm8k], args=args, train_dataset=dataset,
+    clock = trl_step_clock()
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=[gsm8k], args=trl_args(spec, use_vllm), train_dataset=dataset,
                           processing_class=load_tokenizer(model_dir), callbacks=[clock])
     trainer.train()
-    sequences = spec.sequences_per_step
-    seen = [log.get("num_tokens", 0.0) for log in clock.logs]
-    result_path.write_text(json.dumps({
-        "status": "FINISHED",
-        "started": started,
-        "ends": clock.ends,
-        "generated_tokens": [log["completions/mean_length"] * sequences for log in clock.logs],
-        "trained_tokens_logged": [b - a for a, b in itertools.pairwise([0.0, *seen])],
-        "reward_mean": [log.get("reward", float("nan")) for log in clock.logs],
-    }))
+    result_path.write_text(json.dumps(trl_result(clock, spec, started)))
 
 
 def run_child_main(argv: list[str]) -> None:
@@ -340,30 +368,34 @@ def summarise(raw: dict[str, Any], spec: RunSpec, prompt_tokens: list[int]) -> d
     return out
 
 
-def run_variant(variant: str, spec: RunSpec, timeout_s: float) -> dict[str, Any]:
-    """Runs one variant in a child process and returns its raw result plus memory, or the error."""
+def run_variant(variant: str, spec: RunSpec, timeout_s: float, script: str | Path = __file__) -> dict[str, Any]:
+    """Runs one variant in a child process of ``script`` and returns its raw result plus memory, or the error."""
     work = Path(spec.workdir)
     spec_path, result_path = work / "spec.json", work / f"{variant}.result.json"
     spec_path.write_text(json.dumps(asdict(spec)))
-    return benchlib.run_script_child(__file__, [variant, spec_path, result_path], result_path=result_path,
+    return benchlib.run_script_child(script, [variant, spec_path, result_path], result_path=result_path,
                                      log_path=work / f"{variant}.log", timeout_s=timeout_s, label=variant)
 
 
-def compare(model: str, spec: RunSpec, variants: list[str], timeout_s: float, keep: bool) -> dict[str, Any]:
-    """Runs every variant on ``model`` one after another; returns {spec, runs: {variant: figures}}."""
+def compare(model: str, spec: RunSpec, variants: list[str], timeout_s: float, keep: bool, *,
+            write_data: Any = None, script: str | Path = __file__) -> dict[str, Any]:
+    """Runs every variant on ``model`` one after another; returns {spec, runs: {variant: figures}}.
+
+    ``write_data(spec, path)`` writes the prompt file and returns each prompt's length in tokens (default
+    ``write_prompt_file``: GSM8K); ``script`` is the benchmark whose ``--child`` runs one variant."""
     device = benchlib.device()
     import torch
 
     gpus = torch.cuda.device_count() if device == "cuda" else 0
-    root = Path(tempfile.mkdtemp(prefix=f"bench-grpo-{model}-"))
+    root = Path(tempfile.mkdtemp(prefix=f"bench-{Path(script).stem}-{model}-"))
     spec.data_file = str(root / "prompts.jsonl")
-    lengths = write_prompt_file(spec, Path(spec.data_file))
+    lengths = (write_data or write_prompt_file)(spec, Path(spec.data_file))
     prompt_tokens = prompt_tokens_per_step(lengths, spec)
     runs: dict[str, Any] = {}
     for variant in variants:
         spec.workdir = str(root / variant)
         Path(spec.workdir).mkdir(parents=True, exist_ok=True)
-        raw = run_variant(variant, spec, timeout_s)
+        raw = run_variant(variant, spec, timeout_s, script)
         figures = {"placement": placement_note(variant, device, gpus, spec.placement), "wall_s": raw["wall_s"],
                    "peak_rss_gib": raw["peak_rss_gib"], "peak_pss_gib": raw["peak_pss_gib"],
                    "peak_processes": raw["peak_processes"], "peak_by_process": raw.get("peak_by_process", {}),
@@ -462,16 +494,23 @@ def scaling(model: str, base: dict[str, Any], variants: list[str], args: argpars
     """Runs ``variants`` at each point of ``SCALING`` (one size doubles, the others stay at ``base``); returns
     {"points": [{grows, value, runs}], "slopes": {grows: {run: {"step_s_per_unit", "pss_gib_per_unit"}}}}."""
     points, slopes = [], {}
+    done: dict[tuple, dict[str, Any]] = {}  # the base point is on both lines: run once
     for grows, values in SCALING.items():
         rows = []
         for value in values:
             size = {**base, grows: value}
-            spec = RunSpec(model=model, dtype=run_dtype(args.dtype), placement=args.placement,
-                           overrides=tuple(args.overrides), **size)
-            print(f"{model}: {grows}={value}: {', '.join(variants)}", flush=True)
-            result = compare(model, spec, variants, args.timeout_s, args.keep)
-            add_ratios(result["runs"])
-            rows.append({"grows": grows, "value": value, "runs": result["runs"]})
+            key = tuple(sorted(size.items()))
+            if key not in done:
+                spec = RunSpec(model=model, dtype=run_dtype(args.dtype), placement=args.placement,
+                               overrides=tuple(args.overrides), **size)
+                print(f"{model}: {grows}={value}: {', '.join(variants)}", flush=True)
+                result = compare(model, spec, variants, args.timeout_s, args.keep)
+                add_ratios(result["runs"])
+                done[key] = result["runs"]
+                print("  " + "; ".join(f"{v}: median step {benchlib.fmt(r.get('median_step_s'))} s, peak PSS "
+                                       f"{benchlib.fmt(r.get('peak_pss_gib'))} GiB" for v, r in result["runs"].items()),
+                      flush=True)  # each point as it lands: a long sweep cut short keeps what it measured
+            rows.append({"grows": grows, "value": value, "runs": done[key]})
         points += rows
         slopes[grows] = {v: {"step_s_per_unit": slope(list(values), [r["runs"][v].get("median_step_s") for r in rows]),
                              "pss_gib_per_unit": slope(list(values), [r["runs"][v].get("peak_pss_gib") for r in rows])}

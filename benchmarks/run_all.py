@@ -5,7 +5,8 @@
     python benchmarks/run_all.py --trl-vllm          # also TRL GRPOTrainer with vLLM colocate (long start-up)
     python benchmarks/run_all.py --only rollout weight_sync
 
-Order: grpo_vs_trl (TRL, rlray sync, rlray async), rollout (rlray vs bare vLLM), weight_sync (N = 1, 2
+Order: grpo_vs_trl (TRL, rlray sync, rlray async), env_vs_trl (multi-turn tool calling: TRL's
+environment_factory vs rlray sync), rollout (rlray vs bare vLLM), weight_sync (N = 1, 2
 actors vs memcpy), experience (its step time is rlray sync's, read from grpo_vs_trl's results).
 Each script runs in-process one after another (their measured runs are child processes of their
 own), prints its table and writes bench_results/<name>.json; a script that fails is reported and the
@@ -24,7 +25,7 @@ from typing import Any
 
 import benchlib
 
-BENCHMARKS = ("grpo_vs_trl", "rollout", "weight_sync", "experience")
+BENCHMARKS = ("grpo_vs_trl", "env_vs_trl", "rollout", "weight_sync", "experience")
 
 
 def run_one(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -53,6 +54,9 @@ def summary_rows(results: dict[str, dict[str, Any]]) -> list[list[Any]]:
         add(f"{model}: rlray sync peak PSS / TRL", pss, "<= 1.20", pss is not None and pss <= 1.2)
         asy = runs.get("rlray-async", {}).get("step_time_vs_sync")
         add(f"{model}: rlray async / sync step time", asy, "<= 1.00", asy is not None and asy <= 1.0)
+    env = (results.get("env_vs_trl") or {}).get("runs", {}).get("rlray-sync", {}).get("step_time_vs_trl")
+    if (results.get("env_vs_trl") or {}).get("runs"):
+        add("multi-turn env step time: rlray sync / TRL environment_factory", env, "<= 0.50", env is not None and env <= 0.5)
     for name, r in (results.get("rollout") or {}).get("runs", {}).items():
         if name != "vllm":
             v = r.get("vs_vllm")

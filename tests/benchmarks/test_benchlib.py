@@ -65,13 +65,14 @@ def test_run_all_summary_rows_compare_with_targets(bench):
         "grpo_vs_trl": {"models": {"m": {"runs": {"trl": {"step_time_vs_trl": 1.0},
                                                   "rlray-sync": {"step_time_vs_trl": 0.5, "peak_pss_vs_trl": 1.3},
                                                   "rlray-async": {"step_time_vs_sync": 1.05}}}}},
+        "env_vs_trl": {"runs": {"trl": {"step_time_vs_trl": 1.0}, "rlray-sync": {"step_time_vs_trl": 0.45}}},
         "rollout": {"runs": {"vllm": {"vs_vllm": 1.0}, "rlray": {"vs_vllm": 0.95}}},
         "weight_sync": {"runs": {"object_store x1": {"sync_vs_memcpy": 0.2}, "object_store x2": {"error": "x"}}},
         "experience": {"runs": [{"case": "step", "world": 1, "move_vs_step": 0.01},
                                 {"case": "scaled", "world": 1, "move_vs_step": None}]},
     }
     rows = bench["run_all"].summary_rows(results)
-    assert [(r[1], r[3]) for r in rows] == [(0.5, "yes"), (1.3, "no"), (1.05, "no"), (0.95, "yes"), (0.2, "no"),
+    assert [(r[1], r[3]) for r in rows] == [(0.5, "yes"), (1.3, "no"), (1.05, "no"), (0.45, "yes"), (0.95, "yes"), (0.2, "no"),
                                             (None, "n/a"), (0.01, "yes")]
     assert bench["run_all"].summary_rows({}) == []
 
@@ -161,7 +162,8 @@ def test_scaling_slope_is_least_squares():
 
 
 def test_scaling_runs_each_point_and_fits_each_line(monkeypatch):
-    """``--scaling``: one comparison per point (one size doubles, the rest stay), slopes per run, a table row each."""
+    """``--scaling``: one comparison per point (one size doubles, the rest stay; the shared base point runs once),
+    slopes per run, a table row each."""
     import argparse
 
     sys.path.insert(0, str(BENCH))
@@ -181,7 +183,8 @@ def test_scaling_runs_each_point_and_fits_each_line(monkeypatch):
     args = argparse.Namespace(dtype="float32", placement="defaults", overrides=[], timeout_s=1.0, keep=False)
     base = dict(grpo.SIZES["default"]["smollm2-135m-instruct"], steps=4, warmup=2)
     out = grpo.scaling("smollm2-135m-instruct", base, ["trl", "rlray-sync"], args)
-    assert seen == [(4, 64, 4), (8, 64, 4), (16, 64, 4), (4, 64, 4), (4, 128, 4), (4, 256, 4)]
+    assert seen == [(4, 64, 4), (8, 64, 4), (16, 64, 4), (4, 128, 4), (4, 256, 4)]  # the base point once, on both lines
+    assert out["points"][3]["runs"] is out["points"][0]["runs"]
     assert out["slopes"]["prompts_per_step"]["trl"]["step_s_per_unit"] == pytest.approx(2.0)
     assert out["slopes"]["prompts_per_step"]["rlray-sync"]["pss_gib_per_unit"] == pytest.approx(0.25)
     assert out["slopes"]["max_new_tokens"]["rlray-sync"]["step_s_per_unit"] == pytest.approx(1 / 16)

@@ -1,0 +1,77 @@
+"""benchmarks/env_vs_trl.py: its environment runs in rlray's TRL adapter as TRL would run it; its helpers."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlray.envs import AssistantTurn, TRLEnvironment, is_trl_environment, load_environment, parse_tool_calls
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(BENCH))
+    try:
+        yield importlib.import_module("env_vs_trl"), importlib.import_module("multiply_env")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def turn(text: str, index: int) -> AssistantTurn:
+    calls, errors = parse_tool_calls(text)
+    return AssistantTurn(text=text, tool_calls=calls, tool_call_errors=errors, turn_index=index)
+
+
+def test_the_environment_is_trl_shaped_and_scores_the_tool_call(bench):
+    _, multiply_env = bench
+    assert is_trl_environment(multiply_env.MultiplyEnv)
+    env = load_environment(f"{BENCH / 'multiply_env.py'}:MultiplyEnv")()
+    assert isinstance(env, TRLEnvironment)
+    row = multiply_env.rows(1, seed=3)[0]
+    a, b = row["a"], row["b"]
+    opened = env.reset(**row)
+    assert opened.prompt == [{"role": "user", "content": f"What is {a} x {b}? Use the multiply tool on {a} and {b}, "
+                                                          "then give the product."}]
+    assert [t.__name__ for t in opened.tools] == ["multiply"]
+    call = f'<tool_call>\n{{"name": "multiply", "arguments": {{"a": {b}, "b": {a}}}}}\n</tool_call>'
+    first = env.step(turn(call, 0))
+    assert not first.done and str(a * b) in first.observations[0]["content"]
+    last = env.step(turn(f"The product is {a * b}.", 1))
+    assert last.done and last.reward == 1.0  # the row's factors, in either order
+
+    env.reset(**row)  # a wrong call, then an answer: 0.0
+    env.step(turn('<tool_call>\n{"name": "multiply", "arguments": {"a": 2, "b": 3}}\n</tool_call>', 0))
+    assert env.step(turn("6", 1)).reward == 0.0
+
+
+def test_rows_are_seeded_two_digit_questions(bench, tmp_path):
+    _, multiply_env = bench
+    assert multiply_env.rows(5, seed=0) == multiply_env.rows(5, seed=0) != multiply_env.rows(5, seed=1)
+    path = tmp_path / "q.jsonl"
+    multiply_env.write_rows(path, 4, seed=0)
+    written = [json.loads(line) for line in path.read_text().splitlines()]
+    assert written == multiply_env.rows(4, seed=0)
+    assert all(10 <= r["a"] <= 99 and 10 <= r["b"] <= 99 and r["prompt"] == f"What is {r['a']} x {r['b']}?"
+               for r in written)
+
+
+def test_mean_after_warmup_and_the_rlray_overrides(bench):
+    env_vs_trl, _ = bench
+    assert env_vs_trl.mean_after_warmup([9.0, 1.0, None, 2.0], 1) == 1.5  # (1 + 2) / 2: step 1 and the gap left out
+    assert env_vs_trl.mean_after_warmup(None, 1) is None and env_vs_trl.mean_after_warmup([1.0], 1) is None
+    from rlray.config import config_from_dict
+
+    spec = env_vs_trl.EnvRunSpec(model="tiny-random", prompts_per_step=2, samples_per_prompt=2, max_new_tokens=16,
+                                 steps=3, warmup=1, sequences_per_microbatch=4, max_turns=3, data_file="q.jsonl",
+                                 workdir="/tmp/w")
+    spec.overrides = env_vs_trl.env_overrides(spec)
+    cfg = config_from_dict({}, env_vs_trl.grpo.rlray_overrides(spec, 0, "cpu", 0))
+    assert cfg.env.max_turns == 3 and cfg.reward.functions == [] and cfg.data.instruction == ""
+    assert cfg.data.prompt_column == "prompt" and cfg.model.chat_template == "smollm2-tools"
+    assert cfg.env.environments == {"multiply": f"{BENCH / 'multiply_env.py'}:MultiplyEnv"}
