@@ -94,8 +94,8 @@ def child_rlray(spec: EnvRunSpec, result_path: Path) -> None:
     benchlib.init_local_ray(include_dashboard=None if spec.placement == "defaults" else False)
     result = run_training(cfg, step_hooks=[benchlib.StepRecorder(str(steps_path))])
     raw = grpo.rlray_result(result.status, started, steps_path, ("env/tool_calls_mean", "env/turns_mean"))
-    raw["tool_calls_per_episode"] = raw.pop("env/tool_calls_mean")
-    raw["turns_per_episode"] = raw.pop("env/turns_mean")
+    raw["series"] = {"tool_calls_per_episode": raw["series"]["env/tool_calls_mean"],
+                     "turns_per_episode": raw["series"]["env/turns_mean"]}
     result_path.write_text(json.dumps(raw))
 
 
@@ -127,7 +127,7 @@ def child_trl(spec: EnvRunSpec, result_path: Path) -> None:
                           environment_factory=MultiplyEnv, callbacks=[clock])
     trainer.train()
     raw = grpo.trl_result(clock, spec, started, ("tools/call_frequency",))
-    raw["tool_calls_per_episode"] = raw.pop("tools/call_frequency")
+    raw["series"] = {"tool_calls_per_episode": raw["series"]["tools/call_frequency"]}  # TRL logs no turn count
     result_path.write_text(json.dumps(raw))
 
 
@@ -161,8 +161,8 @@ def table(model: str, result: dict[str, Any]) -> str:
             rows.append([name, f"FAILED: {r['error']}", *["n/a"] * (len(HEADERS) - 2)])
             continue
         rows.append([name, r["median_step_s"], benchlib.fmt(r["generated_tokens_per_s"], 1),
-                     benchlib.fmt(mean_after_warmup(r.get("tool_calls_per_episode"), warmup)),
-                     benchlib.fmt(mean_after_warmup(r.get("turns_per_episode"), warmup)),
+                     benchlib.fmt(mean_after_warmup(r.get("series", {}).get("tool_calls_per_episode"), warmup)),
+                     benchlib.fmt(mean_after_warmup(r.get("series", {}).get("turns_per_episode"), warmup)),
                      benchlib.fmt(mean_after_warmup(r.get("reward_mean"), warmup)), r["peak_pss_gib"],
                      r["step_time_vs_trl"], r["generated_tokens_per_s_vs_trl"], r["peak_pss_vs_trl"]])
     s = result["spec"]

@@ -206,7 +206,7 @@ def child_rlray(spec: RunSpec, max_staleness: int, result_path: Path) -> None:
 
 def rlray_result(status: str, started: float, steps_path: Path, extra_metrics: tuple[str, ...] = ()) -> dict[str, Any]:
     """Returns the result JSON of a finished rlray run from its ``StepRecorder`` file: step ends, generated tokens,
-    reward, stage timings, and the metrics ``extra_metrics`` per step."""
+    reward, stage timings, and the metrics ``extra_metrics`` per step (``series``)."""
     steps = benchlib.read_steps(steps_path)
     return {
         "status": status,
@@ -217,7 +217,7 @@ def rlray_result(status: str, started: float, steps_path: Path, extra_metrics: t
         "timings": {k: [s["metrics"].get(k) for s in steps] for k in
                     ("timing/rollout_s", "timing/reward_s", "timing/logprobs_s", "timing/update_s",
                      "timing/weight_sync_s", "timing/step_s")},
-        **{key: [s["metrics"].get(key) for s in steps] for key in extra_metrics},
+        "series": {key: [s["metrics"].get(key) for s in steps] for key in extra_metrics},
     }
 
 
@@ -288,7 +288,7 @@ def trl_args(spec: RunSpec, use_vllm: bool, **extra: Any) -> Any:
 
 def trl_result(clock: Any, spec: RunSpec, started: float, extra_logs: tuple[str, ...] = ()) -> dict[str, Any]:
     """Returns the result JSON of a finished TRL run from its ``trl_step_clock``: step ends, generated tokens per step
-    (completions/mean_length x sequences), tokens seen, reward, and the logged keys ``extra_logs`` per step."""
+    (completions/mean_length x sequences), tokens seen, reward, and the logged keys ``extra_logs`` per step (``series``)."""
     seen = [log.get("num_tokens", 0.0) for log in clock.logs]
     return {
         "status": "FINISHED",
@@ -297,7 +297,7 @@ def trl_result(clock: Any, spec: RunSpec, started: float, extra_logs: tuple[str,
         "generated_tokens": [log["completions/mean_length"] * spec.sequences_per_step for log in clock.logs],
         "trained_tokens_logged": [b - a for a, b in itertools.pairwise([0.0, *seen])],
         "reward_mean": [log.get("reward", float("nan")) for log in clock.logs],
-        **{key: [log.get(key) for log in clock.logs] for key in extra_logs},
+        "series": {key: [log.get(key) for log in clock.logs] for key in extra_logs},
     }
 
 
@@ -365,6 +365,8 @@ def summarise(raw: dict[str, Any], spec: RunSpec, prompt_tokens: list[int]) -> d
                                  if all(x is not None for x in v)}
     if "trained_tokens_logged" in raw:
         out["trained_tokens_logged"] = raw["trained_tokens_logged"]
+    if "series" in raw:  # a benchmark's own per-step figures (env_vs_trl: tool calls and turns per episode)
+        out["series"] = raw["series"]
     return out
 
 

@@ -75,3 +75,20 @@ def test_mean_after_warmup_and_the_rlray_overrides(bench):
     assert cfg.env.max_turns == 3 and cfg.reward.functions == [] and cfg.data.instruction == ""
     assert cfg.data.prompt_column == "prompt" and cfg.model.chat_template == "smollm2-tools"
     assert cfg.env.environments == {"multiply": f"{BENCH / 'multiply_env.py'}:MultiplyEnv"}
+
+
+def test_the_table_shows_the_work_next_to_the_time(bench):
+    env_vs_trl, _ = bench
+    spec = {"prompts_per_step": 4, "samples_per_prompt": 4, "max_turns": 3, "max_new_tokens": 64, "steps": 4,
+            "warmup": 2, "dtype": "float32"}
+    runs = {"trl": {"median_step_s": 100.0, "generated_tokens_per_s": 10.0, "peak_pss_gib": 10.0,
+                    "reward_mean": [0.0, 0.0, 0.5, 1.0], "series": {"tool_calls_per_episode": [0.0, 0.0, 1.0, 0.5]}},
+            "rlray-sync": {"median_step_s": 40.0, "generated_tokens_per_s": 30.0, "peak_pss_gib": 12.0,
+                           "reward_mean": [0.0, 0.0, 0.25, 0.25],
+                           "series": {"tool_calls_per_episode": [0.0, 0.0, 1.0, 1.0], "turns_per_episode": [1, 1, 2, 3]}},
+            "broken": {"error": "exit code 1"}}
+    env_vs_trl.grpo.add_ratios(runs)
+    text = env_vs_trl.table("m", {"spec": spec, "runs": runs})
+    assert "| trl | 100.00 | 10.0 | 0.75 | n/a | 0.75 | 10.00 | 1.00 | 1.00 | 1.00 |" in text
+    assert "| rlray-sync | 40.00 | 30.0 | 1.00 | 2.50 | 0.25 | 12.00 | 0.40 | 3.00 | 1.20 |" in text
+    assert "| broken | FAILED: exit code 1 |" in text and "up to 3 turns of 64 new tokens" in text
