@@ -19,6 +19,13 @@ tokens, tool results included (``max_completion_length``). Both end an episode o
 call. The table gives the work each did per step (generated tokens, tool calls per episode) next to the time, so
 a run that did less is visible.
 
+SmolLM2-135M-Instruct never writes a parsable tool call on its own (0 of 32 samples at temperature 1, with and
+without a worked example of the call in the prompt), which would make every episode single-turn. So the model is
+first taught the call format (``--teach-steps``, default 10): TRL's SFTTrainer, in a child process, on questions
+with another seed than the benchmark's, the rendered prompt (tool schema included) completed with the Hermes call
+``<tool_call>{"name": "multiply", "arguments": {...}}</tool_call>``; both runs start from that model. ``--teach-steps
+0`` benchmarks the model as it is.
+
 - ``trl``: GRPOTrainer with transformers generation, one process, torch on every core.
 - ``rlray-sync``: ``rlray train`` on the defaults (a vLLM rollout actor, environment actors, a Ray Train learner).
 
@@ -31,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,8 +139,76 @@ def child_trl(spec: EnvRunSpec, result_path: Path) -> None:
     result_path.write_text(json.dumps(raw))
 
 
+TEACH_SEED = 1000  # the teaching questions' seed: other questions than the benchmark's (seed 0)
+
+
+def call_text(a: int, b: int) -> str:
+    """Returns the Hermes tool call of ``multiply(a, b)`` as the ``smollm2-tools`` template renders assistant calls."""
+    return "<tool_call>\n" + json.dumps({"name": "multiply", "arguments": {"a": a, "b": b}}) + "\n</tool_call>"
+
+
+def child_teach(model: str, steps: int, dest: Path) -> None:
+    """Teaches ``model`` the tool-call format with TRL's SFTTrainer (``steps`` steps of 8 examples, lr 5e-5, loss on
+    the completion only) and saves it to ``dest`` (safetensors, float32, with the base tokenizer)."""
+    import os
+
+    os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from rlray.envs.tools import tool_schemas
+    from rlray.models import load_tokenizer, resolve_model_path
+
+    sys.path.insert(0, str(ENV_FILE.parent))
+    import multiply_env
+
+    model_dir = resolve_model_path(model)
+    tokenizer = load_tokenizer(model_dir, chat_template="smollm2-tools")
+    env = multiply_env.MultiplyEnv()
+    tools = tool_schemas([env.multiply])
+    examples = []
+    for row in multiply_env.rows(steps * 8, seed=TEACH_SEED):
+        content = row["prompt"] + env.reset(**row)  # what both runs show the model
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": content}], tools=tools, tokenize=False,
+                                               add_generation_prompt=True)
+        examples.append({"prompt": prompt, "completion": call_text(row["a"], row["b"]) + tokenizer.eos_token})
+    args = SFTConfig(output_dir=str(dest / "sft-out"), per_device_train_batch_size=8, max_steps=steps,
+                     learning_rate=5e-5, lr_scheduler_type="constant", warmup_steps=0, logging_steps=10,
+                     save_strategy="no", report_to="none", use_cpu=benchlib.device() == "cpu", bf16=False,
+                     model_init_kwargs={"dtype": "float32"}, disable_tqdm=True, seed=0, max_length=1024)
+    trainer = SFTTrainer(model=model_dir, args=args, train_dataset=Dataset.from_list(examples),
+                         processing_class=tokenizer)
+    trainer.train()
+    trainer.model.save_pretrained(str(dest), safe_serialization=True)
+    load_tokenizer(model_dir).save_pretrained(str(dest))  # the base template; the runs choose smollm2-tools
+
+
+def teach(model: str, steps: int, root: Path, timeout_s: float) -> str:
+    """Returns the folder of ``model`` taught the call format (``child_teach`` in a child process), or ``model``
+    itself when ``steps`` is 0.
+
+    Raises:
+        RuntimeError: the teaching child failed (the message names its log)."""
+    if steps <= 0:
+        return model
+    dest = root / "taught-model"
+    result = root / "teach.result.json"
+    raw = benchlib.run_script_child(__file__, ["teach", model, steps, dest, result], result_path=result,
+                                    log_path=root / "teach.log", timeout_s=timeout_s, label=f"teach ({steps} SFT steps)")
+    if "error" in raw:
+        raise RuntimeError(f"teaching {model} the tool-call format failed ({raw['error']}); log {root / 'teach.log'}")
+    return str(dest)
+
+
 def run_child_main(argv: list[str]) -> None:
-    """Entry point of a child process: ``--child VARIANT SPEC_JSON RESULT_JSON``."""
+    """Entry point of a child process: ``--child VARIANT SPEC_JSON RESULT_JSON`` or ``--child teach MODEL STEPS DEST
+    RESULT_JSON``."""
+    if argv[0] == "teach":
+        _, model, steps, dest, result_json = argv
+        started = time.time()
+        child_teach(model, int(steps), Path(dest))
+        Path(result_json).write_text(json.dumps({"teach_s": time.time() - started}))
+        return
     variant, spec_json, result_json = argv
     spec = EnvRunSpec(**json.loads(Path(spec_json).read_text()))
     spec.overrides = tuple(spec.overrides)
@@ -187,6 +263,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--keep", action="store_true", help="keep the runs' folders (logs, MLflow store)")
     parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
                         help="precision of every run (auto: what rlray's model.dtype=auto picks on this machine)")
+    parser.add_argument("--teach-steps", type=int, default=None,
+                        help="SFT steps teaching the tool-call format first (default 10; --quick: 0)")
     parser.add_argument("--overrides", nargs="+", default=[], metavar="KEY=VALUE",
                         help="extra dotted config overrides of the rlray run (last wins)")
     args = parser.parse_args(argv)
@@ -195,14 +273,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     size = dict(sizes.get(model, next(iter(sizes.values()))))
     size.update({k: v for k, v in (("steps", args.steps), ("warmup", args.warmup)) if v is not None})
     size["warmup"] = max(1, min(size["warmup"], size["steps"] - 1))
-    spec = EnvRunSpec(model=model, dtype=grpo.run_dtype(args.dtype), overrides=tuple(args.overrides),
+    teach_steps = args.teach_steps if args.teach_steps is not None else (0 if args.quick else 10)
+    root = Path(tempfile.mkdtemp(prefix="bench-env-teach-"))
+    taught = teach(model, teach_steps, root, args.timeout_s)
+    spec = EnvRunSpec(model=taught, dtype=grpo.run_dtype(args.dtype), overrides=tuple(args.overrides),
                       max_turns=args.max_turns, **size)
-    print(f"{model}: {', '.join(args.variants)}", flush=True)
+    print(f"{model}{f' (taught the call format, {teach_steps} SFT steps)' if teach_steps else ''}: "
+          f"{', '.join(args.variants)}", flush=True)
     result = grpo.compare(model, spec, list(args.variants), args.timeout_s, args.keep, write_data=write_env_rows,
                           script=__file__)
     grpo.add_ratios(result["runs"])
     print("\n" + table(model, result) + "\n", flush=True)
-    path = benchlib.write_results("env_vs_trl", {"model": model, **result})
+    if not args.keep:
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
+    path = benchlib.write_results("env_vs_trl", {"model": model, "teach_steps": teach_steps, **result})
     print(f"wrote {path}")
     return result
 

@@ -92,3 +92,18 @@ def test_the_table_shows_the_work_next_to_the_time(bench):
     assert "| trl | 100.00 | 10.0 | 0.75 | n/a | 0.75 | 10.00 | 1.00 | 1.00 | 1.00 |" in text
     assert "| rlray-sync | 40.00 | 30.0 | 1.00 | 2.50 | 0.25 | 12.00 | 0.40 | 3.00 | 1.20 |" in text
     assert "| broken | FAILED: exit code 1 |" in text and "up to 3 turns of 64 new tokens" in text
+
+
+def test_the_taught_call_is_what_the_template_renders_and_the_parser_reads(bench, tiny_model_path):
+    env_vs_trl, _ = bench
+    from rlray.models import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_model_path, chat_template="smollm2-tools")
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "q"},
+         {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "multiply",
+                                                                               "arguments": {"a": 37, "b": 45}}}]}],
+        tokenize=False)
+    assert env_vs_trl.call_text(37, 45) in rendered
+    calls, errors = parse_tool_calls(env_vs_trl.call_text(37, 45))
+    assert [(c.name, c.arguments) for c in calls] == [("multiply", {"a": 37, "b": 45})] and errors == []
