@@ -12,7 +12,9 @@ Checks, one table row each:
   4. CPU/CUDA parity of rlray.algos outputs on the same random tensors (max |cpu - cuda|);
   5. the learner's shared-prompt forward (rlray.learner.logprobs: a group's prompt computed once) against
      one pass per row on the device: max |logprob difference|, relative gradient difference, and the
-     seconds of a forward + backward each way (groups of 4 samples per prompt).
+     seconds of a forward + backward each way (groups of 4 samples per prompt);
+  6. the frozen reference with its linear weights stored in bf16 (rlray.learner.logprobs.store_frozen_for_autocast)
+     against the float32 copy under bf16 autocast on the device: logits bit-identical, and the bytes saved.
 
 The model is a local Hugging Face folder or a hub id (downloaded by transformers). Every function
 also runs on the CPU (``--device cpu``; rows 2 and 3 need CUDA), which is how tests/benchmarks/ checks it.
@@ -279,6 +281,28 @@ def check_shared_prompts(model, device: str, vocab: int, *, groups: int = 4, sam
              f"{out[True][0]:.3f} s shared ({groups}x{samples}, {prompt_tokens}+{response_tokens} tokens)")]
 
 
+def check_frozen_bf16(model, device: str, vocab: int, *, rows: int = 4, tokens: int = 128) -> list[tuple[str, str, str]]:
+    """Compares a frozen copy of ``model`` with its linear weights stored in bf16 (``store_frozen_for_autocast``,
+    how the learner keeps its reference under bf16) against the float32 copy, under bf16 autocast on ``device``
+    (row 6). Returns one row: ok when the logits are bit-identical, with the bytes saved.
+    """
+    import copy
+
+    from rlray.learner.logprobs import store_frozen_for_autocast
+
+    reference = copy.deepcopy(model).eval().requires_grad_(False)
+    cast = copy.deepcopy(reference)
+    saved = store_frozen_for_autocast(cast, "bfloat16")
+    ids = torch.randint(10, vocab - 1, (rows, tokens), generator=torch.Generator().manual_seed(0)).to(device)
+    with torch.no_grad(), torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16):
+        want, got = reference(ids).logits, cast(ids).logits
+    same = torch.equal(want, got)
+    diff = float((want.float() - got.float()).abs().max())
+    return [("frozen reference in bf16 linear weights", "ok" if same else "FAILED",
+             f"logits {'bit-identical' if same else f'differ (max |diff| {diff:.2e})'} under bf16 autocast "
+             f"({rows}x{tokens} tokens); {saved / 2**20:.2f} MiB saved")]
+
+
 def sync(device: str) -> None:
     """Waits for the device's queued work (CUDA), so that wall-clock timings are complete."""
     if device.startswith("cuda"):
@@ -322,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += check_oom_fallback(model, batch, args.device, args.microbatch, optimizer)
     rows += check_algos_parity("cpu", args.device if cuda else "cpu")
     rows += check_shared_prompts(model, args.device, model.config.vocab_size, bf16=cuda)
+    rows += check_frozen_bf16(model, args.device, model.config.vocab_size)
     print(markdown_table(rows))
     return 0 if all(s == "ok" for _, s, _ in rows) else 1
 

@@ -23,6 +23,41 @@ def autocast_context(dtype: str) -> contextlib.AbstractContextManager:
     return torch.autocast(device_type=device, dtype=torch.bfloat16)
 
 
+@torch.no_grad()
+def store_frozen_for_autocast(model: torch.nn.Module, dtype: str) -> int:
+    """Stores a frozen model's ``nn.Linear`` weights in bf16 when ``dtype == 'bfloat16'``; returns the bytes saved.
+
+    Under bf16 autocast every ``nn.Linear`` casts its float32 weight to bf16 on each call (autocast caches the cast
+    only for weights that require grad, so a frozen model pays it on every forward). A weight already stored in
+    bf16 is the very same bf16 tensor (``.to(bfloat16)`` rounds once, to nearest even, either way), so the model's
+    outputs are bit-identical while its linear weights take half the memory. Everything else stays float32:
+    embeddings and norms run outside autocast's bf16 list, and a Linear whose weight is shared with another module
+    (a tied ``lm_head``) is left alone, since casting it would cast the embedding too. For the reference model and
+    the teacher (frozen copies under the learner's autocast); never for trained weights (float32 masters).
+
+    Args:
+        model: a frozen module (``requires_grad`` False on the parameters it casts); changed in place.
+        dtype: the learner's precision ("bfloat16" casts; anything else leaves the model as it is and returns 0).
+
+    Raises:
+        ValueError: a Linear weight to cast still requires grad.
+    """
+    if dtype != "bfloat16":
+        return 0
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    linear = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+              and m.weight.dtype == torch.float32 and owners[id(m.weight)] == 1]  # tied ones stay with the embedding
+    for name, module in linear:  # checked before anything is cast
+        if any(p.requires_grad for p in module.parameters(recurse=False)):
+            raise ValueError(f"store_frozen_for_autocast: {name}.weight requires grad; only frozen models are cast")
+    for _, module in linear:
+        module.to(torch.bfloat16)
+    return sum(p.numel() * 2 for _, m in linear for p in m.parameters(recurse=False))
+
+
 def response_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor], *, temperature: float = 1.0,
                     share_prompts: bool = True) -> torch.Tensor:
     """Returns [B, T, V] float32 next-token logits at the response positions, divided by ``temperature``.

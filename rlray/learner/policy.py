@@ -15,7 +15,13 @@ import torch
 
 from rlray import algos
 from rlray.learner.batching import split_microbatches, to_device
-from rlray.learner.logprobs import autocast_context, batched_logprobs, logprobs_from_logits, response_logits
+from rlray.learner.logprobs import (
+    autocast_context,
+    batched_logprobs,
+    logprobs_from_logits,
+    response_logits,
+    store_frozen_for_autocast,
+)
 from rlray.learner.objective import LossSpec, Normaliser, policy_objective, reduce_stat
 from rlray.models import load_causal_lm
 from rlray.models.adapters import load_adapter
@@ -43,7 +49,8 @@ class PolicyLearner:
         warmup_steps: linear warm-up length in optimizer steps, then constant.
         max_grad_norm: global L2 gradient clip.
         temperature: rollout sampling temperature; logits are divided by it (see ``response_logprobs``).
-        use_reference: keep a frozen copy of the initial policy for KL.
+        use_reference: keep a frozen copy of the initial policy for KL (under bf16 its linear weights are stored in
+            bf16, which gives the same outputs: ``store_frozen_for_autocast``).
         gradient_checkpointing: recompute activations in backward.
         wrap_model: hook that wraps the policy for data parallelism (``ray.train.torch.prepare_model``,
             DDP or FSDP); identity when None.
@@ -101,6 +108,7 @@ class PolicyLearner:
         self.reference = None
         if use_reference and not self.lora:
             self.reference = copy.deepcopy(policy).eval().requires_grad_(False)
+            store_frozen_for_autocast(self.reference, dtype)  # bf16 linear weights: same outputs, half the memory
         if adapter_path is not None:
             policy = load_adapter(policy, adapter_path, model_path)
         elif self.lora:
@@ -115,6 +123,7 @@ class PolicyLearner:
         self.teacher = None
         if teacher_path is not None:
             self.teacher = load_causal_lm(teacher_path, dtype=torch.float32).requires_grad_(False).to(device)
+            store_frozen_for_autocast(self.teacher, dtype)
             self.teacher.config.use_cache = False
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(optimizer, params, lr=lr, betas=betas, weight_decay=weight_decay)

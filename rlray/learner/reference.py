@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from rlray.learner.logprobs import batched_logprobs
+from rlray.learner.logprobs import batched_logprobs, store_frozen_for_autocast
 from rlray.models import load_causal_lm
 
 
@@ -16,7 +16,8 @@ class ReferenceModel:
 
     Args:
         model_path: local Hugging Face folder of the initial policy.
-        dtype: "bfloat16" (bf16 autocast over float32 weights, as the learner) or "float32".
+        dtype: "bfloat16" (bf16 autocast, as the learner; the linear weights are stored in bf16, which gives the
+            same outputs: ``store_frozen_for_autocast``) or "float32".
         temperature: rollout sampling temperature (logits are divided by it, as the learner does).
         torch_threads: torch.set_num_threads for this process.
     """
@@ -27,6 +28,7 @@ class ReferenceModel:
         self.temperature = temperature
         self.model = load_causal_lm(model_path, dtype=torch.float32).eval().requires_grad_(False)
         self.model.config.use_cache = False
+        store_frozen_for_autocast(self.model, dtype)  # bf16 linear weights under bf16 autocast: same outputs
 
     def logprobs(self, batch: dict[str, torch.Tensor], microbatch_size: int) -> torch.Tensor:
         """Returns [B, T] float32 reference logprobs of the batch's responses (``batched_logprobs``)."""

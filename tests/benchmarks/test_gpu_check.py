@@ -71,3 +71,14 @@ def test_shared_prompt_row_passes_on_cpu_in_float32(gpu_check, tiny_model_path):
                                           response_tokens=5, bf16=False)
     assert [(name, status) for name, status, _ in rows] == [("shared-prompt forward+backward", "ok")]
     assert "2x3, 9+5 tokens" in rows[0][2]
+
+
+def test_frozen_bf16_row_passes_on_cpu_and_counts_the_saved_bytes(gpu_check, tiny_model_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).train()
+    rows = gpu_check.check_frozen_bf16(model, "cpu", model.config.vocab_size, rows=2, tokens=9)
+    assert [(name, status) for name, status, _ in rows] == [("frozen reference in bf16 linear weights", "ok")]
+    cfg = model.config  # 2 bytes saved per value of every untied linear weight (lm_head is tied)
+    h, kv = cfg.hidden_size, cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
+    saved = 2 * cfg.num_hidden_layers * (2 * h * h + 2 * h * kv + 3 * h * cfg.intermediate_size)
+    assert f"bit-identical under bf16 autocast (2x9 tokens); {saved / 2**20:.2f} MiB saved" in rows[0][2]
+    assert all(p.dtype == torch.float32 and p.requires_grad for p in model.parameters())  # the model is untouched

@@ -53,8 +53,13 @@ def test_logprobs_match_unpadded_forward(tiny_model_path, tiny_tokenizer):
         torch.testing.assert_close(lp[b, :n_resp], expect, atol=1e-5, rtol=0)
 
 
-def test_reference_equals_initial_policy(tiny_model_path, tiny_tokenizer):
-    learner = _learner(tiny_model_path)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_reference_equals_initial_policy(tiny_model_path, tiny_tokenizer, dtype):
+    learner = _learner(tiny_model_path, dtype=dtype)
+    # under bf16 the reference keeps its linear weights in bf16 (the policy's stay float32), bit for bit the same
+    linear = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    assert learner.reference.model.layers[0].mlp.up_proj.weight.dtype == linear
+    assert learner.module.model.layers[0].mlp.up_proj.weight.dtype == torch.float32
     batch = schema.collate(_table(tiny_tokenizer.pad_token_id), tiny_tokenizer.pad_token_id)
     a = learner.logprobs(batch, reference=False, microbatch_size=8)
     b = learner.logprobs(batch, reference=True, microbatch_size=8)

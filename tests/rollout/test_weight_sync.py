@@ -1,0 +1,102 @@
+"""Weight sync through the object store (``rlray.rollout.weight_sync.ObjectStoreSync``) on fake rollout actors.
+
+A synchronous push keeps no copy of the weights in Ray's object store once every actor has loaded them (the next
+push then reuses that shared memory instead of touching a second region), and an actor that restarts still gets
+the pushed version, exported afresh. An async push (``wait=False``) keeps its copy until the next push.
+"""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+
+from rlray.rollout.fleet import RolloutFleet
+from rlray.rollout.weight_sync import ObjectStoreSync
+from rlray.rollout.wire import unpack_weights
+
+pytestmark = pytest.mark.ray
+
+
+class _Learner:
+    """What ObjectStoreSync reads of a PolicyLearner: ``sharded`` and ``export_weights(dtype)`` ({name: tensor})."""
+
+    sharded = False
+
+    def __init__(self) -> None:
+        self.weight = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+        self.exports = 0
+
+    def export_weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        self.exports += 1
+        return {"w": self.weight.to(dtype)}
+
+
+class _Actor:
+    """Loads what it is sent: keeps the received tensor's values and the version."""
+
+    def __init__(self) -> None:
+        self.version, self.values = 0, None
+
+    def update_weights(self, named_tensors: dict, version: int) -> int:
+        self.values = unpack_weights(named_tensors)["w"].tolist()
+        self.version = version
+        return version
+
+    def policy_version(self) -> int:
+        return self.version
+
+    def loaded(self) -> tuple[int, list | None]:
+        return self.version, self.values
+
+
+@pytest.fixture
+def fleet(ray_session):
+    actors = [ray.remote(_Actor).options(num_cpus=0.01).remote() for _ in range(2)]
+    ray.get([a.policy_version.remote() for a in actors])  # started: the fleet counts an actor not yet ALIVE as lost
+    yield RolloutFleet(actors)
+    for a in actors:
+        ray.kill(a, no_restart=True)
+
+
+def _held_by_this_process(ref_hex: str) -> bool:
+    """Returns True when this process still counts a reference to the object ``ref_hex`` (Ray frees it at zero)."""
+    counts = ray._private.worker.global_worker.core_worker.get_all_reference_counts()  # {hex id bytes: counts}
+    return ref_hex.encode() in counts
+
+
+def _spy_puts(monkeypatch) -> list[str]:
+    """Records the object id of every ``ray.put`` from now on; returns the (growing) list."""
+    real_put, ids = ray.put, []
+
+    def put(value, **kwargs):
+        ref = real_put(value, **kwargs)
+        ids.append(ref.hex())
+        return ref
+
+    monkeypatch.setattr(ray, "put", put)
+    return ids
+
+
+def test_a_synchronous_push_leaves_no_copy_in_the_object_store(fleet, monkeypatch):
+    puts = _spy_puts(monkeypatch)
+    learner = _Learner()
+    ObjectStoreSync(fleet, torch.float32, wait=True).push(learner, rank=0, version=1)
+    assert len(puts) == 1
+    assert not _held_by_this_process(puts[0])  # dropped once both actors loaded it
+    assert ray.get([a.loaded.remote() for a in fleet.actors]) == [(1, [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]])] * 2
+    # a restarted actor is brought to version 1 from a fresh export of the (unchanged) policy
+    ref = fleet._latest()
+    assert puts[1:] == [ref.hex()] and learner.exports == 2
+    assert unpack_weights(ray.get(ref))["w"].tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+
+
+def test_an_async_push_keeps_its_copy_for_actors_that_restart(fleet, monkeypatch):
+    puts = _spy_puts(monkeypatch)
+    learner = _Learner()
+    ObjectStoreSync(fleet, torch.float32, wait=False).push(learner, rank=0, version=1)
+    learner.weight.add_(10.0)  # the learner moves on before the actors load: a later export would not be version 1
+    assert _held_by_this_process(puts[0])
+    ref = fleet._latest()
+    assert ref.hex() == puts[0] and learner.exports == 1
+    assert unpack_weights(ray.get(ref))["w"].tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
