@@ -360,6 +360,12 @@ class RolloutFleet:
         self._pending_sync += [(i, self.actors[i].update_weights.remote(weights_ref, version), version) for i in live]
         self._check_pending_sync(block=wait)
 
+    def release_weights(self) -> None:
+        """Drops the fleet's reference to the last pushed weights, just before a push replaces them, so that the object
+        store can give their memory to the new ones (weight loads still in flight keep the object until they end).
+        Until that push an actor that restarts cannot be refreshed, so nothing may run in between."""
+        self._latest = None
+
     def mark_synced(self, version: int, latest: Callable[[], Any] | None) -> None:
         """Records that ``version`` reached every live actor by another path (NCCL or CUDA IPC).
 

@@ -29,6 +29,11 @@ from rlray.rollout.wire import pack_weights
 class ObjectStoreSync:
     """Pushes weights through the object store (``ray.put`` once, every actor fetches it).
 
+    The store holds one copy at a time: a push releases the previous one before writing its own, and a synchronous
+    push (``wait``) drops its own once every actor has loaded it (an actor that restarts then gets a fresh export,
+    which is the pushed version until the next push). Shared memory is reused from push to push instead of a second
+    region being touched while the first is still held.
+
     Args:
         fleet: the rollout fleet (rank 0; None on other ranks).
         dtype: dtype of the shipped tensors (the engine's).
@@ -44,6 +49,7 @@ class ObjectStoreSync:
             return
         weights = learner.export_weights(self.dtype)
         if rank == 0:
+            self.fleet.release_weights()  # an async push's copy goes before the new one is written (memory reused)
             self.fleet.push_weights(ray.put(pack_weights(weights)), version, wait=self.wait)
             if self.wait and not learner.sharded:
                 # Every live actor has loaded them: the store's copy goes, so the next push reuses its shared

@@ -2,10 +2,13 @@
 
 A synchronous push keeps no copy of the weights in Ray's object store once every actor has loaded them (the next
 push then reuses that shared memory instead of touching a second region), and an actor that restarts still gets
-the pushed version, exported afresh. An async push (``wait=False``) keeps its copy until the next push.
+the pushed version, exported afresh. An async push (``wait=False``) keeps its copy until the next push, which
+releases it before writing its own.
 """
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import ray
@@ -65,6 +68,17 @@ def _held_by_this_process(ref_hex: str) -> bool:
     return ref_hex.encode() in counts
 
 
+def _released(ref_hex: str, timeout_s: float = 5.0) -> bool:
+    """Returns True once this process counts no reference to ``ref_hex``, waiting up to ``timeout_s`` (Ray drops the
+    reference a finished task held on its argument shortly after the task's result arrives)."""
+    deadline = time.monotonic() + timeout_s
+    while _held_by_this_process(ref_hex):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def _spy_puts(monkeypatch) -> list[str]:
     """Records the object id of every ``ray.put`` from now on; returns the (growing) list."""
     real_put, ids = ray.put, []
@@ -83,7 +97,7 @@ def test_a_synchronous_push_leaves_no_copy_in_the_object_store(fleet, monkeypatc
     learner = _Learner()
     ObjectStoreSync(fleet, torch.float32, wait=True).push(learner, rank=0, version=1)
     assert len(puts) == 1
-    assert not _held_by_this_process(puts[0])  # dropped once both actors loaded it
+    assert fleet._latest is not None and _released(puts[0])  # dropped once both actors loaded it
     assert ray.get([a.loaded.remote() for a in fleet.actors]) == [(1, [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]])] * 2
     # a restarted actor is brought to version 1 from a fresh export of the (unchanged) policy
     ref = fleet._latest()
@@ -100,3 +114,26 @@ def test_an_async_push_keeps_its_copy_for_actors_that_restart(fleet, monkeypatch
     ref = fleet._latest()
     assert ref.hex() == puts[0] and learner.exports == 1
     assert unpack_weights(ray.get(ref))["w"].tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+
+
+def test_an_async_push_releases_the_previous_copy_before_writing_its_own(fleet, monkeypatch):
+    puts = _spy_puts(monkeypatch)
+    learner = _Learner()
+    sync = ObjectStoreSync(fleet, torch.float32, wait=False)
+    sync.push(learner, rank=0, version=1)
+    fleet._check_pending_sync(block=True)  # both actors loaded version 1
+    assert _held_by_this_process(puts[0])  # kept by the fleet until the next push
+    latest_at_second_put = []
+    spy = ray.put
+
+    def put(value, **kwargs):  # does the fleet still hold the first copy when the second is written?
+        latest_at_second_put.append(fleet._latest)
+        return spy(value, **kwargs)
+
+    monkeypatch.setattr(ray, "put", put)
+    learner.weight.add_(10.0)
+    sync.push(learner, rank=0, version=2)
+    fleet._check_pending_sync(block=True)
+    assert latest_at_second_put == [None] and _released(puts[0])
+    assert ray.get([a.loaded.remote() for a in fleet.actors]) == [(2, [[10.0, 11.0, 12.0], [13.0, 14.0, 15.0]])] * 2
+    assert fleet._latest().hex() == puts[1]  # the async copy of version 2 is kept until the next push
