@@ -4,7 +4,7 @@
     python benchmarks/experience.py --quick          # tiny-random at grpo_vs_trl's --quick sizes
     python benchmarks/experience.py --step-s 12.5    # compare with a step time you measured
 
-The step's experience table is built exactly as stage 3 of the online step builds it (``rlray.run.online.build_experience``)
+The step's experience table is built exactly as stage 3 of the online step builds it (``rlray.run.experience.build_experience``)
 from the first GSM8K train prompts of the model, rendered as rlray renders them, and completions of
 max_new_tokens tokens each (random token ids and logprobs: what moves is the same number of bytes).
 Then, for a world of W learner ranks (W = 1, 2; each rank a Ray actor, as Ray Train workers are),
@@ -67,7 +67,7 @@ def experience_table(model: str, prompts: int, samples: int, tokens: int) -> tup
     """Returns (the step's experience table, the tokenizer's pad id) for ``prompts`` x ``samples`` completions of ``tokens`` tokens."""
     from rlray.models import load_tokenizer, resolve_model_path
     from rlray.rollout import Completion
-    from rlray.run.online import build_experience
+    from rlray.run.experience import build_experience
 
     rows, prompt_ids = benchlib.gsm8k_prompts(model, prompts, grpo_vs_trl.MAX_PROMPT_TOKENS)
     tokenizer = load_tokenizer(resolve_model_path(model))

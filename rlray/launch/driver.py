@@ -45,7 +45,7 @@ from rlray.launch.preflight import preflight
 from rlray.models import load_tokenizer, resolve_model_path
 from rlray.observe.tracking import Tracker, resolve_tracking_uri
 from rlray.rollout.fleet import RolloutFleet
-from rlray.run import build, online, worker
+from rlray.run import build, evaluation, worker
 from rlray.run.episodes import EpisodeRollout
 from rlray.run.hooks import StepHook, StopWhenRequested, hold_hooks_from_env, start_run_control
 from rlray.run.state import RunServices, WorkerArgs
@@ -435,7 +435,7 @@ def eval_setup(cfg: Config, checkpoint_path: str) -> Iterator[EvalSetup]:
     try:
         reward = build.local_reward_client(cfg, build.dataset_columns(rows))
         fleet = RolloutFleet(actors, node_wait_s=cfg.resources.node_wait_s)
-        rollouts = online.episode_rollout(cfg, fleet, hosts, tokenizer) if cfg.env.enabled else fleet
+        rollouts = build.episode_rollout(cfg, fleet, hosts, tokenizer) if cfg.env.enabled else fleet
         try:
             yield EvalSetup(rollouts, reward, list(zip(rows, ids, strict=True)), tokenizer)
         finally:
@@ -448,7 +448,7 @@ def evaluate_checkpoint(cfg: Config, checkpoint_path: str) -> dict[str, float]:
     """Returns greedy eval metrics of a snapshot (or any model path) on ``data.eval_files``.
 
     Scores the first ``eval.num_problems`` problems on one rollout actor (``eval_setup``; rows with an environment
-    run as episodes) with training's evaluation (``rlray.run.online.evaluate_prompts``: the same keys), plus
+    run as episodes) with training's evaluation (``rlray.run.evaluation.evaluate_prompts``: the same keys), plus
     eval/pass@k when ``eval.pass_k`` > 1.
 
     Raises:
@@ -460,5 +460,5 @@ def evaluate_checkpoint(cfg: Config, checkpoint_path: str) -> dict[str, float]:
         if cfg.eval.pass_k > 1:
             pass_k = dataclasses.replace(build.sampling_for_step(cfg, 0), n=cfg.eval.pass_k,
                                          max_new_tokens=cfg.eval_max_new_tokens, seed=cfg.run.seed)
-        return online.evaluate_prompts(setup.rollouts, setup.reward, setup.prompts, setup.tokenizer,
+        return evaluation.evaluate_prompts(setup.rollouts, setup.reward, setup.prompts, setup.tokenizer,
                                        build.eval_sampling(cfg), cfg.env.reward_weight, pass_k)

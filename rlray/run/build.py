@@ -19,6 +19,7 @@ import torch
 from rlray.config import Config
 from rlray.cores import CorePlan, parse_core_list, plan_cores
 from rlray.data import PromptRow
+from rlray.data.prompts import prompt_messages
 from rlray.learner import POLICY_LOSS_OF, AdvantageSpec, LossSpec, PolicyLearner
 from rlray.learner import online as learner_online
 from rlray.learner.critic import build_critic
@@ -27,6 +28,7 @@ from rlray.models import resolve_dtype, resolve_model_path
 from rlray.reward import RewardScorer
 from rlray.reward.server import LocalRewardClient, ServeRewardClient
 from rlray.rollout import SamplingSpec
+from rlray.run.episodes import EpisodeLimits, EpisodeRollout
 
 
 def seed_everything(seed: int) -> None:
@@ -134,6 +136,19 @@ def reward_client(cfg: Config, columns: list[str] | None = None) -> LocalRewardC
     if srv.enabled:
         return ServeRewardClient(srv.app_name, attempts=srv.client_attempts, timeout_s=srv.client_timeout_s)
     return local_reward_client(cfg, columns)
+
+
+def episode_rollout(cfg: Config, fleet: Any, hosts: list[Any], tokenizer: Any) -> EpisodeRollout:
+    """Returns the episode rollout of ``cfg.env`` over ``fleet`` and the environment hosts (rank 0; ``rlray eval``)."""
+    env = cfg.env
+    limits = EpisodeLimits(env.max_turns, cfg.episode_tokens, env.max_observation_tokens, env.episode_timeout_s)
+
+    def prepare(messages: list[dict]) -> list[dict]:
+        return prompt_messages(messages, instruction=cfg.data.instruction, system_prompt=cfg.data.system_prompt)
+
+    return EpisodeRollout(fleet, hosts, tokenizer, limits, env_column=env.column, default_env=env.default,
+                          known_envs=list(env.environments), prepare=prepare,
+                          chat_template_kwargs=cfg.rollout.chat_template_kwargs, prompt_column=cfg.data.prompt_column)
 
 
 def update_spec(cfg: Config, world: int) -> learner_online.UpdateSpec:

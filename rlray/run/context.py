@@ -1,32 +1,40 @@
-"""``RunContext``: what a learner rank's run holds, and the part of a run that differs by kind.
+"""``RunContext``: what a learner rank's run holds, the part of a run that differs by kind, and ``StepResult``.
 
 The session (``rlray.run.session``: restore, step boundary, snapshots, finish) is written once
 against this class; ``rlray.run.online.OnlineRun`` and ``rlray.run.offline.OfflineRun`` fill in the
-steps, evaluation and progress line of their kind.
+steps, evaluation and progress line of their kind. A step returns a ``StepResult``; the session then
+runs the step boundary (stage 8: eval when due, guards, log, hooks, snapshot) with it.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from rlray.config import Config
-from rlray.data import PromptStream
 from rlray.learner import PolicyLearner
 from rlray.learner.collective import Collective
 from rlray.observe.samples import StepSample
 from rlray.observe.tracking import Tracker
 
 
-class StepBoundary(Protocol):
-    """Stage 8 of a step (log, guard, snapshot, hooks), handed to ``RunContext.run_step`` by the session."""
+@dataclass
+class StepResult:
+    """What one step hands to the step boundary (``rlray.run.session.step_boundary``).
 
-    def __call__(self, metrics: dict[str, float], samples: Sequence[StepSample] = (),
-                 prompt_ids: Sequence[str] | None = None) -> None:
-        """Ends the step with its metrics (complete on rank 0), rank 0's kept samples and the ids of the prompts the
-        step consumed (online runs, rank 0: the prompt ledger, ``rlray.run.ledger``; None: no ledger)."""
+    Attributes:
+        metrics: the step's metrics ({"reward/mean": ..., "timing/step_s": ...}); complete on rank 0, the
+            learner statistics (summed over ranks) elsewhere.
+        samples: rank 0's kept rollouts of an online step (``tracking.samples_per_step``); () elsewhere.
+        prompt_ids: the ids of the prompts the step took from the data stream, in the order taken (its own, then
+            DAPO refills): the prompt ledger of an online step on rank 0 (``Tracker.log_ledger``); None elsewhere
+            and for offline runs.
+    """
+
+    metrics: dict[str, float]
+    samples: list[StepSample] = field(default_factory=list)
+    prompt_ids: list[str] | None = None
 
 
 @dataclass
@@ -34,12 +42,11 @@ class RunContext(abc.ABC):
     """Everything one learner rank's run holds, whatever its kind.
 
     Attributes:
-        cfg: the config in force (a rollback may replace it).
+        cfg: the config in force (a rollback replaces it through ``adopt_config``).
         coll: the collectives of the learner group.
         learner: the policy learner (every rank).
         tokenizer: the policy's tokenizer.
-        stream: the data cursor (rank 0 of online runs; every rank of offline runs, which all walk it).
-        tracker: the MLflow run (rank 0 only).
+        tracker: the MLflow run (rank 0 only; None on the other ranks).
         policy_version: the version of the learner's weights (optimizer steps taken; snapshots keep it).
     """
 
@@ -47,10 +54,8 @@ class RunContext(abc.ABC):
     coll: Collective
     learner: PolicyLearner
     tokenizer: Any
-    stream: PromptStream | None = None
     tracker: Tracker | None = None
     policy_version: int = 0
-    data_metrics: dict[str, float] = field(default_factory=dict)
 
     @property
     def rank(self) -> int:
@@ -63,12 +68,12 @@ class RunContext(abc.ABC):
         return self.coll.world
 
     def start_metrics(self) -> dict[str, float]:
-        """Returns the metrics logged at step 0 of a fresh run (every rank calls it; rank 0 logs them)."""
-        return dict(self.data_metrics)
+        """Returns the metrics logged at step 0 of a fresh run (every rank calls it; rank 0 logs them); {} by default."""
+        return {}
 
     @abc.abstractmethod
-    def run_step(self, step: int, end_step: StepBoundary) -> dict[str, float]:
-        """Runs 0-based ``step`` on this rank, ending with ``end_step(metrics)``; returns its metrics (complete on rank 0)."""
+    def run_step(self, step: int) -> StepResult:
+        """Runs 0-based ``step`` on this rank (every stage but the step boundary); returns its result."""
 
     @abc.abstractmethod
     def evaluate_when_due(self, steps_done: int) -> dict[str, float]:
@@ -78,16 +83,24 @@ class RunContext(abc.ABC):
     def progress_text(self, steps_done: int, metrics: dict[str, float]) -> str:
         """Returns the one progress line of a finished step (rank 0)."""
 
+    @abc.abstractmethod
+    def data_epoch(self) -> int:
+        """Returns the data cursor's epoch (0-based; rank 0 of online runs, every rank of offline runs)."""
+
+    @abc.abstractmethod
+    def cursor_state(self) -> dict[str, Any]:
+        """Returns the data cursor a snapshot keeps (rank 0; ``PromptStream.state_dict`` and what the kind adds)."""
+
+    @abc.abstractmethod
+    def load_cursor_state(self, state: dict[str, Any]) -> None:
+        """Sets the data cursor to a snapshot's ``state`` (called on every rank; a rank without a cursor ignores it)."""
+
+    def adopt_config(self, cfg: Config) -> None:
+        """Makes ``cfg`` the config in force (a rollback's ``guard.rollback_overrides`` applied)."""
+        self.cfg = cfg
+
     def reload_rollouts(self) -> None:  # noqa: B027 (a hook with a default: offline runs have no rollouts)
         """Pushes the learner's weights to the rollout engines (start, restore, rollback); none by default."""
-
-    def cursor_state(self) -> dict[str, Any]:
-        """Returns the data cursor a snapshot keeps (``PromptStream.state_dict``: the prompts the steps done took)."""
-        return self.stream.state_dict()
-
-    def load_cursor_state(self, state: dict[str, Any]) -> None:
-        """Sets the data cursor to a snapshot's ``state`` (``cursor_state``)."""
-        self.stream.load_state_dict(state)
 
     def close(self) -> None:  # noqa: B027 (a hook with a default: nothing to release)
         """Releases what the run holds besides the learner (clients, connections); nothing by default."""

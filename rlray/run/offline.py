@@ -35,7 +35,7 @@ from rlray.models import load_tokenizer
 from rlray.models.heads import load_reward_model
 from rlray.observe.tracking import Tracker
 from rlray.run import build
-from rlray.run.context import RunContext, StepBoundary
+from rlray.run.context import RunContext, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -45,27 +45,36 @@ class OfflineRun(RunContext):
     """Everything an offline step needs on one rank; built once per worker by ``setup``.
 
     Every rank holds the pair tables and walks the same cursor (``stream``); ``tracker`` is rank 0's.
+
+    Attributes:
+        stream: the data cursor over the training pairs (every rank walks the same one).
+        spec: the preference objective's plain values.
+        train_pairs / eval_pairs: the tokenized pair tables (reference logprobs cached for dpo, ipo and kto).
+        row_of: prompt_id -> row of train_pairs.
+        data_metrics: the data counts and the reference pass's time, logged at step 0 of a fresh run.
     """
 
+    stream: PromptStream | None = None
     spec: PreferenceSpec | None = None
     train_pairs: pa.Table | None = None
     eval_pairs: pa.Table | None = None
-    row_of: dict[str, int] = field(default_factory=dict)  # prompt_id -> row of train_pairs
+    row_of: dict[str, int] = field(default_factory=dict)
+    data_metrics: dict[str, float] = field(default_factory=dict)
 
     @property
     def method(self) -> str:
         """Returns the offline method (``cfg.algo.name``)."""
         return self.cfg.algo.name
 
-    def run_step(self, step: int, end_step: StepBoundary) -> dict[str, float]:
-        """Runs 0-based ``step``: 1. take the step's pairs, 2-3. one optimizer step, 4. ``end_step`` (log, eval, snapshot)."""
+    def run_step(self, step: int) -> StepResult:
+        """Runs 0-based ``step``: 1. take the step's pairs, 2-3. one optimizer step; stage 4 (eval when due, log,
+        guard, snapshot, hooks) is the session's step boundary."""
         t = time.perf_counter()
         metrics = update(self, take_pairs(self))  # 1-3. pairs, (kto) reference point, optimizer step
         metrics["timing/update_s"] = time.perf_counter() - t
         metrics["data/epoch"] = float(self.stream.epoch)
         self.policy_version = step + 1
-        end_step(metrics)  # 4. eval when due, log, guard, snapshot, hooks
-        return metrics
+        return StepResult(metrics)
 
     def start_metrics(self) -> dict[str, float]:
         """Returns the data counts and the held-out metrics of the initial policy (every rank evaluates)."""
@@ -86,6 +95,18 @@ class OfflineRun(RunContext):
         """Returns 'rlray <method> step k/N loss=... acc=...'."""
         return (f"rlray {self.method} step {steps_done}/{self.cfg.run.max_steps} "
                 f"loss={metrics['learner/loss']:.4f} acc={metrics['algo/pairwise_accuracy']:.2f}")
+
+    def data_epoch(self) -> int:
+        """Returns the pair cursor's epoch (every rank walks the same one)."""
+        return self.stream.epoch
+
+    def cursor_state(self) -> dict:
+        """Returns the pair cursor's state (``PromptStream.state_dict``)."""
+        return self.stream.state_dict()
+
+    def load_cursor_state(self, state: dict) -> None:
+        """Sets the pair cursor to a snapshot's ``state`` (every rank)."""
+        self.stream.load_state_dict(state)
 
 
 # --------------------------------------------------------------------------------------------
@@ -169,20 +190,21 @@ def setup(cfg: Config, coll: Collective, *, model_dir: str, run_id: str | None) 
         simpo_gamma=a.simpo_gamma,
         rm_center_coef=a.rm_center_coef,
     )
-    ctx = OfflineRun(
-        cfg, coll, learner, tokenizer, stream=PromptStream(train_rows, seed=cfg.run.seed, shuffle=cfg.data.shuffle),
-        spec=spec, train_pairs=train_tab, eval_pairs=eval_tab, row_of={p.prompt_id: i for i, p in enumerate(train_rows)},
-    )
-    ctx.data_metrics = {
+    data_metrics = {
         "data/train_pairs": float(len(train_rows)),
         "data/eval_pairs": float(len(eval_rows)),
         "data/skipped_pairs": float(skipped),
         "timing/reference_s": time.perf_counter() - t,
     }
+    tracker = None
     if coll.rank == 0:
-        ctx.tracker = Tracker(cfg.tracking.mlflow_uri, cfg.tracking.experiment, run_id=run_id,
-                              tensorboard_dir=cfg.tracking.tensorboard_dir)
-    return ctx
+        tracker = Tracker(cfg.tracking.mlflow_uri, cfg.tracking.experiment, run_id=run_id,
+                          tensorboard_dir=cfg.tracking.tensorboard_dir)
+    return OfflineRun(
+        cfg, coll, learner, tokenizer, tracker, stream=PromptStream(train_rows, seed=cfg.run.seed, shuffle=cfg.data.shuffle),
+        spec=spec, train_pairs=train_tab, eval_pairs=eval_tab, row_of={p.prompt_id: i for i, p in enumerate(train_rows)},
+        data_metrics=data_metrics,
+    )
 
 
 # --------------------------------------------------------------------------------------------

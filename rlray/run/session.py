@@ -3,7 +3,8 @@
 ``train`` is the one run loop: restore (a restart, a resume or a PBT exploit), then steps until
 ``run.max_steps``, a guard or a hook ends the run, then finish. What differs between online and
 offline runs is the ``RunContext`` built by the ``build`` function passed in (``rlray.run.online``,
-``rlray.run.offline``). Stage 8 of every step (``end_step``: log, guard, snapshot, hooks) is here.
+``rlray.run.offline``). A step returns a ``StepResult``; stage 8 of every step (``step_boundary``: eval when
+due, guards, log, hooks, snapshot) is here, called by the loop with it.
 
 Every function runs on every learner rank unless it says "rank 0". Ranks agree on each decision
 (trip, stop request, snapshot success) through the collective, so they call Ray Train's report and
@@ -12,7 +13,6 @@ the collectives the same number of times.
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -28,9 +28,8 @@ from rlray.checkpoint import storage as checkpoint
 from rlray.config import Config
 from rlray.learner.collective import Collective, RayTrainCollective
 from rlray.observe.monitor import Heartbeat
-from rlray.observe.samples import StepSample
 from rlray.run import guards, snapshots
-from rlray.run.context import RunContext
+from rlray.run.context import RunContext, StepResult
 from rlray.run.hooks import StepEnd, StepHook, run_hooks, run_observers
 from rlray.run.state import RUNNING, RunOutcome, RunServices, RunState
 
@@ -98,9 +97,10 @@ def _train(build: BuildContext, cfg: Config, coll: Collective, services: RunServ
     metrics: dict[str, float] = {}
     retrying, error = False, ""
 
-    def end_step(step_metrics: dict[str, float], samples: Sequence[StepSample] = (),
-                 prompt_ids: Sequence[str] | None = None) -> None:  # stage 8, called by the step
-        step_boundary(ctx, run, services, hooks, step_metrics, samples, prompt_ids)
+    def one_step() -> dict[str, float]:  # stages 1-7 of the run's kind, then stage 8 here
+        result = ctx.run_step(run.step)
+        step_boundary(ctx, run, services, hooks, result)
+        return result.metrics
 
     try:
         if run.step == 0:
@@ -108,10 +108,7 @@ def _train(build: BuildContext, cfg: Config, coll: Collective, services: RunServ
             if ctx.rank == 0 and first:
                 ctx.tracker.log_metrics(first, step=0)
         while run.step < ctx.cfg.run.max_steps and run.status == RUNNING:
-            if run.step == run.first_step:
-                metrics = _early_oom("first step", functools.partial(ctx.run_step, run.step, end_step))
-            else:
-                metrics = ctx.run_step(run.step, end_step)
+            metrics = _early_oom("first step", one_step) if run.step == run.first_step else one_step()
         if run.status == RUNNING:
             run.status = "FINISHED"
     except guards.EarlyOOM:
@@ -144,10 +141,9 @@ def _early_oom(where: str, fn: Callable[[], Any]) -> Any:
 
 
 def step_boundary(ctx: RunContext, run: RunState, services: RunServices, hooks: Sequence[StepHook],
-                  metrics: dict[str, float], samples: Sequence[StepSample] = (),
-                  prompt_ids: Sequence[str] | None = None) -> None:
-    """Stage 8 of a step, on every rank: eval when due, guards, log once (metrics and rank 0's kept ``samples``),
-    the step's prompt ledger (``prompt_ids``, rank 0 of online runs), a progress line, hooks, snapshot.
+                  result: StepResult) -> None:
+    """Stage 8 of a step, on every rank: eval when due, guards, log once (the result's metrics and rank 0's kept
+    samples), the step's prompt ledger (rank 0 of online runs), a progress line, hooks, snapshot.
 
     The progress line goes to this process's output (its Ray log file); the console's one bar is drawn by the
     driver from what ``record`` sent to the monitor (``rlray.launch.console.DriverProgress``).
@@ -156,16 +152,17 @@ def step_boundary(ctx: RunContext, run: RunState, services: RunServices, hooks: 
     broadcast so every rank leaves the loop at this boundary. Observer hooks see the snapshot written here.
     """
     run.step += 1
+    metrics = result.metrics
     metrics.update(ctx.evaluate_when_due(run.step))
     trip = check_guards(ctx, run, metrics, services)
     stop_reason = None
     if ctx.rank == 0:
-        record(ctx, run, metrics, services, samples, prompt_ids)
+        record(ctx, run, result, services)
         print(ctx.progress_text(run.step, metrics), flush=True)  # one plain line per step, in this worker's log file
         stop_reason = run_hooks(hooks, StepEnd(run.step, ctx.cfg.run.max_steps, dict(metrics)))
     if hooks:  # every rank leaves together at this step boundary when rank 0's hooks asked to stop
         stop_reason = ctx.coll.broadcast(stop_reason)
-    written = end_step(ctx, run, services, trip, stop_reason, metrics)
+    written = snapshot_or_stop(ctx, run, services, trip, stop_reason, metrics)
     if ctx.rank == 0:
         run_observers(hooks, StepEnd(run.step, ctx.cfg.run.max_steps, dict(metrics), snapshot=written))
 
@@ -253,8 +250,7 @@ def _restore(ctx: RunContext, run: RunState, uri: str) -> dict[str, Any]:
     manifest = contents.restore_learner(uri, learner=ctx.learner, rank=ctx.rank, options=run.options)
     contents.set_optimizer_hparams(ctx.learner, ctx.cfg)
     ctx.policy_version = int(manifest["policy_version"])
-    if ctx.stream is not None:  # rank 0 online; every rank offline (each walks the same cursor)
-        ctx.load_cursor_state(manifest["data_cursor"])
+    ctx.load_cursor_state(manifest["data_cursor"])  # rank 0 online; every rank offline (each walks the same cursor)
     log.info("rank %d restored snapshot %s (step %d, policy version %d)", ctx.rank, uri, manifest["step"], ctx.policy_version)
     return manifest
 
@@ -276,10 +272,10 @@ def _begin_rank0(ctx: RunContext, services: RunServices, run: RunState, source: 
     def beat() -> None:
         rss = psutil.Process().memory_info().rss / guards.GIB
         log.info("heartbeat run=%s step=%d epoch=%d policy_version=%d rss_gib=%.2f", run.run_id, run.step,
-                 ctx.stream.epoch, ctx.policy_version, rss)
+                 ctx.data_epoch(), ctx.policy_version, rss)
         tracker.log_metrics({"monitor/heartbeat_s": time.time() - started, "monitor/rss_gib": rss}, step=run.step)
         if services.monitor is not None:
-            services.monitor.beat.remote(run.step, ctx.stream.epoch, ctx.policy_version)
+            services.monitor.beat.remote(run.step, ctx.data_epoch(), ctx.policy_version)
 
     run.heartbeat = Heartbeat(beat, cfg.monitor.heartbeat_s).start()
 
@@ -320,20 +316,20 @@ def check_guards(ctx: RunContext, run: RunState, metrics: dict[str, float], serv
     return ctx.coll.broadcast(trip)
 
 
-def record(ctx: RunContext, run: RunState, metrics: dict[str, float], services: RunServices,
-           samples: Sequence[StepSample] = (), prompt_ids: Sequence[str] | None = None) -> None:
+def record(ctx: RunContext, run: RunState, result: StepResult, services: RunServices) -> None:
     """Rank 0: logs the step's metrics and kept samples (once per step, across restarts), the step's prompt ledger
     (every time the step runs, so a step run again after a restart or rollback replaces its own file and only the
     steps that survive count; ``Tracker.log_ledger``), and updates the monitor (its page's curves and sample viewer)."""
-    if prompt_ids is not None:
-        ctx.tracker.log_ledger(list(prompt_ids), step=run.step)
+    metrics, samples = result.metrics, result.samples
+    if result.prompt_ids is not None:
+        ctx.tracker.log_ledger(list(result.prompt_ids), step=run.step)
     if run.step > run.logged_through:
         metrics["monitor/mlflow_outages"] = float(ctx.tracker.take_outages())
         ctx.tracker.log_metrics(metrics, step=run.step)
         ctx.tracker.log_samples(list(samples), step=run.step)
         run.logged_through = run.step
     if services.monitor is not None:
-        services.monitor.record_step.remote(run.step, ctx.stream.epoch, ctx.policy_version, metrics)
+        services.monitor.record_step.remote(run.step, ctx.data_epoch(), ctx.policy_version, metrics)
         if samples:
             services.monitor.record_samples.remote(run.step, list(samples))
 
@@ -359,9 +355,9 @@ def handle_trip(ctx: RunContext, run: RunState, trip: guards.Trip, services: Run
                               "rlray.stop_message": trip.message})
 
 
-def end_step(ctx: RunContext, run: RunState, services: RunServices, trip: guards.Trip | None, stop_reason: str | None,
-             metrics: dict[str, float]) -> str | None:
-    """Stage 8 at a step boundary, the same for online and offline runs; returns the snapshot written, or None.
+def snapshot_or_stop(ctx: RunContext, run: RunState, services: RunServices, trip: guards.Trip | None,
+                     stop_reason: str | None, metrics: dict[str, float]) -> str | None:
+    """The end of stage 8, the same for online and offline runs; returns the snapshot written, or None.
 
     A tripped guard is handled (stop or rollback, ``handle_trip``). Otherwise a hook's stop request before
     the last step writes a "stop" snapshot and ends the run with status 'stopped: <reason>' (MLflow tags
@@ -409,7 +405,7 @@ def rollback(ctx: RunContext, run: RunState, target: str) -> None:
     """
     new_cfg, changes = guards.rollback_config(ctx.cfg, ctx.cfg.guard.rollback_overrides)
     tripped_at = run.step
-    ctx.cfg = new_cfg
+    ctx.adopt_config(new_cfg)  # online rank 0 rebuilds its reward client when reward.* changed
     manifest = _restore(ctx, run, target)
     run.step = manifest["step"]
     run.rollbacks += 1

@@ -15,7 +15,7 @@ from rlray.data import PromptRow
 from rlray.rollout import RolloutEngine
 from rlray.rollout.hf_backend import HFBackend
 from rlray.rollout.types import Completion, SamplingSpec
-from rlray.run import online
+from rlray.run import experience
 
 PROMPT = [1, 504, 3304, 314, 28, 216]
 SEEDED = SamplingSpec(n=1, max_new_tokens=12, temperature=1.0, seed=3)  # the same draws in both runs
@@ -37,7 +37,7 @@ def test_the_rollout_stops_on_any_of_several_eos_ids(tmp_path, tiny_model_path):
     got = [c, Completion(0, 1, ids[:2], free.rollout_logprobs[:2], "stop", 0)]  # a shorter neighbour pads the batch
     # masks come from the completions (single-turn: all True): every generated token counts, the stop token included, nothing after it
     rewards = {"reward": [1.0, 0.0], "accuracy": [1.0, 0.0], "format": [0.0, 0.0]}
-    table = online.build_experience([PromptRow("p", "q", {"answer": "1"})], [PROMPT], got, rewards)
+    table = experience.build_experience([PromptRow("p", "q", {"answer": "1"})], [PROMPT], got, rewards)
     batch = schema.collate(table, model_eos)
     assert batch["response_mask"].tolist() == [[True] * (cut + 1), [True, True] + [False] * (cut - 1)]
     assert batch["response_ids"][0].tolist() == ids[: cut + 1]

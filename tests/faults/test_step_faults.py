@@ -20,8 +20,10 @@ from rlray.learner.collective import Collective
 from rlray.reward import RewardFunctionError
 from rlray.reward.server import LocalRewardClient
 from rlray.rollout import Completion
-from rlray.run import build, online, worker
-from rlray.run.online import OnlineRun, StageTimer
+from rlray.run import build, experience, online, worker
+from rlray.run.experience import StageTimer
+from rlray.run.lead import FleetCounts, OnlineLead
+from rlray.run.online import OnlineRun
 from rlray.run.state import WorkerArgs
 
 G = 4  # samples per prompt
@@ -56,7 +58,7 @@ def _stages_4_to_6(cfg, learner, table):
     data = schema.collate(table, 0)
     data = learner_online.reference_and_old(learner, data, spec)
     data = learner_online.advantages(data, spec, lambda d: d)
-    metrics = learner_online.update(learner, data, online.minibatch_normalisers(table, cfg, 1), spec, lambda d: d)
+    metrics = learner_online.update(learner, data, experience.minibatch_normalisers(table, cfg, 1), spec, lambda d: d)
     return data, metrics
 
 
@@ -70,18 +72,18 @@ def test_failed_rewards_are_left_out_of_the_statistics_and_the_loss_and_counted(
     nan = math.nan
     rewards = _rewards([1.0, nan, 0.0, 0.5, nan, nan, nan, nan])  # group 1 failed entirely
     completions = _completions([3, 2, 4, 1, 2, 2, 3, 3])
-    table = online.build_experience(ROWS, PROMPT_IDS, completions, rewards)
+    table = experience.build_experience(ROWS, PROMPT_IDS, completions, rewards)
     masks = table.column("response_mask").to_pylist()
     assert [any(m) for m in masks] == [True, False, True, True, False, False, False, False]
     assert [len(m) for m in masks] == [3, 2, 4, 1, 2, 2, 3, 3]  # the masks keep the response lengths
     assert math.isnan(table.column("reward")[1].as_py())  # the table says "no reward", it does not invent one
-    stats = online.rollout_stats(table, rewards, 2, 0)
+    stats = experience.rollout_stats(table, rewards, 2, 0)
     assert stats["reward/failed"] == 5.0
     assert stats["reward/mean"] == pytest.approx(0.5) and stats["reward/std"] == pytest.approx(math.sqrt(1 / 6))
     assert stats["algo/groups_without_signal"] == 0.5  # group 1 has no scored sample
     # every token still counts for throughput; only the 8 valid tokens count in the loss normaliser
     assert stats["rollout/generated_tokens"] == 20.0
-    assert [n.num_tokens for n in online.minibatch_normalisers(table, cfg, 1)] == [8.0]
+    assert [n.num_tokens for n in experience.minibatch_normalisers(table, cfg, 1)] == [8.0]
     data, metrics = _stages_4_to_6(cfg, learner, table)
     # group 0's valid rewards [1, 0, 0.5]: mean 0.5, unbiased std 0.5, so advantages [1, -1, 0]; failed rows 0
     adv = data["advantages"][:, 0]
@@ -93,8 +95,8 @@ def test_every_group_with_constant_reward_is_logged_and_gives_zero_advantages(le
     cfg = _cfg()
     completions = _completions([3, 2, 4, 1, 2, 5, 3, 3])
     ctx = _rank0_ctx(cfg, completions, _FixedScorer([0.3] * G + [1.0] * G))
-    with caplog.at_level(logging.WARNING, logger="rlray.run.online"):
-        table, metrics = online.collect_experience(ctx, 6, StageTimer())
+    with caplog.at_level(logging.WARNING, logger="rlray.run.experience"):
+        table, metrics = _collect(ctx, 6, StageTimer())
     assert metrics["algo/groups_without_signal"] == 1.0 and metrics["reward/failed"] == 0.0
     assert "step 7: no prompt group has rewards that differ: the advantages are zero" in caplog.text
     data, learned = _stages_4_to_6(cfg, learner, table)
@@ -107,7 +109,7 @@ def test_every_response_truncated_keeps_masks_and_gets_the_overlong_penalty(lear
     cfg = _cfg("algo.overlong_cache_tokens=4", "algo.overlong_penalty_factor=1.0")
     completions = _completions([8] * 8, finish="length")  # all at rollout.max_new_tokens=8, none with EOS
     ctx = _rank0_ctx(cfg, completions, _FixedScorer([0.0, 1.0] * G))
-    table, metrics = online.collect_experience(ctx, 0, StageTimer())
+    table, metrics = _collect(ctx, 0, StageTimer())
     assert metrics["rollout/truncated_rate"] == 1.0
     assert table.column("response_mask").to_pylist() == [[True] * 8] * 8  # every generated token counts
     # DAPO soft overlong punishment: length 8 = max_new_tokens, past the 4-token interval: the full -1.0
@@ -129,17 +131,17 @@ def _mixed_truncation() -> list[Completion]:
 def test_mask_truncated_leaves_truncated_rows_out_of_the_loss_and_counts_them(learner):
     cfg = _cfg("algo.mask_truncated=true")
     rewards = _rewards([0.0, 1.0, 0.5, 0.0, 0.2, 0.4, 0.6, 0.8])
-    table = online.build_experience(ROWS, PROMPT_IDS, _mixed_truncation(), rewards, mask_truncated=True)
+    table = experience.build_experience(ROWS, PROMPT_IDS, _mixed_truncation(), rewards, mask_truncated=True)
     masks = table.column("response_mask").to_pylist()
     assert [any(m) for m in masks] == [False, True, False, True, False, False, False, False]
     assert [len(m) for m in masks] == [8, 3, 8, 2, 8, 8, 8, 8]  # lengths kept, every position False
     assert table.column("reward").to_pylist() == pytest.approx(rewards["reward"])  # rewards kept
-    stats = online.rollout_stats(table, rewards, 2, 0, mask_truncated=True)
+    stats = experience.rollout_stats(table, rewards, 2, 0, mask_truncated=True)
     assert stats["rollout/truncated_masked"] == 6.0 and stats["rollout/truncated_rate"] == 0.75
     assert stats["reward/mean"] == pytest.approx(3.5 / 8) and stats["reward/failed"] == 0.0  # all 8 rewards count
     assert stats["algo/groups_without_signal"] == 0.5  # group 1 has no row left in the update
     assert stats["rollout/generated_tokens"] == 53.0  # 8+3+8+2+32 generated; the loss normaliser sees 3+2
-    assert [n.num_tokens for n in online.minibatch_normalisers(table, cfg, 1)] == [5.0]
+    assert [n.num_tokens for n in experience.minibatch_normalisers(table, cfg, 1)] == [5.0]
     data, metrics = _stages_4_to_6(cfg, learner, table)
     # group 0's rows in the update, rewards [1.0, 0.0]: mean 0.5, unbiased std sqrt(0.5), advantages +-0.7071
     a = 0.5 / (math.sqrt(0.5) + 1e-6)
@@ -152,17 +154,17 @@ def test_mask_truncated_leaves_truncated_rows_out_of_the_loss_and_counts_them(le
 
 def test_without_mask_truncated_truncated_rows_train_and_no_count_is_logged():
     rewards = _rewards([0.0, 1.0, 0.5, 0.0, 0.2, 0.4, 0.6, 0.8])
-    table = online.build_experience(ROWS, PROMPT_IDS, _mixed_truncation(), rewards)
+    table = experience.build_experience(ROWS, PROMPT_IDS, _mixed_truncation(), rewards)
     assert all(all(m) for m in table.column("response_mask").to_pylist())
-    stats = online.rollout_stats(table, rewards, 2, 0)
+    stats = experience.rollout_stats(table, rewards, 2, 0)
     assert "rollout/truncated_masked" not in stats and stats["algo/groups_without_signal"] == 0.0
-    assert [n.num_tokens for n in online.minibatch_normalisers(table, _cfg(), 1)] == [53.0]
+    assert [n.num_tokens for n in experience.minibatch_normalisers(table, _cfg(), 1)] == [53.0]
 
 
 def test_algo_mask_truncated_reaches_the_step_and_its_metric():
     cfg = _cfg("algo.mask_truncated=true")
     ctx = _rank0_ctx(cfg, _mixed_truncation(), _FixedScorer([0.0, 1.0, 0.5, 0.0, 0.2, 0.4, 0.6, 0.8]))
-    table, metrics = online.collect_experience(ctx, 0, StageTimer())
+    table, metrics = _collect(ctx, 0, StageTimer())
     assert metrics["rollout/truncated_masked"] == 6.0
     assert sum(any(m) for m in table.column("response_mask").to_pylist()) == 2
     assert _cfg().algo.mask_truncated is False  # off by default, as in TRL
@@ -174,10 +176,10 @@ def test_empty_responses_do_not_break_the_schema_or_the_learner(learner):
     cfg = _cfg()
     completions = _completions([0, 2, 0, 3, 0, 0, 0, 0])
     rewards = _rewards([0.5, 1.0, 0.0, 0.0, 0.2, 0.2, 0.2, 0.2])
-    table = online.build_experience(ROWS, PROMPT_IDS, completions, rewards)
+    table = experience.build_experience(ROWS, PROMPT_IDS, completions, rewards)
     batch = schema.collate(table, 0)
     assert batch["response_mask"].shape == (8, 3) and batch["response_mask"].sum().item() == 5
-    stats = online.rollout_stats(table, rewards, 2, 0)
+    stats = experience.rollout_stats(table, rewards, 2, 0)
     assert stats["rollout/response_tokens_mean"] == pytest.approx(5 / 8)
     data, metrics = _stages_4_to_6(cfg, learner, table)
     adv = data["advantages"]
@@ -193,8 +195,8 @@ def test_a_reward_function_with_the_wrong_count_stops_every_rank_at_once():
     ctx = _rank0_ctx(cfg, _completions([2] * 8), _Raising(RewardFunctionError("reward function 'f.py:f' returned 7 values for 8 completions")))
     ctx.coll = Collective()
     with pytest.raises(online.FatalStepError, match="RewardFunctionError: reward function 'f.py:f' returned 7 values"):
-        online.run_step(ctx, 0, lambda m, samples=(), prompt_ids=None: None)
-    other_rank = SimpleNamespace(rank=1, coll=SimpleNamespace(broadcast=lambda _: online.StepBatch([], [], {}, "DataError: x")))
+        online.run_step(ctx, 0)
+    other_rank = SimpleNamespace(rank=1, coll=SimpleNamespace(broadcast=lambda _: online.StepHandout([], [], {}, "DataError: x")))
     with pytest.raises(online.FatalStepError, match="DataError: x"):
         online.distribute(other_rank, None, None)
 
@@ -241,5 +243,13 @@ class _Tokenizer:
 
 def _rank0_ctx(cfg, completions, scorer):
     got = SimpleNamespace(rows=ROWS, prompt_ids=PROMPT_IDS, completions=completions)
-    return OnlineRun(cfg, Collective(), None, _Tokenizer(), pipeline=SimpleNamespace(next=lambda step: got),
-                     reward=LocalRewardClient(scorer, 1))
+    lead = OnlineLead(stream=None, prompt_ids={}, skipped_long_prompts=0, eval_prompts=[], reward_columns=[],
+                      reward=LocalRewardClient(scorer, 1), reward_kwargs={}, fleet=None, rollouts=None,
+                      pipeline=SimpleNamespace(next=lambda step: got), logged=FleetCounts())
+    return OnlineRun(cfg, Collective(), None, _Tokenizer(), lead=lead)
+
+
+def _collect(ctx, step, timer):
+    """Stages 1-3 of 0-based ``step`` as ``online.run_step`` runs them on rank 0; returns (table, metrics)."""
+    got = experience.collect_experience(ctx.lead, ctx.cfg, ctx.tokenizer, step, timer, policy_version=ctx.policy_version)
+    return got.table, got.metrics

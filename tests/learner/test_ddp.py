@@ -56,6 +56,7 @@ def update_once(loop_config: dict) -> None:
     from rlray.learner import online as learner_online
     from rlray.learner.collective import current_collective
     from rlray.run import build
+    from rlray.run.experience import Experience
     from rlray.run.online import OnlineRun, distribute, reference_and_old_logprobs
 
     cfg = Config.model_validate(loop_config["config"])
@@ -65,7 +66,7 @@ def update_once(loop_config: dict) -> None:
     learner = PolicyLearner(loop_config["model_dir"], **build.learner_kwargs(cfg, coll.world))
     ctx = OnlineRun(cfg, coll, learner, None, pad_token_id=0)
     spec = build.update_spec(cfg, coll.world)
-    shard, batch = distribute(ctx, _table() if coll.rank == 0 else None, {})
+    shard, batch = distribute(ctx, Experience(_table(), {}, []) if coll.rank == 0 else None)
     data = reference_and_old_logprobs(ctx, schema.collate(shard, 0), spec)
     data = learner_online.advantages(data, spec, coll.all_reduce_sum)
     metrics = learner_online.update(learner, data, batch.minibatch_norms, spec, coll.all_reduce_sum)

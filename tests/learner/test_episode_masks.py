@@ -13,7 +13,7 @@ from rlray.learner import ADVANTAGE_ESTIMATORS, Normaliser, policy_objective
 from rlray.rollout import Completion
 from rlray.rollout.types import EpisodeInfo
 from rlray.run.build import update_spec
-from rlray.run.online import build_experience, minibatch_normalisers
+from rlray.run.experience import build_experience, minibatch_normalisers
 
 B, T = 4, 9
 # rows: assistant turn (3 tokens), observation (3), assistant turn (2), padding; other rows shorter or single-turn

@@ -7,7 +7,7 @@ from rlray import schema
 from rlray.data import PromptRow
 from rlray.learner import LossSpec, Normaliser, PolicyLearner
 from rlray.rollout import Completion
-from rlray.run.online import build_experience
+from rlray.run.experience import build_experience
 
 
 def _learner(path):

@@ -1,5 +1,5 @@
 """The run context every run kind fills in (rlray.run.context.RunContext) and the stage timer of online steps
-(rlray.run.online.StageTimer). No model is loaded: the context only holds the learner, so a stand-in object does."""
+(rlray.run.experience.StageTimer). No model is loaded: the context only holds the learner, so a stand-in object does."""
 
 from __future__ import annotations
 
@@ -11,22 +11,33 @@ import pytest
 from rlray.config import Config
 from rlray.data import PromptRow, PromptStream
 from rlray.learner.collective import Collective
-from rlray.run.context import RunContext
-from rlray.run.online import StageTimer
+from rlray.run.context import RunContext, StepResult
+from rlray.run.experience import StageTimer
 
 
 @dataclass
 class MinimalRun(RunContext):
     """A run kind that fills in only the abstract methods, so every other method is RunContext's default."""
 
-    def run_step(self, step, end_step):
-        return {}
+    stream: PromptStream | None = None
+
+    def run_step(self, step):
+        return StepResult({})
 
     def evaluate_when_due(self, steps_done):
         return {}
 
     def progress_text(self, steps_done, metrics):
         return f"step {steps_done}"
+
+    def data_epoch(self):
+        return self.stream.epoch
+
+    def cursor_state(self):
+        return self.stream.state_dict()
+
+    def load_cursor_state(self, state):
+        self.stream.load_state_dict(state)
 
 
 class ThreeRanks(Collective):
@@ -47,11 +58,20 @@ def test_run_context_cannot_be_made_without_its_abstract_methods():
 
     @dataclass
     class NoProgress(RunContext):  # progress_text missing
-        def run_step(self, step, end_step):
-            return {}
+        def run_step(self, step):
+            return StepResult({})
 
         def evaluate_when_due(self, steps_done):
             return {}
+
+        def data_epoch(self):
+            return 0
+
+        def cursor_state(self):
+            return {}
+
+        def load_cursor_state(self, state):
+            pass
 
     with pytest.raises(TypeError, match="progress_text"):
         NoProgress(Config(), Collective(), LEARNER, None)
@@ -64,37 +84,27 @@ def test_rank_and_world_come_from_the_collective():
     assert (ctx.rank, ctx.world) == (2, 3)
 
 
-def test_the_default_cursor_state_is_the_streams_and_loads_back():
-    stream = _stream()
-    stream.next_batch(7)  # one epoch of 5, then 2 rows into epoch 1
-    ctx = MinimalRun(Config(), Collective(), LEARNER, None, stream=stream)
-    cursor = ctx.cursor_state()
-    assert cursor == stream.state_dict()
-    assert (cursor["epoch"], cursor["position"], cursor["num_rows"], cursor["seed"]) == (1, 2, 5, 1)
-    stream.next_batch(4)
-    ctx.load_cursor_state(cursor)
-    assert stream.state_dict() == cursor
-
-
-def test_start_metrics_is_a_copy_of_the_data_metrics():
-    ctx = MinimalRun(Config(), Collective(), LEARNER, None, data_metrics={"data/train_prompts": 5.0})
-    metrics = ctx.start_metrics()
-    assert metrics == {"data/train_prompts": 5.0}
-    metrics["data/train_prompts"] = 0.0
-    metrics["extra"] = 1.0
-    assert ctx.data_metrics == {"data/train_prompts": 5.0}
-    assert MinimalRun(Config(), Collective(), LEARNER, None).start_metrics() == {}
+def test_start_metrics_default_is_empty_and_adopt_config_replaces_the_config():
+    ctx = MinimalRun(Config(), Collective(), LEARNER, None)
+    assert ctx.start_metrics() == {}
+    new = Config.model_validate({"learner": {"lr": 2e-6}})
+    ctx.adopt_config(new)
+    assert ctx.cfg is new and ctx.cfg.learner.lr == 2e-6
 
 
 def test_default_reload_rollouts_and_close_do_nothing():
     stream = _stream()
     stream.next_batch(3)
-    ctx = MinimalRun(Config(), Collective(), LEARNER, "tok", stream=stream, policy_version=4,
-                     data_metrics={"data/train_prompts": 5.0})  # fmt: skip
-    before = (ctx.stream.state_dict(), ctx.policy_version, dict(ctx.data_metrics), ctx.tokenizer, ctx.learner)
+    ctx = MinimalRun(Config(), Collective(), LEARNER, "tok", policy_version=4, stream=stream)
+    before = (ctx.cursor_state(), ctx.policy_version, ctx.tokenizer, ctx.learner, ctx.tracker)
     assert ctx.reload_rollouts() is None
     assert ctx.close() is None
-    assert (ctx.stream.state_dict(), ctx.policy_version, dict(ctx.data_metrics), ctx.tokenizer, ctx.learner) == before
+    assert (ctx.cursor_state(), ctx.policy_version, ctx.tokenizer, ctx.learner, ctx.tracker) == before
+
+
+def test_a_step_result_defaults_to_no_samples_and_no_ledger():
+    result = MinimalRun(Config(), Collective(), LEARNER, None).run_step(0)
+    assert (result.metrics, result.samples, result.prompt_ids) == ({}, [], None)
 
 
 def test_stage_timer_adds_up_blocks_of_the_same_stage():

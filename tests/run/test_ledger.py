@@ -16,8 +16,10 @@ from rlray.observe.tracking import Tracker, read_ledger
 from rlray.reward.server import LocalRewardClient
 from rlray.rollout import Completion
 from rlray.rollout.fleet import RolloutPipeline
-from rlray.run import build, ledger, online
-from rlray.run.online import OnlineRun, StageTimer
+from rlray.run import build, experience, ledger
+from rlray.run.experience import StageTimer
+from rlray.run.lead import FleetCounts, OnlineLead
+from rlray.run.online import OnlineRun
 
 ROWS = [PromptRow(f"q{i}", f"question {i}", {}) for i in range(6)]
 SEED = 7
@@ -148,13 +150,19 @@ def test_collect_experience_records_the_steps_prompts_and_dapos_refills():
     # round 1: group 0 constant (dropped), group 1 varies; round 2 (1 refill prompt): it varies
     reward = LocalRewardClient(_Scripted([[0.5, 0.5, 0.0, 1.0], [1.0, 0.0]]), 1)
     rollouts = SimpleNamespace(generate=lambda ids, sampling, rows: _completions(len(ids)))
-    ctx = OnlineRun(cfg, Collective(), None, _Tokenizer(), stream=stream, pipeline=SimpleNamespace(next=lambda step: got),
-                    reward=reward, rollouts=rollouts, prompt_ids={r.prompt_id: [3] for r in ROWS})  # fmt: skip
-    table, metrics = online.collect_experience(ctx, 0, StageTimer())
-    assert metrics["algo/dynamic_sampling_rounds"] == 2.0
-    assert ctx.step_prompt_ids == S[0:3]  # both prompts of the step, the dropped one too, then the refill
-    assert table.column("prompt_id").to_pylist() == [S[1]] * G + [S[2]] * G  # the update keeps groups 1 and refill
-    assert _check({1: ctx.step_prompt_ids}).ok
+    lead = _lead(stream, reward, rollouts, pipeline=SimpleNamespace(next=lambda step: got))
+    got = experience.collect_experience(lead, cfg, _Tokenizer(), 0, StageTimer(), policy_version=0)
+    assert got.metrics["algo/dynamic_sampling_rounds"] == 2.0
+    assert got.prompt_ids == S[0:3]  # both prompts of the step, the dropped one too, then the refill
+    assert got.table.column("prompt_id").to_pylist() == [S[1]] * G + [S[2]] * G  # the update keeps groups 1 and refill
+    assert _check({1: got.prompt_ids}).ok
+
+
+def _lead(stream, reward, rollouts, pipeline=None, reward_kwargs=None):
+    """Returns rank 0's part of a run over ``stream`` without Ray (every prompt's token ids are [3])."""
+    return OnlineLead(stream=stream, prompt_ids={r.prompt_id: [3] for r in ROWS}, skipped_long_prompts=0,
+                      eval_prompts=[], reward_columns=None, reward=reward, reward_kwargs=reward_kwargs or {},
+                      fleet=rollouts, rollouts=rollouts, pipeline=pipeline, logged=FleetCounts())
 
 
 class _OddQuestionsFlat:
@@ -192,20 +200,20 @@ def _dapo_run(max_staleness: int) -> OnlineRun:
     cfg = config_from_dict({}, ["algo.name=dapo", "learner.prompts_per_step=2", f"rollout.samples_per_prompt={G}",
                                 "learner.sequences_per_minibatch=4", "learner.sequences_per_microbatch=2",
                                 f"rollout.max_staleness={max_staleness}", "algo.dynamic_sampling_max_rounds=20"])  # fmt: skip
-    fleet = _Fleet()
-    ctx = OnlineRun(cfg, Collective(), None, _Tokenizer(), stream=PromptStream(ROWS, seed=SEED, shuffle=True),
-                    reward=LocalRewardClient(_OddQuestionsFlat(), 1), reward_kwargs=build.scorer_kwargs(cfg, None),
-                    rollouts=fleet, fleet=fleet, weight_sync=fleet, prompt_ids={r.prompt_id: [3] for r in ROWS})  # fmt: skip
-    ctx.pipeline = RolloutPipeline(fleet, ctx.take_prompts, ctx.sampling_for, max_staleness, cursor=ctx.stream.state_dict,
-                                   restore_cursor=ctx.stream.load_state_dict)  # fmt: skip
+    fleet, stream = _Fleet(), PromptStream(ROWS, seed=SEED, shuffle=True)
+    lead = _lead(stream, LocalRewardClient(_OddQuestionsFlat(), 1), fleet, reward_kwargs=build.scorer_kwargs(cfg, None))
+    ctx = OnlineRun(cfg, Collective(), None, _Tokenizer(), weight_sync=fleet, lead=lead)
+    lead.pipeline = RolloutPipeline(fleet, ctx.take_prompts, ctx.sampling_for, max_staleness, cursor=stream.state_dict,
+                                    restore_cursor=stream.load_state_dict)  # fmt: skip
     return ctx
 
 
 def _steps(ctx: OnlineRun, steps: range, book: dict[int, list[str]]) -> dict[int, list[str]]:
     """Runs stages 1-3b of 0-based ``steps``; each replaces its 1-based ledger entry in ``book`` (as MLflow does)."""
     for step in steps:
-        online.collect_experience(ctx, step, StageTimer())
-        book[step + 1] = list(ctx.step_prompt_ids)
+        got = experience.collect_experience(ctx.lead, ctx.cfg, ctx.tokenizer, step, StageTimer(),
+                                            policy_version=ctx.policy_version)
+        book[step + 1] = got.prompt_ids
     return book
 
 

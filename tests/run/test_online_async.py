@@ -15,15 +15,8 @@ from rlray.config import RewardFunctionConfig, load_config
 from rlray.learner import online as learner_online
 from rlray.learner.collective import Collective
 from rlray.run.build import sampling_for_step, update_spec
-from rlray.run.online import (
-    build_experience,
-    distribute,
-    reference_and_old_logprobs,
-    run_step,
-    score,
-    setup,
-    sync_weights,
-)
+from rlray.run.experience import Experience, build_experience, score
+from rlray.run.online import distribute, reference_and_old_logprobs, run_step, setup, sync_weights
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.ray
@@ -53,7 +46,7 @@ def cfg_and_actors(ray_session, tmp_path_factory, gsm8k_dir, tiny_model_path):
 def _fresh(cfg, model_dir, actors):
     """Returns a new rank-0 context whose actors hold the initial weights at version 0."""
     ctx = setup(cfg, Collective(), model_dir=model_dir, actors=actors, run_id=None)
-    ctx.fleet.push_weights(ray.put(ctx.learner.export_weights(torch.float32)), 0)
+    ctx.lead.fleet.push_weights(ray.put(ctx.learner.export_weights(torch.float32)), 0)
     return ctx
 
 
@@ -67,7 +60,7 @@ def k0_run(cfg_and_actors, tiny_model_path):
     """Returns (per-step metrics, final float32 weights) of 3 run_step calls with max_staleness = 0."""
     cfg, actors = cfg_and_actors
     ctx = _fresh(cfg, tiny_model_path, actors)
-    got = [run_step(ctx, step, lambda m, samples=(), prompt_ids=None: None) for step in range(3)]
+    got = [run_step(ctx, step).metrics for step in range(3)]
     return got, ctx.learner.export_weights(torch.float32)
 
 
@@ -78,9 +71,9 @@ def test_k0_equals_the_synchronous_stage_sequence(cfg_and_actors, tiny_model_pat
     spec, expected = update_spec(cfg, 1), []
     for step in range(3):  # stages 1-7 written out, as the loop ran before async mode existed
         rows, ids = ref.take_prompts()
-        completions = ref.fleet.generate(ids, sampling_for_step(cfg, step))
-        scored = score(ref.reward, rows, completions, ref.tokenizer)
-        shard, batch = distribute(ref, build_experience(rows, ids, completions, scored.values), {})
+        completions = ref.lead.fleet.generate(ids, sampling_for_step(cfg, step))
+        scored = score(ref.lead.reward, rows, completions, ref.tokenizer)
+        shard, batch = distribute(ref, Experience(build_experience(rows, ids, completions, scored.values), {}, []))
         data = reference_and_old_logprobs(ref, schema.collate(shard, ref.pad_token_id), spec)
         data = learner_online.advantages(data, spec, ref.coll.all_reduce_sum)
         m = learner_online.update(ref.learner, data, batch.minibatch_norms, spec, ref.coll.all_reduce_sum)
@@ -102,12 +95,12 @@ def test_k2_bounds_staleness_and_changes_the_run(cfg_and_actors, tiny_model_path
     async_cfg.rollout.max_staleness = 2
     async_cfg.rollout.overlap = "on"  # auto turns it off here: rollout and learner share this machine's 2 cores
     ctx = _fresh(async_cfg, tiny_model_path, actors)
-    got = [run_step(ctx, step, lambda m, samples=(), prompt_ids=None: None) for step in range(4)]
+    got = [run_step(ctx, step).metrics for step in range(4)]
     # step t trains on rollouts of version max(0, t-2): staleness 0, 1, 2, 2 (never above k = 2)
     assert [g["rollout/staleness_max"] for g in got] == [0.0, 1.0, 2.0, 2.0]
     assert [g["rollout/staleness_mean"] for g in got] == [0.0, 1.0, 2.0, 2.0]
     assert [g["rollout/policy_version"] for g in got] == [0.0, 0.0, 0.0, 1.0]
-    assert ctx.pipeline.in_flight == 2
+    assert ctx.lead.pipeline.in_flight == 2
     assert all(g["reward/version"] == 1.0 for g in got)
     # the first step is the same as in sync mode; the next trains on older samples
     sync_got, _ = k0_run
@@ -122,9 +115,9 @@ def test_k2_without_overlap_is_the_synchronous_run(cfg_and_actors, tiny_model_pa
     async_cfg = cfg.model_copy(deep=True)
     async_cfg.rollout.max_staleness = 2
     ctx = _fresh(async_cfg, tiny_model_path, actors)
-    assert ctx.pipeline.overlap is False  # auto: the rollout actors share the learner's node and its 2 cores
-    got = [run_step(ctx, step, lambda m, samples=(), prompt_ids=None: None) for step in range(3)]
-    assert ctx.pipeline.in_flight == 2  # the data cursor still runs 2 steps ahead
+    assert ctx.lead.pipeline.overlap is False  # auto: the rollout actors share the learner's node and its 2 cores
+    got = [run_step(ctx, step).metrics for step in range(3)]
+    assert ctx.lead.pipeline.in_flight == 2  # the data cursor still runs 2 steps ahead
     sync_got, sync_weights = k0_run
     for g, s in zip(got, sync_got, strict=True):
         assert {k: g[k] for k in UPDATE_KEYS} == {k: s[k] for k in UPDATE_KEYS}

@@ -13,7 +13,8 @@ from rlray import schema
 from rlray.data import PromptRow
 from rlray.learner.collective import Collective
 from rlray.rollout import Completion
-from rlray.run import online
+from rlray.run import experience, online
+from rlray.run.context import StepResult
 
 ROWS = [PromptRow("a", "What is 2+2?", {}), PromptRow("b", "Capital of Peru?", {})]
 
@@ -33,7 +34,7 @@ def _table():
     completions = [Completion(0, 0, [5, 6], [-0.1, -0.2], "stop", 3), Completion(0, 1, [7], [-0.3], "length", 3),
                    Completion(1, 0, [8, 9, 10], [-0.1] * 3, "stop", 3), Completion(1, 1, [11], [-0.2], "stop", 3)]
     rewards = {"reward": [1.0, 0.0, math.nan, 0.5], "math": [1.0, 0.0, math.nan, None]}
-    return online.build_experience(ROWS, [[1, 2], [3]], completions, rewards)
+    return experience.build_experience(ROWS, [[1, 2], [3]], completions, rewards)
 
 
 def _shard_data(table, rank, world):
@@ -45,17 +46,31 @@ def _shard_data(table, rank, world):
     return data
 
 
-def test_each_rank_fills_in_its_rows_and_the_sum_gathers_them():
+class _TwoRanks:
+    """The all-gather of a 2-rank group, played in two passes: the first records each rank's shard of sequence
+    advantages, the second hands every rank the concatenation (what ``torch.distributed.all_gather`` returns)."""
+
+    def __init__(self) -> None:
+        self.shards: dict[int, torch.Tensor] = {}
+
+    def rank_view(self, rank: int) -> SimpleNamespace:
+        def all_gather(local: torch.Tensor) -> torch.Tensor:
+            self.shards[rank] = local
+            return torch.cat([self.shards.get(r, torch.zeros_like(local)) for r in range(2)])
+
+        return SimpleNamespace(rank=rank, coll=SimpleNamespace(all_gather=all_gather))
+
+
+def test_each_rank_gives_its_rows_and_the_gather_names_every_kept_row():
     table, rows = _table(), [0, 2, 3]
-    per_rank = []
-    for rank in range(2):
-        ctx = SimpleNamespace(rank=rank, coll=Collective())  # its sum hands back this rank's values; the test adds them
-        per_rank.append(online.sample_advantages(ctx, _shard_data(table, rank, 2), rows))
-    # rank 0 holds rows 0-1, rank 1 rows 2-3; row 2 failed its reward (no loss token: NaN), row 3's first token is 30
-    assert per_rank[0] == [0.0, 0.0, 0.0]
-    assert math.isnan(per_rank[1][1]) and (per_rank[1][0], per_rank[1][2]) == (0.0, 30.0)
-    gathered = [a + b for a, b in zip(*per_rank, strict=True)]
-    assert gathered[0] == 0.0 and math.isnan(gathered[1]) and gathered[2] == 30.0
+    group = _TwoRanks()
+    for rank in range(2):  # pass 1: each rank's shard
+        online.sample_advantages(group.rank_view(rank), _shard_data(table, rank, 2), rows)
+    assert group.shards[0].tolist() == [0.0, 10.0]  # rank 0 holds rows 0-1: their first tokens' advantages
+    assert math.isnan(group.shards[1][0]) and group.shards[1][1] == 30.0  # row 2 failed its reward: no loss token
+    for rank in range(2):  # pass 2: every rank gets the same kept advantages
+        got = online.sample_advantages(group.rank_view(rank), _shard_data(table, rank, 2), rows)
+        assert got[0] == 0.0 and math.isnan(got[1]) and got[2] == 30.0
     one = online.sample_advantages(SimpleNamespace(rank=0, coll=Collective()), _shard_data(table, 0, 1), [1, 3])
     assert one == [10.0, 30.0]
     assert online.sample_advantages(SimpleNamespace(rank=0, coll=Collective()), _shard_data(table, 0, 1), []) == []
@@ -63,7 +78,7 @@ def test_each_rank_fills_in_its_rows_and_the_sum_gathers_them():
 
 def test_step_samples_decode_and_carry_every_field():
     table = _table()
-    got = online.step_samples(FakeTokenizer(), table, [1, 2, 3], [10.0, math.nan, 30.0], step=7)
+    got = experience.step_samples(FakeTokenizer(), table, [1, 2, 3], [10.0, math.nan, 30.0], step=7)
     assert [(s.step, s.prompt_id, s.prompt, s.completion) for s in got] == [
         (7, "a", "t1 t2", "t7"), (7, "b", "t3", "t8 t9 t10"), (7, "b", "t3", "t11")]
     assert [s.terms for s in got][0] == {"math": 0.0} and got[2].terms == {"math": None}
@@ -71,7 +86,7 @@ def test_step_samples_decode_and_carry_every_field():
     assert [(s.reward, s.advantage) for s in (got[0], got[2])] == [(0.0, 10.0), (0.5, 30.0)]
     assert [(s.finish_reason, s.policy_version, s.response_tokens) for s in got] == [("length", 3, 1), ("stop", 3, 3),
                                                                                     ("stop", 3, 1)]
-    assert online.step_samples(FakeTokenizer(), table, [], [], step=7) == []
+    assert experience.step_samples(FakeTokenizer(), table, [], [], step=7) == []
 
 
 def test_step_samples_cut_an_episode_into_turns_and_observations():
@@ -86,8 +101,8 @@ def test_step_samples_cut_an_episode_into_turns_and_observations():
         Completion(0, 1, [8, 23, 9], [-0.1] * 3, "stop", 3, [True, False, True], episode=EpisodeInfo("guess", "max_turns", 2, [0.0, 0.0])),
         Completion(1, 0, [11], [-0.2], "stop", 3),
     ]
-    table = online.build_experience(ROWS, [[1, 2], [3]], completions, {"reward": [1.0, math.nan, 0.5]})
-    got = online.step_samples(FakeTokenizer(), table, [0, 1, 2], [0.5, math.nan, 0.0], step=3)
+    table = experience.build_experience(ROWS, [[1, 2], [3]], completions, {"reward": [1.0, math.nan, 0.5]})
+    got = experience.step_samples(FakeTokenizer(), table, [0, 1, 2], [0.5, math.nan, 0.0], step=3)
     assert got[0].segments == ((True, "t5 t6"), (False, "t20 t21 t22"), (True, "t7"))
     assert (got[0].stop_reason, got[0].num_turns) == ("done", 2)
     assert math.isnan(got[0].turn_rewards[0]) and got[0].turn_rewards[1] == 1.0  # None is NaN in the table
@@ -134,20 +149,20 @@ def test_stage_8_logs_the_samples_once_and_sends_them_to_the_page():
     from rlray.run import session
 
     tracker, monitor = _Recorder(), _Recorder()
-    ctx = SimpleNamespace(tracker=tracker, stream=SimpleNamespace(epoch=1), policy_version=5)
+    ctx = SimpleNamespace(tracker=tracker, data_epoch=lambda: 1, policy_version=5)
     services = SimpleNamespace(monitor=monitor)
     kept = [StepSample(5, "a", "q", "c", 1.0, {}, 0.5, "stop", 4, 1)]
     run = SimpleNamespace(step=5, logged_through=4)
-    session.record(ctx, run, {"reward/mean": 1.0}, services, kept, ["p3", "p1"])
+    session.record(ctx, run, StepResult({"reward/mean": 1.0}, kept, ["p3", "p1"]), services)
     assert tracker.calls == [("log_ledger", (5, ("p3", "p1"))), ("log_metrics", (5,)), ("log_samples", (5, 1))]
     assert run.logged_through == 5
     assert [(name, args[0]) for name, args in monitor.calls] == [("record_step", 5), ("record_samples", 5)]
     assert monitor.calls[1][1][1] == kept
     tracker.calls.clear(), monitor.calls.clear()
     # a step MLflow already has (a restart): its ledger is replaced (the step ran again), its metrics are not logged again
-    session.record(ctx, run, {"reward/mean": 1.0}, services, kept, ["p3", "p4"])
+    session.record(ctx, run, StepResult({"reward/mean": 1.0}, kept, ["p3", "p4"]), services)
     assert tracker.calls == [("log_ledger", (5, ("p3", "p4")))]
     assert [name for name, _ in monitor.calls] == ["record_step", "record_samples"]
     monitor.calls.clear()
-    session.record(ctx, SimpleNamespace(step=6, logged_through=5), {}, services)  # offline steps keep no samples
+    session.record(ctx, SimpleNamespace(step=6, logged_through=5), StepResult({}), services)  # offline: no samples
     assert [name for name, _ in monitor.calls] == ["record_step"]

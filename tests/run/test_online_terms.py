@@ -12,7 +12,7 @@ import pytest
 from rlray.data import PromptRow
 from rlray.reward.server import ScoreResult
 from rlray.rollout import Completion
-from rlray.run import online
+from rlray.run import experience
 
 ROWS = [
     PromptRow("a", "What is 2+2?", {"answer": "4", "meta": {"level": 1, "tags": ["easy"]}}),
@@ -45,7 +45,7 @@ def _completions() -> list[Completion]:
 
 def test_score_hands_the_prompt_as_the_dataset_had_it_the_columns_and_the_token_ids():
     client = RecordingClient()
-    got = online.score(client, ROWS, _completions(), FakeTokenizer())
+    got = experience.score(client, ROWS, _completions(), FakeTokenizer())
     prompts, texts, columns, ids = client.got
     assert prompts == ["What is 2+2?", ROWS[1].prompt, ROWS[1].prompt]  # the messages, not a rendered string
     assert texts == ["t5 t6", "t7", "t8 t9 t10"]
@@ -58,17 +58,17 @@ def test_term_metrics_average_over_scored_samples_and_count_skips():
     nan = math.nan
     rewards = {"reward": [1.2, nan, 0.2, 1.0], "gsm8k_correct": [1.0, nan, 0.0, None], "gsm8k_format": [1.0, 1.0, 1.0, 0.0],
                "reward_model": [0.3, 0.1, 0.2, 0.0]}
-    got = online.term_metrics(rewards, "reward")
+    got = experience.term_metrics(rewards, "reward")
     # gsm8k_correct: 1.0 and 0.0 scored (the NaN failed, the None skipped) -> 0.5; format: 3 of 4 -> 0.75
     assert got == {"reward/gsm8k_correct": 0.5, "reward/gsm8k_correct_skipped": 1.0,
                    "reward/gsm8k_format": 0.75, "reward/gsm8k_format_skipped": 0.0}
-    every_skipped = online.term_metrics({"reward": [nan], "t": [None]}, "eval")
+    every_skipped = experience.term_metrics({"reward": [nan], "t": [None]}, "eval")
     assert math.isnan(every_skipped["eval/t"]) and every_skipped["eval/t_skipped"] == 1.0
 
 
 def test_the_experience_table_carries_the_columns_as_json_and_skipped_terms_as_nulls():
     rewards = {"reward": [2.0, 1.0, math.nan], "length": [2.0, None, math.nan]}
-    table = online.build_experience(ROWS, [[1, 2], [3]], _completions(), rewards)
+    table = experience.build_experience(ROWS, [[1, 2], [3]], _completions(), rewards)
     cols = [json.loads(c) for c in table.column("prompt_columns").to_pylist()]
     assert cols == [ROWS[0].columns, ROWS[1].columns, ROWS[1].columns]
     comps = table.column("reward_components").to_pylist()
@@ -80,4 +80,4 @@ def test_the_experience_table_carries_the_columns_as_json_and_skipped_terms_as_n
 
 @pytest.mark.parametrize("prefix", ["reward", "eval"])
 def test_term_metrics_leave_out_the_summed_reward(prefix):
-    assert online.term_metrics({"reward": [1.0]}, prefix) == {}
+    assert experience.term_metrics({"reward": [1.0]}, prefix) == {}

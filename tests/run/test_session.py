@@ -104,10 +104,10 @@ def resumed(env):
     b_cfg = make_cfg(env, "crashed", "tracking.experiment=resume")
     real_step = online.run_step
 
-    def crash_in_step_3(ctx, step, end_step):
+    def crash_in_step_3(ctx, step):
         if step == 2:
             raise RuntimeError("injected crash in step 3")
-        return real_step(ctx, step, end_step)
+        return real_step(ctx, step)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(online, "run_step", crash_in_step_3)
@@ -248,14 +248,16 @@ def test_nonfinite_steps_are_skipped_then_stop(env):
     # gradients are NaN, the learner skips the optimizer step, and the guard stops after 2 in a row
     seen = []
 
-    def nan_advantages(ctx, data, spec):
+    real_update = online.update_policy
+
+    def nan_advantages(ctx, data, norms, spec):
         seen.append(ctx.learner)
         data["advantages"] = torch.full(data["response_mask"].shape, math.nan)
-        return data
+        return real_update(ctx, data, norms, spec)
 
     cfg = make_cfg(env, "nonfinite", "guard.max_nonfinite_steps=2")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(online, "compute_advantages", nan_advantages)
+        patch.setattr(online, "update_policy", nan_advantages)
         out, run_id, _ = run(env, cfg)
     assert (out.status, out.step) == ("stopped: nonfinite", 2)
     assert series(env, run_id, "guard/nonfinite_in_row") == [(1, 1.0), (2, 2.0)]
@@ -291,11 +293,11 @@ def test_out_of_memory_at_load_or_first_step_retries_once_smaller(env):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (injected)")
         return real_init(self, *args, **kwargs)
 
-    def oom_once_in_first_step(ctx, step, end_step):
+    def oom_once_in_first_step(ctx, step):
         calls["step"] += 1
         if calls["step"] == 1:
             raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory (injected)")
-        return real_step(ctx, step, end_step)
+        return real_step(ctx, step)
 
     for name, target, fake in (("load", PolicyLearner, oom_once_at_load), ("first step", online, oom_once_in_first_step)):
         attr = "__init__" if target is PolicyLearner else "run_step"

@@ -29,7 +29,9 @@ CURSOR = {"epoch": 7, "position": 3, "seed": 11, "shuffle": False, "num_rows": 4
 class StubRun(RunContext):
     """A run kind with no steps: the session only asks it for the data cursor a snapshot keeps."""
 
-    def run_step(self, step, end_step):
+    stream: PromptStream | None = None
+
+    def run_step(self, step):
         raise AssertionError("a snapshot runs no step")
 
     def evaluate_when_due(self, steps_done):
@@ -38,8 +40,14 @@ class StubRun(RunContext):
     def progress_text(self, steps_done, metrics):
         return ""
 
+    def data_epoch(self):
+        return self.stream.epoch
+
     def cursor_state(self):
         return dict(CURSOR)  # differs from the stream's own state_dict (epoch 0, position 0)
+
+    def load_cursor_state(self, state):
+        self.stream.load_state_dict(state)
 
 
 def _cfg(*overrides: str) -> Config:

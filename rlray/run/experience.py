@@ -1,0 +1,328 @@
+"""Stages 1-3 of the online step on rank 0: prompts, rollout, rewards, and the step's experience table.
+
+``collect_experience`` takes the step's rollout from the pipeline (stages 1-2), scores it (stage 3), applies
+the algorithm's sampling extras (DAPO refills and overlong shaping, ReMax's greedy baseline;
+``rlray.run.online_sampling``) and builds the experience table (``rlray.schema``) with its reward and
+rollout metrics. The kept samples of a step are decoded from that table here too (``step_samples``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from rlray import schema
+from rlray.config import Config
+from rlray.data import PromptRow, columns_json
+from rlray.learner import Normaliser
+from rlray.observe.samples import StepSample, mask_runs
+from rlray.reward.server import ScoreResult
+from rlray.rollout import Completion, SamplingSpec
+from rlray.run import build, online_sampling
+from rlray.run.episodes import add_env_reward, episode_metrics
+from rlray.run.lead import OnlineLead, RewardClient
+from rlray.run.online_sampling import Rollouts
+
+log = logging.getLogger(__name__)
+
+REFILL_SEED_STRIDE = 100_003  # a DAPO refill round's sampling seed: the step's seed + round * stride
+
+
+class StageTimer:
+    """Wall time of a step's stages, kept as ``timing/<stage>_s`` metrics.
+
+    ``with timer("rollout"): ...`` adds the block's seconds to ``timer.metrics["timing/rollout_s"]``.
+    """
+
+    def __init__(self) -> None:
+        self.metrics: dict[str, float] = {}
+        self._start = time.perf_counter()
+
+    @contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            key = f"timing/{stage}_s"
+            self.metrics[key] = self.metrics.get(key, 0.0) + time.perf_counter() - t
+
+    def elapsed_s(self) -> float:
+        """Returns the seconds since the timer was made (the step's wall time so far)."""
+        return time.perf_counter() - self._start
+
+
+@dataclass
+class Experience:
+    """What stages 1-3 produce on rank 0.
+
+    Attributes:
+        table: the step's experience table (``schema.EXPERIENCE_SCHEMA``), one row per completion, groups whole.
+        metrics: reward/*, rollout/*, env/* and algo/* statistics of the step, and the stages' timing/*.
+        prompt_ids: the ids of the prompts the step took from the data stream, in the order taken: its own, then
+            any DAPO refills (kept or not); the step's prompt ledger.
+    """
+
+    table: pa.Table
+    metrics: dict[str, float]
+    prompt_ids: list[str]
+
+
+def collect_experience(lead: OnlineLead, cfg: Config, tokenizer: Any, step: int, timer: StageTimer, *,
+                       policy_version: int) -> Experience:
+    """Stages 1-3 (rank 0): returns 0-based ``step``'s experience table, its metrics and its prompt ledger.
+
+    Samples whose reward failed are counted in reward/failed and logged; a step whose groups all lack reward
+    variance (zero advantages for the group estimators) is logged as having no signal.
+
+    Args:
+        lead: rank 0's part of the run (data, pipeline, reward client, rollouts).
+        cfg: the config in force.
+        tokenizer: the policy's tokenizer (decodes completions for the reward functions).
+        step: the 0-based step.
+        timer: the step's stage timer (rollout, reward and algo_sampling are added).
+        policy_version: the learner's policy version the update starts from (staleness is measured against it).
+
+    Raises:
+        rlray.reward.RewardFunctionError, rlray.data.DataError: a fault a retry cannot fix (the step stops the run).
+        rlray.algos.DynamicSamplingError: DAPO could not fill the step within its rounds.
+    """
+    with timer("rollout"):  # 1-2. prompts and rollout; the pipeline keeps steps step+1..step+max_staleness in flight
+        got = lead.pipeline.next(step)
+    taken = [r.prompt_id for r in got.rows]
+    with timer("reward"):  # 3. rewards
+        scored = score(lead.reward, got.rows, got.completions, tokenizer, cfg.env.reward_weight)
+    with timer("algo_sampling"):  # DAPO refill, overlong shaping, ReMax's greedy baseline
+        drawn = Rollouts(got.rows, got.prompt_ids, got.completions, scored.values)
+        drawn, baseline, algo_metrics = algorithm_sampling(lead, cfg, tokenizer, build.sampling_for_step(cfg, step),
+                                                           drawn, taken)
+    mask_truncated = cfg.algo.mask_truncated
+    table = build_experience(drawn.rows, drawn.prompt_ids, drawn.completions, drawn.rewards, baseline,
+                             mask_truncated=mask_truncated)
+    stats = rollout_stats(table, drawn.rewards, cfg.learner.prompts_per_step, policy_version, mask_truncated=mask_truncated)
+    stats.update(episode_metrics(drawn.completions))
+    if stats["reward/failed"]:
+        log.warning("step %d: %d of %d samples have no reward (a reward function failed); they are left out of "
+                    "the update (reward/failed)", step + 1, stats["reward/failed"], table.num_rows)
+    if stats["algo/groups_without_signal"] == 1.0:
+        log.warning("step %d: no prompt group has rewards that differ: the advantages are zero and the update "
+                    "carries no reward signal (algo/groups_without_signal=1)", step + 1)
+    metrics = {**stats, **algo_metrics, **timer.metrics, "reward/version": float(scored.version)}
+    return Experience(table, metrics, taken)
+
+
+def score(reward: RewardClient, rows: list[PromptRow], completions: list[Completion], tokenizer: Any,
+          env_reward_weight: float = 1.0) -> ScoreResult:
+    """Stage 3: returns the reward version and {"reward", <term name>, ...}, one value per completion.
+
+    Each completion is scored with its prompt as the dataset had it (a string or TRL messages), its
+    decoded text (special tokens skipped; an episode's text holds every turn and observation), its token
+    ids and its row's other columns (TRL's keyword arguments). Term values: a float, NaN (failed) or
+    None (the term skipped the sample). Episodes add the environment's reward as the term "env"
+    (``rlray.run.episodes.add_env_reward``, weighted by env.reward_weight).
+    """
+    texts = tokenizer.batch_decode([c.response_token_ids for c in completions], skip_special_tokens=True)
+    prompts = [rows[c.prompt_index].prompt for c in completions]
+    columns = [rows[c.prompt_index].columns for c in completions]
+    got = reward.score(prompts, texts, columns, [list(c.response_token_ids) for c in completions])
+    if any(c.episode is not None for c in completions):
+        got = dataclasses.replace(got, values=add_env_reward(got.values, completions, env_reward_weight))
+    return got
+
+
+def algorithm_sampling(lead: OnlineLead, cfg: Config, tokenizer: Any, sampling: SamplingSpec, batch: Rollouts,
+                       taken: list[str]) -> tuple[Rollouts, list[float] | None, dict[str, float]]:
+    """Stage 3's algorithm extras (rank 0): DAPO refill, overlong shaping and ReMax's greedy baseline
+    (``online_sampling.apply``); returns (rollouts, ReMax baseline per completion or None, metrics).
+
+    The ids of refill prompts are appended to ``taken`` (the step's prompt ledger) as they are taken from the
+    stream, whether or not their groups are kept.
+    """
+    weight = cfg.env.reward_weight
+
+    def draw(num_prompts: int, round_index: int) -> Rollouts:  # stages 1-3 for further prompts, reseeded per round
+        rows, ids = lead.take_prompts(num_prompts)
+        taken.extend(r.prompt_id for r in rows)
+        seed = None if sampling.seed is None else sampling.seed + REFILL_SEED_STRIDE * round_index
+        completions = lead.rollouts.generate(ids, dataclasses.replace(sampling, seed=seed), rows)
+        return Rollouts(rows, ids, completions, score(lead.reward, rows, completions, tokenizer, weight).values)
+
+    def greedy(b: Rollouts) -> Rollouts:  # one temperature-0 completion per prompt, scored
+        greedy_spec = SamplingSpec(n=1, max_new_tokens=sampling.max_new_tokens, temperature=0.0, stop=sampling.stop)
+        done = lead.rollouts.generate(b.prompt_ids, greedy_spec, b.rows)  # episodes: one greedy episode per prompt
+        return Rollouts(b.rows, b.prompt_ids, done, score(lead.reward, b.rows, done, tokenizer, weight).values)
+
+    return online_sampling.apply(batch, draw, greedy, online_sampling.spec_from(cfg))
+
+
+def build_experience(
+    rows: list[PromptRow],
+    prompt_ids: list[list[int]],
+    completions: list[Completion],
+    rewards: dict[str, list[float]],
+    baseline_rewards: list[float] | None = None,
+    *,
+    mask_truncated: bool = False,
+) -> pa.Table:
+    """Returns the step's experience table (``schema.EXPERIENCE_SCHEMA``), one row per completion.
+
+    ``baseline_rewards`` (ReMax: the greedy response's reward, one per completion) fills baseline_reward.
+    response_mask is the completion's loss mask (all True for single-turn rollouts). A completion whose
+    reward (or baseline) is NaN failed in the reward stage: its response_mask is all False, so no
+    advantage statistic and no loss term sees it (``learner.advantages`` takes a row as valid when its
+    mask has a True), and its reward stays NaN in the table. With ``mask_truncated`` (``algo.mask_truncated``)
+    a completion that hit max_new_tokens (finish_reason "length") is masked the same way, its reward kept.
+    """
+    comps = {k: v for k, v in rewards.items() if k != "reward"}
+    extra = {} if baseline_rewards is None else {"baseline_reward": baseline_rewards}
+    scored = [math.isfinite(r) for r in rewards["reward"]]
+    if baseline_rewards is not None:
+        scored = [ok and math.isfinite(b) for ok, b in zip(scored, baseline_rewards, strict=True)]
+    if mask_truncated:
+        scored = [ok and c.finish_reason != "length" for ok, c in zip(scored, completions, strict=True)]
+    return schema.make_table(
+        {
+            **extra,
+            "prompt_id": [rows[c.prompt_index].prompt_id for c in completions],
+            "group_id": [c.prompt_index for c in completions],
+            "sample_index": [c.sample_index for c in completions],
+            "prompt_token_ids": [c.prompt_token_ids or prompt_ids[c.prompt_index] for c in completions],
+            "response_token_ids": [c.response_token_ids for c in completions],
+            "response_mask": [[ok and m for m in c.loss_mask] for c, ok in zip(completions, scored, strict=True)],
+            "rollout_logprobs": [c.rollout_logprobs for c in completions],
+            "reward": rewards["reward"],
+            "reward_components": [{k: v[i] for k, v in comps.items()} for i in range(len(completions))],
+            "prompt_columns": [columns_json(rows[c.prompt_index]) for c in completions],
+            "policy_version": [c.policy_version for c in completions],
+            "finish_reason": [c.finish_reason for c in completions],
+            **episode_columns(completions),
+        }
+    )
+
+
+def episode_columns(completions: list[Completion]) -> dict[str, list]:
+    """Returns the experience columns of episodes (stop_reason, num_turns, turn_rewards), {} when none is an episode."""
+    if all(c.episode is None for c in completions):
+        return {}
+    return {
+        "stop_reason": [c.episode.stop_reason if c.episode else None for c in completions],
+        "num_turns": [c.episode.num_turns if c.episode else None for c in completions],
+        "turn_rewards": [[math.nan if r is None else r for r in c.episode.turn_rewards] if c.episode else None
+                         for c in completions],
+    }
+
+
+def rollout_stats(
+    table: pa.Table, rewards: dict[str, list[float]], prompts_per_step: int, learner_version: int, *,
+    mask_truncated: bool = False,
+) -> dict[str, float]:
+    """Returns reward/* and rollout/* metrics of a step's experience (rank 0).
+
+    Reward statistics are over the samples that have a reward; ``reward/failed`` counts the others (a
+    reward function raised, timed out or returned NaN: ``build_experience`` masked them out). A group
+    has no signal when fewer than 2 of its samples enter the update (a reward and a True in their
+    response_mask) or their rewards are all equal. With ``mask_truncated``, ``rollout/truncated_masked``
+    counts the samples left out of the loss for hitting max_new_tokens (finish_reason "length").
+    Staleness of a sample = the learner's policy version that the update starts from, minus the
+    version that generated the sample (0 in synchronous mode, at most rollout.max_staleness).
+    """
+    lengths = np.asarray(table.column("response_token_ids").combine_chunks().value_lengths(), dtype=np.float64)
+    r = np.asarray(rewards["reward"], dtype=np.float64)
+    ok = np.isfinite(r)
+    in_update = ok & np.asarray([any(m) for m in table.column("response_mask").to_pylist()], dtype=bool)
+    groups = np.where(in_update, r, np.nan).reshape(prompts_per_step, -1)
+    finish = table.column("finish_reason").to_pylist()
+    truncated = np.asarray([f == "length" for f in finish], dtype=bool)
+    extra = {"rollout/truncated_masked": float(truncated.sum())} if mask_truncated else {}
+    spread = [np.ptp(g[np.isfinite(g)]) > 0 if np.isfinite(g).sum() >= 2 else False for g in groups]
+    staleness = learner_version - np.asarray(table.column("policy_version").to_pylist(), dtype=np.float64)
+    return {
+        "reward/mean": float(r[ok].mean()) if ok.any() else math.nan,
+        "reward/std": float(r[ok].std()) if ok.any() else math.nan,
+        "reward/failed": float((~ok).sum()),
+        **term_metrics(rewards, "reward"),
+        "algo/groups_without_signal": float(1.0 - np.mean(spread)),
+        "rollout/response_tokens_mean": float(lengths.mean()),
+        "rollout/truncated_rate": float(truncated.mean()),
+        **extra,
+        "rollout/generated_tokens": float(lengths.sum()),
+        "rollout/policy_version": float(min(table.column("policy_version").to_pylist())),
+        "rollout/staleness_mean": float(staleness.mean()),
+        "rollout/staleness_max": float(staleness.max()),
+    }
+
+
+def term_metrics(rewards: dict[str, list[float | None]], prefix: str) -> dict[str, float]:
+    """Returns ``<prefix>/<term>`` and ``<prefix>/<term>_skipped`` for every reward term but the summed "reward".
+
+    ``<term>`` is the mean over the samples the term scored (None: skipped; NaN: failed, both left out;
+    NaN when none was scored); ``<term>_skipped`` counts the samples it returned None for (TRL's rule:
+    the term does not apply). The reward model's raw score is ``reward/model_score`` (``online_sampling``).
+
+    Args:
+        rewards: {"reward": [B], <term>: [B] floats, NaN or None} (``RewardScorer.score``).
+        prefix: "reward" for a step, "eval" for evaluation.
+    """
+    out: dict[str, float] = {}
+    for name, values in rewards.items():
+        if name in ("reward", "reward_model"):
+            continue
+        scored = [v for v in values if v is not None and math.isfinite(v)]
+        out[f"{prefix}/{name}"] = float(np.mean(scored)) if scored else math.nan
+        out[f"{prefix}/{name}_skipped"] = float(sum(v is None for v in values))
+    return out
+
+
+def minibatch_normalisers(table: pa.Table, cfg: Config, world: int) -> list[Normaliser]:
+    """Returns the global token and sequence counts of each mini-batch (rank 0, after all masking).
+
+    Mini-batch m takes rows [m*k, (m+1)*k) of every rank's shard, k = sequences_per_minibatch / world.
+    """
+    valid = np.array([sum(m) for m in table.column("response_mask").to_pylist()], dtype=np.float64)
+    per_rank = table.num_rows // world
+    k = cfg.learner.sequences_per_minibatch // world
+    norms = []
+    for m in range(per_rank // k):
+        idx = np.concatenate([np.arange(r * per_rank + m * k, r * per_rank + (m + 1) * k) for r in range(world)])
+        norms.append(Normaliser(float(max(valid[idx].sum(), 1.0)), float(len(idx)), world))
+    return norms
+
+
+def step_samples(tokenizer: Any, table: pa.Table, rows: list[int], advantages: list[float], step: int) -> list[StepSample]:
+    """Returns the kept samples of 1-based ``step`` (rank 0): rows ``rows`` of the step's experience table with
+    prompt and completion decoded (special tokens kept, so the chat template and EOS show) and ``advantages``
+    (``rlray.run.online.sample_advantages``)."""
+    picked = table.take(rows).to_pylist() if rows else []
+    prompts = tokenizer.batch_decode([r["prompt_token_ids"] for r in picked], skip_special_tokens=False)
+    completions = tokenizer.batch_decode([r["response_token_ids"] for r in picked], skip_special_tokens=False)
+    return [
+        StepSample(
+            step=step, prompt_id=r["prompt_id"], prompt=prompt, completion=completion,
+            reward=math.nan if r["reward"] is None else float(r["reward"]), terms=dict(r["reward_components"] or []),
+            advantage=adv, finish_reason=r["finish_reason"], policy_version=int(r["policy_version"]),
+            response_tokens=len(r["response_token_ids"]), stop_reason=r["stop_reason"], num_turns=r["num_turns"],
+            turn_rewards=None if r["turn_rewards"] is None else tuple(r["turn_rewards"]),
+            segments=episode_segments(tokenizer, r),
+        )
+        for r, prompt, completion, adv in zip(picked, prompts, completions, advantages, strict=True)
+    ]
+
+
+def episode_segments(tokenizer: Any, row: dict[str, Any]) -> tuple[tuple[bool, str], ...]:
+    """Returns an episode row's response cut where its response_mask flips, each run decoded (special tokens kept):
+    (True, sampled text) or (False, observation text); () for a single-turn row (no num_turns) and for a row whose
+    mask is all off (``StepSample.segments``)."""
+    mask = row["response_mask"]
+    if row["num_turns"] is None or not any(mask):
+        return ()
+    ids = row["response_token_ids"]
+    return tuple((sampled, tokenizer.decode(ids[a:b], skip_special_tokens=False)) for a, b, sampled in mask_runs(mask))

@@ -1,0 +1,137 @@
+"""``OnlineLead``: what only learner rank 0 of an online run holds, built in one piece by ``build_lead``.
+
+Rank 0 drives the rollouts and the reward for every rank: it holds the data stream and the prompts'
+token ids, the held-out prompts of evaluation, the reward client, the rollout fleet (and the episode
+rollout over it when environments are configured) and the rollout pipeline that keeps async steps in
+flight. The other ranks hold no ``OnlineLead`` at all (``OnlineRun.lead`` is None there).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from rlray.config import Config
+from rlray.cores import CorePlan
+from rlray.data import PromptRow, PromptStream, load_prompt_rows, prepare_prompts
+from rlray.reward.server import LocalRewardClient, ServeRewardClient
+from rlray.rollout import SamplingSpec
+from rlray.rollout.fleet import RolloutFleet, RolloutPipeline, gcs_actor_node
+from rlray.run import build
+from rlray.run.episodes import EpisodeRollout
+
+log = logging.getLogger(__name__)
+
+RewardClient = LocalRewardClient | ServeRewardClient
+
+
+@dataclass
+class FleetCounts:
+    """The rollout fleet's cumulative counts already logged, so each step logs what happened since the last.
+
+    Attributes:
+        actor_failures: actor failures counted in rollout/actor_failures so far.
+        rerun_prompts: re-sent prompts counted in rollout/rerun_prompts so far.
+    """
+
+    actor_failures: int = 0
+    rerun_prompts: int = 0
+
+
+@dataclass
+class OnlineLead:
+    """Rank 0's part of an online run.
+
+    Attributes:
+        stream: the training data cursor (its state lives in snapshots).
+        prompt_ids: prompt_id -> chat-templated prompt token ids of every training row.
+        skipped_long_prompts: training rows left out for exceeding ``data.max_prompt_tokens``.
+        eval_prompts: the held-out (row, prompt token ids) pairs of evaluation (``eval.num_problems``).
+        reward_columns: the datasets' extra column names (the reward functions' keyword arguments).
+        reward: the reward client (in process, or the Serve application).
+        reward_kwargs: the ``RewardScorer`` keyword arguments ``reward`` was built from (``build.scorer_kwargs``).
+        fleet: the rollout actors.
+        rollouts: what the step generates with: the fleet, or episodes over it when ``env.environments`` is set.
+        pipeline: keeps the rollouts of async steps in flight (``rollout.max_staleness``).
+        logged: the fleet's counts already logged (``FleetCounts``).
+    """
+
+    stream: PromptStream
+    prompt_ids: dict[str, list[int]]
+    skipped_long_prompts: int
+    eval_prompts: list[tuple[PromptRow, list[int]]]
+    reward_columns: list[str]
+    reward: RewardClient
+    reward_kwargs: dict[str, Any]
+    fleet: RolloutFleet
+    rollouts: RolloutFleet | EpisodeRollout
+    pipeline: RolloutPipeline
+    logged: FleetCounts
+
+    def take_prompts(self, count: int) -> tuple[list[PromptRow], list[list[int]]]:
+        """Returns the next ``count`` prompt rows and their token ids (advances the data cursor)."""
+        rows = self.stream.next_batch(count)
+        return rows, [self.prompt_ids[r.prompt_id] for r in rows]
+
+    def renew_reward(self, cfg: Config) -> bool:
+        """Rebuilds the reward client when ``cfg.reward`` asks for another one than it was built from (a rollback's
+        ``guard.rollback_overrides`` under reward.*); returns True when it did."""
+        kwargs = build.scorer_kwargs(cfg, self.reward_columns)
+        if kwargs == self.reward_kwargs:
+            return False
+        self.reward.close()
+        self.reward, self.reward_kwargs = build.reward_client(cfg, self.reward_columns), kwargs
+        log.info("the reward client was rebuilt for the config now in force")
+        return True
+
+
+def build_lead(cfg: Config, tokenizer: Any, actors: list[Any], env_hosts: list[Any], plan: CorePlan, *,
+               take_prompts: Callable[[], tuple[list[PromptRow], list[list[int]]]],
+               sampling_for: Callable[[int], SamplingSpec]) -> OnlineLead:
+    """Returns rank 0's part of an online run: data, eval prompts, reward client, fleet, episodes and pipeline.
+
+    Args:
+        cfg: the run's config.
+        tokenizer: the policy's tokenizer (chat template set).
+        actors: the rollout actor handles.
+        env_hosts: the environment host actors ([] without environments).
+        plan: this learner's core plan (``build.core_plan``): whether async rollouts can overlap the update.
+        take_prompts: the pipeline's source of each step's prompts (``OnlineRun.take_prompts``: it reads
+            learner.prompts_per_step from the config in force).
+        sampling_for: the SamplingSpec of a 0-based step (``OnlineRun.sampling_for``).
+
+    Raises:
+        rlray.data.DataError: the prompt files cannot be read (names the file and line).
+    """
+    render = dict(instruction=cfg.data.instruction, system_prompt=cfg.data.system_prompt)
+    all_train_rows = load_prompt_rows(cfg.data.train_files, prompt_column=cfg.data.prompt_column)
+    train_rows, train_ids, skipped = prepare_prompts(
+        all_train_rows, tokenizer, max_prompt_tokens=cfg.data.max_prompt_tokens, long_prompts=cfg.data.long_prompts,
+        **render,
+    )
+    stream = PromptStream(train_rows, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
+    eval_prompts: list[tuple[PromptRow, list[int]]] = []
+    if cfg.eval.num_problems:
+        eval_rows = load_prompt_rows(cfg.data.eval_files, prompt_column=cfg.data.prompt_column)[: cfg.eval.num_problems]
+        rows, ids, _ = prepare_prompts(eval_rows, tokenizer, max_prompt_tokens=10**9, **render)
+        eval_prompts = list(zip(rows, ids, strict=True))
+    columns = build.dataset_columns(all_train_rows + [r for r, _ in eval_prompts])
+    fleet = RolloutFleet(actors, node_wait_s=cfg.resources.node_wait_s)
+    rollouts = build.episode_rollout(cfg, fleet, env_hosts, tokenizer) if cfg.env.enabled else fleet
+    here = ray.get_runtime_context().get_node_id()
+    overlap, why = build.rollout_overlap(cfg, plan, shares_node=any(gcs_actor_node(a) in (None, here) for a in actors))
+    if cfg.rollout.max_staleness:
+        log.info("async rollouts (max_staleness %d): overlap %s (%s)", cfg.rollout.max_staleness,
+                 "on" if overlap else "off", why)
+    pipeline = RolloutPipeline(rollouts, take_prompts, sampling_for, cfg.rollout.max_staleness,
+                               cursor=stream.state_dict, restore_cursor=stream.load_state_dict, overlap=overlap)
+    return OnlineLead(
+        stream=stream, prompt_ids={r.prompt_id: ids for r, ids in zip(train_rows, train_ids, strict=True)},
+        skipped_long_prompts=skipped, eval_prompts=eval_prompts, reward_columns=columns,
+        reward=build.reward_client(cfg, columns), reward_kwargs=build.scorer_kwargs(cfg, columns), fleet=fleet,
+        rollouts=rollouts, pipeline=pipeline, logged=FleetCounts(),
+    )
