@@ -195,11 +195,12 @@ def list_queue() -> type[ListQueue]:
 def tiny_grpo_run(tmp_path, gsm8k_dir):
     """A function that runs configs/grpo_gsm8k_tiny.yaml for 3 steps with extra overrides and a length reward
     (a random model never solves GSM8K), asserts the main-job checks shared by the end-to-end tests (run
-    FINISHED, each of ``required`` metric keys logged at steps 1-3 and declared in METRIC_KEYS, finite losses)
+    FINISHED, each of ``required`` metric keys logged at steps 1-3 and declared in rlray.observe.metrics, finite losses)
     and returns (MLflow uri, result, metrics)."""
     from rlray.config import RewardFunctionConfig, load_config
     from rlray.launch.driver import run_training
-    from rlray.observe.tracking import METRIC_KEYS, get_run_metrics, term_keys
+    from rlray.observe.metrics import METRIC_KEYS, term_keys
+    from rlray.observe.tracking import get_run_metrics
 
     def run(required: list[str], *overrides: str):
         uri = f"sqlite:///{tmp_path}/mlflow.db"

@@ -5,9 +5,10 @@ A quiet console by default (``-v``/``--verbose`` shows everything):
 - start lines (``start_lines``): the MLflow run and how to open it, the live page with /health and /metrics, the
   Ray dashboard, and the snapshot and log folders;
 - one progress bar drawn by the driver (``DriverProgress``) from what the learner reports to the monitor (step,
-  reward, KL, tokens/s, step time, and an ETA from the driver's clock); it moves once per step and ends at 100%
-  when the run finishes. Where the console is not a terminal (``ray job logs``) it prints one plain line per step
-  ('rlray step 3/30 (10%) reward=0.412 kl=0.0031 ...');
+  the figures of the metric registry's ``PROGRESS_FIELDS``: reward, KL, loss, tokens/s, step time; and an ETA from
+  the driver's clock); it moves once per step and ends at 100% when the run finishes. Where the console is not a
+  terminal (``ray job logs``) it prints one plain line per step, every step in order even when one poll finds
+  several new ones ('rlray step 3/30 (10%) reward=0.412 kl=0.0031 ...');
 - the monitor's alerts (guard trips, restarts, stalls, failed snapshots) printed as they come: rlray's warnings
   forwarded on purpose, while other processes' output stays in their log files (Ray's log forwarding off);
 - last lines (``end_lines``): how the run ended and the folder that holds every log.
@@ -28,9 +29,12 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 from tqdm import tqdm
+
+from rlray.observe.metrics import PROGRESS_FIELDS
+from rlray.observe.monitor import Progress, StepProgress
 
 log = logging.getLogger(__name__)
 
@@ -42,14 +46,6 @@ RAY_LOGS = "ray"  # subfolder of the run's log folder with Ray's log files
 # console routes them through the root logger instead, so they reach driver.log and the console shows them only
 # with --verbose.
 SELF_PRINTING_LOGGERS = ("mlflow", "ray", "vllm", "transformers", "datasets")
-# (metric key, label, format) of the bar's figures, in order; a key the run does not log is left out
-PROGRESS_FIELDS: tuple[tuple[str, str, str], ...] = (
-    ("reward/mean", "reward", "{:.3f}"),
-    ("algo/kl", "kl", "{:.4f}"),
-    ("learner/loss", "loss", "{:.4f}"),
-    ("perf/tokens_per_s", "tokens/s", "{:.0f}"),
-    ("timing/step_s", "step", "{:.1f}s"),
-)
 
 
 # --------------------------------------------------------------------------------------------
@@ -201,8 +197,8 @@ def duration_text(seconds: float) -> str:
 
 def progress_fields(metrics: dict[str, float], eta_s: float | None) -> str:
     """Returns the bar's figures, e.g. 'reward=0.412 kl=0.0031 tokens/s=912 step=12.3s eta=5m33s': each of
-    ``PROGRESS_FIELDS`` the step logged, and the ETA in seconds (left out when None)."""
-    parts = [f"{label}={fmt.format(metrics[key])}" for key, label, fmt in PROGRESS_FIELDS if key in metrics]
+    ``metrics.PROGRESS_FIELDS`` the step logged, and the ETA in seconds (left out when None)."""
+    parts = [f"{f.label}={f.fmt.format(metrics[f.key])}" for f in PROGRESS_FIELDS if f.key in metrics]
     if eta_s is not None:
         parts.append(f"eta={duration_text(eta_s)}")
     return " ".join(parts)
@@ -212,30 +208,33 @@ def progress_fields(metrics: dict[str, float], eta_s: float | None) -> str:
 # The bar
 # --------------------------------------------------------------------------------------------
 class DriverProgress:
-    """One progress bar of a run, drawn in the driver process from the monitor's progress document
-    (``RunMonitor.progress``: step, status, alerts, the last step's metrics).
+    """One progress bar of a run, drawn in the driver process from the monitor's progress record
+    (``rlray.observe.monitor.Progress``: status, alerts, the recorded steps with their figures).
 
-    ``show`` applies one document: the bar moves to its step (once per step, never backwards except after a
-    rollback) with ``progress_fields`` as its figures, and each new alert is printed once. The ETA is the steps
-    left times the driver's mean wall time per step seen so far (the first step, which includes start-up, is
-    not counted). ``start`` polls every ``interval_s`` on a daemon thread; ``close`` polls once more, so a
-    finished run's bar ends at its last step (100%).
+    ``show`` applies one record: each recorded step not shown yet, in the order the monitor recorded them, moves the
+    bar to that step (never backwards except after a rollback) with ``progress_fields`` as its figures, or prints its
+    plain line; each new alert is printed once. A poll that comes after two steps therefore still shows both. Before
+    the first recorded step the bar stands at the heartbeat's step (a resumed run's snapshot step). The ETA is the
+    steps left times the driver's mean wall time per step seen so far (the first step, which includes start-up, is
+    not counted). ``start`` polls every ``interval_s`` on a daemon thread; ``close`` polls once more, so a finished
+    run's bar ends at its last step (100%).
 
     Args:
         total_steps: ``run.max_steps``.
-        poll: returns the monitor's progress document (a Ray call in the driver; a dict in tests).
+        poll: returns the monitor's progress record (a Ray call in the driver).
         stream: where the bar goes (default stderr).
         interval_s: seconds between polls.
         tty: draw a bar (True) or one plain line per step (False); default ``stream.isatty()``.
     """
 
-    def __init__(self, total_steps: int, poll: Callable[[], dict[str, Any]], *, stream: TextIO | None = None,
+    def __init__(self, total_steps: int, poll: Callable[[], Progress], *, stream: TextIO | None = None,
                  interval_s: float = 1.0, tty: bool | None = None) -> None:
         self.total_steps, self.poll, self.interval_s = total_steps, poll, interval_s
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty() if tty is None else tty
         self.step: int | None = None
-        self.seen_alerts: set[tuple[Any, ...]] = set()
+        self.seq = 0  # the last recorded step shown (``StepProgress.seq``)
+        self.seen_alerts: set[tuple[str, int | None, float | None]] = set()
         self._first: tuple[int, float] | None = None  # (step, monotonic time) of the first step seen
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -252,35 +251,44 @@ class DriverProgress:
         per_step = (now - self._first[1]) / (step - self._first[0])
         return per_step * max(0, self.total_steps - step)
 
-    def show(self, doc: dict[str, Any]) -> list[str]:
-        """Applies one progress document; returns the plain lines printed (alerts, and the step line without a tty)."""
+    def show(self, progress: Progress) -> list[str]:
+        """Applies one progress record; returns the plain lines printed (alerts, and each new step's line without a
+        tty), in order."""
         printed: list[str] = []
         with self._lock:
-            for alert in doc.get("alerts") or []:
-                key = (alert["kind"], alert["step"], alert["time"])
+            for alert in progress.alerts:
+                key = (alert.kind, alert.step, alert.time)
                 if key not in self.seen_alerts:
                     self.seen_alerts.add(key)
-                    printed.append(f"rlray: alert {alert['kind']} at step {alert['step']}: {alert['message']}")
-            step = int(doc["step"])
-            moved = step != self.step and step > 0
-            if moved:
-                now = time.monotonic()
-                if self._first is None or step < self._first[0]:
-                    self._first = (step, now)
-                fields = progress_fields(doc.get("metrics") or {}, self.eta_s(step, now))
-                self.step = step
-                if self.bar is not None:
-                    self.bar.set_postfix_str(fields, refresh=False)
-                    self.bar.n = step  # absolute: a resume starts at its snapshot's step, a rollback goes back
-                    self.bar.refresh()
-                else:
-                    printed.append(f"rlray step {step}/{self.total_steps} ({100 * step // self.total_steps}%) {fields}")
+                    printed.append(f"rlray: alert {alert.kind} at step {alert.step}: {alert.message}")
+            new = [r for r in progress.steps if r.seq > self.seq]
+            for record in new:
+                line = self._move(record)
+                if line is not None:
+                    printed.append(line)
+            if not new and self.seq == 0 and self.bar is not None and 0 < progress.step != self.bar.n:
+                self.bar.n = progress.step  # a resumed run before its first step: the snapshot's step
+                self.bar.refresh()
             for line in printed:
                 if self.bar is not None:
                     self.bar.write(line, file=self.stream)  # above the bar, which is drawn again below
                 else:
                     print(line, file=self.stream, flush=True)
         return printed
+
+    def _move(self, record: StepProgress) -> str | None:
+        """Moves to a recorded step; returns its plain line (None with a bar, which is redrawn instead)."""
+        now = time.monotonic()
+        if self._first is None or record.step < self._first[0]:
+            self._first = (record.step, now)
+        fields = progress_fields(record.metrics, self.eta_s(record.step, now))
+        self.step, self.seq = record.step, record.seq
+        if self.bar is None:
+            return f"rlray step {record.step}/{self.total_steps} ({100 * record.step // self.total_steps}%) {fields}"
+        self.bar.set_postfix_str(fields, refresh=False)
+        self.bar.n = record.step  # absolute: a resume starts at its snapshot's step, a rollback goes back
+        self.bar.refresh()
+        return None
 
     def start(self) -> DriverProgress:
         """Starts polling on a daemon thread; returns self."""

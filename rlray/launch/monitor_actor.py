@@ -14,7 +14,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlray.config import Config
 from rlray.observe import page
-from rlray.observe.monitor import Alerter, RunMonitor
+from rlray.observe.monitor import Alert, Alerter, Progress, RunMonitor
 from rlray.observe.samples import StepSample
 from rlray.observe.tracking import Tracker
 
@@ -80,11 +80,11 @@ class MonitorActor:
         """Returns the /health document."""
         return self.monitor.health()
 
-    def progress(self) -> dict:
-        """Returns the /health document plus the last step's metrics (the driver's progress bar)."""
+    def progress(self) -> Progress:
+        """Returns the driver's progress record (``RunMonitor.progress``: status, alerts, the recorded steps)."""
         return self.monitor.progress()
 
-    def alerts(self) -> list[dict]:
+    def alerts(self) -> list[Alert]:
         """Returns every alert sent so far."""
         return list(self.monitor.alerts)
 

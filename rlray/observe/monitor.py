@@ -1,12 +1,17 @@
-"""Run monitor: the live page (GET /, /api/metrics, /api/samples), GET /health and /metrics, heartbeats and
-stall detection, alerts.
+"""Run monitor: the live page (GET /, /api/charts, /api/metrics, /api/samples), GET /health and /metrics, heartbeats
+and stall detection, alerts, and the driver's progress record.
 
 ``RunMonitor`` is a plain class; the driver runs it in a Ray actor (``rlray.launch.monitor_actor.MonitorActor``) on
 its own node, so it outlives learner restarts. Learner rank 0 sends it heartbeats, step figures and
 alerts. One ``MetricsRegistry`` feeds both Ray's metrics (``ray.util.metrics``, scraped by the Ray
 dashboard and Prometheus as ``ray_rlray_*``) and the ``/metrics`` page (``rlray_*``), so the two never
-disagree. The same step reports feed the live page's curves (``rlray.observe.page.PageData``), and rank 0
-sends each step's kept samples for its sample viewer.
+disagree; the gauges that show a step metric are the metric registry's ``STEP_GAUGES``. The same step reports feed
+the live page's curves (``rlray.observe.page.PageData``; the HTTP routing is ``page.PageServer``, shared with a
+stored run), and rank 0 sends each step's kept samples for its sample viewer.
+
+The driver's console polls ``progress``: a ``Progress`` record holding every recorded step of the last
+``PROGRESS_STEPS`` (``StepProgress``, numbered in the order recorded), so a poll that comes after two short steps
+still sees both and the console prints a line for each.
 """
 
 from __future__ import annotations
@@ -16,14 +21,17 @@ import logging
 import threading
 import time
 import urllib.request
-from http.server import ThreadingHTTPServer
+from collections import deque
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import prometheus_client
 from ray.util import metrics as ray_metrics_api
 from tenacity import retry, stop_after_attempt, wait_exponential
 
+from rlray.observe import metrics as registry
 from rlray.observe import page
+from rlray.observe.page import HEALTH_ALERTS, Alert
 from rlray.observe.samples import StepSample
 
 log = logging.getLogger(__name__)
@@ -32,10 +40,7 @@ GAUGES: dict[str, str] = {
     "rlray_step": "RL steps finished",
     "rlray_epoch": "data epoch of the training cursor",
     "rlray_policy_version": "policy version held by the rollout engines",
-    "rlray_reward_mean": "mean reward of the last step",
-    "rlray_kl": "mean per-token KL to the reference of the last step (nats)",
-    "rlray_tokens_per_s": "generated tokens per second of wall time in the last step",
-    "rlray_staleness": "policy versions between the learner and the rollouts of the last step",
+    **{g.name: g.help for g in registry.STEP_GAUGES},  # set from a step metric at each recorded step
     "rlray_healthy": "1 when healthy, 0 when stalled or stopped",
     "rlray_heartbeat_age_s": "seconds since the last heartbeat",
     "rlray_snapshot_step": "step of the last complete snapshot",
@@ -45,14 +50,41 @@ COUNTERS: dict[str, str] = {
     "rlray_alerts": "alerts sent",
     "rlray_snapshot_failures": "snapshots that failed to write",
 }
-HEALTH_ALERTS = 5  # the newest alerts /health (and the page's status bar) lists
-# gauge -> the step metric it shows (tracking.METRIC_KEYS)
-FROM_STEP_METRICS: dict[str, str] = {
-    "rlray_reward_mean": "reward/mean",
-    "rlray_kl": "algo/kl",
-    "rlray_tokens_per_s": "perf/tokens_per_s",
-    "rlray_staleness": "rollout/staleness_mean",
-}
+PROGRESS_STEPS = 500  # recorded steps the progress record keeps (a console that polls late still prints each)
+
+
+@dataclass(frozen=True)
+class StepProgress:
+    """One recorded step as the driver's console shows it.
+
+    Attributes:
+        seq: 1, 2, ... in the order the monitor recorded steps (a step run again after a rollback gets a new one).
+        step: the 1-based step.
+        metrics: the step's figures of ``metrics.PROGRESS_FIELDS`` that it logged.
+    """
+
+    seq: int
+    step: int
+    metrics: dict[str, float]
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What the driver's console shows (``RunMonitor.progress``; ``rlray.launch.console.DriverProgress``).
+
+    Attributes:
+        status: healthy, stalled or stopped.
+        reason: why stalled or stopped; None while healthy.
+        step: the run's position by its last heartbeat (a resumed run's snapshot step before its first step ends).
+        alerts: the newest ``HEALTH_ALERTS`` alerts, oldest first.
+        steps: the recorded steps, oldest first: the last ``PROGRESS_STEPS`` of them.
+    """
+
+    status: str
+    reason: str | None
+    step: int
+    alerts: tuple[Alert, ...]
+    steps: tuple[StepProgress, ...]
 
 
 class MetricsRegistry:
@@ -163,8 +195,8 @@ class Alerter:
         post()
 
 
-class RunMonitor:
-    """Health of one run: status, progress, heartbeats, alerts, and the HTTP server that shows them.
+class RunMonitor(page.PageServer):
+    """Health of one run: status, progress, heartbeats, alerts, and the page that shows them (``page.PageServer``).
 
     Status is ``healthy`` while heartbeats come, ``stalled`` after 2 heartbeat intervals without one,
     and ``stopped`` (with a reason) once the run ends.
@@ -181,21 +213,18 @@ class RunMonitor:
 
     def __init__(self, run_id: str, *, heartbeat_s: float, alerter: Alerter, ray_metrics: bool = False,
                  kl_limit: float | None = None, page_sample_steps: int = 20, bands: tuple[page.Band, ...] = ()) -> None:
-        self.run_id = run_id
+        super().__init__(run_id, page.PageData(page_sample_steps, kl_limit, bands))
         self.heartbeat_s = heartbeat_s
         self.alerter = alerter
         self.metrics = MetricsRegistry(run_id, ray_metrics=ray_metrics)
         self.status, self.reason = "healthy", None
         self.step = self.epoch = self.policy_version = 0
         self.snapshot_step: int | None = None
-        self.last_metrics: dict[str, float] = {}  # the last finished step's metrics (the driver's progress bar)
-        self.page = page.PageData(page_sample_steps, kl_limit, bands)
+        self.recorded: deque[StepProgress] = deque(maxlen=PROGRESS_STEPS)  # the driver's console reads them
         self.last_heartbeat = time.monotonic()
         self.learner_starts = 0
-        self.alerts: list[dict[str, Any]] = []
+        self.alerts: list[Alert] = []
         self._lock = threading.Lock()
-        self._server: ThreadingHTTPServer | None = None
-        self._stop = threading.Event()
         self.metrics.set("rlray_healthy", 1.0)  # exported from the start, not only after the first stall check
         self._watcher = threading.Thread(target=self._watch, name="rlray-stall-watch", daemon=True)
         self._watcher.start()
@@ -215,13 +244,15 @@ class RunMonitor:
             self.metrics.set(name, value)
 
     def record_step(self, step: int, epoch: int, policy_version: int, step_metrics: dict[str, float]) -> None:
-        """Records a finished step (counts as a heartbeat): its headline figures and the page's curves."""
+        """Records a finished step (counts as a heartbeat): its progress record, gauges and the page's curves."""
         self.beat(step, epoch, policy_version)
+        shown = {f.key: float(step_metrics[f.key]) for f in registry.PROGRESS_FIELDS if f.key in step_metrics}
         with self._lock:
-            self.last_metrics = {k: float(v) for k, v in step_metrics.items()}
-        for gauge, key in FROM_STEP_METRICS.items():
-            if key in step_metrics:
-                self.metrics.set(gauge, float(step_metrics[key]))
+            seq = self.recorded[-1].seq + 1 if self.recorded else 1
+            self.recorded.append(StepProgress(seq, step, shown))
+        for gauge in registry.STEP_GAUGES:
+            if gauge.key in step_metrics:
+                self.metrics.set(gauge.name, float(step_metrics[gauge.key]))
         self.page.record_step(step, step_metrics)
 
     def record_samples(self, step: int, samples: list[StepSample]) -> None:
@@ -254,7 +285,7 @@ class RunMonitor:
         """Sends an alert (guard_trip, restart, stall, snapshot_failed, ...) to every configured sink."""
         fields = {"run_id": self.run_id, "step": self.step if step is None else step, "time": time.time()}
         with self._lock:
-            self.alerts.append({"kind": kind, "message": message, **fields})
+            self.alerts.append(Alert(kind, message, fields["step"], fields["time"]))
         self.metrics.inc("rlray_alerts")
         self.alerter.send(kind, message, fields)
 
@@ -281,16 +312,16 @@ class RunMonitor:
                 "run_id": self.run_id,
                 "restarts": max(0, self.learner_starts - 1),
                 "snapshot_step": self.snapshot_step,
-                "alerts": [{k: a[k] for k in ("kind", "message", "step", "time")} for a in self.alerts[-HEALTH_ALERTS:]],
+                "alerts": [asdict(a) for a in self.alerts[-HEALTH_ALERTS:]],
             }
 
-    def progress(self) -> dict[str, Any]:
-        """Returns what the driver's progress bar shows (``rlray.launch.console.DriverProgress``): the /health
-        document plus ``metrics``, the last finished step's metrics as recorded ({} before the first step)."""
-        doc = self.health()
+    def progress(self) -> Progress:
+        """Returns what the driver's console shows: status, the heartbeat's step, the newest alerts and the recorded
+        steps (``Progress``)."""
+        self.check_stall()
         with self._lock:
-            doc["metrics"] = dict(self.last_metrics)
-        return doc
+            return Progress(self.status, self.reason, self.step, tuple(self.alerts[-HEALTH_ALERTS:]),
+                            tuple(self.recorded))
 
     def check_stall(self) -> bool:
         """Marks the run stalled (and alerts once) when no heartbeat came for 2 intervals; returns True if so."""
@@ -306,47 +337,10 @@ class RunMonitor:
             self.alert("stall", self.reason)
         return stalled
 
-    # ---- HTTP ---------------------------------------------------------------------------------
-    def respond(self, path: str, query: dict[str, list[str]]) -> tuple[int, bytes, str]:
-        """Returns (HTTP status, body, content type) of GET ``path`` with ``query``.
-
-        Routes: / and /static/monitor.js (the page), /api/metrics?since=STEP (the plotted figures of the
-        steps after STEP; 0 or absent: all), /api/samples?step=N (the kept samples of step N, absent: the
-        newest; 404 when not kept), /health (JSON), /metrics (Prometheus text). Errors are JSON {error}.
-        """
-        if path in page.STATIC:
-            return (200, *page.static_file(path))
-        if path == "/metrics":
-            self.check_stall()
-            return 200, self.metrics.render(), prometheus_client.CONTENT_TYPE_LATEST
-        try:
-            if path == "/health":
-                code, doc = 200, self.health()
-            elif path == "/api/metrics":
-                code, doc = 200, {"run_id": self.run_id, **self.page.metrics_since(page.int_arg(query, "since", 0))}
-            elif path == "/api/samples":
-                code, doc = self.page.samples_of(page.int_arg(query, "step", None))
-            else:
-                code, doc = 404, {"error": f"no page at {path}; GET /, /api/metrics, /api/samples, /health or /metrics"}
-        except ValueError as err:
-            code, doc = 400, {"error": str(err)}
-        return code, page.json_bytes(doc), "application/json"
-
-    def serve(self, host: str, port: int) -> int:
-        """Starts the HTTP server (``respond``: the page, its JSON, /health, /metrics) in a thread; returns the bound port.
-
-        Raises:
-            OSError: the port is taken (the message names host and port).
-        """
-        self._server = page.serve_http(self.respond, host, port)
-        return int(self._server.server_address[1])
-
-    def close(self) -> None:
-        """Stops the HTTP server and the stall watcher."""
-        self._stop.set()
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+    def prometheus(self) -> tuple[bytes, str]:
+        """Returns (/metrics body, content type): every gauge and counter after a stall check (``page.PageServer``)."""
+        self.check_stall()
+        return self.metrics.render(), prometheus_client.CONTENT_TYPE_LATEST
 
     def _watch(self) -> None:
         while not self._stop.wait(min(1.0, self.heartbeat_s / 4)):

@@ -1,12 +1,16 @@
 """The monitor's live page: the figures it plots, the samples it shows, and its files.
 
 ``PageData`` keeps what the page needs as the learner reports it (``RunMonitor.record_step`` and
-``record_samples``): the series of the keys the page plots (``is_page_key``), appended once per step, and
+``record_samples``): the series of the keys the page plots (``metrics.is_charted``), appended once per step, and
 the kept samples of the last ``sample_steps`` steps. A request reads a slice (``metrics_since``: only the
 steps after the page's last one), so polling costs the new steps, never the whole history.
 
+``PageServer`` is the one HTTP routing of the page, for the live monitor (``RunMonitor``) and for a run read back
+from MLflow (``rlray.observe.stored.StoredRun``); each gives its own /health document and samples.
+
 The page itself is two files in ``page/`` served as they are: ``index.html`` and ``monitor.js``, which
-polls ``/api/metrics``, ``/api/samples`` and ``/health`` and draws the curves as inline SVG with its own
+reads the chart definitions once from ``/api/charts`` (the metric registry's ``CHARTS``, as data), polls
+``/api/metrics``, ``/api/samples`` and ``/health``, and draws the curves as inline SVG with its own
 small functions (no CDN, no internet, no JavaScript package). Sample text reaches the page as JSON data and
 is put into the DOM with ``textContent`` only; the page's Content-Security-Policy allows scripts from the
 monitor's own origin alone, so text that holds ``<script>`` can never run.
@@ -26,8 +30,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from rlray.observe import metrics
 from rlray.observe.samples import StepSample, json_row
-from rlray.observe.tracking import METRIC_KEYS, STAGES
 
 PAGE_DIR = Path(__file__).with_name("page")
 STATIC: dict[str, tuple[str, str]] = {  # URL path -> (file in PAGE_DIR, content type)
@@ -39,29 +43,25 @@ CONTENT_SECURITY_POLICY = (
     "connect-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'"
 )
 
-# The step metrics the page plots; reward terms (reward/<term>) are added by ``is_page_key``.
-PAGE_KEYS: tuple[str, ...] = (
-    "reward/mean",
-    "eval/reward_mean",
-    "learner/pg_loss",
-    "learner/value_loss",
-    "learner/grad_norm",
-    "algo/kl",
-    "algo/entropy",
-    "rollout/response_tokens_mean",
-    "rollout/truncated_rate",
-    "perf/tokens_per_s",
-    "perf/generated_tokens_per_s",
-    *(f"timing/{s}_s" for s in STAGES),
-)
+HEALTH_ALERTS = 5  # the newest alerts /health (and the page's status bar) lists
 
 
-def is_page_key(key: str) -> bool:
-    """Returns True for a step metric the page plots: ``PAGE_KEYS`` and each reward term's mean (reward/<term>:
-    a reward/ key that is not one of ``METRIC_KEYS`` and not a term's skipped count)."""
-    if key in PAGE_KEYS:
-        return True
-    return key.startswith("reward/") and key not in METRIC_KEYS and not key.endswith("_skipped")
+@dataclass(frozen=True)
+class Alert:
+    """One alert the monitor sent.
+
+    Attributes:
+        kind: guard_trip, restart, stall, snapshot_failed, ...
+        message: what happened, for people.
+        step: the run's step when it was sent; None where unknown (a stored run's alert tags keep no step).
+        time: Unix seconds when it was sent; None where unknown.
+    """
+
+    kind: str
+    message: str
+    step: int | None
+    time: float | None
+
 
 
 def _json_number(value: float) -> float | None:
@@ -148,21 +148,21 @@ class PageData:
         self._samples: OrderedDict[int, list[dict[str, Any]]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def record_step(self, step: int, metrics: dict[str, float]) -> None:
+    def record_step(self, step: int, step_metrics: dict[str, float]) -> None:
         """Appends a step's plotted figures and the bands it is outside ({metric: reason}); a step at or before the
         last one (a rollback or a restart ran it again) first drops the steps from it on and changes ``history_id``.
 
         Costs O(window) per band, never the whole history."""
-        point: dict[str, Any] = {"step": step, "values": {k: _json_number(v) for k, v in metrics.items() if is_page_key(k)},
-                                 "outside": {}}
+        values = {k: _json_number(v) for k, v in step_metrics.items() if metrics.is_charted(k)}
+        point: dict[str, Any] = {"step": step, "values": values, "outside": {}}
         with self._lock:
             if self._steps and step <= self._steps[-1]:
                 cut = bisect.bisect_left(self._steps, step)
                 del self._steps[cut:], self._points[cut:]
                 self.history_id += 1
             for band in self.bands:
-                if band.metric in metrics and band.metric not in point["outside"]:
-                    value = float(metrics[band.metric])
+                if band.metric in step_metrics and band.metric not in point["outside"]:
+                    value = float(step_metrics[band.metric])
                     recent = [(p["step"], p["values"][band.metric]) for p in self._points[-band.window :]
                               if p["values"].get(band.metric) is not None]
                     reason = outside_band(band, value, recent + ([(step, value)] if math.isfinite(value) else []))
@@ -221,7 +221,7 @@ def static_file(path: str) -> tuple[bytes, str] | None:
     return (PAGE_DIR / name).read_bytes(), ctype
 
 
-# (URL path, query) -> (HTTP status, body, content type): ``RunMonitor.respond`` and ``StoredRun.respond``
+# (URL path, query) -> (HTTP status, body, content type): ``PageServer.respond``
 Responder = Callable[[str, dict[str, list[str]]], tuple[int, bytes, str]]
 
 
@@ -274,3 +274,80 @@ def int_arg(query: dict[str, list[str]], name: str, default: int | None) -> int 
         return int(values[-1])
     except ValueError:
         raise ValueError(f"{name}={values[-1]!r} is not a step number; use an integer, e.g. {name}=12") from None
+
+
+class PageServer:
+    """The page's HTTP routing for one run, shared by the live monitor and a run read back from MLflow.
+
+    Routes (``respond``): / and /static/monitor.js (the page), /api/charts (the chart definitions:
+    ``metrics.charts_document``), /api/metrics?since=STEP (the plotted figures of the steps after STEP; 0 or absent:
+    all), /api/samples?step=N (the kept samples of step N, absent: the newest; 404 when not kept), /health (JSON) and
+    /metrics (Prometheus text, where ``prometheus`` has it; 404 otherwise). Errors are JSON {error}.
+
+    A subclass gives ``health`` and may override ``samples_of`` and ``prometheus``; ``serve`` starts the server and
+    ``close`` stops it (and sets ``_stop``, which a subclass's threads wait on).
+
+    Args:
+        run_id: the MLflow run id shown.
+        data: the page's figures and samples.
+        source: how the run is read, for error messages ("" for a live run).
+    """
+
+    def __init__(self, run_id: str, data: PageData, source: str = "") -> None:
+        self.run_id = run_id
+        self.page = data
+        self.source = source
+        self._server: ThreadingHTTPServer | None = None
+        self._stop = threading.Event()
+
+    def health(self) -> dict[str, Any]:
+        """Returns the /health document (status, reason, step, alerts, ...)."""
+        raise NotImplementedError
+
+    def samples_of(self, step: int | None) -> tuple[int, dict[str, Any]]:
+        """Returns (HTTP status, /api/samples document) of ``step`` (None: the newest kept step)."""
+        return self.page.samples_of(step)
+
+    def prometheus(self) -> tuple[bytes, str] | None:
+        """Returns (/metrics body, content type), or None when this run has no Prometheus figures (404)."""
+        return None
+
+    def respond(self, path: str, query: dict[str, list[str]]) -> tuple[int, bytes, str]:
+        """Returns (HTTP status, body, content type) of GET ``path`` with ``query`` (the routes: the class docstring)."""
+        if path in STATIC:
+            return (200, *static_file(path))
+        exposition = self.prometheus() if path == "/metrics" else None
+        if exposition is not None:
+            return (200, *exposition)
+        try:
+            if path == "/health":
+                code, doc = 200, self.health()
+            elif path == "/api/charts":
+                code, doc = 200, metrics.charts_document()
+            elif path == "/api/metrics":
+                code, doc = 200, {"run_id": self.run_id, **self.page.metrics_since(int_arg(query, "since", 0))}
+            elif path == "/api/samples":
+                code, doc = self.samples_of(int_arg(query, "step", None))
+            else:
+                routes = "/, /api/charts, /api/metrics, /api/samples, /health"
+                routes += (" or /metrics" if not self.source else " (/metrics is served by a live run's monitor only)")
+                code, doc = 404, {"error": f"no page at {path}{self.source}; GET {routes}"}
+        except ValueError as err:
+            code, doc = 400, {"error": str(err)}
+        return code, json_bytes(doc), "application/json"
+
+    def serve(self, host: str, port: int) -> int:
+        """Starts the HTTP server (``respond``) in a thread; returns the bound port.
+
+        Raises:
+            OSError: the address cannot be bound (the message names host and port).
+        """
+        self._server = serve_http(self.respond, host, port)
+        return int(self._server.server_address[1])
+
+    def close(self) -> None:
+        """Stops the HTTP server and sets ``_stop`` (the subclass's threads end)."""
+        self._stop.set()
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()

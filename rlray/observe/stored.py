@@ -1,11 +1,11 @@
 """A read-only monitor of a run kept in MLflow (``rlray monitor RUN_ID``): the live page for yesterday's run.
 
 ``StoredRun`` reads a run's step metrics, status, tags and samples tables from its MLflow store and answers the
-page's requests exactly as the live monitor does (``/``, ``/api/metrics``, ``/api/samples``, ``/health``), so the
-same page shows it. It reads the metrics once at start, and again every ``refresh_s`` seconds in a background
-thread while the run is still RUNNING (never per request). Samples tables are read when the page first asks
-for a step and the last ``sample_cache_steps`` of them are held. ``/metrics`` (Prometheus) belongs to a live run
-and answers 404 here.
+page's requests through the live monitor's own routing (``page.PageServer``: ``/``, ``/api/charts``,
+``/api/metrics``, ``/api/samples``, ``/health``), so the same page shows it. It reads the metrics once at start, and
+again every ``refresh_s`` seconds in a background thread while the run is still RUNNING (never per request). Samples
+tables are read when the page first asks for a step and the last ``sample_cache_steps`` of them are held. ``/metrics``
+(Prometheus) belongs to a live run and answers 404 here.
 
 ``/health`` is rebuilt from what MLflow holds: status ``stopped`` (reason: the run's ``rlray.stop_reason`` tag, else
 its MLflow status) for an ended run; for a RUNNING one ``healthy`` while its last metric is younger than two
@@ -20,12 +20,13 @@ import re
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import asdict
 from typing import Any
 
 import yaml
 
 from rlray.config import MonitorConfig
-from rlray.observe import page, tracking
+from rlray.observe import metrics, page, tracking
 from rlray.observe.samples import rows_from_table
 
 log = logging.getLogger(__name__)
@@ -55,8 +56,8 @@ def _bands(config: dict[str, Any]) -> tuple[page.Band, ...]:
     return tuple(bands)
 
 
-class StoredRun:
-    """The page's data of one MLflow run, read-only.
+class StoredRun(page.PageServer):
+    """The page of one MLflow run, read-only (``page.PageServer`` with /health and samples rebuilt from MLflow).
 
     Args:
         uri: the MLflow tracking URI (``tracking.mlflow_uri``).
@@ -69,7 +70,7 @@ class StoredRun:
     """
 
     def __init__(self, uri: str, run_id: str, *, refresh_s: float = 10.0, sample_cache_steps: int = 20) -> None:
-        self.uri, self.run_id, self.refresh_s, self.sample_cache_steps = uri, run_id, refresh_s, sample_cache_steps
+        self.uri, self.refresh_s, self.sample_cache_steps = uri, refresh_s, sample_cache_steps
         run = tracking.get_run(uri, run_id)
         try:
             config = yaml.safe_load(tracking.read_artifact_text(uri, run_id, "config/resolved.yaml")) or {}
@@ -77,7 +78,8 @@ class StoredRun:
             log.warning("run %s has no readable config/resolved.yaml (%s): no KL guard line or bands", run_id, err)
             config = {}
         self.heartbeat_s = float((config.get("monitor") or {}).get("heartbeat_s", 300.0))
-        self.page = page.PageData(sample_cache_steps, _kl_limit(config), _bands(config))
+        super().__init__(run_id, page.PageData(sample_cache_steps, _kl_limit(config), _bands(config)),
+                         " for a run read from MLflow")
         self.mlflow_status = run.info.status
         self.tags: dict[str, str] = dict(run.data.tags)
         self.last: dict[str, float] = {}  # newest value of every key (data/epoch, rollout/policy_version, ...)
@@ -85,8 +87,6 @@ class StoredRun:
         self.last_logged_s: float | None = None
         self._samples: OrderedDict[int, list[dict[str, Any]]] = OrderedDict()
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._server = None
         self._refresher: threading.Thread | None = None
         self.refresh()
 
@@ -102,10 +102,10 @@ class StoredRun:
             self.mlflow_status, self.tags = run.info.status, dict(run.data.tags)
             done = self.page.metrics_since(0)["points"]
             last_step = done[-1]["step"] if done else None
-            for step, metrics in by_step.items():
-                self.last.update(metrics)
-                if (last_step is None or step > last_step) and any(page.is_page_key(k) for k in metrics):
-                    self.page.record_step(step, metrics)  # a step with a heartbeat only is no point of the curves
+            for step, step_metrics in by_step.items():
+                self.last.update(step_metrics)
+                if (last_step is None or step > last_step) and any(metrics.is_charted(k) for k in step_metrics):
+                    self.page.record_step(step, step_metrics)  # a step with a heartbeat only is no point of the curves
             self.sample_step_list = steps
             times = [t for t in (heartbeat, beat) if t is not None]
             self.last_logged_s = max(times) if times else run.info.start_time / 1000.0
@@ -147,7 +147,7 @@ class StoredRun:
             else:
                 status, reason = "healthy", None
             snapshot = re.match(r"step_(\d+)", self.tags.get("rlray.last_snapshot", "").rstrip("/").rsplit("/", 1)[-1])
-            alerts = [{"kind": k.removeprefix("rlray.alert."), "message": v, "step": None, "time": None}
+            alerts = [page.Alert(k.removeprefix("rlray.alert."), v, None, None)
                       for k, v in sorted(self.tags.items()) if k.startswith("rlray.alert.")]
             return {
                 "status": status,
@@ -159,47 +159,22 @@ class StoredRun:
                 "run_id": self.run_id,
                 "restarts": None,  # MLflow keeps no count of learner restarts
                 "snapshot_step": int(snapshot.group(1)) if snapshot else None,
-                "alerts": alerts[-5:],
+                "alerts": [asdict(a) for a in alerts[-page.HEALTH_ALERTS:]],
                 "source": "mlflow",
             }
 
-    def respond(self, path: str, query: dict[str, list[str]]) -> tuple[int, bytes, str]:
-        """Returns (HTTP status, body, content type) of GET ``path``: the live monitor's routes (``RunMonitor.respond``)
-        but /metrics, which a stored run does not have (404)."""
-        if path in page.STATIC:
-            return (200, *page.static_file(path))
-        try:
-            if path == "/health":
-                code, doc = 200, self.health()
-            elif path == "/api/metrics":
-                code, doc = 200, {"run_id": self.run_id, **self.page.metrics_since(page.int_arg(query, "since", 0))}
-            elif path == "/api/samples":
-                code, doc = self.samples_of(page.int_arg(query, "step", None))
-            else:
-                code, doc = 404, {"error": f"no page at {path} for a run read from MLflow; GET /, /api/metrics, "
-                                  "/api/samples or /health (/metrics is served by a live run's monitor only)"}
-        except ValueError as err:
-            code, doc = 400, {"error": str(err)}
-        return code, page.json_bytes(doc), "application/json"
-
     def serve(self, host: str, port: int) -> int:
-        """Starts the HTTP server (and, for a RUNNING run, the refresh thread); returns the bound port.
+        """Starts the HTTP server (``page.PageServer.serve``) and, for a RUNNING run, the refresh thread (``close``
+        stops both); returns the bound port.
 
         Raises:
             OSError: the address cannot be bound.
         """
-        self._server = page.serve_http(self.respond, host, port)
+        port = super().serve(host, port)
         if self.mlflow_status not in ENDED:
             self._refresher = threading.Thread(target=self._refresh_loop, name="rlray-stored-refresh", daemon=True)
             self._refresher.start()
-        return int(self._server.server_address[1])
-
-    def close(self) -> None:
-        """Stops the HTTP server and the refresh thread."""
-        self._stop.set()
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+        return port
 
     def _refresh_loop(self) -> None:
         while not self._stop.wait(self.refresh_s) and self.mlflow_status not in ENDED:

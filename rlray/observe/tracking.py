@@ -2,7 +2,8 @@
 
 One run per training job. Params are the flattened config at start; metrics are namespaced
 (``rollout/``, ``reward/``, ``learner/``, ``algo/``, ``timing/``, ``perf/``, ``eval/``); the resolved
-config is an artifact. ``METRIC_KEYS`` is the one list of metric names a step logs. Each online step's kept
+config is an artifact. The keys a run logs, with their units and meanings, are registered in
+``rlray.observe.metrics`` (which imports no mlflow); this module writes whatever it is given. Each online step's kept
 rollouts are a table artifact (``log_samples``: ``samples/step_<step>.json``), and its prompt ledger a JSON
 artifact (``log_ledger``: ``ledger/step_<step>.json``, read back by ``read_ledger``). With ``tensorboard_dir`` every
 metric also goes to TensorBoard event files in ``<tensorboard_dir>/<run id>``, written as it is logged (an
@@ -36,168 +37,10 @@ from mlflow.tracking import MlflowClient
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from rlray.config import Config
+from rlray.observe.metrics import KeySanitizer
 from rlray.observe.samples import StepSample, table_columns
 
 log = logging.getLogger(__name__)
-
-STAGES = ("rollout", "reward", "logprobs", "advantages", "update", "weight_sync", "eval", "step", "snapshot")
-ALGO_STAGES = ("algo_sampling", "reference")  # rank-0 DAPO/ReMax sampling extras; offline reference logprobs (once)
-
-METRIC_KEYS: tuple[str, ...] = (
-    "reward/mean",
-    "reward/std",
-    "reward/failed",
-    "algo/kl",
-    "algo/advantage_abs_mean",
-    "algo/clip_fraction",
-    "algo/groups_without_signal",
-    "learner/pg_loss",
-    "learner/loss",
-    "learner/grad_norm",
-    "learner/lr",
-    "rollout/response_tokens_mean",
-    "rollout/truncated_rate",
-    "rollout/logprob_abs_diff",
-    "algo/rollout_kl",
-    "algo/rollout_ratio_max",
-    "rollout/policy_version",
-    "rollout/staleness_mean",
-    "rollout/staleness_max",
-    "reward/version",
-    "rollout/generated_tokens",
-    "data/epoch",
-    "data/skipped_long_prompts",
-    "perf/tokens_per_s",
-    "perf/generated_tokens_per_s",
-    *(f"timing/{s}_s" for s in STAGES),
-    # online algorithm options (logged when the option is on)
-    "algo/entropy",
-    "algo/dual_clip_fraction",
-    "algo/rollout_is_weight_mean",
-    "algo/rollout_corrected_token_fraction",
-    "algo/rollout_corrected_sequence_fraction",
-    "algo/distill_reverse_kl",  # teacher.divergence=reverse_kl: token mean of log pi_old - log pi_teacher (nats)
-    "algo/distill_jsd",  # teacher.divergence=jsd: token mean of the generalized JSD to the teacher (nats)
-    "algo/dynamic_sampling_rounds",
-    "reward/baseline_mean",
-    "reward/overlong_penalty_mean",
-    "rollout/truncated_masked",
-    "reward/model_score",
-    # PPO's critic
-    "learner/value_loss",
-    "learner/critic_grad_norm",
-    "algo/value_clip_fraction",
-    # offline methods: (implicit) rewards of chosen and rejected responses, per step and on the eval pairs
-    "algo/pairwise_accuracy",
-    "algo/reward_margin",
-    "algo/chosen_reward",
-    "algo/rejected_reward",
-    "algo/kto_kl",
-    "data/train_pairs",
-    "data/eval_pairs",
-    "data/skipped_pairs",
-    *(f"timing/{s}_s" for s in ALGO_STAGES),
-    # operations (guards, rollback, restore, snapshots, heartbeat)
-    "guard/nonfinite_in_row",
-    "run/rollbacks",
-    "run/restored_step",
-    "checkpoint/failures",
-    "monitor/heartbeat_s",
-    "monitor/rss_gib",
-    "monitor/mlflow_outages",  # outages of the MLflow store that began since the previous step was logged
-    "rollout/actor_failures",  # rollout actor failures seen by the fleet since the previous step (rank 0)
-    "rollout/rerun_prompts",  # prompts the fleet sent again (a failed actor's) since the previous step (rank 0)
-    "rollout/actors_alive",  # rollout actors in use after the step; fewer than num_workers after a node loss (rank 0)
-    # environments (multi-turn episodes; logged when env.environments is set)
-    "env/episodes",
-    "env/turns_mean",
-    "env/tool_calls_mean",
-    "env/tool_errors",
-    "env/failed",
-    "env/observation_tokens_mean",
-    "env/observations_truncated",
-    "env/episodes_rerun",
-)
-# Families of metric keys, by prefix: one key per episode stop reason (rlray.envs.episode.STOP_REASONS) and one per
-# number an environment reports in EnvStep.metrics (its mean over the step's episodes).
-METRIC_KEY_PREFIXES: tuple[str, ...] = ("env/stop_reason/", "env/metric/", "eval/env_metric/", "eval/pass@")
-EVAL_KEYS: tuple[str, ...] = (
-    "eval/reward_mean",
-    "eval/num_problems",
-    "eval/response_tokens_mean",
-    "eval/loss",
-    "eval/pairwise_accuracy",
-    "eval/reward_margin",
-    "eval/chosen_reward",
-    "eval/rejected_reward",
-    "eval/env_success",
-    "eval/env_turns_mean",
-    "eval/env_failed",
-)
-# Per reward term (reward.functions[].name, or the function's own name): its mean over the samples it scored
-# and the count it skipped (returned None for), per step and at evaluation.
-TERM_KEY_PATTERNS: tuple[str, ...] = ("reward/{term}", "reward/{term}_skipped", "eval/{term}", "eval/{term}_skipped")
-
-
-# Metric keys of earlier releases and what replaced them (GSM8K's terms became reward functions).
-RENAMED_KEYS: dict[str, str] = {
-    "reward/accuracy": "reward/gsm8k_correct",
-    "reward/format_rate": "reward/gsm8k_format",
-    "eval/accuracy": "eval/gsm8k_correct",
-    "eval/format_rate": "eval/gsm8k_format",
-}
-
-
-def is_metric_key(key: str) -> bool:
-    """Returns True when ``key`` is in ``METRIC_KEYS`` or ``EVAL_KEYS`` or starts with one of ``METRIC_KEY_PREFIXES``
-    (reward terms' keys are checked with ``term_keys``)."""
-    return key in METRIC_KEYS or key in EVAL_KEYS or key.startswith(METRIC_KEY_PREFIXES)
-
-
-def term_keys(terms: list[str] | tuple[str, ...]) -> tuple[str, ...]:
-    """Returns the metric keys of reward terms ``terms`` (``TERM_KEY_PATTERNS`` filled in), e.g. reward/gsm8k_correct."""
-    return tuple(p.format(term=t) for t in terms for p in TERM_KEY_PATTERNS)
-
-
-# What MLflow 3 accepts in a metric name on Linux and macOS (mlflow/utils/validation.py,
-# validate_param_and_metric_name: r"^[/\w.\- :]*$"): alphanumerics and underscores (\w, Unicode), dashes,
-# periods, spaces, colons and slashes. Everything else becomes "_".
-_BAD = re.compile(r"[^\w\-. :/]")
-
-
-def sanitize_key(key: str) -> str:
-    """Returns ``key`` with each character MLflow rejects in a metric name replaced by '_'.
-
-    Kept: what MLflow allows (alphanumerics, underscores, dashes, periods, spaces, colons, slashes). Two keys
-    that differ only in replaced characters ("loss@0", "loss#0") become one; ``KeySanitizer`` refuses that.
-    """
-    return _BAD.sub("_", key)
-
-
-class KeySanitizer:
-    """Sanitises metric keys (``sanitize_key``) and refuses two different keys that would become one.
-
-    It remembers every key it has seen, so a collision is caught across calls as well as within one.
-    """
-
-    def __init__(self) -> None:
-        self._source: dict[str, str] = {}  # sanitised key -> the original key that took it
-
-    def __call__(self, key: str) -> str:
-        """Returns the MLflow key of ``key``.
-
-        Raises:
-            ValueError: another key already became the same MLflow key; names both keys and the shared one.
-        """
-        clean = sanitize_key(key)
-        first = self._source.setdefault(clean, key)
-        if first != key:
-            raise ValueError(
-                f"metric keys {first!r} and {key!r} both become the MLflow key {clean!r} (MLflow allows only "
-                "alphanumerics, '_', '-', '.', ' ', ':' and '/'; the rest become '_'); rename one of them"
-            )
-        return clean
-
 
 def resolve_tracking_uri(uri: str, base: Path | None = None) -> str:
     """Returns ``uri`` with a relative sqlite path made absolute against ``base`` (default: cwd).
@@ -346,7 +189,7 @@ class Tracker:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Logs ``metrics`` at ``step`` (buffered while the store is down); non-finite values are logged as they are.
 
-        Keys are sanitised (``sanitize_key``: characters MLflow rejects become '_'). With ``tensorboard_dir``
+        Keys are sanitised (``metrics.sanitize_key``: characters MLflow rejects become '_'). With ``tensorboard_dir``
         the same keys, values, step and time go to TensorBoard at once.
 
         Raises:

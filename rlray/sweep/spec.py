@@ -18,7 +18,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from rlray.config import Config, ConfigError, config_from_dict, validation_error_lines
 from rlray.config.base import _Section
-from rlray.observe.tracking import METRIC_KEYS, RENAMED_KEYS, term_keys
+from rlray.observe.metrics import METRIC_KEYS, RENAMED_KEYS, term_keys
 
 
 class SweepError(ConfigError):
@@ -91,7 +91,7 @@ class SchedulerSpec(_Strict):
 class SweepConfig(_Strict):
     """A sweep file: what to search, how to rank trials, and the scheduler."""
 
-    metric: str = Field("reward/mean", description="Per-step metric that ranks trials (a key of tracking.METRIC_KEYS, or reward/<term name>).")
+    metric: str = Field("reward/mean", description="Per-step metric that ranks trials (a key of metrics.METRIC_KEYS, or reward/<term name>).")
     mode: Literal["max", "min"] = Field("max", description="Whether a higher or a lower metric is better.")
     space: dict[str, Space] = Field(
         ..., min_length=1, description="Dotted config key -> its values, e.g. learner.lr: {loguniform: [1e-6, 1e-4]}."
@@ -114,7 +114,7 @@ class SweepConfig(_Strict):
             raise ValueError(f"metric={self.metric!r} was renamed {RENAMED_KEYS[self.metric]!r} (a reward function's term)")
         if self.metric not in METRIC_KEYS and not self.metric.startswith("reward/"):  # terms: check_sweep
             raise ValueError(
-                f"metric={self.metric!r} is not a per-step metric; use one of tracking.METRIC_KEYS, e.g. 'reward/mean', "
+                f"metric={self.metric!r} is not a per-step metric; use one of rlray.observe.metrics.METRIC_KEYS, e.g. 'reward/mean', "
                 "or a reward term's reward/<name>"
             )
         if self.scheduler.name == "pbt":
@@ -165,7 +165,7 @@ def check_sweep(sweep: SweepConfig, base: Config) -> None:
     terms = [k for k in term_keys([f.term_name for f in base.reward.functions]) if k.startswith("reward/")]
     if sweep.metric not in METRIC_KEYS and sweep.metric not in terms:
         raise SweepError(
-            f"metric={sweep.metric!r} is neither a per-step metric (tracking.METRIC_KEYS, e.g. 'reward/mean') nor "
+            f"metric={sweep.metric!r} is neither a per-step metric (rlray.observe.metrics.METRIC_KEYS, e.g. 'reward/mean') nor "
             f"one of the config's reward terms {terms}"
         )
     tree = base.model_dump(mode="json")

@@ -16,10 +16,23 @@ import pytest
 
 from rlray.cli import build_parser
 from rlray.launch import console
+from rlray.observe.monitor import Alerter, Progress, RunMonitor, StepProgress
+from rlray.observe.page import Alert
 
 
-def _doc(step: int, alerts: list[dict] | None = None, **metrics: float) -> dict:
-    return {"step": step, "status": "healthy", "alerts": alerts or [], "metrics": metrics}
+class _Monitor:
+    """Stands in for ``RunMonitor.progress``: steps recorded in order (numbered as the monitor numbers them), alerts."""
+
+    def __init__(self) -> None:
+        self.step, self.steps, self.alerts = 0, [], []
+
+    def record(self, step: int, **metrics: float) -> _Monitor:
+        self.step = step
+        self.steps.append(StepProgress(len(self.steps) + 1, step, metrics))
+        return self
+
+    def progress(self) -> Progress:
+        return Progress("healthy", None, self.step, tuple(self.alerts), tuple(self.steps))
 
 
 @pytest.fixture
@@ -78,28 +91,51 @@ def test_progress_fields_and_durations():
 
 
 def test_plain_progress_prints_one_line_per_step_and_each_alert_once():
-    """Without a terminal (ray job logs): one line per new step; a poll at the same step prints nothing."""
-    out = io.StringIO()
-    bar = console.DriverProgress(3, poll=lambda: _doc(3), stream=out, tty=False)
-    assert bar.show(_doc(0)) == []  # before the first step
-    first = bar.show(_doc(1, **{"reward/mean": 0.25, "algo/kl": 0.001}))
+    """Without a terminal (ray job logs): one line per new step; a poll with no new step prints nothing."""
+    out, mon = io.StringIO(), _Monitor()
+    bar = console.DriverProgress(3, poll=mon.progress, stream=out, tty=False)
+    assert bar.show(mon.progress()) == []  # before the first step
+    first = bar.show(mon.record(1, **{"reward/mean": 0.25, "algo/kl": 0.001}).progress())
     assert first == ["rlray step 1/3 (33%) reward=0.250 kl=0.0010"]  # no ETA from one step
-    assert bar.show(_doc(1, **{"reward/mean": 0.25})) == []
-    alert = {"kind": "guard_trip", "message": "kl 0.2 above 0.1", "step": 2, "time": 100.0}
-    second = bar.show(_doc(2, [alert], **{"reward/mean": 0.5}))
+    assert bar.show(mon.progress()) == []
+    mon.alerts.append(Alert("guard_trip", "kl 0.2 above 0.1", 2, 100.0))
+    second = bar.show(mon.record(2, **{"reward/mean": 0.5}).progress())
     assert second[0] == "rlray: alert guard_trip at step 2: kl 0.2 above 0.1"
     assert re.fullmatch(r"rlray step 2/3 \(66%\) reward=0\.500 eta=\d+s", second[1])
-    assert bar.show(_doc(2, [alert])) == []  # the same alert is not printed again
-    bar.close()  # the last poll says step 3: the run ends at 100%
+    assert bar.show(mon.progress()) == []  # the same alert is not printed again
+    mon.record(3)
+    bar.close()  # the last poll finds step 3: the run ends at 100%
     assert out.getvalue().splitlines()[-1].startswith("rlray step 3/3 (100%)")
     assert out.getvalue().count("alert guard_trip") == 1
 
 
+def test_a_poll_that_finds_two_new_steps_prints_both_in_order():
+    """The console prints every step it has not printed, in order: a poll that comes after two short steps (the
+    monitor saw steps 2 and 3 since the last poll) still prints a line for each, with each step's own figures."""
+    out, mon = io.StringIO(), _Monitor()
+    bar = console.DriverProgress(4, poll=mon.progress, stream=out, tty=False)
+    assert bar.show(mon.record(1, **{"reward/mean": 0.25}).progress()) == ["rlray step 1/4 (25%) reward=0.250"]
+    mon.record(2, **{"reward/mean": 0.5}).record(3, **{"reward/mean": 0.75})
+    lines = bar.show(mon.progress())
+    assert [x.split(" eta=")[0] for x in lines] == ["rlray step 2/4 (50%) reward=0.500", "rlray step 3/4 (75%) reward=0.750"]
+    assert bar.show(mon.progress()) == [] and bar.step == 3
+    # the same through a real monitor: two steps recorded between polls, both printed
+    monitor = RunMonitor("r", heartbeat_s=60.0, alerter=Alerter(["log"]))
+    try:
+        live = console.DriverProgress(2, poll=monitor.progress, stream=io.StringIO(), tty=False)
+        monitor.record_step(1, 0, 1, {"reward/mean": 0.1, "reward/std": 0.5})
+        monitor.record_step(2, 0, 2, {"reward/mean": 0.2})
+        shown = live.show(monitor.progress())
+        assert [x.split(" eta=")[0] for x in shown] == ["rlray step 1/2 (50%) reward=0.100", "rlray step 2/2 (100%) reward=0.200"]
+    finally:
+        monitor.close()
+
+
 def test_bar_moves_once_per_step_and_ends_at_100_percent():
     out = io.StringIO()
-    docs = iter([_doc(1, **{"reward/mean": 0.1}), _doc(2, **{"reward/mean": 0.2})])
-    last = _doc(4, **{"reward/mean": 0.4, "perf/tokens_per_s": 900.0})
-    bar = console.DriverProgress(4, poll=lambda: next(docs, last), stream=out, interval_s=0.01, tty=True).start()
+    polls = iter([_Monitor().record(1, **{"reward/mean": 0.1}), _Monitor().record(1, **{"reward/mean": 0.1}).record(2)])
+    last = _Monitor().record(1).record(2).record(3).record(4, **{"reward/mean": 0.4, "perf/tokens_per_s": 900.0})
+    bar = console.DriverProgress(4, poll=lambda: next(polls, last).progress(), stream=out, interval_s=0.01, tty=True).start()
     deadline = time.monotonic() + 10
     while bar.step != 4 and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -113,13 +149,17 @@ def test_bar_moves_once_per_step_and_ends_at_100_percent():
 
 
 def test_bar_starts_at_a_resumed_step_and_follows_a_rollback():
-    bar = console.DriverProgress(10, poll=lambda: _doc(0), stream=io.StringIO(), tty=True)
-    bar.show(_doc(6))
-    assert bar.bar.n == 6 and bar.eta_s(6, time.monotonic()) is None
-    bar._first = (6, time.monotonic() - 20.0)  # step 6 seen 20 s ago: 10 s per step since
-    assert bar.eta_s(8, bar._first[1] + 20.0) == pytest.approx(2 * 10.0)  # 2 steps left at 10 s each
-    bar.show(_doc(4))  # a rollback to the snapshot of step 4
-    assert bar.bar.n == 4 and bar._first[0] == 4
+    mon = _Monitor()
+    bar = console.DriverProgress(10, poll=mon.progress, stream=io.StringIO(), tty=True)
+    mon.step = 6  # a run resumed from the snapshot of step 6: heartbeats at step 6, no step recorded yet
+    bar.show(mon.progress())
+    assert bar.bar.n == 6 and bar.step is None
+    bar.show(mon.record(7).progress())
+    assert bar.bar.n == 7 and bar.eta_s(7, time.monotonic()) is None
+    bar._first = (7, time.monotonic() - 20.0)  # step 7 seen 20 s ago: 10 s per step since
+    assert bar.eta_s(9, bar._first[1] + 20.0) == pytest.approx(1 * 10.0)  # 1 step left at 10 s
+    bar.show(mon.record(5).progress())  # a rollback to the snapshot of step 4 runs step 5 again
+    assert bar.bar.n == 5 and bar._first[0] == 5
     bar.close()
 
 
@@ -128,7 +168,7 @@ def test_a_failing_poll_keeps_the_last_step():
         raise RuntimeError("monitor actor died")
 
     bar = console.DriverProgress(5, poll=gone, stream=io.StringIO(), tty=False)
-    bar.show(_doc(2))
+    bar.show(_Monitor().record(1).record(2).progress())
     bar.close()
     assert bar.step == 2
 

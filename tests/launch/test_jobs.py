@@ -23,7 +23,8 @@ from typing import Any, NamedTuple
 import pytest
 import yaml
 
-from rlray.observe.tracking import METRIC_KEYS, get_run, get_run_metrics
+from rlray.observe.metrics import METRIC_KEYS
+from rlray.observe.tracking import get_run, get_run_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 from ports import free_ports  # noqa: E402
@@ -171,7 +172,7 @@ def test_job_submit_runs_rlray_train(jobs):
     assert manifest["step"] == 2 and manifest["kind"] == "final"
 
 
-# gauge on Ray's metrics endpoint -> the step metric it shows (rlray.observe.monitor.FROM_STEP_METRICS, "ray_" prefixed)
+# gauge on Ray's metrics endpoint -> the step metric it shows (rlray.observe.metrics.STEP_GAUGES, "ray_" prefixed)
 DASHBOARD = {"ray_rlray_reward_mean": "reward/mean", "ray_rlray_kl": "algo/kl",
              "ray_rlray_tokens_per_s": "perf/tokens_per_s", "ray_rlray_staleness": "rollout/staleness_mean"}
 

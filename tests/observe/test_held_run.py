@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from rlray.observe import page
+from rlray.observe import metrics
 from rlray.observe.samples import rows_from_table
 from rlray.observe.tracking import get_run_metrics, metrics_by_step, read_artifact_json
 from rlray.run.hooks import HOLD_RELEASE_ENV, HOLD_STEP_ENV
@@ -138,7 +138,7 @@ def test_page_json_gives_what_mlflow_logged_while_held(held_run):
     logged = metrics_by_step(held_run.uri, held_run.run_id)
     for point in doc["points"]:
         shown = {k: math.nan if v is None else v for k, v in point["values"].items()}  # NaN travels as null
-        expected = {k: v for k, v in logged[point["step"]].items() if page.is_page_key(k)}
+        expected = {k: v for k, v in logged[point["step"]].items() if metrics.is_charted(k)}
         assert shown == pytest.approx(expected, rel=0, abs=0, nan_ok=True), point["step"]
         assert {"reward/mean", "reward/completion_length", "learner/pg_loss", "algo/kl", "timing/step_s"} <= set(shown)
     assert held_run.get("/api/samples")["steps"] == [1, 2]

@@ -11,7 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from rlray.observe.monitor import Alerter, Heartbeat, RunMonitor
+from rlray.observe.monitor import PROGRESS_STEPS, Alerter, Heartbeat, RunMonitor, StepProgress
+from rlray.observe.page import Alert
 
 
 def _get(port: int, path: str) -> tuple[int, str, bytes]:
@@ -107,8 +108,8 @@ def test_stalled_after_two_missed_heartbeats_then_recovers(monitor, caplog):
     assert health["status"] == "stalled" and "no heartbeat for" in health["reason"]
     assert monitor.metrics.value("rlray_healthy") == 0.0
     time.sleep(0.3)
-    stalls = [a for a in monitor.alerts if a["kind"] == "stall"]
-    assert len(stalls) == 1 and stalls[0]["step"] == 5  # one alert per stall, not one per check
+    stalls = [a for a in monitor.alerts if a.kind == "stall"]
+    assert len(stalls) == 1 and stalls[0].step == 5  # one alert per stall, not one per check
     assert "ALERT stall" in caplog.text
     monitor.beat(6, 1, 6)
     assert monitor.metrics.value("rlray_healthy") == 1.0  # set by the heartbeat itself
@@ -121,7 +122,7 @@ def test_stalled_after_two_missed_heartbeats_then_recovers(monitor, caplog):
 def test_restart_is_counted_and_alerted(monitor):
     assert monitor.learner_started() == 1 and monitor.alerts == []
     assert monitor.learner_started() == 2
-    assert [a["kind"] for a in monitor.alerts] == ["restart"]
+    assert [a.kind for a in monitor.alerts] == ["restart"]
     assert monitor.health()["restarts"] == 1 and monitor.metrics.value("rlray_restarts") == 1.0
 
 
@@ -177,18 +178,27 @@ def test_heartbeat_thread_beats_at_start_and_every_interval():
     assert all(0.08 <= g <= 0.3 for g in gaps)
 
 
-def test_progress_is_health_plus_the_last_steps_metrics():
-    """The driver's progress bar reads ``progress``: /health's facts and the last finished step's metrics as recorded."""
+def test_progress_holds_every_recorded_step_with_its_figures():
+    """The driver's console reads ``progress``: the status, the heartbeat's step, the newest alerts, and each recorded
+    step (numbered in the order recorded) with its progress figures only, so a late poll still sees every step."""
     m = RunMonitor("run5", heartbeat_s=60.0, alerter=Alerter(["log"]))
     try:
-        assert m.progress()["metrics"] == {} and m.progress()["step"] == 0
-        m.record_step(1, 0, 1, {"reward/mean": 0.25, "algo/kl": 0.001})
+        first = m.progress()
+        assert (first.status, first.reason, first.step, first.alerts, first.steps) == ("healthy", None, 0, (), ())
+        m.record_step(1, 0, 1, {"reward/mean": 0.25, "algo/kl": 0.001, "reward/std": 0.5})
         m.record_step(2, 0, 2, {"reward/mean": 0.5, "perf/tokens_per_s": 900})
         m.alert("guard_trip", "kl above 0.1", step=2)
+        m.record_step(2, 0, 2, {"reward/mean": 0.75})  # step 2 run again (a rollback): a new record
         doc = m.progress()
-        assert doc["metrics"] == {"reward/mean": 0.5, "perf/tokens_per_s": 900.0}  # the last step's only
-        assert {k: v for k, v in doc.items() if k != "metrics"} == {**m.health(), "seconds_since_heartbeat":
-                                                                     doc["seconds_since_heartbeat"]}
-        assert (doc["step"], doc["policy_version"], [a["kind"] for a in doc["alerts"]]) == (2, 2, ["guard_trip"])
+        assert doc.steps == (StepProgress(1, 1, {"reward/mean": 0.25, "algo/kl": 0.001}),  # no reward/std: not shown
+                             StepProgress(2, 2, {"reward/mean": 0.5, "perf/tokens_per_s": 900.0}),
+                             StepProgress(3, 2, {"reward/mean": 0.75}))
+        assert (doc.status, doc.step) == ("healthy", 2)
+        assert doc.alerts == (Alert("guard_trip", "kl above 0.1", 2, m.alerts[0].time),)
+        assert m.health()["alerts"] == [{"kind": "guard_trip", "message": "kl above 0.1", "step": 2, "time": m.alerts[0].time}]
+        for step in range(3, PROGRESS_STEPS + 10):  # bounded: the oldest records go
+            m.record_step(step, 0, step, {})
+        steps = m.progress().steps
+        assert len(steps) == PROGRESS_STEPS and steps[-1].step == PROGRESS_STEPS + 9 and steps[-1].seq == PROGRESS_STEPS + 10
     finally:
         m.close()

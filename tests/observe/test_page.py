@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from rlray.observe import page
+from rlray.observe import metrics, page
 from rlray.observe.monitor import Alerter, RunMonitor
 from rlray.observe.samples import StepSample
 from rlray.observe.tracking import Tracker, get_run_metrics
@@ -154,10 +154,12 @@ def test_health_has_the_status_facts_the_page_shows(served):
     assert [(a["kind"], a["step"], a["message"]) for a in health["alerts"]] == [("guard_trip", 4, "kl_guard: KL 0.05 > 0.03; stopping")]
 
 
-def test_is_page_key():
-    assert page.is_page_key("reward/mean") and page.is_page_key("reward/my_term") and page.is_page_key("timing/update_s")
-    assert not page.is_page_key("reward/my_term_skipped") and not page.is_page_key("reward/std")
-    assert not page.is_page_key("monitor/rss_gib") and not page.is_page_key("data/epoch")
+def test_is_charted():
+    assert metrics.is_charted("reward/mean") and metrics.is_charted("reward/my_term") and metrics.is_charted("timing/update_s")
+    assert metrics.is_charted("reward/overlong")  # DAPO's own term is plotted with the others
+    assert not metrics.is_charted("reward/my_term_skipped") and not metrics.is_charted("reward/std")
+    assert not metrics.is_charted("monitor/rss_gib") and not metrics.is_charted("data/epoch")
+    assert not metrics.is_charted("reward/overlong_penalty_mean")  # a registered reward/ key is no term
 
 
 def _walk(node):
@@ -177,7 +179,7 @@ def test_page_script_draws_the_curves_and_shows_markup_as_text(served, tmp_path)
     monitor.record_samples(2, [_sample(2)])
     monitor.record_samples(3, [_sample(3, XSS, 0.0), _sample(3, "8</s>", 1.0), _sample(3, "x", math.nan)])
     monitor.record_snapshot(3)
-    urls = ["/health", "/api/metrics?since=0", "/api/samples", "/api/samples?step=2"]
+    urls = ["/health", "/api/charts", "/api/metrics?since=0", "/api/samples", "/api/samples?step=2"]
     responses = {u: {"status": 200, "body": _get(port, u)[2].decode()} for u in urls}
     monitor.record_step(4, 0, 4, _step_metrics(4))  # the next poll asks for the steps after 3 only
     responses["/api/metrics?since=3"] = {"status": 200, "body": _get(port, "/api/metrics?since=3")[2].decode()}
@@ -203,6 +205,9 @@ def test_page_script_draws_the_curves_and_shows_markup_as_text(served, tmp_path)
     assert sum(n["tag"] == "polyline" for n in _walk(reward)) == 2  # reward/mean and the gsm8k_correct term
     legend = [n["text"] for n in _walk(reward) if n["tag"] == "#text"]
     assert legend == ["reward/mean 0.3", "reward/gsm8k_correct 0.75"]
+    hints = [n["attrs"]["title"] for n in _walk(reward) if n["tag"] == "span" and "title" in n["attrs"]]
+    charts_doc = metrics.charts_document()  # each legend entry says what its key holds, from the registry
+    assert hints == [charts_doc["meanings"]["reward/mean"], charts_doc["term"]] and "(reward)" in hints[0]
     entropy = charts[titles.index("Entropy (nats/token)")]
     assert [n["text"] for n in _walk(entropy) if n["cls"] == "empty"] == ["not logged by this run"]  # NaN only
     rows = first["sample-table"]["children"][1]["children"]
@@ -217,7 +222,7 @@ def test_page_script_draws_the_curves_and_shows_markup_as_text(served, tmp_path)
     assert [o["value"] for o in first["sample-step"]["children"]] == ["latest", "3", "2"]
     rows2 = step2["sample-table"]["children"][1]["children"]
     assert len(rows2) == 1 and rows2[0]["children"][-1]["children"][0]["text"] == "4</s>"
-    assert "/api/samples?step=2" in got["fetched"]
+    assert "/api/samples?step=2" in got["fetched"] and got["fetched"].count("/api/charts") == 1  # read once
     assert got["fetched"].count("/api/metrics?since=0") == 1 and "/api/metrics?since=3" in got["fetched"]
     reward = polled["charts"]["children"][0]
     assert [n["text"] for n in _walk(reward) if n["tag"] == "#text"] == ["reward/mean 0.4", "reward/gsm8k_correct 1"]
@@ -271,7 +276,7 @@ def test_page_script_shades_bands_and_marks_steps_outside(tmp_path):
     try:
         for step, kl, loss in [(1, 0.01, 0.2), (2, 0.05, 0.3), (3, 0.02, math.nan)]:
             monitor.record_step(step, 0, step, {"algo/kl": kl, "learner/pg_loss": loss})
-        urls = ["/health", "/api/metrics?since=0", "/api/samples"]
+        urls = ["/health", "/api/charts", "/api/metrics?since=0", "/api/samples"]
         responses = {u: {"status": 200, "body": _get(port, u)[2].decode()} for u in urls}
         ids = re.findall(r'id="([^"]+)"', _get(port, "/")[2].decode())
         out = subprocess.run(["node", str(Path(__file__).parents[1] / "fixtures" / "page_dom.js"), str(page.PAGE_DIR / "monitor.js"),
@@ -301,7 +306,7 @@ def test_page_script_shows_an_episode_turn_by_turn(served):
                          "done", 2, (None, 1.0), ((True, "<a>5</a>"), (False, XSS), (True, "<a>7</a>")))
     single = StepSample(1, "q", "2+2?", "4", 0.0, {"env": 0.0}, -0.5, "stop", 0, 1)
     monitor.record_samples(1, [episode, single])
-    responses = {u: {"status": 200, "body": _get(port, u)[2].decode()} for u in ["/health", "/api/metrics?since=0", "/api/samples"]}
+    responses = {u: {"status": 200, "body": _get(port, u)[2].decode()} for u in ["/health", "/api/charts", "/api/metrics?since=0", "/api/samples"]}
     ids = re.findall(r'id="([^"]+)"', _get(port, "/")[2].decode())
     out = subprocess.run(["node", str(Path(__file__).parents[1] / "fixtures" / "page_dom.js"), str(page.PAGE_DIR / "monitor.js"),
                           json.dumps(ids), json.dumps(responses), "[]"], capture_output=True, text=True, timeout=60, check=False)

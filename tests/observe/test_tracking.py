@@ -14,7 +14,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 from mlflow.utils.validation import validate_param_and_metric_name
 
-from rlray.observe.tracking import KeySanitizer, Tracker, get_run_metrics, sanitize_key
+from rlray.observe.metrics import KeySanitizer, sanitize_key
+from rlray.observe.tracking import Tracker, get_run_metrics
 
 
 def test_a_run_ended_by_someone_else_keeps_its_status(tmp_path):

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from rlray.observe.tracking import METRIC_KEYS, get_run, get_run_metrics
+from rlray.observe.metrics import METRIC_KEYS
+from rlray.observe.tracking import get_run, get_run_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlray.observe.tracking import get_run, get_run_metrics, is_metric_key, term_keys
+from rlray.observe.metrics import is_metric_key, term_keys
+from rlray.observe.tracking import get_run, get_run_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 ENV_KEYS = ["env/episodes", "env/turns_mean", "env/tool_calls_mean", "env/tool_errors", "env/failed",

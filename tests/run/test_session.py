@@ -20,7 +20,8 @@ from rlray.checkpoint import lineage
 from rlray.checkpoint import storage as checkpoint
 from rlray.cli import main as cli_main
 from rlray.config import Config, load_config
-from rlray.observe.tracking import METRIC_KEYS, Tracker, get_run, get_run_metrics, term_keys
+from rlray.observe.metrics import METRIC_KEYS, term_keys
+from rlray.observe.tracking import Tracker, get_run, get_run_metrics
 from rlray.run import online, worker
 from rlray.run.state import RunOutcome, RunServices, WorkerArgs
 

@@ -1,4 +1,5 @@
-// rlray's live page: polls /health, /api/metrics and /api/samples and draws inline SVG charts.
+// rlray's live page: polls /health, /api/metrics and /api/samples and draws inline SVG charts. Which charts, with
+// which keys, comes from /api/charts (the metric registry's CHARTS, rlray/observe/metrics.py), read once.
 // No library and no network beyond the monitor itself. Data reaches the DOM through textContent and
 // setAttribute only (never innerHTML), so a completion holding "<script>" shows as text.
 "use strict";
@@ -6,19 +7,7 @@
 const POLL_MS = 2000;
 const SVG_NS = "http://www.w3.org/2000/svg"; // the SVG namespace name, not a URL that is fetched
 const COLORS = ["#2563eb", "#dc2626", "#059669", "#d97706", "#7c3aed", "#0891b2", "#db2777", "#65a30d", "#475569", "#ea580c"];
-const CHARTS = [
-  {title: "Reward (mean, each term, eval)", keys: (k) => k.startsWith("reward/") || k === "eval/reward_mean"},
-  {title: "Policy loss", keys: (k) => k === "learner/pg_loss" || k === "learner/value_loss"},
-  {title: "KL to the reference (nats/token)", keys: (k) => k === "algo/kl", limit: true},
-  {title: "Entropy (nats/token)", keys: (k) => k === "algo/entropy"},
-  {title: "Gradient norm", keys: (k) => k === "learner/grad_norm"},
-  {title: "Response length (tokens)", keys: (k) => k === "rollout/response_tokens_mean"},
-  {title: "Truncation rate", keys: (k) => k === "rollout/truncated_rate"},
-  {title: "Throughput (tokens/s)", keys: (k) => k.startsWith("perf/")},
-  {title: "Step time by stage (s)", keys: (k) => k.startsWith("timing/")},
-];
-
-const state = {historyId: null, since: 0, points: [], drawn: false, klLimit: null, bands: [], sampleStep: "latest", samples: null, sort: {key: "reward", desc: true}};
+const state = {charts: null, historyId: null, since: 0, points: [], drawn: false, klLimit: null, bands: [], sampleStep: "latest", samples: null, sort: {key: "reward", desc: true}};
 
 function el(tag, className, text) {
   const node = document.createElement(tag);
@@ -64,6 +53,7 @@ async function pollHealth() {
 
 // ---- curves ------------------------------------------------------------------------------
 async function pollMetrics() {
+  if (state.charts === null) state.charts = await getJSON("/api/charts"); // {charts, meanings, term}
   let doc = await getJSON(`/api/metrics?since=${state.since}`);
   if (state.historyId !== null && doc.history_id !== state.historyId) { // steps ran again (rollback, restart)
     state.points = []; state.since = 0; state.drawn = false;
@@ -90,11 +80,14 @@ function niceTicks(lo, hi, count) {
   return ticks;
 }
 
+// Each chart plots its keys that the run logged, in the chart's order; a chart with reward_terms also plots every
+// logged key that no chart names (the monitor sends only charted keys, so those are the reward terms' means), by name.
 function drawCharts() {
-  const keys = new Set();
-  for (const p of state.points) for (const k of Object.keys(p.values)) keys.add(k);
-  const sorted = [...keys].sort((a, b) => (a === "reward/mean" ? -1 : b === "reward/mean" ? 1 : a.localeCompare(b)));
-  const boxes = CHARTS.map((spec) => drawChart(spec, sorted.filter(spec.keys)));
+  const logged = new Set();
+  for (const p of state.points) for (const k of Object.keys(p.values)) logged.add(k);
+  const named = new Set(state.charts.charts.flatMap((c) => c.keys));
+  const terms = [...logged].filter((k) => !named.has(k)).sort();
+  const boxes = state.charts.charts.map((spec) => drawChart(spec, [...spec.keys.filter((k) => logged.has(k)), ...(spec.reward_terms ? terms : [])]));
   document.getElementById("charts").replaceChildren(...boxes);
 }
 
@@ -102,7 +95,7 @@ function drawChart(spec, keys) {
   const box = el("div", "chart");
   box.append(el("h2", null, spec.title));
   const series = keys.map((k) => ({key: k, pts: state.points.map((p) => [p.step, p.values[k]]).filter((xy) => xy[1] !== undefined)}));
-  const limit = spec.limit ? state.klLimit : null;
+  const limit = spec.guard_line ? state.klLimit : null;
   const bands = state.bands.filter((b) => keys.includes(b.metric) && (b.low !== null || b.high !== null));
   const values = series.flatMap((s) => s.pts.map((xy) => xy[1])).filter((v) => v !== null);
   if (!values.length) {
@@ -120,7 +113,7 @@ function drawChart(spec, keys) {
   const pad = (y1 - y0) * 0.05; y0 -= pad; y1 += pad;
   const X = (x) => L + ((x - x0) / (x1 - x0)) * (W - L - R);
   const Y = (y) => T + (1 - (y - y0) / (y1 - y0)) * (H - T - B);
-  const root = svg("svg", {viewBox: `0 0 ${W} ${H}`, role: "img"});
+  const root = svg("svg", {viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": `${spec.title}, y axis in ${spec.unit}`});
   root.append(svg("rect", {x: L, y: T, width: W - L - R, height: H - T - B, fill: "#fff", stroke: "#d1d5db"}));
   for (const b of bands) { // the healthy band, shaded
     const top = Y(b.high === null ? y1 : b.high), bottom = Y(b.low === null ? y0 : b.low);
@@ -159,6 +152,7 @@ function drawChart(spec, keys) {
     flush();
     const last = s.pts.length ? s.pts[s.pts.length - 1][1] : null;
     const item = el("span");
+    item.setAttribute("title", state.charts.meanings[s.key] || state.charts.term); // what the key holds, and its unit
     const swatch = el("span", "swatch");
     swatch.style.background = color;
     item.append(swatch, document.createTextNode(`${s.key} ${fmt(last)}`));
