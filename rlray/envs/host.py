@@ -5,7 +5,7 @@ step into one call per host; the host runs the calls of a batch concurrently on 
 ``step_timeout_s``. In process that limit is SOFT: a call past it fails its episode (stop reason
 ``timeout``) and the thread is abandoned, not killed (Python cannot kill a thread). With ``sandbox``
 (``env.sandbox``, for untrusted environment and tool code) each episode's instance lives in its own
-child process (``rlray.reward.sandbox.ProcessSandbox``, with the untrusted limits), and the limit is
+child process (``rlray.sandbox.ProcessSandbox``, with the untrusted limits), and the limit is
 HARD: the child is killed, which ends that episode only, not its neighbours.
 
 Tool calls are parsed here (``rlray.envs.tools.parse_tool_calls``), so an environment receives an
@@ -125,7 +125,7 @@ def sandboxed_episode(spec: str, tool_parser: str) -> LocalEpisode:
 
 
 class SandboxedEpisode:
-    """One episode's environment instance in its own child process (``rlray.reward.sandbox.ProcessSandbox``).
+    """One episode's environment instance in its own child process (``rlray.sandbox.ProcessSandbox``).
 
     A call past ``timeout_s`` kills the child: a HARD limit that ends this episode only. The child runs with
     the sandbox's untrusted limits (address-space cap, emptied environment, private temporary folder).
@@ -136,7 +136,7 @@ class SandboxedEpisode:
     """
 
     def __init__(self, spec: str, tool_parser: str, *, timeout_s: float, memory_gib: float, name: str) -> None:
-        from rlray.reward.sandbox import Limits, ProcessSandbox
+        from rlray.sandbox import Limits, ProcessSandbox
 
         self.box = ProcessSandbox(sandboxed_episode, {"spec": spec, "tool_parser": tool_parser}, timeout_s=timeout_s,
                                   limits=Limits(untrusted=True, memory_gib=memory_gib), name=f"environment {name}")
@@ -275,7 +275,7 @@ class EnvironmentHost:
             episode.kill()
 
     def _run(self, calls: list[tuple[Any, tuple]], reply_type: type) -> list[Any]:
-        from rlray.reward.sandbox import SandboxCrashed, SandboxError, SandboxTimeout
+        from rlray.sandbox import SandboxCrashed, SandboxError, SandboxTimeout
 
         # sandboxed calls end at the child's hard limit; the thread waits a little longer for that answer
         wait_s = self._timeout + (30.0 if self._sandbox else 0.0)
