@@ -13,7 +13,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-_BASE = {"algos", "config", "schema", "cores"}  # DESIGN.md lines 1-2
+_BASE = {"algos", "config", "schema", "cores", "sandbox"}  # DESIGN.md lines 1-2
 _PARTS = {"data", "models", "rollout", "envs", "reward", "learner", "checkpoint", "observe"}  # line 3
 
 ALLOWED: dict[str, set[str]] = {
@@ -23,15 +23,16 @@ ALLOWED: dict[str, set[str]] = {
     "config": set(),
     "schema": set(),
     "cores": set(),
+    "sandbox": set(),  # child processes with limits: below envs and reward, which both isolate user code in it
     "data": {"schema"},  # prompt and pair tables are built on the experience record's Arrow schema
     "models": set(),
     # cores: pin the engine's threads; models: load the HF fallback engine; schema: rollouts become experience rows
     "rollout": {"cores", "models", "schema"},
-    # models: tool schemas need the tokenizer's chat template; reward: untrusted environments run in its sandbox
-    "envs": {"schema", "models", "reward"},
+    # models: tool schemas need the tokenizer's chat template; sandbox: untrusted environments run in its child processes
+    "envs": {"schema", "models", "sandbox"},
     # models: a reward model is a loaded LM with a head; schema: scores read experience rows;
-    # checkpoint: a reward model can load from a snapshot
-    "reward": {"models", "schema", "checkpoint"},
+    # checkpoint: a reward model can load from a snapshot; sandbox: user reward functions run in its child processes
+    "reward": {"models", "schema", "checkpoint", "sandbox"},
     "learner": {"algos", "models"},  # learner applies the math of algos to the models it loads
     # config: a snapshot stores the run's config; observe: lineage registers snapshots in MLflow via observe.tracking
     "checkpoint": {"config", "observe"},
@@ -42,7 +43,7 @@ ALLOWED: dict[str, set[str]] = {
     "sweep": {"config", "checkpoint", "observe", "run", "launch"},
     "cli": _BASE | _PARTS | {"run", "launch", "sweep", "rlray"},  # rlray: the root package's __version__ (--version)
 }
-BUILDING_BLOCKS = {"algos", "data", "models", "rollout", "envs", "reward", "learner", "schema", "cores"}
+BUILDING_BLOCKS = {"algos", "data", "models", "rollout", "envs", "reward", "learner", "schema", "cores", "sandbox"}
 
 
 def _modules() -> dict[str, Path]:

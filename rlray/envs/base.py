@@ -88,7 +88,11 @@ class EnvStep:
         reward: this turn's reward, or None (no reward for this turn).
         done: the episode ended normally (an answer was given, the game is over).
         truncated: the environment cut the episode short (its own limit).
-        metrics: numbers for ``env/<name>`` means (e.g. {"tool_calls": 2.0}).
+        metrics: the environment's own numbers, logged as ``env/metric/<name>`` means (e.g. {"guesses": 3.0}).
+        tool_calls: tool calls this turn attempted, as the environment counts them (``ToolEnvironment``: parsed
+            calls plus unparsable ones); None: the host counts the calls and parse errors its parser found.
+        tool_errors: those of them that failed (unparsable, an unknown tool, bad arguments, a raising tool); None:
+            the host counts the parser's errors.
     """
 
     observations: list[Message] = field(default_factory=list)
@@ -96,6 +100,8 @@ class EnvStep:
     done: bool = False
     truncated: bool = False
     metrics: dict[str, float] = field(default_factory=dict)
+    tool_calls: int | None = None
+    tool_errors: int | None = None
 
 
 @runtime_checkable

@@ -1,12 +1,19 @@
 """EnvironmentHost: runs many episodes' environment instances in one process (a Ray actor in a run).
 
 The episode loop on learner rank 0 (``rlray.run.episodes``) batches every active episode's reset or
-step into one call per host; the host runs the calls of a batch concurrently on threads, each under
-``step_timeout_s``. In process that limit is SOFT: a call past it fails its episode (stop reason
-``timeout``) and the thread is abandoned, not killed (Python cannot kill a thread). With ``sandbox``
-(``env.sandbox``, for untrusted environment and tool code) each episode's instance lives in its own
-child process (``rlray.reward.sandbox.ProcessSandbox``, with the untrusted limits), and the limit is
-HARD: the child is killed, which ends that episode only, not its neighbours.
+step into one call per host (``host.reset.remote([ResetRequest, ...])``, ``host.step.remote([StepRequest,
+...])``); the host runs the calls of a batch concurrently on threads, each under ``step_timeout_s``. In
+process that limit is SOFT: a call past it fails its episode (stop reason ``timeout``) and the thread is
+abandoned, not killed (Python cannot kill a thread). With ``sandbox`` (``env.sandbox``, for untrusted
+environment and tool code) each episode's instance lives in its own child process
+(``rlray.sandbox.ProcessSandbox``, with the untrusted limits), and the limit is HARD: the child is killed, which
+ends that episode only, not its neighbours.
+
+Each episode's instance is an ``EpisodeEnvironment``, one interface over two backends: the instance in this
+process, or in a sandbox child. Both run the same module-level functions on the instance (``_reset``,
+``_step``, ``_reward_at_limit``, ``_close``): in process they are called directly; sandboxed, the function
+itself is sent to the child (pickled by reference), which applies it to its instance. No method is named by a
+string.
 
 Tool calls are parsed here (``rlray.envs.tools.parse_tool_calls``), so an environment receives an
 ``AssistantTurn`` with its calls already parsed.
@@ -15,14 +22,50 @@ Tool calls are parsed here (``rlray.envs.tools.parse_tool_calls``), so an enviro
 from __future__ import annotations
 
 import concurrent.futures as futures
+import functools
 import logging
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from rlray.envs.base import AssistantTurn, EnvReset, EnvStep, Message
+from rlray.sandbox import Limits, ProcessSandbox, SandboxCrashed, SandboxError, SandboxTimeout
 
 log = logging.getLogger(__name__)
+R = TypeVar("R")
+
+
+@dataclass
+class ResetRequest:
+    """One episode to open: a new instance of ``environment`` for episode ``key``, then ``reset(**row)``.
+
+    Attributes:
+        key: the episode's key, unique among the host's open episodes.
+        environment: the environment's name (an env.environments key).
+        row: ``reset``'s keyword arguments: the prompt row's columns, ``prompt`` included.
+    """
+
+    key: str
+    environment: str
+    row: dict[str, Any]
+
+
+@dataclass
+class StepRequest:
+    """One episode's assistant turn, for its environment's ``step``.
+
+    Attributes:
+        key: the episode's key.
+        text: the turn's text, special tokens removed (its tool calls are parsed on the host).
+        finish_reason: the engine's "stop" (EOS or a stop string) or "length" (the turn hit max_new_tokens).
+        turn_index: 0 for the episode's first assistant turn.
+    """
+
+    key: str
+    text: str
+    finish_reason: str
+    turn_index: int
 
 
 @dataclass
@@ -48,8 +91,8 @@ class StepReply:
     Attributes:
         step: what the environment returned (empty when ``error`` is set).
         tool_calls: calls the turn attempted; tool_errors: calls that failed (could not be parsed, an unknown
-            tool, bad arguments, a raising tool). The environment's own ``tool_calls`` / ``tool_errors`` metrics
-            when it reports them (``ToolEnvironment`` does), else the parser's counts.
+            tool, bad arguments, a raising tool). The environment's own ``EnvStep.tool_calls`` /
+            ``EnvStep.tool_errors`` when it counts them (``ToolEnvironment`` does), else the parser's counts.
         error: None, or "env_error"/"timeout" with ``message``.
     """
 
@@ -60,109 +103,131 @@ class StepReply:
     message: str = ""
 
 
-class LocalEpisode:
-    """One episode's environment instance in the host's process; ``reset``/``step`` check what it returns.
-
-    Args:
-        env: the environment instance (one per episode).
-        tool_parser: the tool-call parser ("hermes").
-    """
-
-    def __init__(self, env: Any, tool_parser: str) -> None:
-        self.env, self.parser = env, tool_parser
-
-    def reset(self, row: dict[str, Any]) -> ResetReply:
-        """Returns the reply to ``env.reset(**row)`` (tool schemas built here, where the tools live).
-
-        Raises:
-            TypeError: reset returned something other than an ``EnvReset``; whatever reset raised.
-        """
-        from rlray.envs.tools import tool_schemas
-
-        got = self.env.reset(**row)
-        if not isinstance(got, EnvReset):
-            raise TypeError(f"{type(self.env).__name__}.reset returned {type(got).__name__}, expected rlray.envs.EnvReset")
-        return ResetReply(list(got.prompt), tool_schemas(got.tools) if got.tools else None, list(got.stop))
-
-    def step(self, text: str, finish_reason: str, turn_index: int) -> StepReply:
-        """Returns the reply to ``env.step(turn)`` for a turn's text, its tool calls parsed here.
-
-        Raises:
-            TypeError: step returned something other than an ``EnvStep``; whatever step raised.
-        """
-        from rlray.envs.tools import parse_tool_calls
-
-        calls, errors = parse_tool_calls(text, parser=self.parser)
-        got = self.env.step(AssistantTurn(text, calls, errors, finish_reason, turn_index))
-        if not isinstance(got, EnvStep):
-            raise TypeError(f"{type(self.env).__name__}.step returned {type(got).__name__}, expected rlray.envs.EnvStep")
-        # a ToolEnvironment counts its own calls and errors (parse errors included); else the parser's counts
-        n_calls = int(got.metrics.get("tool_calls", len(calls) + len(errors)))
-        return StepReply(got, n_calls, int(got.metrics.get("tool_errors", len(errors))))
-
-    def reward_at_limit(self) -> float | None:
-        """Returns the optional ``reward_at_limit()`` of the environment (None when it has none)."""
-        final = getattr(self.env, "reward_at_limit", None)  # optional part of the contract (rlray.envs.base)
-        return None if final is None else final()
-
-    def close(self) -> None:
-        """Calls the environment's optional ``close()``."""
-        closer = getattr(self.env, "close", None)
-        if callable(closer):
-            closer()
-
-    def __call__(self, method: str, *args: Any) -> Any:
-        """Dispatches ``method`` (reset, step, reward_at_limit, close) with ``args``: the sandboxed child's entry."""
-        return {"reset": self.reset, "step": self.step, "reward_at_limit": self.reward_at_limit,
-                "close": self.close}[method](*args)
-
-
-def sandboxed_episode(spec: str, tool_parser: str) -> LocalEpisode:
-    """Returns a ``LocalEpisode`` over a new instance of ``spec`` (built inside a sandbox child process)."""
-    from rlray.envs.trl import load_environment
-
-    return LocalEpisode(load_environment(spec)(), tool_parser)
-
-
-class SandboxedEpisode:
-    """One episode's environment instance in its own child process (``rlray.reward.sandbox.ProcessSandbox``).
-
-    A call past ``timeout_s`` kills the child: a HARD limit that ends this episode only. The child runs with
-    the sandbox's untrusted limits (address-space cap, emptied environment, private temporary folder).
-    Starting it costs a Python start and the environment's imports (seconds) per episode.
+# ---- what both backends run on an episode's instance (module-level: a sandbox child unpickles them by name) ----
+def _reset(env: Any, row: dict[str, Any]) -> ResetReply:
+    """Returns the reply to ``env.reset(**row)`` (tool schemas built here, where the tools live).
 
     Raises:
-        SandboxError: building the environment raised in the child.
+        TypeError: reset returned something other than an ``EnvReset``; whatever reset raised.
+    """
+    from rlray.envs.tools import tool_schemas
+
+    got = env.reset(**row)
+    if not isinstance(got, EnvReset):
+        raise TypeError(f"{type(env).__name__}.reset returned {type(got).__name__}, expected rlray.envs.EnvReset")
+    return ResetReply(list(got.prompt), tool_schemas(got.tools) if got.tools else None, list(got.stop))
+
+
+def _step(env: Any, request: StepRequest, tool_parser: str) -> StepReply:
+    """Returns the reply to ``env.step(turn)`` for a turn's text, its tool calls parsed with ``tool_parser``.
+
+    Raises:
+        TypeError: step returned something other than an ``EnvStep``; whatever step raised.
+    """
+    from rlray.envs.tools import parse_tool_calls
+
+    calls, errors = parse_tool_calls(request.text, parser=tool_parser)
+    got = env.step(AssistantTurn(request.text, calls, errors, request.finish_reason, request.turn_index))
+    if not isinstance(got, EnvStep):
+        raise TypeError(f"{type(env).__name__}.step returned {type(got).__name__}, expected rlray.envs.EnvStep")
+    # a ToolEnvironment counts its own calls and errors (parse errors included); else the parser's counts
+    n_calls = len(calls) + len(errors) if got.tool_calls is None else got.tool_calls
+    n_errors = len(errors) if got.tool_errors is None else got.tool_errors
+    return StepReply(got, int(n_calls), int(n_errors))
+
+
+def _reward_at_limit(env: Any) -> float | None:
+    """Returns the optional ``reward_at_limit()`` of the environment (None when it has none)."""
+    final = getattr(env, "reward_at_limit", None)  # optional part of the contract (rlray.envs.base)
+    return None if final is None else final()
+
+
+def _close(env: Any) -> None:
+    """Calls the environment's optional ``close()``."""
+    closer = getattr(env, "close", None)
+    if callable(closer):
+        closer()
+
+
+def _apply(env: Any, fn: Callable[..., R], *args: Any) -> R:
+    """Returns ``fn(env, *args)``: how both backends run one of the functions above on the episode's instance."""
+    return fn(env, *args)
+
+
+def _serve(spec: str) -> Callable[..., Any]:
+    """Returns ``_apply`` bound to a new instance of ``spec``: a sandbox child's entry (it runs in the child)."""
+    from rlray.envs.trl import load_environment
+
+    return functools.partial(_apply, load_environment(spec)())
+
+
+class EpisodeEnvironment:
+    """One episode's environment instance, in this process or in its own child process, behind one interface.
+
+    Build one with ``in_process`` or ``sandboxed``. ``reset`` and ``step`` check what the environment returns.
+    Sandboxed (``rlray.sandbox.ProcessSandbox``), a call past ``timeout_s`` kills the child: a HARD limit that
+    ends this episode only. The child runs with the sandbox's untrusted limits (address-space cap, emptied
+    environment, private temporary folder); starting it costs a Python start and the environment's imports
+    (seconds) per episode.
+
+    Args:
+        call: runs a function on the instance: ``call(fn, *args)`` returns ``fn(instance, *args)`` (``_apply``
+            bound to the instance, or the ``ProcessSandbox`` serving it).
+        tool_parser: the tool-call parser ("hermes").
+        box: the sandbox child holding the instance (None: the instance is in this process).
     """
 
-    def __init__(self, spec: str, tool_parser: str, *, timeout_s: float, memory_gib: float, name: str) -> None:
-        from rlray.reward.sandbox import Limits, ProcessSandbox
+    def __init__(self, call: Callable[..., Any], tool_parser: str, box: ProcessSandbox | None = None) -> None:
+        self._call, self._parser, self._box = call, tool_parser, box
 
-        self.box = ProcessSandbox(sandboxed_episode, {"spec": spec, "tool_parser": tool_parser}, timeout_s=timeout_s,
-                                  limits=Limits(untrusted=True, memory_gib=memory_gib), name=f"environment {name}")
+    @classmethod
+    def in_process(cls, env: Any, tool_parser: str) -> EpisodeEnvironment:
+        """Returns an ``EpisodeEnvironment`` over ``env``, an instance in this process."""
+        return cls(functools.partial(_apply, env), tool_parser)
+
+    @classmethod
+    def sandboxed(cls, spec: str, tool_parser: str, *, timeout_s: float, memory_gib: float,
+                  name: str) -> EpisodeEnvironment:
+        """Returns an ``EpisodeEnvironment`` over a new instance of ``spec`` built in its own child process.
+
+        Args:
+            spec: the environment's "package.module:Class" or "file.py:Class".
+            timeout_s: seconds one call may take before the child is killed.
+            memory_gib: the child's address-space cap, in GiB.
+            name: the environment's name, for error messages.
+
+        Raises:
+            SandboxError: building the environment raised in the child.
+            SandboxTimeout: the child did not start in time.
+        """
+        box = ProcessSandbox(_serve, {"spec": spec}, timeout_s=timeout_s,
+                             limits=Limits(untrusted=True, memory_gib=memory_gib), name=f"environment {name}")
+        return cls(box, tool_parser, box)
 
     def reset(self, row: dict[str, Any]) -> ResetReply:
-        """Returns ``LocalEpisode.reset`` run in the child."""
-        return self.box("reset", row)
+        """Returns the reply to the instance's ``reset(**row)`` (see ``_reset``; sandboxed: its errors as
+        ``SandboxError``, ``SandboxTimeout``, ``SandboxCrashed``)."""
+        return self._call(_reset, row)
 
-    def step(self, text: str, finish_reason: str, turn_index: int) -> StepReply:
-        """Returns ``LocalEpisode.step`` run in the child."""
-        return self.box("step", text, finish_reason, turn_index)
+    def step(self, request: StepRequest) -> StepReply:
+        """Returns the reply to the instance's ``step`` for ``request``'s turn (see ``_step``)."""
+        return self._call(_step, request, self._parser)
 
     def reward_at_limit(self) -> float | None:
-        """Returns ``LocalEpisode.reward_at_limit`` run in the child."""
-        return self.box("reward_at_limit")
+        """Returns the instance's optional ``reward_at_limit()`` (None when it has none)."""
+        return self._call(_reward_at_limit)
 
     def close(self) -> None:
-        """Closes the environment in the child, then stops the child."""
+        """Calls the instance's optional ``close()``, then stops its child (sandboxed)."""
         try:
-            self.box("close")
+            self._call(_close)
         finally:
-            self.box.close()
+            self.kill()
 
     def kill(self) -> None:
-        """Stops the child at once (a timed-out episode)."""
-        self.box.close()
+        """Stops the sandbox child at once (a failed or timed-out episode); nothing to stop in process."""
+        if self._box is not None:
+            self._box.close()
 
 
 class EnvironmentHost:
@@ -175,7 +240,7 @@ class EnvironmentHost:
         step_timeout_s: limit of one reset or step call, in seconds: soft (the thread is abandoned) in process,
             hard (the child is killed) with ``sandbox``.
         threads: calls run at once.
-        sandbox: run each episode's instance in its own child process (``SandboxedEpisode``).
+        sandbox: run each episode's instance in its own child process (``EpisodeEnvironment.sandboxed``).
         memory_gib: address-space cap of a sandboxed episode's child, in GiB.
 
     Raises:
@@ -196,49 +261,35 @@ class EnvironmentHost:
         self._timeout = step_timeout_s
         self._sandbox, self._memory_gib = sandbox, memory_gib
         self._pool = futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rlray-env")
-        self._episodes: dict[str, LocalEpisode | SandboxedEpisode] = {}
+        self._episodes: dict[str, EpisodeEnvironment] = {}
 
     def ping(self) -> bool:
         """Returns True (a liveness check)."""
         return True
 
-    def reset(self, requests: list[tuple[str, str, dict[str, Any]]]) -> list[ResetReply]:
-        """Opens episodes: for each (key, environment name, row) builds an instance and calls ``reset(**row)``.
+    def reset(self, requests: list[ResetRequest]) -> list[ResetReply]:
+        """Opens episodes: for each request builds an instance of its environment and calls ``reset(**row)``.
 
         Returns:
             One ``ResetReply`` per request, in order; an environment that raises or passes the time limit
             gives an error reply (its instance is dropped).
         """
-
-        def one(key: str, name: str, row: dict[str, Any]) -> ResetReply:
-            if self._sandbox:
-                episode = SandboxedEpisode(self._specs[name], self._parser, timeout_s=self._timeout,
-                                           memory_gib=self._memory_gib, name=name)
-            else:
-                episode = LocalEpisode(self._factories[name](), self._parser)
-            self._episodes[key] = episode
-            return episode.reset(row)
-
-        replies = self._run([(one, (key, name, row)) for key, name, row in requests], ResetReply)
-        for (key, _, _), reply in zip(requests, replies, strict=True):
+        replies = self._run([functools.partial(self._open, request) for request in requests], ResetReply)
+        for request, reply in zip(requests, replies, strict=True):
             if reply.error:
-                self._drop(key)
+                self._drop(request.key)
         return replies
 
-    def step(self, requests: list[tuple[str, str, str, int]]) -> list[StepReply]:
-        """Sends each (key, turn text, finish reason, turn index) to its episode's ``step``, tool calls parsed.
+    def step(self, requests: list[StepRequest]) -> list[StepReply]:
+        """Sends each request's turn to its episode's ``step``, tool calls parsed.
 
         Returns:
-            One ``StepReply`` per request, in order.
+            One ``StepReply`` per request, in order (an error reply drops the episode's instance).
         """
-
-        def one(key: str, text: str, finish_reason: str, turn_index: int) -> StepReply:
-            return self._episodes[key].step(text, finish_reason, turn_index)
-
-        replies = self._run([(one, req) for req in requests], StepReply)
-        for req, reply in zip(requests, replies, strict=True):
+        replies = self._run([functools.partial(self._step_one, request) for request in requests], StepReply)
+        for request, reply in zip(requests, replies, strict=True):
             if reply.error:
-                self._drop(req[0])
+                self._drop(request.key)
         return replies
 
     def rewards_at_limit(self, keys: list[str]) -> list[float | None]:
@@ -268,18 +319,33 @@ class EnvironmentHost:
         """Returns how many episodes are open on this host."""
         return len(self._episodes)
 
+    def _open(self, request: ResetRequest) -> ResetReply:
+        """Builds the episode's instance (in process or sandboxed), keeps it under its key, and resets it."""
+        name = request.environment
+        if self._sandbox:
+            episode = EpisodeEnvironment.sandboxed(self._specs[name], self._parser, timeout_s=self._timeout,
+                                                   memory_gib=self._memory_gib, name=name)
+        else:
+            episode = EpisodeEnvironment.in_process(self._factories[name](), self._parser)
+        self._episodes[request.key] = episode
+        return episode.reset(request.row)
+
+    def _step_one(self, request: StepRequest) -> StepReply:
+        """Returns the reply of the request's episode to its turn."""
+        return self._episodes[request.key].step(request)
+
     def _drop(self, key: str) -> None:
         """Forgets a failed episode (a sandboxed one's child is stopped)."""
         episode = self._episodes.pop(key, None)
-        if isinstance(episode, SandboxedEpisode):
+        if episode is not None:
             episode.kill()
 
-    def _run(self, calls: list[tuple[Any, tuple]], reply_type: type) -> list[Any]:
-        from rlray.reward.sandbox import SandboxCrashed, SandboxError, SandboxTimeout
-
+    def _run(self, calls: list[Callable[[], R]], reply_type: type[R]) -> list[R]:
+        """Returns each call's result, in order, run on the host's threads; a call that raises or passes the time
+        limit gives ``reply_type(error=..., message=...)`` instead."""
         # sandboxed calls end at the child's hard limit; the thread waits a little longer for that answer
         wait_s = self._timeout + (30.0 if self._sandbox else 0.0)
-        running = [self._pool.submit(fn, *args) for fn, args in calls]
+        running = [self._pool.submit(fn) for fn in calls]
         out = []
         for fut in running:
             try:

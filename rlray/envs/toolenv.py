@@ -20,8 +20,8 @@ Step semantics (one assistant turn):
   ``{"role": "tool", "name": <tool>, "content": <text>}`` message, in call order; every parse error is answered
   by one tool message named ``"invalid_tool_call"`` whose content reads ``Error: ...``; reward None, not done;
 - without either: the episode is over (``done=True``) and the reward is ``final_reward(turn)``.
-Metrics every turn: ``tool_calls`` (calls attempted: parsed calls plus unparsable ones) and ``tool_errors``
-(those that failed: parse errors plus calls whose observation is an error).
+Counts every turn, in ``EnvStep.tool_calls`` (calls attempted: parsed calls plus unparsable ones) and
+``EnvStep.tool_errors`` (those that failed: parse errors plus calls whose observation is an error).
 
 This mirrors TRL's ``GRPOTrainer._tool_call_loop`` (a turn without tool calls ends the rollout).
 """
@@ -40,7 +40,7 @@ INVALID_TOOL_CALL = "invalid_tool_call"  # the tool-message name answering a cal
 
 def tool_step(tools: dict[str, Callable[..., Any]], turn: AssistantTurn) -> EnvStep | None:
     """Returns the tool observations for ``turn`` (not done, reward None), or None when the turn has no tool call
-    and no parse error (the caller ends the episode). Metrics: ``tool_calls``, ``tool_errors`` (see module doc)."""
+    and no parse error (the caller ends the episode). Counts: ``tool_calls``, ``tool_errors`` (see module doc)."""
     if not turn.tool_calls and not turn.tool_call_errors:
         return None
     observations: list[Message] = []
@@ -53,7 +53,7 @@ def tool_step(tools: dict[str, Callable[..., Any]], turn: AssistantTurn) -> EnvS
         observations.append({"role": "tool", "name": INVALID_TOOL_CALL, "content": f"Error: {message}"})
     errors += len(turn.tool_call_errors)
     attempted = len(turn.tool_calls) + len(turn.tool_call_errors)
-    return EnvStep(observations=observations, metrics={"tool_calls": float(attempted), "tool_errors": float(errors)})
+    return EnvStep(observations=observations, tool_calls=attempted, tool_errors=errors)
 
 
 class ToolEnvironment(abc.ABC):
@@ -91,4 +91,4 @@ class ToolEnvironment(abc.ABC):
         result = tool_step(self.tools_by_name, turn)
         if result is not None:
             return result
-        return EnvStep(reward=self.final_reward(turn), done=True, metrics={"tool_calls": 0.0, "tool_errors": 0.0})
+        return EnvStep(reward=self.final_reward(turn), done=True, tool_calls=0, tool_errors=0)

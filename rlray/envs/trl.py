@@ -120,9 +120,7 @@ class TRLEnvironment:
             return result
         get_reward = getattr(self.instance, "get_reward", None)
         reward = None if get_reward is None else resolve_awaitable(get_reward())
-        return EnvStep(
-            reward=None if reward is None else float(reward), done=True, metrics={"tool_calls": 0.0, "tool_errors": 0.0}
-        )
+        return EnvStep(reward=None if reward is None else float(reward), done=True, tool_calls=0, tool_errors=0)
 
     def reward_at_limit(self) -> float | None:
         """Returns ``instance.get_reward()`` for an episode a limit ended (max turns, tokens) before a turn without a

@@ -5,7 +5,7 @@ TRL's convention (``rlray.reward.functions``: prompts, completions, completion_i
 keyword lists, the entry's kwargs bound on top): a built-in verifier (``rlray.reward.verifiers``; run in this
 process, trusted and cheap: ``timeout_s``, ``untrusted`` and ``memory_gib`` do not apply to it) or a user
 function ``"package.module:function"`` / ``"path/to/file.py:function"``, which runs in its own sandbox
-process (``rlray.reward.sandbox``) with a time limit (``timeout_s``) and, when ``untrusted`` (code-execution
+process (``rlray.sandbox``) with a time limit (``timeout_s``) and, when ``untrusted`` (code-execution
 rewards), a memory cap, an empty environment and a private working folder. Its term is named ``name``, else
 the built-in's or the function's own name (metric ``reward/<name>``); "reward" and "reward_model" are
 reserved and names are unique. Signatures are checked when the scorer is built (``BoundFunction.check``).
@@ -50,8 +50,8 @@ from rlray.reward.functions import (
     load_bound_function,
     load_reward_function,
 )
-from rlray.reward.sandbox import Limits, ProcessSandbox, SandboxCrashed, SandboxError, SandboxTimeout
 from rlray.reward.verifiers import BUILTIN_VERIFIERS, prepare_kwargs
+from rlray.sandbox import Limits, ProcessSandbox, SandboxCrashed, SandboxError, SandboxTimeout
 
 __all__ = ["RewardFunctionError", "RewardScorer", "RewardTerm", "load_reward_function", "summed_reward", "term_name"]
 log = logging.getLogger(__name__)

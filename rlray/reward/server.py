@@ -1,7 +1,7 @@
 """The reward server: the Serve application ``rlray-reward`` and the clients the loop scores through.
 
 Layers, bottom up:
-- ``ScorerSandbox``: a child process (``rlray.reward.sandbox.ProcessSandbox``, the same mechanism that
+- ``ScorerSandbox``: a child process (``rlray.sandbox.ProcessSandbox``, the same mechanism that
   runs each user function with its own timeout) that holds one ``RewardScorer`` (built-in verifiers, user functions,
   and the reward model when the scorer has one). A call that runs past ``timeout_s`` kills the process,
   starts a fresh one and fails with ``RewardTimeoutError``, so nothing wedges a replica (Python threads
@@ -44,8 +44,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tenacity import RetryError, Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
-from rlray.reward.sandbox import ProcessSandbox, SandboxCrashed, SandboxError, SandboxTimeout
 from rlray.reward.scorer import RewardFunctionError, RewardScorer
+from rlray.sandbox import ProcessSandbox, SandboxCrashed, SandboxError, SandboxTimeout
 
 APP_NAME = "rlray-reward"
 log = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ def _serve_scorer(**scorer_kwargs: Any) -> Any:
 
 
 class ScorerSandbox:
-    """A ``RewardScorer`` in a child process (``rlray.reward.sandbox.ProcessSandbox``), one batch at a time.
+    """A ``RewardScorer`` in a child process (``rlray.sandbox.ProcessSandbox``), one batch at a time.
 
     The scorer's user functions run in sandboxes of their own inside it (with their own timeouts);
     ``timeout_s`` bounds a whole scorer call on top of that.

@@ -4,6 +4,6 @@ Importing this package does not import vLLM; the engine imports it when backend=
 """
 
 from rlray.rollout.engine import RolloutEngine
-from rlray.rollout.types import Completion, SamplingSpec
+from rlray.rollout.types import Completion, RolloutSource, SamplingSpec
 
-__all__ = ["Completion", "RolloutEngine", "SamplingSpec"]
+__all__ = ["Completion", "RolloutEngine", "RolloutSource", "SamplingSpec"]

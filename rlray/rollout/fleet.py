@@ -41,7 +41,7 @@ import ray
 import ray._private.state
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from rlray.rollout import Completion, SamplingSpec
+from rlray.rollout import Completion, RolloutSource, SamplingSpec
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +122,8 @@ def offset_seed(sampling: SamplingSpec, first_prompt: int) -> SamplingSpec:
 class RolloutFleet:
     """Rank 0's view of the rollout actors: generate across them, reassign on failure, push weights.
 
+    A ``RolloutSource`` (``rlray.rollout.types``) whose pending handle is a ``PendingRollout``.
+
     Args:
         actors: ``RolloutActor`` handles (created with ``max_restarts``).
         max_attempts: calls per chunk before the rollout fails (the first call included).
@@ -159,8 +161,8 @@ class RolloutFleet:
         Args:
             prompt_ids: P prompts' token ids.
             sampling: what to sample.
-            rows: the prompts' dataset rows; unused here (the episode rollout, ``rlray.run.episodes``, has the
-                same ``submit`` and needs them).
+            rows: the prompts' dataset rows (``RolloutSource``); not read here, so None is accepted too (the episode
+                loop's turns and benchmarks sample raw token ids).
             actor_keys: P ints; when given, prompt i goes to usable actor ``actor_keys[i] % len(usable)``
                 instead of contiguous chunks, so that an episode's turns stay on one engine (its prefix cache).
 
@@ -184,10 +186,8 @@ class RolloutFleet:
     def collect(self, pending: PendingRollout) -> list[Completion]:
         """Returns ``n`` completions per prompt, prompt-major, waiting for every chunk.
 
-        A chunk whose actor died is sent again to a live actor (same seed), so no prompt is lost
-        or generated twice.
-
-        A chunk whose actor cannot run it (``_cannot_run``) is cancelled and sent to a live actor the same way.
+        A chunk whose actor died is sent again to a live actor (same seed), so no prompt is lost or generated twice;
+        a chunk whose actor cannot run it (``_cannot_run``) is cancelled and sent to a live actor the same way.
 
         Raises:
             RolloutError: a chunk failed ``max_attempts`` times.
@@ -216,7 +216,7 @@ class RolloutFleet:
         return sorted((c for got in done.values() for c in got), key=lambda c: (c.prompt_index, c.sample_index))
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec, rows: list[Any] | None = None) -> list[Completion]:
-        """Returns ``collect(submit(...))``: a blocking rollout (``rows`` unused, as in ``submit``)."""
+        """Returns ``collect(submit(...))``: a blocking rollout (``rows`` not read, as in ``submit``)."""
         return self.collect(self.submit(prompt_ids, sampling))
 
     def _call(self, pending: PendingRollout, indices: list[int], actor: int, attempts: int = 1) -> _Chunk:
@@ -451,7 +451,7 @@ class RolloutPipeline:
     uninterrupted run gives it.
 
     Args:
-        fleet: the rollout fleet.
+        rollouts: what the steps sample from: the rollout fleet, or the episode rollout over it.
         take_prompts: returns (rows, prompt token ids) of the next step (advances the data cursor).
         sampling_for: returns the SamplingSpec of a step (its seed depends on the step).
         max_staleness: k, in policy versions; 0 is synchronous.
@@ -465,7 +465,7 @@ class RolloutPipeline:
 
     def __init__(
         self,
-        fleet: RolloutFleet,
+        rollouts: RolloutSource,
         take_prompts: Callable[[], tuple[list[Any], list[list[int]]]],
         sampling_for: Callable[[int], SamplingSpec],
         max_staleness: int,
@@ -473,7 +473,7 @@ class RolloutPipeline:
         restore_cursor: Callable[[dict], None] | None = None,
         overlap: bool = True,
     ) -> None:
-        self.fleet = fleet
+        self.rollouts = rollouts
         self.take_prompts = take_prompts
         self.sampling_for = sampling_for
         self.max_staleness = max_staleness
@@ -503,15 +503,15 @@ class RolloutPipeline:
                 rows, ids = self.take_prompts()
             pending = None  # kept until its step asks, without overlap
             if self.overlap or self._next_step == step:
-                pending = self.fleet.submit(ids, self.sampling_for(self._next_step), rows)
-            self._queue.append((self._next_step, rows, ids, pending, self.fleet.version, before))
+                pending = self.rollouts.submit(ids, self.sampling_for(self._next_step), rows)
+            self._queue.append((self._next_step, rows, ids, pending, self.rollouts.version, before))
             self._next_step += 1
         got, rows, ids, pending, version, _ = self._queue.popleft()
         if got != step:
             raise ValueError(f"RolloutPipeline: asked for step {step}, the next rollout in flight is step {got}")
         if pending is None:
-            pending, version = self.fleet.submit(ids, self.sampling_for(step), rows), self.fleet.version
-        return RolloutBatch(step, rows, ids, self.fleet.collect(pending), version)
+            pending, version = self.rollouts.submit(ids, self.sampling_for(step), rows), self.rollouts.version
+        return RolloutBatch(step, rows, ids, self.rollouts.collect(pending), version)
 
     def cursor_state(self) -> dict | None:
         """Returns the data cursor a snapshot keeps, or None without a ``cursor`` callable.
@@ -542,7 +542,7 @@ class RolloutPipeline:
         are submitted again with the same prompts, and the data cursor stays where it is."""
         for item in self._queue:
             if item[3] is not None:  # submitted: let the engines finish, their calls are ordered before the push
-                self.fleet.collect(item[3])
+                self.rollouts.collect(item[3])
         self._retake.extendleft((before, rows, ids) for _, rows, ids, _, _, before in reversed(self._queue))
         self._queue.clear()
         self._next_step = None

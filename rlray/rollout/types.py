@@ -1,4 +1,5 @@
-"""Plain records that cross the rollout boundary: what to sample, and what came back.
+"""Plain records that cross the rollout boundary: what to sample, and what came back; and ``RolloutSource``,
+what the step, the async pipeline and evaluation sample from.
 
 No config objects and no engine imports here, so the loop, the actors and the tests can use
 these records without vLLM installed.
@@ -7,6 +8,7 @@ these records without vLLM installed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 FINISH_REASONS = ("stop", "length")
 
@@ -144,3 +146,42 @@ class Completion:
         elif len(self.loss_mask) != len(self.response_token_ids):
             raise ValueError(f"Completion.loss_mask has {len(self.loss_mask)} entries for "
                              f"{len(self.response_token_ids)} response tokens")
+
+
+PendingT = TypeVar("PendingT")
+
+
+@runtime_checkable
+class RolloutSource(Protocol[PendingT]):
+    """What the step, the async pipeline (``rlray.rollout.fleet.RolloutPipeline``) and evaluation sample from: the
+    rollout fleet (``rlray.rollout.fleet.RolloutFleet``), or the episodes over it when environments are configured
+    (``rlray.run.episodes.EpisodeRollout``).
+
+    ``submit`` starts a rollout and returns its pending handle at once (``PendingT``: the fleet's
+    ``PendingRollout``, the episode rollout's ``concurrent.futures.Future``); ``collect`` waits for that handle
+    (once per handle); ``generate`` does both on the caller's thread. Completions come back prompt-major,
+    ``sampling.n`` per prompt, ``Completion.prompt_index`` indexing the P prompts given.
+
+    ``rows`` are always given: the P prompts' dataset rows (``rlray.data.PromptRow``), one per prompt. The episode
+    rollout reads them (a row's columns name its environment and are ``reset``'s keyword arguments) and requires
+    them; the fleet does not read them and also accepts None, for callers that sample raw token ids without rows
+    (the episode loop's turns, benchmarks).
+    """
+
+    @property
+    def version(self) -> int:
+        """Returns the latest policy version pushed to the rollout engines."""
+        ...
+
+    def submit(self, prompt_ids: list[list[int]], sampling: SamplingSpec, rows: list[Any]) -> PendingT:
+        """Returns the pending handle of a rollout of ``sampling.n`` completions for each of the P prompts
+        ``prompt_ids`` (token ids), started without waiting; ``rows``: the P prompt rows."""
+        ...
+
+    def collect(self, pending: PendingT) -> list[Completion]:
+        """Returns the completions of a submitted rollout, prompt-major, waiting for them."""
+        ...
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec, rows: list[Any]) -> list[Completion]:
+        """Returns ``collect(submit(prompt_ids, sampling, rows))``."""
+        ...

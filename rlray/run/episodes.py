@@ -1,7 +1,7 @@
 """Episodes: multi-turn rollouts that alternate engine turns and environment steps (rank 0).
 
-``EpisodeRollout`` has the rollout fleet's ``submit``/``collect``/``generate``, so the step, the async
-pipeline, DAPO's refill, ReMax's greedy baseline and evaluation use it unchanged. Each prompt row
+``EpisodeRollout`` is a ``rlray.rollout.RolloutSource``, as the rollout fleet is, so the step, the async
+pipeline, DAPO's refill, ReMax's greedy baseline and evaluation use either. Each prompt row
 becomes ``n`` episodes (the group); a row whose ``env.column`` names an environment (or every row, with
 ``env.default``) runs in that environment, any other row is a one-turn episode (a single-turn prompt,
 stop reason ``single_turn``).
@@ -11,8 +11,8 @@ One step's episodes advance turn by turn together:
   2. while any episode is active: check its limits (turns, episode tokens, time), send every active
      episode's token sequence to the engines in one ``submit`` (an episode keeps its rollout actor,
      ``actor_keys``, so vLLM's prefix cache serves its turns), append the sampled tokens (loss mask on),
-     send every environment episode's turn to its host in one call per host, and append the observation
-     tokens (loss mask off, ``rlray.envs.episode.Trajectory``);
+     send every environment episode's turn to its host in one call per host (``host.step.remote`` with
+     typed ``StepRequest``s), and append the observation tokens (loss mask off, ``rlray.envs.episode.Trajectory``);
   3. close the episodes on their hosts.
 
 Faults: an environment that raises or passes its time limit fails its episode (stop reason ``env_error``
@@ -30,6 +30,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,7 @@ import numpy as np
 import ray
 
 from rlray.envs.episode import TemplateDriftError, Trajectory, open_trajectory, truncate_observations
+from rlray.envs.host import ResetRequest, StepRequest
 from rlray.rollout import Completion, SamplingSpec
 from rlray.rollout.fleet import ACTOR_ERRORS, RolloutFleet
 from rlray.rollout.types import EpisodeInfo
@@ -65,13 +67,27 @@ class EpisodeLimits:
 
 
 @dataclass
-class _Episode:
-    """One running episode: its group position, environment, host and trajectory."""
+class RunningEpisode:
+    """One episode while the loop runs it: where it sits in its group, where it runs, and what it has recorded so
+    far (``EpisodeRollout._completion`` turns it into a ``Completion`` and its ``EpisodeInfo``).
+
+    Attributes:
+        prompt_index, sample_index: its row in the step and its place in that row's group.
+        order: its position in the step's episode list (picks its rollout actor and its host).
+        environment: the environment's name; "" for a single-turn row.
+        key: the episode's key on its host (unique per step and run).
+        traj: its token sequence (None until reset); stop: its environment's extra stop strings.
+        host: the index of its environment host.
+        started: when it started (time.monotonic(), seconds), for env.episode_timeout_s.
+        tool_calls, tool_errors, observation_tokens, metrics: sums over its turns (``EpisodeInfo``).
+        message: why it failed ("" otherwise); limit_reward: ``reward_at_limit()`` of an episode a limit ended.
+        rerun: it runs again from the start because its host died.
+    """
 
     prompt_index: int
     sample_index: int
-    order: int  # position in the step's episode list (actor and host assignment)
-    environment: str  # "" for a single-turn row
+    order: int
+    environment: str
     key: str
     traj: Trajectory | None = None
     stop: tuple[str, ...] = ()
@@ -86,17 +102,10 @@ class _Episode:
     rerun: bool = False
 
 
-@dataclass
-class PendingEpisodes:
-    """A submitted step of episodes: a background thread runs them; ``collect`` joins it."""
-
-    thread: threading.Thread
-    result: list[Completion] = field(default_factory=list)
-    error: BaseException | None = None
-
-
 class EpisodeRollout:
     """Rank 0's rollout when environments are configured: episodes across the rollout fleet and environment hosts.
+
+    A ``rlray.rollout.RolloutSource`` whose pending handle is a ``concurrent.futures.Future`` of the completions.
 
     Args:
         fleet: the rollout fleet (engines).
@@ -132,69 +141,68 @@ class EpisodeRollout:
         """Returns the fleet's latest policy version."""
         return self.fleet.version
 
-    def submit(self, prompt_ids: list[list[int]], sampling: SamplingSpec, rows: list[Any] | None = None) -> PendingEpisodes:
+    def submit(self, prompt_ids: list[list[int]], sampling: SamplingSpec, rows: list[Any]) -> Future[list[Completion]]:
         """Starts the episodes of ``rows`` (``sampling.n`` per row) on a background thread; returns at once.
 
-        Raises:
-            ValueError: ``rows`` is None (episodes need the rows' columns).
+        Args:
+            prompt_ids: P prompts' token ids (a single-turn row's prompt; an environment's row opens with the
+                prompt its ``reset`` returns).
+            sampling: what to sample each turn.
+            rows: the P prompt rows (``rlray.data.PromptRow``): their columns name their environments and are
+                ``reset``'s keyword arguments.
+
+        Returns:
+            A future of ``generate``'s result; ``collect`` waits for it.
         """
-        if rows is None:
-            raise ValueError("EpisodeRollout.submit needs the prompt rows")
-        pending = PendingEpisodes(threading.Thread(target=lambda: None))
+        pending: Future[list[Completion]] = Future()
+        pending.set_running_or_notify_cancel()
 
         def work() -> None:
             try:
-                pending.result = self.run(rows, prompt_ids, sampling)
+                pending.set_result(self.generate(prompt_ids, sampling, rows))
             except BaseException as err:  # noqa: BLE001 - re-raised by collect on the caller's thread
-                pending.error = err
+                pending.set_exception(err)
 
-        pending.thread = threading.Thread(target=work, name="rlray-episodes", daemon=True)
-        pending.thread.start()
+        threading.Thread(target=work, name="rlray-episodes", daemon=True).start()
         return pending
 
-    def collect(self, pending: PendingEpisodes) -> list[Completion]:
+    def collect(self, pending: Future[list[Completion]]) -> list[Completion]:
         """Returns the episodes' completions, prompt-major (``n`` per row), waiting for them.
 
         Raises:
             whatever the episode loop raised (``RolloutError``, a bad row's ``ValueError``).
         """
-        pending.thread.join()
-        if pending.error is not None:
-            raise pending.error
-        return pending.result
-
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec, rows: list[Any] | None = None) -> list[Completion]:
-        """Returns ``collect(submit(...))``, run on the caller's thread."""
-        if rows is None:
-            raise ValueError("EpisodeRollout.generate needs the prompt rows")
-        return self.run(rows, prompt_ids, sampling)
+        return pending.result()
 
     # ---- the loop ---------------------------------------------------------------------------
-    def run(self, rows: list[Any], prompt_ids: list[list[int]], sampling: SamplingSpec) -> list[Completion]:
-        """Runs ``sampling.n`` episodes per row to their end; returns their completions, prompt-major.
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec, rows: list[Any]) -> list[Completion]:
+        """Returns the completions of ``sampling.n`` episodes per row, run to their end on the caller's thread,
+        prompt-major (``collect(submit(...))`` without the thread; arguments as ``submit``).
 
         Episodes whose environment host died are run again once from the start on a live host.
+
+        Raises:
+            ValueError: a row names an environment that is not configured.
+            RolloutError: the rollout fleet cannot sample a turn.
         """
         step_key = uuid.uuid4().hex[:12]
         episodes = []
         for p, row in enumerate(rows):
             env = self.environment_of(row)
             for s in range(sampling.n):
-                episodes.append(_Episode(p, s, len(episodes), env, f"{step_key}-{p}-{s}"))
+                episodes.append(RunningEpisode(p, s, len(episodes), env, f"{step_key}-{p}-{s}"))
         self._run_episodes(episodes, rows, prompt_ids, sampling)
         died = [i for i, ep in enumerate(episodes) if ep.traj.stop_reason == "actor_died"]
         if died and self._revive_hosts():
             log.warning("running %d episodes again whose environment host died", len(died))
-            again = [dataclasses.replace(episodes[i], key=f"{episodes[i].key}-rerun", traj=None, stop=(),
-                                         started=time.monotonic(), tool_calls=0, tool_errors=0, observation_tokens=0,
-                                         metrics={}, message="", limit_reward=None) for i in died]
+            again = [RunningEpisode(ep.prompt_index, ep.sample_index, ep.order, ep.environment, f"{ep.key}-rerun",
+                                    rerun=True) for ep in (episodes[i] for i in died)]
             self._run_episodes(again, rows, prompt_ids, sampling)
             for i, ep in zip(died, again, strict=True):
-                ep.rerun = True
                 episodes[i] = ep
         return [self._completion(ep) for ep in episodes]
 
-    def _run_episodes(self, episodes: list[_Episode], rows: list[Any], prompt_ids: list[list[int]],
+    def _run_episodes(self, episodes: list[RunningEpisode], rows: list[Any], prompt_ids: list[list[int]],
                       sampling: SamplingSpec) -> None:
         live = self._live_hosts()
         for ep in episodes:
@@ -246,12 +254,12 @@ class EpisodeRollout:
                              f"which is not in env.environments {sorted(self.known_envs)}")
         return str(name or "")
 
-    def _reset(self, episodes: list[_Episode], rows: list[Any]) -> None:
-        def request(ep: _Episode) -> tuple:
+    def _reset(self, episodes: list[RunningEpisode], rows: list[Any]) -> None:
+        def request(ep: RunningEpisode) -> ResetRequest:
             row = rows[ep.prompt_index]
-            return ep.key, ep.environment, {**row.columns, "prompt": row.prompt, self.prompt_column: row.prompt}
+            return ResetRequest(ep.key, ep.environment, {**row.columns, "prompt": row.prompt, self.prompt_column: row.prompt})
 
-        for ep, reply in self._per_host(episodes, "reset", request):
+        for ep, reply in self._per_host(episodes, lambda host, eps: host.reset.remote([request(ep) for ep in eps])):
             ep.traj = Trajectory([], [])  # replaced below unless the reset failed
             if reply is None or reply.error:
                 self._fail(ep, "actor_died" if reply is None else reply.error, "" if reply is None else reply.message)
@@ -263,7 +271,7 @@ class EpisodeRollout:
             except Exception as err:  # noqa: BLE001 - a prompt the template cannot render fails its episode
                 self._fail(ep, "env_error", f"chat template: {type(err).__name__}: {err}")
 
-    def _check_limits(self, active: list[_Episode], max_new_tokens: int) -> None:
+    def _check_limits(self, active: list[RunningEpisode], max_new_tokens: int) -> None:
         now = time.monotonic()
         for ep in active:
             if ep.environment and now - ep.started > self.limits.episode_timeout_s:
@@ -276,10 +284,10 @@ class EpisodeRollout:
                                f"rollout.max_new_tokens={max_new_tokens} it exceeds env.max_episode_tokens="
                                f"{self.limits.max_episode_tokens}")
 
-    def _sample_turn(self, active: list[_Episode], sampling: SamplingSpec, turn: int) -> None:
+    def _sample_turn(self, active: list[RunningEpisode], sampling: SamplingSpec, turn: int) -> None:
         """Sends every active episode's next turn to the engines (one submit per distinct stop-string set)."""
         seed = None if sampling.seed is None else sampling.seed + SEED_STRIDE_PER_TURN * turn
-        groups: dict[tuple[str, ...], list[_Episode]] = {}
+        groups: dict[tuple[str, ...], list[RunningEpisode]] = {}
         for ep in active:
             groups.setdefault(tuple(sampling.stop) + ep.stop, []).append(ep)
         submitted = []
@@ -296,11 +304,11 @@ class EpisodeRollout:
                 elif c.finish_reason == "length":
                     ep.traj.stop_reason = "length"
 
-    def _step_envs(self, episodes: list[_Episode]) -> None:
-        def request(ep: _Episode) -> tuple:
-            return ep.key, ep.traj.messages[-1]["content"], ep.traj.finish_reason, ep.traj.num_turns - 1
+    def _step_envs(self, episodes: list[RunningEpisode]) -> None:
+        def request(ep: RunningEpisode) -> StepRequest:
+            return StepRequest(ep.key, ep.traj.messages[-1]["content"], ep.traj.finish_reason, ep.traj.num_turns - 1)
 
-        for ep, reply in self._per_host(episodes, "step", request):
+        for ep, reply in self._per_host(episodes, lambda host, eps: host.step.remote([request(ep) for ep in eps])):
             if reply is None or reply.error:
                 self._fail(ep, "actor_died" if reply is None else reply.error, "" if reply is None else reply.message)
                 continue
@@ -309,8 +317,7 @@ class EpisodeRollout:
             ep.tool_calls += reply.tool_calls
             ep.tool_errors += reply.tool_errors
             for k, v in step.metrics.items():
-                if k not in ("tool_calls", "tool_errors"):
-                    ep.metrics[k] = ep.metrics.get(k, 0.0) + float(v)
+                ep.metrics[k] = ep.metrics.get(k, 0.0) + float(v)
             if step.done:
                 ep.traj.stop_reason = "done"
             elif step.truncated:
@@ -328,9 +335,9 @@ class EpisodeRollout:
                 except TemplateDriftError as err:
                     ep.traj.stop_reason, ep.message = "template_drift", str(err)
 
-    def _close(self, episodes: list[_Episode]) -> None:
+    def _close(self, episodes: list[RunningEpisode]) -> None:
         """Asks each host for the final rewards of episodes a limit ended, then drops every episode's instance."""
-        by_host: dict[int, list[_Episode]] = {}
+        by_host: dict[int, list[RunningEpisode]] = {}
         for ep in episodes:
             if ep.environment and ep.traj.stop_reason != "actor_died":
                 by_host.setdefault(ep.host, []).append(ep)
@@ -349,12 +356,18 @@ class EpisodeRollout:
                 self._dead.add(h)
                 log.warning("environment host %d died while closing episodes (%s)", h, type(err).__name__)
 
-    def _per_host(self, episodes: list[_Episode], method: str, request: Callable[[_Episode], tuple]) -> list[tuple]:
-        """Returns (episode, reply or None when its host died) for one batched call per host."""
-        by_host: dict[int, list[_Episode]] = {}
+    def _per_host(self, episodes: list[RunningEpisode],
+                  send: Callable[[Any, list[RunningEpisode]], Any]) -> list[tuple[RunningEpisode, Any]]:
+        """Returns (episode, its reply, or None when its host died) for one batched call per host.
+
+        Args:
+            send: makes one host's call for its episodes and returns the ObjectRef of its list of replies (one per
+                episode, in order): ``lambda host, eps: host.step.remote([...])``.
+        """
+        by_host: dict[int, list[RunningEpisode]] = {}
         for ep in episodes:
             by_host.setdefault(ep.host, []).append(ep)
-        refs = {h: getattr(self.hosts[h], method).remote([request(ep) for ep in eps]) for h, eps in by_host.items()}
+        refs = {h: send(self.hosts[h], eps) for h, eps in by_host.items()}
         out = []
         for h, eps in by_host.items():
             try:
@@ -367,13 +380,13 @@ class EpisodeRollout:
             out += list(zip(eps, replies, strict=True))
         return out
 
-    def _fail(self, ep: _Episode, reason: str, message: str) -> None:
+    def _fail(self, ep: RunningEpisode, reason: str, message: str) -> None:
         if ep.traj is None:
             ep.traj = Trajectory([], [])
         ep.traj.stop_reason, ep.message = reason, message
         log.warning("episode %s (%s) failed: %s %s", ep.key, ep.environment, reason, message[:300])
 
-    def _completion(self, ep: _Episode) -> Completion:
+    def _completion(self, ep: RunningEpisode) -> Completion:
         traj = ep.traj
         env_reward = traj.env_reward
         if ep.limit_reward is not None:

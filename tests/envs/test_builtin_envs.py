@@ -87,7 +87,7 @@ def test_calculator_episode_gsm8k_row():
     assert first.observations == [{"role": "tool", "name": "calculator", "content": "24"}]
     second = env.step(turn(call("48 + 24") + call("48 / 0"), 1))
     assert [o["content"] for o in second.observations] == ["72", "Error: tool 'calculator' raised ValueError: division by zero"]
-    assert second.metrics == {"tool_calls": 2.0, "tool_errors": 1.0} and second.reward is None
+    assert (second.tool_calls, second.tool_errors, second.metrics) == (2, 1, {}) and second.reward is None
     last = env.step(turn("She sold 24 in May, so 72 in total.", 2))
     assert (last.reward, last.done) == (1.0, True)
 

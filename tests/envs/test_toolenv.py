@@ -68,14 +68,16 @@ def test_scripted_episode():
     assert first.observations[3]["name"] == "invalid_tool_call"
     assert first.observations[3]["content"].startswith("Error: tool call is not valid JSON")
     # 4 calls attempted; errors: the raising lookup + the unparsable block = 2
-    assert (first.reward, first.done, first.truncated, first.metrics) == (None, False, False, {"tool_calls": 4.0, "tool_errors": 2.0})
+    assert (first.reward, first.done, first.truncated, first.metrics) == (None, False, False, {})
+    assert (first.tool_calls, first.tool_errors) == (4, 2)
 
     second = env.step(turn("<tool_call>{bad}</tool_call>", 1))  # only a parse error: still a tool turn
-    assert second.done is False and second.metrics == {"tool_calls": 1.0, "tool_errors": 1.0}
+    assert second.done is False and (second.tool_calls, second.tool_errors, second.metrics) == (1, 1, {})
     assert len(second.observations) == 1
 
     last = env.step(turn("The word is otter.", 2))
-    assert (last.observations, last.reward, last.done, last.metrics) == ([], 1.0, True, {"tool_calls": 0.0, "tool_errors": 0.0})
+    assert (last.observations, last.reward, last.done, last.metrics) == ([], 1.0, True, {})
+    assert (last.tool_calls, last.tool_errors) == (0, 0)
 
 
 def test_final_turn_wrong_answer_and_default_reward():

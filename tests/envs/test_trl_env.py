@@ -85,7 +85,7 @@ def test_scripted_three_turn_episode(trl_calculator_cls):
     env.reset(prompt="What is 6 x 7?", a=6, b=7)
     first = env.step(turn('<tool_call>{"name": "multiply", "arguments": {"a": 6, "b": 6}}</tool_call>'))
     assert first.observations == [{"role": "tool", "name": "multiply", "content": "36"}]
-    assert (first.reward, first.done, first.metrics) == (None, False, {"tool_calls": 1.0, "tool_errors": 0.0})
+    assert (first.reward, first.done, first.metrics, first.tool_calls, first.tool_errors) == (None, False, {}, 1, 0)
     second = env.step(
         turn('<tool_call>{"name": "multiply", "arguments": {"a": 6, "b": 7}}</tool_call><tool_call>{"name": "add"}</tool_call>', 1)
     )
@@ -93,7 +93,7 @@ def test_scripted_three_turn_episode(trl_calculator_cls):
         {"role": "tool", "name": "multiply", "content": "42"},
         {"role": "tool", "name": "add", "content": "Error: unknown tool 'add'; available tools: multiply"},
     ]
-    assert second.metrics == {"tool_calls": 2.0, "tool_errors": 1.0} and not second.done
+    assert (second.tool_calls, second.tool_errors, second.metrics) == (2, 1, {}) and not second.done
     third = env.step(turn("6 x 7 = 42", 2))  # no tool call: the episode ends, get_reward scores it
     assert (third.observations, third.reward, third.done) == ([], 1.0, True)
     assert env.instance.results == [36, 42]

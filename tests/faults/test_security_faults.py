@@ -57,8 +57,8 @@ def test_every_server_binds_localhost_by_default(monkeypatch):
 # --------------------------------------------------------------------------------------------
 # Weights: safetensors, or torch.load(weights_only=True); never pickle
 # --------------------------------------------------------------------------------------------
-# pickle.loads in the reward sandbox round-trips exceptions raised by reward functions, not weights
-ALLOWED_PICKLE = {("rlray/reward/sandbox.py", "pickle.loads")}
+# pickle.loads in the sandbox (rlray.sandbox) round-trips exceptions raised by reward functions and environments, not weights
+ALLOWED_PICKLE = {("rlray/sandbox.py", "pickle.loads")}
 # peft's PeftModel.from_pretrained has no use_safetensors flag: it reads adapter_model.safetensors whenever the file
 # exists, and rlray.models.adapters.check_adapter refuses an adapter folder without it before the call
 ALLOWED_FROM_PRETRAINED = {("rlray/models/adapters.py", "PeftModel.from_pretrained")}

@@ -210,3 +210,31 @@ def test_async_pipeline_runs_episodes_ahead_and_reruns_them_after_a_reset(env_ho
     pipe.reset()  # waits for step 2's episodes in flight, then drops them
     assert cursor == {"next": 6}
     assert ray.get(env_host.open_episodes.remote()) == 0
+
+
+def test_the_pipeline_runs_over_the_fleet_or_the_episodes_alike(tiny_tokenizer):
+    """``RolloutPipeline`` takes any ``RolloutSource``: over single-turn rows, the episode rollout (no host is called,
+    no Ray) gives the completions its fleet gives, prompt-major, with its version."""
+    from rlray.rollout.fleet import RolloutPipeline
+
+    data = rows(None, None, None)
+    ids = [tiny_tokenizer(t, add_special_tokens=False)["input_ids"] for t in ("one go on go on", "two", "three")]
+
+    def batches(source) -> list:
+        pipe = RolloutPipeline(source, lambda: (data, ids),
+                               lambda s: SamplingSpec(n=2, max_new_tokens=4, temperature=1.0, seed=s), 1)
+        return [pipe.next(0), pipe.next(1)]
+
+    fleet, episode_rollout = ScriptedFleet(tiny_tokenizer), rollout(tiny_tokenizer, [object()])
+    fleet.version = episode_rollout.fleet.version = 4
+    direct, episodes = batches(fleet), batches(episode_rollout)
+    for by_fleet, by_episodes in zip(direct, episodes, strict=True):
+        assert by_episodes.rows == by_fleet.rows == data
+        assert by_episodes.submitted_at_version == by_fleet.submitted_at_version == 4
+        assert [(c.prompt_index, c.sample_index, c.response_token_ids, c.policy_version) for c in by_episodes.completions] == [
+            (c.prompt_index, c.sample_index, c.response_token_ids, c.policy_version) for c in by_fleet.completions]
+        assert [c.episode.stop_reason for c in by_episodes.completions] == ["single_turn"] * 6
+        assert [c.prompt_token_ids for c in by_episodes.completions] == [p for p in ids for _ in range(2)]
+    stop = tiny_tokenizer("stop", add_special_tokens=False)["input_ids"] + [tiny_tokenizer.eos_token_id]
+    assert direct[0].completions[0].response_token_ids == stop  # the first prompt holds "go on" twice
+    assert direct[0].completions[2].response_token_ids != stop

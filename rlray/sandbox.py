@@ -1,5 +1,9 @@
 """Child processes that run code with a timeout, and untrusted code with resource limits.
 
+The isolation that environments (``rlray.envs.host``: one child per sandboxed episode) and reward functions
+(``rlray.reward.scorer``, ``rlray.reward.server``) share; a base module (DESIGN.md, lines 1-2) that imports no
+other rlray package, so both sit above it.
+
 ``ProcessSandbox`` builds a callable in a fresh child process (``multiprocessing`` spawn) and calls it one
 request at a time over a pipe. The parent enforces the time limit from outside: a call that runs past
 ``timeout_s`` gets the child SIGKILLed (a hung or busy function cannot ignore that, and no signal handler
