@@ -44,9 +44,9 @@ from rlray.launch.placement import bundle, check_cluster, rollout_nodes
 from rlray.launch.preflight import preflight
 from rlray.models import load_tokenizer, resolve_model_path
 from rlray.observe.tracking import Tracker, resolve_tracking_uri
+from rlray.rollout import RolloutSource
 from rlray.rollout.fleet import RolloutFleet
 from rlray.run import build, evaluation, worker
-from rlray.run.episodes import EpisodeRollout
 from rlray.run.hooks import StepHook, StopWhenRequested, hold_hooks_from_env, start_run_control
 from rlray.run.state import RunServices, WorkerArgs
 
@@ -397,7 +397,7 @@ class EvalSetup:
     episode rollout over it when env.environments is set), ``reward`` (the in-process reward client), ``prompts``
     (the first ``eval.num_problems`` eval rows, each with its prompt token ids) and ``tokenizer``."""
 
-    rollouts: RolloutFleet | EpisodeRollout
+    rollouts: RolloutSource
     reward: Any
     prompts: list[tuple[Any, list[int]]]
     tokenizer: Any

@@ -449,7 +449,7 @@ def episode_metrics(completions: list[Completion]) -> dict[str, float]:
     env/turns_mean, env/tool_calls_mean, env/tool_errors (sum), env/failed (count), env/observation_tokens_mean,
     env/observations_truncated (sum), env/episodes_rerun (sum), env/stop_reason/<reason> (count per reason) and
     env/metric/<name> (the mean of each number in the environments' EnvStep.metrics, summed per episode, over the
-    episodes that reported it) over the multi-turn episodes of the step (``tracking.METRIC_KEY_PREFIXES``).
+    episodes that reported it) over the multi-turn episodes of the step (``rlray.observe.metrics.FAMILIES``).
     """
     eps = [c.episode for c in completions if c.episode is not None and c.episode.environment]
     if not eps:

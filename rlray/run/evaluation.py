@@ -11,14 +11,12 @@ from typing import Any
 import numpy as np
 
 from rlray.data import PromptRow
-from rlray.rollout import SamplingSpec
-from rlray.rollout.fleet import RolloutFleet
-from rlray.run.episodes import EpisodeRollout
+from rlray.rollout import RolloutSource, SamplingSpec
 from rlray.run.experience import score, term_metrics
 from rlray.run.lead import RewardClient
 
 
-def evaluate_prompts(rollouts: RolloutFleet | EpisodeRollout, reward: RewardClient, prompts: list[tuple[PromptRow, list[int]]],
+def evaluate_prompts(rollouts: RolloutSource, reward: RewardClient, prompts: list[tuple[PromptRow, list[int]]],
                      tokenizer: Any, sampling: SamplingSpec, env_reward_weight: float = 1.0,
                      pass_k: SamplingSpec | None = None) -> dict[str, float]:
     """Returns eval/reward_mean, eval/<term> and eval/<term>_skipped per reward term, eval/response_tokens_mean and

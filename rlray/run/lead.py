@@ -19,10 +19,9 @@ from rlray.config import Config
 from rlray.cores import CorePlan
 from rlray.data import PromptRow, PromptStream, load_prompt_rows, prepare_prompts
 from rlray.reward.server import LocalRewardClient, ServeRewardClient
-from rlray.rollout import SamplingSpec
+from rlray.rollout import RolloutSource, SamplingSpec
 from rlray.rollout.fleet import RolloutFleet, RolloutPipeline, gcs_actor_node
 from rlray.run import build
-from rlray.run.episodes import EpisodeRollout
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +67,7 @@ class OnlineLead:
     reward: RewardClient
     reward_kwargs: dict[str, Any]
     fleet: RolloutFleet
-    rollouts: RolloutFleet | EpisodeRollout
+    rollouts: RolloutSource
     pipeline: RolloutPipeline
     logged: FleetCounts
 
