@@ -9,7 +9,7 @@ export RLRAY_DATA_MIRROR ?= $(if $(wildcard ../shared/data),$(abspath ../shared/
 export TOKENIZERS_PARALLELISM := false
 PYTEST_ARGS ?=
 
-.PHONY: install data demo demo-gsm8k browser test soak lint bench clean
+.PHONY: install data demo demo-gsm8k browser test test-slow soak lint bench clean
 
 install: $(STAMP) data
 
@@ -54,6 +54,11 @@ browser:
 test: install browser
 	$(BIN)/ruff check .
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+# Every test marked slow (the per-algorithm 2-step runs, PBT, the learner-node loss, the soak at its short size, ...):
+# not in `make test` (CI), run before a release so that no slow test rots unseen.
+test-slow: install browser
+	$(BIN)/pytest -m slow $(PYTEST_ARGS)
 
 # The long run under chaos (tests/faults/test_soak.py): the tiny model for SOAK_STEPS steps with seeded faults
 # (reward raises and timeouts, a failing environment, killed rollout actor and learner, MLflow away, a failed
