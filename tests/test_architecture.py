@@ -15,6 +15,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 _BASE = {"algos", "config", "schema", "cores", "sandbox"}  # DESIGN.md lines 1-2
 _PARTS = {"data", "models", "rollout", "envs", "reward", "learner", "checkpoint", "observe"}  # line 3
+# DESIGN.md: checkpoint/ and observe/ are services on line 3, not building blocks: they may read the config.
+SERVICES = {"checkpoint", "observe"}
 
 ALLOWED: dict[str, set[str]] = {
     # Lines 1-3: no edge but those written here (same-package imports are always allowed).
@@ -43,6 +45,7 @@ ALLOWED: dict[str, set[str]] = {
     "sweep": {"config", "checkpoint", "observe", "run", "launch"},
     "cli": _BASE | _PARTS | {"run", "launch", "sweep", "rlray"},  # rlray: the root package's __version__ (--version)
 }
+# Take plain values and never import rlray.config: line 3 less the services, and the plain packages of lines 1-2.
 BUILDING_BLOCKS = {"algos", "data", "models", "rollout", "envs", "reward", "learner", "schema", "cores", "sandbox"}
 
 
@@ -143,8 +146,18 @@ def test_no_import_cycle():
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
 
+def test_the_table_gives_building_blocks_no_config_edge_and_services_one():
+    """DESIGN.md: every line-3 package is a building block or a service (checkpoint/, observe/), never both; a
+    building block has no edge to config in ALLOWED, a service may read the config."""
+    assert not SERVICES & BUILDING_BLOCKS, "checkpoint/ and observe/ are services, not building blocks"
+    assert _PARTS - SERVICES <= BUILDING_BLOCKS, "a line-3 package that is not a service is a building block"
+    assert [b for b in sorted(BUILDING_BLOCKS) if "config" in ALLOWED[b]] == []
+    assert all("config" in ALLOWED[s] for s in SERVICES)
+
+
 def test_building_blocks_do_not_import_config():
-    """Building blocks take plain values; run/ and launch/ turn the config into them (DESIGN.md, line 3)."""
+    """Building blocks take plain values; run/ and launch/ turn the config into them (DESIGN.md, line 3; the
+    services checkpoint/ and observe/ may read it)."""
     bad = [
         f"{_where(mod, line)}: {_package(mod)} imports {t}; take plain values and let rlray.run/rlray.launch read the config"
         for mod, edges in _graph().items()

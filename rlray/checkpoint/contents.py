@@ -20,6 +20,7 @@ import yaml
 from safetensors.torch import load_file
 
 from rlray.checkpoint import storage as checkpoint
+from rlray.checkpoint.manifest import SnapshotManifest
 from rlray.config import Config, validate_tree
 
 TRAINER_STATE = "trainer_state.pt"
@@ -184,13 +185,17 @@ def set_optimizer_hparams(learner: Any, cfg: Config) -> None:
     learner.scheduler._last_lr = [group["lr"] for group in learner.optimizer.param_groups]
 
 
-def restore_learner(uri: str, *, learner: Any, rank: int, options: dict[str, Any] | None) -> dict[str, Any]:
+def restore_learner(uri: str, *, learner: Any, rank: int, options: dict[str, Any] | None) -> SnapshotManifest:
     """Loads a snapshot's weights, optimizer, scheduler and this rank's RNG states; returns its manifest.
 
     Raises:
-        rlray.checkpoint.storage.SnapshotError: the snapshot is incomplete or damaged.
+        rlray.checkpoint.storage.SnapshotError: the snapshot is incomplete or damaged, or keeps no data cursor
+            (a format-1 snapshot: a model folder, not a run to resume).
     """
     manifest = checkpoint.read_manifest(uri, options)
+    if manifest.data_cursor is None:
+        raise checkpoint.SnapshotError(f"snapshot '{uri}' keeps no data cursor (an old format-1 snapshot) and cannot be "
+                                       "resumed from; its model/ folder can be model.path of a new run")
     with tempfile.TemporaryDirectory(prefix="rlray-restore-") as tmp:
         local = checkpoint.fetch_local(uri, Path(tmp) / "snap", options)
         with torch.no_grad():

@@ -19,6 +19,7 @@ import yaml
 
 from rlray.checkpoint import storage as checkpoint
 from rlray.checkpoint.contents import adopt_trained_config, snapshot_config
+from rlray.checkpoint.manifest import SnapshotManifest
 from rlray.config import Config, validate_tree
 from rlray.observe import tracking
 
@@ -40,25 +41,25 @@ def git_commit(path: str | Path | None = None) -> str:
     return out.stdout.strip() if out.returncode == 0 else "unknown"
 
 
-def version_tags(manifest: dict[str, Any], uri: str, metrics: dict[str, float]) -> dict[str, str]:
+def version_tags(manifest: SnapshotManifest, uri: str, metrics: dict[str, float]) -> dict[str, str]:
     """Returns the lineage tags of the snapshot at ``uri`` from its manifest and the step's metrics."""
     tags = {
-        "rlray.parent_version": manifest.get("parent_version") or "",
-        "rlray.step": str(manifest["step"]),
-        "rlray.epoch": str(manifest["epoch"]),
-        "rlray.policy_version": str(manifest["policy_version"]),
-        "rlray.config_hash": manifest["config_hash"],
-        "rlray.dataset_hash": manifest["dataset_hash"],
-        "rlray.git_commit": manifest["git_commit"],
-        "rlray.run_id": manifest["run_id"],
+        "rlray.parent_version": manifest.parent_version or "",
+        "rlray.step": str(manifest.step),
+        "rlray.epoch": str(manifest.epoch),
+        "rlray.policy_version": str(manifest.policy_version),
+        "rlray.config_hash": manifest.config_hash,
+        "rlray.dataset_hash": manifest.dataset_hash,
+        "rlray.git_commit": manifest.git_commit,
+        "rlray.run_id": manifest.run_id,
         "rlray.snapshot_uri": uri,
-        "rlray.kind": manifest["kind"],
+        "rlray.kind": manifest.kind,
     }
     tags.update({f"metric.{k}": f"{metrics[k]:.6g}" for k in HEADLINE_METRICS if k in metrics})
     return tags
 
 
-def register(tracker: tracking.Tracker, experiment: str, uri: str, manifest: dict[str, Any], metrics: dict[str, float]) -> str:
+def register(tracker: tracking.Tracker, experiment: str, uri: str, manifest: SnapshotManifest, metrics: dict[str, float]) -> str:
     """Registers the snapshot at ``uri`` as a new version of ``rlray-<experiment>``; returns the version."""
     return tracker.register_model_version(model_name(experiment), uri, version_tags(manifest, uri, metrics))
 
@@ -138,7 +139,7 @@ def find_snapshot(ref: str, to: str, cfg: Config) -> str:
     hits = [s for s in checkpoint.list_snapshots(base, opts) if s.step == int(to) and s.complete]
     if not hits:
         raise checkpoint.SnapshotError(f"no complete snapshot at step {to} under '{base}'")
-    return max(hits, key=lambda s: s.manifest["written_at"]).uri
+    return max(hits, key=lambda s: s.manifest.written_at).uri
 
 
 def prepare_rollback(ref: str, to: str, cfg: Config, dest: Path, *, base: Config | None = None) -> dict[str, Any]:
@@ -174,8 +175,8 @@ def prepare_rollback(ref: str, to: str, cfg: Config, dest: Path, *, base: Config
     (dest / "config.yaml").write_text(yaml.safe_dump(tree, sort_keys=False))
     return {
         "snapshot": uri,
-        "step": manifest["step"],
-        "policy_version": manifest["policy_version"],
+        "step": manifest.step,
+        "policy_version": manifest.policy_version,
         "config": str(dest / "config.yaml"),
         "command": f"rlray train {dest / 'config.yaml'}",
     }

@@ -10,6 +10,7 @@ also Ray Train's ``storage_path``)::
             rng/rank_<r>.pt                  torch, numpy and python RNG states of each learner rank
             config.yaml                      the config the snapshot was trained with
             manifest.json                    written last: step, epoch, policy version, cursor, files
+                                             (rlray.checkpoint.manifest.SnapshotManifest)
         checkpoint_manager_snapshot.json     Ray Train's own bookkeeping
     <root>/logs/run-<id>.log                 the run's log, copied at each snapshot
 
@@ -24,13 +25,12 @@ to Ray's restarts but still follows rlray's rules.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -38,8 +38,9 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from rlray.checkpoint.manifest import SnapshotManifest
+
 MANIFEST = "manifest.json"
-FORMAT = 2
 RUN_PREFIX = "run-"
 STEP_PREFIX = "step_"
 LOGS_DIR = "logs"
@@ -60,7 +61,7 @@ class SnapshotInfo:
     uri: str
     run: str
     step: int
-    manifest: dict[str, Any] | None
+    manifest: SnapshotManifest | None
 
     @property
     def complete(self) -> bool:
@@ -192,8 +193,11 @@ def put_file(local: Path, uri: str, options: dict[str, Any] | None = None) -> in
     return Path(local).stat().st_size
 
 
-def write_manifest(uri: str, manifest: dict[str, Any], files: dict[str, int], options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Writes ``manifest.json`` (with format, written_at and ``files``) as the snapshot's last file; returns it.
+def write_manifest(uri: str, manifest: SnapshotManifest, files: dict[str, int],
+                   options: dict[str, Any] | None = None) -> SnapshotManifest:
+    """Writes ``manifest.json`` as the snapshot's last file; returns the manifest as written.
+
+    The manifest written is ``manifest`` with ``files`` (sorted by path) and ``written_at`` (now) set.
 
     On a local disk the manifest is written to a temporary name and renamed (atomic on POSIX); on an
     object store it is one PUT, which is atomic.
@@ -202,8 +206,8 @@ def write_manifest(uri: str, manifest: dict[str, Any], files: dict[str, int], op
         SnapshotError: the write failed.
     """
     fs, root = open_fs(uri, options)
-    full = {"format": FORMAT, "written_at": time.time(), **manifest, "files": dict(sorted(files.items()))}
-    blob = json.dumps(full, indent=2, sort_keys=True).encode()
+    full = replace(manifest, files=dict(sorted(files.items())), written_at=time.time())
+    blob = full.to_json().encode()
     try:
         if isinstance(fs, LocalFileSystem):
             tmp = f"{root}/.{MANIFEST}.tmp"
@@ -216,7 +220,7 @@ def write_manifest(uri: str, manifest: dict[str, Any], files: dict[str, int], op
     return full
 
 
-def write_snapshot(uri: str, payload_dir: Path, manifest: dict[str, Any], options: dict[str, Any] | None = None) -> dict[str, Any]:
+def write_snapshot(uri: str, payload_dir: Path, manifest: SnapshotManifest, options: dict[str, Any] | None = None) -> SnapshotManifest:
     """Writes a whole snapshot from one process: clears ``uri``, copies the payload, writes the manifest last.
 
     Returns:
@@ -243,8 +247,8 @@ def file_sizes(uri: str, options: dict[str, Any] | None = None) -> dict[str, int
     return out
 
 
-def read_manifest(uri: str, options: dict[str, Any] | None = None, *, verify: bool = True) -> dict[str, Any]:
-    """Returns the manifest of the complete snapshot at ``uri``.
+def read_manifest(uri: str, options: dict[str, Any] | None = None, *, verify: bool = True) -> SnapshotManifest:
+    """Returns the manifest of the complete snapshot at ``uri`` (any layout ``SnapshotManifest.from_json`` reads).
 
     Args:
         uri: the snapshot folder.
@@ -252,8 +256,8 @@ def read_manifest(uri: str, options: dict[str, Any] | None = None, *, verify: bo
         verify: also check that every file the manifest lists exists with its size.
 
     Raises:
-        SnapshotError: no manifest (an incomplete snapshot), unreadable JSON, or a listed file missing or
-            of another size.
+        SnapshotError: no manifest (an incomplete snapshot), unreadable JSON or a key missing or of the wrong
+            type (the message names it), or a listed file missing or of another size.
     """
     fs, root = open_fs(uri, options)
     path = f"{root}/{MANIFEST}"
@@ -261,12 +265,12 @@ def read_manifest(uri: str, options: dict[str, Any] | None = None, *, verify: bo
     if not fs.exists(path):
         raise SnapshotError(f"'{uri}' is not a complete snapshot: {MANIFEST} is missing")
     try:
-        manifest = json.loads(fs.cat_file(path))
+        manifest = SnapshotManifest.from_json(fs.cat_file(path))
     except (OSError, ValueError) as err:
         raise SnapshotError(f"could not read '{join(uri, MANIFEST)}': {err}") from err
     if verify:
         have = file_sizes(uri, options)
-        for rel, size in manifest.get("files", {}).items():
+        for rel, size in manifest.files.items():
             if have.get(rel) != size:
                 raise SnapshotError(f"snapshot '{uri}' is damaged: '{rel}' has {have.get(rel)} bytes, manifest says {size}")
     return manifest
@@ -328,10 +332,10 @@ def list_snapshots(uri: str, options: dict[str, Any] | None = None) -> list[Snap
                     out.append(SnapshotInfo(snap, run, int(m.group(1)), _manifest_or_none(snap, options)))
     except OSError as err:
         raise SnapshotError(f"could not list snapshots under '{uri}': {err}") from err
-    return sorted(out, key=lambda s: (s.step, s.manifest["written_at"] if s.manifest else 0.0))
+    return sorted(out, key=lambda s: (s.step, s.manifest.written_at if s.manifest else 0.0))
 
 
-def _manifest_or_none(uri: str, options: dict[str, Any] | None) -> dict[str, Any] | None:
+def _manifest_or_none(uri: str, options: dict[str, Any] | None) -> SnapshotManifest | None:
     try:
         return read_manifest(uri, options)
     except SnapshotError:
@@ -341,7 +345,7 @@ def _manifest_or_none(uri: str, options: dict[str, Any] | None) -> dict[str, Any
 def latest_snapshot(uri: str, options: dict[str, Any] | None = None) -> str | None:
     """Returns the newest complete snapshot (by manifest written_at) under a root or run folder, or None."""
     done = [s for s in list_snapshots(uri, options) if s.complete]
-    return max(done, key=lambda s: s.manifest["written_at"]).uri if done else None
+    return max(done, key=lambda s: s.manifest.written_at).uri if done else None
 
 
 def resolve_snapshot(ref: str, root: str, options: dict[str, Any] | None = None) -> str:
@@ -404,7 +408,7 @@ def prune(
     fs, _ = open_fs(root, options)
     snaps = list_snapshots(root, options)
     done = [s for s in snaps if s.complete]
-    newest = max(done, key=lambda s: s.manifest["written_at"]).uri if done else None
+    newest = max(done, key=lambda s: s.manifest.written_at).uri if done else None
     doomed = []
     for s in snaps:
         if s.uri == newest:
@@ -416,7 +420,7 @@ def prune(
                     doomed.append(s.uri)
             except FileNotFoundError:  # deleted meanwhile (Ray Train's num_to_keep): gone, as wanted
                 continue
-        elif s.run != current_run and now - s.manifest["written_at"] > max_age_s:
+        elif s.run != current_run and now - s.manifest.written_at > max_age_s:
             doomed.append(s.uri)
     if keep_last is not None:
         mine = [s for s in done if s.run == current_run]

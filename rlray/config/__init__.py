@@ -8,7 +8,9 @@ nearest valid key).
 Sections: run, model, data, rollout, reward, env, algo, teacher, learner, eval, tracking, checkpoint, guard,
 monitor, resources.
 
-Modules: base, run, reward, algo, teacher, ops, resources, schema (``Config``) and loading (YAML and overrides).
+Modules: base, run, reward, algo, teacher, env, operations, resources, schema (``Config``), loading (YAML
+and overrides) and describe (``rlray config --describe``). The package re-exports the public names in
+``__all__``; a private helper (leading underscore) is imported from the module that defines it.
 """
 
 from rlray.config.algo import (  # noqa: F401
@@ -22,12 +24,8 @@ from rlray.config.algo import (  # noqa: F401
     LearnerConfig,
     OfflineConfig,
 )
-from rlray.config.base import _CORE_LIST, ConfigError, CoreList, _core_list_text, _Section, flatten  # noqa: F401
+from rlray.config.base import ConfigError, CoreList, flatten  # noqa: F401
 from rlray.config.loading import (  # noqa: F401
-    _is_secret,
-    _parse_value,
-    _suggest,
-    _valid_keys,
     apply_overrides,
     config_from_dict,
     load_config,
@@ -87,5 +85,6 @@ __all__ = [
     "apply_overrides",
     "config_from_dict",
     "validate_tree",
+    "validation_error_lines",
     "load_config",
 ]

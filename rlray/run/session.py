@@ -25,6 +25,7 @@ import torch
 
 from rlray.checkpoint import contents, lineage
 from rlray.checkpoint import storage as checkpoint
+from rlray.checkpoint.manifest import SnapshotManifest
 from rlray.config import Config
 from rlray.learner.collective import Collective, RayTrainCollective
 from rlray.observe.monitor import Heartbeat
@@ -231,8 +232,8 @@ def begin(ctx: RunContext, services: RunServices, source: str | None, *, in_ray_
     run = RunState(run_id, checkpoint.join(cfg.checkpoint_uri, checkpoint.run_dir_name(run_id)), opts, in_ray_train)
     if source is not None:
         manifest = _restore(ctx, run, source)
-        run.step = run.first_step = manifest["step"]
-        run.rollbacks = manifest.get("rollbacks", 0)
+        run.step = run.first_step = manifest.step
+        run.rollbacks = manifest.rollbacks
         run.last_snapshot = source
         run.source = (run.step, source)
         if in_ray_train and source.startswith(run.run_dir + "/") and not snapshots.known_to_ray(source):
@@ -246,12 +247,12 @@ def begin(ctx: RunContext, services: RunServices, source: str | None, *, in_ray_
     return run
 
 
-def _restore(ctx: RunContext, run: RunState, uri: str) -> dict[str, Any]:
+def _restore(ctx: RunContext, run: RunState, uri: str) -> SnapshotManifest:
     manifest = contents.restore_learner(uri, learner=ctx.learner, rank=ctx.rank, options=run.options)
     contents.set_optimizer_hparams(ctx.learner, ctx.cfg)
-    ctx.policy_version = int(manifest["policy_version"])
-    ctx.load_cursor_state(manifest["data_cursor"])  # rank 0 online; every rank offline (each walks the same cursor)
-    log.info("rank %d restored snapshot %s (step %d, policy version %d)", ctx.rank, uri, manifest["step"], ctx.policy_version)
+    ctx.policy_version = manifest.policy_version
+    ctx.load_cursor_state(manifest.data_cursor)  # rank 0 online; every rank offline (each walks the same cursor)
+    log.info("rank %d restored snapshot %s (step %d, policy version %d)", ctx.rank, uri, manifest.step, ctx.policy_version)
     return manifest
 
 
@@ -263,7 +264,7 @@ def _begin_rank0(ctx: RunContext, services: RunServices, run: RunState, source: 
         run.model_version = lineage.version_of(cfg.tracking.mlflow_uri, cfg.tracking.experiment, source)
         if run.model_version is None:  # written, but the process died before registering it: keep the chain whole
             manifest = checkpoint.read_manifest(source, run.options, verify=False)
-            run.model_version = lineage.register(tracker, cfg.tracking.experiment, source, manifest, manifest["metrics"])
+            run.model_version = lineage.register(tracker, cfg.tracking.experiment, source, manifest, manifest.metrics)
         tracker.set_tags({"rlray.restored_from": source})
         tracker.log_metrics({"run/restored_step": float(run.step)}, step=run.step)
     run.log_handler = _attach_log_file(cfg, run)
@@ -390,7 +391,7 @@ def last_good_snapshot(run: RunState) -> str | None:
     or the snapshot it was resumed from).
     """
     limit = run.step - 2
-    found = [(s.step, s.manifest["written_at"], s.uri) for s in checkpoint.list_snapshots(run.run_dir, run.options)
+    found = [(s.step, s.manifest.written_at, s.uri) for s in checkpoint.list_snapshots(run.run_dir, run.options)
              if s.complete and s.step <= limit]
     if run.source and run.source[0] <= limit:
         found.append((run.source[0], 0.0, run.source[1]))
@@ -407,7 +408,7 @@ def rollback(ctx: RunContext, run: RunState, target: str) -> None:
     tripped_at = run.step
     ctx.adopt_config(new_cfg)  # online rank 0 rebuilds its reward client when reward.* changed
     manifest = _restore(ctx, run, target)
-    run.step = manifest["step"]
+    run.step = manifest.step
     run.rollbacks += 1
     run.nonfinite_in_row = 0
     run.logged_through = min(run.logged_through, run.step)

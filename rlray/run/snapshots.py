@@ -9,13 +9,13 @@ import logging
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import ray.train
 from ray.train import Checkpoint, CheckpointUploadMode
 
 from rlray.checkpoint import contents, lineage
 from rlray.checkpoint import storage as checkpoint
+from rlray.checkpoint.manifest import SnapshotManifest
 from rlray.checkpoint.storage import SnapshotError
 from rlray.config import Config
 from rlray.observe.monitor import Alerter
@@ -95,23 +95,23 @@ def _write(ctx: RunContext, run: RunState, uri: str, kind: str, metrics: dict[st
     return ctx.coll.broadcast(error)
 
 
-def _manifest(ctx: RunContext, run: RunState, kind: str, metrics: dict[str, float], services: RunServices) -> dict[str, Any]:
+def _manifest(ctx: RunContext, run: RunState, kind: str, metrics: dict[str, float], services: RunServices) -> SnapshotManifest:
     cursor = ctx.cursor_state()  # async mode: also where the steps still in flight took their prompts
-    return {
-        "kind": kind,
-        "step": run.step,
-        "epoch": cursor["epoch"],
-        "policy_version": ctx.policy_version,
-        "rollbacks": run.rollbacks,
-        "data_cursor": cursor,
-        "world_size": ctx.world,
-        "run_id": run.run_id,
-        "config_hash": ctx.cfg.config_hash(),
-        "dataset_hash": cursor["rows_fingerprint"],
-        "git_commit": services.git_commit,
-        "parent_version": run.model_version,
-        "metrics": {k: float(v) for k, v in metrics.items()},
-    }
+    return SnapshotManifest(
+        kind=kind,
+        step=run.step,
+        epoch=cursor["epoch"],
+        policy_version=ctx.policy_version,
+        rollbacks=run.rollbacks,
+        data_cursor=cursor,
+        world_size=ctx.world,
+        run_id=run.run_id,
+        config_hash=ctx.cfg.config_hash(),
+        dataset_hash=cursor["rows_fingerprint"],
+        git_commit=services.git_commit,
+        parent_version=run.model_version,
+        metrics={k: float(v) for k, v in metrics.items()},
+    )
 
 
 def known_to_ray(uri: str) -> bool:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from rlray.checkpoint.storage import SnapshotError
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 sys.path.insert(0, str(FIXTURES))
 import faultyfs  # noqa: E402
+from snapshot_manifests import manifest  # noqa: E402
 
 faultyfs.register()
 
@@ -31,9 +33,11 @@ def _payload(tmp: Path, sizes: dict[str, int]) -> Path:
     return out
 
 
-def _snap(root: str, run: str, step: int, payload: Path, options=None, **manifest) -> str:
+def _snap(root: str, run: str, step: int, payload: Path, options=None, written_at: float | None = None) -> str:
     uri = checkpoint.join(root, run, checkpoint.snapshot_name(step))
-    checkpoint.write_snapshot(uri, payload, {"step": step, **manifest}, options)
+    written = checkpoint.write_snapshot(uri, payload, manifest(step), options)
+    if written_at is not None:  # age it: the manifest as if written then (write_manifest stamps the present)
+        Path(uri, checkpoint.MANIFEST).write_text(replace(written, written_at=written_at).to_json())
     return uri
 
 
@@ -59,10 +63,10 @@ def test_manifest_is_written_last_and_lists_sizes(tmp_path):
     payload = _payload(tmp_path, {"model/model.safetensors": 3000, "trainer_state.pt": 700, "rng/rank_0.pt": 10})
     RecordingFS.order = []
     uri = f"recording://{tmp_path}/root/run-a/step_00000002"
-    written = checkpoint.write_snapshot(uri, payload, {"step": 2})
+    written = checkpoint.write_snapshot(uri, payload, manifest(2))
     assert RecordingFS.order == ["model.safetensors", "rank_0.pt", "trainer_state.pt", "mv:manifest.json"]
-    assert written["files"] == {"model/model.safetensors": 3000, "rng/rank_0.pt": 10, "trainer_state.pt": 700}
-    assert checkpoint.read_manifest(uri)["step"] == 2
+    assert written.files == {"model/model.safetensors": 3000, "rng/rank_0.pt": 10, "trainer_state.pt": 700}
+    assert checkpoint.read_manifest(uri) == written and written.step == 2
     # a payload file that later loses bytes makes the snapshot unusable, with a message naming it
     (tmp_path / "root/run-a/step_00000002/trainer_state.pt").write_bytes(b"short")
     with pytest.raises(SnapshotError, match="'trainer_state.pt' has 5 bytes, manifest says 700"):
@@ -186,7 +190,7 @@ def test_full_disk_mid_write_keeps_the_previous_snapshot(tmp_path):
     # the failed one holds half a file and no manifest; the previous one is whole and still the latest
     assert Path(tmp_path, "root/run-a/step_00000004/model/model.safetensors").stat().st_size == 2048
     assert checkpoint.latest_snapshot(root) == first
-    assert checkpoint.read_manifest(first)["files"] == {"model/model.safetensors": 4096, "trainer_state.pt": 512}
+    assert checkpoint.read_manifest(first).files == {"model/model.safetensors": 4096, "trainer_state.pt": 512}
 
 
 SIGKILL_WRITER = textwrap.dedent(
@@ -195,10 +199,11 @@ SIGKILL_WRITER = textwrap.dedent(
     from pathlib import Path
     sys.path.insert(0, sys.argv[1])
     import faultyfs
+    from snapshot_manifests import manifest
     faultyfs.register()
     faultyfs.SlowFileSystem.delay_s = 2.0
     from rlray.checkpoint import storage as checkpoint
-    checkpoint.write_snapshot(sys.argv[2], Path(sys.argv[3]), {"step": 4})
+    checkpoint.write_snapshot(sys.argv[2], Path(sys.argv[3]), manifest(4))
     """
 )
 
@@ -233,8 +238,8 @@ def test_sigkill_mid_write_leaves_the_previous_snapshot_usable(tmp_path, tiny_mo
     assert checkpoint.latest_snapshot(root) == first
     # the previous snapshot restores the trained weights into a fresh learner
     fresh = learner()
-    manifest = restore_learner(first, learner=fresh, rank=0, options=None)
-    assert manifest["step"] == 2
+    restored = restore_learner(first, learner=fresh, rank=0, options=None)
+    assert restored.step == 2
     for (name, a), b in zip(trained.module.state_dict().items(), fresh.module.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
     assert checkpoint.prune(root, "run-a", max_age_s=1e9, log_max_age_s=1e9) == [str(target)]

@@ -219,3 +219,15 @@ def test_a_section_given_a_value_and_a_bad_yaml_file_name_the_key_and_file(tmp_p
     path.write_text("learner:\n  lr: true\n")
     with pytest.raises(ConfigError, match=rf"^{path}: invalid config:\n  - learner.lr: got true, a boolean"):
         load_config(path)
+
+
+def test_the_package_reexports_public_names_only_and_lists_them_in_all():
+    import ast
+
+    import rlray.config
+
+    tree = ast.parse(Path(rlray.config.__file__).read_text())
+    imported = {a.asname or a.name for node in tree.body if isinstance(node, ast.ImportFrom) for a in node.names}
+    assert not sorted(n for n in imported if n.startswith("_")), "import private helpers from their defining module"
+    assert imported == set(rlray.config.__all__)
+    assert {"Config", "ConfigError", "load_config", "config_from_dict", "validate_tree", "validation_error_lines"} <= imported

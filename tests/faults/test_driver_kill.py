@@ -61,7 +61,7 @@ def test_a_killed_driver_resumes_from_its_latest_snapshot(ray_session, tmp_path,
     killed = client.search_runs([client.get_experiment_by_name("killed").experiment_id])[0]
     assert killed.info.status == "RUNNING"  # nothing ran after the kill: not even the MLflow run's end
     latest = checkpoint.latest_snapshot(root)
-    step = checkpoint.read_manifest(latest)["step"]
+    step = checkpoint.read_manifest(latest).step
     assert MAX_STEPS > step >= 1 and f"run-{killed.info.run_id}/step_" in latest
 
     assert cli.main(["train", str(config), *overrides, "--resume", "latest"]) == 0
@@ -71,6 +71,6 @@ def test_a_killed_driver_resumes_from_its_latest_snapshot(ray_session, tmp_path,
     resumed = client.get_run(result["run_id"])
     assert resumed.data.tags["rlray.resumed_from"] == latest
     assert sorted(m.step for m in client.get_metric_history(result["run_id"], "timing/step_s")) == list(range(step + 1, MAX_STEPS + 1))
-    assert checkpoint.read_manifest(result["final_snapshot"])["step"] == MAX_STEPS
+    assert checkpoint.read_manifest(result["final_snapshot"]).step == MAX_STEPS
     skipped = client.get_metric_history(result["run_id"], "data/skipped_long_prompts")
     assert [m.value for m in skipped] == [1.0] * (MAX_STEPS - step)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,9 @@ from rlray.models import ModelError
 from rlray.models.heads import sequence_scores
 from rlray.reward.reward_model import RewardModel, reward_model_dir
 from rlray.schema import pack_sequences
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
+from snapshot_manifests import manifest  # noqa: E402
 
 PROMPTS = ["What is 2 + 3?", "Name a colour.", "Count to three.", "Say hi."]
 COMPLETIONS = ["5", "Blue, like the sky over the sea.", "one two three", ""]
@@ -39,7 +43,7 @@ def test_snapshot_folder_resolves_to_its_model_folder(tmp_path):
     (payload / "model").mkdir(parents=True)
     (payload / "model" / "config.json").write_text("{}")
     snap = tmp_path / "snap"
-    write_snapshot(str(snap), payload, {"step": 1})
+    write_snapshot(str(snap), payload, manifest(1))
     assert reward_model_dir(str(snap)) == str(snap / "model")
 
 

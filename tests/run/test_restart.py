@@ -102,7 +102,7 @@ def test_killed_learner_restarts_from_the_latest_snapshot(ray_session, tmp_path,
     # snapshots live on S3: Ray Train kept the newest keep_last=3 and they chain in the registry
     final = [s for s in checkpoint.list_snapshots(run_dir, opts) if s.complete]
     assert [s.step for s in final] == [MAX_STEPS - 2, MAX_STEPS - 1, MAX_STEPS]
-    assert res.final_snapshot == final[-1].uri and final[-1].manifest["kind"] == "final"
+    assert res.final_snapshot == final[-1].uri and final[-1].manifest.kind == "final"
     versions = lineage.run_versions(uri, "restart", rid)
     assert [v["tags"]["rlray.step"] for v in versions] == [str(s) for s in range(1, MAX_STEPS + 1)]
     chain = lineage.chain(uri, "restart", versions[-1]["version"])

@@ -154,8 +154,8 @@ def test_resume_reproduces_the_uninterrupted_run(env, resumed):
 def test_resume_at_an_epoch_boundary_continues_into_the_next_epoch(env, resumed):
     c_out, c_id = resumed["c"]
     manifest = checkpoint.read_manifest(resumed["source"])
-    assert (manifest["step"], manifest["epoch"], manifest["data_cursor"]["position"]) == (2, 1, 0)
-    assert manifest["policy_version"] == 2 and set(manifest["files"]) >= {"model/model.safetensors", "trainer_state.pt",
+    assert (manifest.step, manifest.epoch, manifest.data_cursor["position"]) == (2, 1, 0)
+    assert manifest.policy_version == 2 and set(manifest.files) >= {"model/model.safetensors", "trainer_state.pt",
                                                                           "rng/rank_0.pt", "config.yaml"}
     # steps 3 and 4 ran (epoch 1, then epoch 2 begins), instead of zero steps and a clean exit
     assert series(env, c_id, "data/epoch") == [(3, 1.0), (4, 2.0)]
@@ -235,7 +235,7 @@ def test_kl_trip_rolls_back_with_half_the_learning_rate(env):
     # the redone step 3 still trips (0.032 > 0.028) and no rollback is left: the run stops there
     assert (out.status, out.step, tags["rlray.rollbacks"]) == ("stopped: kl_guard", 3, "1")
     trained = load_config_text(checkpoint.join(snaps[max(snaps)].uri, "config.yaml"))
-    assert trained["learner"]["lr"] == 5e-4 and snaps[max(snaps)].manifest["rollbacks"] == 1
+    assert trained["learner"]["lr"] == 5e-4 and snaps[max(snaps)].manifest.rollbacks == 1
 
 
 def load_config_text(uri: str) -> dict:
@@ -274,7 +274,7 @@ def test_wall_time_and_memory_cap_stop_after_a_snapshot(env):
     cfg = make_cfg(env, "walltime", "run.max_wall_time_s=60")
     out, run_id, _ = run(env, cfg, started_at=time.time() - 3600)
     assert (out.status, out.step) == ("stopped: wall_time", 1)
-    assert out.last_snapshot.endswith("step_00000001") and checkpoint.read_manifest(out.last_snapshot)["kind"] == "stop"
+    assert out.last_snapshot.endswith("step_00000001") and checkpoint.read_manifest(out.last_snapshot).kind == "stop"
     cfg = make_cfg(env, "memcap", "guard.memory_cap_gib=0.05")
     out, run_id, _ = run(env, cfg)
     assert (out.status, out.step) == ("stopped: memory_cap", 1)

@@ -111,11 +111,11 @@ def test_snapshot_writes_the_manifest_and_logs_to_mlflow(session):
     assert out == f"{ctx.cfg.run.output_dir}/snapshots/run-{run.run_id}/step_00000004"
     assert run.last_snapshot == out
     manifest = checkpoint.read_manifest(out)  # verifies every listed file's size too
-    assert (manifest["kind"], manifest["step"], manifest["policy_version"], manifest["run_id"]) == ("periodic", 4, 9, run.run_id)
-    assert manifest["data_cursor"] == CURSOR and manifest["epoch"] == 7  # the context's cursor, not the stream's
-    assert manifest["dataset_hash"] == "cursor-from-ctx"
-    assert manifest["git_commit"] == "abc" and manifest["metrics"] == {"reward/mean": 0.5}
-    assert "model/config.json" in manifest["files"] and "rng/rank_0.pt" in manifest["files"]
+    assert (manifest.kind, manifest.step, manifest.policy_version, manifest.run_id) == ("periodic", 4, 9, run.run_id)
+    assert manifest.data_cursor == CURSOR and manifest.epoch == 7  # the context's cursor, not the stream's
+    assert manifest.dataset_hash == "cursor-from-ctx"
+    assert manifest.git_commit == "abc" and manifest.metrics == {"reward/mean": 0.5}
+    assert "model/config.json" in manifest.files and "rng/rank_0.pt" in manifest.files
     assert ctx.tracker.pending == 0  # everything reached the store
     metrics = get_run_metrics(uri, run.run_id)
     [(step, seconds)] = metrics["timing/snapshot_s"]

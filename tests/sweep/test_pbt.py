@@ -70,7 +70,7 @@ def test_pbt_sweep_exploits_the_better_trials_snapshot(pbt_sweep):
     assert [s for s, _ in get_run_metrics(uri, first.info.run_id)["learner/lr"]] == [1, 2, 3]
     source = f"{first.data.tags['rlray.snapshot_dir']}/step_00000002"
     manifest = checkpoint.read_manifest(source)
-    assert (manifest["step"], manifest["run_id"]) == (2, first.info.run_id)
+    assert (manifest.step, manifest.run_id) == (2, first.info.run_id)
     # trial 1 ran to its perturbation time, then its run was closed: the exploit replaced it
     assert worse.info.status == "KILLED"
     assert worse.data.tags["rlray.stop_reason"] == f"PBT exploit: restarted from trial {better_id}'s snapshot at step 2"
@@ -88,9 +88,9 @@ def test_pbt_sweep_exploits_the_better_trials_snapshot(pbt_sweep):
     assert metrics["learner/lr"] == [(3, pytest.approx(mutated))]  # the mutated value won
     # lineage: the exploited run's snapshots continue the version chain of trial 0's step-2 snapshot
     final = checkpoint.read_manifest(exploited.data.tags["rlray.last_snapshot"])
-    assert (final["step"], final["run_id"], final["kind"]) == (3, exploited.info.run_id, "final")
-    assert final["parent_version"] == lineage.version_of(uri, "pbt", source)
-    assert final["data_cursor"]["epoch"] == manifest["data_cursor"]["epoch"]
+    assert (final.step, final.run_id, final.kind) == (3, exploited.info.run_id, "final")
+    assert final.parent_version == lineage.version_of(uri, "pbt", source)
+    assert final.data_cursor["epoch"] == manifest.data_cursor["epoch"]
     # the summary says which run came from which trial's snapshot; the best is the highest lr at the end
     summary = {t.run_id: t for t in result.trials}
     assert (summary[exploited.info.run_id].source_trial_id, summary[exploited.info.run_id].resumed_from) == (better_id, source)
