@@ -36,6 +36,7 @@ from rlray.envs.toolenv import tool_step
 from rlray.envs.tools import resolve_awaitable
 
 _NOT_TOOLS = ("reset", "get_reward")
+USER_MODULE_PREFIX = "rlray_user_"  # name prefix of the modules ``load_object`` loads from files
 
 
 @functools.cache
@@ -141,7 +142,7 @@ def _import_file(path_text: str, label: str, shape: str) -> Any:
         raise ValueError(f"{label}: {path_text!r} is not a .py file; use 'path/to/file.py:{shape}'")
     if not path.is_file():
         raise ValueError(f"{label}: file {path_text!r} not found (relative paths start at {Path.cwd()})")
-    name = f"rlray_user_{path.stem}_{hashlib.sha256(str(path).encode()).hexdigest()[:12]}"
+    name = f"{USER_MODULE_PREFIX}{path.stem}_{hashlib.sha256(str(path).encode()).hexdigest()[:12]}"
     if name in sys.modules:
         return sys.modules[name]
     module_spec = importlib.util.spec_from_file_location(name, path)
@@ -155,18 +156,12 @@ def _import_file(path_text: str, label: str, shape: str) -> Any:
     return module
 
 
-def is_file_spec(spec: str) -> bool:
-    """Returns True when ``spec`` names a Python file (``"path/to/file.py:name"``), False for ``"package.module:name"``."""
-    module_part = spec.rpartition(":")[0]
-    return module_part.endswith(".py") or "/" in module_part
-
-
 def load_object(spec: str, *, label: str, shape: str) -> Any:
     """Returns the object a ``"package.module:name"`` or ``"path/to/file.py:name"`` spec names.
 
     The one loader of user code named in the config: environments (``load_environment``) and step hooks
     (``rlray.run.hooks.load_step_hooks``). A module is imported; a file (relative to the current folder) is loaded
-    once per resolved path, as the module ``rlray_user_<stem>_<hash>`` (``is_file_spec`` tells which).
+    once per resolved path, as the module ``rlray_user_<stem>_<hash>`` (``USER_MODULE_PREFIX``).
 
     Args:
         spec: the spec.
@@ -180,7 +175,7 @@ def load_object(spec: str, *, label: str, shape: str) -> Any:
     module_part, sep, name = spec.rpartition(":")
     if not sep or not module_part or not name:
         raise ValueError(f"{label}: use 'package.module:{shape}' or 'path/to/file.py:{shape}'")
-    if is_file_spec(spec):
+    if module_part.endswith(".py") or "/" in module_part:
         module = _import_file(module_part, label, shape)
     else:
         try:

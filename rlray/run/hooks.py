@@ -32,7 +32,7 @@ import ray.cloudpickle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlray.config import Config, ConfigError
-from rlray.envs.trl import is_file_spec, load_object
+from rlray.envs.trl import USER_MODULE_PREFIX, load_object
 
 log = logging.getLogger(__name__)
 
@@ -158,8 +158,9 @@ def load_step_hooks(cfg: Config) -> list[StepHook]:
         if not callable(factory):
             raise ConfigError(f"{label}: {type(factory).__name__} is not callable; name a function that takes the "
                               "Config and returns a step hook")
-        if is_file_spec(spec):
-            ray.cloudpickle.register_pickle_by_value(inspect.getmodule(factory))
+        module = inspect.getmodule(factory)
+        if module is not None and module.__name__.startswith(USER_MODULE_PREFIX):  # loaded from a file
+            ray.cloudpickle.register_pickle_by_value(module)
         try:
             hook = factory(cfg)
         except Exception as err:
