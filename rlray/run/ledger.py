@@ -302,7 +302,7 @@ def logged_config(uri: str, run_id: str) -> Config:
 
 def training_rows(cfg: Config) -> list[PromptRow]:
     """Returns the rows a run of ``cfg`` streams: ``data.train_files`` rendered with ``model.path``'s tokenizer, long
-    prompts skipped (``data.long_prompts``), as the online run's setup makes them (``rlray.run.online.setup``).
+    prompts skipped (``data.long_prompts``), as an online run's rank 0 makes them when it starts (the same calls).
 
     Raises:
         rlray.models.ModelError: the model or its tokenizer cannot be loaded.
