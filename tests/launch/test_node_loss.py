@@ -51,7 +51,9 @@ pytestmark = pytest.mark.ray
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs/grpo_gsm8k_tiny.yaml"
 P = 2  # prompts per step
-LONG_TOKENS = 1024  # tokens per completion in the rollout-node test: ~10 s a chunk of tiny-random on one core
+# tokens per completion in the rollout-node test: a chunk of tiny-random took 6-8 s on a busy 2-core AVX2 CPU, and
+# the kill came 0.25 s after the call started (task events reported every 0.1 s, polled every 0.25 s)
+LONG_TOKENS = 1024
 
 
 class Cluster:
@@ -65,6 +67,8 @@ class Cluster:
                    RAY_AUTH_MODE="disabled", PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false",
                    RAY_health_check_initial_delay_ms="1000", RAY_health_check_period_ms="1000",
                    RAY_health_check_timeout_ms="1000", RAY_health_check_failure_threshold="3")
+        if dashboard:  # task events reach the task table within ~0.1 s (Ray's default flushes them each second)
+            env["RAY_task_events_report_interval_ms"] = "100"
         self.env = env
         self.gcs_port, dashboard_port = free_ports(2)
         self.address = f"127.0.0.1:{self.gcs_port}"
@@ -137,7 +141,7 @@ class Cluster:
 
     def task_states(self, actor_id: str, name: str) -> list[str]:
         """Returns the states of the calls of method ``name`` ("RolloutActor.generate") on actor ``actor_id``, in
-        Ray's task table (``ray.util.state.list_tasks``, through the head's dashboard; a call shows within ~1 s)."""
+        Ray's task table (``ray.util.state.list_tasks``, through the head's dashboard; a call shows within ~0.1 s)."""
         from ray.util.state import list_tasks
 
         calls = list_tasks(address=self.dashboard_url, filters=[("actor_id", "=", actor_id), ("name", "=", name)],
@@ -270,7 +274,9 @@ def test_a_lost_rollout_node_reruns_its_prompts_once_and_the_run_goes_on(tmp_pat
         overrides = _overrides(tmp_path, data, steps) + [
             "resources.rollout.num_workers=2", "resources.rollout.cpus=1", "resources.rollout.max_restarts=1",
             "resources.rollout.custom_resources={rollout_node: 1}", "resources.node_wait_s=3",
-            f"rollout.max_new_tokens={LONG_TOKENS}",
+            # seconds of generation per chunk, whatever the batch; 2 samples per prompt keep the update of those long
+            # sequences short
+            f"rollout.max_new_tokens={LONG_TOKENS}", "rollout.samples_per_prompt=2", "learner.sequences_per_minibatch=4",
         ]  # fmt: skip
         driver = _start_driver(cluster, tmp_path, overrides)
         rollouts = _wait(lambda: len(got := cluster.actors("RolloutActor")) == 2 and got, 600, "the rollout actors",
@@ -282,7 +288,7 @@ def test_a_lost_rollout_node_reruns_its_prompts_once_and_the_run_goes_on(tmp_pat
         lost = rollouts[1]
         # its first generate (step 1's chunk) is running, and has seconds of tokens left
         _wait(lambda: cluster.task_states(lost["ActorID"], "RolloutActor.generate") == ["RUNNING"], 600,
-              "the step-1 chunk running", driver, tmp_path, poll_s=0.5)
+              "the step-1 chunk running", driver, tmp_path, poll_s=0.25)
         os.kill(lost["Pid"], signal.SIGKILL)  # mid-chunk; Ray's workers are not in the node's group
         cluster.kill_node(lost["Port"])
         _finish(driver, tmp_path, 600)
