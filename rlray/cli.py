@@ -1,4 +1,5 @@
-"""The ``rlray`` command line: train, sweep, eval, serve-reward, rollback, models, snapshots, data, config, monitor.
+"""The ``rlray`` command line: train, sweep, eval, serve-reward, rollback, models, snapshots, data, config, monitor,
+ledger.
 
 Each command imports what it needs inside its function: ``rlray --help`` and ``rlray data`` start in
 a second instead of paying for Ray, torch and vLLM (the one place where function-local imports are the rule).
@@ -165,6 +166,29 @@ def _monitor(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ledger(args: argparse.Namespace) -> int:
+    from rlray.run import ledger
+
+    uri = args.tracking_uri or _optional_config(args).tracking.mlflow_uri
+    run_id = args.run.removeprefix("runs:/").strip("/").split("/", 1)[0]
+    try:
+        usage = ledger.run_usage(uri, run_id)
+    except Exception as err:  # mlflow's error for a missing run or store; the message names the run and store
+        print(f"rlray ledger: cannot read run {run_id!r} from {uri}: {err}", file=sys.stderr)
+        return 2
+    if not usage.steps_of and not usage.later_steps:
+        print(f"rlray ledger: run {run_id} has no prompt ledger (ledger/step_<n>.json; offline runs keep none)",
+              file=sys.stderr)
+        return 2
+    report, rows = ledger.check_logged_run(uri, run_id) if args.check else (None, None)
+    print(f"run {run_id} ({uri}): the prompt ledger of steps 1-{usage.last_step}")
+    print("\n".join(usage.lines(data_rows=rows, per_prompt=args.prompts)))
+    if report is None:
+        return 0
+    print(report.summary())
+    return 0 if report.ok else 1
+
+
 def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="config file for the MLflow store, experiment and S3 options (default: built-in)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -250,6 +274,17 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--refresh-s", type=float, default=10.0, help="seconds between rereads of a running run (default 10)")
     _config_args(o)
     o.set_defaults(func=_monitor)
+
+    g = sub.add_parser("ledger", help="which prompts a run trained on and how often: rlray ledger RUN_ID [--check] "
+                       "[--prompts]")
+    g.add_argument("run", metavar="RUN_ID", help="MLflow run id (or runs:/RUN_ID)")
+    g.add_argument("--check", action="store_true",
+                   help="also check the ledger against the seeded prompt stream of the run's logged config (its data "
+                   "files and tokenizer must load here): every prompt of each epoch once, in order; exit 1 when not")
+    g.add_argument("--prompts", action="store_true", help="list every prompt: times taken and the steps that took it")
+    g.add_argument("--tracking-uri", help="MLflow store (default: --config's tracking.mlflow_uri, else sqlite:///mlruns/mlflow.db)")
+    _config_args(g)
+    g.set_defaults(func=_ledger)
 
     d = sub.add_parser("data", help="datasets: rlray data fetch gsm8k|hh-rlhf-harmless|retry-arith|guess-number [--dest data]")
     dsub = d.add_subparsers(dest="data_command", required=True)

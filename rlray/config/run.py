@@ -28,6 +28,27 @@ class RunConfig(_Section):
             "'stopped: wall_time')."
         ),
     )
+    hooks: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Step hooks, each 'package.module:factory' or 'path/to/file.py:factory' (relative to the working "
+            "folder), loaded as env.environments are. The driver calls each factory once with the validated "
+            "Config, before Ray starts; it returns a callable that learner rank 0 calls with a "
+            "rlray.run.hooks.StepEnd (step, max_steps, the step's metrics) at every step boundary: a control "
+            "hook runs before the step's snapshot and may return a reason (a string) to stop the run there; "
+            "an observer (class attribute after_snapshot = True) runs after it and also sees the snapshot's "
+            "URI. Hooks must pickle (they travel to the learner); a file's hooks travel by value. [] = none."
+        ),
+    )
+
+    @field_validator("hooks")
+    @classmethod
+    def _hook_specs(cls, value: list[str]) -> list[str]:
+        for i, spec in enumerate(value):
+            module_part, _, name = spec.rpartition(":")
+            if not module_part or not name:
+                raise ValueError(f"run.hooks[{i}]={spec!r}: write 'package.module:factory' or 'path/to/file.py:factory'")
+        return value
 
 
 class LoraConfig(_Section):

@@ -15,7 +15,8 @@ Differences from TRL: one instance per episode (TRL pools and re-resets instance
 read as ``tools.call_tool`` writes them; a turn with only unparsable calls is answered with error observations.
 
 ``load_environment`` resolves ``"package.module:Class"`` or ``"path/to/file.py:Class"`` to a factory, wrapping
-TRL-shaped classes (``is_trl_environment``) once, when the class is loaded (STYLE.md, anti-pattern 4).
+TRL-shaped classes (``is_trl_environment``) once, when the class is loaded (STYLE.md, anti-pattern 4). Its spec
+loader, ``load_object``, also loads the config's step hooks (``run.hooks``, ``rlray.run.hooks``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from rlray.envs.toolenv import tool_step
 from rlray.envs.tools import resolve_awaitable
 
 _NOT_TOOLS = ("reset", "get_reward")
+USER_MODULE_PREFIX = "rlray_user_"  # name prefix of the modules ``load_object`` loads from files
 
 
 @functools.cache
@@ -130,15 +132,15 @@ class TRLEnvironment:
         return None if reward is None else float(reward)
 
 
-def _import_file(path_text: str, spec: str) -> Any:
+def _import_file(path_text: str, label: str, shape: str) -> Any:
     """Returns the module loaded from the Python file ``path_text`` (relative to the current folder), registered in
     ``sys.modules`` under a name derived from its resolved path, so loading it twice gives the same module."""
     path = Path(path_text).expanduser().resolve()
     if path.suffix != ".py":
-        raise ValueError(f"environment {spec!r}: {path_text!r} is not a .py file; use 'path/to/file.py:ClassName'")
+        raise ValueError(f"{label}: {path_text!r} is not a .py file; use 'path/to/file.py:{shape}'")
     if not path.is_file():
-        raise ValueError(f"environment {spec!r}: file {path_text!r} not found (relative paths start at {Path.cwd()})")
-    name = f"rlray_env_{path.stem}_{hashlib.sha256(str(path).encode()).hexdigest()[:12]}"
+        raise ValueError(f"{label}: file {path_text!r} not found (relative paths start at {Path.cwd()})")
+    name = f"{USER_MODULE_PREFIX}{path.stem}_{hashlib.sha256(str(path).encode()).hexdigest()[:12]}"
     if name in sys.modules:
         return sys.modules[name]
     module_spec = importlib.util.spec_from_file_location(name, path)
@@ -152,33 +154,56 @@ def _import_file(path_text: str, spec: str) -> Any:
     return module
 
 
+def load_object(spec: str, *, label: str, shape: str) -> Any:
+    """Returns the object a ``"package.module:name"`` or ``"path/to/file.py:name"`` spec names.
+
+    The one loader of user code named in the config: environments (``load_environment``) and step hooks
+    (``rlray.run.hooks.load_step_hooks``). A module is imported; a file (relative to the current folder) is loaded
+    once per resolved path, as the module ``rlray_user_<stem>_<hash>`` (``USER_MODULE_PREFIX``).
+
+    Args:
+        spec: the spec.
+        label: how errors name it, e.g. ``"environment 'm:C'"`` or ``"run.hooks[0]='m:f'"``.
+        shape: the name's placeholder in the usage hints, e.g. ``"ClassName"`` or ``"factory"``.
+
+    Raises:
+        ValueError: the spec has no ``:name`` part, the file or module is missing, or the module has no such name;
+            each message starts with ``label``. Errors raised while the module runs propagate unchanged.
+    """
+    module_part, sep, name = spec.rpartition(":")
+    if not sep or not module_part or not name:
+        raise ValueError(f"{label}: use 'package.module:{shape}' or 'path/to/file.py:{shape}'")
+    if module_part.endswith(".py") or "/" in module_part:
+        module = _import_file(module_part, label, shape)
+    else:
+        try:
+            module = importlib.import_module(module_part)
+        except ModuleNotFoundError as err:
+            raise ValueError(f"{label}: cannot import module {module_part!r}: {err}") from err
+    if not hasattr(module, name):
+        raise ValueError(f"{label}: {name!r} is not defined there in {module_part!r}")
+    return getattr(module, name)
+
+
 def load_environment(spec: str) -> Callable[[], Environment]:
     """Returns a factory building one environment per call (one per episode) from ``spec``.
 
     Args:
         spec: ``"package.module:ClassName"`` (imported) or ``"path/to/file.py:ClassName"`` (a file, relative to
-            the current folder). A TRL-shaped class (``is_trl_environment``) is wrapped in ``TRLEnvironment``.
+            the current folder; ``load_object``). A TRL-shaped class (``is_trl_environment``) is wrapped in
+            ``TRLEnvironment``.
 
     Raises:
         ValueError: the spec has no ``:Class`` part, the module or file is missing, the class is missing or not a
             class, or it has no callable ``reset``; each message names the spec.
     """
-    module_part, sep, class_name = spec.rpartition(":")
-    if not sep or not module_part or not class_name:
-        raise ValueError(f"environment {spec!r}: use 'package.module:ClassName' or 'path/to/file.py:ClassName'")
-    if module_part.endswith(".py") or "/" in module_part:
-        module = _import_file(module_part, spec)
-    else:
-        try:
-            module = importlib.import_module(module_part)
-        except ModuleNotFoundError as err:
-            raise ValueError(f"environment {spec!r}: cannot import module {module_part!r}: {err}") from err
-    cls = getattr(module, class_name, None)
+    label = f"environment {spec!r}"
+    cls = load_object(spec, label=label, shape="ClassName")
+    module_part, _, class_name = spec.rpartition(":")
     if not isinstance(cls, type):
-        found = "is not a class" if cls is not None else "is not defined there"
-        raise ValueError(f"environment {spec!r}: {class_name!r} {found} in {module_part!r}")
+        raise ValueError(f"{label}: {class_name!r} is not a class in {module_part!r}")
     if not callable(getattr(cls, "reset", None)):
-        raise ValueError(f"environment {spec!r}: class {class_name} has no reset method; an environment needs reset(**row)")
+        raise ValueError(f"{label}: class {class_name} has no reset method; an environment needs reset(**row)")
     if is_trl_environment(cls):
         return functools.partial(_build_trl, cls)
     return cls

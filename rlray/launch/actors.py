@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,6 @@ from rlray.learner.reference import ReferenceModel
 from rlray.rollout import Completion, RolloutEngine, SamplingSpec
 from rlray.rollout.wire import unpack_weights
 from rlray.run import build
-from rlray.run.hooks import hold_generate_from_env
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +42,9 @@ class RolloutActor:
 
     def __init__(self, model_path: str, engine_kwargs: dict) -> None:
         self.engine = RolloutEngine(model_path, **engine_kwargs)
-        self.generate_calls = 0  # for the test hold (``rlray.run.hooks.hold_generate_from_env``)
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSpec) -> list[Completion]:
         """Returns ``sampling.n`` completions per prompt, prompt-major (see ``RolloutEngine.generate``)."""
-        self.generate_calls += 1
-        hold_generate_from_env(self.generate_calls, os.environ)
         return self.engine.generate(prompt_token_ids, sampling)
 
     def update_weights(self, named_tensors: dict[str, Any], version: int) -> int:

@@ -455,6 +455,8 @@ def read_ledger(uri: str, run_id: str) -> dict[int, list[str]]:
 
     client = _client(uri)
     names = [f.path.rsplit("/", 1)[-1] for f in client.list_artifacts(run_id, LEDGER_DIR) if not f.is_dir]
+    if not names:  # no ledger folder: downloading it would fail
+        return {}
     ledger: dict[int, list[str]] = {}
     with tempfile.TemporaryDirectory(prefix="rlray-ledger-") as tmp:
         local = Path(client.download_artifacts(run_id, LEDGER_DIR, tmp))

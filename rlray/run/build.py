@@ -18,7 +18,7 @@ import torch
 
 from rlray.config import Config
 from rlray.cores import CorePlan, parse_core_list, plan_cores
-from rlray.data import PromptRow
+from rlray.data import PromptRow, load_prompt_rows, prepare_prompts
 from rlray.data.prompts import prompt_messages
 from rlray.learner import POLICY_LOSS_OF, AdvantageSpec, LossSpec, PolicyLearner
 from rlray.learner import online as learner_online
@@ -118,6 +118,22 @@ def scorer_kwargs(cfg: Config, columns: list[str] | None = None) -> dict[str, An
         "model_weight": cfg.reward.model_weight,
         "columns": columns,
     }
+
+
+def training_prompts(cfg: Config, tokenizer: Any) -> tuple[list[PromptRow], list[PromptRow], list[list[int]], int]:
+    """Returns (every row of ``data.train_files``, the rows a run streams, their chat-templated prompt token ids, the
+    number of rows skipped as longer than ``data.max_prompt_tokens``): what an online run's rank 0 streams when it
+    starts (``rlray.run.lead.build_lead``) and what ``rlray ledger --check`` rebuilds (``rlray.run.ledger``).
+
+    Raises:
+        rlray.data.DataError: a data file is missing or has a bad row, or a prompt is too long with
+            ``data.long_prompts=error``.
+    """
+    rows = load_prompt_rows(cfg.data.train_files, prompt_column=cfg.data.prompt_column)
+    kept, ids, skipped = prepare_prompts(rows, tokenizer, max_prompt_tokens=cfg.data.max_prompt_tokens,
+                                         long_prompts=cfg.data.long_prompts, instruction=cfg.data.instruction,
+                                         system_prompt=cfg.data.system_prompt)
+    return rows, kept, ids, skipped
 
 
 def dataset_columns(rows: list[PromptRow]) -> list[str]:

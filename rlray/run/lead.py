@@ -107,11 +107,7 @@ def build_lead(cfg: Config, tokenizer: Any, actors: list[Any], env_hosts: list[A
         rlray.data.DataError: the prompt files cannot be read (names the file and line).
     """
     render = dict(instruction=cfg.data.instruction, system_prompt=cfg.data.system_prompt)
-    all_train_rows = load_prompt_rows(cfg.data.train_files, prompt_column=cfg.data.prompt_column)
-    train_rows, train_ids, skipped = prepare_prompts(
-        all_train_rows, tokenizer, max_prompt_tokens=cfg.data.max_prompt_tokens, long_prompts=cfg.data.long_prompts,
-        **render,
-    )
+    all_train_rows, train_rows, train_ids, skipped = build.training_prompts(cfg, tokenizer)
     stream = PromptStream(train_rows, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
     eval_prompts: list[tuple[PromptRow, list[int]]] = []
     if cfg.eval.num_problems:
