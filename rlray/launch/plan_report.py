@@ -84,26 +84,34 @@ def _microbatch_change(plan: Plan, role: str) -> list[str]:
     return tried
 
 
+def _over(role: RoleMemory) -> float:
+    """Returns how far a role's peak is over its budget (GiB; negative when under; -inf without a budget)."""
+    return role.total_gib - (role.budget_gib if role.budget_gib is not None else float("inf"))
+
+
 def changes(plan: Plan, role: RoleMemory) -> list[Change]:
-    """Returns each candidate change for a role that does not fit with its peak, then (when no single one fits) the
-    candidates together, added in order until the role fits."""
+    """Returns each candidate change that brings a role closer to its budget (a lower peak or a larger budget), with
+    its peak; then, when it takes more than one, the candidates together: each added in order (two passes) when the
+    config stays valid and it brings the role closer, until it fits."""
     learner = role.role == "learner rank"
     candidates = (learner_candidates(plan) + _microbatch_change(plan, role.role)) if learner else rollout_candidates(plan)
-    out, together = [], []
+    note = lambda problems: "needs more GPUs" if problems else ""  # noqa: E731
+    out = []
     for override in candidates:
         got = replan_role(plan, role.role, [override])
-        if got is None:
-            continue
-        memory, problems = got
-        if memory.total_gib < role.total_gib:
-            out.append(Change((override,), memory.total_gib, memory.fits, "needs more GPUs" if problems else ""))
-            together.append(override)
-    if out and not any(c.fits for c in out):
-        for n in range(2, len(together) + 1):
-            memory, problems = replan_role(plan, role.role, together[:n]) or (role, ())
-            if memory.fits or n == len(together):
-                out.append(Change(tuple(together[:n]), memory.total_gib, memory.fits, "needs more GPUs" if problems else ""))
-                break
+        if got is not None and _over(got[0]) < _over(role):
+            out.append(Change((override,), got[0].total_gib, got[0].fits, note(got[1])))
+    combined: list[str] = []
+    best, problems = role, ()
+    for override in candidates * 2:  # twice: checkpointing helps only once FSDP has shrunk the optimizer step
+        # a key already changed takes the new value instead (tensor parallel 2, then 4)
+        trial = [o for o in combined if o.split("=")[0] != override.split("=")[0]] + [override]
+        got = None if best.fits else replan_role(plan, role.role, trial)
+        if got is not None and _over(got[0]) < _over(best):
+            combined = trial
+            best, problems = got
+    if len(combined) > 1:
+        out.append(Change(tuple(combined), best.total_gib, best.fits, note(problems)))
     return out
 
 
@@ -187,8 +195,12 @@ def _change_lines(role: RoleMemory, found: list[Change]) -> list[str]:
     """Returns the lines of the changes that lower a role's peak."""
     if not found:
         return [f"nothing the planner knows makes the {role.role} smaller; use larger GPUs or a smaller model"]
-    lines = [f"to make the {role.role} fit, each change alone (then together):"]
+    lines = [f"to make the {role.role} fit: each change alone, then the changes together"]
     for c in found:
         tail = f"{'fits' if c.fits else 'over'}" + (f", {c.note}" if c.note else "")
-        lines.append(f"  {' '.join(c.overrides):<{_WIDTH - 2}}{c.total_gib:>9.2f}  {tail}")
+        text = " ".join(c.overrides)
+        if len(text) > _WIDTH - 3:  # a long combination on its own line, the figure under it
+            lines.append(f"  {text}")
+            text = ""
+        lines.append(f"  {text:<{_WIDTH - 2}}{c.total_gib:>9.2f}  {tail}")
     return lines

@@ -339,8 +339,10 @@ def rollout_engine(cfg: Config, shape: ModelShape, *, dtype: str, hardware: Hard
     room = budget - sum(t.gib for t in fixed)
     holds = max(0, math.floor(room * GIB / mem.kv_cache_bytes(1, tokens, per_token)))
     name = f"KV cache: {sequences} sequences x {tokens:,} tokens x {per_token / 1024:,.0f} KiB"
-    notes = (f"vLLM fills the rest of its {budget:.1f} GiB with KV cache: {max(room, 0.0):.1f} GiB, {holds:,} sequences "
-             f"of {tokens:,} tokens at once" + ("" if holds >= sequences else "; vLLM queues or preempts the rest"),)
+    notes = (f"vLLM fills the rest of its {budget:.1f} GiB with KV cache: {room:.1f} GiB, {holds:,} sequences of "
+             f"{tokens:,} tokens at once" + ("" if holds >= sequences else "; vLLM queues or preempts the rest"),)
+    if room <= 0:
+        notes = (f"vLLM cannot start: weights, activations and runtime alone exceed its {budget:.1f} GiB",)
     placement = f"{r.num_workers} engine(s) x {tp} GPU(s) (tensor parallel {tp}), per GPU"
     return RoleMemory("rollout engine", placement, (*fixed, Term(name, gib(kv), "cache")), budget,
                       f"rollout.gpu_memory_utilization {util:g} x {hardware.gpu_memory_gib:g} GiB", notes)

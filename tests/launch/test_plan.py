@@ -169,8 +169,20 @@ def test_the_7b_plan_does_not_fit_ddp_and_names_what_does():
     assert not fsdp.fits and fsdp.total_gib < learner.total_gib / 2  # a 1/4 shard, but a whole reference per rank
     text = format_plan(plan)
     assert "layout assumed (the config asks for no GPUs); to run it, add: resources.learner.num_workers=4" in text
-    assert "to make the learner rank fit, each change alone (then together):" in text
+    assert "to make the learner rank fit: each change alone, then the changes together" in text
+    together = found[("model.gradient_checkpointing=true", "resources.learner.strategy=fsdp")]
+    assert together.fits and together.total_gib < 72  # full fine-tuning fits too
     assert "checkpointing on: not counted" in text and text.endswith("DOES NOT FIT")
+
+
+def test_a_70b_rollout_engine_needs_tensor_parallelism_and_more_gpus():
+    plan = _fixture_plan("llama-3.1-70b")
+    rollout = plan.roles[1]
+    assert _terms(rollout)["weights"] == pytest.approx(2 * 70_553_706_496) and not rollout.fits  # 131 GiB of 40
+    found = {c.overrides: c for c in changes(plan, rollout)}
+    tp2, tp4 = found[("resources.rollout.tensor_parallel_size=2",)], found[("resources.rollout.tensor_parallel_size=4",)]
+    assert not tp2.fits and tp4.fits and tp4.note == "needs more GPUs"  # 4 engines x 4 GPUs + 4 learner ranks > 8
+    assert ("rollout.gpu_memory_utilization=0.9",) in found
 
 
 def test_cli_plan_exit_codes(capsys, monkeypatch):
