@@ -174,7 +174,10 @@ def read_models(cfg: Config) -> Models:
 
 
 def microbatch(cfg: Config) -> MicroBatch:
-    """Returns one learner rank's micro-batch: its sequences and their padded prompt and response tokens."""
+    """Returns one learner rank's micro-batch: its sequences and their padded prompt and response tokens.
+
+    The one place that turns batch fields into tokens: a token budget per micro-batch gives ``tokens`` directly
+    (the activations take tokens; the logits take positions, sequences x (response + 1))."""
     if cfg.algo.family == "offline":
         off = cfg.offline
         return MicroBatch(2 * off.pairs_per_microbatch, off.max_prompt_tokens, off.max_response_tokens,
