@@ -1,5 +1,5 @@
-"""The ``rlray`` command line: train, sweep, eval, serve-reward, rollback, models, snapshots, data, config, monitor,
-ledger.
+"""The ``rlray`` command line: train, sweep, eval, serve-reward, rollback, models, snapshots, data, config, plan,
+monitor, ledger.
 
 Each command imports what it needs inside its function: ``rlray --help`` and ``rlray data`` start in
 a second instead of paying for Ray, torch and vLLM (the one place where function-local imports are the rule).
@@ -143,6 +143,26 @@ def _config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from rlray.launch.plan import Hardware, local_gpu_memory_gib, plan_run, uses_gpus
+    from rlray.launch.plan_report import format_plan
+
+    cfg = load_config(args.config, args.overrides)
+    hardware = None
+    if args.gpus is not None or args.gpu_memory_gib is not None or uses_gpus(cfg):
+        size = args.gpu_memory_gib or local_gpu_memory_gib()
+        if size is None:
+            print("rlray plan: give the GPUs' memory (--gpu-memory-gib M): no GPU is visible here", file=sys.stderr)
+            return 2
+        if args.gpus is None and not uses_gpus(cfg):
+            print("rlray plan: the config asks for no GPUs; give how many to plan for (--gpus N)", file=sys.stderr)
+            return 2
+        hardware = Hardware(args.gpus, args.nodes, size)
+    plan = plan_run(cfg, hardware)
+    print(format_plan(plan))
+    return 0 if plan.fits else 1
+
+
 def _monitor(args: argparse.Namespace) -> int:
     import time
 
@@ -264,6 +284,19 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--describe", action="store_true",
                    help="precede each field with its description (unit and scope) and default, as YAML comments")
     c.set_defaults(func=_config)
+
+    pl = sub.add_parser(
+        "plan",
+        help="the memory of every role before any resource is taken, and what to change when it does not fit: "
+        "rlray plan CONFIG [dotted.key=value ...] [--gpus N --gpu-memory-gib M --nodes K]; exit 1 when it does not fit",
+    )
+    pl.add_argument("config")
+    pl.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. model.path=FOLDER (config.json is enough)")
+    pl.add_argument("--gpus", type=int, help="GPUs per node to plan for (default: what the config asks; a config that "
+                    "asks for none gets a layout: half rollout engines, half learner ranks)")
+    pl.add_argument("--gpu-memory-gib", type=float, help="memory of one GPU in GiB (default: this machine's, nvidia-smi)")
+    pl.add_argument("--nodes", type=int, default=1, help="nodes of --gpus GPUs each (default 1)")
+    pl.set_defaults(func=_plan)
 
     o = sub.add_parser("monitor", help="serve the live page of a run kept in MLflow (finished or running): "
                        "rlray monitor RUN_ID [--port N] [--host ADDR]")

@@ -15,7 +15,10 @@ at once with the error of the module that owns the input, which names the config
 - each ``reward.functions[i].function`` is a built-in verifier, a file that exists or a module that can be found
   (``RewardFunctionError``; the function itself is loaded in its sandbox, never in the driver);
 - snapshots can be written under ``checkpoint.uri`` (``SnapshotError``): a missing bucket or bad
-  ``checkpoint.s3.*`` credentials fail here, not at the first snapshot.
+  ``checkpoint.s3.*`` credentials fail here, not at the first snapshot;
+- the learner's and the rollout's predicted memory fits (``rlray.launch.plan.check_fit``, config.json only): with
+  GPU resources against this machine's GPU size (nvidia-smi), on the CPU against ``guard.memory_cap_gib`` when
+  set; over the budget it warns, beyond the planner's tolerance it fails (``PlacementError``).
 
 Resources larger than the cluster are checked by ``rlray.launch.placement.check_cluster`` once Ray is up.
 """
@@ -29,6 +32,7 @@ from pathlib import Path
 from rlray.checkpoint import storage as checkpoint
 from rlray.config import Config
 from rlray.data import load_preference_pairs, load_prompt_rows, prepare_prompts
+from rlray.launch.plan import check_fit
 from rlray.models import ModelError, cpu_supports_bf16, load_tokenizer, resolve_model_path, vocabulary
 from rlray.models.adapters import check_adapter
 from rlray.reward.scorer import RewardFunctionError
@@ -50,6 +54,8 @@ def preflight(cfg: Config) -> str:
         rlray.reward.RewardFunctionError: a reward function's file or module does not exist.
         ValueError: an environment's file or module does not exist (``check_environment_spec``).
         rlray.checkpoint.storage.SnapshotError: snapshots cannot be written under ``checkpoint.uri``.
+        rlray.launch.placement.PlacementError: a role's predicted memory exceeds its budget beyond the planner's
+            tolerance (``check_fit``).
     """
     model_dir = resolve_model_path(cfg.model.path)
     tokenizer = load_tokenizer(model_dir, cfg.model.chat_template)
@@ -82,6 +88,8 @@ def preflight(cfg: Config) -> str:
             resolve_model_path(cfg.critic.model_path)
     else:
         load_preference_pairs(cfg.offline.pairs_files, max_pairs=cfg.offline.max_pairs)
+    for warning in check_fit(cfg):
+        log.warning("predicted memory: %s; `rlray plan` shows every term and what to change", warning)
     checkpoint.check_storage(cfg.checkpoint_uri, cfg.checkpoint.s3.storage_options())
     return model_dir
 

@@ -13,6 +13,7 @@ import pytest
 from rlray.checkpoint.storage import SnapshotError
 from rlray.config import Config, config_from_dict
 from rlray.data import DataError
+from rlray.launch.placement import PlacementError
 from rlray.launch.preflight import check_function_spec, preflight
 from rlray.models import ModelError
 from rlray.reward.scorer import RewardFunctionError
@@ -67,6 +68,18 @@ def test_a_local_checkpoint_uri_that_cannot_be_written_fails(cfg_of, tmp_path):
     message = str(err.value)
     assert message.startswith(f"checkpoint.uri='{uri}': snapshots cannot be written there (")
     assert message.endswith("; check the path")  # not the S3 hint about buckets and credentials
+
+
+def test_a_learner_over_its_memory_cap_fails_before_the_storage_probe(cfg_of, tmp_path, caplog):
+    # tiny-random's learner rank at the default sizes: 1.35 GiB predicted (0.7 GiB the CPU process, 0.47 GiB the
+    # logits of 8 x 161 positions x 49,152); a 0.5 GiB cap is far under it
+    with pytest.raises(PlacementError, match=r"predicted memory: learner rank \(1 rank x CPU\) needs 1\.3\d GiB, "
+                                             r"over its 0\.50 GiB \(guard\.memory_cap_gib\)"):
+        preflight(cfg_of("guard.memory_cap_gib=0.5"))
+    assert not (tmp_path / "out").exists()
+    with caplog.at_level("WARNING", logger="rlray.launch.preflight"):  # over the cap, within the tolerance: a warning
+        preflight(cfg_of("guard.memory_cap_gib=1.2", "model.dtype=float32"))
+    assert "predicted memory: learner rank (1 rank x CPU) needs 1.3" in caplog.text
 
 
 def test_a_missing_reward_function_file_fails(cfg_of, tmp_path):
