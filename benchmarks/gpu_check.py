@@ -251,15 +251,16 @@ def check_shared_prompts(model, device: str, vocab: int, *, groups: int = 4, sam
     relative (bf16) of each other, with both timings.
     """
     from rlray.learner.logprobs import logprobs_from_logits, response_logits
+    from rlray.schema import ModelInputs
 
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(10, vocab - 1, (groups, prompt_tokens), generator=g).repeat_interleave(samples, 0)
     responses = torch.randint(10, vocab - 1, (groups * samples, response_tokens), generator=g)
     ids = torch.cat([prompts, responses], 1).to(device)
     n = ids.shape[1]
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-             "position_ids": torch.arange(n, device=device).expand_as(ids).contiguous(),
-             "response_ids": responses.to(device)}
+    batch = ModelInputs(input_ids=ids, attention_mask=torch.ones_like(ids),
+                        position_ids=torch.arange(n, device=device).expand_as(ids).contiguous(),
+                        response_ids=responses.to(device))
     out = {}
     for share in (False, True):
         model.zero_grad(set_to_none=True)
@@ -267,7 +268,7 @@ def check_shared_prompts(model, device: str, vocab: int, *, groups: int = 4, sam
         t0 = time.perf_counter()
         with torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16, enabled=bf16):
             logits = response_logits(model, batch, share_prompts=share)
-        lp, _ = logprobs_from_logits(logits.float(), batch["response_ids"])
+        lp, _ = logprobs_from_logits(logits.float(), batch.response_ids)
         lp.sum().backward()
         sync(device)
         grads = torch.cat([p.grad.flatten().float() for p in model.parameters() if p.grad is not None])

@@ -12,12 +12,7 @@ Modules: base, run, reward, algo, teacher, ops, resources, schema (``Config``) a
 """
 
 from rlray.config.algo import (  # noqa: F401
-    GROUP_ALGOS,
-    OFFLINE_ALGOS,
-    ONLINE_ALGOS,
-    REFERENCE_ALGOS,
     AlgoConfig,
-    AlgoName,
     CriticConfig,
     LearnerConfig,
     OfflineConfig,
@@ -61,11 +56,6 @@ __all__ = [
     "RewardFunctionConfig",
     "RewardServerConfig",
     "RewardConfig",
-    "AlgoName",
-    "ONLINE_ALGOS",
-    "OFFLINE_ALGOS",
-    "GROUP_ALGOS",
-    "REFERENCE_ALGOS",
     "AlgoConfig",
     "CriticConfig",
     "OfflineConfig",
