@@ -73,8 +73,8 @@ class RolloutCorrectionConfig(_Section):
 class AlgoConfig(_Section):
     """The algorithm: online RL (advantage estimator, policy loss, KL, aggregation) or an offline method.
 
-    One schema for every algorithm of the registry (``rlray.algos.registry``); each field says which read it. configs/algos/<name>.yaml
-    holds each algorithm's recommended values (from its paper, TRL or verl).
+    One schema for every algorithm of the registry (``rlray.algos.registry``); each field says which algorithms
+    read it. configs/algos/<name>.yaml holds each algorithm's recommended values (from its paper, TRL or verl).
     """
 
     name: str = Field("grpo", description=_name_description())
@@ -214,7 +214,7 @@ class AlgoConfig(_Section):
             )
         if policy_loss == "gspo" and max(self.clip_eps_low, self.clip_eps_high) > 0.01:
             warnings.warn(
-                f"algo.name='gspo' with clip_eps_low={self.clip_eps_low}, clip_eps_high={self.clip_eps_high}: GSPO "
+                f"algo.name='{self.name}' with clip_eps_low={self.clip_eps_low}, clip_eps_high={self.clip_eps_high}: GSPO "
                 "clips a length-normalised sequence ratio and needs ranges ~1e-3 or smaller (the paper uses 3e-4 "
                 "and 4e-4); see configs/algos/gspo.yaml",
                 stacklevel=2,
