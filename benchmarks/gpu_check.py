@@ -253,15 +253,16 @@ def check_shared_prompts(model, device: str, vocab: int, *, groups: int = 4, sam
     relative (bf16) of each other, with both timings.
     """
     from rlray.learner.logprobs import logprobs_from_logits, response_logits
+    from rlray.schema import ModelInputs
 
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(10, vocab - 1, (groups, prompt_tokens), generator=g).repeat_interleave(samples, 0)
     responses = torch.randint(10, vocab - 1, (groups * samples, response_tokens), generator=g)
     ids = torch.cat([prompts, responses], 1).to(device)
     n = ids.shape[1]
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-             "position_ids": torch.arange(n, device=device).expand_as(ids).contiguous(),
-             "response_ids": responses.to(device)}
+    batch = ModelInputs(input_ids=ids, attention_mask=torch.ones_like(ids),
+                        position_ids=torch.arange(n, device=device).expand_as(ids).contiguous(),
+                        response_ids=responses.to(device))
     out = {}
     for share in (False, True):
         model.zero_grad(set_to_none=True)
@@ -269,7 +270,7 @@ def check_shared_prompts(model, device: str, vocab: int, *, groups: int = 4, sam
         t0 = time.perf_counter()
         with torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16, enabled=bf16):
             logits = response_logits(model, batch, share_prompts=share)
-        lp, _ = logprobs_from_logits(logits.float(), batch["response_ids"])
+        lp, _ = logprobs_from_logits(logits.float(), batch.response_ids)
         lp.sum().backward()
         sync(device)
         grads = torch.cat([p.grad.flatten().float() for p in model.parameters() if p.grad is not None])
@@ -355,21 +356,19 @@ def check_planner(model_dir: str, device: str, *, sequences: int = 8, prompt_tok
              f"{sequences} x ({prompt_tokens} + {response_tokens}) tokens per micro-batch, 2 micro-batches")]
 
 
-def full_length_batch(vocab: int, rows: int, prompt_tokens: int, response_tokens: int, seed: int = 0) -> dict:
-    """Returns a learner mini-batch (``rlray.schema.pack_sequences`` layout) of ``rows`` distinct prompts and
-    responses, all full length (the planner's padded worst case): input_ids, attention_mask, position_ids
-    [B, P+T] int64, response_ids [B, T] int64, response_mask [B, T] bool, advantages [B, T] float32, and zero
-    ref_logprobs and rollout_logprobs [B, T] float32."""
-    from rlray.schema import pack_sequences
+def full_length_batch(vocab: int, rows: int, prompt_tokens: int, response_tokens: int, seed: int = 0):
+    """Returns a learner mini-batch (``rlray.schema.StepBatch``, ``pack_sequences`` layout) of ``rows`` distinct
+    prompts and responses, all full length (the planner's padded worst case): response_mask [B, T] bool all True,
+    advantages [B, T] float32 random, zero ref_logprobs and rollout_logprobs [B, T] float32."""
+    from rlray.schema import StepBatch, pack_sequences
 
     g = torch.Generator().manual_seed(seed)
-    batch = pack_sequences(torch.randint(10, vocab - 1, (rows, prompt_tokens), generator=g).tolist(),
-                           torch.randint(10, vocab - 1, (rows, response_tokens), generator=g).tolist(), 0)
-    del batch["response_lengths"]
+    inputs = pack_sequences(torch.randint(10, vocab - 1, (rows, prompt_tokens), generator=g).tolist(),
+                            torch.randint(10, vocab - 1, (rows, response_tokens), generator=g).tolist(), 0)
     zeros = torch.zeros(rows, response_tokens)
-    batch.update(response_mask=zeros == 0, advantages=torch.randn(rows, response_tokens, generator=g),
-                 ref_logprobs=zeros, rollout_logprobs=zeros)
-    return batch
+    return StepBatch(inputs, response_mask=zeros == 0, reward=torch.zeros(rows), group_id=torch.arange(rows),
+                     policy_version=torch.zeros(rows, dtype=torch.long), rollout_logprobs=zeros, ref_logprobs=zeros,
+                     advantages=torch.randn(rows, response_tokens, generator=g))
 
 
 def _allocated(device: str) -> int:

@@ -9,7 +9,7 @@ from typing import Any
 import yaml
 from pydantic import Field, SecretStr, model_validator
 
-from rlray.config.algo import GROUP_ALGOS, AlgoConfig, CriticConfig, LearnerConfig, OfflineConfig
+from rlray.config.algo import AlgoConfig, CriticConfig, LearnerConfig, OfflineConfig
 from rlray.config.base import _CORE_LIST, _Section, flatten
 from rlray.config.env import EnvConfig
 from rlray.config.operations import CheckpointConfig, GuardConfig, MonitorConfig
@@ -66,7 +66,7 @@ class Config(_Section):
         if self.algo.family == "offline":
             return self._check_offline_sizes(world)
         sequences = self.sequences_per_step
-        if self.algo.name in GROUP_ALGOS and self.rollout.samples_per_prompt < 2:
+        if self.algo.algorithm.needs_groups and self.rollout.samples_per_prompt < 2:
             raise ValueError(
                 f"rollout.samples_per_prompt={self.rollout.samples_per_prompt}: the group estimator "
                 f"'{self.algo.name}' needs at least 2 samples per prompt; set rollout.samples_per_prompt>=2"
@@ -136,7 +136,7 @@ class Config(_Section):
     def _check_reward_terms(self) -> None:
         names = [f.term_name for f in self.reward.functions]
         metric = self.algo.dynamic_sampling_metric
-        if self.algo.name == "dapo" and metric != "reward" and metric not in names:
+        if self.algo.algorithm.dynamic_sampling and metric != "reward" and metric not in names:
             if metric in ("accuracy", "format"):
                 raise ValueError(
                     f"algo.dynamic_sampling_metric={metric!r} was renamed: GSM8K's terms are reward functions now; use "

@@ -28,6 +28,7 @@ from rlray.learner.reference import ReferenceModel
 from rlray.rollout import Completion, RolloutEngine, SamplingSpec
 from rlray.rollout.wire import unpack_weights
 from rlray.run import build
+from rlray.schema import ModelInputs
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +85,9 @@ class RolloutActor:
 
 
 class ReferenceActor:
-    """Ray actor around a ``ReferenceModel``: a frozen model shared by every learner rank that sends [B, T] logprobs
-    of the sampled tokens (the reference policy, or the distillation teacher).
+    """Ray actor around a ``ReferenceModel``: a frozen model shared by every learner rank that receives the model
+    inputs of a shard (``schema.ModelInputs``, nothing else of the step) and sends [B, T] logprobs of the sampled
+    tokens (the reference policy, or the distillation teacher).
 
     Args:
         model_path: local Hugging Face folder of the initial policy (reference) or of the teacher.
@@ -95,9 +97,9 @@ class ReferenceActor:
     def __init__(self, model_path: str, model_kwargs: dict) -> None:
         self.model = ReferenceModel(model_path, **model_kwargs)
 
-    def logprobs(self, batch: dict[str, torch.Tensor], microbatch_size: int) -> torch.Tensor:
-        """Returns [B, T] float32 reference logprobs of the batch's responses."""
-        return self.model.logprobs(batch, microbatch_size)
+    def logprobs(self, inputs: ModelInputs, microbatch_size: int) -> torch.Tensor:
+        """Returns [B, T] float32 reference logprobs of the rows' responses."""
+        return self.model.logprobs(inputs, microbatch_size)
 
     def ready(self) -> bool:
         """Returns True once the model is loaded."""

@@ -84,7 +84,7 @@ def preflight(cfg: Config) -> str:
             check_function_spec(fn.function)
         for name, spec in cfg.env.environments.items():
             check_environment_spec(name, spec)
-        if cfg.algo.name == "ppo" and cfg.critic.model_path:
+        if cfg.algo.algorithm.needs_critic and cfg.critic.model_path:
             resolve_model_path(cfg.critic.model_path)
     else:
         load_preference_pairs(cfg.offline.pairs_files, max_pairs=cfg.offline.max_pairs)

@@ -178,7 +178,7 @@ def build_experience(
     ``baseline_rewards`` (ReMax: the greedy response's reward, one per completion) fills baseline_reward.
     response_mask is the completion's loss mask (all True for single-turn rollouts). A completion whose
     reward (or baseline) is NaN failed in the reward stage: its response_mask is all False, so no
-    advantage statistic and no loss term sees it (``learner.advantages`` takes a row as valid when its
+    advantage statistic and no loss term sees it (``algos.estimators`` takes a row as valid when its
     mask has a True), and its reward stays NaN in the table. With ``mask_truncated`` (``algo.mask_truncated``)
     a completion that hit max_new_tokens (finish_reason "length") is masked the same way, its reward kept.
     """

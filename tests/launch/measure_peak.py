@@ -25,7 +25,7 @@ from rlray.learner import PolicyLearner
 from rlray.learner.objective import Normaliser
 from rlray.models import resolve_model_path
 from rlray.run import build
-from rlray.schema import pack_sequences
+from rlray.schema import StepBatch, pack_sequences
 
 
 def resident(field: str = "VmRSS") -> int:
@@ -53,11 +53,12 @@ def main() -> None:
     rows, prompt, response = 2 * cfg.learner.sequences_per_microbatch, cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens
     vocab = learner.module.config.vocab_size
     g = torch.Generator().manual_seed(args.rank)
-    batch = pack_sequences(torch.randint(10, vocab - 1, (rows, prompt), generator=g).tolist(),
-                           torch.randint(10, vocab - 1, (rows, response), generator=g).tolist(), 0)
-    del batch["response_lengths"]
-    batch.update(response_mask=torch.ones(rows, response, dtype=torch.bool), advantages=torch.randn(rows, response, generator=g),
-                 ref_logprobs=torch.zeros(rows, response), rollout_logprobs=torch.zeros(rows, response))
+    inputs = pack_sequences(torch.randint(10, vocab - 1, (rows, prompt), generator=g).tolist(),
+                            torch.randint(10, vocab - 1, (rows, response), generator=g).tolist(), 0)
+    batch = StepBatch(inputs, response_mask=torch.ones(rows, response, dtype=torch.bool), reward=torch.zeros(rows),
+                      group_id=torch.arange(rows), policy_version=torch.zeros(rows, dtype=torch.long),
+                      rollout_logprobs=torch.zeros(rows, response), ref_logprobs=torch.zeros(rows, response),
+                      advantages=torch.randn(rows, response, generator=g))
     spec = build.update_spec(cfg, args.world)
     norm = Normaliser(float(rows * response * args.world), float(rows * args.world), args.world)
     learner.train_minibatch(batch, spec.loss, norm, spec.microbatch_size)
