@@ -16,7 +16,10 @@ Checks, one table row each:
   6. the frozen reference with its linear weights stored in bf16 (rlray.learner.logprobs.store_frozen_for_autocast)
      against the float32 copy under bf16 autocast on the device: logits bit-identical, and the bytes saved;
   7. the capacity planner (rlray.launch.plan) against a real PolicyLearner step on the device, gradient
-     checkpointing off and on: the predicted learner-rank tensors against torch.cuda.max_memory_allocated.
+     checkpointing off and on: the predicted learner-rank tensors against torch.cuda.max_memory_allocated;
+  8. FSDP2 over NCCL, one process per visible GPU (benchmarks/gpu_fsdp.py; a world-1 fully_shard with one GPU):
+     float32 steps and gathered weights against one unsharded learner, and a bf16 mixed-precision step with its
+     sharded reference.
 
 The model is a local Hugging Face folder or a hub id (downloaded by transformers). Every function
 also runs on the CPU (``--device cpu``; rows 2 and 3 need CUDA), which is how tests/benchmarks/ checks it.
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,8 +39,6 @@ import torch
 try:
     from rlray import algos
 except ImportError:  # run from a checkout without rlray installed
-    import sys
-
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from rlray import algos
 
@@ -455,6 +457,10 @@ def main(argv: list[str] | None = None) -> int:
     rows += check_shared_prompts(model, args.device, model.config.vocab_size, bf16=cuda)
     rows += check_frozen_bf16(model, args.device, model.config.vocab_size)
     rows += planner_rows
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gpu_fsdp import check_fsdp  # deferred: its rank processes run this folder's scripts
+
+    rows += check_fsdp(folder, args.device)
     print(markdown_table(rows))
     return 0 if all(s == "ok" for _, s, _ in rows) else 1
 

@@ -5,6 +5,13 @@ every rank's RNG states (torch, numpy, python), the data cursor, the step, the e
 version, the number of rollbacks so far and the config the state was trained with. Restoring it
 and pushing the weights to the rollout engines puts a run exactly where it was: with the same
 config and seed, a resumed step samples and updates as the uninterrupted run did.
+
+A sharded learner (FSDP2) writes the same model/ folder (float32 weights gathered to rank 0 one tensor at a time: a
+Hugging Face folder that vLLM, ``rlray eval`` and a new run's model.path read as before), the schedulers in
+trainer_state.pt, and its optimizer state (and a critic's weights and optimizer) as shards: ``sharded/`` holds one
+``torch.distributed.checkpoint`` file per rank, each written by its rank, and rank 0's ``.metadata``. Any learner
+restores either kind: ``torch.distributed.checkpoint`` reshards to its own ranks (or to whole tensors), and a whole
+optimizer state goes into a sharded learner by parameter name.
 """
 
 from __future__ import annotations
@@ -16,14 +23,17 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
 import yaml
 from safetensors.torch import load_file
+from torch.distributed.tensor.experimental import implicit_replication
 
 from rlray.checkpoint import storage as checkpoint
 from rlray.checkpoint.manifest import SnapshotManifest
 from rlray.config import Config, validate_tree
 
 TRAINER_STATE = "trainer_state.pt"
+SHARDED_DIR = "sharded"
 CONFIG_FILE = "config.yaml"
 # Sections a run may change while it trains (rollback overrides, the OOM fallback); a restart keeps
 # the values its snapshot was trained with.
@@ -60,9 +70,14 @@ def set_rng_state(state: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------------------------
 # Write
 # --------------------------------------------------------------------------------------------
-def write_payload(out: Path, *, learner: Any, tokenizer: Any, cfg: Config) -> None:
-    """Writes rank 0's payload into the local folder ``out``: model/, trainer_state.pt, config.yaml."""
-    learner.module.save_pretrained(out / "model", safe_serialization=True)
+def write_payload(out: Path, *, learner: Any, tokenizer: Any, cfg: Config,
+                  weights: dict[str, torch.Tensor] | None = None) -> None:
+    """Writes rank 0's payload into the local folder ``out``: model/, trainer_state.pt, config.yaml.
+
+    ``weights``: a sharded learner's gathered ``checkpoint_weights`` for model/, or None to save the module's own.
+    """
+    extra = {} if weights is None else {"state_dict": weights}
+    learner.module.save_pretrained(out / "model", safe_serialization=True, **extra)
     tokenizer.save_pretrained(out / "model")
     torch.save(learner.state_dict(), out / TRAINER_STATE)
     (out / CONFIG_FILE).write_text(cfg.to_yaml())
@@ -86,10 +101,32 @@ def write_rank0(uri: str, *, learner: Any, tokenizer: Any, cfg: Config, options:
     Raises:
         rlray.checkpoint.storage.SnapshotError: the write failed (the folder is left without a manifest).
     """
+    return write_rank(uri, rank=0, learner=learner, tokenizer=tokenizer, cfg=cfg, options=options)
+
+
+def write_rank(uri: str, *, rank: int, learner: Any, tokenizer: Any, cfg: Config,
+               options: dict[str, Any] | None) -> dict[str, int]:
+    """Writes this rank's part of the snapshot folder ``uri``; returns {relative path: bytes}.
+
+    Every rank writes its RNG states; rank 0 the payload (``write_payload``). A sharded learner's ranks first gather
+    the weights to rank 0 and save their optimizer shards (collectives: every rank calls this), then each uploads its
+    own ``sharded/`` file.
+
+    Raises:
+        rlray.checkpoint.storage.SnapshotError: the write failed (the folder is left without a manifest).
+    """
     with tempfile.TemporaryDirectory(prefix="rlray-snap-") as tmp:
-        write_payload(Path(tmp), learner=learner, tokenizer=tokenizer, cfg=cfg)
-        sizes = checkpoint.put_files(uri, Path(tmp), options)
-    return {**sizes, **write_rng(uri, 0, options)}
+        out, sizes = Path(tmp), {}
+        weights = None
+        if learner.sharded:
+            weights = learner.checkpoint_weights()
+            dcp.save(learner.sharded_state_dict(), storage_writer=dcp.FileSystemWriter(out / SHARDED_DIR))
+            if rank != 0:
+                sizes = checkpoint.put_files(uri, out, options)
+        if rank == 0:
+            write_payload(out, learner=learner, tokenizer=tokenizer, cfg=cfg, weights=weights)
+            sizes = checkpoint.put_files(uri, out, options)
+    return {**sizes, **write_rng(uri, rank, options)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -134,6 +171,8 @@ def load_model_weights(module: torch.nn.Module, model_dir: Path) -> None:
     name): its tensors go in through peft's ``set_peft_model_state_dict``, and every adapter tensor of the
     module must be among them (the base weights are model.path's, never trained).
 
+    A sharded (FSDP2) module loads the same whole tensors: each parameter copies its own shard.
+
     Raises:
         RuntimeError: a tensor the module has is missing (other than a tied LM head) or an unknown one.
     """
@@ -141,9 +180,11 @@ def load_model_weights(module: torch.nn.Module, model_dir: Path) -> None:
     for file in sorted(Path(model_dir).glob("*.safetensors")):
         state.update(load_file(str(file)))
     if (Path(model_dir) / "adapter_config.json").is_file():
-        _load_adapter_weights(module, state)
+        with implicit_replication():  # a sharded (FSDP2) module takes each whole tensor's own shard
+            _load_adapter_weights(module, state)
         return
-    missing, unexpected = module.load_state_dict(state, strict=False)
+    with implicit_replication():
+        missing, unexpected = module.load_state_dict(state, strict=False)
     tied = bool(getattr(module.config, "tie_word_embeddings", False))
     missing = [k for k in missing if not (tied and k == "lm_head.weight")]
     if missing or unexpected:
@@ -188,6 +229,8 @@ def set_optimizer_hparams(learner: Any, cfg: Config) -> None:
 def restore_learner(uri: str, *, learner: Any, rank: int, options: dict[str, Any] | None) -> SnapshotManifest:
     """Loads a snapshot's weights, optimizer, scheduler and this rank's RNG states; returns its manifest.
 
+    A collective for a sharded learner, or a snapshot with ``sharded/`` state: every rank calls it.
+
     Raises:
         rlray.checkpoint.storage.SnapshotError: the snapshot is incomplete or damaged, or keeps no data cursor
             (a format-1 snapshot: a model folder, not a run to resume).
@@ -201,6 +244,10 @@ def restore_learner(uri: str, *, learner: Any, rank: int, options: dict[str, Any
         with torch.no_grad():
             load_model_weights(learner.module, local / "model")
         learner.load_state_dict(torch.load(local / TRAINER_STATE, weights_only=True))
+        if (local / SHARDED_DIR).is_dir():
+            state = learner.sharded_state_dict()  # the template: this learner's own layout, resharded into
+            dcp.load(state, storage_reader=dcp.FileSystemReader(local / SHARDED_DIR))
+            learner.load_sharded_state_dict(state)
         rng = local / "rng" / f"rank_{rank}.pt"
         if rng.exists():
             set_rng_state(torch.load(rng, weights_only=True))

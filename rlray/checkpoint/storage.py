@@ -6,7 +6,9 @@ also Ray Train's ``storage_path``)::
     <root>/run-<mlflow run id>/              one Ray Train run (its experiment folder)
         step_00000004/                       one snapshot (a Ray Train checkpoint folder)
             model/                           Hugging Face save_pretrained output (safetensors, tokenizer)
-            trainer_state.pt                 optimizer and scheduler (torch.load(weights_only=True))
+            trainer_state.pt                 optimizer and scheduler (torch.load(weights_only=True)); a sharded
+                                             (FSDP2) learner's schedulers only, and then
+            sharded/                         its optimizer state, one torch.distributed.checkpoint file per rank
             rng/rank_<r>.pt                  torch, numpy and python RNG states of each learner rank
             config.yaml                      the config the snapshot was trained with
             manifest.json                    written last: step, epoch, policy version, cursor, files

@@ -69,7 +69,12 @@ class LearnerResources(_Section):
     gpus: float = Field(0.0, ge=0.0, description="Ray GPUs per worker.")
     custom_resources: CustomResources = _custom_field("learner")
     strategy: Literal["ddp", "fsdp"] = Field(
-        "ddp", description="Data parallelism: ddp (gloo on CPU, NCCL on GPU) or fsdp (GPU only)."
+        "ddp",
+        description=(
+            "Data parallelism over the learner workers: ddp (a whole model, gradients and optimizer state per worker) "
+            "or fsdp (FSDP2: each worker holds 1/N of them, and the reference and teacher too, at the cost of "
+            "gathering each layer's weights in its forward and backward); gloo on CPU, NCCL on GPU."
+        ),
     )
 
 

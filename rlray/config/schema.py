@@ -153,8 +153,6 @@ class Config(_Section):
                           res.rollout.num_workers, "actor", words=("auto", "nobind"), example="'0-1', '1' or '0,2-3'")
         _check_core_lists("learner.cpu_affinity", self.learner.cpu_affinity, "resources.learner.num_workers",
                           res.learner.num_workers, "worker", words=(), example="'0', '0-1' or '0,2-3'")
-        if res.learner.strategy == "fsdp" and res.learner.gpus == 0:
-            raise ValueError("resources.learner.strategy='fsdp' needs GPUs; set resources.learner.gpus>0 or strategy=ddp")
         if res.colocate and (res.rollout.gpus == 0 or res.learner.gpus == 0):
             raise ValueError(
                 "resources.colocate=true shares GPUs between rollout and learner; set resources.rollout.gpus and "
@@ -178,15 +176,11 @@ class Config(_Section):
             raise ValueError("rollout.weight_sync='ipc' needs resources.colocate=true (CUDA IPC shares one GPU)")
         if self.weight_sync_backend == "ipc" and res.learner.strategy == "fsdp":
             raise ValueError("CUDA IPC weight sync needs a full model on every learner GPU; use ddp, or rollout.weight_sync=nccl")
-        if self.model.lora.rank and res.learner.strategy == "fsdp":
-            raise ValueError("model.lora.rank>0 with resources.learner.strategy='fsdp' is not supported; use ddp")
         if self.model.adapter_path is not None and self.model.lora.rank:
             raise ValueError(
                 f"model.adapter_path='{self.model.adapter_path}' with model.lora.rank={self.model.lora.rank}: the "
                 "adapter brings its own LoRA settings; set model.lora.rank=0, or unset model.adapter_path"
             )
-        if self.model.adapter_path is not None and res.learner.strategy == "fsdp":
-            raise ValueError("model.adapter_path with resources.learner.strategy='fsdp' is not supported; use ddp")
 
     @property
     def weight_sync_backend(self) -> str:

@@ -10,7 +10,8 @@ What it assumes, role by role:
   root unit and two layers in the compute dtype, and their float32 gradients before the reduce-scatter; no
   autocast copies); DDP's all-reduce buckets (a second copy of the gradients: ``gradient_as_bucket_view`` is off in
   ``ray.train.torch.prepare_model``); under bf16 autocast a bf16 copy of every linear weight for backward; the
-  activations of one micro-batch and its response logits; the reference, teacher and PPO critic held on the rank.
+  activations of one micro-batch and its response logits; the reference, teacher and PPO critic held on the rank
+  (under FSDP2 the reference and teacher as 1/N shards in the compute dtype; their gathers run outside the update).
   The peak is the static memory plus the larger of the update (activations) and the optimizer step (CUDA's foreach
   AdamW keeps one float32 temporary per parameter).
 - rollout engine (vLLM): per GPU of an engine, weights / tensor parallelism, vLLM's profiling peak, and the KV
@@ -299,15 +300,21 @@ def _update_terms(cfg: Config, shape: ModelShape, dtype: str) -> list[Term]:
 
 
 def _held_terms(cfg: Config, models: Models, dtype: str) -> list[Term]:
-    """Returns the models a learner rank holds besides the policy: the reference and teacher copies, PPO's critic."""
+    """Returns the models a learner rank holds besides the policy: the reference and teacher copies (1/N shards under
+    FSDP2, in the compute dtype: ``rlray.learner.sharding.FSDP2.frozen``), PPO's critic."""
     terms = []
-    frozen = "bf16 linear weights" if dtype == "bfloat16" else "float32"
-    if reference_on_learner(cfg):
-        terms.append(Term(f"reference: frozen copy, {frozen}", gib(mem.frozen_copy_bytes(models.policy, dtype))))
-    if models.teacher is not None and cfg.resources.teacher.placement == "learner":
-        terms.append(Term(f"teacher: frozen copy, {frozen}", gib(mem.frozen_copy_bytes(models.teacher, dtype))))
+    world, fsdp = cfg.resources.learner.num_workers, cfg.resources.learner.strategy == "fsdp"
+    for role, shape in (("reference", models.policy if reference_on_learner(cfg) else None),
+                        ("teacher", models.teacher if cfg.resources.teacher.placement == "learner" else None)):
+        if shape is None:
+            continue
+        if fsdp and world > 1:
+            terms.append(Term(f"{role}: frozen copy, {dtype}, 1/{world} shard",
+                              gib(mem.DTYPE_BYTES[dtype] * shape.parameters / world)))
+        else:
+            frozen = "bf16 linear weights" if dtype == "bfloat16" else "float32"
+            terms.append(Term(f"{role}: frozen copy, {frozen}", gib(mem.frozen_copy_bytes(shape, dtype))))
     if models.critic is not None:
-        world, fsdp = cfg.resources.learner.num_workers, cfg.resources.learner.strategy == "fsdp"
         params, _ = _critic_parameters(models.critic)
         per = (16 / world) if fsdp else 16 + (4 if world > 1 else 0)
         terms.append(Term("PPO critic: weights, gradients, AdamW state" + ("" if fsdp or world == 1 else ", DDP buckets"),

@@ -25,6 +25,7 @@ from rlray.learner.logprobs import (
     store_frozen_for_autocast,
 )
 from rlray.learner.objective import LossSpec, Normaliser, policy_objective, reduce_stat
+from rlray.learner.sharding import FSDP2, gathered_merged_lora_state_dict, gathered_state_dict, is_sharded
 from rlray.models import load_causal_lm
 from rlray.models.adapters import load_adapter
 from rlray.schema import ModelInputs, StepBatch
@@ -54,10 +55,11 @@ class PolicyLearner:
         max_grad_norm: global L2 gradient clip.
         temperature: rollout sampling temperature; logits are divided by it (see ``response_logprobs``).
         use_reference: keep a frozen copy of the initial policy for KL (under bf16 its linear weights are stored in
-            bf16, which gives the same outputs: ``store_frozen_for_autocast``).
+            bf16, which gives the same outputs: ``store_frozen_for_autocast``; under FSDP2 a sharded copy).
         gradient_checkpointing: recompute activations in backward.
-        wrap_model: hook that wraps the policy for data parallelism (``ray.train.torch.prepare_model``,
-            DDP or FSDP); identity when None.
+        wrap_model: hook that wraps the policy for data parallelism: DDP (``ray.train.torch.prepare_model``), or
+            FSDP2 (``rlray.learner.sharding.FSDP2``, which shards the reference and the teacher too); identity when
+            None.
         optimizer: "adamw" (torch) or "adamw_8bit" (bitsandbytes AdamW8bit; CUDA only).
         lora: peft LoRA settings {"rank", "alpha", "dropout", "target_modules"}; None or rank 0 trains
             every weight. Only the adapters train; ``export_weights`` returns merged weights.
@@ -112,28 +114,35 @@ class PolicyLearner:
         self.reference = None
         if use_reference and not self.lora:
             self.reference = copy.deepcopy(policy).eval().requires_grad_(False)
-            store_frozen_for_autocast(self.reference, dtype)  # bf16 linear weights: same outputs, half the memory
         if adapter_path is not None:
             policy = load_adapter(policy, adapter_path, model_path)
         elif self.lora:
             policy = apply_lora(policy, **lora)
-        self.module = policy  # unwrapped, for export and checkpoints
+        self.module = policy  # unwrapped (DDP) or the sharded model itself (FSDP2), for export and checkpoints
         self.model = wrap_model(policy) if wrap_model else policy
         self.model.train()
-        self.sharded = _is_fsdp(self.model)
-        device = next(self.module.parameters()).device  # the policy's (wrap_model moves the policy to its GPU)
-        if self.reference is not None:
-            self.reference.to(device)
+        self.sharded = is_sharded(self.model)
         self.teacher = None
         if teacher_path is not None:
-            self.teacher = load_causal_lm(teacher_path, dtype=torch.float32).requires_grad_(False).to(device)
-            store_frozen_for_autocast(self.teacher, dtype)
+            self.teacher = load_causal_lm(teacher_path, dtype=torch.float32).requires_grad_(False)
             self.teacher.config.use_cache = False
+        self.reference = self._place_frozen(self.reference, wrap_model)
+        self.teacher = self._place_frozen(self.teacher, wrap_model)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(optimizer, params, lr=lr, betas=betas, weight_decay=weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps else 1.0
         )
+
+    def _place_frozen(self, model: torch.nn.Module | None, wrap_model: Any) -> torch.nn.Module | None:
+        """Returns a frozen copy (reference, teacher) sharded like the policy (FSDP2), or whole on the policy's device
+        with its linear weights in bf16 under bf16 autocast (``store_frozen_for_autocast``: same outputs)."""
+        if model is None:
+            return None
+        if isinstance(wrap_model, FSDP2):
+            return wrap_model.frozen(model)
+        store_frozen_for_autocast(model, self.dtype)  # bf16 linear weights: same outputs, half the memory
+        return model.to(next(self.module.parameters()).device)  # the policy's (wrap_model moves it to its GPU)
 
     @property
     def has_reference(self) -> bool:
@@ -217,8 +226,10 @@ class PolicyLearner:
         """Runs one optimizer step with gradient accumulation over ``microbatches``; returns summed statistics.
 
         Each micro-batch's loss is backwarded as is (a share under global normalisers), with DDP's gradient
-        all-reduce only on the last one. Then the global L2 norm is clipped and AdamW steps (skipped when the
-        norm is not finite) and the schedule advances.
+        all-reduce only on the last one (FSDP2 reduce-scatters after each: ``rlray.learner.sharding``; a rank with
+        fewer micro-batches than another repeats its last one with the loss times 0, since every forward gathers
+        over the ranks). Then the global L2 norm is clipped (over the sharded gradients under FSDP2) and AdamW
+        steps (skipped when the norm is not finite) and the schedule advances.
 
         Args:
             microbatches: this rank's micro-batches of the mini-batch (records with ``to(device)``).
@@ -232,20 +243,25 @@ class PolicyLearner:
         totals: dict[str, float] = {"loss": 0.0}
         device = next(self.module.parameters()).device  # CUDA after Ray Train's prepare_model on GPU
         mbs = [mb.to(device) for mb in microbatches]
+        real = len(mbs)
+        if self.sharded:
+            if not mbs:
+                raise ValueError("a sharded learner rank got no micro-batch: every rank needs rows (FSDP2 gathers)")
+            mbs += mbs[-1:] * (_max_over_ranks(real, device) - real)
         for i, mb in enumerate(mbs):
             sync = i == len(mbs) - 1
             ctx = self.model.no_sync() if (not sync and hasattr(self.model, "no_sync")) else contextlib.nullcontext()
             with ctx:
                 loss, stats = loss_fn(self.model, mb)
+                if i >= real:  # a repeat that keeps this rank in step with the others' gathers: no gradient, no stats
+                    (loss * 0.0).backward()
+                    continue
                 loss.backward()
             totals["loss"] += float(loss.detach())
             for k, v in stats.items():
                 totals[k] = reduce_stat(k, totals.get(k), float(v))
-        if self.sharded:
-            grad_norm = self.model.clip_grad_norm_(self.max_grad_norm)
-        else:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.max_grad_norm)
-        totals["grad_norm"] = float(grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.max_grad_norm)
+        totals["grad_norm"] = float(_whole(grad_norm))
         if math.isfinite(totals["grad_norm"]):
             self.optimizer.step()
         totals["lr"] = self.scheduler.get_last_lr()[0]
@@ -257,41 +273,97 @@ class PolicyLearner:
         """Returns the policy's Hugging Face state dict cast to ``dtype`` on ``device`` (contiguous), for weight sync.
 
         With LoRA the adapters are merged into a copy (W + scale * B A; the policy is untouched), under
-        the base model's names. With FSDP this is a collective: every rank must call it, and only
-        rank 0 gets the tensors (the others get an empty dict).
+        the base model's names. With FSDP2 this is a collective: every rank must call it, and only rank 0 gets
+        the tensors (the others get an empty dict); they are gathered one at a time and cast at once, so rank 0
+        never holds the model twice (``sharding.gathered_state_dict``).
         """
         if self.sharded:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-            state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        elif self.lora:
+            if self.lora:
+                return gathered_merged_lora_state_dict(self.module, dtype=dtype, device=device)
+            return gathered_state_dict(self.module, dtype=dtype, device=device)
+        if self.lora:
             state = merged_lora_state_dict(self.module)
         else:
             state = self.module.state_dict()
         return {k: v.detach().to(device, dtype).contiguous() for k, v in state.items()}
 
+    @torch.no_grad()
+    def checkpoint_weights(self) -> dict[str, torch.Tensor]:
+        """Returns what ``save_pretrained`` writes as the policy's weights, whole and in float32: every tensor, or the
+        adapters only with LoRA (peft's names before it strips the adapter name). A collective under FSDP2 (rank 0
+        gets them, the others {}); unsharded, the module's own tensors (no copy)."""
+        include = (lambda name: "lora_" in name) if self.lora else None
+        if self.sharded:  # a tied name (lm_head) is left out, as save_pretrained leaves it out of its own state
+            state, seen = gathered_state_dict(self.module, include=include), set()
+            return {k: v for k, v in state.items() if not (id(v) in seen or seen.add(id(v)))}
+        return {k: v for k, v in self.module.state_dict().items() if include is None or include(k)}
+
     def state_dict(self) -> dict:
         """Returns the optimizer and scheduler state (the model is saved separately as safetensors).
 
         With a critic, "critic" holds its weights, optimizer and scheduler (tensors only: loadable with
-        ``torch.load(weights_only=True)``).
+        ``torch.load(weights_only=True)``). Sharded (FSDP2), the schedulers' state only: the optimizer's shards and
+        the critic's weights are in ``sharded_state_dict``.
         """
-        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        state = {"scheduler": self.scheduler.state_dict()}
+        if not self.sharded:
+            state["optimizer"] = self.optimizer.state_dict()
         if self.critic is not None:
-            state["critic"] = {"model": self.critic.module.state_dict(), **self.critic.state_dict()}
+            model = {} if self.critic.sharded else {"model": self.critic.module.state_dict()}
+            state["critic"] = {**model, **self.critic.state_dict()}
         return state
 
+    def sharded_state_dict(self) -> dict:
+        """Returns this rank's optimizer state keyed by parameter name, and the critic's weights and optimizer, for
+        ``torch.distributed.checkpoint`` (``get_optimizer_state_dict``: DTensor shards under FSDP2, whole tensors
+        otherwise). A collective under FSDP2. An optimizer that has not stepped yet gets zero state first (torch
+        steps it at lr 0: the weights do not move), so that a fresh learner's dict is the template to load into.
+        """
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        state = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
+        if self.critic is not None:
+            state["critic"] = {"model": get_model_state_dict(self.critic.model), **self.critic.sharded_state_dict()}
+        return state
+
+    def load_sharded_state_dict(self, state: dict) -> None:
+        """Restores the optimizer state (and the critic's weights and optimizer) of ``sharded_state_dict``'s layout,
+        shards or whole tensors, into this learner however it is sharded. A collective under FSDP2."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        if self.critic is not None:
+            set_model_state_dict(self.critic.model, state["critic"]["model"])
+            self.critic.load_sharded_state_dict(state["critic"])
+
     def load_state_dict(self, state: dict) -> None:
-        """Restores optimizer and scheduler state (and the critic's, when present) saved by ``state_dict``.
+        """Restores the scheduler state, and the optimizer's (and the critic's) when present, saved by ``state_dict``.
+
+        A whole optimizer state (an unsharded learner's snapshot) loads into a sharded learner too: its parameter
+        numbers are the trainable parameters in order, under their names (``set_optimizer_state_dict``).
 
         Raises:
             KeyError: the state has no critic entry but this learner has a critic.
         """
-        self.optimizer.load_state_dict(state["optimizer"])
+        if "optimizer" in state:  # absent from a sharded learner's state: it is in sharded_state_dict
+            if self.sharded:
+                self._load_whole_optimizer(state["optimizer"])
+            else:
+                self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.critic is not None:
-            self.critic.module.load_state_dict(state["critic"]["model"])
+            if "model" in state["critic"]:
+                with _whole_into_shards():
+                    self.critic.module.load_state_dict(state["critic"]["model"])
             self.critic.load_state_dict(state["critic"])
+
+    def _load_whole_optimizer(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        names = [name for name, p in self.model.named_parameters() if p.requires_grad]
+        named = {"state": {names[i]: v for i, v in state["state"].items()},
+                 "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
+        set_optimizer_state_dict(self.model, self.optimizer, named, options=StateDictOptions(full_state_dict=True))
 
 
 def make_optimizer(
@@ -353,10 +425,24 @@ def merged_lora_state_dict(peft_model: torch.nn.Module) -> dict[str, torch.Tenso
     return out
 
 
-def _is_fsdp(model: torch.nn.Module) -> bool:
-    """Returns True when ``model`` is wrapped by FSDP (its state and gradients are sharded over ranks)."""
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:
-        return False
-    return isinstance(model, FullyShardedDataParallel)
+def _max_over_ranks(n: int, device: torch.device) -> int:
+    """Returns the largest ``n`` over the ranks of the default process group (a collective; ``device``: where the
+    backend reduces, CUDA for NCCL)."""
+    t = torch.tensor([n], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return int(t.item())
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """Returns a DTensor's whole value (clip_grad_norm_'s total norm over sharded gradients), a plain tensor as is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _whole_into_shards() -> contextlib.AbstractContextManager:
+    """Returns a context in which whole tensors load into sharded (DTensor) parameters: each is taken as replicated
+    and its shard copied (``implicit_replication``); no effect on plain modules."""
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    return implicit_replication()

@@ -25,6 +25,7 @@ from rlray.learner import LossSpec, PolicyLearner
 from rlray.learner import online as learner_online
 from rlray.learner.critic import build_critic
 from rlray.learner.policy import to_local_gpu
+from rlray.learner.sharding import FSDP2
 from rlray.models import resolve_dtype, resolve_model_path
 from rlray.reward import RewardScorer
 from rlray.reward.server import LocalRewardClient, ServeRewardClient
@@ -42,16 +43,20 @@ def seed_everything(seed: int) -> None:
 def learner_kwargs(cfg: Config, world: int, *, with_reference: bool = True, teacher_dir: str | None = None) -> dict[str, Any]:
     """Returns ``PolicyLearner`` keyword arguments from the config.
 
-    DDP or FSDP wrapping (``resources.learner.strategy``) when ``world`` > 1; one GPU rank moves the
-    model to its GPU. The reference model is built when the KL is in use or the KL guard is on (it
-    needs the KL), unless ``with_reference`` is False (a reference actor, or offline runs). The teacher
+    DDP (``ray.train.torch.prepare_model``) or FSDP2 (``rlray.learner.sharding.FSDP2``, bf16 mixed precision when
+    the compute dtype is bf16) by ``resources.learner.strategy`` when ``world`` > 1, on the CPU (gloo) as on GPUs
+    (NCCL); one GPU rank moves the model to its GPU. The reference model is built when the KL is in use or the KL
+    guard is on (it needs the KL), unless ``with_reference`` is False (a reference actor, or offline runs). The teacher
     (``teacher_dir``: ``teacher.path`` resolved by the driver) is held on the learner only with
     ``resources.teacher.placement == "learner"``.
     """
     wrap = None
-    if world > 1:
-        wrap = functools.partial(ray.train.torch.prepare_model, parallel_strategy=cfg.resources.learner.strategy)
-    elif cfg.resources.learner.gpus > 0 and torch.cuda.is_available():
+    gpu = cfg.resources.learner.gpus > 0 and torch.cuda.is_available()
+    if world > 1 and cfg.resources.learner.strategy == "fsdp":
+        wrap = FSDP2(mixed_precision=compute_dtype(cfg) == "bfloat16", gpu=gpu)
+    elif world > 1:
+        wrap = functools.partial(ray.train.torch.prepare_model, parallel_strategy="ddp")
+    elif gpu:
         wrap = to_local_gpu
     return dict(
         dtype=compute_dtype(cfg),

@@ -1,4 +1,5 @@
-"""The CPU-runnable parts of benchmarks/gpu_check.py (the script itself needs a CUDA device)."""
+"""The CPU-runnable parts of benchmarks/gpu_check.py and its FSDP2 rows, benchmarks/gpu_fsdp.py (the script itself
+needs a CUDA device)."""
 
 from __future__ import annotations
 
@@ -100,3 +101,15 @@ def test_planner_row_runs_a_real_learner_step_and_reports_the_planner_figure(gpu
     measured = float(detail.split("measured ")[1].split(" GiB")[0])
     assert measured > 0.05  # at least the weights, gradients and AdamW state of 6.6M float32 parameters (0.1 GiB)
     assert detail.endswith("2 x (16 + 8) tokens per micro-batch, 2 micro-batches")
+
+
+def test_fsdp_rows_pass_on_the_cpu_over_gloo(tiny_model_path):
+    # the same two rank processes a GPU gets, over gloo: FSDP2 float32 against one unsharded learner, bf16 mixed
+    # precision with its sharded reference
+    spec = importlib.util.spec_from_file_location("gpu_fsdp", REPO / "benchmarks" / "gpu_fsdp.py")
+    gpu_fsdp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_fsdp)
+    rows = gpu_fsdp.check_fsdp(tiny_model_path, "cpu", world=2, rows_per_rank=2, prompt_tokens=8, response_tokens=8)
+    assert [(name, status) for name, status, _ in rows] == [
+        ("FSDP2 float32 (gloo, 2 ranks) vs one unsharded learner", "ok"), ("FSDP2 bf16 mixed precision (gloo, 2 ranks)", "ok")]
+    assert "bit-identical" in rows[1][2]

@@ -67,7 +67,6 @@ def test_assignment_is_validated():
         ({"learner": {"strategy": "zero3"}}, "resources.learner.strategy='zero3': Input should be 'ddp' or 'fsdp'"),
         ({"rollout": {"cpu_threads": "x"}}, "resources.rollout.cpu_threads='x' is not a core list"),
         ({"rollout": {"cpu_threads": ["0"], "num_workers": 2}}, "has 1 entries for resources.rollout.num_workers=2"),
-        ({"learner": {"strategy": "fsdp"}}, "resources.learner.strategy='fsdp' needs GPUs"),
         ({"node_wait_s": -1}, "resources.node_wait_s=-1: Input should be greater than or equal to 0"),
         ({"rollout": {"custom_resources": {"CPU": 1}}},
          "resources.rollout.custom_resources: {'CPU': 1}: 'CPU' is not a custom resource; use the role's cpus field"),
@@ -84,6 +83,15 @@ def test_errors_name_the_dotted_key(tree, message):
     with pytest.raises(ConfigError) as err:
         config_from_dict({"resources": tree})
     assert message in str(err.value)
+
+
+def test_fsdp_runs_on_the_cpu_with_lora_or_an_adapter():
+    # FSDP2 over gloo (tests/learner/test_fsdp.py): no GPU needed, and peft adapters shard with the model
+    cfg = config_from_dict({}, ["resources.learner.strategy=fsdp", "resources.learner.num_workers=2", "model.lora.rank=8"])
+    assert (cfg.resources.learner.strategy, cfg.resources.learner.gpus, cfg.model.lora.rank) == ("fsdp", 0.0, 8)
+    cfg = config_from_dict({}, ["resources.learner.strategy=fsdp", "resources.learner.num_workers=2",
+                                "model.adapter_path=/some/adapter"])
+    assert cfg.model.adapter_path == "/some/adapter"
 
 
 def test_custom_resources_take_fractions_and_whole_amounts():

@@ -4,8 +4,9 @@
 
 Builds ``PolicyLearner`` from the config overrides exactly as a run does (``rlray.run.build.learner_kwargs``; with
 ``--world`` > 1 wrapped in ``DistributedDataParallel`` over gloo, as ``ray.train.torch.prepare_model`` does on the
-CPU), runs one mini-batch of two micro-batches (``learner.sequences_per_microbatch`` rows each, distinct prompts of
-``data.max_prompt_tokens`` tokens and responses of ``rollout.max_new_tokens``: the planner's padded worst case),
+CPU, or sharded by FSDP2 with ``resources.learner.strategy=fsdp``, as a run does), runs one mini-batch of two
+micro-batches (``learner.sequences_per_microbatch`` rows each, distinct prompts of ``data.max_prompt_tokens`` tokens
+and responses of ``rollout.max_new_tokens``: the planner's padded worst case),
 then resets the peak (``/proc/self/clear_refs`` 5) and runs it again: the optimizer state exists, as in every step
 after the first. Prints one JSON line: the resident bytes after the imports (the baseline) and the peak of the
 second step (VmHWM).
@@ -46,12 +47,13 @@ def main() -> None:
         torch.distributed.init_process_group("gloo", init_method=f"file://{args.store}", rank=args.rank,
                                              world_size=args.world)
     baseline = resident()
-    kwargs = build.learner_kwargs(cfg, 1)
-    if args.world > 1:
+    fsdp = cfg.resources.learner.strategy == "fsdp"
+    kwargs = build.learner_kwargs(cfg, args.world if fsdp else 1)  # FSDP2 needs only the process group opened above
+    if args.world > 1 and not fsdp:
         kwargs["wrap_model"] = torch.nn.parallel.DistributedDataParallel
     learner = PolicyLearner(model_dir, **kwargs)
     rows, prompt, response = 2 * cfg.learner.sequences_per_microbatch, cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens
-    vocab = learner.module.config.vocab_size
+    vocab = learner.module.config.vocab_size  # fully_shard keeps the Hugging Face model's attributes
     g = torch.Generator().manual_seed(args.rank)
     inputs = pack_sequences(torch.randint(10, vocab - 1, (rows, prompt), generator=g).tolist(),
                             torch.randint(10, vocab - 1, (rows, response), generator=g).tolist(), 0)

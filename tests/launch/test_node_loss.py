@@ -18,7 +18,8 @@ its workers). Every node process is stopped by its process group, never by `ray 
 - Learner node lost (slow, ~160 s): the learner holds after step 2 (the step hook of tests/fixtures/holds.py in
   ``run.hooks``, before that step's snapshot) and its node is killed; a replacement node with ``learner_node``
   joins, and Ray Train restarts the learner from the step-1 snapshot within ``monitor.max_failures``, as one MLflow
-  run with an exact ledger.
+  run with an exact ledger. Once with one learner, once with two under FSDP2 (both on the learner node, their
+  optimizer shards in the snapshot).
 """
 
 from __future__ import annotations
@@ -303,33 +304,36 @@ def test_a_lost_rollout_node_reruns_its_prompts_once_and_the_run_goes_on(tmp_pat
     _check_ledger(uri, rid, data, tiny_model_path, _overrides(tmp_path, data, steps), steps)
 
 
-@pytest.mark.slow  # ~160 s; the issue puts the learner-node loss under slow
+@pytest.mark.slow  # ~160 s each; the issue puts the learner-node loss under slow
+@pytest.mark.parametrize("workers", [1, 2], ids=["one-learner", "fsdp-two-learners"])
 def test_a_lost_learner_node_restores_from_the_latest_snapshot_on_a_replacement_node(tmp_path, gsm8k_dir,
-                                                                                   tiny_model_path):
+                                                                                   tiny_model_path, workers):
+    # two learners: FSDP2 over gloo, both on the learner node; the step-1 snapshot holds their optimizer shards
     steps = 3  # held after step 2 (before its snapshot): restored from step 1's snapshot, steps 2 and 3 run again
     data = _data(tmp_path, gsm8k_dir, steps * P)
     release = tmp_path / "release"
     cluster = Cluster({"rollout_node": 1})  # the head: driver, controller, monitor and the rollout actor
     driver = None
+    fsdp = ["resources.learner.strategy=fsdp", f"resources.learner.num_workers={workers}", "learner.torch_threads=1"]
     try:
-        [learner_node] = cluster.add_nodes([{"learner_node": 1}])
+        [learner_node] = cluster.add_nodes([{"learner_node": workers}], num_cpus=workers)
         overrides = _overrides(tmp_path, data, steps) + [
             "resources.rollout.num_workers=1", "resources.rollout.custom_resources={rollout_node: 1}",
-            "checkpoint.every_steps=1", "monitor.max_failures=1",
+            "checkpoint.every_steps=1", "monitor.max_failures=1", *(fsdp if workers > 1 else []),
         ]  # fmt: skip
         driver = _start_driver(cluster, tmp_path, overrides + [f"run.hooks=['{SPEC}']"],
                                {HOLD_STEP_ENV: "2", HOLD_RELEASE_ENV: str(release)})
         learners = _wait(lambda: cluster.actors("RayTrainWorker"), 600, "the learner", driver, tmp_path, poll_s=0.5)
-        assert [a["Port"] for a in learners] == [learner_node]  # placed by learner_node: on the worker node
+        assert [a["Port"] for a in learners] == [learner_node] * workers  # placed by learner_node: on the worker node
         client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
         _wait(lambda: _logged_steps(client)[1] >= 2, 900, "step 2", driver, tmp_path)  # logged, then held
         cluster.kill_node(learner_node)
         release.touch()  # the restored run does not hold again
-        [replacement] = cluster.add_nodes([{"learner_node": 1}])
+        [replacement] = cluster.add_nodes([{"learner_node": workers}], num_cpus=workers)
         # the lost learner stays ALIVE in the GCS until its node is declared dead (~3 s): wait for it to go
         learners = _wait(lambda: (got := cluster.actors("RayTrainWorker")) and learner_node not in
                          [a["Port"] for a in got] and got, 600, "the restarted learner", driver, tmp_path, poll_s=0.5)
-        assert [a["Port"] for a in learners] == [replacement]
+        assert [a["Port"] for a in learners] == [replacement] * workers
         _finish(driver, tmp_path, 900)
     finally:
         _stop(driver, cluster)
@@ -338,4 +342,7 @@ def test_a_lost_learner_node_restores_from_the_latest_snapshot_on_a_replacement_
     tags = MlflowClient(uri).get_run(rid).data.tags
     assert "learner restarted by Ray Train" in tags["rlray.alert.restart"]
     assert [v for _, v in metrics["run/restored_step"]] == [1]  # from the latest snapshot at the kill: step 1's
+    if workers > 1:
+        assert get_run(uri, rid).data.params["resources.learner.strategy"] == "fsdp"
+        assert len(list((tmp_path / "ckpt").glob(f"run-*/step_{steps:08d}/sharded/*.distcp"))) == workers
     _check_ledger(uri, rid, data, tiny_model_path, _overrides(tmp_path, data, steps), steps)

@@ -115,7 +115,6 @@ def test_learner_cpu_affinity_is_checked_like_the_rollout_cores():
     ("tree", "message"),
     [
         ({"learner": {"optimizer": "adamw_8bit"}}, "learner.optimizer='adamw_8bit' runs on CUDA only"),
-        ({"resources": {"learner": {"strategy": "fsdp"}}}, "resources.learner.strategy='fsdp' needs GPUs"),
         ({"rollout": {"weight_sync": "nccl"}}, "rollout.weight_sync='nccl' needs GPUs on rollout and learner"),
         ({"resources": {"colocate": True}}, "resources.colocate=true shares GPUs"),
     ],

@@ -2,8 +2,8 @@
 layout it assumes, the 1.5B and 7B plans on 8 x 80 GiB, the preflight's fit check, and the predictions against the
 measured peak memory of real learner steps on the CPU (tests/launch/measure_peak.py, in subprocesses).
 
-The measured FSDP comparison is to be added with the FSDP2 learner on the CPU; until then FSDP is checked by its
-arithmetic (``test_fsdp_rank_shards_the_model_state_and_gathers_a_root_and_two_layers``)."""
+FSDP2 is checked by its arithmetic (``test_fsdp_rank_shards_the_model_state_and_gathers_a_root_and_two_layers``) and
+measured on the CPU with two ranks over gloo, as DDP is."""
 
 from __future__ import annotations
 
@@ -75,8 +75,8 @@ def test_fsdp_rank_shards_the_model_state_and_gathers_a_root_and_two_layers():
     # root unit 136 and 2 layers of 496 in bf16, root and 1 layer of gradients in float32 before the reduce-scatter
     assert got["FSDP gathered"] == pytest.approx((136 + 2 * 496) * 2 + (136 + 496) * 4)
     assert "DDP all-reduce buckets" not in got and "bf16 copies of the linear weights" not in got
-    # the reference copy is whole on every rank (only the policy is sharded): bf16 linear weights, float32 rest
-    assert got["reference"] == pytest.approx(2 * 960 + 4 * 168)
+    # the reference is sharded too (rlray.learner.sharding.FSDP2.frozen): 1/4 of its parameters, all in bf16
+    assert got["reference"] == pytest.approx(2 * P / 4)
 
 
 def test_lora_trains_only_the_adapters_and_one_rank_has_no_buckets():
@@ -166,7 +166,7 @@ def test_the_7b_plan_does_not_fit_ddp_and_names_what_does():
     found = {c.overrides: c for c in changes(plan, learner)}
     assert found[("model.lora.rank=16",)].fits
     fsdp = found[("resources.learner.strategy=fsdp",)]
-    assert not fsdp.fits and fsdp.total_gib < learner.total_gib / 2  # a 1/4 shard, but a whole reference per rank
+    assert fsdp.fits and fsdp.total_gib < learner.total_gib / 2  # a 1/4 shard of everything, the reference too
     text = format_plan(plan)
     assert "layout assumed (the config asks for no GPUs); to run it, add: resources.learner.num_workers=4" in text
     assert "to make the learner rank fit: each change alone, then the changes together" in text
@@ -237,14 +237,15 @@ def _model_part(overrides: list[str], world: int = 1) -> float:
     return plan_run(cfg).roles[0].total_gib - CPU_PROCESS_GIB
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_tiny_random_model_part_within_25_percent(repo_root, tmp_path, tiny_model_path, world):
+@pytest.mark.parametrize(("world", "strategy"), [(1, "ddp"), (2, "ddp"), (2, "fsdp")])
+def test_tiny_random_model_part_within_25_percent(repo_root, tmp_path, tiny_model_path, world, strategy):
     # tiny-random's tensors (~0.25 GiB: 6.6M parameters, 65 x 49,152 logits per sequence) are smaller than the CPU
     # process's own 0.56 GiB, so the part that depends on the model is compared: peak minus the baseline after the
     # imports, against the planner's total minus CPU_PROCESS_GIB (its allocator slack, CPU_ALLOCATOR_GIB, stays in)
-    for m in _measure(repo_root, TINY, world, tmp_path):
+    overrides = [*TINY, f"resources.learner.strategy={strategy}"]
+    for m in _measure(repo_root, overrides, world, tmp_path):
         measured = (m["peak"] - m["baseline"]) / GIB
-        assert _model_part(TINY, world) == pytest.approx(measured, rel=0.25)
+        assert _model_part(overrides, world) == pytest.approx(measured, rel=0.25)
 
 
 @pytest.mark.parametrize("extra", [[], ["model.gradient_checkpointing=true"]], ids=["full", "checkpointing"])
@@ -255,3 +256,14 @@ def test_smollm2_total_within_25_percent(repo_root, extra):
     predicted = plan_run(config_from_dict({}, SMOLLM2 + extra)).roles[0].total_gib
     assert predicted == pytest.approx(m["peak"] / GIB, rel=0.25)
     assert predicted - CPU_RUNTIME_GIB > 2.5  # the model's own part dominates the comparison
+
+
+def test_smollm2_fsdp_rank_within_25_percent_and_below_ddp(repo_root, tmp_path):
+    # two ranks over gloo, each with half of the 2.0 GiB of weights, gradients and AdamW state and half of the
+    # reference, plus the gathered root unit (the 28M-parameter tied embedding) and layers
+    overrides = [*SMOLLM2, "resources.learner.num_workers=2"]
+    fsdp = [*overrides, "resources.learner.strategy=fsdp"]
+    predicted = plan_run(config_from_dict({}, fsdp)).roles[0].total_gib
+    for m in _measure(repo_root, fsdp, 2, tmp_path):
+        assert predicted == pytest.approx(m["peak"] / GIB, rel=0.25)
+    assert predicted < plan_run(config_from_dict({}, overrides)).roles[0].total_gib - 1.0  # DDP's rank, same config
