@@ -136,14 +136,20 @@ class VllmTransferSync:
         self._failures_at_init = -1
 
     def push(self, learner: Any, rank: int, version: int) -> None:
-        """Exports the policy on the GPU (every rank for ipc or FSDP) and sends it, tagged ``version``."""
-        every_rank = self.backend == "ipc" or learner.sharded
-        if rank != 0 and not every_rank:
+        """Exports the policy on the GPU (every rank for ipc or FSDP) and sends it, tagged ``version``.
+
+        With FSDP the export is a collective that leaves the weights on rank 0, the only learner rank of the NCCL
+        group (``NCCLTrainerInitInfo`` rank 0; the engines' workers hold ranks 1..): the other ranks export and return.
+        """
+        if rank != 0 and not (self.backend == "ipc" or learner.sharded):
             return
         device = torch.device("cuda", torch.cuda.current_device())
         if self._source is None:
             self._source = _dict_source()
         self._source.tensors = learner.export_weights(self.dtype, device=device)
+        if rank != 0 and self.backend == "nccl":
+            self._source.tensors = {}
+            return
         self._ensure_group(rank)
         self._client.version = version
         self._engine.send_weights()

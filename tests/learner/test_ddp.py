@@ -70,12 +70,22 @@ def update_once(loop_config: dict) -> None:
     data = reference_and_old_logprobs(ctx, schema.collate(shard, 0), spec)
     data = learner_online.advantages(data, spec, coll.all_reduce_sum)
     metrics = learner_online.update(learner, data, batch.minibatch_norms, spec, coll.all_reduce_sum)
+    # on every rank: under FSDP (tests/run/test_gpu_dist.py) both gather the shards, a collective
+    weights = learner.export_weights(torch.float32)
+    grads = {n: _whole(p.grad).contiguous() for n, p in learner.module.named_parameters()}
     if coll.rank == 0:
         out = Path(loop_config["out"])
-        save_file({k: v.clone() for k, v in learner.export_weights(torch.float32).items()}, str(out / "weights.safetensors"))
-        save_file({n: p.grad.contiguous() for n, p in learner.module.named_parameters()}, str(out / "grads.safetensors"))
+        save_file({k: v.clone() for k, v in weights.items()}, str(out / "weights.safetensors"))
+        save_file(grads, str(out / "grads.safetensors"))
         (out / "metrics.json").write_text(json.dumps({**metrics, "rows": shard.num_rows}))
     coll.barrier()
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """Returns a DTensor gathered whole (an FSDP2 gradient shard; a collective), a plain tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _run_one_worker(model_dir: str, out: Path) -> None:
