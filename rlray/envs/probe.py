@@ -119,7 +119,7 @@ def _serve_probe(spec: str, trl_parity: bool) -> Callable[[list[dict[str, Any]]]
 
 
 def probe_in_sandbox(spec: str, rows: list[dict[str, Any]], *, trl_parity: bool, untrusted: bool, memory_gib: float,
-                     timeout_s: float) -> ProbeReport:
+                     timeout_s: float, start_timeout_s: float = 120.0) -> ProbeReport:
     """Returns ``probe_environment(spec, rows)`` run in a child process (``rlray.sandbox.ProcessSandbox``).
 
     Args:
@@ -129,25 +129,26 @@ def probe_in_sandbox(spec: str, rows: list[dict[str, Any]], *, trl_parity: bool,
         trl_parity: as ``rlray.envs.trl.load_environment``.
         untrusted: run the child with the sandbox's untrusted limits (``env.sandbox``).
         memory_gib: the child's address-space cap with ``untrusted``, in GiB.
-        timeout_s: seconds the child may take to load the class, and then to try every row.
+        timeout_s: seconds the child may take to try every row (``env.step_timeout_s`` per row).
+        start_timeout_s: seconds the child may take to start and load the class (a Python start and its imports).
 
     Raises:
-        ValueError: the class cannot be loaded (the loader's message), the probe ran past ``timeout_s``, or the
+        ValueError: the class cannot be loaded (the loader's message), the probe ran past a time limit, or the
             child died (each names the spec).
     """
     try:
         box = ProcessSandbox(_serve_probe, {"spec": spec, "trl_parity": trl_parity}, timeout_s=timeout_s,
-                             start_timeout_s=timeout_s, limits=Limits(untrusted=untrusted, memory_gib=memory_gib),
+                             start_timeout_s=start_timeout_s, limits=Limits(untrusted=untrusted, memory_gib=memory_gib),
                              name=f"environment check {spec}")
     except SandboxError as err:
         raise ValueError(str(err.original) if isinstance(err.original, ValueError) else str(err)) from None
     except SandboxTimeout as err:
-        raise ValueError(f"environment {spec!r}: loading it took longer than {timeout_s:g} s ({err})") from None
+        raise ValueError(f"environment {spec!r}: loading it took longer than {start_timeout_s:g} s ({err})") from None
     try:
         return box(rows)
     except SandboxTimeout:
-        raise ValueError(f"environment {spec!r}: opening an episode took longer than {timeout_s:g} s "
-                         "(env.step_timeout_s per reset); reset may hang") from None
+        raise ValueError(f"environment {spec!r}: opening an episode on {len(rows)} rows took longer than "
+                         f"{timeout_s:g} s (env.step_timeout_s for each); its constructor or reset may hang") from None
     except (SandboxError, SandboxCrashed) as err:
         raise ValueError(f"environment {spec!r}: opening an episode failed: {err}") from None
     finally:

@@ -60,8 +60,8 @@ def _episode_lines(cfg: Config, tokenizer: Any, opening: EnvOpening) -> list[str
     kind = "a TRL environment_factory class" if opening.trl else "an rlray environment"
     return [
         RULE,
-        f"environment '{opening.name}' ({opening.spec}, {kind}): {opening.rows} rows; tools: {', '.join(tools) or 'none'}"
-        + (f"; extra stop strings {reply.stop}" if reply.stop else ""),
+        f"environment '{opening.name}' ({opening.spec}, {kind}): {opening.rows} rows (train and eval); tools: "
+        f"{', '.join(tools) or 'none'}" + (f"; extra stop strings {reply.stop}" if reply.stop else ""),
         f"first prompt, row '{opening.row_id}', as the model sees it ({len(traj.prompt_ids)} tokens, at most "
         f"{cfg.env.max_turns} turns):",
         RULE,

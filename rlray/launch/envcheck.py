@@ -105,7 +105,7 @@ def check_environments(cfg: Config, train_rows: list[PromptRow], eval_rows: list
         kwargs = [reset_kwargs(r.columns, r.prompt, cfg.data.prompt_column) for r in probed]
         try:
             report = probe_in_sandbox(spec, kwargs, trl_parity=env.trl_parity, untrusted=env.sandbox,
-                                      memory_gib=env.memory_gib, timeout_s=60.0 + env.step_timeout_s * len(kwargs))
+                                      memory_gib=env.memory_gib, timeout_s=env.step_timeout_s * len(kwargs))
         except ValueError as err:
             raise ValueError(f"{key}='{spec}': {str(err).removeprefix(f'environment {spec!r}: ')}") from None
         _check_columns(key, spec, report.required_columns, rows, cfg.data.prompt_column)
