@@ -122,7 +122,7 @@ def collect_experience(lead: OnlineLead, cfg: Config, tokenizer: Any, step: int,
                              mask_truncated=mask_truncated, failures=failures)
     stats = rollout_stats(table, drawn.rewards, cfg.learner.prompts_per_step, policy_version, mask_truncated=mask_truncated)
     stats.update(episode_metrics(drawn.completions))
-    alerts = failure_alerts(step + 1, drawn.completions, failures)
+    alerts = failure_alerts(drawn.completions, failures)
     alerts += watch_learning(lead.streaks, failures, step=step + 1, no_signal=stats["algo/groups_without_signal"] == 1.0,
                              group_size=cfg.rollout.samples_per_prompt, max_failed_steps=cfg.guard.max_failed_steps)
     if stats["algo/groups_without_signal"] == 1.0:

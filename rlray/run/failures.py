@@ -64,20 +64,21 @@ def sample_failure(completion: Completion, reward: float, reward_failure: str) -
     return reward_failure or "a reward term failed (raised, timed out or gave NaN)"
 
 
-def failure_alerts(step: int, completions: list[Completion], failures: list[str]) -> list[StepAlert]:
-    """Returns the alerts of 1-based ``step``: one per kind of failure that happened (``env_failed``: failed
-    episodes; ``reward_failed``: samples whose reward failed), each with the count and the kind's first text."""
+def failure_alerts(completions: list[Completion], failures: list[str]) -> list[StepAlert]:
+    """Returns the alerts of a step: one per kind of failure that happened (``env_failed``: failed episodes;
+    ``reward_failed``: samples whose reward failed), each with the count and the kind's first text (the alert
+    carries the step: the console prints 'rlray: alert <kind> at step <step>: <message>')."""
     episode = [t for c, t in zip(completions, failures, strict=True) if t and c.episode is not None and c.episode.failed]
     reward = [t for c, t in zip(completions, failures, strict=True)
               if t and not (c.episode is not None and c.episode.failed)]
     episodes = sum(c.episode is not None and bool(c.episode.environment) for c in completions)
     alerts = []
     if episode:
-        alerts.append(StepAlert("env_failed", f"step {step}: {len(episode)} of {episodes} episodes failed (env/failed); "
-                                f"first: {episode[0][:MESSAGE_CHARS]}"))
+        alerts.append(StepAlert("env_failed", f"{len(episode)} of {episodes} episodes failed (env/failed); first: "
+                                f"{episode[0][:MESSAGE_CHARS]}"))
     if reward:
-        alerts.append(StepAlert("reward_failed", f"step {step}: {len(reward)} of {len(completions)} samples have no "
-                                f"reward (reward/failed); first: {reward[0][:MESSAGE_CHARS]}"))
+        alerts.append(StepAlert("reward_failed", f"{len(reward)} of {len(completions)} samples have no reward "
+                                f"(reward/failed); first: {reward[0][:MESSAGE_CHARS]}"))
     return alerts
 
 

@@ -61,13 +61,12 @@ def test_the_first_failure_of_each_kind_is_one_alert():
     texts = [sample_failure(c, r, f) for c, r, f in zip(batch, [math.nan, math.nan, math.nan, 1.0],
                                                          ["", "", "reward function 'f': ValueError: bad", ""],
                                                          strict=True)]
-    alerts = failure_alerts(3, batch, texts)
+    alerts = failure_alerts(batch, texts)
     assert [(a.kind, a.message) for a in alerts] == [
-        ("env_failed", f"step 3: 2 of 3 episodes failed (env/failed); first: environment 'calc' (env_error): {BROKE}"),
-        ("reward_failed", "step 3: 1 of 4 samples have no reward (reward/failed); first: reward function 'f': "
-                          "ValueError: bad"),
+        ("env_failed", f"2 of 3 episodes failed (env/failed); first: environment 'calc' (env_error): {BROKE}"),
+        ("reward_failed", "1 of 4 samples have no reward (reward/failed); first: reward function 'f': ValueError: bad"),
     ]
-    assert failure_alerts(3, batch, ["", "", "", ""]) == []
+    assert failure_alerts(batch, ["", "", "", ""]) == []
 
 
 def test_every_sample_failing_for_max_failed_steps_steps_ends_the_run():
