@@ -39,7 +39,9 @@ def check_run(cfg: Config) -> str:
         return "\n".join(lines + ["rlray check: an offline run: no prompts are rendered"])
     tokenizer = load_tokenizer(model_dir, cfg.model.chat_template)
     rows = load_prompt_rows(cfg.data.train_files, prompt_column=cfg.data.prompt_column)
-    eval_rows = load_prompt_rows(cfg.data.eval_files, prompt_column=cfg.data.prompt_column) if cfg.eval.num_problems else []
+    eval_rows = []
+    if cfg.eval.num_problems:
+        eval_rows = load_prompt_rows(cfg.data.eval_files, prompt_column=cfg.data.prompt_column)[: cfg.eval.num_problems]
     for opening in check_environments(cfg, rows, eval_rows) if cfg.env.enabled else []:
         lines += _episode_lines(cfg, tokenizer, opening)
     single = [r for r in rows if not row_environment(r.columns, cfg.env.column, cfg.env.default)] if cfg.env.enabled else rows

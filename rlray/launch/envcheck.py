@@ -93,7 +93,8 @@ def check_environments(cfg: Config, train_rows: list[PromptRow], eval_rows: list
 
     Args:
         cfg: the config (local paths resolved).
-        train_rows, eval_rows: the prompt rows of ``data.train_files`` and (when evaluation is on) ``data.eval_files``.
+        train_rows, eval_rows: the prompt rows of ``data.train_files``, and the first ``eval.num_problems`` of
+            ``data.eval_files`` (the rows evaluation runs).
 
     Raises:
         ValueError: a check failed (the message names the key, the file or row, and the fix).

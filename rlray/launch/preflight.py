@@ -93,7 +93,7 @@ def check_inputs(cfg: Config) -> str:
                             instruction=cfg.data.instruction, system_prompt=cfg.data.system_prompt)
         eval_rows = []
         if cfg.eval.num_problems:
-            eval_rows = load_prompt_rows(cfg.data.eval_files, prompt_column=cfg.data.prompt_column)
+            eval_rows = load_prompt_rows(cfg.data.eval_files, prompt_column=cfg.data.prompt_column)[: cfg.eval.num_problems]
         if not cfg.reward.functions and cfg.reward.model_path is None and not cfg.teacher.enabled and not cfg.env.enabled:
             raise RewardFunctionError(
                 "this online run has no reward: set reward.functions (built-in verifiers such as "
