@@ -80,8 +80,10 @@ def test_typed_requests_round_trip_through_a_host(in_process):
     assert first[2] == StepReply(EnvStep(observations=[{"role": "tool", "name": "multiply", "content": "42"}],
                                          tool_calls=1, tool_errors=0), tool_calls=1, tool_errors=0)
     # where it raised: the phase, the error and the line of the environment's code (the same when sandboxed)
+    source = (FIXTURES / "test_envs.py").read_text().splitlines()
+    line = source.index('        raise RuntimeError("the environment broke")') + 1
     assert first[3] == StepReply(error="env_error", message="step raised RuntimeError: the environment broke "
-                                 f"(at {FIXTURES}/test_envs.py:37)")
+                                 f"(at {FIXTURES}/test_envs.py:{line})")
 
     assert second[0] == StepReply(EnvStep(reward=2.0, done=True, metrics={"said_stop": 1.0}))  # turn 2 of countdown
     assert (second[1].step.reward, second[1].step.done, second[1].tool_calls) == (1.0, True, 0)

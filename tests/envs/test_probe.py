@@ -42,7 +42,8 @@ def test_a_probe_opens_the_first_row_that_works_and_reports_what_fails_and_where
     assert report.trl and report.required_columns == [] and report.tool_schema_error == ""
     assert report.replies[0].error == "env_error"
     assert report.replies[0].message.startswith("reset(**row) raised KeyError: 'a' (at ")
-    assert report.replies[0].message.endswith("broken_envs.py:49)")  # the line of the user's code that raised
+    line = Path(BROKEN).read_text().splitlines().index('        self.count = kwargs["a"]') + 1
+    assert report.replies[0].message.endswith(f"broken_envs.py:{line})")  # the line of the user's code that raised
     assert report.opened is report.replies[1]
     assert report.opened.prompt == [{"role": "user", "content": "q Start at 2."}]
     assert [t["function"]["name"] for t in report.opened.tools] == ["bump"]

@@ -201,7 +201,7 @@ def test_environments_every_row_reaches_load_and_open_their_first_episode(cfg_of
     ("NoDocTool", r"env.environments.e='.*broken_envs.py:NoDocTool': tool 'NoDocTool.shout' has no usable JSON "
                   r"schema: .*Give every argument a type hint and the function a Google-style docstring"),
     ("NeedsColumn", r"env.environments.e='.*:NeedsColumn': no episode could be opened on the first 3 rows routed to "
-                    r"it \(train:0, train:1, train:2\): reset\(\*\*row\) raised KeyError: 'a' \(at .*broken_envs.py:49\); "
+                    r"it \(train:0, train:1, train:2\): reset\(\*\*row\) raised KeyError: 'a' \(at .*broken_envs.py:\d+\); "
                     r"reset gets the keyword arguments \['answer', 'prompt', 'question'\]: add the columns it reads"),
     ("RequiredColumn", r"env.environments.e='.*:RequiredColumn': reset needs the column 'word' \(a keyword parameter "
                        r"without a default\), which 5 of the 5 rows routed to it lack \(first: 'train:0'\)"),
