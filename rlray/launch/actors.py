@@ -264,7 +264,8 @@ def start_env_hosts(cfg: Config, namespace: str | None = None) -> list[ray.actor
             max_restarts=res.max_restarts,
             max_concurrency=1, scheduling_strategy="DEFAULT",
         ).remote(dict(cfg.env.environments), tool_parser=cfg.env.tool_parser, step_timeout_s=cfg.env.step_timeout_s,
-                 threads=res.threads, sandbox=cfg.env.sandbox, memory_gib=cfg.env.memory_gib))
+                 threads=res.threads, sandbox=cfg.env.sandbox, memory_gib=cfg.env.memory_gib,
+                 trl_parity=cfg.env.trl_parity))
     ray.get([h.ping.remote() for h in hosts])
     return hosts
 
