@@ -141,6 +141,14 @@ def _data(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
+    if args.reference:
+        from rlray.config.describe import reference_markdown
+
+        print(reference_markdown(Config), end="")
+        return 0
+    if args.config is None:
+        print("rlray config: give a CONFIG file (or --reference for the schema's reference page)", file=sys.stderr)
+        return 2
     cfg = load_config(args.config, args.overrides)
     if args.describe:
         from rlray.config.describe import described_yaml
@@ -293,11 +301,15 @@ def build_parser() -> argparse.ArgumentParser:
         _config_args(q)
     s.set_defaults(func=_snapshots)
 
-    c = sub.add_parser("config", help="print the resolved config: rlray config CONFIG [dotted.key=value ...] [--describe]")
-    c.add_argument("config")
+    c = sub.add_parser("config", help="print the resolved config: rlray config CONFIG [dotted.key=value ...] [--describe]; "
+                       "rlray config --reference prints the reference of every key (Markdown)")
+    c.add_argument("config", nargs="?")
     c.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. learner.lr=1e-5")
     c.add_argument("--describe", action="store_true",
                    help="precede each field with its description (unit and scope) and default, as YAML comments")
+    c.add_argument("--reference", action="store_true",
+                   help="print the config reference instead: every key of every section with its type, default, unit "
+                   "and meaning, as Markdown tables (docs/reference/config.md)")
     c.set_defaults(func=_config)
 
     pl = sub.add_parser(
