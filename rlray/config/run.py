@@ -212,12 +212,14 @@ class RolloutConfig(_Section):
         description=(
             "What a weight sync ships when the policy trains LoRA adapters (model.lora.rank > 0 or "
             "model.adapter_path), once per step from learner rank 0 to every rollout actor. adapter: the adapter's "
-            "tensors alone (peft names, in the engine dtype; ~10 MiB for SmolLM2-135M at rank 16 all-linear in bf16, "
-            "against ~270 MiB merged); the engines keep model.path's base weights, loaded once at start, and apply "
-            "the adapter with vLLM's runtime LoRA (the hf backend: peft), holding rollout.max_staleness + 2 "
-            "adapters; always through the object store. merged: the whole model with the adapter merged in, by "
-            "rollout.weight_sync. auto: adapter with LoRA unless rollout.weight_sync is nccl or ipc, else merged "
-            "(without LoRA every sync is merged)."
+            "tensors alone (peft names, in the engine dtype: 9.3 MiB for SmolLM2-135M at rank 16 all-linear in bf16, "
+            "against 311 MiB merged), always through the object store; the engines keep model.path's base weights, "
+            "loaded once at start, and apply the adapter with vLLM's runtime LoRA (the hf backend: peft), holding "
+            "rollout.max_staleness + 2 adapters. merged: the whole model with the adapter merged in, by "
+            "rollout.weight_sync. auto: adapter when the rollout actors have GPUs (resources.rollout.gpus > 0) and "
+            "rollout.weight_sync is not nccl or ipc, else merged: vLLM's LoRA kernels on CPU generate 3.6-8x "
+            "slower than the merged model (benchmarks/weight_sync.py), far more than the ~0.6 s a merged sync "
+            "costs there. Without LoRA every sync is merged."
         ),
     )
 

@@ -201,9 +201,11 @@ class Config(_Section):
 
     @property
     def adapter_sync(self) -> bool:
-        """Returns the resolved rollout.lora_sync: True when a weight sync ships the LoRA adapter alone."""
+        """Returns the resolved rollout.lora_sync: True when a weight sync ships the LoRA adapter alone (auto: a LoRA
+        policy with rollout actors on GPUs, unless rollout.weight_sync is nccl or ipc)."""
         if self.rollout.lora_sync == "auto":
-            return self.trains_lora and self.rollout.weight_sync in ("auto", "object_store")
+            return (self.trains_lora and self.resources.rollout.gpus > 0
+                    and self.rollout.weight_sync in ("auto", "object_store"))
         return self.rollout.lora_sync == "adapter"
 
     @property

@@ -283,13 +283,7 @@ class PolicyLearner:
         if not self.lora or self.sharded:
             raise ValueError("export_adapter needs a LoRA policy (model.lora.rank > 0 or model.adapter_path) on an "
                              "unsharded learner; use export_weights (rollout.lora_sync=merged)")
-        from peft import get_peft_model_state_dict
-
-        name = self.module.active_adapter
-        state = get_peft_model_state_dict(self.module, adapter_name=name)
-        config = json.loads(json.dumps(self.module.peft_config[name].to_dict(), default=sorted))  # sets sorted, enums str
-        config["inference_mode"] = True  # as save_pretrained writes it
-        return AdapterWeights({k: v.detach().to("cpu", dtype).contiguous() for k, v in state.items()}, config)
+        return lora_adapter_weights(self.module, dtype)
 
     def state_dict(self) -> dict:
         """Returns the optimizer and scheduler state (the model is saved separately as safetensors).
@@ -372,6 +366,19 @@ def merged_lora_state_dict(peft_model: torch.nn.Module) -> dict[str, torch.Tenso
         name = key.replace(".base_layer.", ".")
         out[name] = value + deltas[name].to(value.dtype) if name in deltas else value
     return out
+
+
+@torch.no_grad()
+def lora_adapter_weights(peft_model: torch.nn.Module, dtype: torch.dtype) -> AdapterWeights:
+    """Returns the active LoRA adapter of a peft model as ``save_pretrained`` would write it, tensors cast to ``dtype``
+    on the CPU (contiguous); see ``PolicyLearner.export_adapter``."""
+    from peft import get_peft_model_state_dict
+
+    name = peft_model.active_adapter
+    state = get_peft_model_state_dict(peft_model, adapter_name=name)
+    config = json.loads(json.dumps(peft_model.peft_config[name].to_dict(), default=sorted))  # sets sorted, enums str
+    config["inference_mode"] = True  # as save_pretrained writes it
+    return AdapterWeights({k: v.detach().to("cpu", dtype).contiguous() for k, v in state.items()}, config)
 
 
 def _is_fsdp(model: torch.nn.Module) -> bool:

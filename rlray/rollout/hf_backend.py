@@ -117,19 +117,10 @@ class HFBackend:
         Raises:
             ValueError: an adapter tensor the wrapped model lacks, or one of its adapter tensors missing.
         """
-        from peft import PeftConfig, get_peft_model, set_peft_model_state_dict  # deferred: only for LoRA policies
-
         if self._peft is not None and adapter.config != self._adapter_config:
             self._model, self._peft = self._peft.unload(), None  # another LoRA layout: wrap afresh
-        if self._peft is None:
-            config = PeftConfig.from_peft_type(**{**adapter.config, "inference_mode": True})
-            self._peft = get_peft_model(self._model, config).eval()
-            self._adapter_config = adapter.config
-        result = set_peft_model_state_dict(self._peft, adapter.tensors)
-        missing = [k for k in result.missing_keys if "lora_" in k]
-        if result.unexpected_keys or missing:
-            raise ValueError(f"update_adapter: the adapter does not fit the model: unknown "
-                             f"{list(result.unexpected_keys)[:3]}, missing {missing[:3]}")
+        self._peft = apply_adapter(self._peft or self._model, adapter)
+        self._adapter_config = adapter.config
 
     def reset_cache(self) -> None:
         """Does nothing: generate() keeps no KV cache between calls."""
@@ -141,6 +132,27 @@ class HFBackend:
     def _next_seed(self) -> int:
         self._generator_seed += 1
         return self._generator_seed
+
+
+def apply_adapter(model: torch.nn.Module, adapter: AdapterWeights) -> torch.nn.Module:
+    """Returns ``model`` wrapped by peft with ``adapter``'s tensors set (eval mode; a peft model is only given them).
+
+    A plain model is wrapped with the adapter's config (``get_peft_model``: its layers are replaced in place), so
+    that its forward and ``generate`` apply the adapter over the unchanged base weights.
+
+    Raises:
+        ValueError: an adapter tensor the wrapped model lacks, or one of its adapter tensors missing.
+    """
+    from peft import PeftConfig, PeftModel, get_peft_model, set_peft_model_state_dict  # deferred: LoRA policies only
+
+    if not isinstance(model, PeftModel):
+        model = get_peft_model(model, PeftConfig.from_peft_type(**{**adapter.config, "inference_mode": True})).eval()
+    result = set_peft_model_state_dict(model, adapter.tensors)
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    if result.unexpected_keys or missing:
+        raise ValueError(f"update_adapter: the adapter does not fit the model: unknown "
+                         f"{list(result.unexpected_keys)[:3]}, missing {missing[:3]}")
+    return model
 
 
 def _eos_ids(model: torch.nn.Module) -> list[int]:

@@ -13,15 +13,16 @@ GPUS = {"resources": {"rollout": {"gpus": 1}, "learner": {"gpus": 1}}}
     ("tree", "adapter", "backend"),
     [
         ({}, False, "object_store"),  # no LoRA: every sync is merged
-        ({"model": {"lora": {"rank": 16}}}, True, "object_store"),
-        ({"model": {"adapter_path": "ckpt/adapter"}}, True, "object_store"),
-        ({"model": {"lora": {"rank": 16}}, "rollout": {"lora_sync": "merged"}}, False, "object_store"),
-        ({"model": {"lora": {"rank": 16}}, **GPUS}, True, "object_store"),  # auto keeps the adapter off NCCL
+        ({**GPUS}, False, "nccl"),
+        ({"model": {"lora": {"rank": 16}}}, False, "object_store"),  # on CPU vLLM's LoRA kernels cost more than a sync
+        ({"model": {"lora": {"rank": 16}}, "rollout": {"lora_sync": "adapter"}}, True, "object_store"),
+        ({"model": {"lora": {"rank": 16}}, **GPUS}, True, "object_store"),  # GPUs: the adapter, through the object store
+        ({"model": {"adapter_path": "ckpt/adapter"}, **GPUS}, True, "object_store"),
         ({"model": {"lora": {"rank": 16}}, "rollout": {"lora_sync": "merged"}, **GPUS}, False, "nccl"),
         ({"model": {"lora": {"rank": 16}}, "rollout": {"weight_sync": "nccl"}, **GPUS}, False, "nccl"),
     ],
 )
-def test_auto_ships_the_adapter_of_a_lora_policy_unless_told_otherwise(tree, adapter, backend):
+def test_auto_ships_the_adapter_of_a_lora_policy_to_gpu_engines_unless_told_otherwise(tree, adapter, backend):
     cfg = config_from_dict(tree)
     assert cfg.adapter_sync is adapter and cfg.weight_sync_backend == backend
 

@@ -1,5 +1,5 @@
 """End to end with LoRA (issue 28): GRPO steps with `tiny-random`, LoRA rank 8, whose weight syncs ship the adapter
-alone (rollout.lora_sync=auto) to a vLLM rollout actor that keeps the base weights.
+alone (rollout.lora_sync=adapter; auto picks it on GPUs) to a vLLM rollout actor that keeps the base weights.
 
 The engine's logprobs of each step's samples match the learner's own (old) logprobs of the same tokens, while the
 policy moves away from the base model (algo/kl grows): the rollouts were sampled with the adapter of the version
@@ -16,7 +16,7 @@ REQUIRED = ["reward/mean", "algo/kl", "rollout/logprob_abs_diff", "timing/weight
 @pytest.mark.ray
 @pytest.mark.slow
 def test_grpo_with_an_adapter_only_sync(ray_session, tiny_grpo_run):
-    uri, result, metrics = tiny_grpo_run(REQUIRED, "model.lora.rank=8", "learner.lr=2e-2")
+    uri, result, metrics = tiny_grpo_run(REQUIRED, "model.lora.rank=8", "rollout.lora_sync=adapter", "learner.lr=2e-2")
     assert [v for _, v in metrics["rollout/policy_version"]] == [0.0, 1.0, 2.0]
     kl = [v for _, v in metrics["algo/kl"]]
     assert kl[0] < 1e-9 and min(kl[1:]) > 1e-3  # step 1 samples the initial policy (lora_B = 0); then it moves
