@@ -217,9 +217,9 @@ class RolloutConfig(_Section):
             "loaded once at start, and apply the adapter with vLLM's runtime LoRA (the hf backend: peft), holding "
             "rollout.max_staleness + 2 adapters. merged: the whole model with the adapter merged in, by "
             "rollout.weight_sync. auto: adapter when the rollout actors have GPUs (resources.rollout.gpus > 0) and "
-            "rollout.weight_sync is not nccl or ipc, else merged: vLLM's LoRA kernels on CPU generate 3.6-8x "
-            "slower than the merged model (benchmarks/weight_sync.py), far more than the ~0.6 s a merged sync "
-            "costs there. Without LoRA every sync is merged."
+            "rollout.weight_sync is not nccl or ipc, else merged: vLLM's LoRA kernels on CPU generate several "
+            "times slower than the merged model (6-18x, benchmarks/weight_sync.py), far more than the ~0.6 s a "
+            "merged sync costs there. Without LoRA every sync is merged."
         ),
     )
 
