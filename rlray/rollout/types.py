@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 FINISH_REASONS = ("stop", "length")
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts (LoRAConfig)
 
 
 @dataclass

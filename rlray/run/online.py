@@ -193,6 +193,7 @@ def setup(cfg: Config, coll: Collective, *, model_dir: str, actors: list[Any], r
     ctx.weight_sync = make_weight_sync(
         cfg.weight_sync_backend, ctx.lead.fleet if ctx.lead else None, dtype,
         wait=cfg.rollout.max_staleness == 0, tensor_parallel_size=cfg.resources.rollout.tensor_parallel_size,
+        adapter=cfg.adapter_sync,
     )
     return ctx
 
