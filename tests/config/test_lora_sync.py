@@ -20,6 +20,9 @@ GPUS = {"resources": {"rollout": {"gpus": 1}, "learner": {"gpus": 1}}}
         ({"model": {"adapter_path": "ckpt/adapter"}, **GPUS}, True, "object_store"),
         ({"model": {"lora": {"rank": 16}}, "rollout": {"lora_sync": "merged"}, **GPUS}, False, "nccl"),
         ({"model": {"lora": {"rank": 16}}, "rollout": {"weight_sync": "nccl"}, **GPUS}, False, "nccl"),
+        # a sharded (FSDP2) learner pushes merged weights, gathered on rank 0
+        ({"model": {"lora": {"rank": 16}}, "resources": {"rollout": {"gpus": 1},
+                                                         "learner": {"gpus": 1, "strategy": "fsdp"}}}, False, "nccl"),
     ],
 )
 def test_auto_ships_the_adapter_of_a_lora_policy_to_gpu_engines_unless_told_otherwise(tree, adapter, backend):
@@ -39,3 +42,14 @@ def test_an_adapter_sync_over_nccl_is_refused():
                                           "not rollout.weight_sync='nccl'"):
         config_from_dict(tree)
 
+
+
+@pytest.mark.parametrize("model", [{"lora": {"rank": 8}}, {"adapter_path": "ckpt/adapter"}])
+def test_an_adapter_sync_from_a_sharded_learner_is_refused_before_ray_starts(model):
+    # LoRA and model.adapter_path train under FSDP2 (tests/learner/test_fsdp.py); only the adapter-only push is refused
+    tree = {"model": model, "rollout": {"lora_sync": "adapter"},
+            "resources": {"learner": {"num_workers": 2, "strategy": "fsdp"}}}
+    with pytest.raises(ConfigError, match="rollout.lora_sync='adapter' with resources.learner.strategy='fsdp': a "
+                                          "sharded learner pushes merged weights gathered on rank 0; set "
+                                          "rollout.lora_sync=merged or auto"):
+        config_from_dict(tree)
