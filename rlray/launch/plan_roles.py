@@ -47,6 +47,9 @@ CPU_ALLOCATOR_GIB = 0.15
 at each step, activations of other sizes) and autograd's buffers; 0.03-0.15 GiB measured with one micro-batch,
 more with several (the planner is then ~13% under for SmolLM2-135M, tests/launch/test_plan.py)."""
 CPU_RUNTIME_GIB = CPU_PROCESS_GIB + CPU_ALLOCATOR_GIB
+CPU_FSDP_ALLOCATOR_GIB = 0.03
+"""``CPU_ALLOCATOR_GIB`` of an FSDP2 rank: ``rlray.learner.sharding.FSDP2`` fixes glibc's mmap threshold at 1 MiB, so
+freed blocks from 1 MiB up go back to the OS (tiny-random, 2 ranks: 0.25 GiB measured over the baseline)."""
 VLLM_PROFILE_TOKENS = 8192
 """Tokens of vLLM's profiling forward (max_num_batched_tokens) that sets its activation peak; an assumption."""
 VLLM_PROFILE_SEQUENCES = 256
@@ -241,8 +244,9 @@ def learner_rank(cfg: Config, models: Models, *, dtype: str, gpu: bool, budget: 
     res = cfg.resources.learner
     terms = [*_state_terms(cfg, models.policy, dtype, gpu), *_update_terms(cfg, models.policy, dtype),
              *_held_terms(cfg, models, dtype)]
+    slack = CPU_FSDP_ALLOCATOR_GIB if res.strategy == "fsdp" and res.num_workers > 1 else CPU_ALLOCATOR_GIB
     runtime = ("CUDA context, NCCL, allocator", CUDA_RUNTIME_GIB) if gpu else ("torch, transformers, ray; allocator slack",
-                                                                              CPU_RUNTIME_GIB)
+                                                                              CPU_PROCESS_GIB + slack)
     terms.append(Term(f"runtime: {runtime[0]}", runtime[1]))
     where = f"{res.gpus:g} GPU" if gpu else "CPU"
     placement = (f"{res.num_workers} ranks x {where}, {res.strategy.upper()}" if res.num_workers > 1
