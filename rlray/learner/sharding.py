@@ -168,7 +168,7 @@ def gathered_state_dict(
 
     A collective: every rank calls it with the same arguments. One tensor is gathered at a time and cast at once,
     so rank 0 holds the result and one float32 tensor in flight, never two copies of the model. Names that share
-    one tensor (a tied lm_head) share it in the result too.
+    one parameter (a tied lm_head) share one tensor in the result too (``keep_vars``: a tied name is the same object).
 
     Args:
         module: an FSDP2-sharded model (plain tensors pass through).
@@ -179,7 +179,7 @@ def gathered_state_dict(
     rank = dist.get_rank()
     out: dict[str, torch.Tensor] = {}
     first: dict[int, str] = {}
-    for name, t in module.state_dict().items():
+    for name, t in module.state_dict(keep_vars=True).items():
         if include is not None and not include(name):
             continue
         if id(t) in first:
@@ -212,7 +212,7 @@ def gathered_merged_lora_state_dict(
     lora = {name: m for name, m in base.named_modules() if _is_lora_layer(m) and m.active_adapters}
     out: dict[str, torch.Tensor] = {}
     first: dict[int, str] = {}
-    for key, value in _base_entries(base.state_dict(), lora):
+    for key, value in _base_entries(base.state_dict(keep_vars=True), lora):
         if isinstance(value, torch.nn.Module):
             merged = _merged_weight(value)
             if rank == 0:
