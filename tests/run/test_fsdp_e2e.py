@@ -34,7 +34,8 @@ def test_fsdp_run_syncs_its_weights_and_resumes_exactly(ray_session, tiny_grpo_r
     assert sorted(p.name for p in (step2 / "sharded").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     before = load_file(str(Path(tiny_model_path) / "model.safetensors"))
     after = load_file(str(final / "model" / "model.safetensors"))  # gathered to rank 0: a whole Hugging Face folder
-    assert set(after) - {"lm_head.weight"} == set(before) - {"lm_head.weight"} and any(not torch.equal(before[k], after[k]) for k in after)
+    assert set(after) == set(before)  # the tied lm_head is left out, as save_pretrained leaves it out unsharded
+    assert any(not torch.equal(before[k], after[k]) for k in before)
 
     _, resumed, again = tiny_grpo_run([], *FSDP, f"checkpoint.resume_from={step2}")
     assert [s for s, _ in again["learner/loss"]] == [3]  # only the step after the snapshot ran
