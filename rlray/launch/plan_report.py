@@ -170,11 +170,14 @@ def _layout(cfg: Config, gpu: bool) -> list[str]:
                 f"{cfg.rollout.gpu_memory_utilization:g}") if r.gpus > 0 and plan_gpu else "CPU"
         lines.append(f"rollout: {r.num_workers} vLLM engine(s) x {gpus}" + (", colocated" if res.colocate else ""))
         if cfg.algo.kl_coef > 0 or cfg.guard.kl_threshold is not None:
-            ref = "a frozen copy on every learner rank" if reference_on_learner(cfg) else (
+            frozen = (f"a frozen copy sharded over the {lr.num_workers} learner ranks" if lr.strategy == "fsdp"
+                      and lr.num_workers > 1 else "a frozen copy on every learner rank")
+            ref = frozen if reference_on_learner(cfg) else (
                 "the base model with the adapters off" if res.reference.placement == "learner" else "its own actor")
             lines.append(f"reference: {ref} (algo.kl_coef={cfg.algo.kl_coef:g})")
         if cfg.teacher.enabled:
-            lines.append(f"teacher: {'on every learner rank' if res.teacher.placement == 'learner' else 'its own actor'}")
+            held = "sharded over the learner ranks" if lr.strategy == "fsdp" and lr.num_workers > 1 else "on every learner rank"
+            lines.append(f"teacher: {held if res.teacher.placement == 'learner' else 'its own actor'}")
         if cfg.algo.algorithm.needs_critic:
             lines.append("critic: a value model on every learner rank, with its own AdamW")
     return lines

@@ -77,6 +77,7 @@ def test_fsdp_rank_shards_the_model_state_and_gathers_a_root_and_two_layers():
     assert "DDP all-reduce buckets" not in got and "bf16 copies of the linear weights" not in got
     # the reference is sharded too (rlray.learner.sharding.FSDP2.frozen): 1/4 of its parameters, all in bf16
     assert got["reference"] == pytest.approx(2 * P / 4)
+    assert "reference: a frozen copy sharded over the 4 learner ranks (algo.kl_coef=" in format_plan(plan)
 
 
 def test_lora_trains_only_the_adapters_and_one_rank_has_no_buckets():
