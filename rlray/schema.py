@@ -60,6 +60,8 @@ FIELDS: tuple[Field, ...] = (
     Field("num_turns", pa.int32(), "", "assistant turns of an episode (null without environments)", True),
     Field("turn_rewards", pa.list_(pa.float32()), "K", "the environment's reward after each turn, NaN where none was "
           "given (null without environments)", True),
+    Field("judge_outputs", pa.map_(pa.string(), pa.string()), "", "each judge's raw output on the row, by judge name "
+          "(null without reward.judges)", True),
 )
 
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in FIELDS)

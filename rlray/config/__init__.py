@@ -8,7 +8,7 @@ nearest valid key).
 Sections: run, model, data, rollout, reward, env, algo, teacher, learner, eval, tracking, checkpoint, guard,
 monitor, resources.
 
-Modules: base, run, reward, algo, teacher, ops, resources, schema (``Config``) and loading (YAML and overrides).
+Modules: base, run, reward, judge, algo, teacher, ops, resources, schema (``Config``) and loading (YAML and overrides).
 """
 
 from rlray.config.algo import (  # noqa: F401
@@ -23,6 +23,7 @@ from rlray.config.algo import (  # noqa: F401
     OfflineConfig,
 )
 from rlray.config.base import _CORE_LIST, ConfigError, CoreList, _core_list_text, _Section, flatten  # noqa: F401
+from rlray.config.judge import JudgeConfig, JudgeParseConfig  # noqa: F401
 from rlray.config.loading import (  # noqa: F401
     _is_secret,
     _parse_value,
@@ -36,6 +37,7 @@ from rlray.config.loading import (  # noqa: F401
 )
 from rlray.config.operations import BandConfig, CheckpointConfig, GuardConfig, MonitorConfig, S3Config  # noqa: F401
 from rlray.config.resources import (  # noqa: F401
+    JudgeResources,
     LearnerResources,
     ReferenceResources,
     ResourcesConfig,
@@ -61,6 +63,8 @@ __all__ = [
     "RewardFunctionConfig",
     "RewardServerConfig",
     "RewardConfig",
+    "JudgeConfig",
+    "JudgeParseConfig",
     "AlgoName",
     "ONLINE_ALGOS",
     "OFFLINE_ALGOS",
@@ -78,6 +82,7 @@ __all__ = [
     "RolloutResources",
     "LearnerResources",
     "RewardResources",
+    "JudgeResources",
     "ReferenceResources",
     "TeacherResources",
     "TeacherConfig",

@@ -14,6 +14,8 @@ at once with the error of the module that owns the input, which names the config
   long), ``offline.pairs_files`` for offline ones;
 - each ``reward.functions[i].function`` is a built-in verifier, a file that exists or a module that can be found
   (``RewardFunctionError``; the function itself is loaded in its sandbox, never in the driver);
+- each ``reward.judges[i]`` has a model, templates that read only the rows' columns and render on the first row,
+  and labels its tokenizer tells apart (``rlray.launch.judges.check_judges``: ``JudgeError``, ``ModelError``);
 - snapshots can be written under ``checkpoint.uri`` (``SnapshotError``): a missing bucket or bad
   ``checkpoint.s3.*`` credentials fail here, not at the first snapshot.
 
@@ -29,6 +31,7 @@ from pathlib import Path
 from rlray.checkpoint import storage as checkpoint
 from rlray.config import Config
 from rlray.data import load_preference_pairs, load_prompt_rows, prepare_prompts
+from rlray.launch.judges import check_judges
 from rlray.models import ModelError, cpu_supports_bf16, load_tokenizer, resolve_model_path, vocabulary
 from rlray.models.adapters import check_adapter
 from rlray.reward.scorer import RewardFunctionError
@@ -68,14 +71,16 @@ def preflight(cfg: Config) -> str:
                             instruction=cfg.data.instruction, system_prompt=cfg.data.system_prompt)
         if cfg.eval.num_problems:
             load_prompt_rows(cfg.data.eval_files, prompt_column=cfg.data.prompt_column)
-        if not cfg.reward.functions and cfg.reward.model_path is None and not cfg.teacher.enabled and not cfg.env.enabled:
+        if (not cfg.reward.functions and cfg.reward.model_path is None and not cfg.reward.judges
+                and not cfg.teacher.enabled and not cfg.env.enabled):
             raise RewardFunctionError(
                 "this online run has no reward: set reward.functions (built-in verifiers such as "
-                "[{function: math_equal}], or your own 'file.py:function'), reward.model_path, a "
+                "[{function: math_equal}], or your own 'file.py:function'), reward.judges, reward.model_path, a "
                 "distillation teacher (teacher.path), or environments that reward their episodes (env.environments)"
             )
         for fn in cfg.reward.functions:
             check_function_spec(fn.function)
+        check_judges(cfg, rows)
         for name, spec in cfg.env.environments.items():
             check_environment_spec(name, spec)
         if cfg.algo.name == "ppo" and cfg.critic.model_path:

@@ -38,7 +38,7 @@ import asyncio
 import functools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -72,10 +72,12 @@ class ScoreResult:
         version: reward version (``reward.version`` of the deployed config).
         values: {"reward": [...], <term name>: [...], ("reward_model": [...])}, B each: floats, NaN where the
             sample failed, None where a term skipped it (``rlray.reward.scorer``).
+        outputs: {judge name: [B raw judge outputs]} when judges scored the batch (``rlray.reward.judge_panel``).
     """
 
     version: int
     values: dict[str, list[float | None]]
+    outputs: dict[str, list[str]] = field(default_factory=dict)
 
 
 class ScoreRequest(BaseModel):

@@ -258,11 +258,22 @@ function drawSamples() {
 }
 
 // An episode turn by turn: the model's turns and the environment's observations set apart, each turn with the
-// environment's reward after it; a single-turn row (or one whose turns cannot be told apart) as one text.
+// environment's reward after it; a single-turn row (or one whose turns cannot be told apart) as one text. Then each
+// judge's raw output on the sample (older rows lack the field).
 function completionCell(s) {
   const td = el("td", "text");
   const segments = s.segments || [];
-  if (!segments.length) { td.append(el("div", null, s.completion)); return td; }
+  if (!segments.length) td.append(el("div", null, s.completion));
+  else td.append(turnsBox(s, segments));
+  for (const [name, text] of Object.entries(s.judge_outputs || {}).sort()) {
+    const part = el("div", "seg seg-judge");
+    part.append(el("span", "seg-label", `judge ${name}`), el("div", null, text));
+    td.append(part);
+  }
+  return td;
+}
+
+function turnsBox(s, segments) {
   const box = el("div");
   let turn = 0;
   for (const seg of segments) {
@@ -276,8 +287,7 @@ function completionCell(s) {
     part.append(el("span", "seg-label", label), el("div", null, seg.text));
     box.append(part);
   }
-  td.append(box);
-  return td;
+  return box;
 }
 
 // ---- loop --------------------------------------------------------------------------------
