@@ -287,7 +287,7 @@ def _unshuffle(verdict: JudgeVerdict, order: list[int]) -> tuple[tuple[float, ..
     scores = [math.nan] * len(order)
     for shown, original in enumerate(order):
         scores[original] = verdict.scores[shown]
-    if len(order) > 1:
+    if len(order) > 1 and verdict.failure in ("", "parse"):  # the judge saw the group: say in which order
         where = ", ".join(f"{original + 1}->{shown + 1}" for shown, original in enumerate(order))
         output = f"[shown order, sample->position: {where}]\n{verdict.output}"
     else:
