@@ -15,7 +15,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from rlray.config import Config
+from rlray.config import Config, JudgeConfig
 from rlray.data import load_prompt_rows, prepare_prompts
 from rlray.launch.actors import rollout_engine_kwargs
 from rlray.launch.driver import max_model_len, resolve_paths
@@ -24,7 +24,7 @@ from rlray.models import load_tokenizer, resolve_model_path
 from rlray.reward.judge_client import JudgeClient, LocalJudgeCaller
 from rlray.reward.judge_service import JudgeService
 from rlray.reward.judge_stats import JudgeReport, agreement, position_bias, spread
-from rlray.reward.judges import JudgeError
+from rlray.reward.judges import JudgeError, JudgeSpec
 from rlray.rollout import RolloutEngine
 from rlray.run import build
 
@@ -84,33 +84,47 @@ def judge_check(cfg: Config, num_rows: int, *, threshold: float | None = None, r
     if label_column is not None:
         references[label_column] = [_label(rows[g].columns[label_column]) for g in groups]
         names.append(label_column)
-    reports = []
-    for judge, spec in zip(cfg.reward.judges, build.judge_specs(cfg), strict=True):
-        service = JudgeService(spec, cfg.reward.version)
-        try:
-            client = JudgeClient(judge.name, judge.mode, LocalJudgeCaller(service), cache_entries=0, attempts=1)
-            t = time.perf_counter()
-            seed = build.judge_seed(cfg, 0)
-            got = client.score(prompts, texts, columns, groups, seed)
-            seconds = time.perf_counter() - t
-            stats = client.take_stats()
-            bias = None
-            if judge.mode == "group":
-                again = client.score(prompts, texts, columns, groups, seed, reverse=True)
-                bias = position_bias(got.scores, again.scores, *client.plan(len(texts), groups, seed))
-            client.close()
-        finally:
-            service.close()
-        p = judge.parse
-        middle = (min(p.labels.values()) + max(p.labels.values())) / 2 if p.labels else (p.min_score + p.max_score) / 2
-        cut = middle if threshold is None else threshold
-        reports.append(JudgeReport(
-            judge.name, judge.mode, len(texts), stats.parse_failures, stats.errors, seconds,
-            spread(got.scores, groups if judge.mode == "group" else None),
-            [agreement(n, references[n], got.scores, judge_threshold=cut) for n in names], bias,
-            next((o for o in got.outputs if o), ""),
-        ))  # fmt: skip
+    batch = Batch(prompts, texts, columns, groups)
+    reports = [_judge(cfg, judge, spec, batch, {n: references[n] for n in names}, threshold)
+               for judge, spec in zip(cfg.reward.judges, build.judge_specs(cfg), strict=True)]  # fmt: skip
     return CheckResult(len(rows), len(texts), names, reports)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The samples judged: prompts (as the dataset has them), decoded responses, row columns and group ids."""
+
+    prompts: list
+    texts: list[str]
+    columns: list[dict]
+    groups: list[int]
+
+
+def _judge(cfg: Config, judge: JudgeConfig, spec: JudgeSpec, batch: Batch, references: dict[str, list],
+           threshold: float | None) -> JudgeReport:  # fmt: skip
+    """Returns one judge's report on ``batch``: its engine started in this process, used, then stopped."""
+    service = JudgeService(spec, cfg.reward.version)
+    seed, bias = build.judge_seed(cfg, 0), None
+    try:
+        client = JudgeClient(judge.name, judge.mode, LocalJudgeCaller(service), cache_entries=0, attempts=1)
+        t = time.perf_counter()
+        got = client.score(batch.prompts, batch.texts, batch.columns, batch.groups, seed)
+        seconds, stats = time.perf_counter() - t, client.take_stats()
+        if judge.mode == "group":  # the same groups in the reverse orders
+            again = client.score(batch.prompts, batch.texts, batch.columns, batch.groups, seed, reverse=True)
+            bias = position_bias(got.scores, again.scores, *client.plan(len(batch.texts), batch.groups, seed))
+        client.close()
+    finally:
+        service.close()
+    p = judge.parse
+    middle = (min(p.labels.values()) + max(p.labels.values())) / 2 if p.labels else (p.min_score + p.max_score) / 2
+    cut = middle if threshold is None else threshold
+    return JudgeReport(
+        judge.name, judge.mode, len(batch.texts), stats.parse_failures, stats.errors, seconds,
+        spread(got.scores, batch.groups if judge.mode == "group" else None),
+        [agreement(name, values, got.scores, judge_threshold=cut) for name, values in references.items()], bias,
+        next((o for o in got.outputs if o), ""),
+    )  # fmt: skip
 
 
 def _generate(cfg: Config, model_dir: str, tokenizer: object, ids: list[list[int]]) -> tuple[list[int], list[str], list]:

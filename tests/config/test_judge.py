@@ -54,3 +54,17 @@ def test_judge_names_are_reward_terms():
     with pytest.raises(ConfigError, match=r"reward.functions and reward.judges names \['gsm8k_correct', 'j'\]"):
         config_from_dict({"reward": {"functions": [{"function": "gsm8k_correct"}], "judges": [{"path": "x", "name": "j"}]},
                           "algo": {"name": "dapo", "dynamic_sampling_metric": "k"}})  # fmt: skip
+
+
+def test_the_readme_judge_snippet_is_a_valid_reward_section():
+    """The README's judge example (section 'Rewards from a judge') loads as written."""
+    from pathlib import Path
+
+    import yaml
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = text.split("#### Rewards from a judge", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
+    cfg = config_from_dict(yaml.safe_load(block))
+    j = cfg.reward.judges[0]
+    assert (j.name, j.logprobs, j.prefill, j.parse.labels) == ("judge", True, "Verdict:", {"correct": 1.0, "wrong": 0.0})
+    assert "{{ answer }}" in j.judge_template and cfg.reward.term_names == ["gsm8k_correct", "judge"]
