@@ -95,3 +95,10 @@ def test_rlray_judge_check_reports_agreement_spread_and_position_bias(cfg_of, tm
     assert main(["judge", "check", str(config), "--rows", "0"]) == 2
     assert main(["judge", "check", str(config), "--rows", "1", "--response-column", "nope"]) == 2
     assert "rlray: column 'nope' is missing from rows ['train:0']" in capsys.readouterr().err
+
+
+def test_judge_check_needs_a_judge(cfg_of):
+    from rlray.launch.judge_check import judge_check
+
+    with pytest.raises(JudgeError, match="the config has no reward.judges to check"):
+        judge_check(cfg_of(), 2)
