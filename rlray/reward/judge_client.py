@@ -73,7 +73,7 @@ class JudgeStats:
         cache_hits: judgements answered without a call (the cache, or the same judgement twice in one batch).
         calls: chunk requests sent (tries included); call_s: their wall time, summed (s).
         retries: chunk requests sent again after a timeout or an error.
-        parse_failures: samples whose judge output did not parse; errors: samples failed otherwise.
+        parse_failures: samples whose judge output did not parse (from the cache too); errors: samples failed otherwise.
         prompt_tokens, output_tokens: tokens the judge read and wrote for the judgements sent.
         version: the lowest judge version that answered (None: none answered).
     """
@@ -151,18 +151,20 @@ class JudgeClient:
         sent = self._send_all(items, [orders[first[k]] for k in missing], down=identity is None)
         done = dict(zip(missing, sent, strict=True))
         self._remember(done)
+        scores, outputs = [math.nan] * len(responses), [""] * len(responses)
+        parse_failures = errors = 0
+        for m, key, cached in zip(members, keys, results, strict=True):
+            values, output, failure = (*cached, "parse") if cached is not None else done[key][:3]  # the cache keeps
+            for i, v in zip(m, values, strict=True):  # only verdicts, so its NaN scores are parse failures
+                scores[i], outputs[i] = v, output
+            bad = sum(math.isnan(v) for v in values)
+            parse_failures += bad if failure == "parse" else 0
+            errors += bad if failure not in ("", "parse") else 0
         with self._lock:
             self.stats.requests += len(members)
             self.stats.cache_hits += len(members) - len(missing)
-            for values, _, failure, _ in done.values():  # each judgement sent counts its failed samples once
-                bad = sum(math.isnan(v) for v in values)
-                self.stats.parse_failures += bad if failure == "parse" else 0
-                self.stats.errors += bad if failure not in ("", "parse") else 0
-        scores, outputs = [math.nan] * len(responses), [""] * len(responses)
-        for m, key, cached in zip(members, keys, results, strict=True):
-            values, output = cached if cached is not None else done[key][:2]
-            for i, v in zip(m, values, strict=True):
-                scores[i], outputs[i] = v, output
+            self.stats.parse_failures += parse_failures
+            self.stats.errors += errors
         return JudgeScores(scores, outputs)
 
     def plan(self, n: int, groups: Sequence[int] | None, seed: int) -> tuple[list[list[int]], list[list[int]]]:

@@ -57,7 +57,7 @@ def test_pointwise_cache_and_dedupe():
     again = client.score(PROMPTS, ["a", "a", "bbb", "junk"], COLUMNS)
     assert len(judge.requests) == 2 and again.scores[:3] == got.scores[:3] and again.outputs == got.outputs
     stats = client.take_stats()
-    assert (stats.requests, stats.cache_hits, stats.calls, stats.parse_failures) == (4, 4, 0, 0)  # a cached failure counts once
+    assert (stats.requests, stats.cache_hits, stats.calls, stats.parse_failures) == (4, 4, 0, 1)  # its sample fails again
     # the same response to another row (other columns) is another judgement; a new judge version misses the cache
     client.score(["p0"], ["a"], [{"answer": "other"}])
     judge.version = 2
