@@ -90,7 +90,7 @@ def _check_first_row(key: str, judge: JudgeConfig, spec: JudgeSpec, row: PromptR
 
 
 def deploy_judges(cfg: Config) -> list[str]:
-    """Deploys (or updates in place: the hot swap) the Serve application of every judge and waits until each serves;
+    """Deploys (or updates: the hot swap) the Serve application of every judge and waits until each serves;
     returns the names of the applications this call created.
 
     Serve's HTTP proxy binds ``reward.server.host:port`` if Serve is not running yet (the judges have no route).

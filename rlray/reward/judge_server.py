@@ -2,11 +2,14 @@
 ``JudgeService``, and the caller the run's judge client talks to.
 
 - ``JudgeDeployment``: the thin Serve deployment. ``reconfigure`` (Serve's user_config ``{"version", "spec"}``)
-  builds the judge, or hot-swaps it to a new version in place: the replica stops the old engine and starts the new
-  one (one vLLM engine per process), requests waiting meanwhile, none dropped. ``judge`` answers one chunk at a
-  time (the engine is not thread-safe), ``identity`` says which version and definition answer.
-- ``build_judge_app`` / ``deploy_judge_app``: the bound application and ``serve.run``; deploying it again with a new
-  user_config (a new ``reward.version``, a new judge path) is the hot swap, as for the reward application.
+  builds the judge (and, should Serve reconfigure a live replica, swaps it: the old engine stops, then the new one
+  starts, one vLLM engine per process, requests waiting). ``judge`` answers one chunk at a time (the engine is not
+  thread-safe), ``identity`` says which version and definition answer, without waiting for calls.
+- ``build_judge_app`` / ``deploy_judge_app``: the bound application and ``serve.run``. Deploying it again with a new
+  user_config (a new ``reward.version``, a new judge path or template) is the hot swap, as for the reward
+  application: Serve replaces the replicas by ones built from the new user_config (measured here: a new replica
+  process each; ``serve.run`` gives every deployment a new code version), and requests wait in the handle's queue
+  meanwhile; none is dropped (tests/reward/test_judges_serve.py).
 - ``ServeJudgeCaller``: what ``rlray.reward.judge_client.JudgeClient`` calls: one request per chunk, through the
   application's DeploymentHandle, waited for at most ``timeout_s`` (then cancelled).
 
@@ -93,7 +96,7 @@ def deploy_judge_app(app: Any, name: str, *, host: str = "127.0.0.1", port: int 
     """Starts Serve (its HTTP proxy on ``host:port``, as the reward application's, once per cluster) and deploys the
     judge application ``name`` (no HTTP route: the run calls it through its handle); blocks until it serves.
 
-    Deploying an application that already runs under ``name`` updates it in place (``reconfigure``).
+    Deploying an application that already runs under ``name`` updates it: the hot swap (module docstring).
     """
     from ray import serve  # deferred: as in _make_deployment
 
