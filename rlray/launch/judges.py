@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 from rlray.config import Config, JudgeConfig
 from rlray.data import PromptRow
@@ -93,7 +94,10 @@ def deploy_judges(cfg: Config) -> list[str]:
     """Deploys (or updates: the hot swap) the Serve application of every judge and waits until each serves;
     returns the names of the applications this call created.
 
-    Serve's HTTP proxy binds ``reward.server.host:port`` if Serve is not running yet (the judges have no route).
+    An application that already serves the same judge (its version and definition, ``JudgeSpec.definition``) on
+    ``resources.judge.replicas`` running replicas is left as it is: a sweep's trials, ``rlray eval`` beside a run,
+    a run after ``rlray serve-reward`` find it up (deploying again would replace its replicas). Serve's HTTP proxy
+    binds ``reward.server.host:port`` if Serve is not running yet (the judges have no route).
     """
     # deferred: Ray Serve's import takes seconds and only runs with judges need it
     from ray import serve
@@ -101,9 +105,12 @@ def deploy_judges(cfg: Config) -> list[str]:
     from rlray.reward.judge_server import build_judge_app, deploy_judge_app
 
     res, srv = cfg.resources.judge, cfg.reward.server
-    running = set(serve.status().applications)
+    running = serve.status().applications
     created = []
     for judge, spec in zip(cfg.reward.judges, build.judge_specs(cfg), strict=True):
+        if _serving(running.get(judge.app_name), judge.app_name, (cfg.reward.version, spec.definition), res.replicas):
+            log.info("judge '%s' (version %d) already serves as %s", judge.name, cfg.reward.version, judge.app_name)
+            continue
         app = build_judge_app(spec, cfg.reward.version, replicas=res.replicas, cpus=res.cpus, gpus=res.gpus,
                               custom_resources=dict(res.custom_resources))  # fmt: skip
         deploy_judge_app(app, judge.app_name, host=srv.host, port=srv.port)
@@ -112,6 +119,20 @@ def deploy_judges(cfg: Config) -> list[str]:
         if judge.app_name not in running:
             created.append(judge.app_name)
     return created
+
+
+def _serving(status: Any, app_name: str, identity: tuple[int, str], replicas: int) -> bool:
+    """Returns True when Serve application ``app_name`` (its ``serve.status()`` entry, None when absent) runs
+    ``replicas`` replicas that answer with ``identity`` (version, definition)."""
+    from rlray.reward.judge_server import DEPLOYMENT, ServeJudgeCaller
+
+    deployment = status.deployments.get(DEPLOYMENT) if status is not None else None
+    if deployment is None or deployment.replica_states.get("RUNNING", 0) != replicas:
+        return False
+    try:
+        return tuple(ServeJudgeCaller(app_name).identity(30.0)) == identity
+    except Exception:  # noqa: BLE001 - an application that does not answer is deployed again
+        return False
 
 
 @contextlib.contextmanager

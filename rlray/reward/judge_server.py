@@ -27,13 +27,15 @@ from typing import Any
 from rlray.reward.judge_service import JudgeService
 from rlray.reward.judges import JudgeReply, JudgeRequest, JudgeSpec
 
+DEPLOYMENT = "Judge"  # the deployment's name inside each judge application
+
 
 @functools.cache
 def _make_deployment():
     """Returns the Serve deployment class (built on first use, so importing this module needs no Serve)."""
     from ray import serve  # deferred: Serve's import takes seconds
 
-    @serve.deployment(name="Judge")
+    @serve.deployment(name=DEPLOYMENT)
     class JudgeDeployment:
         """Thin Serve wrapper over ``JudgeService``: one chunk at a time, hot swap by ``reconfigure``."""
 

@@ -55,9 +55,15 @@ def _base(n: int) -> ScoreResult:
 
 @pytest.mark.ray
 def test_serve_judges_give_the_local_verdicts_one_chunk_per_replica(deployed):
+    from ray import serve
+
+    from rlray.launch.judges import deploy_judges
     from rlray.run import build
 
     cfg, _ = deployed
+    deployed_at = serve.status().applications["rlray-judge-rank"].last_deployed_time_s
+    assert deploy_judges(cfg) == []  # the same judges already serve: left as they are (a sweep's trials, rlray eval)
+    assert serve.status().applications["rlray-judge-rank"].last_deployed_time_s == deployed_at
     panel = build.judge_panel(cfg)
     try:
         got = panel.score(_base(8), PROMPTS, TEXTS, [{}] * 8, GROUPS, seed=3)
