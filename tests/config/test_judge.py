@@ -66,5 +66,5 @@ def test_the_readme_judge_snippet_is_a_valid_reward_section():
     block = text.split("#### Rewards from a judge", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
     cfg = config_from_dict(yaml.safe_load(block))
     j = cfg.reward.judges[0]
-    assert (j.name, j.logprobs, j.prefill, j.parse.labels) == ("judge", True, "Verdict:", {"correct": 1.0, "wrong": 0.0})
+    assert (j.name, j.logprobs, j.prefill, j.parse.labels) == ("judge", True, "Verdict:", {"correct": 1.0, "incorrect": 0.0})
     assert "{{ answer }}" in j.judge_template and cfg.reward.term_names == ["gsm8k_correct", "judge"]
