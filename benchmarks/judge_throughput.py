@@ -35,12 +35,12 @@ CONFIG = benchlib.REPO / "configs" / "judge_gsm8k_smollm2.yaml"
 APP = "rlray-judge-bench"
 
 
-def mode_specs(judge: str, backend: str) -> dict[str, dict]:
+def mode_specs(judge: str, backend: str, max_model_len: int = 2048, kv_cache_gib: float = 0.5) -> dict[str, dict]:
     """Returns the reward.judges entry of each measured mode (name -> entry)."""
     from rlray.config import load_config
 
     label = load_config(CONFIG).reward.judges[0].model_dump()
-    common = {"name": "bench", "path": judge, "backend": backend, "max_model_len": 2048, "kv_cache_gib": 0.5}
+    common = {"name": "bench", "path": judge, "backend": backend, "max_model_len": max_model_len, "kv_cache_gib": kv_cache_gib}
     return {
         "pointwise, sampled": {**common, "prefill": "Score:", "max_new_tokens": 4, "parse": {"match": "first"}},
         "pointwise, label logprobs": {**label, **common},
@@ -118,6 +118,9 @@ def main() -> None:
     p.add_argument("--batches", type=int, default=2)
     p.add_argument("--train-steps", type=int, default=3)
     p.add_argument("--skip-train", action="store_true")
+    p.add_argument("--modes", default="", help="only the modes whose name contains this text (default: all)")
+    p.add_argument("--max-model-len", type=int, default=2048, help="the judge's context (tokens)")
+    p.add_argument("--kv-cache-gib", type=float, default=0.5, help="the judge's KV cache per replica (GiB)")
     args = p.parse_args()
     from ray import serve
 
@@ -125,7 +128,8 @@ def main() -> None:
 
     benchlib.init_local_ray()
     serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
-    rows = [measure(name, entry, args) for name, entry in mode_specs(args.judge, args.backend).items()]
+    modes = mode_specs(args.judge, args.backend, args.max_model_len, args.kv_cache_gib)
+    rows = [measure(name, entry, args) for name, entry in modes.items() if args.modes in name]
     serve.delete(APP)
     share = None if args.skip_train else step_share(args, benchlib.RESULTS_DIR / "judge_throughput_run")
     cpu = benchlib.machine()
