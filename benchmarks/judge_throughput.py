@@ -97,6 +97,7 @@ def step_share(args: argparse.Namespace, folder: Path) -> dict:
     from rlray.launch.driver import run_training
 
     recorder = folder / "steps.jsonl"
+    recorder.unlink(missing_ok=True)  # a previous run's steps
     cfg = load_config(CONFIG, [f"run.max_steps={args.train_steps}", "eval.num_problems=0", "checkpoint.every_steps=1000",
                                f"run.output_dir={folder}/out", f"tracking.mlflow_uri=sqlite:///{folder}/mlflow.db"])
     cfg.reward.judges[0].backend = args.backend
