@@ -129,13 +129,14 @@ def main() -> None:
 
     benchlib.init_local_ray()
     serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+    load_before = benchlib.machine()["load_avg_1m"]
     modes = mode_specs(args.judge, args.backend, args.max_model_len, args.kv_cache_gib)
     rows = [measure(name, entry, args) for name, entry in modes.items() if args.modes in name]
     serve.delete(APP)
     share = None if args.skip_train else step_share(args, benchlib.RESULTS_DIR / "judge_throughput_run")
     cpu = benchlib.machine()
-    print(f"Judge {args.judge} ({args.backend}), one replica, {benchlib.machine()['host_cores']} cores, "
-          f"{args.samples} responses per batch, {args.batches} timed batches:\n")
+    print(f"Judge {args.judge} ({args.backend}), one replica, {cpu['host_cores']} cores (1-minute load {load_before:.1f} "
+          f"before, {cpu['load_avg_1m']:.1f} after), {args.samples} responses per batch, {args.batches} timed batches:\n")
     print(benchlib.markdown_table(
         ["mode", "judgements/s", "calls/s", "judge prompt tokens/call", "output tokens/call", "parse failures", "hot swap s"],
         [[r["mode"], benchlib.fmt(r["judgements_per_s"]), benchlib.fmt(r["calls_per_s"]),
