@@ -165,7 +165,7 @@ PendingT = TypeVar("PendingT")
 
 @runtime_checkable
 class RolloutSource(Protocol[PendingT]):
-    """What the step, the async pipeline (``rlray.rollout.fleet.RolloutPipeline``) and evaluation sample from: the
+    """What the step, the async pipeline (``rlray.rollout.pipeline.RolloutPipeline``) and evaluation sample from: the
     rollout fleet (``rlray.rollout.fleet.RolloutFleet``), or the episodes over it when environments are configured
     (``rlray.run.episodes.EpisodeRollout``).
 

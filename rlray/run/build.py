@@ -269,7 +269,7 @@ def update_spec(cfg: Config, world: int) -> learner_online.UpdateSpec:
 
 def rollout_overlap(cfg: Config, plan: CorePlan, *, shares_node: bool) -> tuple[bool, str]:
     """Returns (overlap, why): whether an async run's rollouts of the steps ahead run while a step trains
-    (``rollout.overlap``; ``rlray.rollout.fleet.RolloutPipeline``), and a line for the log.
+    (``rollout.overlap``; ``rlray.rollout.pipeline.RolloutPipeline``), and a line for the log.
 
     auto is on when the stages have their own hardware: a stage on GPU, no rollout actor on the learner's node
     (``shares_node`` False), or the cores split between them (``plan.learner_cores`` set, by ``plan_cores`` on 8+

@@ -21,7 +21,8 @@ from rlray.data import PromptRow, PromptStream, load_prompt_rows, prepare_prompt
 from rlray.reward.judge_panel import JudgePanel
 from rlray.reward.server import LocalRewardClient, ServeRewardClient
 from rlray.rollout import RolloutSource, SamplingSpec
-from rlray.rollout.fleet import RolloutFleet, RolloutPipeline, gcs_actor_node
+from rlray.rollout.fleet import RolloutFleet, gcs_actor_node
+from rlray.rollout.pipeline import RolloutPipeline
 from rlray.run import build
 from rlray.run.failures import LearningStreaks
 
