@@ -342,9 +342,9 @@ def check_planner(model_dir: str, device: str, *, sequences: int = 8, prompt_tok
     batch = full_length_batch(learner.module.config.vocab_size, rows, prompt_tokens, response_tokens)
     spec = build.update_spec(cfg, 1)
     norm = Normaliser(float(rows * response_tokens), float(rows))
-    learner.train_minibatch(batch, spec.loss, norm, spec.microbatch_size)
+    learner.train_minibatch(batch, spec.loss, norm, spec.batching)
     _reset_peak(device)
-    learner.train_minibatch(batch, spec.loss, norm, spec.microbatch_size)
+    learner.train_minibatch(batch, spec.loss, norm, spec.batching)
     measured = (_peak(device) - before) / GIB
     del learner
     if cuda:

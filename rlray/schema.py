@@ -205,8 +205,9 @@ class ModelInputs:
         """Returns [B] int64 response lengths in tokens (the real tokens after column Pm)."""
         return self.attention_mask[:, self.input_ids.shape[1] - self.response_ids.shape[1] :].sum(1)
 
-    def rows(self, rows: slice) -> ModelInputs:
-        """Returns the rows ``rows`` (views; columns unchanged)."""
+    def rows(self, rows: slice | torch.Tensor) -> ModelInputs:
+        """Returns the rows ``rows``: a slice (views) or a [b] int64 index tensor (copies, in its order); columns
+        unchanged."""
         return map_tensors(self, lambda v: v[rows])
 
     def to(self, device: torch.device | str) -> ModelInputs:
@@ -278,8 +279,9 @@ class StepBatch:
         """Returns B, the number of rows."""
         return self.inputs.num_rows
 
-    def rows(self, rows: slice) -> StepBatch:
-        """Returns the rows ``rows`` of every tensor (views; a mini-batch or micro-batch)."""
+    def rows(self, rows: slice | torch.Tensor) -> StepBatch:
+        """Returns the rows ``rows`` of every tensor (a mini-batch or micro-batch): a slice (views) or a [b] int64
+        index tensor (copies, in its order)."""
         return map_tensors(self, lambda v: v[rows])
 
     def to(self, device: torch.device | str) -> StepBatch:

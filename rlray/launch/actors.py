@@ -24,6 +24,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlray.config import Config
 from rlray.launch.placement import rollout_cpu_threads
+from rlray.learner.batching import MicroBatching
 from rlray.learner.reference import ReferenceModel
 from rlray.rollout import Completion, RolloutEngine, SamplingSpec
 from rlray.rollout.wire import unpack_weights
@@ -97,9 +98,9 @@ class ReferenceActor:
     def __init__(self, model_path: str, model_kwargs: dict) -> None:
         self.model = ReferenceModel(model_path, **model_kwargs)
 
-    def logprobs(self, inputs: ModelInputs, microbatch_size: int) -> torch.Tensor:
-        """Returns [B, T] float32 reference logprobs of the rows' responses."""
-        return self.model.logprobs(inputs, microbatch_size)
+    def logprobs(self, inputs: ModelInputs, batching: MicroBatching) -> torch.Tensor:
+        """Returns [B, T] float32 reference logprobs of the rows' responses, micro-batch by micro-batch (``batching``)."""
+        return self.model.logprobs(inputs, batching)
 
     def ready(self) -> bool:
         """Returns True once the model is loaded."""

@@ -23,6 +23,7 @@ from rlray.data import PromptRow, load_prompt_rows, prepare_prompts
 from rlray.data.prompts import prompt_messages
 from rlray.learner import LossSpec, PolicyLearner
 from rlray.learner import online as learner_online
+from rlray.learner.batching import MicroBatching
 from rlray.learner.critic import build_critic
 from rlray.learner.policy import to_local_gpu
 from rlray.models import resolve_dtype, resolve_model_path
@@ -209,12 +210,19 @@ def update_spec(cfg: Config, world: int) -> learner_online.UpdateSpec:
         advantage=advantage,
         epochs=ln.epochs,
         rows_per_minibatch=ln.sequences_per_minibatch // world,
-        microbatch_size=ln.sequences_per_microbatch,
+        batching=micro_batching(cfg),
         old_logprobs_before_update=off_policy or (not kl_in_loss and a.kl_coef > 0) or cfg.teacher.reverse_kl_weight > 0,
         value_clip_eps=cfg.critic.value_clip_eps,
         loss_world_size=world,
         distill_weight=cfg.teacher.reverse_kl_weight,
     )
+
+
+def micro_batching(cfg: Config) -> MicroBatching:
+    """Returns the learner's micro-batching (``rlray.learner.batching.MicroBatching``) from ``learner.*``."""
+    ln = cfg.learner
+    return MicroBatching(sequences=ln.sequences_per_microbatch, tokens=ln.tokens_per_microbatch,
+                         packing=ln.sequence_packing, share_prefixes=ln.share_prefixes)
 
 
 def rollout_overlap(cfg: Config, plan: CorePlan, *, shares_node: bool) -> tuple[bool, str]:
