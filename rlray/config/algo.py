@@ -335,3 +335,11 @@ class LearnerConfig(_Section):
         "adamw",
         description="adamw (torch) or adamw_8bit (bitsandbytes AdamW8bit: 8-bit states; CUDA learners only).",
     )
+
+    @field_validator("sequence_packing", mode="before")
+    @classmethod
+    def _packing_words(cls, value: Any) -> Any:
+        """YAML 1.1 reads the words on and off as booleans; they mean the modes "on" and "off" here."""
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        return value

@@ -88,7 +88,7 @@ class Config(_Section):
                 f"learner.sequences_per_minibatch={ln.sequences_per_minibatch} does not divide the "
                 f"{sequences} sequences per step (prompts_per_step*samples_per_prompt); pick a divisor of {sequences}"
             )
-        if ln.sequences_per_minibatch % (ln.sequences_per_microbatch * world):
+        if ln.tokens_per_microbatch is None and ln.sequences_per_minibatch % (ln.sequences_per_microbatch * world):
             raise ValueError(
                 f"learner.sequences_per_microbatch={ln.sequences_per_microbatch} x {world} learner worker(s) "
                 f"does not divide learner.sequences_per_minibatch={ln.sequences_per_minibatch}; pick a divisor"
