@@ -21,7 +21,8 @@ when neighbours share it); ``padded`` the reference layout (no sharing); ``packe
 ``packed+shared+budget`` (``tokens_per_microbatch``, ``--budget``). For each: seconds of stage 4 and stage 6 (median
 of ``--repeats``), and the tokens the forwards computed (real, padding, shared: ``perf/learner_tokens_*``), so a
 gain is explained, not only timed. Timing needs a quiet machine; run it under the heavy lock where others work.
-Prints one table per workload and dtype; writes bench_results/learner_packing.json.
+Prints one table per workload and dtype; writes bench_results/learner_packing.json (``--quick``:
+learner_packing_quick.json).
 """
 
 from __future__ import annotations
@@ -242,7 +243,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       f"tokens {got['tokens']}", flush=True)
             print("\n" + table(result) + "\n", flush=True)
             results.append(result)
-    path = write_results("learner_packing", {"model": model, "threads": torch.get_num_threads(), "results": results})
+    name = "learner_packing_quick" if args.quick else "learner_packing"  # a smoke test keeps the real figures
+    path = write_results(name, {"model": model, "threads": torch.get_num_threads(), "results": results})
     print(f"wrote {path}")
     return {"results": results}
 

@@ -100,3 +100,11 @@ def test_planner_row_runs_a_real_learner_step_and_reports_the_planner_figure(gpu
     measured = float(detail.split("measured ")[1].split(" GiB")[0])
     assert measured > 0.05  # at least the weights, gradients and AdamW state of 6.6M float32 parameters (0.1 GiB)
     assert detail.endswith("2 x (16 + 8) tokens per micro-batch, 2 micro-batches")
+
+
+def test_packed_rows_row_on_the_cpu(gpu_check, tiny_model_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).train()
+    (row,) = gpu_check.check_packed_rows(model, "cpu", model.config.vocab_size, groups=2, samples=3, prompt_tokens=9,
+                                         response_tokens=12, bf16=False)
+    assert row[0].startswith("packed rows") and row[1] == "ok", row
+    assert "shared" in row[2] and "grad rel diff" in row[2]
