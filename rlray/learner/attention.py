@@ -85,6 +85,10 @@ def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       scaling: float | None, dropout: float = 0.0) -> torch.Tensor:
     """Returns [1, L, H, d] attention outputs of a packed row, segment by segment (see the module docstring).
 
+    The row is cut into its segments with ``split`` (whose backward is one concatenation; slicing would add each
+    piece's gradient into a zero tensor of the whole row, once per segment and layer), and a continuation's keys
+    and values are its prefix segment's followed by its own.
+
     Args:
         query: [1, H, L, d] queries (rotary embeddings applied).
         key, value: [1, H, L, d] keys and values (grouped-query heads already repeated).
@@ -92,21 +96,20 @@ def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         scaling: softmax scale (None: 1/sqrt(d)).
         dropout: attention dropout probability (0 in eval).
     """
+    lengths = [s.length for s in plan.segments]
+    index = {s.start: i for i, s in enumerate(plan.segments)}
+    queries, keys, values = (x.split(lengths, dim=2) for x in (query, key, value))
     outs = []
-    for s in plan.segments:
-        q = query[:, :, s.start : s.start + s.length]
-        own = slice(s.start, s.start + s.length)
+    for i, s in enumerate(plan.segments):
         if s.prefix_length == 0:
-            o = F.scaled_dot_product_attention(q, key[:, :, own], value[:, :, own], dropout_p=dropout,
-                                               is_causal=True, scale=scaling)
+            o = F.scaled_dot_product_attention(queries[i], keys[i], values[i], dropout_p=dropout, is_causal=True,
+                                               scale=scaling)
         else:
-            pre = slice(s.prefix_start, s.prefix_start + s.prefix_length)
-            if pre.stop == s.start:  # the prefix's first continuation follows it: one slice, no copy
-                k, v = key[:, :, pre.start : own.stop], value[:, :, pre.start : own.stop]
-            else:
-                k, v = torch.cat([key[:, :, pre], key[:, :, own]], 2), torch.cat([value[:, :, pre], value[:, :, own]], 2)
+            p = index[s.prefix_start]  # the prefix is a segment of its own
             mask = plan.mask(s.length, s.prefix_length, query.device)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling)
+            o = F.scaled_dot_product_attention(queries[i], torch.cat([keys[p], keys[i]], 2),
+                                               torch.cat([values[p], values[i]], 2), attn_mask=mask,
+                                               dropout_p=dropout, scale=scaling)
         outs.append(o)
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
 
