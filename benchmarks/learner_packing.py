@@ -18,9 +18,10 @@ sharing measured is the prompt's alone):
 
 Variants (``learner.*``): ``today`` is the learner before packing (padded rows, a group's prompt through the KV cache
 when neighbours share it); ``padded`` the reference layout (no sharing); ``packed``; ``packed+shared``;
-``packed+shared+budget`` (``tokens_per_microbatch``, ``--budget``). For each: seconds of stage 4 and stage 6 (median
-of ``--repeats``), and the tokens the forwards computed (real, padding, shared: ``perf/learner_tokens_*``), so a
-gain is explained, not only timed. Timing needs a quiet machine; run it under the heavy lock where others work.
+``packed+shared+budget`` (``tokens_per_microbatch``, ``--budget``). Each variant runs in a fresh child process; for
+each: seconds of stage 4 and stage 6 (median of ``--repeats``), the tokens the forwards computed (real, padding,
+shared: ``perf/learner_tokens_*``), so a gain is explained, not only timed, and the child's peak RSS. Timing needs
+a quiet machine; run it under the heavy lock where others work.
 Prints one table per workload and dtype; writes bench_results/learner_packing.json (``--quick``:
 learner_packing_quick.json).
 """
@@ -30,11 +31,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import resource
 import statistics
+import subprocess
+import sys
 import time
 from typing import Any
 
-from benchlib import REPO, fmt, markdown_table, ratio, write_results
+from benchlib import GIB, REPO, fmt, markdown_table, ratio, write_results
 
 VARIANTS = {
     "today": dict(sequence_packing="off", share_prefixes=True),
@@ -204,11 +208,33 @@ def table(result: dict[str, Any]) -> str:
         total = r["logprobs_s"] + r["update_s"]
         t = r["tokens"]
         rows.append([variant, fmt(r["logprobs_s"], 1), fmt(r["update_s"], 1), fmt(total, 1),
-                     fmt(ratio(total, base_s)), f"{t['real']:,}", f"{t['padding']:,}", f"{t['shared']:,}"])
+                     fmt(ratio(total, base_s)), f"{t['real']:,}", f"{t['padding']:,}", f"{t['shared']:,}",
+                     fmt(r["peak_rss_gib"], 2)])
     head = (f"**{result['workload']}** ({result['dtype']}): {result['rows']} sequences, {result['row_tokens']:,} tokens "
             f"in their rows; stage 4 + stage 6 of one step, median of {result['repeats']} after a warm-up pass")
     return "\n".join([head, "", markdown_table(
-        ["variant", "logprobs (s)", "update (s)", "both (s)", "both / today", "tokens real", "padding", "shared"], rows)])
+        ["variant", "logprobs (s)", "update (s)", "both (s)", "both / today", "tokens real", "padding", "shared",
+         "peak RSS (GiB)"], rows)])
+
+
+def run_child(job: dict[str, Any]) -> dict[str, Any]:
+    """Returns ``run_variant``'s figures of ``job`` measured in a fresh child process (so one variant's memory and
+    allocator state do not weigh on the next), with the child's peak resident memory (GiB)."""
+    out = subprocess.run([sys.executable, __file__, "--child", json.dumps(job)], check=True, capture_output=True,
+                         text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def child_main(job: dict[str, Any]) -> None:
+    """Runs one variant (``run_child``'s child) and prints its figures as the last line of JSON."""
+    import torch
+
+    if job["threads"]:
+        torch.set_num_threads(job["threads"])
+    got = run_variant(job["name"], job["variant"], job["model"], job["dtype"], job["budget"], job["repeats"],
+                      job["warmup"])
+    got["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
+    print(json.dumps(got))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -236,7 +262,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for name in args.workloads:
             result = {"workload": name, "dtype": dtype, "repeats": args.repeats, "runs": {}}
             for variant in args.variants:
-                got = run_variant(name, variant, model, dtype, args.budget, args.repeats, args.warmup)
+                job = dict(name=name, variant=variant, model=model, dtype=dtype, budget=args.budget,
+                           repeats=args.repeats, warmup=args.warmup, threads=args.threads)
+                got = run_child(job)
                 result.update(rows=got["rows"], row_tokens=got["row_tokens"])
                 result["runs"][variant] = got
                 print(f"{name} {dtype} {variant}: logprobs {got['logprobs_s']:.1f} s, update {got['update_s']:.1f} s, "
@@ -250,4 +278,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) > 2 and sys.argv[1] == "--child":
+        child_main(json.loads(sys.argv[2]))
+    else:
+        main()

@@ -35,15 +35,18 @@ def test_step_tables_have_the_runs_shapes(bench, tiny_tokenizer, name):
     assert (int(observed) > 0) == (shape.observation_tokens > 0)
 
 
-def test_quick_run_prints_every_variant(bench, capsys):
+def test_variants_count_their_tokens_and_make_a_table(bench):
     packing, _ = bench
-    got = packing.main(["--quick", "--workloads", "grpo", "--dtypes", "float32", "--warmup", "0",
-                        "--variants", "today", "packed+shared"])
-    (result,) = got["results"]
-    today, packed = result["runs"]["today"], result["runs"]["packed+shared"]
+    runs = {v: packing.run_variant("grpo", v, "tiny-random", "float32", 4096, repeats=1, warmup=0)
+            for v in ("today", "packed+shared")}
+    today, packed = runs["today"], runs["packed+shared"]
     assert packed["tokens"]["padding"] == 0 < today["tokens"]["padding"]
-    assert packed["tokens"]["real"] + packed["tokens"]["shared"] == 2 * result["row_tokens"]  # stage 4 and stage 6
-    assert "| packed+shared |" in capsys.readouterr().out
+    assert packed["tokens"]["real"] + packed["tokens"]["shared"] == 2 * today["row_tokens"]  # stage 4 and stage 6
+    for r in runs.values():
+        r["peak_rss_gib"] = 1.0
+    text = packing.table({"workload": "grpo", "dtype": "float32", "repeats": 1, "rows": 16,
+                          "row_tokens": today["row_tokens"], "runs": runs})
+    assert "| packed+shared |" in text and "| 1.00 |" in text  # today against itself
 
 
 def test_learner_lines_explain_the_stage_times(bench):
