@@ -17,7 +17,11 @@ Checks, one table row each:
      against the float32 copy under bf16 autocast on the device: logits bit-identical, and the bytes saved;
   7. the capacity planner (rlray.launch.plan) against a real PolicyLearner step on the device, gradient
      checkpointing off and on: the predicted learner-rank tensors against torch.cuda.max_memory_allocated.
-  8. the learner's packed rows (rlray.learner.packing: no padding, each group's prompt once, attention per segment
+  8. the adapter-only weight sync (issue 28; rollout.lora_sync=adapter) of a LoRA policy (rank 16, every linear
+     layer) on the device: the bytes and export seconds of what a sync ships (bf16: the adapter alone, against the
+     merged model), and the adapter applied over a base copy (rlray's hf rollout backend, peft) against the merged
+     weights, in float32: max |logprob difference| (needs peft).
+  9. the learner's packed rows (rlray.learner.packing: no padding, each group's prompt once, attention per segment
      through torch SDPA) against the padded, unshared rows on the device: max |logprob difference|, relative
      gradient difference, and the seconds of a forward + backward each way (groups with ragged responses).
 
@@ -446,6 +450,55 @@ def _status_bytes(field: str) -> int:
     return int(line.split()[1]) * 1024
 
 
+def check_adapter_sync(model, device: str, vocab: int, *, rank: int = 16, rows: int = 4,
+                       tokens: int = 128) -> list[tuple[str, str, str]]:
+    """Compares the adapter-only weight sync with the merged one for a LoRA policy over ``model`` on ``device`` (row 8).
+
+    The learner side is a peft copy of ``model`` with LoRA of ``rank`` on every linear layer (alpha 2 x rank, seeded
+    non-zero lora_B); its export is ``rlray.learner.policy.lora_adapter_weights`` (adapter alone) against
+    ``merged_lora_state_dict`` (the whole model), both cast to bf16 on the CPU as ``ObjectStoreSync`` ships them. The
+    engine side is a base copy with the adapter applied (``rlray.rollout.hf_backend.apply_adapter``) against a base
+    copy loaded with the merged weights, float32, on ``rows`` x ``tokens`` random tokens. Returns one row: ok when the
+    max |logprob difference| is within 1e-4 nats, the adapter changes the logprobs by more than 100 x that, and the
+    adapter is under a tenth of the merged bytes.
+    """
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from rlray.learner.policy import lora_adapter_weights, merged_lora_state_dict
+    from rlray.rollout.hf_backend import apply_adapter
+
+    policy = get_peft_model(copy.deepcopy(model).eval(), LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear"))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.copy_(0.02 * torch.randn(param.shape, generator=g))
+    shipped, seconds = {}, {}
+    for kind, export in (("adapter", lambda: lora_adapter_weights(policy, torch.bfloat16).tensors),
+                         ("merged", lambda: {k: v.to("cpu", torch.bfloat16) for k, v in merged_lora_state_dict(policy).items()})):
+        sync(device)
+        t0 = time.perf_counter()
+        shipped[kind] = sum(t.numel() * t.element_size() for t in export().values())
+        seconds[kind] = time.perf_counter() - t0
+    adapted = apply_adapter(copy.deepcopy(model).eval(), lora_adapter_weights(policy, torch.float32))
+    merged = copy.deepcopy(model).eval()
+    merged.load_state_dict(merged_lora_state_dict(policy), strict=False)
+    ids = torch.randint(10, vocab - 1, (rows, tokens), generator=torch.Generator().manual_seed(1)).to(device)
+    with torch.no_grad():
+        lp = {name: m(ids).logits.float().log_softmax(-1) for name, m in
+              (("adapter", adapted), ("merged", merged), ("base", model.eval()))}
+    diff = float((lp["adapter"] - lp["merged"]).abs().max())
+    effect = float((lp["adapter"] - lp["base"]).abs().max())
+    ok = diff <= 1e-4 and effect > 100 * diff and shipped["adapter"] * 10 < shipped["merged"]
+    mib = 2**20
+    return [(f"adapter-only sync (LoRA r{rank} all-linear)", "ok" if ok else "FAILED",
+             f"ships {shipped['adapter'] / mib:.2f} MiB in {seconds['adapter']:.3f} s against {shipped['merged'] / mib:.1f} "
+             f"MiB in {seconds['merged']:.3f} s merged (bf16 export); max |dlogprob| adapter vs merged {diff:.2e} "
+             f"(float32, {rows}x{tokens} tokens; the adapter's own effect {effect:.2e})")]
+
+
 def sync(device: str) -> None:
     """Waits for the device's queued work (CUDA), so that wall-clock timings are complete."""
     if device.startswith("cuda"):
@@ -496,8 +549,9 @@ def main(argv: list[str] | None = None) -> int:
     rows += check_algos_parity("cpu", args.device if cuda else "cpu")
     rows += check_shared_prompts(model, args.device, model.config.vocab_size, bf16=cuda)
     rows += check_frozen_bf16(model, args.device, model.config.vocab_size)
-    rows += check_packed_rows(model, args.device, model.config.vocab_size, bf16=cuda)
     rows += planner_rows
+    rows += check_adapter_sync(model, args.device, model.config.vocab_size)
+    rows += check_packed_rows(model, args.device, model.config.vocab_size, bf16=cuda)
     print(markdown_table(rows))
     return 0 if all(s == "ok" for _, s, _ in rows) else 1
 

@@ -1,5 +1,5 @@
-"""The ``rlray`` command line: train, sweep, eval, serve-reward, rollback, models, snapshots, data, config, plan,
-monitor, ledger.
+"""The ``rlray`` command line: train, check, sweep, eval, serve-reward, rollback, models, snapshots, data, config,
+plan, monitor, ledger.
 
 Each command imports what it needs inside its function: ``rlray --help`` and ``rlray data`` start in
 a second instead of paying for Ray, torch and vLLM (the one place where function-local imports are the rule).
@@ -28,6 +28,14 @@ def _train(args: argparse.Namespace) -> int:
     if result.error:
         print(f"rlray train: {result.error}", file=sys.stderr)
     return 0 if result.status == "FINISHED" else 1
+
+
+def _check(args: argparse.Namespace) -> int:
+    from rlray.launch.check import check_run
+    from rlray.launch.driver import resolve_paths
+
+    print(check_run(resolve_paths(load_config(args.config, args.overrides))), flush=True)
+    return 0
 
 
 def _sweep(args: argparse.Namespace) -> int:
@@ -133,6 +141,14 @@ def _data(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
+    if args.reference:
+        from rlray.config.describe import reference_markdown
+
+        print(reference_markdown(Config), end="")
+        return 0
+    if args.config is None:
+        print("rlray config: give a CONFIG file (or --reference for the schema's reference page)", file=sys.stderr)
+        return 2
     cfg = load_config(args.config, args.overrides)
     if args.describe:
         from rlray.config.describe import described_yaml
@@ -230,6 +246,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "rlray's warnings and alerts; the full logs go to <run.output_dir>/logs/<run id>/)")
     t.set_defaults(func=_train)
 
+    k = sub.add_parser("check", help="check a config without launching: every input of the run (model, data, rewards, "
+                       "environments, storage), then each environment's first prompt with its tools, as the model "
+                       "sees it: rlray check CONFIG [dotted.key=value ...]")
+    k.add_argument("config")
+    k.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. env.default=calc")
+    k.set_defaults(func=_check)
+
     w = sub.add_parser("sweep", help="Ray Tune sweep: rlray sweep CONFIG SWEEP.yaml [dotted.key=value ...]")
     w.add_argument("config")
     w.add_argument("sweep", help="sweep file (space, metric, scheduler), e.g. configs/sweeps/grpo_lr_beta.yaml")
@@ -278,11 +301,15 @@ def build_parser() -> argparse.ArgumentParser:
         _config_args(q)
     s.set_defaults(func=_snapshots)
 
-    c = sub.add_parser("config", help="print the resolved config: rlray config CONFIG [dotted.key=value ...] [--describe]")
-    c.add_argument("config")
+    c = sub.add_parser("config", help="print the resolved config: rlray config CONFIG [dotted.key=value ...] [--describe]; "
+                       "rlray config --reference prints the reference of every key (Markdown)")
+    c.add_argument("config", nargs="?")
     c.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. learner.lr=1e-5")
     c.add_argument("--describe", action="store_true",
                    help="precede each field with its description (unit and scope) and default, as YAML comments")
+    c.add_argument("--reference", action="store_true",
+                   help="print the config reference instead: every key of every section with its type, default, unit "
+                   "and meaning, as Markdown tables (docs/reference/config.md)")
     c.set_defaults(func=_config)
 
     pl = sub.add_parser(
@@ -331,21 +358,22 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``rlray`` console script; returns the exit status."""
     args = build_parser().parse_args(argv)
-    if args.command == "train":  # a quiet console; the full log goes to the run's folder (rlray.launch.console)
+    if args.command in ("train", "check"):  # a quiet console; train's full log goes to the run's folder (rlray.launch.console)
         from rlray.launch.console import configure_console
 
-        configure_console(args.verbose)
+        configure_console(args.command == "train" and args.verbose)
     else:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from rlray.checkpoint.storage import SnapshotError
     from rlray.data import DataError
     from rlray.launch.placement import PlacementError
+    from rlray.launch.preflight import PreflightError
     from rlray.models import ModelError
     from rlray.reward import RewardFunctionError
 
     try:
         return args.func(args)
-    except (ConfigError, SnapshotError, DataError, ModelError, PlacementError, RewardFunctionError) as err:
+    except (ConfigError, SnapshotError, DataError, ModelError, PlacementError, RewardFunctionError, PreflightError) as err:
         print(f"rlray: {err}", file=sys.stderr)  # bad input found before the run: the message says what to fix
         return 2
 

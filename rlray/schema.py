@@ -63,6 +63,8 @@ FIELDS: tuple[Field, ...] = (
     Field("num_turns", pa.int32(), "", "assistant turns of an episode (null without environments)", True),
     Field("turn_rewards", pa.list_(pa.float32()), "K", "the environment's reward after each turn, NaN where none was "
           "given (null without environments)", True),
+    Field("failure", pa.string(), "", "why the sample has no reward, naming the source (its episode's environment, a "
+          "reward function); null when it has one (rlray.run.failures)", True),
 )
 
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in FIELDS)

@@ -187,12 +187,34 @@ class Config(_Section):
             )
         if self.model.adapter_path is not None and res.learner.strategy == "fsdp":
             raise ValueError("model.adapter_path with resources.learner.strategy='fsdp' is not supported; use ddp")
+        if self.rollout.lora_sync == "adapter" and not self.trains_lora:
+            raise ValueError("rollout.lora_sync='adapter' ships a LoRA adapter, but the policy trains every weight; set "
+                             "model.lora.rank>0 or model.adapter_path, or rollout.lora_sync=auto")
+        if self.rollout.lora_sync == "adapter" and sync in ("nccl", "ipc"):
+            raise ValueError(f"rollout.lora_sync='adapter' ships the adapter through the object store, not "
+                             f"rollout.weight_sync='{sync}'; set rollout.weight_sync=auto, or rollout.lora_sync=merged")
+
+    @property
+    def trains_lora(self) -> bool:
+        """Returns True when the policy trains LoRA adapters (model.lora.rank > 0 or model.adapter_path)."""
+        return self.model.lora.rank > 0 or self.model.adapter_path is not None
+
+    @property
+    def adapter_sync(self) -> bool:
+        """Returns the resolved rollout.lora_sync: True when a weight sync ships the LoRA adapter alone (auto: a LoRA
+        policy with rollout actors on GPUs, unless rollout.weight_sync is nccl or ipc)."""
+        if self.rollout.lora_sync == "auto":
+            return (self.trains_lora and self.resources.rollout.gpus > 0
+                    and self.rollout.weight_sync in ("auto", "object_store"))
+        return self.rollout.lora_sync == "adapter"
 
     @property
     def weight_sync_backend(self) -> str:
-        """Returns the resolved rollout.weight_sync: object_store, nccl or ipc."""
+        """Returns the resolved rollout.weight_sync: object_store, nccl or ipc (object_store for an adapter-only sync)."""
         if self.rollout.weight_sync != "auto":
             return self.rollout.weight_sync
+        if self.adapter_sync:
+            return "object_store"
         if self.resources.rollout.gpus == 0 or self.resources.learner.gpus == 0:
             return "object_store"
         return "ipc" if self.resources.colocate else "nccl"

@@ -26,8 +26,10 @@ from rlray.config import Config
 from rlray.launch.placement import rollout_cpu_threads
 from rlray.learner.batching import MicroBatching
 from rlray.learner.reference import ReferenceModel
+from rlray.models.adapters import AdapterWeights, read_adapter_config
+from rlray.models.loading import ModelError
 from rlray.rollout import Completion, RolloutEngine, SamplingSpec
-from rlray.rollout.wire import unpack_weights
+from rlray.rollout.wire import unpack_adapter, unpack_weights
 from rlray.run import build
 from rlray.schema import ModelInputs
 
@@ -49,9 +51,14 @@ class RolloutActor:
         """Returns ``sampling.n`` completions per prompt, prompt-major (see ``RolloutEngine.generate``)."""
         return self.engine.generate(prompt_token_ids, sampling)
 
-    def update_weights(self, named_tensors: dict[str, Any], version: int) -> int:
-        """Loads new policy weights (tensors, or ``rollout.wire.pack_weights`` output), resets the cache; returns the new version."""
-        self.engine.update_weights(unpack_weights(named_tensors), version)
+    def update_weights(self, weights: dict[str, Any] | AdapterWeights, version: int) -> int:
+        """Loads a new policy, resets the cache and returns the new version: whole weights (tensors, or
+        ``rollout.wire.pack_weights`` output; ``RolloutEngine.update_weights``) or a LoRA adapter (``AdapterWeights``,
+        packed or not; ``RolloutEngine.update_adapter``: applied over the engine's base weights)."""
+        if isinstance(weights, AdapterWeights):
+            self.engine.update_adapter(unpack_adapter(weights), version)
+        else:
+            self.engine.update_weights(unpack_weights(weights), version)
         return self.engine.policy_version
 
     def policy_version(self) -> int:
@@ -166,6 +173,7 @@ def rollout_engine_kwargs(cfg: Config, max_model_len: int, cpu_threads: str | No
     """
     sync = cfg.weight_sync_backend
     return {
+        **adapter_engine_kwargs(cfg),
         "dtype": build.compute_dtype(cfg),
         "seed": cfg.run.seed,
         "max_model_len": max_model_len,
@@ -178,6 +186,24 @@ def rollout_engine_kwargs(cfg: Config, max_model_len: int, cpu_threads: str | No
         "cpu_threads": cpu_threads,
         "weight_transfer": None if sync == "object_store" else sync,
     }
+
+
+def adapter_engine_kwargs(cfg: Config) -> dict:
+    """Returns the ``RolloutEngine`` LoRA arguments of an adapter-only sync (``Config.adapter_sync``), else {}.
+
+    lora_rank is ``model.lora.rank``, or the rank in ``model.adapter_path``'s adapter_config.json (the largest of
+    ``r`` and its ``rank_pattern``); lora_slots is ``rollout.max_staleness + 2``, so that every version an async step
+    may still sample with keeps its adapter while the next one is added.
+    """
+    if not cfg.adapter_sync:
+        return {}
+    rank = cfg.model.lora.rank
+    if cfg.model.adapter_path is not None:
+        config = read_adapter_config(cfg.model.adapter_path)
+        if config is None:
+            raise ModelError(f"model.adapter_path='{cfg.model.adapter_path}' has no adapter_config.json")
+        rank = AdapterWeights({}, config).rank
+    return {"lora_rank": rank, "lora_slots": cfg.rollout.max_staleness + 2}
 
 
 def start_rollout_actors(
@@ -265,7 +291,8 @@ def start_env_hosts(cfg: Config, namespace: str | None = None) -> list[ray.actor
             max_restarts=res.max_restarts,
             max_concurrency=1, scheduling_strategy="DEFAULT",
         ).remote(dict(cfg.env.environments), tool_parser=cfg.env.tool_parser, step_timeout_s=cfg.env.step_timeout_s,
-                 threads=res.threads, sandbox=cfg.env.sandbox, memory_gib=cfg.env.memory_gib))
+                 threads=res.threads, sandbox=cfg.env.sandbox, memory_gib=cfg.env.memory_gib,
+                 trl_parity=cfg.env.trl_parity))
     ray.get([h.ping.remote() for h in hosts])
     return hosts
 

@@ -268,6 +268,8 @@ def run_training(
         OSError: ``monitor.port`` is taken.
     """
     started_at = time.time()
+    if verbose is not None:  # rlray train's console: libraries imported since configure_console (MLflow) set up their
+        console.route_library_logs()  # loggers again; before Ray starts and before the first MLflow call
     cfg = resolve_paths(cfg)
     model_dir = preflight(cfg)
     user_hooks = load_step_hooks(cfg)

@@ -175,7 +175,7 @@ def _layout(cfg: Config, gpu: bool) -> list[str]:
             lines.append(f"reference: {ref} (algo.kl_coef={cfg.algo.kl_coef:g})")
         if cfg.teacher.enabled:
             lines.append(f"teacher: {'on every learner rank' if res.teacher.placement == 'learner' else 'its own actor'}")
-        if cfg.algo.name == "ppo":
+        if cfg.algo.algorithm.needs_critic:
             lines.append("critic: a value model on every learner rank, with its own AdamW")
     return lines
 

@@ -162,7 +162,7 @@ def read_models(cfg: Config) -> Models:
     """
     policy = mem.read_model_shape(resolve_model_path(cfg.model.path))
     critic = None
-    if cfg.algo.name == "ppo":
+    if cfg.algo.algorithm.needs_critic:
         critic = mem.read_model_shape(resolve_model_path(cfg.critic.model_path)) if cfg.critic.model_path else policy
     teacher = mem.read_model_shape(resolve_model_path(cfg.teacher.path)) if cfg.teacher.enabled else None
     reward = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import json
 import math
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -21,7 +22,7 @@ from rlray.learner.objective import LossSpec, Normaliser, policy_objective, redu
 from rlray.learner.packing import TokenCounts
 from rlray.learner.scoring import batched_logprobs, packs, response_scores
 from rlray.models import load_causal_lm
-from rlray.models.adapters import load_adapter
+from rlray.models.adapters import AdapterWeights, load_adapter
 from rlray.schema import ModelInputs, StepBatch
 
 
@@ -55,7 +56,8 @@ class PolicyLearner:
             DDP or FSDP); identity when None.
         optimizer: "adamw" (torch) or "adamw_8bit" (bitsandbytes AdamW8bit; CUDA only).
         lora: peft LoRA settings {"rank", "alpha", "dropout", "target_modules"}; None or rank 0 trains
-            every weight. Only the adapters train; ``export_weights`` returns merged weights.
+            every weight. Only the adapters train; ``export_weights`` returns merged weights, ``export_adapter`` the
+            adapter alone.
         adapter_path: a peft LoRA adapter folder to continue (``rlray.models.adapters.load_adapter``: loaded
             trainable, with its own settings; exclusive with ``lora``), or None.
         model_loader: builds the float32 model from ``model_path``; None loads a causal LM.
@@ -278,6 +280,23 @@ class PolicyLearner:
             state = self.module.state_dict()
         return {k: v.detach().to(device, dtype).contiguous() for k, v in state.items()}
 
+    @torch.no_grad()
+    def export_adapter(self, dtype: torch.dtype) -> AdapterWeights:
+        """Returns the policy's LoRA adapter alone, for an adapter-only weight sync (the base weights never change).
+
+        The tensors are peft's ``get_peft_model_state_dict`` (the names and values ``save_pretrained`` writes to
+        adapter_model.safetensors: lora_A [r, in_features] and lora_B [out_features, r] per adapted module) cast to
+        ``dtype`` on the CPU, contiguous; the config is ``adapter_config.json``'s content as JSON values
+        (``inference_mode`` true, sets as sorted lists). Under DDP every rank holds the same adapter, so rank 0 alone calls it.
+
+        Raises:
+            ValueError: the learner trains every weight (no ``lora`` and no ``adapter_path``), or is sharded (FSDP).
+        """
+        if not self.lora or self.sharded:
+            raise ValueError("export_adapter needs a LoRA policy (model.lora.rank > 0 or model.adapter_path) on an "
+                             "unsharded learner; use export_weights (rollout.lora_sync=merged)")
+        return lora_adapter_weights(self.module, dtype)
+
     def state_dict(self) -> dict:
         """Returns the optimizer and scheduler state (the model is saved separately as safetensors).
 
@@ -359,6 +378,19 @@ def merged_lora_state_dict(peft_model: torch.nn.Module) -> dict[str, torch.Tenso
         name = key.replace(".base_layer.", ".")
         out[name] = value + deltas[name].to(value.dtype) if name in deltas else value
     return out
+
+
+@torch.no_grad()
+def lora_adapter_weights(peft_model: torch.nn.Module, dtype: torch.dtype) -> AdapterWeights:
+    """Returns the active LoRA adapter of a peft model as ``save_pretrained`` would write it, tensors cast to ``dtype``
+    on the CPU (contiguous); see ``PolicyLearner.export_adapter``."""
+    from peft import get_peft_model_state_dict
+
+    name = peft_model.active_adapter
+    state = get_peft_model_state_dict(peft_model, adapter_name=name)
+    config = json.loads(json.dumps(peft_model.peft_config[name].to_dict(), default=sorted))  # sets sorted, enums str
+    config["inference_mode"] = True  # as save_pretrained writes it
+    return AdapterWeights({k: v.detach().to("cpu", dtype).contiguous() for k, v in state.items()}, config)
 
 
 def _is_fsdp(model: torch.nn.Module) -> bool:

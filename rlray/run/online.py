@@ -45,14 +45,16 @@ from rlray.run import build
 from rlray.run.context import RunContext, StepResult
 from rlray.run.evaluation import evaluate_prompts
 from rlray.run.experience import Experience, StageTimer, collect_experience, minibatch_normalisers, step_samples
+from rlray.run.failures import CannotLearnError
 from rlray.run.lead import OnlineLead, build_lead
 from rlray.run.session import FatalStepError
 
 log = logging.getLogger(__name__)
 
 # Errors found during a step that a retry cannot fix (a reward function returning the wrong number of values,
-# bad data): every rank stops at once with the message, and Ray Train does not restart the learner.
-FATAL_STEP_ERRORS: tuple[type[BaseException], ...] = (RewardFunctionError, DataError)
+# bad data, every sample failing guard.max_failed_steps steps in a row): every rank stops at once with the message
+# (the run ends FAILED), and Ray Train does not restart the learner.
+FATAL_STEP_ERRORS: tuple[type[BaseException], ...] = (RewardFunctionError, DataError, CannotLearnError)
 
 
 @dataclass
@@ -191,6 +193,7 @@ def setup(cfg: Config, coll: Collective, *, model_dir: str, actors: list[Any], r
     ctx.weight_sync = make_weight_sync(
         cfg.weight_sync_backend, ctx.lead.fleet if ctx.lead else None, dtype,
         wait=cfg.rollout.max_staleness == 0, tensor_parallel_size=cfg.resources.rollout.tensor_parallel_size,
+        adapter=cfg.adapter_sync,
     )
     return ctx
 
@@ -243,7 +246,7 @@ def run_step(ctx: OnlineRun, step: int) -> StepResult:
         return StepResult(metrics)
     metrics.update(step_metrics(ctx.lead, handout.rollout_metrics, batch, timer))
     samples = step_samples(ctx.tokenizer, experience.table, handout.sample_rows, kept_advantages, step + 1)
-    return StepResult(metrics, samples, experience.prompt_ids)
+    return StepResult(metrics, samples, experience.prompt_ids, experience.alerts)
 
 
 def distribute(ctx: OnlineRun, experience: Experience | None, fatal: str | None = None, *,

@@ -108,3 +108,14 @@ def test_packed_rows_row_on_the_cpu(gpu_check, tiny_model_path):
                                          response_tokens=12, bf16=False)
     assert row[0].startswith("packed rows") and row[1] == "ok", row
     assert "shared" in row[2] and "grad rel diff" in row[2]
+
+
+def test_adapter_sync_row_passes_on_cpu_and_counts_the_shipped_bytes(gpu_check, tiny_model_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).train()
+    rows = gpu_check.check_adapter_sync(model, "cpu", model.config.vocab_size, rank=8, rows=2, tokens=9)
+    assert [(name, status) for name, status, _ in rows] == [("adapter-only sync (LoRA r8 all-linear)", "ok")]
+    cfg = model.config  # bf16 adapter: rank x (in + out) per linear layer, 2 bytes each
+    h, kv, inter = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
+    adapter = 2 * 8 * cfg.num_hidden_layers * (2 * (h + h) + 2 * (h + kv) + 3 * (h + inter))
+    assert rows[0][2].startswith(f"ships {adapter / 2**20:.2f} MiB in ") and "(float32, 2x9 tokens;" in rows[0][2]
+    assert all(p.dtype == torch.float32 for p in model.parameters()) and not any("lora" in n for n, _ in model.named_parameters())

@@ -226,6 +226,9 @@ class _FixedScorer:
     def score(self, prompts, completions, columns, completion_ids=None):
         return _rewards(list(self.values))
 
+    def score_with_failures(self, prompts, completions, columns, completion_ids=None):
+        return self.score(prompts, completions, columns, completion_ids), []  # no failure texts
+
     def close(self):
         pass
 

@@ -210,6 +210,10 @@ def test_console_shows_start_lines_one_progress_line_per_step_and_keeps_the_logs
     assert [x.split(" reward=")[0] for x in progress] == ["rlray step 1/2 (50%)", "rlray step 2/2 (100%)"], progress
     for chatter in ("FutureWarning", "UserWarning", "core_worker.cc", "RayTrainWorker", "(pid=", "Loading", "test hold"):
         assert chatter not in shown, chatter
+    # Every console line is rlray's, from the first one on (issue 32: no Ray token-authentication warning, no MLflow
+    # "Creating initial MLflow database tables..."); the JSON summary `rlray train` prints last is its own.
+    lines = [x for x in re.split(r"[\r\n]", stdout[: stdout.index("\n{") + 1] + stderr) if x.strip()]
+    assert lines and all(x.startswith(("rlray: ", "rlray step ")) for x in lines), lines
     log_dir = Path(result["log_dir"])
     assert f"rlray: full logs in {log_dir}: driver.log" in shown
     assert f"MLflow run {result['run_id']}" in (log_dir / "driver.log").read_text()

@@ -100,8 +100,8 @@ def test_file_and_module_specs_build_hooks_in_order_with_the_config(hooks_file, 
                        "a hook spec is 'package.module:factory' or 'path/to/file.py:factory'"),
         ("missing/file.py:f", "run.hooks[0]='missing/file.py:f': file 'missing/file.py' not found (relative paths "
                               "start at {cwd}); a hook spec is 'package.module:factory' or 'path/to/file.py:factory'"),
-        ("FILE:missing", "run.hooks[0]='FILE:missing': 'missing' is not defined there in 'FILE'; a hook spec is "
-                         "'package.module:factory' or 'path/to/file.py:factory'"),
+        ("FILE:missing", "run.hooks[0]='FILE:missing': 'missing' is not defined in 'FILE' (its classes: Observe, "
+                         "Record); a hook spec is 'package.module:factory' or 'path/to/file.py:factory'"),
         ("FILE:NOT_CALLABLE", "run.hooks[0]='FILE:NOT_CALLABLE': int is not callable; name a function that takes "
                               "the Config and returns a step hook"),
         ("FILE:not_a_hook", "run.hooks[0]='FILE:not_a_hook': the factory returned 3 (int), not a step hook; return "
