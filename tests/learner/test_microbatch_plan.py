@@ -106,6 +106,23 @@ def test_the_loss_of_every_aggregation_does_not_depend_on_the_cut(tiny_model_pat
     assert want["loss"] != 0.0 and want["tokens"] == float(batch.response_mask.sum())
 
 
+def test_the_jsd_distillation_loss_does_not_depend_on_the_cut(tiny_model_path, teacher_path):
+    # on-policy distillation's JSD term (teacher.divergence=jsd): the teacher's full distributions are computed in
+    # each micro-batch at the student's positions, packed or padded, so the loss, its JSD sum and the gradient match
+    batch, norm = _minibatch()
+    spec = LossSpec(clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.0, kl_estimator="k3", loss_agg="token-mean",
+                    max_response_tokens=32, jsd_weight=0.5, jsd_beta=0.3)
+    learner = _learner(tiny_model_path, use_reference=False, teacher_path=teacher_path)
+    want = learner.train_minibatch(batch, spec, norm, PADDED)
+    want_grads = grads(learner.module)
+    for name, cut in CUTS.items():
+        got = learner.train_minibatch(batch, spec, norm, cut)
+        for key in ("loss", "pg_loss_sum", "jsd_sum", "tokens"):
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (name, key)
+        assert_grads_close(grads(learner.module), want_grads, rel=GRAD_REL)
+    assert want["jsd_sum"] > 0.0  # a differently seeded teacher (tiny-random@1): the term is not trivially 0
+
+
 def test_the_learner_counts_the_tokens_it_computed(tiny_model_path):
     batch, norm = _minibatch()
     learner = _learner(tiny_model_path, use_reference=False)
