@@ -72,10 +72,18 @@ def test_every_row_lands_in_exactly_one_microbatch_within_the_budget(prompts, bu
     plan = plan_microbatches(inputs, MicroBatching(sequences=1, tokens=budget, share_prefixes=share), packed=packed)
     assert sorted(torch.cat(plan).tolist()) == list(range(len(prompts)))
     for rows in plan:
-        cost = sum(lengths[r] + responses[r] for r in rows.tolist())  # an upper bound of what the bin computes
-        padded = len(rows) * (max(lengths[r] for r in rows.tolist()) + max(responses[r] for r in rows.tolist()))
-        assert len(rows) == 1 or min(cost, padded) <= budget or share  # a lone row may exceed it
-        assert not packed or share or len(rows) == 1 or cost <= budget
+        rows = rows.tolist()
+        cost = sum(lengths[r] + responses[r] for r in rows)  # packed, every row its own prompt
+        once = cost - sum(lengths[r] for r in rows) + sum(prompts[g % len(prompts)] for g in {groups[r] for r in rows})
+        padded = len(rows) * (max(lengths[r] for r in rows) + max(responses[r] for r in rows))
+        within = (once if share else cost) if packed else padded  # what the bin computes, in its layout
+        assert len(rows) == 1 or within <= budget, (rows, within)  # only a lone row may exceed the budget
+        assert len(rows) == 1 or min(cost, padded) <= budget or share
+    if packed and share:  # a group that fits the budget (its prompt once) is never cut
+        for g in set(groups):
+            members = [r for r in range(len(prompts)) if groups[r] == g]
+            if lengths[members[0]] + sum(responses[r] for r in members) <= budget:
+                assert any(set(members) <= set(rows.tolist()) for rows in plan), (g, members)
 
 
 def _learner(path: str, **kw) -> PolicyLearner:
