@@ -48,7 +48,7 @@ def preflight(cfg: Config) -> str:
             cannot, or its vocabulary differs from the student's.
         rlray.data.DataError: a data file is missing, empty or has a bad row, line or column.
         rlray.reward.RewardFunctionError: a reward function's file or module does not exist.
-        ValueError: an environment's file or module does not exist (``check_environment_spec``).
+        ValueError: an environment's or agent's file or module does not exist (``check_environment_spec``).
         rlray.checkpoint.storage.SnapshotError: snapshots cannot be written under ``checkpoint.uri``.
     """
     model_dir = resolve_model_path(cfg.model.path)
@@ -78,6 +78,9 @@ def preflight(cfg: Config) -> str:
             check_function_spec(fn.function)
         for name, spec in cfg.env.environments.items():
             check_environment_spec(name, spec)
+        for name, spec in cfg.env.agents.items():
+            if (missing := missing_target(spec)) is not None:
+                raise ValueError(f"env.agents.{name}='{spec}': {missing}")
         if cfg.algo.name == "ppo" and cfg.critic.model_path:
             resolve_model_path(cfg.critic.model_path)
     else:

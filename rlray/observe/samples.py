@@ -39,6 +39,8 @@ class StepSample:
             the model's tokens (loss mask on) and False for observation tokens (the environment's replies, chat
             template included). Empty for a single-turn row, and for a row whose mask is all off (its reward failed,
             or ``algo.mask_truncated``), where sampled text cannot be told from observations.
+        segment: which token sequence of an agent episode the row holds when the agent rewrote its history and the
+            episode was cut (0 the first; each trained on its own, ``env/template_drift``); None otherwise.
     """
 
     step: int
@@ -55,6 +57,7 @@ class StepSample:
     num_turns: int | None = None
     turn_rewards: tuple[float | None, ...] | None = None
     segments: tuple[tuple[bool, str], ...] = ()
+    segment: int | None = None
 
 
 def mask_runs(mask: list[bool]) -> list[tuple[int, int, bool]]:
@@ -113,8 +116,8 @@ def json_row(sample: StepSample) -> dict[str, Any]:
     """Returns ``sample`` as a JSON-safe dict (the monitor page's record); ``terms`` stays a nested object, each
     segment is {role: "assistant" | "observation", text}, and a turn reward that is None or NaN is null.
 
-    Rows written before episodes were kept (no stop_reason, num_turns, turn_rewards, segments) stay readable: the
-    page treats a missing field as null."""
+    Rows written before episodes were kept (no stop_reason, num_turns, turn_rewards, segments, segment) stay readable:
+    the page treats a missing field as null."""
     return {
         "step": sample.step,
         "prompt_id": sample.prompt_id,
@@ -130,6 +133,7 @@ def json_row(sample: StepSample) -> dict[str, Any]:
         "num_turns": sample.num_turns,
         "turn_rewards": None if sample.turn_rewards is None else [_number(r) for r in sample.turn_rewards],
         "segments": [{"role": "assistant" if sampled else "observation", "text": text} for sampled, text in sample.segments],
+        "segment": sample.segment,
     }
 
 

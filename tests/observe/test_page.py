@@ -100,7 +100,8 @@ def test_samples_endpoint_keeps_the_last_steps_and_404s_the_rest(served):
     assert doc["samples"][0] == {"step": 3, "prompt_id": "p3", "prompt": "<|im_start|>user\nWhat is 2+2?", "completion": "4</s>",
                                  "reward": 1.0, "terms": {"gsm8k_correct": 1.0, "gsm8k_format": None}, "advantage": 0.5,
                                  "finish_reason": "stop", "policy_version": 2, "response_tokens": 3,
-                                 "stop_reason": None, "num_turns": None, "turn_rewards": None, "segments": []}
+                                 "stop_reason": None, "num_turns": None, "turn_rewards": None, "segments": [],
+                                 "segment": None}
     assert doc["samples"][1]["reward"] is None and doc["samples"][1]["terms"]["gsm8k_correct"] == "failed"
     assert json.loads(_get(port, "/api/samples?step=2")[2])["samples"][0]["prompt_id"] == "p2"
     status, headers, body = _get(port, "/api/samples?step=1")

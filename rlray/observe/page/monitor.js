@@ -258,12 +258,17 @@ function drawSamples() {
 }
 
 // An episode turn by turn: the model's turns and the environment's observations set apart, each turn with the
-// environment's reward after it; a single-turn row (or one whose turns cannot be told apart) as one text.
+// environment's reward after it; a single-turn row (or one whose turns cannot be told apart) as one text. A segment of
+// an agent episode cut where the agent rewrote its history says which segment it is.
 function completionCell(s) {
   const td = el("td", "text");
   const segments = s.segments || [];
   if (!segments.length) { td.append(el("div", null, s.completion)); return td; }
   const box = el("div");
+  if (Number.isInteger(s.segment) && s.segment >= 0) {
+    box.append(el("div", "seg-label", `segment ${s.segment + 1}: the agent rewrote its history here, so this part of ` +
+      "the episode is trained as a sequence of its own"));
+  }
   let turn = 0;
   for (const seg of segments) {
     const part = el("div", `seg seg-${seg.role === "assistant" ? "assistant" : "observation"}`);

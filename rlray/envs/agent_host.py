@@ -1,0 +1,280 @@
+"""AgentHost: an environment host that also runs agents behind the gateway, and the MCP servers' sessions.
+
+One per environment actor when env.agents or env.mcp_servers is set (``rlray:env-<i>``; it is an
+``EnvironmentHost`` too, so the same actor runs environment episodes). Its own thread runs an asyncio loop that
+holds the gateway's HTTP server (``rlray.envs.gateway``), every running agent (``rlray.envs.agents``: many per host,
+concurrently) and the MCP sessions (``rlray.envs.mcp``: started with the host, stopped with it).
+
+Rank 0 hands a host a batch of agent episodes (``run_agents``: the episodes, the rollout actors' handles and the
+step's sampling). Every call of every agent becomes a request to the episode's rollout actor, and the
+``TickBatcher`` gathers the requests that arrive while an actor is busy into its next engine call: one call per
+actor at a time, each as large as the agents make it (a batch of prompts is what makes an engine fast).
+
+The engine call itself is the ``Sampler`` the host is built with (``rlray.run.agents.FleetSampler``: Ray calls to
+the rollout actors); this module imports no Ray and no engine, and tests give it a scripted sampler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from rlray.envs.agents import AgentLimits, AgentReply, AgentRequest, LoadedAgent, load_agent, run_agent_episode
+from rlray.envs.conversation import Sampled
+from rlray.envs.gateway import Gateway, GatewayEpisode, GatewayLimits
+from rlray.envs.host import EnvironmentHost
+from rlray.envs.mcp import McpClients, McpServerSpec, install_host_tools
+
+log = logging.getLogger(__name__)
+
+
+class Sampler(Protocol):
+    """The engine call of one batch of agent episodes: ``num_actors`` rollout actors, each sampled with the batch's
+    sampling (``rlray.run.agents.FleetSampler``)."""
+
+    num_actors: int
+
+    async def sample(self, actor: int, prompts: list[list[int]], max_new_tokens: int,
+                     stop: tuple[str, ...]) -> list[Sampled]:
+        """Returns one completion per prompt from rollout actor ``actor``, in order."""
+        ...
+
+
+@dataclass
+class AgentBatch:
+    """Agent episodes for one host, and how to sample their calls.
+
+    Attributes:
+        episodes: the episodes.
+        actors: the rollout actors' handles (an episode's calls go to ``actors[actor_key % len(actors)]``).
+        sampling: the step's sampling (``rlray.rollout.SamplingSpec``), handed to the host's sampler factory.
+        max_new_tokens: the most tokens a call samples (the sampling's max_new_tokens).
+    """
+
+    episodes: list[AgentRequest]
+    actors: list[Any]
+    sampling: Any
+    max_new_tokens: int
+
+
+@dataclass
+class GatewayStats:
+    """A host's gateway counters since it started: calls answered, engine calls, and prompts those carried."""
+
+    calls: int = 0
+    engine_calls: int = 0
+    engine_prompts: int = 0
+
+
+class TickBatcher:
+    """Gathers concurrent sample requests into one engine call per rollout actor (see the module docstring).
+
+    Requests for an idle actor wait one loop tick (so the calls that the same tick produces go together); requests
+    for a busy actor wait for its call to end and go in the next one. Requests that differ in max new tokens or stop
+    strings go in separate calls.
+
+    Args:
+        sampler: the engine call.
+        stats: counters to add to.
+    """
+
+    def __init__(self, sampler: Sampler, stats: GatewayStats) -> None:
+        self.sampler, self.stats = sampler, stats
+        self._queue: dict[int, list[tuple[tuple[int, tuple[str, ...]], list[int], asyncio.Future]]] = {}
+        self._busy: set[int] = set()
+
+    async def sample(self, actor_key: int, prompt: list[int], max_new_tokens: int, stop: tuple[str, ...]) -> Sampled:
+        """Returns the completion of ``prompt`` from the actor that ``actor_key`` picks.
+
+        Raises:
+            whatever the sampler raised for the engine call that carried it.
+        """
+        actor = actor_key % self.sampler.num_actors
+        future = asyncio.get_running_loop().create_future()
+        self._queue.setdefault(actor, []).append(((max_new_tokens, stop), prompt, future))
+        if actor not in self._busy:
+            self._busy.add(actor)
+            asyncio.get_running_loop().create_task(self._drain(actor))
+        return await future
+
+    async def _drain(self, actor: int) -> None:
+        """Sends the actor's waiting requests, one engine call per (max new tokens, stop) at a time, until none waits."""
+        try:
+            await asyncio.sleep(0)  # one tick: the requests this tick's calls make go in the same engine call
+            while self._queue.get(actor):
+                waiting = self._queue.pop(actor)
+                groups: dict[tuple[int, tuple[str, ...]], list[tuple[list[int], asyncio.Future]]] = {}
+                for how, prompt, future in waiting:
+                    groups.setdefault(how, []).append((prompt, future))
+                for (max_new, stop), items in groups.items():
+                    await self._call(actor, max_new, stop, items)
+        finally:
+            self._busy.discard(actor)
+
+    async def _call(self, actor: int, max_new: int, stop: tuple[str, ...],
+                    items: list[tuple[list[int], asyncio.Future]]) -> None:
+        self.stats.engine_calls += 1
+        self.stats.engine_prompts += len(items)
+        try:
+            got = await self.sampler.sample(actor, [p for p, _ in items], max_new, stop)
+        except Exception as err:  # noqa: BLE001 - every request of the call gets the engine's error
+            for _, future in items:
+                if not future.done():
+                    future.set_exception(err)
+            return
+        for (_, future), sampled in zip(items, got, strict=True):
+            if not future.done():
+                future.set_result(sampled)
+
+
+class AgentHost(EnvironmentHost):
+    """An ``EnvironmentHost`` that also runs agents behind the gateway and holds the MCP sessions (module docstring).
+
+    Args:
+        environments: {name: spec} of the environments (``EnvironmentHost``; may be empty).
+        agents: {name: spec} of the agents (``rlray.envs.agents.load_agent``; may be empty with MCP servers alone).
+        model_dir: the policy's local folder (its tokenizer tokenizes the agents' conversations).
+        chat_template: ``model.chat_template`` (None: the tokenizer's own).
+        sampler_factory: ``sampler_factory(actors, sampling)`` returns the ``Sampler`` of a batch.
+        max_turns: calls answered per agent episode; max_episode_tokens: the longest segment, in tokens.
+        episode_timeout_s: seconds per agent episode.
+        mcp_servers: the MCP servers to start (``McpServerSpec``).
+        gateway_host: the address the gateway binds (``env.gateway_host``).
+        chat_template_kwargs: extra template variables (``rollout.chat_template_kwargs``).
+        agent_threads: threads for synchronous agents.
+        tool_parser, step_timeout_s, threads, sandbox, memory_gib: as ``EnvironmentHost`` (step_timeout_s is also the
+            most seconds an agent may spend between gateway calls).
+
+    Raises:
+        ValueError: an agent or environment cannot be loaded (names it and its spec).
+        rlray.envs.mcp.McpStartError: an MCP server did not start.
+    """
+
+    def __init__(self, environments: dict[str, str], *, agents: dict[str, str], model_dir: str | None,
+                 chat_template: str | None = None, sampler_factory: Callable[[list[Any], Any], Sampler] | None = None,
+                 max_turns: int = 8, max_episode_tokens: int = 4096, episode_timeout_s: float = 600.0,
+                 mcp_servers: list[McpServerSpec] | None = None, gateway_host: str = "127.0.0.1",
+                 chat_template_kwargs: dict[str, Any] | None = None, agent_threads: int = 64,
+                 tool_parser: str = "hermes", step_timeout_s: float = 60.0, threads: int = 8, sandbox: bool = False,
+                 memory_gib: float = 2.0) -> None:
+        super().__init__(environments, tool_parser=tool_parser, step_timeout_s=step_timeout_s, threads=threads,
+                         sandbox=sandbox, memory_gib=memory_gib)
+        self._agents: dict[str, LoadedAgent] = {}
+        for name, spec in agents.items():
+            try:
+                self._agents[name] = load_agent(spec)
+            except Exception as err:  # noqa: BLE001 - any import problem of user code becomes one clear error
+                raise ValueError(f"env.agents.{name}: cannot load '{spec}': {err}") from err
+        tokenizer = None
+        if agents:
+            from rlray.models import load_tokenizer
+
+            tokenizer = load_tokenizer(model_dir, chat_template)
+        self._sampler_factory = sampler_factory
+        self._limits = AgentLimits(step_timeout_s, episode_timeout_s)
+        self._max_turns, self._max_episode_tokens = max_turns, max_episode_tokens
+        self.stats = GatewayStats()
+        self._batchers: dict[str, TickBatcher] = {}
+        self.gateway = Gateway(tokenizer, self._sample, tool_parser=tool_parser, chat_template_kwargs=chat_template_kwargs)
+        self.mcp = McpClients(list(mcp_servers or [])) if mcp_servers else None
+        self._threads = concurrent.futures.ThreadPoolExecutor(max_workers=agent_threads, thread_name_prefix="rlray-agent")
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="rlray-gateway", daemon=True)
+        self._thread.start()
+        self._http: Any = None
+        try:
+            self._on_loop(self._start(gateway_host if agents else ""))
+        except BaseException:
+            self.shutdown()
+            raise
+        if self.mcp is not None:
+            install_host_tools(self.mcp.tools())
+
+    def run_agents(self, batch: AgentBatch) -> list[AgentReply]:
+        """Returns the replies of ``batch``'s episodes, in order, each run to its end (blocks).
+
+        Raises:
+            ValueError: an episode names an agent this host does not have.
+        """
+        unknown = sorted({r.agent for r in batch.episodes} - set(self._agents))
+        if unknown:
+            raise ValueError(f"agents {unknown} are not in env.agents {sorted(self._agents)}")
+        return self._on_loop(self._run(batch))
+
+    def gateway_url(self) -> str:
+        """Returns the gateway's base URL ("" without agents)."""
+        return self.gateway.base_url
+
+    def gateway_stats(self) -> GatewayStats:
+        """Returns the gateway's counters since the host started."""
+        return GatewayStats(self.stats.calls, self.stats.engine_calls, self.stats.engine_prompts)
+
+    def mcp_tool_names(self) -> list[str]:
+        """Returns the MCP servers' tool names ([] without env.mcp_servers)."""
+        return self.mcp.names if self.mcp is not None else []
+
+    def shutdown(self) -> None:
+        """Stops the MCP servers and the gateway, then the loop (the host is unusable after)."""
+        if self._loop.is_closed():
+            return
+        if self._loop.is_running():
+            try:
+                self._on_loop(self._stop(), timeout_s=30.0)
+            except Exception:  # noqa: BLE001 - stopping goes on whatever failed
+                log.warning("stopping the gateway or the MCP sessions failed", exc_info=True)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10.0)
+        install_host_tools([])
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001 - the interpreter may be going down
+            pass
+
+    # ---- on the loop ------------------------------------------------------------------------
+    def _on_loop(self, coro: Any, timeout_s: float | None = None) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=timeout_s)
+
+    async def _start(self, gateway_host: str) -> None:
+        if gateway_host:
+            import openai
+
+            await self.gateway.start(gateway_host)
+            self._http = openai.DefaultAsyncHttpxClient(timeout=self._limits.episode_timeout_s)
+        if self.mcp is not None:
+            await self.mcp.start()
+
+    async def _stop(self) -> None:
+        if self.mcp is not None:
+            await self.mcp.close()
+        await self.gateway.close()
+        if self._http is not None:
+            await self._http.aclose()
+
+    async def _run(self, batch: AgentBatch) -> list[AgentReply]:
+        if self._sampler_factory is None:
+            raise ValueError("AgentHost was built without a sampler_factory: it cannot sample agents' calls")
+        batcher = TickBatcher(self._sampler_factory(batch.actors, batch.sampling), self.stats)
+        limits = GatewayLimits(self._max_turns, self._max_episode_tokens, batch.max_new_tokens)
+        for request in batch.episodes:
+            self._batchers[request.key] = batcher
+        try:
+            return list(await asyncio.gather(*(
+                run_agent_episode(self.gateway, r, self._agents[r.agent], self.mcp, self._limits, limits,
+                                  http_client=self._http, threads=self._threads) for r in batch.episodes)))
+        finally:
+            for request in batch.episodes:
+                self._batchers.pop(request.key, None)
+
+    async def _sample(self, episode: GatewayEpisode, prompt: list[int], max_new_tokens: int,
+                      stop: tuple[str, ...]) -> Sampled:
+        """The gateway's engine call: through the batcher of the episode's batch."""
+        self.stats.calls += 1
+        return await self._batchers[episode.key].sample(episode.actor_key, prompt, max_new_tokens, stop)
