@@ -32,6 +32,8 @@ from rlray.envs.mcp import McpClients, McpServerSpec, install_host_tools
 
 log = logging.getLogger(__name__)
 
+GATEWAY_CONNECTIONS = 256  # HTTP connections the host's agents hold to its gateway at once (more calls wait)
+
 
 class Sampler(Protocol):
     """The engine call of one batch of agent episodes: ``num_actors`` rollout actors, each sampled with the batch's
@@ -247,7 +249,12 @@ class AgentHost(EnvironmentHost):
             import openai
 
             await self.gateway.start(gateway_host)
-            self._http = openai.DefaultAsyncHttpxClient(timeout=self._limits.episode_timeout_s)
+            import httpx2
+
+            # one pool for every episode's client: connections are reused, and calls past the pool wait for one
+            self._http = openai.DefaultAsyncHttpxClient(
+                timeout=httpx2.Timeout(self._limits.episode_timeout_s, pool=None),
+                limits=httpx2.Limits(max_connections=GATEWAY_CONNECTIONS, max_keepalive_connections=GATEWAY_CONNECTIONS))
         if self.mcp is not None:
             await self.mcp.start()
 

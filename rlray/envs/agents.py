@@ -290,8 +290,13 @@ async def run_agent_episode(gateway: Gateway, request: AgentRequest, agent: Load
     if agent.is_async and http_client is None:
         await client.close()
     reply.segments = episode.conversation.segments()
-    if not reply.segments and not reply.message:
-        reply.stop_reason, reply.message = "env_error", "the agent made no chat or completion call that was answered"
+    if not reply.segments and episode.stop_reason == "max_episode_tokens":  # the opening prompt left no room
+        reply.stop_reason, reply.reward = "prompt_too_long", None
+        reply.message = (f"the first call's prompt with max_tokens={gateway_limits.max_new_tokens} exceeds "
+                         f"env.max_episode_tokens={gateway_limits.max_episode_tokens}")
+    elif not reply.segments and not reply.message:
+        reply.stop_reason, reply.reward = "env_error", None
+        reply.message = "the agent made no chat or completion call that was answered"
     reply.calls, reply.refused, reply.drift = episode.calls, episode.refused, episode.conversation.drift
     reply.tool_calls, reply.tool_errors = episode.tool_calls, episode.tool_errors
     return reply

@@ -174,7 +174,7 @@ class Gateway:
         app.router.add_get("/{key}/v1/models", self._models)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
+        site = web.TCPSite(self._runner, host, port, backlog=4096)
         await site.start()
         bound = site._server.sockets[0].getsockname()[1]  # aiohttp exposes the port it bound only here
         self.base_url = f"http://{host}:{bound}"
