@@ -19,7 +19,8 @@ class McpServerConfig(_Section):
         None,
         description=(
             "A stdio server: the command that starts it (a list, or one string split like a shell line), run by "
-            "each environment host as its child process and stopped with it."
+            "each environment host as its child process and stopped with it; 'python' runs the host's own "
+            "interpreter, and arguments naming files are made absolute at start."
         ),
     )
     url: str | None = Field(None, description="A streamable-HTTP server already running: its endpoint URL.")

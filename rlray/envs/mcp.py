@@ -1,7 +1,8 @@
 """MCP tools: sessions with the configured MCP servers (``env.mcp_servers``), their tools as tool schemas, and calls.
 
 Each environment host starts one client session per server when it starts and stops them with it: a stdio server is
-the host's child process (``command``), a streamable-HTTP server is reached at its ``url``. The sessions live on the
+the host's child process (``command``; a command that starts with ``python`` runs on the host's own interpreter, the
+run's virtualenv), a streamable-HTTP server is reached at its ``url``. The sessions live on the
 host's asyncio loop, through the ``mcp`` package's client (``mcp.ClientSession`` over ``mcp.stdio_client`` or
 ``mcp.client.streamable_http.streamable_http_client``). The servers' tools are listed once, at start, and
 offered two ways:
@@ -28,6 +29,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 60.0  # seconds a server may take to start and list its tools
+PYTHON_NAMES = ("python", "python3")  # a stdio command starting with one of these runs on the host's own interpreter
 
 
 class McpStartError(RuntimeError):
@@ -249,7 +251,8 @@ class McpClients:
             return streamable_http_client(spec.url)
         from mcp import StdioServerParameters, stdio_client
 
-        params = StdioServerParameters(command=spec.command[0], args=list(spec.command[1:]), env=dict(spec.env) or None)
+        command = sys.executable if spec.command[0] in PYTHON_NAMES else spec.command[0]
+        params = StdioServerParameters(command=command, args=list(spec.command[1:]), env=dict(spec.env) or None)
         return stdio_client(params, errlog=sys.stderr)
 
 

@@ -161,6 +161,9 @@ def resolve_paths(cfg: Config, base: Path | None = None) -> Config:
         target, name = spec.rsplit(":", 1)
         if target.endswith(".py"):
             out.env.agents[agent_name] = f"{local(target)}:{name}"
+    for server in out.env.mcp_servers:  # a stdio MCP server's file arguments (the hosts may run in another folder)
+        if server.command:
+            server.command = [server.command[0], *(local(a) for a in server.command[1:])]
     return out
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from rlray.envs.agent_host import AgentBatch, AgentHost
 from rlray.envs.agents import AgentRequest
+from rlray.envs.gateway import GatewayLimits, split_tool_calls
 from rlray.observe.samples import mask_runs
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "agents.py"
@@ -160,7 +161,7 @@ def test_requests_the_gateway_refuses(host):
 
     tokenizer()
     gateway = host.gateway
-    limits = __import__("rlray.envs.gateway", fromlist=["GatewayLimits"]).GatewayLimits(4, 1024, 16)
+    limits = GatewayLimits(4, 1024, 16)
     gateway.episodes.pop("manual", None)
     ep = gateway.open("manual", 0, limits)
     try:
@@ -176,6 +177,16 @@ def test_requests_the_gateway_refuses(host):
     finally:
         gateway.close_episode("manual", "test")
     assert json.dumps(body)  # every refusal is an OpenAI-shaped JSON error
+
+
+def test_tool_calls_are_split_from_the_text_as_the_parser_reads_them():
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+    assert split_tool_calls(f"Let me add.\n{call}", "hermes") == (
+        "Let me add.", [{"type": "function", "function": {"name": "add", "arguments": {"a": 1}}}], 0)
+    # an unparsable block: the agent gets the whole text, the good call, and the error counted
+    content, calls, bad = split_tool_calls(f"{call}<tool_call>{{oops</tool_call>", "hermes")
+    assert content.endswith("{oops</tool_call>") and len(calls) == 1 and bad == 1
+    assert split_tool_calls("plain", "hermes") == ("plain", [], 0)
 
 
 def test_a_thousand_scripted_episodes_log_zero_drift(host):
