@@ -65,3 +65,10 @@ def test_episode_fields_survive_the_mlflow_table_and_old_tables_stay_readable(tm
     assert rows_from_table(old) == [{"step": 2, "prompt_id": "p", "prompt": "q", "completion": "c", "reward": 1.0, "advantage": 0.5,
                                      "finish_reason": "stop", "policy_version": 1, "response_tokens": 3, "terms": {"env": 1.0}}]
     tracker.finish()
+
+
+def test_a_segment_of_a_cut_agent_episode_is_kept_by_number():
+    cut = StepSample(3, "w", "q", "a", 1.0, {"env": 1.0}, 0.5, "stop", 2, 4, "template_drift", 1, (None,),
+                     ((True, "a"),), segment=0)
+    assert json_row(cut)["segment"] == 0 and table_columns([cut])["segment"] == [0]
+    assert json_row(StepSample(3, "p", "q", "a", 1.0, {}, 0.5, "stop", 2, 4))["segment"] is None
