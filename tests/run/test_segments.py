@@ -97,3 +97,64 @@ def test_padding_rows_take_no_part_in_the_advantages():
     seq = adv[:, 0]
     torch.testing.assert_close(seq[[0, 1, 4, 5]], torch.tensor([1.5, -0.5, -0.5, -0.5]), rtol=0, atol=1e-5)
     assert seq[6] == seq[2]  # group 1's cut sample: its segment and its last row share the advantage
+
+
+class _Tokenizer:
+    def batch_decode(self, ids, skip_special_tokens=True):
+        return [" ".join(map(str, x)) for x in ids]
+
+
+class _NoReward:
+    """Reward functions that skip every sample: the agents' own rewards are the samples' rewards."""
+
+    def score(self, prompts, completions, columns, completion_ids=None):
+        return {"reward": [0.0] * len(completions), "none": [None] * len(completions)}
+
+    def close(self):
+        pass
+
+
+def _agent_group(p, rewards, cut_first=False):
+    """Two agent episodes of prompt ``p`` with rewards ``rewards``; the first cut into 2 segments when ``cut_first``."""
+    out = []
+    for s, r in enumerate(rewards):
+        c = _episode(p, s, [10 * p + s, 1], [[50 + s]] if (cut_first and s == 0) else ())
+        c.episode.env_reward, c.episode.turn_rewards = r, [None, r]
+        out.append(c)
+    return out
+
+
+def test_a_dapo_step_with_a_refill_lays_out_its_segment_rows_for_two_ranks():
+    """DAPO drops a flat group and refills from the agent rollout; the kept groups' segments become rows on their
+    group's rank, each rank's shard padded to the same whole mini-batches."""
+    from types import SimpleNamespace
+
+    from rlray.data import PromptStream
+    from rlray.reward.server import LocalRewardClient
+    from rlray.rollout.fleet import RolloutBatch
+    from rlray.run import experience
+    from rlray.run.experience import StageTimer
+    from rlray.run.lead import FleetCounts, OnlineLead
+
+    rows = [PromptRow(f"q{i}", f"question {i}", {"environment": "solver"}) for i in range(4)]
+    cfg = config_from_dict({"env": {"agents": {"solver": "m:agent"}, "default": "solver"}}, [
+        "algo.name=dapo", "learner.prompts_per_step=2", "rollout.samples_per_prompt=2",
+        "learner.sequences_per_minibatch=2", "learner.sequences_per_microbatch=2"])
+    step = [*_agent_group(0, [0.0, 0.0]), *_agent_group(1, [1.0, 0.0], cut_first=True)]  # group 0 is flat: dropped
+    refill = _agent_group(0, [0.0, 1.0], cut_first=True)
+    stream = PromptStream(rows[2:], seed=0, shuffle=False)
+    rollouts = SimpleNamespace(generate=lambda ids, sampling, rs: list(refill))
+    lead = OnlineLead(stream=stream, prompt_ids={r.prompt_id: [3] for r in rows}, skipped_long_prompts=0, eval_prompts=[],
+                      reward_columns=None, reward=LocalRewardClient(_NoReward(), 1), reward_kwargs={}, fleet=rollouts,
+                      rollouts=rollouts, logged=FleetCounts(),
+                      pipeline=SimpleNamespace(next=lambda s: RolloutBatch(s, rows[:2], [[3], [3]], step, 0)))
+    got = experience.collect_experience(lead, cfg, _Tokenizer(), 0, StageTimer(), policy_version=0, world=2)
+    assert got.metrics["algo/dynamic_sampling_rounds"] == 2.0
+    assert got.metrics["env/template_drift"] == 2.0 and got.metrics["env/episodes"] == 4.0
+    table = got.table
+    # kept: group 1 (rank 0) and the refill (rank 1), each 2 samples + 1 segment row, padded to 2 mini-batches of 2
+    assert table.num_rows == 8
+    assert table.column("prompt_id").to_pylist() == ["q1"] * 4 + ["q2"] * 4
+    assert table.column("segment").to_pylist() == [1, None, 0, PADDING, 1, None, 0, PADDING]
+    assert table.column("reward").to_pylist()[:3] == [1.0, 0.0, 1.0]  # the segment has its episode's reward
+    assert [n.num_sequences for n in minibatch_normalisers(table, cfg, 2)] == [4.0, 4.0]
