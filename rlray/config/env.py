@@ -86,7 +86,10 @@ class EnvConfig(_Section):
     default: str | None = Field(
         None, description="Environment or agent of rows without that column; None makes such rows single-turn prompts."
     )
-    max_turns: int = Field(8, ge=1, description="Assistant turns per episode; then it ends (stop reason max_turns).")
+    max_turns: int = Field(
+        8, ge=1,
+        description="Assistant turns per episode (an agent's calls answered); then it ends (stop reason max_turns).",
+    )
     max_episode_tokens: int | None = Field(
         None,
         ge=16,
@@ -103,8 +106,9 @@ class EnvConfig(_Section):
         60.0,
         gt=0.0,
         description=(
-            "Seconds one reset or step call may take; past it the episode fails (stop reason timeout). Soft without "
-            "env.sandbox (the thread is abandoned, not killed), hard with it (the episode's process is killed)."
+            "Seconds one reset or step call may take (an agent: its own work between two gateway calls); past it the "
+            "episode fails (stop reason timeout). Soft without env.sandbox (the thread is abandoned, not killed), hard "
+            "with it (the episode's process is killed); an async agent is cancelled."
         ),
     )
     sandbox: bool = Field(
@@ -117,7 +121,9 @@ class EnvConfig(_Section):
     )
     memory_gib: float = Field(2.0, gt=0.0, description="Address-space cap of a sandboxed episode's process, in GiB.")
     episode_timeout_s: float = Field(
-        600.0, gt=0.0, description="Seconds one episode may run, checked between turns (stop reason episode_timeout)."
+        600.0, gt=0.0,
+        description="Seconds one episode may run, checked between turns, or while an agent runs (stop reason "
+                    "episode_timeout).",
     )
     tool_parser: Literal["hermes"] = Field(
         "hermes", description="How tool calls are read from the model's text: hermes (<tool_call>{json}</tool_call>)."

@@ -13,7 +13,8 @@ serves every running episode under its own path: ``<base>/<episode key>/v1`` is 
 - ``GET /models``: the one model, ``policy``.
 
 Each call's tokens go through the episode's ``AgentConversation`` (token exact; cut into segments when the agent
-rewrites history) and its sampling through ``sample``, the host's engine call pinned to the episode's rollout
+rewrites history; concurrent calls of one episode are answered one after another, so the second of two parallel
+samples of the same messages opens a segment of its own) and its sampling through ``sample``, the host's engine call pinned to the episode's rollout
 actor. Sampling follows the run (``rollout.*``: temperature, top-p, top-k, min-p), because the learner's logprobs
 assume it; a request's ``max_tokens`` / ``max_completion_tokens`` can only lower ``rollout.max_new_tokens``, its
 ``stop`` strings are added, and its temperature and other sampling fields are ignored. ``n`` must be 1.
@@ -76,6 +77,7 @@ class GatewayEpisode:
         tool_calls, tool_errors: tool calls in the answers (parsed calls plus unparsable ones) and those that failed
             (unparsable; ``rlray.envs.agents`` adds failed MCP tool calls).
         in_call: calls being answered now; last_active: time.monotonic() when the agent last waited on the gateway.
+        lock: held while a call is answered: concurrent calls of one episode are answered one after another.
     """
 
     key: str
@@ -90,6 +92,7 @@ class GatewayEpisode:
     tool_errors: int = 0
     in_call: int = 0
     last_active: float = field(default_factory=time.monotonic)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 SampleFn = Callable[[GatewayEpisode, list[int], int, tuple[str, ...]], Awaitable[Sampled]]
@@ -240,7 +243,12 @@ class Gateway:
             body = await request.json()
             if not isinstance(body, dict):
                 raise GatewayError(400, "invalid_request", "the request body must be a JSON object")
-            answer = await (self._chat_call(episode, body) if chat else self._text_call(episode, body))
+            async with episode.lock:  # an episode's calls one at a time: each sees the previous one recorded
+                if episode.ended:
+                    why = episode.stop_reason or "the agent finished"
+                    raise GatewayError(410, "episode_ended", f"episode {key} has ended ({why}); rlray answers no call "
+                                       "after an episode ends")
+                answer = await (self._chat_call(episode, body) if chat else self._text_call(episode, body))
         except GatewayError as err:
             episode.refused += 1
             return _error(err.status, err.code, str(err))

@@ -17,7 +17,7 @@ from rlray.envs.gateway import GatewayLimits, split_tool_calls
 from rlray.observe.samples import mask_runs
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "agents.py"
-NAMES = ["tool_agent", "rewriting_agent", "raising_agent", "hanging_agent", "busy_agent", "greedy_agent", "text_agent",
+NAMES = ["tool_agent", "rewriting_agent", "parallel_agent", "raising_agent", "hanging_agent", "busy_agent", "greedy_agent", "text_agent",
          "streaming_agent", "sync_agent", "silent_agent", "bad_return_agent"]
 
 
@@ -80,6 +80,13 @@ def test_a_history_rewrite_cuts_segments_each_token_exact(host):
     assert [s.num_turns for s in reply.segments] == [1, 1, 1]
     for seg in reply.segments:  # each segment: its own prompt, one sampled turn, nothing else
         assert seg.loss_mask == [True] * len(seg.response_ids) and seg.observation_tokens == 0
+
+
+def test_parallel_calls_of_one_episode_are_answered_one_after_another(host):
+    (reply,) = run(host, "parallel_agent", [{"prompt": "Twice."}])
+    assert (reply.stop_reason, reply.reward, reply.calls) == ("done", 2.0, 2)
+    assert reply.drift == 1 and [s.num_turns for s in reply.segments] == [1, 1]  # the same messages twice: 2 segments
+    assert reply.segments[0].prompt_ids == reply.segments[1].prompt_ids
 
 
 def test_many_concurrent_agents_share_engine_calls(host):
