@@ -56,7 +56,7 @@ def overrides(variant: str, size: dict[str, Any], workdir: Path) -> list[str]:
            f"learner.sequences_per_microbatch={size['prompts'] * size['samples']}", "guard.kl_threshold=null",
            f"run.output_dir={workdir}/out", f"tracking.mlflow_uri=sqlite:///{workdir}/mlflow.db", "monitor.port=0"]
     if variant == "agent":
-        out += ["env.environments={}", "env.agents={retry: " + AGENT + "}", "env.default=retry"]
+        out += ["env.environments={}", "env.agents={retry_arith: " + AGENT + "}"]  # the rows name retry_arith
     return out
 
 
@@ -94,7 +94,8 @@ def summarise(run: dict[str, Any], warmup: int) -> dict[str, Any]:
         "rollout_s": median([t["timing/rollout_s"][i] for i in kept]),
         "generated_tokens": median([run["generated_tokens"][i] for i in kept]), "rollout_s_per_1k_tokens": median(per_k),
         "turns_mean": median(series["env/turns_mean"]), "gateway_calls_mean": median(series["env/gateway_calls_mean"]),
-        "template_drift": sum(v or 0.0 for v in series["env/template_drift"]), "failed": sum(series["env/failed"]),
+        "template_drift": sum(v or 0.0 for v in series["env/template_drift"]),
+        "failed": sum(v or 0.0 for v in series["env/failed"]),
         "peak_pss_gib": run.get("peak_pss_gib"),
     }
 

@@ -88,6 +88,7 @@ class AgentRollout:
         env_column: the row column naming a row's agent or environment.
         default: the name of rows without that column (an agent, an environment, or None).
         agents: the configured agent names.
+        environments: the configured environment names (a row naming neither an agent nor one of them is an error).
         prompt_column: the data's prompt column (data.prompt_column): the agent's row holds the prompt as ``prompt``
             and under this name too, with every other column.
 
@@ -96,11 +97,12 @@ class AgentRollout:
     """
 
     def __init__(self, fleet: RolloutFleet, hosts: list[Any], inner: RolloutSource, tokenizer: Any, *, env_column: str,
-                 default: str | None, agents: list[str], prompt_column: str = "prompt") -> None:
+                 default: str | None, agents: list[str], environments: list[str] = (), prompt_column: str = "prompt") -> None:
         if not hosts:
             raise ValueError("AgentRollout needs at least one environment host (resources.env.num_workers)")
         self.fleet, self.hosts, self.inner, self.tokenizer = fleet, list(hosts), inner, tokenizer
         self.env_column, self.default, self.agents = env_column, default or "", set(agents)
+        self.environments = set(environments)
         self.prompt_column = prompt_column
 
     @property
@@ -109,8 +111,16 @@ class AgentRollout:
         return self.fleet.version
 
     def agent_of(self, row: Any) -> str:
-        """Returns the agent a prompt row names ("" when it names an environment or nothing)."""
+        """Returns the agent a prompt row names ("" when it names an environment or nothing).
+
+        Raises:
+            ValueError: the row names neither a configured agent nor a configured environment (names the row and both
+                lists).
+        """
         name = row.columns.get(self.env_column) or self.default
+        if name and name not in self.agents and name not in self.environments:
+            raise ValueError(f"prompt row '{row.prompt_id}': column '{self.env_column}' names '{name}', which is not in "
+                             f"env.agents {sorted(self.agents)} or env.environments {sorted(self.environments)}")
         return str(name) if name in self.agents else ""
 
     def submit(self, prompt_ids: list[list[int]], sampling: SamplingSpec, rows: list[Any]) -> Future[list[Completion]]:
@@ -142,7 +152,7 @@ class AgentRollout:
 
         Raises:
             RolloutError: no rollout actor is alive, or ``inner`` failed.
-            ValueError: a row names an environment the inner rollout does not know.
+            ValueError: a row names an agent or environment that is not configured.
         """
         agent_rows = [p for p, row in enumerate(rows) if self.agent_of(row)]
         other = [p for p, row in enumerate(rows) if not self.agent_of(row)]

@@ -160,7 +160,8 @@ def rollouts(cfg: Config, fleet: Any, hosts: list[Any], tokenizer: Any) -> Rollo
     if not cfg.env.agents:
         return inner
     return AgentRollout(fleet, hosts, inner, tokenizer, env_column=cfg.env.column, default=cfg.env.default,
-                        agents=list(cfg.env.agents), prompt_column=cfg.data.prompt_column)
+                        agents=list(cfg.env.agents), environments=list(cfg.env.environments),
+                        prompt_column=cfg.data.prompt_column)
 
 
 def update_spec(cfg: Config, world: int) -> learner_online.UpdateSpec:

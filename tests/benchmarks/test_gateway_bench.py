@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import json
 import sys
 from pathlib import Path
 
@@ -29,8 +30,12 @@ def test_the_two_runs_train_the_same_task_one_behind_the_gateway(bench, tmp_path
     native = load_config(bench.CONFIG, bench.overrides("native", size, tmp_path))
     agent = load_config(bench.CONFIG, bench.overrides("agent", size, tmp_path))
     assert native.env.environments and not native.env.agents
-    assert agent.env.agents == {"retry": bench.AGENT} and agent.env.default == "retry" and not agent.env.environments
+    # the shipped rows name their environment (column environment: retry_arith): the agent takes that name
+    assert agent.env.agents == {"retry_arith": bench.AGENT} and list(native.env.environments) == ["retry_arith"]
+    assert not agent.env.environments and agent.env.default is None
     assert native.model_dump(exclude={"env"}) == agent.model_dump(exclude={"env"})
+    rows = [json.loads(line) for line in Path(native.data.train_files[0]).read_text().splitlines()[:50]]
+    assert {r["environment"] for r in rows} == {"retry_arith"}
     env_agent = importlib.import_module("env_agent")  # the agent plays the config's episode: its system prompt, turns
     assert env_agent.SYSTEM_PROMPT == native.data.system_prompt and env_agent.MAX_TURNS == native.env.max_turns
 

@@ -91,6 +91,18 @@ def agent_host(ray_session, tiny_model_path):
     ray.kill(host)
 
 
+def test_a_row_naming_no_configured_agent_or_environment_is_an_error():
+    rollout = AgentRollout(FakeFleet(), [object()], FakeInner(), None, env_column="environment", default=None,
+                           agents=["solver"], environments=["guess"])
+    assert rollout.agent_of(PromptRow("a", "x", {"environment": "solver"})) == "solver"
+    assert rollout.agent_of(PromptRow("b", "x", {"environment": "guess"})) == ""
+    assert rollout.agent_of(PromptRow("c", "x", {})) == ""
+    with pytest.raises(ValueError, match=r"prompt row 'd': column 'environment' names 'retry_arith', which is not in "
+                                         r"env.agents \['solver'\] or env.environments \['guess'\]"):
+        rollout.generate([[1]], SamplingSpec(n=1, max_new_tokens=4, temperature=1.0),
+                         [PromptRow("d", "x", {"environment": "retry_arith"})])
+
+
 @pytest.mark.ray
 def test_agent_rows_run_behind_the_gateway_next_to_other_rows(agent_host, tiny_tokenizer):
     inner = FakeInner()
