@@ -7,8 +7,8 @@ concurrently) and the MCP sessions (``rlray.envs.mcp``: started with the host, s
 
 Rank 0 hands a host a batch of agent episodes (``run_agents``: the episodes, the rollout actors' handles and the
 step's sampling). Every call of every agent becomes a request to the episode's rollout actor, and the
-``TickBatcher`` gathers the requests that arrive while an actor is busy into its next engine call: one call per
-actor at a time, each as large as the agents make it (a batch of prompts is what makes an engine fast).
+``TickBatcher`` gathers the requests into engine calls: one call per actor at a time, each holding what its running
+episodes asked for meanwhile (a batch of prompts is what makes an engine fast).
 
 The engine call itself is the ``Sampler`` the host is built with (``rlray.run.agents.FleetSampler``: Ray calls to
 the rollout actors); this module imports no Ray and no engine, and tests give it a scripted sampler.
@@ -76,19 +76,39 @@ class GatewayStats:
 class TickBatcher:
     """Gathers concurrent sample requests into one engine call per rollout actor (see the module docstring).
 
-    Requests for an idle actor wait one loop tick (so the calls that the same tick produces go together); requests
-    for a busy actor wait for its call to end and go in the next one. Requests that differ in max new tokens or stop
-    strings go in separate calls.
+    An actor runs one call at a time. Before each call the batcher waits for the actor's running episodes to ask: it
+    sends once every running episode pinned to the actor has a request waiting (an agent that finished no longer
+    counts), or after a window of ``WINDOW_FRACTION`` of the actor's previous call's duration (at most
+    ``MAX_WINDOW_S``: an agent busy with its own work, a slow tool, is not waited for longer). Without the wait, the
+    first agent back from a call would go alone in an engine call and the rest in the next, each turn costing two
+    calls. Requests that differ in max new tokens or stop strings go in separate calls.
 
     Args:
         sampler: the engine call.
         stats: counters to add to.
     """
 
+    WINDOW_FRACTION = 0.1  # of the actor's previous call's duration: the longest wait for its running episodes
+    MAX_WINDOW_S = 0.5
+
     def __init__(self, sampler: Sampler, stats: GatewayStats) -> None:
         self.sampler, self.stats = sampler, stats
         self._queue: dict[int, list[tuple[tuple[int, tuple[str, ...]], list[int], asyncio.Future]]] = {}
         self._busy: set[int] = set()
+        self._running: dict[int, int] = {}  # actor -> its episodes that have not ended
+        self._last_s: dict[int, float] = {}  # actor -> seconds its previous call took
+        self._changed = asyncio.Event()
+
+    def enter(self, actor_key: int) -> None:
+        """Counts an episode that starts on the actor ``actor_key`` picks."""
+        actor = actor_key % self.sampler.num_actors
+        self._running[actor] = self._running.get(actor, 0) + 1
+
+    def leave(self, actor_key: int) -> None:
+        """Counts an episode that ended (its actor no longer waits for it)."""
+        actor = actor_key % self.sampler.num_actors
+        self._running[actor] -= 1
+        self._changed.set()
 
     async def sample(self, actor_key: int, prompt: list[int], max_new_tokens: int, stop: tuple[str, ...]) -> Sampled:
         """Returns the completion of ``prompt`` from the actor that ``actor_key`` picks.
@@ -99,6 +119,7 @@ class TickBatcher:
         actor = actor_key % self.sampler.num_actors
         future = asyncio.get_running_loop().create_future()
         self._queue.setdefault(actor, []).append(((max_new_tokens, stop), prompt, future))
+        self._changed.set()
         if actor not in self._busy:
             self._busy.add(actor)
             asyncio.get_running_loop().create_task(self._drain(actor))
@@ -109,6 +130,7 @@ class TickBatcher:
         try:
             await asyncio.sleep(0)  # one tick: the requests this tick's calls make go in the same engine call
             while self._queue.get(actor):
+                await self._gather(actor)
                 waiting = self._queue.pop(actor)
                 groups: dict[tuple[int, tuple[str, ...]], list[tuple[list[int], asyncio.Future]]] = {}
                 for how, prompt, future in waiting:
@@ -118,10 +140,25 @@ class TickBatcher:
         finally:
             self._busy.discard(actor)
 
+    async def _gather(self, actor: int) -> None:
+        """Waits until every running episode of ``actor`` has a request waiting, or the window has passed."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(self.WINDOW_FRACTION * self._last_s.get(actor, 0.0), self.MAX_WINDOW_S)
+        while len(self._queue.get(actor, ())) < self._running.get(actor, 0):
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except asyncio.TimeoutError:
+                return
+
     async def _call(self, actor: int, max_new: int, stop: tuple[str, ...],
                     items: list[tuple[list[int], asyncio.Future]]) -> None:
         self.stats.engine_calls += 1
         self.stats.engine_prompts += len(items)
+        started = asyncio.get_running_loop().time()
         try:
             got = await self.sampler.sample(actor, [p for p, _ in items], max_new, stop)
         except Exception as err:  # noqa: BLE001 - every request of the call gets the engine's error
@@ -129,6 +166,8 @@ class TickBatcher:
                 if not future.done():
                     future.set_exception(err)
             return
+        finally:
+            self._last_s[actor] = asyncio.get_running_loop().time() - started
         for (_, future), sampled in zip(items, got, strict=True):
             if not future.done():
                 future.set_result(sampled)
@@ -272,13 +311,16 @@ class AgentHost(EnvironmentHost):
         limits = GatewayLimits(self._max_turns, self._max_episode_tokens, batch.max_new_tokens)
         for request in batch.episodes:
             self._batchers[request.key] = batcher
-        try:
-            return list(await asyncio.gather(*(
-                run_agent_episode(self.gateway, r, self._agents[r.agent], self.mcp, self._limits, limits,
-                                  http_client=self._http, threads=self._threads) for r in batch.episodes)))
-        finally:
-            for request in batch.episodes:
+        async def run(request: AgentRequest) -> AgentReply:
+            batcher.enter(request.actor_key)
+            try:
+                return await run_agent_episode(self.gateway, request, self._agents[request.agent], self.mcp,
+                                               self._limits, limits, http_client=self._http, threads=self._threads)
+            finally:
+                batcher.leave(request.actor_key)
                 self._batchers.pop(request.key, None)
+
+        return list(await asyncio.gather(*(run(r) for r in batch.episodes)))
 
     async def _sample(self, episode: GatewayEpisode, prompt: list[int], max_new_tokens: int,
                       stop: tuple[str, ...]) -> Sampled:

@@ -101,6 +101,17 @@ def test_many_concurrent_agents_share_engine_calls(host):
     assert {a for a, _ in ScriptedSampler.calls} == {0, 1}  # pinned per episode over both actors
 
 
+def test_each_turn_of_agents_in_step_is_one_engine_call(host):
+    """Agents that call again right after their answer wait for each other (up to a tenth of the previous call's time):
+    8 agents x 3 calls on one actor whose calls take 1 s are 3 engine calls of 8 prompts, not a straggler call each."""
+    from tests.fixtures.agents import ScriptedSampler
+
+    ScriptedSampler.calls.clear()
+    replies = run(host, "tool_agent", [{"prompt": f"Add {i}. calls=2"} for i in range(8)], actors=1, delay=1.0)
+    assert all(r.stop_reason == "done" for r in replies)
+    assert ScriptedSampler.calls == [(0, 8)] * 3
+
+
 def test_limits_end_episodes_and_later_calls_are_refused(host):
     errors = []
     (reply,) = run(host, "greedy_agent", [{"prompt": "Go", "errors": errors}])
