@@ -14,6 +14,10 @@ serves.
    their tokens differ). The table gives the median step and rollout time after warm-up, the generated tokens and
    the rollout time per generated token; overhead = agent / native - 1, of the step time and of the rollout time per
    generated token (the second takes out how much each run happened to sample).
+   Then the same two rollouts interleaved on one engine (``--rounds``, in one child process: one rollout actor, one
+   host running both the environment and the agent, the same rows and sampling for both in each round, the order
+   alternating): on a machine that other jobs load, this is the steadier measure of the gateway's cost, since the
+   learner's work is the same in both runs.
 2. Capacity. One ``AgentHost`` in this process with an instant scripted engine (every call answered at once with a
    short reply): N concurrent agents, each making ``--calls`` chat calls that extend its conversation. Calls answered
    per second is the gateway's own ceiling on this machine (HTTP, the ``openai`` client, message matching, token
@@ -132,6 +136,74 @@ def overhead_table(result: dict[str, Any]) -> str:
                                     "turns / episode", "gateway calls / episode", "drift"], rows)
 
 
+def interleaved(size: dict[str, Any], rounds: int) -> dict[str, Any]:
+    """Returns the rollout seconds and generated tokens of ``rounds`` rollouts of each variant, interleaved on one
+    engine (this process starts a local Ray cluster): one rollout actor and one host that runs the environment and
+    the agent, the same rows and sampling for both in each round, the order alternating between rounds, so a busy
+    machine slows both alike. The learner's work is the same in both variants; only the rollout differs."""
+    import ray
+
+    from rlray.config import load_config
+    from rlray.data import load_prompt_rows, prepare_prompts
+    from rlray.envs.agent_host import AgentHost
+    from rlray.launch.actors import agent_host_kwargs, start_rollout_actors
+    from rlray.launch.driver import max_model_len
+    from rlray.models import load_tokenizer, resolve_model_path
+    from rlray.rollout.fleet import RolloutFleet
+    from rlray.run import build
+
+    workdir = Path(tempfile.mkdtemp(prefix="rlray-gateway-interleaved-"))
+    column = ["env.column=benchmark_variant"]  # no row has it: each rollout sends every row to its default
+    native_cfg = load_config(CONFIG, overrides("native", size, workdir) + column + ["env.default=retry_arith"])
+    agent_cfg = load_config(CONFIG, overrides("native", size, workdir) + column + [
+        "env.agents={agent: " + AGENT + "}", "env.default=agent"])
+    benchlib.init_local_ray()
+    model_dir = resolve_model_path(native_cfg.model.path)
+    tokenizer = load_tokenizer(model_dir, native_cfg.model.chat_template)
+    actors = start_rollout_actors(native_cfg, model_dir, max_model_len(native_cfg))
+    host = ray.remote(AgentHost).options(max_concurrency=8).remote(
+        dict(native_cfg.env.environments), tool_parser=native_cfg.env.tool_parser,
+        step_timeout_s=native_cfg.env.step_timeout_s, **agent_host_kwargs(agent_cfg, model_dir))
+    fleet = RolloutFleet(actors)
+    rollouts = {"native": build.rollouts(native_cfg, fleet, [host], tokenizer),
+                "agent": build.rollouts(agent_cfg, fleet, [host], tokenizer)}
+    rows = load_prompt_rows(native_cfg.data.train_files)
+    rows, ids, _ = prepare_prompts(rows, tokenizer, max_prompt_tokens=native_cfg.data.max_prompt_tokens, instruction="",
+                                   system_prompt=native_cfg.data.system_prompt)
+    got: dict[str, list[dict[str, float]]] = {"native": [], "agent": []}
+    for r in range(rounds + 1):  # round 0 warms both up and does not count
+        batch = slice(r * size["prompts"], (r + 1) * size["prompts"])
+        sampling = build.sampling_for_step(native_cfg, r)
+        for variant in (VARIANTS if r % 2 == 0 else VARIANTS[::-1]):
+            started = time.perf_counter()
+            done = rollouts[variant].generate(ids[batch], sampling, rows[batch])
+            wall = time.perf_counter() - started
+            if r:
+                got[variant].append({"rollout_s": wall, "tokens": float(sum(sum(c.loss_mask) for c in done)),
+                                     "turns": statistics.mean(c.episode.num_turns for c in done),
+                                     "drift": float(sum(c.episode.template_drift for c in done))})
+        print(f"  round {r}: " + ", ".join(f"{v} {got[v][-1]['rollout_s']:.1f} s" for v in VARIANTS if r), flush=True)
+    ray.shutdown()
+    return {v: {"rollout_s": statistics.median(x["rollout_s"] for x in runs),
+                "rollout_s_per_1k_tokens": statistics.median(1000 * x["rollout_s"] / max(x["tokens"], 1) for x in runs),
+                "sampled_tokens": statistics.median(x["tokens"] for x in runs),
+                "turns_mean": statistics.mean(x["turns"] for x in runs), "drift": sum(x["drift"] for x in runs),
+                "rounds": len(runs)} for v, runs in got.items()}
+
+
+def interleaved_table(result: dict[str, Any]) -> str:
+    """Returns the interleaved rollouts as a markdown table, with the agent's overhead."""
+    rows = [[v, r["rounds"], benchlib.fmt(r["rollout_s"]), benchlib.fmt(r["sampled_tokens"], 0),
+             benchlib.fmt(r["rollout_s_per_1k_tokens"]), benchlib.fmt(r["turns_mean"]), benchlib.fmt(r["drift"], 0)]
+            for v, r in result.items()]
+    over = {k: benchlib.ratio(result["agent"][k], result["native"][k]) for k in ("rollout_s", "rollout_s_per_1k_tokens")}
+    rows.append(["agent / native - 1", "", benchlib.fmt_percent(None if over["rollout_s"] is None else over["rollout_s"] - 1),
+                 "", benchlib.fmt_percent(None if over["rollout_s_per_1k_tokens"] is None
+                                          else over["rollout_s_per_1k_tokens"] - 1), "", ""])
+    return benchlib.markdown_table(["rollout", "rounds", "rollout s (median)", "sampled tokens", "rollout s / 1k sampled tokens",
+                                    "turns / episode", "drift"], rows)
+
+
 class InstantSampler:
     """An engine that answers every prompt at once with the same 5 tokens (capacity: the gateway's own cost)."""
 
@@ -202,6 +274,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="seconds-scale sizes, tiny-random")
     parser.add_argument("--capacity", action="store_true", help="only the capacity table (no training runs)")
+    parser.add_argument("--rounds", type=int, default=8, help="interleaved rollouts of each variant (0: none)")
     parser.add_argument("--calls", type=int, default=4, help="chat calls per agent in the capacity table")
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="limit per training run")
     args = parser.parse_args(argv)
@@ -211,6 +284,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not args.capacity:
         results["overhead"] = overhead(size, args.timeout_s)
         print("\n" + overhead_table(results["overhead"]) + "\n", flush=True)
+    if not args.capacity and args.rounds:
+        workdir = Path(tempfile.mkdtemp(prefix="rlray-gateway-interleaved-"))
+        raw = benchlib.run_script_child(__file__, ["interleaved", json.dumps(size), str(args.rounds), str(workdir / "r.json")],
+                                        result_path=workdir / "r.json", log_path=workdir / "log.txt",
+                                        timeout_s=args.timeout_s, label="interleaved")
+        results["interleaved"] = {v: raw[v] for v in VARIANTS} if "error" not in raw else raw
+        if "error" not in raw:
+            print("\n" + interleaved_table(results["interleaved"]) + "\n", flush=True)
     results["capacity"] = capacity(args.calls, CONCURRENCY[:3] if args.quick else CONCURRENCY)
     print("\n" + capacity_table(results["capacity"]) + "\n", flush=True)
     path = benchlib.write_results("gateway", results)
@@ -221,5 +302,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--child" and sys.argv[2] == "run":
         child_run(sys.argv[3], json.loads(sys.argv[4]), Path(sys.argv[5]))
+    elif len(sys.argv) > 2 and sys.argv[1] == "--child" and sys.argv[2] == "interleaved":
+        Path(sys.argv[5]).write_text(json.dumps(interleaved(json.loads(sys.argv[3]), int(sys.argv[4]))))
     else:
         main()

@@ -78,25 +78,26 @@ class TickBatcher:
 
     An actor runs one call at a time. Before each call the batcher waits for the actor's running episodes to ask: it
     sends once every running episode pinned to the actor has a request waiting (an agent that finished no longer
-    counts), or after a window of ``WINDOW_FRACTION`` of the actor's previous call's duration (at most
-    ``MAX_WINDOW_S``: an agent busy with its own work, a slow tool, is not waited for longer). Without the wait, the
-    first agent back from a call would go alone in an engine call and the rest in the next, each turn costing two
+    counts), or after a window of ``WINDOW_FRACTION`` of the actor's previous call's duration (``MAX_WINDOW_S`` before
+    its first call; never more: an agent busy with its own work, a slow tool, is not waited for longer). Without the
+    wait, the first agent to ask would go alone in an engine call and the rest in the next, each turn costing two
     calls. Requests that differ in max new tokens or stop strings go in separate calls.
 
     Args:
         sampler: the engine call.
         stats: counters to add to.
+        call_s: {actor: seconds of its previous call}, kept by the host across batches (updated here).
     """
 
     WINDOW_FRACTION = 0.1  # of the actor's previous call's duration: the longest wait for its running episodes
     MAX_WINDOW_S = 0.5
 
-    def __init__(self, sampler: Sampler, stats: GatewayStats) -> None:
+    def __init__(self, sampler: Sampler, stats: GatewayStats, call_s: dict[int, float] | None = None) -> None:
         self.sampler, self.stats = sampler, stats
         self._queue: dict[int, list[tuple[tuple[int, tuple[str, ...]], list[int], asyncio.Future]]] = {}
         self._busy: set[int] = set()
         self._running: dict[int, int] = {}  # actor -> its episodes that have not ended
-        self._last_s: dict[int, float] = {}  # actor -> seconds its previous call took
+        self._call_s = {} if call_s is None else call_s  # actor -> seconds its previous call took
         self._changed = asyncio.Event()
 
     def enter(self, actor_key: int) -> None:
@@ -143,7 +144,9 @@ class TickBatcher:
     async def _gather(self, actor: int) -> None:
         """Waits until every running episode of ``actor`` has a request waiting, or the window has passed."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + min(self.WINDOW_FRACTION * self._last_s.get(actor, 0.0), self.MAX_WINDOW_S)
+        previous = self._call_s.get(actor)
+        deadline = loop.time() + (self.MAX_WINDOW_S if previous is None else
+                                  min(self.WINDOW_FRACTION * previous, self.MAX_WINDOW_S))
         while len(self._queue.get(actor, ())) < self._running.get(actor, 0):
             left = deadline - loop.time()
             if left <= 0:
@@ -167,7 +170,7 @@ class TickBatcher:
                     future.set_exception(err)
             return
         finally:
-            self._last_s[actor] = asyncio.get_running_loop().time() - started
+            self._call_s[actor] = asyncio.get_running_loop().time() - started
         for (_, future), sampled in zip(items, got, strict=True):
             if not future.done():
                 future.set_result(sampled)
@@ -221,6 +224,7 @@ class AgentHost(EnvironmentHost):
         self._max_turns, self._max_episode_tokens = max_turns, max_episode_tokens
         self.stats = GatewayStats()
         self._batchers: dict[str, TickBatcher] = {}
+        self._call_s: dict[int, float] = {}  # rollout actor -> seconds of its last engine call (``TickBatcher``)
         self.gateway = Gateway(tokenizer, self._sample, tool_parser=tool_parser, chat_template_kwargs=chat_template_kwargs)
         self.mcp = McpClients(list(mcp_servers or [])) if mcp_servers else None
         self._threads = concurrent.futures.ThreadPoolExecutor(max_workers=agent_threads, thread_name_prefix="rlray-agent")
@@ -307,7 +311,7 @@ class AgentHost(EnvironmentHost):
     async def _run(self, batch: AgentBatch) -> list[AgentReply]:
         if self._sampler_factory is None:
             raise ValueError("AgentHost was built without a sampler_factory: it cannot sample agents' calls")
-        batcher = TickBatcher(self._sampler_factory(batch.actors, batch.sampling), self.stats)
+        batcher = TickBatcher(self._sampler_factory(batch.actors, batch.sampling), self.stats, self._call_s)
         limits = GatewayLimits(self._max_turns, self._max_episode_tokens, batch.max_new_tokens)
         for request in batch.episodes:
             self._batchers[request.key] = batcher
