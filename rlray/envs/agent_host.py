@@ -176,8 +176,91 @@ class TickBatcher:
                 future.set_result(sampled)
 
 
+class AgentRunner:
+    """What runs on an ``AgentHost``'s loop: the gateway, the agents' episodes and their batchers, the MCP sessions.
+
+    A plain class of coroutines, apart from the host: a Ray actor class with any ``async`` method becomes an asyncio
+    actor, whose blocking methods would then hold Ray's own loop (``ray._private.async_compat.has_async_methods``).
+
+    Args:
+        agents: {name: the loaded agent}.
+        tokenizer: the policy's tokenizer (None without agents).
+        sampler_factory: ``sampler_factory(actors, sampling)`` returns the ``Sampler`` of a batch.
+        limits: the agents' time limits; max_turns, max_episode_tokens: the call limits of every batch.
+        mcp: the MCP sessions (None without env.mcp_servers).
+        tool_parser, chat_template_kwargs: the gateway's (``Gateway``).
+        threads: runs synchronous agents.
+    """
+
+    def __init__(self, agents: dict[str, LoadedAgent], tokenizer: Any, sampler_factory: Callable[[list[Any], Any], Sampler] | None,
+                 limits: AgentLimits, max_turns: int, max_episode_tokens: int, mcp: McpClients | None, *,
+                 tool_parser: str, chat_template_kwargs: dict[str, Any] | None,
+                 threads: concurrent.futures.Executor) -> None:
+        self.agents, self.sampler_factory, self.limits, self.mcp, self.threads = agents, sampler_factory, limits, mcp, threads
+        self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
+        self.stats = GatewayStats()
+        self.gateway = Gateway(tokenizer, self.sample, tool_parser=tool_parser, chat_template_kwargs=chat_template_kwargs)
+        self._batchers: dict[str, TickBatcher] = {}
+        self._call_s: dict[int, float] = {}  # rollout actor -> seconds of its last engine call (``TickBatcher``)
+        self._http: Any = None
+
+    async def start(self, gateway_host: str) -> None:
+        """Starts the gateway on ``gateway_host`` ("" for none) and the MCP sessions."""
+        if gateway_host:
+            import httpx2
+            import openai
+
+            await self.gateway.start(gateway_host)
+            # one pool for every episode's client: connections are reused, and calls past the pool wait for one
+            self._http = openai.DefaultAsyncHttpxClient(
+                timeout=httpx2.Timeout(self.limits.episode_timeout_s, pool=None),
+                limits=httpx2.Limits(max_connections=GATEWAY_CONNECTIONS, max_keepalive_connections=GATEWAY_CONNECTIONS))
+        if self.mcp is not None:
+            await self.mcp.start()
+
+    async def stop(self) -> None:
+        """Stops the MCP sessions, the gateway and the shared HTTP client."""
+        if self.mcp is not None:
+            await self.mcp.close()
+        await self.gateway.close()
+        if self._http is not None:
+            await self._http.aclose()
+
+    async def run(self, batch: AgentBatch) -> list[AgentReply]:
+        """Returns the replies of ``batch``'s episodes, run at once, in order.
+
+        Raises:
+            ValueError: the runner has no sampler factory.
+        """
+        if self.sampler_factory is None:
+            raise ValueError("AgentHost was built without a sampler_factory: it cannot sample agents' calls")
+        batcher = TickBatcher(self.sampler_factory(batch.actors, batch.sampling), self.stats, self._call_s)
+        limits = GatewayLimits(self.max_turns, self.max_episode_tokens, batch.max_new_tokens)
+        for request in batch.episodes:
+            self._batchers[request.key] = batcher
+
+        async def one(request: AgentRequest) -> AgentReply:
+            batcher.enter(request.actor_key)
+            try:
+                return await run_agent_episode(self.gateway, request, self.agents[request.agent], self.mcp, self.limits,
+                                               limits, http_client=self._http, threads=self.threads)
+            finally:
+                batcher.leave(request.actor_key)
+                self._batchers.pop(request.key, None)
+
+        return list(await asyncio.gather(*(one(r) for r in batch.episodes)))
+
+    async def sample(self, episode: GatewayEpisode, prompt: list[int], max_new_tokens: int,
+                     stop: tuple[str, ...]) -> Sampled:
+        """Returns the engine's completion of one gateway call, through the batcher of the episode's batch."""
+        self.stats.calls += 1
+        return await self._batchers[episode.key].sample(episode.actor_key, prompt, max_new_tokens, stop)
+
+
 class AgentHost(EnvironmentHost):
     """An ``EnvironmentHost`` that also runs agents behind the gateway and holds the MCP sessions (module docstring).
+
+    Its methods are all synchronous (the coroutines live in its ``AgentRunner``), so Ray runs it as a threaded actor.
 
     Args:
         environments: {name: spec} of the environments (``EnvironmentHost``; may be empty).
@@ -191,8 +274,9 @@ class AgentHost(EnvironmentHost):
         gateway_host: the address the gateway binds (``env.gateway_host``).
         chat_template_kwargs: extra template variables (``rollout.chat_template_kwargs``).
         agent_threads: threads for synchronous agents.
-        tool_parser, step_timeout_s, threads, sandbox, memory_gib: as ``EnvironmentHost`` (step_timeout_s is also the
-            most seconds an agent may spend between gateway calls).
+        tool_parser, step_timeout_s: as ``EnvironmentHost`` (step_timeout_s is also the most seconds an agent may spend
+            between gateway calls).
+        host_kwargs: the other keyword arguments of ``EnvironmentHost`` (threads, sandbox, memory_gib, ...).
 
     Raises:
         ValueError: an agent or environment cannot be loaded (names it and its spec).
@@ -204,14 +288,12 @@ class AgentHost(EnvironmentHost):
                  max_turns: int = 8, max_episode_tokens: int = 4096, episode_timeout_s: float = 600.0,
                  mcp_servers: list[McpServerSpec] | None = None, gateway_host: str = "127.0.0.1",
                  chat_template_kwargs: dict[str, Any] | None = None, agent_threads: int = 64,
-                 tool_parser: str = "hermes", step_timeout_s: float = 60.0, threads: int = 8, sandbox: bool = False,
-                 memory_gib: float = 2.0) -> None:
-        super().__init__(environments, tool_parser=tool_parser, step_timeout_s=step_timeout_s, threads=threads,
-                         sandbox=sandbox, memory_gib=memory_gib)
-        self._agents: dict[str, LoadedAgent] = {}
+                 tool_parser: str = "hermes", step_timeout_s: float = 60.0, **host_kwargs: Any) -> None:
+        super().__init__(environments, tool_parser=tool_parser, step_timeout_s=step_timeout_s, **host_kwargs)
+        loaded: dict[str, LoadedAgent] = {}
         for name, spec in agents.items():
             try:
-                self._agents[name] = load_agent(spec)
+                loaded[name] = load_agent(spec)
             except Exception as err:  # noqa: BLE001 - any import problem of user code becomes one clear error
                 raise ValueError(f"env.agents.{name}: cannot load '{spec}': {err}") from err
         tokenizer = None
@@ -219,26 +301,31 @@ class AgentHost(EnvironmentHost):
             from rlray.models import load_tokenizer
 
             tokenizer = load_tokenizer(model_dir, chat_template)
-        self._sampler_factory = sampler_factory
-        self._limits = AgentLimits(step_timeout_s, episode_timeout_s)
-        self._max_turns, self._max_episode_tokens = max_turns, max_episode_tokens
-        self.stats = GatewayStats()
-        self._batchers: dict[str, TickBatcher] = {}
-        self._call_s: dict[int, float] = {}  # rollout actor -> seconds of its last engine call (``TickBatcher``)
-        self.gateway = Gateway(tokenizer, self._sample, tool_parser=tool_parser, chat_template_kwargs=chat_template_kwargs)
-        self.mcp = McpClients(list(mcp_servers or [])) if mcp_servers else None
         self._threads = concurrent.futures.ThreadPoolExecutor(max_workers=agent_threads, thread_name_prefix="rlray-agent")
+        mcp = McpClients(list(mcp_servers or [])) if mcp_servers else None
+        self.runner = AgentRunner(loaded, tokenizer, sampler_factory, AgentLimits(step_timeout_s, episode_timeout_s),
+                                  max_turns, max_episode_tokens, mcp, tool_parser=tool_parser,
+                                  chat_template_kwargs=chat_template_kwargs, threads=self._threads)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rlray-gateway", daemon=True)
         self._thread.start()
-        self._http: Any = None
         try:
-            self._on_loop(self._start(gateway_host if agents else ""))
+            self._on_loop(self.runner.start(gateway_host if agents else ""))
         except BaseException:
             self.shutdown()
             raise
-        if self.mcp is not None:
-            install_host_tools(self.mcp.tools())
+        if mcp is not None:
+            install_host_tools(mcp.tools())
+
+    @property
+    def gateway(self) -> Gateway:
+        """Returns the host's gateway."""
+        return self.runner.gateway
+
+    @property
+    def mcp(self) -> McpClients | None:
+        """Returns the host's MCP sessions (None without env.mcp_servers)."""
+        return self.runner.mcp
 
     def run_agents(self, batch: AgentBatch) -> list[AgentReply]:
         """Returns the replies of ``batch``'s episodes, in order, each run to its end (blocks).
@@ -246,22 +333,23 @@ class AgentHost(EnvironmentHost):
         Raises:
             ValueError: an episode names an agent this host does not have.
         """
-        unknown = sorted({r.agent for r in batch.episodes} - set(self._agents))
+        unknown = sorted({r.agent for r in batch.episodes} - set(self.runner.agents))
         if unknown:
-            raise ValueError(f"agents {unknown} are not in env.agents {sorted(self._agents)}")
-        return self._on_loop(self._run(batch))
+            raise ValueError(f"agents {unknown} are not in env.agents {sorted(self.runner.agents)}")
+        return self._on_loop(self.runner.run(batch))
 
     def gateway_url(self) -> str:
         """Returns the gateway's base URL ("" without agents)."""
-        return self.gateway.base_url
+        return self.runner.gateway.base_url
 
     def gateway_stats(self) -> GatewayStats:
         """Returns the gateway's counters since the host started."""
-        return GatewayStats(self.stats.calls, self.stats.engine_calls, self.stats.engine_prompts)
+        stats = self.runner.stats
+        return GatewayStats(stats.calls, stats.engine_calls, stats.engine_prompts)
 
     def mcp_tool_names(self) -> list[str]:
         """Returns the MCP servers' tool names ([] without env.mcp_servers)."""
-        return self.mcp.names if self.mcp is not None else []
+        return self.runner.mcp.names if self.runner.mcp is not None else []
 
     def shutdown(self) -> None:
         """Stops the MCP servers and the gateway, then the loop (the host is unusable after)."""
@@ -269,7 +357,7 @@ class AgentHost(EnvironmentHost):
             return
         if self._loop.is_running():
             try:
-                self._on_loop(self._stop(), timeout_s=30.0)
+                self._on_loop(self.runner.stop(), timeout_s=30.0)
             except Exception:  # noqa: BLE001 - stopping goes on whatever failed
                 log.warning("stopping the gateway or the MCP sessions failed", exc_info=True)
             self._loop.call_soon_threadsafe(self._loop.stop)
@@ -283,51 +371,6 @@ class AgentHost(EnvironmentHost):
         except Exception:  # noqa: BLE001 - the interpreter may be going down
             pass
 
-    # ---- on the loop ------------------------------------------------------------------------
     def _on_loop(self, coro: Any, timeout_s: float | None = None) -> Any:
+        """Returns the result of ``coro`` run on the host's loop (blocks this thread)."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=timeout_s)
-
-    async def _start(self, gateway_host: str) -> None:
-        if gateway_host:
-            import openai
-
-            await self.gateway.start(gateway_host)
-            import httpx2
-
-            # one pool for every episode's client: connections are reused, and calls past the pool wait for one
-            self._http = openai.DefaultAsyncHttpxClient(
-                timeout=httpx2.Timeout(self._limits.episode_timeout_s, pool=None),
-                limits=httpx2.Limits(max_connections=GATEWAY_CONNECTIONS, max_keepalive_connections=GATEWAY_CONNECTIONS))
-        if self.mcp is not None:
-            await self.mcp.start()
-
-    async def _stop(self) -> None:
-        if self.mcp is not None:
-            await self.mcp.close()
-        await self.gateway.close()
-        if self._http is not None:
-            await self._http.aclose()
-
-    async def _run(self, batch: AgentBatch) -> list[AgentReply]:
-        if self._sampler_factory is None:
-            raise ValueError("AgentHost was built without a sampler_factory: it cannot sample agents' calls")
-        batcher = TickBatcher(self._sampler_factory(batch.actors, batch.sampling), self.stats, self._call_s)
-        limits = GatewayLimits(self._max_turns, self._max_episode_tokens, batch.max_new_tokens)
-        for request in batch.episodes:
-            self._batchers[request.key] = batcher
-        async def run(request: AgentRequest) -> AgentReply:
-            batcher.enter(request.actor_key)
-            try:
-                return await run_agent_episode(self.gateway, request, self._agents[request.agent], self.mcp,
-                                               self._limits, limits, http_client=self._http, threads=self._threads)
-            finally:
-                batcher.leave(request.actor_key)
-                self._batchers.pop(request.key, None)
-
-        return list(await asyncio.gather(*(run(r) for r in batch.episodes)))
-
-    async def _sample(self, episode: GatewayEpisode, prompt: list[int], max_new_tokens: int,
-                      stop: tuple[str, ...]) -> Sampled:
-        """The gateway's engine call: through the batcher of the episode's batch."""
-        self.stats.calls += 1
-        return await self._batchers[episode.key].sample(episode.actor_key, prompt, max_new_tokens, stop)

@@ -14,10 +14,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from rlray.envs import AssistantTurn, EnvReset, ToolCall, ToolEnvironment, host_mcp_tools, tool_schemas
+from rlray.envs import AssistantTurn, ToolCall, host_mcp_tools, tool_schemas
 from rlray.envs.mcp import McpClients, McpServerSpec, McpStartError, McpTool
 
 SERVER = Path(__file__).resolve().parents[1] / "fixtures" / "mcp_server.py"
+AGENTS = Path(__file__).resolve().parents[1] / "fixtures" / "agents.py"
 STDIO = McpServerSpec("fixture", (sys.executable, str(SERVER)), timeout_s=2.0)
 
 
@@ -99,29 +100,19 @@ def test_start_errors_name_the_server():
         asyncio.run(start([STDIO, twin]))
 
 
-class CalcEnv(ToolEnvironment):
-    """A tool environment with one tool of its own; the host's MCP tools join it."""
-
-    def reset(self, **row) -> EnvReset:
-        return self.begin([{"role": "user", "content": row["prompt"]}], tools=[self.double])
-
-    def double(self, x: int) -> int:
-        """Doubles a number.
-
-        Args:
-            x: the number.
-        """
-        return 2 * x
-
-
 def _mcp_children() -> list[psutil.Process]:
     return [p for p in psutil.Process().children(recursive=True) if str(SERVER) in " ".join(p.cmdline())]
 
 
 def test_a_host_starts_its_servers_offers_them_to_tool_environments_and_stops_them(tiny_model_path):
-    from rlray.envs.agent_host import AgentHost
+    from ray._private.async_compat import has_async_methods
 
-    host = AgentHost({}, agents={}, model_dir=None, mcp_servers=[STDIO])
+    from rlray.envs.agent_host import AgentHost
+    from rlray.envs.host import ResetRequest, StepRequest
+    from tests.fixtures.agents import CalcEnv
+
+    assert not has_async_methods(AgentHost)  # else Ray makes it an asyncio actor and its blocking calls hold Ray's loop
+    host = AgentHost({"calc": f"{AGENTS}:CalcEnv"}, agents={}, model_dir=None, mcp_servers=[STDIO])
     try:
         assert host.mcp_tool_names() == ["add", "explode", "nap"] and len(_mcp_children()) == 1
         assert host.gateway_url() == ""  # no agents: no gateway
@@ -137,6 +128,13 @@ def test_a_host_starts_its_servers_offers_them_to_tool_environments_and_stops_th
         assert [o["content"] for o in step.observations[:2]] == ["3", "8"]
         assert step.observations[2]["content"].startswith("Error: tool 'explode' raised RuntimeError: tool 'explode' failed")
         assert (step.tool_calls, step.tool_errors) == (3, 1)
+        # the same through the host's own environment episodes (reset and step, as the episode loop calls them)
+        (opened,) = host.reset([ResetRequest("e0", "calc", {"prompt": "Add"})])
+        assert opened.error is None and [t["function"]["name"] for t in opened.tools] == ["double", "add", "explode", "nap"]
+        call = '<tool_call>{"name": "add", "arguments": {"a": 20, "b": 22}}</tool_call>'
+        (stepped,) = host.step([StepRequest("e0", call, "stop", 0)])
+        assert stepped.error is None and stepped.step.observations[0]["content"] == "42"
+        host.close(["e0"])
     finally:
         host.shutdown()
     assert host_mcp_tools() == []
