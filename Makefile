@@ -1,5 +1,5 @@
 # rlray: `make demo` (setup + SmolLM2 learns a multi-turn environment, scored before and after), `make demo-gsm8k`
-# (setup + GRPO on GSM8K with SmolLM2), `make test` (setup + test suite).
+# (setup + GRPO on GSM8K with SmolLM2), `make test` (setup + test suite), `make docs` (the documentation site).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -7,9 +7,11 @@ STAMP  := $(VENV)/.rlray-installed
 # Local data mirror for `rlray data fetch` (the shared folder beside this checkout, when present).
 export RLRAY_DATA_MIRROR ?= $(if $(wildcard ../shared/data),$(abspath ../shared/data),)
 export TOKENIZERS_PARALLELISM := false
+# mkdocs-material prints an end-of-life banner on every build unless this is set.
+export NO_MKDOCS_2_WARNING := 1
 PYTEST_ARGS ?=
 
-.PHONY: install data demo demo-gsm8k browser test test-slow soak lint bench clean
+.PHONY: install data demo demo-gsm8k browser test test-slow soak lint docs bench clean
 
 install: $(STAMP) data
 
@@ -53,6 +55,7 @@ browser:
 
 test: install browser
 	$(BIN)/ruff check .
+	$(BIN)/mkdocs build --strict --quiet
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 # Every test marked slow (the per-algorithm 2-step runs, PBT, the learner-node loss, the soak at its short size, ...):
@@ -70,8 +73,15 @@ soak: install
 lint: install
 	$(BIN)/ruff check .
 
+# The documentation site (mkdocs.yml, MkDocs + Material from the dev extra; offline): the config reference page from
+# the schema (tests/test_docs.py fails when the committed page differs), then the site into site/ (git-ignored).
+# --strict: a broken link, a missing anchor or a page left out of the nav fails the build (`make test` builds it too).
+docs: $(STAMP)
+	$(BIN)/rlray config --reference > docs/reference/config.md.new && mv docs/reference/config.md.new docs/reference/config.md
+	$(BIN)/mkdocs build --strict --quiet
+
 bench: install
 	$(BIN)/python benchmarks/run_all.py
 
 clean:
-	rm -rf outputs .pytest_cache
+	rm -rf outputs .pytest_cache site

@@ -51,6 +51,7 @@ class Rank:
     def take(self, refs: list[Any]) -> dict[str, float]:
         """Fetches the shard behind ``refs[0]`` and collates it; returns get_s, collate_s, rows and tensor bytes."""
         import ray
+        import torch
 
         from rlray import schema
 
@@ -59,8 +60,9 @@ class Rank:
         mid = time.perf_counter()
         data = schema.collate(shard, self.pad_token_id)
         end = time.perf_counter()
+        tensors = [*vars(data.inputs).values(), *(v for v in vars(data).values() if isinstance(v, torch.Tensor))]
         return {"get_s": mid - start, "collate_s": end - mid, "rows": shard.num_rows,
-                "tensor_bytes": sum(t.numel() * t.element_size() for t in data.values())}
+                "tensor_bytes": sum(t.numel() * t.element_size() for t in tensors)}
 
 
 def experience_table(model: str, prompts: int, samples: int, tokens: int) -> tuple[Any, int]:

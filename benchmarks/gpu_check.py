@@ -14,7 +14,13 @@ Checks, one table row each:
      one pass per row on the device: max |logprob difference|, relative gradient difference, and the
      seconds of a forward + backward each way (groups of 4 samples per prompt);
   6. the frozen reference with its linear weights stored in bf16 (rlray.learner.logprobs.store_frozen_for_autocast)
-     against the float32 copy under bf16 autocast on the device: logits bit-identical, and the bytes saved.
+     against the float32 copy under bf16 autocast on the device: logits bit-identical, and the bytes saved;
+  7. the capacity planner (rlray.launch.plan) against a real PolicyLearner step on the device, gradient
+     checkpointing off and on: the predicted learner-rank tensors against torch.cuda.max_memory_allocated.
+  8. the adapter-only weight sync (issue 28; rollout.lora_sync=adapter) of a LoRA policy (rank 16, every linear
+     layer) on the device: the bytes and export seconds of what a sync ships (bf16: the adapter alone, against the
+     merged model), and the adapter applied over a base copy (rlray's hf rollout backend, peft) against the merged
+     weights, in float32: max |logprob difference| (needs peft).
 
 The model is a local Hugging Face folder or a hub id (downloaded by transformers). Every function
 also runs on the CPU (``--device cpu``; rows 2 and 3 need CUDA), which is how tests/benchmarks/ checks it.
@@ -251,15 +257,16 @@ def check_shared_prompts(model, device: str, vocab: int, *, groups: int = 4, sam
     relative (bf16) of each other, with both timings.
     """
     from rlray.learner.logprobs import logprobs_from_logits, response_logits
+    from rlray.schema import ModelInputs
 
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(10, vocab - 1, (groups, prompt_tokens), generator=g).repeat_interleave(samples, 0)
     responses = torch.randint(10, vocab - 1, (groups * samples, response_tokens), generator=g)
     ids = torch.cat([prompts, responses], 1).to(device)
     n = ids.shape[1]
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-             "position_ids": torch.arange(n, device=device).expand_as(ids).contiguous(),
-             "response_ids": responses.to(device)}
+    batch = ModelInputs(input_ids=ids, attention_mask=torch.ones_like(ids),
+                        position_ids=torch.arange(n, device=device).expand_as(ids).contiguous(),
+                        response_ids=responses.to(device))
     out = {}
     for share in (False, True):
         model.zero_grad(set_to_none=True)
@@ -267,7 +274,7 @@ def check_shared_prompts(model, device: str, vocab: int, *, groups: int = 4, sam
         t0 = time.perf_counter()
         with torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16, enabled=bf16):
             logits = response_logits(model, batch, share_prompts=share)
-        lp, _ = logprobs_from_logits(logits.float(), batch["response_ids"])
+        lp, _ = logprobs_from_logits(logits.float(), batch.response_ids)
         lp.sum().backward()
         sync(device)
         grads = torch.cat([p.grad.flatten().float() for p in model.parameters() if p.grad is not None])
@@ -303,6 +310,153 @@ def check_frozen_bf16(model, device: str, vocab: int, *, rows: int = 4, tokens: 
              f"({rows}x{tokens} tokens); {saved / 2**20:.2f} MiB saved")]
 
 
+def check_planner(model_dir: str, device: str, *, sequences: int = 8, prompt_tokens: int = 256,
+                  response_tokens: int = 256, checkpointing: bool = False, bf16: bool = True,
+                  tolerance: float = 0.25) -> list[tuple[str, str, str]]:
+    """Compares the capacity planner's learner rank with a real ``PolicyLearner`` step on ``device`` (row 7).
+
+    The config: ``model.path=model_dir``, micro-batches of ``sequences`` sequences of ``prompt_tokens`` +
+    ``response_tokens`` tokens, two per mini-batch, the KL's reference on the learner (the defaults). The step runs
+    twice (the first makes AdamW's state), the peak is read on the second: on CUDA ``torch.cuda.max_memory_allocated``
+    less what was allocated before the learner was built, compared with the planner's total less its runtime term
+    (CUDA context, NCCL and the allocator's slack are not allocations); on the CPU the resident peak (VmHWM, reset
+    through /proc/self/clear_refs) less the resident bytes before, against the total less ``CPU_PROCESS_GIB``.
+    Returns one row: ok when they agree within ``tolerance`` (relative to the measured peak).
+    """
+    from rlray.config import config_from_dict
+    from rlray.launch.plan import Hardware, plan_run
+    from rlray.launch.plan_roles import CPU_PROCESS_GIB, CUDA_RUNTIME_GIB
+    from rlray.learner import PolicyLearner
+    from rlray.learner.objective import Normaliser
+    from rlray.run import build
+
+    cuda = device.startswith("cuda")
+    cfg = config_from_dict({}, [
+        f"model.path={model_dir}", f"model.dtype={'bfloat16' if bf16 else 'float32'}",
+        f"model.gradient_checkpointing={str(checkpointing).lower()}", f"learner.sequences_per_microbatch={sequences}",
+        f"learner.sequences_per_minibatch={2 * sequences}", f"learner.prompts_per_step={sequences}",
+        "rollout.samples_per_prompt=2", f"data.max_prompt_tokens={prompt_tokens}",
+        f"rollout.max_new_tokens={response_tokens}", f"resources.learner.gpus={1 if cuda else 0}"])  # fmt: skip
+    hardware = Hardware(1, 1, torch.cuda.get_device_properties(device).total_memory / GIB) if cuda else None
+    learner_plan = plan_run(cfg, hardware).roles[0]
+    predicted = learner_plan.total_gib - (CUDA_RUNTIME_GIB if cuda else CPU_PROCESS_GIB)
+    before = _allocated(device)
+    learner = PolicyLearner(model_dir, **build.learner_kwargs(cfg, 1))
+    rows = 2 * sequences
+    batch = full_length_batch(learner.module.config.vocab_size, rows, prompt_tokens, response_tokens)
+    spec = build.update_spec(cfg, 1)
+    norm = Normaliser(float(rows * response_tokens), float(rows))
+    learner.train_minibatch(batch, spec.loss, norm, spec.microbatch_size)
+    _reset_peak(device)
+    learner.train_minibatch(batch, spec.loss, norm, spec.microbatch_size)
+    measured = (_peak(device) - before) / GIB
+    del learner
+    if cuda:
+        torch.cuda.empty_cache()
+    ok = abs(predicted - measured) <= tolerance * measured
+    name = f"planner vs measured learner step, checkpointing {'on' if checkpointing else 'off'}"
+    return [(name, "ok" if ok else "FAILED",
+             f"predicted {predicted:.2f} GiB, measured {measured:.2f} GiB ({predicted / measured - 1:+.0%}); "
+             f"{sequences} x ({prompt_tokens} + {response_tokens}) tokens per micro-batch, 2 micro-batches")]
+
+
+def full_length_batch(vocab: int, rows: int, prompt_tokens: int, response_tokens: int, seed: int = 0):
+    """Returns a learner mini-batch (``rlray.schema.StepBatch``, ``pack_sequences`` layout) of ``rows`` distinct
+    prompts and responses, all full length (the planner's padded worst case): response_mask [B, T] bool all True,
+    advantages [B, T] float32 random, zero ref_logprobs and rollout_logprobs [B, T] float32."""
+    from rlray.schema import StepBatch, pack_sequences
+
+    g = torch.Generator().manual_seed(seed)
+    inputs = pack_sequences(torch.randint(10, vocab - 1, (rows, prompt_tokens), generator=g).tolist(),
+                            torch.randint(10, vocab - 1, (rows, response_tokens), generator=g).tolist(), 0)
+    zeros = torch.zeros(rows, response_tokens)
+    return StepBatch(inputs, response_mask=zeros == 0, reward=torch.zeros(rows), group_id=torch.arange(rows),
+                     policy_version=torch.zeros(rows, dtype=torch.long), rollout_logprobs=zeros, ref_logprobs=zeros,
+                     advantages=torch.randn(rows, response_tokens, generator=g))
+
+
+def _allocated(device: str) -> int:
+    """Returns the bytes held now: CUDA allocations, or this process's resident bytes on the CPU."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+        return torch.cuda.memory_allocated(device)
+    return _status_bytes("VmRSS")
+
+
+def _reset_peak(device: str) -> None:
+    """Resets the peak that ``_peak`` reads (CUDA's peak statistics, or the CPU's VmHWM)."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+
+def _peak(device: str) -> int:
+    """Returns the peak bytes since ``_reset_peak``."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device)
+    return _status_bytes("VmHWM")
+
+
+def _status_bytes(field: str) -> int:
+    """Returns a /proc/self/status size field (VmRSS, VmHWM) in bytes."""
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
+def check_adapter_sync(model, device: str, vocab: int, *, rank: int = 16, rows: int = 4,
+                       tokens: int = 128) -> list[tuple[str, str, str]]:
+    """Compares the adapter-only weight sync with the merged one for a LoRA policy over ``model`` on ``device`` (row 8).
+
+    The learner side is a peft copy of ``model`` with LoRA of ``rank`` on every linear layer (alpha 2 x rank, seeded
+    non-zero lora_B); its export is ``rlray.learner.policy.lora_adapter_weights`` (adapter alone) against
+    ``merged_lora_state_dict`` (the whole model), both cast to bf16 on the CPU as ``ObjectStoreSync`` ships them. The
+    engine side is a base copy with the adapter applied (``rlray.rollout.hf_backend.apply_adapter``) against a base
+    copy loaded with the merged weights, float32, on ``rows`` x ``tokens`` random tokens. Returns one row: ok when the
+    max |logprob difference| is within 1e-4 nats, the adapter changes the logprobs by more than 100 x that, and the
+    adapter is under a tenth of the merged bytes.
+    """
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from rlray.learner.policy import lora_adapter_weights, merged_lora_state_dict
+    from rlray.rollout.hf_backend import apply_adapter
+
+    policy = get_peft_model(copy.deepcopy(model).eval(), LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear"))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.copy_(0.02 * torch.randn(param.shape, generator=g))
+    shipped, seconds = {}, {}
+    for kind, export in (("adapter", lambda: lora_adapter_weights(policy, torch.bfloat16).tensors),
+                         ("merged", lambda: {k: v.to("cpu", torch.bfloat16) for k, v in merged_lora_state_dict(policy).items()})):
+        sync(device)
+        t0 = time.perf_counter()
+        shipped[kind] = sum(t.numel() * t.element_size() for t in export().values())
+        seconds[kind] = time.perf_counter() - t0
+    adapted = apply_adapter(copy.deepcopy(model).eval(), lora_adapter_weights(policy, torch.float32))
+    merged = copy.deepcopy(model).eval()
+    merged.load_state_dict(merged_lora_state_dict(policy), strict=False)
+    ids = torch.randint(10, vocab - 1, (rows, tokens), generator=torch.Generator().manual_seed(1)).to(device)
+    with torch.no_grad():
+        lp = {name: m(ids).logits.float().log_softmax(-1) for name, m in
+              (("adapter", adapted), ("merged", merged), ("base", model.eval()))}
+    diff = float((lp["adapter"] - lp["merged"]).abs().max())
+    effect = float((lp["adapter"] - lp["base"]).abs().max())
+    ok = diff <= 1e-4 and effect > 100 * diff and shipped["adapter"] * 10 < shipped["merged"]
+    mib = 2**20
+    return [(f"adapter-only sync (LoRA r{rank} all-linear)", "ok" if ok else "FAILED",
+             f"ships {shipped['adapter'] / mib:.2f} MiB in {seconds['adapter']:.3f} s against {shipped['merged'] / mib:.1f} "
+             f"MiB in {seconds['merged']:.3f} s merged (bf16 export); max |dlogprob| adapter vs merged {diff:.2e} "
+             f"(float32, {rows}x{tokens} tokens; the adapter's own effect {effect:.2e})")]
+
+
 def sync(device: str) -> None:
     """Waits for the device's queued work (CUDA), so that wall-clock timings are complete."""
     if device.startswith("cuda"):
@@ -319,6 +473,7 @@ def markdown_table(rows: list[tuple[str, str, str]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Runs every check on ``--device`` and prints the table; returns 1 if any check failed."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import cached_file
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct", help="local HF folder or hub id")
@@ -332,6 +487,11 @@ def main(argv: list[str] | None = None) -> int:
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is visible; use --device cpu for the CPU parts")
+    # row 7 first, alone on the device: the planner reads config.json from the local folder of the model
+    folder = args.model if Path(args.model).is_dir() else str(Path(cached_file(args.model, "config.json")).parent)
+    planner_rows = [row for ckpt in (False, True) for row in check_planner(
+        folder, args.device, sequences=args.microbatch, prompt_tokens=args.prompt_tokens,
+        response_tokens=args.response_tokens, checkpointing=ckpt, bf16=cuda)]
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(args.device)
     model.config.use_cache = False
     model.train()
@@ -347,6 +507,8 @@ def main(argv: list[str] | None = None) -> int:
     rows += check_algos_parity("cpu", args.device if cuda else "cpu")
     rows += check_shared_prompts(model, args.device, model.config.vocab_size, bf16=cuda)
     rows += check_frozen_bf16(model, args.device, model.config.vocab_size)
+    rows += planner_rows
+    rows += check_adapter_sync(model, args.device, model.config.vocab_size)
     print(markdown_table(rows))
     return 0 if all(s == "ok" for _, s, _ in rows) else 1
 

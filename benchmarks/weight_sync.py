@@ -3,6 +3,7 @@
     python benchmarks/weight_sync.py                 # SmolLM2-135M-Instruct, default sizes
     python benchmarks/weight_sync.py --quick         # tiny-random, seconds-scale sizes
     python benchmarks/weight_sync.py --model tiny-random --actors 1 2 --repeats 5
+    python benchmarks/weight_sync.py --part lora     # only the LoRA adapter-vs-merged comparison
 
 One child process per N (a fresh local Ray cluster each). The child loads the policy as the learner
 does (float32 master weights) and exports it as rlray's learner does for every sync: its Hugging Face
@@ -24,13 +25,25 @@ the same process and run:
 bytes/s = bytes of the exported weights / seconds of a sync (median over ``--repeats`` after one
 warm-up sync); the ratio is sync bytes/s / memcpy bytes/s (target >= 0.5). With N actors the same
 bytes reach N engines, so the table also shows bytes delivered per second (N x bytes / seconds).
-On CPU the actors split the cores (``resources.rollout.cpu_threads``). Prints a markdown table and
-writes bench_results/weight_sync.json.
+On CPU the actors split the cores (``resources.rollout.cpu_threads``).
+
+LoRA (``--part lora``; issue 28): a ``PolicyLearner`` with LoRA (rank 16 on every linear layer, tiny-random: 8;
+seeded non-zero adapters) pushes to one rollout actor through ``ObjectStoreSync`` exactly as stage 7 does, once
+per run with each ``rollout.lora_sync``: ``merged`` (the whole bf16 model, adapter merged in, into an engine
+without LoRA) and ``adapter`` (the bf16 adapter alone, into an engine with vLLM's runtime LoRA). Per sync: the
+bytes put in the object store, the export seconds (learner side, timed alone) and the whole push (export, put,
+load on the actor; medians over ``--repeats`` after one warm-up), and the generation speed of each engine (8 GSM8K prompts x
+64 sampled tokens, after one warm-up call). A third run, in float32, samples the same prompts with the adapter
+and then with the merged weights pushed to the same engine (same seed): whether the tokens agree, and the max
+|logprob difference| between the two, and against the learner's own forward of the adapted policy.
+
+Prints markdown tables and writes bench_results/weight_sync.json ("runs"; "lora").
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -43,9 +56,11 @@ from typing import Any
 import benchlib
 
 SIZES = {
-    "quick": dict(model="tiny-random", actors=[1, 2], repeats=2),
-    "default": dict(model="smollm2-135m-instruct", actors=[1, 2], repeats=4),
+    "quick": dict(model="tiny-random", actors=[1, 2], repeats=2, lora_rank=8),
+    "default": dict(model="smollm2-135m-instruct", actors=[1, 2], repeats=4, lora_rank=16),
 }
+LORA_RUNS = ("merged", "adapter", "exact")  # rollout.lora_sync=merged, =adapter (bf16); both in float32 (exactness)
+LORA_PROMPTS, LORA_NEW_TOKENS = 8, 64
 MAX_MODEL_LEN = 512
 KV_CACHE_GIB = 0.5
 
@@ -85,8 +100,9 @@ def memcpy_seconds(tensors: dict[str, Any], repeats: int) -> list[float]:
     return out[1:]
 
 
-def actors_config(actors: int, backend: str) -> Any:
-    """Returns the rlray config of ``actors`` rollout actors (CPU: split cores; CUDA: shares of GPU 0)."""
+def actors_config(actors: int, backend: str, overrides: tuple[str, ...] = ("model.dtype=bfloat16",)) -> Any:
+    """Returns the rlray config of ``actors`` rollout actors (CPU: split cores; CUDA: shares of GPU 0), with
+    ``overrides`` (dotted keys) applied."""
     import torch
 
     from rlray.config import config_from_dict
@@ -103,7 +119,7 @@ def actors_config(actors: int, backend: str) -> Any:
         tree["rollout"]["gpu_memory_utilization"] = round(0.3 / actors, 2)
     else:
         tree["resources"]["rollout"]["cpu_threads"] = split_cores(actors, sorted(os.sched_getaffinity(0)))
-    return config_from_dict(tree, ["model.dtype=bfloat16"])
+    return config_from_dict(tree, list(overrides))
 
 
 def time_object_store(fleet: Any, weights: dict[str, Any], repeats: int) -> dict[str, list[float]]:
@@ -173,6 +189,137 @@ def child(args: dict, actors: int, backend: str) -> dict[str, Any]:
             "versions": versions, "cpu_threads": cfg.resources.rollout.cpu_threads, **timed}
 
 
+def lora_learner(model_dir: str, rank: int) -> Any:
+    """Returns a float32 ``PolicyLearner`` with LoRA of ``rank`` on every linear layer (alpha = 2 x rank), its
+    adapters set to seeded noise (peft starts lora_B at 0: an adapter that would change nothing)."""
+    import torch
+
+    from rlray.learner import PolicyLearner
+
+    learner = PolicyLearner(model_dir, dtype="float32", lr=1e-5, betas=(0.9, 0.999), weight_decay=0.0, warmup_steps=0,
+                            max_grad_norm=1.0, temperature=1.0, use_reference=False,
+                            lora={"rank": rank, "alpha": 2.0 * rank, "dropout": 0.0, "target_modules": "all-linear"})
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in learner.module.named_parameters():
+            if "lora_B" in name:
+                param.copy_(0.02 * torch.randn(param.shape, generator=g))
+    return learner
+
+
+def time_lora_syncs(sync: Any, learner: Any, repeats: int) -> dict[str, Any]:
+    """Returns the payload bytes, and the export seconds (an export alone) and whole-push seconds of 1 + ``repeats``
+    pushes (warm-up dropped)."""
+    from rlray.models.adapters import AdapterWeights
+
+    export, total = [], []
+    for version in range(1, repeats + 2):
+        start = time.perf_counter()
+        payload = sync.export(learner)
+        export.append(time.perf_counter() - start)
+        packed = payload.tensors if isinstance(payload, AdapterWeights) else payload
+        nbytes = sum(int(raw.nbytes) for raw, _, _ in packed.values())
+        del payload, packed
+        start = time.perf_counter()
+        sync.push(learner, 0, version)
+        total.append(time.perf_counter() - start)
+    return {"bytes": nbytes, "export_s": export[1:], "seconds": total[1:]}
+
+
+def lora_child(args: dict, kind: str) -> dict[str, Any]:
+    """Measures one LoRA run (``LORA_RUNS``) with one rollout actor, in this process."""
+    import ray
+    import torch
+
+    from rlray.launch.actors import kill_actors, start_rollout_actors
+    from rlray.models import resolve_model_path
+    from rlray.rollout import SamplingSpec
+    from rlray.rollout.fleet import RolloutFleet
+    from rlray.rollout.weight_sync import ObjectStoreSync
+
+    model_dir = resolve_model_path(args["model"])
+    learner = lora_learner(model_dir, args["lora_rank"])
+    dtype = "float32" if kind == "exact" else "bfloat16"
+    sync_mode = "merged" if kind == "merged" else "adapter"
+    cfg = actors_config(1, "object_store", (f"model.dtype={dtype}", f"model.lora.rank={args['lora_rank']}",
+                                            f"rollout.lora_sync={sync_mode}"))
+    _, prompts = benchlib.gsm8k_prompts(args["model"], LORA_PROMPTS, 256)
+    spec = SamplingSpec(n=1, max_new_tokens=LORA_NEW_TOKENS, temperature=1.0, seed=0)
+    benchlib.init_local_ray()
+    handles = start_rollout_actors(cfg, model_dir, MAX_MODEL_LEN)
+    try:
+        fleet = RolloutFleet(handles)
+        sync = ObjectStoreSync(fleet, getattr(torch, dtype), wait=True, adapter=sync_mode == "adapter")
+        if kind == "exact":
+            return exactness(fleet, sync, learner, prompts, spec)
+        out = time_lora_syncs(sync, learner, args["repeats"])
+        fleet.generate(prompts[:2], dataclasses.replace(spec, max_new_tokens=8))  # warm-up
+        start = time.perf_counter()
+        tokens = sum(len(c.response_token_ids) for c in fleet.generate(prompts, spec))
+        out["generate_tokens_per_s"] = tokens / (time.perf_counter() - start)
+        out["engine_version"] = ray.get(handles[0].policy_version.remote())
+        return {"kind": kind, **out}
+    finally:
+        kill_actors(handles)
+        ray.shutdown()
+
+
+def exactness(fleet: Any, sync: Any, learner: Any, prompts: list[list[int]], spec: Any) -> dict[str, Any]:
+    """Returns how the adapter path's samples compare with the merged path's on the same engine (float32, same seed)
+    and with the learner's own forward: tokens equal, max |logprob difference| (nats), tokens compared."""
+    import ray
+    import torch
+
+    from rlray.rollout.wire import pack_weights
+
+    sync.push(learner, 0, 1)  # the adapter (ObjectStoreSync with adapter=True)
+    via_adapter = fleet.generate(prompts, spec)
+    fleet.push_weights(ray.put(pack_weights(learner.export_weights(torch.float32))), 2, wait=True)
+    via_merged = fleet.generate(prompts, spec)
+    same = [a.response_token_ids == m.response_token_ids for a, m in zip(via_adapter, via_merged, strict=True)]
+    vs_merged = max(max(abs(x - y) for x, y in zip(a.rollout_logprobs, m.rollout_logprobs, strict=False))
+                    for a, m in zip(via_adapter, via_merged, strict=True))
+    vs_learner, vs_base = 0.0, 0.0
+    with torch.no_grad():
+        for c in via_adapter:
+            ids = torch.tensor([prompts[c.prompt_index] + c.response_token_ids])
+            at = torch.arange(len(prompts[c.prompt_index]) - 1, ids.shape[1] - 1)
+            got = torch.tensor(c.rollout_logprobs)
+            own = learner.module(input_ids=ids).logits[0].log_softmax(-1)[at, ids[0, at + 1]]
+            with learner.module.disable_adapter():
+                base = learner.module(input_ids=ids).logits[0].log_softmax(-1)[at, ids[0, at + 1]]
+            vs_learner = max(vs_learner, float((got - own).abs().max()))
+            vs_base = max(vs_base, float((got - base).abs().max()))
+    return {"kind": "exact", "same_tokens": all(same), "tokens": sum(len(c.response_token_ids) for c in via_adapter),
+            "max_diff_vs_merged": vs_merged, "max_diff_vs_learner": vs_learner, "max_diff_vs_base": vs_base}
+
+
+LORA_HEADERS = ["lora_sync", "MiB per sync", "export (s)", "push (s)", "generate tokens/s", "engine version"]
+
+
+def lora_tables(runs: dict[str, Any]) -> str:
+    """Returns the markdown table of the merged and adapter syncs and the exactness line (failed runs show why)."""
+    mib, rows, lines = 2**20, [], []
+    for kind in ("merged", "adapter"):
+        r = runs.get(kind, {"error": "not run"})
+        if "error" in r:
+            rows.append([kind, f"FAILED: {r['error']}", *["n/a"] * (len(LORA_HEADERS) - 2)])
+            continue
+        rows.append([kind, benchlib.fmt(r["bytes"] / mib, 2), benchlib.fmt(statistics.median(r["export_s"]), 3),
+                     benchlib.fmt(statistics.median(r["seconds"]), 3), benchlib.fmt(r["generate_tokens_per_s"], 0),
+                     str(r["engine_version"])])
+    lines.append(benchlib.markdown_table(LORA_HEADERS, rows))
+    e = runs.get("exact", {"error": "not run"})
+    if "error" in e:
+        lines.append(f"\nexactness (float32): FAILED: {e['error']}")
+    else:
+        lines.append(f"\nexactness (float32, {e['tokens']} sampled tokens): same tokens {'yes' if e['same_tokens'] else 'NO'}; "
+                     f"max |adapter - merged| {e['max_diff_vs_merged']:.2e} nats, max |adapter - learner| "
+                     f"{e['max_diff_vs_learner']:.2e} nats (the adapter's own effect: max |adapter - base| "
+                     f"{e['max_diff_vs_base']:.2e} nats)")
+    return "\n".join(lines)
+
+
 def summarise(raw: dict[str, Any]) -> dict[str, Any]:
     """Returns the figures of one run: median seconds, bytes/s of sync and memcpy, their ratio."""
     sync_s = statistics.median(raw["seconds"])
@@ -209,13 +356,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--actors", type=int, nargs="+", help="rollout actor counts (default: 1 2)")
     parser.add_argument("--repeats", type=int, help="timed syncs after one warm-up")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="limit per run")
+    parser.add_argument("--part", choices=("all", "throughput", "lora"), default="all",
+                        help="throughput: N actors x backend; lora: adapter against merged syncs; all: both")
     args = parser.parse_args(argv)
     size = dict(SIZES["quick" if args.quick else "default"])
     size.update({k: v for k, v in vars(args).items() if k in size and v is not None})
     work = Path(tempfile.mkdtemp(prefix="bench-weight-sync-"))
     (work / "args.json").write_text(json.dumps(size))
     runs: dict[str, Any] = {}
-    for actors, backend in runs_here(size["actors"]):
+    for actors, backend in runs_here(size["actors"]) if args.part != "lora" else []:
         name = f"{backend} x{actors}"
         result = work / f"{backend}-{actors}.json"
         raw = benchlib.run_script_child(__file__, [actors, backend, work / "args.json", result], result_path=result,
@@ -224,11 +373,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             runs[name] = {"actors": actors, "backend": backend, "error": raw["error"], "log_tail": raw["log_tail"]}
             continue
         runs[name] = {**raw, **summarise(raw)}
-    print(f"\n**weight sync** ({size['model']}): {size['repeats']} timed syncs after 1 warm-up, bf16 weights\n")
-    print(table(runs) + "\n")
-    results = {"size": size, "runs": runs}
+    lora = {kind: lora_run(work, kind, args.timeout_s) for kind in LORA_RUNS} if args.part != "throughput" else {}
+    if runs:
+        print(f"\n**weight sync** ({size['model']}): {size['repeats']} timed syncs after 1 warm-up, bf16 weights\n")
+        print(table(runs) + "\n")
+    if lora:
+        print(f"\n**LoRA weight sync** ({size['model']}, rank {size['lora_rank']} all-linear, 1 rollout actor): "
+              f"{size['repeats']} timed pushes after 1 warm-up, bf16\n")
+        print(lora_tables(lora) + "\n")
+    results = {"size": size, "runs": runs, "lora": lora}
     print(f"wrote {benchlib.write_results('weight_sync', results)}")
     return results
+
+
+def lora_run(work: Path, kind: str, timeout_s: float) -> dict[str, Any]:
+    """Returns one LoRA run's figures from a child process (``lora_child``), or its error."""
+    result = work / f"lora-{kind}.json"
+    raw = benchlib.run_script_child(__file__, [1, f"lora-{kind}", work / "args.json", result], result_path=result,
+                                    log_path=result.with_suffix(".log"), timeout_s=timeout_s, label=f"lora {kind}")
+    return {"error": raw["error"], "log_tail": raw["log_tail"]} if "error" in raw else raw
 
 
 HEADERS = ["backend", "actors", "MiB", "sync (s)", "put (s)", "load (s)", "sync MiB/s", "memcpy MiB/s",
@@ -253,7 +416,11 @@ def table(runs: dict[str, Any]) -> str:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         n, backend, args_json, result_json = sys.argv[2:]
-        out = child(json.loads(Path(args_json).read_text()), int(n), backend)
+        given = json.loads(Path(args_json).read_text())
+        if backend.startswith("lora-"):
+            out = lora_child(given, backend.removeprefix("lora-"))
+        else:
+            out = child(given, int(n), backend)
         Path(result_json).write_text(json.dumps(out))
     else:
         main()

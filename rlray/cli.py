@@ -1,4 +1,5 @@
-"""The ``rlray`` command line: train, sweep, eval, serve-reward, rollback, models, snapshots, data, config, monitor.
+"""The ``rlray`` command line: train, check, sweep, eval, serve-reward, rollback, models, snapshots, data, config,
+plan, monitor, ledger.
 
 Each command imports what it needs inside its function: ``rlray --help`` and ``rlray data`` start in
 a second instead of paying for Ray, torch and vLLM (the one place where function-local imports are the rule).
@@ -27,6 +28,14 @@ def _train(args: argparse.Namespace) -> int:
     if result.error:
         print(f"rlray train: {result.error}", file=sys.stderr)
     return 0 if result.status == "FINISHED" else 1
+
+
+def _check(args: argparse.Namespace) -> int:
+    from rlray.launch.check import check_run
+    from rlray.launch.driver import resolve_paths
+
+    print(check_run(resolve_paths(load_config(args.config, args.overrides))), flush=True)
+    return 0
 
 
 def _sweep(args: argparse.Namespace) -> int:
@@ -132,6 +141,14 @@ def _data(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
+    if args.reference:
+        from rlray.config.describe import reference_markdown
+
+        print(reference_markdown(Config), end="")
+        return 0
+    if args.config is None:
+        print("rlray config: give a CONFIG file (or --reference for the schema's reference page)", file=sys.stderr)
+        return 2
     cfg = load_config(args.config, args.overrides)
     if args.describe:
         from rlray.config.describe import described_yaml
@@ -140,6 +157,26 @@ def _config(args: argparse.Namespace) -> int:
     else:
         print(cfg.to_yaml(), end="")
     return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from rlray.launch.plan import Hardware, local_gpu_memory_gib, plan_run, uses_gpus
+    from rlray.launch.plan_report import format_plan
+
+    cfg = load_config(args.config, args.overrides)
+    hardware = None
+    if args.gpus is not None or args.gpu_memory_gib is not None or uses_gpus(cfg):
+        size = args.gpu_memory_gib or local_gpu_memory_gib()
+        if size is None:
+            print("rlray plan: give the GPUs' memory (--gpu-memory-gib M): no GPU is visible here", file=sys.stderr)
+            return 2
+        if args.gpus is None and not uses_gpus(cfg):
+            print("rlray plan: the config asks for no GPUs; give how many to plan for (--gpus N)", file=sys.stderr)
+            return 2
+        hardware = Hardware(args.gpus, args.nodes, size)
+    plan = plan_run(cfg, hardware)
+    print(format_plan(plan))
+    return 0 if plan.fits else 1
 
 
 def _monitor(args: argparse.Namespace) -> int:
@@ -165,6 +202,29 @@ def _monitor(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ledger(args: argparse.Namespace) -> int:
+    from rlray.run import ledger
+
+    uri = args.tracking_uri or _optional_config(args).tracking.mlflow_uri
+    run_id = args.run.removeprefix("runs:/").strip("/").split("/", 1)[0]
+    try:
+        usage = ledger.run_usage(uri, run_id)
+    except Exception as err:  # mlflow's error for a missing run or store; the message names the run and store
+        print(f"rlray ledger: cannot read run {run_id!r} from {uri}: {err}", file=sys.stderr)
+        return 2
+    if not usage.steps_of and not usage.later_steps:
+        print(f"rlray ledger: run {run_id} has no prompt ledger (ledger/step_<n>.json; offline runs keep none)",
+              file=sys.stderr)
+        return 2
+    report, rows = ledger.check_logged_run(uri, run_id) if args.check else (None, None)
+    print(f"run {run_id} ({uri}): the prompt ledger of steps 1-{usage.last_step}")
+    print("\n".join(usage.lines(data_rows=rows, per_prompt=args.prompts)))
+    if report is None:
+        return 0
+    print(report.summary())
+    return 0 if report.ok else 1
+
+
 def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="config file for the MLflow store, experiment and S3 options (default: built-in)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -185,6 +245,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="show every process's output and library logs here (default: start lines, one progress bar, "
                    "rlray's warnings and alerts; the full logs go to <run.output_dir>/logs/<run id>/)")
     t.set_defaults(func=_train)
+
+    k = sub.add_parser("check", help="check a config without launching: every input of the run (model, data, rewards, "
+                       "environments, storage), then each environment's first prompt with its tools, as the model "
+                       "sees it: rlray check CONFIG [dotted.key=value ...]")
+    k.add_argument("config")
+    k.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. env.default=calc")
+    k.set_defaults(func=_check)
 
     w = sub.add_parser("sweep", help="Ray Tune sweep: rlray sweep CONFIG SWEEP.yaml [dotted.key=value ...]")
     w.add_argument("config")
@@ -234,12 +301,29 @@ def build_parser() -> argparse.ArgumentParser:
         _config_args(q)
     s.set_defaults(func=_snapshots)
 
-    c = sub.add_parser("config", help="print the resolved config: rlray config CONFIG [dotted.key=value ...] [--describe]")
-    c.add_argument("config")
+    c = sub.add_parser("config", help="print the resolved config: rlray config CONFIG [dotted.key=value ...] [--describe]; "
+                       "rlray config --reference prints the reference of every key (Markdown)")
+    c.add_argument("config", nargs="?")
     c.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. learner.lr=1e-5")
     c.add_argument("--describe", action="store_true",
                    help="precede each field with its description (unit and scope) and default, as YAML comments")
+    c.add_argument("--reference", action="store_true",
+                   help="print the config reference instead: every key of every section with its type, default, unit "
+                   "and meaning, as Markdown tables (docs/reference/config.md)")
     c.set_defaults(func=_config)
+
+    pl = sub.add_parser(
+        "plan",
+        help="the memory of every role before any resource is taken, and what to change when it does not fit: "
+        "rlray plan CONFIG [dotted.key=value ...] [--gpus N --gpu-memory-gib M --nodes K]; exit 1 when it does not fit",
+    )
+    pl.add_argument("config")
+    pl.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. model.path=FOLDER (config.json is enough)")
+    pl.add_argument("--gpus", type=int, help="GPUs per node to plan for (default: what the config asks; a config that "
+                    "asks for none gets a layout: half rollout engines, half learner ranks)")
+    pl.add_argument("--gpu-memory-gib", type=float, help="memory of one GPU in GiB (default: this machine's, nvidia-smi)")
+    pl.add_argument("--nodes", type=int, default=1, help="nodes of --gpus GPUs each (default 1)")
+    pl.set_defaults(func=_plan)
 
     o = sub.add_parser("monitor", help="serve the live page of a run kept in MLflow (finished or running): "
                        "rlray monitor RUN_ID [--port N] [--host ADDR]")
@@ -250,6 +334,17 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--refresh-s", type=float, default=10.0, help="seconds between rereads of a running run (default 10)")
     _config_args(o)
     o.set_defaults(func=_monitor)
+
+    g = sub.add_parser("ledger", help="which prompts a run trained on and how often: rlray ledger RUN_ID [--check] "
+                       "[--prompts]")
+    g.add_argument("run", metavar="RUN_ID", help="MLflow run id (or runs:/RUN_ID)")
+    g.add_argument("--check", action="store_true",
+                   help="also check the ledger against the seeded prompt stream of the run's logged config (its data "
+                   "files and tokenizer must load here): every prompt of each epoch once, in order; exit 1 when not")
+    g.add_argument("--prompts", action="store_true", help="list every prompt: times taken and the steps that took it")
+    g.add_argument("--tracking-uri", help="MLflow store (default: --config's tracking.mlflow_uri, else sqlite:///mlruns/mlflow.db)")
+    _config_args(g)
+    g.set_defaults(func=_ledger)
 
     d = sub.add_parser("data", help="datasets: rlray data fetch gsm8k|hh-rlhf-harmless|retry-arith|guess-number [--dest data]")
     dsub = d.add_subparsers(dest="data_command", required=True)
@@ -263,21 +358,22 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``rlray`` console script; returns the exit status."""
     args = build_parser().parse_args(argv)
-    if args.command == "train":  # a quiet console; the full log goes to the run's folder (rlray.launch.console)
+    if args.command in ("train", "check"):  # a quiet console; train's full log goes to the run's folder (rlray.launch.console)
         from rlray.launch.console import configure_console
 
-        configure_console(args.verbose)
+        configure_console(args.command == "train" and args.verbose)
     else:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from rlray.checkpoint.storage import SnapshotError
     from rlray.data import DataError
     from rlray.launch.placement import PlacementError
+    from rlray.launch.preflight import PreflightError
     from rlray.models import ModelError
     from rlray.reward import RewardFunctionError
 
     try:
         return args.func(args)
-    except (ConfigError, SnapshotError, DataError, ModelError, PlacementError, RewardFunctionError) as err:
+    except (ConfigError, SnapshotError, DataError, ModelError, PlacementError, RewardFunctionError, PreflightError) as err:
         print(f"rlray: {err}", file=sys.stderr)  # bad input found before the run: the message says what to fix
         return 2
 

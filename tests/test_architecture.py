@@ -22,12 +22,12 @@ ALLOWED: dict[str, set[str]] = {
     # Lines 1-3: no edge but those written here (same-package imports are always allowed).
     "rlray": set(),  # the root package only holds __version__
     "algos": set(),  # pure torch math
-    "config": set(),
+    "config": {"algos"},  # algo.name validates against the algorithm registry (rlray.algos.registry)
     "schema": set(),
     "cores": set(),
     "sandbox": set(),  # child processes with limits: below envs and reward, which both isolate user code in it
     "data": {"schema"},  # prompt and pair tables are built on the experience record's Arrow schema
-    "models": set(),
+    "models": {"schema"},  # the value and reward heads read the model-input record (schema.ModelInputs)
     # cores: pin the engine's threads; models: load the HF fallback engine; schema: rollouts become experience rows
     "rollout": {"cores", "models", "schema"},
     # models: tool schemas need the tokenizer's chat template; sandbox: untrusted environments run in its child processes
@@ -35,7 +35,9 @@ ALLOWED: dict[str, set[str]] = {
     # models: a reward model is a loaded LM with a head; schema: scores read experience rows;
     # checkpoint: a reward model can load from a snapshot; sandbox: user reward functions run in its child processes
     "reward": {"models", "schema", "checkpoint", "sandbox"},
-    "learner": {"algos", "models"},  # learner applies the math of algos to the models it loads
+    # learner applies the math of algos to the models it loads; schema: it trains on the experience record's
+    # tensor form (schema.StepBatch, schema.ModelInputs)
+    "learner": {"algos", "models", "schema"},
     # config: a snapshot stores the run's config; observe: lineage registers snapshots in MLflow via observe.tracking
     "checkpoint": {"config", "observe"},
     "observe": {"config"},  # params logged to MLflow are the flattened config

@@ -72,21 +72,21 @@ def test_collate_layout_left_prompt_right_response():
     t = schema.make_table(_rows())
     b = schema.collate(t, pad_token_id=2)  # pad == a token id that appears in responses (EOS-like)
     # Pm = 3, T = 3: row 2 = [pad pad 8 | 4 4 2]
-    assert b["input_ids"][2].tolist() == [2, 2, 8, 4, 4, 2]
-    assert b["attention_mask"][2].tolist() == [0, 0, 1, 1, 1, 1]
-    assert b["position_ids"][2].tolist() == [0, 0, 0, 1, 2, 3]
-    assert b["input_ids"][1].tolist() == [5, 6, 7, 3, 2, 2]
-    assert b["attention_mask"][1].tolist() == [1, 1, 1, 1, 0, 0]
+    assert b.inputs.input_ids[2].tolist() == [2, 2, 8, 4, 4, 2]
+    assert b.inputs.attention_mask[2].tolist() == [0, 0, 1, 1, 1, 1]
+    assert b.inputs.position_ids[2].tolist() == [0, 0, 0, 1, 2, 3]
+    assert b.inputs.input_ids[1].tolist() == [5, 6, 7, 3, 2, 2]
+    assert b.inputs.attention_mask[1].tolist() == [1, 1, 1, 1, 0, 0]
     # masks come from the table and lengths, not token values: token 2 inside row 0 counts
-    assert b["response_mask"].tolist() == [[True, True, False], [True, False, False], [True, True, True], [False, False, False]]
-    assert torch.equal(b["rollout_logprobs"][0], torch.tensor([-0.5, -1.0, 0.0]))
-    assert "old_logprobs" not in b
-    assert b["reward"].dtype == torch.float32 and b["group_id"].tolist() == [0, 0, 1, 1]
+    assert b.response_mask.tolist() == [[True, True, False], [True, False, False], [True, True, True], [False, False, False]]
+    assert torch.equal(b.rollout_logprobs[0], torch.tensor([-0.5, -1.0, 0.0]))
+    assert b.old_logprobs is None and b.advantages is None  # columns not filled in every row stay None
+    assert b.reward.dtype == torch.float32 and b.group_id.tolist() == [0, 0, 1, 1]
 
 
 def test_collate_carries_remax_baseline_when_filled():
     rows = _rows()
-    assert "baseline_reward" not in schema.collate(schema.make_table(rows), pad_token_id=0)
+    assert schema.collate(schema.make_table(rows), pad_token_id=0).baseline_reward is None
     rows["baseline_reward"] = [0.5, 0.5, 0.25, 0.25]
     out = schema.collate(schema.make_table(rows), pad_token_id=0)
-    assert out["baseline_reward"].tolist() == [0.5, 0.5, 0.25, 0.25] and out["baseline_reward"].dtype == torch.float32
+    assert out.baseline_reward.tolist() == [0.5, 0.5, 0.25, 0.25] and out.baseline_reward.dtype == torch.float32

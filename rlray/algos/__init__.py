@@ -17,6 +17,11 @@ Choose an algorithm's pieces from the plain dicts below; every function in one d
 Batch-level statistics (GRPO's batch std, ``whiten`` and the REINFORCE++ estimators) take ``sum_fn``
 (``SumFn``: sums a 0-dim tensor over data-parallel ranks), so a sharded step whitens over the whole step.
 
+Online advantages of a whole step (``estimators.py``): every ``Estimator`` is
+``fn(AdvantageInputs, AdvantageSpec, SumFn) -> Advantages``. The algorithm registry (``registry.py``: ``Algorithm``,
+``register``, ``get_algorithm``, ``algorithm_names``) gives each algorithm its family, estimator, policy loss and
+sampling extras; nothing else compares an algorithm's name.
+
 The rest have their own signatures: token-level estimators (``reinforce_pp_advantages``,
 ``reinforce_pp_baseline_advantages``, ``gae_advantages``), ``remax_advantages``, ``kl_penalty``,
 ``aggregate_loss``, ``value_loss``, KTO/ORPO/SimPO/Bradley-Terry, the DAPO helpers and on-policy
@@ -43,9 +48,11 @@ from rlray.algos.dapo import (
     overlong_penalty,
 )
 from rlray.algos.distillation import generalized_jsd, reverse_kl_advantages
+from rlray.algos.estimators import AdvantageInputs, Advantages, AdvantageSpec, Estimator
 from rlray.algos.kl import KL_ESTIMATORS, kl_penalty
 from rlray.algos.policy_losses import (
     LOG_RATIO_BOUND,
+    POLICY_LOSSES,
     ROLLOUT_CORRECTION_MODES,
     cispo_loss,
     entropy_bonus_loss,
@@ -66,18 +73,13 @@ from rlray.algos.preference import (
     sequence_logps,
     simpo_loss,
 )
+from rlray.algos.registry import ALGORITHMS, Algorithm, algorithm_names, get_algorithm, register
 from rlray.algos.value import gae_advantages, value_loss
 
 GROUP_ADVANTAGES = {
     "grpo": grpo_advantages,
     "dr_grpo": dr_grpo_advantages,
     "rloo": rloo_advantages,
-}
-
-POLICY_LOSSES = {
-    "ppo_clip": ppo_clip_loss,
-    "gspo": gspo_loss,
-    "cispo": cispo_loss,
 }
 
 PAIRWISE_LOSSES = {
@@ -88,6 +90,15 @@ PAIRWISE_LOSSES = {
 }
 
 __all__ = [
+    "ALGORITHMS",
+    "AdvantageInputs",
+    "AdvantageSpec",
+    "Advantages",
+    "Algorithm",
+    "Estimator",
+    "algorithm_names",
+    "get_algorithm",
+    "register",
     "AGGREGATION_MODES",
     "GROUP_ADVANTAGES",
     "KL_ESTIMATORS",

@@ -251,7 +251,8 @@ def token_level_rewards(
     """Returns [B, T] float32 per-token rewards: -kl_coef * kl on valid tokens, plus the sequence reward.
 
     The sequence reward sits on the last valid token of each row (a fully masked row gets none). This is
-    "KL in the reward" (issue 3); for "KL in the loss" add ``kl_coef * kl_penalty(...)`` to the per-token loss.
+    "KL in the reward" (``algo.kl_in: reward``: PPO, REINFORCE++; InstructGPT eq. 2); for "KL in the loss" add
+    ``kl_coef * kl_penalty(...)`` to the per-token loss.
 
     Args:
         rewards: [B] float32 sequence rewards.

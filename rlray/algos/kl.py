@@ -12,7 +12,7 @@ k2 and k3 use d clamped to [-LOG_RATIO_BOUND, LOG_RATIO_BOUND] (20 nats, policy_
 below -88.7 nats (k3 inf, gradient -inf) and d**2 past 1.8e19. Inside the bound nothing changes; outside it the
 estimate is that of the bound and passes no gradient. verl's ``kl_penalty`` clamps k3's d to [-20, 20] as well.
 
-Two ways to use them (issue 3): in the reward, ``token_level_rewards(..., kl=kl_penalty(...), kl_coef=beta)``
+Two ways to use them (``algo.kl_in``): in the reward, ``token_level_rewards(..., kl=kl_penalty(...), kl_coef=beta)``
 (REINFORCE++, PPO; see advantages.py), or in the loss, ``per_token_loss + beta * kl_penalty(...)``
 before ``aggregate_loss`` (GRPO and TRL's GRPOTrainer).
 """

@@ -233,6 +233,13 @@ def cispo_loss(
     return torch.where(response_mask, loss, zero), diagnostics
 
 
+POLICY_LOSSES = {
+    "ppo_clip": ppo_clip_loss,
+    "gspo": gspo_loss,
+    "cispo": cispo_loss,
+}
+"""The policy losses by name, one signature (above); "ppo_clip" also takes dual_clip=."""
+
 ROLLOUT_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 """The four rollout-correction modes of TRL 1.16 (``GRPOConfig.vllm_importance_sampling_mode``)."""
 

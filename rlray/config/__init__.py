@@ -14,12 +14,7 @@ and overrides) and describe (``rlray config --describe``). The package re-export
 """
 
 from rlray.config.algo import (  # noqa: F401
-    GROUP_ALGOS,
-    OFFLINE_ALGOS,
-    ONLINE_ALGOS,
-    REFERENCE_ALGOS,
     AlgoConfig,
-    AlgoName,
     CriticConfig,
     LearnerConfig,
     OfflineConfig,
@@ -59,11 +54,6 @@ __all__ = [
     "RewardFunctionConfig",
     "RewardServerConfig",
     "RewardConfig",
-    "AlgoName",
-    "ONLINE_ALGOS",
-    "OFFLINE_ALGOS",
-    "GROUP_ALGOS",
-    "REFERENCE_ALGOS",
     "AlgoConfig",
     "CriticConfig",
     "OfflineConfig",

@@ -3,22 +3,19 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
+from rlray.algos.registry import ALGORITHMS, Algorithm, algorithm_names, get_algorithm
 from rlray.config.base import CoreList, _Section
 
-AlgoName = Literal[
-    "grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "ppo",
-    "dpo", "ipo", "kto", "orpo", "simpo", "reward_model", "sft",
-]  # fmt: skip
-ONLINE_ALGOS: tuple[str, ...] = get_args(AlgoName)[:10]  # rollouts, rewards, advantages
-OFFLINE_ALGOS: tuple[str, ...] = get_args(AlgoName)[10:]  # preference pairs
-# Online algorithms whose advantage is a statistic of each prompt's group: they need samples_per_prompt >= 2.
-GROUP_ALGOS: tuple[str, ...] = ("grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo", "reinforce_pp_baseline")
-# Offline methods that compare the policy with the frozen initial policy (reference logprobs cached per pair).
-REFERENCE_ALGOS: tuple[str, ...] = ("dpo", "ipo", "kto")
+
+def _name_description() -> str:
+    """Returns algo.name's description: the registered algorithms of each family (``rlray config --describe``)."""
+    return (f"Online (rollouts on prompt data): {', '.join(algorithm_names('online'))}. Offline (preference pairs in "
+            f"offline.pairs_files): {', '.join(algorithm_names('offline'))}.")
 
 
 class RolloutCorrectionConfig(_Section):
@@ -76,18 +73,11 @@ class RolloutCorrectionConfig(_Section):
 class AlgoConfig(_Section):
     """The algorithm: online RL (advantage estimator, policy loss, KL, aggregation) or an offline method.
 
-    One schema for all 17 algorithms; each field says which algorithms read it. configs/algos/<name>.yaml
-    holds each algorithm's recommended values (from its paper, TRL or verl).
+    One schema for every algorithm of the registry (``rlray.algos.registry``); each field says which algorithms
+    read it. configs/algos/<name>.yaml holds each algorithm's recommended values (from its paper, TRL or verl).
     """
 
-    name: AlgoName = Field(
-        "grpo",
-        description=(
-            "Online (rollouts on prompt data): grpo, dr_grpo, dapo, gspo, cispo, rloo, reinforce_pp, "
-            "reinforce_pp_baseline, remax, ppo. Offline (preference pairs in offline.pairs_files): dpo, ipo, "
-            "kto, orpo, simpo, reward_model, sft."
-        ),
-    )
+    name: str = Field("grpo", description=_name_description())
     # ---- online: policy loss
     clip_eps_low: float = Field(
         0.2, ge=0.0, le=1.0, description="Online: ratio >= 1 - clip_eps_low (PPO clip; CISPO: 1.0 = no lower bound)."
@@ -181,9 +171,23 @@ class AlgoConfig(_Section):
     )
 
     @property
+    def algorithm(self) -> Algorithm:
+        """Returns the registry entry of ``name`` (``rlray.algos.registry``): family, estimator, loss, extras."""
+        return get_algorithm(self.name)
+
+    @property
     def family(self) -> Literal["online", "offline"]:
         """Returns "online" (rollouts, rewards, advantages) or "offline" (preference pairs)."""
-        return "online" if self.name in ONLINE_ALGOS else "offline"
+        return self.algorithm.family
+
+    @field_validator("name")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        if name not in ALGORITHMS:
+            names = [repr(n) for n in ALGORITHMS]
+            expected = f"{', '.join(names[:-1])} or {names[-1]}"
+            raise PydanticCustomError("literal_error", "Input should be {expected}", {"expected": expected})
+        return name
 
     @model_validator(mode="before")
     @classmethod
@@ -202,14 +206,15 @@ class AlgoConfig(_Section):
 
     @model_validator(mode="after")
     def _check_algo(self) -> AlgoConfig:
-        if self.dual_clip is not None and self.name in ("gspo", "cispo"):
+        policy_loss = self.algorithm.policy_loss  # None for offline methods, which ignore the online fields
+        if self.dual_clip is not None and policy_loss not in (None, "ppo_clip"):
             raise ValueError(
                 f"algo.dual_clip={self.dual_clip}: dual-clip bounds the token-level PPO-clip loss, which "
                 f"algo.name='{self.name}' does not use; set algo.dual_clip=null"
             )
-        if self.name == "gspo" and max(self.clip_eps_low, self.clip_eps_high) > 0.01:
+        if policy_loss == "gspo" and max(self.clip_eps_low, self.clip_eps_high) > 0.01:
             warnings.warn(
-                f"algo.name='gspo' with clip_eps_low={self.clip_eps_low}, clip_eps_high={self.clip_eps_high}: GSPO "
+                f"algo.name='{self.name}' with clip_eps_low={self.clip_eps_low}, clip_eps_high={self.clip_eps_high}: GSPO "
                 "clips a length-normalised sequence ratio and needs ranges ~1e-3 or smaller (the paper uses 3e-4 "
                 "and 4e-4); see configs/algos/gspo.yaml",
                 stacklevel=2,

@@ -128,6 +128,17 @@ class EnvConfig(_Section):
     tool_parser: Literal["hermes"] = Field(
         "hermes", description="How tool calls are read from the model's text: hermes (<tool_call>{json}</tool_call>)."
     )
+    trl_parity: bool = Field(
+        True,
+        description=(
+            "Classes written for TRL's environment_factory see what TRL 1.16 shows them: a tool's result as str(result) "
+            "(a list as content parts), a failing or unknown call as {'error': '<message>'}, a turn with a call that "
+            "cannot be parsed as plain text (the episode ends, get_reward scores it), and the tool calls of turn "
+            "env.max_turns (TRL's max_tool_calling_iterations + 1) are not run. False: rlray's wording (dicts and "
+            "lists as JSON, \"Error: tool 'x' raised ...\", unparsable calls answered with an error) and the last "
+            "turn's calls run. rlray's own environment classes are not affected."
+        ),
+    )
     reward_weight: float = Field(
         1.0, description="Weight of the environment's reward (the sum of its turn rewards) in the sample's reward."
     )

@@ -115,6 +115,15 @@ class GuardConfig(_Section):
             "after this many such steps in a row."
         ),
     )
+    max_failed_steps: int = Field(
+        2,
+        ge=1,
+        description=(
+            "The run ends FAILED, with the first failure messages, after this many steps in a row in which every "
+            "sample failed (its episode, a reward function or the reward model): such a run cannot learn. The same "
+            "count of steps in a row in which no prompt group's rewards differ (no signal) sends a warning alert."
+        ),
+    )
     memory_fraction: float = Field(
         0.9,
         gt=0.0,

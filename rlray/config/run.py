@@ -28,10 +28,32 @@ class RunConfig(_Section):
             "'stopped: wall_time')."
         ),
     )
+    hooks: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Step hooks, each 'package.module:factory' or 'path/to/file.py:factory' (relative to the working "
+            "folder), loaded as env.environments are. The driver calls each factory once with the validated "
+            "Config, before Ray starts; it returns a callable that learner rank 0 calls with a "
+            "rlray.run.hooks.StepEnd (step, max_steps, the step's metrics) at every step boundary: a control "
+            "hook runs before the step's snapshot and may return a reason (a string) to stop the run there; "
+            "an observer (class attribute after_snapshot = True) runs after it and also sees the snapshot's "
+            "URI. Hooks must pickle (they travel to the learner); a file's hooks travel by value. [] = none."
+        ),
+    )
+
+    @field_validator("hooks")
+    @classmethod
+    def _hook_specs(cls, value: list[str]) -> list[str]:
+        for i, spec in enumerate(value):
+            module_part, _, name = spec.rpartition(":")
+            if not module_part or not name:
+                raise ValueError(f"run.hooks[{i}]={spec!r}: write 'package.module:factory' or 'path/to/file.py:factory'")
+        return value
 
 
 class LoraConfig(_Section):
-    """LoRA adapters on the policy (peft); the rollout engines receive merged weights."""
+    """LoRA adapters on the policy (peft); the rollout engines receive the adapter alone or merged weights
+    (rollout.lora_sync)."""
 
     rank: int = Field(0, ge=0, description="Adapter rank r; 0 trains every weight (no LoRA).")
     alpha: float = Field(16.0, gt=0.0, description="LoRA alpha; the update is scaled by alpha / rank.")
@@ -203,6 +225,22 @@ class RolloutConfig(_Section):
             "How learner rank 0 ships weights to the rollout actors: object_store (ray.put; CPU and any "
             "cluster), nccl (vLLM weight-transfer NCCL broadcast; GPUs), ipc (CUDA IPC; colocated GPUs). "
             "auto picks object_store without GPUs, ipc when colocated, else nccl."
+        ),
+    )
+
+    lora_sync: Literal["auto", "merged", "adapter"] = Field(
+        "auto",
+        description=(
+            "What a weight sync ships when the policy trains LoRA adapters (model.lora.rank > 0 or "
+            "model.adapter_path), once per step from learner rank 0 to every rollout actor. adapter: the adapter's "
+            "tensors alone (peft names, in the engine dtype: 9.3 MiB for SmolLM2-135M at rank 16 all-linear in bf16, "
+            "against 311 MiB merged), always through the object store; the engines keep model.path's base weights, "
+            "loaded once at start, and apply the adapter with vLLM's runtime LoRA (the hf backend: peft), holding "
+            "rollout.max_staleness + 2 adapters. merged: the whole model with the adapter merged in, by "
+            "rollout.weight_sync. auto: adapter when the rollout actors have GPUs (resources.rollout.gpus > 0) and "
+            "rollout.weight_sync is not nccl or ipc, else merged: vLLM's LoRA kernels on CPU generate several "
+            "times slower than the merged model (6-18x, benchmarks/weight_sync.py), far more than the ~0.6 s a "
+            "merged sync costs there. Without LoRA every sync is merged."
         ),
     )
 

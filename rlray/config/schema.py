@@ -9,7 +9,7 @@ from typing import Any
 import yaml
 from pydantic import Field, SecretStr, model_validator
 
-from rlray.config.algo import GROUP_ALGOS, AlgoConfig, CriticConfig, LearnerConfig, OfflineConfig
+from rlray.config.algo import AlgoConfig, CriticConfig, LearnerConfig, OfflineConfig
 from rlray.config.base import _CORE_LIST, _Section, flatten
 from rlray.config.env import EnvConfig
 from rlray.config.operations import CheckpointConfig, GuardConfig, MonitorConfig
@@ -66,7 +66,7 @@ class Config(_Section):
         if self.algo.family == "offline":
             return self._check_offline_sizes(world)
         sequences = self.sequences_per_step
-        if self.algo.name in GROUP_ALGOS and self.rollout.samples_per_prompt < 2:
+        if self.algo.algorithm.needs_groups and self.rollout.samples_per_prompt < 2:
             raise ValueError(
                 f"rollout.samples_per_prompt={self.rollout.samples_per_prompt}: the group estimator "
                 f"'{self.algo.name}' needs at least 2 samples per prompt; set rollout.samples_per_prompt>=2"
@@ -137,7 +137,7 @@ class Config(_Section):
     def _check_reward_terms(self) -> None:
         names = [f.term_name for f in self.reward.functions]
         metric = self.algo.dynamic_sampling_metric
-        if self.algo.name == "dapo" and metric != "reward" and metric not in names:
+        if self.algo.algorithm.dynamic_sampling and metric != "reward" and metric not in names:
             if metric in ("accuracy", "format"):
                 raise ValueError(
                     f"algo.dynamic_sampling_metric={metric!r} was renamed: GSM8K's terms are reward functions now; use "
@@ -188,12 +188,34 @@ class Config(_Section):
             )
         if self.model.adapter_path is not None and res.learner.strategy == "fsdp":
             raise ValueError("model.adapter_path with resources.learner.strategy='fsdp' is not supported; use ddp")
+        if self.rollout.lora_sync == "adapter" and not self.trains_lora:
+            raise ValueError("rollout.lora_sync='adapter' ships a LoRA adapter, but the policy trains every weight; set "
+                             "model.lora.rank>0 or model.adapter_path, or rollout.lora_sync=auto")
+        if self.rollout.lora_sync == "adapter" and sync in ("nccl", "ipc"):
+            raise ValueError(f"rollout.lora_sync='adapter' ships the adapter through the object store, not "
+                             f"rollout.weight_sync='{sync}'; set rollout.weight_sync=auto, or rollout.lora_sync=merged")
+
+    @property
+    def trains_lora(self) -> bool:
+        """Returns True when the policy trains LoRA adapters (model.lora.rank > 0 or model.adapter_path)."""
+        return self.model.lora.rank > 0 or self.model.adapter_path is not None
+
+    @property
+    def adapter_sync(self) -> bool:
+        """Returns the resolved rollout.lora_sync: True when a weight sync ships the LoRA adapter alone (auto: a LoRA
+        policy with rollout actors on GPUs, unless rollout.weight_sync is nccl or ipc)."""
+        if self.rollout.lora_sync == "auto":
+            return (self.trains_lora and self.resources.rollout.gpus > 0
+                    and self.rollout.weight_sync in ("auto", "object_store"))
+        return self.rollout.lora_sync == "adapter"
 
     @property
     def weight_sync_backend(self) -> str:
-        """Returns the resolved rollout.weight_sync: object_store, nccl or ipc."""
+        """Returns the resolved rollout.weight_sync: object_store, nccl or ipc (object_store for an adapter-only sync)."""
         if self.rollout.weight_sync != "auto":
             return self.rollout.weight_sync
+        if self.adapter_sync:
+            return "object_store"
         if self.resources.rollout.gpus == 0 or self.resources.learner.gpus == 0:
             return "object_store"
         return "ipc" if self.resources.colocate else "nccl"

@@ -29,7 +29,7 @@ import pyarrow as pa
 import torch
 
 from rlray.data.jsonl import DataError, read_jsonl
-from rlray.schema import pack_sequences
+from rlray.schema import PairBatch, pack_sequences, response_mask_from_lengths
 
 log = logging.getLogger(__name__)
 
@@ -193,28 +193,22 @@ def pairs_table(pairs: list[PreferencePair], tokenizer, *, max_prompt_tokens: in
     return pa.Table.from_arrays(arrays, schema=PAIR_SCHEMA)
 
 
-def collate_pairs(table: pa.Table, pad_token_id: int, *, with_kl: bool = False) -> dict[str, torch.Tensor]:
-    """Returns the forward layout of P pairs: 2P rows, the chosen responses first, then the rejected ones.
-
-    Returns:
-        ``schema.pack_sequences`` output for the 2P rows (input_ids, attention_mask, position_ids [2P, Pm+T],
-        response_ids [2P, T], response_lengths [2P]) plus response_mask [2P, T] bool (from lengths), and each
-        filled reference column [P] float32. With ``with_kl``, "kl" holds the same layout for the P
-        (prompt, kl_token_ids) rows.
+def collate_pairs(table: pa.Table, pad_token_id: int, *, with_kl: bool = False) -> PairBatch:
+    """Returns the forward layout of P pairs (``schema.PairBatch``): 2P rows, the chosen responses first, then the
+    rejected ones (``schema.pack_sequences``), response_mask [2P, T] bool from lengths, and each filled reference
+    column [P] float32. With ``with_kl``, kl_inputs and kl_response_mask hold the same layout for the P
+    (prompt, kl_token_ids) rows.
     """
     prompts = table.column("prompt_token_ids").to_pylist()
     responses = table.column("chosen_token_ids").to_pylist() + table.column("rejected_token_ids").to_pylist()
-    out = _with_mask(pack_sequences(prompts + prompts, responses, pad_token_id))
+    inputs = pack_sequences(prompts + prompts, responses, pad_token_id)
+    refs = {}
     for name in REF_COLUMNS:
         col = table.column(name)
         if col.null_count == 0:
-            out[name] = torch.tensor(col.to_pylist(), dtype=torch.float32)
+            refs[name] = torch.tensor(col.to_pylist(), dtype=torch.float32)
+    kl = {}
     if with_kl:
-        out["kl"] = _with_mask(pack_sequences(prompts, table.column("kl_token_ids").to_pylist(), pad_token_id))
-    return out
-
-
-def _with_mask(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    t = batch["response_ids"].shape[1]
-    batch["response_mask"] = torch.arange(t)[None, :] < batch["response_lengths"][:, None]
-    return batch
+        kl_inputs = pack_sequences(prompts, table.column("kl_token_ids").to_pylist(), pad_token_id)
+        kl = {"kl_inputs": kl_inputs, "kl_response_mask": response_mask_from_lengths(kl_inputs)}
+    return PairBatch(inputs=inputs, response_mask=response_mask_from_lengths(inputs), **refs, **kl)

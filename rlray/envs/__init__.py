@@ -16,8 +16,15 @@ from rlray.envs.tools import (
     resolve_awaitable,
     tool_result_text,
     tool_schemas,
+    trl_tool_results,
 )
-from rlray.envs.trl import TRLEnvironment, is_trl_environment, load_environment, trl_tool_names
+from rlray.envs.trl import (
+    TRLEnvironment,
+    is_trl_environment,
+    load_environment,
+    load_environment_class,
+    trl_tool_names,
+)
 
 __all__ = [
     "TOOL_CALL_PARSERS",
@@ -36,11 +43,13 @@ __all__ = [
     "host_mcp_tools",
     "is_trl_environment",
     "load_environment",
+    "load_environment_class",
     "parse_hermes",
     "parse_tool_calls",
     "resolve_awaitable",
     "tool_result_text",
     "tool_schemas",
     "tool_step",
+    "trl_tool_results",
     "trl_tool_names",
 ]

@@ -174,30 +174,20 @@ def load_agent(spec: str) -> LoadedAgent:
     """Returns the agent function of ``spec``: ``"package.module:fn"`` or ``"path/to/file.py:fn"``.
 
     Raises:
-        ValueError: the spec has no ``:fn`` part, the module or file is missing, or ``fn`` is not a function taking
-            (client, row).
+        ValueError: as ``rlray.envs.trl.load_object`` (no ``:fn`` part, a missing or failing module or file, no such
+            name), or ``fn`` is not a function taking (client, row); each message names the spec.
     """
-    import importlib
+    from rlray.envs.trl import load_object  # the one loader of user code named in the config
 
-    from rlray.envs.trl import _import_file  # one file loader for environments and agents
-
-    module_part, sep, name = spec.rpartition(":")
-    if not sep or not module_part or not name:
-        raise ValueError(f"agent {spec!r}: use 'package.module:function' or 'path/to/file.py:function'")
-    if module_part.endswith(".py") or "/" in module_part:
-        module = _import_file(module_part, spec)
-    else:
-        try:
-            module = importlib.import_module(module_part)
-        except ModuleNotFoundError as err:
-            raise ValueError(f"agent {spec!r}: cannot import module {module_part!r}: {err}") from err
-    fn = getattr(module, name, None)
+    label = f"agent {spec!r}"
+    fn = load_object(spec, label=label, shape="function")
+    module_part, _, name = spec.rpartition(":")
     if not inspect.isfunction(fn):
-        raise ValueError(f"agent {spec!r}: {name!r} is not a function in {module_part!r}")
+        raise ValueError(f"{label}: {name!r} is not a function in {module_part!r}")
     try:
         inspect.signature(fn).bind(None, {})
     except TypeError as err:
-        raise ValueError(f"agent {spec!r}: {name} must take (client, row): {err}") from err
+        raise ValueError(f"{label}: {name} must take (client, row): {err}") from err
     return LoadedAgent(fn, inspect.iscoroutinefunction(fn))
 
 

@@ -52,6 +52,8 @@ class AssistantTurn:
         tool_call_errors: one message per call that could not be parsed (malformed JSON, no name).
         finish_reason: "stop" (EOS or a stop string) or "length" (the turn hit rollout.max_new_tokens).
         turn_index: 0 for the first assistant turn.
+        last: no turn follows this one whatever ``step`` answers (it is turn ``env.max_turns``); TRL does not run
+            the tool calls of such a turn, and neither does the TRL adapter by default (``rlray.envs.trl``).
     """
 
     text: str
@@ -59,6 +61,7 @@ class AssistantTurn:
     tool_call_errors: list[str] = field(default_factory=list)
     finish_reason: str = "stop"
     turn_index: int = 0
+    last: bool = False
 
 
 @dataclass

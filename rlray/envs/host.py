@@ -60,12 +60,14 @@ class StepRequest:
         text: the turn's text, special tokens removed (its tool calls are parsed on the host).
         finish_reason: the engine's "stop" (EOS or a stop string) or "length" (the turn hit max_new_tokens).
         turn_index: 0 for the episode's first assistant turn.
+        last: no turn follows this one (turn ``env.max_turns``; ``AssistantTurn.last``).
     """
 
     key: str
     text: str
     finish_reason: str
     turn_index: int
+    last: bool = False
 
 
 @dataclass
@@ -103,31 +105,71 @@ class StepReply:
     message: str = ""
 
 
+@dataclass
+class LimitReply:
+    """A host's answer to one episode's ``reward_at_limit()`` (a limit ended it before the environment said done).
+
+    Attributes:
+        reward: what it returned (None: no reward, or the environment has no ``reward_at_limit``).
+        error: None, or "env_error"/"timeout" with ``message``: it raised, so the episode fails.
+    """
+
+    reward: float | None = None
+    error: str | None = None
+    message: str = ""
+
+
+class ToolSchemaError(ValueError):
+    """A tool of an environment has no usable JSON schema (``rlray.envs.tools.tool_schemas`` names it and the fix)."""
+
+
+class EnvironmentRaised(RuntimeError):
+    """The environment's own code raised; ``str()`` says where (``describe_error``), worded where the code ran (in
+    this process or in a sandbox child), so both backends give the same message."""
+
+
+def _user_call(where: str, call: Callable[[], R]) -> R:
+    """Returns ``call()``; whatever it raises becomes ``EnvironmentRaised`` saying ``where`` it raised and where in
+    the environment's code."""
+    try:
+        return call()
+    except Exception as err:  # noqa: BLE001 - any error of the environment fails its episode, with where it raised
+        raise EnvironmentRaised(describe_error(where, err)) from err
+
+
 # ---- what both backends run on an episode's instance (module-level: a sandbox child unpickles them by name) ----
 def _reset(env: Any, row: dict[str, Any]) -> ResetReply:
     """Returns the reply to ``env.reset(**row)`` (tool schemas built here, where the tools live).
 
     Raises:
-        TypeError: reset returned something other than an ``EnvReset``; whatever reset raised.
+        TypeError: reset returned something other than an ``EnvReset``.
+        EnvironmentRaised: reset raised.
+        ToolSchemaError: a tool has no usable JSON schema (names the tool and the fix).
     """
     from rlray.envs.tools import tool_schemas
 
-    got = env.reset(**row)
+    got = _user_call("reset(**row)", lambda: env.reset(**row))
     if not isinstance(got, EnvReset):
         raise TypeError(f"{type(env).__name__}.reset returned {type(got).__name__}, expected rlray.envs.EnvReset")
-    return ResetReply(list(got.prompt), tool_schemas(got.tools) if got.tools else None, list(got.stop))
+    try:
+        schemas = tool_schemas(got.tools) if got.tools else None
+    except ValueError as err:
+        raise ToolSchemaError(str(err)) from None
+    return ResetReply(list(got.prompt), schemas, list(got.stop))
 
 
 def _step(env: Any, request: StepRequest, tool_parser: str) -> StepReply:
     """Returns the reply to ``env.step(turn)`` for a turn's text, its tool calls parsed with ``tool_parser``.
 
     Raises:
-        TypeError: step returned something other than an ``EnvStep``; whatever step raised.
+        TypeError: step returned something other than an ``EnvStep``.
+        EnvironmentRaised: step raised (a TRL class: its get_reward at a turn without tool calls).
     """
     from rlray.envs.tools import parse_tool_calls
 
     calls, errors = parse_tool_calls(request.text, parser=tool_parser)
-    got = env.step(AssistantTurn(request.text, calls, errors, request.finish_reason, request.turn_index))
+    turn = AssistantTurn(request.text, calls, errors, request.finish_reason, request.turn_index, request.last)
+    got = _user_call("step", lambda: env.step(turn))
     if not isinstance(got, EnvStep):
         raise TypeError(f"{type(env).__name__}.step returned {type(got).__name__}, expected rlray.envs.EnvStep")
     # a ToolEnvironment counts its own calls and errors (parse errors included); else the parser's counts
@@ -136,17 +178,26 @@ def _step(env: Any, request: StepRequest, tool_parser: str) -> StepReply:
     return StepReply(got, int(n_calls), int(n_errors))
 
 
-def _reward_at_limit(env: Any) -> float | None:
-    """Returns the optional ``reward_at_limit()`` of the environment (None when it has none)."""
+def _reward_at_limit(env: Any) -> LimitReply:
+    """Returns the optional ``reward_at_limit()`` of the environment (None when it has none).
+
+    Raises:
+        EnvironmentRaised: ``reward_at_limit`` (a TRL class: ``get_reward``) raised.
+    """
     final = getattr(env, "reward_at_limit", None)  # optional part of the contract (rlray.envs.base)
-    return None if final is None else final()
+    reward = None if final is None else _user_call("reward_at_limit() (a TRL class: get_reward())", final)
+    return LimitReply(None if reward is None else float(reward))
 
 
 def _close(env: Any) -> None:
-    """Calls the environment's optional ``close()``."""
+    """Calls the environment's optional ``close()``.
+
+    Raises:
+        EnvironmentRaised: close raised.
+    """
     closer = getattr(env, "close", None)
     if callable(closer):
-        closer()
+        _user_call("close()", closer)
 
 
 def _apply(env: Any, fn: Callable[..., R], *args: Any) -> R:
@@ -154,11 +205,25 @@ def _apply(env: Any, fn: Callable[..., R], *args: Any) -> R:
     return fn(env, *args)
 
 
-def _serve(spec: str) -> Callable[..., Any]:
+def _serve(spec: str, trl_parity: bool = True) -> Callable[..., Any]:
     """Returns ``_apply`` bound to a new instance of ``spec``: a sandbox child's entry (it runs in the child)."""
     from rlray.envs.trl import load_environment
 
-    return functools.partial(_apply, load_environment(spec)())
+    return functools.partial(_apply, load_environment(spec, trl_parity)())
+
+
+def describe_error(where: str, err: BaseException) -> str:
+    """Returns '<where> raised <Type>: <message> (at <file>:<line>)': what an environment's failure says (the
+    innermost frame of its traceback). An ``EnvironmentRaised`` (also inside a ``SandboxError``) is already worded
+    and is returned as it is; another sandboxed error has its type and message only."""
+    original = err.original if isinstance(err, SandboxError) else err
+    if isinstance(original, EnvironmentRaised):
+        return str(original)
+    frames = traceback.extract_tb(err.__traceback__)
+    located = frames and not isinstance(err, (SandboxError, ToolSchemaError))  # a schema error names its tool
+    at = f" (at {frames[-1].filename}:{frames[-1].lineno})" if located else ""
+    text = str(err) if isinstance(err, SandboxError) else f"{type(err).__name__}: {err}"
+    return f"{where} raised {text}{at}"
 
 
 class EpisodeEnvironment:
@@ -187,7 +252,7 @@ class EpisodeEnvironment:
 
     @classmethod
     def sandboxed(cls, spec: str, tool_parser: str, *, timeout_s: float, memory_gib: float,
-                  name: str) -> EpisodeEnvironment:
+                  name: str, trl_parity: bool = True) -> EpisodeEnvironment:
         """Returns an ``EpisodeEnvironment`` over a new instance of ``spec`` built in its own child process.
 
         Args:
@@ -195,12 +260,13 @@ class EpisodeEnvironment:
             timeout_s: seconds one call may take before the child is killed.
             memory_gib: the child's address-space cap, in GiB.
             name: the environment's name, for error messages.
+            trl_parity: how a TRL-shaped class answers tool calls (``rlray.envs.trl.TRLEnvironment``).
 
         Raises:
             SandboxError: building the environment raised in the child.
             SandboxTimeout: the child did not start in time.
         """
-        box = ProcessSandbox(_serve, {"spec": spec}, timeout_s=timeout_s,
+        box = ProcessSandbox(_serve, {"spec": spec, "trl_parity": trl_parity}, timeout_s=timeout_s,
                              limits=Limits(untrusted=True, memory_gib=memory_gib), name=f"environment {name}")
         return cls(box, tool_parser, box)
 
@@ -213,8 +279,8 @@ class EpisodeEnvironment:
         """Returns the reply to the instance's ``step`` for ``request``'s turn (see ``_step``)."""
         return self._call(_step, request, self._parser)
 
-    def reward_at_limit(self) -> float | None:
-        """Returns the instance's optional ``reward_at_limit()`` (None when it has none)."""
+    def reward_at_limit(self) -> LimitReply:
+        """Returns the instance's optional ``reward_at_limit()`` (reward None when it has none; see ``_reward_at_limit``)."""
         return self._call(_reward_at_limit)
 
     def close(self) -> None:
@@ -237,29 +303,33 @@ class EnvironmentHost:
         environments: {name: spec}, spec "package.module:Class" or "file.py:Class" (``rlray.envs.load_environment``;
             TRL ``environment_factory`` classes are wrapped automatically).
         tool_parser: the tool-call parser for the model family ("hermes").
-        step_timeout_s: limit of one reset or step call, in seconds: soft (the thread is abandoned) in process,
-            hard (the child is killed) with ``sandbox``.
+        step_timeout_s: limit of one reset, step, reward_at_limit or close call, in seconds: soft (the thread is
+            abandoned) in process, hard (the child is killed) with ``sandbox``.
         threads: calls run at once.
         sandbox: run each episode's instance in its own child process (``EpisodeEnvironment.sandboxed``).
         memory_gib: address-space cap of a sandboxed episode's child, in GiB.
+        trl_parity: how TRL-shaped classes answer tool calls (``rlray.envs.trl.TRLEnvironment``; ``env.trl_parity``).
+
+    Every failure reply's message says where the environment raised: '<reset|step|reward_at_limit()> raised
+    <Type>: <message> (at <file>:<line>)' (``describe_error``), or that the call ran past the time limit.
 
     Raises:
         ValueError: a spec cannot be loaded (names the environment and the spec).
     """
 
     def __init__(self, environments: dict[str, str], *, tool_parser: str = "hermes", step_timeout_s: float = 60.0,
-                 threads: int = 8, sandbox: bool = False, memory_gib: float = 2.0) -> None:
+                 threads: int = 8, sandbox: bool = False, memory_gib: float = 2.0, trl_parity: bool = True) -> None:
         from rlray.envs.trl import load_environment  # the loader picks the TRL adapter per class
 
         self._factories, self._specs = {}, dict(environments)
         for name, spec in environments.items():
             try:
-                self._factories[name] = load_environment(spec)  # checked here even when episodes run sandboxed
+                self._factories[name] = load_environment(spec, trl_parity)  # checked here even when episodes run sandboxed
             except Exception as err:  # noqa: BLE001 - any import problem of user code becomes one clear error
                 raise ValueError(f"env.environments.{name}: cannot load '{spec}': {err}") from err
         self._parser = tool_parser
         self._timeout = step_timeout_s
-        self._sandbox, self._memory_gib = sandbox, memory_gib
+        self._sandbox, self._memory_gib, self._trl_parity = sandbox, memory_gib, trl_parity
         self._pool = futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rlray-env")
         self._episodes: dict[str, EpisodeEnvironment] = {}
 
@@ -274,7 +344,8 @@ class EnvironmentHost:
             One ``ResetReply`` per request, in order; an environment that raises or passes the time limit
             gives an error reply (its instance is dropped).
         """
-        replies = self._run([functools.partial(self._open, request) for request in requests], ResetReply)
+        calls = [functools.partial(self._open, request) for request in requests]
+        replies = self._run(calls, ResetReply, "reset(**row)")
         for request, reply in zip(requests, replies, strict=True):
             if reply.error:
                 self._drop(request.key)
@@ -286,34 +357,33 @@ class EnvironmentHost:
         Returns:
             One ``StepReply`` per request, in order (an error reply drops the episode's instance).
         """
-        replies = self._run([functools.partial(self._step_one, request) for request in requests], StepReply)
+        replies = self._run([functools.partial(self._step_one, request) for request in requests], StepReply, "step")
         for request, reply in zip(requests, replies, strict=True):
             if reply.error:
                 self._drop(request.key)
         return replies
 
-    def rewards_at_limit(self, keys: list[str]) -> list[float | None]:
-        """Returns each episode's ``reward_at_limit()`` (an optional method: None when absent), for episodes that a
-        limit ended before the environment said done."""
+    def rewards_at_limit(self, keys: list[str]) -> list[LimitReply]:
+        """Returns each episode's ``reward_at_limit()`` (an optional method: reward None when absent), for episodes
+        that a limit ended before the environment said done. One that raises (a TRL class's ``get_reward``) or passes
+        the time limit gives an error reply: the episode fails, as it would had it raised in ``step``."""
+        calls = [functools.partial(self._limit_one, key) for key in keys]
+        return self._run(calls, LimitReply, "reward_at_limit() (a TRL class: get_reward())")
+
+    def close(self, keys: list[str]) -> list[str]:
+        """Drops the instances of finished episodes, calling their ``close()`` when they have one; returns, per key, ""
+        or what its ``close()`` raised (the episode then fails)."""
         out = []
         for key in keys:
-            try:
-                out.append(self._episodes[key].reward_at_limit() if key in self._episodes else None)
-            except Exception:  # noqa: BLE001 - a failing reward at a limit is no reward, logged
-                log.warning("reward_at_limit of episode %s raised:\n%s", key, traceback.format_exc())
-                out.append(None)
-        return out
-
-    def close(self, keys: list[str]) -> None:
-        """Drops the instances of finished episodes (calls their ``close()`` when they have one)."""
-        for key in keys:
             episode = self._episodes.pop(key, None)
-            if episode is None:
-                continue
             try:
-                episode.close()
-            except Exception:  # noqa: BLE001 - closing must not fail a finished episode
+                if episode is not None:
+                    episode.close()
+                out.append("")
+            except Exception as err:  # noqa: BLE001 - a raising close fails its episode, not the host
                 log.warning("close of episode %s raised:\n%s", key, traceback.format_exc())
+                out.append(describe_error("close()", err))
+        return out
 
     def open_episodes(self) -> int:
         """Returns how many episodes are open on this host."""
@@ -324,7 +394,7 @@ class EnvironmentHost:
         name = request.environment
         if self._sandbox:
             episode = EpisodeEnvironment.sandboxed(self._specs[name], self._parser, timeout_s=self._timeout,
-                                                   memory_gib=self._memory_gib, name=name)
+                                                   memory_gib=self._memory_gib, name=name, trl_parity=self._trl_parity)
         else:
             episode = EpisodeEnvironment.in_process(self._factories[name](), self._parser)
         self._episodes[request.key] = episode
@@ -334,15 +404,19 @@ class EnvironmentHost:
         """Returns the reply of the request's episode to its turn."""
         return self._episodes[request.key].step(request)
 
+    def _limit_one(self, key: str) -> LimitReply:
+        """Returns the reply of episode ``key``'s ``reward_at_limit()`` (reward None for an episode not open here)."""
+        return self._episodes[key].reward_at_limit() if key in self._episodes else LimitReply()
+
     def _drop(self, key: str) -> None:
         """Forgets a failed episode (a sandboxed one's child is stopped)."""
         episode = self._episodes.pop(key, None)
         if episode is not None:
             episode.kill()
 
-    def _run(self, calls: list[Callable[[], R]], reply_type: type[R]) -> list[R]:
+    def _run(self, calls: list[Callable[[], R]], reply_type: type[R], where: str) -> list[R]:
         """Returns each call's result, in order, run on the host's threads; a call that raises or passes the time
-        limit gives ``reply_type(error=..., message=...)`` instead."""
+        limit gives ``reply_type(error=..., message=...)`` instead, the message naming ``where`` (``describe_error``)."""
         # sandboxed calls end at the child's hard limit; the thread waits a little longer for that answer
         wait_s = self._timeout + (30.0 if self._sandbox else 0.0)
         running = [self._pool.submit(fn) for fn in calls]
@@ -351,9 +425,9 @@ class EnvironmentHost:
             try:
                 out.append(fut.result(timeout=wait_s))
             except (futures.TimeoutError, SandboxTimeout):
-                out.append(reply_type(error="timeout", message=f"the call ran past env.step_timeout_s={self._timeout}"))
+                out.append(reply_type(error="timeout", message=f"{where} ran past env.step_timeout_s={self._timeout:g}"))
             except (SandboxError, SandboxCrashed) as err:  # raised in (or killed) the episode's child
-                out.append(reply_type(error="env_error", message=str(err)))
+                out.append(reply_type(error="env_error", message=describe_error(where, err)))
             except Exception as err:  # noqa: BLE001 - an environment's error fails its episode, not the run
-                out.append(reply_type(error="env_error", message=f"{type(err).__name__}: {err}"))
+                out.append(reply_type(error="env_error", message=describe_error(where, err)))
         return out

@@ -12,7 +12,9 @@
 Reference: the Hermes format (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``) is the one
 NousResearch's Hermes 2 Pro models and Qwen2.5/Qwen3 chat templates use; TRL's ``GRPOTrainer`` dispatches
 tools the same way (``_tool_call_loop``: ``tool(**arguments)``, an exception becomes ``{"error": str(e)}``).
-We differ from TRL in the result text: dicts and lists are JSON (TRL uses ``str()``), errors read ``Error: ...``.
+``call_tool`` writes rlray's wording: dicts and lists are JSON, errors read ``Error: ...``. ``trl_tool_results``
+writes TRL's (``str(result)``, a list as content parts, a failure as ``str({"error": str(e)})``): the TRL adapter
+uses it by default (``env.trl_parity``), so a class written for TRL sees what it sees under TRL.
 """
 
 from __future__ import annotations
@@ -137,6 +139,43 @@ def tool_result_text(result: Any) -> str:
         except (TypeError, ValueError):
             return str(result)
     return str(result)
+
+
+def trl_tool_results(tools: dict[str, Callable[..., Any]], calls: list[ToolCall]) -> tuple[list[tuple[str, Any]], int]:
+    """Returns ([(tool name, message content), ...], failures) for one turn's calls, as TRL 1.16 answers them.
+
+    Reproduces ``GRPOTrainer._tool_call_loop`` (trl/trainer/grpo_trainer.py, lines 1975-2019 in 1.16.0): each call
+    runs as ``tool(**arguments)``; an unknown name raises ``ValueError(f"Tool {name} not found.")``; an exception
+    becomes the result ``{"error": str(e)}`` and counts as a failure. Calls of coroutine functions are gathered
+    after the synchronous ones (``asyncio.gather(..., return_exceptions=True)``), so their results come last, in
+    call order. The content is the result itself when it is a list (content parts), else ``str(result)``.
+    """
+    results: list[tuple[str, Any]] = []
+    pending: list[tuple[str, Any]] = []
+    failures = 0
+    for call in calls:
+        tool = tools.get(call.name)
+        try:
+            if tool is None:
+                raise ValueError(f"Tool {call.name} not found.")
+            if inspect.iscoroutinefunction(tool):
+                pending.append((call.name, tool(**call.arguments)))
+            else:
+                results.append((call.name, tool(**call.arguments)))
+        except Exception as err:  # noqa: BLE001 - TRL's rule: a failing call is an error result for the model
+            failures += 1
+            results.append((call.name, {"error": str(err)}))
+    if pending:
+
+        async def gather() -> list[Any]:
+            return await asyncio.gather(*(coro for _, coro in pending), return_exceptions=True)
+
+        for (name, _), value in zip(pending, resolve_awaitable(gather()), strict=True):
+            if isinstance(value, Exception):
+                failures += 1
+                value = {"error": str(value)}
+            results.append((name, value))
+    return [(name, value if isinstance(value, list) else str(value)) for name, value in results], failures
 
 
 def call_tool(tools: dict[str, Callable[..., Any]], call: ToolCall) -> tuple[str, bool]:

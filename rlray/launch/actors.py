@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -26,10 +25,12 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from rlray.config import Config
 from rlray.launch.placement import rollout_cpu_threads
 from rlray.learner.reference import ReferenceModel
+from rlray.models.adapters import AdapterWeights, read_adapter_config
+from rlray.models.loading import ModelError
 from rlray.rollout import Completion, RolloutEngine, SamplingSpec
-from rlray.rollout.wire import unpack_weights
+from rlray.rollout.wire import unpack_adapter, unpack_weights
 from rlray.run import build
-from rlray.run.hooks import hold_generate_from_env
+from rlray.schema import ModelInputs
 
 log = logging.getLogger(__name__)
 
@@ -44,17 +45,19 @@ class RolloutActor:
 
     def __init__(self, model_path: str, engine_kwargs: dict) -> None:
         self.engine = RolloutEngine(model_path, **engine_kwargs)
-        self.generate_calls = 0  # for the test hold (``rlray.run.hooks.hold_generate_from_env``)
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSpec) -> list[Completion]:
         """Returns ``sampling.n`` completions per prompt, prompt-major (see ``RolloutEngine.generate``)."""
-        self.generate_calls += 1
-        hold_generate_from_env(self.generate_calls, os.environ)
         return self.engine.generate(prompt_token_ids, sampling)
 
-    def update_weights(self, named_tensors: dict[str, Any], version: int) -> int:
-        """Loads new policy weights (tensors, or ``rollout.wire.pack_weights`` output), resets the cache; returns the new version."""
-        self.engine.update_weights(unpack_weights(named_tensors), version)
+    def update_weights(self, weights: dict[str, Any] | AdapterWeights, version: int) -> int:
+        """Loads a new policy, resets the cache and returns the new version: whole weights (tensors, or
+        ``rollout.wire.pack_weights`` output; ``RolloutEngine.update_weights``) or a LoRA adapter (``AdapterWeights``,
+        packed or not; ``RolloutEngine.update_adapter``: applied over the engine's base weights)."""
+        if isinstance(weights, AdapterWeights):
+            self.engine.update_adapter(unpack_adapter(weights), version)
+        else:
+            self.engine.update_weights(unpack_weights(weights), version)
         return self.engine.policy_version
 
     def policy_version(self) -> int:
@@ -89,8 +92,9 @@ class RolloutActor:
 
 
 class ReferenceActor:
-    """Ray actor around a ``ReferenceModel``: a frozen model shared by every learner rank that sends [B, T] logprobs
-    of the sampled tokens (the reference policy, or the distillation teacher).
+    """Ray actor around a ``ReferenceModel``: a frozen model shared by every learner rank that receives the model
+    inputs of a shard (``schema.ModelInputs``, nothing else of the step) and sends [B, T] logprobs of the sampled
+    tokens (the reference policy, or the distillation teacher).
 
     Args:
         model_path: local Hugging Face folder of the initial policy (reference) or of the teacher.
@@ -100,9 +104,9 @@ class ReferenceActor:
     def __init__(self, model_path: str, model_kwargs: dict) -> None:
         self.model = ReferenceModel(model_path, **model_kwargs)
 
-    def logprobs(self, batch: dict[str, torch.Tensor], microbatch_size: int) -> torch.Tensor:
-        """Returns [B, T] float32 reference logprobs of the batch's responses."""
-        return self.model.logprobs(batch, microbatch_size)
+    def logprobs(self, inputs: ModelInputs, microbatch_size: int) -> torch.Tensor:
+        """Returns [B, T] float32 reference logprobs of the rows' responses."""
+        return self.model.logprobs(inputs, microbatch_size)
 
     def ready(self) -> bool:
         """Returns True once the model is loaded."""
@@ -168,6 +172,7 @@ def rollout_engine_kwargs(cfg: Config, max_model_len: int, cpu_threads: str | No
     """
     sync = cfg.weight_sync_backend
     return {
+        **adapter_engine_kwargs(cfg),
         "dtype": build.compute_dtype(cfg),
         "seed": cfg.run.seed,
         "max_model_len": max_model_len,
@@ -180,6 +185,24 @@ def rollout_engine_kwargs(cfg: Config, max_model_len: int, cpu_threads: str | No
         "cpu_threads": cpu_threads,
         "weight_transfer": None if sync == "object_store" else sync,
     }
+
+
+def adapter_engine_kwargs(cfg: Config) -> dict:
+    """Returns the ``RolloutEngine`` LoRA arguments of an adapter-only sync (``Config.adapter_sync``), else {}.
+
+    lora_rank is ``model.lora.rank``, or the rank in ``model.adapter_path``'s adapter_config.json (the largest of
+    ``r`` and its ``rank_pattern``); lora_slots is ``rollout.max_staleness + 2``, so that every version an async step
+    may still sample with keeps its adapter while the next one is added.
+    """
+    if not cfg.adapter_sync:
+        return {}
+    rank = cfg.model.lora.rank
+    if cfg.model.adapter_path is not None:
+        config = read_adapter_config(cfg.model.adapter_path)
+        if config is None:
+            raise ModelError(f"model.adapter_path='{cfg.model.adapter_path}' has no adapter_config.json")
+        rank = AdapterWeights({}, config).rank
+    return {"lora_rank": rank, "lora_slots": cfg.rollout.max_staleness + 2}
 
 
 def start_rollout_actors(
@@ -277,7 +300,7 @@ def start_env_hosts(cfg: Config, namespace: str | None = None, *, model_dir: str
         options = dict(name=f"rlray:env-{i}", namespace=namespace, num_cpus=res.cpus, resources=dict(res.custom_resources),
                        max_restarts=res.max_restarts, scheduling_strategy="DEFAULT")
         kwargs = dict(tool_parser=cfg.env.tool_parser, step_timeout_s=cfg.env.step_timeout_s, threads=res.threads,
-                      sandbox=cfg.env.sandbox, memory_gib=cfg.env.memory_gib)
+                      sandbox=cfg.env.sandbox, memory_gib=cfg.env.memory_gib, trl_parity=cfg.env.trl_parity)
         if gateway:  # run_agents blocks while the host's agents run: the environments' calls need threads of their own
             from rlray.envs.agent_host import AgentHost
 

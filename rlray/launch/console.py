@@ -44,8 +44,9 @@ DRIVER_LOG = "driver.log"
 RAY_LOGS = "ray"  # subfolder of the run's log folder with Ray's log files
 # Libraries whose loggers print through handlers of their own and do not propagate (once configured): the quiet
 # console routes them through the root logger instead, so they reach driver.log and the console shows them only
-# with --verbose.
-SELF_PRINTING_LOGGERS = ("mlflow", "ray", "vllm", "transformers", "datasets")
+# with --verbose. MLflow sets up "mlflow", "alembic", "sqlalchemy.engine" and "huey" when it is imported (after
+# configure_console: the driver module imports it), hence route_library_logs again when a run starts.
+SELF_PRINTING_LOGGERS = ("mlflow", "alembic", "sqlalchemy.engine", "huey", "ray", "vllm", "transformers", "datasets")
 
 
 # --------------------------------------------------------------------------------------------
@@ -90,6 +91,15 @@ def configure_console(verbose: bool, stream: TextIO | None = None) -> None:
     root.setLevel(logging.INFO)
     logging.captureWarnings(False)  # forget an earlier capture whose showwarning someone has since replaced
     logging.captureWarnings(True)
+    route_library_logs()
+
+
+def route_library_logs() -> None:
+    """Routes the loggers of ``SELF_PRINTING_LOGGERS`` through the root logger: each loses its own console handlers
+    (stream handlers other than files) and propagates, so its records reach ``driver.log`` and the console only
+    through ``ConsoleFilter``. A library imported after ``configure_console`` may have set its logger up again (MLflow
+    does at import): ``run_training`` calls this once more when it starts, before Ray starts and before the first
+    MLflow call."""
     for name in SELF_PRINTING_LOGGERS:
         library = logging.getLogger(name)
         for handler in [h for h in library.handlers if isinstance(h, logging.StreamHandler)

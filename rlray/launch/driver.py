@@ -4,7 +4,7 @@
 the Ray Train training function (``rlray.run.worker.train_worker``); this module only wires it up:
 
 0. check every input (model, tokenizer, data, reward functions, snapshot storage; ``rlray.launch.preflight``)
-   before Ray or MLflow start,
+   and build the step hooks of ``run.hooks`` (``rlray.run.hooks.load_step_hooks``) before Ray or MLflow start,
 1. check that every role's resources fit the cluster (before any actor starts),
 2. the rollout actors on the nodes a released placement group chose (rlray:rollout-<i>),
 3. the reward Serve application rlray-reward (when reward.server.enabled),
@@ -47,7 +47,7 @@ from rlray.observe.tracking import Tracker, resolve_tracking_uri
 from rlray.rollout import RolloutSource
 from rlray.rollout.fleet import RolloutFleet
 from rlray.run import build, evaluation, worker
-from rlray.run.hooks import StepHook, StopWhenRequested, hold_hooks_from_env, start_run_control
+from rlray.run.hooks import StepHook, StopWhenRequested, load_step_hooks, start_run_control
 from rlray.run.state import RunServices, WorkerArgs
 
 log = logging.getLogger(__name__)
@@ -164,6 +164,10 @@ def resolve_paths(cfg: Config, base: Path | None = None) -> Config:
     for server in out.env.mcp_servers:  # a stdio MCP server's file arguments (the hosts may run in another folder)
         if server.command:
             server.command = [server.command[0], *(local(a) for a in server.command[1:])]
+    for i, spec in enumerate(cfg.run.hooks):
+        target, name = spec.rsplit(":", 1)
+        if target.endswith(".py"):
+            out.run.hooks[i] = f"{local(target)}:{name}"
     return out
 
 
@@ -253,8 +257,8 @@ def run_training(
 
     Args:
         cfg: the validated config.
-        step_hooks: extra per-step hooks run on learner rank 0 (``rlray.run.hooks``; Tune's reporter). Tests may
-            add a hold at a step through the environment (``rlray.run.hooks.hold_hooks_from_env``).
+        step_hooks: extra per-step hooks run on learner rank 0 (``rlray.run.hooks``; Tune's reporter), after
+            those of ``run.hooks``.
         tags: extra MLflow tags of the run (a sweep sets ``mlflow.parentRunId``).
         verbose: ``rlray train``'s console: False keeps other processes' output in their log files (Ray's log
             forwarding off) and draws the progress bar; True forwards everything and draws the bar; None (a
@@ -264,14 +268,18 @@ def run_training(
         rlray.models.ModelError, rlray.data.DataError, rlray.reward.RewardFunctionError,
             rlray.checkpoint.storage.SnapshotError: an input of the run is unusable (``rlray.launch.preflight``; nothing
             was started).
+        rlray.config.ConfigError: a ``run.hooks`` entry cannot be loaded or built (nothing was started).
         rlray.launch.placement.PlacementError: the resources do not fit the cluster (nothing was started).
         ray.train.TrainingFailedError: learner workers failed more than ``monitor.max_failures`` times.
         rlray.checkpoint.storage.SnapshotError: ``checkpoint.resume_from`` names no complete snapshot.
         OSError: ``monitor.port`` is taken.
     """
     started_at = time.time()
+    if verbose is not None:  # rlray train's console: libraries imported since configure_console (MLflow) set up their
+        console.route_library_logs()  # loggers again; before Ray starts and before the first MLflow call
     cfg = resolve_paths(cfg)
     model_dir = preflight(cfg)
+    user_hooks = load_step_hooks(cfg)
     teacher_dir = resolve_model_path(cfg.teacher.path) if cfg.teacher.enabled else None  # preflight checked it
     ray_info = init_ray(log_to_driver=verbose is not False)
     check_cluster(cfg)
@@ -321,7 +329,7 @@ def run_training(
             teacher_actor=teacher,
             env_hosts=env_hosts,
             services=services,
-            step_hooks=[StopWhenRequested(control), *hold_hooks_from_env(os.environ), *step_hooks],
+            step_hooks=[StopWhenRequested(control), *user_hooks, *step_hooks],
         ))
         with stop_on_sigterm(control):
             trainer.fit()

@@ -13,11 +13,20 @@ at once with the error of the module that owns the input, which names the config
   ``data.eval_files`` for online algorithms (with ``data.long_prompts=error`` also no prompt is too
   long), ``offline.pairs_files`` for offline ones;
 - each ``reward.functions[i].function`` is a built-in verifier, a file that exists or a module that can be found
-  (``RewardFunctionError``; the function itself is loaded in its sandbox, never in the driver);
+  (``RewardFunctionError``), and its parameters fit the data's columns (the function itself is loaded in its
+  sandbox, never in the driver; ``rlray.launch.envcheck.check_reward_columns``);
+- every row reaches a configured environment or none, every environment is reached, loads, and opens its first
+  episode with usable tool schemas (``rlray.launch.envcheck.check_environments``; ``reset`` runs in a child
+  process);
 - snapshots can be written under ``checkpoint.uri`` (``SnapshotError``): a missing bucket or bad
-  ``checkpoint.s3.*`` credentials fail here, not at the first snapshot.
+  ``checkpoint.s3.*`` credentials fail here, not at the first snapshot;
+- the learner's and the rollout's predicted memory fits (``rlray.launch.plan.check_fit``, config.json only): with
+  GPU resources against this machine's GPU size (nvidia-smi), on the CPU against ``guard.memory_cap_gib`` when
+  set; over the budget it warns, beyond the planner's tolerance it fails (``PlacementError``).
 
-Resources larger than the cluster are checked by ``rlray.launch.placement.check_cluster`` once Ray is up.
+Every other ``ValueError`` the checks raise becomes a ``PreflightError``, which ``rlray`` prints as one ``rlray:``
+line (exit status 2), as it prints the errors above. Resources larger than the cluster are checked by
+``rlray.launch.placement.check_cluster`` once Ray is up.
 """
 
 from __future__ import annotations
@@ -27,14 +36,21 @@ import logging
 from pathlib import Path
 
 from rlray.checkpoint import storage as checkpoint
-from rlray.config import Config
-from rlray.data import load_preference_pairs, load_prompt_rows, prepare_prompts
+from rlray.config import Config, ConfigError
+from rlray.data import DataError, load_preference_pairs, load_prompt_rows, prepare_prompts
+from rlray.launch.envcheck import check_environments, check_reward_columns
+from rlray.launch.plan import check_fit
 from rlray.models import ModelError, cpu_supports_bf16, load_tokenizer, resolve_model_path, vocabulary
 from rlray.models.adapters import check_adapter
 from rlray.reward.scorer import RewardFunctionError
 from rlray.reward.verifiers import BUILTIN_VERIFIERS
 
 log = logging.getLogger(__name__)
+
+
+class PreflightError(ValueError):
+    """An input of the run that cannot work, found before Ray starts; the message names the key, file or row and the
+    fix (an environment, a row's environment, a column)."""
 
 
 def preflight(cfg: Config) -> str:
@@ -47,10 +63,25 @@ def preflight(cfg: Config) -> str:
         rlray.models.ModelError: the model path, tokenizer or chat template cannot be used, or the teacher's
             cannot, or its vocabulary differs from the student's.
         rlray.data.DataError: a data file is missing, empty or has a bad row, line or column.
-        rlray.reward.RewardFunctionError: a reward function's file or module does not exist.
-        ValueError: an environment's or agent's file or module does not exist (``check_environment_spec``).
+        rlray.reward.RewardFunctionError: a reward function's file or module does not exist, or its parameters do
+            not fit the data's columns.
+        PreflightError: an environment cannot be used or reached, an agent's file or module does not exist, a row
+            names an unknown environment or agent, or any other check raised a ``ValueError``.
         rlray.checkpoint.storage.SnapshotError: snapshots cannot be written under ``checkpoint.uri``.
+        rlray.launch.placement.PlacementError: a role's predicted memory exceeds its budget beyond the planner's
+            tolerance (``check_fit``).
     """
+    try:
+        return check_inputs(cfg)
+    except (ModelError, DataError, RewardFunctionError, ConfigError, PreflightError):
+        raise
+    except ValueError as err:
+        raise PreflightError(str(err)) from err
+
+
+def check_inputs(cfg: Config) -> str:
+    """Returns the resolved local model folder of ``model.path`` after the checks of ``preflight`` (which words its
+    other ``ValueError`` s as ``PreflightError``)."""
     model_dir = resolve_model_path(cfg.model.path)
     tokenizer = load_tokenizer(model_dir, cfg.model.chat_template)
     if cfg.model.adapter_path is not None:
@@ -66,8 +97,9 @@ def preflight(cfg: Config) -> str:
         if cfg.data.long_prompts == "error":
             prepare_prompts(rows, tokenizer, max_prompt_tokens=cfg.data.max_prompt_tokens, long_prompts="error",
                             instruction=cfg.data.instruction, system_prompt=cfg.data.system_prompt)
+        eval_rows = []
         if cfg.eval.num_problems:
-            load_prompt_rows(cfg.data.eval_files, prompt_column=cfg.data.prompt_column)
+            eval_rows = load_prompt_rows(cfg.data.eval_files, prompt_column=cfg.data.prompt_column)[: cfg.eval.num_problems]
         if not cfg.reward.functions and cfg.reward.model_path is None and not cfg.teacher.enabled and not cfg.env.enabled:
             raise RewardFunctionError(
                 "this online run has no reward: set reward.functions (built-in verifiers such as "
@@ -81,10 +113,14 @@ def preflight(cfg: Config) -> str:
         for name, spec in cfg.env.agents.items():
             if (missing := missing_target(spec)) is not None:
                 raise ValueError(f"env.agents.{name}='{spec}': {missing}")
-        if cfg.algo.name == "ppo" and cfg.critic.model_path:
+        check_reward_columns(cfg, sorted({c for row in rows + eval_rows for c in row.columns}))
+        check_environments(cfg, rows, eval_rows)
+        if cfg.algo.algorithm.needs_critic and cfg.critic.model_path:
             resolve_model_path(cfg.critic.model_path)
     else:
         load_preference_pairs(cfg.offline.pairs_files, max_pairs=cfg.offline.max_pairs)
+    for warning in check_fit(cfg):
+        log.warning("predicted memory: %s; `rlray plan` shows every term and what to change", warning)
     checkpoint.check_storage(cfg.checkpoint_uri, cfg.checkpoint.s3.storage_options())
     return model_dir
 

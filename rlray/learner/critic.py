@@ -17,6 +17,7 @@ from rlray.learner.logprobs import autocast_context
 from rlray.learner.objective import Normaliser
 from rlray.learner.policy import PolicyLearner
 from rlray.models.heads import load_value_model, response_values
+from rlray.schema import ModelInputs, StepBatch
 
 CRITIC_STAT_KEYS = ("value_loss_sum", "value_clipped_sum", "value_tokens")
 
@@ -50,27 +51,28 @@ def build_critic(model_path: str, *, dtype: str, lr: float, max_grad_norm: float
 
 
 @torch.no_grad()
-def critic_values(critic: PolicyLearner, batch: dict[str, torch.Tensor], microbatch_size: int) -> torch.Tensor:
-    """Returns [B, T] float32 critic values V(s_t) of the batch's response states (no grad, eval mode).
+def critic_values(critic: PolicyLearner, inputs: ModelInputs, response_mask: torch.Tensor,
+                  microbatch_size: int) -> torch.Tensor:
+    """Returns [B, T] float32 critic values V(s_t) of the rows' response states (no grad, eval mode).
 
-    Values past each response are 0.
+    Values where ``response_mask`` [B, T] bool is False (past each response) are 0.
     """
     model = critic.module
     was_training = model.training
     model.eval()
-    out = torch.zeros(batch["response_ids"].shape, dtype=torch.float32)
+    out = torch.zeros(inputs.response_ids.shape, dtype=torch.float32)
     row = 0
-    for mb in split_microbatches(batch, microbatch_size):
+    for mb in split_microbatches(inputs, microbatch_size):
         with autocast_context(critic.dtype):
             values = response_values(model, mb).float()
         out[row : row + values.shape[0], : values.shape[1]] = values
         row += values.shape[0]
     model.train(was_training)
-    return torch.where(batch["response_mask"], out, torch.zeros_like(out))
+    return torch.where(response_mask, out, torch.zeros_like(out))
 
 
 def value_objective(
-    values: torch.Tensor, mb: dict[str, torch.Tensor], clip_eps: float | None, norm: Normaliser
+    values: torch.Tensor, mb: StepBatch, clip_eps: float | None, norm: Normaliser
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Returns the micro-batch's share of the mini-batch value loss (token-mean, global count) and its sums.
 
@@ -79,16 +81,16 @@ def value_objective(
 
     Args:
         values: [B, T] float32 current critic values (with grad).
-        mb: micro-batch with old_values [B, T] (rollout-time values), returns [B, T] (GAE targets) and
-            response_mask [B, T] bool.
+        mb: micro-batch (``StepBatch``) with old_values [B, T] (rollout-time values), returns [B, T] (GAE
+            targets) and response_mask [B, T] bool.
         clip_eps: value clip range in reward units, or None.
         norm: global denominators of the mini-batch.
 
     Returns:
         (loss, {"value_loss_sum", "value_clipped_sum", "value_tokens"}) summed over valid tokens.
     """
-    mask = mb["response_mask"]
-    per_token, diag = algos.value_loss(values, mb["old_values"], mb["returns"], mask, clip_eps=clip_eps)
+    mask = mb.response_mask
+    per_token, diag = algos.value_loss(values, mb.old_values, mb.returns, mask, clip_eps=clip_eps)
     loss = algos.aggregate_loss(per_token, mask, "token-mean", num_tokens=norm.num_tokens) * norm.world_size
     stats = {
         "value_loss_sum": per_token.detach().sum(),
@@ -100,16 +102,16 @@ def value_objective(
 
 def train_critic_minibatch(
     critic: PolicyLearner,
-    minibatch: dict[str, torch.Tensor],
+    minibatch: StepBatch,
     clip_eps: float | None,
     norm: Normaliser,
     microbatch_size: int,
 ) -> dict[str, float]:
     """Runs one critic optimizer step over a mini-batch; returns loss, grad_norm, lr and the value-loss sums."""
 
-    def micro_loss(model: torch.nn.Module, mb: dict[str, torch.Tensor]):
+    def micro_loss(model: torch.nn.Module, mb: StepBatch):
         with autocast_context(critic.dtype):
-            values = response_values(model, mb)
+            values = response_values(model, mb.inputs)
         return value_objective(values.float(), mb, clip_eps, norm)
 
     return critic.optimizer_step(split_microbatches(minibatch, microbatch_size), micro_loss)

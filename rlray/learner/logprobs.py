@@ -9,7 +9,8 @@ import contextlib
 
 import torch
 
-from rlray.learner.batching import split_microbatches, to_device
+from rlray.learner.batching import split_microbatches
+from rlray.schema import ModelInputs
 
 
 def autocast_context(dtype: str) -> contextlib.AbstractContextManager:
@@ -58,7 +59,7 @@ def store_frozen_for_autocast(model: torch.nn.Module, dtype: str) -> int:
     return sum(p.numel() * 2 for _, m in linear for p in m.parameters(recurse=False))
 
 
-def response_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor], *, temperature: float = 1.0,
+def response_logits(model: torch.nn.Module, inputs: ModelInputs, *, temperature: float = 1.0,
                     share_prompts: bool = True) -> torch.Tensor:
     """Returns [B, T, V] float32 next-token logits at the response positions, divided by ``temperature``.
 
@@ -74,20 +75,20 @@ def response_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor], *, t
 
     Args:
         model: a Hugging Face causal LM (or a DDP wrapper of one).
-        batch: ``collate`` output: input_ids [B, Pm+T] int64, attention_mask [B, Pm+T] int64,
-            position_ids [B, Pm+T] int64, response_ids [B, T] int64.
+        inputs: the rows' forward layout (``schema.ModelInputs``: input_ids, attention_mask, position_ids
+            [B, Pm+T] int64, response_ids [B, T] int64).
         temperature: sampling temperature of the rollout (> 0).
         share_prompts: compute each run of rows with the same prompt once (False: one pass per row, the
             reference the shared path is tested against).
     """
-    t = batch["response_ids"].shape[1]
-    counts = prompt_groups(batch) if share_prompts and not _sharded(model) else None
+    t = inputs.response_ids.shape[1]
+    counts = prompt_groups(inputs) if share_prompts and not _sharded(model) else None
     if counts is not None and t >= 2 and not _checkpointing(model):
-        return _scaled(_shared_prompt_logits(model, batch, counts), temperature)
+        return _scaled(_shared_prompt_logits(model, inputs, counts), temperature)
     out = model(
-        input_ids=batch["input_ids"],
-        attention_mask=batch["attention_mask"],
-        position_ids=batch["position_ids"],
+        input_ids=inputs.input_ids,
+        attention_mask=inputs.attention_mask,
+        position_ids=inputs.position_ids,
         logits_to_keep=t + 1,
         use_cache=False,
     )
@@ -101,18 +102,18 @@ def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return logits if temperature == 1.0 else logits.div_(temperature)
 
 
-def prompt_groups(batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+def prompt_groups(inputs: ModelInputs) -> torch.Tensor | None:
     """Returns the sizes [G] int64 of the runs of consecutive rows that share their prompt (the same prompt tokens
     and padding), or None when no two neighbouring rows do (nothing to share).
 
     A step's rows come prompt-major (the ``samples_per_prompt`` samples of a prompt are neighbours), so a
     micro-batch of 8 rows at 4 samples per prompt is 2 runs of 4.
     """
-    t = batch["response_ids"].shape[1]
-    p = batch["input_ids"].shape[1] - t
-    if batch["input_ids"].shape[0] < 2 or p < 1:
+    t = inputs.response_ids.shape[1]
+    p = inputs.input_ids.shape[1] - t
+    if inputs.num_rows < 2 or p < 1:
         return None
-    ids, mask = batch["input_ids"][:, :p], batch["attention_mask"][:, :p]
+    ids, mask = inputs.input_ids[:, :p], inputs.attention_mask[:, :p]
     same = ((ids[1:] == ids[:-1]) & (mask[1:] == mask[:-1])).all(dim=1)
     if not bool(same.any()):
         return None
@@ -135,7 +136,7 @@ def _checkpointing(model: torch.nn.Module) -> bool:
     return bool(getattr(inner, "is_gradient_checkpointing", False))
 
 
-def _shared_prompt_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor], counts: torch.Tensor) -> torch.Tensor:
+def _shared_prompt_logits(model: torch.nn.Module, inputs: ModelInputs, counts: torch.Tensor) -> torch.Tensor:
     """Returns the [B, T, V] response logits of ``response_logits`` with each group's prompt computed once.
 
     The G distinct prompts ([G, Pm], left-padded) run first, keeping their KV cache (with its autograd graph);
@@ -149,14 +150,14 @@ def _shared_prompt_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]
     DDP sees one forward per backward; every parameter's gradient still collects both passes before its
     all-reduce hook fires.
     """
-    t = batch["response_ids"].shape[1]
-    p = batch["input_ids"].shape[1] - t
+    t = inputs.response_ids.shape[1]
+    p = inputs.input_ids.shape[1] - t
     first = torch.cumsum(counts, 0) - counts  # the first row of every group
     inner = getattr(model, "module", model) if hasattr(model, "no_sync") else model
     prompt = inner(
-        input_ids=batch["input_ids"][first, :p],
-        attention_mask=batch["attention_mask"][first, :p],
-        position_ids=batch["position_ids"][first, :p],
+        input_ids=inputs.input_ids[first, :p],
+        attention_mask=inputs.attention_mask[first, :p],
+        position_ids=inputs.position_ids[first, :p],
         use_cache=True,
         logits_to_keep=1,
     )
@@ -165,9 +166,9 @@ def _shared_prompt_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]
         layer.keys = layer.keys.repeat_interleave(counts, dim=0)
         layer.values = layer.values.repeat_interleave(counts, dim=0)
     out = model(
-        input_ids=batch["input_ids"][:, p : p + t - 1],
-        attention_mask=batch["attention_mask"][:, : p + t - 1],
-        position_ids=batch["position_ids"][:, p : p + t - 1],
+        input_ids=inputs.input_ids[:, p : p + t - 1],
+        attention_mask=inputs.attention_mask[:, : p + t - 1],
+        position_ids=inputs.position_ids[:, p : p + t - 1],
         past_key_values=cache,
         use_cache=True,
         logits_to_keep=t - 1,
@@ -245,7 +246,7 @@ def logprobs_from_logits(
 
 def response_logprobs(
     model: torch.nn.Module,
-    batch: dict[str, torch.Tensor],
+    inputs: ModelInputs,
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
@@ -256,7 +257,7 @@ def response_logprobs(
 
     Args:
         model: a Hugging Face causal LM (or a DDP wrapper of one).
-        batch: ``collate`` output (input_ids, attention_mask, position_ids [B, Pm+T], response_ids [B, T]).
+        inputs: the rows' forward layout (``schema.ModelInputs``).
         temperature: sampling temperature of the rollout (> 0).
         with_entropy: also return the entropy of the next-token distribution (nats).
 
@@ -264,13 +265,13 @@ def response_logprobs(
         logprobs [B, T] float32 in nats (values at padded positions are meaningless; mask them),
         and entropy [B, T] float32 or None.
     """
-    logits = response_logits(model, batch, temperature=temperature)
-    return logprobs_from_logits(logits, batch["response_ids"], with_entropy=with_entropy)
+    logits = response_logits(model, inputs, temperature=temperature)
+    return logprobs_from_logits(logits, inputs.response_ids, with_entropy=with_entropy)
 
 
 @torch.no_grad()
 def batched_logprobs(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor], *, dtype: str, temperature: float, microbatch_size: int
+    model: torch.nn.Module, inputs: ModelInputs, *, dtype: str, temperature: float, microbatch_size: int
 ) -> torch.Tensor:
     """Returns [B, T] float32 response logprobs without grad, computed in micro-batches of ``microbatch_size`` rows.
 
@@ -279,7 +280,7 @@ def batched_logprobs(
 
     Args:
         model: a Hugging Face causal LM.
-        batch: ``collate`` output (input_ids, attention_mask, position_ids, response_ids [B, T]).
+        inputs: the rows' forward layout (``schema.ModelInputs``; response_ids [B, T]).
         dtype: "bfloat16" (bf16 autocast) or "float32".
         temperature: sampling temperature (> 0); see ``response_logprobs``.
         microbatch_size: rows per forward.
@@ -287,12 +288,12 @@ def batched_logprobs(
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    t = batch["response_ids"].shape[1]
-    out = torch.zeros(batch["response_ids"].shape, dtype=torch.float32)
+    t = inputs.response_ids.shape[1]
+    out = torch.zeros(inputs.response_ids.shape, dtype=torch.float32)
     row = 0
-    for mb in split_microbatches(batch, microbatch_size):
+    for mb in split_microbatches(inputs, microbatch_size):
         with autocast_context(dtype):
-            lp, _ = response_logprobs(model, to_device(mb, device), temperature=temperature)
+            lp, _ = response_logprobs(model, mb.to(device), temperature=temperature)
         out[row : row + lp.shape[0], : lp.shape[1]] = lp.float().cpu()
         row += lp.shape[0]
     model.train(was_training)

@@ -10,20 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from rlray import algos
-
-# The policy loss of each online algorithm (a key of ``algos.POLICY_LOSSES``).
-POLICY_LOSS_OF: dict[str, str] = {
-    "grpo": "ppo_clip",
-    "dr_grpo": "ppo_clip",
-    "dapo": "ppo_clip",
-    "gspo": "gspo",
-    "cispo": "cispo",
-    "rloo": "ppo_clip",
-    "reinforce_pp": "ppo_clip",
-    "reinforce_pp_baseline": "ppo_clip",
-    "remax": "ppo_clip",
-    "ppo": "ppo_clip",
-}
+from rlray.schema import StepBatch
 
 STAT_KEYS = (
     "pg_loss_sum", "kl_sum", "clipped_sum", "dual_clipped_sum", "entropy_sum", "is_weight_sum", "rollout_diff_sum",
@@ -42,11 +29,12 @@ def reduce_stat(key: str, total: float | None, value: float) -> float:
 
 @dataclass(frozen=True)
 class LossSpec:
-    """Plain values that choose and parametrise the policy objective (built from the config by the loop).
+    """Plain values that choose and parametrise the policy objective (built from the config by
+    ``rlray.run.build.update_spec``; the policy loss is the algorithm registry's ``Algorithm.policy_loss``).
 
     Attributes:
         clip_eps_low / clip_eps_high: ratio clip range [1 - low, 1 + high] (DAPO clip-higher).
-        kl_coef: weight of the per-token KL-to-reference term added to the loss (0 disables it; the loop
+        kl_coef: weight of the per-token KL-to-reference term added to the loss (0 disables it; the build step
             passes 0 when the KL sits in the reward instead).
         kl_estimator: "k1" | "k2" | "k3".
         loss_agg: aggregation mode of ``algos.aggregate_loss``.
@@ -94,13 +82,13 @@ class Normaliser:
     world_size: int = 1
 
 
-def _policy_loss(logprobs: torch.Tensor, mb: dict[str, torch.Tensor], spec: LossSpec):
+def _policy_loss(logprobs: torch.Tensor, mb: StepBatch, spec: LossSpec):
     extra = {"dual_clip": spec.dual_clip} if spec.policy_loss == "ppo_clip" else {}
     return algos.POLICY_LOSSES[spec.policy_loss](
         logprobs,
-        mb["old_logprobs"],
-        mb["advantages"],
-        mb["response_mask"],
+        mb.old_logprobs,
+        mb.advantages,
+        mb.response_mask,
         clip_eps_low=spec.clip_eps_low,
         clip_eps_high=spec.clip_eps_high,
         **extra,
@@ -109,7 +97,7 @@ def _policy_loss(logprobs: torch.Tensor, mb: dict[str, torch.Tensor], spec: Loss
 
 def policy_objective(
     logprobs: torch.Tensor,
-    mb: dict[str, torch.Tensor],
+    mb: StepBatch,
     spec: LossSpec,
     norm: Normaliser,
     *,
@@ -140,9 +128,9 @@ def policy_objective(
 
     Args:
         logprobs: [B, T] float32 current policy logprobs (with grad).
-        mb: collated micro-batch: old_logprobs [B, T], advantages [B, T], response_mask [B, T] bool,
-            ref_logprobs [B, T] when there is a reference model, rollout_logprobs [B, T] when the engine
-            reported them (required with a correction mode).
+        mb: the micro-batch (``StepBatch``): old_logprobs [B, T], advantages [B, T], response_mask [B, T] bool,
+            ref_logprobs [B, T] when there is a reference model (else None), rollout_logprobs [B, T] when the
+            engine reported them (required with a correction mode).
         spec: objective choice and coefficients.
         norm: global denominators of the mini-batch.
         entropy: [B, T] float32 per-token policy entropy in nats (with grad); required when
@@ -160,22 +148,22 @@ def policy_objective(
         ValueError: entropy_coef > 0 without ``entropy``, jsd_weight > 0 without ``jsd``, or a correction mode
             without rollout_logprobs.
     """
-    mask = mb["response_mask"]
+    mask = mb.response_mask
     pg_loss, diag = _policy_loss(logprobs, mb, spec)
     per_token = pg_loss
     weights = corrected = None
     if spec.correction != "none":
-        if "rollout_logprobs" not in mb:
+        if mb.rollout_logprobs is None:
             raise ValueError(f"policy_objective: rollout correction {spec.correction!r} needs rollout_logprobs")
         weights, corrected = algos.rollout_correction_weights(
-            mb["old_logprobs"], mb["rollout_logprobs"], mask,
+            mb.old_logprobs, mb.rollout_logprobs, mask,
             mode=spec.correction, ratio_min=spec.correction_min, ratio_max=spec.correction_max,
         )  # fmt: skip
         per_token = per_token * weights
     kl_k3 = None  # the logged algo/kl (and the KL guard's input) is always the k3 estimate, whatever the loss uses
-    if "ref_logprobs" in mb:
-        kl = algos.kl_penalty(logprobs, mb["ref_logprobs"], spec.kl_estimator)
-        kl_k3 = kl if spec.kl_estimator == "k3" else algos.kl_penalty(logprobs.detach(), mb["ref_logprobs"], "k3")
+    if mb.ref_logprobs is not None:
+        kl = algos.kl_penalty(logprobs, mb.ref_logprobs, spec.kl_estimator)
+        kl_k3 = kl if spec.kl_estimator == "k3" else algos.kl_penalty(logprobs.detach(), mb.ref_logprobs, "k3")
         if spec.kl_coef > 0:
             per_token = per_token + spec.kl_coef * kl
     if spec.entropy_coef > 0:
@@ -194,13 +182,13 @@ def policy_objective(
         num_sequences=norm.num_sequences,
         max_response_tokens=spec.max_response_tokens,
     ) * norm.world_size
-    stats = _stats(mb, mask, pg_loss, diag, kl_k3, entropy)
+    stats = _stats(mask, pg_loss, diag, kl_k3, entropy)
     stats["jsd_sum"] = _masked_sum(jsd, mask)
     stats.update(_mismatch_stats(mb, mask, weights, corrected))
     return loss, stats
 
 
-def _stats(mb, mask, pg_loss, diag, kl, entropy) -> dict[str, torch.Tensor]:
+def _stats(mask, pg_loss, diag, kl, entropy) -> dict[str, torch.Tensor]:
     return {
         "pg_loss_sum": _masked_sum(pg_loss, mask),
         "kl_sum": _masked_sum(kl, mask),
@@ -217,7 +205,7 @@ def _masked_sum(x: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, x.detach().float(), torch.zeros_like(x, dtype=torch.float32)).sum()
 
 
-def _mismatch_stats(mb, mask, weights, corrected) -> dict[str, torch.Tensor]:
+def _mismatch_stats(mb: StepBatch, mask, weights, corrected) -> dict[str, torch.Tensor]:
     """Returns the rollout/learner mismatch statistics of a micro-batch (0 where rollout_logprobs are absent).
 
     rollout_diff_sum: sum of |rollout - old| (nats); rollout_kl_sum: sum of the k3 estimate of
@@ -231,9 +219,9 @@ def _mismatch_stats(mb, mask, weights, corrected) -> dict[str, torch.Tensor]:
     out = {"sequences": mask.any(dim=-1).float().sum(), "is_weight_sum": _masked_sum(weights, mask)}
     out["corrected_tokens"] = zero if corrected is None else corrected.float().sum()
     out["corrected_sequences"] = zero if corrected is None else corrected.any(dim=-1).float().sum()
-    if "rollout_logprobs" not in mb:
+    if mb.rollout_logprobs is None:
         return {**out, "rollout_diff_sum": zero, "rollout_kl_sum": zero, "rollout_ratio_max": zero}
-    rollout, old = mb["rollout_logprobs"].float(), mb["old_logprobs"].float()
+    rollout, old = mb.rollout_logprobs.float(), mb.old_logprobs.float()
     log_ratio = torch.where(mask, old - rollout, torch.zeros_like(old)).clamp(-algos.LOG_RATIO_BOUND, algos.LOG_RATIO_BOUND)
     ratio_max = torch.exp(log_ratio[mask]).max() if bool(mask.any()) else zero
     out["rollout_diff_sum"] = _masked_sum((rollout - old).abs(), mask)

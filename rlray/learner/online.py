@@ -1,9 +1,10 @@
 """Stages 4-6 of the online step on one learner rank: reference/old logprobs and values, advantages, the update.
 
-``rlray.run.online`` calls these with plain values (``UpdateSpec``, built from the config there). The algorithm is
-chosen by plain dicts keyed by ``algo.name``: ``ADVANTAGE_ESTIMATORS`` (learner/advantages.py) and
-``POLICY_LOSS_OF`` (learner/objective.py, into ``algos.POLICY_LOSSES``). PPO's critic rides on the policy
-learner (``learner.critic``) and takes one optimizer step per policy mini-batch.
+``rlray.run.online`` calls these with plain values (``UpdateSpec``, built from the config and the algorithm registry
+by ``rlray.run.build.update_spec``): the algorithm arrives as its advantage estimator (an ``algos.Estimator``) and
+its policy loss (``LossSpec.policy_loss``, a key of ``algos.POLICY_LOSSES``), never as a name. The step's tensors
+travel in one ``schema.StepBatch`` that each stage fills. PPO's critic rides on the policy learner
+(``learner.critic``) and takes one optimizer step per policy mini-batch.
 
 Legend: B sequences in this rank's shard, T response tokens.
 """
@@ -16,10 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from rlray import algos
-from rlray.learner.advantages import ADVANTAGE_ESTIMATORS, AdvantageSpec, collective_sum
 from rlray.learner.critic import CRITIC_STAT_KEYS, critic_values, train_critic_minibatch
 from rlray.learner.objective import MAX_STAT_KEYS, STAT_KEYS, LossSpec, Normaliser, reduce_stat
 from rlray.learner.policy import PolicyLearner
+from rlray.schema import StepBatch
 
 AllReduceSum = Callable[[dict[str, float]], dict[str, float]]
 
@@ -29,7 +30,7 @@ class UpdateSpec:
     """Plain values of stages 4-6.
 
     Attributes:
-        algo: ``algo.name`` (a key of ``ADVANTAGE_ESTIMATORS``).
+        estimator: the algorithm's advantage estimator (``Algorithm.advantage`` of ``rlray.algos.registry``).
         loss: the policy objective.
         advantage: the advantage stage.
         epochs: passes over the step's experience.
@@ -43,9 +44,9 @@ class UpdateSpec:
             teacher.divergence=reverse_kl; 0: off). On, stage 4 takes teacher_logprobs and old_logprobs.
     """
 
-    algo: str
+    estimator: algos.Estimator
     loss: LossSpec
-    advantage: AdvantageSpec
+    advantage: algos.AdvantageSpec
     epochs: int
     rows_per_minibatch: int
     microbatch_size: int
@@ -55,34 +56,53 @@ class UpdateSpec:
     distill_weight: float = 0.0
 
 
-def reference_and_old(learner: PolicyLearner, data: dict[str, torch.Tensor], spec: UpdateSpec) -> dict[str, torch.Tensor]:
-    """Stage 4: adds ref_logprobs [B, T] (when there is a reference), teacher_logprobs [B, T] (reverse-KL
+def collective_sum(all_reduce_sum: AllReduceSum) -> algos.SumFn:
+    """Returns an ``algos.SumFn`` over a collective's ``all_reduce_sum`` (float64 on the wire, the input's dtype back)."""
+
+    def total(x: torch.Tensor) -> torch.Tensor:
+        return torch.tensor(all_reduce_sum({"x": float(x)})["x"], dtype=x.dtype)
+
+    return total
+
+
+def reference_and_old(learner: PolicyLearner, batch: StepBatch, spec: UpdateSpec) -> StepBatch:
+    """Stage 4: fills ref_logprobs [B, T] (when there is a reference), teacher_logprobs [B, T] (reverse-KL
     distillation, ``spec.distill_weight > 0``), old_logprobs [B, T] (when ``spec.old_logprobs_before_update``) and
-    old_values [B, T] (PPO's critic) to ``data``; returns it. A reference or teacher actor may have filled its
+    old_values [B, T] (PPO's critic) of ``batch``; returns it. A reference or teacher actor may have filled its
     logprobs already; the rest come from the models on this learner."""
     mbs = spec.microbatch_size
-    if learner.has_reference and "ref_logprobs" not in data:
-        data["ref_logprobs"] = learner.logprobs(data, reference=True, microbatch_size=mbs)
-    if spec.distill_weight > 0 and "teacher_logprobs" not in data:
-        data["teacher_logprobs"] = learner.teacher_logprobs(data, microbatch_size=mbs)
+    if learner.has_reference and batch.ref_logprobs is None:
+        batch.ref_logprobs = learner.logprobs(batch.inputs, reference=True, microbatch_size=mbs)
+    if spec.distill_weight > 0 and batch.teacher_logprobs is None:
+        batch.teacher_logprobs = learner.teacher_logprobs(batch.inputs, microbatch_size=mbs)
     if spec.old_logprobs_before_update:
-        data["old_logprobs"] = learner.logprobs(data, reference=False, microbatch_size=mbs)
+        batch.old_logprobs = learner.logprobs(batch.inputs, reference=False, microbatch_size=mbs)
     if learner.critic is not None:
-        data["old_values"] = critic_values(learner.critic, data, mbs)
-    return data
+        batch.old_values = critic_values(learner.critic, batch.inputs, batch.response_mask, mbs)
+    return batch
 
 
-def advantages(data: dict[str, torch.Tensor], spec: UpdateSpec, all_reduce_sum: AllReduceSum) -> dict[str, torch.Tensor]:
-    """Stage 5: adds advantages [B, T] (and PPO's returns [B, T]) from ``ADVANTAGE_ESTIMATORS[spec.algo]``; returns ``data``.
+def advantages(batch: StepBatch, spec: UpdateSpec, all_reduce_sum: AllReduceSum) -> StepBatch:
+    """Stage 5: fills advantages [B, T] (and PPO's returns [B, T]) of ``batch`` from ``spec.estimator``; returns it.
 
     Shards hold whole groups, so group statistics are local; batch statistics are summed over ranks.
     """
-    data.update(ADVANTAGE_ESTIMATORS[spec.algo](data, spec.advantage, collective_sum(all_reduce_sum)))
-    return data
+    inputs = algos.AdvantageInputs(
+        reward=batch.reward,
+        group_id=batch.group_id,
+        response_mask=batch.response_mask,
+        old_logprobs=batch.old_logprobs,
+        ref_logprobs=batch.ref_logprobs,
+        old_values=batch.old_values,
+        baseline_reward=batch.baseline_reward,
+    )
+    got = spec.estimator(inputs, spec.advantage, collective_sum(all_reduce_sum))
+    batch.advantages, batch.returns = got.advantages, got.returns
+    return batch
 
 
-def add_reverse_kl(data: dict[str, torch.Tensor], weight: float, all_reduce_sum: AllReduceSum) -> dict[str, float]:
-    """Stage 5b (reverse-KL distillation): adds the teacher's per-token reverse KL to ``data["advantages"]``; returns
+def add_reverse_kl(batch: StepBatch, weight: float, all_reduce_sum: AllReduceSum) -> dict[str, float]:
+    """Stage 5b (reverse-KL distillation): adds the teacher's per-token reverse KL to ``batch.advantages``; returns
     {"algo/distill_reverse_kl": token mean over every rank, in nats}.
 
     advantages += ``algos.reverse_kl_advantages(old_logprobs, teacher_logprobs, response_mask, weight)``, i.e.
@@ -97,22 +117,22 @@ def add_reverse_kl(data: dict[str, torch.Tensor], weight: float, all_reduce_sum:
     the distillation signal; rollout correction weighs the samples as for any advantage.
 
     Args:
-        data: this rank's shard: advantages [B, T] float32, old_logprobs [B, T] float32, teacher_logprobs [B, T]
-            float32, response_mask [B, T] bool.
+        batch: this rank's shard with advantages, old_logprobs and teacher_logprobs [B, T] float32 and
+            response_mask [B, T] bool.
         weight: teacher.weight (advantage units per nat), > 0.
         all_reduce_sum: sums {name: float} over learner ranks (identity with one rank).
     """
-    mask = data["response_mask"]
-    data["advantages"] = data["advantages"] + algos.reverse_kl_advantages(
-        data["old_logprobs"], data["teacher_logprobs"], mask, weight=weight)
-    diff = torch.where(mask, data["old_logprobs"].float() - data["teacher_logprobs"].float(), 0.0)
+    mask = batch.response_mask
+    batch.advantages = batch.advantages + algos.reverse_kl_advantages(
+        batch.old_logprobs, batch.teacher_logprobs, mask, weight=weight)
+    diff = torch.where(mask, batch.old_logprobs.float() - batch.teacher_logprobs.float(), 0.0)
     summed = all_reduce_sum({"kl_sum": float(diff.sum()), "tokens": float(mask.sum())})
     return {"algo/distill_reverse_kl": summed["kl_sum"] / max(summed["tokens"], 1.0)}
 
 
 def update(
     learner: PolicyLearner,
-    data: dict[str, torch.Tensor],
+    batch: StepBatch,
     norms: list[Normaliser],
     spec: UpdateSpec,
     all_reduce_sum: AllReduceSum,
@@ -130,7 +150,7 @@ def update(
     steps = 0
     for epoch in range(spec.epochs):
         for m, norm in enumerate(norms):
-            mb = {key: v[m * k : (m + 1) * k] for key, v in data.items()}
+            mb = batch.rows(slice(m * k, (m + 1) * k))
             stats = learner.train_minibatch(mb, spec.loss, norm, spec.microbatch_size)
             if critic is not None:
                 c = train_critic_minibatch(critic, mb, spec.value_clip_eps, norm, spec.microbatch_size)

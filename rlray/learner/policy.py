@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import json
 import math
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
 from rlray import algos
-from rlray.learner.batching import split_microbatches, to_device
+from rlray.learner.batching import split_microbatches
 from rlray.learner.logprobs import (
     autocast_context,
     batched_logprobs,
@@ -24,7 +27,8 @@ from rlray.learner.logprobs import (
 )
 from rlray.learner.objective import LossSpec, Normaliser, policy_objective, reduce_stat
 from rlray.models import load_causal_lm
-from rlray.models.adapters import load_adapter
+from rlray.models.adapters import AdapterWeights, load_adapter
+from rlray.schema import ModelInputs, StepBatch
 
 
 def to_local_gpu(model: torch.nn.Module) -> torch.nn.Module:
@@ -32,8 +36,9 @@ def to_local_gpu(model: torch.nn.Module) -> torch.nn.Module:
     return model.to(torch.device("cuda", torch.cuda.current_device()))
 
 
-MicroLoss = Callable[[torch.nn.Module, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
-"""fn(model, micro-batch) -> (loss share to backward, {stat name: 0-dim tensor summed over the micro-batch})."""
+MicroLoss = Callable[[torch.nn.Module, Any], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+"""fn(model, micro-batch) -> (loss share to backward, {stat name: 0-dim tensor summed over the micro-batch}); the
+micro-batch is a record with ``to(device)`` (``schema.StepBatch`` online, ``rlray.data.pairs.PairBatch`` offline)."""
 
 
 class PolicyLearner:
@@ -56,7 +61,8 @@ class PolicyLearner:
             DDP or FSDP); identity when None.
         optimizer: "adamw" (torch) or "adamw_8bit" (bitsandbytes AdamW8bit; CUDA only).
         lora: peft LoRA settings {"rank", "alpha", "dropout", "target_modules"}; None or rank 0 trains
-            every weight. Only the adapters train; ``export_weights`` returns merged weights.
+            every weight. Only the adapters train; ``export_weights`` returns merged weights, ``export_adapter`` the
+            adapter alone.
         adapter_path: a peft LoRA adapter folder to continue (``rlray.models.adapters.load_adapter``: loaded
             trainable, with its own settings; exclusive with ``lora``), or None.
         model_loader: builds the float32 model from ``model_path``; None loads a causal LM.
@@ -136,8 +142,8 @@ class PolicyLearner:
         """Returns True when this learner can compute reference logprobs (a frozen copy, or LoRA's base)."""
         return self.reference is not None or (self.lora and self.use_reference)
 
-    def logprobs(self, batch: dict[str, torch.Tensor], *, reference: bool, microbatch_size: int) -> torch.Tensor:
-        """Returns [B, T] float32 logprobs of the batch's responses under the policy or the reference.
+    def logprobs(self, inputs: ModelInputs, *, reference: bool, microbatch_size: int) -> torch.Tensor:
+        """Returns [B, T] float32 logprobs of the rows' responses (``inputs``) under the policy or the reference.
 
         Runs without grad in micro-batches of ``microbatch_size`` rows, under the same autocast as the
         update so that the reference and the initial policy give identical values. With LoRA the
@@ -151,11 +157,11 @@ class PolicyLearner:
         args = dict(dtype=self.dtype, temperature=self.temperature, microbatch_size=microbatch_size)
         if reference and self.lora:
             with self.module.disable_adapter():
-                return batched_logprobs(self.module, batch, **args)
-        return batched_logprobs(self.reference if reference else self.module, batch, **args)
+                return batched_logprobs(self.module, inputs, **args)
+        return batched_logprobs(self.reference if reference else self.module, inputs, **args)
 
-    def teacher_logprobs(self, batch: dict[str, torch.Tensor], *, microbatch_size: int) -> torch.Tensor:
-        """Returns [B, T] float32 logprobs of the batch's responses under the teacher (``batched_logprobs``, the
+    def teacher_logprobs(self, inputs: ModelInputs, *, microbatch_size: int) -> torch.Tensor:
+        """Returns [B, T] float32 logprobs of the rows' responses (``inputs``) under the teacher (``batched_logprobs``, the
         same autocast and temperature as the policy's, so a teacher equal to the policy gives the same values).
 
         Raises:
@@ -163,24 +169,24 @@ class PolicyLearner:
         """
         if self.teacher is None:
             raise ValueError("this learner holds no teacher (teacher.path unset, or resources.teacher.placement=actor)")
-        return batched_logprobs(self.teacher, batch, dtype=self.dtype, temperature=self.temperature,
+        return batched_logprobs(self.teacher, inputs, dtype=self.dtype, temperature=self.temperature,
                                 microbatch_size=microbatch_size)
 
     def train_minibatch(
-        self, minibatch: dict[str, torch.Tensor], spec: LossSpec, norm: Normaliser, microbatch_size: int
+        self, minibatch: StepBatch, spec: LossSpec, norm: Normaliser, microbatch_size: int
     ) -> dict[str, float]:
         """Runs one optimizer step over a mini-batch with gradient accumulation; returns its statistics.
 
         The micro-batch losses are partial sums under global denominators (``Normaliser``), so the
         accumulated gradient equals the gradient of the whole mini-batch's loss whatever the
         micro-batch split. Gradients stay on the parameters until the next call (for inspection).
-        When ``minibatch["old_logprobs"]`` is absent the update is on-policy and
+        When ``minibatch.old_logprobs`` is None the update is on-policy and
         old logprobs are the detached current ones (ratio 1, as TRL does for a single iteration).
         With ``spec.jsd_weight > 0`` the teacher's full logits are computed in each micro-batch (no grad) next to the
         student's, and the per-token generalized JSD enters the objective (``policy_objective``'s ``jsd``).
 
         Args:
-            minibatch: this rank's rows of the mini-batch (``collate`` output with advantages [B, T]).
+            minibatch: this rank's rows of the mini-batch (a ``StepBatch`` with advantages [B, T]).
             spec: objective settings.
             norm: global denominators of the mini-batch.
             microbatch_size: rows per forward/backward.
@@ -193,23 +199,23 @@ class PolicyLearner:
         if spec.jsd_weight > 0 and self.teacher is None:
             raise ValueError("a JSD distillation loss (jsd_weight > 0) needs a teacher on this learner (teacher_path)")
 
-        def micro_loss(model: torch.nn.Module, mb: dict[str, torch.Tensor]):
+        def micro_loss(model: torch.nn.Module, mb: StepBatch):
             with autocast_context(self.dtype):
-                logits = response_logits(model, mb, temperature=self.temperature)
-            lp, entropy = logprobs_from_logits(logits, mb["response_ids"], with_entropy=spec.entropy_coef > 0,
+                logits = response_logits(model, mb.inputs, temperature=self.temperature)
+            lp, entropy = logprobs_from_logits(logits, mb.inputs.response_ids, with_entropy=spec.entropy_coef > 0,
                                                inplace_backward=spec.jsd_weight == 0)  # JSD reads the logits too
             jsd = None
             if spec.jsd_weight > 0:  # the teacher's [B, T, V] logits live only inside this micro-batch
                 with torch.no_grad(), autocast_context(self.dtype):
-                    teacher_logits = response_logits(self.teacher, mb, temperature=self.temperature)
+                    teacher_logits = response_logits(self.teacher, mb.inputs, temperature=self.temperature)
                 jsd = algos.generalized_jsd(logits, teacher_logits, beta=spec.jsd_beta)
-            if "old_logprobs" not in mb:
-                mb = {**mb, "old_logprobs": lp.detach()}
+            if mb.old_logprobs is None:
+                mb = dataclasses.replace(mb, old_logprobs=lp.detach())
             return policy_objective(lp.float(), mb, spec, norm, entropy=entropy, jsd=jsd)
 
         return self.optimizer_step(split_microbatches(minibatch, microbatch_size), micro_loss)
 
-    def optimizer_step(self, microbatches: Iterable[dict[str, torch.Tensor]], loss_fn: MicroLoss) -> dict[str, float]:
+    def optimizer_step(self, microbatches: Iterable[Any], loss_fn: MicroLoss) -> dict[str, float]:
         """Runs one optimizer step with gradient accumulation over ``microbatches``; returns summed statistics.
 
         Each micro-batch's loss is backwarded as is (a share under global normalisers), with DDP's gradient
@@ -217,7 +223,7 @@ class PolicyLearner:
         norm is not finite) and the schedule advances.
 
         Args:
-            microbatches: this rank's micro-batches of the mini-batch.
+            microbatches: this rank's micro-batches of the mini-batch (records with ``to(device)``).
             loss_fn: ``MicroLoss``; runs the forward (under autocast where it wants) and returns the loss share.
 
         Returns:
@@ -227,7 +233,7 @@ class PolicyLearner:
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {"loss": 0.0}
         device = next(self.module.parameters()).device  # CUDA after Ray Train's prepare_model on GPU
-        mbs = [to_device(mb, device) for mb in microbatches]
+        mbs = [mb.to(device) for mb in microbatches]
         for i, mb in enumerate(mbs):
             sync = i == len(mbs) - 1
             ctx = self.model.no_sync() if (not sync and hasattr(self.model, "no_sync")) else contextlib.nullcontext()
@@ -265,6 +271,23 @@ class PolicyLearner:
         else:
             state = self.module.state_dict()
         return {k: v.detach().to(device, dtype).contiguous() for k, v in state.items()}
+
+    @torch.no_grad()
+    def export_adapter(self, dtype: torch.dtype) -> AdapterWeights:
+        """Returns the policy's LoRA adapter alone, for an adapter-only weight sync (the base weights never change).
+
+        The tensors are peft's ``get_peft_model_state_dict`` (the names and values ``save_pretrained`` writes to
+        adapter_model.safetensors: lora_A [r, in_features] and lora_B [out_features, r] per adapted module) cast to
+        ``dtype`` on the CPU, contiguous; the config is ``adapter_config.json``'s content as JSON values
+        (``inference_mode`` true, sets as sorted lists). Under DDP every rank holds the same adapter, so rank 0 alone calls it.
+
+        Raises:
+            ValueError: the learner trains every weight (no ``lora`` and no ``adapter_path``), or is sharded (FSDP).
+        """
+        if not self.lora or self.sharded:
+            raise ValueError("export_adapter needs a LoRA policy (model.lora.rank > 0 or model.adapter_path) on an "
+                             "unsharded learner; use export_weights (rollout.lora_sync=merged)")
+        return lora_adapter_weights(self.module, dtype)
 
     def state_dict(self) -> dict:
         """Returns the optimizer and scheduler state (the model is saved separately as safetensors).
@@ -347,6 +370,19 @@ def merged_lora_state_dict(peft_model: torch.nn.Module) -> dict[str, torch.Tenso
         name = key.replace(".base_layer.", ".")
         out[name] = value + deltas[name].to(value.dtype) if name in deltas else value
     return out
+
+
+@torch.no_grad()
+def lora_adapter_weights(peft_model: torch.nn.Module, dtype: torch.dtype) -> AdapterWeights:
+    """Returns the active LoRA adapter of a peft model as ``save_pretrained`` would write it, tensors cast to ``dtype``
+    on the CPU (contiguous); see ``PolicyLearner.export_adapter``."""
+    from peft import get_peft_model_state_dict
+
+    name = peft_model.active_adapter
+    state = get_peft_model_state_dict(peft_model, adapter_name=name)
+    config = json.loads(json.dumps(peft_model.peft_config[name].to_dict(), default=sorted))  # sets sorted, enums str
+    config["inference_mode"] = True  # as save_pretrained writes it
+    return AdapterWeights({k: v.detach().to("cpu", dtype).contiguous() for k, v in state.items()}, config)
 
 
 def _is_fsdp(model: torch.nn.Module) -> bool:

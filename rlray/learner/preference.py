@@ -1,9 +1,10 @@
 """Objectives of the offline methods on preference pairs, composed from ``rlray.algos.preference``.
 
-``PAIR_OBJECTIVES[algo.name](outputs, mb, spec, norm) -> (loss share, stats)`` for one micro-batch of P pairs
-laid out as 2P rows, the chosen responses first (``rlray.data.pairs.collate_pairs``). ``outputs`` is what
+``PAIR_OBJECTIVES[name](outputs, mb, spec, norm) -> (loss share, stats)`` for one micro-batch of P pairs
+laid out as 2P rows, the chosen responses first (``schema.PairBatch`` from ``rlray.data.pairs.collate_pairs``);
+an offline algorithm's registry entry names its objective (``Algorithm.pair_objective``). ``outputs`` is what
 ``pair_outputs`` returns: token logprobs [2P, T] float32 for the language-model methods, scores [2P] float32
-for ``reward_model``. Losses are per-pair (per-example for KTO) means over the whole step, so each
+for a reward head (``reward_model``). Losses are per-pair (per-example for KTO) means over the whole step, so each
 micro-batch returns sum / global count * world_size (the aggregation contract of ``algos.aggregate_loss``).
 
 Every objective also reports implicit rewards, for the pairwise accuracy (chosen reward > rejected reward):
@@ -24,13 +25,14 @@ from torch import Tensor
 from rlray import algos
 from rlray.learner.logprobs import response_logprobs
 from rlray.models.heads import sequence_scores
+from rlray.schema import PairBatch
 
 PAIR_STAT_KEYS = ("pairs", "correct", "margin_sum", "chosen_reward_sum", "rejected_reward_sum")
 
 
 @dataclass(frozen=True)
 class PreferenceSpec:
-    """Plain values of an offline objective (built from ``cfg.algo`` by rlray.run.offline).
+    """Plain values of an offline objective (built from ``cfg.algo`` by ``rlray.run.offline``).
 
     Attributes:
         beta: dpo/ipo/kto KL strength, orpo's lambda, simpo's reward scale.
@@ -67,17 +69,18 @@ class PairNormaliser:
     kl_estimate: float = 0.0
 
 
-Objective = Callable[[Tensor, dict[str, Tensor], PreferenceSpec, PairNormaliser], tuple[Tensor, dict[str, Tensor]]]
+Objective = Callable[[Tensor, PairBatch, PreferenceSpec, PairNormaliser], tuple[Tensor, dict[str, Tensor]]]
 
 
-def pair_outputs(model: torch.nn.Module, mb: dict[str, Tensor], method: str) -> Tensor:
-    """Returns the model outputs an objective needs: scores [2P] (reward_model) or token logprobs [2P, T].
+def pair_outputs(model: torch.nn.Module, mb: PairBatch, *, scores: bool) -> Tensor:
+    """Returns the model outputs an objective needs: scores [2P] (``scores``: a reward head, ``Algorithm.reward_head``)
+    or token logprobs [2P, T].
 
     Logprobs are taken at temperature 1 (no sampling is involved offline).
     """
-    if method == "reward_model":
-        return sequence_scores(model, mb)
-    return response_logprobs(model, mb, temperature=1.0)[0]
+    if scores:
+        return sequence_scores(model, mb.inputs)
+    return response_logprobs(model, mb.inputs, temperature=1.0)[0]
 
 
 def _halves(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -100,40 +103,40 @@ def _stats(chosen_rewards: Tensor, rejected_rewards: Tensor) -> dict[str, Tensor
     }
 
 
-def _logps(logprobs: Tensor, mb: dict[str, Tensor], *, average: bool = False) -> tuple[Tensor, Tensor]:
-    return _halves(algos.sequence_logps(logprobs, mb["response_mask"], average=average))
+def _logps(logprobs: Tensor, mb: PairBatch, *, average: bool = False) -> tuple[Tensor, Tensor]:
+    return _halves(algos.sequence_logps(logprobs, mb.response_mask, average=average))
 
 
-def _chosen_nll_sum(logprobs: Tensor, mb: dict[str, Tensor]) -> Tensor:
+def _chosen_nll_sum(logprobs: Tensor, mb: PairBatch) -> Tensor:
     chosen_lp, _ = _halves(logprobs)
-    chosen_mask, _ = _halves(mb["response_mask"])
+    chosen_mask, _ = _halves(mb.response_mask)
     return -torch.where(chosen_mask, chosen_lp, torch.zeros_like(chosen_lp)).sum()
 
 
-def dpo(logprobs: Tensor, mb: dict[str, Tensor], spec: PreferenceSpec, norm: PairNormaliser):
+def dpo(logprobs: Tensor, mb: PairBatch, spec: PreferenceSpec, norm: PairNormaliser):
     """Returns (loss share, stats) of the DPO family, ``algos.PAIRWISE_LOSSES[spec.dpo_loss]`` (TRL DPOTrainer)."""
     c, r = _logps(logprobs, mb)
-    ref_c, ref_r = mb["ref_chosen_logps"], mb["ref_rejected_logps"]
+    ref_c, ref_r = mb.ref_chosen_logps, mb.ref_rejected_logps
     extra = {"label_smoothing": spec.label_smoothing} if spec.dpo_loss == "robust" else {}
     losses = algos.PAIRWISE_LOSSES[spec.dpo_loss](c, r, ref_c, ref_r, beta=spec.beta, **extra)
     return _mean_over_step(losses, norm.num_pairs, norm), _stats(spec.beta * (c - ref_c), spec.beta * (r - ref_r))
 
 
-def ipo(logprobs: Tensor, mb: dict[str, Tensor], spec: PreferenceSpec, norm: PairNormaliser):
+def ipo(logprobs: Tensor, mb: PairBatch, spec: PreferenceSpec, norm: PairNormaliser):
     """Returns (loss share, stats) of IPO with length-normalised log ratios (TRL 1.16's form, ``algos.ipo_loss``)."""
     c, r = _logps(logprobs, mb)
-    ref_c, ref_r = mb["ref_chosen_logps"], mb["ref_rejected_logps"]
-    len_c, len_r = _halves(mb["response_mask"].sum(-1))
+    ref_c, ref_r = mb.ref_chosen_logps, mb.ref_rejected_logps
+    len_c, len_r = _halves(mb.response_mask.sum(-1))
     losses = algos.PAIRWISE_LOSSES["ipo"](
         c, r, ref_c, ref_r, beta=spec.beta, chosen_num_tokens=len_c, rejected_num_tokens=len_r
     )
     return _mean_over_step(losses, norm.num_pairs, norm), _stats(spec.beta * (c - ref_c), spec.beta * (r - ref_r))
 
 
-def kto(logprobs: Tensor, mb: dict[str, Tensor], spec: PreferenceSpec, norm: PairNormaliser):
+def kto(logprobs: Tensor, mb: PairBatch, spec: PreferenceSpec, norm: PairNormaliser):
     """Returns (loss share, stats) of KTO over 2P unpaired examples (chosen desirable, rejected not), mean over 2P."""
-    logps = algos.sequence_logps(logprobs, mb["response_mask"])
-    ref = torch.cat([mb["ref_chosen_logps"], mb["ref_rejected_logps"]])
+    logps = algos.sequence_logps(logprobs, mb.response_mask)
+    ref = torch.cat([mb.ref_chosen_logps, mb.ref_rejected_logps])
     p = logps.shape[0] // 2
     desirable = torch.arange(2 * p) < p
     losses = algos.kto_loss(
@@ -149,7 +152,7 @@ def kto(logprobs: Tensor, mb: dict[str, Tensor], spec: PreferenceSpec, norm: Pai
     return _mean_over_step(losses, 2 * norm.num_pairs, norm), _stats(*_halves(rewards))
 
 
-def orpo(logprobs: Tensor, mb: dict[str, Tensor], spec: PreferenceSpec, norm: PairNormaliser):
+def orpo(logprobs: Tensor, mb: PairBatch, spec: PreferenceSpec, norm: PairNormaliser):
     """Returns (loss share, stats) of ORPO: chosen token-mean NLL + mean odds-ratio loss (Hong et al. 2024 eq. 6)."""
     avg_c, avg_r = _logps(logprobs, mb, average=True)
     nll = _chosen_nll_sum(logprobs, mb) / max(norm.num_chosen_tokens, 1.0) * norm.world_size
@@ -157,20 +160,20 @@ def orpo(logprobs: Tensor, mb: dict[str, Tensor], spec: PreferenceSpec, norm: Pa
     return nll + odds, _stats(spec.beta * avg_c, spec.beta * avg_r)
 
 
-def simpo(logprobs: Tensor, mb: dict[str, Tensor], spec: PreferenceSpec, norm: PairNormaliser):
+def simpo(logprobs: Tensor, mb: PairBatch, spec: PreferenceSpec, norm: PairNormaliser):
     """Returns (loss share, stats) of SimPO, reference-free on length-averaged logprobs (``algos.simpo_loss``)."""
     avg_c, avg_r = _logps(logprobs, mb, average=True)
     losses = algos.simpo_loss(avg_c, avg_r, beta=spec.beta, gamma=spec.simpo_gamma)
     return _mean_over_step(losses, norm.num_pairs, norm), _stats(spec.beta * avg_c, spec.beta * avg_r)
 
 
-def sft(logprobs: Tensor, mb: dict[str, Tensor], spec: PreferenceSpec, norm: PairNormaliser):
+def sft(logprobs: Tensor, mb: PairBatch, spec: PreferenceSpec, norm: PairNormaliser):
     """Returns (loss share, stats) of SFT: token-mean NLL of the chosen responses (the rejected ones only feed the accuracy)."""
     nll = _chosen_nll_sum(logprobs, mb) / max(norm.num_chosen_tokens, 1.0) * norm.world_size
     return nll, _stats(*_logps(logprobs.detach(), mb, average=True))
 
 
-def reward_model(scores: Tensor, mb: dict[str, Tensor], spec: PreferenceSpec, norm: PairNormaliser):
+def reward_model(scores: Tensor, mb: PairBatch, spec: PreferenceSpec, norm: PairNormaliser):
     """Returns (loss share, stats) of the Bradley-Terry loss with centering (``algos.bradley_terry_loss``, TRL)."""
     c, r = _halves(scores)
     losses = algos.bradley_terry_loss(c, r, center_coef=spec.rm_center_coef)

@@ -9,6 +9,7 @@ import torch
 
 from rlray.learner.logprobs import batched_logprobs, store_frozen_for_autocast
 from rlray.models import load_causal_lm
+from rlray.schema import ModelInputs
 
 
 class ReferenceModel:
@@ -30,8 +31,8 @@ class ReferenceModel:
         self.model.config.use_cache = False
         store_frozen_for_autocast(self.model, dtype)  # bf16 linear weights under bf16 autocast: same outputs
 
-    def logprobs(self, batch: dict[str, torch.Tensor], microbatch_size: int) -> torch.Tensor:
-        """Returns [B, T] float32 reference logprobs of the batch's responses (``batched_logprobs``)."""
+    def logprobs(self, inputs: ModelInputs, microbatch_size: int) -> torch.Tensor:
+        """Returns [B, T] float32 reference logprobs of the rows' responses (``batched_logprobs``)."""
         return batched_logprobs(
-            self.model, batch, dtype=self.dtype, temperature=self.temperature, microbatch_size=microbatch_size
+            self.model, inputs, dtype=self.dtype, temperature=self.temperature, microbatch_size=microbatch_size
         )

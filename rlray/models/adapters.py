@@ -7,22 +7,62 @@ targets, ``base_model_name_or_path``) and ``adapter_model.safetensors`` with ten
 catches a wrong folder or an adapter trained on another base before Ray starts. ``load_adapter`` loads it
 with ``is_trainable=True`` (peft's default loads it frozen, and the optimizer would then get an empty
 parameter list), as TRL does when given a ``PeftModel`` to continue training.
+
+``AdapterWeights`` is an adapter in memory (the same two files' contents) as the learner exports it for an
+adapter-only weight sync; ``write_adapter`` writes it as such a folder (vLLM's runtime LoRA loads folders).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from rlray.models.loading import ModelError
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _PREFIX = "base_model.model."
+
+
+@dataclass
+class AdapterWeights:
+    """A LoRA adapter in memory: what peft's ``save_pretrained`` writes, as values.
+
+    Attributes:
+        tensors: {peft name: tensor}, the names of ``adapter_model.safetensors``
+            (``base_model.model.<module>.lora_A.weight`` [r, in_features], ``...lora_B.weight`` [out_features, r]);
+            in Ray's object store, ``rlray.rollout.wire.pack_weights`` output instead of tensors.
+        config: the content of ``adapter_config.json`` (peft's LoraConfig as a JSON object: peft_type, r,
+            lora_alpha, target_modules, ...).
+    """
+
+    tensors: dict[str, Any]
+    config: dict[str, Any]
+
+    @property
+    def rank(self) -> int:
+        """Returns the adapter's largest LoRA rank (``r``, or a larger one in ``rank_pattern``)."""
+        return max([int(self.config["r"]), *(int(r) for r in (self.config.get("rank_pattern") or {}).values())])
+
+
+def write_adapter(folder: str | Path, adapter: AdapterWeights) -> Path:
+    """Returns ``folder`` after writing ``adapter`` into it as peft's ``save_pretrained`` would (the folder is created).
+
+    Args:
+        folder: where to write ``adapter_config.json`` and ``adapter_model.safetensors``.
+        adapter: CPU tensors (any float dtype, written as they are) and the config.
+    """
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in adapter.tensors.items()}, str(out / ADAPTER_WEIGHTS))
+    (out / ADAPTER_CONFIG).write_text(json.dumps(adapter.config, indent=2, sort_keys=True))
+    return out
 
 
 def read_adapter_config(folder: str | Path) -> dict[str, Any] | None:
@@ -74,7 +114,7 @@ def check_adapter(adapter_path: str, model_dir: str) -> dict[str, Any]:
     if not (folder / ADAPTER_WEIGHTS).is_file():
         raise ModelError(f"{key} has no {ADAPTER_WEIGHTS} (rlray reads safetensors only); re-save the adapter with "
                          "save_pretrained(..., safe_serialization=True)")
-    _check_shapes(key, config, _shapes(folder / ADAPTER_WEIGHTS), _base_shapes(model_dir))
+    check_adapter_shapes(key, config, _shapes(folder / ADAPTER_WEIGHTS), _base_shapes(model_dir))
     return config
 
 
@@ -116,9 +156,10 @@ def _base_shapes(model_dir: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _check_shapes(key: str, config: dict[str, Any], adapter: dict[str, tuple[int, ...]],
-                  base: dict[str, tuple[int, ...]]) -> None:
-    """Raises ModelError when a lora_A/lora_B tensor's module is not in ``base`` or its shape does not fit.
+def check_adapter_shapes(key: str, config: dict[str, Any], adapter: dict[str, tuple[int, ...]],
+                         base: dict[str, tuple[int, ...]]) -> None:
+    """Raises ModelError (its message starting with ``key``) when a lora_A/lora_B tensor's module is not in ``base``
+    or its shape does not fit.
 
     lora_A [r, in] must match the base weight's in-features (dim 1), lora_B [out, r] its out-features (dim 0).
     A tied LM head missing from the base files is not checked.

@@ -20,6 +20,7 @@ import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoModelForTokenClassification, PreTrainedModel
 
 from rlray.models.loading import ModelError
+from rlray.schema import ModelInputs
 
 
 def _load_head_model(cls, folder: str, key: str) -> PreTrainedModel:
@@ -73,19 +74,19 @@ def load_reward_model(folder: str, key: str = "reward.model_path") -> PreTrained
     return _load_head_model(AutoModelForSequenceClassification, folder, key)
 
 
-def _hidden_states(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def _hidden_states(model: torch.nn.Module, inputs: ModelInputs) -> torch.Tensor:
     inner = getattr(model, "module", model)  # DDP wrapper
     trunk = getattr(inner, inner.base_model_prefix)
     out = trunk(
-        input_ids=batch["input_ids"],
-        attention_mask=batch["attention_mask"],
-        position_ids=batch["position_ids"],
+        input_ids=inputs.input_ids,
+        attention_mask=inputs.attention_mask,
+        position_ids=inputs.position_ids,
         use_cache=False,
     )
     return out.last_hidden_state
 
 
-def response_values(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def response_values(model: torch.nn.Module, inputs: ModelInputs) -> torch.Tensor:
     """Returns [B, T] float32 values V(s_t) of the response's states from a one-label head model.
 
     State s_t is (prompt, response[:t]); its value is read at the position that predicts response token t
@@ -94,32 +95,32 @@ def response_values(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> t
 
     Args:
         model: a model from ``load_value_model`` (or its DDP wrapper).
-        batch: ``schema.pack_sequences`` / ``collate`` output: input_ids, attention_mask, position_ids [B, Pm+T]
-            int64 and response_ids [B, T] int64.
+        inputs: the rows' forward layout (``schema.ModelInputs``: input_ids, attention_mask, position_ids
+            [B, Pm+T] int64 and response_ids [B, T] int64).
 
     Returns:
         [B, T] float32 values in reward units (meaningless past each response; mask them).
     """
-    t = batch["response_ids"].shape[1]
-    hidden = _hidden_states(model, batch)[:, -t - 1 : -1]
+    t = inputs.response_ids.shape[1]
+    hidden = _hidden_states(model, inputs)[:, -t - 1 : -1]
     inner = getattr(model, "module", model)
     return inner.score(hidden).squeeze(-1).float()
 
 
-def sequence_scores(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def sequence_scores(model: torch.nn.Module, inputs: ModelInputs) -> torch.Tensor:
     """Returns [B] float32 reward-model scores read at each row's last response token.
 
     Args:
         model: a model from ``load_reward_model`` (or its DDP wrapper).
-        batch: ``schema.pack_sequences`` output (input_ids, attention_mask, position_ids [B, Pm+T] int64,
-            response_ids [B, T] int64, response_lengths [B] int64 >= 1).
+        inputs: the rows' forward layout (``schema.ModelInputs``, e.g. from ``schema.pack_sequences``); a row's
+            last response token is at column Pm + its response length - 1 (an empty response reads column Pm).
 
     Returns:
         [B] float32 scores (the head's raw output).
     """
-    t = batch["response_ids"].shape[1]
-    last = batch["input_ids"].shape[1] - t - 1 + batch["response_lengths"].clamp(min=1)
-    hidden = _hidden_states(model, batch)
+    t = inputs.response_ids.shape[1]
+    last = inputs.input_ids.shape[1] - t - 1 + inputs.response_lengths.clamp(min=1)
+    hidden = _hidden_states(model, inputs)
     rows = torch.arange(hidden.shape[0], device=hidden.device)
     inner = getattr(model, "module", model)
     return inner.score(hidden[rows, last.to(hidden.device)]).squeeze(-1).float()

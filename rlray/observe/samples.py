@@ -41,6 +41,8 @@ class StepSample:
             or ``algo.mask_truncated``), where sampled text cannot be told from observations.
         segment: which token sequence of an agent episode the row holds when the agent rewrote its history and the
             episode was cut (0 the first; each trained on its own, ``env/template_drift``); None otherwise.
+        failure: why the sample has no reward, naming the source ("environment 'calc' (env_error): step raised
+            KeyError: 'a' (at env.py:12)", "reward function 'f': ValueError: ..."); None when it has one.
     """
 
     step: int
@@ -58,6 +60,7 @@ class StepSample:
     turn_rewards: tuple[float | None, ...] | None = None
     segments: tuple[tuple[bool, str], ...] = ()
     segment: int | None = None
+    failure: str | None = None
 
 
 def mask_runs(mask: list[bool]) -> list[tuple[int, int, bool]]:
@@ -116,8 +119,8 @@ def json_row(sample: StepSample) -> dict[str, Any]:
     """Returns ``sample`` as a JSON-safe dict (the monitor page's record); ``terms`` stays a nested object, each
     segment is {role: "assistant" | "observation", text}, and a turn reward that is None or NaN is null.
 
-    Rows written before episodes were kept (no stop_reason, num_turns, turn_rewards, segments, segment) stay readable:
-    the page treats a missing field as null."""
+    Rows written before episodes were kept (no stop_reason, num_turns, turn_rewards, segments, segment) or failures
+    (no failure) stay readable: the page treats a missing field as null."""
     return {
         "step": sample.step,
         "prompt_id": sample.prompt_id,
@@ -134,6 +137,7 @@ def json_row(sample: StepSample) -> dict[str, Any]:
         "turn_rewards": None if sample.turn_rewards is None else [_number(r) for r in sample.turn_rewards],
         "segments": [{"role": "assistant" if sampled else "observation", "text": text} for sampled, text in sample.segments],
         "segment": sample.segment,
+        "failure": sample.failure,
     }
 
 

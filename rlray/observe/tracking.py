@@ -110,13 +110,31 @@ def _retryable(err: BaseException) -> bool:
     return not (isinstance(err, MlflowException) and err.error_code in _CLIENT_ERRORS)
 
 
-def _experiment_id(client: MlflowClient, name: str) -> str:
-    """Returns the id of experiment ``name``, created when missing (another process may create it first)."""
+ARTIFACTS_DIR = "mlartifacts"  # beside a sqlite store's file: the artifacts of the experiments rlray creates there
+
+
+def artifact_location(uri: str, experiment: str) -> str | None:
+    """Returns where a new experiment of the store ``uri`` keeps its runs' artifacts: for a sqlite file, the folder
+    ``<the file's folder>/mlartifacts/<experiment>`` (a file URI; characters other than letters, digits, '.', '-'
+    and '_' in the name become '_'), so that they sit with the store rather than in ``./mlruns`` of whatever folder
+    the command ran in (MLflow's default); None for other stores (a tracking server's own artifact root) and
+    in-memory sqlite. An experiment that exists keeps the location it was created with.
+    """
+    prefix = "sqlite:///"
+    db = uri[len(prefix) :].split("?", 1)[0] if uri.startswith(prefix) else ""
+    if db in ("", ":memory:"):
+        return None
+    return (Path(db).resolve().parent / ARTIFACTS_DIR / re.sub(r"[^\w.-]", "_", experiment)).as_uri()
+
+
+def _experiment_id(client: MlflowClient, name: str, uri: str) -> str:
+    """Returns the id of experiment ``name`` in the store ``uri``, created when missing (another process may create it
+    first) with its artifacts at ``artifact_location``."""
     exp = client.get_experiment_by_name(name)
     if exp is not None:
         return exp.experiment_id
     try:
-        return client.create_experiment(name)
+        return client.create_experiment(name, artifact_location=artifact_location(uri, name))
     except MlflowException as err:
         exp = client.get_experiment_by_name(name)
         if exp is None:
@@ -133,7 +151,8 @@ class Tracker:
 
     Args:
         uri: MLflow tracking URI (``tracking.mlflow_uri``, already resolved).
-        experiment: experiment name; created when missing.
+        experiment: experiment name; created when missing (a sqlite store's with its artifacts beside the file,
+            ``artifact_location``).
         run_id: continue this run (resume) instead of creating one.
         run_name: name of a new run.
         client: the ``MlflowClient`` to write through (tests inject a failing one); None makes one for ``uri``.
@@ -148,7 +167,7 @@ class Tracker:
                  client: MlflowClient | None = None, tensorboard_dir: str | Path | None = None) -> None:
         self.uri = uri
         self.client = client or _client(uri)
-        self.experiment_id = _experiment_id(self.client, experiment)
+        self.experiment_id = _experiment_id(self.client, experiment, uri)
         if run_id is None:
             run = self.client.create_run(self.experiment_id, run_name=run_name)
             run_id = run.info.run_id
@@ -455,6 +474,8 @@ def read_ledger(uri: str, run_id: str) -> dict[int, list[str]]:
 
     client = _client(uri)
     names = [f.path.rsplit("/", 1)[-1] for f in client.list_artifacts(run_id, LEDGER_DIR) if not f.is_dir]
+    if not names:  # no ledger folder: downloading it would fail
+        return {}
     ledger: dict[int, list[str]] = {}
     with tempfile.TemporaryDirectory(prefix="rlray-ledger-") as tmp:
         local = Path(client.download_artifacts(run_id, LEDGER_DIR, tmp))

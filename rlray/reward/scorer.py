@@ -128,8 +128,10 @@ class RewardTerm:
 
         return call
 
-    def score(self, prompts: list, completions: list, completion_ids: list | None, columns: dict[str, list]) -> list[float | None]:
-        """Returns one value per completion: a float, None (skipped) or NaN (failed; module docstring).
+    def score(self, prompts: list, completions: list, completion_ids: list | None,
+              columns: dict[str, list]) -> tuple[list[float | None], list[str]]:  # fmt: skip
+        """Returns (values, failures): one value per completion, a float, None (skipped) or NaN (failed; module
+        docstring), and per completion "" or why it failed ('ValueError: ...', 'returned NaN or inf', a timeout).
 
         Raises:
             RewardFunctionError: a wrong number of values, or a value that is not a number or None.
@@ -138,36 +140,42 @@ class RewardTerm:
             values = self._call(prompts, completions, completion_ids, columns)
         except SandboxError as err:
             if len(completions) == 1:
-                return self._failed(1, 1, str(err))
+                return self._failed([math.nan], [str(err)])
             return self._one_by_one(prompts, completions, completion_ids, columns, str(err))
         except (SandboxTimeout, SandboxCrashed) as err:
-            return self._failed(len(completions), len(completions), str(err))
+            return self._failed([math.nan] * len(completions), [str(err)] * len(completions))
         out = check_values(self.label, values, len(completions))
-        if bad := sum(v is not None and math.isnan(v) for v in out):
+        failures = ["returned NaN or inf" if v is not None and math.isnan(v) else "" for v in out]
+        if bad := sum(map(bool, failures)):
             log.warning("reward function '%s' returned NaN/inf for %d of %d completions; they are excluded",
                         self.name, bad, len(out))
-        return out
+        return out, failures
 
     def _one_by_one(self, prompts: list, completions: list, completion_ids: list | None, columns: dict[str, list],
-                    first: str) -> list[float | None]:  # fmt: skip
-        """Returns the values of a batch the function raised on, scored one completion at a time."""
+                    first: str) -> tuple[list[float | None], list[str]]:  # fmt: skip
+        """Returns the values and failures of a batch the function raised on, scored one completion at a time."""
         out: list[float | None] = [math.nan] * len(completions)
+        failures = [first] * len(completions)
         for i in range(len(completions)):
             ids = None if completion_ids is None else completion_ids[i : i + 1]
             one = {k: v[i : i + 1] for k, v in columns.items()}
             try:
                 out[i] = check_values(self.label, self._call(prompts[i : i + 1], completions[i : i + 1], ids, one), 1)[0]
-            except SandboxError:
+                failures[i] = "returned NaN or inf" if out[i] is not None and math.isnan(out[i]) else ""
+            except SandboxError as err:
+                failures[i] = str(err)
                 continue
             except (SandboxTimeout, SandboxCrashed) as err:
-                first = f"{first}; then {err}"
+                failures[i:] = [f"{first}; then {err}"] * (len(completions) - i)
                 break
-        return self._failed(sum(v is not None and math.isnan(v) for v in out), len(out), first, out)
+        return self._failed(out, failures)
 
-    def _failed(self, bad: int, total: int, why: str, values: list[float | None] | None = None) -> list[float | None]:
-        log.warning("reward function '%s' failed on %d of %d completions (%s); they are excluded", self.name, bad,
-                    total, why[:500])
-        return values if values is not None else [math.nan] * total
+    def _failed(self, values: list[float | None], failures: list[str]) -> tuple[list[float | None], list[str]]:
+        """Returns (values, failures) after logging how many failed and the first reason."""
+        bad = [f for f in failures if f]
+        log.warning("reward function '%s' failed on %d of %d completions (%s); they are excluded", self.name, len(bad),
+                    len(values), (bad or [""])[0][:500])
+        return values, failures
 
     def close(self) -> None:
         """Stops the user function's process (built-ins have none)."""
@@ -254,6 +262,13 @@ class RewardScorer:
             RewardFunctionError: a function returned a different number of values than completions, or a value
                 that is not a number or None (the message names the entry).
         """
+        return self.score_with_failures(prompts, completions, columns, completion_ids)[0]
+
+    def score_with_failures(self, prompts: list[str | list[dict]], completions: list[str], columns: list[dict[str, Any]],
+                            completion_ids: list[list[int]] | None = None) -> tuple[dict[str, list[float | None]], list[str]]:  # fmt: skip
+        """Returns (``score``'s values, failures): per completion "" when its reward is a number, else why it has
+        none, naming the source: "reward function '<name>': <Type>: <message>" (the first term that failed on it,
+        in config order), or that every term skipped it. Arguments and errors as ``score``."""
         n = len(completions)
         if len(prompts) != n or len(columns) != n or (completion_ids is not None and len(completion_ids) != n):
             ids = "None" if completion_ids is None else len(completion_ids)
@@ -261,12 +276,21 @@ class RewardScorer:
                              f"({len(columns)}) and completion_ids ({ids}) must have the same length")  # fmt: skip
         values = column_values(columns, self.columns)
         shaped = [[{"role": "assistant", "content": c}] if isinstance(p, list) else c for p, c in zip(prompts, completions, strict=True)]
-        terms = {t.name: t.score(list(prompts), shaped, completion_ids, values) if n else [] for t in self.terms}
+        scored = {t.name: t.score(list(prompts), shaped, completion_ids, values) if n else ([], []) for t in self.terms}
+        terms = {name: got[0] for name, got in scored.items()}
         weighted = [(t.weight, terms[t.name]) for t in self.terms]
         if self.model is not None:
             terms["reward_model"] = self.model.score(prompts, completions)
             weighted.append((self.model_weight, terms["reward_model"]))
-        return {"reward": summed_reward(weighted, n) if weighted else [0.0] * n, **terms}
+        reward = summed_reward(weighted, n) if weighted else [0.0] * n
+        failures = []
+        for i, r in enumerate(reward):
+            why = next((f"reward function '{name}': {got[1][i]}" for name, got in scored.items() if got[1][i]), "")
+            if not why and math.isnan(r):
+                why = ("the reward model gave NaN" if self.model is not None
+                       else "every reward term skipped it (returned None) and there is no reward model")
+            failures.append(why)
+        return {"reward": reward, **terms}, failures
 
     def close(self) -> None:
         """Stops the user functions' processes."""

@@ -38,7 +38,7 @@ import asyncio
 import functools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -72,10 +72,13 @@ class ScoreResult:
         version: reward version (``reward.version`` of the deployed config).
         values: {"reward": [...], <term name>: [...], ("reward_model": [...])}, B each: floats, NaN where the
             sample failed, None where a term skipped it (``rlray.reward.scorer``).
+        failures: B texts: "" where the reward is a number, else why it is NaN, naming the reward function
+            (``RewardScorer.score_with_failures``); [] from a client that does not know them.
     """
 
     version: int
     values: dict[str, list[float | None]]
+    failures: list[str] = field(default_factory=list)
 
 
 class ScoreRequest(BaseModel):
@@ -111,14 +114,18 @@ class ScoreReply(BaseModel):
     scores: dict[str, list[float | None]] = Field(
         description='reward terms, one value per completion: a number, "NaN" where it failed, null where skipped'
     )
+    failures: list[str] = Field(
+        default_factory=list,
+        description='per completion: "" where the reward is a number, else why it failed (names the reward function)',
+    )
 
 
 # --------------------------------------------------------------------------------------------
 # Sandbox process
 # --------------------------------------------------------------------------------------------
 def _serve_scorer(**scorer_kwargs: Any) -> Any:
-    """Sandbox factory (runs in the child): returns the ``score`` method of a new ``RewardScorer``."""
-    return RewardScorer(**scorer_kwargs).score
+    """Sandbox factory (runs in the child): returns the ``score_with_failures`` method of a new ``RewardScorer``."""
+    return RewardScorer(**scorer_kwargs).score_with_failures
 
 
 class ScorerSandbox:
@@ -149,7 +156,13 @@ class ScorerSandbox:
 
     def score(self, prompts: list[str | list[dict]], completions: list[str], columns: list[dict[str, Any]],
               completion_ids: list[list[int]] | None = None) -> dict[str, list[float | None]]:  # fmt: skip
-        """Returns the scorer's {term: [B values]} for one batch (thread-safe; calls run one at a time).
+        """Returns the scorer's {term: [B values]} for one batch (``score_with_failures`` without the failures)."""
+        return self.score_with_failures(prompts, completions, columns, completion_ids)[0]
+
+    def score_with_failures(self, prompts: list[str | list[dict]], completions: list[str], columns: list[dict[str, Any]],
+                            completion_ids: list[list[int]] | None = None) -> tuple[dict[str, list[float | None]], list[str]]:  # fmt: skip
+        """Returns the scorer's ({term: [B values]}, [B failure texts]) for one batch (thread-safe; calls run one at
+        a time; ``RewardScorer.score_with_failures``).
 
         Arguments as in ``RewardScorer.score``.
 
@@ -198,7 +211,7 @@ class RewardService:
               completion_ids: list[list[int]] | None = None) -> ScoreResult:  # fmt: skip
         """Returns the scores of one batch and the version that produced them (see ``ScorerSandbox.score``)."""
         version, sandbox = self._current
-        return ScoreResult(version, sandbox.score(prompts, completions, columns, completion_ids))
+        return ScoreResult(version, *sandbox.score_with_failures(prompts, completions, columns, completion_ids))
 
     def swap(self, version: int, scorer_kwargs: dict, timeout_s: float) -> None:
         """Builds a new sandbox, makes it current, then closes the old one after its call in progress.
@@ -278,7 +291,8 @@ def _make_deployment():
             out, start = [], 0
             for r in requests:
                 end = start + len(r.completions)
-                out.append({"version": result.version, "scores": {k: v[start:end] for k, v in result.values.items()}})
+                out.append({"version": result.version, "scores": {k: v[start:end] for k, v in result.values.items()},
+                            "failures": result.failures[start:end]})
                 start = end
             return out
 
@@ -351,8 +365,9 @@ class LocalRewardClient:
 
     def score(self, prompts: list[str | list[dict]], completions: list[str], columns: list[dict[str, Any]],
               completion_ids: list[list[int]] | None = None) -> ScoreResult:  # fmt: skip
-        """Returns the scorer's values (NaN failed, None skipped) and this client's version."""
-        return ScoreResult(self.version, self.scorer.score(prompts, completions, columns, completion_ids))
+        """Returns the scorer's values (NaN failed, None skipped), why each failed sample failed, and this client's
+        version."""
+        return ScoreResult(self.version, *self.scorer.score_with_failures(prompts, completions, columns, completion_ids))
 
     def close(self) -> None:
         """Stops the scorer's user-function processes."""
@@ -413,7 +428,7 @@ class ServeRewardClient:
         body = {"prompts": prompts, "completions": completions, "columns": columns, "completion_ids": completion_ids}
         reply = self._retrying(lambda: self.handle.score.remote(body).result(timeout_s=self.timeout_s), "score")
         reply = ScoreReply.model_validate(reply)  # "NaN" strings, should a reply come through JSON, become NaN
-        return ScoreResult(reply.version, reply.scores)
+        return ScoreResult(reply.version, reply.scores, reply.failures)
 
     def close(self) -> None:
         """Does nothing: the application outlives its clients."""

@@ -12,6 +12,10 @@ does not. Checked against a transformers forward in tests/rollout/test_engine.py
 
 The engine validates what crosses its boundary (prompt ids, weight names and shapes) and owns
 the policy version; the backends only sample and load.
+
+New policies arrive whole (``update_weights``: every tensor, e.g. LoRA merged into the base) or, for a LoRA policy,
+as the adapter alone (``update_adapter``, an engine started with ``lora_rank``): the engine keeps model_path's
+base weights and applies the adapter at generation (vLLM's runtime LoRA; the hf backend through peft).
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
+from rlray.models.adapters import AdapterWeights, check_adapter_shapes
 from rlray.rollout.hf_backend import HFBackend
-from rlray.rollout.types import Completion, SamplingSpec
+from rlray.rollout.types import MAX_LORA_RANKS, Completion, SamplingSpec
 
 __all__ = ["Completion", "RolloutEngine", "SamplingSpec"]
 
@@ -40,6 +45,8 @@ class _Backend(Protocol):
     ) -> list[Completion]: ...
 
     def load_weights(self, named_tensors: dict[str, torch.Tensor]) -> None: ...
+
+    def load_adapter(self, adapter: AdapterWeights, version: int) -> None: ...
 
     def reset_cache(self) -> None: ...
 
@@ -66,13 +73,17 @@ class RolloutEngine:
         weight_transfer: vLLM on GPU only; "nccl" or "ipc" builds vLLM's weight-transfer engine so
             that a trainer can push weights by NCCL broadcast or CUDA IPC (the *_weight_transfer
             methods); None (default) takes weights through update_weights only.
+        lora_rank: start the engine with runtime LoRA for adapters up to this rank (``update_adapter``; vLLM's
+            max_lora_rank is the next size it offers: 1, 8, 16, 32, 64, 128, 256, 320 or 512); None: no LoRA.
+        lora_slots: adapters held at once (vLLM's max_loras and max_cpu_loras); the newest ``lora_slots - 1``
+            versions stay loaded after an update, so an async run needs ``rollout.max_staleness + 2``.
 
     Attributes:
         start_s: seconds the backend took to start (load, KV-cache allocation, warm-up).
 
     Raises:
         FileNotFoundError: model_path has no config.json or no *.safetensors file.
-        ValueError: an unknown backend or dtype, or max_model_len < 2.
+        ValueError: an unknown backend or dtype, max_model_len < 2, lora_rank outside 1..512 or lora_slots < 2.
         ImportError: backend "vllm" without the vllm package.
     """
 
@@ -90,6 +101,8 @@ class RolloutEngine:
         tensor_parallel_size: int = 1,
         cpu_threads: str | None = None,
         weight_transfer: str | None = None,
+        lora_rank: int | None = None,
+        lora_slots: int = 2,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r}: use one of {BACKENDS}")
@@ -99,7 +112,11 @@ class RolloutEngine:
             raise ValueError(f"max_model_len={max_model_len}: need at least 2 tokens")
         if weight_transfer not in (None, "nccl", "ipc") or (weight_transfer and backend != "vllm"):
             raise ValueError(f"weight_transfer={weight_transfer!r}: use None, or 'nccl'/'ipc' with backend 'vllm'")
+        if (lora_rank is not None and not 1 <= lora_rank <= MAX_LORA_RANKS[-1]) or lora_slots < 2:
+            raise ValueError(f"lora_rank={lora_rank!r}, lora_slots={lora_slots}: need a rank in 1..{MAX_LORA_RANKS[-1]} "
+                             "(or None) and at least 2 slots")
         self._weight_transfer = weight_transfer
+        self._lora_rank = lora_rank
         self._param_shapes = checkpoint_shapes(model_path)
         text_config = AutoConfig.from_pretrained(model_path).get_text_config()
         self._vocab_size = int(text_config.vocab_size)
@@ -119,6 +136,8 @@ class RolloutEngine:
             tensor_parallel_size=tensor_parallel_size,
             cpu_threads=cpu_threads,
             weight_transfer=weight_transfer,
+            lora_rank=lora_rank,
+            lora_slots=lora_slots,
         )
         self.start_s = time.perf_counter() - start
 
@@ -144,7 +163,7 @@ class RolloutEngine:
         return self._backend.generate(prompt_token_ids, sampling, self._policy_version)
 
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
-        """Loads new policy weights; later generate() calls use them and report `version`.
+        """Loads new policy weights; later generate() calls use them (and no adapter) and report `version`.
 
         Also drops the prefix/KV cache, whose entries were computed under the old weights.
 
@@ -163,6 +182,29 @@ class RolloutEngine:
             raise ValueError(f"update_weights: version={version!r} must be an int")
         weights = self._check_weights(named_tensors)
         self._backend.load_weights(weights)
+        self._backend.reset_cache()
+        self._policy_version = version
+
+    def update_adapter(self, adapter: AdapterWeights, version: int) -> None:
+        """Applies a LoRA adapter over the base weights; later generate() calls use it and report `version`.
+
+        The adapter is named ``policy-v<version>`` (a version pushed again, after a rollback, replaces its namesake);
+        adapters of older versions beyond ``lora_slots - 1`` are removed. Also drops the prefix/KV cache.
+
+        Args:
+            adapter: CPU tensors under peft's names (``rlray.learner.PolicyLearner.export_adapter``; any float
+                dtype, cast to the engine dtype) and adapter_config.json's content.
+            version: the new policy version (the learner's step).
+
+        Raises:
+            ValueError: the engine was started without ``lora_rank``, the adapter is not LoRA or its rank is above
+                ``lora_rank``, a tensor is not a float tensor, or an adapted module is not in the base or its shape
+                does not fit (names the tensor); or a version that is not an int.
+        """
+        if not isinstance(version, int):
+            raise ValueError(f"update_adapter: version={version!r} must be an int")
+        self._check_adapter(adapter)
+        self._backend.load_adapter(adapter, version)
         self._backend.reset_cache()
         self._policy_version = version
 
@@ -257,6 +299,23 @@ class RolloutEngine:
             if not tensor.is_floating_point():
                 raise ValueError(f"update_weights: '{name}' has dtype {tensor.dtype}; need a float tensor")
         return weights
+
+
+    def _check_adapter(self, adapter: AdapterWeights) -> None:
+        if self._lora_rank is None:
+            raise ValueError("update_adapter: this rollout engine was started without LoRA (lora_rank=None); start it "
+                             "with lora_rank, or push merged weights (rollout.lora_sync=merged)")
+        if adapter.config["peft_type"] != "LORA" or adapter.rank > self._lora_rank:
+            raise ValueError(f"update_adapter: a {adapter.config['peft_type']} adapter of rank {adapter.rank}; this "
+                             f"engine applies LoRA adapters up to rank {self._lora_rank}")
+        shapes = {name: tuple(t.shape) for name, t in adapter.tensors.items()}
+        if not any(".lora_A." in name for name in shapes):
+            raise ValueError("update_adapter: the adapter has no lora_A tensor (peft names: base_model.model.<module>"
+                             ".lora_A.weight)")
+        check_adapter_shapes("update_adapter", adapter.config, shapes, self._param_shapes)  # a ModelError (ValueError)
+        bad = next((name for name, t in adapter.tensors.items() if not t.is_floating_point()), None)
+        if bad is not None:
+            raise ValueError(f"update_adapter: '{bad}' has dtype {adapter.tensors[bad].dtype}; need a float tensor")
 
 
 def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:

@@ -347,7 +347,7 @@ class RolloutFleet:
         """Sends the weights in the object store to every actor, tagged ``version``.
 
         Args:
-            weights_ref: ObjectRef of a {HF name: tensor} dict.
+            weights_ref: ObjectRef of packed {HF name: tensor} weights or of a LoRA ``AdapterWeights`` (adapter only).
             version: the new policy version.
             wait: block until every actor has loaded them (sync mode); otherwise the result is
                 checked at the next ``collect`` (async mode: the push queues behind rollouts).

@@ -5,6 +5,10 @@ generated token's logprob from the raw logits (`output_logits=True`, taken befor
 processor) divided by the temperature, so rollout_logprobs mean the same as with the vLLM
 backend and the learner: log_softmax(logits / temperature) (greedy: the raw logits). Unlike
 vLLM, top-p truncation is not renormalised into them.
+
+A LoRA adapter (``load_adapter``) goes in through peft: the model is wrapped once (``get_peft_model`` with the
+adapter's config) and each new adapter's tensors are set in place (``set_peft_model_state_dict``), so generation
+runs peft's LoRA layers over the unchanged base weights, as the learner's forward does.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
+from rlray.models.adapters import AdapterWeights
 from rlray.rollout.types import Completion, SamplingSpec
 
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -32,6 +37,8 @@ class HFBackend:
         ).eval()
         self._eos_ids = _eos_ids(self._model)
         self._generator_seed = seed
+        self._peft: torch.nn.Module | None = None  # the model wrapped by peft, once an adapter is loaded
+        self._adapter_config: dict | None = None
 
     def generate(
         self, prompt_token_ids: list[list[int]], sampling: SamplingSpec, policy_version: int
@@ -89,14 +96,31 @@ class HFBackend:
         ]
 
     def load_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
-        """Copies Hugging Face named tensors into the model in place (cast to its dtype).
+        """Copies Hugging Face named tensors into the model in place (cast to its dtype); drops a loaded adapter.
 
         Raises:
             ValueError: a name the model does not have (names the first ones).
         """
+        if self._peft is not None:  # a whole policy replaces base + adapter: back to the plain model
+            self._model, self._peft, self._adapter_config = self._peft.unload(), None, None
         result = self._model.load_state_dict(named_tensors, strict=False)
         if result.unexpected_keys:
             raise ValueError(f"update_weights: the model has no parameters named {result.unexpected_keys[:3]}")
+
+    def load_adapter(self, adapter: AdapterWeights, version: int) -> None:
+        """Applies a LoRA adapter over the base weights (peft); generate() uses it until the next load.
+
+        Args:
+            adapter: peft-named CPU tensors (cast to the model's dtype) and adapter_config.json's content.
+            version: the policy version (unused: one adapter is held at a time, generate() being synchronous).
+
+        Raises:
+            ValueError: an adapter tensor the wrapped model lacks, or one of its adapter tensors missing.
+        """
+        if self._peft is not None and adapter.config != self._adapter_config:
+            self._model, self._peft = self._peft.unload(), None  # another LoRA layout: wrap afresh
+        self._peft = apply_adapter(self._peft or self._model, adapter)
+        self._adapter_config = adapter.config
 
     def reset_cache(self) -> None:
         """Does nothing: generate() keeps no KV cache between calls."""
@@ -108,6 +132,27 @@ class HFBackend:
     def _next_seed(self) -> int:
         self._generator_seed += 1
         return self._generator_seed
+
+
+def apply_adapter(model: torch.nn.Module, adapter: AdapterWeights) -> torch.nn.Module:
+    """Returns ``model`` wrapped by peft with ``adapter``'s tensors set (eval mode; a peft model is only given them).
+
+    A plain model is wrapped with the adapter's config (``get_peft_model``: its layers are replaced in place), so
+    that its forward and ``generate`` apply the adapter over the unchanged base weights.
+
+    Raises:
+        ValueError: an adapter tensor the wrapped model lacks, or one of its adapter tensors missing.
+    """
+    from peft import PeftConfig, PeftModel, get_peft_model, set_peft_model_state_dict  # deferred: LoRA policies only
+
+    if not isinstance(model, PeftModel):
+        model = get_peft_model(model, PeftConfig.from_peft_type(**{**adapter.config, "inference_mode": True})).eval()
+    result = set_peft_model_state_dict(model, adapter.tensors)
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    if result.unexpected_keys or missing:
+        raise ValueError(f"update_adapter: the adapter does not fit the model: unknown "
+                         f"{list(result.unexpected_keys)[:3]}, missing {missing[:3]}")
+    return model
 
 
 def _eos_ids(model: torch.nn.Module) -> list[int]:

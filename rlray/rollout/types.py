@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 FINISH_REASONS = ("stop", "length")
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts (LoRAConfig)
 
 
 @dataclass
@@ -79,13 +80,14 @@ class EpisodeInfo:
         turn_rewards: the environment's reward after each turn (None: none given that turn).
         env_reward: the episode's environment reward (the sum of the turn rewards given, or the
             final reward), None when the environment gave none.
-        failed: the episode failed (an environment error or time limit); it is left out of the update.
+        failed: the episode failed (the environment raised or ran past a time limit in reset, step,
+            reward_at_limit or close); it is left out of the update.
         tool_calls: tool calls parsed over the episode; tool_errors: calls that failed (malformed,
             unknown tool, bad arguments, a raising tool).
         observation_tokens: tokens of observations (loss mask off).
         observations_truncated: observation messages cut to env.max_observation_tokens.
         metrics: the environment's own per-episode numbers (summed over turns), logged as env/<name> means.
-        message: the error of a failed episode ("" otherwise).
+        message: the error of a failed episode, saying where it raised ("" otherwise).
         rerun: the episode was run again from the start because its environment host died.
         segments: an agent episode cut where the agent rewrote history (``rlray.envs.conversation``): its earlier token
             sequences, in order, each trained as a sequence of its own (the completion holding this record is the

@@ -31,6 +31,13 @@ re-runs `process_weights_after_loading` per layer, which on CPU re-packs the lin
 (`dispatch_cpu_unquantized_gemm`). A plain `model.load_weights` fails there, because the repack
 left `layer.weight` an empty Parameter. The extension also re-packs a tied LM head, which the
 reload alone leaves on the old embedding (a vLLM gap; see WeightSyncExtension).
+
+Adapter-only sync (``lora_rank`` set): the engine starts with vLLM's runtime LoRA (``enable_lora``, ``lora_slots``
+adapters held at once) and keeps model_path's base weights. vLLM 0.32's ``LoRARequest`` takes a folder only (no
+in-memory tensors), so each adapter is written to a folder of its own (``policy-v<version>-<id>`` under a temporary
+folder, a few MiB), added with ``add_lora`` at once (the load cost falls in the sync, and a bad adapter fails there)
+and every later request carries it; the oldest adapters beyond ``lora_slots - 1`` are removed with their folders.
+On CPU, LoRA turns graph compilation off (vLLM's CPU platform), as ``enforce_eager`` does.
 """
 
 from __future__ import annotations
@@ -38,13 +45,17 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
+import shutil
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from rlray.cores import parse_core_list, pin_process
+from rlray.models.adapters import AdapterWeights, write_adapter
 from rlray.rollout import vllm_worker
-from rlray.rollout.types import FINISH_REASONS, Completion, SamplingSpec
+from rlray.rollout.types import FINISH_REASONS, MAX_LORA_RANKS, Completion, SamplingSpec
 
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -98,6 +109,9 @@ class VllmBackend:
         cpu_threads: VLLM_CPU_OMP_THREADS_BIND, e.g. "0-1" (CPU only).
         weight_transfer: "nccl" or "ipc" builds vLLM's weight-transfer engine
             (``weight_transfer_config``; GPU only); None leaves it out.
+        lora_rank: enable runtime LoRA for adapters up to this rank (vLLM's max_lora_rank: the next value of
+            ``MAX_LORA_RANKS``); None: no LoRA.
+        lora_slots: adapters held at once (vLLM's max_loras and max_cpu_loras).
 
     Raises:
         ImportError: vLLM is not installed (install rlray[cpu] or rlray[vllm], or use backend "hf").
@@ -116,6 +130,8 @@ class VllmBackend:
         tensor_parallel_size: int,
         cpu_threads: str | None,
         weight_transfer: str | None = None,
+        lora_rank: int | None = None,
+        lora_slots: int = 2,
     ) -> None:
         os.environ.update(vllm_env(cpu_threads))
         try:  # deferred: vllm is optional, and vllm_env() must be in os.environ before vllm is imported
@@ -140,6 +156,11 @@ class VllmBackend:
         self._set_num_threads = torch.set_num_threads
         self._num_threads = torch.get_num_threads()
         self._dtype = _TORCH_DTYPES[dtype]
+        self._lora_slots = lora_slots
+        self._adapters: list[tuple[int, Any]] = []  # (policy version, LoRARequest) held by the engine, oldest first
+        self._active: Any = None  # the LoRARequest generate() applies; None: the loaded weights alone
+        self._next_lora_id = 1  # vLLM's adapter ids: unique per engine, never reused
+        self._lora_dir = tempfile.mkdtemp(prefix="rlray-lora-") if lora_rank is not None else None
         self._llm = vllm.LLM(
             model=model_path,
             dtype=dtype,
@@ -157,6 +178,7 @@ class VllmBackend:
             disable_log_stats=True,
             worker_extension_cls=vllm_worker.EXTENSION,
             **({"weight_transfer_config": {"backend": weight_transfer}} if weight_transfer else {}),
+            **lora_options(lora_rank, lora_slots),
         )
         threads = core_count(bind)
         if on_cpu and threads is not None:
@@ -201,7 +223,7 @@ class VllmBackend:
         prompts: list[Any] = [{"prompt_token_ids": list(ids)} for ids in prompt_token_ids]
         if sampling.seed is not None:
             torch.manual_seed(sampling.seed)  # call-level seeding (module docstring)
-        outputs = self._llm.generate(prompts, params, use_tqdm=False)
+        outputs = self._llm.generate(prompts, params, use_tqdm=False, lora_request=self._active)
         completions = []
         for p, request in enumerate(outputs):
             samples = [_to_completion(p, out, policy_version) for out in sorted(request.outputs, key=lambda o: o.index)]
@@ -219,6 +241,44 @@ class VllmBackend:
         """
         weights = [(name, t.detach().to(device="cpu", dtype=self._dtype)) for name, t in named_tensors.items()]
         self._llm.collective_rpc("rlray_load_weights", args=(weights,))
+        self._active = None  # a whole policy: no adapter on top of it
+
+    def load_adapter(self, adapter: AdapterWeights, version: int) -> None:
+        """Adds the adapter as ``policy-v<version>`` and applies it to every later request (module docstring).
+
+        An adapter of the same version already held is removed first (a rollback pushes a version again), and the
+        oldest ones beyond ``lora_slots - 1`` after it.
+
+        Args:
+            adapter: peft-named tensors (cast to the engine dtype here) and adapter_config.json's content.
+            version: the policy version, in the adapter's name.
+
+        Raises:
+            RuntimeError: vLLM refused the adapter (or the engine was built without ``lora_rank``).
+        """
+        from vllm.lora.request import LoRARequest  # deferred: vllm is optional
+
+        if self._lora_dir is None:
+            raise RuntimeError("this vLLM engine was started without LoRA (lora_rank=None)")
+        for held in [req for v, req in self._adapters if v == version]:
+            self._remove_adapter(held)
+        lora_id, self._next_lora_id = self._next_lora_id, self._next_lora_id + 1
+        tensors = {name: t.detach().to(device="cpu", dtype=self._dtype) for name, t in adapter.tensors.items()}
+        folder = write_adapter(Path(self._lora_dir, f"policy-v{version}-{lora_id}"), AdapterWeights(tensors, adapter.config))
+        request = LoRARequest(f"policy-v{version}", lora_id, str(folder))
+        if not self._llm.llm_engine.add_lora(request):
+            shutil.rmtree(folder, ignore_errors=True)
+            raise RuntimeError(f"vLLM did not add the LoRA adapter of policy version {version} (id {lora_id})")
+        self._adapters.append((version, request))
+        self._active = request
+        while len(self._adapters) > self._lora_slots - 1:
+            self._remove_adapter(self._adapters[0][1])
+
+    def _remove_adapter(self, request: Any) -> None:
+        """Removes an adapter from the engine (it is not in use: generate() is synchronous) and deletes its folder."""
+        self._llm.llm_engine.remove_lora(request.lora_int_id)
+        shutil.rmtree(request.lora_path, ignore_errors=True)
+        self._adapters = [(v, r) for v, r in self._adapters if r.lora_int_id != request.lora_int_id]
 
     # vLLM's RL weight-transfer API (``LLM.init_weight_transfer_engine`` and friends, vLLM's RLHF docs).
     def init_weight_transfer(self, init_info: dict) -> None:
@@ -262,6 +322,23 @@ class VllmBackend:
         torch.set_num_threads(self._num_threads)
         if self._affinity:
             pin_process(self._affinity)
+        if self._lora_dir is not None:
+            shutil.rmtree(self._lora_dir, ignore_errors=True)
+
+
+def lora_options(lora_rank: int | None, lora_slots: int) -> dict[str, Any]:
+    """Returns vLLM's LoRA engine arguments: {} without ``lora_rank``, else runtime LoRA with ``lora_slots`` adapters
+    held at once (max_loras = max_cpu_loras) up to the smallest max_lora_rank vLLM offers that is >= ``lora_rank``.
+
+    Raises:
+        ValueError: ``lora_rank`` above vLLM's largest (512).
+    """
+    if lora_rank is None:
+        return {}
+    fits = [r for r in MAX_LORA_RANKS if r >= lora_rank]
+    if not fits:
+        raise ValueError(f"lora_rank={lora_rank}: vLLM serves LoRA ranks up to {MAX_LORA_RANKS[-1]}")
+    return {"enable_lora": True, "max_loras": lora_slots, "max_cpu_loras": lora_slots, "max_lora_rank": fits[0]}
 
 
 def _to_completion(prompt_index: int, out: Any, policy_version: int) -> Completion:

@@ -4,6 +4,9 @@
   puts it in Ray's object store once as raw bytes (``rollout.wire``: no tensor pickling, zero-copy
   reads), and every actor loads it in place (``update_weights``:
   vLLM's layerwise reload, which also repacks vLLM's CPU GEMM weights; ../shared/ENVIRONMENT.md).
+  With ``adapter`` (``rollout.lora_sync``) it ships only the policy's LoRA adapter (``export_adapter``: a few MiB
+  instead of the whole model) and every actor applies it over the base weights it loaded at start
+  (``update_adapter``: vLLM's runtime LoRA).
 - ``VllmTransferSync`` (GPU): vLLM's weight-transfer engines. "nccl": rank 0 broadcasts over an
   NCCL group it shares with every engine worker (``NCCLTrainerWeightTransferEngine``). "ipc": with
   colocated actors every learner rank shares its GPU copy through CUDA IPC handles
@@ -23,7 +26,7 @@ import ray
 import torch
 
 from rlray.rollout.fleet import RolloutFleet
-from rlray.rollout.wire import pack_weights
+from rlray.rollout.wire import pack_adapter, pack_weights
 
 
 class ObjectStoreSync:
@@ -38,24 +41,33 @@ class ObjectStoreSync:
         fleet: the rollout fleet (rank 0; None on other ranks).
         dtype: dtype of the shipped tensors (the engine's).
         wait: block until every actor loaded the weights (sync mode); async mode checks later.
+        adapter: ship the LoRA adapter alone (``learner.export_adapter``; rank 0 only, the learner unsharded)
+            instead of the merged weights (``learner.export_weights``).
     """
 
-    def __init__(self, fleet: RolloutFleet | None, dtype: torch.dtype, *, wait: bool = True) -> None:
-        self.fleet, self.dtype, self.wait = fleet, dtype, wait
+    def __init__(self, fleet: RolloutFleet | None, dtype: torch.dtype, *, wait: bool = True, adapter: bool = False) -> None:
+        self.fleet, self.dtype, self.wait, self.adapter = fleet, dtype, wait, adapter
 
     def push(self, learner: Any, rank: int, version: int) -> None:
         """Exports the policy on rank 0 (on every rank with FSDP, a collective) and sends it, tagged ``version``."""
         if rank != 0 and not learner.sharded:
             return
-        weights = learner.export_weights(self.dtype)
+        payload = self.export(learner)
         if rank == 0:
             self.fleet.release_weights()  # an async push's copy goes before the new one is written (memory reused)
-            self.fleet.push_weights(ray.put(pack_weights(weights)), version, wait=self.wait)
+            self.fleet.push_weights(ray.put(payload), version, wait=self.wait)
             if self.wait and not learner.sharded:
                 # Every live actor has loaded them: the store's copy goes, so the next push reuses its shared
                 # memory instead of touching a second region (~0.5 GiB of PSS for SmolLM2 in float32). Until that
                 # push the policy is exactly this version, so an actor that restarts gets a fresh export of it.
-                self.fleet.mark_synced(version, lambda: ray.put(pack_weights(learner.export_weights(self.dtype))))
+                self.fleet.mark_synced(version, lambda: ray.put(self.export(learner)))
+
+    def export(self, learner: Any) -> Any:
+        """Returns what a push puts in the object store: ``pack_adapter`` of the adapter (``adapter``), else
+        ``pack_weights`` of the merged weights (with FSDP a collective; only rank 0 gets tensors)."""
+        if self.adapter:
+            return pack_adapter(learner.export_adapter(self.dtype))
+        return pack_weights(learner.export_weights(self.dtype))
 
 
 def _dict_source() -> Any:
@@ -192,8 +204,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def make_weight_sync(backend: str, fleet: RolloutFleet | None, dtype: torch.dtype, *, wait: bool, tensor_parallel_size: int):
-    """Returns the weight sync of ``backend`` (``Config.weight_sync_backend``): object_store, nccl or ipc."""
+def make_weight_sync(backend: str, fleet: RolloutFleet | None, dtype: torch.dtype, *, wait: bool, tensor_parallel_size: int,
+                     adapter: bool = False):
+    """Returns the weight sync of ``backend`` (``Config.weight_sync_backend``): object_store, nccl or ipc; with
+    ``adapter`` (``Config.adapter_sync``) the object store's adapter-only sync.
+
+    Raises:
+        ValueError: ``adapter`` with nccl or ipc (the adapter goes through the object store).
+    """
+    if adapter and backend != "object_store":
+        raise ValueError(f"an adapter-only weight sync goes through the object store, not {backend!r}")
     if backend == "object_store":
-        return ObjectStoreSync(fleet, dtype, wait=wait)
+        return ObjectStoreSync(fleet, dtype, wait=wait, adapter=adapter)
     return VllmTransferSync(fleet, backend, dtype, tensor_parallel_size)

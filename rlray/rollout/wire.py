@@ -5,6 +5,8 @@ and every reader rebuilds it with ``torch.load`` (another full copy per actor). 
 contrast, goes out of band: ``ray.put`` copies its bytes into shared memory once and ``ray.get`` on
 the same node maps them without a copy. NumPy has no bfloat16, so each tensor travels as its raw
 bytes (a uint8 view) plus its dtype and shape. Measured with benchmarks/weight_sync.py.
+
+A LoRA adapter (``AdapterWeights``, an adapter-only sync) travels the same way: its tensors packed, its config as is.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import warnings
 from typing import Any
 
 import torch
+
+from rlray.models.adapters import AdapterWeights
 
 
 def pack_weights(named_tensors: dict[str, torch.Tensor]) -> dict[str, tuple[Any, str, tuple[int, ...]]]:
@@ -43,3 +47,14 @@ def unpack_weights(payload: dict[str, Any]) -> dict[str, torch.Tensor]:
             raw, dtype, shape = value
             out[name] = torch.from_numpy(raw).view(getattr(torch, dtype)).reshape(shape)
     return out
+
+
+def pack_adapter(adapter: AdapterWeights) -> AdapterWeights:
+    """Returns ``adapter`` with its tensors packed by ``pack_weights`` (for ``ray.put``; no copy), its config as is."""
+    return AdapterWeights(pack_weights(adapter.tensors), adapter.config)
+
+
+def unpack_adapter(adapter: AdapterWeights) -> AdapterWeights:
+    """Returns ``adapter`` with its tensors unpacked by ``unpack_weights`` (views; tensors pass through)."""
+    return AdapterWeights(unpack_weights(adapter.tensors), adapter.config)
+

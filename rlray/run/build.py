@@ -16,11 +16,12 @@ import numpy as np
 import ray.train.torch
 import torch
 
+from rlray import algos
 from rlray.config import Config
 from rlray.cores import CorePlan, parse_core_list, plan_cores
-from rlray.data import PromptRow
+from rlray.data import PromptRow, load_prompt_rows, prepare_prompts
 from rlray.data.prompts import prompt_messages
-from rlray.learner import POLICY_LOSS_OF, AdvantageSpec, LossSpec, PolicyLearner
+from rlray.learner import LossSpec, PolicyLearner
 from rlray.learner import online as learner_online
 from rlray.learner.critic import build_critic
 from rlray.learner.policy import to_local_gpu
@@ -121,6 +122,22 @@ def scorer_kwargs(cfg: Config, columns: list[str] | None = None) -> dict[str, An
     }
 
 
+def training_prompts(cfg: Config, tokenizer: Any) -> tuple[list[PromptRow], list[PromptRow], list[list[int]], int]:
+    """Returns (every row of ``data.train_files``, the rows a run streams, their chat-templated prompt token ids, the
+    number of rows skipped as longer than ``data.max_prompt_tokens``): what an online run's rank 0 streams when it
+    starts (``rlray.run.lead.build_lead``) and what ``rlray ledger --check`` rebuilds (``rlray.run.ledger``).
+
+    Raises:
+        rlray.data.DataError: a data file is missing or has a bad row, or a prompt is too long with
+            ``data.long_prompts=error``.
+    """
+    rows = load_prompt_rows(cfg.data.train_files, prompt_column=cfg.data.prompt_column)
+    kept, ids, skipped = prepare_prompts(rows, tokenizer, max_prompt_tokens=cfg.data.max_prompt_tokens,
+                                         long_prompts=cfg.data.long_prompts, instruction=cfg.data.instruction,
+                                         system_prompt=cfg.data.system_prompt)
+    return rows, kept, ids, skipped
+
+
 def dataset_columns(rows: list[PromptRow]) -> list[str]:
     """Returns the extra column names of prompt rows (every row's ``columns`` keys), sorted."""
     return sorted({name for row in rows for name in row.columns})
@@ -165,34 +182,52 @@ def rollouts(cfg: Config, fleet: Any, hosts: list[Any], tokenizer: Any) -> Rollo
 
 
 def update_spec(cfg: Config, world: int) -> learner_online.UpdateSpec:
-    """Returns the plain values of stages 4-6 from ``cfg.algo``, ``cfg.learner`` and ``cfg.critic``.
+    """Returns the plain values of stages 4-6 from ``cfg.algo`` (its registry entry gives the advantage estimator and
+    the policy loss), ``cfg.learner``, ``cfg.critic`` and ``cfg.teacher``.
 
     With one epoch and one mini-batch the update is on-policy: old logprobs are taken inside the
     update (no extra forward), unless the KL sits in the reward, whose penalty needs them first, or a
     reverse-KL teacher needs them as the student's logprobs (``learner_online.add_reverse_kl``).
     """
-    a, ln = cfg.algo, cfg.learner
+    a, ln, algorithm = cfg.algo, cfg.learner, cfg.algo.algorithm
     kl_in_loss = a.kl_in == "loss"
+    loss = LossSpec(
+        clip_eps_low=a.clip_eps_low,
+        clip_eps_high=a.clip_eps_high,
+        kl_coef=a.kl_coef if kl_in_loss else 0.0,
+        kl_estimator=a.kl_estimator,
+        loss_agg=a.loss_agg,
+        max_response_tokens=cfg.rollout.max_new_tokens,
+        policy_loss=algorithm.policy_loss,
+        dual_clip=a.dual_clip,
+        entropy_coef=a.entropy_coef,
+        correction=a.rollout_correction.mode,
+        correction_min=a.rollout_correction.ratio_min,
+        correction_max=a.rollout_correction.ratio_max,
+        jsd_weight=cfg.teacher.jsd_weight,
+        jsd_beta=cfg.teacher.beta,
+    )
+    advantage = algos.AdvantageSpec(
+        std_scale=a.adv_std_scale,
+        eps=a.adv_eps,
+        gamma=a.gamma,
+        lam=a.gae_lambda,
+        reward_kl_coef=0.0 if kl_in_loss else a.kl_coef,
+        kl_estimator=a.kl_estimator,
+    )
+    off_policy = ln.epochs > 1 or cfg.minibatches_per_epoch > 1
     return learner_online.UpdateSpec(
-        algo=a.name,
-        loss=LossSpec(
-            a.clip_eps_low, a.clip_eps_high, a.kl_coef if kl_in_loss else 0.0, a.kl_estimator, a.loss_agg,
-            cfg.rollout.max_new_tokens, POLICY_LOSS_OF[a.name], a.dual_clip, a.entropy_coef,
-            a.rollout_correction.mode, a.rollout_correction.ratio_min, a.rollout_correction.ratio_max,
-            cfg.teacher.jsd_weight, cfg.teacher.beta,
-        ),
-        advantage=AdvantageSpec(
-            a.adv_std_scale, a.adv_eps, a.gamma, a.gae_lambda, 0.0 if kl_in_loss else a.kl_coef, a.kl_estimator
-        ),
+        estimator=algorithm.advantage,
+        loss=loss,
+        advantage=advantage,
         epochs=ln.epochs,
         rows_per_minibatch=ln.sequences_per_minibatch // world,
         microbatch_size=ln.sequences_per_microbatch,
-        old_logprobs_before_update=(ln.epochs > 1 or cfg.minibatches_per_epoch > 1 or (not kl_in_loss and a.kl_coef > 0)
-                                    or cfg.teacher.reverse_kl_weight > 0),
+        old_logprobs_before_update=off_policy or (not kl_in_loss and a.kl_coef > 0) or cfg.teacher.reverse_kl_weight > 0,
         value_clip_eps=cfg.critic.value_clip_eps,
         loss_world_size=world,
         distill_weight=cfg.teacher.reverse_kl_weight,
-    )  # fmt: skip
+    )
 
 
 def rollout_overlap(cfg: Config, plan: CorePlan, *, shares_node: bool) -> tuple[bool, str]:

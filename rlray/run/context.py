@@ -19,6 +19,20 @@ from rlray.observe.samples import StepSample
 from rlray.observe.tracking import Tracker
 
 
+@dataclass(frozen=True)
+class StepAlert:
+    """An alert a step raises on rank 0, sent through the monitor at the step boundary (the driver's console prints
+    it; ``rlray.run.failures``).
+
+    Attributes:
+        kind: env_failed, reward_failed, no_signal, ...
+        message: one line for people, naming the source and the step.
+    """
+
+    kind: str
+    message: str
+
+
 @dataclass
 class StepResult:
     """What one step hands to the step boundary (``rlray.run.session.step_boundary``).
@@ -30,11 +44,13 @@ class StepResult:
         prompt_ids: the ids of the prompts the step took from the data stream, in the order taken (its own, then
             DAPO refills): the prompt ledger of an online step on rank 0 (``Tracker.log_ledger``); None elsewhere
             and for offline runs.
+        alerts: rank 0's alerts of the step (failures, no reward signal), sent at the step boundary.
     """
 
     metrics: dict[str, float]
     samples: list[StepSample] = field(default_factory=list)
     prompt_ids: list[str] | None = None
+    alerts: list[StepAlert] = field(default_factory=list)
 
 
 @dataclass

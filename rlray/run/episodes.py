@@ -15,9 +15,12 @@ One step's episodes advance turn by turn together:
      typed ``StepRequest``s), and append the observation tokens (loss mask off, ``rlray.envs.episode.Trajectory``);
   3. close the episodes on their hosts.
 
-Faults: an environment that raises or passes its time limit fails its episode (stop reason ``env_error``
-or ``timeout``; reward NaN, so the update and the group statistics leave it out, and ``env/failed``
-counts it). The episodes of a host that dies are run again once, from the start, on the hosts that
+Faults, one rule: an environment that raises or passes its time limit fails its episode wherever it does (reward
+NaN, so the update and the group statistics leave it out; counted in ``env/failed`` and ``env/failed/<stop
+reason>``). In ``reset`` or ``step`` the stop reason says so (``env_error`` or ``timeout``); in
+``reward_at_limit()`` (a TRL class's ``get_reward``) of an episode a limit ended, or in ``close()``, the episode
+keeps the stop reason of its end (``max_turns``, ``done``, ...) and fails all the same. The failure's message says
+where (``rlray.envs.host.describe_error``). The episodes of a host that dies are run again once, from the start, on the hosts that
 answer (``env/episodes_rerun``); a second death fails them (stop reason ``actor_died``).
 """
 
@@ -39,6 +42,7 @@ import ray
 
 from rlray.envs.episode import TemplateDriftError, Trajectory, open_trajectory, truncate_observations
 from rlray.envs.host import ResetRequest, StepRequest
+from rlray.envs.probe import reset_kwargs, row_environment
 from rlray.rollout import Completion, SamplingSpec
 from rlray.rollout.fleet import ACTOR_ERRORS, RolloutFleet
 from rlray.rollout.types import EpisodeInfo
@@ -46,6 +50,8 @@ from rlray.rollout.types import EpisodeInfo
 log = logging.getLogger(__name__)
 
 SEED_STRIDE_PER_TURN = 1_000_003  # a turn's sampling seed: the step's seed + turn * stride (then offset per chunk)
+# Stop reasons of an episode a limit ended before the environment said done: its reward_at_limit() is asked for.
+LIMIT_STOP_REASONS = ("max_turns", "length", "max_episode_tokens", "template_drift")
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,7 @@ class RunningEpisode:
         started: when it started (time.monotonic(), seconds), for env.episode_timeout_s.
         tool_calls, tool_errors, observation_tokens, metrics: sums over its turns (``EpisodeInfo``).
         message: why it failed ("" otherwise); limit_reward: ``reward_at_limit()`` of an episode a limit ended.
+        failed_at_end: its ``reward_at_limit()`` or ``close()`` raised after it ended (it keeps its stop reason).
         rerun: it runs again from the start because its host died.
     """
 
@@ -99,6 +106,7 @@ class RunningEpisode:
     metrics: dict[str, float] = field(default_factory=dict)
     message: str = ""
     limit_reward: float | None = None
+    failed_at_end: bool = False
     rerun: bool = False
 
 
@@ -248,16 +256,16 @@ class EpisodeRollout:
         Raises:
             ValueError: the row names an environment that is not configured (names the row and the known ones).
         """
-        name = row.columns.get(self.env_column) or self.default_env
+        name = row_environment(row.columns, self.env_column, self.default_env)
         if name and name not in self.known_envs:
             raise ValueError(f"prompt row '{row.prompt_id}': column '{self.env_column}' names environment '{name}', "
                              f"which is not in env.environments {sorted(self.known_envs)}")
-        return str(name or "")
+        return name
 
     def _reset(self, episodes: list[RunningEpisode], rows: list[Any]) -> None:
         def request(ep: RunningEpisode) -> ResetRequest:
             row = rows[ep.prompt_index]
-            return ResetRequest(ep.key, ep.environment, {**row.columns, "prompt": row.prompt, self.prompt_column: row.prompt})
+            return ResetRequest(ep.key, ep.environment, reset_kwargs(row.columns, row.prompt, self.prompt_column))
 
         for ep, reply in self._per_host(episodes, lambda host, eps: host.reset.remote([request(ep) for ep in eps])):
             ep.traj = Trajectory([], [])  # replaced below unless the reset failed
@@ -306,7 +314,8 @@ class EpisodeRollout:
 
     def _step_envs(self, episodes: list[RunningEpisode]) -> None:
         def request(ep: RunningEpisode) -> StepRequest:
-            return StepRequest(ep.key, ep.traj.messages[-1]["content"], ep.traj.finish_reason, ep.traj.num_turns - 1)
+            return StepRequest(ep.key, ep.traj.messages[-1]["content"], ep.traj.finish_reason, ep.traj.num_turns - 1,
+                               last=ep.traj.num_turns >= self.limits.max_turns)
 
         for ep, reply in self._per_host(episodes, lambda host, eps: host.step.remote([request(ep) for ep in eps])):
             if reply is None or reply.error:
@@ -336,7 +345,8 @@ class EpisodeRollout:
                     ep.traj.stop_reason, ep.message = "template_drift", str(err)
 
     def _close(self, episodes: list[RunningEpisode]) -> None:
-        """Asks each host for the final rewards of episodes a limit ended, then drops every episode's instance."""
+        """Asks each host for the final rewards of episodes a limit ended, then drops every episode's instance; an
+        episode whose ``reward_at_limit()`` or ``close()`` raised fails (it keeps its stop reason)."""
         by_host: dict[int, list[RunningEpisode]] = {}
         for ep in episodes:
             if ep.environment and ep.traj.stop_reason != "actor_died":
@@ -344,14 +354,18 @@ class EpisodeRollout:
         for h, eps in by_host.items():
             if h in self._dead:
                 continue
-            limited = [ep for ep in eps if ep.traj.stop_reason in ("max_turns", "length", "max_episode_tokens",
-                                                                   "template_drift")]
+            limited = [ep for ep in eps if ep.traj.stop_reason in LIMIT_STOP_REASONS]
             try:
                 if limited:
-                    for ep, r in zip(limited, ray.get(self.hosts[h].rewards_at_limit.remote([e.key for e in limited])),
-                                     strict=True):
-                        ep.limit_reward = r
-                ray.get(self.hosts[h].close.remote([ep.key for ep in eps]))
+                    replies = ray.get(self.hosts[h].rewards_at_limit.remote([e.key for e in limited]))
+                    for ep, reply in zip(limited, replies, strict=True):
+                        ep.limit_reward = reply.reward
+                        if reply.error:
+                            self._fail_at_end(ep, f"at the {ep.traj.stop_reason} limit, {reply.message}")
+                closed = ray.get(self.hosts[h].close.remote([ep.key for ep in eps]))
+                for ep, message in zip(eps, closed, strict=True):
+                    if message and not ep.traj.failed:
+                        self._fail_at_end(ep, message)
             except ACTOR_ERRORS as err:
                 self._dead.add(h)
                 log.warning("environment host %d died while closing episodes (%s)", h, type(err).__name__)
@@ -386,6 +400,11 @@ class EpisodeRollout:
         ep.traj.stop_reason, ep.message = reason, message
         log.warning("episode %s (%s) failed: %s %s", ep.key, ep.environment, reason, message[:300])
 
+    def _fail_at_end(self, ep: RunningEpisode, message: str) -> None:
+        ep.failed_at_end, ep.message = True, message
+        log.warning("episode %s (%s) failed after it ended (%s): %s", ep.key, ep.environment, ep.traj.stop_reason,
+                    message[:300])
+
     def _completion(self, ep: RunningEpisode) -> Completion:
         traj = ep.traj
         env_reward = traj.env_reward
@@ -393,7 +412,7 @@ class EpisodeRollout:
             env_reward = (env_reward or 0.0) + float(ep.limit_reward)
         info = EpisodeInfo(
             environment=ep.environment, stop_reason=traj.stop_reason, num_turns=traj.num_turns,
-            turn_rewards=list(traj.turn_rewards), env_reward=env_reward, failed=traj.failed,
+            turn_rewards=list(traj.turn_rewards), env_reward=env_reward, failed=traj.failed or ep.failed_at_end,
             tool_calls=ep.tool_calls, tool_errors=ep.tool_errors, observation_tokens=ep.observation_tokens,
             observations_truncated=traj.observations_truncated, metrics=dict(ep.metrics), message=ep.message,
             rerun=ep.rerun,
@@ -447,7 +466,9 @@ def episode_metrics(completions: list[Completion]) -> dict[str, float]:
     """Returns env/* metrics of a step's episodes (an empty dict when no completion is an episode).
 
     env/turns_mean, env/tool_calls_mean, env/tool_errors (sum), env/failed (count), env/observation_tokens_mean,
-    env/observations_truncated (sum), env/episodes_rerun (sum), env/stop_reason/<reason> (count per reason) and
+    env/observations_truncated (sum), env/episodes_rerun (sum), env/stop_reason/<reason> (count per reason),
+    env/failed/<reason> (failed episodes per stop reason: env_error, timeout, ..., or the limit or end after which
+    reward_at_limit() or close() raised) and
     env/metric/<name> (the mean of each number in the environments' EnvStep.metrics, summed per episode, over the
     episodes that reported it) over the multi-turn episodes of the step (``rlray.observe.metrics.FAMILIES``).
     """
@@ -466,6 +487,8 @@ def episode_metrics(completions: list[Completion]) -> dict[str, float]:
     }
     for e in eps:
         out[f"env/stop_reason/{e.stop_reason}"] = out.get(f"env/stop_reason/{e.stop_reason}", 0.0) + 1.0
+        if e.failed:
+            out[f"env/failed/{e.stop_reason}"] = out.get(f"env/failed/{e.stop_reason}", 0.0) + 1.0
     names = sorted({k for e in eps for k in e.metrics})
     for k in names:
         vals = [e.metrics[k] for e in eps if k in e.metrics]

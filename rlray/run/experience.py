@@ -3,7 +3,10 @@
 ``collect_experience`` takes the step's rollout from the pipeline (stages 1-2), scores it (stage 3), applies
 the algorithm's sampling extras (DAPO refills and overlong shaping, ReMax's greedy baseline;
 ``rlray.run.online_sampling``) and builds the experience table (``rlray.schema``) with its reward and
-rollout metrics. The kept samples of a step are decoded from that table here too (``step_samples``).
+rollout metrics. Every sample without a reward carries why (``rlray.run.failures``: its episode's or its reward
+function's error) into the table and the kept samples; the step's failures become alerts, and a run whose every
+sample fails ``guard.max_failed_steps`` steps in a row stops. The kept samples of a step are decoded from that table
+here too (``step_samples``).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,7 +32,9 @@ from rlray.reward.server import ScoreResult
 from rlray.rollout import Completion, SamplingSpec
 from rlray.run import build, online_sampling, segments
 from rlray.run.agents import agent_metrics
+from rlray.run.context import StepAlert
 from rlray.run.episodes import add_env_reward, episode_metrics
+from rlray.run.failures import failure_alerts, reward_failures, sample_failure, watch_learning
 from rlray.run.lead import OnlineLead, RewardClient
 from rlray.run.online_sampling import Rollouts
 
@@ -71,19 +76,22 @@ class Experience:
         metrics: reward/*, rollout/*, env/* and algo/* statistics of the step, and the stages' timing/*.
         prompt_ids: the ids of the prompts the step took from the data stream, in the order taken: its own, then
             any DAPO refills (kept or not); the step's prompt ledger.
+        alerts: the step's failure and no-signal alerts (``rlray.run.failures``).
     """
 
     table: pa.Table
     metrics: dict[str, float]
     prompt_ids: list[str]
+    alerts: list[StepAlert] = field(default_factory=list)
 
 
 def collect_experience(lead: OnlineLead, cfg: Config, tokenizer: Any, step: int, timer: StageTimer, *,
                        policy_version: int, world: int = 1) -> Experience:
-    """Stages 1-3 (rank 0): returns 0-based ``step``'s experience table, its metrics and its prompt ledger.
+    """Stages 1-3 (rank 0): returns 0-based ``step``'s experience table, its metrics, its prompt ledger and alerts.
 
-    Samples whose reward failed are counted in reward/failed and logged; a step whose groups all lack reward
-    variance (zero advantages for the group estimators) is logged as having no signal.
+    Samples without a reward (a failed episode, a reward function that failed) are counted in reward/failed, carry
+    why in the table's ``failure`` column, and the first of each kind is an alert; a step whose groups all lack
+    reward variance counts towards the ``no_signal`` alert (``rlray.run.failures.watch_learning``).
 
     Args:
         lead: rank 0's part of the run (data, pipeline, reward client, rollouts).
@@ -97,31 +105,37 @@ def collect_experience(lead: OnlineLead, cfg: Config, tokenizer: Any, step: int,
     Raises:
         rlray.reward.RewardFunctionError, rlray.data.DataError: a fault a retry cannot fix (the step stops the run).
         rlray.algos.DynamicSamplingError: DAPO could not fill the step within its rounds.
+        rlray.run.failures.CannotLearnError: every sample failed in ``guard.max_failed_steps`` steps in a row.
     """
     with timer("rollout"):  # 1-2. prompts and rollout; the pipeline keeps steps step+1..step+max_staleness in flight
         got = lead.pipeline.next(step)
     taken = [r.prompt_id for r in got.rows]
     with timer("reward"):  # 3. rewards
         scored = score(lead.reward, got.rows, got.completions, tokenizer, cfg.env.reward_weight)
+    failed_rewards = reward_failures(got.completions, scored)  # and those of DAPO's refills, below
     with timer("algo_sampling"):  # DAPO refill, overlong shaping, ReMax's greedy baseline
         drawn = Rollouts(got.rows, got.prompt_ids, got.completions, scored.values)
         drawn, baseline, algo_metrics = algorithm_sampling(lead, cfg, tokenizer, build.sampling_for_step(cfg, step),
-                                                           drawn, taken)
+                                                           drawn, taken, failed_rewards)
+    failures = [sample_failure(c, r, failed_rewards.get(id(c), ""))
+                for c, r in zip(drawn.completions, drawn.rewards["reward"], strict=True)]
     mask_truncated = cfg.algo.mask_truncated
     table = build_experience(drawn.rows, drawn.prompt_ids, drawn.completions, drawn.rewards, baseline,
-                             mask_truncated=mask_truncated)
+                             mask_truncated=mask_truncated, failures=failures)
     stats = rollout_stats(table, drawn.rewards, cfg.learner.prompts_per_step, policy_version, mask_truncated=mask_truncated)
     stats.update(episode_metrics(drawn.completions))
     stats.update(agent_metrics(drawn.completions, set(cfg.env.agents)))
-    if stats["reward/failed"]:
-        log.warning("step %d: %d of %d samples have no reward (a reward function failed); they are left out of "
-                    "the update (reward/failed)", step + 1, stats["reward/failed"], table.num_rows)
+    alerts = failure_alerts(drawn.completions, failures)
+    alerts += watch_learning(lead.streaks, failures, step=step + 1, no_signal=stats["algo/groups_without_signal"] == 1.0,
+                             group_size=cfg.rollout.samples_per_prompt, max_failed_steps=cfg.guard.max_failed_steps)
     if stats["algo/groups_without_signal"] == 1.0:
         log.warning("step %d: no prompt group has rewards that differ: the advantages are zero and the update "
                     "carries no reward signal (algo/groups_without_signal=1)", step + 1)
+    for alert in alerts:
+        log.warning("%s: %s", alert.kind, alert.message)
     metrics = {**stats, **algo_metrics, **timer.metrics, "reward/version": float(scored.version)}
     table = segments.layout_for_ranks(table, len(drawn.completions), world, cfg.minibatches_per_epoch)
-    return Experience(table, metrics, taken)
+    return Experience(table, metrics, taken, alerts)
 
 
 def score(reward: RewardClient, rows: list[PromptRow], completions: list[Completion], tokenizer: Any,
@@ -144,13 +158,16 @@ def score(reward: RewardClient, rows: list[PromptRow], completions: list[Complet
 
 
 def algorithm_sampling(lead: OnlineLead, cfg: Config, tokenizer: Any, sampling: SamplingSpec, batch: Rollouts,
-                       taken: list[str]) -> tuple[Rollouts, list[float] | None, dict[str, float]]:
+                       taken: list[str], failed_rewards: dict[int, str] | None = None,
+                       ) -> tuple[Rollouts, list[float] | None, dict[str, float]]:
     """Stage 3's algorithm extras (rank 0): DAPO refill, overlong shaping and ReMax's greedy baseline
     (``online_sampling.apply``); returns (rollouts, ReMax baseline per completion or None, metrics).
 
     The ids of refill prompts are appended to ``taken`` (the step's prompt ledger) as they are taken from the
-    stream, whether or not their groups are kept.
+    stream, whether or not their groups are kept; the failure texts of the refills' rewards are added to
+    ``failed_rewards`` (``rlray.run.failures.reward_failures``).
     """
+    failed_rewards = {} if failed_rewards is None else failed_rewards
     weight = cfg.env.reward_weight
 
     def draw(num_prompts: int, round_index: int) -> Rollouts:  # stages 1-3 for further prompts, reseeded per round
@@ -158,7 +175,9 @@ def algorithm_sampling(lead: OnlineLead, cfg: Config, tokenizer: Any, sampling: 
         taken.extend(r.prompt_id for r in rows)
         seed = None if sampling.seed is None else sampling.seed + REFILL_SEED_STRIDE * round_index
         completions = lead.rollouts.generate(ids, dataclasses.replace(sampling, seed=seed), rows)
-        return Rollouts(rows, ids, completions, score(lead.reward, rows, completions, tokenizer, weight).values)
+        result = score(lead.reward, rows, completions, tokenizer, weight)
+        failed_rewards.update(reward_failures(completions, result))
+        return Rollouts(rows, ids, completions, result.values)
 
     def greedy(b: Rollouts) -> Rollouts:  # one temperature-0 completion per prompt, scored
         greedy_spec = SamplingSpec(n=1, max_new_tokens=sampling.max_new_tokens, temperature=0.0, stop=sampling.stop)
@@ -176,6 +195,7 @@ def build_experience(
     baseline_rewards: list[float] | None = None,
     *,
     mask_truncated: bool = False,
+    failures: list[str] | None = None,
 ) -> pa.Table:
     """Returns the step's experience table (``schema.EXPERIENCE_SCHEMA``), one row per completion, then one per earlier
     segment of an agent episode cut where its agent rewrote history (``segments.experience_rows``: the episode's
@@ -184,12 +204,15 @@ def build_experience(
     ``baseline_rewards`` (ReMax: the greedy response's reward, one per completion) fills baseline_reward.
     response_mask is the completion's loss mask (all True for single-turn rollouts). A completion whose
     reward (or baseline) is NaN failed in the reward stage: its response_mask is all False, so no
-    advantage statistic and no loss term sees it (``learner.advantages`` takes a row as valid when its
+    advantage statistic and no loss term sees it (``algos.estimators`` takes a row as valid when its
     mask has a True), and its reward stays NaN in the table. With ``mask_truncated`` (``algo.mask_truncated``)
     a completion that hit max_new_tokens (finish_reason "length") is masked the same way, its reward kept.
+    ``failures`` (B texts, "" for a sample with a reward; ``rlray.run.failures.sample_failure``) fills ``failure``.
     """
     comps = {k: v for k, v in rewards.items() if k != "reward"}
     extra = {} if baseline_rewards is None else {"baseline_reward": baseline_rewards}
+    if failures is not None:
+        extra["failure"] = [text or None for text in failures]
     scored = [math.isfinite(r) for r in rewards["reward"]]
     if baseline_rewards is not None:
         scored = [ok and math.isfinite(b) for ok, b in zip(scored, baseline_rewards, strict=True)]
@@ -325,7 +348,7 @@ def step_samples(tokenizer: Any, table: pa.Table, rows: list[int], advantages: l
             advantage=adv, finish_reason=r["finish_reason"], policy_version=int(r["policy_version"]),
             response_tokens=len(r["response_token_ids"]), stop_reason=r["stop_reason"], num_turns=r["num_turns"],
             turn_rewards=None if r["turn_rewards"] is None else tuple(r["turn_rewards"]),
-            segments=episode_segments(tokenizer, r), segment=r["segment"],
+            segments=episode_segments(tokenizer, r), segment=r["segment"], failure=r["failure"],
         )
         for r, prompt, completion, adv in zip(picked, prompts, completions, advantages, strict=True)
     ]

@@ -13,33 +13,28 @@
 Hooks travel to the Ray Train workers inside ``train_loop_config``, so they must pickle (module-level
 classes holding actor handles do).
 
-Callers today: ``StopWhenRequested`` (control: ``ray job stop`` -> SIGTERM on the driver ->
-``RunControl``), ``rlray.sweep.tune``'s trial reporter (observer: per-step metrics and the step's
-snapshot to Ray Tune, for ASHA and PBT) and, for tests only, ``HoldForTest`` (control: holds a live run
-at a step while a test looks at its page; ``hold_hooks_from_env``).
-
-Not a step hook, also for tests only: ``hold_generate_from_env`` holds a rollout actor's n-th generate call
-(``RLRAY_TEST_HOLD_GENERATE``) so that a test can lose the actor's node while it is provably mid-call.
+Where hooks come from: the driver's own ``StopWhenRequested`` (control: ``ray job stop`` -> SIGTERM on the driver
+-> ``RunControl``), the config's ``run.hooks`` (``load_step_hooks``: user code named like environments, each a
+``"package.module:factory"`` or ``"path/to/file.py:factory"`` whose factory the driver calls with the Config; the
+tests hold a live run at a step this way, tests/fixtures/holds.py) and ``rlray.sweep.tune``'s trial reporter
+(observer: per-step metrics and the step's snapshot to Ray Tune, for ASHA and PBT).
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
-import os
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import ray
+import ray.cloudpickle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-log = logging.getLogger(__name__)
+from rlray.config import Config, ConfigError
+from rlray.envs.trl import USER_MODULE_PREFIX, load_object
 
-HOLD_STEP_ENV = "RLRAY_TEST_HOLD_AFTER_STEP"  # tests only: the step after which the run waits (``HoldForTest``)
-HOLD_RELEASE_ENV = "RLRAY_TEST_HOLD_RELEASE"  # tests only: the file whose creation lets the held run go on
-HOLD_GENERATE_ENV = "RLRAY_TEST_HOLD_GENERATE"  # tests only: folder whose hold-<n> holds a rollout actor's n-th generate
-HOLD_TIMEOUT_S = 900.0  # seconds a held run waits for its release file before it stops itself
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -139,77 +134,39 @@ class StopWhenRequested:
         return reason
 
 
-class HoldForTest:
-    """Hook, for tests only: after step ``step`` waits until the file ``release`` exists; returns None, or a stop
-    reason when ``timeout_s`` seconds pass without it.
+def load_step_hooks(cfg: Config) -> list[StepHook]:
+    """Returns the step hooks of ``run.hooks``, in order: each spec's factory called with ``cfg``.
 
-    A control hook, so the step's metrics and samples are in MLflow and on their way to the monitor before it
-    waits, and its snapshot is written after (``rlray.run.session.step_boundary``). Meanwhile the heartbeat goes on
-    and the monitor serves the page at that step, so a test can load the page of a real run at a known step. A
-    release file that never comes ends the run loudly: an error in the log and status 'stopped: test hold ...'.
-    Only ``hold_hooks_from_env`` makes one, when ``RLRAY_TEST_HOLD_AFTER_STEP`` is set.
-
-    Args:
-        step: the 1-based step after which to wait.
-        release: path of the file the test creates to let the run go on (a local path of the learner's node).
-        timeout_s: seconds to wait for it.
-    """
-
-    def __init__(self, step: int, release: str, timeout_s: float = HOLD_TIMEOUT_S) -> None:
-        self.step, self.release, self.timeout_s = step, release, timeout_s
-
-    def __call__(self, event: StepEnd) -> str | None:
-        if event.step != self.step:
-            return None
-        log.warning("test hold: waiting after step %d until %s exists (%s)", event.step, self.release, HOLD_STEP_ENV)
-        deadline = time.monotonic() + self.timeout_s
-        while not Path(self.release).exists():
-            if time.monotonic() > deadline:
-                reason = f"test hold: {self.release} not created within {self.timeout_s:g} s"
-                log.error("%s; stopping the run", reason)
-                return reason
-            time.sleep(0.2)
-        return None
-
-
-def hold_hooks_from_env(env: Mapping[str, str]) -> list[StepHook]:
-    """Returns [a ``HoldForTest``] when ``env`` sets ``RLRAY_TEST_HOLD_AFTER_STEP`` (a step) and
-    ``RLRAY_TEST_HOLD_RELEASE`` (the release file), else [] (every real run).
+    A spec is ``"package.module:factory"`` or ``"path/to/file.py:factory"`` (relative to the current folder),
+    loaded by ``rlray.envs.trl.load_object``, the loader of environments. The factory takes the validated Config
+    and returns a step hook: a callable taking a ``StepEnd`` (a control hook, or an observer with
+    ``after_snapshot = True``). A file's module is registered with cloudpickle to travel by value, so its hooks
+    reach learner nodes that lack the file; a module's hooks travel by reference (it must import there).
 
     Raises:
-        ValueError: the step is not a positive integer, or the release file is not given.
+        ConfigError: a spec's module or file is missing, its factory is missing or not callable, the factory
+            raised, or it returned something that is not callable; one line naming ``run.hooks[i]``, the spec and
+            the fix.
     """
-    step = env.get(HOLD_STEP_ENV)
-    if not step:
-        return []
-    release = env.get(HOLD_RELEASE_ENV)
-    if not step.isdigit() or int(step) < 1 or not release:
-        raise ValueError(f"{HOLD_STEP_ENV}={step!r} {HOLD_RELEASE_ENV}={release!r}: the test hold needs a step >= 1 "
-                         f"and a release file path; unset {HOLD_STEP_ENV} outside tests")
-    return [HoldForTest(int(step), release)]
-
-
-def hold_generate_from_env(call: int, env: Mapping[str, str]) -> None:
-    """Returns at once, unless ``env`` sets ``RLRAY_TEST_HOLD_GENERATE`` (tests only) to a folder holding the file
-    ``hold-<call>``: then writes ``held-<call>-<pid>`` there and returns once ``hold-<call>`` is gone.
-
-    ``rlray.launch.actors.RolloutActor`` calls it at the start of its ``call``-th generate (counted from 1 in the actor
-    process), so that a test can kill the actor's node while the call is provably in flight. A hold file that stays
-    is given up after ``HOLD_TIMEOUT_S`` seconds, with an error in the log.
-
-    Args:
-        call: the actor process's generate calls so far, this one included.
-        env: the process environment.
-    """
-    folder = env.get(HOLD_GENERATE_ENV)
-    hold = Path(folder, f"hold-{call}") if folder else None
-    if hold is None or not hold.exists():
-        return
-    Path(folder, f"held-{call}-{os.getpid()}").touch()
-    log.warning("test hold: generate call %d waits while %s exists (%s)", call, hold, HOLD_GENERATE_ENV)
-    deadline = time.monotonic() + HOLD_TIMEOUT_S
-    while hold.exists():
-        if time.monotonic() > deadline:
-            log.error("test hold: %s still exists after %g s; going on", hold, HOLD_TIMEOUT_S)
-            return
-        time.sleep(0.1)
+    hooks: list[StepHook] = []
+    for i, spec in enumerate(cfg.run.hooks):
+        label = f"run.hooks[{i}]={spec!r}"
+        try:
+            factory = load_object(spec, label=label, shape="factory")
+        except ValueError as err:
+            raise ConfigError(f"{err}; a hook spec is 'package.module:factory' or 'path/to/file.py:factory'") from err
+        if not callable(factory):
+            raise ConfigError(f"{label}: {type(factory).__name__} is not callable; name a function that takes the "
+                              "Config and returns a step hook")
+        module = inspect.getmodule(factory)
+        if module is not None and module.__name__.startswith(USER_MODULE_PREFIX):  # loaded from a file
+            ray.cloudpickle.register_pickle_by_value(module)
+        try:
+            hook = factory(cfg)
+        except Exception as err:
+            raise ConfigError(f"{label}: the factory raised {type(err).__name__}: {err}") from err
+        if not callable(hook):
+            raise ConfigError(f"{label}: the factory returned {hook!r} ({type(hook).__name__}), not a step hook; "
+                              "return a callable taking rlray.run.hooks.StepEnd")
+        hooks.append(hook)
+    return hooks

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -22,6 +22,7 @@ from rlray.reward.server import LocalRewardClient, ServeRewardClient
 from rlray.rollout import RolloutSource, SamplingSpec
 from rlray.rollout.fleet import RolloutFleet, RolloutPipeline, gcs_actor_node
 from rlray.run import build
+from rlray.run.failures import LearningStreaks
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class OnlineLead:
         rollouts: what the step generates with: the fleet, or episodes over it when ``env.environments`` is set.
         pipeline: keeps the rollouts of async steps in flight (``rollout.max_staleness``).
         logged: the fleet's counts already logged (``FleetCounts``).
+        streaks: steps in a row in which every sample failed, or no group had reward spread (``rlray.run.failures``).
     """
 
     stream: PromptStream
@@ -70,6 +72,7 @@ class OnlineLead:
     rollouts: RolloutSource
     pipeline: RolloutPipeline
     logged: FleetCounts
+    streaks: LearningStreaks = field(default_factory=LearningStreaks)
 
     def take_prompts(self, count: int) -> tuple[list[PromptRow], list[list[int]]]:
         """Returns the next ``count`` prompt rows and their token ids (advances the data cursor)."""
@@ -107,11 +110,7 @@ def build_lead(cfg: Config, tokenizer: Any, actors: list[Any], env_hosts: list[A
         rlray.data.DataError: the prompt files cannot be read (names the file and line).
     """
     render = dict(instruction=cfg.data.instruction, system_prompt=cfg.data.system_prompt)
-    all_train_rows = load_prompt_rows(cfg.data.train_files, prompt_column=cfg.data.prompt_column)
-    train_rows, train_ids, skipped = prepare_prompts(
-        all_train_rows, tokenizer, max_prompt_tokens=cfg.data.max_prompt_tokens, long_prompts=cfg.data.long_prompts,
-        **render,
-    )
+    all_train_rows, train_rows, train_ids, skipped = build.training_prompts(cfg, tokenizer)
     stream = PromptStream(train_rows, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
     eval_prompts: list[tuple[PromptRow, list[int]]] = []
     if cfg.eval.num_problems:

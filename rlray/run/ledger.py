@@ -1,4 +1,4 @@
-"""The prompt ledger check: did a run take every prompt of the data stream exactly once, in order?
+"""The prompt ledger: which prompts a run trained on, how often, and whether it took each exactly once, in order.
 
 Each online step records the ids of the prompts it took from the data stream (its own prompts, then DAPO
 dynamic-sampling refills; never evaluation prompts) as the MLflow artifact ``ledger/step_<step>.json``
@@ -9,6 +9,10 @@ steps 1..last in order, with what the seeded ``PromptStream`` (the run's rows, `
 epoch's order. In async mode (``rollout.max_staleness`` = k > 0) step t + k takes its prompts when step t
 starts, before step t's refills, and the check expects that order (``step_order``). No Ray; ``check_run``
 reads a run's ledger from MLflow first.
+
+``rlray ledger RUN_ID`` prints ``run_usage`` (prompts taken, distinct, times taken per prompt, epochs covered, steps
+without a ledger); with ``--check`` also ``check_logged_run``: the check against the stream the run's own logged
+config (``config/resolved.yaml``) makes.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from rlray.config import Config, ConfigError, config_from_dict
 from rlray.data import PromptRow, PromptStream
 
 
@@ -191,3 +196,136 @@ def check_run(uri: str, run_id: str, rows: list[PromptRow], *, seed: int, shuffl
     return check_ledger(tracking.read_ledger(uri, run_id), rows, seed=seed, shuffle=shuffle,
                         last_step=None if final is None else int(final), prompts_per_step=prompts_per_step,
                         max_staleness=max_staleness)
+
+
+@dataclass(frozen=True)
+class LedgerUsage:
+    """Which prompts a run trained on and how often (``ledger_usage``; printed by ``rlray ledger``).
+
+    Attributes:
+        last_step: the run's last step (its ``rlray.final_step`` tag, else its highest ledger step); steps
+            1..last_step count.
+        steps_of: {prompt id: the steps that took it, once per time taken, ascending}, prompts in the order first
+            taken.
+        missing_steps: steps in 1..last_step without a ledger file.
+        later_steps: ledger files past last_step (a timeline a rollback or a stop abandoned); not counted.
+    """
+
+    last_step: int
+    steps_of: dict[str, list[int]] = field(default_factory=dict)
+    missing_steps: tuple[int, ...] = ()
+    later_steps: tuple[int, ...] = ()
+
+    @property
+    def taken(self) -> int:
+        """Returns the prompts taken over steps 1..last_step (a prompt taken twice counts twice)."""
+        return sum(len(steps) for steps in self.steps_of.values())
+
+    @property
+    def repeats(self) -> dict[int, int]:
+        """Returns {times taken: number of prompts taken that often}, times ascending."""
+        return dict(sorted(Counter(len(steps) for steps in self.steps_of.values()).items()))
+
+    def lines(self, *, data_rows: int | None = None, per_prompt: bool = False) -> list[str]:
+        """Returns the report as lines of text: steps, prompts taken and distinct, times taken, epochs covered.
+
+        Epochs covered are the prompts taken over ``data_rows`` (the rows the run streams, when known), else over
+        the distinct prompts taken. ``per_prompt`` adds one line per prompt: its id, times taken and steps.
+        """
+        with_ledger = self.last_step - len(self.missing_steps)
+        out = [f"steps with a ledger: {with_ledger} of {self.last_step}"
+               + (f"; without: {_some(self.missing_steps)}" if self.missing_steps else "")]
+        if self.later_steps:
+            out.append(f"ledger files after step {self.last_step}, not counted: {_some(self.later_steps)}")
+        out.append(f"prompts taken: {self.taken} ({len(self.steps_of)} distinct)")
+        out.append("times taken: " + ", ".join(f"{k}x: {n} prompt{'s' * (n != 1)}" for k, n in self.repeats.items()))
+        per = (data_rows, "rows of the data") if data_rows is not None else (len(self.steps_of), "distinct prompts")
+        if per[0]:
+            out.append(f"epochs covered: {self.taken / per[0]:.2f} ({self.taken} taken / {per[0]} {per[1]})")
+        if per_prompt:
+            out += [f"  {pid}  {len(steps)}x  steps {', '.join(map(str, steps))}" for pid, steps in self.steps_of.items()]
+        return out
+
+
+def _some(values) -> str:
+    """Returns up to 10 values joined by ', ', with '(+N more)' for the rest."""
+    values = list(values)
+    return ", ".join(map(str, values[:10])) + (f" (+{len(values) - 10} more)" if len(values) > 10 else "")
+
+
+def ledger_usage(ledger: dict[int, list[str]], *, last_step: int | None = None) -> LedgerUsage:
+    """Returns which prompts steps 1..``last_step`` of ``ledger`` took, and how often.
+
+    Args:
+        ledger: {1-based step: prompt ids in the order taken} (``rlray.observe.tracking.read_ledger``).
+        last_step: the run's last step (its ``rlray.final_step`` tag); None: the ledger's highest step.
+    """
+    last = max(ledger, default=0) if last_step is None else last_step
+    steps_of: dict[str, list[int]] = {}
+    for step in range(1, last + 1):
+        for pid in ledger.get(step, []):
+            steps_of.setdefault(pid, []).append(step)
+    return LedgerUsage(last, steps_of, missing_steps=tuple(s for s in range(1, last + 1) if s not in ledger),
+                       later_steps=tuple(s for s in sorted(ledger) if s > last))
+
+
+def run_usage(uri: str, run_id: str) -> LedgerUsage:
+    """Returns ``ledger_usage`` of MLflow run ``run_id``'s ledger, up to its ``rlray.final_step`` tag (else its highest
+    ledger step); ``last_step`` 0 when the run has no ledger (an offline run, or one that ended before its first step).
+
+    Raises:
+        mlflow.exceptions.MlflowException: the run does not exist, or the store is down.
+    """
+    from rlray.observe import tracking
+
+    final = tracking.get_run(uri, run_id).data.tags.get("rlray.final_step")
+    return ledger_usage(tracking.read_ledger(uri, run_id), last_step=None if final is None else int(final))
+
+
+def logged_config(uri: str, run_id: str) -> Config:
+    """Returns the config run ``run_id`` ran with: its artifact ``config/resolved.yaml`` (``Tracker.log_config``),
+    validated.
+
+    Raises:
+        ConfigError: the run has no readable ``config/resolved.yaml``, or it no longer validates (names the keys).
+    """
+    import yaml
+
+    from rlray.observe import tracking
+
+    try:
+        text = tracking.read_artifact_text(uri, run_id, "config/resolved.yaml")
+    except Exception as err:  # mlflow's or the artifact store's error: the message names the run and file
+        raise ConfigError(f"run {run_id}: its config/resolved.yaml cannot be read from {uri} ({err})") from err
+    return config_from_dict(yaml.safe_load(text) or {})
+
+
+def training_rows(cfg: Config) -> list[PromptRow]:
+    """Returns the rows a run of ``cfg`` streams: ``data.train_files`` rendered with ``model.path``'s tokenizer, long
+    prompts skipped (``data.long_prompts``), as an online run's rank 0 makes them when it starts (the same calls).
+
+    Raises:
+        rlray.models.ModelError: the model or its tokenizer cannot be loaded.
+        rlray.data.DataError: a data file is missing or has a bad row.
+    """
+    from rlray.models import load_tokenizer, resolve_model_path
+    from rlray.run.build import training_prompts
+
+    tokenizer = load_tokenizer(resolve_model_path(cfg.model.path), cfg.model.chat_template)
+    return training_prompts(cfg, tokenizer)[1]
+
+
+def check_logged_run(uri: str, run_id: str) -> tuple[LedgerReport, int]:
+    """Returns (``check_run`` of run ``run_id`` against the seeded stream of its own logged config, the number of rows
+    that stream hands out per epoch): seed, shuffle, prompts per step and max staleness are the run's.
+
+    Raises:
+        ConfigError: the run's config/resolved.yaml cannot be read or no longer validates.
+        rlray.models.ModelError, rlray.data.DataError: the run's model or data files cannot be loaded here.
+        mlflow.exceptions.MlflowException: the run does not exist, or the store is down.
+    """
+    cfg = logged_config(uri, run_id)
+    rows = training_rows(cfg)
+    report = check_run(uri, run_id, rows, seed=cfg.run.seed, shuffle=cfg.data.shuffle,
+                       prompts_per_step=cfg.learner.prompts_per_step, max_staleness=cfg.rollout.max_staleness)
+    return report, len(rows)

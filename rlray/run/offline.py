@@ -6,9 +6,10 @@ the pairs and walks the same seeded cursor, so no experience crosses ranks: each
 share of the step's pairs. A run, top to bottom:
 
   0. once: load pairs, split train/eval, tokenize, and cache the reference policy's sequence logprobs
-     per pair in the pair table (dpo, ipo, kto), computed by the policy before its first update
+     per pair in the pair table (``Algorithm.reference_logps``: dpo, ipo, kto), computed by the policy before its
+     first update
   1. take the step's pairs (the data cursor)
-  2. (kto) the reference point z_ref over the step's mismatched pairs
+  2. (``Algorithm.kl_reference_point``: kto) the reference point z_ref over the step's mismatched pairs
   3. one optimizer step: micro-batches with gradient accumulation under global counts
   4. log; eval on the held-out pairs (eval/pairwise_accuracy, eval/loss); final snapshot
 """
@@ -24,8 +25,8 @@ from functools import partial
 import pyarrow as pa
 import torch
 
-from rlray import algos
-from rlray.config import REFERENCE_ALGOS, Config
+from rlray import algos, schema
+from rlray.config import Config
 from rlray.data import PromptStream
 from rlray.data.pairs import collate_pairs, load_preference_pairs, pairs_table, split_pairs
 from rlray.learner import PolicyLearner, autocast_context
@@ -65,6 +66,11 @@ class OfflineRun(RunContext):
     def method(self) -> str:
         """Returns the offline method (``cfg.algo.name``)."""
         return self.cfg.algo.name
+
+    @property
+    def algorithm(self) -> algos.Algorithm:
+        """Returns the method's registry entry (``rlray.algos.registry``): its objective and what it needs."""
+        return self.cfg.algo.algorithm
 
     def run_step(self, step: int) -> StepResult:
         """Runs 0-based ``step``: 1. take the step's pairs, 2-3. one optimizer step; stage 4 (eval when due, log,
@@ -113,7 +119,8 @@ class OfflineRun(RunContext):
 # Setup: pairs, split, reference logprobs
 # --------------------------------------------------------------------------------------------
 def build_learner(cfg: Config, model_dir: str, world: int) -> PolicyLearner:
-    """Returns the learner: the policy, or a one-label sequence-classification model for reward_model.
+    """Returns the learner: the policy, or a one-label sequence-classification model for a reward head
+    (``Algorithm.reward_head``: reward_model).
 
     The same keyword arguments as online runs (``rlray.run.build.learner_kwargs``: dtype, optimizer, LoRA,
     DDP/FSDP wrapping), except temperature 1 (no sampling temperature to undo) and no separate
@@ -121,7 +128,7 @@ def build_learner(cfg: Config, model_dir: str, world: int) -> PolicyLearner:
     """
     kwargs = build.learner_kwargs(cfg, world, with_reference=False)
     kwargs["temperature"] = 1.0
-    kwargs["model_loader"] = partial(load_reward_model, key="model.path") if cfg.algo.name == "reward_model" else None
+    kwargs["model_loader"] = partial(load_reward_model, key="model.path") if cfg.algo.algorithm.reward_head else None
     return PolicyLearner(model_dir, **kwargs)
 
 
@@ -141,11 +148,11 @@ def reference_logps(
     out = torch.zeros(3, per)
     for start in range(0, per, microbatch):
         batch = collate_pairs(share.slice(start, microbatch), pad_token_id, with_kl=with_kl)
-        logps = _sequence_logps(learner, batch)
+        logps = _sequence_logps(learner, batch.inputs, batch.response_mask)
         p = logps.shape[0] // 2
         out[0, start : start + p], out[1, start : start + p] = logps[:p], logps[p:]
         if with_kl:
-            out[2, start : start + p] = _sequence_logps(learner, batch["kl"])
+            out[2, start : start + p] = _sequence_logps(learner, batch.kl_inputs, batch.kl_response_mask)
     gathered = coll.all_gather(out.T.contiguous())[:n]
     names = ("ref_chosen_logps", "ref_rejected_logps", "ref_kl_logps")[: 3 if with_kl else 2]
     for i, name in enumerate(names):
@@ -154,9 +161,9 @@ def reference_logps(
     return table
 
 
-def _sequence_logps(learner: PolicyLearner, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    lp = learner.logprobs({k: v for k, v in batch.items() if k != "kl"}, reference=False, microbatch_size=10**9)
-    return algos.sequence_logps(lp, batch["response_mask"])
+def _sequence_logps(learner: PolicyLearner, inputs: schema.ModelInputs, response_mask: torch.Tensor) -> torch.Tensor:
+    lp = learner.logprobs(inputs, reference=False, microbatch_size=10**9)
+    return algos.sequence_logps(lp, response_mask)
 
 
 def setup(cfg: Config, coll: Collective, *, model_dir: str, run_id: str | None) -> OfflineRun:
@@ -175,9 +182,10 @@ def setup(cfg: Config, coll: Collective, *, model_dir: str, run_id: str | None) 
     sizes = dict(max_prompt_tokens=off.max_prompt_tokens, max_response_tokens=off.max_response_tokens)
     train_tab, eval_tab = pairs_table(train_rows, tokenizer, **sizes), pairs_table(eval_rows, tokenizer, **sizes)
     t = time.perf_counter()
-    if cfg.algo.name in REFERENCE_ALGOS:
+    algorithm = cfg.algo.algorithm
+    if algorithm.reference_logps:
         ref = dict(coll=coll, pad_token_id=tokenizer.pad_token_id, microbatch=2 * off.pairs_per_microbatch,
-                   with_kl=cfg.algo.name == "kto")  # fmt: skip
+                   with_kl=algorithm.kl_reference_point)  # fmt: skip
         train_tab = reference_logps(learner, train_tab, **ref)
         eval_tab = reference_logps(learner, eval_tab, **ref) if eval_rows else eval_tab
     a = cfg.algo
@@ -217,14 +225,14 @@ def take_pairs(ctx: OfflineRun) -> pa.Table:
 
 
 def kto_reference_point(ctx: OfflineRun, table: pa.Table) -> float:
-    """Step stage 2 (kto): returns z_ref = max(0, mean KL log ratio) over the mismatched rows of ``table``.
+    """Step stage 2 (``Algorithm.kl_reference_point``: kto): returns z_ref = max(0, mean KL log ratio) over the mismatched rows of ``table``.
 
     Each rank scores its share; the log ratios are gathered so the mean is the whole batch's, as TRL
     gathers them. Source: Ethayarajh et al. 2024 eq. 7 (``algos.kto_kl_estimate``).
     """
     share = _my_share(ctx, table)
-    batch = collate_pairs(share, ctx.tokenizer.pad_token_id, with_kl=True)["kl"]
-    kl_logps = _sequence_logps(ctx.learner, batch)
+    batch = collate_pairs(share, ctx.tokenizer.pad_token_id, with_kl=True)
+    kl_logps = _sequence_logps(ctx.learner, batch.kl_inputs, batch.kl_response_mask)
     ref = torch.tensor(share.column("ref_kl_logps").to_pylist(), dtype=torch.float32)
     return float(algos.kto_kl_estimate(ctx.coll.all_gather(kl_logps), ctx.coll.all_gather(ref)))
 
@@ -241,16 +249,18 @@ def _normaliser(ctx: OfflineRun, table: pa.Table, world: int, kl_estimate: float
 
 def update(ctx: OfflineRun, table: pa.Table) -> dict[str, float]:
     """Step stage 3: one optimizer step over this rank's share of ``table``; returns summed statistics (all ranks)."""
-    kl = kto_reference_point(ctx, table) if ctx.method == "kto" else 0.0
+    algorithm = ctx.algorithm
+    kl = kto_reference_point(ctx, table) if algorithm.kl_reference_point else 0.0
     norm = _normaliser(ctx, table, ctx.coll.world, kl)
     share, mbs = _my_share(ctx, table), ctx.cfg.offline.pairs_per_microbatch
     pad = ctx.tokenizer.pad_token_id
     micro = [collate_pairs(share.slice(s, mbs), pad) for s in range(0, share.num_rows, mbs)]
+    objective = PAIR_OBJECTIVES[algorithm.pair_objective]
 
-    def loss_fn(model: torch.nn.Module, mb: dict[str, torch.Tensor]):
+    def loss_fn(model: torch.nn.Module, mb: schema.PairBatch):
         with autocast_context(ctx.learner.dtype):
-            out = pair_outputs(model, mb, ctx.method)
-        return PAIR_OBJECTIVES[ctx.method](out.float(), mb, ctx.spec, norm)
+            out = pair_outputs(model, mb, scores=algorithm.reward_head)
+        return objective(out.float(), mb, ctx.spec, norm)
 
     stats = ctx.learner.optimizer_step(micro, loss_fn)
     summed = ctx.coll.all_reduce_sum({k: stats[k] for k in _SUM_KEYS})
@@ -258,7 +268,7 @@ def update(ctx: OfflineRun, table: pa.Table) -> dict[str, float]:
     # each rank's loss share is scaled by world_size for DDP's gradient average: the step's loss is the mean
     metrics["learner/loss"] = summed["loss"] / ctx.coll.world
     metrics.update({"learner/grad_norm": stats["grad_norm"], "learner/lr": stats["lr"]})
-    if ctx.method == "kto":
+    if algorithm.kl_reference_point:
         metrics["algo/kto_kl"] = kl
     return metrics
 
@@ -287,7 +297,8 @@ def evaluate(ctx: OfflineRun) -> dict[str, float]:
     if table.num_rows < ctx.coll.world:
         return {}
     table = table.slice(0, table.num_rows - table.num_rows % ctx.coll.world)
-    kl = kto_reference_point(ctx, table) if ctx.method == "kto" else 0.0
+    algorithm = ctx.algorithm
+    kl = kto_reference_point(ctx, table) if algorithm.kl_reference_point else 0.0
     norm = _normaliser(ctx, table, 1, kl)
     model = ctx.learner.module
     was_training = model.training
@@ -297,8 +308,8 @@ def evaluate(ctx: OfflineRun) -> dict[str, float]:
     for start in range(0, share.num_rows, mbs):
         mb = collate_pairs(share.slice(start, mbs), ctx.tokenizer.pad_token_id)
         with autocast_context(ctx.learner.dtype):
-            out = pair_outputs(model, mb, ctx.method)
-        loss, stats = PAIR_OBJECTIVES[ctx.method](out.float(), mb, ctx.spec, norm)
+            out = pair_outputs(model, mb, scores=algorithm.reward_head)
+        loss, stats = PAIR_OBJECTIVES[algorithm.pair_objective](out.float(), mb, ctx.spec, norm)
         totals["loss"] += float(loss)
         for k in _SUM_KEYS[1:]:
             totals[k] += float(stats[k])

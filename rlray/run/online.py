@@ -46,14 +46,16 @@ from rlray.run import build, segments
 from rlray.run.context import RunContext, StepResult
 from rlray.run.evaluation import evaluate_prompts
 from rlray.run.experience import Experience, StageTimer, collect_experience, minibatch_normalisers, step_samples
+from rlray.run.failures import CannotLearnError
 from rlray.run.lead import OnlineLead, build_lead
 from rlray.run.session import FatalStepError
 
 log = logging.getLogger(__name__)
 
 # Errors found during a step that a retry cannot fix (a reward function returning the wrong number of values,
-# bad data): every rank stops at once with the message, and Ray Train does not restart the learner.
-FATAL_STEP_ERRORS: tuple[type[BaseException], ...] = (RewardFunctionError, DataError)
+# bad data, every sample failing guard.max_failed_steps steps in a row): every rank stops at once with the message
+# (the run ends FAILED), and Ray Train does not restart the learner.
+FATAL_STEP_ERRORS: tuple[type[BaseException], ...] = (RewardFunctionError, DataError, CannotLearnError)
 
 
 @dataclass
@@ -177,7 +179,7 @@ def setup(cfg: Config, coll: Collective, *, model_dir: str, actors: list[Any], r
     build.seed_everything(cfg.run.seed + coll.rank)
     tokenizer = load_tokenizer(model_dir, cfg.model.chat_template)
     kwargs = build.learner_kwargs(cfg, coll.world, with_reference=reference_actor is None, teacher_dir=teacher_dir)
-    critic = build.ppo_critic(cfg, model_dir, kwargs["wrap_model"]) if cfg.algo.name == "ppo" else None
+    critic = build.ppo_critic(cfg, model_dir, kwargs["wrap_model"]) if cfg.algo.algorithm.needs_critic else None
     learner = PolicyLearner(model_dir, critic=critic, **kwargs)
     tracker = None
     if coll.rank == 0:
@@ -192,6 +194,7 @@ def setup(cfg: Config, coll: Collective, *, model_dir: str, actors: list[Any], r
     ctx.weight_sync = make_weight_sync(
         cfg.weight_sync_backend, ctx.lead.fleet if ctx.lead else None, dtype,
         wait=cfg.rollout.max_staleness == 0, tensor_parallel_size=cfg.resources.rollout.tensor_parallel_size,
+        adapter=cfg.adapter_sync,
     )
     return ctx
 
@@ -231,22 +234,22 @@ def run_step(ctx: OnlineRun, step: int) -> StepResult:
     shard, handout = distribute(ctx, experience, fatal, step=step)
     # agent segments make a step's mini-batches larger, never more of them (rlray.run.segments)
     spec = dataclasses.replace(spec, rows_per_minibatch=shard.num_rows // len(handout.minibatch_norms))
-    data = schema.collate(shard, ctx.pad_token_id)
+    batch = schema.collate(shard, ctx.pad_token_id)
     with timer("logprobs"):  # 4. reference, teacher and old logprobs
-        data = reference_and_old_logprobs(ctx, data, spec)
+        batch = reference_and_old_logprobs(ctx, batch, spec)
     with timer("advantages"):  # 5. advantages, the teacher's reverse KL, and those of the kept samples (every rank)
-        data = learner_online.advantages(data, spec, ctx.coll.all_reduce_sum)
-        distill_metrics = distill_advantages(ctx, data, spec)
-        kept_advantages = sample_advantages(ctx, data, handout.sample_rows)
+        batch = learner_online.advantages(batch, spec, ctx.coll.all_reduce_sum)
+        distill_metrics = distill_advantages(ctx, batch, spec)
+        kept_advantages = sample_advantages(ctx, batch, handout.sample_rows)
     with timer("update"):  # 6. learner update
-        metrics = update_policy(ctx, data, handout.minibatch_norms, spec) | distill_metrics
+        metrics = update_policy(ctx, batch, handout.minibatch_norms, spec) | distill_metrics
     with timer("weight_sync"):  # 7. weight sync
         ctx.policy_version = sync_weights(ctx)
     if ctx.lead is None:
         return StepResult(metrics)
-    metrics.update(step_metrics(ctx.lead, handout.rollout_metrics, data, timer))
+    metrics.update(step_metrics(ctx.lead, handout.rollout_metrics, batch, timer))
     samples = step_samples(ctx.tokenizer, experience.table, handout.sample_rows, kept_advantages, step + 1)
-    return StepResult(metrics, samples, experience.prompt_ids)
+    return StepResult(metrics, samples, experience.prompt_ids, experience.alerts)
 
 
 def distribute(ctx: OnlineRun, experience: Experience | None, fatal: str | None = None, *,
@@ -284,35 +287,36 @@ def distribute(ctx: OnlineRun, experience: Experience | None, fatal: str | None 
     return ray.get(handout.shard_refs[ctx.rank]), handout
 
 
-def reference_and_old_logprobs(ctx: OnlineRun, data: dict[str, torch.Tensor],
-                               spec: learner_online.UpdateSpec) -> dict[str, torch.Tensor]:
-    """Stage 4: adds ref_logprobs (KL on), teacher_logprobs (reverse-KL distillation), old_logprobs (off-policy
+def reference_and_old_logprobs(ctx: OnlineRun, batch: schema.StepBatch,
+                               spec: learner_online.UpdateSpec) -> schema.StepBatch:
+    """Stage 4: fills ref_logprobs (KL on), teacher_logprobs (reverse-KL distillation), old_logprobs (off-policy
     update, KL in the reward, or reverse-KL distillation) and old_values (PPO).
 
     With one epoch and one mini-batch the update is on-policy: old logprobs equal the current ones
     and are taken inside the update (no extra forward), as TRL does for a single iteration, unless the
     KL sits in the reward, whose penalty needs them before the advantages, or a reverse-KL teacher needs
-    them. A reference or teacher actor (placement actor) sends [B, T] logprobs of the sampled tokens only;
-    a JSD teacher sits on the learner and is run inside the update's micro-batches instead.
+    them. A reference or teacher actor (placement actor) receives the model inputs only (``schema.ModelInputs``)
+    and sends [B, T] logprobs of the sampled tokens; a JSD teacher sits on the learner and is run inside the
+    update's micro-batches instead.
     """
     mbs = ctx.cfg.learner.sequences_per_microbatch
     if ctx.reference_actor is not None:  # resources.reference.placement == "actor"
-        data["ref_logprobs"] = ray.get(ctx.reference_actor.logprobs.remote(data, mbs))
+        batch.ref_logprobs = ray.get(ctx.reference_actor.logprobs.remote(batch.inputs, mbs))
     if ctx.teacher_actor is not None and spec.distill_weight > 0:  # resources.teacher.placement == "actor"
-        data["teacher_logprobs"] = ray.get(ctx.teacher_actor.logprobs.remote(data, mbs))
-    return learner_online.reference_and_old(ctx.learner, data, spec)
+        batch.teacher_logprobs = ray.get(ctx.teacher_actor.logprobs.remote(batch.inputs, mbs))
+    return learner_online.reference_and_old(ctx.learner, batch, spec)
 
 
-def distill_advantages(ctx: OnlineRun, data: dict[str, torch.Tensor], spec: learner_online.UpdateSpec) -> dict[str, float]:
+def distill_advantages(ctx: OnlineRun, batch: schema.StepBatch, spec: learner_online.UpdateSpec) -> dict[str, float]:
     """Stage 5, reverse-KL distillation: adds the teacher's per-token reverse KL to the advantages
     (``learner_online.add_reverse_kl``; a collective every rank calls); returns {"algo/distill_reverse_kl": token
     mean}, or {} without a reverse-KL teacher."""
     if spec.distill_weight <= 0:
         return {}
-    return learner_online.add_reverse_kl(data, spec.distill_weight, ctx.coll.all_reduce_sum)
+    return learner_online.add_reverse_kl(batch, spec.distill_weight, ctx.coll.all_reduce_sum)
 
 
-def sample_advantages(ctx: OnlineRun, data: dict[str, torch.Tensor], rows: list[int]) -> list[float]:
+def sample_advantages(ctx: OnlineRun, batch: schema.StepBatch, rows: list[int]) -> list[float]:
     """Stage 5, kept samples: returns the sequence advantage of each kept row (``rows``: indices into the step's
     whole table).
 
@@ -321,21 +325,21 @@ def sample_advantages(ctx: OnlineRun, data: dict[str, torch.Tensor], rows: list[
     rows; one all-gather over ranks (a collective every rank calls when samples are kept) gives every row's.
 
     Args:
-        data: this rank's shard, with advantages [B/world, T] float32 and response_mask [B/world, T] bool.
+        batch: this rank's shard, with advantages [B/world, T] float32 and response_mask [B/world, T] bool.
     """
     if not rows:
         return []
-    mask, adv = data["response_mask"], data["advantages"]
+    mask, adv = batch.response_mask, batch.advantages
     first = mask.float().argmax(dim=1, keepdim=True)  # the first True of each row (0 for a row without one)
     local = torch.where(mask.any(dim=1), adv.gather(1, first).squeeze(1).to(torch.float64), torch.nan)
     every = ctx.coll.all_gather(local)  # [B] float64, ranks' shards in order
     return [float(every[row]) for row in rows]
 
 
-def update_policy(ctx: OnlineRun, data: dict[str, torch.Tensor], norms: list[Normaliser],
+def update_policy(ctx: OnlineRun, batch: schema.StepBatch, norms: list[Normaliser],
                   spec: learner_online.UpdateSpec) -> dict[str, float]:
     """Stage 6: epochs x mini-batches of optimizer steps (and PPO's critic); returns statistics summed over ranks."""
-    return learner_online.update(ctx.learner, data, norms, spec, ctx.coll.all_reduce_sum, ctx.coll.all_reduce_max)
+    return learner_online.update(ctx.learner, batch, norms, spec, ctx.coll.all_reduce_sum, ctx.coll.all_reduce_max)
 
 
 def sync_weights(ctx: OnlineRun) -> int:
@@ -349,7 +353,7 @@ def sync_weights(ctx: OnlineRun) -> int:
     return version
 
 
-def step_metrics(lead: OnlineLead, rollout_metrics: dict[str, float], data: dict[str, torch.Tensor],
+def step_metrics(lead: OnlineLead, rollout_metrics: dict[str, float], batch: schema.StepBatch,
                  timer: StageTimer) -> dict[str, float]:
     """Returns rank 0's step-level metrics: rollout and reward statistics, stage times, throughput, data position, and
     the fleet's health: rollout/actor_failures and rollout/rerun_prompts (actor failures the fleet saw, and prompts it
@@ -362,7 +366,7 @@ def step_metrics(lead: OnlineLead, rollout_metrics: dict[str, float], data: dict
     gen = rollout_metrics["rollout/generated_tokens"]
     return {
         **rollout_metrics,
-        "algo/advantage_abs_mean": float(data["advantages"].abs().sum() / data["response_mask"].sum().clamp(min=1)),
+        "algo/advantage_abs_mean": float(batch.advantages.abs().sum() / batch.response_mask.sum().clamp(min=1)),
         **timer.metrics,
         "timing/step_s": step_s,
         "perf/tokens_per_s": gen / step_s,

@@ -6,8 +6,10 @@
 - DAPO soft overlong punishment (``overlong_shaping``): a length penalty added to the reward.
 - ReMax's greedy baseline (``per_completion`` spreads the greedy reward of each prompt over its samples).
 
-Plain orchestration over ``Rollouts`` records: the loop passes a ``draw`` function that runs stages 1-3 for
-the next prompts, so these functions need neither Ray nor an engine (tests pass a fake one).
+Which extras an algorithm takes is its registry entry's ``dynamic_sampling`` and ``greedy_baseline``
+(``rlray.algos.registry``). Plain orchestration over ``Rollouts`` records: the step (``rlray.run.experience
+.algorithm_sampling``) passes a ``draw`` function that runs stages 1-3 for the next prompts, so these functions
+need neither Ray nor an engine (tests pass a fake one).
 """
 
 from __future__ import annotations
@@ -142,10 +144,11 @@ def per_completion(values_per_prompt: list[float], completions: list[Completion]
 
 @dataclass(frozen=True)
 class SamplingExtras:
-    """Plain values of ``apply`` (from ``cfg.algo``, ``cfg.learner`` and ``cfg.rollout``).
+    """Plain values of ``apply`` (from ``cfg.algo`` and its registry entry, ``cfg.learner`` and ``cfg.rollout``).
 
     Attributes:
-        algo: ``algo.name``; "dapo" turns dynamic sampling on, "remax" the greedy baseline.
+        dynamic_sampling: DAPO's dynamic sampling (``Algorithm.dynamic_sampling``).
+        greedy_baseline: ReMax's greedy baseline (``Algorithm.greedy_baseline``).
         target_groups: prompt groups per step (learner.prompts_per_step).
         max_rounds: DAPO rollout rounds per step (algo.dynamic_sampling_max_rounds).
         metric: the reward term whose spread keeps a group (algo.dynamic_sampling_metric).
@@ -154,7 +157,8 @@ class SamplingExtras:
         overlong_penalty_factor: the largest overlong penalty.
     """
 
-    algo: str
+    dynamic_sampling: bool
+    greedy_baseline: bool
     target_groups: int
     max_rounds: int
     max_new_tokens: int
@@ -167,9 +171,15 @@ def spec_from(cfg: Any) -> SamplingExtras:
     """Returns the ``SamplingExtras`` of an ``rlray.config.Config``."""
     a = cfg.algo
     return SamplingExtras(
-        a.name, cfg.learner.prompts_per_step, a.dynamic_sampling_max_rounds, cfg.rollout.max_new_tokens,
-        a.dynamic_sampling_metric, a.overlong_cache_tokens, a.overlong_penalty_factor,
-    )  # fmt: skip
+        dynamic_sampling=a.algorithm.dynamic_sampling,
+        greedy_baseline=a.algorithm.greedy_baseline,
+        target_groups=cfg.learner.prompts_per_step,
+        max_rounds=a.dynamic_sampling_max_rounds,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        metric=a.dynamic_sampling_metric,
+        overlong_cache_tokens=a.overlong_cache_tokens,
+        overlong_penalty_factor=a.overlong_penalty_factor,
+    )
 
 
 def apply(
@@ -198,13 +208,13 @@ def apply(
         return overlong_shaping(b, max_new_tokens=spec.max_new_tokens, cache_tokens=spec.overlong_cache_tokens,
                                 penalty_factor=spec.overlong_penalty_factor)  # fmt: skip
 
-    if spec.algo == "dapo":
+    if spec.dynamic_sampling:
         batch, rounds = dynamic_sampling(
             batch, draw, target_groups=spec.target_groups, max_rounds=spec.max_rounds, metric=spec.metric
         )
         metrics["algo/dynamic_sampling_rounds"] = float(rounds)
     batch = shape(batch)
-    if spec.algo == "remax":
+    if spec.greedy_baseline:
         scored = shape(greedy(batch))
         per_prompt = [0.0] * len(batch.rows)
         for c, r in zip(scored.completions, scored.rewards["reward"], strict=True):

@@ -120,6 +120,7 @@ def _train(build: BuildContext, cfg: Config, coll: Collective, services: RunServ
         if ctx.rank == 0:
             log.error("the run stops at step %d: %s", run.step + 1, err)
             ctx.tracker.set_tags({"rlray.error": error[:5000]})
+            snapshots.alert(ctx, services, "run_failed", f"the run stops: {error[:2000]}", run.step + 1)
         raise
     finally:
         finish(ctx, run, services, record=not retrying)
@@ -320,8 +321,11 @@ def check_guards(ctx: RunContext, run: RunState, metrics: dict[str, float], serv
 def record(ctx: RunContext, run: RunState, result: StepResult, services: RunServices) -> None:
     """Rank 0: logs the step's metrics and kept samples (once per step, across restarts), the step's prompt ledger
     (every time the step runs, so a step run again after a restart or rollback replaces its own file and only the
-    steps that survive count; ``Tracker.log_ledger``), and updates the monitor (its page's curves and sample viewer)."""
+    steps that survive count; ``Tracker.log_ledger``), sends the step's alerts (failures, no signal: the driver's
+    console prints them) and updates the monitor (its page's curves and sample viewer)."""
     metrics, samples = result.metrics, result.samples
+    for alert in result.alerts:
+        snapshots.alert(ctx, services, alert.kind, alert.message, run.step)
     if result.prompt_ids is not None:
         ctx.tracker.log_ledger(list(result.prompt_ids), step=run.step)
     if run.step > run.logged_through:

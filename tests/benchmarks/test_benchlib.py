@@ -192,3 +192,18 @@ def test_scaling_runs_each_point_and_fits_each_line(monkeypatch):
     table = grpo.scaling_table(out)
     assert "| prompts_per_step | 16 | rlray-sync | 20.00 | 14.00 | 0.50 | 1.75 |" in table
     assert "- max_new_tokens: trl 0.125 s and 0.0000 GiB per new token" in table
+
+
+def test_weight_sync_lora_tables_show_both_syncs_and_the_exactness(bench):
+    runs = {
+        "merged": {"bytes": 3 * 2**20, "export_s": [1.0, 0.5, 0.7], "seconds": [0.9, 0.6, 0.8],
+                   "generate_tokens_per_s": 135.2, "engine_version": 3},
+        "adapter": {"error": "exit code 1"},
+        "exact": {"tokens": 40, "same_tokens": True, "max_diff_vs_merged": 3.4e-5, "max_diff_vs_learner": 2.5e-5,
+                  "max_diff_vs_base": 0.82},
+    }
+    lines = bench["weight_sync"].lora_tables(runs).splitlines()
+    assert lines[2] == "| merged | 3.00 | 0.700 | 0.800 | 135 | 3 |"  # medians of export and push seconds
+    assert lines[3] == "| adapter | FAILED: exit code 1 | n/a | n/a | n/a | n/a |"
+    assert lines[-1] == ("exactness (float32, 40 sampled tokens): same tokens yes; max |adapter - merged| 3.40e-05 nats, "
+                         "max |adapter - learner| 2.50e-05 nats (the adapter's own effect: max |adapter - base| 8.20e-01 nats)")

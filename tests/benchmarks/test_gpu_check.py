@@ -82,3 +82,32 @@ def test_frozen_bf16_row_passes_on_cpu_and_counts_the_saved_bytes(gpu_check, tin
     saved = 2 * cfg.num_hidden_layers * (2 * h * h + 2 * h * kv + 3 * h * cfg.intermediate_size)
     assert f"bit-identical under bf16 autocast (2x9 tokens); {saved / 2**20:.2f} MiB saved" in rows[0][2]
     assert all(p.dtype == torch.float32 and p.requires_grad for p in model.parameters())  # the model is untouched
+
+
+def test_planner_row_runs_a_real_learner_step_and_reports_the_planner_figure(gpu_check, tiny_model_path):
+    from rlray.config import config_from_dict
+    from rlray.launch.plan import plan_run
+    from rlray.launch.plan_roles import CPU_PROCESS_GIB
+
+    rows = gpu_check.check_planner(tiny_model_path, "cpu", sequences=2, prompt_tokens=16, response_tokens=8, bf16=False)
+    (name, status, detail), = rows
+    assert name == "planner vs measured learner step, checkpointing off" and status in ("ok", "FAILED")
+    cfg = config_from_dict({}, [f"model.path={tiny_model_path}", "model.dtype=float32", "learner.sequences_per_microbatch=2",
+                                "learner.sequences_per_minibatch=4", "learner.prompts_per_step=2",
+                                "rollout.samples_per_prompt=2", "data.max_prompt_tokens=16", "rollout.max_new_tokens=8"])
+    predicted = plan_run(cfg).roles[0].total_gib - CPU_PROCESS_GIB  # the same config, planned here
+    assert detail.startswith(f"predicted {predicted:.2f} GiB, measured ")
+    measured = float(detail.split("measured ")[1].split(" GiB")[0])
+    assert measured > 0.05  # at least the weights, gradients and AdamW state of 6.6M float32 parameters (0.1 GiB)
+    assert detail.endswith("2 x (16 + 8) tokens per micro-batch, 2 micro-batches")
+
+
+def test_adapter_sync_row_passes_on_cpu_and_counts_the_shipped_bytes(gpu_check, tiny_model_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).train()
+    rows = gpu_check.check_adapter_sync(model, "cpu", model.config.vocab_size, rank=8, rows=2, tokens=9)
+    assert [(name, status) for name, status, _ in rows] == [("adapter-only sync (LoRA r8 all-linear)", "ok")]
+    cfg = model.config  # bf16 adapter: rank x (in + out) per linear layer, 2 bytes each
+    h, kv, inter = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
+    adapter = 2 * 8 * cfg.num_hidden_layers * (2 * (h + h) + 2 * (h + kv) + 3 * (h + inter))
+    assert rows[0][2].startswith(f"ships {adapter / 2**20:.2f} MiB in ") and "(float32, 2x9 tokens;" in rows[0][2]
+    assert all(p.dtype == torch.float32 for p in model.parameters()) and not any("lora" in n for n, _ in model.named_parameters())

@@ -5,9 +5,12 @@ from pathlib import Path
 
 import pytest
 
-from rlray.config import GROUP_ALGOS, OFFLINE_ALGOS, ONLINE_ALGOS, ConfigError, config_from_dict, load_config
+from rlray.algos import ALGORITHMS, algorithm_names
+from rlray.config import AlgoConfig, ConfigError, config_from_dict, load_config
 
 REPO = Path(__file__).resolve().parents[2]
+ONLINE_ALGOS, OFFLINE_ALGOS = algorithm_names("online"), algorithm_names("offline")
+GROUP_ALGOS = tuple(name for name, a in ALGORITHMS.items() if a.needs_groups)
 
 
 def test_one_config_per_algorithm():
@@ -20,6 +23,14 @@ def test_one_config_per_algorithm():
             cfg = load_config(REPO / "configs" / "algos" / f"{name}.yaml")
         assert cfg.algo.name == name
         assert cfg.algo.family == ("online" if name in ONLINE_ALGOS else "offline")
+
+
+def test_the_name_description_lists_the_registered_algorithms():
+    """``rlray config --describe`` lists every algorithm of the registry by family, in registration order."""
+    assert AlgoConfig.model_fields["name"].description == (
+        "Online (rollouts on prompt data): grpo, dr_grpo, dapo, gspo, cispo, rloo, reinforce_pp, reinforce_pp_baseline, "
+        "remax, ppo. Offline (preference pairs in offline.pairs_files): dpo, ipo, kto, orpo, simpo, reward_model, sft."
+    )
 
 
 @pytest.mark.parametrize("name", GROUP_ALGOS)

@@ -122,14 +122,16 @@ def test_collate_pairs_layout_and_masks_from_lengths(tmp_path, tiny_tokenizer):
     table = pairs_table(load_preference_pairs([path])[0], tok, max_prompt_tokens=1000, max_response_tokens=1000)
     b = collate_pairs(table, tok.pad_token_id, with_kl=True)
     responses = table.column("chosen_token_ids").to_pylist() + table.column("rejected_token_ids").to_pylist()
-    assert b["input_ids"].shape[0] == 4 and b["kl"]["input_ids"].shape[0] == 2
-    assert b["response_lengths"].tolist() == [len(r) for r in responses]
+    assert b.inputs.input_ids.shape[0] == 4 and b.kl_inputs.input_ids.shape[0] == 2
+    assert b.inputs.response_lengths.tolist() == [len(r) for r in responses]
+    kl_responses = table.column("kl_token_ids").to_pylist()
+    assert b.kl_response_mask.sum(1).tolist() == [len(r) for r in kl_responses]
     for i, r in enumerate(responses):  # True exactly over the response, though EOS == pad ends each response
-        assert b["response_mask"][i].tolist() == [True] * len(r) + [False] * (b["response_ids"].shape[1] - len(r))
-        assert b["response_ids"][i, : len(r)].tolist() == r
+        assert b.response_mask[i].tolist() == [True] * len(r) + [False] * (b.inputs.response_ids.shape[1] - len(r))
+        assert b.inputs.response_ids[i, : len(r)].tolist() == r
     prompts = table.column("prompt_token_ids").to_pylist() * 2
     p_max = max(len(p) for p in prompts)
     for i, p in enumerate(prompts):  # left-padded prompts: the response starts at column p_max on every row
-        assert b["input_ids"][i, p_max - len(p) : p_max].tolist() == p
-        assert b["attention_mask"][i].sum() == len(p) + len(responses[i])
-    assert torch.equal(b["position_ids"][:, p_max], torch.tensor([len(p) for p in prompts]))
+        assert b.inputs.input_ids[i, p_max - len(p) : p_max].tolist() == p
+        assert b.inputs.attention_mask[i].sum() == len(p) + len(responses[i])
+    assert torch.equal(b.inputs.position_ids[:, p_max], torch.tensor([len(p) for p in prompts]))

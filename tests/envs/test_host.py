@@ -10,7 +10,15 @@ from pathlib import Path
 import pytest
 
 from rlray.envs import EnvStep
-from rlray.envs.host import EnvironmentHost, EpisodeEnvironment, ResetReply, ResetRequest, StepReply, StepRequest
+from rlray.envs.host import (
+    EnvironmentHost,
+    EpisodeEnvironment,
+    LimitReply,
+    ResetReply,
+    ResetRequest,
+    StepReply,
+    StepRequest,
+)
 from rlray.sandbox import SandboxCrashed
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -43,8 +51,9 @@ def script(host: EnvironmentHost) -> dict:
     second = host.step([StepRequest("c", "stop", "stop", 1), StepRequest("k", "It is 42.", "stop", 1),
                         StepRequest("t", "42", "stop", 1)])
     at_limit = host.rewards_at_limit(["c", "k", "t"])
-    host.close(["c", "k", "t"])
-    return {"resets": resets, "first": first, "second": second, "at_limit": at_limit, "open": host.open_episodes()}
+    closed = host.close(["c", "k", "t"])
+    return {"resets": resets, "first": first, "second": second, "at_limit": at_limit, "closed": closed,
+            "open": host.open_episodes()}
 
 
 @pytest.fixture(scope="module")
@@ -70,12 +79,18 @@ def test_typed_requests_round_trip_through_a_host(in_process):
     assert (first[1].tool_calls, first[1].tool_errors, first[1].step.tool_calls, first[1].step.tool_errors) == (2, 1, 2, 1)
     assert first[2] == StepReply(EnvStep(observations=[{"role": "tool", "name": "multiply", "content": "42"}],
                                          tool_calls=1, tool_errors=0), tool_calls=1, tool_errors=0)
-    assert first[3] == StepReply(error="env_error", message="RuntimeError: the environment broke")
+    # where it raised: the phase, the error and the line of the environment's code (the same when sandboxed)
+    source = (FIXTURES / "test_envs.py").read_text().splitlines()
+    line = source.index('        raise RuntimeError("the environment broke")') + 1
+    assert first[3] == StepReply(error="env_error", message="step raised RuntimeError: the environment broke "
+                                 f"(at {FIXTURES}/test_envs.py:{line})")
 
     assert second[0] == StepReply(EnvStep(reward=2.0, done=True, metrics={"said_stop": 1.0}))  # turn 2 of countdown
     assert (second[1].step.reward, second[1].step.done, second[1].tool_calls) == (1.0, True, 0)
     assert (second[2].step.reward, second[2].step.done, second[2].tool_calls) == (1.0, True, 0)  # get_reward()
-    assert in_process["at_limit"] == [-1.0, None, 1.0]  # countdown's reward_at_limit, none, TRL's get_reward
+    # countdown's reward_at_limit, none, TRL's get_reward
+    assert in_process["at_limit"] == [LimitReply(-1.0), LimitReply(None), LimitReply(1.0)]
+    assert in_process["closed"] == ["", "", ""]
     assert in_process["open"] == 0  # the raising episode was dropped, the others closed
 
 
@@ -97,7 +112,7 @@ def test_an_episode_environment_runs_the_same_calls_in_process_and_sandboxed():
         replies = [episode.step(turn) for episode in (local, boxed)]
         assert replies[0] == replies[1]
         assert replies[0].step.observations == [{"role": "tool", "name": "calculator", "content": "4"}]
-        assert local.reward_at_limit() is None and boxed.reward_at_limit() is None
+        assert local.reward_at_limit() == LimitReply() and boxed.reward_at_limit() == LimitReply()
     finally:
         local.close()
         boxed.close()

@@ -80,8 +80,8 @@ def test_tools_are_public_methods_except_reset_and_get_reward(trl_calculator_cls
     assert trl_tool_names(Game) == ("look", "move")  # sorted, as inspect.getmembers lists them
 
 
-def test_scripted_three_turn_episode(trl_calculator_cls):
-    env = TRLEnvironment(trl_calculator_cls())
+def test_scripted_three_turn_episode_in_rlray_wording(trl_calculator_cls):
+    env = TRLEnvironment(trl_calculator_cls(), trl_parity=False)  # env.trl_parity=false: rlray's own wording
     env.reset(prompt="What is 6 x 7?", a=6, b=7)
     first = env.step(turn('<tool_call>{"name": "multiply", "arguments": {"a": 6, "b": 6}}</tool_call>'))
     assert first.observations == [{"role": "tool", "name": "multiply", "content": "36"}]
@@ -97,6 +97,53 @@ def test_scripted_three_turn_episode(trl_calculator_cls):
     third = env.step(turn("6 x 7 = 42", 2))  # no tool call: the episode ends, get_reward scores it
     assert (third.observations, third.reward, third.done) == ([], 1.0, True)
     assert env.instance.results == [36, 42]
+
+
+def test_scripted_episode_in_trl_wording_by_default(trl_calculator_cls):
+    class Tools(trl_calculator_cls):
+        def describe(self, a: int) -> dict:
+            """Describes a number.
+
+            Args:
+                a: The number.
+            """
+            return {"value": a, "even": a % 2 == 0}
+
+        async def slow_double(self, a: int) -> int:
+            """Doubles a number, asynchronously.
+
+            Args:
+                a: The number.
+            """
+            return 2 * a
+
+    env = TRLEnvironment(Tools())
+    env.reset(prompt="What is 6 x 7?", a=6, b=7)
+    text = ('<tool_call>{"name": "slow_double", "arguments": {"a": 4}}</tool_call>'
+            '<tool_call>{"name": "describe", "arguments": {"a": 4}}</tool_call>'
+            '<tool_call>{"name": "add", "arguments": {}}</tool_call>'
+            '<tool_call>{"name": "multiply", "arguments": {"a": 6}}</tool_call>')
+    first = env.step(turn(text))
+    # TRL 1.16's _tool_call_loop: str(result), {"error": str(e)} for an unknown tool or a raising call, and the
+    # coroutine tools' results after the synchronous ones
+    assert first.observations == [
+        {"role": "tool", "name": "describe", "content": "{'value': 4, 'even': True}"},
+        {"role": "tool", "name": "add", "content": "{'error': 'Tool add not found.'}"},
+        {"role": "tool", "name": "multiply",
+         "content": "{'error': \"TRLCalculatorEnv.multiply() missing 1 required positional argument: 'b'\"}"},
+        {"role": "tool", "name": "slow_double", "content": "8"},
+    ]
+    assert (first.tool_calls, first.tool_errors, first.done) == (4, 2, False)
+    # the last turn (env.max_turns): TRL does not run its calls; the episode then ends at the limit
+    last = AssistantTurn(text, *parse_tool_calls('<tool_call>{"name": "multiply", "arguments": {"a": 6, "b": 7}}'
+                                                 '</tool_call>'), turn_index=1, last=True)
+    assert env.step(last).observations == [] and env.instance.results == []
+    assert env.reward_at_limit() == 0.0
+    # a turn with a call that cannot be parsed is plain text to TRL: the episode ends, scored by get_reward
+    broken = env.step(turn('<tool_call>{"name": "multiply", "arguments": {"a": 6, "b": 7}}</tool_call><tool_call>x',
+                           2))
+    assert (broken.done, broken.reward, broken.observations, broken.tool_calls, broken.tool_errors) == (True, 0.0, [], 2, 1)
+    assert env.instance.results == []
 
 
 def test_episode_without_the_right_call_scores_zero_and_no_get_reward_gives_none(trl_calculator_cls):
@@ -175,7 +222,7 @@ def test_load_environment_from_module_and_file(monkeypatch):
         ("rlray.envs.nope:X", "cannot import module 'rlray.envs.nope'"),
         ("missing/file.py:X", "file 'missing/file.py' not found"),
         ("some/dir:X", "'some/dir' is not a .py file"),
-        ("rlray.envs.builtin.guess:Missing", "'Missing' is not defined there"),
+        ("rlray.envs.builtin.guess:Missing", "'Missing' is not defined in 'rlray.envs.builtin.guess' (its classes: GuessNumberEnv)"),
         ("FILE:NOT_A_CLASS", "'NOT_A_CLASS' is not a class"),
         ("FILE:NotAnEnv", "class NotAnEnv has no reset method"),
     ],

@@ -39,8 +39,8 @@ def test_the_rollout_stops_on_any_of_several_eos_ids(tmp_path, tiny_model_path):
     rewards = {"reward": [1.0, 0.0], "accuracy": [1.0, 0.0], "format": [0.0, 0.0]}
     table = experience.build_experience([PromptRow("p", "q", {"answer": "1"})], [PROMPT], got, rewards)
     batch = schema.collate(table, model_eos)
-    assert batch["response_mask"].tolist() == [[True] * (cut + 1), [True, True] + [False] * (cut - 1)]
-    assert batch["response_ids"][0].tolist() == ids[: cut + 1]
+    assert batch.response_mask.tolist() == [[True] * (cut + 1), [True, True] + [False] * (cut - 1)]
+    assert batch.inputs.response_ids[0].tolist() == ids[: cut + 1]
 
 
 @pytest.mark.slow

@@ -54,3 +54,11 @@ def test_bad_credentials_fail_at_start_and_are_not_printed(train, moto_s3_checki
     assert "rlray: checkpoint.uri='s3://rlray-test/snapshots': snapshots cannot be written there (PermissionError" in err
     assert "check the bucket name and the checkpoint.s3.* credentials" in err
     assert "wrong-secret-value" not in err
+
+
+def test_a_bad_step_hook_fails_at_start_naming_the_key(train):
+    status, err = train("run.hooks=['holds_nowhere:factory']")
+    assert status == 2
+    assert err.strip().splitlines()[-1] == (
+        "rlray: run.hooks[0]='holds_nowhere:factory': cannot import module 'holds_nowhere': No module named "
+        "'holds_nowhere'; a hook spec is 'package.module:factory' or 'path/to/file.py:factory'")

@@ -4,6 +4,7 @@ responses, and a fatal reward error."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from types import SimpleNamespace
@@ -62,8 +63,9 @@ def _stages_4_to_6(cfg, learner, table):
     return data, metrics
 
 
-def _finite(data: dict, metrics: dict) -> bool:
-    tensors = [v for k, v in data.items() if v.is_floating_point() and k != "reward"]
+def _finite(data: schema.StepBatch, metrics: dict) -> bool:
+    tensors = [v for f in dataclasses.fields(data) if isinstance(v := getattr(data, f.name), torch.Tensor)
+               and v.is_floating_point() and f.name != "reward"]
     return all(bool(t.isfinite().all()) for t in tensors) and all(math.isfinite(v) for v in metrics.values())
 
 
@@ -86,7 +88,7 @@ def test_failed_rewards_are_left_out_of_the_statistics_and_the_loss_and_counted(
     assert [n.num_tokens for n in experience.minibatch_normalisers(table, cfg, 1)] == [8.0]
     data, metrics = _stages_4_to_6(cfg, learner, table)
     # group 0's valid rewards [1, 0, 0.5]: mean 0.5, unbiased std 0.5, so advantages [1, -1, 0]; failed rows 0
-    adv = data["advantages"][:, 0]
+    adv = data.advantages[:, 0]
     torch.testing.assert_close(adv, torch.tensor([1.0, 0.0, -1.0, 0.0, 0.0, 0.0, 0.0, 0.0]), atol=1e-5, rtol=0)
     assert _finite(data, metrics)
 
@@ -100,7 +102,7 @@ def test_every_group_with_constant_reward_is_logged_and_gives_zero_advantages(le
     assert metrics["algo/groups_without_signal"] == 1.0 and metrics["reward/failed"] == 0.0
     assert "step 7: no prompt group has rewards that differ: the advantages are zero" in caplog.text
     data, learned = _stages_4_to_6(cfg, learner, table)
-    assert torch.count_nonzero(data["advantages"]) == 0
+    assert torch.count_nonzero(data.advantages) == 0
     assert learned["learner/pg_loss"] == 0.0
     assert _finite(data, learned)
 
@@ -145,7 +147,7 @@ def test_mask_truncated_leaves_truncated_rows_out_of_the_loss_and_counts_them(le
     data, metrics = _stages_4_to_6(cfg, learner, table)
     # group 0's rows in the update, rewards [1.0, 0.0]: mean 0.5, unbiased std sqrt(0.5), advantages +-0.7071
     a = 0.5 / (math.sqrt(0.5) + 1e-6)
-    adv = data["advantages"]
+    adv = data.advantages
     torch.testing.assert_close(adv[1, :3], torch.full((3,), a), atol=1e-5, rtol=0)
     torch.testing.assert_close(adv[3, :2], torch.full((2,), -a), atol=1e-5, rtol=0)
     assert torch.count_nonzero(adv[[0, 2, 4, 5, 6, 7]]) == 0
@@ -178,11 +180,11 @@ def test_empty_responses_do_not_break_the_schema_or_the_learner(learner):
     rewards = _rewards([0.5, 1.0, 0.0, 0.0, 0.2, 0.2, 0.2, 0.2])
     table = experience.build_experience(ROWS, PROMPT_IDS, completions, rewards)
     batch = schema.collate(table, 0)
-    assert batch["response_mask"].shape == (8, 3) and batch["response_mask"].sum().item() == 5
+    assert batch.response_mask.shape == (8, 3) and batch.response_mask.sum().item() == 5
     stats = experience.rollout_stats(table, rewards, 2, 0)
     assert stats["rollout/response_tokens_mean"] == pytest.approx(5 / 8)
     data, metrics = _stages_4_to_6(cfg, learner, table)
-    adv = data["advantages"]
+    adv = data.advantages
     assert torch.count_nonzero(adv[[0, 2, 4, 5, 6, 7]]) == 0  # rows without tokens carry nothing
     # the two rows with tokens form group 0's valid set: rewards [1.0, 0.0] -> advantages +-0.7071 (unbiased std)
     torch.testing.assert_close(adv[1, :2], torch.full((2,), 0.5 / (math.sqrt(0.5) + 1e-6)), atol=1e-5, rtol=0)
@@ -223,6 +225,9 @@ class _FixedScorer:
 
     def score(self, prompts, completions, columns, completion_ids=None):
         return _rewards(list(self.values))
+
+    def score_with_failures(self, prompts, completions, columns, completion_ids=None):
+        return self.score(prompts, completions, columns, completion_ids), []  # no failure texts
 
     def close(self):
         pass

@@ -8,15 +8,17 @@ head node); this process reads the cluster's actor and node tables from the GCS 
 run's progress from MLflow. A node is lost by SIGKILL to its `ray start --block` process group (raylet, agents and
 its workers). Every node process is stopped by its process group, never by `ray stop`.
 
-- Rollout node lost (in ``make test``, ~140 s): both rollout actors hold in their first generate call (step 1's
-  chunks; the test hook ``RLRAY_TEST_HOLD_GENERATE``), so the node is killed while its actor is provably mid-chunk;
-  the dead actor's prompt is re-run once on the other actor, step 2 waits ``resources.node_wait_s`` for a
-  replacement, then the run goes on with one actor and ends FINISHED with an exact prompt ledger (every prompt of the
-  epoch once, in order). A call to an actor that cannot restart (no node for it) is bounded by the same wait
-  (tests/rollout/test_fleet.py).
-- Learner node lost (slow, ~160 s): the learner holds after step 2 (``RLRAY_TEST_HOLD_AFTER_STEP``, before that
-  step's snapshot) and its node is killed; a replacement node with ``learner_node`` joins, and Ray Train restarts the
-  learner from the step-1 snapshot within ``monitor.max_failures``, as one MLflow run with an exact ledger.
+- Rollout node lost (in ``make test``): the node is killed while its actor's first generate call (step 1's chunk)
+  is RUNNING in Ray's task table (``ray.util.state.list_tasks``; the head runs the dashboard, which the state API
+  needs), with ``rollout.max_new_tokens`` long enough (~10 s of generation) that the call is still in flight; the
+  dead actor's prompt is re-run once on the other actor (``rollout/rerun_prompts`` [1, 0] proves the kill came
+  mid-call in step 1), step 2 waits ``resources.node_wait_s`` for a replacement, then the run goes on with one actor
+  and ends FINISHED with an exact prompt ledger (every prompt of the epoch once, in order). A call to an actor that
+  cannot restart (no node for it) is bounded by the same wait (tests/rollout/test_fleet.py).
+- Learner node lost (slow, ~160 s): the learner holds after step 2 (the step hook of tests/fixtures/holds.py in
+  ``run.hooks``, before that step's snapshot) and its node is killed; a replacement node with ``learner_node``
+  joins, and Ray Train restarts the learner from the step-1 snapshot within ``monitor.max_failures``, as one MLflow
+  run with an exact ledger.
 """
 
 from __future__ import annotations
@@ -39,9 +41,9 @@ from rlray.data import load_prompt_rows, prepare_prompts
 from rlray.models import load_tokenizer
 from rlray.observe.tracking import get_run, get_run_metrics
 from rlray.run import ledger
-from rlray.run.hooks import HOLD_GENERATE_ENV, HOLD_RELEASE_ENV, HOLD_STEP_ENV
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
+from holds import HOLD_RELEASE_ENV, HOLD_STEP_ENV, SPEC  # noqa: E402
 from ports import free_ports  # noqa: E402
 
 pytestmark = pytest.mark.ray
@@ -49,24 +51,32 @@ pytestmark = pytest.mark.ray
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs/grpo_gsm8k_tiny.yaml"
 P = 2  # prompts per step
+# tokens per completion in the rollout-node test: a chunk of tiny-random took 6-8 s on a busy 2-core AVX2 CPU, and
+# the kill came 0.25 s after the call started (task events reported every 0.1 s, polled every 0.25 s)
+LONG_TOKENS = 1024
 
 
 class Cluster:
     """A private Ray cluster of `ray start --block` processes on 127.0.0.1, one process group per node."""
 
-    def __init__(self, head_resources: dict[str, float], extra_env: dict[str, str] | None = None):
+    def __init__(self, head_resources: dict[str, float], *, dashboard: bool = False):
         self.temp_dir = tempfile.mkdtemp(prefix="rn")  # short: Ray's socket paths must stay < 108 chars
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
         # Loopback only, so no token auth; a lost node is declared dead within ~3 s; workers import this checkout.
         env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}", HF_HUB_OFFLINE="1",
                    RAY_AUTH_MODE="disabled", PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false",
                    RAY_health_check_initial_delay_ms="1000", RAY_health_check_period_ms="1000",
-                   RAY_health_check_timeout_ms="1000", RAY_health_check_failure_threshold="3", **(extra_env or {}))
+                   RAY_health_check_timeout_ms="1000", RAY_health_check_failure_threshold="3")
+        if dashboard:  # task events reach the task table within ~0.1 s (Ray's default flushes them each second)
+            env["RAY_task_events_report_interval_ms"] = "100"
         self.env = env
-        self.gcs_port = free_ports(1)[0]
+        self.gcs_port, dashboard_port = free_ports(2)
         self.address = f"127.0.0.1:{self.gcs_port}"
+        self.dashboard_url = f"http://127.0.0.1:{dashboard_port}" if dashboard else ""
+        ui = ["--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}"] if dashboard \
+            else ["--include-dashboard=false"]
         self.nodes: dict[int, subprocess.Popen] = {}  # node manager port -> its `ray start --block` process
-        self.head_port = self._start(["--head", f"--port={self.gcs_port}", "--include-dashboard=false", "--num-cpus=2",
+        self.head_port = self._start(["--head", f"--port={self.gcs_port}", *ui, "--num-cpus=2",
                                       "--object-store-memory=200000000"], head_resources)
 
     def _start(self, args: list[str], resources: dict[str, float], num_cpus: int | None = None, wait: bool = True,
@@ -128,6 +138,15 @@ class Cluster:
         found = [a for a in self._state().actor_table(None).values()
                  if a["ActorClassName"] == class_name and a["State"] == "ALIVE"]
         return [{**a, "Port": ports.get(a["Address"]["NodeID"])} for a in found]
+
+    def task_states(self, actor_id: str, name: str) -> list[str]:
+        """Returns the states of the calls of method ``name`` ("RolloutActor.generate") on actor ``actor_id``, in
+        Ray's task table (``ray.util.state.list_tasks``, through the head's dashboard; a call shows within ~0.1 s)."""
+        from ray.util.state import list_tasks
+
+        calls = list_tasks(address=self.dashboard_url, filters=[("actor_id", "=", actor_id), ("name", "=", name)],
+                           detail=True, raise_on_missing_output=False)
+        return [str(t.state) for t in calls]
 
     def kill_node(self, port: int) -> None:
         """Loses the node: SIGKILL to its process group (raylet, agents, workers)."""
@@ -248,16 +267,16 @@ def _finished_once(tmp_path: Path, steps: int) -> tuple[str, str, dict]:
 def test_a_lost_rollout_node_reruns_its_prompts_once_and_the_run_goes_on(tmp_path, gsm8k_dir, tiny_model_path):
     steps = 2  # step 1 loses the node mid-chunk; step 2 waits node_wait_s, then runs on the remaining actor
     data = _data(tmp_path, gsm8k_dir, steps * P)
-    hold = tmp_path / "hold"
-    hold.mkdir()
-    (hold / "hold-1").touch()  # every rollout actor's first generate (step 1's chunk) waits until it is gone
-    cluster = Cluster({"learner_node": 1}, {HOLD_GENERATE_ENV: str(hold)})
+    cluster = Cluster({"learner_node": 1}, dashboard=True)  # the state API (list_tasks) reads through the dashboard
     driver = None
     try:
         rollout_nodes = cluster.add_nodes([{"rollout_node": 1}] * 2)
         overrides = _overrides(tmp_path, data, steps) + [
             "resources.rollout.num_workers=2", "resources.rollout.cpus=1", "resources.rollout.max_restarts=1",
             "resources.rollout.custom_resources={rollout_node: 1}", "resources.node_wait_s=3",
+            # seconds of generation per chunk, whatever the batch; 2 samples per prompt keep the update of those long
+            # sequences short
+            f"rollout.max_new_tokens={LONG_TOKENS}", "rollout.samples_per_prompt=2", "learner.sequences_per_minibatch=4",
         ]  # fmt: skip
         driver = _start_driver(cluster, tmp_path, overrides)
         rollouts = _wait(lambda: len(got := cluster.actors("RolloutActor")) == 2 and got, 600, "the rollout actors",
@@ -267,10 +286,11 @@ def test_a_lost_rollout_node_reruns_its_prompts_once_and_the_run_goes_on(tmp_pat
         learners = _wait(lambda: cluster.actors("RayTrainWorker"), 600, "the learner", driver, tmp_path, poll_s=0.5)
         assert [a["Port"] for a in learners] == [cluster.head_port]  # placed by learner_node: on the head
         lost = rollouts[1]
-        _wait(lambda: (hold / f"held-1-{lost['Pid']}").exists(), 600, "the step-1 chunk held", driver, tmp_path)
-        os.kill(lost["Pid"], signal.SIGKILL)  # mid-chunk, held in generate; Ray's workers are not in the node's group
+        # its first generate (step 1's chunk) is running, and has seconds of tokens left
+        _wait(lambda: cluster.task_states(lost["ActorID"], "RolloutActor.generate") == ["RUNNING"], 600,
+              "the step-1 chunk running", driver, tmp_path, poll_s=0.25)
+        os.kill(lost["Pid"], signal.SIGKILL)  # mid-chunk; Ray's workers are not in the node's group
         cluster.kill_node(lost["Port"])
-        (hold / "hold-1").unlink()  # the other actor's chunk goes on
         _finish(driver, tmp_path, 600)
     finally:
         _stop(driver, cluster)
@@ -297,7 +317,8 @@ def test_a_lost_learner_node_restores_from_the_latest_snapshot_on_a_replacement_
             "resources.rollout.num_workers=1", "resources.rollout.custom_resources={rollout_node: 1}",
             "checkpoint.every_steps=1", "monitor.max_failures=1",
         ]  # fmt: skip
-        driver = _start_driver(cluster, tmp_path, overrides, {HOLD_STEP_ENV: "2", HOLD_RELEASE_ENV: str(release)})
+        driver = _start_driver(cluster, tmp_path, overrides + [f"run.hooks=['{SPEC}']"],
+                               {HOLD_STEP_ENV: "2", HOLD_RELEASE_ENV: str(release)})
         learners = _wait(lambda: cluster.actors("RayTrainWorker"), 600, "the learner", driver, tmp_path, poll_s=0.5)
         assert [a["Port"] for a in learners] == [learner_node]  # placed by learner_node: on the worker node
         client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")

@@ -13,6 +13,7 @@ import pytest
 from rlray.checkpoint.storage import SnapshotError
 from rlray.config import Config, config_from_dict
 from rlray.data import DataError
+from rlray.launch.placement import PlacementError
 from rlray.launch.preflight import check_function_spec, preflight
 from rlray.models import ModelError
 from rlray.reward.scorer import RewardFunctionError
@@ -69,6 +70,18 @@ def test_a_local_checkpoint_uri_that_cannot_be_written_fails(cfg_of, tmp_path):
     assert message.endswith("; check the path")  # not the S3 hint about buckets and credentials
 
 
+def test_a_learner_over_its_memory_cap_fails_before_the_storage_probe(cfg_of, tmp_path, caplog):
+    # tiny-random's learner rank at the default sizes: 1.35 GiB predicted (0.7 GiB the CPU process, 0.47 GiB the
+    # logits of 8 x 161 positions x 49,152); a 0.5 GiB cap is far under it
+    with pytest.raises(PlacementError, match=r"predicted memory: learner rank \(1 rank x CPU\) needs 1\.3\d GiB, "
+                                             r"over its 0\.50 GiB \(guard\.memory_cap_gib\)"):
+        preflight(cfg_of("guard.memory_cap_gib=0.5"))
+    assert not (tmp_path / "out").exists()
+    with caplog.at_level("WARNING", logger="rlray.launch.preflight"):  # over the cap, within the tolerance: a warning
+        preflight(cfg_of("guard.memory_cap_gib=1.2", "model.dtype=float32"))
+    assert "predicted memory: learner rank (1 rank x CPU) needs 1.3" in caplog.text
+
+
 def test_a_missing_reward_function_file_fails(cfg_of, tmp_path):
     cfg = cfg_of(f"reward.functions=[{{function: '{tmp_path}/nope.py:score', weight: 1.0}}]")
     with pytest.raises(RewardFunctionError, match=f"reward function '{tmp_path}/nope.py:score': file "
@@ -102,8 +115,8 @@ def test_an_online_run_without_any_reward_fails_naming_every_way(cfg_of):
 
 
 def test_environments_are_a_reward_of_their_own(cfg_of, tiny_model_path):
-    env = "env.environments={guess: rlray.envs.builtin.guess:GuessNumberEnv}"
-    assert preflight(cfg_of("reward.functions=[]", env)) == tiny_model_path
+    env = "env.environments={calc: rlray.envs.builtin.calculator:CalculatorEnv}"  # the rows have question and answer
+    assert preflight(cfg_of("reward.functions=[]", env, "env.default=calc")) == tiny_model_path
     with pytest.raises(ValueError, match=r"env.environments.mine='no/such/file.py:Env': file .*no/such/file.py does not"):
         preflight(cfg_of("env.environments={mine: no/such/file.py:Env}"))
     with pytest.raises(ValueError, match=r"env.environments.x='rlray.envs.nothing:Env': module 'rlray.envs.nothing' cannot"):
@@ -166,3 +179,61 @@ def test_a_teacher_with_another_vocabulary_fails_naming_both(cfg_of, tmp_path, t
 def test_a_missing_teacher_fails_naming_the_key(cfg_of, tmp_path):
     with pytest.raises(ModelError, match=r"^teacher.path='.*nope' is not an existing folder, a .gguf file or an alias"):
         preflight(cfg_of(f"teacher.path={tmp_path}/nope"))
+
+
+BROKEN = REPO / "tests" / "fixtures" / "envs" / "broken_envs.py"
+
+
+def test_environments_every_row_reaches_load_and_open_their_first_episode(cfg_of, tiny_model_path, tmp_path):
+    from rlray.launch.envcheck import PROBE_ROWS, check_environments, route_rows
+    from rlray.launch.preflight import PreflightError
+
+    calc = "env.environments={calc: rlray.envs.builtin.calculator:CalculatorEnv}"
+    # configured, but no row names it and there is no env.default: every row would be a single-turn prompt
+    with pytest.raises(PreflightError, match=r"env.environments: no row reaches 'calc': no row of data.train_files or "
+                                             r"data.eval_files has 'environment' = 'calc' \(so every row would be a "
+                                             r"single-turn prompt\). To run every row in it \(TRL's single "
+                                             r"environment_factory\), set env.default=calc"):
+        preflight(cfg_of(calc))
+    cfg = cfg_of(calc, "env.default=calc")
+    from rlray.data import load_prompt_rows
+
+    rows = load_prompt_rows(cfg.data.train_files, prompt_column="question")
+    [opening] = check_environments(cfg, rows, [])
+    assert (opening.name, opening.trl, opening.row_id, opening.rows) == ("calc", False, "train:0", 3)
+    assert [t["function"]["name"] for t in opening.reply.tools] == ["calculator"] and PROBE_ROWS == 3
+    # a row naming an environment that is not configured
+    (tmp_path / "named.jsonl").write_text('{"question": "q", "answer": "#### 1", "environment": "chess"}\n')
+    named = cfg_of(calc, "env.default=calc", f"data.train_files=[{tmp_path}/named.jsonl]")
+    with pytest.raises(ValueError, match=r"data.train_files: row 'named:0' names environment 'chess' in its "
+                                         r"'environment' column, which is not in env.environments \['calc'\]"):
+        route_rows(named, load_prompt_rows(named.data.train_files, prompt_column="question"), [])
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ("NoDocTool", r"env.environments.e='.*broken_envs.py:NoDocTool': tool 'NoDocTool.shout' has no usable JSON "
+                  r"schema: .*Give every argument a type hint and the function a Google-style docstring"),
+    ("NeedsColumn", r"env.environments.e='.*:NeedsColumn': no episode could be opened on the first 3 rows routed to "
+                    r"it \(train:0, train:1, train:2\): reset\(\*\*row\) raised KeyError: 'a' \(at .*broken_envs.py:\d+\); "
+                    r"reset gets the keyword arguments \['answer', 'prompt', 'question'\]: add the columns it reads"),
+    ("RequiredColumn", r"env.environments.e='.*:RequiredColumn': reset needs the column 'word' \(a keyword parameter "
+                       r"without a default\), which 5 of the 5 rows routed to it lack \(first: 'train:0'\)"),
+    ("BadInit", r"env.environments.e='.*:BadInit': no episode could be opened .*BadInit\(\) raised RuntimeError: no "
+                r"database connection"),
+    ("Missing", r"env.environments.e='.*:Missing': 'Missing' is not defined in '.*broken_envs.py' \(its classes: "),
+])
+def test_an_environment_that_cannot_work_fails_the_preflight_naming_the_key_and_the_fix(cfg_of, env, message):
+    from rlray.launch.preflight import PreflightError
+
+    with pytest.raises(PreflightError, match=message):
+        preflight(cfg_of(f"env.environments={{e: '{BROKEN}:{env}'}}", "env.default=e"))
+
+
+def test_a_reward_function_needing_a_column_the_data_lacks_fails_the_preflight(cfg_of, tmp_path):
+    (tmp_path / "needs.py").write_text("def needs(completions, difficulty, **kwargs):\n    return [1.0] * len(completions)\n")
+    with pytest.raises(RewardFunctionError, match=r"parameter 'difficulty' has no default and is not prompts, "
+                                                  r"completions, completion_ids, a key of its kwargs or a dataset "
+                                                  r"column \(columns: \['answer'\]\)"):
+        preflight(cfg_of(f"reward.functions=[{{function: '{tmp_path}/needs.py:needs'}}]"))
+    with pytest.raises(RewardFunctionError, match=r"reads column 'solution', which the dataset lacks"):
+        preflight(cfg_of("reward.functions=[{function: exact_match, kwargs: {column: solution}}]"))

@@ -4,16 +4,22 @@ observation positions hold changes nothing of the objective, its gradient or its
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from rlray.config import ONLINE_ALGOS, config_from_dict
+from rlray.algos import algorithm_names
+from rlray.config import config_from_dict
 from rlray.data import PromptRow
-from rlray.learner import ADVANTAGE_ESTIMATORS, Normaliser, policy_objective
+from rlray.learner import Normaliser, policy_objective
+from rlray.learner import online as learner_online
 from rlray.rollout import Completion
 from rlray.rollout.types import EpisodeInfo
 from rlray.run.build import update_spec
 from rlray.run.experience import build_experience, minibatch_normalisers
+from rlray.schema import StepBatch
+from tests.learner.batches import step_batch
 
 B, T = 4, 9
 # rows: assistant turn (3 tokens), observation (3), assistant turn (2), padding; other rows shorter or single-turn
@@ -27,45 +33,43 @@ LENGTHS = [8, 9, 5, 5]
 OBSERVATION = torch.tensor([[i < n for i in range(T)] for n in LENGTHS]) & ~MASK  # inside the row, loss mask off
 
 
-def _batch(seed: int) -> dict[str, torch.Tensor]:
+def _batch(seed: int) -> StepBatch:
     g = torch.Generator().manual_seed(seed)
-    return {
-        "reward": torch.tensor([1.0, 0.0, 0.5, 0.25]),
-        "group_id": torch.tensor([0, 0, 1, 1]),
-        "response_mask": MASK.clone(),
-        "old_logprobs": -torch.rand(B, T, generator=g) - 0.1,
-        "ref_logprobs": -torch.rand(B, T, generator=g) - 0.1,
-        "rollout_logprobs": -torch.rand(B, T, generator=g) - 0.1,
-        "old_values": torch.randn(B, T, generator=g),
-        "baseline_reward": torch.tensor([0.5, 0.5, 0.0, 0.0]),
-    }
+    return step_batch(
+        MASK.clone(),
+        reward=torch.tensor([1.0, 0.0, 0.5, 0.25]),
+        group_id=torch.tensor([0, 0, 1, 1]),
+        old_logprobs=-torch.rand(B, T, generator=g) - 0.1,
+        ref_logprobs=-torch.rand(B, T, generator=g) - 0.1,
+        rollout_logprobs=-torch.rand(B, T, generator=g) - 0.1,
+        old_values=torch.randn(B, T, generator=g),
+        baseline_reward=torch.tensor([0.5, 0.5, 0.0, 0.0]),
+    )
 
 
-def _scramble(d: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+def _scramble(d: StepBatch, seed: int) -> StepBatch:
     """Returns ``d`` with every per-token tensor replaced at the observation positions by other values."""
     g = torch.Generator().manual_seed(seed)
-    out = dict(d)
-    for k in ("old_logprobs", "ref_logprobs", "rollout_logprobs", "old_values"):
-        out[k] = torch.where(OBSERVATION, -5 * torch.rand(B, T, generator=g), d[k])
-    return out
+    changed = {k: torch.where(OBSERVATION, -5 * torch.rand(B, T, generator=g), getattr(d, k))
+               for k in ("old_logprobs", "ref_logprobs", "rollout_logprobs", "old_values")}
+    return dataclasses.replace(d, **changed)
 
 
-def _objective(name: str, d: dict[str, torch.Tensor], logprobs: torch.Tensor, entropy: torch.Tensor):
+def _objective(name: str, d: StepBatch, logprobs: torch.Tensor, entropy: torch.Tensor):
     cfg = config_from_dict({"algo": {"name": name, "kl_coef": 0.1, "entropy_coef": 0.01},
                             "rollout": {"samples_per_prompt": 2}, "learner": {"prompts_per_step": 2,
                                                                               "sequences_per_minibatch": 4,
                                                                               "sequences_per_microbatch": 4}})
     spec = update_spec(cfg, 1)
-    data = dict(d)
-    data.update(ADVANTAGE_ESTIMATORS[name](dict(data), spec.advantage, lambda x: x))
+    data = learner_online.advantages(dataclasses.replace(d), spec, dict)
     logprobs = logprobs.clone().requires_grad_(True)
     norm = Normaliser(float(MASK.sum()), float(B))
     loss, stats = policy_objective(logprobs, data, spec.loss, norm, entropy=entropy)
     loss.backward()
-    return loss.detach(), logprobs.grad, {k: v.detach() for k, v in stats.items()}, data["advantages"]
+    return loss.detach(), logprobs.grad, {k: v.detach() for k, v in stats.items()}, data.advantages
 
 
-@pytest.mark.parametrize("name", sorted(ONLINE_ALGOS))
+@pytest.mark.parametrize("name", sorted(algorithm_names("online")))
 def test_observation_positions_change_nothing(name):
     d = _batch(0)
     g = torch.Generator().manual_seed(1)

@@ -3,6 +3,7 @@ own, the 8-bit optimizer's CPU error, and truncated importance sampling in the o
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 
@@ -15,13 +16,14 @@ from rlray.learner import LossSpec, Normaliser, PolicyLearner, policy_objective
 from rlray.learner.policy import make_optimizer
 from rlray.learner.reference import ReferenceModel
 from rlray.rollout.engine import checkpoint_shapes
+from tests.learner.batches import step_batch
 
 LORA = {"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": "all-linear"}
 SPEC = LossSpec(clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.0, kl_estimator="k3", loss_agg="token-mean",
                 max_response_tokens=16)
 
 
-def _batch(pad_id: int) -> dict[str, torch.Tensor]:
+def _batch(pad_id: int) -> schema.StepBatch:
     g = torch.Generator().manual_seed(1)
     n = 4
     resp = [torch.randint(10, 900, (3 + i,), generator=g).tolist() for i in range(n)]
@@ -33,7 +35,7 @@ def _batch(pad_id: int) -> dict[str, torch.Tensor]:
         "reward_components": [{}] * n, "policy_version": [0] * n, "finish_reason": ["length"] * n,
     })
     data = schema.collate(table, pad_id)
-    data["advantages"] = torch.tensor([1.0, -1.0, 1.0, -1.0])[:, None] * data["response_mask"]
+    data.advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])[:, None] * data.response_mask
     return data
 
 
@@ -47,10 +49,10 @@ def test_lora_trains_adapters_only_and_exports_merged_weights(tiny_model_path, t
     trainable = [n for n, p in learner.module.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     data = _batch(tiny_tokenizer.pad_token_id)
-    before = learner.logprobs(data, reference=False, microbatch_size=4)
-    learner.train_minibatch(data, SPEC, Normaliser(float(data["response_mask"].sum()), 4.0), 2)
-    learner.train_minibatch(data, SPEC, Normaliser(float(data["response_mask"].sum()), 4.0), 2)
-    after = learner.logprobs(data, reference=False, microbatch_size=4)
+    before = learner.logprobs(data.inputs, reference=False, microbatch_size=4)
+    learner.train_minibatch(data, SPEC, Normaliser(float(data.response_mask.sum()), 4.0), 2)
+    learner.train_minibatch(data, SPEC, Normaliser(float(data.response_mask.sum()), 4.0), 2)
+    after = learner.logprobs(data.inputs, reference=False, microbatch_size=4)
     assert (after - before).abs().max() > 1e-3  # the adapters learned something
 
     merged = learner.export_weights(torch.float32)
@@ -62,11 +64,11 @@ def test_lora_trains_adapters_only_and_exports_merged_weights(tiny_model_path, t
     plain.load_state_dict(merged, strict=False)
     from rlray.learner.logprobs import batched_logprobs
 
-    via_merged = batched_logprobs(plain, data, dtype="float32", temperature=1.0, microbatch_size=4)
+    via_merged = batched_logprobs(plain, data.inputs, dtype="float32", temperature=1.0, microbatch_size=4)
     torch.testing.assert_close(via_merged, after, atol=1e-5, rtol=0)
     # the reference is the base model (adapters off): the initial policy's logprobs, no copy kept
     assert learner.reference is None
-    torch.testing.assert_close(learner.logprobs(data, reference=True, microbatch_size=4), before, atol=1e-6, rtol=0)
+    torch.testing.assert_close(learner.logprobs(data.inputs, reference=True, microbatch_size=4), before, atol=1e-6, rtol=0)
 
 
 def test_reference_model_equals_the_learner_reference(tiny_model_path, tiny_tokenizer):
@@ -74,7 +76,7 @@ def test_reference_model_equals_the_learner_reference(tiny_model_path, tiny_toke
     learner = _learner(tiny_model_path)
     own = ReferenceModel(tiny_model_path, dtype="float32", temperature=0.7, torch_threads=torch.get_num_threads())
     learner.temperature = 0.7
-    torch.testing.assert_close(own.logprobs(data, 3), learner.logprobs(data, reference=True, microbatch_size=3),
+    torch.testing.assert_close(own.logprobs(data.inputs, 3), learner.logprobs(data.inputs, reference=True, microbatch_size=3),
                                atol=1e-6, rtol=0)
 
 
@@ -88,18 +90,15 @@ def test_truncated_importance_weights_scale_the_policy_loss():
     # one sequence, 2 tokens; on-policy ratio 1; advantages 1; old - rollout = [ln 1.5, ln 3]
     # weights min(1.5, 2) = 1.5 and min(3, 2) = 2; token-mean pg loss = -(1.5 + 2) / 2 = -1.75
     lp = torch.zeros(1, 2, requires_grad=True)
-    mb = {
-        "old_logprobs": torch.zeros(1, 2), "advantages": torch.ones(1, 2),
-        "response_mask": torch.ones(1, 2, dtype=torch.bool),
-        "rollout_logprobs": torch.tensor([[-math.log(1.5), -math.log(3.0)]]),
-    }
+    mb = step_batch(torch.ones(1, 2, dtype=torch.bool), old_logprobs=torch.zeros(1, 2), advantages=torch.ones(1, 2),
+                    rollout_logprobs=torch.tensor([[-math.log(1.5), -math.log(3.0)]]))
     norm = Normaliser(2.0, 1.0)
     off, _ = policy_objective(lp, mb, SPEC, norm)
-    on, _ = policy_objective(lp, mb, LossSpec(**{**SPEC.__dict__, "correction": "token_truncate", "correction_max": 2.0}), norm)
+    on, _ = policy_objective(lp, mb, dataclasses.replace(SPEC, correction="token_truncate", correction_max=2.0), norm)
     assert off.item() == pytest.approx(-1.0, abs=1e-6)
     assert on.item() == pytest.approx(-1.75, abs=1e-6)
     w, _ = algos.rollout_correction_weights(
-        mb["old_logprobs"], mb["rollout_logprobs"], mb["response_mask"], mode="token_truncate", ratio_max=2.0
+        mb.old_logprobs, mb.rollout_logprobs, mb.response_mask, mode="token_truncate", ratio_max=2.0
     )
     assert w[0].tolist() == pytest.approx([1.5, 2.0])
 
@@ -107,12 +106,10 @@ def test_truncated_importance_weights_scale_the_policy_loss():
 def test_logged_kl_is_k3_whatever_the_loss_estimator():
     # ref - logprobs = d = [0.5, -0.2]; k3 = exp(d) - 1 - d = [0.148721, 0.018731]; k1 = -d = [-0.5, 0.2]
     lp = torch.tensor([[0.0, 0.0]], requires_grad=True)
-    mb = {
-        "old_logprobs": torch.zeros(1, 2), "advantages": torch.zeros(1, 2),
-        "response_mask": torch.ones(1, 2, dtype=torch.bool), "ref_logprobs": torch.tensor([[0.5, -0.2]]),
-    }
+    mb = step_batch(torch.ones(1, 2, dtype=torch.bool), old_logprobs=torch.zeros(1, 2), advantages=torch.zeros(1, 2),
+                    ref_logprobs=torch.tensor([[0.5, -0.2]]))
     norm = Normaliser(2.0, 1.0)
-    k1_loss = LossSpec(**{**SPEC.__dict__, "kl_coef": 1.0, "kl_estimator": "k1"})
+    k1_loss = dataclasses.replace(SPEC, kl_coef=1.0, kl_estimator="k1")
     loss, stats = policy_objective(lp, mb, k1_loss, norm)
     assert loss.item() == pytest.approx((-0.5 + 0.2) / 2, abs=1e-6)  # the loss uses k1 (advantages are 0)
     expect_k3 = (math.exp(0.5) - 1 - 0.5) + (math.exp(-0.2) - 1 + 0.2)
@@ -137,13 +134,13 @@ def test_an_existing_adapter_trains_from_its_saved_weights(tiny_model_path, tiny
     assert len(trainable) == 4 and all("lora_" in n for n in trainable)  # 2 layers x q_proj x (A, B)
     from rlray.learner.logprobs import batched_logprobs
 
-    before = learner.logprobs(data, reference=False, microbatch_size=4)
-    torch.testing.assert_close(before, batched_logprobs(expected, data, dtype="float32", temperature=1.0,
+    before = learner.logprobs(data.inputs, reference=False, microbatch_size=4)
+    torch.testing.assert_close(before, batched_logprobs(expected, data.inputs, dtype="float32", temperature=1.0,
                                                         microbatch_size=4), atol=1e-6, rtol=0)  # fmt: skip
-    base = learner.logprobs(data, reference=True, microbatch_size=4)  # the reference is model.path without the adapter
+    base = learner.logprobs(data.inputs, reference=True, microbatch_size=4)  # the reference is model.path without the adapter
     assert (before - base).abs().max() > 1e-4
-    learner.train_minibatch(data, SPEC, Normaliser(float(data["response_mask"].sum()), 4.0), 2)
-    after = learner.logprobs(data, reference=False, microbatch_size=4)
+    learner.train_minibatch(data, SPEC, Normaliser(float(data.response_mask.sum()), 4.0), 2)
+    after = learner.logprobs(data.inputs, reference=False, microbatch_size=4)
     assert (after - before).abs().max() > 1e-3  # it trains
 
 
@@ -157,12 +154,12 @@ def test_a_lora_snapshot_restores_the_trained_adapter(tiny_model_path, tiny_toke
 
     data = _batch(tiny_tokenizer.pad_token_id)
     trained = _learner(tiny_model_path, lora=LORA)
-    trained.train_minibatch(data, SPEC, Normaliser(float(data["response_mask"].sum()), 4.0), 2)
+    trained.train_minibatch(data, SPEC, Normaliser(float(data.response_mask.sum()), 4.0), 2)
     trained.module.save_pretrained(tmp_path / "model", safe_serialization=True)  # what a snapshot's model/ holds
-    want = trained.logprobs(data, reference=False, microbatch_size=4)
+    want = trained.logprobs(data.inputs, reference=False, microbatch_size=4)
     fresh = _learner(tiny_model_path, lora=LORA)
-    assert (fresh.logprobs(data, reference=False, microbatch_size=4) - want).abs().max() > 1e-3
+    assert (fresh.logprobs(data.inputs, reference=False, microbatch_size=4) - want).abs().max() > 1e-3
     load_model_weights(fresh.module, tmp_path / "model")
-    torch.testing.assert_close(fresh.logprobs(data, reference=False, microbatch_size=4), want, atol=1e-6, rtol=0)
+    torch.testing.assert_close(fresh.logprobs(data.inputs, reference=False, microbatch_size=4), want, atol=1e-6, rtol=0)
     with pytest.raises(RuntimeError, match="the snapshot holds a LoRA adapter but the policy has none"):
         load_model_weights(_learner(tiny_model_path).module, tmp_path / "model")

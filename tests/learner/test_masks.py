@@ -1,5 +1,7 @@
 """Masks through the real learner: truncated responses, pad == eos, and masks that never come from token values."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -36,19 +38,20 @@ def test_response_mask_covers_exactly_the_generated_tokens(tiny_tokenizer):
     batch = schema.collate(table, tiny_tokenizer.pad_token_id)
     t = max(lengths)
     expected = torch.tensor([[i < n for i in range(t)] for n in lengths])
-    assert torch.equal(batch["response_mask"], expected)
+    assert torch.equal(batch.response_mask, expected)
     # the truncated row (no EOS) is masked exactly over its 6 generated tokens; the EOS-only row over its 1
-    assert batch["response_mask"][0].sum() == 6 and batch["response_mask"][3].tolist() == [True] + [False] * 5
+    assert batch.response_mask[0].sum() == 6 and batch.response_mask[3].tolist() == [True] + [False] * 5
     # attention covers prompt + response; every EOS == pad inside a response is attended to
-    assert batch["attention_mask"].sum(1).tolist() == [3 + 6, 3 + 2, 5 + 4, 5 + 1]
+    assert batch.inputs.attention_mask.sum(1).tolist() == [3 + 6, 3 + 2, 5 + 4, 5 + 1]
 
 
 def _loss_and_grads(learner, batch):
-    spec = LossSpec(0.2, 0.2, 0.05, "k3", "token-mean", 8)
-    batch = dict(batch)
-    batch["ref_logprobs"] = learner.logprobs(batch, reference=True, microbatch_size=4)
-    batch["advantages"] = torch.where(batch["response_mask"], batch["reward"][:, None] - 0.4, 0.0)
-    norm = Normaliser(float(batch["response_mask"].sum()), 4.0)
+    spec = LossSpec(clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.05, kl_estimator="k3", loss_agg="token-mean",
+                    max_response_tokens=8)
+    batch = dataclasses.replace(batch)
+    batch.ref_logprobs = learner.logprobs(batch.inputs, reference=True, microbatch_size=4)
+    batch.advantages = torch.where(batch.response_mask, batch.reward[:, None] - 0.4, 0.0)
+    norm = Normaliser(float(batch.response_mask.sum()), 4.0)
     stats = learner.train_minibatch(batch, spec, norm, microbatch_size=2)
     grads = {n: p.grad.clone() for n, p in learner.module.named_parameters() if p.grad is not None}
     return stats, grads
@@ -60,9 +63,9 @@ def test_masks_never_come_from_token_values(tiny_model_path, tiny_tokenizer):
     table, _ = _experience(eos)
     with_eos = schema.collate(table, eos)
     with_other = schema.collate(table, 777)
-    assert not torch.equal(with_eos["input_ids"], with_other["input_ids"])  # the pads really differ
-    assert torch.equal(with_eos["response_mask"], with_other["response_mask"])
-    assert torch.equal(with_eos["attention_mask"], with_other["attention_mask"])
+    assert not torch.equal(with_eos.inputs.input_ids, with_other.inputs.input_ids)  # the pads really differ
+    assert torch.equal(with_eos.response_mask, with_other.response_mask)
+    assert torch.equal(with_eos.inputs.attention_mask, with_other.inputs.attention_mask)
     s1, g1 = _loss_and_grads(_learner(tiny_model_path), with_eos)
     s2, g2 = _loss_and_grads(_learner(tiny_model_path), with_other)
     assert s1["tokens"] == s2["tokens"] == 13.0  # 6 + 2 + 4 + 1 generated tokens, EOS included
@@ -76,7 +79,7 @@ def test_eos_tokens_inside_responses_get_logprobs(tiny_model_path, tiny_tokenize
     eos = tiny_tokenizer.eos_token_id
     table, _ = _experience(eos)
     batch = schema.collate(table, eos)
-    lp = _learner(tiny_model_path).logprobs(batch, reference=False, microbatch_size=4)
+    lp = _learner(tiny_model_path).logprobs(batch.inputs, reference=False, microbatch_size=4)
     model = _learner(tiny_model_path).module.eval()
     ids = torch.tensor([[21, 22, 23, 24, 25, 301, eos, 302, eos]])
     with torch.no_grad():

@@ -4,12 +4,15 @@ The micro-batch holds P=2 pairs as 4 rows, the chosen responses first; T=3 respo
 positions hold values that would change every result if they were read (100.0).
 """
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
 from rlray.learner.preference import PAIR_OBJECTIVES, PairNormaliser, PreferenceSpec
+from rlray.schema import PairBatch
+from tests.learner.batches import pair_batch
 
 LOGPROBS = torch.tensor(
     [
@@ -22,8 +25,8 @@ LOGPROBS = torch.tensor(
 MASK = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]], dtype=torch.bool)
 
 
-def _mb(rows: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    return LOGPROBS[rows], {"response_mask": MASK[rows]}
+def _mb(rows: list[int]) -> tuple[torch.Tensor, PairBatch]:
+    return LOGPROBS[rows], pair_batch(MASK[rows])
 
 
 def test_sft_is_the_token_mean_nll_of_the_chosen_responses():
@@ -48,7 +51,7 @@ def test_sft_shares_over_micro_batches_and_ranks_sum_to_the_step_loss():
 
 def test_sft_gradient_reaches_only_chosen_valid_tokens():
     lp = LOGPROBS.clone().requires_grad_(True)
-    loss, _ = PAIR_OBJECTIVES["sft"](lp, {"response_mask": MASK}, PreferenceSpec(), PairNormaliser(2, 5))
+    loss, _ = PAIR_OBJECTIVES["sft"](lp, pair_batch(MASK), PreferenceSpec(), PairNormaliser(2, 5))
     loss.backward()
     expected = torch.zeros(4, 3)
     expected[:2] = -MASK[:2].float() / 5  # d(-sum/5)/d logprob on each chosen valid token
@@ -77,8 +80,7 @@ def test_dpo_variants_are_dispatched_through_the_learner_objective(dpo_loss):
     # Sequence log ratios: chosen (-3 - -2.5) = -0.5 and (-1.5 - -2) = 0.5; rejected (-0.1 - -1) = 0.9 and
     # (-12 - -11) = -1. With beta 0.5: z = beta * (chosen ratio - rejected ratio) = -0.7 and 0.75.
     lp, mb = _mb([0, 1, 2, 3])
-    mb["ref_chosen_logps"] = torch.tensor([-2.5, -2.0])
-    mb["ref_rejected_logps"] = torch.tensor([-1.0, -11.0])
+    mb = dataclasses.replace(mb, ref_chosen_logps=torch.tensor([-2.5, -2.0]), ref_rejected_logps=torch.tensor([-1.0, -11.0]))
     spec = PreferenceSpec(beta=0.5, dpo_loss=dpo_loss, label_smoothing=0.2)
     loss, stats = PAIR_OBJECTIVES["dpo"](lp, mb, spec, PairNormaliser(num_pairs=2, num_chosen_tokens=5))
     z = [-0.7, 0.75]

@@ -1,5 +1,7 @@
 """Learner: logprobs under padding, gradient accumulation with global normalisers, weight export."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -42,7 +44,7 @@ def test_logprobs_match_unpadded_forward(tiny_model_path, tiny_tokenizer):
     learner = _learner(tiny_model_path)
     table = _table(tiny_tokenizer.pad_token_id)
     batch = schema.collate(table, tiny_tokenizer.pad_token_id)
-    lp = learner.logprobs(batch, reference=False, microbatch_size=3)
+    lp = learner.logprobs(batch.inputs, reference=False, microbatch_size=3)
     model = learner.module.eval()
     for b in (0, 3, 6):  # padded batch forward == each row alone, without padding
         ids = torch.tensor([table.column("prompt_token_ids")[b].as_py() + table.column("response_token_ids")[b].as_py()])
@@ -61,8 +63,8 @@ def test_reference_equals_initial_policy(tiny_model_path, tiny_tokenizer, dtype)
     assert learner.reference.model.layers[0].mlp.up_proj.weight.dtype == linear
     assert learner.module.model.layers[0].mlp.up_proj.weight.dtype == torch.float32
     batch = schema.collate(_table(tiny_tokenizer.pad_token_id), tiny_tokenizer.pad_token_id)
-    a = learner.logprobs(batch, reference=False, microbatch_size=8)
-    b = learner.logprobs(batch, reference=True, microbatch_size=8)
+    a = learner.logprobs(batch.inputs, reference=False, microbatch_size=8)
+    b = learner.logprobs(batch.inputs, reference=True, microbatch_size=8)
     assert torch.equal(a, b)
 
 
@@ -72,15 +74,16 @@ def test_gradient_accumulation_matches_full_batch(tiny_model_path, tiny_tokenize
     table = _table(pad)
     batch = schema.collate(table, pad)
     g = torch.Generator().manual_seed(1)
-    batch["advantages"] = torch.randn(batch["response_ids"].shape, generator=g) * batch["response_mask"]
-    spec = LossSpec(0.2, 0.28, 0.05, "k3", "token-mean", 16)
-    norm = Normaliser(float(batch["response_mask"].sum()), 8.0, 1)
+    batch.advantages = torch.randn(batch.inputs.response_ids.shape, generator=g) * batch.response_mask
+    spec = LossSpec(clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.05, kl_estimator="k3", loss_agg="token-mean",
+                    max_response_tokens=16)
+    norm = Normaliser(float(batch.response_mask.sum()), 8.0, 1)
 
     def grads(mb_size):
         learner = _learner(tiny_model_path)
-        ref = learner.logprobs(batch, reference=True, microbatch_size=8)
-        b = {**batch, "ref_logprobs": ref}
-        b["old_logprobs"] = ref + 0.05 * torch.randn(ref.shape, generator=torch.Generator().manual_seed(2))
+        ref = learner.logprobs(batch.inputs, reference=True, microbatch_size=8)
+        b = dataclasses.replace(batch, ref_logprobs=ref)
+        b.old_logprobs = ref + 0.05 * torch.randn(ref.shape, generator=torch.Generator().manual_seed(2))
         stats = learner.train_minibatch(b, spec, norm, mb_size)
         return {n: p.grad.clone() for n, p in learner.module.named_parameters() if p.grad is not None}, stats
 
@@ -95,11 +98,12 @@ def test_gradient_accumulation_matches_full_batch(tiny_model_path, tiny_tokenize
 def test_split_microbatches_trims_padding(tiny_tokenizer):
     batch = schema.collate(_table(tiny_tokenizer.pad_token_id), tiny_tokenizer.pad_token_id)
     mbs = list(split_microbatches(batch, 3))
-    assert [m["input_ids"].shape[0] for m in mbs] == [3, 3, 2]
+    assert [m.inputs.input_ids.shape[0] for m in mbs] == [3, 3, 2]
     for m in mbs:  # every kept column has at least one real token; response starts at the same column
-        assert m["attention_mask"][:, 0].any()
-        t = m["response_ids"].shape[1]
-        assert m["attention_mask"][:, -t:].sum(1).max() == t
+        assert m.inputs.attention_mask[:, 0].any()
+        t = m.inputs.response_ids.shape[1]
+        assert m.inputs.attention_mask[:, -t:].sum(1).max() == t
+        assert m.response_mask.shape[1] == m.rollout_logprobs.shape[1] == t  # per-token tensors trimmed alike
 
 
 def test_export_weights_dtype_and_names(tiny_model_path):

@@ -1,36 +1,45 @@
 """Rollout correction in the objective, and the rollout/learner mismatch metrics of the update (hand-computed)."""
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
+from rlray.algos import get_algorithm
 from rlray.config import config_from_dict
 from rlray.learner import LossSpec, Normaliser, policy_objective
 from rlray.learner import online as learner_online
 from rlray.learner.objective import MAX_STAT_KEYS, STAT_KEYS, reduce_stat
 from rlray.run.build import update_spec
+from tests.learner.batches import step_batch
 
 LN = math.log
-SPEC = LossSpec(0.2, 0.28, 0.0, "k3", "token-mean", 3, "ppo_clip", correction="token_truncate", correction_min=0.6,
-                correction_max=2.0)  # fmt: skip
+PLAIN = LossSpec(clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.0, kl_estimator="k3", loss_agg="token-mean",
+                 max_response_tokens=3, policy_loss="ppo_clip")
+SPEC = dataclasses.replace(PLAIN, correction="token_truncate", correction_min=0.6, correction_max=2.0)
 
 
 def _mb():
     # old - rollout = d: row 0 [ln 3, 0, ln 0.5], row 1 [ln 1.2, masked garbage]
     old = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, 7.0, 7.0]])
     d = torch.tensor([[LN(3.0), 0.0, LN(0.5)], [LN(1.2), -50.0, 50.0]])
-    return {
-        "response_mask": torch.tensor([[True, True, True], [True, False, False]]),
-        "old_logprobs": old,
-        "rollout_logprobs": old - d,
-        "advantages": torch.tensor([[1.0] * 3, [-1.0] * 3]),
-    }
+    return step_batch(
+        torch.tensor([[True, True, True], [True, False, False]]),
+        old_logprobs=old,
+        rollout_logprobs=old - d,
+        advantages=torch.tensor([[1.0] * 3, [-1.0] * 3]),
+    )
+
+
+def _update_spec(loss: LossSpec, **options) -> learner_online.UpdateSpec:
+    return learner_online.UpdateSpec(estimator=get_algorithm("grpo").advantage, loss=loss, advantage=None, epochs=1,
+                                     rows_per_minibatch=2, microbatch_size=2, old_logprobs_before_update=False, **options)
 
 
 def test_mismatch_statistics_hand_computed():
     mb = _mb()
-    lp = mb["old_logprobs"].clone().requires_grad_(True)
+    lp = mb.old_logprobs.clone().requires_grad_(True)
     loss, stats = policy_objective(lp, mb, SPEC, Normaliser(4.0, 2.0))
     # token ratios [3, 1, 0.5], [1.2] in [0.6, 2]: weights [2, 1, 0.6], [1.2] (sum 4.8); 2 tokens of 1 row corrected
     assert float(stats["is_weight_sum"]) == pytest.approx(4.8, abs=1e-6)
@@ -45,9 +54,9 @@ def test_mismatch_statistics_hand_computed():
 
 def test_update_metrics_take_the_max_ratio_over_ranks_and_sum_the_rest():
     mb = _mb()
-    _, stats = policy_objective(mb["old_logprobs"].clone(), mb, SPEC, Normaliser(4.0, 2.0))
+    _, stats = policy_objective(mb.old_logprobs.clone(), mb, SPEC, Normaliser(4.0, 2.0))
     totals = {k: float(v) for k, v in stats.items()} | {"loss": 0.0, "grad_norm": 1.0, "lr": 1e-6}
-    spec = learner_online.UpdateSpec("grpo", SPEC, None, 1, 2, 2, False, loss_world_size=2)
+    spec = _update_spec(SPEC, loss_world_size=2)
 
     def two_equal_ranks(values):
         return {k: 2 * v for k, v in values.items()}
@@ -62,8 +71,7 @@ def test_update_metrics_take_the_max_ratio_over_ranks_and_sum_the_rest():
     assert out["algo/rollout_corrected_token_fraction"] == pytest.approx(2 / 4)
     assert out["algo/rollout_corrected_sequence_fraction"] == pytest.approx(1 / 2)
     assert out["algo/rollout_is_weight_mean"] == pytest.approx(4.8 / 4)
-    off = learner_online._update_metrics(totals, 1, learner_online.UpdateSpec(
-        "grpo", LossSpec(0.2, 0.28, 0.0, "k3", "token-mean", 3), None, 1, 2, 2, False), False, dict, dict)
+    off = learner_online._update_metrics(totals, 1, _update_spec(PLAIN), False, dict, dict)
     assert "algo/rollout_kl" in off and "algo/rollout_is_weight_mean" not in off  # mismatch is logged even when off
 
 
@@ -73,9 +81,9 @@ def test_max_statistics_are_maxed_across_microbatches():
 
 
 def test_correction_needs_rollout_logprobs():
-    mb = {k: v for k, v in _mb().items() if k != "rollout_logprobs"}
+    mb = dataclasses.replace(_mb(), rollout_logprobs=None)
     with pytest.raises(ValueError, match="rollout correction 'token_truncate' needs rollout_logprobs"):
-        policy_objective(mb["old_logprobs"].clone(), mb, SPEC, Normaliser(4.0, 2.0))
+        policy_objective(mb.old_logprobs.clone(), mb, SPEC, Normaliser(4.0, 2.0))
 
 
 def test_config_reaches_the_loss_spec():

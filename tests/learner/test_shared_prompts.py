@@ -8,13 +8,11 @@ import torch
 
 from rlray.learner.logprobs import logprobs_from_logits, prompt_groups, response_logits
 from rlray.models import load_causal_lm
-from rlray.schema import pack_sequences
+from rlray.schema import ModelInputs, pack_sequences
 
 
-def _batch(prompts: list[list[int]], responses: list[list[int]]) -> dict[str, torch.Tensor]:
-    out = pack_sequences(prompts, responses, pad_token_id=0)
-    del out["response_lengths"]
-    return out
+def _batch(prompts: list[list[int]], responses: list[list[int]]) -> ModelInputs:
+    return pack_sequences(prompts, responses, pad_token_id=0)
 
 
 def test_prompt_groups_are_the_runs_of_equal_prompts():
@@ -33,7 +31,7 @@ def model(tiny_model_path):
 
 def _masked_logprob_sum(model, batch, share: bool, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     logits = response_logits(model, batch, temperature=0.7, share_prompts=share)
-    lp, _ = logprobs_from_logits(logits, batch["response_ids"])
+    lp, _ = logprobs_from_logits(logits, batch.response_ids)
     return lp, (lp * mask).sum()
 
 
@@ -48,7 +46,7 @@ def test_shared_prompts_give_the_logits_and_gradients_of_one_pass_per_row(model)
     responses = [toks(n) for n in (5, 9, 1, 7, 2, 9)]  # right-padded, one of a single token
     batch = _batch(prompts, responses)
     assert prompt_groups(batch).tolist() == [3, 3]
-    mask = torch.zeros(batch["response_ids"].shape)
+    mask = torch.zeros(batch.response_ids.shape)
     for i, r in enumerate(responses):
         mask[i, : len(r)] = 1.0
     model.zero_grad(set_to_none=True)

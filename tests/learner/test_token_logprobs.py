@@ -98,17 +98,16 @@ def test_response_logits_divide_by_the_temperature_in_place_with_the_same_gradie
     torch.manual_seed(0)
     model = load_causal_lm(tiny_model_path, dtype="float32")
     batch = pack_sequences([[5, 6, 7, 8], [9, 10]], [[11, 12, 13], [14]], pad_token_id=0)
-    del batch["response_lengths"]
-    t = batch["response_ids"].shape[1]
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                position_ids=batch["position_ids"], use_cache=False)
+    t = batch.response_ids.shape[1]
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                position_ids=batch.position_ids, use_cache=False)
     expected = out.logits[:, -t - 1 : -1, :] / 0.5
-    (expected.sum() * 0.0 + _reference(expected, batch["response_ids"])[:, 0].sum()).backward()
+    (expected.sum() * 0.0 + _reference(expected, batch.response_ids)[:, 0].sum()).backward()
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     got = response_logits(model, batch, temperature=0.5, share_prompts=False)
     torch.testing.assert_close(got, expected.detach(), rtol=1e-6, atol=1e-6)
-    lp, _ = logprobs_from_logits(got, batch["response_ids"], inplace_backward=True)
+    lp, _ = logprobs_from_logits(got, batch.response_ids, inplace_backward=True)
     lp[:, 0].sum().backward()
     for name, grad in ref_grads.items():
         torch.testing.assert_close(dict(model.named_parameters())[name].grad, grad, rtol=1e-5, atol=1e-6)

@@ -56,9 +56,12 @@ def test_page_draws_curves_and_samples_in_chromium(browser, served_demo):
     assert len(timing.find_elements(By.CSS_SELECTOR, "svg polyline")) == 6  # rollout, reward, logprobs, update, sync, step
 
     rows = browser.find_elements(By.CSS_SELECTOR, "#sample-table tbody tr")
-    assert len(rows) == 3
+    assert len(rows) == 4
     rewards = [r.find_elements(By.TAG_NAME, "td")[0].text for r in rows]
-    assert rewards == ["1", "1", "0.2"]  # sorted by reward, high to low
+    assert rewards == ["1", "1", "0.2", "failed"]  # sorted by reward, high to low, a failed one last
+    # a sample without a reward says why, naming its source (issue 29)
+    failure = rows[3].find_element(By.CSS_SELECTOR, ".failure")
+    assert failure.text == "no reward: environment 'calc' (env_error): reset(**row) raised KeyError: 'a' (at calc_env.py:9)"
     assert "<b>48 * 2 = 96</b>" in rows[2].text  # markup in a completion shows as text
     episode = next(r for r in rows if "guess" in r.text)
     labels = [e.text for e in episode.find_elements(By.CSS_SELECTOR, ".seg-label")]

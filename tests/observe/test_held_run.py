@@ -2,8 +2,8 @@
 
 The module's run is a 2-step ``rlray train`` of configs/grpo_gsm8k_tiny.yaml (tiny-random, the transformers
 backend, a length reward) as a subprocess on its own local Ray (no RAY_ADDRESS: not the session's cluster), with
-``tracking.tensorboard_dir`` and a free monitor port. The test hook ``RLRAY_TEST_HOLD_AFTER_STEP=2``
-(``rlray.run.hooks.HoldForTest``) makes it wait after step 2 is logged and sent to the monitor. While it waits, the
+``tracking.tensorboard_dir`` and a free monitor port. The step hook of tests/fixtures/holds.py, named in
+``run.hooks`` with ``RLRAY_TEST_HOLD_AFTER_STEP=2``, makes it wait after step 2 is logged and sent to the monitor. While it waits, the
 page's JSON equals what MLflow logged for steps 1-2 and chromium draws this run's curves and samples. Then
 ``HeldRun.finish`` creates the release file; the run ends, and its console and TensorBoard event files are checked.
 
@@ -29,10 +29,10 @@ import pytest
 from rlray.observe import metrics
 from rlray.observe.samples import rows_from_table
 from rlray.observe.tracking import get_run_metrics, metrics_by_step, read_artifact_json
-from rlray.run.hooks import HOLD_RELEASE_ENV, HOLD_STEP_ENV
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 import page_demo  # noqa: E402
+from holds import HOLD_RELEASE_ENV, HOLD_STEP_ENV, SPEC  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = HOLD_STEP = 2  # held after the last step, before its snapshot: the page draws lines (2 points), not dots
@@ -106,7 +106,7 @@ def held_run(tmp_path_factory, gsm8k_dir):
     overrides = [f"data.train_files=[{folder}/train4.jsonl]", "eval.num_problems=0", f"run.max_steps={STEPS}",
                  f"run.output_dir={folder}/out", f"tracking.mlflow_uri=sqlite:///{folder}/mlflow.db", "monitor.port=0",
                  f"tracking.tensorboard_dir={folder}/tb", "rollout.backend=hf", "rollout.max_new_tokens=8",
-                 "guard.kl_threshold=null",
+                 "guard.kl_threshold=null", f"run.hooks=['{SPEC}']",
                  f"reward.functions=[{{function: '{REPO}/tests/fixtures/rewards.py:completion_length', weight: 1.0}}]"]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {
         "PYTHONPATH": str(REPO), HOLD_STEP_ENV: str(HOLD_STEP), HOLD_RELEASE_ENV: str(folder / "release")}
@@ -210,6 +210,10 @@ def test_console_shows_start_lines_one_progress_line_per_step_and_keeps_the_logs
     assert [x.split(" reward=")[0] for x in progress] == ["rlray step 1/2 (50%)", "rlray step 2/2 (100%)"], progress
     for chatter in ("FutureWarning", "UserWarning", "core_worker.cc", "RayTrainWorker", "(pid=", "Loading", "test hold"):
         assert chatter not in shown, chatter
+    # Every console line is rlray's, from the first one on (issue 32: no Ray token-authentication warning, no MLflow
+    # "Creating initial MLflow database tables..."); the JSON summary `rlray train` prints last is its own.
+    lines = [x for x in re.split(r"[\r\n]", stdout[: stdout.index("\n{") + 1] + stderr) if x.strip()]
+    assert lines and all(x.startswith(("rlray: ", "rlray step ")) for x in lines), lines
     log_dir = Path(result["log_dir"])
     assert f"rlray: full logs in {log_dir}: driver.log" in shown
     assert f"MLflow run {result['run_id']}" in (log_dir / "driver.log").read_text()

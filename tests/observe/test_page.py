@@ -101,7 +101,7 @@ def test_samples_endpoint_keeps_the_last_steps_and_404s_the_rest(served):
                                  "reward": 1.0, "terms": {"gsm8k_correct": 1.0, "gsm8k_format": None}, "advantage": 0.5,
                                  "finish_reason": "stop", "policy_version": 2, "response_tokens": 3,
                                  "stop_reason": None, "num_turns": None, "turn_rewards": None, "segments": [],
-                                 "segment": None}
+                                 "segment": None, "failure": None}
     assert doc["samples"][1]["reward"] is None and doc["samples"][1]["terms"]["gsm8k_correct"] == "failed"
     assert json.loads(_get(port, "/api/samples?step=2")[2])["samples"][0]["prompt_id"] == "p2"
     status, headers, body = _get(port, "/api/samples?step=1")

@@ -24,7 +24,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlray.config import OFFLINE_ALGOS, ONLINE_ALGOS, load_config
+from rlray.algos import algorithm_names
+from rlray.config import load_config
 from rlray.observe.metrics import is_metric_key
 from rlray.observe.tracking import get_run, get_run_metrics
 
@@ -34,6 +35,7 @@ REPO = Path(__file__).resolve().parents[2]
 CI_ALGOS: tuple[str, ...] = ()  # algorithms run in `make test` (none: see the module docstring)
 LENGTH_REWARD = f"{REPO}/tests/fixtures/rewards.py:completion_length"
 TERMS = ("completion_length",)  # the reward term of LENGTH_REWARD
+ONLINE_ALGOS, OFFLINE_ALGOS = algorithm_names("online"), algorithm_names("offline")
 
 ONLINE_METRICS = ["reward/mean", "algo/kl", "algo/advantage_abs_mean", "learner/pg_loss", "learner/loss",
                   "learner/grad_norm", "rollout/response_tokens_mean", "timing/update_s", "timing/algo_sampling_s"]

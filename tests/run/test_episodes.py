@@ -16,7 +16,8 @@ from rlray.run.episodes import EpisodeLimits, EpisodeRollout, add_env_reward, ep
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "test_envs.py"
 ENVS = {name: f"{FIXTURE}:{cls}" for name, cls in
-        [("countdown", "CountdownEnv"), ("raise", "RaisingEnv"), ("hang", "HangingEnv"), ("die", "DieOnceEnv")]}
+        [("countdown", "CountdownEnv"), ("raise", "RaisingEnv"), ("hang", "HangingEnv"), ("die", "DieOnceEnv"),
+         ("limitraise", "LimitRaisingEnv"), ("closeraise", "CloseRaisingEnv"), ("lastturn", "LastTurnEnv")]}
 
 
 class ScriptedFleet:
@@ -126,6 +127,33 @@ def test_limits_end_episodes_with_their_own_stop_reasons(env_host, tiny_tokenize
     tight = rollout(tiny_tokenizer, [env_host], max_episode_tokens=opening + 4 + 10)  # one turn fits, a second does not
     got = tight.generate([[1]], sampling, rows("countdown"))[0]
     assert got.episode.stop_reason == "max_episode_tokens" and got.episode.num_turns == 1
+
+
+def test_an_environment_that_raises_after_its_episode_ended_fails_it_keeping_the_stop_reason(env_host, tiny_tokenizer):
+    """The one failure rule (issue 29): reward_at_limit() (a TRL class's get_reward) raising at a limit, or close()
+    raising, fails the episode like a raise in step; it keeps the stop reason of its end, counted by it."""
+    sampling = SamplingSpec(n=1, max_new_tokens=4, temperature=1.0)
+    got = rollout(tiny_tokenizer, [env_host], max_turns=2).generate([[1], [1], [1]], sampling,
+                                                                   rows("limitraise", "closeraise", "countdown"))
+    limit, closed, fine = (c.episode for c in got)
+    assert (limit.stop_reason, limit.failed, limit.env_reward) == ("max_turns", True, None)
+    assert limit.message.startswith("at the max_turns limit, reward_at_limit() (a TRL class: get_reward()) raised "
+                                    "KeyError: 'answer' (at ")
+    assert (closed.stop_reason, closed.failed) == ("max_turns", True)
+    assert closed.message.startswith("close() raised OSError: cannot release (at ")
+    assert (fine.stop_reason, fine.failed, fine.env_reward) == ("max_turns", False, -1.0)
+    metrics = episode_metrics(got)
+    assert metrics["env/failed"] == 2.0 and metrics["env/failed/max_turns"] == 2.0
+    assert metrics["env/stop_reason/max_turns"] == 3.0
+    assert [math.isnan(v) for v in add_env_reward({"reward": [math.nan] * 3}, got, 1.0)["reward"]] == [True, True, False]
+
+
+def test_the_last_turn_is_marked_for_the_environment(env_host, tiny_tokenizer):
+    """At env.max_turns the turn goes to step with last=True (the TRL adapter then does not run its calls)."""
+    got = rollout(tiny_tokenizer, [env_host], max_turns=2).generate(
+        [[1]], SamplingSpec(n=1, max_new_tokens=4, temperature=1.0), rows("lastturn"))[0]
+    assert got.episode.num_turns == 2 and got.episode.stop_reason == "max_turns"
+    assert got.episode.metrics == {"said_stop": 0.0, "last": 1.0}  # turn 1 not last, turn 2 last (summed per episode)
 
 
 def test_a_hanging_environment_times_out(env_host, tiny_tokenizer):

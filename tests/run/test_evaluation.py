@@ -46,6 +46,9 @@ class _Scorer:
         rewards = [float(ids[0]) if ids else math.nan for ids in completion_ids]
         return {"reward": rewards, "parity": [None if r % 2 else 1.0 for r in rewards]}
 
+    def score_with_failures(self, prompts, completions, columns, completion_ids=None):
+        return self.score(prompts, completions, columns, completion_ids), []  # no failure texts
+
     def close(self):
         pass
 

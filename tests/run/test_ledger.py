@@ -128,6 +128,9 @@ class _Scripted:
         assert len(values) == len(completions)
         return {"reward": values}
 
+    def score_with_failures(self, prompts, completions, columns, completion_ids=None):
+        return self.score(prompts, completions, columns, completion_ids), []  # no failure texts
+
     def close(self):
         pass
 
@@ -172,6 +175,9 @@ class _OddQuestionsFlat:
     def score(self, prompts, completions, columns, completion_ids=None):
         flat = [int(p.split()[1]) % 2 for p in prompts]
         return {"reward": [0.0 if f else float(int(c.split()[0]) % 2) for f, c in zip(flat, completions, strict=True)]}
+
+    def score_with_failures(self, prompts, completions, columns, completion_ids=None):
+        return self.score(prompts, completions, columns, completion_ids), []  # no failure texts
 
     def close(self):
         pass

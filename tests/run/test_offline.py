@@ -53,7 +53,7 @@ def test_reference_logprobs_are_cached_per_pair(tmp_path, hh_rlhf_dir, tiny_mode
             logits = model(torch.tensor([ids])).logits[0, -n - 1 : -1]
             lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[-n:])[:, None]).sum()
             assert table.column("ref_rejected_logps")[i].as_py() == pytest.approx(float(lp), abs=1e-4)
-    assert batch["kl"]["response_ids"].shape[0] == 8
+    assert batch.kl_inputs.response_ids.shape[0] == 8
     # KTO at step 1: policy == reference, so r = 0 and z_ref = 0; each loss is 1 - sigmoid(0) = 0.5
     metrics = offline.update(ctx, offline.take_pairs(ctx))
     assert metrics["algo/kto_kl"] == pytest.approx(0.0, abs=1e-5)

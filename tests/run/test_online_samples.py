@@ -42,7 +42,7 @@ def _shard_data(table, rank, world):
     data = schema.collate(table.slice(s.start, s.stop - s.start), pad_token_id=0)
     # per-token advantages: row r holds 10*r + t at token t, so the first token's value names the row
     rows = torch.arange(s.start, s.stop, dtype=torch.float32)[:, None]
-    data["advantages"] = 10 * rows + torch.arange(data["response_mask"].shape[1], dtype=torch.float32)
+    data.advantages = 10 * rows + torch.arange(data.response_mask.shape[1], dtype=torch.float32)
     return data
 
 

@@ -79,7 +79,8 @@ def test_apply_remax_baseline_is_the_greedy_reward_of_each_prompt():
         out.completions = [Completion(i, 0, [7] * n, [-1.0] * n, "stop", 0) for i, n in enumerate([3, 9])]
         return out
 
-    spec = SamplingExtras("remax", target_groups=2, max_rounds=1, max_new_tokens=10, overlong_cache_tokens=4)
+    spec = SamplingExtras(dynamic_sampling=False, greedy_baseline=True, target_groups=2, max_rounds=1, max_new_tokens=10,
+                          overlong_cache_tokens=4)
     got, baseline, metrics = apply(sampled, lambda n, r: None, greedy, spec)
     # the greedy rewards get the same overlong shaping: 'b' 10 + (6 - 9) / 4 = 9.25; 'a' 0
     assert baseline == [0.0, 0.0, 9.25, 9.25]
@@ -89,5 +90,6 @@ def test_apply_remax_baseline_is_the_greedy_reward_of_each_prompt():
 
 def test_apply_is_a_no_op_for_plain_algorithms():
     b = batch(["a"], [0, 1])
-    got, baseline, metrics = apply(b, None, None, SamplingExtras("grpo", 1, 1, 10))
+    plain = SamplingExtras(dynamic_sampling=False, greedy_baseline=False, target_groups=1, max_rounds=1, max_new_tokens=10)
+    got, baseline, metrics = apply(b, None, None, plain)
     assert got is b and baseline is None and metrics == {}

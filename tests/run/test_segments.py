@@ -8,9 +8,9 @@ import math
 import torch
 
 from rlray import schema
+from rlray.algos import estimators
 from rlray.config import config_from_dict
 from rlray.data import PromptRow
-from rlray.learner import ADVANTAGE_ESTIMATORS, AdvantageSpec
 from rlray.rollout import Completion
 from rlray.rollout.types import EpisodeInfo
 from rlray.run.experience import build_experience, minibatch_normalisers, rollout_stats
@@ -88,8 +88,9 @@ def test_the_layout_keeps_groups_on_their_rank_and_evens_the_shards_with_padding
 
 def test_padding_rows_take_no_part_in_the_advantages():
     table = layout_for_ranks(build_experience(ROWS, [[1], [2]], _step(), {"reward": [1.0, 0.5, 0.25, 0.0]}), 4, 1, 2)
-    data = schema.collate(table, pad_token_id=0)
-    adv = ADVANTAGE_ESTIMATORS["grpo"](data, AdvantageSpec(), lambda x: x)["advantages"]
+    batch = schema.collate(table, pad_token_id=0)
+    inputs = estimators.AdvantageInputs(batch.reward, batch.group_id, batch.response_mask)
+    adv = estimators.grpo(inputs, estimators.AdvantageSpec(), lambda x: x).advantages
     assert torch.all(adv[-1] == 0.0)
     # rows: g0 s0, g0 s1 (last segment), g1 s0, g1 s1, then g0 s1's segments 0 and 1, g1 s0's segment 0, padding.
     # Group 0 holds rewards 1.0, 0.5, 0.5, 0.5 (its cut sample counts once per segment): mean 0.625, unbiased std
@@ -109,6 +110,9 @@ class _NoReward:
 
     def score(self, prompts, completions, columns, completion_ids=None):
         return {"reward": [0.0] * len(completions), "none": [None] * len(completions)}
+
+    def score_with_failures(self, prompts, completions, columns, completion_ids=None):
+        return self.score(prompts, completions, columns, completion_ids), [""] * len(completions)
 
     def close(self):
         pass

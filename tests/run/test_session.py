@@ -253,7 +253,7 @@ def test_nonfinite_steps_are_skipped_then_stop(env):
 
     def nan_advantages(ctx, data, norms, spec):
         seen.append(ctx.learner)
-        data["advantages"] = torch.full(data["response_mask"].shape, math.nan)
+        data.advantages = torch.full(data.response_mask.shape, math.nan)
         return real_update(ctx, data, norms, spec)
 
     cfg = make_cfg(env, "nonfinite", "guard.max_nonfinite_steps=2")

@@ -259,9 +259,11 @@ function drawSamples() {
 
 // An episode turn by turn: the model's turns and the environment's observations set apart, each turn with the
 // environment's reward after it; a single-turn row (or one whose turns cannot be told apart) as one text. A segment of
-// an agent episode cut where the agent rewrote its history says which segment it is.
+// an agent episode cut where the agent rewrote its history says which segment it is. A sample without a reward starts
+// with why (its environment's or reward function's error).
 function completionCell(s) {
   const td = el("td", "text");
+  if (s.failure) td.append(el("div", "failed failure", "no reward: " + s.failure));
   const segments = s.segments || [];
   if (!segments.length) { td.append(el("div", null, s.completion)); return td; }
   const box = el("div");
