@@ -1,5 +1,5 @@
-"""The ``rlray`` command line: train, check, sweep, eval, serve-reward, rollback, models, snapshots, data, config,
-plan, monitor, ledger.
+"""The ``rlray`` command line: train, check, sweep, eval, serve-reward, judge, rollback, models, snapshots, data,
+config, plan, monitor, ledger.
 
 Each command imports what it needs inside its function: ``rlray --help`` and ``rlray data`` start in
 a second instead of paying for Ray, torch and vLLM (the one place where function-local imports are the rule).
@@ -61,6 +61,7 @@ def _serve_reward(args: argparse.Namespace) -> int:
     import time
 
     from rlray.launch.driver import init_ray, resolve_paths, start_reward_server
+    from rlray.launch.judges import deploy_judges
 
     cfg = resolve_paths(load_config(args.config, args.overrides))
     init_ray()
@@ -68,6 +69,10 @@ def _serve_reward(args: argparse.Namespace) -> int:
     srv = cfg.reward.server
     print(f"rlray-reward version {cfg.reward.version}: POST http://{srv.host}:{srv.port}/score "
           f"(Serve application '{srv.app_name}')", flush=True)
+    deploy_judges(cfg)
+    for judge in cfg.reward.judges:
+        print(f"judge '{judge.name}' version {cfg.reward.version}: {judge.path} (Serve application '{judge.app_name}')",
+              flush=True)
     if args.detach:
         return 0
     from ray import serve
@@ -76,7 +81,30 @@ def _serve_reward(args: argparse.Namespace) -> int:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        serve.delete(srv.app_name)
+        for name in [srv.app_name, *(j.app_name for j in cfg.reward.judges)]:
+            serve.delete(name)
+    return 0
+
+
+def _judge(args: argparse.Namespace) -> int:
+    from rlray.launch.judge_check import judge_check
+    from rlray.reward.judge_stats import format_report
+
+    if args.rows < 1:
+        print(f"rlray: --rows={args.rows}: give at least 1 row", file=sys.stderr)
+        return 2
+    cfg = load_config(args.config, args.overrides)
+    result = judge_check(cfg, args.rows, threshold=args.threshold, response_column=args.response_column,
+                         label_column=args.label_column)  # fmt: skip
+    if args.json:
+        import dataclasses
+
+        print(json.dumps(dataclasses.asdict(result), indent=2, default=str))
+        return 0
+    print(f"rlray judge check: {result.responses} responses to {result.rows} rows; references: "
+          f"{', '.join(result.references) or 'none (no reward.functions or --label-column)'}")
+    for report in result.reports:
+        print(format_report(report))
     return 0
 
 
@@ -267,13 +295,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser(
         "serve-reward",
-        help="run the reward Serve application: rlray serve-reward CONFIG [dotted.key=value ...] [--detach]; "
-        "on a running app (same reward.server.app_name) it hot-swaps to this config's reward.version",
+        help="run the reward Serve application and the judges' (reward.judges): rlray serve-reward CONFIG "
+        "[dotted.key=value ...] [--detach]; on running apps (same names) it hot-swaps to this config's reward.version",
     )
     r.add_argument("config")
     r.add_argument("overrides", nargs="*")
     r.add_argument("--detach", action="store_true", help="deploy or update, then exit (the app keeps running on the cluster)")
     r.set_defaults(func=_serve_reward)
+    j = sub.add_parser("judge", help="judges (reward.judges): rlray judge check CONFIG [dotted.key=value ...] [--rows N]")
+    jsub = j.add_subparsers(dest="judge_command", required=True)
+    jc = jsub.add_parser("check", help="before training: answer N rows with the policy, judge the answers, and print "
+                         "agreement with the reward functions (accuracy, Cohen's kappa, confusion table), the score "
+                         "spread, parse failures and position bias")
+    jc.add_argument("config")
+    jc.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. rollout.samples_per_prompt=8")
+    jc.add_argument("--rows", type=int, default=16, help="training rows to answer and judge (default 16)")
+    jc.add_argument("--threshold", type=float, help="judge score read as 'yes' from (default: the middle of its scale)")
+    jc.add_argument("--response-column", help="judge this column's response of each row instead of the policy's samples")
+    jc.add_argument("--label-column", help="a column with a reference value per row (above 0 is 'yes') to agree with")
+    jc.add_argument("--json", action="store_true", help="print the reports as JSON")
+    jc.set_defaults(func=_judge)
+
     r = sub.add_parser("rollback", help="prepare a resume from a snapshot: rlray rollback RUN_OR_URI --to STEP|vVERSION")
     r.add_argument("ref", metavar="RUN_OR_URI", help="MLflow run id, a run's snapshot folder, or the storage root")
     r.add_argument("--to", required=True, help="a step (12) or a registered model version (v3)")

@@ -68,6 +68,8 @@ FIELDS: tuple[Field, ...] = (
           "single-turn row; -1 for a padding row (mask off) that evens the learner ranks' shards", True),
     Field("failure", pa.string(), "", "why the sample has no reward, naming the source (its episode's environment, a "
           "reward function); null when it has one (rlray.run.failures)", True),
+    Field("judge_outputs", pa.map_(pa.string(), pa.string()), "", "each judge's raw output on the row, by judge name "
+          "(null without reward.judges)", True),
 )
 
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in FIELDS)

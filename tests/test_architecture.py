@@ -33,8 +33,9 @@ ALLOWED: dict[str, set[str]] = {
     # models: tool schemas need the tokenizer's chat template; sandbox: untrusted environments run in its child processes
     "envs": {"schema", "models", "sandbox"},
     # models: a reward model is a loaded LM with a head; schema: scores read experience rows;
-    # checkpoint: a reward model can load from a snapshot; sandbox: user reward functions run in its child processes
-    "reward": {"models", "schema", "checkpoint", "sandbox"},
+    # checkpoint: a reward model can load from a snapshot; sandbox: user reward functions run in its child processes;
+    # rollout: a judge (generative reward model) samples its verdicts with a RolloutEngine (vLLM or hf), as the policy
+    "reward": {"models", "schema", "checkpoint", "sandbox", "rollout"},
     # learner applies the math of algos to the models it loads; schema: it trains on the experience record's
     # tensor form (schema.StepBatch, schema.ModelInputs)
     "learner": {"algos", "models", "schema"},

@@ -40,7 +40,7 @@ class SnapshotManifest:
         policy_version: the policy version of the weights it holds (one per learner update).
         rollbacks: guard rollbacks the run had made by then (its snapshot folders carry ``_r<rollbacks>``).
         data_cursor: the data cursor (``RunContext.cursor_state``); its shape belongs to
-            ``rlray.data.PromptStream.state_dict`` and, online, ``rlray.rollout.fleet.RolloutPipeline.cursor_state``
+            ``rlray.data.PromptStream.state_dict`` and, online, ``rlray.rollout.pipeline.RolloutPipeline.cursor_state``
             (which adds "in_flight"). None only in a format-1 manifest, which cannot be resumed from.
         world_size: learner ranks of the run that wrote it (one RNG file per rank).
         run_id: the MLflow run that wrote it.

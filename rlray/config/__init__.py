@@ -8,7 +8,7 @@ nearest valid key).
 Sections: run, model, data, rollout, reward, env, algo, teacher, learner, eval, tracking, checkpoint, guard,
 monitor, resources.
 
-Modules: base, run, reward, algo, teacher, env, operations, resources, schema (``Config``), loading (YAML
+Modules: base, run, reward, judge, algo, teacher, env, operations, resources, schema (``Config``), loading (YAML
 and overrides) and describe (``rlray config --describe``). The package re-exports the public names in
 ``__all__``; a private helper (leading underscore) is imported from the module that defines it.
 """
@@ -20,6 +20,7 @@ from rlray.config.algo import (  # noqa: F401
     OfflineConfig,
 )
 from rlray.config.base import ConfigError, CoreList, flatten  # noqa: F401
+from rlray.config.judge import JudgeConfig, JudgeParseConfig  # noqa: F401
 from rlray.config.loading import (  # noqa: F401
     apply_overrides,
     config_from_dict,
@@ -29,6 +30,7 @@ from rlray.config.loading import (  # noqa: F401
 )
 from rlray.config.operations import BandConfig, CheckpointConfig, GuardConfig, MonitorConfig, S3Config  # noqa: F401
 from rlray.config.resources import (  # noqa: F401
+    JudgeResources,
     LearnerResources,
     ReferenceResources,
     ResourcesConfig,
@@ -54,6 +56,8 @@ __all__ = [
     "RewardFunctionConfig",
     "RewardServerConfig",
     "RewardConfig",
+    "JudgeConfig",
+    "JudgeParseConfig",
     "AlgoConfig",
     "CriticConfig",
     "OfflineConfig",
@@ -66,6 +70,7 @@ __all__ = [
     "RolloutResources",
     "LearnerResources",
     "RewardResources",
+    "JudgeResources",
     "ReferenceResources",
     "TeacherResources",
     "TeacherConfig",

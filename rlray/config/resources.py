@@ -82,6 +82,19 @@ class RewardResources(_Section):
     custom_resources: CustomResources = _custom_field("reward")
 
 
+class JudgeResources(_Section):
+    """Ray resources of each judge's Serve application (used when reward.judges is set)."""
+
+    replicas: int = Field(1, ge=1, description="Serve replicas per judge, one engine each; a step's judgements are split over them.")
+    cpus: float = Field(0.25, gt=0.0, description="Logical Ray CPUs per replica.")
+    gpus: float = Field(0.0, ge=0.0, description="Ray GPUs per replica.")
+    custom_resources: CustomResources = _custom_field("judge")
+    cpu_threads: CoreList | None = Field(
+        None,
+        description="Cores of each replica's vLLM CPU threads ('0-1'); None: the environment's, else '0-1'.",
+    )
+
+
 class ReferenceResources(_Section):
     """Where the frozen reference model runs (used when algo.kl_coef > 0)."""
 
@@ -127,6 +140,7 @@ class ResourcesConfig(_Section):
     rollout: RolloutResources = Field(default_factory=RolloutResources)
     learner: LearnerResources = Field(default_factory=LearnerResources)
     reward: RewardResources = Field(default_factory=RewardResources)
+    judge: JudgeResources = Field(default_factory=JudgeResources)
     reference: ReferenceResources = Field(default_factory=ReferenceResources)
     teacher: TeacherResources = Field(default_factory=TeacherResources)
     env: EnvResources = Field(default_factory=EnvResources)

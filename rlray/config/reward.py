@@ -1,4 +1,4 @@
-"""Config section reward: reward terms (built-in verifiers, user functions), the Serve reward server and a reward model."""
+"""Config section reward: reward terms (built-in verifiers, user functions), judges, the Serve reward server and a reward model."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from rlray.config.base import _Section
+from rlray.config.judge import RESERVED_TERMS, JudgeConfig
 
 
 class RewardFunctionConfig(_Section):
@@ -74,7 +75,7 @@ class RewardServerConfig(_Section):
     enabled: bool = Field(
         False,
         description=(
-            "Score through the Serve application (DeploymentHandle from the loop, HTTP POST /score for other "
+            "Score through the Serve application (DeploymentHandle from the run, HTTP POST /score for other "
             "tools); False scores in the learner's rank-0 process."
         ),
     )
@@ -99,14 +100,14 @@ class RewardServerConfig(_Section):
         5,
         ge=1,
         description=(
-            "Tries of one scoring request from the loop while no replica answers (a restarting replica), with "
+            "Tries of one scoring request from the run while no replica answers (a restarting replica), with "
             "exponential back-off from 1 s (at most 30 s between tries); then the step fails with a clear error."
         ),
     )
     client_timeout_s: float = Field(
         300.0,
         gt=0.0,
-        description="Seconds the loop waits for one try of a scoring request, queueing for a replica included.",
+        description="Seconds the run waits for one try of a scoring request, queueing for a replica included.",
     )
 
 
@@ -130,6 +131,13 @@ class RewardConfig(_Section):
         description=(
             "Version number of the reward definition (rules, functions and any reward model); logged per "
             "step as reward/version. Bump it when hot-swapping a reward model into a running server."
+        ),
+    )
+    judges: list[JudgeConfig] = Field(
+        default_factory=list,
+        description=(
+            "Judges (generative reward models): LLMs on their own Serve applications whose verdicts are weighted "
+            "terms beside the functions, each logged as reward/<name>; hot-swapped by deploying a new reward.version."
         ),
     )
     server: RewardServerConfig = Field(default_factory=RewardServerConfig)
@@ -156,15 +164,21 @@ class RewardConfig(_Section):
 
     @model_validator(mode="after")
     def _unique_names(self) -> RewardConfig:
-        seen: dict[str, int] = {}
-        for i, f in enumerate(self.functions):
-            name = f.term_name
-            if name in ("reward", "reward_model"):
-                raise ValueError(f"reward.functions[{i}] is named '{name}', a reserved name; set its name")
+        seen: dict[str, str] = {}
+        entries = [(f"reward.functions[{i}]", f.term_name) for i, f in enumerate(self.functions)]
+        entries += [(f"reward.judges[{i}]", j.name) for i, j in enumerate(self.judges)]
+        for key, name in entries:
+            if name in ("reward", "reward_model") or (key.startswith("reward.judges") and name in RESERVED_TERMS):
+                raise ValueError(f"{key} is named '{name}', a reserved name; set its name")
             if name in seen:
                 raise ValueError(
-                    f"reward.functions[{seen[name]}] and reward.functions[{i}] are both named '{name}' "
-                    "(metric reward/<name>); give one of them a distinct name"
+                    f"{seen[name]} and {key} are both named '{name}' (metric reward/<name>); give one of them a "
+                    "distinct name"
                 )
-            seen[name] = i
+            seen[name] = key
         return self
+
+    @property
+    def term_names(self) -> list[str]:
+        """Returns the names of the configured terms: the functions', then the judges' (metrics reward/<name>)."""
+        return [f.term_name for f in self.functions] + [j.name for j in self.judges]

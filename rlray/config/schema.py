@@ -135,7 +135,7 @@ class Config(_Section):
                 + (env.max_turns - 1) * env.max_observation_tokens)
 
     def _check_reward_terms(self) -> None:
-        names = [f.term_name for f in self.reward.functions]
+        names = self.reward.term_names
         metric = self.algo.dynamic_sampling_metric
         if self.algo.algorithm.dynamic_sampling and metric != "reward" and metric not in names:
             if metric in ("accuracy", "format"):
@@ -145,7 +145,7 @@ class Config(_Section):
                 )
             raise ValueError(
                 f"algo.dynamic_sampling_metric={metric!r} is not a reward term; use 'reward' or one of the "
-                f"reward.functions names {names}"
+                f"reward.functions and reward.judges names {names}"
             )
 
     def _check_resources(self) -> None:

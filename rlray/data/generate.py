@@ -10,7 +10,7 @@ Item spaces:
 - ``"retry_arith"``: ``a op b`` for a and b in 0-50 and op in + -, with a >= b for "-" (results are never
   negative): 2,601 + 1,326 = 3,927 items (3,100 train, 395 calibration, 432 heldout), each with
   ``feedback: "direction"`` (a wrong answer is told higher or lower) and ``max_attempts: 3``. The range was chosen
-  on the calibration split (issue 16's learning bar asks for a base success of 10-60%): SmolLM2-135M-Instruct,
+  on the calibration split (a task the model can learn needs a base success of 10-60%): SmolLM2-135M-Instruct,
   greedy, succeeded on 23% of 100 calibration items in 0-50, 30% in 0-30 and 35% in 0-20, and on 8.5% of 200
   two-digit items (10-99, the previous range), where 0-30 and 0-20 hold too few items for 200 held-out rows.
 - ``"guess"``: low = 1, high in 10, 20, ..., 100, secret in [low, high], ``max_guesses`` = the binary-search

@@ -173,7 +173,7 @@ def start_lines(*, run_id: str, tracking_uri: str, monitor_url: str, dashboard_u
     dashboard = dashboard_url if "://" in dashboard_url or not dashboard_url else f"http://{dashboard_url}"
     lines = [
         f"rlray: MLflow run {run_id} in {tracking_uri} "
-        f"(open: mlflow ui --backend-store-uri {tracking_uri} --port 5000; or rlray monitor {run_id})",
+        f"(open: mlflow ui --backend-store-uri {tracking_uri} --host 127.0.0.1 --port 5000; or rlray monitor {run_id})",
         f"rlray: live page at {monitor_url}/ (curves and samples), health at {monitor_url}/health, "
         f"metrics at {monitor_url}/metrics",
     ]

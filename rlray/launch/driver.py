@@ -7,7 +7,8 @@ the Ray Train training function (``rlray.run.worker.train_worker``); this module
    and build the step hooks of ``run.hooks`` (``rlray.run.hooks.load_step_hooks``) before Ray or MLflow start,
 1. check that every role's resources fit the cluster (before any actor starts),
 2. the rollout actors on the nodes a released placement group chose (rlray:rollout-<i>),
-3. the reward Serve application rlray-reward (when reward.server.enabled),
+3. the reward Serve application rlray-reward (when reward.server.enabled) and one Serve application per judge,
+   rlray-judge-<name> (when reward.judges is set; ``rlray.launch.judges``),
 4. the reference actor rlray:reference-0 (when resources.reference.placement == "actor") and the teacher actor
    rlray:teacher-0 (when teacher.path is set and resources.teacher.placement == "actor"),
 5. the Ray Train TorchTrainer (DDP or FSDP over resources.learner.num_workers workers).
@@ -39,6 +40,7 @@ from rlray.config import Config
 from rlray.data import load_prompt_rows, prepare_prompts
 from rlray.launch import console
 from rlray.launch.actors import kill_actors, start_env_hosts, start_reference_actor, start_rollout_actors
+from rlray.launch.judges import deploy_judges, judge_apps
 from rlray.launch.monitor_actor import start_monitor
 from rlray.launch.placement import bundle, check_cluster, rollout_nodes
 from rlray.launch.preflight import preflight
@@ -149,6 +151,8 @@ def resolve_paths(cfg: Config, base: Path | None = None) -> Config:
     for section in (out.reward, out.critic):
         if section.model_path is not None:
             section.model_path = local(section.model_path)
+    for judge in out.reward.judges:
+        judge.path = local(judge.path)
     for fn in out.reward.functions:
         target, name = fn.function.rsplit(":", 1) if ":" in fn.function else (fn.function, "")
         if target.endswith(".py"):
@@ -247,7 +251,7 @@ def run_training(
     Starts the monitor (/health on ``monitor.port``) and the rollout actors, then a Ray Train
     ``TorchTrainer`` whose checkpoints are rlray's snapshots under ``checkpoint.uri``; learner
     failures are restarted from the latest snapshot (``monitor.max_failures``). SIGTERM (``ray job
-    stop``) on the driver's main thread asks the loop to stop at the next step boundary, with a
+    stop``) on the driver's main thread asks the run to stop at the next step boundary, with a
     snapshot of the last finished step. The MLflow run ends FINISHED, KILLED (a guard, SIGTERM or a
     hook stopped it; tags ``rlray.status`` and ``rlray.stop_reason`` say which) or FAILED.
 
@@ -294,7 +298,7 @@ def run_training(
     log.info("MLflow run %s in %s", tracker.run_id, cfg.tracking.mlflow_uri)
     log_dir = Path(cfg.run.output_dir, "logs", tracker.run_id)
     log_file = console.keep_logs(log_dir) if "://" not in cfg.run.output_dir else None
-    actors, reference, teacher, own_app, env_hosts = [], None, None, False, []
+    actors, reference, teacher, own_app, env_hosts, own_judges = [], None, None, False, [], []
     status, outcome, url, progress = "FAILED", None, "", None
     control = services.control = start_run_control()
     try:
@@ -315,6 +319,8 @@ def run_training(
             env_hosts = start_env_hosts(cfg, namespace=namespace, model_dir=model_dir)
         if online and cfg.reward.server.enabled:
             own_app = start_reward_server(cfg)
+        if online and cfg.reward.judges:
+            own_judges = deploy_judges(cfg)
         if online and cfg.algo.kl_coef > 0 and cfg.resources.reference.placement == "actor":
             reference = start_reference_actor(cfg, model_dir, namespace=namespace)
         if online and cfg.teacher.enabled and cfg.resources.teacher.placement == "actor":
@@ -347,10 +353,11 @@ def run_training(
         tracker.finish_unless_ended(_mlflow_status(status), {"rlray.status": status})
         monitor = [services.monitor] if services.monitor is not None else []
         kill_actors([*actors, *env_hosts, *[a for a in (reference, teacher) if a is not None], *monitor, control])
-        if own_app:  # a server started by `rlray serve-reward` before the run stays up
-            from ray import serve  # deferred: only runs with reward.server.enabled import Ray Serve
+        if own_app or own_judges:  # a server started by `rlray serve-reward` (or a sweep) before the run stays up
+            from ray import serve  # deferred: only runs with reward.server.enabled or judges import Ray Serve
 
-            serve.delete(cfg.reward.server.app_name)
+            for name in ([cfg.reward.server.app_name] if own_app else []) + own_judges:
+                serve.delete(name)
         if log_file is not None:
             finish_logs(log_file, log_dir, ray_info, started_at, status, outcome, cfg.run.max_steps)
     return TrainResult(tracker.run_id, cfg.tracking.mlflow_uri, (outcome.last_snapshot if outcome else None) or "", status,
@@ -410,12 +417,14 @@ def stop_on_sigterm(control: ray.actor.ActorHandle) -> Iterator[None]:
 class EvalSetup:
     """What evaluating a snapshot needs, as ``eval_setup`` yields it: ``rollouts`` (the rollout fleet, or the
     episode rollout over it when env.environments is set), ``reward`` (the in-process reward client), ``prompts``
-    (the first ``eval.num_problems`` eval rows, each with its prompt token ids) and ``tokenizer``."""
+    (the first ``eval.num_problems`` eval rows, each with its prompt token ids), ``tokenizer`` and ``judges`` (the
+    judges' clients, their applications deployed for the evaluation; None without reward.judges)."""
 
     rollouts: RolloutSource
     reward: Any
     prompts: list[tuple[Any, list[int]]]
     tokenizer: Any
+    judges: Any = None
 
 
 @contextlib.contextmanager
@@ -452,7 +461,13 @@ def eval_setup(cfg: Config, checkpoint_path: str) -> Iterator[EvalSetup]:
         fleet = RolloutFleet(actors, node_wait_s=cfg.resources.node_wait_s)
         rollouts = build.rollouts(cfg, fleet, hosts, tokenizer)
         try:
-            yield EvalSetup(rollouts, reward, list(zip(rows, ids, strict=True)), tokenizer)
+            with judge_apps(cfg):
+                judges = build.judge_panel(cfg)
+                try:
+                    yield EvalSetup(rollouts, reward, list(zip(rows, ids, strict=True)), tokenizer, judges)
+                finally:
+                    if judges is not None:
+                        judges.close()
         finally:
             reward.close()
     finally:
@@ -476,4 +491,5 @@ def evaluate_checkpoint(cfg: Config, checkpoint_path: str) -> dict[str, float]:
             pass_k = dataclasses.replace(build.sampling_for_step(cfg, 0), n=cfg.eval.pass_k,
                                          max_new_tokens=cfg.eval_max_new_tokens, seed=cfg.run.seed)
         return evaluation.evaluate_prompts(setup.rollouts, setup.reward, setup.prompts, setup.tokenizer,
-                                       build.eval_sampling(cfg), cfg.env.reward_weight, pass_k)
+                                       build.eval_sampling(cfg), cfg.env.reward_weight, pass_k, judges=setup.judges,
+                                       judge_seed=cfg.run.seed)

@@ -66,6 +66,9 @@ def role_requests(cfg: Config) -> list[RoleRequest]:
     ]
     if cfg.reward.server.enabled:
         out.append(RoleRequest("reward", res.reward.replicas, bundle(res.reward.cpus, res.reward.gpus, res.reward.custom_resources)))
+    if cfg.reward.judges:  # one Serve application per judge, resources.judge.replicas each
+        out.append(RoleRequest("judge", res.judge.replicas * len(cfg.reward.judges),
+                               bundle(res.judge.cpus, res.judge.gpus, res.judge.custom_resources)))  # fmt: skip
     if cfg.algo.kl_coef > 0 and res.reference.placement == "actor":
         out.append(RoleRequest("reference", 1, bundle(res.reference.cpus, res.reference.gpus, res.reference.custom_resources)))
     if cfg.teacher.enabled and res.teacher.placement == "actor":

@@ -18,6 +18,8 @@ at once with the error of the module that owns the input, which names the config
 - every row reaches a configured environment or none, every environment is reached, loads, and opens its first
   episode with usable tool schemas (``rlray.launch.envcheck.check_environments``; ``reset`` runs in a child
   process);
+- each ``reward.judges[i]`` has a model, templates that read only the rows' columns and render on the first row,
+  and labels its tokenizer tells apart (``rlray.launch.judges.check_judges``: ``JudgeError``, ``ModelError``);
 - snapshots can be written under ``checkpoint.uri`` (``SnapshotError``): a missing bucket or bad
   ``checkpoint.s3.*`` credentials fail here, not at the first snapshot;
 - the learner's and the rollout's predicted memory fits (``rlray.launch.plan.check_fit``, config.json only): with
@@ -39,6 +41,7 @@ from rlray.checkpoint import storage as checkpoint
 from rlray.config import Config, ConfigError
 from rlray.data import DataError, load_preference_pairs, load_prompt_rows, prepare_prompts
 from rlray.launch.envcheck import check_environments, check_reward_columns
+from rlray.launch.judges import check_judges
 from rlray.launch.plan import check_fit
 from rlray.models import ModelError, cpu_supports_bf16, load_tokenizer, resolve_model_path, vocabulary
 from rlray.models.adapters import check_adapter
@@ -100,14 +103,16 @@ def check_inputs(cfg: Config) -> str:
         eval_rows = []
         if cfg.eval.num_problems:
             eval_rows = load_prompt_rows(cfg.data.eval_files, prompt_column=cfg.data.prompt_column)[: cfg.eval.num_problems]
-        if not cfg.reward.functions and cfg.reward.model_path is None and not cfg.teacher.enabled and not cfg.env.enabled:
+        if (not cfg.reward.functions and cfg.reward.model_path is None and not cfg.reward.judges
+                and not cfg.teacher.enabled and not cfg.env.enabled):
             raise RewardFunctionError(
                 "this online run has no reward: set reward.functions (built-in verifiers such as "
-                "[{function: math_equal}], or your own 'file.py:function'), reward.model_path, a "
+                "[{function: math_equal}], or your own 'file.py:function'), reward.judges, reward.model_path, a "
                 "distillation teacher (teacher.path), or environments that reward their episodes (env.environments)"
             )
         for fn in cfg.reward.functions:
             check_function_spec(fn.function)
+        check_judges(cfg, rows)
         for name, spec in cfg.env.environments.items():
             check_environment_spec(name, spec)
         for name, spec in cfg.env.agents.items():

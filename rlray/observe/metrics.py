@@ -6,7 +6,8 @@ One registry, read by every consumer so that none keeps a list of its own:
   ``Metric`` with its unit and a one-line meaning. The section is the key's first part (``reward/``, ``algo/``, ...).
 - ``FAMILIES``: keys made from a name only known at run time, by prefix: one per episode stop reason, per number an
   environment reports, per pass@k.
-- ``TERM_FAMILIES``: the keys of each reward term (``reward.functions[].name``): its mean and skipped count, per step
+- ``TERM_FAMILIES``: the keys of each reward term (``reward.functions[].name``, ``reward.judges[].name``): its mean and
+  skipped count, per step
   and at evaluation (``term_keys``). ``TERMS`` holds the terms rlray itself adds (DAPO's ``overlong``).
 - ``RENAMED_KEYS``: keys of earlier releases and what replaced them.
 - ``CHARTS``: what the live page plots, grouped into charts (title, unit, keys). The monitor serves them as data
@@ -184,6 +185,17 @@ _STEP_METRICS: tuple[Metric, ...] = (
     Metric("reward/overlong_penalty_mean", "reward", "mean DAPO overlong penalty (<= 0) over the step's samples"),
     Metric("rollout/truncated_masked", "count", "truncated samples left out of the loss (algo.mask_truncated)"),
     Metric("reward/model_score", "reward", "mean raw score of the reward model term"),
+    # judges (reward.judges; all judges together, every call since the previous step's metrics, evaluation's too)
+    Metric("reward/judge_requests", "count", "judgements asked of the judges (samples; groups in group mode), cached ones included"),
+    Metric("reward/judge_cache_hits", "count", "judgements answered from the run's judge cache (or asked twice in one batch)"),
+    Metric("reward/judge_calls", "count", "requests sent to judge replicas (one chunk of judgements each, retries included)"),
+    Metric("reward/judge_retries", "count", "judge requests sent again after a time-out or an error"),
+    Metric("reward/judge_latency_s", "s", "mean wall time of a judge request (a chunk), when one was sent"),
+    Metric("reward/judge_parse_failures", "count", "samples whose judge output did not parse: failed rewards, not trained on"),
+    Metric("reward/judge_errors", "count", "samples a judge failed otherwise (no answer after its tries, prompt too long)"),
+    Metric("reward/judge_prompt_tokens", "tokens", "tokens the judges read (judge prompts sent, not cached)"),
+    Metric("reward/judge_output_tokens", "tokens", "tokens the judges wrote"),
+    Metric("reward/judge_version", "version", "lowest judge version that answered (reward.version at its deployment)"),
     # PPO's critic
     Metric("learner/value_loss", "loss", "token mean of the critic's value loss, first epoch"),
     Metric("learner/critic_grad_norm", "L2 norm", "critic gradient norm before clipping, mean over the optimizer steps"),
@@ -251,7 +263,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("eval/env_metric/{name}", "as reported", "mean over the evaluation episodes of a number the environment reports"),
     Family("eval/pass@{k}", "fraction", "evaluation problems solved by at least one of k samples (eval.pass_k)"),
 )
-# Per reward term (reward.functions[].name, or the function's own name): its mean over the samples it scored and the
+# Per reward term (reward.functions[].name, or the function's own name; reward.judges[].name): its mean over the samples it scored and the
 # count it skipped (returned None for), per step and at evaluation.
 TERM_FAMILIES: tuple[Family, ...] = (
     Family("reward/{term}", "reward", "mean of a reward term over the step's samples it scored"),
@@ -309,7 +321,7 @@ def term_keys(terms: list[str] | tuple[str, ...]) -> tuple[str, ...]:
 
 def is_metric_key(key: str, terms: list[str] | tuple[str, ...] = ()) -> bool:
     """Returns True when ``key`` is registered: a key of ``METRICS``, a key of one of ``FAMILIES``, or a key of reward
-    term ``terms`` (the run's ``reward.functions`` term names) or of ``TERMS`` (``term_keys``)."""
+    term ``terms`` (the run's ``reward.term_names``: functions and judges) or of ``TERMS`` (``term_keys``)."""
     if key in BY_KEY or key.startswith(tuple(f.prefix for f in FAMILIES)):
         return True
     return key in term_keys((*terms, *TERMS))

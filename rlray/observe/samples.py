@@ -9,7 +9,7 @@ string "failed", a skipped term (None) is null, a failed reward or a missing adv
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -43,6 +43,8 @@ class StepSample:
             episode was cut (0 the first; each trained on its own, ``env/template_drift``); None otherwise.
         failure: why the sample has no reward, naming the source ("environment 'calc' (env_error): step raised
             KeyError: 'a' (at env.py:12)", "reward function 'f': ValueError: ..."); None when it has one.
+        judge_outputs: each judge's raw output on the sample, by judge name (``reward.judges``; a group-mode judge's
+            output covers the sample's whole group); empty without judges.
     """
 
     step: int
@@ -61,6 +63,7 @@ class StepSample:
     segments: tuple[tuple[bool, str], ...] = ()
     segment: int | None = None
     failure: str | None = None
+    judge_outputs: dict[str, str] = field(default_factory=dict)
 
 
 def mask_runs(mask: list[bool]) -> list[tuple[int, int, bool]]:
@@ -138,17 +141,23 @@ def json_row(sample: StepSample) -> dict[str, Any]:
         "segments": [{"role": "assistant" if sampled else "observation", "text": text} for sampled, text in sample.segments],
         "segment": sample.segment,
         "failure": sample.failure,
+        "judge_outputs": dict(sample.judge_outputs),
     }
 
 
 def table_columns(samples: list[StepSample]) -> dict[str, list[Any]]:
     """Returns the step's samples as table columns (``mlflow.log_table``): the fields of ``json_row`` with each
-    reward term in its own column ``reward/<term>`` (null where a sample lacks the term)."""
+    reward term in its own column ``reward/<term>`` (null where a sample lacks the term) and each judge's raw output
+    in its own column ``judge/<name>``."""
     rows = [json_row(s) for s in samples]
     names = sorted({name for r in rows for name in r["terms"]})
-    columns: dict[str, list[Any]] = {k: [r[k] for r in rows] for k in rows[0] if k != "terms"} if rows else {}
+    judges = sorted({name for r in rows for name in r["judge_outputs"]})
+    nested = ("terms", "judge_outputs")
+    columns: dict[str, list[Any]] = {k: [r[k] for r in rows] for k in rows[0] if k not in nested} if rows else {}
     for name in names:
         columns[f"reward/{name}"] = [r["terms"].get(name) for r in rows]
+    for name in judges:
+        columns[f"judge/{name}"] = [r["judge_outputs"].get(name) for r in rows]
     return columns
 
 
@@ -159,8 +168,9 @@ def rows_from_table(table: dict[str, Any]) -> list[dict[str, Any]]:
         table: the artifact ``samples/step_<step>.json`` as parsed JSON, pandas' "split" layout
             ``{"columns": [...], "data": [[...], ...]}`` (what ``mlflow.log_table`` writes).
 
-    Each ``reward/<term>`` column goes back into ``terms``; a null there may mean the term skipped the sample or
-    that the sample lacked the term (the table cannot tell them apart). Columns an older or newer rlray wrote
+    Each ``reward/<term>`` column goes back into ``terms`` and each ``judge/<name>`` column into ``judge_outputs``; a
+    null term may mean the term skipped the sample or that the sample lacked the term (the table cannot tell them
+    apart). Columns an older or newer rlray wrote
     (fields this one does not know, or lacks) are kept as they are.
 
     Raises:
@@ -171,10 +181,13 @@ def rows_from_table(table: dict[str, Any]) -> list[dict[str, Any]]:
                          f"got keys {sorted(table) if isinstance(table, dict) else type(table).__name__}")
     rows = []
     for values in table["data"]:
-        row: dict[str, Any] = {"terms": {}}
+        row: dict[str, Any] = {"terms": {}, "judge_outputs": {}}
         for column, value in zip(table["columns"], values, strict=True):
             if column.startswith("reward/"):
                 row["terms"][column.removeprefix("reward/")] = value
+            elif column.startswith("judge/"):
+                if value is not None:
+                    row["judge_outputs"][column.removeprefix("judge/")] = value
             else:
                 row[column] = value
         rows.append(row)

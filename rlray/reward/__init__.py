@@ -1,4 +1,6 @@
-"""Rewards: weighted terms in TRL's reward-function convention (built-in verifiers, user functions) and a reward model."""
+"""Rewards: weighted terms in TRL's reward-function convention (built-in verifiers, user functions), a reward model,
+and judges (generative reward models on Ray Serve: ``rlray.reward.judges``, ``judge_service``, ``judge_server``,
+``judge_client``, ``judge_panel``; ``judge_stats`` for ``rlray judge check``)."""
 
 from rlray.reward.functions import RewardFunctionError, load_reward_function
 from rlray.reward.gsm8k import extract_final_answer, grade_gsm8k, gsm8k_reward

@@ -1,4 +1,4 @@
-"""The reward server: the Serve application ``rlray-reward`` and the clients the loop scores through.
+"""The reward server: the Serve application ``rlray-reward`` and the clients a run scores through.
 
 Layers, bottom up:
 - ``ScorerSandbox``: a child process (``rlray.sandbox.ProcessSandbox``, the same mechanism that
@@ -11,14 +11,14 @@ Layers, bottom up:
 - ``RewardDeployment``: the thin Serve deployment. ``@serve.batch`` merges concurrent requests into
   one scorer call; ``reconfigure`` (Serve's user_config) hot-swaps the scorer and its version;
   FastAPI serves ``POST /score``.
-- ``LocalRewardClient`` / ``ServeRewardClient``: what the loop calls, ``score(...) -> ScoreResult``. The
+- ``LocalRewardClient`` / ``ServeRewardClient``: what a run calls, ``score(...) -> ScoreResult``. The
   Serve client retries with exponential back-off while no replica answers (a killed replica is restarted
   by Serve), then fails with ``RewardServerUnavailableError``.
 
 A request carries B prompts (strings or TRL conversational message lists), B completions, B column dicts
 (each sample's prompt row's other columns, passed to the reward functions as keyword lists) and, optionally,
 B completion token-id lists; ``rlray.reward.scorer`` describes how they are scored. A term's value is a
-float, NaN (*failed*: the function raised, timed out or returned NaN/inf; NaN in "reward" too, and the loop
+float, NaN (*failed*: the function raised, timed out or returned NaN/inf; NaN in "reward" too, and the run
 counts the sample in ``reward/failed`` and leaves it out) or None (*skipped*: the function returned None,
 the term does not apply). JSON has no NaN, so the HTTP reply keeps the two apart by writing NaN as the
 string ``"NaN"`` and None as ``null`` (``ScoreReply``: ``ser_json_inf_nan="strings"``);
@@ -74,11 +74,13 @@ class ScoreResult:
             sample failed, None where a term skipped it (``rlray.reward.scorer``).
         failures: B texts: "" where the reward is a number, else why it is NaN, naming the reward function
             (``RewardScorer.score_with_failures``); [] from a client that does not know them.
+        outputs: {judge name: [B raw judge outputs]} when judges scored the batch (``rlray.reward.judge_panel``).
     """
 
     version: int
     values: dict[str, list[float | None]]
     failures: list[str] = field(default_factory=list)
+    outputs: dict[str, list[str]] = field(default_factory=dict)
 
 
 class ScoreRequest(BaseModel):
@@ -349,7 +351,7 @@ def deploy_reward_app(app: Any, *, name: str = APP_NAME, host: str = "127.0.0.1"
 
 
 # --------------------------------------------------------------------------------------------
-# Clients (what the loop calls)
+# Clients (what a run calls)
 # --------------------------------------------------------------------------------------------
 class LocalRewardClient:
     """Scores in this process with a ``RewardScorer`` (no server; user functions still run in their sandboxes).

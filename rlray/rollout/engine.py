@@ -154,10 +154,13 @@ class RolloutEngine:
             sampling: samples per prompt, token cap, temperature (0.0 greedy), top-p, seed.
 
         Raises:
-            ValueError: an empty prompt, an id outside the vocabulary, or a prompt that leaves no
-                room for max_new_tokens within max_model_len (names the prompt index).
+            ValueError: an empty prompt, an id outside the vocabulary (a prompt's or one of
+                ``sampling.logprob_token_ids``), or a prompt that leaves no room for max_new_tokens
+                within max_model_len (names the prompt index).
         """
         self._check_prompts(prompt_token_ids, sampling.max_new_tokens)
+        if bad := [t for t in sampling.logprob_token_ids if t >= self._vocab_size]:
+            raise ValueError(f"generate: logprob_token_ids {bad} are outside the vocabulary [0, {self._vocab_size})")
         if not prompt_token_ids:
             return []
         return self._backend.generate(prompt_token_ids, sampling, self._policy_version)

@@ -86,14 +86,18 @@ class HFBackend:
         # Temperature-scaled like the learner's logprobs (greedy: raw); top-p truncation is not
         # renormalised here, unlike the vLLM backend (documented deviation of this fallback).
         scale = sampling.temperature or 1.0
-        logprobs = torch.stack(
-            [(step.float() / scale).log_softmax(-1).gather(-1, new_ids[:, t, None])[:, 0] for t, step in enumerate(out.logits)],
-            dim=1,
-        )  # [B, T] float32
-        return [
+        steps = [(step.float() / scale).log_softmax(-1) for step in out.logits]  # T x [B, V] float32
+        logprobs = torch.stack([s.gather(-1, new_ids[:, t, None])[:, 0] for t, s in enumerate(steps)], dim=1)  # [B, T]
+        asked = list(sampling.logprob_token_ids)
+        picked = torch.stack([s[:, asked] for s in steps], dim=1) if asked else None  # [B, T, K] float32
+        completions = [
             _to_completion(row, new_ids[row], logprobs[row], sampling, self._eos_ids, policy_version)
             for row in range(len(rows))
         ]
+        if picked is not None:
+            for row, c in enumerate(completions):
+                c.token_id_logprobs = [dict(zip(asked, v, strict=True)) for v in picked[row, : len(c.response_token_ids)].tolist()]
+        return completions
 
     def load_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
         """Copies Hugging Face named tensors into the model in place (cast to its dtype); drops a loaded adapter.

@@ -1,7 +1,7 @@
 """Plain records that cross the rollout boundary: what to sample, and what came back; and ``RolloutSource``,
 what the step, the async pipeline and evaluation sample from.
 
-No config objects and no engine imports here, so the loop, the actors and the tests can use
+No config objects and no engine imports here, so the run, the actors and the tests can use
 these records without vLLM installed.
 """
 
@@ -30,6 +30,9 @@ class SamplingSpec:
         min_p: drop tokens whose probability is below min_p times the most likely one's; 0.0 disables it.
         stop: stop strings; generation ends after the token that completes one (finish_reason "stop",
             the stop string's tokens kept in response_token_ids).
+        logprob_token_ids: token ids whose logprobs are also returned for every generated token
+            (``Completion.token_id_logprobs``; a judge's label tokens), from the same distribution as
+            rollout_logprobs; () asks for none.
 
     Raises:
         ValueError: a field out of range (the message names the field and the value).
@@ -43,6 +46,7 @@ class SamplingSpec:
     top_k: int = 0
     min_p: float = 0.0
     stop: tuple[str, ...] = ()
+    logprob_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
@@ -62,6 +66,9 @@ class SamplingSpec:
         self.stop = tuple(self.stop)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"SamplingSpec.stop={self.stop!r}: need non-empty strings")
+        self.logprob_token_ids = tuple(self.logprob_token_ids)
+        if any(not isinstance(t, int) or t < 0 for t in self.logprob_token_ids):
+            raise ValueError(f"SamplingSpec.logprob_token_ids={self.logprob_token_ids!r}: need token ids >= 0")
 
     @property
     def greedy(self) -> bool:
@@ -138,6 +145,8 @@ class Completion:
         prompt_token_ids: the prompt this completion continues when it is not the one given to
             generate() (an episode: the environment's opening prompt); None: the given prompt.
         episode: what the environment episode recorded (None for a single-turn completion).
+        token_id_logprobs: per generated token, {token id: logprob (nats)} of ``SamplingSpec.logprob_token_ids``,
+            from the distribution rollout_logprobs come from; empty when none were asked.
     """
 
     prompt_index: int
@@ -149,6 +158,7 @@ class Completion:
     loss_mask: list[bool] = field(default_factory=list)
     prompt_token_ids: list[int] | None = None
     episode: EpisodeInfo | None = None
+    token_id_logprobs: list[dict[int, float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.loss_mask:
@@ -163,7 +173,7 @@ PendingT = TypeVar("PendingT")
 
 @runtime_checkable
 class RolloutSource(Protocol[PendingT]):
-    """What the step, the async pipeline (``rlray.rollout.fleet.RolloutPipeline``) and evaluation sample from: the
+    """What the step, the async pipeline (``rlray.rollout.pipeline.RolloutPipeline``) and evaluation sample from: the
     rollout fleet (``rlray.rollout.fleet.RolloutFleet``), or the episodes over it when environments are configured
     (``rlray.run.episodes.EpisodeRollout``).
 

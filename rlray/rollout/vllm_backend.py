@@ -215,7 +215,10 @@ class VllmBackend:
                 min_p=sampling.min_p,
                 stop=list(sampling.stop) or None,
                 include_stop_str_in_output=True,  # the stop string's tokens stay in the episode's token sequence
-                logprobs=0,  # only the sampled token's logprob
+                # only the sampled token's logprob, and those of logprob_token_ids (a judge's labels; vLLM wants
+                # logprobs == their count then)
+                logprobs=len(sampling.logprob_token_ids),
+                logprob_token_ids=list(sampling.logprob_token_ids) or None,
                 detokenize=bool(sampling.stop),  # token ids only (detokenizing cut throughput ~5x) unless stop strings
             )
             for p in range(len(prompt_token_ids))
@@ -226,7 +229,8 @@ class VllmBackend:
         outputs = self._llm.generate(prompts, params, use_tqdm=False, lora_request=self._active)
         completions = []
         for p, request in enumerate(outputs):
-            samples = [_to_completion(p, out, policy_version) for out in sorted(request.outputs, key=lambda o: o.index)]
+            samples = [_to_completion(p, out, policy_version, sampling.logprob_token_ids)
+                       for out in sorted(request.outputs, key=lambda o: o.index)]
             if n_requested != sampling.n:
                 samples = [dataclasses.replace(samples[0], sample_index=i) for i in range(sampling.n)]
             completions.extend(samples)
@@ -341,8 +345,8 @@ def lora_options(lora_rank: int | None, lora_slots: int) -> dict[str, Any]:
     return {"enable_lora": True, "max_loras": lora_slots, "max_cpu_loras": lora_slots, "max_lora_rank": fits[0]}
 
 
-def _to_completion(prompt_index: int, out: Any, policy_version: int) -> Completion:
-    """Returns a Completion from one vLLM CompletionOutput.
+def _to_completion(prompt_index: int, out: Any, policy_version: int, asked: tuple[int, ...] = ()) -> Completion:
+    """Returns a Completion from one vLLM CompletionOutput (with the logprobs of token ids ``asked`` at every step).
 
     Raises:
         RuntimeError: no logprobs, or a finish reason other than stop/length.
@@ -363,4 +367,5 @@ def _to_completion(prompt_index: int, out: Any, policy_version: int) -> Completi
         rollout_logprobs=logprobs,
         finish_reason=out.finish_reason,
         policy_version=policy_version,
+        token_id_logprobs=[{t: float(step[t].logprob) for t in asked} for step in out.logprobs] if asked else [],
     )

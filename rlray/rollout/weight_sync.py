@@ -1,4 +1,4 @@
-"""Weight sync: learner -> rollout actors, version-tagged, after every update (loop stage 7).
+"""Weight sync: learner -> rollout actors, version-tagged, after every update (online step stage 7).
 
 - ``ObjectStoreSync`` (CPU, and any cluster): rank 0 exports the policy (HF names, engine dtype),
   puts it in Ray's object store once as raw bytes (``rollout.wire``: no tensor pickling, zero-copy

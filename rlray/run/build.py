@@ -27,6 +27,10 @@ from rlray.learner.critic import build_critic
 from rlray.learner.policy import to_local_gpu
 from rlray.models import resolve_dtype, resolve_model_path
 from rlray.reward import RewardScorer
+from rlray.reward.judge_client import JudgeCaller, JudgeClient
+from rlray.reward.judge_panel import JudgePanel, JudgeTerm
+from rlray.reward.judge_server import ServeJudgeCaller
+from rlray.reward.judges import JudgeSpec
 from rlray.reward.server import LocalRewardClient, ServeRewardClient
 from rlray.rollout import RolloutSource, SamplingSpec
 from rlray.run.agents import AgentRollout
@@ -156,6 +160,52 @@ def reward_client(cfg: Config, columns: list[str] | None = None) -> LocalRewardC
     return local_reward_client(cfg, columns)
 
 
+def judge_seed(cfg: Config, step: int) -> int:
+    """Returns the seed of 0-based ``step``'s judge calls (group mode: the order each group is shown in), the step's
+    sampling seed (``sampling_for_step``)."""
+    return cfg.run.seed * 1_000_003 + step
+
+
+def judge_specs(cfg: Config) -> list[JudgeSpec]:
+    """Returns the ``JudgeSpec`` of each ``reward.judges`` entry: its model path resolved (an alias or GGUF is
+    converted once), its dtype resolved for ``resources.judge``, seeded with ``run.seed``.
+
+    Raises:
+        rlray.models.ModelError: a judge's path cannot be resolved.
+    """
+    res = cfg.resources.judge
+    return [
+        JudgeSpec(
+            name=j.name, mode=j.mode, model_path=resolve_model_path(j.path), template=j.judge_template,
+            pattern=j.score_pattern, system_prompt=j.system_prompt, prefill=j.prefill,
+            labels=tuple(j.parse.labels.items()), min_score=j.parse.min_score, max_score=j.parse.max_score,
+            match=j.parse.match, logprobs=j.logprobs, max_new_tokens=j.max_new_tokens, temperature=j.temperature,
+            seed=cfg.run.seed, backend=j.backend, dtype=resolve_dtype(j.dtype, gpu=res.gpus > 0),
+            max_model_len=j.max_model_len, kv_cache_gib=j.kv_cache_gib, enforce_eager=j.enforce_eager,
+            cpu_threads=res.cpu_threads,
+        )
+        for j in cfg.reward.judges
+    ]  # fmt: skip
+
+
+def judge_panel(cfg: Config, callers: list[JudgeCaller] | None = None) -> JudgePanel | None:
+    """Returns the run's judges (``reward.judges``) as a ``JudgePanel``, None without judges.
+
+    Args:
+        cfg: the run's config.
+        callers: one caller per judge (``rlray judge check`` passes local services); None: each judge's Serve
+            application (``rlray-judge-<name>``), its batches split over ``resources.judge.replicas`` chunks.
+    """
+    if not cfg.reward.judges:
+        return None
+    callers = callers or [ServeJudgeCaller(j.app_name) for j in cfg.reward.judges]
+    return JudgePanel([
+        JudgeTerm(j.name, j.weight, JudgeClient(j.name, j.mode, caller, chunks=cfg.resources.judge.replicas,
+                                                timeout_s=j.timeout_s, attempts=j.attempts, cache_entries=j.cache_entries))
+        for j, caller in zip(cfg.reward.judges, callers, strict=True)
+    ], source=[j.model_dump() for j in cfg.reward.judges])  # fmt: skip
+
+
 def episode_rollout(cfg: Config, fleet: Any, hosts: list[Any], tokenizer: Any) -> EpisodeRollout:
     """Returns the episode rollout of ``cfg.env`` over ``fleet`` and the environment hosts (rank 0; ``rlray eval``)."""
     env = cfg.env
@@ -232,7 +282,7 @@ def update_spec(cfg: Config, world: int) -> learner_online.UpdateSpec:
 
 def rollout_overlap(cfg: Config, plan: CorePlan, *, shares_node: bool) -> tuple[bool, str]:
     """Returns (overlap, why): whether an async run's rollouts of the steps ahead run while a step trains
-    (``rollout.overlap``; ``rlray.rollout.fleet.RolloutPipeline``), and a line for the log.
+    (``rollout.overlap``; ``rlray.rollout.pipeline.RolloutPipeline``), and a line for the log.
 
     auto is on when the stages have their own hardware: a stage on GPU, no rollout actor on the learner's node
     (``shares_node`` False), or the cores split between them (``plan.learner_cores`` set, by ``plan_cores`` on 8+

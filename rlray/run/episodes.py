@@ -74,7 +74,7 @@ class EpisodeLimits:
 
 @dataclass
 class RunningEpisode:
-    """One episode while the loop runs it: where it sits in its group, where it runs, and what it has recorded so
+    """One episode while the rollout runs it: where it sits in its group, where it runs, and what it has recorded so
     far (``EpisodeRollout._completion`` turns it into a ``Completion`` and its ``EpisodeInfo``).
 
     Attributes:
@@ -182,7 +182,7 @@ class EpisodeRollout:
         """
         return pending.result()
 
-    # ---- the loop ---------------------------------------------------------------------------
+    # ---- running episodes ------------------------------------------------------------------
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec, rows: list[Any]) -> list[Completion]:
         """Returns the completions of ``sampling.n`` episodes per row, run to their end on the caller's thread,
         prompt-major (``collect(submit(...))`` without the thread; arguments as ``submit``).

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from rlray.data import PromptRow
+from rlray.reward.judge_panel import JudgePanel
 from rlray.rollout import RolloutSource, SamplingSpec
 from rlray.run.experience import score, term_metrics
 from rlray.run.lead import RewardClient
@@ -18,7 +19,8 @@ from rlray.run.lead import RewardClient
 
 def evaluate_prompts(rollouts: RolloutSource, reward: RewardClient, prompts: list[tuple[PromptRow, list[int]]],
                      tokenizer: Any, sampling: SamplingSpec, env_reward_weight: float = 1.0,
-                     pass_k: SamplingSpec | None = None) -> dict[str, float]:
+                     pass_k: SamplingSpec | None = None, *, judges: JudgePanel | None = None,
+                     judge_seed: int = 0) -> dict[str, float]:
     """Returns eval/reward_mean, eval/<term> and eval/<term>_skipped per reward term, eval/response_tokens_mean and
     eval/num_problems; with environments also eval/env_success (share of episodes whose environment reward is
     above 0), eval/env_turns_mean, eval/env_failed and eval/env_metric/<name> (means of the environments' numbers);
@@ -37,10 +39,12 @@ def evaluate_prompts(rollouts: RolloutSource, reward: RewardClient, prompts: lis
         sampling: the evaluation SamplingSpec (``build.eval_sampling``).
         env_reward_weight: env.reward_weight.
         pass_k: the SamplingSpec of pass@k (n = k samples), or None.
+        judges: the judges (``reward.judges``), scoring beside ``reward``; None without any.
+        judge_seed: seeds the order group-mode judges see a prompt's samples in.
     """
     rows = [r for r, _ in prompts]
     completions = rollouts.generate([ids for _, ids in prompts], sampling, rows)
-    got = score(reward, rows, completions, tokenizer, env_reward_weight).values
+    got = score(reward, rows, completions, tokenizer, env_reward_weight, judges, judge_seed).values
     rewards = np.asarray(got["reward"], dtype=np.float64)
     episodes = [c.episode for c in completions if c.episode is not None and c.episode.environment]
     env_metrics = {} if not episodes else {
@@ -52,7 +56,8 @@ def evaluate_prompts(rollouts: RolloutSource, reward: RewardClient, prompts: lis
     }
     if pass_k is not None:
         sampled = rollouts.generate([ids for _, ids in prompts], pass_k, rows)
-        values = np.asarray(score(reward, rows, sampled, tokenizer, env_reward_weight).values["reward"], dtype=np.float64)
+        values = np.asarray(score(reward, rows, sampled, tokenizer, env_reward_weight, judges, judge_seed).values["reward"],
+                            dtype=np.float64)
         solved = np.nan_to_num(values, nan=0.0).reshape(len(rows), pass_k.n) > 0
         env_metrics[f"eval/pass@{pass_k.n}"] = float(solved.any(axis=1).mean())
     return {

@@ -28,6 +28,7 @@ from rlray.config import Config
 from rlray.data import PromptRow, columns_json
 from rlray.learner import Normaliser
 from rlray.observe.samples import StepSample, mask_runs
+from rlray.reward.judge_panel import JudgePanel
 from rlray.reward.server import ScoreResult
 from rlray.rollout import Completion, SamplingSpec
 from rlray.run import build, online_sampling, segments
@@ -110,18 +111,19 @@ def collect_experience(lead: OnlineLead, cfg: Config, tokenizer: Any, step: int,
     with timer("rollout"):  # 1-2. prompts and rollout; the pipeline keeps steps step+1..step+max_staleness in flight
         got = lead.pipeline.next(step)
     taken = [r.prompt_id for r in got.rows]
-    with timer("reward"):  # 3. rewards
-        scored = score(lead.reward, got.rows, got.completions, tokenizer, cfg.env.reward_weight)
+    with timer("reward"):  # 3. rewards (functions, reward model, judges)
+        scored = score(lead.reward, got.rows, got.completions, tokenizer, cfg.env.reward_weight, lead.judges,
+                       build.judge_seed(cfg, step))
     failed_rewards = reward_failures(got.completions, scored)  # and those of DAPO's refills, below
     with timer("algo_sampling"):  # DAPO refill, overlong shaping, ReMax's greedy baseline
-        drawn = Rollouts(got.rows, got.prompt_ids, got.completions, scored.values)
+        drawn = Rollouts(got.rows, got.prompt_ids, got.completions, scored.values, scored.outputs)
         drawn, baseline, algo_metrics = algorithm_sampling(lead, cfg, tokenizer, build.sampling_for_step(cfg, step),
                                                            drawn, taken, failed_rewards)
     failures = [sample_failure(c, r, failed_rewards.get(id(c), ""))
                 for c, r in zip(drawn.completions, drawn.rewards["reward"], strict=True)]
     mask_truncated = cfg.algo.mask_truncated
     table = build_experience(drawn.rows, drawn.prompt_ids, drawn.completions, drawn.rewards, baseline,
-                             mask_truncated=mask_truncated, failures=failures)
+                             mask_truncated=mask_truncated, failures=failures, judge_outputs=drawn.judge_outputs)
     stats = rollout_stats(table, drawn.rewards, cfg.learner.prompts_per_step, policy_version, mask_truncated=mask_truncated)
     stats.update(episode_metrics(drawn.completions))
     stats.update(agent_metrics(drawn.completions, set(cfg.env.agents)))
@@ -133,25 +135,31 @@ def collect_experience(lead: OnlineLead, cfg: Config, tokenizer: Any, step: int,
                     "carries no reward signal (algo/groups_without_signal=1)", step + 1)
     for alert in alerts:
         log.warning("%s: %s", alert.kind, alert.message)
-    metrics = {**stats, **algo_metrics, **timer.metrics, "reward/version": float(scored.version)}
+    judged = lead.judges.take_metrics() if lead.judges is not None else {}  # every judge call since the last step
+    metrics = {**stats, **algo_metrics, **judged, **timer.metrics, "reward/version": float(scored.version)}
     table = segments.layout_for_ranks(table, len(drawn.completions), world, cfg.minibatches_per_epoch)
     return Experience(table, metrics, taken, alerts)
 
 
 def score(reward: RewardClient, rows: list[PromptRow], completions: list[Completion], tokenizer: Any,
-          env_reward_weight: float = 1.0) -> ScoreResult:
-    """Stage 3: returns the reward version and {"reward", <term name>, ...}, one value per completion.
+          env_reward_weight: float = 1.0, judges: JudgePanel | None = None, judge_seed: int = 0) -> ScoreResult:
+    """Stage 3: returns the reward version and {"reward", <term name>, ...}, one value per completion (and the
+    judges' raw outputs, ``ScoreResult.outputs``).
 
     Each completion is scored with its prompt as the dataset had it (a string or TRL messages), its
     decoded text (special tokens skipped; an episode's text holds every turn and observation), its token
     ids and its row's other columns (TRL's keyword arguments). Term values: a float, NaN (failed) or
-    None (the term skipped the sample). Episodes add the environment's reward as the term "env"
-    (``rlray.run.episodes.add_env_reward``, weighted by env.reward_weight).
+    None (the term skipped the sample). The judges (``judges``) add their terms next, a prompt's completions
+    forming one group (``rlray.reward.judge_panel``; ``judge_seed`` seeds the order groups are shown in); an
+    episode is judged on its whole text, its final conversation. Episodes add the environment's reward as the
+    term "env" (``rlray.run.episodes.add_env_reward``, weighted by env.reward_weight).
     """
     texts = tokenizer.batch_decode([c.response_token_ids for c in completions], skip_special_tokens=True)
     prompts = [rows[c.prompt_index].prompt for c in completions]
     columns = [rows[c.prompt_index].columns for c in completions]
     got = reward.score(prompts, texts, columns, [list(c.response_token_ids) for c in completions])
+    if judges is not None:
+        got = judges.score(got, prompts, texts, columns, [c.prompt_index for c in completions], judge_seed)
     if any(c.episode is not None for c in completions):
         got = dataclasses.replace(got, values=add_env_reward(got.values, completions, env_reward_weight))
     return got
@@ -168,21 +176,23 @@ def algorithm_sampling(lead: OnlineLead, cfg: Config, tokenizer: Any, sampling: 
     ``failed_rewards`` (``rlray.run.failures.reward_failures``).
     """
     failed_rewards = {} if failed_rewards is None else failed_rewards
-    weight = cfg.env.reward_weight
+    weight, judge_seed = cfg.env.reward_weight, sampling.seed or 0  # the step's seed (build.judge_seed)
 
     def draw(num_prompts: int, round_index: int) -> Rollouts:  # stages 1-3 for further prompts, reseeded per round
         rows, ids = lead.take_prompts(num_prompts)
         taken.extend(r.prompt_id for r in rows)
         seed = None if sampling.seed is None else sampling.seed + REFILL_SEED_STRIDE * round_index
         completions = lead.rollouts.generate(ids, dataclasses.replace(sampling, seed=seed), rows)
-        result = score(lead.reward, rows, completions, tokenizer, weight)
+        result = score(lead.reward, rows, completions, tokenizer, weight, lead.judges,
+                       judge_seed + REFILL_SEED_STRIDE * round_index)
         failed_rewards.update(reward_failures(completions, result))
-        return Rollouts(rows, ids, completions, result.values)
+        return Rollouts(rows, ids, completions, result.values, result.outputs)
 
     def greedy(b: Rollouts) -> Rollouts:  # one temperature-0 completion per prompt, scored
         greedy_spec = SamplingSpec(n=1, max_new_tokens=sampling.max_new_tokens, temperature=0.0, stop=sampling.stop)
         done = lead.rollouts.generate(b.prompt_ids, greedy_spec, b.rows)  # episodes: one greedy episode per prompt
-        return Rollouts(b.rows, b.prompt_ids, done, score(lead.reward, b.rows, done, tokenizer, weight).values)
+        got = score(lead.reward, b.rows, done, tokenizer, weight, lead.judges, judge_seed)
+        return Rollouts(b.rows, b.prompt_ids, done, got.values, got.outputs)
 
     return online_sampling.apply(batch, draw, greedy, online_sampling.spec_from(cfg))
 
@@ -196,6 +206,7 @@ def build_experience(
     *,
     mask_truncated: bool = False,
     failures: list[str] | None = None,
+    judge_outputs: dict[str, list[str]] | None = None,
 ) -> pa.Table:
     """Returns the step's experience table (``schema.EXPERIENCE_SCHEMA``), one row per completion, then one per earlier
     segment of an agent episode cut where its agent rewrote history (``segments.experience_rows``: the episode's
@@ -207,12 +218,15 @@ def build_experience(
     advantage statistic and no loss term sees it (``algos.estimators`` takes a row as valid when its
     mask has a True), and its reward stays NaN in the table. With ``mask_truncated`` (``algo.mask_truncated``)
     a completion that hit max_new_tokens (finish_reason "length") is masked the same way, its reward kept.
-    ``failures`` (B texts, "" for a sample with a reward; ``rlray.run.failures.sample_failure``) fills ``failure``.
+    ``failures`` (B texts, "" for a sample with a reward; ``rlray.run.failures.sample_failure``) fills ``failure``;
+    ``judge_outputs`` ({judge name: one raw output per completion}) fills judge_outputs.
     """
     comps = {k: v for k, v in rewards.items() if k != "reward"}
     extra = {} if baseline_rewards is None else {"baseline_reward": baseline_rewards}
     if failures is not None:
         extra["failure"] = [text or None for text in failures]
+    if judge_outputs:
+        extra["judge_outputs"] = [{k: v[i] for k, v in judge_outputs.items()} for i in range(len(completions))]
     scored = [math.isfinite(r) for r in rewards["reward"]]
     if baseline_rewards is not None:
         scored = [ok and math.isfinite(b) for ok, b in zip(scored, baseline_rewards, strict=True)]
@@ -349,6 +363,7 @@ def step_samples(tokenizer: Any, table: pa.Table, rows: list[int], advantages: l
             response_tokens=len(r["response_token_ids"]), stop_reason=r["stop_reason"], num_turns=r["num_turns"],
             turn_rewards=None if r["turn_rewards"] is None else tuple(r["turn_rewards"]),
             segments=episode_segments(tokenizer, r), segment=r["segment"], failure=r["failure"],
+            judge_outputs=dict(r["judge_outputs"] or []),
         )
         for r, prompt, completion, adv in zip(picked, prompts, completions, advantages, strict=True)
     ]

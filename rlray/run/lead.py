@@ -18,9 +18,11 @@ import ray
 from rlray.config import Config
 from rlray.cores import CorePlan
 from rlray.data import PromptRow, PromptStream, load_prompt_rows, prepare_prompts
+from rlray.reward.judge_panel import JudgePanel
 from rlray.reward.server import LocalRewardClient, ServeRewardClient
 from rlray.rollout import RolloutSource, SamplingSpec
-from rlray.rollout.fleet import RolloutFleet, RolloutPipeline, gcs_actor_node
+from rlray.rollout.fleet import RolloutFleet, gcs_actor_node
+from rlray.rollout.pipeline import RolloutPipeline
 from rlray.run import build
 from rlray.run.failures import LearningStreaks
 
@@ -59,6 +61,7 @@ class OnlineLead:
         pipeline: keeps the rollouts of async steps in flight (``rollout.max_staleness``).
         logged: the fleet's counts already logged (``FleetCounts``).
         streaks: steps in a row in which every sample failed, or no group had reward spread (``rlray.run.failures``).
+        judges: the run's judges (``reward.judges``), None without any.
     """
 
     stream: PromptStream
@@ -73,6 +76,7 @@ class OnlineLead:
     pipeline: RolloutPipeline
     logged: FleetCounts
     streaks: LearningStreaks = field(default_factory=LearningStreaks)
+    judges: JudgePanel | None = None
 
     def take_prompts(self, count: int) -> tuple[list[PromptRow], list[list[int]]]:
         """Returns the next ``count`` prompt rows and their token ids (advances the data cursor)."""
@@ -81,13 +85,24 @@ class OnlineLead:
 
     def renew_reward(self, cfg: Config) -> bool:
         """Rebuilds the reward client when ``cfg.reward`` asks for another one than it was built from (a rollback's
-        ``guard.rollback_overrides`` under reward.*); returns True when it did."""
+        ``guard.rollback_overrides`` under reward.*), and the judges' clients with it (weights, tries; the judges'
+        applications stay as deployed); returns True when it did."""
         kwargs = build.scorer_kwargs(cfg, self.reward_columns)
-        if kwargs == self.reward_kwargs:
+        judges = [j.model_dump() for j in cfg.reward.judges]
+        judges_changed = judges != (self.judges.source if self.judges is not None else [])
+        if kwargs == self.reward_kwargs and not judges_changed:
             return False
-        self.reward.close()
-        self.reward, self.reward_kwargs = build.reward_client(cfg, self.reward_columns), kwargs
-        log.info("the reward client was rebuilt for the config now in force")
+        if kwargs != self.reward_kwargs:
+            self.reward.close()
+            self.reward, self.reward_kwargs = build.reward_client(cfg, self.reward_columns), kwargs
+            log.info("the reward client was rebuilt for the config now in force")
+        if judges_changed:
+            if self.judges is not None:
+                self.judges.close()
+            self.judges = build.judge_panel(cfg)
+            log.warning("the judges' clients were rebuilt for the config now in force (weights, tries, time-outs); "
+                        "their Serve applications keep the judges as deployed: a new model or template needs "
+                        "`rlray serve-reward` with a new reward.version")
         return True
 
 
@@ -131,5 +146,5 @@ def build_lead(cfg: Config, tokenizer: Any, actors: list[Any], env_hosts: list[A
         stream=stream, prompt_ids={r.prompt_id: ids for r, ids in zip(train_rows, train_ids, strict=True)},
         skipped_long_prompts=skipped, eval_prompts=eval_prompts, reward_columns=columns,
         reward=build.reward_client(cfg, columns), reward_kwargs=build.scorer_kwargs(cfg, columns), fleet=fleet,
-        rollouts=rollouts, pipeline=pipeline, logged=FleetCounts(),
+        rollouts=rollouts, pipeline=pipeline, logged=FleetCounts(), judges=build.judge_panel(cfg),
     )

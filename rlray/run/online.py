@@ -155,9 +155,11 @@ class OnlineRun(RunContext):
             self.lead.pipeline.load_cursor_state(state)
 
     def close(self) -> None:
-        """Closes rank 0's reward client."""
+        """Closes rank 0's reward client and judge clients."""
         if self.lead is not None:
             self.lead.reward.close()
+            if self.lead.judges is not None:
+                self.lead.judges.close()
 
 
 # --------------------------------------------------------------------------------------------
@@ -385,5 +387,5 @@ def evaluate(ctx: OnlineRun) -> dict[str, float]:
         return {}
     lead = ctx.lead
     return evaluate_prompts(lead.rollouts, lead.reward, lead.eval_prompts, ctx.tokenizer, build.eval_sampling(ctx.cfg),
-                            ctx.cfg.env.reward_weight)
+                            ctx.cfg.env.reward_weight, judges=lead.judges, judge_seed=ctx.cfg.run.seed)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,23 +35,27 @@ class Rollouts:
         prompt_ids: P prompt token-id lists.
         completions: completions, prompt-major; ``prompt_index`` indexes ``rows``.
         rewards: {"reward", <term name>, ...} lists, one value per completion (``RewardScorer.score``).
+        judge_outputs: {judge name: raw output per completion} when judges scored them (``ScoreResult.outputs``).
     """
 
     rows: list[Any]
     prompt_ids: list[list[int]]
     completions: list[Completion]
     rewards: dict[str, list[float]]
+    judge_outputs: dict[str, list[str]] = field(default_factory=dict)
 
     def __add__(self, other: Rollouts) -> Rollouts:
         """Returns both batches in order; ``other``'s prompt indices are shifted past ``self``'s rows."""
         shift = len(self.rows)
         moved = [dataclasses.replace(c, prompt_index=c.prompt_index + shift) for c in other.completions]
         keys = self.rewards.keys() & other.rewards.keys()
+        judged = self.judge_outputs.keys() & other.judge_outputs.keys()
         return Rollouts(
             self.rows + other.rows,
             self.prompt_ids + other.prompt_ids,
             self.completions + moved,
             {k: self.rewards[k] + other.rewards[k] for k in self.rewards if k in keys},
+            {k: self.judge_outputs[k] + other.judge_outputs[k] for k in self.judge_outputs if k in judged},
         )
 
     def select_prompts(self, keep: list[int]) -> Rollouts:
@@ -64,6 +68,7 @@ class Rollouts:
             [self.prompt_ids[i] for i in keep],
             [dataclasses.replace(self.completions[i], prompt_index=new_index[self.completions[i].prompt_index]) for i in picked],
             {k: [v[i] for i in picked] for k, v in self.rewards.items()},
+            {k: [v[i] for i in picked] for k, v in self.judge_outputs.items()},
         )
 
 

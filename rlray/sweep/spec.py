@@ -162,7 +162,7 @@ def check_sweep(sweep: SweepConfig, base: Config) -> None:
         SweepError: naming ``space.<key>`` (with the config's own message), the scheduler field, or a
             ``metric`` that is neither a per-step metric nor one of the config's reward terms.
     """
-    terms = [k for k in term_keys([f.term_name for f in base.reward.functions]) if k.startswith("reward/")]
+    terms = [k for k in term_keys(base.reward.term_names) if k.startswith("reward/")]
     if sweep.metric not in METRIC_KEYS and sweep.metric not in terms:
         raise SweepError(
             f"metric={sweep.metric!r} is neither a per-step metric (rlray.observe.metrics.METRIC_KEYS, e.g. 'reward/mean') nor "

@@ -39,6 +39,7 @@ from ray.util.queue import Queue
 
 from rlray.config import Config, config_from_dict
 from rlray.launch.driver import init_ray, resolve_paths, run_training
+from rlray.launch.judges import judge_apps
 from rlray.launch.placement import role_requests
 from rlray.observe.tracking import Tracker, child_runs, get_run_metrics
 from rlray.run.hooks import StepEnd
@@ -376,7 +377,8 @@ def run_sweep(cfg: Config, sweep: SweepConfig) -> SweepResult:
     )
     status = "FAILED"
     try:
-        status = "FAILED" if tuner.fit().errors else "FINISHED"
+        with judge_apps(cfg):  # deployed once for every trial: a trial's run finds them up and leaves them up
+            status = "FAILED" if tuner.fit().errors else "FINISHED"
     finally:
         closer.reconcile()
         trials, best = summarize(uri, parent.run_id, sweep)

@@ -57,7 +57,7 @@ def test_start_lines_name_run_page_dashboard_snapshots_and_logs():
                                 snapshot_dir="/w/outputs/snapshots/run-abc123", log_dir="/w/outputs/logs/abc123", verbose=False)
     assert lines == [
         "rlray: MLflow run abc123 in sqlite:////w/mlruns/mlflow.db (open: mlflow ui --backend-store-uri "
-        "sqlite:////w/mlruns/mlflow.db --port 5000; or rlray monitor abc123)",
+        "sqlite:////w/mlruns/mlflow.db --host 127.0.0.1 --port 5000; or rlray monitor abc123)",
         "rlray: live page at http://127.0.0.1:8888/ (curves and samples), health at http://127.0.0.1:8888/health, "
         "metrics at http://127.0.0.1:8888/metrics",
         "rlray: Ray dashboard at http://127.0.0.1:8265",

@@ -323,3 +323,9 @@ def test_rollout_overlap_on_and_off_as_yaml_reads_them(tmp_path):
     assert load_config(path).rollout.overlap == "on"
     assert load_config(path, ["rollout.overlap=off"]).rollout.overlap == "off"
     assert load_config(path, ["rollout.overlap=auto"]).rollout.overlap == "auto"
+
+
+def test_judges_ask_for_their_replicas_each():
+    cfg = config_from_dict({"algo": {"kl_coef": 0.0}, "reward": {"judges": [{"path": "tiny-random"}, {"path": "x", "name": "g"}]},
+                            "resources": {"judge": {"replicas": 2, "cpus": 0.5, "gpus": 0.5}}})
+    assert [(r.role, r.count, r.per_worker) for r in role_requests(cfg)][2:] == [("judge", 4, {"CPU": 0.5, "GPU": 0.5})]

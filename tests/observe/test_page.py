@@ -101,7 +101,7 @@ def test_samples_endpoint_keeps_the_last_steps_and_404s_the_rest(served):
                                  "reward": 1.0, "terms": {"gsm8k_correct": 1.0, "gsm8k_format": None}, "advantage": 0.5,
                                  "finish_reason": "stop", "policy_version": 2, "response_tokens": 3,
                                  "stop_reason": None, "num_turns": None, "turn_rewards": None, "segments": [],
-                                 "segment": None, "failure": None}
+                                 "segment": None, "failure": None, "judge_outputs": {}}
     assert doc["samples"][1]["reward"] is None and doc["samples"][1]["terms"]["gsm8k_correct"] == "failed"
     assert json.loads(_get(port, "/api/samples?step=2")[2])["samples"][0]["prompt_id"] == "p2"
     status, headers, body = _get(port, "/api/samples?step=1")
@@ -301,11 +301,12 @@ def test_page_script_shades_bands_and_marks_steps_outside(tmp_path):
 @pytest.mark.skipif(shutil.which("node") is None, reason="needs node to run the page's script (no browser here)")
 def test_page_script_shows_an_episode_turn_by_turn(served):
     """An episode's turns and observations are set apart (an observation holding markup stays text), each turn with
-    the environment's reward after it; its stop reason and turns show; a single-turn row keeps one text."""
+    the environment's reward after it; its stop reason and turns show; a single-turn row keeps one text, with its
+    judge's raw output (markup too) under it."""
     monitor, port = served
     episode = StepSample(1, "g", "guess a number", "<a>5</a><obs>higher</obs><a>7</a>", 1.0, {"env": 1.0}, 0.5, "stop", 0, 9,
                          "done", 2, (None, 1.0), ((True, "<a>5</a>"), (False, XSS), (True, "<a>7</a>")))
-    single = StepSample(1, "q", "2+2?", "4", 0.0, {"env": 0.0}, -0.5, "stop", 0, 1)
+    single = StepSample(1, "q", "2+2?", "4", 0.0, {"env": 0.0}, -0.5, "stop", 0, 1, judge_outputs={"judge": XSS})
     monitor.record_samples(1, [episode, single])
     responses = {u: {"status": 200, "body": _get(port, u)[2].decode()} for u in ["/health", "/api/charts", "/api/metrics?since=0", "/api/samples"]}
     ids = re.findall(r'id="([^"]+)"', _get(port, "/")[2].decode())
@@ -324,6 +325,9 @@ def test_page_script_shows_an_episode_turn_by_turn(served):
         ("turn 1", "<a>5</a>"), ("observation", XSS), ("turn 2 \u00b7 env reward 1", "<a>7</a>")]
     assert not any(n["tag"] in ("script", "img") for n in _walk(table))
     assert single_row["children"][-1]["children"][0]["text"] == "4"
+    judged = single_row["children"][-1]["children"][1]  # the judge's raw output under the completion, as text
+    assert judged["cls"] == "seg seg-judge" and [c["text"] for c in judged["children"]] == ["judge judge", XSS]
+    assert len(ep_row["children"][-1]["children"]) == 1  # no judge on the episode row: nothing under its turns
 
 
 @pytest.mark.skipif(shutil.which("node") is None, reason="needs node to run the page's script (no browser here)")

@@ -63,7 +63,8 @@ def test_episode_fields_survive_the_mlflow_table_and_old_tables_stay_readable(tm
     old = {"columns": ["step", "prompt_id", "prompt", "completion", "reward", "advantage", "finish_reason",
                        "policy_version", "response_tokens", "reward/env"], "data": [[2, "p", "q", "c", 1.0, 0.5, "stop", 1, 3, 1.0]]}
     assert rows_from_table(old) == [{"step": 2, "prompt_id": "p", "prompt": "q", "completion": "c", "reward": 1.0, "advantage": 0.5,
-                                     "finish_reason": "stop", "policy_version": 1, "response_tokens": 3, "terms": {"env": 1.0}}]
+                                     "finish_reason": "stop", "policy_version": 1, "response_tokens": 3, "terms": {"env": 1.0},
+                                     "judge_outputs": {}}]
     tracker.finish()
 
 
@@ -72,3 +73,22 @@ def test_a_segment_of_a_cut_agent_episode_is_kept_by_number():
                      ((True, "a"),), segment=0)
     assert json_row(cut)["segment"] == 0 and table_columns([cut])["segment"] == [0]
     assert json_row(StepSample(3, "p", "q", "a", 1.0, {}, 0.5, "stop", 2, 4))["segment"] is None
+
+
+def test_judge_outputs_go_to_their_own_columns_and_back():
+    """Each judge's raw output on a kept sample is a column judge/<name> of the MLflow table, and reads back nested; a
+    sample without a judge's output has null there, and reads back without it."""
+    from rlray.observe.samples import rows_from_table
+
+    judged = StepSample(3, "p", "2+2?", "4", 1.5, {"gsm8k_correct": 1.0, "judge": 0.5}, 0.1, "stop", 2, 1,
+                        judge_outputs={"judge": "Verdict: correct [p: correct 0.500, wrong 0.500]", "rank": "Response 1: 7"})
+    plain = StepSample(3, "q", "3+3?", "7", 0.0, {"gsm8k_correct": 0.0}, -0.1, "stop", 2, 1)
+    row = json_row(judged)
+    assert row["judge_outputs"] == {"judge": "Verdict: correct [p: correct 0.500, wrong 0.500]", "rank": "Response 1: 7"}
+    cols = table_columns([judged, plain])
+    assert cols["judge/judge"] == ["Verdict: correct [p: correct 0.500, wrong 0.500]", None]
+    assert cols["judge/rank"] == ["Response 1: 7", None] and "judge_outputs" not in cols
+    split = {"columns": list(cols), "data": [list(v) for v in zip(*cols.values(), strict=True)]}
+    back = rows_from_table(split)
+    assert back[0]["judge_outputs"] == row["judge_outputs"] and back[1]["judge_outputs"] == {}
+    assert back[0] == json_row(judged)  # (the plain row reads back with a null "judge" term: skipped or lacking, as documented)

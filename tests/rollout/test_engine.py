@@ -291,3 +291,20 @@ def test_stop_strings_end_the_turn_after_the_completing_token(engine: RolloutEng
 def engine_backend(request) -> str:
     """Returns the backend of the module's parametrized ``engine`` fixture ("vllm" or "hf")."""
     return request.node.callspec.params["engine"]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_logprobs_of_asked_token_ids_match_transformers(engine: RolloutEngine, tiny_hf, prompts, temperature: float):
+    """SamplingSpec.logprob_token_ids (a judge's labels): at every generated token, the logprobs of exactly those ids,
+    from the distribution rollout_logprobs come from (log_softmax(logits / temperature); greedy: the raw logits)."""
+    asked = (5, 77, 1000)
+    out = engine.generate(prompts, SamplingSpec(n=1, max_new_tokens=3, temperature=temperature, seed=1, logprob_token_ids=asked))
+    for c, prompt in zip(out, prompts, strict=True):
+        assert len(c.token_id_logprobs) == len(c.response_token_ids) and all(set(s) == set(asked) for s in c.token_id_logprobs)
+        with torch.no_grad():
+            logprobs = (tiny_hf(torch.tensor([prompt + c.response_token_ids])).logits[0].float() / (temperature or 1.0)).log_softmax(-1)
+        for t, step in enumerate(c.token_id_logprobs):
+            assert max(abs(step[i] - logprobs[len(prompt) - 1 + t, i].item()) for i in asked) < ATOL_NATS
+    assert engine.generate(prompts[:1], SamplingSpec(n=1, max_new_tokens=2, temperature=0.0))[0].token_id_logprobs == []
+    with pytest.raises(ValueError, match=r"logprob_token_ids \[1000000000\] are outside the vocabulary"):
+        engine.generate(prompts[:1], SamplingSpec(n=1, max_new_tokens=2, temperature=0.0, logprob_token_ids=(10**9,)))

@@ -15,7 +15,8 @@ import ray
 from ray.exceptions import ActorUnavailableError
 
 from rlray.rollout import Completion, SamplingSpec
-from rlray.rollout.fleet import RolloutError, RolloutFleet, RolloutPipeline, gcs_actor_state, offset_seed
+from rlray.rollout.fleet import RolloutError, RolloutFleet, gcs_actor_state, offset_seed
+from rlray.rollout.pipeline import RolloutPipeline
 
 pytestmark = pytest.mark.ray
 

@@ -210,7 +210,7 @@ def test_sandboxed_episodes_have_a_hard_time_limit_that_ends_one_episode(ray_ses
 def test_async_pipeline_runs_episodes_ahead_and_reruns_them_after_a_reset(env_host, tiny_tokenizer):
     """Episodes of step t+1 run while step t trains (max_staleness 1); a reset (restore, rollback) drops the
     episodes in flight and runs their steps again with the same rows, the data cursor left where it is."""
-    from rlray.rollout.fleet import RolloutPipeline
+    from rlray.rollout.pipeline import RolloutPipeline
 
     data = rows("countdown", None, "countdown", None, "countdown", None)
     cursor = {"next": 0}
@@ -243,7 +243,7 @@ def test_async_pipeline_runs_episodes_ahead_and_reruns_them_after_a_reset(env_ho
 def test_the_pipeline_runs_over_the_fleet_or_the_episodes_alike(tiny_tokenizer):
     """``RolloutPipeline`` takes any ``RolloutSource``: over single-turn rows, the episode rollout (no host is called,
     no Ray) gives the completions its fleet gives, prompt-major, with its version."""
-    from rlray.rollout.fleet import RolloutPipeline
+    from rlray.rollout.pipeline import RolloutPipeline
 
     data = rows(None, None, None)
     ids = [tiny_tokenizer(t, add_special_tokens=False)["input_ids"] for t in ("one go on go on", "two", "three")]

@@ -15,7 +15,7 @@ from rlray.learner.collective import Collective
 from rlray.observe.tracking import Tracker, read_ledger
 from rlray.reward.server import LocalRewardClient
 from rlray.rollout import Completion
-from rlray.rollout.fleet import RolloutPipeline
+from rlray.rollout.pipeline import RolloutPipeline
 from rlray.run import build, experience, ledger
 from rlray.run.experience import StageTimer
 from rlray.run.lead import FleetCounts, OnlineLead

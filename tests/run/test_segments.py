@@ -135,7 +135,7 @@ def test_a_dapo_step_with_a_refill_lays_out_its_segment_rows_for_two_ranks():
 
     from rlray.data import PromptStream
     from rlray.reward.server import LocalRewardClient
-    from rlray.rollout.fleet import RolloutBatch
+    from rlray.rollout.pipeline import RolloutBatch
     from rlray.run import experience
     from rlray.run.experience import StageTimer
     from rlray.run.lead import FleetCounts, OnlineLead

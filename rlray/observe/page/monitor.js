@@ -260,12 +260,23 @@ function drawSamples() {
 // An episode turn by turn: the model's turns and the environment's observations set apart, each turn with the
 // environment's reward after it; a single-turn row (or one whose turns cannot be told apart) as one text. A segment of
 // an agent episode cut where the agent rewrote its history says which segment it is. A sample without a reward starts
-// with why (its environment's or reward function's error).
+// with why (its environment's or reward function's error). Then each judge's raw output on the sample (older rows
+// lack the field).
 function completionCell(s) {
   const td = el("td", "text");
   if (s.failure) td.append(el("div", "failed failure", "no reward: " + s.failure));
   const segments = s.segments || [];
-  if (!segments.length) { td.append(el("div", null, s.completion)); return td; }
+  if (!segments.length) td.append(el("div", null, s.completion));
+  else td.append(turnsBox(s, segments));
+  for (const [name, text] of Object.entries(s.judge_outputs || {}).sort()) {
+    const part = el("div", "seg seg-judge");
+    part.append(el("span", "seg-label", `judge ${name}`), el("div", null, text));
+    td.append(part);
+  }
+  return td;
+}
+
+function turnsBox(s, segments) {
   const box = el("div");
   if (Number.isInteger(s.segment) && s.segment >= 0) {
     box.append(el("div", "seg-label", `segment ${s.segment + 1}: the agent rewrote its history here, so this part of ` +
@@ -283,8 +294,7 @@ function completionCell(s) {
     part.append(el("span", "seg-label", label), el("div", null, seg.text));
     box.append(part);
   }
-  td.append(box);
-  return td;
+  return box;
 }
 
 // ---- loop --------------------------------------------------------------------------------
