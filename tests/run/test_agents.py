@@ -144,3 +144,31 @@ def test_the_episodes_of_a_dead_host_fail_as_actor_died(ray_session, tiny_model_
     got = rollout.generate([[1]], SamplingSpec(n=2, max_new_tokens=8, temperature=1.0), [PromptRow("a", "Hi", {})])
     assert [c.episode.stop_reason for c in got] == ["actor_died", "actor_died"] and all(c.episode.failed for c in got)
     assert got[0].loss_mask == [False] and got[0].response_token_ids == [tiny_tokenizer.eos_token_id]
+
+
+def test_reward_functions_score_an_agent_s_final_conversation():
+    """An agent that returns None is scored by reward.functions on its final conversation (the decoded episode: every
+    turn it sent and received); one that returns a number adds it as the "env" term."""
+    from rlray.reward.server import ScoreResult
+    from rlray.rollout.types import EpisodeInfo
+    from rlray.run.experience import score
+
+    class Tokenizer:
+        def batch_decode(self, ids, skip_special_tokens=True):
+            return [" ".join(map(str, x)) for x in ids]
+
+    class Reward:
+        seen = []
+
+        def score(self, prompts, texts, columns, ids):
+            self.seen.append(texts)
+            four = [1.0 if "4" in t.split() else 0.0 for t in texts]
+            return ScoreResult(3, {"reward": four, "has_four": four}, [""] * len(texts))
+
+    rows = [PromptRow("a", "What is 2 + 2?", {"environment": "solver"})]
+    silent = Completion(0, 0, [2, 9, 4], [-0.1] * 3, "stop", 1, episode=EpisodeInfo("solver", "done", 2, [None, None]))
+    paid = Completion(0, 1, [2, 9, 5], [-0.1] * 3, "stop", 1, episode=EpisodeInfo("solver", "done", 2, [None, 0.5], 0.5))
+    got = score(Reward(), rows, [silent, paid], Tokenizer(), env_reward_weight=2.0)
+    assert Reward.seen == [["2 9 4", "2 9 5"]]  # the whole episode's text: its turns and what came between them
+    assert got.values["reward"] == [1.0 + 2.0 * 0.0, 0.0 + 2.0 * 0.5] and got.values["env"] == [0.0, 0.5]
+    assert got.values["has_four"] == [1.0, 0.0]

@@ -73,3 +73,32 @@ def test_the_readme_agent_command_trains_and_evaluates(ray_session, tmp_path, mo
     scores = json.loads(out[out.index("{"):])
     assert scores["eval/num_problems"] == 3.0 and scores["eval/env_failed"] == 0.0
     assert 0.0 <= scores["eval/pass@2"] <= 1.0 and scores["eval/env_turns_mean"] >= 1.0
+
+
+@pytest.mark.ray
+def test_a_sweep_trains_the_readme_agent_in_each_trial(ray_session, tmp_path, monkeypatch):
+    """`rlray sweep` over the README's agent config: each trial starts its own environment host, gateway and MCP
+    server, and logs the agents' metrics in its child run."""
+    from rlray.config import load_config
+    from rlray.observe.tracking import child_runs
+    from rlray.sweep.spec import SweepConfig
+    from rlray.sweep.tune import run_sweep
+
+    monkeypatch.chdir(REPO)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cfg = load_config(readme_command()[2], [
+        "model.path=tiny-random", "model.dtype=float32", "rollout.backend=hf", "run.max_steps=1",
+        "learner.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=12",
+        "learner.sequences_per_minibatch=4", "learner.sequences_per_microbatch=2", "learner.torch_threads=1",
+        "monitor.port=0", "guard.kl_threshold=null", f"run.output_dir={tmp_path}/out", f"tracking.mlflow_uri={uri}"])
+    sweep = SweepConfig.model_validate({"metric": "reward/mean", "space": {"learner.lr": {"grid": [1e-4, 1e-3]}},
+                                        "scheduler": {"name": "fifo"}, "max_concurrent_trials": 1})
+    result = run_sweep(cfg, sweep)
+    assert result.status == "FINISHED"
+    children = child_runs(uri, parent_run_id=result.parent_run_id)
+    assert sorted(float(c.data.params["learner.lr"]) for c in children) == [1e-4, 1e-3]
+    for child in children:
+        assert child.info.status == "FINISHED"
+        metrics = {k: [v for _, v in series] for k, series in get_run_metrics(uri, child.info.run_id).items()}
+        assert metrics["env/episodes"] == [4.0] and metrics["env/failed"] == [0.0]
+        assert metrics["env/template_drift"] == [0.0] and metrics["env/gateway_calls_mean"][0] >= 1.0
