@@ -1,6 +1,6 @@
 """Runs every benchmark on its default sizes (``make bench``) and prints one summary of the ratios.
 
-    python benchmarks/run_all.py                     # default sizes (the README table)
+    python benchmarks/run_all.py                     # default sizes (the tables of docs/performance.md)
     python benchmarks/run_all.py --quick             # seconds-scale sizes, a smoke run of every script
     python benchmarks/run_all.py --trl-vllm          # also TRL GRPOTrainer with vLLM colocate (long start-up)
     python benchmarks/run_all.py --only rollout weight_sync

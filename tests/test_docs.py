@@ -24,11 +24,16 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 import shlex
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,20 +54,6 @@ TEST_SIZES = ["model.path=tiny-random", "model.dtype=float32", "rollout.backend=
               "learner.sequences_per_minibatch=4", "learner.sequences_per_microbatch=2", "learner.torch_threads=1",
               "eval.num_problems=0", "monitor.port=0", "guard.kl_threshold=null"]
 
-# README blocks not yet marked; the README rewrite removes this list. Each entry starts the first line of one block.
-README_NOT_YET_MARKED = (
-    "make demo        # setup + SmolLM2-135M-Instruct learns",
-    "rlray check configs/grpo_gsm8k_smollm2.yaml ",
-    "rlray train configs/algos/ppo.yaml ",
-    "def mentions_capital(prompts, completions, capital, **kwargs):",
-    "rlray train configs/grpo_smollm2.yaml data.train_files=docs/examples/my_prompts.jsonl ",
-    "\"\"\"A user's environment: how many letters does a word have?",
-    "rlray train configs/envs/mixed_tiny.yaml",
-    "rlray serve-reward CONFIG [--detach] ",
-    "ray job submit --address http://HEAD:8265 ",
-    ".venv/bin/mlflow ui --backend-store-uri sqlite:///mlruns/mlflow.db ",
-)
-
 
 @dataclass(frozen=True)
 class Block:
@@ -77,10 +68,6 @@ class Block:
     @property
     def where(self) -> str:
         return f"{self.path.relative_to(REPO)}:{self.line}"
-
-    @property
-    def first_line(self) -> str:
-        return next((x.strip() for x in self.text.splitlines() if x.strip()), "")
 
     @property
     def checked(self) -> bool:
@@ -153,16 +140,8 @@ def checked_blocks() -> list[Block]:
 # The markers
 # --------------------------------------------------------------------------------------------
 def test_every_shell_and_python_block_runs_or_is_marked():
-    problems = [f"{b.where}: {p}" for b in checked_blocks()
-                if (p := marker_problem(b)) and not (b.path.name == "README.md" and not b.mark
-                                                     and b.first_line.startswith(README_NOT_YET_MARKED))]
+    problems = [f"{b.where}: {p}" for b in checked_blocks() if (p := marker_problem(b))]
     assert problems == [], "\n".join(problems)
-
-
-def test_the_readme_allow_list_names_only_unmarked_readme_blocks():
-    unmarked = [b.first_line for b in fenced_blocks(REPO / "README.md") if b.checked and not b.mark]
-    stale = [entry for entry in README_NOT_YET_MARKED if sum(x.startswith(entry) for x in unmarked) != 1]
-    assert stale == [], "marked, gone or ambiguous: take these out of README_NOT_YET_MARKED (or make them longer)"
 
 
 def test_every_fence_on_a_page_names_its_language():
@@ -320,3 +299,40 @@ def test_the_reference_has_every_key_once_with_its_default(capsys):
 def test_config_without_a_file_says_what_to_give(capsys):
     assert cli.main(["config"]) == 2
     assert "give a CONFIG file (or --reference" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------
+# The MLflow UI as the docs start it
+# --------------------------------------------------------------------------------------------
+def mlflow_ui_commands() -> list[str]:
+    """Returns every ``mlflow ui`` command line of the shell blocks of README.md and docs/, lines joined."""
+    return [c for b in checked_blocks() if b.lang in SHELL for c, _ in commands(b) if c.startswith("mlflow ui ")]
+
+
+@pytest.mark.slow  # MLflow creates its tables and starts its server: 30-90 s on 2 busy cores
+def test_the_mlflow_ui_command_serves_the_store(tmp_path):
+    shown = mlflow_ui_commands()
+    assert len(shown) >= 2 and len(set(shown)) == 1, shown  # README and docs/watching.md show the one command
+    argv = shlex.split(shown[0])
+    assert argv[argv.index("--host") + 1] == "127.0.0.1"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv[argv.index("--port") + 1] = str(port)
+    (tmp_path / "mlruns").mkdir()  # a run's store folder, as `rlray train` leaves it in the working folder
+    proc = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env={"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"})
+    try:
+        url, deadline, body = f"http://127.0.0.1:{port}/api/2.0/mlflow/experiments/search?max_results=10", time.time() + 180, None
+        while body is None and time.time() < deadline and proc.poll() is None:
+            try:
+                with urllib.request.urlopen(url, timeout=5) as reply:
+                    body = json.loads(reply.read())
+            except OSError:
+                time.sleep(1)
+        assert body is not None, f"mlflow ui did not answer on port {port}: {proc.poll()=}"
+        assert [e["name"] for e in body["experiments"]] == ["Default"]  # the new store in this folder, and only it
+        assert (tmp_path / "mlruns" / "mlflow.db").is_file()
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)

@@ -1,4 +1,5 @@
-"""The README's "your own prompts and reward" example, run as written: the command is read from README.md.
+"""The README's "your own prompts and reward" example, run as written: the command is read from README.md (and
+docs/prompts-and-rewards.md shows the same one).
 
 Test-size overrides are appended (the tiny-random model, one step, 2 prompts x 2 samples, the transformers
 backend), so what is checked is the README's data file, reward function and command line, not the demo's sizes.
@@ -19,12 +20,20 @@ REPO = Path(__file__).resolve().parents[1]
 COMMAND_START = "rlray train configs/grpo_smollm2.yaml"
 
 
-def readme_command() -> list[str]:
-    """Returns the README's own-task command as argv (lines joined at trailing backslashes)."""
-    text = (REPO / "README.md").read_text().replace("\\\n", " ")
+def shown_command(page: str) -> list[str]:
+    """Returns the own-task command ``page`` (README.md or a docs page) shows, as argv (lines joined at trailing
+    backslashes)."""
+    text = (REPO / page).read_text().replace("\\\n", " ")
     lines = [line.strip() for line in text.splitlines() if line.strip().startswith(COMMAND_START)]
-    assert len(lines) == 1, f"README.md should show the command '{COMMAND_START} ...' once, found {len(lines)}"
+    assert len(lines) == 1, f"{page} should show the command '{COMMAND_START} ...' once, found {len(lines)}"
     return shlex.split(lines[0])
+
+
+def readme_command() -> list[str]:
+    """Returns the README's own-task command as argv; docs/prompts-and-rewards.md shows the same one."""
+    argv = shown_command("README.md")
+    assert shown_command("docs/prompts-and-rewards.md") == argv
+    return argv
 
 
 def test_the_readme_command_names_the_example_files():

@@ -1,4 +1,4 @@
-"""A reward function in TRL's convention, for the README's "your own data" example."""
+"""A reward function in TRL's convention, for the "your own data" example (README.md, docs/prompts-and-rewards.md)."""
 
 
 def mentions_capital(prompts, completions, capital, **kwargs):

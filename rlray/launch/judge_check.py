@@ -59,7 +59,7 @@ def judge_check(cfg: Config, num_rows: int, *, threshold: float | None = None, r
     """
     cfg = resolve_paths(cfg)
     if not cfg.reward.judges:
-        raise JudgeError("the config has no reward.judges to check; add one (see README, 'Rewards from a judge')")
+        raise JudgeError("the config has no reward.judges to check; add one (see docs/judges.md)")
     model_dir = resolve_model_path(cfg.model.path)
     tokenizer = load_tokenizer(model_dir, cfg.model.chat_template)
     rows = load_prompt_rows(cfg.data.train_files, prompt_column=cfg.data.prompt_column)[:num_rows]

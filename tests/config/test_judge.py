@@ -56,14 +56,14 @@ def test_judge_names_are_reward_terms():
                           "algo": {"name": "dapo", "dynamic_sampling_metric": "k"}})  # fmt: skip
 
 
-def test_the_readme_judge_snippet_is_a_valid_reward_section():
-    """The README's judge example (section 'Rewards from a judge') loads as written."""
+def test_the_docs_judge_snippet_is_a_valid_reward_section():
+    """The judge example of docs/judges.md (its first YAML block) loads as written."""
     from pathlib import Path
 
     import yaml
 
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    block = text.split("#### Rewards from a judge", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
+    text = (Path(__file__).resolve().parents[2] / "docs" / "judges.md").read_text()
+    block = text.split("```yaml\n", 1)[1].split("```", 1)[0]
     cfg = config_from_dict(yaml.safe_load(block))
     j = cfg.reward.judges[0]
     assert (j.name, j.logprobs, j.prefill, j.parse.labels) == ("judge", True, "Verdict:", {"correct": 1.0, "incorrect": 0.0})

@@ -83,8 +83,10 @@ def test_mixed_environments_two_steps_through_ray(ray_session, tmp_path, tiny_mo
 
 def test_readme_shows_the_environment_file_and_the_command_this_test_runs():
     readme = (REPO / "README.md").read_text()
+    page = (REPO / "docs/environments.md").read_text()
     code = (REPO / "docs/examples/my_env.py").read_text().rstrip()
-    assert f"```python\n{code}\n```" in readme  # the file as the README shows it
+    assert f"```python\n{code}\n```" in page  # the file as the environments page shows it
     assert "```bash\nrlray train configs/envs/mixed_tiny.yaml\n```" in readme
+    assert "```bash\nrlray train configs/envs/mixed_tiny.yaml\n```" in page
     assert "docs/examples/my_env.py:WordLengthEnv" in (REPO / "configs/envs/mixed_tiny.yaml").read_text()
     assert len(code.splitlines()) <= 30
