@@ -63,6 +63,9 @@ FIELDS: tuple[Field, ...] = (
     Field("num_turns", pa.int32(), "", "assistant turns of an episode (null without environments)", True),
     Field("turn_rewards", pa.list_(pa.float32()), "K", "the environment's reward after each turn, NaN where none was "
           "given (null without environments)", True),
+    Field("segment", pa.int32(), "", "the row's token sequence within an agent episode cut where the agent rewrote "
+          "history (0 the first, each trained on its own with the episode's reward); null for an uncut episode or a "
+          "single-turn row; -1 for a padding row (mask off) that evens the learner ranks' shards", True),
     Field("failure", pa.string(), "", "why the sample has no reward, naming the source (its episode's environment, a "
           "reward function); null when it has one (rlray.run.failures)", True),
     Field("judge_outputs", pa.map_(pa.string(), pa.string()), "", "each judge's raw output on the row, by judge name "

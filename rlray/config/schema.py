@@ -113,8 +113,9 @@ class Config(_Section):
 
     def _check_env(self) -> None:
         env = self.env
-        if env.default is not None and env.default not in env.environments:
-            raise ValueError(f"env.default={env.default!r} is not in env.environments {sorted(env.environments)}")
+        if env.default is not None and env.default not in env.names:
+            raise ValueError(f"env.default={env.default!r} is not in env.environments {sorted(env.environments)}"
+                             + (f" or env.agents {sorted(env.agents)}" if env.agents else ""))
         if env.enabled and env.max_episode_tokens is not None and env.max_episode_tokens < (
                 self.data.max_prompt_tokens + self.rollout.max_new_tokens):
             raise ValueError(

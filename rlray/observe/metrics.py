@@ -236,6 +236,10 @@ _STEP_METRICS: tuple[Metric, ...] = (
     Metric("env/observation_tokens_mean", "tokens", "mean observation tokens per episode"),
     Metric("env/observations_truncated", "count", "observation messages cut to env.max_observation_tokens"),
     Metric("env/episodes_rerun", "count", "episodes run again after their environment actor failed"),
+    # agents behind the gateway (logged when env.agents is set)
+    Metric("env/template_drift", "count", "agent history rewrites of the step: each cuts its episode into one more "
+           "segment, trained as a sequence of its own (0 while agents only extend their conversations)"),
+    Metric("env/gateway_calls_mean", "calls", "mean chat or completion calls the gateway answered per agent episode"),
 )
 _EVAL_METRICS: tuple[Metric, ...] = (
     Metric("eval/reward_mean", "reward", "mean reward of the greedy evaluation completions that have one"),

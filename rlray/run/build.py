@@ -33,7 +33,8 @@ from rlray.reward.judge_panel import JudgePanel, JudgeTerm
 from rlray.reward.judge_server import ServeJudgeCaller
 from rlray.reward.judges import JudgeSpec
 from rlray.reward.server import LocalRewardClient, ServeRewardClient
-from rlray.rollout import SamplingSpec
+from rlray.rollout import RolloutSource, SamplingSpec
+from rlray.run.agents import AgentRollout
 from rlray.run.episodes import EpisodeLimits, EpisodeRollout
 
 
@@ -214,9 +215,21 @@ def episode_rollout(cfg: Config, fleet: Any, hosts: list[Any], tokenizer: Any) -
     def prepare(messages: list[dict]) -> list[dict]:
         return prompt_messages(messages, instruction=cfg.data.instruction, system_prompt=cfg.data.system_prompt)
 
-    return EpisodeRollout(fleet, hosts, tokenizer, limits, env_column=env.column, default_env=env.default,
+    default = env.default if env.default in env.environments else None  # a default agent is AgentRollout's
+    return EpisodeRollout(fleet, hosts, tokenizer, limits, env_column=env.column, default_env=default,
                           known_envs=list(env.environments), prepare=prepare,
                           chat_template_kwargs=cfg.rollout.chat_template_kwargs, prompt_column=cfg.data.prompt_column)
+
+
+def rollouts(cfg: Config, fleet: Any, hosts: list[Any], tokenizer: Any) -> RolloutSource:
+    """Returns what a run samples from (rank 0; ``rlray eval``): the fleet; the episode rollout over it when
+    env.environments is set; and ``AgentRollout`` around either when env.agents is set."""
+    inner = episode_rollout(cfg, fleet, hosts, tokenizer) if cfg.env.environments else fleet
+    if not cfg.env.agents:
+        return inner
+    return AgentRollout(fleet, hosts, inner, tokenizer, env_column=cfg.env.column, default=cfg.env.default,
+                        agents=list(cfg.env.agents), environments=list(cfg.env.environments),
+                        prompt_column=cfg.data.prompt_column)
 
 
 def update_spec(cfg: Config, world: int) -> learner_online.UpdateSpec:
