@@ -246,7 +246,7 @@ def table(model: str, result: dict[str, Any]) -> str:
             f"{s['samples_per_prompt']} samples, up to {s['max_turns']} turns of {s['max_new_tokens']} new tokens, "
             f"{s['steps']} steps (first {s['warmup']} not counted), "
             f"{'bf16 autocast' if s.get('dtype') == 'bfloat16' else 'float32'}")
-    return "\n".join([head, "", benchlib.markdown_table(HEADERS, rows), "",
+    return "\n".join([head, "", benchlib.markdown_table(HEADERS, rows), *grpo.learner_lines(result), "",
                       "Memory per process at each run's peak:", "", grpo.memory_table(result)])
 
 

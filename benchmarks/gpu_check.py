@@ -21,9 +21,12 @@ Checks, one table row each:
      layer) on the device: the bytes and export seconds of what a sync ships (bf16: the adapter alone, against the
      merged model), and the adapter applied over a base copy (rlray's hf rollout backend, peft) against the merged
      weights, in float32: max |logprob difference| (needs peft);
+  9. the learner's packed rows (rlray.learner.packing: no padding, each group's prompt once, attention per segment
+     through torch SDPA) against the padded, unshared rows on the device: max |logprob difference|, relative
+     gradient difference, and the seconds of a forward + backward each way (groups with ragged responses);
  10. FSDP2 over NCCL, one process per visible GPU (benchmarks/gpu_fsdp.py; a world-1 fully_shard with one GPU):
      float32 steps and gathered weights against one unsharded learner, and a bf16 mixed-precision step with its
-     sharded reference. (Row 9 is kept for sequence packing, another branch.)
+     sharded reference.
 
 The model is a local Hugging Face folder or a hub id (downloaded by transformers). Every function
 also runs on the CPU (``--device cpu``; rows 2 and 3 need CUDA), which is how tests/benchmarks/ checks it.
@@ -290,6 +293,45 @@ def check_shared_prompts(model, device: str, vocab: int, *, groups: int = 4, sam
              f"{out[True][0]:.3f} s shared ({groups}x{samples}, {prompt_tokens}+{response_tokens} tokens)")]
 
 
+def check_packed_rows(model, device: str, vocab: int, *, groups: int = 4, samples: int = 4, prompt_tokens: int = 256,
+                      response_tokens: int = 256, bf16: bool = True) -> list[tuple[str, str, str]]:
+    """Compares packed rows with shared prompts (``rlray.learner.scoring.response_scores``, packed) against the padded,
+    unshared rows on ``device`` (row 8). ``groups`` prompts x ``samples`` responses of ragged lengths (a quarter to
+    all of ``response_tokens``). Returns one row: ok when the logprobs agree within 2e-2 (bf16 autocast; 1e-4 in
+    float32) and the gradients within 2e-2 relative (bf16; 1e-4), with both timings and the tokens computed.
+    """
+    from rlray.learner.scoring import response_scores
+    from rlray.schema import pack_sequences
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, vocab - 1, (prompt_tokens,), generator=g).tolist() for _ in range(groups)]
+    lengths = torch.randint(response_tokens // 4, response_tokens + 1, (groups * samples,), generator=g).tolist()
+    inputs = pack_sequences([p for p in prompts for _ in range(samples)],
+                            [torch.randint(10, vocab - 1, (n,), generator=g).tolist() for n in lengths], 0).to(device)
+    real = (torch.arange(inputs.response_ids.shape[1])[None] < torch.tensor(lengths)[:, None]).to(device)
+    out = {}
+    for packed in (False, True):
+        model.zero_grad(set_to_none=True)
+        sync(device)
+        t0 = time.perf_counter()
+        got = response_scores(model, inputs, dtype="bfloat16" if bf16 else "float32", temperature=1.0, packed=packed,
+                              share_prefixes=packed)
+        torch.where(real, got.logprobs, 0.0).sum().backward()
+        sync(device)
+        grads = torch.cat([p.grad.flatten().float() for p in model.parameters() if p.grad is not None])
+        out[packed] = (time.perf_counter() - t0, got.logprobs.detach(), grads, got.tokens)
+    model.zero_grad(set_to_none=True)
+    lp_diff = float((out[True][1] - out[False][1])[real].abs().max())
+    grad_rel = float((out[True][2] - out[False][2]).norm() / out[False][2].norm())
+    tol = 2e-2 if bf16 else 1e-4
+    ok = lp_diff <= tol and grad_rel <= tol
+    padded, packed = out[False][3], out[True][3]
+    return [("packed rows + shared prompts, forward+backward", "ok" if ok else "FAILED",
+             f"max |dlogprob| {lp_diff:.2e}, grad rel diff {grad_rel:.2e}; padded {out[False][0]:.3f} s "
+             f"({padded.real + padded.padding} tokens) -> packed {out[True][0]:.3f} s ({packed.real} tokens, "
+             f"{packed.shared} shared) ({groups}x{samples}, {prompt_tokens}+<={response_tokens} tokens)")]
+
+
 def check_frozen_bf16(model, device: str, vocab: int, *, rows: int = 4, tokens: int = 128) -> list[tuple[str, str, str]]:
     """Compares a frozen copy of ``model`` with its linear weights stored in bf16 (``store_frozen_for_autocast``,
     how the learner keeps its reference under bf16) against the float32 copy, under bf16 autocast on ``device``
@@ -348,9 +390,9 @@ def check_planner(model_dir: str, device: str, *, sequences: int = 8, prompt_tok
     batch = full_length_batch(learner.module.config.vocab_size, rows, prompt_tokens, response_tokens)
     spec = build.update_spec(cfg, 1)
     norm = Normaliser(float(rows * response_tokens), float(rows))
-    learner.train_minibatch(batch, spec.loss, norm, spec.microbatch_size)
+    learner.train_minibatch(batch, spec.loss, norm, spec.batching)
     _reset_peak(device)
-    learner.train_minibatch(batch, spec.loss, norm, spec.microbatch_size)
+    learner.train_minibatch(batch, spec.loss, norm, spec.batching)
     measured = (_peak(device) - before) / GIB
     del learner
     if cuda:
@@ -511,6 +553,7 @@ def main(argv: list[str] | None = None) -> int:
     rows += check_frozen_bf16(model, args.device, model.config.vocab_size)
     rows += planner_rows
     rows += check_adapter_sync(model, args.device, model.config.vocab_size)
+    rows += check_packed_rows(model, args.device, model.config.vocab_size, bf16=cuda)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from gpu_fsdp import check_fsdp  # deferred: its rank processes run this folder's scripts
 

@@ -204,6 +204,9 @@ def child_rlray(spec: RunSpec, max_staleness: int, result_path: Path) -> None:
     result_path.write_text(json.dumps(rlray_result(result.status, started, steps_path)))
 
 
+LEARNER_TOKEN_KEYS = ("perf/learner_tokens_real", "perf/learner_tokens_padding", "perf/learner_tokens_shared")
+
+
 def rlray_result(status: str, started: float, steps_path: Path, extra_metrics: tuple[str, ...] = ()) -> dict[str, Any]:
     """Returns the result JSON of a finished rlray run from its ``StepRecorder`` file: step ends, generated tokens,
     reward, stage timings, and the metrics ``extra_metrics`` per step (``series``)."""
@@ -218,6 +221,7 @@ def rlray_result(status: str, started: float, steps_path: Path, extra_metrics: t
                     ("timing/rollout_s", "timing/reward_s", "timing/logprobs_s", "timing/update_s",
                      "timing/weight_sync_s", "timing/step_s")},
         "series": {key: [s["metrics"].get(key) for s in steps] for key in extra_metrics},
+        "learner_tokens": {key: [s["metrics"].get(key) for s in steps] for key in LEARNER_TOKEN_KEYS},
     }
 
 
@@ -363,6 +367,9 @@ def summarise(raw: dict[str, Any], spec: RunSpec, prompt_tokens: list[int]) -> d
     if "timings" in raw:  # rlray's own stage timings, median over the counted steps
         out["stage_median_s"] = {k: benchlib.median_after_warmup(v[1:], spec.warmup) for k, v in raw["timings"].items()
                                  if all(x is not None for x in v)}
+    if "learner_tokens" in raw:  # what the learner's forwards computed per step (real, padding, shared)
+        out["learner_tokens_median"] = {k: benchlib.median_after_warmup(v[1:], spec.warmup)
+                                        for k, v in raw["learner_tokens"].items() if all(x is not None for x in v)}
     if "trained_tokens_logged" in raw:
         out["trained_tokens_logged"] = raw["trained_tokens_logged"]
     if "series" in raw:  # a benchmark's own per-step figures (env_vs_trl: tool calls and turns per episode)
@@ -457,9 +464,26 @@ def table(model: str, result: dict[str, Any]) -> str:
     async_vs_sync = result["runs"].get("rlray-async", {}).get("step_time_vs_sync")
     if async_vs_sync is not None:
         lines += ["", f"rlray async / sync step time: {async_vs_sync:.2f}"]
+    lines += learner_lines(result)
     lines += ["", "Memory per process at each run's peak (PSS: shared pages split among their sharers):", "",
               memory_table(result)]
     return "\n".join(lines)
+
+
+def learner_lines(result: dict[str, Any]) -> list[str]:
+    """Returns a line per rlray run: its median logprobs and update stage times and the tokens its learner computed
+    per step (real, padding, shared: ``perf/learner_tokens_*``), so a faster update is explained, not only timed."""
+    lines = []
+    for name, r in result["runs"].items():
+        stages, tokens = r.get("stage_median_s", {}), r.get("learner_tokens_median", {})
+        if not stages or "timing/update_s" not in stages:
+            continue
+        counts = ", ".join(f"{benchlib.fmt(tokens.get(f'perf/learner_tokens_{k}'), 0)} {k}"
+                           for k in ("real", "padding", "shared"))
+        lines.append(f"{name}: logprobs {benchlib.fmt(stages.get('timing/logprobs_s'), 1)} s, update "
+                     f"{benchlib.fmt(stages['timing/update_s'], 1)} s per step (median); learner tokens per step: "
+                     f"{counts}")
+    return [""] + lines if lines else []
 
 
 def memory_table(result: dict[str, Any]) -> str:

@@ -7,7 +7,8 @@
 
 Order: grpo_vs_trl (TRL, rlray sync, rlray async), env_vs_trl (multi-turn tool calling: TRL's
 environment_factory vs rlray sync), rollout (rlray vs bare vLLM), weight_sync (N = 1, 2
-actors vs memcpy), experience (its step time is rlray sync's, read from grpo_vs_trl's results).
+actors vs memcpy), experience (its step time is rlray sync's, read from grpo_vs_trl's results),
+learner_packing (the learner's stages 4 and 6, padded as before against packed with shared prefixes).
 Each script runs in-process one after another (their measured runs are child processes of their
 own), prints its table and writes bench_results/<name>.json; a script that fails is reported and the
 others still run. At the end: the summary of the ratios against their targets, also written to
@@ -25,7 +26,10 @@ from typing import Any
 
 import benchlib
 
-BENCHMARKS = ("grpo_vs_trl", "env_vs_trl", "rollout", "weight_sync", "experience")
+BENCHMARKS = ("grpo_vs_trl", "env_vs_trl", "rollout", "weight_sync", "experience", "learner_packing")
+# issue 33's targets of the learner's logprobs + update time, packed and shared against the padded layout of before:
+# (a) the demo's step, (b) env_vs_trl's
+LEARNER_TARGETS = {"demo": 0.5, "env": 0.33}
 
 
 def run_one(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -68,6 +72,15 @@ def summary_rows(results: dict[str, dict[str, Any]]) -> list[list[Any]]:
         if r.get("case") == "step":
             v = r.get("move_vs_step")
             add(f"experience move / step time: {r['world']} rank(s)", v, "<= 0.02", v is not None and v <= 0.02)
+    for r in (results.get("learner_packing") or {}).get("results", []):
+        target = LEARNER_TARGETS.get(r["workload"])
+        runs = r.get("runs", {})
+        if target is None or "today" not in runs or "packed+shared" not in runs:
+            continue
+        before, after = (runs[v]["logprobs_s"] + runs[v]["update_s"] for v in ("today", "packed+shared"))
+        v = after / before if before else None
+        add(f"learner logprobs + update, {r['workload']} ({r['dtype']}): packed+shared / padded before", v,
+            f"<= {target:.2f}", v is not None and v <= target)
     return rows
 
 

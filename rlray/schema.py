@@ -63,6 +63,9 @@ FIELDS: tuple[Field, ...] = (
     Field("num_turns", pa.int32(), "", "assistant turns of an episode (null without environments)", True),
     Field("turn_rewards", pa.list_(pa.float32()), "K", "the environment's reward after each turn, NaN where none was "
           "given (null without environments)", True),
+    Field("segment", pa.int32(), "", "the row's token sequence within an agent episode cut where the agent rewrote "
+          "history (0 the first, each trained on its own with the episode's reward); null for an uncut episode or a "
+          "single-turn row; -1 for a padding row (mask off) that evens the learner ranks' shards", True),
     Field("failure", pa.string(), "", "why the sample has no reward, naming the source (its episode's environment, a "
           "reward function); null when it has one (rlray.run.failures)", True),
     Field("judge_outputs", pa.map_(pa.string(), pa.string()), "", "each judge's raw output on the row, by judge name "
@@ -209,8 +212,9 @@ class ModelInputs:
         """Returns [B] int64 response lengths in tokens (the real tokens after column Pm)."""
         return self.attention_mask[:, self.input_ids.shape[1] - self.response_ids.shape[1] :].sum(1)
 
-    def rows(self, rows: slice) -> ModelInputs:
-        """Returns the rows ``rows`` (views; columns unchanged)."""
+    def rows(self, rows: slice | torch.Tensor) -> ModelInputs:
+        """Returns the rows ``rows``: a slice (views) or a [b] int64 index tensor (copies, in its order); columns
+        unchanged."""
         return map_tensors(self, lambda v: v[rows])
 
     def to(self, device: torch.device | str) -> ModelInputs:
@@ -282,8 +286,9 @@ class StepBatch:
         """Returns B, the number of rows."""
         return self.inputs.num_rows
 
-    def rows(self, rows: slice) -> StepBatch:
-        """Returns the rows ``rows`` of every tensor (views; a mini-batch or micro-batch)."""
+    def rows(self, rows: slice | torch.Tensor) -> StepBatch:
+        """Returns the rows ``rows`` of every tensor (a mini-batch or micro-batch): a slice (views) or a [b] int64
+        index tensor (copies, in its order)."""
         return map_tensors(self, lambda v: v[rows])
 
     def to(self, device: torch.device | str) -> StepBatch:

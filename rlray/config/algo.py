@@ -282,7 +282,37 @@ class LearnerConfig(_Section):
         32, ge=1, description="Sequences per optimizer step, across all learner ranks."
     )
     sequences_per_microbatch: int = Field(
-        8, ge=1, description="Sequences per forward/backward on one rank (gradient accumulation unit)."
+        8, ge=1,
+        description=(
+            "Sequences per forward/backward on one rank (gradient accumulation unit), when tokens_per_microbatch "
+            "is null."
+        ),
+    )
+    tokens_per_microbatch: int | None = Field(
+        None, ge=16,
+        description=(
+            "Token budget of one forward/backward on one rank, in the tokens it computes (packed: prompt + response, "
+            "a shared prompt once; padded: rows x the longest row); sequences are binned by length to fill it, so "
+            "micro-batches hold about the same work. null: cut by sequences_per_microbatch. Losses never depend on "
+            "the cut (every aggregation divides by mini-batch counts). FSDP learners cut by sequences."
+        ),
+    )
+    sequence_packing: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description=(
+            "Padding-free forwards: a micro-batch's sequences packed into one row, attention kept inside each "
+            "sequence (torch SDPA per segment). auto: packed where the model can (a transformers model on sdpa "
+            "attention without sliding-window layers), padded elsewhere; on: packed or an error; off: padded rows "
+            "(the reference layout). Same logprobs and gradients up to float rounding."
+        ),
+    )
+    share_prefixes: bool = Field(
+        True,
+        description=(
+            "Rows with the same prompt (a GRPO group's samples, an episode group's) compute it once per "
+            "micro-batch, and the tokens all of them share after it when packed; every continuation reads its "
+            "keys and values, and its gradient is the sum over them. False: every row computes its own prompt."
+        ),
     )
     torch_threads: int | None = Field(
         None,
@@ -305,3 +335,11 @@ class LearnerConfig(_Section):
         "adamw",
         description="adamw (torch) or adamw_8bit (bitsandbytes AdamW8bit: 8-bit states; CUDA learners only).",
     )
+
+    @field_validator("sequence_packing", mode="before")
+    @classmethod
+    def _packing_words(cls, value: Any) -> Any:
+        """YAML 1.1 reads the words on and off as booleans; they mean the modes "on" and "off" here."""
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        return value

@@ -1,12 +1,45 @@
-"""Config section env: multi-turn environments (episodes of turns with observations and tools)."""
+"""Config section env: multi-turn environments (episodes of turns with observations and tools), agents behind the
+gateway, and MCP servers."""
 
 from __future__ import annotations
 
-from typing import Literal
+import shlex
+from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from rlray.config.base import _Section
+
+
+class McpServerConfig(_Section):
+    """One MCP server whose tools the environment hosts offer (``rlray.envs.mcp``): a stdio command or a URL."""
+
+    name: str = Field(..., min_length=1, description="The server's name, in messages and logs.")
+    command: list[str] | None = Field(
+        None,
+        description=(
+            "A stdio server: the command that starts it (a list, or one string split like a shell line), run by "
+            "each environment host as its child process and stopped with it; 'python' runs the host's own "
+            "interpreter, and arguments naming files are made absolute at start."
+        ),
+    )
+    url: str | None = Field(None, description="A streamable-HTTP server already running: its endpoint URL.")
+    timeout_s: float = Field(
+        30.0, gt=0.0, description="Seconds one tool call may take; past it the call is answered with an error."
+    )
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables of a stdio server.")
+
+    @field_validator("command", mode="before")
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        return shlex.split(value) if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _one_transport(self) -> McpServerConfig:
+        if bool(self.command) == bool(self.url):
+            raise ValueError(f"env.mcp_servers[{self.name!r}]: give either command (a stdio server) or url (streamable "
+                             "HTTP), not both and not neither")
+        return self
 
 
 class EnvConfig(_Section):
@@ -26,13 +59,37 @@ class EnvConfig(_Section):
             "get_reward). Empty: no environments (single-turn rollouts)."
         ),
     )
+    agents: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "Agent name -> function: 'package.module:fn' or 'path/to/file.py:fn', an `async def fn(client, row)` "
+            "written against the openai SDK (rlray.envs.agents); each episode gets a client whose base_url is its own "
+            "OpenAI-compatible endpoint on the gateway. It returns the reward (a number, AgentResult or None). Names "
+            "share env.column with env.environments and must differ from them."
+        ),
+    )
+    mcp_servers: list[McpServerConfig] = Field(
+        default_factory=list,
+        description=(
+            "MCP servers started per environment host: their tools go to agents (episode_tools()) and to "
+            "ToolEnvironment environments; failures and time-outs are error observations, counted."
+        ),
+    )
+    gateway_host: str = Field(
+        "127.0.0.1",
+        description="Address the agent gateway (one HTTP server per environment host) binds; agents run on that host.",
+    )
     column: str = Field(
-        "environment", min_length=1, description="Row column naming the row's environment (TRL's dict of factories)."
+        "environment", min_length=1,
+        description="Row column naming the row's environment or agent (TRL's dict of factories).",
     )
     default: str | None = Field(
-        None, description="Environment of rows without that column; None makes such rows single-turn prompts."
+        None, description="Environment or agent of rows without that column; None makes such rows single-turn prompts."
     )
-    max_turns: int = Field(8, ge=1, description="Assistant turns per episode; then it ends (stop reason max_turns).")
+    max_turns: int = Field(
+        8, ge=1,
+        description="Assistant turns per episode (an agent's calls answered); then it ends (stop reason max_turns).",
+    )
     max_episode_tokens: int | None = Field(
         None,
         ge=16,
@@ -49,8 +106,9 @@ class EnvConfig(_Section):
         60.0,
         gt=0.0,
         description=(
-            "Seconds one reset or step call may take; past it the episode fails (stop reason timeout). Soft without "
-            "env.sandbox (the thread is abandoned, not killed), hard with it (the episode's process is killed)."
+            "Seconds one reset or step call may take (an agent: its own work between two gateway calls); past it the "
+            "episode fails (stop reason timeout). Soft without env.sandbox (the thread is abandoned, not killed), hard "
+            "with it (the episode's process is killed); an async agent is cancelled."
         ),
     )
     sandbox: bool = Field(
@@ -63,7 +121,9 @@ class EnvConfig(_Section):
     )
     memory_gib: float = Field(2.0, gt=0.0, description="Address-space cap of a sandboxed episode's process, in GiB.")
     episode_timeout_s: float = Field(
-        600.0, gt=0.0, description="Seconds one episode may run, checked between turns (stop reason episode_timeout)."
+        600.0, gt=0.0,
+        description="Seconds one episode may run, checked between turns, or while an agent runs (stop reason "
+                    "episode_timeout).",
     )
     tool_parser: Literal["hermes"] = Field(
         "hermes", description="How tool calls are read from the model's text: hermes (<tool_call>{json}</tool_call>)."
@@ -91,7 +151,32 @@ class EnvConfig(_Section):
                 raise ValueError(f"env.environments.{name}={spec!r}: write 'package.module:Class' or 'file.py:Class'")
         return value
 
+    @field_validator("agents")
+    @classmethod
+    def _agent_specs(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, spec in value.items():
+            if ":" not in spec:
+                raise ValueError(f"env.agents.{name}={spec!r}: write 'package.module:function' or 'file.py:function'")
+        return value
+
+    @model_validator(mode="after")
+    def _names(self) -> EnvConfig:
+        both = sorted(set(self.agents) & set(self.environments))
+        if both:
+            raise ValueError(f"env.agents and env.environments both name {both}; a row's env.column must pick one")
+        names = [s.name for s in self.mcp_servers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"env.mcp_servers: names must be unique, got {names}")
+        if self.mcp_servers and not self.enabled:
+            raise ValueError("env.mcp_servers needs env.agents or env.environments that use the tools")
+        return self
+
     @property
     def enabled(self) -> bool:
-        """Returns True when environments are configured."""
-        return bool(self.environments)
+        """Returns True when environments or agents are configured (rows may run as multi-turn episodes)."""
+        return bool(self.environments or self.agents)
+
+    @property
+    def names(self) -> list[str]:
+        """Returns the environment and agent names a row's env.column may hold."""
+        return [*self.environments, *self.agents]

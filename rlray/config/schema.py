@@ -88,7 +88,7 @@ class Config(_Section):
                 f"learner.sequences_per_minibatch={ln.sequences_per_minibatch} does not divide the "
                 f"{sequences} sequences per step (prompts_per_step*samples_per_prompt); pick a divisor of {sequences}"
             )
-        if ln.sequences_per_minibatch % (ln.sequences_per_microbatch * world):
+        if ln.tokens_per_microbatch is None and ln.sequences_per_minibatch % (ln.sequences_per_microbatch * world):
             raise ValueError(
                 f"learner.sequences_per_microbatch={ln.sequences_per_microbatch} x {world} learner worker(s) "
                 f"does not divide learner.sequences_per_minibatch={ln.sequences_per_minibatch}; pick a divisor"
@@ -113,8 +113,9 @@ class Config(_Section):
 
     def _check_env(self) -> None:
         env = self.env
-        if env.default is not None and env.default not in env.environments:
-            raise ValueError(f"env.default={env.default!r} is not in env.environments {sorted(env.environments)}")
+        if env.default is not None and env.default not in env.names:
+            raise ValueError(f"env.default={env.default!r} is not in env.environments {sorted(env.environments)}"
+                             + (f" or env.agents {sorted(env.agents)}" if env.agents else ""))
         if env.enabled and env.max_episode_tokens is not None and env.max_episode_tokens < (
                 self.data.max_prompt_tokens + self.rollout.max_new_tokens):
             raise ValueError(

@@ -1,9 +1,12 @@
-"""Environments: the contract (``base``), tools and their parsers, a tool-calling base class, the TRL adapter.
+"""Environments: the contract (``base``), tools and their parsers, a tool-calling base class, the TRL adapter; agents
+behind the gateway (``agents``, ``gateway``, ``conversation``, ``agent_host``) and MCP tools (``mcp``).
 
 Plain Python, no Ray: an environment is tested as an object (DESIGN.md, Environments).
 """
 
+from rlray.envs.agents import AgentResult, episode_tools
 from rlray.envs.base import AssistantTurn, Environment, EnvReset, EnvStep, Message, ToolCall
+from rlray.envs.mcp import McpTool, host_mcp_tools
 from rlray.envs.toolenv import ToolEnvironment, tool_step
 from rlray.envs.tools import (
     TOOL_CALL_PARSERS,
@@ -25,15 +28,19 @@ from rlray.envs.trl import (
 
 __all__ = [
     "TOOL_CALL_PARSERS",
+    "AgentResult",
     "AssistantTurn",
     "EnvReset",
     "EnvStep",
     "Environment",
+    "McpTool",
     "Message",
     "TRLEnvironment",
     "ToolCall",
     "ToolEnvironment",
     "call_tool",
+    "episode_tools",
+    "host_mcp_tools",
     "is_trl_environment",
     "load_environment",
     "load_environment_class",

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rlray.envs.base import AssistantTurn, EnvReset, EnvStep, Message
+from rlray.envs.mcp import host_mcp_tools
 from rlray.envs.tools import call_tool
 
 INVALID_TOOL_CALL = "invalid_tool_call"  # the tool-message name answering a call that could not be parsed
@@ -72,9 +73,13 @@ class ToolEnvironment(abc.ABC):
     def begin(self, prompt: list[Message], tools: list[Callable[..., Any]], stop: list[str] | None = None) -> EnvReset:
         """Returns ``EnvReset(prompt, tools, stop)`` and records ``tools`` by ``__name__`` for ``step``'s dispatch.
 
+        The MCP servers' tools of the environment host (``env.mcp_servers``: ``rlray.envs.mcp.host_mcp_tools``) are
+        added after ``tools``.
+
         Raises:
             ValueError: two tools share a name (the model could not tell them apart).
         """
+        tools = [*tools, *host_mcp_tools()]  # env.mcp_servers: the host's MCP tools join every tool environment's
         names = [tool.__name__ for tool in tools]
         if len(set(names)) != len(names):
             raise ValueError(f"{type(self).__name__}: tool names must be unique, got {names}")

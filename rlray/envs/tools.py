@@ -30,6 +30,7 @@ from typing import Any
 from transformers.utils import get_json_schema
 
 from rlray.envs.base import ToolCall
+from rlray.envs.mcp import McpTool
 
 _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
@@ -38,13 +39,17 @@ def tool_schemas(tools: list[Callable[..., Any]]) -> list[dict[str, Any]]:
     """Returns the JSON schema of each tool, in order (``{"type": "function", "function": {name, description, parameters}}``).
 
     A tool needs a type hint on every argument and a Google-style docstring with an ``Args:`` entry per
-    argument (transformers' rules). Bound methods work (``self`` is not listed).
+    argument (transformers' rules). Bound methods work (``self`` is not listed). An MCP server's tool
+    (``rlray.envs.mcp.McpTool``) gives the schema its server listed.
 
     Raises:
         ValueError: a tool that transformers cannot describe; the message names the function and the reason.
     """
     schemas = []
     for tool in tools:
+        if isinstance(tool, McpTool):  # an MCP server's tool: its schema is the server's
+            schemas.append(tool.schema)
+            continue
         try:
             schemas.append(get_json_schema(tool))
         except Exception as err:  # transformers raises TypeHintParsingException / DocstringParsingException

@@ -222,10 +222,10 @@ def _import_module(module_part: str, label: str) -> Any:
 def load_object(spec: str, *, label: str, shape: str) -> Any:
     """Returns the object a ``"package.module:name"`` or ``"path/to/file.py:name"`` spec names.
 
-    The one loader of user code named in the config: environments (``load_environment_class``) and step hooks
-    (``rlray.run.hooks.load_step_hooks``). A module is imported; a file (relative to the current folder) is loaded
-    once per resolved path, as the module ``rlray_user_<stem>_<hash>`` (``USER_MODULE_PREFIX``), with its own folder
-    first on ``sys.path`` while it loads.
+    The one loader of user code named in the config: environments (``load_environment_class``), agents
+    (``rlray.envs.agents.load_agent``) and step hooks (``rlray.run.hooks.load_step_hooks``). A module is imported;
+    a file (relative to the current folder) is loaded once per resolved path, as the module
+    ``rlray_user_<stem>_<hash>`` (``USER_MODULE_PREFIX``), with its own folder first on ``sys.path`` while it loads.
 
     Args:
         spec: the spec.

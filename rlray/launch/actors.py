@@ -24,6 +24,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlray.config import Config
 from rlray.launch.placement import rollout_cpu_threads
+from rlray.learner.batching import MicroBatching
 from rlray.learner.reference import ReferenceModel
 from rlray.models.adapters import AdapterWeights, read_adapter_config
 from rlray.models.loading import ModelError
@@ -104,9 +105,9 @@ class ReferenceActor:
     def __init__(self, model_path: str, model_kwargs: dict) -> None:
         self.model = ReferenceModel(model_path, **model_kwargs)
 
-    def logprobs(self, inputs: ModelInputs, microbatch_size: int) -> torch.Tensor:
-        """Returns [B, T] float32 reference logprobs of the rows' responses."""
-        return self.model.logprobs(inputs, microbatch_size)
+    def logprobs(self, inputs: ModelInputs, batching: MicroBatching) -> torch.Tensor:
+        """Returns [B, T] float32 reference logprobs of the rows' responses, micro-batch by micro-batch (``batching``)."""
+        return self.model.logprobs(inputs, batching)
 
     def ready(self) -> bool:
         """Returns True once the model is loaded."""
@@ -272,28 +273,70 @@ def start_reference_actor(cfg: Config, model_path: str, namespace: str | None = 
     return actor
 
 
-def start_env_hosts(cfg: Config, namespace: str | None = None) -> list[ray.actor.ActorHandle]:
-    """Returns the started environment hosts ``rlray:env-<i>`` (resources.env), or [] without env.environments.
+def start_env_hosts(cfg: Config, namespace: str | None = None, *, model_dir: str | None = None) -> list[ray.actor.ActorHandle]:
+    """Returns the started environment hosts ``rlray:env-<i>`` (resources.env), or [] without env.environments and
+    env.agents.
+
+    With env.agents or env.mcp_servers each host is an ``AgentHost`` (an ``EnvironmentHost`` that also serves the
+    agent gateway and holds the MCP sessions; ``agent_host_kwargs``), else a plain ``EnvironmentHost``.
+
+    Args:
+        cfg: the run's config.
+        namespace: the run's Ray namespace.
+        model_dir: the policy's local folder (an ``AgentHost`` tokenizes the agents' conversations with its
+            tokenizer); None: ``model.path`` resolved.
 
     Raises:
-        ValueError: an environment class cannot be loaded (raised by the first host; names the environment).
+        ValueError: an environment class or agent function cannot be loaded (raised by the first host; names it).
+        rlray.envs.mcp.McpStartError: an MCP server did not start.
     """
     if not cfg.env.enabled:
         return []
     from rlray.envs.host import EnvironmentHost  # deferred: environments' imports only when configured
 
     res, hosts = cfg.resources.env, []
+    gateway = bool(cfg.env.agents or cfg.env.mcp_servers)
     for i in range(res.num_workers):
         wait_for_name(f"rlray:env-{i}", namespace)
-        hosts.append(ray.remote(EnvironmentHost).options(
-            name=f"rlray:env-{i}", namespace=namespace, num_cpus=res.cpus, resources=dict(res.custom_resources),
-            max_restarts=res.max_restarts,
-            max_concurrency=1, scheduling_strategy="DEFAULT",
-        ).remote(dict(cfg.env.environments), tool_parser=cfg.env.tool_parser, step_timeout_s=cfg.env.step_timeout_s,
-                 threads=res.threads, sandbox=cfg.env.sandbox, memory_gib=cfg.env.memory_gib,
-                 trl_parity=cfg.env.trl_parity))
+        options = dict(name=f"rlray:env-{i}", namespace=namespace, num_cpus=res.cpus, resources=dict(res.custom_resources),
+                       max_restarts=res.max_restarts, scheduling_strategy="DEFAULT")
+        kwargs = dict(tool_parser=cfg.env.tool_parser, step_timeout_s=cfg.env.step_timeout_s, threads=res.threads,
+                      sandbox=cfg.env.sandbox, memory_gib=cfg.env.memory_gib, trl_parity=cfg.env.trl_parity)
+        if gateway:  # run_agents blocks while the host's agents run: the environments' calls need threads of their own
+            from rlray.envs.agent_host import AgentHost
+
+            hosts.append(ray.remote(AgentHost).options(**options, max_concurrency=AGENT_HOST_CONCURRENCY).remote(
+                dict(cfg.env.environments), **kwargs, **agent_host_kwargs(cfg, model_dir)))
+        else:
+            hosts.append(ray.remote(EnvironmentHost).options(**options, max_concurrency=1).remote(
+                dict(cfg.env.environments), **kwargs))
     ray.get([h.ping.remote() for h in hosts])
     return hosts
+
+
+AGENT_HOST_CONCURRENCY = 8  # an AgentHost's calls at once: agent batches (async steps, DAPO refills) and env steps
+
+
+def agent_host_kwargs(cfg: Config, model_dir: str | None = None) -> dict[str, Any]:
+    """Returns the ``AgentHost`` keyword arguments of ``cfg`` beyond ``EnvironmentHost``'s (plain values)."""
+    from rlray.envs.mcp import McpServerSpec
+    from rlray.models import resolve_model_path
+    from rlray.run.agents import FleetSampler
+
+    env = cfg.env
+    return {
+        "agents": dict(env.agents),
+        "model_dir": (model_dir or resolve_model_path(cfg.model.path)) if env.agents else None,
+        "chat_template": cfg.model.chat_template,
+        "sampler_factory": FleetSampler,
+        "max_turns": env.max_turns,
+        "max_episode_tokens": cfg.episode_tokens,
+        "episode_timeout_s": env.episode_timeout_s,
+        "mcp_servers": [McpServerSpec(s.name, tuple(s.command or ()), s.url or "", s.timeout_s, dict(s.env))
+                        for s in env.mcp_servers],
+        "gateway_host": env.gateway_host,
+        "chat_template_kwargs": dict(cfg.rollout.chat_template_kwargs),
+    }
 
 
 def wait_for_name(name: str, namespace: str | None = None, timeout_s: float = 30.0) -> None:

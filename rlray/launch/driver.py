@@ -161,6 +161,13 @@ def resolve_paths(cfg: Config, base: Path | None = None) -> Config:
         target, name = spec.rsplit(":", 1)
         if target.endswith(".py"):
             out.env.environments[env_name] = f"{local(target)}:{name}"
+    for agent_name, spec in cfg.env.agents.items():
+        target, name = spec.rsplit(":", 1)
+        if target.endswith(".py"):
+            out.env.agents[agent_name] = f"{local(target)}:{name}"
+    for server in out.env.mcp_servers:  # a stdio MCP server's file arguments (the hosts may run in another folder)
+        if server.command:
+            server.command = [server.command[0], *(local(a) for a in server.command[1:])]
     for i, spec in enumerate(cfg.run.hooks):
         target, name = spec.rsplit(":", 1)
         if target.endswith(".py"):
@@ -309,7 +316,7 @@ def run_training(
         if online:
             actors = start_rollout_actors(cfg, model_dir, max_model_len(cfg), rollout_nodes(cfg), namespace=namespace)
         if online:
-            env_hosts = start_env_hosts(cfg, namespace=namespace)
+            env_hosts = start_env_hosts(cfg, namespace=namespace, model_dir=model_dir)
         if online and cfg.reward.server.enabled:
             own_app = start_reward_server(cfg)
         if online and cfg.reward.judges:
@@ -448,11 +455,11 @@ def eval_setup(cfg: Config, checkpoint_path: str) -> Iterator[EvalSetup]:
     one.resources.rollout.num_workers = 1
     one.resources.rollout.cpu_threads = None  # this node's cores, all to the one actor
     actors = start_rollout_actors(one, model_dir, max_model_len(cfg))
-    hosts = start_env_hosts(cfg)
+    hosts = start_env_hosts(cfg, model_dir=model_dir)
     try:
         reward = build.local_reward_client(cfg, build.dataset_columns(rows))
         fleet = RolloutFleet(actors, node_wait_s=cfg.resources.node_wait_s)
-        rollouts = build.episode_rollout(cfg, fleet, hosts, tokenizer) if cfg.env.enabled else fleet
+        rollouts = build.rollouts(cfg, fleet, hosts, tokenizer)
         try:
             with judge_apps(cfg):
                 judges = build.judge_panel(cfg)

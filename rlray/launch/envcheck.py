@@ -3,7 +3,8 @@
 Without them each of these ends a run that cannot learn only once it runs, with every episode failed or every row a
 single-turn prompt, and the reason in a Ray worker's log file:
 
-- a row whose ``env.column`` names an environment that ``env.environments`` lacks;
+- a row whose ``env.column`` names an environment that ``env.environments`` lacks (nor ``env.agents``: its rows
+  run as agent episodes, not checked here);
 - an environment no row reaches (neither a row's ``env.column`` names it nor ``env.default``): a TRL user with one
   ``environment_factory`` expects it to apply to every row, which is ``env.default``;
 - a file or module that cannot be imported (the file's folder is on the import path while it loads), a class that
@@ -57,22 +58,24 @@ class EnvOpening:
 
 
 def route_rows(cfg: Config, train_rows: list[PromptRow], eval_rows: list[PromptRow]) -> dict[str, list[PromptRow]]:
-    """Returns {environment name: the rows routed to it, train rows first} for every configured environment.
+    """Returns {environment name: the rows routed to it, train rows first} for every configured environment (rows
+    that name an agent of ``env.agents`` run as agent episodes and are in none).
 
     Raises:
-        ValueError: a row names an environment that is not configured, or an environment no row reaches (the
-            message names the row or key and the fix).
+        ValueError: a row names an environment that is not configured (nor an agent), or an environment no row
+            reaches (the message names the row or key and the fix).
     """
     env = cfg.env
     routed: dict[str, list[PromptRow]] = {name: [] for name in env.environments}
     for key, rows in (("data.train_files", train_rows), ("data.eval_files", eval_rows)):
         for row in rows:
             name = row_environment(row.columns, env.column, env.default)
-            if name and name not in routed:
+            if name and name not in routed and name not in env.agents:
+                agents = f" nor in env.agents {sorted(env.agents)}" if env.agents else ""
                 raise ValueError(f"{key}: row '{row.prompt_id}' names environment '{name}' in its '{env.column}' "
-                                 f"column, which is not in env.environments {sorted(routed)}; add it there or fix "
-                                 "the row")
-            if name:
+                                 f"column, which is not in env.environments {sorted(routed)}{agents}; add it there "
+                                 "or fix the row")
+            if name in routed:
                 routed[name].append(row)
     unreached = [name for name, rows in routed.items() if not rows]
     if unreached:

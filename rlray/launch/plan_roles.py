@@ -187,11 +187,15 @@ def microbatch(cfg: Config) -> MicroBatch:
         return MicroBatch(2 * off.pairs_per_microbatch, off.max_prompt_tokens, off.max_response_tokens,
                           "2 x offline.pairs_per_microbatch x (offline.max_prompt_tokens + offline.max_response_tokens)")
     prompt = cfg.data.max_prompt_tokens
-    if cfg.env.enabled:
-        return MicroBatch(cfg.learner.sequences_per_microbatch, prompt, cfg.episode_tokens - prompt,
-                          "learner.sequences_per_microbatch x the longest episode (env.max_episode_tokens)")
-    return MicroBatch(cfg.learner.sequences_per_microbatch, prompt, cfg.rollout.max_new_tokens,
-                      "learner.sequences_per_microbatch x (data.max_prompt_tokens + rollout.max_new_tokens)")
+    response = cfg.episode_tokens - prompt if cfg.env.enabled else cfg.rollout.max_new_tokens
+    longest = "the longest episode (env.max_episode_tokens)" if cfg.env.enabled else \
+        "(data.max_prompt_tokens + rollout.max_new_tokens)"
+    budget = cfg.learner.tokens_per_microbatch
+    if budget is not None:  # rows binned to fill the budget: as many longest rows as reach it (at least one)
+        return MicroBatch(max(1, math.ceil(budget / (prompt + response))), prompt, response,
+                          f"learner.tokens_per_microbatch={budget:,} in whole sequences of {longest}")
+    return MicroBatch(cfg.learner.sequences_per_microbatch, prompt, response,
+                      f"learner.sequences_per_microbatch x {longest}")
 
 
 def context_tokens(cfg: Config) -> int:

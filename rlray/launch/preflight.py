@@ -68,8 +68,8 @@ def preflight(cfg: Config) -> str:
         rlray.data.DataError: a data file is missing, empty or has a bad row, line or column.
         rlray.reward.RewardFunctionError: a reward function's file or module does not exist, or its parameters do
             not fit the data's columns.
-        PreflightError: an environment cannot be used or reached, a row names an unknown one, or any other check
-            raised a ``ValueError``.
+        PreflightError: an environment cannot be used or reached, an agent's file or module does not exist, a row
+            names an unknown environment or agent, or any other check raised a ``ValueError``.
         rlray.checkpoint.storage.SnapshotError: snapshots cannot be written under ``checkpoint.uri``.
         rlray.launch.placement.PlacementError: a role's predicted memory exceeds its budget beyond the planner's
             tolerance (``check_fit``).
@@ -115,6 +115,9 @@ def check_inputs(cfg: Config) -> str:
         check_judges(cfg, rows)
         for name, spec in cfg.env.environments.items():
             check_environment_spec(name, spec)
+        for name, spec in cfg.env.agents.items():
+            if (missing := missing_target(spec)) is not None:
+                raise ValueError(f"env.agents.{name}='{spec}': {missing}")
         check_reward_columns(cfg, sorted({c for row in rows + eval_rows for c in row.columns}))
         check_environments(cfg, rows, eval_rows)
         if cfg.algo.algorithm.needs_critic and cfg.critic.model_path:

@@ -12,11 +12,11 @@ from __future__ import annotations
 import torch
 
 from rlray import algos
-from rlray.learner.batching import split_microbatches
-from rlray.learner.logprobs import autocast_context
+from rlray.learner.batching import MicroBatching, microbatches
 from rlray.learner.objective import Normaliser
 from rlray.learner.policy import PolicyLearner
-from rlray.models.heads import load_value_model, response_values
+from rlray.learner.scoring import packs, response_value_scores
+from rlray.models.heads import load_value_model
 from rlray.schema import ModelInputs, StepBatch
 
 CRITIC_STAT_KEYS = ("value_loss_sum", "value_clipped_sum", "value_tokens")
@@ -52,21 +52,25 @@ def build_critic(model_path: str, *, dtype: str, lr: float, max_grad_norm: float
 
 @torch.no_grad()
 def critic_values(critic: PolicyLearner, inputs: ModelInputs, response_mask: torch.Tensor,
-                  microbatch_size: int) -> torch.Tensor:
-    """Returns [B, T] float32 critic values V(s_t) of the rows' response states (no grad, eval mode).
+                  batching: MicroBatching) -> torch.Tensor:
+    """Returns [B, T] float32 critic values V(s_t) of the rows' response states (no grad, eval mode), micro-batch by
+    micro-batch (``batching``: rows or tokens, padded or packed; the tokens computed add to the critic's
+    ``take_tokens``).
 
     Values where ``response_mask`` [B, T] bool is False (past each response) are 0.
     """
     model = critic.module
     was_training = model.training
     model.eval()
+    batching = critic.micro_batching(batching)
+    packed = packs(model, batching.packing)
+    device = next(model.parameters()).device
     out = torch.zeros(inputs.response_ids.shape, dtype=torch.float32)
-    row = 0
-    for mb in split_microbatches(inputs, microbatch_size):
-        with autocast_context(critic.dtype):
-            values = response_values(model, mb).float()
-        out[row : row + values.shape[0], : values.shape[1]] = values
-        row += values.shape[0]
+    for rows, mb in microbatches(inputs, batching, packed=packed):
+        values, tokens = response_value_scores(model, mb.to(device), dtype=critic.dtype, packed=packed,
+                                               share_prefixes=batching.share_prefixes)
+        out[rows, : values.shape[1]] = values.float().cpu()
+        critic.tokens.add(tokens)
     model.train(was_training)
     return torch.where(response_mask, out, torch.zeros_like(out))
 
@@ -105,13 +109,17 @@ def train_critic_minibatch(
     minibatch: StepBatch,
     clip_eps: float | None,
     norm: Normaliser,
-    microbatch_size: int,
+    batching: MicroBatching,
 ) -> dict[str, float]:
-    """Runs one critic optimizer step over a mini-batch; returns loss, grad_norm, lr and the value-loss sums."""
+    """Runs one critic optimizer step over a mini-batch, micro-batch by micro-batch (``batching``); returns loss,
+    grad_norm, lr and the value-loss sums."""
+    batching = critic.micro_batching(batching)
+    packed = packs(critic.model, batching.packing)
 
     def micro_loss(model: torch.nn.Module, mb: StepBatch):
-        with autocast_context(critic.dtype):
-            values = response_values(model, mb.inputs)
+        values, tokens = response_value_scores(model, mb.inputs, dtype=critic.dtype, packed=packed,
+                                               share_prefixes=batching.share_prefixes)
+        critic.tokens.add(tokens)
         return value_objective(values.float(), mb, clip_eps, norm)
 
-    return critic.optimizer_step(split_microbatches(minibatch, microbatch_size), micro_loss)
+    return critic.optimizer_step([mb for _, mb in microbatches(minibatch, batching, packed=packed)], micro_loss)

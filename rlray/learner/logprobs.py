@@ -9,7 +9,6 @@ import contextlib
 
 import torch
 
-from rlray.learner.batching import split_microbatches
 from rlray.schema import ModelInputs
 
 
@@ -82,9 +81,9 @@ def response_logits(model: torch.nn.Module, inputs: ModelInputs, *, temperature:
             reference the shared path is tested against).
     """
     t = inputs.response_ids.shape[1]
-    counts = prompt_groups(inputs) if share_prompts and not _sharded(model) else None
-    if counts is not None and t >= 2 and not _checkpointing(model):
-        return _scaled(_shared_prompt_logits(model, inputs, counts), temperature)
+    counts = shared_prompt_runs(model, inputs, share_prompts)
+    if counts is not None:
+        return scaled_logits(_shared_prompt_logits(model, inputs, counts), temperature)
     out = model(
         input_ids=inputs.input_ids,
         attention_mask=inputs.attention_mask,
@@ -92,10 +91,19 @@ def response_logits(model: torch.nn.Module, inputs: ModelInputs, *, temperature:
         logits_to_keep=t + 1,
         use_cache=False,
     )
-    return _scaled(out.logits[:, :-1, :], temperature)
+    return scaled_logits(out.logits[:, :-1, :], temperature)
 
 
-def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+def shared_prompt_runs(model: torch.nn.Module, inputs: ModelInputs, share_prompts: bool) -> torch.Tensor | None:
+    """Returns the runs [G] int64 of rows whose prompt ``response_logits`` computes once (``prompt_groups``), or None
+    when it takes one pass per row: sharing off, nothing to share, a response of one token, an FSDP-sharded model, or
+    gradient checkpointing (which turns the KV cache off)."""
+    if not share_prompts or _sharded(model) or inputs.response_ids.shape[1] < 2 or _checkpointing(model):
+        return None
+    return prompt_groups(inputs)
+
+
+def scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """Returns ``logits`` as float32 divided by ``temperature``: in place (the model's own output, which nothing
     else reads; Linear's backward does not need its output), no copy at temperature 1."""
     logits = logits.float()
@@ -211,6 +219,45 @@ class _TokenLogprobs(torch.autograd.Function):
         return out, None, None
 
 
+class _GatheredLogprobs(torch.autograd.Function):
+    """``logits[index, ids] - logsumexp(logits)[index]`` over [K, V] logits, chunked; see ``gathered_logprobs``."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, index: torch.Tensor, ids: torch.Tensor, inplace: bool) -> torch.Tensor:
+        k, v = logits.shape
+        logz = torch.empty(k, dtype=logits.dtype, device=logits.device)
+        for _, pos in _chunks(1, k, v):
+            logz[pos] = torch.logsumexp(logits[pos], dim=-1)
+        ctx.save_for_backward(logits, index, ids, logz)
+        ctx.inplace = inplace
+        return logits[index, ids] - logz[index]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, index, ids, logz = ctx.saved_tensors
+        k, v = logits.shape
+        # d lp_n / d logits[index_n] = onehot(ids_n) - softmax: the softmax parts of one position's tokens add up
+        weight = torch.zeros_like(logz).index_add_(0, index, grad.to(logz.dtype))
+        out = logits if ctx.inplace else torch.empty_like(logits)
+        for _, pos in _chunks(1, k, v):
+            probs = torch.exp(logits[pos] - logz[pos].unsqueeze(-1))
+            torch.mul(probs, weight[pos].unsqueeze(-1).neg(), out=out[pos])
+        out.index_put_((index, ids), grad.to(out.dtype), accumulate=True)
+        return out, None, None, None
+
+
+def gathered_logprobs(logits: torch.Tensor, index: torch.Tensor, ids: torch.Tensor, *,
+                      inplace_backward: bool = False) -> torch.Tensor:
+    """Returns [N] logprobs (nats, the logits' dtype) of tokens ``ids`` [N] int64 at rows ``index`` [N] int64 of
+    ``logits`` [K, V].
+
+    ``token_logprobs`` for a packed layout (``rlray.learner.packing``): the same chunked forward and hand-written
+    backward, where several tokens may read one row of ``logits`` (the last position of a shared prefix predicts
+    the first token of each of its continuations) and their gradients add up there.
+    """
+    return _GatheredLogprobs.apply(logits, index, ids, inplace_backward)
+
+
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, *, inplace_backward: bool = False) -> torch.Tensor:
     """Returns logprobs [B, T] (nats, the logits' dtype) of ``ids`` [B, T] int64 under ``logits`` [B, T, V].
 
@@ -267,34 +314,3 @@ def response_logprobs(
     """
     logits = response_logits(model, inputs, temperature=temperature)
     return logprobs_from_logits(logits, inputs.response_ids, with_entropy=with_entropy)
-
-
-@torch.no_grad()
-def batched_logprobs(
-    model: torch.nn.Module, inputs: ModelInputs, *, dtype: str, temperature: float, microbatch_size: int
-) -> torch.Tensor:
-    """Returns [B, T] float32 response logprobs without grad, computed in micro-batches of ``microbatch_size`` rows.
-
-    Runs in eval mode (restored afterwards) under the learner's autocast, so that the policy, a
-    reference copy on the learner and a reference actor give identical values for the same weights.
-
-    Args:
-        model: a Hugging Face causal LM.
-        inputs: the rows' forward layout (``schema.ModelInputs``; response_ids [B, T]).
-        dtype: "bfloat16" (bf16 autocast) or "float32".
-        temperature: sampling temperature (> 0); see ``response_logprobs``.
-        microbatch_size: rows per forward.
-    """
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    t = inputs.response_ids.shape[1]
-    out = torch.zeros(inputs.response_ids.shape, dtype=torch.float32)
-    row = 0
-    for mb in split_microbatches(inputs, microbatch_size):
-        with autocast_context(dtype):
-            lp, _ = response_logprobs(model, mb.to(device), temperature=temperature)
-        out[row : row + lp.shape[0], : lp.shape[1]] = lp.float().cpu()
-        row += lp.shape[0]
-    model.train(was_training)
-    return out[:, :t]

@@ -17,8 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from rlray import algos
+from rlray.learner.batching import MicroBatching
 from rlray.learner.critic import CRITIC_STAT_KEYS, critic_values, train_critic_minibatch
 from rlray.learner.objective import MAX_STAT_KEYS, STAT_KEYS, LossSpec, Normaliser, reduce_stat
+from rlray.learner.packing import TokenCounts
 from rlray.learner.policy import PolicyLearner
 from rlray.schema import StepBatch
 
@@ -35,7 +37,8 @@ class UpdateSpec:
         advantage: the advantage stage.
         epochs: passes over the step's experience.
         rows_per_minibatch: this rank's rows per mini-batch (sequences_per_minibatch / world).
-        microbatch_size: rows per forward/backward.
+        batching: micro-batches (rows or a token budget per forward/backward) and their layout (padded or packed,
+            prefixes shared), for every forward of stages 4 and 6.
         old_logprobs_before_update: take old logprobs in stage 4 (off-policy update, or KL in the reward);
             otherwise the update uses the detached current ones (on-policy).
         value_clip_eps: PPO critic value-loss clip (reward units), or None.
@@ -49,7 +52,7 @@ class UpdateSpec:
     advantage: algos.AdvantageSpec
     epochs: int
     rows_per_minibatch: int
-    microbatch_size: int
+    batching: MicroBatching
     old_logprobs_before_update: bool
     value_clip_eps: float | None = None
     loss_world_size: int = 1
@@ -70,13 +73,13 @@ def reference_and_old(learner: PolicyLearner, batch: StepBatch, spec: UpdateSpec
     distillation, ``spec.distill_weight > 0``), old_logprobs [B, T] (when ``spec.old_logprobs_before_update``) and
     old_values [B, T] (PPO's critic) of ``batch``; returns it. A reference or teacher actor may have filled its
     logprobs already; the rest come from the models on this learner."""
-    mbs = spec.microbatch_size
+    mbs = spec.batching
     if learner.has_reference and batch.ref_logprobs is None:
-        batch.ref_logprobs = learner.logprobs(batch.inputs, reference=True, microbatch_size=mbs)
+        batch.ref_logprobs = learner.logprobs(batch.inputs, reference=True, batching=mbs)
     if spec.distill_weight > 0 and batch.teacher_logprobs is None:
-        batch.teacher_logprobs = learner.teacher_logprobs(batch.inputs, microbatch_size=mbs)
+        batch.teacher_logprobs = learner.teacher_logprobs(batch.inputs, batching=mbs)
     if spec.old_logprobs_before_update:
-        batch.old_logprobs = learner.logprobs(batch.inputs, reference=False, microbatch_size=mbs)
+        batch.old_logprobs = learner.logprobs(batch.inputs, reference=False, batching=mbs)
     if learner.critic is not None:
         batch.old_values = critic_values(learner.critic, batch.inputs, batch.response_mask, mbs)
     return batch
@@ -143,7 +146,9 @@ def update(
     Mini-batch m is rows [m*k, (m+1)*k) of the shard with k = ``spec.rows_per_minibatch``; ``norms[m]`` holds
     its global token and sequence counts. Diagnostics are from the first epoch; loss, grad norms and lr are
     averaged over every optimizer step. ``all_reduce_max`` takes the max of ``MAX_STAT_KEYS`` over ranks
-    (None: one rank, the local max is the max).
+    (None: one rank, the local max is the max). perf/learner_tokens_{real,padding,shared} count every forward on
+    the learner since the previous update (``PolicyLearner.take_tokens``: stage 4's and this one's, the critic's
+    included), summed over ranks.
     """
     k, critic = spec.rows_per_minibatch, learner.critic
     totals: dict[str, float] = {}
@@ -151,15 +156,18 @@ def update(
     for epoch in range(spec.epochs):
         for m, norm in enumerate(norms):
             mb = batch.rows(slice(m * k, (m + 1) * k))
-            stats = learner.train_minibatch(mb, spec.loss, norm, spec.microbatch_size)
+            stats = learner.train_minibatch(mb, spec.loss, norm, spec.batching)
             if critic is not None:
-                c = train_critic_minibatch(critic, mb, spec.value_clip_eps, norm, spec.microbatch_size)
+                c = train_critic_minibatch(critic, mb, spec.value_clip_eps, norm, spec.batching)
                 stats.update({"critic_grad_norm": c["grad_norm"], **{key: c[key] for key in CRITIC_STAT_KEYS}})
             steps += 1
             for key, v in stats.items():
                 if epoch == 0 or key in ("grad_norm", "loss", "lr", "critic_grad_norm"):
                     totals[key] = reduce_stat(key, totals.get(key), v)
-    return _update_metrics(totals, steps, spec, critic is not None, all_reduce_sum, all_reduce_max or dict)
+    tokens = learner.take_tokens()
+    if critic is not None:
+        tokens.add(critic.take_tokens())
+    return _update_metrics(totals, steps, spec, critic is not None, all_reduce_sum, all_reduce_max or dict, tokens)
 
 
 def _update_metrics(
@@ -169,9 +177,11 @@ def _update_metrics(
     has_critic: bool,
     all_reduce_sum: AllReduceSum,
     all_reduce_max: AllReduceSum,
+    tokens: TokenCounts,
 ) -> dict[str, float]:
     keys = tuple(k for k in STAT_KEYS if k not in MAX_STAT_KEYS) + ("loss",) + (CRITIC_STAT_KEYS if has_critic else ())
-    summed = all_reduce_sum({key: totals[key] for key in keys})
+    computed = {"tokens_real": tokens.real, "tokens_padding": tokens.padding, "tokens_shared": tokens.shared}
+    summed = all_reduce_sum({key: totals[key] for key in keys} | computed)
     summed.update(all_reduce_max({key: totals[key] for key in MAX_STAT_KEYS}))
     world = spec.loss_world_size
     tokens = max(summed["tokens"], 1.0)
@@ -188,6 +198,7 @@ def _update_metrics(
         "learner/loss": summed["loss"] / (steps * world),
         "learner/grad_norm": totals["grad_norm"] / steps,
         "learner/lr": totals["lr"] / steps,
+        **{f"perf/learner_{key}": summed[key] for key in computed},
     }
     optional = {
         "algo/entropy": (loss.entropy_coef > 0, "entropy_sum"),

@@ -16,16 +16,11 @@ from typing import Any
 
 import torch
 
-from rlray import algos
-from rlray.learner.batching import split_microbatches
-from rlray.learner.logprobs import (
-    autocast_context,
-    batched_logprobs,
-    logprobs_from_logits,
-    response_logits,
-    store_frozen_for_autocast,
-)
+from rlray.learner.batching import MicroBatching, microbatches
+from rlray.learner.logprobs import store_frozen_for_autocast
 from rlray.learner.objective import LossSpec, Normaliser, policy_objective, reduce_stat
+from rlray.learner.packing import TokenCounts
+from rlray.learner.scoring import batched_logprobs, packs, response_scores
 from rlray.learner.sharding import FSDP2, gathered_merged_lora_state_dict, gathered_state_dict, is_sharded
 from rlray.models import load_causal_lm
 from rlray.models.adapters import AdapterWeights, load_adapter
@@ -105,6 +100,7 @@ class PolicyLearner:
         self.temperature = temperature
         self.max_grad_norm = max_grad_norm
         self.critic = critic
+        self.tokens = TokenCounts()  # what the forward passes computed, until take_tokens
         policy = model_loader(model_path) if model_loader else load_causal_lm(model_path, dtype=torch.float32)
         policy.config.use_cache = False
         if gradient_checkpointing:
@@ -151,25 +147,38 @@ class PolicyLearner:
         """Returns True when this learner can compute reference logprobs (a frozen copy, or LoRA's base)."""
         return self.reference is not None or (self.lora and self.use_reference)
 
-    def logprobs(self, inputs: ModelInputs, *, reference: bool, microbatch_size: int) -> torch.Tensor:
+    def take_tokens(self) -> TokenCounts:
+        """Returns the tokens this learner's forward passes computed since the last call (and starts counting anew)."""
+        tokens, self.tokens = self.tokens, TokenCounts()
+        return tokens
+
+    def micro_batching(self, batching: MicroBatching) -> MicroBatching:
+        """Returns ``batching`` as this learner runs it: an FSDP-sharded model cuts by sequences, not tokens (every
+        rank must run as many forwards, each one gathers the weights; a token budget could cut ranks unevenly)."""
+        return dataclasses.replace(batching, tokens=None) if self.sharded and batching.tokens else batching
+
+    def logprobs(self, inputs: ModelInputs, *, reference: bool, batching: MicroBatching) -> torch.Tensor:
         """Returns [B, T] float32 logprobs of the rows' responses (``inputs``) under the policy or the reference.
 
-        Runs without grad in micro-batches of ``microbatch_size`` rows, under the same autocast as the
-        update so that the reference and the initial policy give identical values. With LoRA the
-        reference is the base model with the adapters switched off (no copy is kept).
+        Runs without grad micro-batch by micro-batch (``batching``: rows or tokens per micro-batch, padded or
+        packed), under the same autocast as the update so that the reference and the initial policy give
+        identical values. With LoRA the reference is the base model with the adapters switched off (no copy is
+        kept). The tokens computed add to ``take_tokens``'.
 
         Raises:
-            ValueError: ``reference=True`` on a learner built without a reference model.
+            ValueError: ``reference=True`` on a learner built without a reference model, or packing "on" for a
+                model that cannot pack.
         """
         if reference and not self.has_reference:
             raise ValueError("this learner has no reference model (algo.kl_coef == 0)")
-        args = dict(dtype=self.dtype, temperature=self.temperature, microbatch_size=microbatch_size)
+        args = dict(dtype=self.dtype, temperature=self.temperature, batching=self.micro_batching(batching),
+                    tokens=self.tokens)
         if reference and self.lora:
             with self.module.disable_adapter():
                 return batched_logprobs(self.module, inputs, **args)
         return batched_logprobs(self.reference if reference else self.module, inputs, **args)
 
-    def teacher_logprobs(self, inputs: ModelInputs, *, microbatch_size: int) -> torch.Tensor:
+    def teacher_logprobs(self, inputs: ModelInputs, *, batching: MicroBatching) -> torch.Tensor:
         """Returns [B, T] float32 logprobs of the rows' responses (``inputs``) under the teacher (``batched_logprobs``, the
         same autocast and temperature as the policy's, so a teacher equal to the policy gives the same values).
 
@@ -179,10 +188,10 @@ class PolicyLearner:
         if self.teacher is None:
             raise ValueError("this learner holds no teacher (teacher.path unset, or resources.teacher.placement=actor)")
         return batched_logprobs(self.teacher, inputs, dtype=self.dtype, temperature=self.temperature,
-                                microbatch_size=microbatch_size)
+                                batching=self.micro_batching(batching), tokens=self.tokens)
 
     def train_minibatch(
-        self, minibatch: StepBatch, spec: LossSpec, norm: Normaliser, microbatch_size: int
+        self, minibatch: StepBatch, spec: LossSpec, norm: Normaliser, batching: MicroBatching
     ) -> dict[str, float]:
         """Runs one optimizer step over a mini-batch with gradient accumulation; returns its statistics.
 
@@ -198,7 +207,7 @@ class PolicyLearner:
             minibatch: this rank's rows of the mini-batch (a ``StepBatch`` with advantages [B, T]).
             spec: objective settings.
             norm: global denominators of the mini-batch.
-            microbatch_size: rows per forward/backward.
+            batching: micro-batches (rows or a token budget) and layout (padded or packed, prefixes shared).
 
         Returns:
             loss (sum of micro-batch losses), the ``policy_objective`` statistics (pg_loss_sum, kl_sum, ...,
@@ -207,22 +216,21 @@ class PolicyLearner:
 
         if spec.jsd_weight > 0 and self.teacher is None:
             raise ValueError("a JSD distillation loss (jsd_weight > 0) needs a teacher on this learner (teacher_path)")
+        batching = self.micro_batching(batching)
+        packed = packs(self.model, batching.packing) and (self.teacher is None or packs(self.teacher, batching.packing))
 
         def micro_loss(model: torch.nn.Module, mb: StepBatch):
-            with autocast_context(self.dtype):
-                logits = response_logits(model, mb.inputs, temperature=self.temperature)
-            lp, entropy = logprobs_from_logits(logits, mb.inputs.response_ids, with_entropy=spec.entropy_coef > 0,
-                                               inplace_backward=spec.jsd_weight == 0)  # JSD reads the logits too
-            jsd = None
-            if spec.jsd_weight > 0:  # the teacher's [B, T, V] logits live only inside this micro-batch
-                with torch.no_grad(), autocast_context(self.dtype):
-                    teacher_logits = response_logits(self.teacher, mb.inputs, temperature=self.temperature)
-                jsd = algos.generalized_jsd(logits, teacher_logits, beta=spec.jsd_beta)
+            # the teacher's logits (JSD) live only inside this micro-batch, at the student's positions
+            got = response_scores(model, mb.inputs, dtype=self.dtype, temperature=self.temperature, packed=packed,
+                                  share_prefixes=batching.share_prefixes, with_entropy=spec.entropy_coef > 0,
+                                  teacher=self.teacher if spec.jsd_weight > 0 else None, jsd_beta=spec.jsd_beta,
+                                  inplace_backward=True)
+            self.tokens.add(got.tokens)
             if mb.old_logprobs is None:
-                mb = dataclasses.replace(mb, old_logprobs=lp.detach())
-            return policy_objective(lp.float(), mb, spec, norm, entropy=entropy, jsd=jsd)
+                mb = dataclasses.replace(mb, old_logprobs=got.logprobs.detach())
+            return policy_objective(got.logprobs.float(), mb, spec, norm, entropy=got.entropy, jsd=got.jsd)
 
-        return self.optimizer_step(split_microbatches(minibatch, microbatch_size), micro_loss)
+        return self.optimizer_step([mb for _, mb in microbatches(minibatch, batching, packed=packed)], micro_loss)
 
     def optimizer_step(self, microbatches: Iterable[Any], loss_fn: MicroLoss) -> dict[str, float]:
         """Runs one optimizer step with gradient accumulation over ``microbatches``; returns summed statistics.

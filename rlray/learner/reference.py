@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from rlray.learner.logprobs import batched_logprobs, store_frozen_for_autocast
+from rlray.learner.batching import MicroBatching
+from rlray.learner.logprobs import store_frozen_for_autocast
+from rlray.learner.scoring import batched_logprobs
 from rlray.models import load_causal_lm
 from rlray.schema import ModelInputs
 
@@ -31,8 +33,7 @@ class ReferenceModel:
         self.model.config.use_cache = False
         store_frozen_for_autocast(self.model, dtype)  # bf16 linear weights under bf16 autocast: same outputs
 
-    def logprobs(self, inputs: ModelInputs, microbatch_size: int) -> torch.Tensor:
-        """Returns [B, T] float32 reference logprobs of the rows' responses (``batched_logprobs``)."""
-        return batched_logprobs(
-            self.model, inputs, dtype=self.dtype, temperature=self.temperature, microbatch_size=microbatch_size
-        )
+    def logprobs(self, inputs: ModelInputs, batching: MicroBatching) -> torch.Tensor:
+        """Returns [B, T] float32 reference logprobs of the rows' responses (``batched_logprobs``, micro-batch by
+        micro-batch as ``batching`` says)."""
+        return batched_logprobs(self.model, inputs, dtype=self.dtype, temperature=self.temperature, batching=batching)

@@ -171,6 +171,12 @@ _STEP_METRICS: tuple[Metric, ...] = (
     Metric("data/skipped_long_prompts", "count", "training prompts left out for exceeding data.max_prompt_tokens"),
     Metric("perf/tokens_per_s", "tokens/s", "generated tokens per second of the step's wall time"),
     Metric("perf/generated_tokens_per_s", "tokens/s", "generated tokens per second of the rollout stage"),
+    Metric("perf/learner_tokens_real", "tokens", "real tokens the learner's forwards computed in the step (stages 4 "
+           "and 6 on the learner, critic included; every rank)"),
+    Metric("perf/learner_tokens_padding", "tokens", "padding positions the learner's forwards computed in the step "
+           "(0 with learner.sequence_packing)"),
+    Metric("perf/learner_tokens_shared", "tokens", "tokens of the step's rows the learner did not compute because a "
+           "shared prefix was computed once (learner.share_prefixes)"),
     *_timing(STAGES),
     # online algorithm options (logged when the option is on)
     Metric("algo/entropy", "nats/token", "token mean of the policy's entropy (algo.entropy_coef > 0), first epoch"),
@@ -230,6 +236,10 @@ _STEP_METRICS: tuple[Metric, ...] = (
     Metric("env/observation_tokens_mean", "tokens", "mean observation tokens per episode"),
     Metric("env/observations_truncated", "count", "observation messages cut to env.max_observation_tokens"),
     Metric("env/episodes_rerun", "count", "episodes run again after their environment actor failed"),
+    # agents behind the gateway (logged when env.agents is set)
+    Metric("env/template_drift", "count", "agent history rewrites of the step: each cuts its episode into one more "
+           "segment, trained as a sequence of its own (0 while agents only extend their conversations)"),
+    Metric("env/gateway_calls_mean", "calls", "mean chat or completion calls the gateway answered per agent episode"),
 )
 _EVAL_METRICS: tuple[Metric, ...] = (
     Metric("eval/reward_mean", "reward", "mean reward of the greedy evaluation completions that have one"),

@@ -39,6 +39,8 @@ class StepSample:
             the model's tokens (loss mask on) and False for observation tokens (the environment's replies, chat
             template included). Empty for a single-turn row, and for a row whose mask is all off (its reward failed,
             or ``algo.mask_truncated``), where sampled text cannot be told from observations.
+        segment: which token sequence of an agent episode the row holds when the agent rewrote its history and the
+            episode was cut (0 the first; each trained on its own, ``env/template_drift``); None otherwise.
         failure: why the sample has no reward, naming the source ("environment 'calc' (env_error): step raised
             KeyError: 'a' (at env.py:12)", "reward function 'f': ValueError: ..."); None when it has one.
         judge_outputs: each judge's raw output on the sample, by judge name (``reward.judges``; a group-mode judge's
@@ -59,6 +61,7 @@ class StepSample:
     num_turns: int | None = None
     turn_rewards: tuple[float | None, ...] | None = None
     segments: tuple[tuple[bool, str], ...] = ()
+    segment: int | None = None
     failure: str | None = None
     judge_outputs: dict[str, str] = field(default_factory=dict)
 
@@ -119,8 +122,8 @@ def json_row(sample: StepSample) -> dict[str, Any]:
     """Returns ``sample`` as a JSON-safe dict (the monitor page's record); ``terms`` stays a nested object, each
     segment is {role: "assistant" | "observation", text}, and a turn reward that is None or NaN is null.
 
-    Rows written before episodes were kept (no stop_reason, num_turns, turn_rewards, segments) or failures (no
-    failure) stay readable: the page treats a missing field as null."""
+    Rows written before episodes were kept (no stop_reason, num_turns, turn_rewards, segments, segment) or failures
+    (no failure) stay readable: the page treats a missing field as null."""
     return {
         "step": sample.step,
         "prompt_id": sample.prompt_id,
@@ -136,6 +139,7 @@ def json_row(sample: StepSample) -> dict[str, Any]:
         "num_turns": sample.num_turns,
         "turn_rewards": None if sample.turn_rewards is None else [_number(r) for r in sample.turn_rewards],
         "segments": [{"role": "assistant" if sampled else "observation", "text": text} for sampled, text in sample.segments],
+        "segment": sample.segment,
         "failure": sample.failure,
         "judge_outputs": dict(sample.judge_outputs),
     }

@@ -96,6 +96,11 @@ class EpisodeInfo:
         metrics: the environment's own per-episode numbers (summed over turns), logged as env/<name> means.
         message: the error of a failed episode, saying where it raised ("" otherwise).
         rerun: the episode was run again from the start because its environment host died.
+        segments: an agent episode cut where the agent rewrote history (``rlray.envs.conversation``): its earlier token
+            sequences, in order, each trained as a sequence of its own (the completion holding this record is the
+            last one); [] otherwise.
+        gateway_calls: an agent episode's chat or completion calls answered by the gateway (0 for an environment).
+        template_drift: an agent episode's history rewrites, i.e. ``len(segments)`` cuts (0 for an environment).
     """
 
     environment: str
@@ -111,6 +116,9 @@ class EpisodeInfo:
     metrics: dict[str, float] = field(default_factory=dict)
     message: str = ""
     rerun: bool = False
+    segments: list[Completion] = field(default_factory=list)
+    gateway_calls: int = 0
+    template_drift: int = 0
 
 
 @dataclass

@@ -23,6 +23,7 @@ from rlray.data import PromptRow, load_prompt_rows, prepare_prompts
 from rlray.data.prompts import prompt_messages
 from rlray.learner import LossSpec, PolicyLearner
 from rlray.learner import online as learner_online
+from rlray.learner.batching import MicroBatching
 from rlray.learner.critic import build_critic
 from rlray.learner.policy import to_local_gpu
 from rlray.learner.sharding import FSDP2
@@ -33,7 +34,8 @@ from rlray.reward.judge_panel import JudgePanel, JudgeTerm
 from rlray.reward.judge_server import ServeJudgeCaller
 from rlray.reward.judges import JudgeSpec
 from rlray.reward.server import LocalRewardClient, ServeRewardClient
-from rlray.rollout import SamplingSpec
+from rlray.rollout import RolloutSource, SamplingSpec
+from rlray.run.agents import AgentRollout
 from rlray.run.episodes import EpisodeLimits, EpisodeRollout
 
 
@@ -218,9 +220,21 @@ def episode_rollout(cfg: Config, fleet: Any, hosts: list[Any], tokenizer: Any) -
     def prepare(messages: list[dict]) -> list[dict]:
         return prompt_messages(messages, instruction=cfg.data.instruction, system_prompt=cfg.data.system_prompt)
 
-    return EpisodeRollout(fleet, hosts, tokenizer, limits, env_column=env.column, default_env=env.default,
+    default = env.default if env.default in env.environments else None  # a default agent is AgentRollout's
+    return EpisodeRollout(fleet, hosts, tokenizer, limits, env_column=env.column, default_env=default,
                           known_envs=list(env.environments), prepare=prepare,
                           chat_template_kwargs=cfg.rollout.chat_template_kwargs, prompt_column=cfg.data.prompt_column)
+
+
+def rollouts(cfg: Config, fleet: Any, hosts: list[Any], tokenizer: Any) -> RolloutSource:
+    """Returns what a run samples from (rank 0; ``rlray eval``): the fleet; the episode rollout over it when
+    env.environments is set; and ``AgentRollout`` around either when env.agents is set."""
+    inner = episode_rollout(cfg, fleet, hosts, tokenizer) if cfg.env.environments else fleet
+    if not cfg.env.agents:
+        return inner
+    return AgentRollout(fleet, hosts, inner, tokenizer, env_column=cfg.env.column, default=cfg.env.default,
+                        agents=list(cfg.env.agents), environments=list(cfg.env.environments),
+                        prompt_column=cfg.data.prompt_column)
 
 
 def update_spec(cfg: Config, world: int) -> learner_online.UpdateSpec:
@@ -264,12 +278,19 @@ def update_spec(cfg: Config, world: int) -> learner_online.UpdateSpec:
         advantage=advantage,
         epochs=ln.epochs,
         rows_per_minibatch=ln.sequences_per_minibatch // world,
-        microbatch_size=ln.sequences_per_microbatch,
+        batching=micro_batching(cfg),
         old_logprobs_before_update=off_policy or (not kl_in_loss and a.kl_coef > 0) or cfg.teacher.reverse_kl_weight > 0,
         value_clip_eps=cfg.critic.value_clip_eps,
         loss_world_size=world,
         distill_weight=cfg.teacher.reverse_kl_weight,
     )
+
+
+def micro_batching(cfg: Config) -> MicroBatching:
+    """Returns the learner's micro-batching (``rlray.learner.batching.MicroBatching``) from ``learner.*``."""
+    ln = cfg.learner
+    return MicroBatching(sequences=ln.sequences_per_microbatch, tokens=ln.tokens_per_microbatch,
+                         packing=ln.sequence_packing, share_prefixes=ln.share_prefixes)
 
 
 def rollout_overlap(cfg: Config, plan: CorePlan, *, shares_node: bool) -> tuple[bool, str]:

@@ -31,7 +31,8 @@ from rlray.observe.samples import StepSample, mask_runs
 from rlray.reward.judge_panel import JudgePanel
 from rlray.reward.server import ScoreResult
 from rlray.rollout import Completion, SamplingSpec
-from rlray.run import build, online_sampling
+from rlray.run import build, online_sampling, segments
+from rlray.run.agents import agent_metrics
 from rlray.run.context import StepAlert
 from rlray.run.episodes import add_env_reward, episode_metrics
 from rlray.run.failures import failure_alerts, reward_failures, sample_failure, watch_learning
@@ -86,7 +87,7 @@ class Experience:
 
 
 def collect_experience(lead: OnlineLead, cfg: Config, tokenizer: Any, step: int, timer: StageTimer, *,
-                       policy_version: int) -> Experience:
+                       policy_version: int, world: int = 1) -> Experience:
     """Stages 1-3 (rank 0): returns 0-based ``step``'s experience table, its metrics, its prompt ledger and alerts.
 
     Samples without a reward (a failed episode, a reward function that failed) are counted in reward/failed, carry
@@ -100,6 +101,7 @@ def collect_experience(lead: OnlineLead, cfg: Config, tokenizer: Any, step: int,
         step: the 0-based step.
         timer: the step's stage timer (rollout, reward and algo_sampling are added).
         policy_version: the learner's policy version the update starts from (staleness is measured against it).
+        world: the learner ranks; a table with agent segments is laid out for them (``segments.layout_for_ranks``).
 
     Raises:
         rlray.reward.RewardFunctionError, rlray.data.DataError: a fault a retry cannot fix (the step stops the run).
@@ -124,6 +126,7 @@ def collect_experience(lead: OnlineLead, cfg: Config, tokenizer: Any, step: int,
                              mask_truncated=mask_truncated, failures=failures, judge_outputs=drawn.judge_outputs)
     stats = rollout_stats(table, drawn.rewards, cfg.learner.prompts_per_step, policy_version, mask_truncated=mask_truncated)
     stats.update(episode_metrics(drawn.completions))
+    stats.update(agent_metrics(drawn.completions, set(cfg.env.agents)))
     alerts = failure_alerts(drawn.completions, failures)
     alerts += watch_learning(lead.streaks, failures, step=step + 1, no_signal=stats["algo/groups_without_signal"] == 1.0,
                              group_size=cfg.rollout.samples_per_prompt, max_failed_steps=cfg.guard.max_failed_steps)
@@ -134,6 +137,7 @@ def collect_experience(lead: OnlineLead, cfg: Config, tokenizer: Any, step: int,
         log.warning("%s: %s", alert.kind, alert.message)
     judged = lead.judges.take_metrics() if lead.judges is not None else {}  # every judge call since the last step
     metrics = {**stats, **algo_metrics, **judged, **timer.metrics, "reward/version": float(scored.version)}
+    table = segments.layout_for_ranks(table, len(drawn.completions), world, cfg.minibatches_per_epoch)
     return Experience(table, metrics, taken, alerts)
 
 
@@ -204,7 +208,9 @@ def build_experience(
     failures: list[str] | None = None,
     judge_outputs: dict[str, list[str]] | None = None,
 ) -> pa.Table:
-    """Returns the step's experience table (``schema.EXPERIENCE_SCHEMA``), one row per completion.
+    """Returns the step's experience table (``schema.EXPERIENCE_SCHEMA``), one row per completion, then one per earlier
+    segment of an agent episode cut where its agent rewrote history (``segments.experience_rows``: the episode's
+    reward, group and sample index, its own tokens; ``segment`` numbers them).
 
     ``baseline_rewards`` (ReMax: the greedy response's reward, one per completion) fills baseline_reward.
     response_mask is the completion's loss mask (all True for single-turn rollouts). A completion whose
@@ -224,24 +230,28 @@ def build_experience(
     scored = [math.isfinite(r) for r in rewards["reward"]]
     if baseline_rewards is not None:
         scored = [ok and math.isfinite(b) for ok, b in zip(scored, baseline_rewards, strict=True)]
-    if mask_truncated:
-        scored = [ok and c.finish_reason != "length" for ok, c in zip(scored, completions, strict=True)]
+    laid = segments.experience_rows(completions)  # a sample's row, then the earlier segments of cut agent episodes
+    sample = [completions[i] for i, _, _ in laid]
+    seqs = [c for _, c, _ in laid]
+    cut = {"segment": [j for _, _, j in laid]} if len(laid) > len(completions) else {}
     return schema.make_table(
         {
-            **extra,
-            "prompt_id": [rows[c.prompt_index].prompt_id for c in completions],
-            "group_id": [c.prompt_index for c in completions],
-            "sample_index": [c.sample_index for c in completions],
-            "prompt_token_ids": [c.prompt_token_ids or prompt_ids[c.prompt_index] for c in completions],
-            "response_token_ids": [c.response_token_ids for c in completions],
-            "response_mask": [[ok and m for m in c.loss_mask] for c, ok in zip(completions, scored, strict=True)],
-            "rollout_logprobs": [c.rollout_logprobs for c in completions],
-            "reward": rewards["reward"],
-            "reward_components": [{k: v[i] for k, v in comps.items()} for i in range(len(completions))],
-            "prompt_columns": [columns_json(rows[c.prompt_index]) for c in completions],
-            "policy_version": [c.policy_version for c in completions],
-            "finish_reason": [c.finish_reason for c in completions],
-            **episode_columns(completions),
+            **{k: [v[i] for i, _, _ in laid] for k, v in extra.items()},
+            "prompt_id": [rows[c.prompt_index].prompt_id for c in sample],
+            "group_id": [c.prompt_index for c in sample],
+            "sample_index": [c.sample_index for c in sample],
+            "prompt_token_ids": [t.prompt_token_ids or prompt_ids[t.prompt_index] for t in seqs],
+            "response_token_ids": [t.response_token_ids for t in seqs],
+            "response_mask": [[scored[i] and (not mask_truncated or t.finish_reason != "length") and m for m in t.loss_mask]
+                              for (i, t, _) in laid],
+            "rollout_logprobs": [t.rollout_logprobs for t in seqs],
+            "reward": [rewards["reward"][i] for i, _, _ in laid],
+            "reward_components": [{k: v[i] for k, v in comps.items()} for i, _, _ in laid],
+            "prompt_columns": [columns_json(rows[c.prompt_index]) for c in sample],
+            "policy_version": [t.policy_version for t in seqs],
+            "finish_reason": [t.finish_reason for t in seqs],
+            **episode_columns(seqs),
+            **cut,
         }
     )
 
@@ -271,11 +281,14 @@ def rollout_stats(
     counts the samples left out of the loss for hitting max_new_tokens (finish_reason "length").
     Staleness of a sample = the learner's policy version that the update starts from, minus the
     version that generated the sample (0 in synchronous mode, at most rollout.max_staleness).
+    Reward and group statistics are over the samples (the table's first ``len(rewards["reward"])`` rows); token,
+    truncation and staleness statistics over every row (agent segments included).
     """
     lengths = np.asarray(table.column("response_token_ids").combine_chunks().value_lengths(), dtype=np.float64)
     r = np.asarray(rewards["reward"], dtype=np.float64)
     ok = np.isfinite(r)
-    in_update = ok & np.asarray([any(m) for m in table.column("response_mask").to_pylist()], dtype=bool)
+    samples = table.slice(0, len(r))  # one row per sample; agent segment rows follow (``segments.experience_rows``)
+    in_update = ok & np.asarray([any(m) for m in samples.column("response_mask").to_pylist()], dtype=bool)
     groups = np.where(in_update, r, np.nan).reshape(prompts_per_step, -1)
     finish = table.column("finish_reason").to_pylist()
     truncated = np.asarray([f == "length" for f in finish], dtype=bool)
@@ -322,11 +335,12 @@ def term_metrics(rewards: dict[str, list[float | None]], prefix: str) -> dict[st
 def minibatch_normalisers(table: pa.Table, cfg: Config, world: int) -> list[Normaliser]:
     """Returns the global token and sequence counts of each mini-batch (rank 0, after all masking).
 
-    Mini-batch m takes rows [m*k, (m+1)*k) of every rank's shard, k = sequences_per_minibatch / world.
+    Mini-batch m takes rows [m*k, (m+1)*k) of every rank's shard, k = (rows / world) / minibatches_per_epoch:
+    sequences_per_minibatch / world, or more in a step with agent segments (``segments.layout_for_ranks``).
     """
     valid = np.array([sum(m) for m in table.column("response_mask").to_pylist()], dtype=np.float64)
     per_rank = table.num_rows // world
-    k = cfg.learner.sequences_per_minibatch // world
+    k = per_rank // cfg.minibatches_per_epoch
     norms = []
     for m in range(per_rank // k):
         idx = np.concatenate([np.arange(r * per_rank + m * k, r * per_rank + (m + 1) * k) for r in range(world)])
@@ -348,7 +362,7 @@ def step_samples(tokenizer: Any, table: pa.Table, rows: list[int], advantages: l
             advantage=adv, finish_reason=r["finish_reason"], policy_version=int(r["policy_version"]),
             response_tokens=len(r["response_token_ids"]), stop_reason=r["stop_reason"], num_turns=r["num_turns"],
             turn_rewards=None if r["turn_rewards"] is None else tuple(r["turn_rewards"]),
-            segments=episode_segments(tokenizer, r), failure=r["failure"],
+            segments=episode_segments(tokenizer, r), segment=r["segment"], failure=r["failure"],
             judge_outputs=dict(r["judge_outputs"] or []),
         )
         for r, prompt, completion, adv in zip(picked, prompts, completions, advantages, strict=True)

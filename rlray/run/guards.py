@@ -207,14 +207,19 @@ def is_oom(err: BaseException) -> bool:
 def oom_fallback_config(cfg: Config) -> tuple[Config, str]:
     """Returns (config with half the micro-batch and gradient checkpointing on, a note saying so).
 
-    Halving keeps ``sequences_per_minibatch`` divisible (it was a multiple of micro-batch x ranks).
+    Half the micro-batch is half ``learner.tokens_per_microbatch`` when set, else half ``sequences_per_microbatch``
+    (which keeps ``sequences_per_minibatch`` divisible: it was a multiple of micro-batch x ranks).
     """
     tree = cfg.model_dump()
-    old = cfg.learner.sequences_per_microbatch
-    tree["learner"]["sequences_per_microbatch"] = max(1, old // 2)
+    budget = cfg.learner.tokens_per_microbatch
+    if budget is not None:  # the micro-batch is cut by tokens: halve the budget (never below the schema's 16)
+        key, old, new = "tokens_per_microbatch", budget, max(16, budget // 2)
+    else:
+        key, old = "sequences_per_microbatch", cfg.learner.sequences_per_microbatch
+        new = max(1, old // 2)
+    tree["learner"][key] = new
     tree["model"]["gradient_checkpointing"] = True
-    note = (f"learner.sequences_per_microbatch {old} -> {max(1, old // 2)}, "
-            f"model.gradient_checkpointing {cfg.model.gradient_checkpointing} -> True")
+    note = f"learner.{key} {old} -> {new}, model.gradient_checkpointing {cfg.model.gradient_checkpointing} -> True"
     return validate_tree(tree), note
 
 

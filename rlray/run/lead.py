@@ -134,7 +134,7 @@ def build_lead(cfg: Config, tokenizer: Any, actors: list[Any], env_hosts: list[A
         eval_prompts = list(zip(rows, ids, strict=True))
     columns = build.dataset_columns(all_train_rows + [r for r, _ in eval_prompts])
     fleet = RolloutFleet(actors, node_wait_s=cfg.resources.node_wait_s)
-    rollouts = build.episode_rollout(cfg, fleet, env_hosts, tokenizer) if cfg.env.enabled else fleet
+    rollouts = build.rollouts(cfg, fleet, env_hosts, tokenizer)
     here = ray.get_runtime_context().get_node_id()
     overlap, why = build.rollout_overlap(cfg, plan, shares_node=any(gcs_actor_node(a) in (None, here) for a in actors))
     if cfg.rollout.max_staleness:

@@ -30,6 +30,7 @@ from rlray.config import Config
 from rlray.data import PromptStream
 from rlray.data.pairs import collate_pairs, load_preference_pairs, pairs_table, split_pairs
 from rlray.learner import PolicyLearner, autocast_context
+from rlray.learner.batching import MicroBatching
 from rlray.learner.collective import Collective
 from rlray.learner.preference import PAIR_OBJECTIVES, PairNormaliser, PreferenceSpec, pair_outputs
 from rlray.models import load_tokenizer
@@ -162,7 +163,7 @@ def reference_logps(
 
 
 def _sequence_logps(learner: PolicyLearner, inputs: schema.ModelInputs, response_mask: torch.Tensor) -> torch.Tensor:
-    lp = learner.logprobs(inputs, reference=False, microbatch_size=10**9)
+    lp = learner.logprobs(inputs, reference=False, batching=MicroBatching(sequences=10**9))
     return algos.sequence_logps(lp, response_mask)
 
 

@@ -20,6 +20,7 @@ bottom (``run_step``):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,7 +42,7 @@ from rlray.observe.tracking import Tracker
 from rlray.reward import RewardFunctionError
 from rlray.rollout import SamplingSpec
 from rlray.rollout.weight_sync import make_weight_sync
-from rlray.run import build
+from rlray.run import build, segments
 from rlray.run.context import RunContext, StepResult
 from rlray.run.evaluation import evaluate_prompts
 from rlray.run.experience import Experience, StageTimer, collect_experience, minibatch_normalisers, step_samples
@@ -229,10 +230,12 @@ def run_step(ctx: OnlineRun, step: int) -> StepResult:
     if ctx.lead is not None:
         try:  # 1-3. prompts, rollout, rewards (rank 0)
             experience = collect_experience(ctx.lead, ctx.cfg, ctx.tokenizer, step, timer,
-                                            policy_version=ctx.policy_version)
+                                            policy_version=ctx.policy_version, world=ctx.world)
         except FATAL_STEP_ERRORS as err:
             fatal = f"{type(err).__name__}: {err}"
     shard, handout = distribute(ctx, experience, fatal, step=step)
+    # agent segments make a step's mini-batches larger, never more of them (rlray.run.segments)
+    spec = dataclasses.replace(spec, rows_per_minibatch=shard.num_rows // len(handout.minibatch_norms))
     batch = schema.collate(shard, ctx.pad_token_id)
     with timer("logprobs"):  # 4. reference, teacher and old logprobs
         batch = reference_and_old_logprobs(ctx, batch, spec)
@@ -275,8 +278,10 @@ def distribute(ctx: OnlineRun, experience: Experience | None, fatal: str | None 
         table = experience.table
         refs = [ray.put(table.slice(s.start, s.stop - s.start)) for s in
                 (schema.shard_rows(table.num_rows, r, ctx.world) for r in range(ctx.world))]
-        rows = kept.pick_rows(table.column("group_id").to_pylist(), ctx.cfg.tracking.samples_per_step, ctx.cfg.run.seed,
-                              step + 1)
+        real = segments.sample_rows(table)  # every row but padding (rlray.run.segments)
+        groups = table.column("group_id").to_pylist()
+        rows = [real[i] for i in kept.pick_rows([groups[i] for i in real], ctx.cfg.tracking.samples_per_step,
+                                                ctx.cfg.run.seed, step + 1)]
         handout = StepHandout(refs, minibatch_normalisers(table, ctx.cfg, ctx.world), experience.metrics, sample_rows=rows)
     handout = ctx.coll.broadcast(handout)
     if handout.fatal is not None:
@@ -296,7 +301,7 @@ def reference_and_old_logprobs(ctx: OnlineRun, batch: schema.StepBatch,
     and sends [B, T] logprobs of the sampled tokens; a JSD teacher sits on the learner and is run inside the
     update's micro-batches instead.
     """
-    mbs = ctx.cfg.learner.sequences_per_microbatch
+    mbs = spec.batching
     if ctx.reference_actor is not None:  # resources.reference.placement == "actor"
         batch.ref_logprobs = ray.get(ctx.reference_actor.logprobs.remote(batch.inputs, mbs))
     if ctx.teacher_actor is not None and spec.distill_weight > 0:  # resources.teacher.placement == "actor"

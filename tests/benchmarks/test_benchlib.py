@@ -70,10 +70,15 @@ def test_run_all_summary_rows_compare_with_targets(bench):
         "weight_sync": {"runs": {"object_store x1": {"sync_vs_memcpy": 0.2}, "object_store x2": {"error": "x"}}},
         "experience": {"runs": [{"case": "step", "world": 1, "move_vs_step": 0.01},
                                 {"case": "scaled", "world": 1, "move_vs_step": None}]},
+        "learner_packing": {"results": [  # (logprobs + update) packed+shared / today: demo 2.0 / 5.0, env 2.0 / 5.0
+            {"workload": w, "dtype": "float32", "runs": {"today": {"logprobs_s": 1.0, "update_s": 4.0},
+                                                         "packed+shared": {"logprobs_s": 0.5, "update_s": 1.5}}}
+            for w in ("demo", "env", "grpo")]},  # grpo's target is the whole step against TRL's: no row here
     }
     rows = bench["run_all"].summary_rows(results)
     assert [(r[1], r[3]) for r in rows] == [(0.5, "yes"), (1.3, "no"), (1.05, "no"), (0.45, "yes"), (0.95, "yes"), (0.2, "no"),
-                                            (None, "n/a"), (0.01, "yes")]
+                                            (None, "n/a"), (0.01, "yes"), (0.4, "yes"), (0.4, "no")]
+    assert rows[-1][0] == "learner logprobs + update, env (float32): packed+shared / padded before" and rows[-1][2] == "<= 0.33"
     assert bench["run_all"].summary_rows({}) == []
 
 

@@ -103,6 +103,14 @@ def test_planner_row_runs_a_real_learner_step_and_reports_the_planner_figure(gpu
     assert detail.endswith("2 x (16 + 8) tokens per micro-batch, 2 micro-batches")
 
 
+def test_packed_rows_row_on_the_cpu(gpu_check, tiny_model_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).train()
+    (row,) = gpu_check.check_packed_rows(model, "cpu", model.config.vocab_size, groups=2, samples=3, prompt_tokens=9,
+                                         response_tokens=12, bf16=False)
+    assert row[0].startswith("packed rows") and row[1] == "ok", row
+    assert "shared" in row[2] and "grad rel diff" in row[2]
+
+
 def test_adapter_sync_row_passes_on_cpu_and_counts_the_shipped_bytes(gpu_check, tiny_model_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).train()
     rows = gpu_check.check_adapter_sync(model, "cpu", model.config.vocab_size, rank=8, rows=2, tokens=9)

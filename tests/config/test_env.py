@@ -30,3 +30,34 @@ def test_off_by_default_and_the_episode_budget():
 def test_bad_values_name_the_key(env, match):
     with pytest.raises(ConfigError, match=match):
         config_from_dict({"env": env})
+
+
+AGENTS = {"solver": "docs/examples/my_agent.py:agent"}
+
+
+def test_agents_and_mcp_servers():
+    cfg = config_from_dict({"env": {"agents": AGENTS, "default": "solver", "mcp_servers": [
+        {"name": "calc", "command": "python tools.py --quiet", "timeout_s": 5},
+        {"name": "web", "url": "http://127.0.0.1:9000/mcp"}]}})
+    assert cfg.env.enabled and cfg.env.names == ["solver"] and cfg.env.gateway_host == "127.0.0.1"
+    calc, web = cfg.env.mcp_servers
+    assert (calc.command, calc.url, calc.timeout_s) == (["python", "tools.py", "--quiet"], None, 5.0)
+    assert (web.command, web.url, web.timeout_s) == (None, "http://127.0.0.1:9000/mcp", 30.0)
+    mixed = config_from_dict({"env": {"agents": AGENTS, "environments": ENVS, "default": "guess"}})
+    assert mixed.env.names == ["guess", "solver"]
+
+
+@pytest.mark.parametrize(("env", "match"), [
+    ({"agents": {"a": "no_colon"}}, r"env.agents.a='no_colon': write 'package.module:function'"),
+    ({"agents": {"guess": "m:f"}, "environments": ENVS}, r"env.agents and env.environments both name \['guess'\]"),
+    ({"agents": AGENTS, "default": "chess"},
+     r"env.default='chess' is not in env.environments \[\] or env.agents \['solver'\]"),
+    ({"agents": AGENTS, "mcp_servers": [{"name": "x"}]}, r"give either command .* or url"),
+    ({"agents": AGENTS, "mcp_servers": [{"name": "x", "command": ["a"], "url": "http://h"}]}, r"not both"),
+    ({"agents": AGENTS, "mcp_servers": [{"name": "x", "url": "u"}, {"name": "x", "url": "v"}]}, r"names must be unique"),
+    ({"mcp_servers": [{"name": "x", "url": "u"}]}, r"env.mcp_servers needs env.agents or env.environments"),
+    ({"agents": AGENTS, "mcp_servers": [{"name": "x", "url": "u", "timeout_s": 0}]}, r"timeout_s"),
+])
+def test_bad_agent_values_name_the_key(env, match):
+    with pytest.raises(ConfigError, match=match):
+        config_from_dict({"env": env})

@@ -16,6 +16,7 @@ from pydantic import BaseModel
 
 from rlray import cli
 from rlray.config import Config, ConfigError, config_from_dict
+from rlray.envs.agent_host import AgentHost
 from rlray.launch import driver
 from rlray.observe.tracking import Tracker
 from rlray.reward.server import deploy_reward_app
@@ -38,7 +39,8 @@ def _hosts(model: type[BaseModel], prefix: str = "") -> dict[str, object]:
 
 def test_every_server_binds_localhost_by_default(monkeypatch):
     hosts = _hosts(Config)
-    assert hosts == {"reward.server.host": "127.0.0.1", "monitor.host": "127.0.0.1"}
+    assert hosts == {"reward.server.host": "127.0.0.1", "monitor.host": "127.0.0.1", "env.gateway_host": "127.0.0.1"}
+    assert inspect.signature(AgentHost).parameters["gateway_host"].default == "127.0.0.1"  # the agents' gateway
     assert inspect.signature(deploy_reward_app).parameters["host"].default == "127.0.0.1"  # `rlray serve-reward`
     # the embedded Ray's dashboard (when it is included)
     calls = []

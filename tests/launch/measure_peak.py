@@ -63,12 +63,12 @@ def main() -> None:
                       advantages=torch.randn(rows, response, generator=g))
     spec = build.update_spec(cfg, args.world)
     norm = Normaliser(float(rows * response * args.world), float(rows * args.world), args.world)
-    learner.train_minibatch(batch, spec.loss, norm, spec.microbatch_size)
+    learner.train_minibatch(batch, spec.loss, norm, spec.batching)
     if args.world > 1:
         torch.distributed.barrier()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    learner.train_minibatch(batch, spec.loss, norm, spec.microbatch_size)
+    learner.train_minibatch(batch, spec.loss, norm, spec.batching)
     print(json.dumps({"baseline": baseline, "peak": resident("VmHWM")}))
     if args.world > 1:
         torch.distributed.destroy_process_group()

@@ -134,6 +134,8 @@ def test_microbatch_tokens_and_context_match_the_driver():
     assert (mb.tokens, mb.logit_positions) == (8 * 416, 8 * 161)
     off = microbatch(config_from_dict({}, ["algo.name=dpo"]))
     assert (off.sequences, off.prompt_tokens, off.response_tokens) == (8, 256, 128)
+    budget = microbatch(config_from_dict({}, ["learner.tokens_per_microbatch=1000"]))
+    assert budget.tokens == 3 * 416 and "tokens_per_microbatch=1,000" in budget.source  # ceil(1000 / 416) rows
 
 
 def test_cpu_rollout_kv_cache_is_the_actors_size(tiny_model_path):

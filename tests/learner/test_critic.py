@@ -9,6 +9,7 @@ from rlray import algos, schema
 from rlray.algos import AdvantageSpec, get_algorithm
 from rlray.learner import LossSpec, Normaliser, PolicyLearner
 from rlray.learner import online as learner_online
+from rlray.learner.batching import MicroBatching
 from rlray.learner.critic import build_critic, critic_values, train_critic_minibatch
 
 
@@ -37,12 +38,12 @@ def test_value_loss_decreases_on_a_fixed_batch(tiny_model_path, tiny_tokenizer):
     critic = build_critic(tiny_model_path, dtype="float32", lr=1e-3, max_grad_norm=1.0)
     batch = _batch(tiny_tokenizer.pad_token_id)
     mask = batch.response_mask
-    batch.old_values = critic_values(critic, batch.inputs, mask, microbatch_size=4)
+    batch.old_values = critic_values(critic, batch.inputs, mask, batching=MicroBatching(4))
     batch.returns = torch.where(mask, batch.reward[:, None].expand(mask.shape), 0.0)  # Monte-Carlo, gamma 1
     norm = Normaliser(float(mask.sum()), 4.0)
     losses = []
     for _ in range(8):
-        stats = train_critic_minibatch(critic, batch, None, norm, microbatch_size=2)
+        stats = train_critic_minibatch(critic, batch, None, norm, batching=MicroBatching(2))
         losses.append(stats["value_loss_sum"] / stats["value_tokens"])
     assert stats["value_tokens"] == 26.0  # 2 + 5 + 8 + 11
     # seen: 0.32 -> 0.02 in 8 AdamW steps (lr 1e-3; not monotone step to step)
@@ -62,7 +63,7 @@ def test_gae_advantages_come_from_the_critic(tiny_model_path, tiny_tokenizer):
                     max_response_tokens=16)
     spec = learner_online.UpdateSpec(
         estimator=get_algorithm("ppo").advantage, loss=loss, advantage=AdvantageSpec(gamma=1.0, lam=1.0),
-        epochs=1, rows_per_minibatch=4, microbatch_size=2, old_logprobs_before_update=False, value_clip_eps=0.5,
+        epochs=1, rows_per_minibatch=4, batching=MicroBatching(2), old_logprobs_before_update=False, value_clip_eps=0.5,
     )  # fmt: skip
     data = learner_online.reference_and_old(policy, batch, spec)
     assert torch.equal(data.old_values, torch.where(mask, 0.25, 0.0))  # stage 4 ran the critic

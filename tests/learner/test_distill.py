@@ -12,7 +12,9 @@ from rlray.algos import get_algorithm
 from rlray.config import config_from_dict
 from rlray.learner import LossSpec, Normaliser, policy_objective
 from rlray.learner import online as learner_online
+from rlray.learner.batching import MicroBatching
 from rlray.learner.logprobs import response_logits
+from rlray.learner.packing import TokenCounts
 from rlray.models import resolve_model_path
 from rlray.run.build import update_spec
 from tests.learner.batches import step_batch
@@ -63,7 +65,7 @@ def test_stage4_takes_teacher_and_old_logprobs(tiny_model_path, tiny_tokenizer, 
     pad = tiny_tokenizer.pad_token_id
     batch = schema.collate(_table(pad), pad)
     spec = learner_online.UpdateSpec(estimator=GRPO, loss=_loss(), advantage=None, epochs=1, rows_per_minibatch=8,
-                                     microbatch_size=4, old_logprobs_before_update=True, distill_weight=1.0)
+                                     batching=MicroBatching(4), old_logprobs_before_update=True, distill_weight=1.0)
     same = _learner(tiny_model_path, use_reference=False, teacher_path=tiny_model_path)
     data = learner_online.reference_and_old(same, dataclasses.replace(batch), spec)
     assert torch.equal(data.teacher_logprobs, data.old_logprobs)  # a teacher equal to the student: KL exactly 0
@@ -81,9 +83,9 @@ def test_teacher_logprobs_need_a_teacher(tiny_model_path, tiny_tokenizer):
     pad = tiny_tokenizer.pad_token_id
     learner = _learner(tiny_model_path, use_reference=False)
     with pytest.raises(ValueError, match="this learner holds no teacher"):
-        learner.teacher_logprobs(schema.collate(_table(pad), pad).inputs, microbatch_size=8)
+        learner.teacher_logprobs(schema.collate(_table(pad), pad).inputs, batching=MicroBatching(8))
     with pytest.raises(ValueError, match="needs a teacher on this learner"):
-        learner.train_minibatch(schema.collate(_table(pad), pad), _loss(jsd_weight=1.0), Normaliser(1.0, 1.0), 8)
+        learner.train_minibatch(schema.collate(_table(pad), pad), _loss(jsd_weight=1.0), Normaliser(1.0, 1.0), MicroBatching(8))
 
 
 def test_jsd_term_in_the_loss_equals_the_hand_composed_one(tiny_model_path, tiny_tokenizer, teacher_path):
@@ -100,13 +102,13 @@ def test_jsd_term_in_the_loss_equals_the_hand_composed_one(tiny_model_path, tiny
         jsd = algos.generalized_jsd(student, teacher, beta=0.3)
     learner.module.train()
     expect_sum = float(jsd[mask].sum())
-    stats = learner.train_minibatch(batch, spec, norm, 3)
+    stats = learner.train_minibatch(batch, spec, norm, MicroBatching(3))
     assert stats["jsd_sum"] == pytest.approx(expect_sum, rel=1e-5)
     assert stats["loss"] == pytest.approx(0.5 * expect_sum / norm.num_tokens, rel=1e-5)
     assert stats["grad_norm"] > 0  # the JSD alone moves the student
     update = learner_online.UpdateSpec(estimator=GRPO, loss=spec, advantage=None, epochs=1, rows_per_minibatch=8,
-                                       microbatch_size=3, old_logprobs_before_update=False)
-    out = learner_online._update_metrics(stats, 1, update, False, dict, dict)
+                                       batching=MicroBatching(3), old_logprobs_before_update=False)
+    out = learner_online._update_metrics(stats, 1, update, False, dict, dict, TokenCounts())
     assert out["algo/distill_jsd"] == pytest.approx(expect_sum / norm.num_tokens, rel=1e-5)
 
 

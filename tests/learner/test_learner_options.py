@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from rlray import algos, schema
 from rlray.learner import LossSpec, Normaliser, PolicyLearner, policy_objective
+from rlray.learner.batching import MicroBatching
 from rlray.learner.policy import make_optimizer
 from rlray.learner.reference import ReferenceModel
 from rlray.rollout.engine import checkpoint_shapes
@@ -49,10 +50,10 @@ def test_lora_trains_adapters_only_and_exports_merged_weights(tiny_model_path, t
     trainable = [n for n, p in learner.module.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     data = _batch(tiny_tokenizer.pad_token_id)
-    before = learner.logprobs(data.inputs, reference=False, microbatch_size=4)
-    learner.train_minibatch(data, SPEC, Normaliser(float(data.response_mask.sum()), 4.0), 2)
-    learner.train_minibatch(data, SPEC, Normaliser(float(data.response_mask.sum()), 4.0), 2)
-    after = learner.logprobs(data.inputs, reference=False, microbatch_size=4)
+    before = learner.logprobs(data.inputs, reference=False, batching=MicroBatching(4))
+    learner.train_minibatch(data, SPEC, Normaliser(float(data.response_mask.sum()), 4.0), MicroBatching(2))
+    learner.train_minibatch(data, SPEC, Normaliser(float(data.response_mask.sum()), 4.0), MicroBatching(2))
+    after = learner.logprobs(data.inputs, reference=False, batching=MicroBatching(4))
     assert (after - before).abs().max() > 1e-3  # the adapters learned something
 
     merged = learner.export_weights(torch.float32)
@@ -62,13 +63,13 @@ def test_lora_trains_adapters_only_and_exports_merged_weights(tiny_model_path, t
     # a plain transformers model with the merged weights scores exactly like the adapted policy
     plain = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     plain.load_state_dict(merged, strict=False)
-    from rlray.learner.logprobs import batched_logprobs
+    from rlray.learner.scoring import batched_logprobs
 
-    via_merged = batched_logprobs(plain, data.inputs, dtype="float32", temperature=1.0, microbatch_size=4)
+    via_merged = batched_logprobs(plain, data.inputs, dtype="float32", temperature=1.0, batching=MicroBatching(4))
     torch.testing.assert_close(via_merged, after, atol=1e-5, rtol=0)
     # the reference is the base model (adapters off): the initial policy's logprobs, no copy kept
     assert learner.reference is None
-    torch.testing.assert_close(learner.logprobs(data.inputs, reference=True, microbatch_size=4), before, atol=1e-6, rtol=0)
+    torch.testing.assert_close(learner.logprobs(data.inputs, reference=True, batching=MicroBatching(4)), before, atol=1e-6, rtol=0)
 
 
 def test_reference_model_equals_the_learner_reference(tiny_model_path, tiny_tokenizer):
@@ -76,7 +77,7 @@ def test_reference_model_equals_the_learner_reference(tiny_model_path, tiny_toke
     learner = _learner(tiny_model_path)
     own = ReferenceModel(tiny_model_path, dtype="float32", temperature=0.7, torch_threads=torch.get_num_threads())
     learner.temperature = 0.7
-    torch.testing.assert_close(own.logprobs(data.inputs, 3), learner.logprobs(data.inputs, reference=True, microbatch_size=3),
+    torch.testing.assert_close(own.logprobs(data.inputs, MicroBatching(3)), learner.logprobs(data.inputs, reference=True, batching=MicroBatching(3)),
                                atol=1e-6, rtol=0)
 
 
@@ -132,15 +133,15 @@ def test_an_existing_adapter_trains_from_its_saved_weights(tiny_model_path, tiny
     learner = _learner(tiny_model_path, adapter_path=str(tmp_path / "adapter"))
     trainable = [n for n, p in learner.module.named_parameters() if p.requires_grad]
     assert len(trainable) == 4 and all("lora_" in n for n in trainable)  # 2 layers x q_proj x (A, B)
-    from rlray.learner.logprobs import batched_logprobs
+    from rlray.learner.scoring import batched_logprobs
 
-    before = learner.logprobs(data.inputs, reference=False, microbatch_size=4)
+    before = learner.logprobs(data.inputs, reference=False, batching=MicroBatching(4))
     torch.testing.assert_close(before, batched_logprobs(expected, data.inputs, dtype="float32", temperature=1.0,
-                                                        microbatch_size=4), atol=1e-6, rtol=0)  # fmt: skip
-    base = learner.logprobs(data.inputs, reference=True, microbatch_size=4)  # the reference is model.path without the adapter
+                                                        batching=MicroBatching(4)), atol=1e-6, rtol=0)  # fmt: skip
+    base = learner.logprobs(data.inputs, reference=True, batching=MicroBatching(4))  # the reference is model.path without the adapter
     assert (before - base).abs().max() > 1e-4
-    learner.train_minibatch(data, SPEC, Normaliser(float(data.response_mask.sum()), 4.0), 2)
-    after = learner.logprobs(data.inputs, reference=False, microbatch_size=4)
+    learner.train_minibatch(data, SPEC, Normaliser(float(data.response_mask.sum()), 4.0), MicroBatching(2))
+    after = learner.logprobs(data.inputs, reference=False, batching=MicroBatching(4))
     assert (after - before).abs().max() > 1e-3  # it trains
 
 
@@ -154,12 +155,12 @@ def test_a_lora_snapshot_restores_the_trained_adapter(tiny_model_path, tiny_toke
 
     data = _batch(tiny_tokenizer.pad_token_id)
     trained = _learner(tiny_model_path, lora=LORA)
-    trained.train_minibatch(data, SPEC, Normaliser(float(data.response_mask.sum()), 4.0), 2)
+    trained.train_minibatch(data, SPEC, Normaliser(float(data.response_mask.sum()), 4.0), MicroBatching(2))
     trained.module.save_pretrained(tmp_path / "model", safe_serialization=True)  # what a snapshot's model/ holds
-    want = trained.logprobs(data.inputs, reference=False, microbatch_size=4)
+    want = trained.logprobs(data.inputs, reference=False, batching=MicroBatching(4))
     fresh = _learner(tiny_model_path, lora=LORA)
-    assert (fresh.logprobs(data.inputs, reference=False, microbatch_size=4) - want).abs().max() > 1e-3
+    assert (fresh.logprobs(data.inputs, reference=False, batching=MicroBatching(4)) - want).abs().max() > 1e-3
     load_model_weights(fresh.module, tmp_path / "model")
-    torch.testing.assert_close(fresh.logprobs(data.inputs, reference=False, microbatch_size=4), want, atol=1e-6, rtol=0)
+    torch.testing.assert_close(fresh.logprobs(data.inputs, reference=False, batching=MicroBatching(4)), want, atol=1e-6, rtol=0)
     with pytest.raises(RuntimeError, match="the snapshot holds a LoRA adapter but the policy has none"):
         load_model_weights(_learner(tiny_model_path).module, tmp_path / "model")

@@ -8,6 +8,7 @@ import torch
 from rlray import schema
 from rlray.data import PromptRow
 from rlray.learner import LossSpec, Normaliser, PolicyLearner
+from rlray.learner.batching import MicroBatching
 from rlray.rollout import Completion
 from rlray.run.experience import build_experience
 
@@ -49,10 +50,10 @@ def _loss_and_grads(learner, batch):
     spec = LossSpec(clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.05, kl_estimator="k3", loss_agg="token-mean",
                     max_response_tokens=8)
     batch = dataclasses.replace(batch)
-    batch.ref_logprobs = learner.logprobs(batch.inputs, reference=True, microbatch_size=4)
+    batch.ref_logprobs = learner.logprobs(batch.inputs, reference=True, batching=MicroBatching(4))
     batch.advantages = torch.where(batch.response_mask, batch.reward[:, None] - 0.4, 0.0)
     norm = Normaliser(float(batch.response_mask.sum()), 4.0)
-    stats = learner.train_minibatch(batch, spec, norm, microbatch_size=2)
+    stats = learner.train_minibatch(batch, spec, norm, batching=MicroBatching(2))
     grads = {n: p.grad.clone() for n, p in learner.module.named_parameters() if p.grad is not None}
     return stats, grads
 
@@ -79,7 +80,7 @@ def test_eos_tokens_inside_responses_get_logprobs(tiny_model_path, tiny_tokenize
     eos = tiny_tokenizer.eos_token_id
     table, _ = _experience(eos)
     batch = schema.collate(table, eos)
-    lp = _learner(tiny_model_path).logprobs(batch.inputs, reference=False, microbatch_size=4)
+    lp = _learner(tiny_model_path).logprobs(batch.inputs, reference=False, batching=MicroBatching(4))
     model = _learner(tiny_model_path).module.eval()
     ids = torch.tensor([[21, 22, 23, 24, 25, 301, eos, 302, eos]])
     with torch.no_grad():

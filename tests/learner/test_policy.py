@@ -7,6 +7,7 @@ import torch
 
 from rlray import schema
 from rlray.learner import LossSpec, Normaliser, PolicyLearner, split_microbatches
+from rlray.learner.batching import MicroBatching
 
 
 def _table(pad_id: int):
@@ -44,7 +45,7 @@ def test_logprobs_match_unpadded_forward(tiny_model_path, tiny_tokenizer):
     learner = _learner(tiny_model_path)
     table = _table(tiny_tokenizer.pad_token_id)
     batch = schema.collate(table, tiny_tokenizer.pad_token_id)
-    lp = learner.logprobs(batch.inputs, reference=False, microbatch_size=3)
+    lp = learner.logprobs(batch.inputs, reference=False, batching=MicroBatching(3))
     model = learner.module.eval()
     for b in (0, 3, 6):  # padded batch forward == each row alone, without padding
         ids = torch.tensor([table.column("prompt_token_ids")[b].as_py() + table.column("response_token_ids")[b].as_py()])
@@ -63,8 +64,8 @@ def test_reference_equals_initial_policy(tiny_model_path, tiny_tokenizer, dtype)
     assert learner.reference.model.layers[0].mlp.up_proj.weight.dtype == linear
     assert learner.module.model.layers[0].mlp.up_proj.weight.dtype == torch.float32
     batch = schema.collate(_table(tiny_tokenizer.pad_token_id), tiny_tokenizer.pad_token_id)
-    a = learner.logprobs(batch.inputs, reference=False, microbatch_size=8)
-    b = learner.logprobs(batch.inputs, reference=True, microbatch_size=8)
+    a = learner.logprobs(batch.inputs, reference=False, batching=MicroBatching(8))
+    b = learner.logprobs(batch.inputs, reference=True, batching=MicroBatching(8))
     assert torch.equal(a, b)
 
 
@@ -81,10 +82,10 @@ def test_gradient_accumulation_matches_full_batch(tiny_model_path, tiny_tokenize
 
     def grads(mb_size):
         learner = _learner(tiny_model_path)
-        ref = learner.logprobs(batch.inputs, reference=True, microbatch_size=8)
+        ref = learner.logprobs(batch.inputs, reference=True, batching=MicroBatching(8))
         b = dataclasses.replace(batch, ref_logprobs=ref)
         b.old_logprobs = ref + 0.05 * torch.randn(ref.shape, generator=torch.Generator().manual_seed(2))
-        stats = learner.train_minibatch(b, spec, norm, mb_size)
+        stats = learner.train_minibatch(b, spec, norm, MicroBatching(mb_size))
         return {n: p.grad.clone() for n, p in learner.module.named_parameters() if p.grad is not None}, stats
 
     full, s_full = grads(8)

@@ -10,7 +10,9 @@ from rlray.algos import get_algorithm
 from rlray.config import config_from_dict
 from rlray.learner import LossSpec, Normaliser, policy_objective
 from rlray.learner import online as learner_online
+from rlray.learner.batching import MicroBatching
 from rlray.learner.objective import MAX_STAT_KEYS, STAT_KEYS, reduce_stat
+from rlray.learner.packing import TokenCounts
 from rlray.run.build import update_spec
 from tests.learner.batches import step_batch
 
@@ -34,7 +36,7 @@ def _mb():
 
 def _update_spec(loss: LossSpec, **options) -> learner_online.UpdateSpec:
     return learner_online.UpdateSpec(estimator=get_algorithm("grpo").advantage, loss=loss, advantage=None, epochs=1,
-                                     rows_per_minibatch=2, microbatch_size=2, old_logprobs_before_update=False, **options)
+                                     rows_per_minibatch=2, batching=MicroBatching(2), old_logprobs_before_update=False, **options)
 
 
 def test_mismatch_statistics_hand_computed():
@@ -65,13 +67,16 @@ def test_update_metrics_take_the_max_ratio_over_ranks_and_sum_the_rest():
         assert set(values) == set(MAX_STAT_KEYS)
         return {k: max(v, 5.0) for k, v in values.items()}
 
-    out = learner_online._update_metrics(totals, 1, spec, False, two_equal_ranks, other_rank_has_ratio_5)
+    out = learner_online._update_metrics(totals, 1, spec, False, two_equal_ranks, other_rank_has_ratio_5,
+                                         TokenCounts(real=10, padding=2, shared=5))
+    # the learner's computed tokens are summed over ranks like the other sums
+    assert (out["perf/learner_tokens_real"], out["perf/learner_tokens_padding"], out["perf/learner_tokens_shared"]) == (20, 4, 10)
     assert out["algo/rollout_kl"] == pytest.approx((0.901388 + 0.193147 + 0.017678) / 4, abs=1e-5)
     assert out["algo/rollout_ratio_max"] == 5.0
     assert out["algo/rollout_corrected_token_fraction"] == pytest.approx(2 / 4)
     assert out["algo/rollout_corrected_sequence_fraction"] == pytest.approx(1 / 2)
     assert out["algo/rollout_is_weight_mean"] == pytest.approx(4.8 / 4)
-    off = learner_online._update_metrics(totals, 1, _update_spec(PLAIN), False, dict, dict)
+    off = learner_online._update_metrics(totals, 1, _update_spec(PLAIN), False, dict, dict, TokenCounts())
     assert "algo/rollout_kl" in off and "algo/rollout_is_weight_mean" not in off  # mismatch is logged even when off
 
 

@@ -101,7 +101,7 @@ def test_samples_endpoint_keeps_the_last_steps_and_404s_the_rest(served):
                                  "reward": 1.0, "terms": {"gsm8k_correct": 1.0, "gsm8k_format": None}, "advantage": 0.5,
                                  "finish_reason": "stop", "policy_version": 2, "response_tokens": 3,
                                  "stop_reason": None, "num_turns": None, "turn_rewards": None, "segments": [],
-                                 "failure": None, "judge_outputs": {}}
+                                 "segment": None, "failure": None, "judge_outputs": {}}
     assert doc["samples"][1]["reward"] is None and doc["samples"][1]["terms"]["gsm8k_correct"] == "failed"
     assert json.loads(_get(port, "/api/samples?step=2")[2])["samples"][0]["prompt_id"] == "p2"
     status, headers, body = _get(port, "/api/samples?step=1")
@@ -328,3 +328,25 @@ def test_page_script_shows_an_episode_turn_by_turn(served):
     judged = single_row["children"][-1]["children"][1]  # the judge's raw output under the completion, as text
     assert judged["cls"] == "seg seg-judge" and [c["text"] for c in judged["children"]] == ["judge judge", XSS]
     assert len(ep_row["children"][-1]["children"]) == 1  # no judge on the episode row: nothing under its turns
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs node to run the page's script (no browser here)")
+def test_page_script_marks_a_segment_of_an_agent_episode(served):
+    """A row that holds one segment of an agent episode cut where the agent rewrote its history says which segment it
+    is, above its turns; an uncut episode has no such line."""
+    monitor, port = served
+    cut = StepSample(2, "w", "spell", "<a>5</a>", 1.0, {"env": 1.0}, 0.5, "stop", 0, 3, "template_drift", 1, (None,),
+                     ((True, "<a>5</a>"),), segment=1)
+    whole = StepSample(2, "v", "spell", "<a>6</a>", 0.0, {"env": 0.0}, -0.5, "stop", 0, 3, "done", 1, (0.0,),
+                       ((True, "<a>6</a>"),))
+    monitor.record_samples(2, [cut, whole])
+    responses = {u: {"status": 200, "body": _get(port, u)[2].decode()} for u in ["/health", "/api/charts", "/api/metrics?since=0", "/api/samples"]}
+    ids = re.findall(r'id="([^"]+)"', _get(port, "/")[2].decode())
+    out = subprocess.run(["node", str(Path(__file__).parents[1] / "fixtures" / "page_dom.js"), str(page.PAGE_DIR / "monitor.js"),
+                          json.dumps(ids), json.dumps(responses), "[]"], capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
+    table = json.loads(out.stdout)["snapshots"][0]["dom"]["sample-table"]
+    cut_row, whole_row = table["children"][1]["children"]  # by reward, high to low
+    first = cut_row["children"][-1]["children"][0]["children"][0]
+    assert first["cls"] == "seg-label" and first["text"].startswith("segment 2: the agent rewrote its history")
+    assert [c["cls"] for c in whole_row["children"][-1]["children"][0]["children"]] == ["seg seg-assistant"]

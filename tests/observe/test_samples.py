@@ -68,6 +68,13 @@ def test_episode_fields_survive_the_mlflow_table_and_old_tables_stay_readable(tm
     tracker.finish()
 
 
+def test_a_segment_of_a_cut_agent_episode_is_kept_by_number():
+    cut = StepSample(3, "w", "q", "a", 1.0, {"env": 1.0}, 0.5, "stop", 2, 4, "template_drift", 1, (None,),
+                     ((True, "a"),), segment=0)
+    assert json_row(cut)["segment"] == 0 and table_columns([cut])["segment"] == [0]
+    assert json_row(StepSample(3, "p", "q", "a", 1.0, {}, 0.5, "stop", 2, 4))["segment"] is None
+
+
 def test_judge_outputs_go_to_their_own_columns_and_back():
     """Each judge's raw output on a kept sample is a column judge/<name> of the MLflow table, and reads back nested; a
     sample without a judge's output has null there, and reads back without it."""

@@ -85,6 +85,9 @@ def test_oom_detection_and_fallback_config():
     assert note == "learner.sequences_per_microbatch 4 -> 2, model.gradient_checkpointing False -> True"
     one, _ = guards.oom_fallback_config(config_from_dict({"learner": {"sequences_per_microbatch": 1}}))
     assert one.learner.sequences_per_microbatch == 1
+    budget, note = guards.oom_fallback_config(config_from_dict({"learner": {"tokens_per_microbatch": 4096}}))
+    assert (budget.learner.tokens_per_microbatch, budget.learner.sequences_per_microbatch) == (2048, 8)
+    assert note == "learner.tokens_per_microbatch 4096 -> 2048, model.gradient_checkpointing False -> True"
 
 
 @pytest.mark.gpu

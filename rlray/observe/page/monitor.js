@@ -258,9 +258,10 @@ function drawSamples() {
 }
 
 // An episode turn by turn: the model's turns and the environment's observations set apart, each turn with the
-// environment's reward after it; a single-turn row (or one whose turns cannot be told apart) as one text. A sample
-// without a reward starts with why (its environment's or reward function's error). Then each judge's raw output on
-// the sample (older rows lack the field).
+// environment's reward after it; a single-turn row (or one whose turns cannot be told apart) as one text. A segment of
+// an agent episode cut where the agent rewrote its history says which segment it is. A sample without a reward starts
+// with why (its environment's or reward function's error). Then each judge's raw output on the sample (older rows
+// lack the field).
 function completionCell(s) {
   const td = el("td", "text");
   if (s.failure) td.append(el("div", "failed failure", "no reward: " + s.failure));
@@ -277,6 +278,10 @@ function completionCell(s) {
 
 function turnsBox(s, segments) {
   const box = el("div");
+  if (Number.isInteger(s.segment) && s.segment >= 0) {
+    box.append(el("div", "seg-label", `segment ${s.segment + 1}: the agent rewrote its history here, so this part of ` +
+      "the episode is trained as a sequence of its own"));
+  }
   let turn = 0;
   for (const seg of segments) {
     const part = el("div", `seg seg-${seg.role === "assistant" ? "assistant" : "observation"}`);

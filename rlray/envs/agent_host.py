@@ -1,0 +1,376 @@
+"""AgentHost: an environment host that also runs agents behind the gateway, and the MCP servers' sessions.
+
+One per environment actor when env.agents or env.mcp_servers is set (``rlray:env-<i>``; it is an
+``EnvironmentHost`` too, so the same actor runs environment episodes). Its own thread runs an asyncio loop that
+holds the gateway's HTTP server (``rlray.envs.gateway``), every running agent (``rlray.envs.agents``: many per host,
+concurrently) and the MCP sessions (``rlray.envs.mcp``: started with the host, stopped with it).
+
+Rank 0 hands a host a batch of agent episodes (``run_agents``: the episodes, the rollout actors' handles and the
+step's sampling). Every call of every agent becomes a request to the episode's rollout actor, and the
+``TickBatcher`` gathers the requests into engine calls: one call per actor at a time, each holding what its running
+episodes asked for meanwhile (a batch of prompts is what makes an engine fast).
+
+The engine call itself is the ``Sampler`` the host is built with (``rlray.run.agents.FleetSampler``: Ray calls to
+the rollout actors); this module imports no Ray and no engine, and tests give it a scripted sampler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from rlray.envs.agents import AgentLimits, AgentReply, AgentRequest, LoadedAgent, load_agent, run_agent_episode
+from rlray.envs.conversation import Sampled
+from rlray.envs.gateway import Gateway, GatewayEpisode, GatewayLimits
+from rlray.envs.host import EnvironmentHost
+from rlray.envs.mcp import McpClients, McpServerSpec, install_host_tools
+
+log = logging.getLogger(__name__)
+
+GATEWAY_CONNECTIONS = 256  # HTTP connections the host's agents hold to its gateway at once (more calls wait)
+
+
+class Sampler(Protocol):
+    """The engine call of one batch of agent episodes: ``num_actors`` rollout actors, each sampled with the batch's
+    sampling (``rlray.run.agents.FleetSampler``)."""
+
+    num_actors: int
+
+    async def sample(self, actor: int, prompts: list[list[int]], max_new_tokens: int,
+                     stop: tuple[str, ...]) -> list[Sampled]:
+        """Returns one completion per prompt from rollout actor ``actor``, in order."""
+        ...
+
+
+@dataclass
+class AgentBatch:
+    """Agent episodes for one host, and how to sample their calls.
+
+    Attributes:
+        episodes: the episodes.
+        actors: the rollout actors' handles (an episode's calls go to ``actors[actor_key % len(actors)]``).
+        sampling: the step's sampling (``rlray.rollout.SamplingSpec``), handed to the host's sampler factory.
+        max_new_tokens: the most tokens a call samples (the sampling's max_new_tokens).
+    """
+
+    episodes: list[AgentRequest]
+    actors: list[Any]
+    sampling: Any
+    max_new_tokens: int
+
+
+@dataclass
+class GatewayStats:
+    """A host's gateway counters since it started: calls answered, engine calls, and prompts those carried."""
+
+    calls: int = 0
+    engine_calls: int = 0
+    engine_prompts: int = 0
+
+
+class TickBatcher:
+    """Gathers concurrent sample requests into one engine call per rollout actor (see the module docstring).
+
+    An actor runs one call at a time. Before each call the batcher waits for the actor's running episodes to ask: it
+    sends once every running episode pinned to the actor has a request waiting (an agent that finished no longer
+    counts), or after a window of ``WINDOW_FRACTION`` of the actor's previous call's duration (``MAX_WINDOW_S`` before
+    its first call; never more: an agent busy with its own work, a slow tool, is not waited for longer). Without the
+    wait, the first agent to ask would go alone in an engine call and the rest in the next, each turn costing two
+    calls. Requests that differ in max new tokens or stop strings go in separate calls.
+
+    Args:
+        sampler: the engine call.
+        stats: counters to add to.
+        call_s: {actor: seconds of its previous call}, kept by the host across batches (updated here).
+    """
+
+    WINDOW_FRACTION = 0.1  # of the actor's previous call's duration: the longest wait for its running episodes
+    MAX_WINDOW_S = 0.5
+
+    def __init__(self, sampler: Sampler, stats: GatewayStats, call_s: dict[int, float] | None = None) -> None:
+        self.sampler, self.stats = sampler, stats
+        self._queue: dict[int, list[tuple[tuple[int, tuple[str, ...]], list[int], asyncio.Future]]] = {}
+        self._busy: set[int] = set()
+        self._running: dict[int, int] = {}  # actor -> its episodes that have not ended
+        self._call_s = {} if call_s is None else call_s  # actor -> seconds its previous call took
+        self._changed = asyncio.Event()
+
+    def enter(self, actor_key: int) -> None:
+        """Counts an episode that starts on the actor ``actor_key`` picks."""
+        actor = actor_key % self.sampler.num_actors
+        self._running[actor] = self._running.get(actor, 0) + 1
+
+    def leave(self, actor_key: int) -> None:
+        """Counts an episode that ended (its actor no longer waits for it)."""
+        actor = actor_key % self.sampler.num_actors
+        self._running[actor] -= 1
+        self._changed.set()
+
+    async def sample(self, actor_key: int, prompt: list[int], max_new_tokens: int, stop: tuple[str, ...]) -> Sampled:
+        """Returns the completion of ``prompt`` from the actor that ``actor_key`` picks.
+
+        Raises:
+            whatever the sampler raised for the engine call that carried it.
+        """
+        actor = actor_key % self.sampler.num_actors
+        future = asyncio.get_running_loop().create_future()
+        self._queue.setdefault(actor, []).append(((max_new_tokens, stop), prompt, future))
+        self._changed.set()
+        if actor not in self._busy:
+            self._busy.add(actor)
+            asyncio.get_running_loop().create_task(self._drain(actor))
+        return await future
+
+    async def _drain(self, actor: int) -> None:
+        """Sends the actor's waiting requests, one engine call per (max new tokens, stop) at a time, until none waits."""
+        try:
+            await asyncio.sleep(0)  # one tick: the requests this tick's calls make go in the same engine call
+            while self._queue.get(actor):
+                await self._gather(actor)
+                waiting = self._queue.pop(actor)
+                groups: dict[tuple[int, tuple[str, ...]], list[tuple[list[int], asyncio.Future]]] = {}
+                for how, prompt, future in waiting:
+                    groups.setdefault(how, []).append((prompt, future))
+                for (max_new, stop), items in groups.items():
+                    await self._call(actor, max_new, stop, items)
+        finally:
+            self._busy.discard(actor)
+
+    async def _gather(self, actor: int) -> None:
+        """Waits until every running episode of ``actor`` has a request waiting, or the window has passed."""
+        loop = asyncio.get_running_loop()
+        previous = self._call_s.get(actor)
+        deadline = loop.time() + (self.MAX_WINDOW_S if previous is None else
+                                  min(self.WINDOW_FRACTION * previous, self.MAX_WINDOW_S))
+        while len(self._queue.get(actor, ())) < self._running.get(actor, 0):
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except asyncio.TimeoutError:
+                return
+
+    async def _call(self, actor: int, max_new: int, stop: tuple[str, ...],
+                    items: list[tuple[list[int], asyncio.Future]]) -> None:
+        self.stats.engine_calls += 1
+        self.stats.engine_prompts += len(items)
+        started = asyncio.get_running_loop().time()
+        try:
+            got = await self.sampler.sample(actor, [p for p, _ in items], max_new, stop)
+        except Exception as err:  # noqa: BLE001 - every request of the call gets the engine's error
+            for _, future in items:
+                if not future.done():
+                    future.set_exception(err)
+            return
+        finally:
+            self._call_s[actor] = asyncio.get_running_loop().time() - started
+        for (_, future), sampled in zip(items, got, strict=True):
+            if not future.done():
+                future.set_result(sampled)
+
+
+class AgentRunner:
+    """What runs on an ``AgentHost``'s loop: the gateway, the agents' episodes and their batchers, the MCP sessions.
+
+    A plain class of coroutines, apart from the host: a Ray actor class with any ``async`` method becomes an asyncio
+    actor, whose blocking methods would then hold Ray's own loop (``ray._private.async_compat.has_async_methods``).
+
+    Args:
+        agents: {name: the loaded agent}.
+        tokenizer: the policy's tokenizer (None without agents).
+        sampler_factory: ``sampler_factory(actors, sampling)`` returns the ``Sampler`` of a batch.
+        limits: the agents' time limits; max_turns, max_episode_tokens: the call limits of every batch.
+        mcp: the MCP sessions (None without env.mcp_servers).
+        tool_parser, chat_template_kwargs: the gateway's (``Gateway``).
+        threads: runs synchronous agents.
+    """
+
+    def __init__(self, agents: dict[str, LoadedAgent], tokenizer: Any, sampler_factory: Callable[[list[Any], Any], Sampler] | None,
+                 limits: AgentLimits, max_turns: int, max_episode_tokens: int, mcp: McpClients | None, *,
+                 tool_parser: str, chat_template_kwargs: dict[str, Any] | None,
+                 threads: concurrent.futures.Executor) -> None:
+        self.agents, self.sampler_factory, self.limits, self.mcp, self.threads = agents, sampler_factory, limits, mcp, threads
+        self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
+        self.stats = GatewayStats()
+        self.gateway = Gateway(tokenizer, self.sample, tool_parser=tool_parser, chat_template_kwargs=chat_template_kwargs)
+        self._batchers: dict[str, TickBatcher] = {}
+        self._call_s: dict[int, float] = {}  # rollout actor -> seconds of its last engine call (``TickBatcher``)
+        self._http: Any = None
+
+    async def start(self, gateway_host: str) -> None:
+        """Starts the gateway on ``gateway_host`` ("" for none) and the MCP sessions."""
+        if gateway_host:
+            import httpx2
+            import openai
+
+            await self.gateway.start(gateway_host)
+            # one pool for every episode's client: connections are reused, and calls past the pool wait for one
+            self._http = openai.DefaultAsyncHttpxClient(
+                timeout=httpx2.Timeout(self.limits.episode_timeout_s, pool=None),
+                limits=httpx2.Limits(max_connections=GATEWAY_CONNECTIONS, max_keepalive_connections=GATEWAY_CONNECTIONS))
+        if self.mcp is not None:
+            await self.mcp.start()
+
+    async def stop(self) -> None:
+        """Stops the MCP sessions, the gateway and the shared HTTP client."""
+        if self.mcp is not None:
+            await self.mcp.close()
+        await self.gateway.close()
+        if self._http is not None:
+            await self._http.aclose()
+
+    async def run(self, batch: AgentBatch) -> list[AgentReply]:
+        """Returns the replies of ``batch``'s episodes, run at once, in order.
+
+        Raises:
+            ValueError: the runner has no sampler factory.
+        """
+        if self.sampler_factory is None:
+            raise ValueError("AgentHost was built without a sampler_factory: it cannot sample agents' calls")
+        batcher = TickBatcher(self.sampler_factory(batch.actors, batch.sampling), self.stats, self._call_s)
+        limits = GatewayLimits(self.max_turns, self.max_episode_tokens, batch.max_new_tokens)
+        for request in batch.episodes:
+            self._batchers[request.key] = batcher
+
+        async def one(request: AgentRequest) -> AgentReply:
+            batcher.enter(request.actor_key)
+            try:
+                return await run_agent_episode(self.gateway, request, self.agents[request.agent], self.mcp, self.limits,
+                                               limits, http_client=self._http, threads=self.threads)
+            finally:
+                batcher.leave(request.actor_key)
+                self._batchers.pop(request.key, None)
+
+        return list(await asyncio.gather(*(one(r) for r in batch.episodes)))
+
+    async def sample(self, episode: GatewayEpisode, prompt: list[int], max_new_tokens: int,
+                     stop: tuple[str, ...]) -> Sampled:
+        """Returns the engine's completion of one gateway call, through the batcher of the episode's batch."""
+        self.stats.calls += 1
+        return await self._batchers[episode.key].sample(episode.actor_key, prompt, max_new_tokens, stop)
+
+
+class AgentHost(EnvironmentHost):
+    """An ``EnvironmentHost`` that also runs agents behind the gateway and holds the MCP sessions (module docstring).
+
+    Its methods are all synchronous (the coroutines live in its ``AgentRunner``), so Ray runs it as a threaded actor.
+
+    Args:
+        environments: {name: spec} of the environments (``EnvironmentHost``; may be empty).
+        agents: {name: spec} of the agents (``rlray.envs.agents.load_agent``; may be empty with MCP servers alone).
+        model_dir: the policy's local folder (its tokenizer tokenizes the agents' conversations).
+        chat_template: ``model.chat_template`` (None: the tokenizer's own).
+        sampler_factory: ``sampler_factory(actors, sampling)`` returns the ``Sampler`` of a batch.
+        max_turns: calls answered per agent episode; max_episode_tokens: the longest segment, in tokens.
+        episode_timeout_s: seconds per agent episode.
+        mcp_servers: the MCP servers to start (``McpServerSpec``).
+        gateway_host: the address the gateway binds (``env.gateway_host``).
+        chat_template_kwargs: extra template variables (``rollout.chat_template_kwargs``).
+        agent_threads: threads for synchronous agents.
+        tool_parser, step_timeout_s: as ``EnvironmentHost`` (step_timeout_s is also the most seconds an agent may spend
+            between gateway calls).
+        host_kwargs: the other keyword arguments of ``EnvironmentHost`` (threads, sandbox, memory_gib, ...).
+
+    Raises:
+        ValueError: an agent or environment cannot be loaded (names it and its spec).
+        rlray.envs.mcp.McpStartError: an MCP server did not start.
+    """
+
+    def __init__(self, environments: dict[str, str], *, agents: dict[str, str], model_dir: str | None,
+                 chat_template: str | None = None, sampler_factory: Callable[[list[Any], Any], Sampler] | None = None,
+                 max_turns: int = 8, max_episode_tokens: int = 4096, episode_timeout_s: float = 600.0,
+                 mcp_servers: list[McpServerSpec] | None = None, gateway_host: str = "127.0.0.1",
+                 chat_template_kwargs: dict[str, Any] | None = None, agent_threads: int = 64,
+                 tool_parser: str = "hermes", step_timeout_s: float = 60.0, **host_kwargs: Any) -> None:
+        super().__init__(environments, tool_parser=tool_parser, step_timeout_s=step_timeout_s, **host_kwargs)
+        loaded: dict[str, LoadedAgent] = {}
+        for name, spec in agents.items():
+            try:
+                loaded[name] = load_agent(spec)
+            except Exception as err:  # noqa: BLE001 - any import problem of user code becomes one clear error
+                raise ValueError(f"env.agents.{name}: cannot load '{spec}': {err}") from err
+        tokenizer = None
+        if agents:
+            from rlray.models import load_tokenizer
+
+            tokenizer = load_tokenizer(model_dir, chat_template)
+        self._threads = concurrent.futures.ThreadPoolExecutor(max_workers=agent_threads, thread_name_prefix="rlray-agent")
+        mcp = McpClients(list(mcp_servers or [])) if mcp_servers else None
+        self.runner = AgentRunner(loaded, tokenizer, sampler_factory, AgentLimits(step_timeout_s, episode_timeout_s),
+                                  max_turns, max_episode_tokens, mcp, tool_parser=tool_parser,
+                                  chat_template_kwargs=chat_template_kwargs, threads=self._threads)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="rlray-gateway", daemon=True)
+        self._thread.start()
+        try:
+            self._on_loop(self.runner.start(gateway_host if agents else ""))
+        except BaseException:
+            self.shutdown()
+            raise
+        if mcp is not None:
+            install_host_tools(mcp.tools())
+
+    @property
+    def gateway(self) -> Gateway:
+        """Returns the host's gateway."""
+        return self.runner.gateway
+
+    @property
+    def mcp(self) -> McpClients | None:
+        """Returns the host's MCP sessions (None without env.mcp_servers)."""
+        return self.runner.mcp
+
+    def run_agents(self, batch: AgentBatch) -> list[AgentReply]:
+        """Returns the replies of ``batch``'s episodes, in order, each run to its end (blocks).
+
+        Raises:
+            ValueError: an episode names an agent this host does not have.
+        """
+        unknown = sorted({r.agent for r in batch.episodes} - set(self.runner.agents))
+        if unknown:
+            raise ValueError(f"agents {unknown} are not in env.agents {sorted(self.runner.agents)}")
+        return self._on_loop(self.runner.run(batch))
+
+    def gateway_url(self) -> str:
+        """Returns the gateway's base URL ("" without agents)."""
+        return self.runner.gateway.base_url
+
+    def gateway_stats(self) -> GatewayStats:
+        """Returns the gateway's counters since the host started."""
+        stats = self.runner.stats
+        return GatewayStats(stats.calls, stats.engine_calls, stats.engine_prompts)
+
+    def mcp_tool_names(self) -> list[str]:
+        """Returns the MCP servers' tool names ([] without env.mcp_servers)."""
+        return self.runner.mcp.names if self.runner.mcp is not None else []
+
+    def shutdown(self) -> None:
+        """Stops the MCP servers and the gateway, then the loop (the host is unusable after)."""
+        if self._loop.is_closed():
+            return
+        if self._loop.is_running():
+            try:
+                self._on_loop(self.runner.stop(), timeout_s=30.0)
+            except Exception:  # noqa: BLE001 - stopping goes on whatever failed
+                log.warning("stopping the gateway or the MCP sessions failed", exc_info=True)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10.0)
+        install_host_tools([])
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001 - the interpreter may be going down
+            pass
+
+    def _on_loop(self, coro: Any, timeout_s: float | None = None) -> Any:
+        """Returns the result of ``coro`` run on the host's loop (blocks this thread)."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=timeout_s)

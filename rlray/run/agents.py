@@ -1,0 +1,232 @@
+"""Agent episodes on rank 0: ``AgentRollout``, a ``RolloutSource`` whose agent rows run behind the hosts' gateways.
+
+A row whose ``env.column`` names an agent (``env.agents``; or every row, with ``env.default`` naming one) becomes
+``n`` agent episodes; the other rows go to the rollout it wraps (the episode rollout of the environments, or the
+fleet), at the same time. Agent episodes are spread over the environment hosts (``rlray.envs.agent_host.AgentHost``),
+one ``run_agents`` call per host with every episode it runs: the agents drive their own loops there, many at once,
+and each of their calls is sampled by the episode's rollout actor (``actor_keys`` as the episode loop pins them:
+the prefix cache serves its turns) through ``FleetSampler``.
+
+An episode comes back as token sequences (``rlray.envs.conversation.Segment``): the last one is the episode's
+``Completion``; when the agent rewrote history, the earlier ones ride in ``EpisodeInfo.segments`` and become rows
+of their own in the step's experience (``rlray.run.experience``), each with the episode's reward. A host that dies
+fails its episodes (stop reason ``actor_died``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+import uuid
+from concurrent.futures import Future
+from typing import Any
+
+import ray
+
+from rlray.envs.agent_host import AgentBatch
+from rlray.envs.agents import AgentReply, AgentRequest
+from rlray.envs.conversation import Sampled
+from rlray.envs.episode import FAILED_STOP_REASONS
+from rlray.rollout import Completion, RolloutSource, SamplingSpec
+from rlray.rollout.fleet import ACTOR_ERRORS, RolloutError, RolloutFleet
+from rlray.rollout.types import EpisodeInfo
+
+log = logging.getLogger(__name__)
+
+
+class FleetSampler:
+    """The engine call of an agent host's batch (``rlray.envs.agent_host.Sampler``): a Ray call to a rollout actor.
+
+    Runs in the host. Each call samples with the batch's ``SamplingSpec``, its max new tokens and stop strings set by
+    the call (no per-call seed: the calls of many agents have no fixed order). When the actor has died, the call goes
+    to the next actor, and so on once around.
+
+    Args:
+        actors: the rollout actors' handles.
+        sampling: the batch's sampling (temperature, top-p, top-k, min-p, stop strings).
+    """
+
+    def __init__(self, actors: list[Any], sampling: SamplingSpec) -> None:
+        self.actors, self.sampling, self.num_actors = list(actors), sampling, len(actors)
+
+    async def sample(self, actor: int, prompts: list[list[int]], max_new_tokens: int,
+                     stop: tuple[str, ...]) -> list[Sampled]:
+        """Returns one completion per prompt from rollout actor ``actor`` (or the next live one), in order.
+
+        Raises:
+            RolloutError: every actor failed the call.
+        """
+        extra = tuple(s for s in stop if s not in self.sampling.stop)
+        spec = dataclasses.replace(self.sampling, n=1, max_new_tokens=max_new_tokens, seed=None,
+                                   stop=tuple(self.sampling.stop) + extra)
+        last: Exception | None = None
+        for attempt in range(self.num_actors):
+            i = (actor + attempt) % self.num_actors
+            try:
+                got = await asyncio.wrap_future(self.actors[i].generate.remote(prompts, spec).future())
+            except ACTOR_ERRORS as err:
+                last = err
+                log.warning("rollout actor %d failed an agent call (%s); trying the next", i, type(err).__name__)
+                continue
+            return [Sampled(list(c.response_token_ids), list(c.rollout_logprobs), c.finish_reason, c.policy_version)
+                    for c in got]
+        raise RolloutError(f"every rollout actor failed an agent call; last error: {last}")
+
+
+class AgentRollout:
+    """Rank 0's rollout when agents are configured: agent rows behind the gateways, the other rows through ``inner``.
+
+    A ``rlray.rollout.RolloutSource`` whose pending handle is a ``concurrent.futures.Future`` of the completions.
+
+    Args:
+        fleet: the rollout fleet (its live actors sample the agents' calls).
+        hosts: the environment hosts' handles (``AgentHost`` actors; at least one).
+        inner: the rollout of the other rows (the episode rollout, or the fleet).
+        tokenizer: the policy's tokenizer (its EOS is a failed episode's placeholder token).
+        env_column: the row column naming a row's agent or environment.
+        default: the name of rows without that column (an agent, an environment, or None).
+        agents: the configured agent names.
+        environments: the configured environment names (a row naming neither an agent nor one of them is an error).
+        prompt_column: the data's prompt column (data.prompt_column): the agent's row holds the prompt as ``prompt``
+            and under this name too, with every other column.
+
+    Raises:
+        ValueError: no host.
+    """
+
+    def __init__(self, fleet: RolloutFleet, hosts: list[Any], inner: RolloutSource, tokenizer: Any, *, env_column: str,
+                 default: str | None, agents: list[str], environments: list[str] = (), prompt_column: str = "prompt") -> None:
+        if not hosts:
+            raise ValueError("AgentRollout needs at least one environment host (resources.env.num_workers)")
+        self.fleet, self.hosts, self.inner, self.tokenizer = fleet, list(hosts), inner, tokenizer
+        self.env_column, self.default, self.agents = env_column, default or "", set(agents)
+        self.environments = set(environments)
+        self.prompt_column = prompt_column
+
+    @property
+    def version(self) -> int:
+        """Returns the fleet's latest policy version."""
+        return self.fleet.version
+
+    def agent_of(self, row: Any) -> str:
+        """Returns the agent a prompt row names ("" when it names an environment or nothing).
+
+        Raises:
+            ValueError: the row names neither a configured agent nor a configured environment (names the row and both
+                lists).
+        """
+        name = row.columns.get(self.env_column) or self.default
+        if name and name not in self.agents and name not in self.environments:
+            raise ValueError(f"prompt row '{row.prompt_id}': column '{self.env_column}' names '{name}', which is not in "
+                             f"env.agents {sorted(self.agents)} or env.environments {sorted(self.environments)}")
+        return str(name) if name in self.agents else ""
+
+    def submit(self, prompt_ids: list[list[int]], sampling: SamplingSpec, rows: list[Any]) -> Future[list[Completion]]:
+        """Starts the rollout of ``rows`` (``sampling.n`` per row) on a background thread; returns at once (arguments as
+        ``RolloutSource.submit``)."""
+        pending: Future[list[Completion]] = Future()
+        pending.set_running_or_notify_cancel()
+
+        def work() -> None:
+            try:
+                pending.set_result(self.generate(prompt_ids, sampling, rows))
+            except BaseException as err:  # noqa: BLE001 - re-raised by collect on the caller's thread
+                pending.set_exception(err)
+
+        threading.Thread(target=work, name="rlray-agents", daemon=True).start()
+        return pending
+
+    def collect(self, pending: Future[list[Completion]]) -> list[Completion]:
+        """Returns the completions, prompt-major (``n`` per row), waiting for them.
+
+        Raises:
+            whatever the rollout raised (``RolloutError``, a bad row's ``ValueError``).
+        """
+        return pending.result()
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec, rows: list[Any]) -> list[Completion]:
+        """Returns the completions of ``sampling.n`` episodes (or samples) per row, prompt-major: agent rows run behind
+        the gateways while the other rows run through ``inner``.
+
+        Raises:
+            RolloutError: no rollout actor is alive, or ``inner`` failed.
+            ValueError: a row names an agent or environment that is not configured.
+        """
+        agent_rows = [p for p, row in enumerate(rows) if self.agent_of(row)]
+        other = [p for p, row in enumerate(rows) if not self.agent_of(row)]
+        if not agent_rows:
+            return self.inner.generate(prompt_ids, sampling, rows)
+        pending = self.inner.submit([prompt_ids[p] for p in other], sampling, [rows[p] for p in other]) if other else None
+        got = self._run_agents(agent_rows, rows, sampling)
+        if pending is not None:
+            for c in self.inner.collect(pending):
+                got.append(dataclasses.replace(c, prompt_index=other[c.prompt_index]))
+        return sorted(got, key=lambda c: (c.prompt_index, c.sample_index))
+
+    def _run_agents(self, agent_rows: list[int], rows: list[Any], sampling: SamplingSpec) -> list[Completion]:
+        """Returns the completions of the agent rows' episodes, run on the hosts (one call per host)."""
+        actors = self.fleet.live_actors
+        if not actors:
+            raise RolloutError("no rollout actor is alive to sample the agents' calls")
+        step_key = uuid.uuid4().hex[:12]
+        by_host: dict[int, list[tuple[int, int, AgentRequest]]] = {}
+        order = 0
+        for p in agent_rows:
+            row = rows[p]
+            columns = {**row.columns, "prompt": row.prompt, self.prompt_column: row.prompt}
+            for s in range(sampling.n):
+                request = AgentRequest(f"{step_key}-{p}-{s}", self.agent_of(row), columns, order)
+                by_host.setdefault(order % len(self.hosts), []).append((p, s, request))
+                order += 1
+        refs = {h: self.hosts[h].run_agents.remote(AgentBatch([r for _, _, r in items], actors, sampling,
+                                                               sampling.max_new_tokens))
+                for h, items in by_host.items()}
+        out = []
+        for h, items in by_host.items():
+            try:
+                replies: list[AgentReply | None] = ray.get(refs[h])
+            except ACTOR_ERRORS as err:
+                log.warning("environment host %d died (%s); its %d agent episodes fail (stop reason actor_died)", h,
+                            type(err).__name__, len(items))
+                replies = [None] * len(items)
+            for (p, s, request), reply in zip(items, replies, strict=True):
+                if reply is None:
+                    reply = AgentReply(request.key, [], "actor_died", message=f"environment host {h} died")
+                out.append(self._completion(p, s, request.agent, reply))
+        return out
+
+    def _completion(self, p: int, s: int, agent: str, reply: AgentReply) -> Completion:
+        """Returns an agent episode's completion: its last segment, the earlier ones in ``episode.segments``."""
+        failed = reply.stop_reason in FAILED_STOP_REASONS
+        segments = [  # an earlier segment's own record: where it ended (the rewrite), its turns
+            Completion(p, s, seg.response_ids, seg.logprobs, seg.finish_reason, min(seg.policy_versions), seg.loss_mask,
+                       prompt_token_ids=seg.prompt_ids,
+                       episode=EpisodeInfo(agent, "template_drift", seg.num_turns, [None] * seg.num_turns, failed=failed,
+                                           observation_tokens=seg.observation_tokens))
+            for seg in reply.segments]
+        turns = sum(seg.num_turns for seg in reply.segments)
+        if failed:
+            log.warning("agent episode %s (%s) failed: %s %s", reply.key, agent, reply.stop_reason, reply.message[:300])
+        info = EpisodeInfo(
+            environment=agent, stop_reason=reply.stop_reason, num_turns=turns,
+            turn_rewards=[None] * max(turns - 1, 0) + [reply.reward] if turns else [], env_reward=reply.reward,
+            failed=failed, tool_calls=reply.tool_calls, tool_errors=reply.tool_errors,
+            observation_tokens=sum(seg.observation_tokens for seg in reply.segments), metrics=dict(reply.metrics),
+            message=reply.message, segments=segments[:-1], gateway_calls=reply.calls, template_drift=reply.drift,
+        )
+        if not segments:  # no answered call: one masked-out placeholder token
+            eos = int(self.tokenizer.eos_token_id)
+            return Completion(p, s, [eos], [0.0], "stop", self.fleet.version, [False], prompt_token_ids=[eos], episode=info)
+        return dataclasses.replace(segments[-1], episode=info)
+
+
+def agent_metrics(completions: list[Completion], agents: set[str]) -> dict[str, float]:
+    """Returns env/template_drift (history rewrites, summed) and env/gateway_calls_mean (calls answered per episode)
+    over the step's agent episodes (those whose environment is in ``agents``); {} when the step has none."""
+    eps = [c.episode for c in completions if c.episode is not None and c.episode.environment in agents]
+    if not eps:
+        return {}
+    return {"env/template_drift": float(sum(e.template_drift for e in eps)),
+            "env/gateway_calls_mean": float(sum(e.gateway_calls for e in eps) / len(eps))}

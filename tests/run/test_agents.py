@@ -1,0 +1,174 @@
+"""Agent episodes on rank 0 (rlray.run.agents): the fleet sampler's Ray calls (fake handles), and AgentRollout over a
+real AgentHost actor with a scripted engine: agent rows next to single-turn rows, segments, failures, a dead host."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import types
+from pathlib import Path
+
+import pytest
+import ray
+
+from rlray.data import PromptRow
+from rlray.rollout import Completion, SamplingSpec
+from rlray.rollout.fleet import RolloutError
+from rlray.run.agents import AgentRollout, FleetSampler, agent_metrics
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "agents.py"
+AGENTS = {n: f"{FIXTURE}:{n}" for n in ("tool_agent", "rewriting_agent", "raising_agent")}
+
+
+class FakeActor:
+    """A rollout actor handle: ``generate.remote`` answers at once (or raises ``ActorDiedError`` when dead)."""
+
+    def __init__(self, name, dead=False):
+        self.name, self.dead, self.got = name, dead, []
+        self.generate = types.SimpleNamespace(remote=self._remote)
+
+    def _remote(self, prompts, spec):
+        self.got.append((prompts, spec))
+        future = concurrent.futures.Future()
+        if self.dead:
+            future.set_exception(ray.exceptions.ActorDiedError())
+        else:
+            future.set_result([Completion(i, 0, [self.name, 2], [-0.1, -0.2], "stop", 5) for i in range(len(prompts))])
+        return types.SimpleNamespace(future=lambda: future)
+
+
+def test_the_fleet_sampler_calls_the_pinned_actor_with_the_call_s_limits_and_skips_a_dead_one():
+    sampling = SamplingSpec(n=4, max_new_tokens=64, temperature=0.7, top_p=0.9, seed=11, stop=("END",))
+    alive, dead = FakeActor(100), FakeActor(200, dead=True)
+    sampler = FleetSampler([alive, dead], sampling)
+    got = asyncio.run(sampler.sample(0, [[1, 2], [3]], 16, ("STOP", "END")))
+    assert [s.token_ids for s in got] == [[100, 2], [100, 2]] and got[0].policy_version == 5
+    (prompts, spec), = alive.got
+    assert prompts == [[1, 2], [3]]
+    assert (spec.n, spec.max_new_tokens, spec.temperature, spec.top_p, spec.seed, spec.stop) == (1, 16, 0.7, 0.9, None,
+                                                                                                 ("END", "STOP"))
+    got = asyncio.run(sampler.sample(1, [[4]], 8, ()))  # actor 1 died: the call goes to the next one
+    assert got[0].token_ids == [100, 2] and len(dead.got) == 1
+    with pytest.raises(RolloutError, match="every rollout actor failed"):
+        asyncio.run(FleetSampler([dead], sampling).sample(0, [[1]], 8, ()))
+
+
+class FakeFleet:
+    """The fleet's face AgentRollout reads: its live actors (the scripted engine counts them) and its version."""
+
+    def __init__(self):
+        self.live_actors, self.version = [None, None], 3
+
+
+class FakeInner:
+    """The rollout of the non-agent rows: one completion [7, 7] per prompt and sample."""
+
+    def __init__(self):
+        self.prompts = []
+
+    def submit(self, prompt_ids, sampling, rows):
+        self.prompts.append(prompt_ids)
+        return prompt_ids, sampling
+
+    def collect(self, pending):
+        ids, sampling = pending
+        return [Completion(p, s, [7, 7], [-1.0, -1.0], "stop", 3) for p in range(len(ids)) for s in range(sampling.n)]
+
+    def generate(self, prompt_ids, sampling, rows):
+        return self.collect(self.submit(prompt_ids, sampling, rows))
+
+
+@pytest.fixture(scope="module")
+def agent_host(ray_session, tiny_model_path):
+    from rlray.envs.agent_host import AgentHost
+    from tests.fixtures.agents import ScriptedSampler
+
+    host = ray.remote(AgentHost).options(max_concurrency=4).remote(
+        {}, agents=AGENTS, model_dir=tiny_model_path, chat_template="smollm2-tools", sampler_factory=ScriptedSampler,
+        max_turns=6, max_episode_tokens=2048)
+    ray.get(host.ping.remote())
+    yield host
+    ray.kill(host)
+
+
+def test_a_row_naming_no_configured_agent_or_environment_is_an_error():
+    rollout = AgentRollout(FakeFleet(), [object()], FakeInner(), None, env_column="environment", default=None,
+                           agents=["solver"], environments=["guess"])
+    assert rollout.agent_of(PromptRow("a", "x", {"environment": "solver"})) == "solver"
+    assert rollout.agent_of(PromptRow("b", "x", {"environment": "guess"})) == ""
+    assert rollout.agent_of(PromptRow("c", "x", {})) == ""
+    with pytest.raises(ValueError, match=r"prompt row 'd': column 'environment' names 'retry_arith', which is not in "
+                                         r"env.agents \['solver'\] or env.environments \['guess'\]"):
+        rollout.generate([[1]], SamplingSpec(n=1, max_new_tokens=4, temperature=1.0),
+                         [PromptRow("d", "x", {"environment": "retry_arith"})])
+
+
+@pytest.mark.ray
+def test_agent_rows_run_behind_the_gateway_next_to_other_rows(agent_host, tiny_tokenizer):
+    inner = FakeInner()
+    rollout = AgentRollout(FakeFleet(), [agent_host], inner, tiny_tokenizer, env_column="environment", default=None,
+                           agents=list(AGENTS), prompt_column="question")
+    rows = [PromptRow("a", "Add. calls=2", {"environment": "tool_agent"}), PromptRow("s", "single", {}),
+            PromptRow("r", "Sum. calls=1", {"environment": "rewriting_agent"}),
+            PromptRow("x", "Hi", {"environment": "raising_agent"})]
+    got = rollout.collect(rollout.submit([[1], [2], [3], [4]], SamplingSpec(n=2, max_new_tokens=64, temperature=1.0), rows))
+    assert [(c.prompt_index, c.sample_index) for c in got] == [(p, s) for p in range(4) for s in range(2)]
+    assert inner.prompts == [[[2]]]  # only the single-turn row went to the inner rollout
+    tool, single, rewrite, raised = got[0], got[2], got[4], got[6]
+    assert single.episode is None and single.response_token_ids == [7, 7]
+    assert (tool.episode.environment, tool.episode.stop_reason, tool.episode.env_reward) == ("tool_agent", "done", 1.0)
+    assert (tool.episode.num_turns, tool.episode.tool_calls, tool.episode.gateway_calls) == (3, 2, 3)
+    assert tool.episode.turn_rewards == [None, None, 1.0] and tool.policy_version == 7
+    assert tiny_tokenizer.decode(tool.prompt_token_ids).startswith("<|im_start|>system")
+    # the rewriting agent: two segments, the earlier one in episode.segments with its own record
+    assert rewrite.episode.template_drift == 1 and len(rewrite.episode.segments) == 1
+    (earlier,) = rewrite.episode.segments
+    assert (earlier.episode.stop_reason, earlier.episode.num_turns) == ("template_drift", 1)
+    assert (earlier.prompt_index, earlier.sample_index) == (2, 0)
+    # the raising agent failed: its episode is out of the update, the step goes on
+    assert raised.episode.failed and raised.episode.stop_reason == "env_error" and "the agent broke" in raised.episode.message
+    metrics = agent_metrics(got, set(AGENTS))
+    assert metrics == {"env/template_drift": 2.0, "env/gateway_calls_mean": (3 + 3 + 2 + 2 + 1 + 1) / 6}
+
+
+@pytest.mark.ray
+def test_the_episodes_of_a_dead_host_fail_as_actor_died(ray_session, tiny_model_path, tiny_tokenizer):
+    from rlray.envs.agent_host import AgentHost
+    from tests.fixtures.agents import ScriptedSampler
+
+    host = ray.remote(AgentHost).remote({}, agents=AGENTS, model_dir=tiny_model_path, sampler_factory=ScriptedSampler)
+    ray.get(host.ping.remote())
+    ray.kill(host)
+    rollout = AgentRollout(FakeFleet(), [host], FakeInner(), tiny_tokenizer, env_column="environment",
+                           default="tool_agent", agents=list(AGENTS))
+    got = rollout.generate([[1]], SamplingSpec(n=2, max_new_tokens=8, temperature=1.0), [PromptRow("a", "Hi", {})])
+    assert [c.episode.stop_reason for c in got] == ["actor_died", "actor_died"] and all(c.episode.failed for c in got)
+    assert got[0].loss_mask == [False] and got[0].response_token_ids == [tiny_tokenizer.eos_token_id]
+
+
+def test_reward_functions_score_an_agent_s_final_conversation():
+    """An agent that returns None is scored by reward.functions on its final conversation (the decoded episode: every
+    turn it sent and received); one that returns a number adds it as the "env" term."""
+    from rlray.reward.server import ScoreResult
+    from rlray.rollout.types import EpisodeInfo
+    from rlray.run.experience import score
+
+    class Tokenizer:
+        def batch_decode(self, ids, skip_special_tokens=True):
+            return [" ".join(map(str, x)) for x in ids]
+
+    class Reward:
+        seen = []
+
+        def score(self, prompts, texts, columns, ids):
+            self.seen.append(texts)
+            four = [1.0 if "4" in t.split() else 0.0 for t in texts]
+            return ScoreResult(3, {"reward": four, "has_four": four}, [""] * len(texts))
+
+    rows = [PromptRow("a", "What is 2 + 2?", {"environment": "solver"})]
+    silent = Completion(0, 0, [2, 9, 4], [-0.1] * 3, "stop", 1, episode=EpisodeInfo("solver", "done", 2, [None, None]))
+    paid = Completion(0, 1, [2, 9, 5], [-0.1] * 3, "stop", 1, episode=EpisodeInfo("solver", "done", 2, [None, 0.5], 0.5))
+    got = score(Reward(), rows, [silent, paid], Tokenizer(), env_reward_weight=2.0)
+    assert Reward.seen == [["2 9 4", "2 9 5"]]  # the whole episode's text: its turns and what came between them
+    assert got.values["reward"] == [1.0 + 2.0 * 0.0, 0.0 + 2.0 * 0.5] and got.values["env"] == [0.0, 0.5]
+    assert got.values["has_four"] == [1.0, 0.0]
