@@ -122,7 +122,7 @@ def rank_main(a: argparse.Namespace) -> None:
     times = []
     for _ in range(2):
         start = time.perf_counter()
-        learner.train_minibatch(mine, spec.loss, norm, spec.microbatch_size)
+        learner.train_minibatch(mine, spec.loss, norm, spec.batching)
         times.append(time.perf_counter() - start)
     step_peak = sampler.peak
     params = list(learner.module.parameters())

@@ -102,13 +102,13 @@ def _steps(learner, batch, cfg, world: int, device: str) -> tuple[float, float, 
     spec = build.update_spec(cfg, world)
     rows, t = batch.response_mask.shape
     norm = Normaliser(float(rows * t * world), float(rows * world), world)
-    first = learner.train_minibatch(batch, spec.loss, norm, spec.microbatch_size)
+    first = learner.train_minibatch(batch, spec.loss, norm, spec.batching)
     loss = torch.tensor([first["loss"]], dtype=torch.float64, device=device)
     if world > 1:  # rank 0's unsharded comparison (world 1) runs alone
         torch.distributed.all_reduce(loss)
     _reset_peak(device)
     start = time.perf_counter()
-    learner.train_minibatch(batch, spec.loss, norm, spec.microbatch_size)
+    learner.train_minibatch(batch, spec.loss, norm, spec.batching)
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     return float(loss) / world, first["grad_norm"], time.perf_counter() - start, _peak(device) / GIB
@@ -118,6 +118,7 @@ def _rank_main(a: argparse.Namespace) -> None:
     from gpu_check import full_length_batch
 
     from rlray.learner import PolicyLearner
+    from rlray.learner.batching import MicroBatching
     from rlray.learner.sharding import FSDP2
     from rlray.run import build
 
@@ -138,8 +139,8 @@ def _rank_main(a: argparse.Namespace) -> None:
                                   a.response_tokens)
         mine = whole.rows(slice(a.rank * a.rows_per_rank, (a.rank + 1) * a.rows_per_rank))
         if bf16:
-            ref = learner.logprobs(mine.inputs, reference=True, microbatch_size=a.rows_per_rank)
-            policy = learner.logprobs(mine.inputs, reference=False, microbatch_size=a.rows_per_rank)
+            ref = learner.logprobs(mine.inputs, reference=True, batching=MicroBatching(a.rows_per_rank))
+            policy = learner.logprobs(mine.inputs, reference=False, batching=MicroBatching(a.rows_per_rank))
             loss, _, seconds, peak = _steps(learner, mine, cfg, a.world, device)
             out.update(reference_equal=bool(torch.equal(ref, policy)), bf16_finite=bool(torch.isfinite(torch.tensor(loss))),
                        bf16_step_s=seconds, bf16_peak_gib=peak)

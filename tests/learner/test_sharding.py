@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from rlray import schema
+from rlray.learner.batching import MicroBatching
 from rlray.learner.sharding import FSDP2, gathered_state_dict, is_sharded
 from rlray.models import resolve_model_path
 from tests.learner.test_policy import _learner, _table
@@ -30,13 +31,13 @@ def test_policy_reference_and_teacher_shard_and_give_the_unsharded_logprobs(one_
     assert (plain.sharded, sharded.sharded) == (False, True)
     assert is_sharded(sharded.reference) and is_sharded(sharded.teacher) and not is_sharded(plain.teacher)
     for reference in (False, True):
-        got = sharded.logprobs(batch.inputs, reference=reference, microbatch_size=3)
-        torch.testing.assert_close(got, plain.logprobs(batch.inputs, reference=reference, microbatch_size=3),
+        got = sharded.logprobs(batch.inputs, reference=reference, batching=MicroBatching(3))
+        torch.testing.assert_close(got, plain.logprobs(batch.inputs, reference=reference, batching=MicroBatching(3)),
                                    rtol=0, atol=1e-5)
-    got = sharded.teacher_logprobs(batch.inputs, microbatch_size=3)
-    want = plain.teacher_logprobs(batch.inputs, microbatch_size=3)
+    got = sharded.teacher_logprobs(batch.inputs, batching=MicroBatching(3))
+    want = plain.teacher_logprobs(batch.inputs, batching=MicroBatching(3))
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
-    assert (got - sharded.logprobs(batch.inputs, reference=False, microbatch_size=3)).abs().max() > 1e-2  # a teacher
+    assert (got - sharded.logprobs(batch.inputs, reference=False, batching=MicroBatching(3))).abs().max() > 1e-2  # a teacher
 
 
 def test_gathered_state_dict_is_the_whole_model_once(one_rank_group, tiny_model_path):
