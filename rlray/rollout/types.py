@@ -7,6 +7,9 @@ these records without vLLM installed.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
@@ -205,3 +208,25 @@ class RolloutSource(Protocol[PendingT]):
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec, rows: list[Any]) -> list[Completion]:
         """Returns ``collect(submit(prompt_ids, sampling, rows))``."""
         ...
+
+
+ResultT = TypeVar("ResultT")
+
+
+def in_background(work: Callable[[], ResultT], name: str) -> Future[ResultT]:
+    """Returns a future of ``work()``, run on a new daemon thread named ``name``; the future holds what it raised.
+
+    The ``submit`` of rollout sources whose ``generate`` blocks (the episode and agent rollouts): their ``collect``
+    is ``future.result()``, which re-raises on the caller's thread.
+    """
+    pending: Future[ResultT] = Future()
+    pending.set_running_or_notify_cancel()
+
+    def run() -> None:
+        try:
+            pending.set_result(work())
+        except BaseException as err:  # noqa: BLE001 - re-raised by the future's result() on the caller's thread
+            pending.set_exception(err)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return pending

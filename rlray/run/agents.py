@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import threading
 import uuid
 from concurrent.futures import Future
 from typing import Any
@@ -31,7 +30,7 @@ from rlray.envs.conversation import Sampled
 from rlray.envs.episode import FAILED_STOP_REASONS
 from rlray.rollout import Completion, RolloutSource, SamplingSpec
 from rlray.rollout.fleet import ACTOR_ERRORS, RolloutError, RolloutFleet
-from rlray.rollout.types import EpisodeInfo
+from rlray.rollout.types import EpisodeInfo, in_background
 
 log = logging.getLogger(__name__)
 
@@ -126,17 +125,7 @@ class AgentRollout:
     def submit(self, prompt_ids: list[list[int]], sampling: SamplingSpec, rows: list[Any]) -> Future[list[Completion]]:
         """Starts the rollout of ``rows`` (``sampling.n`` per row) on a background thread; returns at once (arguments as
         ``RolloutSource.submit``)."""
-        pending: Future[list[Completion]] = Future()
-        pending.set_running_or_notify_cancel()
-
-        def work() -> None:
-            try:
-                pending.set_result(self.generate(prompt_ids, sampling, rows))
-            except BaseException as err:  # noqa: BLE001 - re-raised by collect on the caller's thread
-                pending.set_exception(err)
-
-        threading.Thread(target=work, name="rlray-agents", daemon=True).start()
-        return pending
+        return in_background(lambda: self.generate(prompt_ids, sampling, rows), "rlray-agents")
 
     def collect(self, pending: Future[list[Completion]]) -> list[Completion]:
         """Returns the completions, prompt-major (``n`` per row), waiting for them.

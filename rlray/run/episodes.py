@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -45,7 +44,7 @@ from rlray.envs.host import ResetRequest, StepRequest
 from rlray.envs.probe import reset_kwargs, row_environment
 from rlray.rollout import Completion, SamplingSpec
 from rlray.rollout.fleet import ACTOR_ERRORS, RolloutFleet
-from rlray.rollout.types import EpisodeInfo
+from rlray.rollout.types import EpisodeInfo, in_background
 
 log = logging.getLogger(__name__)
 
@@ -162,17 +161,7 @@ class EpisodeRollout:
         Returns:
             A future of ``generate``'s result; ``collect`` waits for it.
         """
-        pending: Future[list[Completion]] = Future()
-        pending.set_running_or_notify_cancel()
-
-        def work() -> None:
-            try:
-                pending.set_result(self.generate(prompt_ids, sampling, rows))
-            except BaseException as err:  # noqa: BLE001 - re-raised by collect on the caller's thread
-                pending.set_exception(err)
-
-        threading.Thread(target=work, name="rlray-episodes", daemon=True).start()
-        return pending
+        return in_background(lambda: self.generate(prompt_ids, sampling, rows), "rlray-episodes")
 
     def collect(self, pending: Future[list[Completion]]) -> list[Completion]:
         """Returns the episodes' completions, prompt-major (``n`` per row), waiting for them.
