@@ -1,4 +1,4 @@
-"""Issue 16's learning bar: SmolLM2-135M-Instruct learns a multi-turn environment on this CPU, held-out set before/after.
+"""make demo's learning bar: SmolLM2-135M-Instruct learns a multi-turn environment on this CPU, held-out set before/after.
 
     python benchmarks/env_learning.py                        # configs/envs/retry_arith_smollm2.yaml, seed 0
     python benchmarks/env_learning.py --steps 30 --seed 0

@@ -17,7 +17,7 @@ Checks, one table row each:
      against the float32 copy under bf16 autocast on the device: logits bit-identical, and the bytes saved;
   7. the capacity planner (rlray.launch.plan) against a real PolicyLearner step on the device, gradient
      checkpointing off and on: the predicted learner-rank tensors against torch.cuda.max_memory_allocated;
-  8. the adapter-only weight sync (issue 28; rollout.lora_sync=adapter) of a LoRA policy (rank 16, every linear
+  8. the adapter-only weight sync (rollout.lora_sync=adapter) of a LoRA policy (rank 16, every linear
      layer) on the device: the bytes and export seconds of what a sync ships (bf16: the adapter alone, against the
      merged model), and the adapter applied over a base copy (rlray's hf rollout backend, peft) against the merged
      weights, in float32: max |logprob difference| (needs peft);

@@ -27,7 +27,7 @@ from typing import Any
 import benchlib
 
 BENCHMARKS = ("grpo_vs_trl", "env_vs_trl", "rollout", "weight_sync", "experience", "learner_packing")
-# issue 33's targets of the learner's logprobs + update time, packed and shared against the padded layout of before:
+# the targets of the learner's logprobs + update time, packed and shared against the padded layout of before:
 # (a) the demo's step, (b) env_vs_trl's
 LEARNER_TARGETS = {"demo": 0.5, "env": 0.33}
 

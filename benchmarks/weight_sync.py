@@ -27,7 +27,7 @@ warm-up sync); the ratio is sync bytes/s / memcpy bytes/s (target >= 0.5). With 
 bytes reach N engines, so the table also shows bytes delivered per second (N x bytes / seconds).
 On CPU the actors split the cores (``resources.rollout.cpu_threads``).
 
-LoRA (``--part lora``; issue 28): a ``PolicyLearner`` with LoRA (rank 16 on every linear layer, tiny-random: 8;
+LoRA (``--part lora``): a ``PolicyLearner`` with LoRA (rank 16 on every linear layer, tiny-random: 8;
 seeded non-zero adapters) pushes to one rollout actor through ``ObjectStoreSync`` exactly as stage 7 does, once
 per run with each ``rollout.lora_sync``: ``merged`` (the whole bf16 model, adapter merged in, into an engine
 without LoRA) and ``adapter`` (the bf16 adapter alone, into an engine with vLLM's runtime LoRA). Per sync: the
