@@ -323,7 +323,8 @@ def test_a_lost_learner_node_restores_from_the_latest_snapshot_on_a_replacement_
         ]  # fmt: skip
         driver = _start_driver(cluster, tmp_path, overrides + [f"run.hooks=['{SPEC}']"],
                                {HOLD_STEP_ENV: "2", HOLD_RELEASE_ENV: str(release)})
-        learners = _wait(lambda: cluster.actors("RayTrainWorker"), 600, "the learner", driver, tmp_path, poll_s=0.5)
+        learners = _wait(lambda: len(got := cluster.actors("RayTrainWorker")) == workers and got, 600, "the learners",
+                         driver, tmp_path, poll_s=0.5)  # every rank: the second may start a moment after the first
         assert [a["Port"] for a in learners] == [learner_node] * workers  # placed by learner_node: on the worker node
         client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
         _wait(lambda: _logged_steps(client)[1] >= 2, 900, "step 2", driver, tmp_path)  # logged, then held
@@ -331,8 +332,8 @@ def test_a_lost_learner_node_restores_from_the_latest_snapshot_on_a_replacement_
         release.touch()  # the restored run does not hold again
         [replacement] = cluster.add_nodes([{"learner_node": workers}], num_cpus=workers)
         # the lost learner stays ALIVE in the GCS until its node is declared dead (~3 s): wait for it to go
-        learners = _wait(lambda: (got := cluster.actors("RayTrainWorker")) and learner_node not in
-                         [a["Port"] for a in got] and got, 600, "the restarted learner", driver, tmp_path, poll_s=0.5)
+        learners = _wait(lambda: len(got := cluster.actors("RayTrainWorker")) == workers and learner_node not in
+                         [a["Port"] for a in got] and got, 600, "the restarted learners", driver, tmp_path, poll_s=0.5)
         assert [a["Port"] for a in learners] == [replacement] * workers
         _finish(driver, tmp_path, 900)
     finally:
