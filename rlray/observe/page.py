@@ -18,6 +18,7 @@ monitor's own origin alone, so text that holds ``<script>`` can never run.
 
 from __future__ import annotations
 
+import abc
 import bisect
 import json
 import math
@@ -276,7 +277,7 @@ def int_arg(query: dict[str, list[str]], name: str, default: int | None) -> int 
         raise ValueError(f"{name}={values[-1]!r} is not a step number; use an integer, e.g. {name}=12") from None
 
 
-class PageServer:
+class PageServer(abc.ABC):
     """The page's HTTP routing for one run, shared by the live monitor and a run read back from MLflow.
 
     Routes (``respond``): / and /static/monitor.js (the page), /api/charts (the chart definitions:
@@ -300,9 +301,9 @@ class PageServer:
         self._server: ThreadingHTTPServer | None = None
         self._stop = threading.Event()
 
+    @abc.abstractmethod
     def health(self) -> dict[str, Any]:
-        """Returns the /health document (status, reason, step, alerts, ...)."""
-        raise NotImplementedError
+        """Returns the /health document (status, reason, step, alerts, ...); each subclass gives its own."""
 
     def samples_of(self, step: int | None) -> tuple[int, dict[str, Any]]:
         """Returns (HTTP status, /api/samples document) of ``step`` (None: the newest kept step)."""
