@@ -146,7 +146,9 @@ def learn(args: argparse.Namespace, started: float) -> dict[str, Any]:
     print(f"base model evaluated twice: {'identical' if identical else 'DIFFERENT'} episodes", flush=True)
     result = run_training(cfg, verbose=args.verbose)
     if not result.final_snapshot:
-        raise RuntimeError(f"training ended {result.status} without a snapshot: {result.error}")
+        raise RuntimeError(f"training ended {result.status} without a snapshot to evaluate"
+                           f"{': ' + result.error if result.error else ''} (a guard that stops the run before the first "
+                           "periodic snapshot leaves none: see guard.* and checkpoint.every_steps in the config)")
     (after,) = episode_outcomes(eval_cfg, result.final_snapshot)
     before_s, after_s = summary(base_a), summary(after)
     improved = sum(b["success"] < a["success"] for b, a in zip(base_a, after, strict=True))

@@ -204,7 +204,7 @@ def capped_run(strategy: str, size: dict[str, Any], cap_gib: float, work: Path) 
     log = Path(run["log"]).read_text()
     summary = json.loads(log[log.rindex("{\n"):]) if "{\n" in log else {}
     tags = get_run(uri, summary["run_id"]).data.tags if "run_id" in summary else {}
-    learners = {k: v for k, v in run["peak_by_process"].items() if k.startswith("rlray:learner")}
+    learners = {k: v for k, v in run["peak_by_process"].items() if k == "ray::RayTrainWorker"}  # benchlib.process_label
     return {"strategy": strategy, "status": summary.get("status", f"exit code {run['returncode']}"),
             "stop_message": tags.get("rlray.stop_message", ""), "wall_s": run["wall_s"],
             "preflight_warning": next((line for line in log.splitlines() if "needs" in line and "GiB" in line), ""),

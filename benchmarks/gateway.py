@@ -1,17 +1,18 @@
 """The agent gateway's cost: one task trained as a native environment and as a gateway agent, and what one gateway
 serves.
 
-    python benchmarks/gateway.py              # SmolLM2-135M-Instruct, both runs (~15 min on 2 cores), then capacity
+    python benchmarks/gateway.py              # SmolLM2-135M-Instruct, each variant twice (~25 min on 2 cores), then capacity
     python benchmarks/gateway.py --quick      # tiny-random, seconds-scale sizes (smoke test)
     python benchmarks/gateway.py --capacity   # the capacity table alone (seconds)
 
-1. Overhead. ``configs/envs/retry_arith_smollm2.yaml`` trained twice, each in a fresh child process, with the same
-   sizes, seed and rows: ``native`` runs ``RetryArithmeticEnv`` in rlray's episode loop (``env.environments``);
-   ``agent`` runs the same class driven by an ``openai`` client loop through the gateway
-   (``benchmarks/env_agent.py:retry_arith_agent`` in ``env.agents``): every turn is an HTTP chat call, its messages
+1. Overhead. ``configs/envs/retry_arith_smollm2.yaml`` trained as each variant ``--repeats`` times (ABBA order), each
+   run in a fresh child process, with the same sizes, seed and rows: ``native`` runs ``RetryArithmeticEnv`` in
+   rlray's episode loop (``env.environments``); ``agent`` runs the same class driven by an ``openai`` client loop
+   through the gateway (``benchmarks/env_agent.py:retry_arith_agent`` in ``env.agents``): every turn is an HTTP chat call, its messages
    matched against the recorded conversation and extended token-exactly. Both sample with the same engine settings,
    so a step's cost differs by the gateway's work and by what was sampled (the agent's calls carry no per-turn seed:
-   their tokens differ). The table gives the median step and rollout time after warm-up, the generated tokens and
+   their tokens differ). The table gives the median step and rollout time after warm-up (the runs of a variant
+   pooled; one run's median step moves by up to a fifth between identical runs here), the generated tokens and
    the rollout time per generated token; overhead = agent / native - 1, of the step time and of the rollout time per
    generated token (the second takes out how much each run happened to sample).
    Then the same two rollouts interleaved on one engine (``--rounds``, in one child process: one rollout actor, one
@@ -79,41 +80,54 @@ def child_run(variant: str, size: dict[str, Any], result_path: Path) -> None:
     result_path.write_text(json.dumps(grpo.rlray_result(result.status, started, steps_path, extra)))
 
 
-def summarise(run: dict[str, Any], warmup: int) -> dict[str, Any]:
-    """Returns a run's medians after ``warmup`` steps: step and rollout seconds, generated tokens, rollout seconds per
-    1,000 generated tokens, turns and gateway calls per episode, drift."""
-    if run.get("error"):
-        return {"error": run["error"]}
-    t, n = run["timings"], len(run["generated_tokens"])
-    kept = range(warmup, n)
-    per_k = [1000 * t["timing/rollout_s"][i] / max(run["generated_tokens"][i], 1.0) for i in kept]
-    series = run["series"]
+def summarise(runs: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
+    """Returns the medians over the steps after ``warmup`` of every run in ``runs`` (one variant's repeats, pooled):
+    step and rollout seconds, generated tokens, rollout seconds per 1,000 generated tokens, turns and gateway calls
+    per episode, drift; and each run's own median step time."""
+    failed = [r["error"] for r in runs if r.get("error")]
+    if failed:
+        return {"error": failed[0]}
+    step_s, rollout_s, tokens, per_k, per_run = [], [], [], [], []
+    series: dict[str, list[Any]] = {}
+    for run in runs:
+        t, n = run["timings"], len(run["generated_tokens"])
+        kept = range(warmup, n)
+        step_s += [t["timing/step_s"][i] for i in kept]
+        rollout_s += [t["timing/rollout_s"][i] for i in kept]
+        tokens += [run["generated_tokens"][i] for i in kept]
+        per_k += [1000 * t["timing/rollout_s"][i] / max(run["generated_tokens"][i], 1.0) for i in kept]
+        per_run.append(statistics.median(t["timing/step_s"][i] for i in kept))
+        for key, values in run["series"].items():
+            series.setdefault(key, []).extend(values)
 
     def median(values: list[Any]) -> float | None:
         got = [v for v in values if v is not None]
         return statistics.median(got) if got else None
 
     return {
-        "steps": n, "step_s": median([t["timing/step_s"][i] for i in kept]),
-        "rollout_s": median([t["timing/rollout_s"][i] for i in kept]),
-        "generated_tokens": median([run["generated_tokens"][i] for i in kept]), "rollout_s_per_1k_tokens": median(per_k),
+        "steps": len(step_s), "runs": len(runs), "step_s": median(step_s), "step_s_per_run": per_run,
+        "rollout_s": median(rollout_s), "generated_tokens": median(tokens), "rollout_s_per_1k_tokens": median(per_k),
         "turns_mean": median(series["env/turns_mean"]), "gateway_calls_mean": median(series["env/gateway_calls_mean"]),
         "template_drift": sum(v or 0.0 for v in series["env/template_drift"]),
         "failed": sum(v or 0.0 for v in series["env/failed"]),
-        "peak_pss_gib": run.get("peak_pss_gib"),
+        "peak_pss_gib": max((r.get("peak_pss_gib") or 0.0 for r in runs), default=None) or None,
     }
 
 
-def overhead(size: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    """Runs both variants one after the other; returns their summaries and the agent's overheads."""
-    runs = {}
-    for variant in VARIANTS:
-        workdir = Path(tempfile.mkdtemp(prefix=f"rlray-gateway-{variant}-"))
-        result_path = workdir / "result.json"
-        raw = benchlib.run_script_child(__file__, ["run", variant, json.dumps(size), str(result_path)],
-                                        result_path=result_path, log_path=workdir / "log.txt", timeout_s=timeout_s,
-                                        label=variant)
-        runs[variant] = summarise(raw, size["warmup"])
+def overhead(size: dict[str, Any], timeout_s: float, repeats: int) -> dict[str, Any]:
+    """Trains each variant ``repeats`` times, in ABBA order (native, agent, agent, native, ...: a machine that slows
+    down or speeds up over the runs affects both alike); returns each variant's pooled summary and the agent's
+    overheads. One run's median step moves by up to a fifth between identical runs on 2 shared cores, hence the
+    repeats."""
+    raw: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
+    for r in range(repeats):
+        for variant in (VARIANTS if r % 2 == 0 else VARIANTS[::-1]):
+            workdir = Path(tempfile.mkdtemp(prefix=f"rlray-gateway-{variant}-"))
+            result_path = workdir / "result.json"
+            raw[variant].append(benchlib.run_script_child(__file__, ["run", variant, json.dumps(size), str(result_path)],
+                                                          result_path=result_path, log_path=workdir / "log.txt",
+                                                          timeout_s=timeout_s, label=f"{variant} {r + 1}/{repeats}"))
+    runs = {variant: summarise(raw[variant], size["warmup"]) for variant in VARIANTS}
     native, agent = runs["native"], runs["agent"]
     ratio = {k: benchlib.ratio(agent.get(k), native.get(k)) for k in ("step_s", "rollout_s_per_1k_tokens")}
     return {"runs": runs, "overhead": {k: None if v is None else v - 1.0 for k, v in ratio.items()}}
@@ -124,15 +138,18 @@ def overhead_table(result: dict[str, Any]) -> str:
     rows = []
     for variant, r in result["runs"].items():
         if "error" in r:
-            rows.append([variant, r["error"], "", "", "", "", "", ""])
+            rows.append([variant, r["error"], "", "", "", "", "", "", "", ""])
             continue
-        rows.append([variant, benchlib.fmt(r["step_s"]), benchlib.fmt(r["rollout_s"]), benchlib.fmt(r["generated_tokens"], 0),
+        rows.append([variant, f"{r['runs']} x {r['steps'] // r['runs']}", benchlib.fmt(r["step_s"]),
+                     "; ".join(benchlib.fmt(x) for x in r["step_s_per_run"]), benchlib.fmt(r["rollout_s"]),
+                     benchlib.fmt(r["generated_tokens"], 0),
                      benchlib.fmt(r["rollout_s_per_1k_tokens"]), benchlib.fmt(r["turns_mean"]),
                      benchlib.fmt(r["gateway_calls_mean"]), benchlib.fmt(r["template_drift"], 0)])
     o = result["overhead"]
-    rows.append(["agent / native - 1", benchlib.fmt_percent(o["step_s"]), "", "", benchlib.fmt_percent(o["rollout_s_per_1k_tokens"]),
-                 "", "", ""])
-    return benchlib.markdown_table(["run", "step s", "rollout s", "generated tokens", "rollout s / 1k tokens",
+    rows.append(["agent / native - 1", "", benchlib.fmt_percent(o["step_s"]), "", "", "",
+                 benchlib.fmt_percent(o["rollout_s_per_1k_tokens"]), "", "", ""])
+    return benchlib.markdown_table(["run", "runs x timed steps", "step s (median)", "each run's median step s", "rollout s",
+                                    "generated tokens", "rollout s / 1k tokens",
                                     "turns / episode", "gateway calls / episode", "drift"], rows)
 
 
@@ -274,6 +291,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="seconds-scale sizes, tiny-random")
     parser.add_argument("--capacity", action="store_true", help="only the capacity table (no training runs)")
+    parser.add_argument("--repeats", type=int, default=2, help="training runs of each variant, in ABBA order")
     parser.add_argument("--rounds", type=int, default=8, help="interleaved rollouts of each variant (0: none)")
     parser.add_argument("--calls", type=int, default=4, help="chat calls per agent in the capacity table")
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="limit per training run")
@@ -282,7 +300,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {"cpu": cpu_name(), "size": size}
     print(f"CPU: {results['cpu']}", flush=True)
     if not args.capacity:
-        results["overhead"] = overhead(size, args.timeout_s)
+        results["overhead"] = overhead(size, args.timeout_s, 1 if args.quick else args.repeats)
         print("\n" + overhead_table(results["overhead"]) + "\n", flush=True)
     if not args.capacity and args.rounds:
         workdir = Path(tempfile.mkdtemp(prefix="rlray-gateway-interleaved-"))

@@ -65,9 +65,14 @@ def test_summary_and_capacity(bench):
                                                                  "timing/rollout_s": [5.0, 2.0, 2.0]},
            "series": {"env/turns_mean": [2.0, 2.0, 3.0], "env/gateway_calls_mean": [None, None, None],
                       "env/template_drift": [None, None, None], "env/failed": [0.0, 0.0, 1.0]}}
-    got = bench.summarise(run, warmup=1)
+    got = bench.summarise([run], warmup=1)
     assert (got["step_s"], got["rollout_s"], got["generated_tokens"]) == (5.0, 2.0, 300.0)
     assert got["rollout_s_per_1k_tokens"] == (10.0 + 5.0) / 2 and got["failed"] == 1.0 and got["gateway_calls_mean"] is None
+    again = {**run, "timings": {"timing/step_s": [1.0, 8.0, 10.0], "timing/rollout_s": [1.0, 4.0, 4.0]}}
+    pooled = bench.summarise([run, again], warmup=1)  # the kept steps of both runs: 4, 6, 8, 10
+    assert (pooled["runs"], pooled["steps"], pooled["step_s"], pooled["step_s_per_run"]) == (2, 4, 7.0, [5.0, 9.0])
+    assert pooled["failed"] == 2.0 and "agent / native - 1" in bench.overhead_table(
+        {"runs": {"native": got, "agent": pooled}, "overhead": {"step_s": 0.4, "rollout_s_per_1k_tokens": 0.1}})
     rows = bench.capacity(2, (1, 8))
     assert [(r["agents"], r["calls"], r["drift"], r["failed"]) for r in rows] == [(1, 2, 0, 0), (8, 16, 0, 0)]
     assert all(r["calls_per_s"] > 0 for r in rows)

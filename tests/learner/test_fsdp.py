@@ -4,8 +4,9 @@ restore sharded state exactly.
 One Ray Train run (``_worker``, 2 workers) serves every test here: on the same three 8-row steps (float32,
 tiny-random, KL to the reference in the loss, temperature 0.7) it trains a DDP learner and an FSDP2 learner side by
 side, snapshots each after step 2 and restores each snapshot into a fresh FSDP2 learner (its own and DDP's), and
-trains one LoRA step under both strategies. Rank 0 writes what it saw to JSON and safetensors files that the tests
-compare. ``test_smollm2_fsdp_equals_ddp`` (slow) repeats the equivalence on SmolLM2-135M.
+trains one LoRA step under both strategies, fresh and continued from a saved adapter (``model.adapter_path``).
+Rank 0 writes what it saw to JSON and safetensors files that the tests compare. ``test_smollm2_fsdp_equals_ddp``
+(slow) repeats the equivalence on SmolLM2-135M.
 """
 
 from __future__ import annotations
@@ -146,13 +147,22 @@ def _worker(loop_config: dict) -> None:
         learner = _restored(fsdp, out / f"{source}-snapshot", model_dir)
         results[f"{source}_resumed"] = _step(learner, fsdp, seed=2)
         del learner
+    adapter = out / "adapter"
+    if current_collective().rank == 0:
+        from rlray.models.loading import load_causal_lm
+        from tests.models.test_adapters import _save_adapter
+
+        _save_adapter(load_causal_lm(model_dir), adapter, "tiny-random")
+    current_collective().barrier()
     for strategy in ("ddp", "fsdp"):
-        cfg = _config(strategy, *LORA)
-        learner = _learner(cfg, model_dir)
-        results[f"lora_{strategy}"] = {"step": _step(learner, cfg, seed=0), "sharded": learner.sharded}
-        weights = learner.export_weights(torch.float32)
-        if current_collective().rank == 0:
-            save_file({k: v.clone() for k, v in weights.items()}, str(out / f"lora_{strategy}.safetensors"))
+        for name, overrides in (("lora", LORA), ("adapter", [f"model.adapter_path={adapter}"])):
+            cfg = _config(strategy, *overrides)
+            learner = _learner(cfg, model_dir)
+            results[f"{name}_{strategy}"] = {"step": _step(learner, cfg, seed=0), "sharded": learner.sharded}
+            weights = learner.export_weights(torch.float32)
+            if current_collective().rank == 0:
+                save_file({k: v.clone() for k, v in weights.items()}, str(out / f"{name}_{strategy}.safetensors"))
+            del learner
     _write(results, out)
 
 
@@ -235,6 +245,20 @@ def test_lora_under_fsdp_trains_and_exports_as_under_ddp(tiny):
         assert fsdp["step"][key] == pytest.approx(ddp["step"][key], rel=1e-5, abs=1e-7), key
     merged_ddp, merged_fsdp = load_file(str(out / "lora_ddp.safetensors")), load_file(str(out / "lora_fsdp.safetensors"))
     assert _max_diff(merged_fsdp, merged_ddp) < 1e-6  # merged W + scale * B A, under the base model's names
+
+
+def test_a_saved_adapter_continues_under_fsdp_as_under_ddp(tiny, tiny_model_path):
+    out, results = tiny
+    ddp, fsdp = results["adapter_ddp"], results["adapter_fsdp"]
+    assert (ddp["sharded"], fsdp["sharded"]) == (False, True)
+    for key in ("learner/loss", "learner/pg_loss", "learner/grad_norm"):
+        assert fsdp["step"][key] == pytest.approx(ddp["step"][key], rel=1e-5, abs=1e-7), key
+    merged_ddp, merged_fsdp = load_file(str(out / "adapter_ddp.safetensors")), load_file(str(out / "adapter_fsdp.safetensors"))
+    assert _max_diff(merged_fsdp, merged_ddp) < 1e-6
+    base = load_file(str(Path(tiny_model_path) / "model.safetensors"))
+    q = next(k for k in merged_fsdp if k.endswith("q_proj.weight"))
+    assert (merged_fsdp[q] - base[q]).abs().max().item() > 1e-3  # the saved adapter's B A (B seeded non-zero) is in
+    assert fsdp["step"]["learner/loss"] != pytest.approx(results["lora_fsdp"]["step"]["learner/loss"], rel=1e-4)
 
 
 @pytest.mark.slow
