@@ -237,28 +237,30 @@ def test_a_sharded_snapshot_resumes_exactly_and_a_ddp_one_loads_sharded(tiny):
         assert results["ddp_resumed"][key] == pytest.approx(ddp_step3[key], rel=1e-5, abs=1e-7), key
 
 
-def test_lora_under_fsdp_trains_and_exports_as_under_ddp(tiny):
-    out, results = tiny
-    ddp, fsdp = results["lora_ddp"], results["lora_fsdp"]
+def _fsdp_step_and_export_equal_ddps(out: Path, results: dict, name: str) -> dict[str, torch.Tensor]:
+    """Asserts that the ``name`` LoRA learner stepped and exported under FSDP as under DDP; returns FSDP's export."""
+    ddp, fsdp = results[f"{name}_ddp"], results[f"{name}_fsdp"]
     assert (ddp["sharded"], fsdp["sharded"]) == (False, True)
     for key in ("learner/loss", "learner/pg_loss", "learner/grad_norm"):
         assert fsdp["step"][key] == pytest.approx(ddp["step"][key], rel=1e-5, abs=1e-7), key
-    merged_ddp, merged_fsdp = load_file(str(out / "lora_ddp.safetensors")), load_file(str(out / "lora_fsdp.safetensors"))
+    merged_ddp, merged_fsdp = (load_file(str(out / f"{name}_{s}.safetensors")) for s in ("ddp", "fsdp"))
     assert _max_diff(merged_fsdp, merged_ddp) < 1e-6  # merged W + scale * B A, under the base model's names
+    return merged_fsdp
+
+
+def test_lora_under_fsdp_trains_and_exports_as_under_ddp(tiny):
+    out, results = tiny
+    _fsdp_step_and_export_equal_ddps(out, results, "lora")
 
 
 def test_a_saved_adapter_continues_under_fsdp_as_under_ddp(tiny, tiny_model_path):
     out, results = tiny
-    ddp, fsdp = results["adapter_ddp"], results["adapter_fsdp"]
-    assert (ddp["sharded"], fsdp["sharded"]) == (False, True)
-    for key in ("learner/loss", "learner/pg_loss", "learner/grad_norm"):
-        assert fsdp["step"][key] == pytest.approx(ddp["step"][key], rel=1e-5, abs=1e-7), key
-    merged_ddp, merged_fsdp = load_file(str(out / "adapter_ddp.safetensors")), load_file(str(out / "adapter_fsdp.safetensors"))
-    assert _max_diff(merged_fsdp, merged_ddp) < 1e-6
+    merged = _fsdp_step_and_export_equal_ddps(out, results, "adapter")
     base = load_file(str(Path(tiny_model_path) / "model.safetensors"))
-    q = next(k for k in merged_fsdp if k.endswith("q_proj.weight"))
-    assert (merged_fsdp[q] - base[q]).abs().max().item() > 1e-3  # the saved adapter's B A (B seeded non-zero) is in
-    assert fsdp["step"]["learner/loss"] != pytest.approx(results["lora_fsdp"]["step"]["learner/loss"], rel=1e-4)
+    q = next(k for k in merged if k.endswith("q_proj.weight"))
+    assert (merged[q] - base[q]).abs().max().item() > 1e-3  # the saved adapter's B A (B seeded non-zero) is in
+    assert results["adapter_fsdp"]["step"]["learner/loss"] != pytest.approx(
+        results["lora_fsdp"]["step"]["learner/loss"], rel=1e-4)  # a fresh adapter (B = 0) is the base model
 
 
 @pytest.mark.slow
