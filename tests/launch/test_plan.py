@@ -149,7 +149,7 @@ def test_cpu_rollout_kv_cache_is_the_actors_size(tiny_model_path):
 
 
 def _fixture_plan(name: str) -> Plan:
-    return plan_run(load_config(SMOLLM2_CONFIG, [f"model.path=tests/fixtures/models/{name}"]), GPU8)
+    return plan_run(load_config(SMOLLM2_CONFIG, [f"model.path=configs/models/{name}"]), GPU8)
 
 
 def test_the_1p5b_plan_fits_8_x_80_gib():
@@ -189,10 +189,10 @@ def test_a_70b_rollout_engine_needs_tensor_parallelism_and_more_gpus():
 
 
 def test_cli_plan_exit_codes(capsys, monkeypatch):
-    assert main(["plan", SMOLLM2_CONFIG, "model.path=tests/fixtures/models/qwen2.5-1.5b", "--gpus", "8",
+    assert main(["plan", SMOLLM2_CONFIG, "model.path=configs/models/qwen2.5-1.5b", "--gpus", "8",
                  "--gpu-memory-gib", "80"]) == 0
     assert capsys.readouterr().out.rstrip().endswith("fits")
-    assert main(["plan", SMOLLM2_CONFIG, "model.path=tests/fixtures/models/qwen2.5-7b", "--gpus", "8",
+    assert main(["plan", SMOLLM2_CONFIG, "model.path=configs/models/qwen2.5-7b", "--gpus", "8",
                  "--gpu-memory-gib", "80"]) == 1
     monkeypatch.setattr(planner.shutil, "which", lambda name: None)  # no nvidia-smi: no GPU size known
     assert planner.local_gpu_memory_gib() is None
@@ -251,7 +251,8 @@ def test_tiny_random_model_part_within_25_percent(repo_root, tmp_path, tiny_mode
         assert _model_part(overrides, world) == pytest.approx(measured, rel=0.25)
 
 
-@pytest.mark.parametrize("extra", [[], ["model.gradient_checkpointing=true"]], ids=["full", "checkpointing"])
+@pytest.mark.parametrize("extra", [pytest.param([], id="full"), pytest.param(["model.gradient_checkpointing=true"],
+                                                                    id="checkpointing", marks=pytest.mark.slow)])
 def test_smollm2_total_within_25_percent(repo_root, extra):
     # SmolLM2-135M in float32: 2.0 GiB of weights, gradients and AdamW state, 0.5 GiB reference (the KL guard),
     # 0.54 GiB of activations without checkpointing; the real total, baseline included
@@ -261,6 +262,7 @@ def test_smollm2_total_within_25_percent(repo_root, extra):
     assert predicted - CPU_RUNTIME_GIB > 2.5  # the model's own part dominates the comparison
 
 
+@pytest.mark.slow  # 85 s; tiny-random's FSDP ranks are measured in make test
 def test_smollm2_fsdp_rank_within_25_percent_and_below_ddp(repo_root, tmp_path):
     # two ranks over gloo, each with half of the 2.0 GiB of weights, gradients and AdamW state and half of the
     # reference, plus the gathered root unit (the 28M-parameter tied embedding) and layers

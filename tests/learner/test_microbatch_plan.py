@@ -127,7 +127,10 @@ def test_the_jsd_distillation_loss_does_not_depend_on_the_cut(tiny_model_path, t
         got = learner.train_minibatch(batch, spec, norm, cut)
         for key in ("loss", "pg_loss_sum", "jsd_sum", "tokens"):
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (name, key)
-        assert_grads_close(grads(learner.module), want_grads, rel=GRAD_REL)
+        # the mixture's log goes through both models' softmax: the small q/k gradients of the cache path ("70 tokens,
+        # padded, shared") differ by 1.1e-5 of their norm on an AVX2 EPYC (3.6e-6 packed; 1.5e-6 between two
+        # identical padded passes), float32 sums in another order
+        assert_grads_close(grads(learner.module), want_grads, rel=3 * GRAD_REL)
     assert want["jsd_sum"] > 0.0  # a differently seeded teacher (tiny-random@1): the term is not trivially 0
 
 

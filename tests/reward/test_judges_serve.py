@@ -92,6 +92,7 @@ def test_serve_judges_give_the_local_verdicts_one_chunk_per_replica(deployed):
 
 
 @pytest.mark.ray
+@pytest.mark.slow  # 82 s; make test swaps a judge in a training run (tests/reward/test_judges_run.py)
 def test_hot_swap_through_serve_reward_under_load(deployed, tmp_path):
     """``rlray serve-reward`` with reward.version=2 and a new rank rule (length mod 5) while two clients judge without
     a cache: no judgement fails, each is version 1's or version 2's, and once the swap returns all are version 2's."""

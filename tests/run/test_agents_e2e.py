@@ -76,6 +76,7 @@ def test_the_readme_agent_command_trains_and_evaluates(ray_session, tmp_path, mo
 
 
 @pytest.mark.ray
+@pytest.mark.slow  # 157 s; make test covers the sweep (tests/sweep/test_tune.py) and the agent run (above) each once
 def test_a_sweep_trains_the_readme_agent_in_each_trial(ray_session, tmp_path, monkeypatch):
     """`rlray sweep` over the README's agent config: each trial starts its own environment host, gateway and MCP
     server, and logs the agents' metrics in its child run."""

@@ -98,14 +98,16 @@ SHIPPED_ENV_CONFIGS = ("calculator_tiny", "guess_number_tiny", "retry_arith_tiny
 @pytest.mark.ray
 @pytest.mark.parametrize("name", SHIPPED_ENV_CONFIGS)
 def test_each_shipped_environment_runs_its_own_config_for_two_steps(ray_session, tmp_path, name):
-    """configs/envs/<env>_tiny.yaml: each built-in environment alone, 2 steps through Ray; the learner packs its rows
+    """configs/envs/<env>_tiny.yaml: each built-in environment alone, 2 steps through Ray (rollouts on transformers,
+    which saves each run a vLLM engine's start); the learner packs its rows
     (no padding), shares the group's opening where the config keeps learner.share_prefixes on."""
     from rlray.config import load_config
     from rlray.launch.driver import run_training
 
     cfg = load_config(REPO / f"configs/envs/{name}.yaml", [
         f"run.output_dir={tmp_path}/out", f"tracking.mlflow_uri=sqlite:///{tmp_path}/mlflow.db",
-        "algo.entropy_coef=0.001"])  # a gradient even where no episode succeeds (tiny-random: zero advantages)
+        "algo.entropy_coef=0.001",  # a gradient even where no episode succeeds (tiny-random: zero advantages)
+        "rollout.backend=hf"])  # transformers rollouts: the vLLM episode path runs in the mixed test above
     cfg.data.train_files = [str(REPO / f) for f in cfg.data.train_files]
     cfg.data.eval_files = [str(REPO / f) for f in cfg.data.eval_files]
     result = run_training(cfg)
