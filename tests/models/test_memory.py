@@ -1,5 +1,5 @@
 """Tests for rlray.models.memory: parameter counts and byte formulas, by hand on a tiny shape and against
-transformers' own models (built on the meta device: no weights) for the shipped config-only fixtures."""
+transformers' own models (built on the meta device: no weights) for the shipped config-only models (configs/models/)."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def test_byte_formulas_by_hand(hand):
 
 @pytest.mark.parametrize("name", FIXTURES)
 def test_counts_match_transformers_models_of_the_fixtures(repo_root, name):
-    folder = repo_root / "tests" / "fixtures" / "models" / name
+    folder = repo_root / "configs" / "models" / name
     shape = mem.read_model_shape(folder)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
@@ -80,7 +80,7 @@ def test_counts_match_the_tiny_random_model(tiny_model_path):
 
 
 def test_public_parameter_counts_and_the_7b_weights_in_bf16(repo_root):
-    sizes = {name: mem.read_model_shape(repo_root / "tests" / "fixtures" / "models" / name).parameters for name in FIXTURES}
+    sizes = {name: mem.read_model_shape(repo_root / "configs" / "models" / name).parameters for name in FIXTURES}
     # the model cards: Qwen2.5-1.5B 1.54B, Qwen2.5-7B 7.61B, Llama-3.1-70B 70.6B parameters
     assert sizes["qwen2.5-1.5b"] / 1.54e9 == pytest.approx(1.0, abs=0.005)
     assert sizes["qwen2.5-7b"] / 7.61e9 == pytest.approx(1.0, abs=0.005)
