@@ -247,7 +247,7 @@ class RolloutFleet:
     def _take_back(self) -> None:
         """Brings failed actors that are back to the latest weights and into use; blocks while an actor that failed
         less than ``node_wait_s`` (at least ``_ANSWER_S``) ago is away, then logs each one given up (once). A given-up
-        actor is checked without waiting at each rollout: it rejoins within two rollouts of being back."""
+        actor is checked without waiting at each rollout: it rejoins at the first rollout after its probe has answered."""
         for i in sorted(self._stale - set(self._away)):
             self._away[i] = _Away(time.monotonic(), self.actors[i].policy_version.remote())
             if self.node_wait_s > 0:
