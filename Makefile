@@ -53,10 +53,13 @@ browser:
 	  else echo "make browser: no apt-get; install chromium and chromedriver for tests/observe/test_browser.py" >&2; fi; \
 	fi
 
+# Two pytest-xdist workers: one runs every Ray test in order on one Ray cluster (they wait on start-ups about half of
+# their time), the other runs the pure tests meanwhile (the scheduling: tests/conftest.py). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test: install browser
 	$(BIN)/ruff check .
 	$(BIN)/mkdocs build --strict --quiet
-	$(BIN)/pytest $(PYTEST_ARGS)
+	$(BIN)/pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS)) $(PYTEST_ARGS)
 
 # Every test marked slow (the per-algorithm 2-step runs, PBT, the learner-node loss, the soak at its short size, ...):
 # not in `make test` (CI), run before a release so that no slow test rots unseen.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,39 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in the tests may reach t
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+_RAY_WORDS: re.Pattern[str] | None = None
+
+
+def _uses_ray(test_file: str) -> bool:
+    """True when the test module (a path relative to the repository) or a conftest.py beside it or above it (short of
+    this one) marks a test ``ray`` or asks for the ``ray_session`` cluster, directly or through a fixture of this file
+    that needs it."""
+    global _RAY_WORDS
+    if _RAY_WORDS is None:
+        here = Path(__file__).read_text()
+        needing = re.findall(r"^def (\w+)\([^)]*\bray_session\b", here, flags=re.M)
+        _RAY_WORDS = re.compile(r"\bmark\.ray\b|\b(?:" + "|".join(["ray_session", *needing]) + r")\b")
+    path = REPO_ROOT / test_file
+    files = [path] + [d / "conftest.py" for d in path.parents if d != REPO_ROOT / "tests" and REPO_ROOT / "tests" in d.parents]
+    return any(_RAY_WORDS.search(f.read_text()) for f in files if f.is_file())
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Schedules ``make test``'s two workers (``pytest -n 2``) by module, with every module that uses Ray in one unit
+    (``_uses_ray``): one worker runs them all, in order, on one Ray cluster, and the other runs the pure modules
+    meanwhile (the Ray tests wait on start-ups about half of their time, one core busy of two). xdist's own
+    ``--dist loadgroup`` cannot do this under pytest 9.2 (it renames test ids through an attribute pytest no longer
+    reads)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RayModulesTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "ray" if _uses_ray(module) else module
+
+    return RayModulesTogether(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -74,11 +108,33 @@ def tiny_tokenizer(tiny_model_path: str):
     return load_tokenizer(tiny_model_path)
 
 
+_RAY_SESSION_STARTED = False  # set by ray_session: from then on this process's Ray is the session's cluster
+
+
+@pytest.fixture(autouse=True)
+def _no_ray_outside_the_ray_group(request: pytest.FixtureRequest):
+    """Fails a test that left a Ray cluster of its own behind (``ray.init``, or Ray's auto-init on a first
+    ``ray.remote``/``ray.get``) without the ``ray`` marker or the ``ray_session`` fixture: under pytest-xdist it would
+    start a second cluster on the worker that runs the pure tests."""
+    yield
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is None or _RAY_SESSION_STARTED or request.node.get_closest_marker("ray") is not None:
+        return
+    if ray.is_initialized():
+        ray.shutdown()
+        pytest.fail(f"{request.node.nodeid} started Ray without the ray marker or the ray_session fixture: mark it "
+                    "@pytest.mark.ray (or use ray_session) so that it runs in the Ray tests' group")
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """Starts one local Ray cluster for the whole test session (no dashboard) and shuts it down after."""
     import ray
 
+    global _RAY_SESSION_STARTED
+    _RAY_SESSION_STARTED = True
     ray.init(include_dashboard=False, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}})
     yield ray
     ray.shutdown()

@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from rlray.observe.metrics import METRIC_KEYS
-from rlray.observe.tracking import get_run, get_run_metrics
+from rlray.observe.tracking import get_run_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 from ports import free_ports  # noqa: E402
@@ -109,12 +109,11 @@ def _submit(url: str, folder: Path, gsm8k_dir: Path, overrides: list[str]) -> Jo
 
 
 @pytest.fixture(scope="module")
-def jobs(ray_head, tmp_path_factory, gsm8k_dir, tiny_model_path) -> dict[str, Job]:
-    """Submits both test jobs at once (each takes 1 of the head's 2 CPUs), so their start-ups overlap."""
-    return {
-        "short": _submit(ray_head.url, tmp_path_factory.mktemp("short"), gsm8k_dir, ["run.max_steps=2"]),
-        "long": _submit(ray_head.url, tmp_path_factory.mktemp("long"), gsm8k_dir, ["run.max_steps=500"]),
-    }
+def job(ray_head, tmp_path_factory, gsm8k_dir, tiny_model_path) -> Job:
+    """Submits one long job (500 steps): read while it runs (the dashboard metrics), then stopped (`ray job stop`),
+    then checked as a job (the uploaded code, its logs, MLflow). One job: a second one that runs to the end would cost
+    ~100 s of a 2-core machine, and every other end-to-end test checks a FINISHED run and its final snapshot."""
+    return _submit(ray_head.url, tmp_path_factory.mktemp("long"), gsm8k_dir, ["run.max_steps=500"])
 
 
 def _wait_status(client, job_id: str, done: set[str], timeout_s: float) -> str:
@@ -149,29 +148,6 @@ def test_runtime_env_uploads_the_code_and_leaves_data_behind():
         assert excluded(REPO / left_behind), left_behind
 
 
-@pytest.mark.ray
-def test_job_submit_runs_rlray_train(jobs):
-    client, job_id, uri, folder = jobs["short"]
-    status = _wait_status(client, job_id, {"SUCCEEDED", "FAILED", "STOPPED"}, 600)
-    logs = client.get_job_logs(job_id)
-    assert status == "SUCCEEDED", logs[-4000:]
-    # rlray came from the uploaded working dir, not from the editable install in the venv
-    origin = next(line for line in logs.splitlines() if line.startswith("rlray 0."))
-    assert "_ray_pkg_" in origin and str(REPO) not in origin, origin
-    # progress: one line per step in `ray job logs`
-    assert "rlray step 1/2" in logs and "rlray step 2/2" in logs
-    # the same output as `rlray train`: its JSON summary with the run id
-    run_id = re.search(r'"run_id": "(\w+)"', logs).group(1)
-    assert re.search(r'"status": "FINISHED"', logs)
-    run = get_run(uri, run_id)
-    assert run.info.status == "FINISHED" and run.data.params["run.max_steps"] == "2"
-    metrics = get_run_metrics(uri, run_id)
-    for key in PER_STEP:
-        assert key in METRIC_KEYS and [s for s, _ in metrics[key]] == [1, 2], key
-    manifest = json.loads((Path(run.data.tags["rlray.last_snapshot"]) / "manifest.json").read_text())
-    assert manifest["step"] == 2 and manifest["kind"] == "final"
-
-
 # gauge on Ray's metrics endpoint -> the step metric it shows (rlray.observe.metrics.STEP_GAUGES, "ray_" prefixed)
 DASHBOARD = {"ray_rlray_reward_mean": "reward/mean", "ray_rlray_kl": "algo/kl",
              "ray_rlray_tokens_per_s": "perf/tokens_per_s", "ray_rlray_staleness": "rollout/staleness_mean"}
@@ -190,14 +166,14 @@ def _scrape(metrics_url: str, run_id: str) -> dict[str, float]:
 
 
 @pytest.mark.ray
-def test_dashboard_metrics_on_the_ray_metrics_endpoint(ray_head, jobs):
+def test_dashboard_metrics_on_the_ray_metrics_endpoint(ray_head, job):
     """The run's monitor actor feeds ray.util.metrics; the head exports them on its metrics port.
 
     A finished job's series age out of Ray's export (two report intervals after its actor died), so
     they are read while the long job runs (before the next test stops it): the scrape must show a
     step >= 2 together with exactly that step's figures as MLflow logged them.
     """
-    client, job_id, uri, folder = jobs["long"]
+    client, job_id, uri, folder = job
     deadline, seen = time.monotonic() + 600, {}
     while True:
         assert time.monotonic() < deadline, f"no consistent rlray series on {ray_head.metrics_url}; last seen {seen}"
@@ -216,8 +192,8 @@ def test_dashboard_metrics_on_the_ray_metrics_endpoint(ray_head, jobs):
 
 
 @pytest.mark.ray
-def test_job_stop_marks_run_killed(jobs):
-    client, job_id, uri, folder = jobs["long"]
+def test_job_stop_marks_run_killed(job):
+    client, job_id, uri, folder = job
     deadline = time.monotonic() + 600
     while True:  # wait until the first step is logged: the run is mid-way
         assert str(client.get_job_status(job_id).value) in {"PENDING", "RUNNING"}, client.get_job_logs(job_id)[-4000:]
@@ -238,3 +214,26 @@ def test_job_stop_marks_run_killed(jobs):
     assert run.data.tags["rlray.status"] == "stopped: SIGTERM"
     manifest = json.loads((Path(run.data.tags["rlray.last_snapshot"]) / "manifest.json").read_text())
     assert manifest["step"] == steps[-1] and manifest["kind"] == "stop"
+
+
+@pytest.mark.ray
+def test_job_submit_runs_rlray_train(job):
+    """The stopped job (the test before) as a job: the code Ray uploaded ran, its logs carry the progress and the
+    JSON summary of `rlray train`, and MLflow has every step it logged."""
+    client, job_id, uri, folder = job
+    assert str(client.get_job_status(job_id).value) == "STOPPED"
+    logs = client.get_job_logs(job_id)
+    # rlray came from the uploaded working dir, not from the editable install in the venv
+    origin = next(line for line in logs.splitlines() if line.startswith("rlray 0."))
+    assert "_ray_pkg_" in origin and str(REPO) not in origin, origin
+    run = _only_run(uri)
+    steps = [s for s, _ in get_run_metrics(uri, run.info.run_id)["reward/mean"]]
+    # progress: one line per step in `ray job logs`
+    assert all(f"rlray step {s}/500" in logs for s in steps), logs[-4000:]
+    # the same output as `rlray train`: its JSON summary with the run id and how it ended
+    assert re.search(r'"run_id": "(\w+)"', logs).group(1) == run.info.run_id
+    assert '"status": "stopped: SIGTERM"' in logs, logs[-4000:]
+    assert run.data.params["run.max_steps"] == "500"
+    metrics = get_run_metrics(uri, run.info.run_id)
+    for key in PER_STEP:
+        assert key in METRIC_KEYS and [s for s, _ in metrics[key]] == steps, key

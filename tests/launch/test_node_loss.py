@@ -8,8 +8,9 @@ head node); this process reads the cluster's actor and node tables from the GCS 
 run's progress from MLflow. A node is lost by SIGKILL to its `ray start --block` process group (raylet, agents and
 its workers). Every node process is stopped by its process group, never by `ray stop`.
 
-- Rollout node lost (in ``make test``): the node is killed while its actor's first generate call (step 1's chunk)
-  is RUNNING in Ray's task table (``ray.util.state.list_tasks``; the head runs the dashboard, which the state API
+- Rollout node lost (slow, ~160 s; the fleet's reassignment, wait and take-back run in ``make test`` in
+  tests/rollout/test_fleet.py, on real Ray actors that die and restart): the node is killed while its actor's first
+  generate call (step 1's chunk) is RUNNING in Ray's task table (``ray.util.state.list_tasks``; the head runs the dashboard, which the state API
   needs), with ``rollout.max_new_tokens`` long enough (~10 s of generation) that the call is still in flight; the
   dead actor's prompt is re-run once on the other actor (``rollout/rerun_prompts`` [1, 0] proves the kill came
   mid-call in step 1), step 2 waits ``resources.node_wait_s`` for a replacement, then the run goes on with one actor
@@ -265,6 +266,7 @@ def _finished_once(tmp_path: Path, steps: int) -> tuple[str, str, dict]:
     return uri, rid, metrics
 
 
+@pytest.mark.slow  # ~160 s on a 2-core AVX2 CPU; the fleet's reassignment runs in make test on real Ray restarts
 def test_a_lost_rollout_node_reruns_its_prompts_once_and_the_run_goes_on(tmp_path, gsm8k_dir, tiny_model_path):
     steps = 2  # step 1 loses the node mid-chunk; step 2 waits node_wait_s, then runs on the remaining actor
     data = _data(tmp_path, gsm8k_dir, steps * P)

@@ -93,14 +93,35 @@ def test_readme_shows_the_environment_file_and_the_command_this_test_runs():
 
 
 SHIPPED_ENV_CONFIGS = ("calculator_tiny", "guess_number_tiny", "retry_arith_tiny")
+E2E_ENV_CONFIG = "retry_arith_tiny"  # the environment `make demo` trains: its 2-step run is in make test
+
+
+@pytest.mark.parametrize("name", [n for n in SHIPPED_ENV_CONFIGS if n != E2E_ENV_CONFIG])
+def test_each_shipped_environment_config_passes_rlray_check(name, capsys):
+    """`rlray check configs/envs/<env>_tiny.yaml` (the preflight: model, data, the environment class loaded and its
+    first episode opened; then that episode's opening prompt rendered) passes, without Ray, for the shipped configs
+    whose 2-step run below is ``slow``."""
+    from rlray import cli
+    from rlray.config import load_config
+
+    cfg = load_config(REPO / f"configs/envs/{name}.yaml")
+    files = [f"data.train_files=[{REPO / cfg.data.train_files[0]}]", f"data.eval_files=[{REPO / cfg.data.eval_files[0]}]"]
+    assert cli.main(["check", str(REPO / f"configs/envs/{name}.yaml"), *files]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("rlray check: every input of the run is usable"), out
+    environment = next(iter(cfg.env.environments))
+    assert f"'{environment}'" in out, out  # its first episode's opening prompt, named by its environment
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("name", SHIPPED_ENV_CONFIGS)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n == E2E_ENV_CONFIG else [pytest.mark.slow])
+                                  for n in SHIPPED_ENV_CONFIGS])
 def test_each_shipped_environment_runs_its_own_config_for_two_steps(ray_session, tmp_path, name):
     """configs/envs/<env>_tiny.yaml: each built-in environment alone, 2 steps through Ray (rollouts on transformers,
     which saves each run a vLLM engine's start); the learner packs its rows
-    (no padding), shares the group's opening where the config keeps learner.share_prefixes on."""
+    (no padding), shares the group's opening where the config keeps learner.share_prefixes on. In ``make test``:
+    retry_arith (the environment `make demo` trains), ~55 s; the other two are ``slow`` (each passes ``rlray check``
+    above, and runs in the mixed-environment run at the top of this file)."""
     from rlray.config import load_config
     from rlray.launch.driver import run_training
 

@@ -1,6 +1,7 @@
 """FSDP2 end to end on the CPU: 2 Ray Train learner workers with ``resources.learner.strategy=fsdp`` (gloo) run the
 tiny GRPO config through the driver, push their gathered weights to the rollout engine after every update, and a
-run resumed from the step-2 snapshot (taken sharded) reproduces step 3 of the uninterrupted run exactly.
+run resumed from the step-2 snapshot (taken sharded) reproduces step 3 of the uninterrupted run exactly (``slow``: the
+resume of a sharded snapshot is exact at the learner's level in ``make test``, tests/learner/test_fsdp.py).
 
 The engine is transformers' (``rollout.backend=hf``) in float32, the learner's own arithmetic: its sampling
 logprobs equal the learner's for the same weights, so ``rollout/logprob_abs_diff`` near 0 at steps 2 and 3 says the
@@ -22,8 +23,9 @@ SAME = ["reward/mean", "rollout/response_tokens_mean", "learner/loss", "learner/
         "algo/kl", "rollout/logprob_abs_diff"]
 
 
-@pytest.mark.ray
-def test_fsdp_run_syncs_its_weights_and_resumes_exactly(ray_session, tiny_grpo_run, tiny_model_path):
+def _straight_run(tiny_grpo_run, tiny_model_path):
+    """The 3-step FSDP run: the engine followed every update, step 2's snapshot is sharded (one file per rank), the
+    final one a whole Hugging Face folder gathered to rank 0; returns (its metrics, step 2's folder, final weights)."""
     uri, straight, metrics = tiny_grpo_run(["learner/loss", "algo/kl", "rollout/logprob_abs_diff"], *FSDP)
     diff = dict(metrics["rollout/logprob_abs_diff"])
     moved = dict(metrics["algo/kl"])[3]  # the policy's k3 KL to the initial one after 2 updates
@@ -36,7 +38,18 @@ def test_fsdp_run_syncs_its_weights_and_resumes_exactly(ray_session, tiny_grpo_r
     after = load_file(str(final / "model" / "model.safetensors"))  # gathered to rank 0: a whole Hugging Face folder
     assert set(after) == set(before)  # the tied lm_head is left out, as save_pretrained leaves it out unsharded
     assert any(not torch.equal(before[k], after[k]) for k in before)
+    return metrics, step2, after
 
+
+@pytest.mark.ray
+def test_fsdp_run_syncs_its_weights_and_writes_sharded_snapshots(ray_session, tiny_grpo_run, tiny_model_path):
+    _straight_run(tiny_grpo_run, tiny_model_path)
+
+
+@pytest.mark.slow  # a second run (~45 s on 2 cores); the sharded resume is exact in tests/learner/test_fsdp.py
+@pytest.mark.ray
+def test_fsdp_run_resumes_exactly(ray_session, tiny_grpo_run, tiny_model_path):
+    metrics, step2, after = _straight_run(tiny_grpo_run, tiny_model_path)
     _, resumed, again = tiny_grpo_run([], *FSDP, f"checkpoint.resume_from={step2}")
     assert [s for s, _ in again["learner/loss"]] == [3]  # only the step after the snapshot ran
     for key in SAME:
