@@ -53,9 +53,9 @@ browser:
 	  else echo "make browser: no apt-get; install chromium and chromedriver for tests/observe/test_browser.py" >&2; fi; \
 	fi
 
-# Two pytest-xdist workers: one runs every Ray test in order on one Ray cluster (they wait on start-ups about half of
-# their time), the other runs the pure tests meanwhile (the scheduling: tests/conftest.py). TEST_WORKERS=0: one process.
-TEST_WORKERS ?= 2
+# TEST_WORKERS=2: two pytest-xdist workers, one runs every Ray test in order on one Ray cluster (they wait on start-ups about half of
+# their time), the other runs the pure tests meanwhile (tests/conftest.py). Default 0 (one process) until a whole suite is measured with 2.
+TEST_WORKERS ?= 0
 test: install browser
 	$(BIN)/ruff check .
 	$(BIN)/mkdocs build --strict --quiet

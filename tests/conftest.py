@@ -119,6 +119,8 @@ def _no_ray_outside_the_ray_group(request: pytest.FixtureRequest):
     yield
     import sys
 
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # one process: the Ray tests and the pure ones share it anyway
+        return
     ray = sys.modules.get("ray")
     if ray is None or _RAY_SESSION_STARTED or request.node.get_closest_marker("ray") is not None:
         return
