@@ -59,12 +59,13 @@ TEST_WORKERS ?= 0
 test: install browser
 	$(BIN)/ruff check .
 	$(BIN)/mkdocs build --strict --quiet
-	$(BIN)/pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS)) $(PYTEST_ARGS)
+	$(BIN)/pytest --hypothesis-profile=ci $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS)) $(PYTEST_ARGS)
 
 # Every test marked slow (the per-algorithm 2-step runs, PBT, the learner-node loss, the soak at its short size, ...):
-# not in `make test` (CI), run before a release so that no slow test rots unseen.
+# not in `make test` (CI), run before a release so that no slow test rots unseen. With them, every Hypothesis test
+# under the "explore" profile: a fresh random search each run (`make test` draws the same derandomized examples).
 test-slow: install browser
-	$(BIN)/pytest -m slow $(PYTEST_ARGS)
+	$(BIN)/pytest -m "slow or hypothesis" --hypothesis-profile=explore $(PYTEST_ARGS)
 
 # The long run under chaos (tests/faults/test_soak.py): the tiny model for SOAK_STEPS steps with seeded faults
 # (reward raises and timeouts, a failing environment, killed rollout actor and learner, MLflow away, a failed
