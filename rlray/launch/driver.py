@@ -84,8 +84,11 @@ def worker_env(hub_offline_default: str = "0") -> dict[str, str]:
 
     - ``TOKENIZERS_PARALLELISM=false``: no tokenizer thread pools beside torch's.
     - ``HF_HUB_OFFLINE``: this process's value, else ``hub_offline_default``.
+    - ``HF_HUB_DISABLE_PROGRESS_BARS``: this process's value, else "1": transformers' and the hub's tqdm bars
+      ("Loading weights", "Writing model shards") stay out of the run's console; rlray prints its own progress.
     """
-    return {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", hub_offline_default)}
+    return {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", hub_offline_default),
+            "HF_HUB_DISABLE_PROGRESS_BARS": os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS", "1")}
 
 
 def init_ray(*, include_dashboard: bool | None = None, log_to_driver: bool = True) -> RayInfo:
