@@ -326,7 +326,7 @@ def agent_host_kwargs(cfg: Config, model_dir: str | None = None) -> dict[str, An
     env = cfg.env
     return {
         "agents": dict(env.agents),
-        "model_dir": (model_dir or resolve_model_path(cfg.model.path)) if env.agents else None,
+        "model_dir": (model_dir or resolve_model_path(cfg.model.path, revision=cfg.model.revision)) if env.agents else None,
         "chat_template": cfg.model.chat_template,
         "sampler_factory": FleetSampler,
         "max_turns": env.max_turns,

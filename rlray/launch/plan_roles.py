@@ -164,7 +164,7 @@ def read_models(cfg: Config) -> Models:
     Raises:
         rlray.models.ModelError: a model path cannot be resolved or its config.json read.
     """
-    policy = mem.read_model_shape(resolve_model_path(cfg.model.path))
+    policy = mem.read_model_shape(resolve_model_path(cfg.model.path, revision=cfg.model.revision))
     critic = None
     if cfg.algo.algorithm.needs_critic:
         critic = mem.read_model_shape(resolve_model_path(cfg.critic.model_path)) if cfg.critic.model_path else policy

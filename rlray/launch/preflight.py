@@ -85,7 +85,7 @@ def preflight(cfg: Config) -> str:
 def check_inputs(cfg: Config) -> str:
     """Returns the resolved local model folder of ``model.path`` after the checks of ``preflight`` (which words its
     other ``ValueError`` s as ``PreflightError``)."""
-    model_dir = resolve_model_path(cfg.model.path)
+    model_dir = resolve_model_path(cfg.model.path, revision=cfg.model.revision)
     tokenizer = load_tokenizer(model_dir, cfg.model.chat_template)
     if cfg.model.adapter_path is not None:
         check_adapter(cfg.model.adapter_path, model_dir)
