@@ -14,8 +14,7 @@ import huggingface_hub
 import pytest
 from huggingface_hub import errors as hub
 
-from rlray.models import ModelError, load_causal_lm, resolve_model_path
-from rlray.models import loading
+from rlray.models import ModelError, load_causal_lm, loading, resolve_model_path
 
 REPO_ID = "rlray-test/tiny-random"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
