@@ -93,11 +93,11 @@ def configure_console(verbose: bool, stream: TextIO | None = None) -> None:
     root.setLevel(logging.INFO)
     logging.captureWarnings(False)  # forget an earlier capture whose showwarning someone has since replaced
     logging.captureWarnings(True)
-    route_library_logs()
     if not verbose:  # transformers' and the hub's tqdm bars (a model built or loaded here): rlray draws its own
-        from transformers.utils import logging as hf_logging
+        from transformers.utils import logging as hf_logging  # sets transformers' logger up: routed just below
 
         hf_logging.disable_progress_bar()
+    route_library_logs()
 
 
 def route_library_logs() -> None:
