@@ -16,6 +16,7 @@ import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
 from rlray.config import Config
+from rlray.plan import resolve_plan
 from rlray.run import build
 
 _EPS = 1e-9
@@ -52,29 +53,26 @@ def bundle(cpus: float, gpus: float, custom: dict[str, float] | None = None) -> 
 
 
 def rollout_bundle(cfg: Config) -> dict[str, float]:
-    """Returns one rollout actor's Ray resources (its GPUs are gpus x tensor_parallel_size)."""
-    r = cfg.resources.rollout
-    return bundle(r.cpus, r.gpus * r.tensor_parallel_size, r.custom_resources)
+    """Returns one rollout actor's Ray resources (its GPUs are gpus x tensor_parallel_size; ``rlray.plan.Roles``)."""
+    return resolve_plan(cfg).roles.rollout.bundle()
 
 
 def role_requests(cfg: Config) -> list[RoleRequest]:
-    """Returns the Ray resources each role of ``cfg`` asks for (roles that are off are left out)."""
-    res = cfg.resources
-    out = [
-        RoleRequest("rollout", res.rollout.num_workers, rollout_bundle(cfg)),
-        RoleRequest("learner", res.learner.num_workers, bundle(res.learner.cpus, res.learner.gpus, res.learner.custom_resources)),
-    ]
-    if cfg.reward.server.enabled:
-        out.append(RoleRequest("reward", res.reward.replicas, bundle(res.reward.cpus, res.reward.gpus, res.reward.custom_resources)))
-    if cfg.reward.judges:  # one Serve application per judge, resources.judge.replicas each
-        out.append(RoleRequest("judge", res.judge.replicas * len(cfg.reward.judges),
-                               bundle(res.judge.cpus, res.judge.gpus, res.judge.custom_resources)))  # fmt: skip
-    if cfg.algo.kl_coef > 0 and res.reference.placement == "actor":
-        out.append(RoleRequest("reference", 1, bundle(res.reference.cpus, res.reference.gpus, res.reference.custom_resources)))
-    if cfg.teacher.enabled and res.teacher.placement == "actor":
-        out.append(RoleRequest("teacher", 1, bundle(res.teacher.cpus, res.teacher.gpus, res.teacher.custom_resources)))
-    if cfg.env.enabled:
-        out.append(RoleRequest("env", res.env.num_workers, bundle(res.env.cpus, 0.0, res.env.custom_resources)))
+    """Returns the Ray resources each role of ``cfg`` asks for (roles that are off are left out), from the plan's
+    roles (``rlray.plan.Roles``: the rollout's resources are asked for even by offline runs)."""
+    roles = resolve_plan(cfg).roles
+    out = [RoleRequest("rollout", roles.rollout.count, roles.rollout.bundle()),
+           RoleRequest("learner", roles.learner.count, roles.learner.bundle())]
+    if roles.reward_server:
+        out.append(RoleRequest("reward", roles.reward.count, roles.reward.bundle()))
+    if roles.judges:  # one Serve application per judge, resources.judge.replicas each
+        out.append(RoleRequest("judge", roles.judge.count * len(roles.judges), roles.judge.bundle()))
+    if roles.reference == "actor":
+        out.append(RoleRequest("reference", 1, roles.reference_actor.bundle()))
+    if roles.teacher == "actor":
+        out.append(RoleRequest("teacher", 1, roles.teacher_actor.bundle()))
+    if roles.env_hosts:
+        out.append(RoleRequest("env", roles.env.count, roles.env.bundle()))
     return out
 
 

@@ -280,6 +280,8 @@ class RunPlan:
         snapshots: where snapshots go.
         tracking: where the run logs.
         max_steps: RL steps of the run (``run.max_steps``).
+        uses_gpus: the learner or the rollout asks for GPUs (``resources.{learner,rollout}.gpus`` > 0); it decides
+            ``model.dtype=auto`` and whether ``rlray plan`` needs the GPUs' memory.
     """
 
     roles: Roles
@@ -291,3 +293,4 @@ class RunPlan:
     snapshots: Snapshots
     tracking: Tracking
     max_steps: int
+    uses_gpus: bool

@@ -47,13 +47,19 @@ def resolve_plan(cfg: Config) -> RunPlan:
         snapshots=Snapshots(cfg.checkpoint_uri, cfg.checkpoint.keep_last, cfg.checkpoint.resume_from),
         tracking=Tracking(cfg.tracking.mlflow_uri, cfg.tracking.experiment, cfg.run.name, cfg.tracking.tensorboard_dir),
         max_steps=cfg.run.max_steps,
+        uses_gpus=uses_gpus(cfg),
     )
+
+
+def uses_gpus(cfg: Config) -> bool:
+    """Returns True when the learner or the rollout asks for GPUs (``RunPlan.uses_gpus``)."""
+    return cfg.resources.learner.gpus > 0 or cfg.resources.rollout.gpus > 0
 
 
 def compute_dtype(cfg: Config) -> str:
     """Returns ``model.dtype`` with "auto" resolved on this machine: "bfloat16" or "float32" (``models.resolve_dtype``;
-    a GPU counts when the learner or the rollout asks for one)."""
-    return resolve_dtype(cfg.model.dtype, gpu=cfg.resources.learner.gpus > 0 or cfg.resources.rollout.gpus > 0)
+    a GPU counts when the run uses GPUs, ``uses_gpus``)."""
+    return resolve_dtype(cfg.model.dtype, gpu=uses_gpus(cfg))
 
 
 def _resources(count: int, cpus: float, gpus: float, custom: dict[str, float]) -> RoleResources:
