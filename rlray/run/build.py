@@ -36,6 +36,7 @@ from rlray.reward.judge_server import ServeJudgeCaller
 from rlray.reward.judges import JudgeSpec
 from rlray.reward.server import LocalRewardClient, ServeRewardClient
 from rlray.rollout import RolloutSource, SamplingSpec
+from rlray.run import online_sampling
 from rlray.run.agents import AgentRollout
 from rlray.run.episodes import EpisodeLimits, EpisodeRollout
 
@@ -103,6 +104,22 @@ def sampling_for_step(cfg: Config, step: int) -> SamplingSpec:
 def eval_sampling(cfg: Config) -> SamplingSpec:
     """Returns the evaluation SamplingSpec: one greedy completion of up to ``eval_max_new_tokens`` tokens."""
     return resolve_plan(cfg).sampling.eval
+
+
+def sampling_extras(cfg: Config) -> online_sampling.SamplingExtras:
+    """Returns the plain values of the sampling extras (DAPO's dynamic sampling and overlong shaping, ReMax's greedy
+    baseline) from ``cfg.algo``, its registry entry, ``learner.prompts_per_step`` and the plan's generation cap."""
+    a = cfg.algo
+    return online_sampling.SamplingExtras(
+        dynamic_sampling=a.algorithm.dynamic_sampling,
+        greedy_baseline=a.algorithm.greedy_baseline,
+        target_groups=cfg.learner.prompts_per_step,
+        max_rounds=a.dynamic_sampling_max_rounds,
+        max_new_tokens=resolve_plan(cfg).lengths.max_new_tokens,
+        metric=a.dynamic_sampling_metric,
+        overlong_cache_tokens=a.overlong_cache_tokens,
+        overlong_penalty_factor=a.overlong_penalty_factor,
+    )
 
 
 def scorer_kwargs(cfg: Config, columns: list[str] | None = None) -> dict[str, Any]:
