@@ -23,7 +23,6 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlray.config import Config
-from rlray.launch.placement import rollout_cpu_threads
 from rlray.learner.batching import MicroBatching
 from rlray.learner.reference import ReferenceModel
 from rlray.models.adapters import AdapterWeights, read_adapter_config
@@ -167,7 +166,7 @@ def rollout_engine_kwargs(cfg: Config, max_model_len: int, cpu_threads: str | No
     Args:
         cfg: the config.
         max_model_len: prompt + response cap, in tokens.
-        cpu_threads: this actor's core list (see ``rlray.launch.placement.rollout_cpu_threads``).
+        cpu_threads: this actor's core list (see ``rollout_cpu_threads``).
         model_path: the local model folder, for sizing the KV cache (``auto_kv_cache_gib``); None: 1 GiB when
             ``rollout.kv_cache_gib`` is None.
     """
@@ -315,6 +314,11 @@ def start_env_hosts(cfg: Config, namespace: str | None = None, *, model_dir: str
 
 
 AGENT_HOST_CONCURRENCY = 8  # an AgentHost's calls at once: agent batches (async steps, DAPO refills) and env steps
+
+
+def rollout_cpu_threads(cfg: Config) -> list[str]:
+    """Returns each rollout actor's core list: resources.rollout.cpu_threads, or ``rlray.run.build.core_plan``'s."""
+    return build.core_plan(cfg).rollout
 
 
 def agent_host_kwargs(cfg: Config, model_dir: str | None = None) -> dict[str, Any]:

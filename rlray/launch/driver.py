@@ -287,7 +287,7 @@ def run_training(
     roles = plan.roles
     teacher_dir = resolve_model_path(cfg.teacher.path) if roles.teacher != "off" else None  # preflight checked it
     ray_info = init_ray(log_to_driver=verbose is not False)
-    check_cluster(cfg)
+    check_cluster(plan)
     opts = cfg.checkpoint.s3.storage_options()
     resume = checkpoint.resolve_snapshot(cfg.checkpoint.resume_from, cfg.checkpoint_uri, opts) if cfg.checkpoint.resume_from else None
     tracker = Tracker(cfg.tracking.mlflow_uri, cfg.tracking.experiment, run_name=cfg.run.name)
@@ -314,7 +314,7 @@ def run_training(
             monitor = services.monitor
             progress = console.DriverProgress(cfg.run.max_steps, lambda: ray.get(monitor.progress.remote(), timeout=30)).start()
         if roles.online:  # offline methods train on preference pairs: no rollout actors
-            actors = start_rollout_actors(cfg, model_dir, plan.lengths.context_tokens, rollout_nodes(cfg),
+            actors = start_rollout_actors(cfg, model_dir, plan.lengths.context_tokens, rollout_nodes(plan),
                                           namespace=namespace)
             env_hosts = start_env_hosts(cfg, namespace=namespace, model_dir=model_dir)
         if roles.reward_server:

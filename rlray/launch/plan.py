@@ -165,7 +165,7 @@ def gpu_problems(cfg: Config, hardware: Hardware | None) -> tuple[str, ...]:
     learner's), else ()."""
     if hardware is None or hardware.total_gpus is None:
         return ()
-    requests = role_requests(cfg)
+    requests = role_requests(resolve_plan(cfg))
     asked = sum(r.total().get("GPU", 0.0) for r in requests if not (cfg.resources.colocate and r.role == "rollout"))
     if asked <= hardware.total_gpus:
         return ()

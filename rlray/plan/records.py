@@ -68,6 +68,9 @@ class Roles:
         reference_actor: the reference actor's resources (``resources.reference``).
         teacher_actor: the teacher actor's resources (``resources.teacher``).
         env: the environment hosts' resources (``resources.env``).
+        placement_strategy: how the rollout actors' and the learner's workers spread over nodes
+            (``resources.placement_strategy``: PACK, SPREAD, STRICT_PACK or STRICT_SPREAD).
+        placement_timeout_s: how long the rollout actors' placement group may take to be ready, in seconds.
     """
 
     online: bool
@@ -84,6 +87,8 @@ class Roles:
     reference_actor: RoleResources
     teacher_actor: RoleResources
     env: RoleResources
+    placement_strategy: str
+    placement_timeout_s: float
 
     @property
     def reference_on_learner(self) -> bool:

@@ -93,6 +93,8 @@ def resolve_roles(cfg: Config) -> Roles:
         reference_actor=_resources(1, res.reference.cpus, res.reference.gpus, res.reference.custom_resources),
         teacher_actor=_resources(1, res.teacher.cpus, res.teacher.gpus, res.teacher.custom_resources),
         env=_resources(res.env.num_workers, res.env.cpus, 0.0, res.env.custom_resources),
+        placement_strategy=res.placement_strategy,
+        placement_timeout_s=res.placement_timeout_s,
     )
 
 

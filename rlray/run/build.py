@@ -165,9 +165,10 @@ def local_reward_client(cfg: Config, columns: list[str] | None = None) -> LocalR
 
 
 def reward_client(cfg: Config, columns: list[str] | None = None) -> LocalRewardClient | ServeRewardClient:
-    """Returns the Serve application's client when ``reward.server.enabled``, else an in-process scorer."""
+    """Returns the Serve application's client when the plan runs a reward server (``rlray.plan.Roles.reward_server``:
+    online with ``reward.server.enabled``), else an in-process scorer."""
     srv = cfg.reward.server
-    if srv.enabled:
+    if resolve_plan(cfg).roles.reward_server:
         return ServeRewardClient(srv.app_name, attempts=srv.client_attempts, timeout_s=srv.client_timeout_s)
     return local_reward_client(cfg, columns)
 
@@ -324,8 +325,7 @@ def rollout_overlap(cfg: Config, plan: CorePlan, *, shares_node: bool) -> tuple[
         return False, "synchronous"
     if cfg.rollout.overlap != "auto":
         return cfg.rollout.overlap == "on", f"rollout.overlap={cfg.rollout.overlap}"
-    res = cfg.resources
-    if res.rollout.gpus > 0 or res.learner.gpus > 0:
+    if resolve_plan(cfg).uses_gpus:
         return True, "a stage on GPU"
     if not shares_node:
         return True, "the rollout actors run on other nodes than the learner"
