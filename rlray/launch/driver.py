@@ -289,11 +289,12 @@ def run_training(
     ray_info = init_ray(log_to_driver=verbose is not False)
     check_cluster(plan)
     opts = cfg.checkpoint.s3.storage_options()
-    resume = checkpoint.resolve_snapshot(cfg.checkpoint.resume_from, cfg.checkpoint_uri, opts) if cfg.checkpoint.resume_from else None
-    tracker = Tracker(cfg.tracking.mlflow_uri, cfg.tracking.experiment, run_name=cfg.run.name)
+    snaps, tracking = plan.snapshots, plan.tracking
+    resume = checkpoint.resolve_snapshot(snaps.resume_from, snaps.uri, opts) if snaps.resume_from else None
+    tracker = Tracker(tracking.mlflow_uri, tracking.experiment, run_name=tracking.run_name)
     tracker.log_config(cfg)
     services = RunServices(started_at=started_at, git_commit=lineage.git_commit(), resume_from=resume)
-    run_dir = checkpoint.join(cfg.checkpoint_uri, checkpoint.run_dir_name(tracker.run_id))
+    run_dir = checkpoint.join(snaps.uri, checkpoint.run_dir_name(tracker.run_id))
     tracker.set_tags({"rlray.model_dir": model_dir, "rlray.output_dir": cfg.run.output_dir, "rlray.snapshot_dir": run_dir,
                       "rlray.git_commit": services.git_commit, **({"rlray.resumed_from": resume} if resume else {}), **(tags or {})})
     log.info("MLflow run %s in %s", tracker.run_id, cfg.tracking.mlflow_uri)

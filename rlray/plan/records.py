@@ -251,13 +251,21 @@ class Snapshots:
 
     Attributes:
         uri: the snapshot root (``Config.checkpoint_uri``).
+        every_steps: a snapshot every this many steps (``checkpoint.every_steps``), and one after the last step.
+        last_step: the run's last step (``run.max_steps``).
         keep_last: complete snapshots kept (``checkpoint.keep_last``; Ray Train's num_to_keep).
         resume_from: the snapshot to resume from ("latest", a path or URI), None for a fresh run.
     """
 
     uri: str
+    every_steps: int
+    last_step: int
     keep_last: int
     resume_from: str | None
+
+    def due(self, step: int) -> bool:
+        """Returns True when 1-based ``step`` ends with a snapshot: every ``every_steps`` steps, and the last one."""
+        return step % self.every_steps == 0 or step == self.last_step
 
 
 @dataclass(frozen=True)
