@@ -2,7 +2,9 @@
 
 Building-block packages (``rlray.learner``, ``rlray.reward``, ``rlray.rollout``) never read the config:
 every place that turns ``Config`` fields into their arguments is here, used by the run (rank 0's
-step, every rank's learner) and by the driver (``rlray.launch``: the reward server, ``rlray eval``).
+step, every rank's learner) and by the driver (``rlray.launch``: the reward server, ``rlray eval``). The run's
+decisions (placements, parallelism and micro-batching, lengths, sampling, episode limits) are taken once by
+``rlray.plan.resolve_plan``; the functions here build objects from the plan's parts and the remaining config keys.
 """
 
 from __future__ import annotations
