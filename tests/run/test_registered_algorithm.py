@@ -24,7 +24,7 @@ from rlray.algos import ALGORITHMS, Algorithm, load_algorithms, register
 from rlray.config import Config, ConfigError, config_from_dict, load_config
 from rlray.learner import PolicyLearner
 from rlray.learner import online as learner_online
-from rlray.run import build, experience, online_sampling
+from rlray.run import build, experience
 from rlray.run.experience import StageTimer
 from tests.faults.test_step_faults import _completions, _FixedScorer, _rank0_ctx
 from tests.run.test_algos_e2e import _overrides
@@ -69,7 +69,7 @@ def test_a_registered_algorithm_validates_and_reads_its_entry(sign_grpo_algorith
     assert cfg.algo.family == "online" and cfg.algo.algorithm is sign_grpo_algorithm
     spec = build.update_spec(cfg, 1)
     assert spec.estimator is sign_grpo_algorithm.advantage and spec.loss.policy_loss == "ppo_clip"
-    extras = online_sampling.spec_from(cfg)
+    extras = build.sampling_extras(cfg)
     assert not extras.dynamic_sampling and not extras.greedy_baseline
     with pytest.raises(ConfigError, match="the group estimator 'sign_grpo' needs at least 2 samples per prompt"):
         _cfg("rollout.samples_per_prompt=1", "learner.sequences_per_minibatch=2", "learner.sequences_per_microbatch=2")
