@@ -4,6 +4,9 @@ needs a CUDA device)."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -90,7 +93,14 @@ def test_planner_row_runs_a_real_learner_step_and_reports_the_planner_figure(gpu
     from rlray.launch.plan import plan_run
     from rlray.launch.plan_roles import CPU_PROCESS_GIB
 
-    rows = gpu_check.check_planner(tiny_model_path, "cpu", sequences=2, prompt_tokens=16, response_tokens=8, bf16=False)
+    # In a fresh process: on the CPU the measure is the resident peak (VmHWM) less the resident size before, and a
+    # process that already ran other tests reuses freed memory, so its resident size barely grows
+    script = ("import json, sys; sys.path.insert(0, 'benchmarks'); import gpu_check; print(json.dumps("
+              f"gpu_check.check_planner({tiny_model_path!r}, 'cpu', sequences=2, prompt_tokens=16, "
+              "response_tokens=8, bf16=False)))")
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [tuple(r) for r in json.loads(out.stdout.strip().splitlines()[-1])]
     (name, status, detail), = rows
     assert name == "planner vs measured learner step, checkpointing off" and status in ("ok", "FAILED")
     cfg = config_from_dict({}, [f"model.path={tiny_model_path}", "model.dtype=float32", "learner.sequences_per_microbatch=2",
