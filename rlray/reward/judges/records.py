@@ -32,7 +32,8 @@ class JudgeSpec:
 
     Attributes:
         name: the judge's term name (metric ``reward/<name>``).
-        mode: "pointwise" or "group".
+        mode: "pointwise" or "group" (a key of ``JUDGE_MODES``; ``modes.judge_mode`` picks the object, with
+            ``logprobs`` "label_logprobs").
         model_path: the judge model's local Hugging Face folder.
         template, system_prompt, prefill: Jinja texts (module docstring); system_prompt None: no system turn.
         pattern: the regular expression that finds the score (one group; group mode: position and score).
