@@ -60,8 +60,8 @@ def data(count: int) -> tuple[list[str], list[str], list[dict]]:
 def measure(name: str, entry: dict, args: argparse.Namespace) -> dict:
     """Swaps the bench judge to ``entry`` and times ``args.batches`` batches; returns the row of the table."""
     from rlray.config import config_from_dict
-    from rlray.reward.judge_client import JudgeClient
-    from rlray.reward.judge_server import ServeJudgeCaller, build_judge_app, deploy_judge_app
+    from rlray.reward.judges.client import JudgeClient
+    from rlray.reward.judges.deployment import ServeJudgeCaller, build_judge_app, deploy_judge_app
     from rlray.run import build
 
     cfg = config_from_dict({"reward": {"judges": [entry]}})

@@ -88,7 +88,7 @@ def _serve_reward(args: argparse.Namespace) -> int:
 
 def _judge(args: argparse.Namespace) -> int:
     from rlray.launch.judge_check import judge_check
-    from rlray.reward.judge_stats import format_report
+    from rlray.reward.judges.stats import format_report
 
     if args.rows < 1:
         print(f"rlray: --rows={args.rows}: give at least 1 row", file=sys.stderr)

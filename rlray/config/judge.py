@@ -1,9 +1,11 @@
 """Config of reward.judges: generative reward models (an LLM judge on its own Ray Serve application), with the
-default templates and score patterns of each mode (``rlray.reward.judges`` describes the modes)."""
+default templates and score patterns of each mode (``MODE_DEFAULTS``; the modes' behaviour, rendering and parsing,
+is ``rlray.reward.judges.modes``)."""
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Literal
 
 import jinja2
@@ -26,6 +28,30 @@ DEFAULT_TEMPLATES: dict[str, str] = {
 }
 _NUMBER = r"(-?\d+(?:\.\d+)?)"
 _POSITION = r"(?i)response\s*(\d+)\s*[:=-]\s*"
+
+
+@dataclass(frozen=True)
+class ModeDefaults:
+    """The config's side of a judge mode: its defaults and what validation asks of its entries.
+
+    Attributes:
+        template: the built-in Jinja template of the judge's user turn.
+        number_prefix, label_prefix: what the default pattern puts before a numeric score, and before the labels.
+        groups: the groups ``parse.pattern`` must have, and what they capture (for the message).
+        logprobs: ``logprobs=true`` (scoring by the labels' first-token probabilities) is allowed in this mode.
+    """
+
+    template: str
+    number_prefix: str
+    label_prefix: str
+    groups: tuple[int, str]
+    logprobs: bool
+
+
+MODE_DEFAULTS: dict[str, ModeDefaults] = {
+    "pointwise": ModeDefaults(DEFAULT_TEMPLATES["pointwise"], r"(?i)score\s*[:=]?\s*", r"(?i)\b", (1, "the score"), True),
+    "group": ModeDefaults(DEFAULT_TEMPLATES["group"], _POSITION, _POSITION, (2, "the position, then the score"), False),
+}
 JUDGE_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
 RESERVED_TERMS = ("reward", "reward_model", "env", "overlong")
 
@@ -132,11 +158,11 @@ class JudgeConfig(_Section):
             groups = re.compile(self.score_pattern).groups
         except re.error as err:
             raise ValueError(f"parse.pattern={p.pattern!r} is not a regular expression: {err}") from None
-        want = 2 if self.mode == "group" else 1
+        want, what = MODE_DEFAULTS[self.mode].groups
         if groups != want:
             raise ValueError(f"parse.pattern={self.score_pattern!r} has {groups} groups; mode {self.mode} needs {want} "
-                             f"({'the position, then the score' if want == 2 else 'the score'})")  # fmt: skip
-        if self.logprobs and (self.mode != "pointwise" or not p.labels):
+                             f"({what})")  # fmt: skip
+        if self.logprobs and (not MODE_DEFAULTS[self.mode].logprobs or not p.labels):
             raise ValueError("logprobs=true scores by the labels' probabilities: it needs mode pointwise and parse.labels "
                              "(e.g. {correct: 1.0, wrong: 0.0})")  # fmt: skip
         return self
@@ -144,17 +170,17 @@ class JudgeConfig(_Section):
     @property
     def judge_template(self) -> str:
         """Returns the Jinja template of the judge's user turn: ``template``, else the mode's built-in one."""
-        return self.template if self.template is not None else DEFAULT_TEMPLATES[self.mode]
+        return self.template if self.template is not None else MODE_DEFAULTS[self.mode].template
 
     @property
     def score_pattern(self) -> str:
         """Returns ``parse.pattern``, else the mode's default: 'Score: N', 'Response K: N', or the labels as words."""
         if self.parse.pattern is not None:
             return self.parse.pattern
-        score = _labels_pattern(self.parse.labels) if self.parse.labels else _NUMBER
-        if self.mode == "group":
-            return _POSITION + score
-        return r"(?i)\b" + score if self.parse.labels else r"(?i)score\s*[:=]?\s*" + _NUMBER
+        defaults = MODE_DEFAULTS[self.mode]
+        if self.parse.labels:
+            return defaults.label_prefix + _labels_pattern(self.parse.labels)
+        return defaults.number_prefix + _NUMBER
 
     @property
     def app_name(self) -> str:

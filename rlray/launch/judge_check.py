@@ -4,9 +4,10 @@ In this process, without Ray: the policy (``model.path``, the rollout backend) a
 with ``rollout.samples_per_prompt`` samples each, sampled as step 1 of the run would (or, with a response column,
 each row's own response is judged); the reward functions score them (the references: every ``reward.functions``
 term, e.g. ``gsm8k_correct``, and a labelled column when one is named); then each judge scores them through
-the same client as in training (``rlray.reward.judge_client``; one engine at a time, so the policy's engine is
-stopped first). A group-mode judge scores every group a second time in the reverse order (position bias).
-``rlray.reward.judge_stats`` turns the scores into the report.
+the same client as in training (``rlray.reward.judges.client``; one engine at a time, so the policy's engine is
+stopped first). A judge whose mode shows a group together (group mode) scores every group a second time in the
+reverse order (position bias).
+``rlray.reward.judges.stats`` turns the scores into the report.
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ from rlray.launch.actors import rollout_engine_kwargs
 from rlray.launch.driver import max_model_len, resolve_paths
 from rlray.launch.judges import check_judges
 from rlray.models import load_tokenizer, resolve_model_path
-from rlray.reward.judge_client import JudgeClient, LocalJudgeCaller
-from rlray.reward.judge_service import JudgeService
-from rlray.reward.judge_stats import JudgeReport, agreement, position_bias, spread
-from rlray.reward.judges import JudgeError, JudgeSpec
+from rlray.reward.judges import JudgeError, JudgeSpec, spec_mode
+from rlray.reward.judges.client import JudgeClient, LocalJudgeCaller
+from rlray.reward.judges.service import JudgeService
+from rlray.reward.judges.stats import JudgeReport, agreement, position_bias, spread
 from rlray.rollout import RolloutEngine
 from rlray.run import build
 
@@ -104,13 +105,13 @@ def _judge(cfg: Config, judge: JudgeConfig, spec: JudgeSpec, batch: Batch, refer
            threshold: float | None) -> JudgeReport:  # fmt: skip
     """Returns one judge's report on ``batch``: its engine started in this process, used, then stopped."""
     service = JudgeService(spec, cfg.reward.version)
-    seed, bias = build.judge_seed(cfg, 0), None
+    seed, bias, together = build.judge_seed(cfg, 0), None, spec_mode(spec).together
     try:
         client = JudgeClient(judge.name, judge.mode, LocalJudgeCaller(service), cache_entries=0, attempts=1)
         t = time.perf_counter()
         got = client.score(batch.prompts, batch.texts, batch.columns, batch.groups, seed)
         seconds, stats = time.perf_counter() - t, client.take_stats()
-        if judge.mode == "group":  # the same groups in the reverse orders
+        if together:  # the same groups in the reverse orders
             again = client.score(batch.prompts, batch.texts, batch.columns, batch.groups, seed, reverse=True)
             bias = position_bias(got.scores, again.scores, *client.plan(len(batch.texts), batch.groups, seed))
         client.close()
@@ -121,7 +122,7 @@ def _judge(cfg: Config, judge: JudgeConfig, spec: JudgeSpec, batch: Batch, refer
     cut = middle if threshold is None else threshold
     return JudgeReport(
         judge.name, judge.mode, len(batch.texts), stats.parse_failures, stats.errors, seconds,
-        spread(got.scores, batch.groups if judge.mode == "group" else None),
+        spread(got.scores, batch.groups if together else None),
         [agreement(name, values, got.scores, judge_threshold=cut) for name, values in references.items()], bias,
         next((o for o in got.outputs if o), ""),
     )  # fmt: skip

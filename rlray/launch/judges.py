@@ -19,15 +19,15 @@ from typing import Any
 from rlray.config import Config, JudgeConfig
 from rlray.data import PromptRow
 from rlray.models import ModelError, load_tokenizer, resolve_model_path
-from rlray.reward.judge_service import JudgeService
 from rlray.reward.judges import (
     RESERVED_VARIABLES,
     JudgeError,
     JudgeItem,
     JudgeSpec,
-    label_token_ids,
+    spec_mode,
     template_variables,
 )
+from rlray.reward.judges.service import JudgeService
 from rlray.run import build
 
 log = logging.getLogger(__name__)
@@ -74,10 +74,10 @@ def check_judges(cfg: Config, rows: list[PromptRow]) -> None:
 def _check_first_row(key: str, judge: JudgeConfig, spec: JudgeSpec, row: PromptRow) -> None:
     """Renders a judge's prompt on ``row`` (with a one-word response) and checks its labels and its length."""
     tokenizer = load_tokenizer(spec.model_path)
-    if judge.logprobs:
-        label_token_ids(tokenizer, spec.labels, key)
+    mode = spec_mode(spec)
+    mode.prepare(spec, tokenizer, key)  # logprob labels that share a first token fail here, naming the key
     service = JudgeService(spec, 0, engine=_TokenizerOnly(), tokenizer=tokenizer)
-    responses = ("answer",) * (2 if judge.mode == "group" else 1)
+    responses = ("answer",) * (2 if mode.together else 1)
     try:
         ids, _ = service.prompt_ids(JudgeItem(row.prompt, responses, dict(row.columns)))
     except Exception as err:  # noqa: BLE001 - whatever a template's expressions raise on the row
@@ -102,7 +102,7 @@ def deploy_judges(cfg: Config) -> list[str]:
     # deferred: Ray Serve's import takes seconds and only runs with judges need it
     from ray import serve
 
-    from rlray.reward.judge_server import build_judge_app, deploy_judge_app
+    from rlray.reward.judges.deployment import build_judge_app, deploy_judge_app
 
     res, srv = cfg.resources.judge, cfg.reward.server
     running = serve.status().applications
@@ -124,7 +124,7 @@ def deploy_judges(cfg: Config) -> list[str]:
 def _serving(status: Any, app_name: str, identity: tuple[int, str], replicas: int) -> bool:
     """Returns True when Serve application ``app_name`` (its ``serve.status()`` entry, None when absent) runs
     ``replicas`` replicas that answer with ``identity`` (version, definition)."""
-    from rlray.reward.judge_server import DEPLOYMENT, ServeJudgeCaller
+    from rlray.reward.judges.deployment import DEPLOYMENT, ServeJudgeCaller
 
     deployment = status.deployments.get(DEPLOYMENT) if status is not None else None
     if deployment is None or deployment.replica_states.get("RUNNING", 0) != replicas:

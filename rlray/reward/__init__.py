@@ -1,6 +1,6 @@
 """Rewards: weighted terms in TRL's reward-function convention (built-in verifiers, user functions), a reward model,
-and judges (generative reward models on Ray Serve: ``rlray.reward.judges``, ``judge_service``, ``judge_server``,
-``judge_client``, ``judge_panel``; ``judge_stats`` for ``rlray judge check``)."""
+judges (generative reward models on Ray Serve: the ``rlray.reward.judges`` package) and the one rule that sums every
+term of a sample's reward (``rlray.reward.combine``)."""
 
 from rlray.reward.functions import RewardFunctionError, load_reward_function
 from rlray.reward.gsm8k import extract_final_answer, grade_gsm8k, gsm8k_reward

@@ -21,7 +21,7 @@ reserved and names are unique. Signatures are checked when the scorer is built (
 
 ``reward[i]`` is the sum over terms whose value is not None of ``weight * value``, plus ``model_weight *
 reward_model[i]`` with a reward model (its raw score, which always applies), summed in Python floats from
-0.0 in config order (``summed_reward``; so ``[gsm8k_correct 1.0, gsm8k_format 0.2]`` gives exactly
+0.0 in config order (``rlray.reward.combine``, the one rule for every reward term; so ``[gsm8k_correct 1.0, gsm8k_format 0.2]`` gives exactly
 ``1.0 * accuracy + 0.2 * format``). It is NaN when any term failed, and also when every term skipped the
 sample and there is no reward model: nothing rewarded it, so it counts as failed (TRL marks such rows NaN as
 well). A scorer with no terms at all (no functions, no reward model) gives 0.0 to every sample: the task reward
@@ -42,6 +42,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from rlray.reward.combine import Term, combine
 from rlray.reward.functions import (
     BoundFunction,
     RewardFunctionError,
@@ -191,18 +192,12 @@ def term_name(function: str, name: str | None) -> str:
 def summed_reward(terms: Sequence[tuple[float, Sequence[float | None]]], n: int) -> list[float]:
     """Returns ``reward[i] = sum of weight * value[i]`` over (weight, values) terms whose value is not None.
 
-    Summed in Python floats from 0.0 in the order given; NaN where a value is NaN, and where every value is
-    None (nothing rewarded the sample).
+    Summed in Python floats from 0.0 in the order given (``rlray.reward.combine``); NaN where a value is NaN, and
+    where every value is None (nothing rewarded the sample; with no terms, every sample).
     """
-    out = []
-    for i in range(n):
-        total, applied = 0.0, False
-        for weight, values in terms:
-            if values[i] is not None:
-                total += weight * values[i]
-                applied = True
-        out.append(total if applied else math.nan)
-    return out
+    if not terms:
+        return [math.nan] * n
+    return combine([Term(f"term{k}", weight, values) for k, (weight, values) in enumerate(terms)], n)["reward"]
 
 
 class RewardScorer:
@@ -277,12 +272,11 @@ class RewardScorer:
         values = column_values(columns, self.columns)
         shaped = [[{"role": "assistant", "content": c}] if isinstance(p, list) else c for p, c in zip(prompts, completions, strict=True)]
         scored = {t.name: t.score(list(prompts), shaped, completion_ids, values) if n else ([], []) for t in self.terms}
-        terms = {name: got[0] for name, got in scored.items()}
-        weighted = [(t.weight, terms[t.name]) for t in self.terms]
+        weighted = [Term(t.name, t.weight, scored[t.name][0]) for t in self.terms]
         if self.model is not None:
-            terms["reward_model"] = self.model.score(prompts, completions)
-            weighted.append((self.model_weight, terms["reward_model"]))
-        reward = summed_reward(weighted, n) if weighted else [0.0] * n
+            weighted.append(Term("reward_model", self.model_weight, self.model.score(prompts, completions)))
+        values = combine(weighted, n)  # no term at all: 0.0 for every sample
+        reward = values["reward"]
         failures = []
         for i, r in enumerate(reward):
             why = next((f"reward function '{name}': {got[1][i]}" for name, got in scored.items() if got[1][i]), "")
@@ -290,7 +284,7 @@ class RewardScorer:
                 why = ("the reward model gave NaN" if self.model is not None
                        else "every reward term skipped it (returned None) and there is no reward model")
             failures.append(why)
-        return {"reward": reward, **terms}, failures
+        return values, failures
 
     def close(self) -> None:
         """Stops the user functions' processes."""

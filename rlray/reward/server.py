@@ -74,7 +74,7 @@ class ScoreResult:
             sample failed, None where a term skipped it (``rlray.reward.scorer``).
         failures: B texts: "" where the reward is a number, else why it is NaN, naming the reward function
             (``RewardScorer.score_with_failures``); [] from a client that does not know them.
-        outputs: {judge name: [B raw judge outputs]} when judges scored the batch (``rlray.reward.judge_panel``).
+        outputs: {judge name: [B raw judge outputs]} when judges scored the batch (``rlray.reward.judges.panel``).
     """
 
     version: int

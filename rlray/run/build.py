@@ -32,10 +32,10 @@ from rlray.learner.sharding import FSDP2
 from rlray.models import resolve_dtype, resolve_model_path
 from rlray.plan import compute_dtype, resolve_plan  # compute_dtype: build.compute_dtype for its callers
 from rlray.reward import RewardScorer
-from rlray.reward.judge_client import JudgeCaller, JudgeClient
-from rlray.reward.judge_panel import JudgePanel, JudgeTerm
-from rlray.reward.judge_server import ServeJudgeCaller
 from rlray.reward.judges import JudgeSpec
+from rlray.reward.judges.client import JudgeCaller, JudgeClient
+from rlray.reward.judges.deployment import ServeJudgeCaller
+from rlray.reward.judges.panel import JudgePanel, JudgeTerm
 from rlray.reward.server import LocalRewardClient, ServeRewardClient
 from rlray.rollout import RolloutSource, SamplingSpec
 from rlray.run import online_sampling

@@ -42,6 +42,7 @@ import ray
 from rlray.envs.episode import TemplateDriftError, Trajectory, open_trajectory, truncate_observations
 from rlray.envs.host import ResetRequest, StepRequest
 from rlray.envs.probe import reset_kwargs, row_environment
+from rlray.reward.combine import Term, combine
 from rlray.rollout import Completion, SamplingSpec
 from rlray.rollout.fleet import ACTOR_ERRORS, RolloutFleet
 from rlray.rollout.types import EpisodeInfo, in_background
@@ -419,7 +420,7 @@ class EpisodeRollout:
 # Rewards and metrics of episodes
 # --------------------------------------------------------------------------------------------
 def add_env_reward(values: dict[str, list[float | None]], completions: list[Completion], weight: float) -> dict[str, list]:
-    """Returns the scored values with the environment's reward added as the term "env".
+    """Returns the scored values with the environment's reward added as the term "env" (``rlray.reward.combine``).
 
     For each completion: a failed episode's reward is NaN (left out of the update); an environment's
     episode gets ``reward = functions' reward + weight * r`` with r its environment reward, 0.0 when the
@@ -432,23 +433,16 @@ def add_env_reward(values: dict[str, list[float | None]], completions: list[Comp
         completions: the B completions (``Completion.episode``).
         weight: env.reward_weight.
     """
-    terms = [k for k in values if k != "reward"]
-    reward, env = list(values["reward"]), []
-    for i, c in enumerate(completions):
+    env: list[float | None] = []
+    for c in completions:
         ep = c.episode
         if ep is not None and ep.failed:
-            reward[i] = math.nan
-            env.append(math.nan)
-            continue
-        if ep is None or not ep.environment:
+            env.append(math.nan)  # a NaN term fails the sample's reward
+        elif ep is None or not ep.environment:
             env.append(None)
-            continue
-        r = 0.0 if ep.env_reward is None else ep.env_reward
-        env.append(r)
-        skipped_all = all(values[t][i] is None for t in terms)
-        base = 0.0 if skipped_all else reward[i]
-        reward[i] = base + weight * r
-    return {**values, "reward": reward, "env": env}
+        else:
+            env.append(0.0 if ep.env_reward is None else ep.env_reward)
+    return combine([Term("env", weight, env)], len(completions), prior=values)
 
 
 def episode_metrics(completions: list[Completion]) -> dict[str, float]:

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from rlray.data import PromptRow
-from rlray.reward.judge_panel import JudgePanel
+from rlray.reward.judges.panel import JudgePanel
 from rlray.rollout import RolloutSource, SamplingSpec
 from rlray.run.experience import score, term_metrics
 from rlray.run.lead import RewardClient

@@ -28,7 +28,7 @@ from rlray.config import Config
 from rlray.data import PromptRow, columns_json
 from rlray.learner import Normaliser
 from rlray.observe.samples import StepSample, mask_runs
-from rlray.reward.judge_panel import JudgePanel
+from rlray.reward.judges.panel import JudgePanel
 from rlray.reward.server import ScoreResult
 from rlray.rollout import Completion, SamplingSpec
 from rlray.run import build, online_sampling, segments
@@ -150,7 +150,7 @@ def score(reward: RewardClient, rows: list[PromptRow], completions: list[Complet
     decoded text (special tokens skipped; an episode's text holds every turn and observation), its token
     ids and its row's other columns (TRL's keyword arguments). Term values: a float, NaN (failed) or
     None (the term skipped the sample). The judges (``judges``) add their terms next, a prompt's completions
-    forming one group (``rlray.reward.judge_panel``; ``judge_seed`` seeds the order groups are shown in); an
+    forming one group (``rlray.reward.judges.panel``; ``judge_seed`` seeds the order groups are shown in); an
     episode is judged on its whole text, its final conversation. Episodes add the environment's reward as the
     term "env" (``rlray.run.episodes.add_env_reward``, weighted by env.reward_weight).
     """

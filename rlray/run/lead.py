@@ -18,7 +18,7 @@ import ray
 from rlray.config import Config
 from rlray.cores import CorePlan
 from rlray.data import PromptRow, PromptStream, load_prompt_rows, prepare_prompts
-from rlray.reward.judge_panel import JudgePanel
+from rlray.reward.judges.panel import JudgePanel
 from rlray.reward.server import LocalRewardClient, ServeRewardClient
 from rlray.rollout import RolloutSource, SamplingSpec
 from rlray.rollout.fleet import RolloutFleet, gcs_actor_node

@@ -9,9 +9,9 @@ import threading
 
 import pytest
 
-from rlray.reward.judge_client import JudgeClient
-from rlray.reward.judge_panel import JudgePanel, JudgeTerm, add_judge_terms
 from rlray.reward.judges import JudgeReply, JudgeVerdict
+from rlray.reward.judges.client import JudgeClient
+from rlray.reward.judges.panel import JudgePanel, JudgeTerm, add_judge_terms
 from rlray.reward.server import ScoreResult
 
 
@@ -97,7 +97,7 @@ def test_a_slow_or_down_judge_fails_its_samples_after_bounded_tries(caplog):
     assert (stats.calls, stats.retries, stats.errors) == (3, 2, 0)
     down = ScriptedJudge(outages=[TimeoutError("past 1 s")] * 3)
     client = JudgeClient("j", "pointwise", down, attempts=3, backoff_s=0.0)
-    with caplog.at_level(logging.WARNING, logger="rlray.reward.judge_client"):
+    with caplog.at_level(logging.WARNING, logger="rlray.reward.judges.client"):
         got = client.score(["p", "p"], ["ab", "c"], [{}, {}])
     assert all(math.isnan(s) for s in got.scores) and got.outputs == ["no answer from the judge"] * 2
     stats = client.take_stats()

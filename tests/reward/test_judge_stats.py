@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from rlray.reward.judge_stats import JudgeReport, agreement, cohen_kappa, format_report, position_bias, spread
+from rlray.reward.judges.stats import JudgeReport, agreement, cohen_kappa, format_report, position_bias, spread
 
 
 def test_cohen_kappa_by_hand():

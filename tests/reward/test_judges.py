@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from rlray.config import JudgeConfig
-from rlray.reward.judge_service import JudgeService
 from rlray.reward.judges import (
     JudgeError,
     JudgeItem,
@@ -25,6 +24,7 @@ from rlray.reward.judges import (
     soft_score,
     template_variables,
 )
+from rlray.reward.judges.service import JudgeService
 from rlray.rollout import Completion
 
 

@@ -11,8 +11,8 @@ import time
 import pytest
 
 from rlray.config import config_from_dict
-from rlray.reward.judge_service import JudgeService
 from rlray.reward.judges import JudgeItem, JudgeRequest
+from rlray.reward.judges.service import JudgeService
 from rlray.reward.server import ScoreResult
 
 # pointwise: the labels' probabilities (exact, comparable to a local service); group: the verdict is the prefill, each
@@ -99,8 +99,8 @@ def test_hot_swap_through_serve_reward_under_load(deployed, tmp_path):
     from ray import serve
 
     from rlray.cli import main
-    from rlray.reward.judge_client import JudgeClient
-    from rlray.reward.judge_server import ServeJudgeCaller
+    from rlray.reward.judges.client import JudgeClient
+    from rlray.reward.judges.deployment import ServeJudgeCaller
 
     cfg, port = deployed
     seen, errors, stop = [], [], threading.Event()
@@ -144,9 +144,9 @@ def test_hot_swap_through_serve_reward_under_load(deployed, tmp_path):
 def test_a_slow_or_down_judge_fails_its_rewards_and_scoring_goes_on(deployed, caplog):
     from ray import serve
 
-    from rlray.reward.judge_client import JudgeClient
-    from rlray.reward.judge_panel import JudgePanel, JudgeTerm
-    from rlray.reward.judge_server import ServeJudgeCaller
+    from rlray.reward.judges.client import JudgeClient
+    from rlray.reward.judges.deployment import ServeJudgeCaller
+    from rlray.reward.judges.panel import JudgePanel, JudgeTerm
 
     slow = JudgeClient("judge", "pointwise", ServeJudgeCaller("rlray-judge-judge"), timeout_s=0.001, attempts=2,
                        backoff_s=0.1)  # fmt: skip

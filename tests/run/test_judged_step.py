@@ -10,9 +10,9 @@ from types import SimpleNamespace
 
 from rlray.config import config_from_dict
 from rlray.data import PromptRow
-from rlray.reward.judge_client import JudgeClient
-from rlray.reward.judge_panel import JudgePanel, JudgeTerm
 from rlray.reward.judges import JudgeReply, JudgeVerdict
+from rlray.reward.judges.client import JudgeClient
+from rlray.reward.judges.panel import JudgePanel, JudgeTerm
 from rlray.reward.server import LocalRewardClient
 from rlray.rollout import Completion, SamplingSpec
 from rlray.rollout.types import EpisodeInfo

@@ -1,18 +1,19 @@
-"""The run's side of the judges: ``JudgeClient`` (one judge: cache, chunks, retries, shuffles) and ``JudgePanel`` (every
-judge of the run: their terms added to the reward stage's scores, their metrics).
+"""The run's side of one judge: ``JudgeClient`` (cache, chunks, retries, shuffles); every judge of a run together is
+a ``JudgePanel`` (``rlray.reward.judges.panel``: their terms added to the reward, their metrics).
 
 **A call.** ``JudgeClient.score`` gets a batch of B samples (prompts, decoded responses, row columns and, in group
-mode, each sample's group). It makes one *judgement* per sample (pointwise) or per group (group mode; the G
-responses are shown in an order drawn per group from a generator seeded with ``seed``, and the scores are mapped
-back to the samples). Judgements already made for the same (prompt, responses, row columns, judge version, judge
-definition) come from the run's cache (``cache_entries``, least recently used first out); the others, each once,
-are split into one chunk per replica and sent at once. A chunk that gets no reply within ``timeout_s`` (it is
-cancelled) or fails is sent again, up to ``attempts`` tries with a back-off doubling from ``backoff_s``; after
-that its samples' scores fail (NaN) and the run goes on: they count in ``reward/failed`` and stay out of the update.
+mode, each sample's group). Its mode (``rlray.reward.judges.modes``) plans the *judgements*: one per sample
+(pointwise) or per group (group mode; the G responses are shown in an order drawn per group from a generator seeded
+with ``seed``, and the scores are mapped back to the samples). Judgements already made for the same (prompt,
+responses, row columns, judge version, judge definition) come from the run's cache (``cache_entries``, least
+recently used first out); the others, each once, are split into one chunk per replica and sent at once. A chunk that
+gets no reply within ``timeout_s`` (it is cancelled) or fails is sent again, up to ``attempts`` tries with a
+back-off doubling from ``backoff_s``; after that its samples' scores fail (NaN) and the run goes on: they count in
+``reward/failed`` and stay out of the update.
 
 **Scores.** A failed score is NaN: the output did not parse (``reward/judge_parse_failures``), or the judge did not
-answer, the prompt did not fit, the template raised (``reward/judge_errors``). ``add_judge_terms`` adds each judge as
-a term, ``reward += weight * score``, after the scorer's terms (a sample every scorer term skipped starts from 0).
+answer, the prompt did not fit, the template raised (``reward/judge_errors``). ``JudgePanel`` adds each judge as
+a term, ``reward += weight * score``, after the scorer's terms (``rlray.reward.combine``).
 
 **Metrics** (``JudgePanel.take_metrics``, everything since the previous call, all judges together):
 ``reward/judge_requests``, ``reward/judge_cache_hits``, ``reward/judge_calls``, ``reward/judge_retries``,
@@ -33,9 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import numpy as np
-
-from rlray.reward.judges import JudgeItem, JudgeReply, JudgeRequest, JudgeVerdict
+from rlray.reward.judges.modes import judge_mode
+from rlray.reward.judges.records import JudgeItem, JudgeReply, JudgeRequest, JudgeVerdict
 
 log = logging.getLogger(__name__)
 IDENTITY_TIMEOUT_S = 30.0  # a replica answers who it is at once (it does not wait for its judge calls)
@@ -107,7 +107,7 @@ class JudgeClient:
 
     Args:
         name: the judge's name (messages).
-        mode: "pointwise" or "group", what the judge serves.
+        mode: the mode the judge serves ("pointwise", "group"; a key of ``JUDGE_MODES``): it plans the judgements.
         caller: the judge's caller (``ServeJudgeCaller``, ``LocalJudgeCaller``).
         chunks: chunks a batch is split into (the judge's replicas).
         timeout_s: seconds one chunk request may take.
@@ -119,6 +119,7 @@ class JudgeClient:
     def __init__(self, name: str, mode: str, caller: JudgeCaller, *, chunks: int = 1, timeout_s: float = 120.0,
                  attempts: int = 3, backoff_s: float = 1.0, cache_entries: int = 100_000) -> None:  # fmt: skip
         self.name, self.mode, self.caller = name, mode, caller
+        self.judge_mode = judge_mode(mode)
         self.chunks, self.timeout_s, self.attempts, self.backoff_s = chunks, timeout_s, attempts, backoff_s
         self.cache_entries = cache_entries
         self.stats = JudgeStats()
@@ -171,17 +172,11 @@ class JudgeClient:
         """Returns (the sample indices of each judgement, in batch order, and the order each is shown in:
         ``order[k]`` is the member shown k-th) for B = ``n`` samples.
 
-        Pointwise: one judgement per sample. Group mode: one per group (in order of first appearance), shown in a
-        permutation drawn from ``numpy.random.default_rng(seed)``, one group after the other.
+        The judge's mode decides (``JudgeMode.plan``). Pointwise: one judgement per sample. Group mode: one per group
+        (in order of first appearance), shown in a permutation drawn from ``numpy.random.default_rng(seed)``, one
+        group after the other.
         """
-        if self.mode != "group" or groups is None:
-            return [[i] for i in range(n)], [[0] for _ in range(n)]
-        by_group: dict[int, list[int]] = {}
-        for i, g in enumerate(groups):
-            by_group.setdefault(g, []).append(i)
-        members = list(by_group.values())
-        rng = np.random.default_rng(seed)
-        return members, [rng.permutation(len(m)).tolist() for m in members]
+        return self.judge_mode.plan(n, groups, seed)
 
     def _current_identity(self) -> tuple[int, str] | None:
         """Returns the judge's (version, definition) now, or None when it does not answer."""

@@ -13,7 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from rlray.reward.judge_client import JudgeClient, JudgeScores, JudgeStats
+from rlray.reward.combine import Term, combine
+from rlray.reward.judges.client import JudgeClient, JudgeScores, JudgeStats
 from rlray.reward.server import ScoreResult
 
 METRIC_PREFIX = "reward/judge_"
@@ -29,7 +30,7 @@ class JudgeTerm:
 
 
 def add_judge_terms(values: dict[str, list[float | None]], judged: Sequence[tuple[str, float, list[float]]]) -> dict[str, list]:
-    """Returns the scorer's values with each judge added as a term, in order.
+    """Returns the scorer's values with each judge added as a term, in order (``rlray.reward.combine``).
 
     ``reward[i] = base[i] + sum of weight * score[i]`` over the judges, where base is the scorer's reward, or 0.0
     when every scorer term skipped the sample (None; a scorer without terms gives 0.0 already), so a judge alone
@@ -39,14 +40,7 @@ def add_judge_terms(values: dict[str, list[float | None]], judged: Sequence[tupl
         values: ``RewardScorer.score``'s result: {"reward": [B], <term>: [B]}.
         judged: (name, weight, B scores) per judge.
     """
-    terms = [k for k in values if k != "reward"]
-    reward = list(values["reward"])
-    for i in range(len(reward)):
-        base = 0.0 if all(values[t][i] is None for t in terms) else reward[i]
-        for _, weight, scores in judged:
-            base += weight * scores[i]
-        reward[i] = base
-    return {**values, **{name: list(scores) for name, _, scores in judged}, "reward": reward}
+    return combine([Term(name, weight, scores) for name, weight, scores in judged], len(values["reward"]), prior=values)
 
 
 class JudgePanel:
@@ -93,7 +87,7 @@ class JudgePanel:
 
     def take_metrics(self) -> dict[str, float]:
         """Returns the ``reward/judge_*`` metrics of every call since the last time, all judges together (module
-        docstring of ``rlray.reward.judge_client``); latency and version only when a judge answered."""
+        docstring of ``rlray.reward.judges.client``); latency and version only when a judge answered."""
         stats = [t.client.take_stats() for t in self.terms]
         total = JudgeStats()
         for s in stats:

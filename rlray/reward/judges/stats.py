@@ -6,9 +6,10 @@ Agreement is on a yes/no reading of both sides: a reference value above ``refere
 "yes". On the samples where both have a value: accuracy, Cohen's kappa (``cohen_kappa``: agreement beyond chance)
 and the confusion table, plus Pearson's r of the raw values.
 
-Position bias (group mode): every group is judged twice, in a drawn order and in its reverse; reported are the mean
-absolute change of a sample's score between the two, and the mean gain of a sample shown first over the same sample
-shown last (positive: the judge favours the first response; Zheng et al. 2023, "Judging LLM-as-a-judge", Sec. 3.3).
+Position bias (a mode that shows a group together, ``JudgeMode.together``: group mode): every group is judged twice,
+in a drawn order and in its reverse; reported are the mean absolute change of a sample's score between the two, and
+the mean gain of a sample shown first over the same sample shown last (positive: the judge favours the first
+response; Zheng et al. 2023, "Judging LLM-as-a-judge", Sec. 3.3).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from rlray.reward.judges.modes import judge_mode
 
 
 def cohen_kappa(confusion: Sequence[Sequence[int]]) -> float:
@@ -156,7 +159,7 @@ class JudgeReport:
         seconds: wall time of judging them (the first pass).
         spread: the scores' ``Spread``.
         agreements: one ``Agreement`` per reference.
-        position: the ``PositionBias`` (group mode), else None.
+        position: the ``PositionBias`` (a mode that shows groups together), else None.
         example: one raw judge output, for people to read.
     """
 
@@ -202,8 +205,8 @@ def format_report(report: JudgeReport) -> str:
         p = report.position
         lines.append(f"  position bias over {p.groups} groups judged in two orders: mean |change| {_num(p.mean_abs_change)}, "
                      f"shown first vs last {_num(p.first_gain, '{:+.3f}')}")
-    elif report.mode == "pointwise":
-        lines.append("  position bias: n/a (pointwise: one response per call)")
+    elif not judge_mode(report.mode).together:
+        lines.append(f"  position bias: n/a ({report.mode}: one response per call)")
     if report.example:
         lines.append("  example output: " + report.example.replace("\n", " | ")[:300])
     return "\n".join(lines)

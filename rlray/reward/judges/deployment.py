@@ -10,7 +10,7 @@
   application: Serve replaces the replicas by ones built from the new user_config (measured here: a new replica
   process each; ``serve.run`` gives every deployment a new code version), and requests wait in the handle's queue
   meanwhile; none is dropped (tests/reward/test_judges_serve.py).
-- ``ServeJudgeCaller``: what ``rlray.reward.judge_client.JudgeClient`` calls: one request per chunk, through the
+- ``ServeJudgeCaller``: what ``rlray.reward.judges.client.JudgeClient`` calls: one request per chunk, through the
   application's DeploymentHandle, waited for at most ``timeout_s`` (then cancelled).
 
 Replicas: Serve spreads concurrent requests over them, so the client sends a step's judgements as one chunk per
@@ -24,8 +24,8 @@ import dataclasses
 import functools
 from typing import Any
 
-from rlray.reward.judge_service import JudgeService
-from rlray.reward.judges import JudgeReply, JudgeRequest, JudgeSpec
+from rlray.reward.judges.records import JudgeReply, JudgeRequest, JudgeSpec
+from rlray.reward.judges.service import JudgeService
 
 DEPLOYMENT = "Judge"  # the deployment's name inside each judge application
 

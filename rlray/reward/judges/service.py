@@ -1,6 +1,6 @@
-"""``JudgeService``: a judge model that renders, generates and parses verdicts (``rlray.reward.judges``).
+"""``JudgeService``: a judge model that renders, generates and parses verdicts in its mode (``rlray.reward.judges``).
 
-One per Serve replica (``rlray.reward.judge_server``), or in the caller's process (``rlray judge check``). The
+One per Serve replica (``rlray.reward.judges.deployment``), or in the caller's process (``rlray judge check``). The
 model is a ``RolloutEngine`` (vLLM, or the transformers fallback), so a judge samples exactly as the policy does:
 the chat-templated judge prompts of a chunk go to the engine in one ``generate`` call.
 """
@@ -13,18 +13,8 @@ import time
 from typing import Any, Protocol
 
 from rlray.models import load_tokenizer
-from rlray.reward.judges import (
-    JudgeItem,
-    JudgeReply,
-    JudgeRequest,
-    JudgeSpec,
-    JudgeVerdict,
-    label_token_ids,
-    parse_group,
-    parse_score,
-    render_turns,
-    soft_score,
-)
+from rlray.reward.judges.modes import spec_mode
+from rlray.reward.judges.records import JudgeItem, JudgeReply, JudgeRequest, JudgeSpec, JudgeVerdict
 from rlray.rollout import Completion, RolloutEngine, SamplingSpec
 
 log = logging.getLogger(__name__)
@@ -50,15 +40,17 @@ class JudgeService:
         tokenizer: the judge's tokenizer; None loads the one of ``spec.model_path``.
 
     Raises:
-        rlray.reward.judges.JudgeError: ``spec.logprobs`` with labels whose first tokens collide.
+        rlray.reward.judges.JudgeError: the tokenizer does not fit the mode (``logprobs`` with labels whose first
+            tokens collide).
+        KeyError: ``spec.mode`` is not a registered judge mode.
         FileNotFoundError, ValueError, ImportError: the engine cannot be built (``RolloutEngine``).
     """
 
     def __init__(self, spec: JudgeSpec, version: int, *, engine: _Engine | None = None, tokenizer: Any = None) -> None:
         self.spec, self.version = spec, version
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(spec.model_path)
-        where = f"reward.judges (name '{spec.name}')"
-        self.label_ids = label_token_ids(self.tokenizer, spec.labels, where) if spec.logprobs else {}
+        self.mode = spec_mode(spec)
+        self.label_ids = self.mode.prepare(spec, self.tokenizer, f"reward.judges (name '{spec.name}')")
         self.engine = engine if engine is not None else RolloutEngine(
             spec.model_path, dtype=spec.dtype, seed=spec.seed, max_model_len=spec.max_model_len, backend=spec.backend,
             enforce_eager=spec.enforce_eager, kv_cache_gib=spec.kv_cache_gib, cpu_threads=spec.cpu_threads,
@@ -66,13 +58,9 @@ class JudgeService:
 
     @property
     def sampling(self) -> SamplingSpec:
-        """Returns the judge's SamplingSpec: one greedy token and the labels' logprobs with ``logprobs``, else
-        ``max_new_tokens`` at ``temperature`` with ``seed``."""
-        spec = self.spec
-        if spec.logprobs:
-            asked = tuple(sorted({t for ids in self.label_ids.values() for t in ids}))
-            return SamplingSpec(n=1, max_new_tokens=1, temperature=0.0, logprob_token_ids=asked)
-        return SamplingSpec(n=1, max_new_tokens=spec.max_new_tokens, temperature=spec.temperature, seed=spec.seed)
+        """Returns the judge's SamplingSpec (its mode's: one greedy token and the labels' logprobs with ``logprobs``,
+        else ``max_new_tokens`` at ``temperature`` with ``seed``)."""
+        return self.mode.sampling(self.spec, self.label_ids)
 
     def prompt_ids(self, item: JudgeItem) -> tuple[list[int], str]:
         """Returns (the judge prompt's token ids, the rendered prefill) of ``item``: its turns through the judge
@@ -81,7 +69,7 @@ class JudgeService:
         Raises:
             jinja2.TemplateError: a template raised on this item (or whatever its expressions raise).
         """
-        messages, prefill = render_turns(self.spec, item)
+        messages, prefill = self.mode.render(self.spec, item)
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) + prefill
         return self.tokenizer(text, add_special_tokens=False)["input_ids"], prefill
 
@@ -119,19 +107,10 @@ class JudgeService:
         return JudgeReply(self.version, spec.definition, list(verdicts), time.perf_counter() - start)
 
     def _verdict(self, item: JudgeItem, ids: list[int], prefill: str, completion: Completion) -> JudgeVerdict:
-        """Returns the parsed verdict of one generated judge output."""
-        spec = self.spec
+        """Returns the verdict of one generated judge output, read by the judge's mode."""
         output = prefill + self.tokenizer.decode(completion.response_token_ids, skip_special_tokens=True)
         tokens = {"prompt_tokens": len(ids), "output_tokens": len(completion.response_token_ids)}
-        if spec.logprobs:
-            score, probs = soft_score(completion.token_id_logprobs[0], self.label_ids, spec.labels)
-            shown = ", ".join(f"{label} {p:.3f}" for label, p in probs.items())
-            output = f"{output} [p: {shown}]"
-            scores: list[float | None] = [score]
-        elif spec.mode == "group":
-            scores = parse_group(output, spec, len(item.responses))
-        else:
-            scores = [parse_score(output, spec)]
+        scores, output = self.mode.read(self.spec, output, completion, len(item.responses), self.label_ids)
         failure = "parse" if any(s is None for s in scores) else ""
         return JudgeVerdict(tuple(math.nan if s is None else s for s in scores), output, failure, **tokens)
 
