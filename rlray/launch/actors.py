@@ -288,7 +288,7 @@ def start_env_hosts(cfg: Config, namespace: str | None = None, *, model_dir: str
 
     Raises:
         ValueError: an environment class or agent function cannot be loaded (raised by the first host; names it).
-        rlray.envs.mcp.McpStartError: an MCP server did not start.
+        rlray.envs.agents.mcp.McpStartError: an MCP server did not start.
     """
     if not cfg.env.enabled:
         return []
@@ -303,7 +303,7 @@ def start_env_hosts(cfg: Config, namespace: str | None = None, *, model_dir: str
         kwargs = dict(tool_parser=cfg.env.tool_parser, step_timeout_s=cfg.env.step_timeout_s, threads=res.threads,
                       sandbox=cfg.env.sandbox, memory_gib=cfg.env.memory_gib, trl_parity=cfg.env.trl_parity)
         if gateway:  # run_agents blocks while the host's agents run: the environments' calls need threads of their own
-            from rlray.envs.agent_host import AgentHost
+            from rlray.envs.agents.agent_host import AgentHost
 
             hosts.append(ray.remote(AgentHost).options(**options, max_concurrency=AGENT_HOST_CONCURRENCY).remote(
                 dict(cfg.env.environments), **kwargs, **agent_host_kwargs(cfg, model_dir)))
@@ -319,7 +319,7 @@ AGENT_HOST_CONCURRENCY = 8  # an AgentHost's calls at once: agent batches (async
 
 def agent_host_kwargs(cfg: Config, model_dir: str | None = None) -> dict[str, Any]:
     """Returns the ``AgentHost`` keyword arguments of ``cfg`` beyond ``EnvironmentHost``'s (plain values)."""
-    from rlray.envs.mcp import McpServerSpec
+    from rlray.envs.agents.mcp import McpServerSpec
     from rlray.models import resolve_model_path
     from rlray.run.agents import FleetSampler
 
@@ -332,6 +332,7 @@ def agent_host_kwargs(cfg: Config, model_dir: str | None = None) -> dict[str, An
         "max_turns": env.max_turns,
         "max_episode_tokens": cfg.episode_tokens,
         "episode_timeout_s": env.episode_timeout_s,
+        "max_observation_tokens": env.max_observation_tokens,
         "mcp_servers": [McpServerSpec(s.name, tuple(s.command or ()), s.url or "", s.timeout_s, dict(s.env))
                         for s in env.mcp_servers],
         "gateway_host": env.gateway_host,
