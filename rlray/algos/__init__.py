@@ -19,8 +19,8 @@ Batch-level statistics (GRPO's batch std, ``whiten`` and the REINFORCE++ estimat
 
 Online advantages of a whole step (``estimators.py``): every ``Estimator`` is
 ``fn(AdvantageInputs, AdvantageSpec, SumFn) -> Advantages``. The algorithm registry (``registry.py``: ``Algorithm``,
-``register``, ``get_algorithm``, ``algorithm_names``) gives each algorithm its family, estimator, policy loss and
-sampling extras; nothing else compares an algorithm's name.
+``register``, ``load_algorithms``, ``get_algorithm``, ``algorithm_names``) gives each algorithm its family, estimator,
+policy loss and sampling extras; nothing else compares an algorithm's name.
 
 The rest have their own signatures: token-level estimators (``reinforce_pp_advantages``,
 ``reinforce_pp_baseline_advantages``, ``gae_advantages``), ``remax_advantages``, ``kl_penalty``,
@@ -73,7 +73,7 @@ from rlray.algos.preference import (
     sequence_logps,
     simpo_loss,
 )
-from rlray.algos.registry import ALGORITHMS, Algorithm, algorithm_names, get_algorithm, register
+from rlray.algos.registry import ALGORITHMS, Algorithm, algorithm_names, get_algorithm, load_algorithms, register
 from rlray.algos.value import gae_advantages, value_loss
 
 GROUP_ADVANTAGES = {
@@ -98,6 +98,7 @@ __all__ = [
     "Estimator",
     "algorithm_names",
     "get_algorithm",
+    "load_algorithms",
     "register",
     "AGGREGATION_MODES",
     "GROUP_ADVANTAGES",

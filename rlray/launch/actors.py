@@ -23,11 +23,11 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlray.config import Config
-from rlray.launch.placement import rollout_cpu_threads
 from rlray.learner.batching import MicroBatching
 from rlray.learner.reference import ReferenceModel
 from rlray.models.adapters import AdapterWeights, read_adapter_config
 from rlray.models.loading import ModelError
+from rlray.plan import resolve_plan
 from rlray.rollout import Completion, RolloutEngine, SamplingSpec
 from rlray.rollout.wire import unpack_adapter, unpack_weights
 from rlray.run import build
@@ -167,7 +167,7 @@ def rollout_engine_kwargs(cfg: Config, max_model_len: int, cpu_threads: str | No
     Args:
         cfg: the config.
         max_model_len: prompt + response cap, in tokens.
-        cpu_threads: this actor's core list (see ``rlray.launch.placement.rollout_cpu_threads``).
+        cpu_threads: this actor's core list (see ``rollout_cpu_threads``).
         model_path: the local model folder, for sizing the KV cache (``auto_kv_cache_gib``); None: 1 GiB when
             ``rollout.kv_cache_gib`` is None.
     """
@@ -317,25 +317,29 @@ def start_env_hosts(cfg: Config, namespace: str | None = None, *, model_dir: str
 AGENT_HOST_CONCURRENCY = 8  # an AgentHost's calls at once: agent batches (async steps, DAPO refills) and env steps
 
 
+def rollout_cpu_threads(cfg: Config) -> list[str]:
+    """Returns each rollout actor's core list: resources.rollout.cpu_threads, or ``rlray.run.build.core_plan``'s."""
+    return build.core_plan(cfg).rollout
+
+
 def agent_host_kwargs(cfg: Config, model_dir: str | None = None) -> dict[str, Any]:
-    """Returns the ``AgentHost`` keyword arguments of ``cfg`` beyond ``EnvironmentHost``'s (plain values)."""
-    from rlray.envs.agents.mcp import McpServerSpec
+    """Returns the ``AgentHost`` keyword arguments of ``cfg`` beyond ``EnvironmentHost``'s (plain values; the agents,
+    the episode limits and the MCP servers are the run plan's ``episodes``)."""
     from rlray.models import resolve_model_path
     from rlray.run.agents import FleetSampler
 
-    env = cfg.env
+    ep = resolve_plan(cfg).episodes
     return {
-        "agents": dict(env.agents),
-        "model_dir": (model_dir or resolve_model_path(cfg.model.path)) if env.agents else None,
+        "agents": dict(ep.agents),
+        "model_dir": (model_dir or resolve_model_path(cfg.model.path, revision=cfg.model.revision)) if ep.agents else None,
         "chat_template": cfg.model.chat_template,
         "sampler_factory": FleetSampler,
-        "max_turns": env.max_turns,
-        "max_episode_tokens": cfg.episode_tokens,
-        "episode_timeout_s": env.episode_timeout_s,
-        "max_observation_tokens": env.max_observation_tokens,
-        "mcp_servers": [McpServerSpec(s.name, tuple(s.command or ()), s.url or "", s.timeout_s, dict(s.env))
-                        for s in env.mcp_servers],
-        "gateway_host": env.gateway_host,
+        "max_turns": ep.max_turns,
+        "max_episode_tokens": ep.max_episode_tokens,
+        "episode_timeout_s": ep.episode_timeout_s,
+        "max_observation_tokens": ep.max_observation_tokens,
+        "mcp_servers": list(ep.tools),
+        "gateway_host": cfg.env.gateway_host,
         "chat_template_kwargs": dict(cfg.rollout.chat_template_kwargs),
     }
 

@@ -73,7 +73,9 @@ def configure_console(verbose: bool, stream: TextIO | None = None) -> None:
     file, not the console), and every record at INFO and above held in memory until ``keep_logs`` names the file.
 
     Replaces the handlers an earlier call added (others, such as pytest's, stay); the root level becomes INFO. The
-    loggers of ``SELF_PRINTING_LOGGERS`` lose their own console handlers and propagate to the root.
+    loggers of ``SELF_PRINTING_LOGGERS`` lose their own console handlers and propagate to the root. Without
+    ``verbose``, transformers' and the Hugging Face hub's progress bars are off in this process (the Ray workers get
+    ``HF_HUB_DISABLE_PROGRESS_BARS=1``, ``rlray.launch.driver.worker_env``).
     """
     root = logging.getLogger()
     for handler in [h for h in root.handlers if h.get_name() in (CONSOLE_HANDLER, PENDING_HANDLER)]:
@@ -91,6 +93,10 @@ def configure_console(verbose: bool, stream: TextIO | None = None) -> None:
     root.setLevel(logging.INFO)
     logging.captureWarnings(False)  # forget an earlier capture whose showwarning someone has since replaced
     logging.captureWarnings(True)
+    if not verbose:  # transformers' and the hub's tqdm bars (a model built or loaded here): rlray draws its own
+        from transformers.utils import logging as hf_logging  # sets transformers' logger up: routed just below
+
+        hf_logging.disable_progress_bar()
     route_library_logs()
 
 

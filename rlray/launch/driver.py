@@ -17,7 +17,6 @@ the Ray Train training function (``rlray.run.worker.train_worker``); this module
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import os
@@ -46,6 +45,7 @@ from rlray.launch.placement import bundle, check_cluster, rollout_nodes
 from rlray.launch.preflight import preflight
 from rlray.models import load_tokenizer, resolve_model_path
 from rlray.observe.tracking import Tracker, resolve_tracking_uri
+from rlray.plan import resolve_plan
 from rlray.rollout import RolloutSource
 from rlray.rollout.fleet import RolloutFleet
 from rlray.run import build, evaluation, worker
@@ -84,8 +84,11 @@ def worker_env(hub_offline_default: str = "0") -> dict[str, str]:
 
     - ``TOKENIZERS_PARALLELISM=false``: no tokenizer thread pools beside torch's.
     - ``HF_HUB_OFFLINE``: this process's value, else ``hub_offline_default``.
+    - ``HF_HUB_DISABLE_PROGRESS_BARS``: this process's value, else "1": transformers' and the hub's tqdm bars
+      ("Loading weights", "Writing model shards") stay out of the run's console; rlray prints its own progress.
     """
-    return {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", hub_offline_default)}
+    return {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", hub_offline_default),
+            "HF_HUB_DISABLE_PROGRESS_BARS": os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS", "1")}
 
 
 def init_ray(*, include_dashboard: bool | None = None, log_to_driver: bool = True) -> RayInfo:
@@ -176,10 +179,9 @@ def resolve_paths(cfg: Config, base: Path | None = None) -> Config:
 
 
 def max_model_len(cfg: Config) -> int:
-    """Returns the engine's context length: longest prompt plus the longest generation, in tokens (with environments,
-    at least the longest episode, ``Config.episode_tokens``)."""
-    single = cfg.data.max_prompt_tokens + max(cfg.rollout.max_new_tokens, cfg.eval_max_new_tokens)
-    return max(single, cfg.episode_tokens) if cfg.env.enabled else single
+    """Returns the engine's context length in tokens: the plan's ``lengths.context_tokens`` (longest prompt plus the
+    longest generation; with environments at least the longest episode)."""
+    return resolve_plan(cfg).lengths.context_tokens
 
 
 def start_reward_server(cfg: Config) -> bool:
@@ -282,17 +284,20 @@ def run_training(
     if verbose is not None:  # rlray train's console: libraries imported since configure_console (MLflow) set up their
         console.route_library_logs()  # loggers again; before Ray starts and before the first MLflow call
     cfg = resolve_paths(cfg)
+    plan = resolve_plan(cfg)
     model_dir = preflight(cfg)
     user_hooks = load_step_hooks(cfg)
-    teacher_dir = resolve_model_path(cfg.teacher.path) if cfg.teacher.enabled else None  # preflight checked it
+    roles = plan.roles
+    teacher_dir = resolve_model_path(cfg.teacher.path) if roles.teacher != "off" else None  # preflight checked it
     ray_info = init_ray(log_to_driver=verbose is not False)
-    check_cluster(cfg)
+    check_cluster(plan)
     opts = cfg.checkpoint.s3.storage_options()
-    resume = checkpoint.resolve_snapshot(cfg.checkpoint.resume_from, cfg.checkpoint_uri, opts) if cfg.checkpoint.resume_from else None
-    tracker = Tracker(cfg.tracking.mlflow_uri, cfg.tracking.experiment, run_name=cfg.run.name)
+    snaps, tracking = plan.snapshots, plan.tracking
+    resume = checkpoint.resolve_snapshot(snaps.resume_from, snaps.uri, opts) if snaps.resume_from else None
+    tracker = Tracker(tracking.mlflow_uri, tracking.experiment, run_name=tracking.run_name)
     tracker.log_config(cfg)
     services = RunServices(started_at=started_at, git_commit=lineage.git_commit(), resume_from=resume)
-    run_dir = checkpoint.join(cfg.checkpoint_uri, checkpoint.run_dir_name(tracker.run_id))
+    run_dir = checkpoint.join(snaps.uri, checkpoint.run_dir_name(tracker.run_id))
     tracker.set_tags({"rlray.model_dir": model_dir, "rlray.output_dir": cfg.run.output_dir, "rlray.snapshot_dir": run_dir,
                       "rlray.git_commit": services.git_commit, **({"rlray.resumed_from": resume} if resume else {}), **(tags or {})})
     log.info("MLflow run %s in %s", tracker.run_id, cfg.tracking.mlflow_uri)
@@ -312,18 +317,17 @@ def run_training(
         if verbose is not None:
             monitor = services.monitor
             progress = console.DriverProgress(cfg.run.max_steps, lambda: ray.get(monitor.progress.remote(), timeout=30)).start()
-        online = cfg.algo.family == "online"  # offline methods train on preference pairs: no rollout actors
-        if online:
-            actors = start_rollout_actors(cfg, model_dir, max_model_len(cfg), rollout_nodes(cfg), namespace=namespace)
-        if online:
+        if roles.online:  # offline methods train on preference pairs: no rollout actors
+            actors = start_rollout_actors(cfg, model_dir, plan.lengths.context_tokens, rollout_nodes(plan),
+                                          namespace=namespace)
             env_hosts = start_env_hosts(cfg, namespace=namespace, model_dir=model_dir)
-        if online and cfg.reward.server.enabled:
+        if roles.reward_server:
             own_app = start_reward_server(cfg)
-        if online and cfg.reward.judges:
+        if roles.judges:
             own_judges = deploy_judges(cfg)
-        if online and cfg.algo.kl_coef > 0 and cfg.resources.reference.placement == "actor":
+        if roles.reference == "actor":
             reference = start_reference_actor(cfg, model_dir, namespace=namespace)
-        if online and cfg.teacher.enabled and cfg.resources.teacher.placement == "actor":
+        if roles.online and roles.teacher == "actor":
             teacher = start_reference_actor(cfg, teacher_dir, namespace=namespace, role="teacher")
         trainer = learner_trainer(cfg, WorkerArgs(
             config=cfg.model_dump(),  # python mode: SecretStr values travel, and are never logged
@@ -454,7 +458,7 @@ def eval_setup(cfg: Config, checkpoint_path: str) -> Iterator[EvalSetup]:
     one = cfg.model_copy(deep=True)
     one.resources.rollout.num_workers = 1
     one.resources.rollout.cpu_threads = None  # this node's cores, all to the one actor
-    actors = start_rollout_actors(one, model_dir, max_model_len(cfg))
+    actors = start_rollout_actors(one, model_dir, resolve_plan(cfg).lengths.context_tokens)
     hosts = start_env_hosts(cfg, model_dir=model_dir)
     try:
         reward = build.local_reward_client(cfg, build.dataset_columns(rows))
@@ -485,11 +489,8 @@ def evaluate_checkpoint(cfg: Config, checkpoint_path: str) -> dict[str, float]:
         rlray.checkpoint.storage.SnapshotError: ``checkpoint_path`` is an incomplete snapshot.
         ValueError: ``eval.num_problems`` is 0.
     """
+    plan = resolve_plan(cfg)
     with eval_setup(cfg, checkpoint_path) as setup:
-        pass_k = None
-        if cfg.eval.pass_k > 1:
-            pass_k = dataclasses.replace(build.sampling_for_step(cfg, 0), n=cfg.eval.pass_k,
-                                         max_new_tokens=cfg.eval_max_new_tokens, seed=cfg.run.seed)
         return evaluation.evaluate_prompts(setup.rollouts, setup.reward, setup.prompts, setup.tokenizer,
-                                       build.eval_sampling(cfg), cfg.env.reward_weight, pass_k, judges=setup.judges,
-                                       judge_seed=cfg.run.seed)
+                                           plan.sampling.eval, plan.episodes.reward_weight, plan.sampling.pass_at_k(),
+                                           judges=setup.judges, judge_seed=plan.sampling.seed)

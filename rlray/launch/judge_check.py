@@ -60,7 +60,7 @@ def judge_check(cfg: Config, num_rows: int, *, threshold: float | None = None, r
     cfg = resolve_paths(cfg)
     if not cfg.reward.judges:
         raise JudgeError("the config has no reward.judges to check; add one (see docs/judges.md)")
-    model_dir = resolve_model_path(cfg.model.path)
+    model_dir = resolve_model_path(cfg.model.path, revision=cfg.model.revision)
     tokenizer = load_tokenizer(model_dir, cfg.model.chat_template)
     rows = load_prompt_rows(cfg.data.train_files, prompt_column=cfg.data.prompt_column)[:num_rows]
     rows, ids, _ = prepare_prompts(rows, tokenizer, max_prompt_tokens=cfg.data.max_prompt_tokens,

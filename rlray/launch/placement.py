@@ -1,7 +1,7 @@
 """What each role asks of the Ray cluster, a fit check before anything starts, and placement groups.
 
-``role_requests(cfg)`` turns ``resources:`` into one request per role (rollout, learner, reward,
-reference). ``check_fit`` compares them with the cluster and raises one error that says which
+``role_requests(plan)`` turns the run plan's roles (``rlray.plan.Roles``) into one request per role (rollout,
+learner, reward, judge, reference, teacher, env). ``check_fit`` compares them with the cluster and raises one error that says which
 role wants what and what the cluster has, before any actor starts. The rollout actors' nodes are
 chosen by a placement group that is released once read (``rollout_nodes``); Ray Train builds the learner's own group with
 the same strategy (ScalingConfig.placement_strategy), and Serve places the reward replicas.
@@ -15,8 +15,7 @@ from dataclasses import dataclass
 import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
-from rlray.config import Config
-from rlray.run import build
+from rlray.plan import RunPlan
 
 _EPS = 1e-9
 
@@ -51,30 +50,22 @@ def bundle(cpus: float, gpus: float, custom: dict[str, float] | None = None) -> 
     return {"CPU": cpus, **({"GPU": gpus} if gpus else {}), **(custom or {})}
 
 
-def rollout_bundle(cfg: Config) -> dict[str, float]:
-    """Returns one rollout actor's Ray resources (its GPUs are gpus x tensor_parallel_size)."""
-    r = cfg.resources.rollout
-    return bundle(r.cpus, r.gpus * r.tensor_parallel_size, r.custom_resources)
-
-
-def role_requests(cfg: Config) -> list[RoleRequest]:
-    """Returns the Ray resources each role of ``cfg`` asks for (roles that are off are left out)."""
-    res = cfg.resources
-    out = [
-        RoleRequest("rollout", res.rollout.num_workers, rollout_bundle(cfg)),
-        RoleRequest("learner", res.learner.num_workers, bundle(res.learner.cpus, res.learner.gpus, res.learner.custom_resources)),
-    ]
-    if cfg.reward.server.enabled:
-        out.append(RoleRequest("reward", res.reward.replicas, bundle(res.reward.cpus, res.reward.gpus, res.reward.custom_resources)))
-    if cfg.reward.judges:  # one Serve application per judge, resources.judge.replicas each
-        out.append(RoleRequest("judge", res.judge.replicas * len(cfg.reward.judges),
-                               bundle(res.judge.cpus, res.judge.gpus, res.judge.custom_resources)))  # fmt: skip
-    if cfg.algo.kl_coef > 0 and res.reference.placement == "actor":
-        out.append(RoleRequest("reference", 1, bundle(res.reference.cpus, res.reference.gpus, res.reference.custom_resources)))
-    if cfg.teacher.enabled and res.teacher.placement == "actor":
-        out.append(RoleRequest("teacher", 1, bundle(res.teacher.cpus, res.teacher.gpus, res.teacher.custom_resources)))
-    if cfg.env.enabled:
-        out.append(RoleRequest("env", res.env.num_workers, bundle(res.env.cpus, 0.0, res.env.custom_resources)))
+def role_requests(plan: RunPlan) -> list[RoleRequest]:
+    """Returns the Ray resources each role of the run asks for (roles that are off are left out), from the plan's
+    roles (``rlray.plan.Roles``: the rollout's resources are asked for even by offline runs)."""
+    roles = plan.roles
+    out = [RoleRequest("rollout", roles.rollout.count, roles.rollout.bundle()),
+           RoleRequest("learner", roles.learner.count, roles.learner.bundle())]
+    if roles.reward_server:
+        out.append(RoleRequest("reward", roles.reward.count, roles.reward.bundle()))
+    if roles.judges:  # one Serve application per judge, resources.judge.replicas each
+        out.append(RoleRequest("judge", roles.judge.count * len(roles.judges), roles.judge.bundle()))
+    if roles.reference == "actor":
+        out.append(RoleRequest("reference", 1, roles.reference_actor.bundle()))
+    if roles.teacher == "actor":
+        out.append(RoleRequest("teacher", 1, roles.teacher_actor.bundle()))
+    if roles.env_hosts:
+        out.append(RoleRequest("env", roles.env.count, roles.env.bundle()))
     return out
 
 
@@ -120,18 +111,18 @@ def cluster_totals() -> tuple[dict[str, float], list[dict[str, float]]]:
     return dict(ray.cluster_resources()), nodes
 
 
-def check_cluster(cfg: Config) -> list[RoleRequest]:
-    """Checks ``cfg``'s requests against the connected cluster and returns them.
+def check_cluster(plan: RunPlan) -> list[RoleRequest]:
+    """Checks the run's requests (``role_requests``) against the connected cluster and returns them.
 
     Raises:
         PlacementError: they do not fit (see ``check_fit``).
     """
-    requests = role_requests(cfg)
+    requests = role_requests(plan)
     check_fit(requests, *cluster_totals())
     return requests
 
 
-def rollout_nodes(cfg: Config) -> list[str]:
+def rollout_nodes(plan: RunPlan) -> list[str]:
     """Returns the node id (hex) for each rollout actor, chosen by a placement group that is then released.
 
     A placement group of one bundle per rollout actor (``resources.placement_strategy``) is reserved, its
@@ -145,25 +136,20 @@ def rollout_nodes(cfg: Config) -> list[str]:
         PlacementError: the group is not ready within ``resources.placement_timeout_s`` (other work
             holds the resources); the message says what is available.
     """
-    res = cfg.resources
-    one = rollout_bundle(cfg)
-    pg = placement_group([one] * res.rollout.num_workers, strategy=res.placement_strategy, name=f"rlray:rollout:{os.getpid()}")
+    roles = plan.roles
+    one, count, strategy = roles.rollout.bundle(), roles.rollout.count, roles.placement_strategy
+    pg = placement_group([one] * count, strategy=strategy, name=f"rlray:rollout:{os.getpid()}")
     try:
-        ray.get(pg.ready(), timeout=res.placement_timeout_s)
+        ray.get(pg.ready(), timeout=roles.placement_timeout_s)
     except ray.exceptions.GetTimeoutError:
         remove_placement_group(pg)
         raise PlacementError(
-            f"the rollout placement group ({res.rollout.num_workers} x {_fmt(one)}, {res.placement_strategy}) was not "
-            f"ready within resources.placement_timeout_s={res.placement_timeout_s:g} s; available now: "
+            f"the rollout placement group ({count} x {_fmt(one)}, {strategy}) was not "
+            f"ready within resources.placement_timeout_s={roles.placement_timeout_s:g} s; available now: "
             f"{_fmt(ray.available_resources())}. Other actors hold the resources, or the strategy cannot be met."
         ) from None
     try:
         nodes = placement_group_table(pg)["bundles_to_node_id"]
     finally:
         remove_placement_group(pg)
-    return [nodes[i] for i in range(res.rollout.num_workers)]
-
-
-def rollout_cpu_threads(cfg: Config) -> list[str]:
-    """Returns each rollout actor's core list: resources.rollout.cpu_threads, or ``rlray.run.build.core_plan``'s."""
-    return build.core_plan(cfg).rollout
+    return [nodes[i] for i in range(count)]

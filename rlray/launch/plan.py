@@ -27,9 +27,8 @@ from rlray.launch.plan_roles import (
     read_models,
     reward_model,
     rollout_engine,
-    uses_gpus,
 )
-from rlray.models import resolve_dtype
+from rlray.plan import RunPlan, resolve_plan
 
 FIT_TOLERANCE = 0.25
 """The planner's validated accuracy (tests/launch/test_plan.py): the preflight fails only beyond it."""
@@ -41,6 +40,8 @@ class Plan:
 
     Attributes:
         cfg: the config planned, with the assumed layout applied when there is one.
+        run: the run plan of ``cfg`` (``rlray.plan.resolve_plan``): the roles, parallelism and lengths a run of it
+            would have; the memory below is planned from it.
         models: the shapes of its models.
         hardware: the GPUs planned for, or None (this machine's CPU).
         dtype: the compute dtype ("bfloat16" or "float32").
@@ -50,6 +51,7 @@ class Plan:
     """
 
     cfg: Config
+    run: RunPlan
     models: Models
     hardware: Hardware | None
     dtype: str
@@ -76,27 +78,29 @@ def plan_run(cfg: Config, hardware: Hardware | None = None, models: Models | Non
         rlray.config.ConfigError: no layout of the GPUs fits the config's sizes (see ``assumed_layout``).
         rlray.models.ModelError: a model's config.json cannot be read.
     """
-    if hardware is None and uses_gpus(cfg):
+    if hardware is None and resolve_plan(cfg).uses_gpus:
         raise ValueError("the config asks for GPUs: give their memory (--gpu-memory-gib) to plan it")
     cfg, assumed = assumed_layout(cfg, hardware)
+    run = resolve_plan(cfg)
     models = models or read_models(cfg)
-    dtype = resolve_dtype(cfg.model.dtype, gpu=uses_gpus(cfg))  # as rlray.run.build.compute_dtype
-    return Plan(cfg, models, hardware, dtype, assumed, plan_roles(cfg, models, hardware, dtype), gpu_problems(cfg, hardware))
+    dtype = run.parallelism.compute_dtype  # the run's own
+    return Plan(cfg, run, models, hardware, dtype, assumed, plan_roles(cfg, models, hardware, dtype),
+                gpu_problems(cfg, hardware))
 
 
 def plan_roles(cfg: Config, models: Models, hardware: Hardware | None, dtype: str) -> tuple[RoleMemory, ...]:
     """Returns the memory of every role that ``cfg`` runs: learner rank, rollout engine (online), reference and teacher
     actors (when they are their own actors) and the reward model (``reward.model_path``)."""
-    res = cfg.resources
-    learner_hw = hardware if res.learner.gpus > 0 else None
+    run = resolve_plan(cfg).roles
+    learner_hw = hardware if run.learner.gpus > 0 else None
     roles = [learner_rank(cfg, models, dtype=dtype, gpu=learner_hw is not None, budget=learner_budget(cfg, learner_hw))]
-    if cfg.algo.family == "online":
-        roles.append(rollout_engine(cfg, models.policy, dtype=dtype, hardware=hardware if res.rollout.gpus > 0 else None))
-        if (cfg.algo.kl_coef > 0 or cfg.guard.kl_threshold is not None) and res.reference.placement == "actor":
-            roles.append(frozen_actor("reference actor", models.policy, cfg, dtype=dtype, gpus=res.reference.gpus,
+    if run.online:
+        roles.append(rollout_engine(cfg, models.policy, dtype=dtype, hardware=hardware if run.rollout.gpus > 0 else None))
+        if run.reference == "actor":
+            roles.append(frozen_actor("reference actor", models.policy, cfg, dtype=dtype, gpus=run.reference_actor.gpus,
                                       hardware=hardware))
-        if models.teacher is not None and res.teacher.placement == "actor":
-            roles.append(frozen_actor("teacher actor", models.teacher, cfg, dtype=dtype, gpus=res.teacher.gpus,
+        if models.teacher is not None and run.teacher == "actor":
+            roles.append(frozen_actor("teacher actor", models.teacher, cfg, dtype=dtype, gpus=run.teacher_actor.gpus,
                                       hardware=hardware))
     if models.reward is not None:
         roles.append(reward_model(cfg, models.reward))
@@ -137,7 +141,7 @@ def assumed_layout(cfg: Config, hardware: Hardware | None) -> tuple[Config, tupl
     Raises:
         rlray.config.ConfigError: no number of learner ranks divides the config's batch sizes.
     """
-    if hardware is None or hardware.total_gpus is None or uses_gpus(cfg):
+    if hardware is None or hardware.total_gpus is None or resolve_plan(cfg).uses_gpus:
         return cfg, ()
     total = hardware.total_gpus
     if total == 1 and cfg.algo.family == "online":
@@ -161,7 +165,7 @@ def gpu_problems(cfg: Config, hardware: Hardware | None) -> tuple[str, ...]:
     learner's), else ()."""
     if hardware is None or hardware.total_gpus is None:
         return ()
-    requests = role_requests(cfg)
+    requests = role_requests(resolve_plan(cfg))
     asked = sum(r.total().get("GPU", 0.0) for r in requests if not (cfg.resources.colocate and r.role == "rollout"))
     if asked <= hardware.total_gpus:
         return ()
@@ -181,7 +185,7 @@ def check_fit(cfg: Config) -> list[str]:
         rlray.launch.placement.PlacementError: a role's peak exceeds its budget by more than ``FIT_TOLERANCE``
             (names the role, both sizes and the budget's source).
     """
-    if uses_gpus(cfg):
+    if resolve_plan(cfg).uses_gpus:
         size = local_gpu_memory_gib()
         if size is None:
             return []

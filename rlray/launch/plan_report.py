@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from rlray.config import Config, ConfigError, config_from_dict
 from rlray.launch.plan import Plan, gpu_problems, plan_roles
-from rlray.launch.plan_roles import RoleMemory, microbatch, reference_on_learner
+from rlray.launch.plan_roles import RoleMemory, microbatch
+from rlray.plan import resolve_plan
 
 _WIDTH = 78  # the GiB column
 
@@ -43,17 +44,17 @@ def replan_role(plan: Plan, role: str, overrides: list[str]) -> tuple[RoleMemory
 def learner_candidates(plan: Plan) -> list[str]:
     """Returns the single changes that lower a learner rank's memory, in the order the report tries them:
     checkpointing, FSDP, 8-bit AdamW, LoRA, the reference or teacher as their own actor."""
-    cfg, gpu = plan.cfg, plan.hardware is not None
+    cfg, gpu, run = plan.cfg, plan.hardware is not None, plan.run
     out = [] if cfg.model.gradient_checkpointing else ["model.gradient_checkpointing=true"]
-    if gpu and cfg.resources.learner.strategy == "ddp" and cfg.resources.learner.num_workers > 1:
+    if gpu and run.parallelism.strategy == "ddp":
         out.append("resources.learner.strategy=fsdp")
     if gpu and cfg.learner.optimizer == "adamw":
         out.append("learner.optimizer=adamw_8bit")
     if not cfg.model.lora.rank and cfg.model.adapter_path is None:
         out.append("model.lora.rank=16")
-    if reference_on_learner(cfg):
+    if run.roles.reference_on_learner:
         out.append("resources.reference.placement=actor")
-    if cfg.teacher.enabled and cfg.resources.teacher.placement == "learner" and cfg.teacher.divergence == "reverse_kl":
+    if run.roles.teacher == "learner" and cfg.teacher.divergence == "reverse_kl":
         out.append("resources.teacher.placement=actor")
     return out
 
@@ -156,29 +157,29 @@ def _header(plan: Plan) -> list[str]:
 
 def _layout(cfg: Config, gpu: bool) -> list[str]:
     """Returns one line per role: how many, where, which parallelism and what it holds."""
-    res, lr = cfg.resources, cfg.resources.learner
-    plan_gpu, gpu = gpu, gpu and lr.gpus > 0
-    how = ("FSDP: parameters, gradients and optimizer state sharded over the ranks" if lr.strategy == "fsdp"
-           else "DDP: every rank holds the whole model state")
+    res, lr, run = cfg.resources, cfg.resources.learner, resolve_plan(cfg)
+    par, roles = run.parallelism, run.roles
+    plan_gpu, gpu = gpu, gpu and par.gpu
+    how = {"fsdp": "FSDP: parameters, gradients and optimizer state sharded over the ranks",
+           "ddp": "DDP: every rank holds the whole model state"}.get(par.strategy, "one rank, no data parallelism")
     lora = f", LoRA rank {cfg.model.lora.rank}" if cfg.model.lora.rank else ""
     where = f"{lr.gpus:g} GPU" if gpu else "CPU"
-    how = how if lr.num_workers > 1 else "one rank, no data parallelism"
-    lines = [f"learner: {lr.num_workers} rank(s) x {where}, {how}; {cfg.learner.optimizer}{lora}"]
-    if cfg.algo.family == "online":
+    lines = [f"learner: {par.world_size} rank(s) x {where}, {how}; {cfg.learner.optimizer}{lora}"]
+    if roles.online:
         r = res.rollout
         gpus = (f"{r.tensor_parallel_size} GPU(s), tensor parallel {r.tensor_parallel_size}, gpu_memory_utilization "
                 f"{cfg.rollout.gpu_memory_utilization:g}") if r.gpus > 0 and plan_gpu else "CPU"
         lines.append(f"rollout: {r.num_workers} vLLM engine(s) x {gpus}" + (", colocated" if res.colocate else ""))
-        if cfg.algo.kl_coef > 0 or cfg.guard.kl_threshold is not None:
-            frozen = (f"a frozen copy sharded over the {lr.num_workers} learner ranks" if lr.strategy == "fsdp"
-                      and lr.num_workers > 1 else "a frozen copy on every learner rank")
-            ref = frozen if reference_on_learner(cfg) else (
-                "the base model with the adapters off" if res.reference.placement == "learner" else "its own actor")
+        if roles.reference != "off":
+            frozen = (f"a frozen copy sharded over the {par.world_size} learner ranks" if par.sharded
+                      else "a frozen copy on every learner rank")
+            ref = {"learner": frozen, "lora_base": "the base model with the adapters off"}.get(roles.reference,
+                                                                                              "its own actor")
             lines.append(f"reference: {ref} (algo.kl_coef={cfg.algo.kl_coef:g})")
-        if cfg.teacher.enabled:
-            held = "sharded over the learner ranks" if lr.strategy == "fsdp" and lr.num_workers > 1 else "on every learner rank"
-            lines.append(f"teacher: {held if res.teacher.placement == 'learner' else 'its own actor'}")
-        if cfg.algo.algorithm.needs_critic:
+        if roles.teacher != "off":
+            held = "sharded over the learner ranks" if par.sharded else "on every learner rank"
+            lines.append(f"teacher: {held if roles.teacher == 'learner' else 'its own actor'}")
+        if roles.critic:
             lines.append("critic: a value model on every learner rank, with its own AdamW")
     return lines
 

@@ -20,8 +20,10 @@ What it assumes, role by role:
 - every process adds a runtime overhead: ``CUDA_RUNTIME_GIB`` on a GPU, ``CPU_RUNTIME_GIB`` on the CPU.
 - no-grad passes (reference and old logprobs before the update) need less than the update and are not counted.
 
-The micro-batch is counted in tokens (``MicroBatch``): today learner.sequences_per_microbatch x (prompt + response
-tokens), every sequence padded to the longest (the worst case; the shared-prompt forward only lowers it).
+The micro-batch is counted in tokens (``MicroBatch``): the micro-batching in force on a rank (``rlray.plan``: an FSDP
+learner cuts by learner.sequences_per_microbatch, its token budget unused) x (prompt + response tokens), every
+sequence padded to the longest (the worst case; the shared-prompt forward only lowers it). The roles' placements,
+the context length and the parallelism are the run's own (``rlray.plan.resolve_plan``), never decided here.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from rlray.config import Config
 from rlray.models import memory as mem
 from rlray.models import resolve_model_path
 from rlray.models.memory import GIB, ModelShape
+from rlray.plan import resolve_plan
 
 CUDA_RUNTIME_GIB = 1.5
 """Per GPU process beyond its tensors: CUDA context and kernels (~0.5 GiB), NCCL buffers and the caching allocator's
@@ -164,7 +167,7 @@ def read_models(cfg: Config) -> Models:
     Raises:
         rlray.models.ModelError: a model path cannot be resolved or its config.json read.
     """
-    policy = mem.read_model_shape(resolve_model_path(cfg.model.path))
+    policy = mem.read_model_shape(resolve_model_path(cfg.model.path, revision=cfg.model.revision))
     critic = None
     if cfg.algo.algorithm.needs_critic:
         critic = mem.read_model_shape(resolve_model_path(cfg.critic.model_path)) if cfg.critic.model_path else policy
@@ -186,38 +189,23 @@ def microbatch(cfg: Config) -> MicroBatch:
         off = cfg.offline
         return MicroBatch(2 * off.pairs_per_microbatch, off.max_prompt_tokens, off.max_response_tokens,
                           "2 x offline.pairs_per_microbatch x (offline.max_prompt_tokens + offline.max_response_tokens)")
-    prompt = cfg.data.max_prompt_tokens
-    response = cfg.episode_tokens - prompt if cfg.env.enabled else cfg.rollout.max_new_tokens
-    longest = "the longest episode (env.max_episode_tokens)" if cfg.env.enabled else \
+    plan = resolve_plan(cfg)
+    lengths, batching = plan.lengths, plan.parallelism.micro_batching
+    prompt, response = lengths.prompt_tokens, lengths.response_tokens
+    longest = "the longest episode (env.max_episode_tokens)" if lengths.episode_tokens is not None else \
         "(data.max_prompt_tokens + rollout.max_new_tokens)"
-    budget = cfg.learner.tokens_per_microbatch
+    budget = batching.tokens
     if budget is not None:  # rows binned to fill the budget: as many longest rows as reach it (at least one)
         return MicroBatch(max(1, math.ceil(budget / (prompt + response))), prompt, response,
                           f"learner.tokens_per_microbatch={budget:,} in whole sequences of {longest}")
-    return MicroBatch(cfg.learner.sequences_per_microbatch, prompt, response,
-                      f"learner.sequences_per_microbatch x {longest}")
+    unused = " (FSDP cuts by sequences: learner.tokens_per_microbatch unused)" if cfg.learner.tokens_per_microbatch else ""
+    return MicroBatch(batching.sequences, prompt, response, f"learner.sequences_per_microbatch x {longest}{unused}")
 
 
 def context_tokens(cfg: Config) -> int:
-    """Returns a rollout engine's context length in tokens; the same as ``rlray.launch.driver.max_model_len``
-    (a test keeps them equal): the longest prompt plus the longest generation, with environments the longest
-    episode."""
-    single = cfg.data.max_prompt_tokens + max(cfg.rollout.max_new_tokens, cfg.eval_max_new_tokens)
-    return max(single, cfg.episode_tokens) if cfg.env.enabled else single
-
-
-def uses_gpus(cfg: Config) -> bool:
-    """Returns True when the learner or the rollout asks for GPUs."""
-    return cfg.resources.learner.gpus > 0 or cfg.resources.rollout.gpus > 0
-
-
-def reference_on_learner(cfg: Config) -> bool:
-    """Returns True when every learner rank holds a frozen reference copy (``rlray.run.build.learner_kwargs``: the KL
-    or the KL guard is on, the reference is not its own actor, the run is online, and there is no LoRA, whose
-    reference is the base model with the adapters off)."""
-    wanted = cfg.algo.kl_coef > 0 or cfg.guard.kl_threshold is not None
-    lora = bool(cfg.model.lora.rank) or cfg.model.adapter_path is not None
-    return wanted and cfg.algo.family == "online" and cfg.resources.reference.placement == "learner" and not lora
+    """Returns a rollout engine's context length in tokens: the run plan's ``lengths.context_tokens``, which the
+    driver gives the engines as max_model_len."""
+    return resolve_plan(cfg).lengths.context_tokens
 
 
 def _critic_parameters(shape: ModelShape) -> tuple[int, int]:
@@ -245,16 +233,15 @@ def _lora(cfg: Config) -> tuple[int, list[str] | str] | None:
 def learner_rank(cfg: Config, models: Models, *, dtype: str, gpu: bool, budget: tuple[float | None, str]) -> RoleMemory:
     """Returns the peak memory of one learner rank (the policy's model state, one micro-batch's update, the models
     it holds and the runtime), against ``budget`` (GiB, source)."""
-    res = cfg.resources.learner
+    res, par = cfg.resources.learner, resolve_plan(cfg).parallelism
     terms = [*_state_terms(cfg, models.policy, dtype, gpu), *_update_terms(cfg, models.policy, dtype),
              *_held_terms(cfg, models, dtype)]
-    slack = CPU_FSDP_ALLOCATOR_GIB if res.strategy == "fsdp" and res.num_workers > 1 else CPU_ALLOCATOR_GIB
+    slack = CPU_FSDP_ALLOCATOR_GIB if par.sharded else CPU_ALLOCATOR_GIB
     runtime = ("CUDA context, NCCL, allocator", CUDA_RUNTIME_GIB) if gpu else ("torch, transformers, ray; allocator slack",
                                                                               CPU_PROCESS_GIB + slack)
     terms.append(Term(f"runtime: {runtime[0]}", runtime[1]))
     where = f"{res.gpus:g} GPU" if gpu else "CPU"
-    placement = (f"{res.num_workers} ranks x {where}, {res.strategy.upper()}" if res.num_workers > 1
-                 else f"1 rank x {where}")
+    placement = f"{par.world_size} ranks x {where}, {par.strategy.upper()}" if par.world_size > 1 else f"1 rank x {where}"
     notes = ("PPO's critic updates after the policy: its activations are not at the peak",) if models.critic else ()
     return RoleMemory("learner rank", placement, tuple(terms), budget[0], budget[1], notes)
 
@@ -262,9 +249,10 @@ def learner_rank(cfg: Config, models: Models, *, dtype: str, gpu: bool, budget: 
 def _state_terms(cfg: Config, shape: ModelShape, dtype: str, gpu: bool) -> list[Term]:
     """Returns the policy's weights, gradients and optimizer state on one rank (sharded under FSDP), DDP's buckets or
     FSDP's gathered units, and the optimizer step's temporaries."""
-    world, fsdp = cfg.resources.learner.num_workers, cfg.resources.learner.strategy == "fsdp"
+    par = resolve_plan(cfg).parallelism
+    world, fsdp = par.world_size, par.sharded
     shard = world if fsdp else 1
-    of = f", 1/{world} shard" if fsdp and world > 1 else ""
+    of = f", 1/{world} shard" if fsdp else ""
     lora = _lora(cfg)
     trainable = shape.lora_parameters(*lora) if lora else shape.parameters
     terms = [Term(f"weights: float32 masters{of}", gib(4 * shape.parameters / shard))]
@@ -292,7 +280,7 @@ def _update_terms(cfg: Config, shape: ModelShape, dtype: str) -> list[Term]:
     mixed precision), the activations with checkpointing as configured (and, shown only, toggled), the logits."""
     mb, c = microbatch(cfg), mem.DTYPE_BYTES[dtype]
     terms = []
-    if dtype == "bfloat16" and cfg.resources.learner.strategy != "fsdp":
+    if dtype == "bfloat16" and not resolve_plan(cfg).parallelism.sharded:
         terms.append(Term("bf16 copies of the linear weights (autocast, kept for backward)",
                           gib(2 * shape.linear_parameters), "update"))
     on = cfg.model.gradient_checkpointing
@@ -310,13 +298,13 @@ def _update_terms(cfg: Config, shape: ModelShape, dtype: str) -> list[Term]:
 def _held_terms(cfg: Config, models: Models, dtype: str) -> list[Term]:
     """Returns the models a learner rank holds besides the policy: the reference and teacher copies (1/N shards under
     FSDP2, in the compute dtype: ``rlray.learner.sharding.FSDP2.frozen``), PPO's critic."""
-    terms = []
-    world, fsdp = cfg.resources.learner.num_workers, cfg.resources.learner.strategy == "fsdp"
-    for role, shape in (("reference", models.policy if reference_on_learner(cfg) else None),
-                        ("teacher", models.teacher if cfg.resources.teacher.placement == "learner" else None)):
+    terms, plan = [], resolve_plan(cfg)
+    world, fsdp = plan.parallelism.world_size, plan.parallelism.sharded
+    for role, shape in (("reference", models.policy if plan.roles.reference_on_learner else None),
+                        ("teacher", models.teacher if plan.roles.teacher == "learner" else None)):
         if shape is None:
             continue
-        if fsdp and world > 1:
+        if fsdp:
             terms.append(Term(f"{role}: frozen copy, {dtype}, 1/{world} shard",
                               gib(mem.DTYPE_BYTES[dtype] * shape.parameters / world)))
         else:
@@ -338,7 +326,7 @@ def rollout_engine(cfg: Config, shape: ModelShape, *, dtype: str, hardware: Hard
     r, c = cfg.resources.rollout, mem.DTYPE_BYTES[dtype]
     tp = r.tensor_parallel_size if hardware else 1
     sequences = max(math.ceil(cfg.sequences_per_step / r.num_workers), math.ceil(cfg.eval.num_problems / r.num_workers), 1)
-    tokens = context_tokens(cfg)
+    tokens = resolve_plan(cfg).lengths.context_tokens
     per_token = 2 * shape.num_layers * math.ceil(shape.num_kv_heads / tp) * shape.head_dim * c
     kv = mem.kv_cache_bytes(sequences, tokens, per_token)
     weights = Term(f"weights: {dtype}" + (f", 1/{tp} (tensor parallel)" if tp > 1 else ""), gib(c * shape.parameters / tp))
@@ -384,7 +372,7 @@ def frozen_actor(role: str, shape: ModelShape, cfg: Config, *, dtype: str, gpus:
 
 def reward_model(cfg: Config, shape: ModelShape) -> RoleMemory:
     """Returns the reward model's memory (float32 weights, ``rlray.models.heads.load_reward_model``) in its process."""
-    where = (f"{cfg.resources.reward.replicas} Serve replica(s)" if cfg.reward.server.enabled
-             else "in learner rank 0's process (host memory)")
+    roles = resolve_plan(cfg).roles
+    where = f"{roles.reward.count} Serve replica(s)" if roles.reward_server else "in learner rank 0's process (host memory)"
     params = shape.parameters - shape.head_parameters + shape.hidden_size
     return RoleMemory("reward model", where, (Term("weights: float32", gib(4 * params)),))

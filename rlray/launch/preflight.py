@@ -45,6 +45,7 @@ from rlray.launch.judges import check_judges
 from rlray.launch.plan import check_fit
 from rlray.models import ModelError, cpu_supports_bf16, load_tokenizer, resolve_model_path, vocabulary
 from rlray.models.adapters import check_adapter
+from rlray.plan import resolve_plan
 from rlray.reward.scorer import RewardFunctionError
 from rlray.reward.verifiers import BUILTIN_VERIFIERS
 
@@ -84,18 +85,19 @@ def preflight(cfg: Config) -> str:
 
 def check_inputs(cfg: Config) -> str:
     """Returns the resolved local model folder of ``model.path`` after the checks of ``preflight`` (which words its
-    other ``ValueError`` s as ``PreflightError``)."""
-    model_dir = resolve_model_path(cfg.model.path)
+    other ``ValueError`` s as ``PreflightError``; the roles checked are the run plan's, ``rlray.plan``)."""
+    plan = resolve_plan(cfg)
+    roles = plan.roles
+    model_dir = resolve_model_path(cfg.model.path, revision=cfg.model.revision)
     tokenizer = load_tokenizer(model_dir, cfg.model.chat_template)
     if cfg.model.adapter_path is not None:
         check_adapter(cfg.model.adapter_path, model_dir)
-    if cfg.teacher.enabled:
+    if roles.teacher != "off":
         check_teacher(cfg.teacher.path, cfg.model.path, model_dir)
-    gpus = cfg.resources.learner.gpus > 0 or cfg.resources.rollout.gpus > 0
-    if cfg.model.dtype == "bfloat16" and not gpus and not cpu_supports_bf16():
+    if cfg.model.dtype == "bfloat16" and not plan.uses_gpus and not cpu_supports_bf16():
         log.warning("model.dtype=bfloat16 on a CPU without native bf16 (no AVX-512 BF16 or AMX): torch emulates it, "
                     "~40x slower than float32 for matmuls; set model.dtype=auto or float32")
-    if cfg.algo.family == "online":
+    if roles.online:
         rows = load_prompt_rows(cfg.data.train_files, prompt_column=cfg.data.prompt_column)
         if cfg.data.long_prompts == "error":
             prepare_prompts(rows, tokenizer, max_prompt_tokens=cfg.data.max_prompt_tokens, long_prompts="error",
@@ -103,8 +105,8 @@ def check_inputs(cfg: Config) -> str:
         eval_rows = []
         if cfg.eval.num_problems:
             eval_rows = load_prompt_rows(cfg.data.eval_files, prompt_column=cfg.data.prompt_column)[: cfg.eval.num_problems]
-        if (not cfg.reward.functions and cfg.reward.model_path is None and not cfg.reward.judges
-                and not cfg.teacher.enabled and not cfg.env.enabled):
+        if (not plan.reward.functions and plan.reward.model_path is None and not roles.judges
+                and roles.teacher == "off" and not roles.env_hosts):
             raise RewardFunctionError(
                 "this online run has no reward: set reward.functions (built-in verifiers such as "
                 "[{function: math_equal}], or your own 'file.py:function'), reward.judges, reward.model_path, a "
@@ -120,7 +122,7 @@ def check_inputs(cfg: Config) -> str:
                 raise ValueError(f"env.agents.{name}='{spec}': {missing}")
         check_reward_columns(cfg, sorted({c for row in rows + eval_rows for c in row.columns}))
         check_environments(cfg, rows, eval_rows)
-        if cfg.algo.algorithm.needs_critic and cfg.critic.model_path:
+        if roles.critic and cfg.critic.model_path:
             resolve_model_path(cfg.critic.model_path)
     else:
         load_preference_pairs(cfg.offline.pairs_files, max_pairs=cfg.offline.max_pairs)

@@ -104,9 +104,10 @@ def shared_prompt_runs(model: torch.nn.Module, inputs: ModelInputs, share_prompt
 
 
 def scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Returns ``logits`` as float32 divided by ``temperature``: in place (the model's own output, which nothing
-    else reads; Linear's backward does not need its output), no copy at temperature 1."""
-    logits = logits.float()
+    """Returns ``logits`` as float32 (float64 logits stay float64: a float64 model is the tests' reference
+    precision) divided by ``temperature``: in place (the model's own output, which nothing else reads; Linear's
+    backward does not need its output), no copy at temperature 1."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     return logits if temperature == 1.0 else logits.div_(temperature)
 
 

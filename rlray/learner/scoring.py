@@ -139,7 +139,7 @@ def _entropy(logits: torch.Tensor) -> torch.Tensor:
 
 def response_value_scores(model: torch.nn.Module, inputs: ModelInputs, *, dtype: str, packed: bool,
                           share_prefixes: bool) -> tuple[torch.Tensor, TokenCounts]:
-    """Returns a value model's [B, T] float32 values V(s_t) at the response states (``models.heads.response_values``'
+    """Returns a value model's [B, T] float32 values (float64 for a float64 model) V(s_t) at the response states (``models.heads.response_values``'
     positions; 0 past each response when packed) and the tokens the forward computed.
 
     Args:
@@ -151,13 +151,18 @@ def response_value_scores(model: torch.nn.Module, inputs: ModelInputs, *, dtype:
     """
     if not packed:
         with autocast_context(dtype):
-            values = response_values(model, inputs).float()
-        return values, padded_tokens(inputs, None)
+            values = response_values(model, inputs)
+        return _at_least_float32(values), padded_tokens(inputs, None)
     layout = pack_rows(inputs, share_prefixes=share_prefixes).to(inputs.input_ids.device)
     with autocast_context(dtype):
         hidden = packed_hidden(model, layout)
-        values = getattr(model, "module", model).score(hidden).squeeze(-1).float()
-    return per_token(values, layout), layout.tokens
+        values = getattr(model, "module", model).score(hidden).squeeze(-1)
+    return per_token(_at_least_float32(values), layout), layout.tokens
+
+
+def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """Returns ``x`` as float32 when it is narrower (bf16 autocast), else unchanged (float32, or a float64 model's)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 @torch.no_grad()

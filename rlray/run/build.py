@@ -2,7 +2,9 @@
 
 Building-block packages (``rlray.learner``, ``rlray.reward``, ``rlray.rollout``) never read the config:
 every place that turns ``Config`` fields into their arguments is here, used by the run (rank 0's
-step, every rank's learner) and by the driver (``rlray.launch``: the reward server, ``rlray eval``).
+step, every rank's learner) and by the driver (``rlray.launch``: the reward server, ``rlray eval``). The run's
+decisions (placements, parallelism and micro-batching, lengths, sampling, episode limits) are taken once by
+``rlray.plan.resolve_plan``; the functions here build objects from the plan's parts and the remaining config keys.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from rlray.learner.critic import build_critic
 from rlray.learner.policy import to_local_gpu
 from rlray.learner.sharding import FSDP2
 from rlray.models import resolve_dtype, resolve_model_path
+from rlray.plan import compute_dtype, resolve_plan  # compute_dtype: build.compute_dtype for its callers
 from rlray.reward import RewardScorer
 from rlray.reward.judge_client import JudgeCaller, JudgeClient
 from rlray.reward.judge_panel import JudgePanel, JudgeTerm
@@ -35,6 +38,7 @@ from rlray.reward.judge_server import ServeJudgeCaller
 from rlray.reward.judges import JudgeSpec
 from rlray.reward.server import LocalRewardClient, ServeRewardClient
 from rlray.rollout import RolloutSource, SamplingSpec
+from rlray.run import online_sampling
 from rlray.run.agents import AgentRollout
 from rlray.run.episodes import EpisodeLimits, EpisodeRollout
 
@@ -54,31 +58,33 @@ def learner_kwargs(cfg: Config, world: int, *, with_reference: bool = True, teac
     (NCCL); one GPU rank moves the model to its GPU. The reference model is built when the KL is in use or the KL
     guard is on (it needs the KL), unless ``with_reference`` is False (a reference actor, or offline runs). The teacher
     (``teacher_dir``: ``teacher.path`` resolved by the driver) is held on the learner only with
-    ``resources.teacher.placement == "learner"``.
+    ``resources.teacher.placement == "learner"``. Both placements are the plan's (``rlray.plan.Roles``).
     """
+    plan = resolve_plan(cfg)
+    par, roles = plan.parallelism, plan.roles
     wrap = None
-    gpu = cfg.resources.learner.gpus > 0 and torch.cuda.is_available()
-    if world > 1 and cfg.resources.learner.strategy == "fsdp":
-        wrap = FSDP2(mixed_precision=compute_dtype(cfg) == "bfloat16", gpu=gpu)
+    gpu = par.gpu and torch.cuda.is_available()
+    if world > 1 and par.sharded:
+        wrap = FSDP2(mixed_precision=par.compute_dtype == "bfloat16", gpu=gpu)
     elif world > 1:
         wrap = functools.partial(ray.train.torch.prepare_model, parallel_strategy="ddp")
     elif gpu:
         wrap = to_local_gpu
     return dict(
-        dtype=compute_dtype(cfg),
+        dtype=par.compute_dtype,
         lr=cfg.learner.lr,
         betas=cfg.learner.betas,
         weight_decay=cfg.learner.weight_decay,
         warmup_steps=cfg.learner.warmup_steps,
         max_grad_norm=cfg.learner.max_grad_norm,
         temperature=cfg.rollout.temperature,
-        use_reference=(cfg.algo.kl_coef > 0 or cfg.guard.kl_threshold is not None) and with_reference,
+        use_reference=roles.reference != "off" and with_reference,
         gradient_checkpointing=cfg.model.gradient_checkpointing,
         wrap_model=wrap,
         optimizer=cfg.learner.optimizer,
         lora=cfg.model.lora.model_dump() if cfg.model.lora.rank else None,
         adapter_path=cfg.model.adapter_path,
-        teacher_path=teacher_dir if cfg.teacher.enabled and cfg.resources.teacher.placement == "learner" else None,
+        teacher_path=teacher_dir if roles.teacher == "learner" else None,
     )
 
 
@@ -88,32 +94,34 @@ def ppo_critic(cfg: Config, model_dir: str, wrap: Any) -> PolicyLearner:
     return build_critic(path, dtype=compute_dtype(cfg), lr=cfg.critic.lr, max_grad_norm=cfg.critic.max_grad_norm, wrap_model=wrap)
 
 
-def compute_dtype(cfg: Config) -> str:
-    """Returns ``model.dtype`` with "auto" resolved on this machine: "bfloat16" or "float32" (``models.resolve_dtype``)."""
-    return resolve_dtype(cfg.model.dtype, gpu=cfg.resources.learner.gpus > 0 or cfg.resources.rollout.gpus > 0)
-
-
 def sampling_for_step(cfg: Config, step: int) -> SamplingSpec:
     """Returns the training SamplingSpec of 0-based ``step``.
 
     The seed is per call (seed * 1_000_003 + step): samples depend on the seed, the step, the prompts
-    and the weights only.
+    and the weights only (``rlray.plan.Sampling.for_step``).
     """
-    return SamplingSpec(
-        n=cfg.rollout.samples_per_prompt,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p,
-        seed=cfg.run.seed * 1_000_003 + step,
-        top_k=cfg.rollout.top_k,
-        min_p=cfg.rollout.min_p,
-        stop=tuple(cfg.rollout.stop),
-    )
+    return resolve_plan(cfg).sampling.for_step(step)
 
 
 def eval_sampling(cfg: Config) -> SamplingSpec:
     """Returns the evaluation SamplingSpec: one greedy completion of up to ``eval_max_new_tokens`` tokens."""
-    return SamplingSpec(n=1, max_new_tokens=cfg.eval_max_new_tokens, temperature=0.0, top_p=1.0, stop=tuple(cfg.rollout.stop))
+    return resolve_plan(cfg).sampling.eval
+
+
+def sampling_extras(cfg: Config) -> online_sampling.SamplingExtras:
+    """Returns the plain values of the sampling extras (DAPO's dynamic sampling and overlong shaping, ReMax's greedy
+    baseline) from ``cfg.algo``, its registry entry, ``learner.prompts_per_step`` and the plan's generation cap."""
+    a = cfg.algo
+    return online_sampling.SamplingExtras(
+        dynamic_sampling=a.algorithm.dynamic_sampling,
+        greedy_baseline=a.algorithm.greedy_baseline,
+        target_groups=cfg.learner.prompts_per_step,
+        max_rounds=a.dynamic_sampling_max_rounds,
+        max_new_tokens=resolve_plan(cfg).lengths.max_new_tokens,
+        metric=a.dynamic_sampling_metric,
+        overlong_cache_tokens=a.overlong_cache_tokens,
+        overlong_penalty_factor=a.overlong_penalty_factor,
+    )
 
 
 def scorer_kwargs(cfg: Config, columns: list[str] | None = None) -> dict[str, Any]:
@@ -159,9 +167,10 @@ def local_reward_client(cfg: Config, columns: list[str] | None = None) -> LocalR
 
 
 def reward_client(cfg: Config, columns: list[str] | None = None) -> LocalRewardClient | ServeRewardClient:
-    """Returns the Serve application's client when ``reward.server.enabled``, else an in-process scorer."""
+    """Returns the Serve application's client when the plan runs a reward server (``rlray.plan.Roles.reward_server``:
+    online with ``reward.server.enabled``), else an in-process scorer."""
     srv = cfg.reward.server
-    if srv.enabled:
+    if resolve_plan(cfg).roles.reward_server:
         return ServeRewardClient(srv.app_name, attempts=srv.client_attempts, timeout_s=srv.client_timeout_s)
     return local_reward_client(cfg, columns)
 
@@ -169,7 +178,7 @@ def reward_client(cfg: Config, columns: list[str] | None = None) -> LocalRewardC
 def judge_seed(cfg: Config, step: int) -> int:
     """Returns the seed of 0-based ``step``'s judge calls (group mode: the order each group is shown in), the step's
     sampling seed (``sampling_for_step``)."""
-    return cfg.run.seed * 1_000_003 + step
+    return resolve_plan(cfg).sampling.step_seed(step)
 
 
 def judge_specs(cfg: Config) -> list[JudgeSpec]:
@@ -202,7 +211,7 @@ def judge_panel(cfg: Config, callers: list[JudgeCaller] | None = None) -> JudgeP
         callers: one caller per judge (``rlray judge check`` passes local services); None: each judge's Serve
             application (``rlray-judge-<name>``), its batches split over ``resources.judge.replicas`` chunks.
     """
-    if not cfg.reward.judges:
+    if not resolve_plan(cfg).reward.judges:
         return None
     callers = callers or [ServeJudgeCaller(j.app_name) for j in cfg.reward.judges]
     return JudgePanel([
@@ -214,26 +223,28 @@ def judge_panel(cfg: Config, callers: list[JudgeCaller] | None = None) -> JudgeP
 
 def episode_rollout(cfg: Config, fleet: Any, hosts: list[Any], tokenizer: Any) -> EpisodeRollout:
     """Returns the episode rollout of ``cfg.env`` over ``fleet`` and the environment hosts (rank 0; ``rlray eval``)."""
-    env = cfg.env
-    limits = EpisodeLimits(env.max_turns, cfg.episode_tokens, env.max_observation_tokens, env.episode_timeout_s)
+    ep = resolve_plan(cfg).episodes
+    limits = EpisodeLimits(ep.max_turns, ep.max_episode_tokens, ep.max_observation_tokens, ep.episode_timeout_s)
 
     def prepare(messages: list[dict]) -> list[dict]:
         return prompt_messages(messages, instruction=cfg.data.instruction, system_prompt=cfg.data.system_prompt)
 
-    default = env.default if env.default in env.environments else None  # a default agent is AgentRollout's
-    return EpisodeRollout(fleet, hosts, tokenizer, limits, env_column=env.column, default_env=default,
-                          known_envs=list(env.environments), prepare=prepare,
+    envs = [name for name, _ in ep.environments]
+    default = ep.default if ep.default in envs else None  # a default agent is AgentRollout's
+    return EpisodeRollout(fleet, hosts, tokenizer, limits, env_column=ep.column, default_env=default,
+                          known_envs=envs, prepare=prepare,
                           chat_template_kwargs=cfg.rollout.chat_template_kwargs, prompt_column=cfg.data.prompt_column)
 
 
 def rollouts(cfg: Config, fleet: Any, hosts: list[Any], tokenizer: Any) -> RolloutSource:
     """Returns what a run samples from (rank 0; ``rlray eval``): the fleet; the episode rollout over it when
     env.environments is set; and ``AgentRollout`` around either when env.agents is set."""
-    inner = episode_rollout(cfg, fleet, hosts, tokenizer) if cfg.env.environments else fleet
-    if not cfg.env.agents:
+    ep = resolve_plan(cfg).episodes
+    inner = episode_rollout(cfg, fleet, hosts, tokenizer) if ep.environments else fleet
+    if not ep.agents:
         return inner
-    return AgentRollout(fleet, hosts, inner, tokenizer, env_column=cfg.env.column, default=cfg.env.default,
-                        agents=list(cfg.env.agents), environments=list(cfg.env.environments),
+    return AgentRollout(fleet, hosts, inner, tokenizer, env_column=ep.column, default=ep.default,
+                        agents=[name for name, _ in ep.agents], environments=[name for name, _ in ep.environments],
                         prompt_column=cfg.data.prompt_column)
 
 
@@ -245,7 +256,7 @@ def update_spec(cfg: Config, world: int) -> learner_online.UpdateSpec:
     update (no extra forward), unless the KL sits in the reward, whose penalty needs them first, or a
     reverse-KL teacher needs them as the student's logprobs (``learner_online.add_reverse_kl``).
     """
-    a, ln, algorithm = cfg.algo, cfg.learner, cfg.algo.algorithm
+    a, ln, algorithm, plan = cfg.algo, cfg.learner, cfg.algo.algorithm, resolve_plan(cfg)
     kl_in_loss = a.kl_in == "loss"
     loss = LossSpec(
         clip_eps_low=a.clip_eps_low,
@@ -253,7 +264,7 @@ def update_spec(cfg: Config, world: int) -> learner_online.UpdateSpec:
         kl_coef=a.kl_coef if kl_in_loss else 0.0,
         kl_estimator=a.kl_estimator,
         loss_agg=a.loss_agg,
-        max_response_tokens=cfg.rollout.max_new_tokens,
+        max_response_tokens=plan.lengths.max_new_tokens,
         policy_loss=algorithm.policy_loss,
         dual_clip=a.dual_clip,
         entropy_coef=a.entropy_coef,
@@ -278,7 +289,7 @@ def update_spec(cfg: Config, world: int) -> learner_online.UpdateSpec:
         advantage=advantage,
         epochs=ln.epochs,
         rows_per_minibatch=ln.sequences_per_minibatch // world,
-        batching=micro_batching(cfg),
+        batching=plan.parallelism.micro_batching,
         old_logprobs_before_update=off_policy or (not kl_in_loss and a.kl_coef > 0) or cfg.teacher.reverse_kl_weight > 0,
         value_clip_eps=cfg.critic.value_clip_eps,
         loss_world_size=world,
@@ -287,10 +298,15 @@ def update_spec(cfg: Config, world: int) -> learner_online.UpdateSpec:
 
 
 def micro_batching(cfg: Config) -> MicroBatching:
-    """Returns the learner's micro-batching (``rlray.learner.batching.MicroBatching``) from ``learner.*``."""
-    ln = cfg.learner
-    return MicroBatching(sequences=ln.sequences_per_microbatch, tokens=ln.tokens_per_microbatch,
-                         packing=ln.sequence_packing, share_prefixes=ln.share_prefixes)
+    """Returns the micro-batching in force on a learner rank (``rlray.plan.Parallelism.micro_batching``: an FSDP
+    learner cuts by sequences, its token budget dropped)."""
+    return resolve_plan(cfg).parallelism.micro_batching
+
+
+def frozen_micro_batching(cfg: Config) -> MicroBatching:
+    """Returns the micro-batching of a reference or teacher actor (``learner.*`` as configured, token budget included;
+    ``rlray.plan.Parallelism.frozen_micro_batching``)."""
+    return resolve_plan(cfg).parallelism.frozen_micro_batching
 
 
 def rollout_overlap(cfg: Config, plan: CorePlan, *, shares_node: bool) -> tuple[bool, str]:
@@ -311,8 +327,7 @@ def rollout_overlap(cfg: Config, plan: CorePlan, *, shares_node: bool) -> tuple[
         return False, "synchronous"
     if cfg.rollout.overlap != "auto":
         return cfg.rollout.overlap == "on", f"rollout.overlap={cfg.rollout.overlap}"
-    res = cfg.resources
-    if res.rollout.gpus > 0 or res.learner.gpus > 0:
+    if resolve_plan(cfg).uses_gpus:
         return True, "a stage on GPU"
     if not shares_node:
         return True, "the rollout actors run on other nodes than the learner"

@@ -194,7 +194,7 @@ def algorithm_sampling(lead: OnlineLead, cfg: Config, tokenizer: Any, sampling: 
         got = score(lead.reward, b.rows, done, tokenizer, weight, lead.judges, judge_seed)
         return Rollouts(b.rows, b.prompt_ids, done, got.values, got.outputs)
 
-    return online_sampling.apply(batch, draw, greedy, online_sampling.spec_from(cfg))
+    return online_sampling.apply(batch, draw, greedy, build.sampling_extras(cfg))
 
 
 def build_experience(

@@ -22,6 +22,7 @@ import torch
 import yaml
 
 from rlray.config import Config, ConfigError, GuardConfig, validate_tree
+from rlray.plan import resolve_plan
 
 log = logging.getLogger(__name__)
 
@@ -207,11 +208,12 @@ def is_oom(err: BaseException) -> bool:
 def oom_fallback_config(cfg: Config) -> tuple[Config, str]:
     """Returns (config with half the micro-batch and gradient checkpointing on, a note saying so).
 
-    Half the micro-batch is half ``learner.tokens_per_microbatch`` when set, else half ``sequences_per_microbatch``
+    Half the micro-batch is half ``learner.tokens_per_microbatch`` when a token budget is in force (the plan's
+    ``parallelism.micro_batching``: an FSDP learner cuts by sequences), else half ``sequences_per_microbatch``
     (which keeps ``sequences_per_minibatch`` divisible: it was a multiple of micro-batch x ranks).
     """
     tree = cfg.model_dump()
-    budget = cfg.learner.tokens_per_microbatch
+    budget = resolve_plan(cfg).parallelism.micro_batching.tokens
     if budget is not None:  # the micro-batch is cut by tokens: halve the budget (never below the schema's 16)
         key, old, new = "tokens_per_microbatch", budget, max(16, budget // 2)
     else:

@@ -311,7 +311,7 @@ def training_rows(cfg: Config) -> list[PromptRow]:
     from rlray.models import load_tokenizer, resolve_model_path
     from rlray.run.build import training_prompts
 
-    tokenizer = load_tokenizer(resolve_model_path(cfg.model.path), cfg.model.chat_template)
+    tokenizer = load_tokenizer(resolve_model_path(cfg.model.path, revision=cfg.model.revision), cfg.model.chat_template)
     return training_prompts(cfg, tokenizer)[1]
 
 

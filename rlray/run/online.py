@@ -301,7 +301,7 @@ def reference_and_old_logprobs(ctx: OnlineRun, batch: schema.StepBatch,
     and sends [B, T] logprobs of the sampled tokens; a JSD teacher sits on the learner and is run inside the
     update's micro-batches instead.
     """
-    mbs = spec.batching
+    mbs = build.frozen_micro_batching(ctx.cfg)  # an actor's model is not sharded: the configured budget (rlray.plan)
     if ctx.reference_actor is not None:  # resources.reference.placement == "actor"
         batch.ref_logprobs = ray.get(ctx.reference_actor.logprobs.remote(batch.inputs, mbs))
     if ctx.teacher_actor is not None and spec.distill_weight > 0:  # resources.teacher.placement == "actor"

@@ -172,21 +172,6 @@ class SamplingExtras:
     overlong_penalty_factor: float = 1.0
 
 
-def spec_from(cfg: Any) -> SamplingExtras:
-    """Returns the ``SamplingExtras`` of an ``rlray.config.Config``."""
-    a = cfg.algo
-    return SamplingExtras(
-        dynamic_sampling=a.algorithm.dynamic_sampling,
-        greedy_baseline=a.algorithm.greedy_baseline,
-        target_groups=cfg.learner.prompts_per_step,
-        max_rounds=a.dynamic_sampling_max_rounds,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        metric=a.dynamic_sampling_metric,
-        overlong_cache_tokens=a.overlong_cache_tokens,
-        overlong_penalty_factor=a.overlong_penalty_factor,
-    )
-
-
 def apply(
     batch: Rollouts,
     draw: Callable[[int, int], Rollouts],

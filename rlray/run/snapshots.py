@@ -19,6 +19,7 @@ from rlray.checkpoint.manifest import SnapshotManifest
 from rlray.checkpoint.storage import SnapshotError
 from rlray.config import Config
 from rlray.observe.monitor import Alerter
+from rlray.plan import resolve_plan
 from rlray.run.context import RunContext
 from rlray.run.state import RunServices, RunState
 
@@ -43,8 +44,9 @@ def local_log_path(cfg: Config, run: RunState) -> Path:
 
 
 def snapshot_due(cfg: Config, step: int) -> bool:
-    """Returns True when a snapshot is due after ``step``: every ``checkpoint.every_steps`` and at the last step."""
-    return step % cfg.checkpoint.every_steps == 0 or step == cfg.run.max_steps
+    """Returns True when a snapshot is due after ``step``: every ``checkpoint.every_steps`` and at the last step
+    (``rlray.plan.Snapshots.due``)."""
+    return resolve_plan(cfg).snapshots.due(step)
 
 
 def snapshot(ctx: RunContext, run: RunState, services: RunServices, *, kind: str, metrics: dict[str, float]) -> str | None:

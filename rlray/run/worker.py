@@ -7,6 +7,7 @@ from typing import Any
 
 from rlray.config import Config
 from rlray.learner.collective import current_collective, name_learner_process
+from rlray.plan import resolve_plan
 from rlray.run import offline, online, session
 from rlray.run.session import FatalStepError
 from rlray.run.state import RunOutcome, WorkerArgs
@@ -25,7 +26,7 @@ def train(cfg: Config, args: WorkerArgs, coll: Any = None) -> RunOutcome:
         rlray.run.guards.EarlyOOM: out of memory again after the fallback.
     """
     coll = coll or current_collective()
-    if cfg.algo.family == "online":
+    if resolve_plan(cfg).roles.online:
         build = functools.partial(online.setup, model_dir=args.model_dir, actors=args.rollout_actors, run_id=args.run_id,
                                   reference_actor=args.reference_actor, env_hosts=args.env_hosts,
                                   teacher_dir=args.teacher_dir, teacher_actor=args.teacher_actor)

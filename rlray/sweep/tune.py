@@ -42,6 +42,7 @@ from rlray.launch.driver import init_ray, resolve_paths, run_training
 from rlray.launch.judges import judge_apps
 from rlray.launch.placement import role_requests
 from rlray.observe.tracking import Tracker, child_runs, get_run_metrics
+from rlray.plan import resolve_plan
 from rlray.run.hooks import StepEnd
 from rlray.sweep.pbt import make_pbt, pbt_base_config, read_pointer, write_pointer
 from rlray.sweep.spec import SweepConfig, check_sweep
@@ -91,7 +92,7 @@ def trial_demand(cfg: Config, driver_cpus: float) -> dict[str, float]:
     rollout actors, learner workers, and the reward replicas and reference actor when configured)."""
 
     demand = {"CPU": driver_cpus, "GPU": 0.0}
-    for request in role_requests(cfg):
+    for request in role_requests(resolve_plan(cfg)):
         for key, value in request.total().items():
             if key in demand:
                 demand[key] += value

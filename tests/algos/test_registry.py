@@ -3,10 +3,21 @@ inconsistent entries; the estimators it names take a typed record."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
-from rlray.algos import ALGORITHMS, POLICY_LOSSES, Algorithm, algorithm_names, estimators, get_algorithm, register
+from rlray.algos import (
+    ALGORITHMS,
+    POLICY_LOSSES,
+    Algorithm,
+    algorithm_names,
+    estimators,
+    get_algorithm,
+    load_algorithms,
+    register,
+)
 
 
 def test_the_built_in_algorithms_and_their_pieces():
@@ -63,3 +74,25 @@ def test_estimators_read_the_typed_record_and_name_a_missing_input():
         estimators.ppo(inputs, estimators.AdvantageSpec(), lambda x: x)
     with pytest.raises(ValueError, match="inputs.old_logprobs is None; a KL in the reward needs"):
         estimators.grpo(inputs, estimators.AdvantageSpec(reward_kl_coef=0.1), lambda x: x)
+
+
+def test_load_algorithms_registers_once_per_file_and_module(tmp_path, monkeypatch):
+    """A file is run once per path and a module imported once, so loading again (every validation of a config does)
+    is a no-op; an entry its module registered itself at import counts as registered."""
+    (tmp_path / "mine.py").write_text(
+        "from rlray.algos import Algorithm, estimators, register\n"
+        "MINE = Algorithm('mine_grpo', 'online', advantage=estimators.grpo, policy_loss='ppo_clip')\n")
+    (tmp_path / "selfreg.py").write_text(
+        "from rlray.algos import Algorithm, register\n"
+        "SELF = register(Algorithm('self_registered', 'offline', pair_objective='dpo'))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        first = load_algorithms([f"{tmp_path}/mine.py:MINE", "selfreg:SELF"])
+        assert [a.name for a in first] == ["mine_grpo", "self_registered"]
+        assert ALGORITHMS["mine_grpo"] is first[0] and ALGORITHMS["self_registered"] is first[1]
+        assert load_algorithms([str(tmp_path / "mine.py") + ":MINE", "selfreg:SELF"]) == first  # again: no-op
+        assert algorithm_names()[-2:] == ("mine_grpo", "self_registered")
+    finally:
+        ALGORITHMS.pop("mine_grpo", None)
+        ALGORITHMS.pop("self_registered", None)
+        sys.modules.pop("selfreg", None)

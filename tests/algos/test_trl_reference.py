@@ -69,6 +69,10 @@ with warnings.catch_warnings():
     from trl.trainer.reward_trainer import RewardTrainer
     from trl.trainer.utils import nanstd
 
+# float32 on both sides (TRL's own loss code casts to float32, e.g. ORPO's ``odds_ratio_loss``): the same formulas in
+# another order differ by float32 rounding of values of magnitude <= ~10 and reductions over <= ~60 terms (typically
+# ~1e-7, measured as 0-6e-8 here); 1e-6 is ~10 ulps at magnitude 10, and a formula that differs (a missing term,
+# another normaliser) moves the results by 1e-2 or more.
 ATOL = 1e-6
 
 

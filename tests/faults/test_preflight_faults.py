@@ -33,7 +33,7 @@ def train(tmp_path, gsm8k_dir, monkeypatch, capsys):
 def test_a_missing_model_path_fails_at_start(train, tmp_path):
     status, err = train(f"model.path={tmp_path}/nowhere")
     assert status == 2
-    assert f"rlray: model.path='{tmp_path}/nowhere' is not an existing folder, a .gguf file or an alias" in err
+    assert f"rlray: model.path='{tmp_path}/nowhere' is not an existing folder, a .gguf file, a Hugging Face Hub id (org/name) or an alias" in err
 
 
 def test_a_missing_bucket_fails_at_start(train, moto_s3):

@@ -41,7 +41,8 @@ def main() -> None:
     p.add_argument("--store", default="")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
-    cfg = config_from_dict({}, args.overrides)
+    # the learner group has --world ranks, as in a run (the plan decides the parallelism from it)
+    cfg = config_from_dict({}, [*args.overrides, f"resources.learner.num_workers={args.world}"])
     model_dir = resolve_model_path(cfg.model.path)
     if args.world > 1:
         torch.distributed.init_process_group("gloo", init_method=f"file://{args.store}", rank=args.rank,

@@ -196,6 +196,21 @@ def test_console_is_quiet_and_the_driver_log_keeps_everything(root_logging, tmp_
     assert not [h for h in root_logging.handlers if h.get_name() == console.PENDING_HANDLER]  # the buffer is gone
 
 
+def test_the_quiet_console_has_no_library_progress_bars(root_logging, monkeypatch):
+    from transformers.utils import logging as hf_logging
+
+    from rlray.launch.driver import worker_env
+
+    hf_logging.enable_progress_bar()
+    console.configure_console(verbose=False, stream=io.StringIO())
+    assert not hf_logging.is_progress_bar_enabled()  # "Loading weights", "Writing model shards": not in the console
+    hf_logging.enable_progress_bar()
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    assert worker_env()["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"  # nor from a Ray worker (a snapshot's save_pretrained)
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "0")
+    assert worker_env()["HF_HUB_DISABLE_PROGRESS_BARS"] == "0"  # a user's own choice travels as it is
+
+
 def test_verbose_console_shows_every_library(root_logging):
     out = io.StringIO()
     console.configure_console(verbose=True, stream=out)

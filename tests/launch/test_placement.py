@@ -6,13 +6,14 @@ import pytest
 
 from rlray.config import ConfigError, config_from_dict
 from rlray.cores import plan_cores, split_cores
+from rlray.launch.actors import rollout_cpu_threads
 from rlray.launch.placement import (
     PlacementError,
     RoleRequest,
     check_fit,
     role_requests,
-    rollout_cpu_threads,
 )
+from rlray.plan import resolve_plan
 from rlray.run.build import core_plan
 
 
@@ -21,7 +22,7 @@ def test_defaults_fit_two_rollouts_two_learners_and_a_reward_replica_on_two_cpus
         "resources": {"rollout": {"num_workers": 2}, "learner": {"num_workers": 2}, "reference": {"placement": "actor"}},
         "reward": {"server": {"enabled": True}},
     })
-    reqs = role_requests(cfg)
+    reqs = role_requests(resolve_plan(cfg))
     assert [(r.role, r.count, r.per_worker) for r in reqs] == [
         ("rollout", 2, {"CPU": 0.25}), ("learner", 2, {"CPU": 0.25}), ("reward", 1, {"CPU": 0.25}),
         ("reference", 1, {"CPU": 0.25}),
@@ -31,30 +32,30 @@ def test_defaults_fit_two_rollouts_two_learners_and_a_reward_replica_on_two_cpus
 
 def test_roles_that_are_off_ask_for_nothing():
     cfg = config_from_dict({"algo": {"kl_coef": 0.0}, "resources": {"reference": {"placement": "actor"}}})
-    assert [r.role for r in role_requests(cfg)] == ["rollout", "learner"]
+    assert [r.role for r in role_requests(resolve_plan(cfg))] == ["rollout", "learner"]
 
 
 def test_a_teacher_actor_asks_for_its_resources_and_a_learner_teacher_for_none():
     cfg = config_from_dict({"teacher": {"path": "tiny-random@1"}, "algo": {"kl_coef": 0.0},
                             "resources": {"teacher": {"placement": "actor", "cpus": 0.5, "gpus": 1}}})
-    assert [(r.role, r.count, r.per_worker) for r in role_requests(cfg)][2:] == [("teacher", 1, {"CPU": 0.5, "GPU": 1})]
+    assert [(r.role, r.count, r.per_worker) for r in role_requests(resolve_plan(cfg))][2:] == [("teacher", 1, {"CPU": 0.5, "GPU": 1})]
     on_learner = config_from_dict({"teacher": {"path": "tiny-random@1"}, "algo": {"kl_coef": 0.0}})
-    assert [r.role for r in role_requests(on_learner)] == ["rollout", "learner"]
+    assert [r.role for r in role_requests(resolve_plan(on_learner))] == ["rollout", "learner"]
     off = config_from_dict({"algo": {"kl_coef": 0.0}, "resources": {"teacher": {"placement": "actor"}}})
-    assert [r.role for r in role_requests(off)] == ["rollout", "learner"]  # no teacher.path: no actor
+    assert [r.role for r in role_requests(resolve_plan(off))] == ["rollout", "learner"]  # no teacher.path: no actor
 
 
 def test_custom_resources_join_each_role_request():
     cfg = config_from_dict({"algo": {"kl_coef": 0.0}, "resources": {
         "rollout": {"num_workers": 2, "custom_resources": {"rollout_node": 1}},
         "learner": {"custom_resources": {"learner_node": 1}}}})
-    assert [(r.role, r.per_worker) for r in role_requests(cfg)] == [
+    assert [(r.role, r.per_worker) for r in role_requests(resolve_plan(cfg))] == [
         ("rollout", {"CPU": 0.25, "rollout_node": 1}), ("learner", {"CPU": 0.25, "learner_node": 1})]
     # two rollout nodes of 1 rollout_node each fit; one node offering it does not
     nodes = [{"CPU": 2.0}, {"CPU": 1.0, "rollout_node": 1.0}, {"CPU": 1.0, "rollout_node": 1.0, "learner_node": 1.0}]
-    check_fit(role_requests(cfg), {"CPU": 4.0, "rollout_node": 2.0, "learner_node": 1.0}, nodes)
+    check_fit(role_requests(resolve_plan(cfg)), {"CPU": 4.0, "rollout_node": 2.0, "learner_node": 1.0}, nodes)
     with pytest.raises(PlacementError) as err:
-        check_fit(role_requests(cfg), {"CPU": 4.0, "rollout_node": 1.0}, [{"CPU": 2.0}, {"CPU": 2.0, "rollout_node": 1.0}])
+        check_fit(role_requests(resolve_plan(cfg)), {"CPU": 4.0, "rollout_node": 1.0}, [{"CPU": 2.0}, {"CPU": 2.0, "rollout_node": 1.0}])
     assert "together they want {CPU: 0.75, learner_node: 1, rollout_node: 2}, but the cluster has " \
            "{CPU: 4, GPU: 0, learner_node: 0, rollout_node: 1}" in str(err.value)
     assert "one learner worker ({CPU: 0.25, learner_node: 1}) fits on no single node" in str(err.value)
@@ -62,7 +63,7 @@ def test_custom_resources_join_each_role_request():
 
 def test_tensor_parallel_multiplies_rollout_gpus():
     cfg = config_from_dict({"resources": {"rollout": {"num_workers": 2, "gpus": 1, "tensor_parallel_size": 4}}})
-    assert role_requests(cfg)[0].per_worker == {"CPU": 0.25, "GPU": 4}
+    assert role_requests(resolve_plan(cfg))[0].per_worker == {"CPU": 0.25, "GPU": 4}
 
 
 def test_a_request_that_does_not_fit_names_each_role_and_the_cluster():
@@ -267,7 +268,7 @@ def test_rollout_nodes_name_a_node_per_actor_and_release_their_placement_group(r
 
     cfg = config_from_dict({"resources": {"rollout": {"num_workers": 2}, "placement_timeout_s": 5}})
     before = {pg_id for pg_id, pg in placement_group_table().items() if pg["state"] != "REMOVED"}
-    nodes = rollout_nodes(cfg)
+    nodes = rollout_nodes(resolve_plan(cfg))
     assert nodes == [ray.get_runtime_context().get_node_id()] * 2  # the session's one node, for each actor
     mine = [pg for pg_id, pg in placement_group_table().items() if pg_id not in before and pg["name"].startswith("rlray:rollout:")]
     assert mine and all(pg["state"] == "REMOVED" for pg in mine)  # nothing stays reserved: a lost node is not rescheduled
@@ -276,7 +277,7 @@ def test_rollout_nodes_name_a_node_per_actor_and_release_their_placement_group(r
                                               "placement_timeout_s": 1}})
     with pytest.raises(PlacementError, match=r"rollout placement group \(1 x {CPU: 0.25, absent_node: 1}, PACK\) was not "
                                              r"ready within resources.placement_timeout_s=1 s"):
-        rollout_nodes(too_big)
+        rollout_nodes(resolve_plan(too_big))
 
 
 @pytest.mark.parametrize(("tree", "shares_node", "overlap", "why"), [
@@ -327,4 +328,4 @@ def test_rollout_overlap_on_and_off_as_yaml_reads_them(tmp_path):
 def test_judges_ask_for_their_replicas_each():
     cfg = config_from_dict({"algo": {"kl_coef": 0.0}, "reward": {"judges": [{"path": "tiny-random"}, {"path": "x", "name": "g"}]},
                             "resources": {"judge": {"replicas": 2, "cpus": 0.5, "gpus": 0.5}}})
-    assert [(r.role, r.count, r.per_worker) for r in role_requests(cfg)][2:] == [("judge", 4, {"CPU": 0.5, "GPU": 0.5})]
+    assert [(r.role, r.count, r.per_worker) for r in role_requests(resolve_plan(cfg))][2:] == [("judge", 4, {"CPU": 0.5, "GPU": 0.5})]

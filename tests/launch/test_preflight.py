@@ -177,7 +177,8 @@ def test_a_teacher_with_another_vocabulary_fails_naming_both(cfg_of, tmp_path, t
 
 
 def test_a_missing_teacher_fails_naming_the_key(cfg_of, tmp_path):
-    with pytest.raises(ModelError, match=r"^teacher.path='.*nope' is not an existing folder, a .gguf file or an alias"):
+    with pytest.raises(ModelError, match=r"^teacher.path='.*nope' is not an existing folder, a .gguf file, "
+                                         r"a Hugging Face Hub id \(org/name\) or an alias"):
         preflight(cfg_of(f"teacher.path={tmp_path}/nope"))
 
 

@@ -84,10 +84,11 @@ def test_existing_folder_is_returned_as_is(tiny_model_path):
 
 
 def test_unknown_path_names_the_key_and_aliases():
+    # (an org/name value is a Hub id: tests/models/test_hub.py)
     with pytest.raises(ModelError) as err:
-        resolve_model_path("HuggingFaceTB/not-here")
+        resolve_model_path("not-here")
     message = str(err.value)
-    assert "model.path='HuggingFaceTB/not-here'" in message
+    assert "model.path='not-here'" in message
     assert "'smollm2-135m-instruct'" in message and "'tiny-random'" in message
 
 

@@ -1,0 +1,25 @@
+"""The run plan: a validated config resolved once into frozen, typed records (``resolve_plan`` -> ``RunPlan``).
+
+It sits below ``rlray.launch`` and ``rlray.run`` and above the building blocks; the driver, the preflight,
+``rlray plan``, the placement check, ``rlray.run.build`` and rank 0's lead read its fields instead of deciding again.
+"""
+
+from rlray.plan.records import (
+    Episodes,
+    Judge,
+    Lengths,
+    Parallelism,
+    RewardTerms,
+    RoleResources,
+    Roles,
+    RunPlan,
+    Sampling,
+    Snapshots,
+    Tracking,
+)
+from rlray.plan.resolve import compute_dtype, resolve_plan
+
+__all__ = [
+    "Episodes", "Judge", "Lengths", "Parallelism", "RewardTerms", "RoleResources", "Roles", "RunPlan", "Sampling",
+    "Snapshots", "Tracking", "compute_dtype", "resolve_plan",
+]  # fmt: skip
