@@ -162,7 +162,7 @@ def interleaved(size: dict[str, Any], rounds: int) -> dict[str, Any]:
 
     from rlray.config import load_config
     from rlray.data import load_prompt_rows, prepare_prompts
-    from rlray.envs.agent_host import AgentHost
+    from rlray.envs.agents.agent_host import AgentHost
     from rlray.launch.actors import agent_host_kwargs, start_rollout_actors
     from rlray.launch.driver import max_model_len
     from rlray.models import load_tokenizer, resolve_model_path
@@ -198,7 +198,7 @@ def interleaved(size: dict[str, Any], rounds: int) -> dict[str, Any]:
             if r:
                 got[variant].append({"rollout_s": wall, "tokens": float(sum(sum(c.loss_mask) for c in done)),
                                      "turns": statistics.mean(c.episode.num_turns for c in done),
-                                     "drift": float(sum(c.episode.template_drift for c in done))})
+                                     "drift": float(sum(c.episode.agent.template_drift for c in done if c.episode.agent))})
         print(f"  round {r}: " + ", ".join(f"{v} {got[v][-1]['rollout_s']:.1f} s" for v in VARIANTS if r), flush=True)
     ray.shutdown()
     return {v: {"rollout_s": statistics.median(x["rollout_s"] for x in runs),
@@ -230,15 +230,15 @@ class InstantSampler:
         self.num_actors = max(len(actors), 1)
 
     async def sample(self, actor: int, prompts: list[list[int]], max_new_tokens: int, stop: tuple[str, ...]) -> list[Any]:
-        from rlray.envs.conversation import Sampled
+        from rlray.envs.agents.conversation import Sampled
 
         return [Sampled(list(self.reply), [-0.5] * len(self.reply), "stop", 0) for _ in prompts]
 
 
 def capacity(calls: int, levels: tuple[int, ...]) -> list[dict[str, Any]]:
     """Returns calls answered per second and prompts per engine call at each concurrency in ``levels``."""
-    from rlray.envs.agent_host import AgentBatch, AgentHost
     from rlray.envs.agents import AgentRequest
+    from rlray.envs.agents.agent_host import AgentBatch, AgentHost
     from rlray.models import load_tokenizer, resolve_model_path
 
     model_dir = resolve_model_path("tiny-random")  # SmolLM2's tokenizer; the engine is scripted

@@ -12,7 +12,7 @@ from rlray.config.base import _Section
 
 
 class McpServerConfig(_Section):
-    """One MCP server whose tools the environment hosts offer (``rlray.envs.mcp``): a stdio command or a URL."""
+    """One MCP server whose tools the environment hosts offer (``rlray.envs.agents.mcp``): a stdio command or a URL."""
 
     name: str = Field(..., min_length=1, description="The server's name, in messages and logs.")
     command: list[str] | None = Field(

@@ -1,12 +1,14 @@
-"""Environments: the contract (``base``), tools and their parsers, a tool-calling base class, the TRL adapter; agents
-behind the gateway (``agents``, ``gateway``, ``conversation``, ``agent_host``) and MCP tools (``mcp``).
+"""Environments: the contract (``base``), tools and their parsers, a tool-calling base class, the TRL adapter, the
+environment host (``host``) and the one limits record of every episode (``limits``); agents behind the gateway and MCP
+tools in their own folder (``rlray.envs.agents``: ``agent``, ``gateway``, ``conversation``, ``agent_host``, ``mcp``).
 
 Plain Python, no Ray: an environment is tested as an object (DESIGN.md, Environments).
 """
 
 from rlray.envs.agents import AgentResult, episode_tools
+from rlray.envs.agents.mcp import McpTool
 from rlray.envs.base import AssistantTurn, Environment, EnvReset, EnvStep, Message, ToolCall
-from rlray.envs.mcp import McpTool, host_mcp_tools
+from rlray.envs.limits import EpisodeLimits
 from rlray.envs.toolenv import ToolEnvironment, tool_step
 from rlray.envs.tools import (
     TOOL_CALL_PARSERS,
@@ -33,6 +35,7 @@ __all__ = [
     "EnvReset",
     "EnvStep",
     "Environment",
+    "EpisodeLimits",
     "McpTool",
     "Message",
     "TRLEnvironment",
@@ -40,7 +43,6 @@ __all__ = [
     "ToolEnvironment",
     "call_tool",
     "episode_tools",
-    "host_mcp_tools",
     "is_trl_environment",
     "load_environment",
     "load_environment_class",

@@ -17,6 +17,11 @@ string.
 
 Tool calls are parsed here (``rlray.envs.tools.parse_tool_calls``), so an environment receives an
 ``AssistantTurn`` with its calls already parsed.
+
+MCP tools (``env.mcp_servers``) reach an episode explicitly: the host that holds the MCP sessions
+(``rlray.envs.agents.agent_host.AgentHost``) lists their tools once into ``episode_tools``, and every in-process episode
+it opens is handed that list before its ``reset`` (``rlray.envs.toolenv.open_with_tools``). The tools call back into
+the host's sessions, so a sandboxed episode (another process) gets none.
 """
 
 from __future__ import annotations
@@ -138,16 +143,19 @@ def _user_call(where: str, call: Callable[[], R]) -> R:
 
 
 # ---- what both backends run on an episode's instance (module-level: a sandbox child unpickles them by name) ----
-def _reset(env: Any, row: dict[str, Any]) -> ResetReply:
-    """Returns the reply to ``env.reset(**row)`` (tool schemas built here, where the tools live).
+def _reset(env: Any, row: dict[str, Any], tools: tuple[Any, ...] = ()) -> ResetReply:
+    """Returns the reply to ``env.reset(**row)`` (tool schemas built here, where the tools live), the episode opened
+    with the host's MCP tools ``tools`` (``rlray.envs.toolenv.open_with_tools``).
 
     Raises:
         TypeError: reset returned something other than an ``EnvReset``.
         EnvironmentRaised: reset raised.
         ToolSchemaError: a tool has no usable JSON schema (names the tool and the fix).
     """
+    from rlray.envs.toolenv import open_with_tools
     from rlray.envs.tools import tool_schemas
 
+    open_with_tools(env, tools)
     got = _user_call("reset(**row)", lambda: env.reset(**row))
     if not isinstance(got, EnvReset):
         raise TypeError(f"{type(env).__name__}.reset returned {type(got).__name__}, expected rlray.envs.EnvReset")
@@ -240,15 +248,17 @@ class EpisodeEnvironment:
             bound to the instance, or the ``ProcessSandbox`` serving it).
         tool_parser: the tool-call parser ("hermes").
         box: the sandbox child holding the instance (None: the instance is in this process).
+        tools: the host's MCP tools the episode is opened with (in process only; ``_reset``).
     """
 
-    def __init__(self, call: Callable[..., Any], tool_parser: str, box: ProcessSandbox | None = None) -> None:
-        self._call, self._parser, self._box = call, tool_parser, box
+    def __init__(self, call: Callable[..., Any], tool_parser: str, box: ProcessSandbox | None = None,
+                 tools: tuple[Any, ...] = ()) -> None:
+        self._call, self._parser, self._box, self._tools = call, tool_parser, box, tuple(tools)
 
     @classmethod
-    def in_process(cls, env: Any, tool_parser: str) -> EpisodeEnvironment:
-        """Returns an ``EpisodeEnvironment`` over ``env``, an instance in this process."""
-        return cls(functools.partial(_apply, env), tool_parser)
+    def in_process(cls, env: Any, tool_parser: str, tools: tuple[Any, ...] = ()) -> EpisodeEnvironment:
+        """Returns an ``EpisodeEnvironment`` over ``env``, an instance in this process, opened with ``tools``."""
+        return cls(functools.partial(_apply, env), tool_parser, tools=tools)
 
     @classmethod
     def sandboxed(cls, spec: str, tool_parser: str, *, timeout_s: float, memory_gib: float,
@@ -273,7 +283,7 @@ class EpisodeEnvironment:
     def reset(self, row: dict[str, Any]) -> ResetReply:
         """Returns the reply to the instance's ``reset(**row)`` (see ``_reset``; sandboxed: its errors as
         ``SandboxError``, ``SandboxTimeout``, ``SandboxCrashed``)."""
-        return self._call(_reset, row)
+        return self._call(_reset, row, self._tools)
 
     def step(self, request: StepRequest) -> StepReply:
         """Returns the reply to the instance's ``step`` for ``request``'s turn (see ``_step``)."""
@@ -310,6 +320,10 @@ class EnvironmentHost:
         memory_gib: address-space cap of a sandboxed episode's child, in GiB.
         trl_parity: how TRL-shaped classes answer tool calls (``rlray.envs.trl.TRLEnvironment``; ``env.trl_parity``).
 
+    Attributes:
+        episode_tools: the MCP tools every in-process episode is opened with ([]; set once by the ``AgentHost`` that
+            starts the MCP sessions).
+
     Every failure reply's message says where the environment raised: '<reset|step|reward_at_limit()> raised
     <Type>: <message> (at <file>:<line>)' (``describe_error``), or that the call ran past the time limit.
 
@@ -332,6 +346,7 @@ class EnvironmentHost:
         self._sandbox, self._memory_gib, self._trl_parity = sandbox, memory_gib, trl_parity
         self._pool = futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rlray-env")
         self._episodes: dict[str, EpisodeEnvironment] = {}
+        self.episode_tools: list[Any] = []
 
     def ping(self) -> bool:
         """Returns True (a liveness check)."""
@@ -396,7 +411,7 @@ class EnvironmentHost:
             episode = EpisodeEnvironment.sandboxed(self._specs[name], self._parser, timeout_s=self._timeout,
                                                    memory_gib=self._memory_gib, name=name, trl_parity=self._trl_parity)
         else:
-            episode = EpisodeEnvironment.in_process(self._factories[name](), self._parser)
+            episode = EpisodeEnvironment.in_process(self._factories[name](), self._parser, tuple(self.episode_tools))
         self._episodes[request.key] = episode
         return episode.reset(request.row)
 

@@ -15,6 +15,10 @@ records the tools by name and builds the ``EnvReset``), and scores the final ans
         def final_reward(self, turn: AssistantTurn) -> float | None:
             return float(self.answer in turn.text)
 
+The environment host opens each episode with its MCP servers' tools (``env.mcp_servers``): it hands them to the
+instance before ``reset`` (``open_with_tools``, into ``host_tools``), and ``begin`` adds them after the episode's own.
+Nothing else: an instance built outside a host, or in a sandbox child, has none.
+
 Step semantics (one assistant turn):
 - with tool calls or tool-call parse errors: every call is run through ``call_tool`` and answered by one
   ``{"role": "tool", "name": <tool>, "content": <text>}`` message, in call order; every parse error is answered
@@ -33,7 +37,6 @@ from collections.abc import Callable
 from typing import Any
 
 from rlray.envs.base import AssistantTurn, EnvReset, EnvStep, Message
-from rlray.envs.mcp import host_mcp_tools
 from rlray.envs.tools import call_tool
 
 INVALID_TOOL_CALL = "invalid_tool_call"  # the tool-message name answering a call that could not be parsed
@@ -59,7 +62,14 @@ def tool_step(tools: dict[str, Callable[..., Any]], turn: AssistantTurn) -> EnvS
 
 class ToolEnvironment(abc.ABC):
     """Base class for native tool-calling environments: implements ``step``; subclasses implement ``reset`` and
-    ``final_reward`` (see the module docstring for the step semantics)."""
+    ``final_reward`` (see the module docstring for the step semantics).
+
+    Attributes:
+        host_tools: the MCP tools its host opened the episode with (``open_with_tools``; () by default), added by
+            ``begin`` after the episode's own tools.
+    """
+
+    host_tools: tuple[Callable[..., Any], ...] = ()  # a class default: a subclass need not call __init__
 
     def __init__(self) -> None:
         """Starts with no tools; ``begin`` records them when ``reset`` opens the episode."""
@@ -73,13 +83,13 @@ class ToolEnvironment(abc.ABC):
     def begin(self, prompt: list[Message], tools: list[Callable[..., Any]], stop: list[str] | None = None) -> EnvReset:
         """Returns ``EnvReset(prompt, tools, stop)`` and records ``tools`` by ``__name__`` for ``step``'s dispatch.
 
-        The MCP servers' tools of the environment host (``env.mcp_servers``: ``rlray.envs.mcp.host_mcp_tools``) are
-        added after ``tools``.
+        The MCP servers' tools the host opened the episode with (``host_tools``; ``env.mcp_servers``) are added
+        after ``tools``.
 
         Raises:
             ValueError: two tools share a name (the model could not tell them apart).
         """
-        tools = [*tools, *host_mcp_tools()]  # env.mcp_servers: the host's MCP tools join every tool environment's
+        tools = [*tools, *self.host_tools]  # env.mcp_servers: the host's MCP tools join every tool environment's
         names = [tool.__name__ for tool in tools]
         if len(set(names)) != len(names):
             raise ValueError(f"{type(self).__name__}: tool names must be unique, got {names}")
@@ -97,3 +107,11 @@ class ToolEnvironment(abc.ABC):
         if result is not None:
             return result
         return EnvStep(reward=self.final_reward(turn), done=True, tool_calls=0, tool_errors=0)
+
+
+def open_with_tools(env: Any, tools: tuple[Callable[..., Any], ...] | list[Callable[..., Any]]) -> None:
+    """Hands ``tools`` (the host's MCP tools, ``McpTool`` callables) to ``env`` before its ``reset``: a
+    ``ToolEnvironment`` keeps them in ``host_tools`` for ``begin``; any other environment ignores them (as before:
+    MCP tools join tool environments only)."""
+    if isinstance(env, ToolEnvironment):
+        env.host_tools = tuple(tools)

@@ -30,7 +30,6 @@ from typing import Any
 from transformers.utils import get_json_schema
 
 from rlray.envs.base import ToolCall
-from rlray.envs.mcp import McpTool
 
 _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
@@ -40,11 +39,13 @@ def tool_schemas(tools: list[Callable[..., Any]]) -> list[dict[str, Any]]:
 
     A tool needs a type hint on every argument and a Google-style docstring with an ``Args:`` entry per
     argument (transformers' rules). Bound methods work (``self`` is not listed). An MCP server's tool
-    (``rlray.envs.mcp.McpTool``) gives the schema its server listed.
+    (``rlray.envs.agents.mcp.McpTool``) gives the schema its server listed.
 
     Raises:
         ValueError: a tool that transformers cannot describe; the message names the function and the reason.
     """
+    from rlray.envs.agents.mcp import McpTool  # deferred: the agents package imports this module (its gateway)
+
     schemas = []
     for tool in tools:
         if isinstance(tool, McpTool):  # an MCP server's tool: its schema is the server's

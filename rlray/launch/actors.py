@@ -288,7 +288,7 @@ def start_env_hosts(cfg: Config, namespace: str | None = None, *, model_dir: str
 
     Raises:
         ValueError: an environment class or agent function cannot be loaded (raised by the first host; names it).
-        rlray.envs.mcp.McpStartError: an MCP server did not start.
+        rlray.envs.agents.mcp.McpStartError: an MCP server did not start.
     """
     if not cfg.env.enabled:
         return []
@@ -303,7 +303,7 @@ def start_env_hosts(cfg: Config, namespace: str | None = None, *, model_dir: str
         kwargs = dict(tool_parser=cfg.env.tool_parser, step_timeout_s=cfg.env.step_timeout_s, threads=res.threads,
                       sandbox=cfg.env.sandbox, memory_gib=cfg.env.memory_gib, trl_parity=cfg.env.trl_parity)
         if gateway:  # run_agents blocks while the host's agents run: the environments' calls need threads of their own
-            from rlray.envs.agent_host import AgentHost
+            from rlray.envs.agents.agent_host import AgentHost
 
             hosts.append(ray.remote(AgentHost).options(**options, max_concurrency=AGENT_HOST_CONCURRENCY).remote(
                 dict(cfg.env.environments), **kwargs, **agent_host_kwargs(cfg, model_dir)))
@@ -334,9 +334,10 @@ def agent_host_kwargs(cfg: Config, model_dir: str | None = None) -> dict[str, An
         "model_dir": (model_dir or resolve_model_path(cfg.model.path, revision=cfg.model.revision)) if ep.agents else None,
         "chat_template": cfg.model.chat_template,
         "sampler_factory": FleetSampler,
-        "max_turns": ep.max_turns,
-        "max_episode_tokens": ep.max_episode_tokens,
-        "episode_timeout_s": ep.episode_timeout_s,
+        "max_turns": ep.limits.max_turns,
+        "max_episode_tokens": ep.limits.max_episode_tokens,
+        "episode_timeout_s": ep.limits.episode_timeout_s,
+        "max_observation_tokens": ep.limits.max_observation_tokens,
         "mcp_servers": list(ep.tools),
         "gateway_host": cfg.env.gateway_host,
         "chat_template_kwargs": dict(cfg.rollout.chat_template_kwargs),

@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from rlray.envs.mcp import McpServerSpec
+from rlray.envs.agents.mcp import McpServerSpec
+from rlray.envs.limits import EpisodeLimits
 from rlray.learner.batching import MicroBatching
 from rlray.rollout.types import SamplingSpec
 
@@ -193,10 +194,9 @@ class Episodes:
         agents: name -> "module:function" of each agent (``env.agents``).
         column: the row column naming a row's environment or agent (``env.column``).
         default: the environment or agent of rows without one (``env.default``), or None.
-        max_turns: assistant turns per episode.
-        max_episode_tokens: prompt + turns + observations per episode, in tokens (``Config.episode_tokens``).
-        max_observation_tokens: cap per observation message's content, in tokens.
-        episode_timeout_s: wall seconds per episode.
+        limits: the one limits record of environment and agent episodes (``rlray.envs.limits.EpisodeLimits``:
+            env.max_turns, ``Config.episode_tokens``, env.max_observation_tokens, env.episode_timeout_s,
+            env.step_timeout_s; ``max_new_tokens`` 0, set per step from its sampling).
         tools: the MCP servers whose tools the hosts offer (``env.mcp_servers``).
         reward_weight: weight of the environment's reward in the summed reward (``env.reward_weight``).
     """
@@ -205,10 +205,7 @@ class Episodes:
     agents: tuple[tuple[str, str], ...]
     column: str
     default: str | None
-    max_turns: int
-    max_episode_tokens: int
-    max_observation_tokens: int
-    episode_timeout_s: float
+    limits: EpisodeLimits
     tools: tuple[McpServerSpec, ...]
     reward_weight: float
 

@@ -9,7 +9,8 @@ read (and ``model.dtype=auto`` resolved on this machine).
 from __future__ import annotations
 
 from rlray.config import Config, ConfigError
-from rlray.envs.mcp import McpServerSpec
+from rlray.envs.agents.mcp import McpServerSpec
+from rlray.envs.limits import EpisodeLimits
 from rlray.learner.batching import MicroBatching
 from rlray.models import resolve_dtype
 from rlray.plan.records import (
@@ -150,8 +151,9 @@ def resolve_episodes(cfg: Config) -> Episodes:
     tools = tuple(McpServerSpec(s.name, tuple(s.command or ()), s.url or "", s.timeout_s, dict(s.env))
                   for s in env.mcp_servers)
     return Episodes(environments=tuple(env.environments.items()), agents=tuple(env.agents.items()), column=env.column,
-                    default=env.default, max_turns=env.max_turns, max_episode_tokens=cfg.episode_tokens,
-                    max_observation_tokens=env.max_observation_tokens, episode_timeout_s=env.episode_timeout_s,
+                    default=env.default,
+                    limits=EpisodeLimits(env.max_turns, cfg.episode_tokens, env.max_observation_tokens,
+                                         env.episode_timeout_s, env.step_timeout_s),
                     tools=tools, reward_weight=env.reward_weight)
 
 

@@ -80,6 +80,24 @@ class SamplingSpec:
 
 
 @dataclass
+class AgentInfo:
+    """What an agent episode records besides an environment episode's fields (``EpisodeInfo.agent``;
+    ``rlray.run.agents``).
+
+    Attributes:
+        segments: the episode cut where the agent rewrote history (``rlray.envs.agents.conversation``): its earlier
+            token sequences, in order, each trained as a sequence of its own (the completion holding this record is
+            the last one); [] otherwise.
+        gateway_calls: the episode's chat or completion calls answered by the gateway.
+        template_drift: the episode's history rewrites, i.e. ``len(segments)`` cuts.
+    """
+
+    segments: list[Completion] = field(default_factory=list)
+    gateway_calls: int = 0
+    template_drift: int = 0
+
+
+@dataclass
 class EpisodeInfo:
     """What one multi-turn episode recorded besides its tokens (``rlray.run.episodes``).
 
@@ -99,11 +117,8 @@ class EpisodeInfo:
         metrics: the environment's own per-episode numbers (summed over turns), logged as env/<name> means.
         message: the error of a failed episode, saying where it raised ("" otherwise).
         rerun: the episode was run again from the start because its environment host died.
-        segments: an agent episode cut where the agent rewrote history (``rlray.envs.conversation``): its earlier token
-            sequences, in order, each trained as a sequence of its own (the completion holding this record is the
-            last one); [] otherwise.
-        gateway_calls: an agent episode's chat or completion calls answered by the gateway (0 for an environment).
-        template_drift: an agent episode's history rewrites, i.e. ``len(segments)`` cuts (0 for an environment).
+        agent: what only an agent episode records (``AgentInfo``); None for an environment episode, and for the
+            earlier segments of a cut agent episode.
     """
 
     environment: str
@@ -119,9 +134,7 @@ class EpisodeInfo:
     metrics: dict[str, float] = field(default_factory=dict)
     message: str = ""
     rerun: bool = False
-    segments: list[Completion] = field(default_factory=list)
-    gateway_calls: int = 0
-    template_drift: int = 0
+    agent: AgentInfo | None = None
 
 
 @dataclass

@@ -2,13 +2,13 @@
 
 A row whose ``env.column`` names an agent (``env.agents``; or every row, with ``env.default`` naming one) becomes
 ``n`` agent episodes; the other rows go to the rollout it wraps (the episode rollout of the environments, or the
-fleet), at the same time. Agent episodes are spread over the environment hosts (``rlray.envs.agent_host.AgentHost``),
+fleet), at the same time. Agent episodes are spread over the environment hosts (``rlray.envs.agents.agent_host.AgentHost``),
 one ``run_agents`` call per host with every episode it runs: the agents drive their own loops there, many at once,
 and each of their calls is sampled by the episode's rollout actor (``actor_keys`` as the episode loop pins them:
 the prefix cache serves its turns) through ``FleetSampler``.
 
-An episode comes back as token sequences (``rlray.envs.conversation.Segment``): the last one is the episode's
-``Completion``; when the agent rewrote history, the earlier ones ride in ``EpisodeInfo.segments`` and become rows
+An episode comes back as token sequences (``rlray.envs.agents.conversation.Segment``): the last one is the episode's
+``Completion``; when the agent rewrote history, the earlier ones ride in ``EpisodeInfo.agent.segments`` and become rows
 of their own in the step's experience (``rlray.run.experience``), each with the episode's reward. A host that dies
 fails its episodes (stop reason ``actor_died``).
 """
@@ -24,19 +24,19 @@ from typing import Any
 
 import ray
 
-from rlray.envs.agent_host import AgentBatch
 from rlray.envs.agents import AgentReply, AgentRequest
-from rlray.envs.conversation import Sampled
+from rlray.envs.agents.agent_host import AgentBatch
+from rlray.envs.agents.conversation import Sampled
 from rlray.envs.episode import FAILED_STOP_REASONS
 from rlray.rollout import Completion, RolloutSource, SamplingSpec
 from rlray.rollout.fleet import ACTOR_ERRORS, RolloutError, RolloutFleet
-from rlray.rollout.types import EpisodeInfo, in_background
+from rlray.rollout.types import AgentInfo, EpisodeInfo, in_background
 
 log = logging.getLogger(__name__)
 
 
 class FleetSampler:
-    """The engine call of an agent host's batch (``rlray.envs.agent_host.Sampler``): a Ray call to a rollout actor.
+    """The engine call of an agent host's batch (``rlray.envs.agents.agent_host.Sampler``): a Ray call to a rollout actor.
 
     Runs in the host. Each call samples with the batch's ``SamplingSpec``, its max new tokens and stop strings set by
     the call (no per-call seed: the calls of many agents have no fixed order). When the actor has died, the call goes
@@ -187,7 +187,7 @@ class AgentRollout:
         return out
 
     def _completion(self, p: int, s: int, agent: str, reply: AgentReply) -> Completion:
-        """Returns an agent episode's completion: its last segment, the earlier ones in ``episode.segments``."""
+        """Returns an agent episode's completion: its last segment, the earlier ones in ``episode.agent.segments``."""
         failed = reply.stop_reason in FAILED_STOP_REASONS
         segments = [  # an earlier segment's own record: where it ended (the rewrite), its turns
             Completion(p, s, seg.response_ids, seg.logprobs, seg.finish_reason, min(seg.policy_versions), seg.loss_mask,
@@ -203,7 +203,7 @@ class AgentRollout:
             turn_rewards=[None] * max(turns - 1, 0) + [reply.reward] if turns else [], env_reward=reply.reward,
             failed=failed, tool_calls=reply.tool_calls, tool_errors=reply.tool_errors,
             observation_tokens=sum(seg.observation_tokens for seg in reply.segments), metrics=dict(reply.metrics),
-            message=reply.message, segments=segments[:-1], gateway_calls=reply.calls, template_drift=reply.drift,
+            message=reply.message, agent=AgentInfo(segments[:-1], gateway_calls=reply.calls, template_drift=reply.drift),
         )
         if not segments:  # no answered call: one masked-out placeholder token
             eos = int(self.tokenizer.eos_token_id)
@@ -214,7 +214,8 @@ class AgentRollout:
 def agent_metrics(completions: list[Completion], agents: set[str]) -> dict[str, float]:
     """Returns env/template_drift (history rewrites, summed) and env/gateway_calls_mean (calls answered per episode)
     over the step's agent episodes (those whose environment is in ``agents``); {} when the step has none."""
-    eps = [c.episode for c in completions if c.episode is not None and c.episode.environment in agents]
+    eps = [c.episode.agent or AgentInfo() for c in completions
+           if c.episode is not None and c.episode.environment in agents]
     if not eps:
         return {}
     return {"env/template_drift": float(sum(e.template_drift for e in eps)),

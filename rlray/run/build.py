@@ -40,7 +40,7 @@ from rlray.reward.server import LocalRewardClient, ServeRewardClient
 from rlray.rollout import RolloutSource, SamplingSpec
 from rlray.run import online_sampling
 from rlray.run.agents import AgentRollout
-from rlray.run.episodes import EpisodeLimits, EpisodeRollout
+from rlray.run.episodes import EpisodeRollout
 
 
 def seed_everything(seed: int) -> None:
@@ -224,7 +224,7 @@ def judge_panel(cfg: Config, callers: list[JudgeCaller] | None = None) -> JudgeP
 def episode_rollout(cfg: Config, fleet: Any, hosts: list[Any], tokenizer: Any) -> EpisodeRollout:
     """Returns the episode rollout of ``cfg.env`` over ``fleet`` and the environment hosts (rank 0; ``rlray eval``)."""
     ep = resolve_plan(cfg).episodes
-    limits = EpisodeLimits(ep.max_turns, ep.max_episode_tokens, ep.max_observation_tokens, ep.episode_timeout_s)
+    limits = ep.limits
 
     def prepare(messages: list[dict]) -> list[dict]:
         return prompt_messages(messages, instruction=cfg.data.instruction, system_prompt=cfg.data.system_prompt)

@@ -41,6 +41,7 @@ import ray
 
 from rlray.envs.episode import TemplateDriftError, Trajectory, open_trajectory, truncate_observations
 from rlray.envs.host import ResetRequest, StepRequest
+from rlray.envs.limits import EpisodeLimits
 from rlray.envs.probe import reset_kwargs, row_environment
 from rlray.reward.combine import Term, combine
 from rlray.rollout import Completion, SamplingSpec
@@ -52,24 +53,6 @@ log = logging.getLogger(__name__)
 SEED_STRIDE_PER_TURN = 1_000_003  # a turn's sampling seed: the step's seed + turn * stride (then offset per chunk)
 # Stop reasons of an episode a limit ended before the environment said done: its reward_at_limit() is asked for.
 LIMIT_STOP_REASONS = ("max_turns", "length", "max_episode_tokens", "template_drift")
-
-
-@dataclass(frozen=True)
-class EpisodeLimits:
-    """Limits that end an episode, each with its own stop reason.
-
-    Attributes:
-        max_turns: assistant turns per episode (``max_turns``).
-        max_episode_tokens: prompt + all turns + observations, in tokens; a turn starts only when
-            ``max_new_tokens`` more still fit (``max_episode_tokens``).
-        max_observation_tokens: cap per observation message's content, in tokens (cut and counted).
-        episode_timeout_s: wall seconds per episode (``episode_timeout``, a failure), checked between turns.
-    """
-
-    max_turns: int
-    max_episode_tokens: int
-    max_observation_tokens: int
-    episode_timeout_s: float
 
 
 @dataclass

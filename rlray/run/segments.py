@@ -1,6 +1,6 @@
 """Rows of the step's experience beyond one per sample: agent episodes cut into segments, and padding rows.
 
-An agent episode whose agent rewrote history comes back as several token sequences (``EpisodeInfo.segments`` then
+An agent episode whose agent rewrote history comes back as several token sequences (``EpisodeInfo.agent.segments`` then
 the completion itself: ``rlray.run.agents``). Each is a row of the experience table, trained on its own, and all
 carry the episode's reward, group and sample index. So a cut episode weighs once per segment in its group's
 statistics, as in AReaL's per-call samples and SkyRL's step-wise training (which normalises over the last steps
@@ -33,12 +33,12 @@ def experience_rows(completions: list[Completion]) -> list[tuple[int, Completion
     its segment index or None): one per sample first, in order (a cut episode's last segment, index k), then the
     earlier segments of each cut episode (0..k-1)."""
     rows: list[tuple[int, Completion, int | None]] = []
+    earlier = [c.episode.agent.segments if c.episode is not None and c.episode.agent is not None else []
+               for c in completions]  # a cut agent episode's earlier segments (EpisodeInfo.agent)
     for i, c in enumerate(completions):
-        cut = c.episode is not None and bool(c.episode.segments)
-        rows.append((i, c, len(c.episode.segments) if cut else None))
-    for i, c in enumerate(completions):
-        if c.episode is not None:
-            rows += [(i, seg, j) for j, seg in enumerate(c.episode.segments)]
+        rows.append((i, c, len(earlier[i]) if earlier[i] else None))
+    for i in range(len(completions)):
+        rows += [(i, seg, j) for j, seg in enumerate(earlier[i])]
     return rows
 
 

@@ -1,4 +1,4 @@
-"""Token exactness of agent conversations (rlray.envs.conversation) on SmolLM2's real tokenizer (the tiny-random model
+"""Token exactness of agent conversations (rlray.envs.agents.conversation) on SmolLM2's real tokenizer (the tiny-random model
 carries it) with the smollm2-tools template: extension reuses the sampled tokens, history rewrites cut segments."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from rlray.envs.conversation import AgentConversation, GatewayError, Sampled, normalize_message
+from rlray.envs.agents.conversation import AgentConversation, GatewayError, Sampled, normalize_message
 
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "Adds.", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}]

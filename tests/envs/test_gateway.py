@@ -11,9 +11,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rlray.envs.agent_host import AgentBatch, AgentHost
 from rlray.envs.agents import AgentRequest
-from rlray.envs.gateway import GatewayLimits, split_tool_calls
+from rlray.envs.agents.agent_host import AgentBatch, AgentHost
+from rlray.envs.agents.gateway import split_tool_calls
+from rlray.envs.limits import EpisodeLimits
 from rlray.observe.samples import mask_runs
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "agents.py"
@@ -179,7 +180,7 @@ def test_requests_the_gateway_refuses(host):
 
     tokenizer()
     gateway = host.gateway
-    limits = GatewayLimits(4, 1024, 16)
+    limits = EpisodeLimits(4, 1024, 256, 600.0, max_new_tokens=16)
     gateway.episodes.pop("manual", None)
     ep = gateway.open("manual", 0, limits)
     try:
@@ -224,10 +225,10 @@ def test_a_thousand_scripted_episodes_log_zero_drift(host):
         turns = i % 5 + 1
         assert r.calls == turns and sum(1 for _, _, on in mask_runs(r.segments[0].loss_mask) if on) == turns
     from rlray.rollout import Completion
-    from rlray.rollout.types import EpisodeInfo
+    from rlray.rollout.types import AgentInfo, EpisodeInfo
 
-    done = [Completion(0, i, [1], [0.0], "stop", 0, episode=EpisodeInfo("tool_agent", "done", r.calls,
-                                                                         gateway_calls=r.calls, template_drift=r.drift))
+    done = [Completion(0, i, [1], [0.0], "stop", 0, episode=EpisodeInfo(
+        "tool_agent", "done", r.calls, agent=AgentInfo(gateway_calls=r.calls, template_drift=r.drift)))
             for i, r in enumerate(replies)]
     assert agent_metrics(done, {"tool_agent"}) == {"env/template_drift": 0.0, "env/gateway_calls_mean": 3.0}
     assert took < 120, f"1,000 scripted episodes took {took:.0f} s"

@@ -1,4 +1,4 @@
-"""MCP tools (rlray.envs.mcp) through the real ``mcp`` client and the small server of tests/fixtures/mcp_server.py:
+"""MCP tools (rlray.envs.agents.mcp) through the real ``mcp`` client and the small server of tests/fixtures/mcp_server.py:
 tool listing, calls, failures and time-outs as counted error observations, stdio and streamable HTTP, start errors,
 MCP tools in a ToolEnvironment, and an environment host that starts and stops its servers."""
 
@@ -14,8 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from rlray.envs import AssistantTurn, ToolCall, host_mcp_tools, tool_schemas
-from rlray.envs.mcp import McpClients, McpServerSpec, McpStartError, McpTool
+from rlray.envs import AssistantTurn, ToolCall, tool_schemas
+from rlray.envs.agents.mcp import McpClients, McpServerSpec, McpStartError, McpTool
 
 SERVER = Path(__file__).resolve().parents[1] / "fixtures" / "mcp_server.py"
 AGENTS = Path(__file__).resolve().parents[1] / "fixtures" / "agents.py"
@@ -104,11 +104,32 @@ def _mcp_children() -> list[psutil.Process]:
     return [p for p in psutil.Process().children(recursive=True) if str(SERVER) in " ".join(p.cmdline())]
 
 
+def test_two_hosts_in_one_process_give_their_environments_their_own_tools():
+    """The tools reach an episode from its host, not from the process: a host with an MCP server and one without,
+    side by side in one process, open the same environment with different tool lists."""
+    from rlray.envs.agents.agent_host import AgentHost
+    from rlray.envs.host import ResetRequest
+
+    with_mcp = AgentHost({"calc": f"{AGENTS}:CalcEnv"}, agents={}, model_dir=None, mcp_servers=[STDIO])
+    without = AgentHost({"calc": f"{AGENTS}:CalcEnv"}, agents={}, model_dir=None, mcp_servers=[])
+    try:
+        (a,) = with_mcp.reset([ResetRequest("a", "calc", {"prompt": "Add"})])
+        (b,) = without.reset([ResetRequest("b", "calc", {"prompt": "Add"})])
+        assert [t["function"]["name"] for t in a.tools] == ["double", "add", "explode", "nap"]
+        assert [t["function"]["name"] for t in b.tools] == ["double"]
+        with_mcp.close(["a"])
+        without.close(["b"])
+    finally:
+        without.shutdown()
+        with_mcp.shutdown()
+
+
 def test_a_host_starts_its_servers_offers_them_to_tool_environments_and_stops_them(tiny_model_path):
     from ray._private.async_compat import has_async_methods
 
-    from rlray.envs.agent_host import AgentHost
+    from rlray.envs.agents.agent_host import AgentHost
     from rlray.envs.host import ResetRequest, StepRequest
+    from rlray.envs.toolenv import open_with_tools
     from tests.fixtures.agents import CalcEnv
 
     assert not has_async_methods(AgentHost)  # else Ray makes it an asyncio actor and its blocking calls hold Ray's loop
@@ -116,9 +137,10 @@ def test_a_host_starts_its_servers_offers_them_to_tool_environments_and_stops_th
     try:
         assert host.mcp_tool_names() == ["add", "explode", "nap"] and len(_mcp_children()) == 1
         assert host.gateway_url() == ""  # no agents: no gateway
-        tools = host_mcp_tools()
+        tools = host.episode_tools  # listed once by the host, handed to every episode it opens
         assert [t.name for t in tools] == ["add", "explode", "nap"] and all(isinstance(t, McpTool) for t in tools)
         env = CalcEnv()
+        open_with_tools(env, tools)  # what the host does before an episode's reset
         opened = env.reset(prompt="Add")
         schemas = tool_schemas(opened.tools)
         assert [s["function"]["name"] for s in schemas] == ["double", "add", "explode", "nap"]
@@ -137,7 +159,7 @@ def test_a_host_starts_its_servers_offers_them_to_tool_environments_and_stops_th
         host.close(["e0"])
     finally:
         host.shutdown()
-    assert host_mcp_tools() == []
+    assert [s["function"]["name"] for s in tool_schemas(CalcEnv().reset(prompt="Add").tools)] == ["double"]  # no leak
     deadline = time.monotonic() + 10
     while _mcp_children() and time.monotonic() < deadline:
         time.sleep(0.1)

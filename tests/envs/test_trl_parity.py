@@ -21,10 +21,11 @@ import pytest
 
 from rlray.data import PromptRow
 from rlray.envs.host import EnvironmentHost
+from rlray.envs.limits import EpisodeLimits
 from rlray.models import load_tokenizer
 from rlray.rollout import Completion, SamplingSpec
 from rlray.run import episodes
-from rlray.run.episodes import EpisodeLimits, EpisodeRollout
+from rlray.run.episodes import EpisodeRollout
 
 
 class Shop:

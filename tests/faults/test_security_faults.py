@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from rlray import cli
 from rlray.config import Config, ConfigError, config_from_dict
-from rlray.envs.agent_host import AgentHost
+from rlray.envs.agents.agent_host import AgentHost
 from rlray.launch import driver
 from rlray.observe.tracking import Tracker
 from rlray.reward.server import deploy_reward_app

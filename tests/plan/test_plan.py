@@ -65,7 +65,7 @@ def test_placements_of_shipped_configs():
     agent = _plan("configs/envs/agent_smollm2.yaml")
     assert agent.roles.env_hosts and [n for n, _ in agent.episodes.agents] == ["speller"]
     assert [t.name for t in agent.episodes.tools] == ["words"]
-    assert (agent.episodes.max_turns, agent.episodes.max_episode_tokens) == (4, 832)
+    assert (agent.episodes.limits.max_turns, agent.episodes.limits.max_episode_tokens) == (4, 832)
 
 
 def test_reference_placement_one_rule_for_driver_placement_and_planner():

@@ -60,9 +60,10 @@ def _conformance(cls: type) -> list[str]:
 def test_the_fleet_and_the_episode_rollout_are_rollout_sources():
     import inspect
 
+    from rlray.envs.limits import EpisodeLimits
     from rlray.rollout import RolloutSource
     from rlray.rollout.fleet import RolloutFleet
-    from rlray.run.episodes import EpisodeLimits, EpisodeRollout
+    from rlray.run.episodes import EpisodeRollout
 
     fleet = RolloutFleet([object()])  # no call reaches the actor
     episodes = EpisodeRollout(fleet, [object()], None, EpisodeLimits(2, 64, 8, 10.0), env_column="environment",

@@ -80,7 +80,7 @@ class FakeInner:
 
 @pytest.fixture(scope="module")
 def agent_host(ray_session, tiny_model_path):
-    from rlray.envs.agent_host import AgentHost
+    from rlray.envs.agents.agent_host import AgentHost
     from tests.fixtures.agents import ScriptedSampler
 
     host = ray.remote(AgentHost).options(max_concurrency=4).remote(
@@ -117,12 +117,12 @@ def test_agent_rows_run_behind_the_gateway_next_to_other_rows(agent_host, tiny_t
     tool, single, rewrite, raised = got[0], got[2], got[4], got[6]
     assert single.episode is None and single.response_token_ids == [7, 7]
     assert (tool.episode.environment, tool.episode.stop_reason, tool.episode.env_reward) == ("tool_agent", "done", 1.0)
-    assert (tool.episode.num_turns, tool.episode.tool_calls, tool.episode.gateway_calls) == (3, 2, 3)
+    assert (tool.episode.num_turns, tool.episode.tool_calls, tool.episode.agent.gateway_calls) == (3, 2, 3)
     assert tool.episode.turn_rewards == [None, None, 1.0] and tool.policy_version == 7
     assert tiny_tokenizer.decode(tool.prompt_token_ids).startswith("<|im_start|>system")
-    # the rewriting agent: two segments, the earlier one in episode.segments with its own record
-    assert rewrite.episode.template_drift == 1 and len(rewrite.episode.segments) == 1
-    (earlier,) = rewrite.episode.segments
+    # the rewriting agent: two segments, the earlier one in episode.agent.segments with its own record
+    assert rewrite.episode.agent.template_drift == 1 and len(rewrite.episode.agent.segments) == 1
+    (earlier,) = rewrite.episode.agent.segments
     assert (earlier.episode.stop_reason, earlier.episode.num_turns) == ("template_drift", 1)
     assert (earlier.prompt_index, earlier.sample_index) == (2, 0)
     # the raising agent failed: its episode is out of the update, the step goes on
@@ -133,7 +133,7 @@ def test_agent_rows_run_behind_the_gateway_next_to_other_rows(agent_host, tiny_t
 
 @pytest.mark.ray
 def test_the_episodes_of_a_dead_host_fail_as_actor_died(ray_session, tiny_model_path, tiny_tokenizer):
-    from rlray.envs.agent_host import AgentHost
+    from rlray.envs.agents.agent_host import AgentHost
     from tests.fixtures.agents import ScriptedSampler
 
     host = ray.remote(AgentHost).remote({}, agents=AGENTS, model_dir=tiny_model_path, sampler_factory=ScriptedSampler)

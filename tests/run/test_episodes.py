@@ -11,8 +11,9 @@ import ray
 
 from rlray.data import PromptRow
 from rlray.envs.host import EnvironmentHost
+from rlray.envs.limits import EpisodeLimits
 from rlray.rollout import Completion, SamplingSpec
-from rlray.run.episodes import EpisodeLimits, EpisodeRollout, add_env_reward, episode_metrics
+from rlray.run.episodes import EpisodeRollout, add_env_reward, episode_metrics
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "test_envs.py"
 ENVS = {name: f"{FIXTURE}:{cls}" for name, cls in

@@ -12,7 +12,7 @@ from rlray.algos import estimators
 from rlray.config import config_from_dict
 from rlray.data import PromptRow
 from rlray.rollout import Completion
-from rlray.rollout.types import EpisodeInfo
+from rlray.rollout.types import AgentInfo, EpisodeInfo
 from rlray.run.experience import build_experience, minibatch_normalisers, rollout_stats
 from rlray.run.segments import PADDING, experience_rows, layout_for_ranks, sample_rows
 
@@ -23,8 +23,8 @@ def _episode(p, s, tokens, segments=()):
     earlier = [Completion(p, s, list(t), [-0.5] * len(t), "stop", 1, prompt_token_ids=[90 + j],
                           episode=EpisodeInfo("solver", "template_drift", 1, [None]))
                for j, t in enumerate(segments)]
-    info = EpisodeInfo("solver", "done", 1 + len(earlier), [None, 1.0], 1.0, segments=earlier,
-                       template_drift=len(earlier), gateway_calls=1 + len(earlier))
+    info = EpisodeInfo("solver", "done", 1 + len(earlier), [None, 1.0], 1.0,
+                       agent=AgentInfo(earlier, gateway_calls=1 + len(earlier), template_drift=len(earlier)))
     return Completion(p, s, list(tokens), [-0.25] * len(tokens), "stop", 2, prompt_token_ids=[80], episode=info)
 
 

@@ -2,8 +2,8 @@
 
 One per environment actor when env.agents or env.mcp_servers is set (``rlray:env-<i>``; it is an
 ``EnvironmentHost`` too, so the same actor runs environment episodes). Its own thread runs an asyncio loop that
-holds the gateway's HTTP server (``rlray.envs.gateway``), every running agent (``rlray.envs.agents``: many per host,
-concurrently) and the MCP sessions (``rlray.envs.mcp``: started with the host, stopped with it).
+holds the gateway's HTTP server (``rlray.envs.agents.gateway``), every running agent (``rlray.envs.agents``: many per host,
+concurrently) and the MCP sessions (``rlray.envs.agents.mcp``: started with the host, stopped with it).
 
 Rank 0 hands a host a batch of agent episodes (``run_agents``: the episodes, the rollout actors' handles and the
 step's sampling). Every call of every agent becomes a request to the episode's rollout actor, and the
@@ -24,11 +24,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from rlray.envs.agents import AgentLimits, AgentReply, AgentRequest, LoadedAgent, load_agent, run_agent_episode
-from rlray.envs.conversation import Sampled
-from rlray.envs.gateway import Gateway, GatewayEpisode, GatewayLimits
+from rlray.envs.agents.agent import AgentReply, AgentRequest, LoadedAgent, load_agent, run_agent_episode
+from rlray.envs.agents.conversation import Sampled
+from rlray.envs.agents.gateway import Gateway, GatewayEpisode
+from rlray.envs.agents.mcp import McpClients, McpServerSpec
 from rlray.envs.host import EnvironmentHost
-from rlray.envs.mcp import McpClients, McpServerSpec, install_host_tools
+from rlray.envs.limits import EpisodeLimits
 
 log = logging.getLogger(__name__)
 
@@ -186,18 +187,17 @@ class AgentRunner:
         agents: {name: the loaded agent}.
         tokenizer: the policy's tokenizer (None without agents).
         sampler_factory: ``sampler_factory(actors, sampling)`` returns the ``Sampler`` of a batch.
-        limits: the agents' time limits; max_turns, max_episode_tokens: the call limits of every batch.
+        limits: the agents' episode limits (``max_new_tokens`` is set per batch, from its sampling).
         mcp: the MCP sessions (None without env.mcp_servers).
         tool_parser, chat_template_kwargs: the gateway's (``Gateway``).
         threads: runs synchronous agents.
     """
 
     def __init__(self, agents: dict[str, LoadedAgent], tokenizer: Any, sampler_factory: Callable[[list[Any], Any], Sampler] | None,
-                 limits: AgentLimits, max_turns: int, max_episode_tokens: int, mcp: McpClients | None, *,
+                 limits: EpisodeLimits, mcp: McpClients | None, *,
                  tool_parser: str, chat_template_kwargs: dict[str, Any] | None,
                  threads: concurrent.futures.Executor) -> None:
         self.agents, self.sampler_factory, self.limits, self.mcp, self.threads = agents, sampler_factory, limits, mcp, threads
-        self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
         self.stats = GatewayStats()
         self.gateway = Gateway(tokenizer, self.sample, tool_parser=tool_parser, chat_template_kwargs=chat_template_kwargs)
         self._batchers: dict[str, TickBatcher] = {}
@@ -235,15 +235,15 @@ class AgentRunner:
         if self.sampler_factory is None:
             raise ValueError("AgentHost was built without a sampler_factory: it cannot sample agents' calls")
         batcher = TickBatcher(self.sampler_factory(batch.actors, batch.sampling), self.stats, self._call_s)
-        limits = GatewayLimits(self.max_turns, self.max_episode_tokens, batch.max_new_tokens)
+        limits = self.limits.with_max_new_tokens(batch.max_new_tokens)
         for request in batch.episodes:
             self._batchers[request.key] = batcher
 
         async def one(request: AgentRequest) -> AgentReply:
             batcher.enter(request.actor_key)
             try:
-                return await run_agent_episode(self.gateway, request, self.agents[request.agent], self.mcp, self.limits,
-                                               limits, http_client=self._http, threads=self.threads)
+                return await run_agent_episode(self.gateway, request, self.agents[request.agent], self.mcp, limits,
+                                               http_client=self._http, threads=self.threads)
             finally:
                 batcher.leave(request.actor_key)
                 self._batchers.pop(request.key, None)
@@ -269,7 +269,8 @@ class AgentHost(EnvironmentHost):
         chat_template: ``model.chat_template`` (None: the tokenizer's own).
         sampler_factory: ``sampler_factory(actors, sampling)`` returns the ``Sampler`` of a batch.
         max_turns: calls answered per agent episode; max_episode_tokens: the longest segment, in tokens.
-        episode_timeout_s: seconds per agent episode.
+        episode_timeout_s: seconds per agent episode; max_observation_tokens: as an environment episode's (the host's
+            ``limits``, one ``EpisodeLimits`` over the same env.* keys as the environment episodes').
         mcp_servers: the MCP servers to start (``McpServerSpec``).
         gateway_host: the address the gateway binds (``env.gateway_host``).
         chat_template_kwargs: extra template variables (``rollout.chat_template_kwargs``).
@@ -280,12 +281,13 @@ class AgentHost(EnvironmentHost):
 
     Raises:
         ValueError: an agent or environment cannot be loaded (names it and its spec).
-        rlray.envs.mcp.McpStartError: an MCP server did not start.
+        rlray.envs.agents.mcp.McpStartError: an MCP server did not start.
     """
 
     def __init__(self, environments: dict[str, str], *, agents: dict[str, str], model_dir: str | None,
                  chat_template: str | None = None, sampler_factory: Callable[[list[Any], Any], Sampler] | None = None,
                  max_turns: int = 8, max_episode_tokens: int = 4096, episode_timeout_s: float = 600.0,
+                 max_observation_tokens: int = 256,
                  mcp_servers: list[McpServerSpec] | None = None, gateway_host: str = "127.0.0.1",
                  chat_template_kwargs: dict[str, Any] | None = None, agent_threads: int = 64,
                  tool_parser: str = "hermes", step_timeout_s: float = 60.0, **host_kwargs: Any) -> None:
@@ -303,8 +305,9 @@ class AgentHost(EnvironmentHost):
             tokenizer = load_tokenizer(model_dir, chat_template)
         self._threads = concurrent.futures.ThreadPoolExecutor(max_workers=agent_threads, thread_name_prefix="rlray-agent")
         mcp = McpClients(list(mcp_servers or [])) if mcp_servers else None
-        self.runner = AgentRunner(loaded, tokenizer, sampler_factory, AgentLimits(step_timeout_s, episode_timeout_s),
-                                  max_turns, max_episode_tokens, mcp, tool_parser=tool_parser,
+        self.limits = EpisodeLimits(max_turns, max_episode_tokens, max_observation_tokens, episode_timeout_s,
+                                    step_timeout_s)
+        self.runner = AgentRunner(loaded, tokenizer, sampler_factory, self.limits, mcp, tool_parser=tool_parser,
                                   chat_template_kwargs=chat_template_kwargs, threads=self._threads)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rlray-gateway", daemon=True)
@@ -314,8 +317,8 @@ class AgentHost(EnvironmentHost):
         except BaseException:
             self.shutdown()
             raise
-        if mcp is not None:
-            install_host_tools(mcp.tools())
+        if mcp is not None:  # the tools every environment episode of this host is opened with (EnvironmentHost)
+            self.episode_tools = mcp.tools()
 
     @property
     def gateway(self) -> Gateway:
@@ -362,7 +365,6 @@ class AgentHost(EnvironmentHost):
                 log.warning("stopping the gateway or the MCP sessions failed", exc_info=True)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10.0)
-        install_host_tools([])
         self._threads.shutdown(wait=False, cancel_futures=True)
 
     def __del__(self) -> None:

@@ -6,7 +6,7 @@ rows pick one by ``env.column``, as they pick environments):
     async def agent(client: openai.AsyncOpenAI, row: dict) -> float | AgentResult | None:
         ...  # any loop of client.chat.completions.create(...) calls, tools, parsing
 
-``client``'s ``base_url`` is the episode's own endpoint on the gateway (``rlray.envs.gateway``), pinned to one
+``client``'s ``base_url`` is the episode's own endpoint on the gateway (``rlray.envs.agents.gateway``), pinned to one
 rollout actor; ``row`` holds the prompt row's columns (``prompt`` included). Other frameworks (LangGraph,
 smolagents, a hand-rolled ReAct loop) take ``str(client.base_url)`` and ``client.api_key``. A plain ``def agent``
 gets a synchronous ``openai.OpenAI`` client instead and runs on a thread of the host. ``episode_tools()`` gives
@@ -39,9 +39,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlray.envs.conversation import Segment
-from rlray.envs.gateway import Gateway, GatewayEpisode, GatewayLimits
-from rlray.envs.mcp import McpClients, ToolOutcome
+from rlray.envs.agents.conversation import Segment
+from rlray.envs.agents.gateway import Gateway, GatewayEpisode
+from rlray.envs.agents.mcp import McpClients, ToolOutcome
+from rlray.envs.limits import EpisodeLimits
 
 CANCEL_WAIT_S = 1.0  # seconds a cancelled agent gets to unwind before it is abandoned
 
@@ -57,19 +58,6 @@ class AgentResult:
 
     reward: float | None = None
     metrics: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class AgentLimits:
-    """Time limits of an agent episode (the gateway's own limits are ``GatewayLimits``).
-
-    Attributes:
-        step_timeout_s: the most seconds the agent may spend between gateway calls (env.step_timeout_s).
-        episode_timeout_s: the most seconds one episode may take (env.episode_timeout_s).
-    """
-
-    step_timeout_s: float
-    episode_timeout_s: float
 
 
 @dataclass
@@ -206,7 +194,7 @@ def _reward_of(value: Any) -> tuple[float | None, dict[str, float]]:
     raise TypeError(f"the agent returned {type(value).__name__}; return a number, None or rlray.envs.AgentResult")
 
 
-async def _watch(task: asyncio.Future, episode: GatewayEpisode, limits: AgentLimits) -> str:
+async def _watch(task: asyncio.Future, episode: GatewayEpisode, limits: EpisodeLimits) -> str:
     """Waits for the agent's task; returns "" when it finished, or the time limit that stopped it ("timeout": more than
     step_timeout_s outside gateway calls; "episode_timeout"), after cancelling it."""
     started = time.monotonic()
@@ -230,7 +218,7 @@ async def _watch(task: asyncio.Future, episode: GatewayEpisode, limits: AgentLim
 
 
 async def run_agent_episode(gateway: Gateway, request: AgentRequest, agent: LoadedAgent, clients: McpClients | None,
-                            limits: AgentLimits, gateway_limits: GatewayLimits, *, http_client: Any = None,
+                            limits: EpisodeLimits, *, http_client: Any = None,
                             threads: concurrent.futures.Executor | None = None) -> AgentReply:
     """Returns the reply of one agent episode run to its end on the running loop (see the module docstring).
 
@@ -239,13 +227,14 @@ async def run_agent_episode(gateway: Gateway, request: AgentRequest, agent: Load
         request: the episode.
         agent: the loaded agent function.
         clients: the host's MCP sessions (None without env.mcp_servers).
-        limits: the time limits; gateway_limits: the call limits.
+        limits: the episode's limits: its time limits, and the call limits the gateway applies (``max_new_tokens``
+            set to the batch's).
         http_client: an ``httpx.AsyncClient`` shared by the episodes' ``AsyncOpenAI`` clients (None: their own).
         threads: runs synchronous agents (None: the loop's default executor).
     """
     import openai
 
-    episode = gateway.open(request.key, request.actor_key, gateway_limits)
+    episode = gateway.open(request.key, request.actor_key, limits)
     tools = EpisodeTools(clients, episode)
     context = contextvars.copy_context()
     context.run(_EPISODE_TOOLS.set, tools)
@@ -282,8 +271,8 @@ async def run_agent_episode(gateway: Gateway, request: AgentRequest, agent: Load
     reply.segments = episode.conversation.segments()
     if not reply.segments and episode.stop_reason == "max_episode_tokens":  # the opening prompt left no room
         reply.stop_reason, reply.reward = "prompt_too_long", None
-        reply.message = (f"the first call's prompt with max_tokens={gateway_limits.max_new_tokens} exceeds "
-                         f"env.max_episode_tokens={gateway_limits.max_episode_tokens}")
+        reply.message = (f"the first call's prompt with max_tokens={limits.max_new_tokens} exceeds "
+                         f"env.max_episode_tokens={limits.max_episode_tokens}")
     elif not reply.segments and not reply.message:
         reply.stop_reason, reply.reward = "env_error", None
         reply.message = "the agent made no chat or completion call that was answered"

@@ -1,7 +1,7 @@
 """Token in, token out for agents: the token sequences behind one agent's chat-completions calls.
 
 An agent written against a chat-completions API sends its whole conversation with every call. The gateway
-(``rlray.envs.gateway``) never re-tokenizes what was sampled: when a call's messages extend the previous call's
+(``rlray.envs.agents.gateway``) never re-tokenizes what was sampled: when a call's messages extend the previous call's
 conversation (the previous messages, then the assistant message the gateway returned, then new messages), the new
 prompt is the previous token sequence plus the template's new text only (``Trajectory.add_observations``: the same
 rendering check environments use), so the sequence trained on is the sequence sampled. When the agent rewrites

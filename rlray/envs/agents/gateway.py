@@ -36,8 +36,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlray.envs.agents.conversation import AgentConversation, GatewayError, Sampled, normalize_message
 from rlray.envs.base import Message
-from rlray.envs.conversation import AgentConversation, GatewayError, Sampled, normalize_message
+from rlray.envs.limits import EpisodeLimits
 from rlray.envs.tools import parse_tool_calls
 
 log = logging.getLogger(__name__)
@@ -45,21 +46,6 @@ log = logging.getLogger(__name__)
 MODEL_NAME = "policy"  # what GET /models lists; any model name in a request is accepted
 _HERMES_BLOCK_OPEN, _HERMES_BLOCK_CLOSE = "<tool_call>", "</tool_call>"
 _ENDED_KEPT = 100_000  # ended episodes remembered for the 410 answer (then 404)
-
-
-@dataclass(frozen=True)
-class GatewayLimits:
-    """The limits of one agent episode's calls.
-
-    Attributes:
-        max_turns: calls answered per episode (``env.max_turns``); the next call ends it (stop reason max_turns).
-        max_episode_tokens: a segment's prompt + its new tokens, in tokens (``max_episode_tokens``).
-        max_new_tokens: the most tokens one call samples (``rollout.max_new_tokens``).
-    """
-
-    max_turns: int
-    max_episode_tokens: int
-    max_new_tokens: int
 
 
 @dataclass
@@ -70,7 +56,7 @@ class GatewayEpisode:
         key: the episode's key (its path under the gateway).
         actor_key: picks the episode's rollout actor (the same one for every call: its prefix cache).
         conversation: the episode's token sequences.
-        limits: its limits.
+        limits: its limits (the gateway applies max_turns, max_episode_tokens and max_new_tokens).
         stop_reason: a limit that ended it ("max_turns", "max_episode_tokens"), "" while none did.
         ended: no call is answered any more (a limit, the agent returned, failed or timed out).
         calls: calls answered; refused: calls refused (errors returned to the agent).
@@ -83,7 +69,7 @@ class GatewayEpisode:
     key: str
     actor_key: int
     conversation: AgentConversation
-    limits: GatewayLimits
+    limits: EpisodeLimits
     stop_reason: str = ""
     ended: bool = False
     calls: int = 0
@@ -193,7 +179,7 @@ class Gateway:
         """Returns the ``base_url`` of episode ``key``'s endpoint."""
         return f"{self.base_url}/{key}/v1"
 
-    def open(self, key: str, actor_key: int, limits: GatewayLimits) -> GatewayEpisode:
+    def open(self, key: str, actor_key: int, limits: EpisodeLimits) -> GatewayEpisode:
         """Returns a new episode under ``key``, its calls pinned by ``actor_key``.
 
         Raises:

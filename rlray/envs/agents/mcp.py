@@ -9,8 +9,9 @@ offered two ways:
 
 - to agents (``rlray.envs.agents``): ``episode_tools()`` in an agent gives the tools' OpenAI schemas and
   ``await tools.call(name, arguments)``;
-- to environments built on ``ToolEnvironment``: ``host_mcp_tools()`` returns them as ``McpTool`` callables, added to
-  the environment's own tools (their JSON schemas are the servers', ``tool_schemas`` lists them).
+- to environments built on ``ToolEnvironment``: ``McpClients.tools()`` gives them as ``McpTool`` callables, which the
+  host hands to each episode it opens (``rlray.envs.host.EnvironmentHost.episode_tools``), added to the environment's
+  own tools (their JSON schemas are the servers', ``tool_schemas`` lists them).
 
 A call never raises: an error the tool reports (``is_error``), an exception, a server that died, and a call past the
 server's ``timeout_s`` each give an ``"Error: ..."`` observation, counted (``McpClients.errors``, ``.timeouts``; in
@@ -254,16 +255,3 @@ class McpClients:
         command = sys.executable if spec.command[0] in PYTHON_NAMES else spec.command[0]
         params = StdioServerParameters(command=command, args=list(spec.command[1:]), env=dict(spec.env) or None)
         return stdio_client(params, errlog=sys.stderr)
-
-
-_HOST_TOOLS: list[McpTool] = []  # the tools of this process's environment host (set by the host that starts them)
-
-
-def install_host_tools(tools: list[McpTool]) -> None:
-    """Makes ``tools`` this process's MCP tools (``host_mcp_tools``); called once by the environment host."""
-    _HOST_TOOLS[:] = list(tools)
-
-
-def host_mcp_tools() -> list[McpTool]:
-    """Returns the MCP tools of this process's environment host ([] without env.mcp_servers, or outside a host)."""
-    return list(_HOST_TOOLS)
