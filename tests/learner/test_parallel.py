@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from rlray.config import config_from_dict
 from rlray.learner.batching import MicroBatching
+from rlray.learner.lora import merged_lora_state_dict
 from rlray.learner.parallel import (
     DDP,
     FSDP2,
@@ -92,3 +93,23 @@ def test_the_strategies_give_the_same_weights_and_state_keys(one_rank_group, tin
         assert state["scheduler"] == learners["single"].state_dict()["scheduler"], name
         optimizer = learner.sharded_state_dict()["optimizer"]  # by parameter name, whatever the strategy
         assert set(optimizer["state"]) == set(learners["single"].sharded_state_dict()["optimizer"]["state"]), name
+
+
+def test_a_lora_policy_exports_the_same_merged_weights_whole_or_sharded(one_rank_group, tiny_model_path):
+    lora = {"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": "all-linear"}
+    plain = _learner(tiny_model_path, use_reference=False, lora=lora)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # peft starts lora_B at 0: nonzero adapters make the merge visible
+        for name, param in plain.module.named_parameters():
+            if "lora_" in name:
+                param.copy_(0.05 * torch.randn(param.shape, generator=g))
+    sharded = _learner(tiny_model_path, use_reference=False, lora=lora, parallel=FSDP2(mixed_precision=False))
+    with torch.no_grad(), sharded.parallel.whole_into_shards():
+        sharded.module.load_state_dict(plain.module.state_dict())
+    want = merged_lora_state_dict(plain.module)
+    got = sharded.export_weights(torch.float32)
+    assert list(got) == list(plain.export_weights(torch.float32)) and set(got) == set(want)
+    assert all(torch.allclose(got[k], want[k], rtol=0, atol=1e-6) for k in want)
+    base = {k.replace(".base_layer.", "."): v for k, v in plain.module.get_base_model().state_dict().items()
+            if "lora_" not in k}
+    assert set(base) == set(want) and any(not torch.equal(want[k], base[k]) for k in want)  # the adapters are in
