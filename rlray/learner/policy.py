@@ -1,5 +1,8 @@
 """The policy learner: forward/backward, logprobs, the optimizer and weight export.
 
+The learner holds the trained model (with its LoRA adapters, ``rlray.learner.lora``), its optimizer (``OptimizerSpec``)
+and a parallelism strategy (``rlray.learner.parallel``: wrapping, frozen placement, micro-batching constraint, state
+and export); the reference and the teacher are ``rlray.learner.reference.FrozenScorer``s placed by that strategy.
 A plain class; ``rlray.run.online`` runs it inside each Ray Train worker. Legend: B sequences, T response
 tokens, Pm longest prompt.
 """
