@@ -6,7 +6,7 @@
 
 1. The table. For each strategy, 2 learner ranks over gloo (one child process each, as Ray Train's workers are),
    each built as a run builds it (``rlray.run.build.learner_kwargs``: DDP as ``ray.train.torch.prepare_model`` wraps
-   on the CPU, or ``rlray.learner.sharding.FSDP2``), run two optimizer steps on their share of a full-length
+   on the CPU, or ``rlray.learner.parallel.FSDP2``), run two optimizer steps on their share of a full-length
    mini-batch (the planner's padded worst case). Each rank counts the bytes of its own parameters, gradients and
    AdamW state (a DTensor's local shard under FSDP) and samples its proportional set size (PSS, every 20 ms); rank 0
    then exports the policy for a weight sync (``export_weights`` in bf16 and ``rollout.wire.pack_weights``) and
@@ -101,6 +101,7 @@ def rank_main(a: argparse.Namespace) -> None:
     from rlray.config import config_from_dict
     from rlray.learner import PolicyLearner
     from rlray.learner.objective import Normaliser
+    from rlray.learner.parallel import DDP
     from rlray.models import resolve_model_path
     from rlray.rollout.wire import pack_weights
     from rlray.run import build
@@ -112,7 +113,7 @@ def rank_main(a: argparse.Namespace) -> None:
     baseline = sampler.now()
     kwargs = build.learner_kwargs(cfg, 2)
     if a.strategy == "ddp":
-        kwargs["wrap_model"] = torch.nn.parallel.DistributedDataParallel  # prepare_model's wrap on the CPU
+        kwargs["parallel"] = DDP(wrap_model=torch.nn.parallel.DistributedDataParallel)  # prepare_model's wrap on the CPU
     learner = PolicyLearner(resolve_model_path(cfg.model.path), **kwargs)
     rows = cfg.learner.sequences_per_minibatch // 2
     whole = full_length_batch(learner.module.config.vocab_size, 2 * rows, a.prompt_tokens, a.response_tokens)
@@ -126,7 +127,7 @@ def rank_main(a: argparse.Namespace) -> None:
         times.append(time.perf_counter() - start)
     step_peak = sampler.peak
     params = list(learner.module.parameters())
-    frozen = [p for m in (learner.reference, learner.teacher) if m is not None for p in m.parameters()]
+    frozen = [p for m in (learner.reference, learner.teacher) if m is not None for p in m.module.parameters()]
     out = {
         "strategy": a.strategy, "rank": a.rank, "baseline_gib": baseline / benchlib.GIB,
         "peak_pss_gib": step_peak / benchlib.GIB, "step_s": times[-1],

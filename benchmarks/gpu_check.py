@@ -412,7 +412,7 @@ def check_adapter_sync(model, device: str, vocab: int, *, rank: int = 16, rows: 
     """Compares the adapter-only weight sync with the merged one for a LoRA policy over ``model`` on ``device`` (row 8).
 
     The learner side is a peft copy of ``model`` with LoRA of ``rank`` on every linear layer (alpha 2 x rank, seeded
-    non-zero lora_B); its export is ``rlray.learner.policy.lora_adapter_weights`` (adapter alone) against
+    non-zero lora_B); its export is ``rlray.learner.lora.lora_adapter_weights`` (adapter alone) against
     ``merged_lora_state_dict`` (the whole model), both cast to bf16 on the CPU as ``ObjectStoreSync`` ships them. The
     engine side is a base copy with the adapter applied (``rlray.rollout.hf_backend.apply_adapter``) against a base
     copy loaded with the merged weights, float32, on ``rows`` x ``tokens`` random tokens. Returns one row: ok when the
@@ -423,7 +423,7 @@ def check_adapter_sync(model, device: str, vocab: int, *, rank: int = 16, rows: 
 
     from peft import LoraConfig, get_peft_model
 
-    from rlray.learner.policy import lora_adapter_weights, merged_lora_state_dict
+    from rlray.learner.lora import lora_adapter_weights, merged_lora_state_dict
     from rlray.rollout.hf_backend import apply_adapter
 
     policy = get_peft_model(copy.deepcopy(model).eval(), LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear"))

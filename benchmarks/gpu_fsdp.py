@@ -5,7 +5,7 @@
 ``check_fsdp`` starts one child process per rank (``--rank``; N = every visible GPU on CUDA, one of them being a
 world-1 ``fully_shard`` smoke test, 2 over gloo on the CPU) and reads back what each measured:
 
-  1. FSDP2 in float32 (``rlray.learner.sharding.FSDP2`` through ``rlray.run.build.learner_kwargs``, as a run with
+  1. FSDP2 in float32 (``rlray.learner.parallel.FSDP2`` through ``rlray.run.build.learner_kwargs``, as a run with
      ``resources.learner.strategy=fsdp`` builds it): two optimizer steps on a global batch split over the ranks, then
      rank 0 repeats them on one unsharded learner. ok when the losses and gradient norms agree to 1e-4 (relative) and
      the gathered weights (``export_weights``, what a weight sync sends) to 1e-5; the detail gives each rank's peak
@@ -120,7 +120,7 @@ def _steps(learner, batch, cfg, world: int, device: str) -> tuple[float, float, 
 def _rank_main(a: argparse.Namespace) -> None:
     from rlray.learner import PolicyLearner
     from rlray.learner.batching import MicroBatching
-    from rlray.learner.sharding import FSDP2
+    from rlray.learner.parallel import FSDP2
     from rlray.run import build
 
     cuda = a.device.startswith("cuda")
@@ -133,7 +133,7 @@ def _rank_main(a: argparse.Namespace) -> None:
     for bf16 in (False, True):
         cfg = _config(a.model, a.world, a.rows_per_rank, a.prompt_tokens, a.response_tokens, bf16=bf16, cuda=cuda)
         kwargs = build.learner_kwargs(cfg, a.world)
-        kwargs["wrap_model"] = FSDP2(mixed_precision=bf16, gpu=cuda)  # also with one GPU: a world-1 fully_shard
+        kwargs["parallel"] = FSDP2(mixed_precision=bf16, gpu=cuda)  # also with one GPU: a world-1 fully_shard
         torch.manual_seed(0)
         learner = PolicyLearner(a.model, **kwargs)
         whole = full_length_batch(learner.module.config.vocab_size, a.rows_per_rank * a.world, a.prompt_tokens,
@@ -163,12 +163,12 @@ def _unsharded(a: argparse.Namespace, fsdp_weights: dict[str, torch.Tensor], cud
     """Rank 0: the float32 steps on the whole batch with one unsharded learner; returns its figures and the weights'
     largest difference from the FSDP2 run's."""
     from rlray.learner import PolicyLearner
-    from rlray.learner.policy import to_local_gpu
+    from rlray.learner.parallel import Single
     from rlray.run import build
 
     cfg = _config(a.model, 1, a.rows_per_rank * a.world, a.prompt_tokens, a.response_tokens, bf16=False, cuda=cuda)
     kwargs = build.learner_kwargs(cfg, 1)
-    kwargs["wrap_model"] = to_local_gpu if cuda else None
+    kwargs["parallel"] = Single(gpu=cuda)
     torch.manual_seed(0)
     learner = PolicyLearner(a.model, **kwargs)
     batch = full_length_batch(learner.module.config.vocab_size, a.rows_per_rank * a.world, a.prompt_tokens,

@@ -194,10 +194,10 @@ def lora_learner(model_dir: str, rank: int) -> Any:
     adapters set to seeded noise (peft starts lora_B at 0: an adapter that would change nothing)."""
     import torch
 
-    from rlray.learner import PolicyLearner
+    from rlray.learner import OptimizerSpec, PolicyLearner
 
-    learner = PolicyLearner(model_dir, dtype="float32", lr=1e-5, betas=(0.9, 0.999), weight_decay=0.0, warmup_steps=0,
-                            max_grad_norm=1.0, temperature=1.0, use_reference=False,
+    learner = PolicyLearner(model_dir, dtype="float32", optim=OptimizerSpec(lr=1e-5, max_grad_norm=1.0),
+                            temperature=1.0, use_reference=False,
                             lora={"rank": rank, "alpha": 2.0 * rank, "dropout": 0.0, "target_modules": "all-linear"})
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():

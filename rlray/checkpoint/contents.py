@@ -26,7 +26,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 import yaml
 from safetensors.torch import load_file
-from torch.distributed.tensor.experimental import implicit_replication
 
 from rlray.checkpoint import storage as checkpoint
 from rlray.checkpoint.manifest import SnapshotManifest
@@ -118,7 +117,7 @@ def write_rank(uri: str, *, rank: int, learner: Any, tokenizer: Any, cfg: Config
     with tempfile.TemporaryDirectory(prefix="rlray-snap-") as tmp:
         out, sizes = Path(tmp), {}
         weights = None
-        if learner.sharded:
+        if learner.parallel.sharded:  # the strategy saves the optimizer as shards (FSDP2)
             weights = learner.checkpoint_weights()
             dcp.save(learner.sharded_state_dict(), storage_writer=dcp.FileSystemWriter(out / SHARDED_DIR))
             if rank != 0:
@@ -171,7 +170,8 @@ def load_model_weights(module: torch.nn.Module, model_dir: Path) -> None:
     name): its tensors go in through peft's ``set_peft_model_state_dict``, and every adapter tensor of the
     module must be among them (the base weights are model.path's, never trained).
 
-    A sharded (FSDP2) module loads the same whole tensors: each parameter copies its own shard.
+    A sharded (FSDP2) module loads the same whole tensors inside its strategy's ``whole_into_shards`` context
+    (``restore_learner``): each parameter copies its own shard.
 
     Raises:
         RuntimeError: a tensor the module has is missing (other than a tied LM head) or an unknown one.
@@ -180,11 +180,9 @@ def load_model_weights(module: torch.nn.Module, model_dir: Path) -> None:
     for file in sorted(Path(model_dir).glob("*.safetensors")):
         state.update(load_file(str(file)))
     if (Path(model_dir) / "adapter_config.json").is_file():
-        with implicit_replication():  # a sharded (FSDP2) module takes each whole tensor's own shard
-            _load_adapter_weights(module, state)
+        _load_adapter_weights(module, state)
         return
-    with implicit_replication():
-        missing, unexpected = module.load_state_dict(state, strict=False)
+    missing, unexpected = module.load_state_dict(state, strict=False)
     tied = bool(getattr(module.config, "tie_word_embeddings", False))
     missing = [k for k in missing if not (tied and k == "lm_head.weight")]
     if missing or unexpected:
@@ -229,7 +227,8 @@ def set_optimizer_hparams(learner: Any, cfg: Config) -> None:
 def restore_learner(uri: str, *, learner: Any, rank: int, options: dict[str, Any] | None) -> SnapshotManifest:
     """Loads a snapshot's weights, optimizer, scheduler and this rank's RNG states; returns its manifest.
 
-    A collective for a sharded learner, or a snapshot with ``sharded/`` state: every rank calls it.
+    A collective for a sharded learner (``learner.parallel.sharded``), or a snapshot with ``sharded/`` state: every
+    rank calls it.
 
     Raises:
         rlray.checkpoint.storage.SnapshotError: the snapshot is incomplete or damaged, or keeps no data cursor
@@ -241,7 +240,7 @@ def restore_learner(uri: str, *, learner: Any, rank: int, options: dict[str, Any
                                        "resumed from; its model/ folder can be model.path of a new run")
     with tempfile.TemporaryDirectory(prefix="rlray-restore-") as tmp:
         local = checkpoint.fetch_local(uri, Path(tmp) / "snap", options)
-        with torch.no_grad():
+        with torch.no_grad(), learner.parallel.whole_into_shards():  # a sharded module takes each tensor's shard
             load_model_weights(learner.module, local / "model")
         learner.load_state_dict(torch.load(local / TRAINER_STATE, weights_only=True))
         if (local / SHARDED_DIR).is_dir():

@@ -51,7 +51,7 @@ at each step, activations of other sizes) and autograd's buffers; 0.03-0.15 GiB 
 more with several (the planner is then ~13% under for SmolLM2-135M, tests/launch/test_plan.py)."""
 CPU_RUNTIME_GIB = CPU_PROCESS_GIB + CPU_ALLOCATOR_GIB
 CPU_FSDP_ALLOCATOR_GIB = 0.03
-"""``CPU_ALLOCATOR_GIB`` of an FSDP2 rank: ``rlray.learner.sharding.FSDP2`` fixes glibc's mmap threshold at 1 MiB, so
+"""``CPU_ALLOCATOR_GIB`` of an FSDP2 rank: ``rlray.learner.parallel.FSDP2`` fixes glibc's mmap threshold at 1 MiB, so
 freed blocks from 1 MiB up go back to the OS (tiny-random, 2 ranks: 0.25 GiB measured over the baseline)."""
 VLLM_PROFILE_TOKENS = 8192
 """Tokens of vLLM's profiling forward (max_num_batched_tokens) that sets its activation peak; an assumption."""
@@ -297,7 +297,7 @@ def _update_terms(cfg: Config, shape: ModelShape, dtype: str) -> list[Term]:
 
 def _held_terms(cfg: Config, models: Models, dtype: str) -> list[Term]:
     """Returns the models a learner rank holds besides the policy: the reference and teacher copies (1/N shards under
-    FSDP2, in the compute dtype: ``rlray.learner.sharding.FSDP2.frozen``), PPO's critic."""
+    FSDP2, in the compute dtype: ``rlray.learner.parallel.FSDP2.frozen``), PPO's critic."""
     terms, plan = [], resolve_plan(cfg)
     world, fsdp = plan.parallelism.world_size, plan.parallelism.sharded
     for role, shape in (("reference", models.policy if plan.roles.reference_on_learner else None),

@@ -14,7 +14,8 @@ import torch
 from rlray import algos
 from rlray.learner.batching import MicroBatching, microbatches
 from rlray.learner.objective import Normaliser
-from rlray.learner.policy import PolicyLearner
+from rlray.learner.parallel import Parallelism
+from rlray.learner.policy import OptimizerSpec, PolicyLearner
 from rlray.learner.scoring import packs, response_value_scores
 from rlray.models.heads import load_value_model
 from rlray.schema import ModelInputs, StepBatch
@@ -22,7 +23,8 @@ from rlray.schema import ModelInputs, StepBatch
 CRITIC_STAT_KEYS = ("value_loss_sum", "value_clipped_sum", "value_tokens")
 
 
-def build_critic(model_path: str, *, dtype: str, lr: float, max_grad_norm: float, wrap_model=None) -> PolicyLearner:
+def build_critic(model_path: str, *, dtype: str, lr: float, max_grad_norm: float,
+                 parallel: Parallelism | None = None) -> PolicyLearner:
     """Returns the critic learner: a value model (``load_value_model``) with AdamW (betas 0.9/0.999, no decay).
 
     Args:
@@ -30,7 +32,7 @@ def build_critic(model_path: str, *, dtype: str, lr: float, max_grad_norm: float
         dtype: "bfloat16" (autocast) or "float32".
         lr: AdamW learning rate.
         max_grad_norm: global L2 gradient clip.
-        wrap_model: data-parallel wrapper (``ray.train.torch.prepare_model``) or None.
+        parallel: the policy learner's parallelism strategy (``rlray.learner.parallel``), or None (``Single()``).
 
     Raises:
         rlray.models.ModelError: the folder cannot hold a one-label token-classification model.
@@ -38,14 +40,10 @@ def build_critic(model_path: str, *, dtype: str, lr: float, max_grad_norm: float
     return PolicyLearner(
         model_path,
         dtype=dtype,
-        lr=lr,
-        betas=(0.9, 0.999),
-        weight_decay=0.0,
-        warmup_steps=0,
-        max_grad_norm=max_grad_norm,
         temperature=1.0,
+        optim=OptimizerSpec(lr=lr, max_grad_norm=max_grad_norm, betas=(0.9, 0.999), weight_decay=0.0, warmup_steps=0),
+        parallel=parallel,
         use_reference=False,
-        wrap_model=wrap_model,
         model_loader=load_value_model,
     )
 

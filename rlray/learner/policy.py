@@ -1,35 +1,52 @@
 """The policy learner: forward/backward, logprobs, the optimizer and weight export.
 
+The learner holds the trained model (with its LoRA adapters, ``rlray.learner.lora``), its optimizer (``OptimizerSpec``)
+and a parallelism strategy (``rlray.learner.parallel``: wrapping, frozen placement, micro-batching constraint, state
+and export); the reference and the teacher are ``rlray.learner.reference.FrozenScorer``s placed by that strategy.
 A plain class; ``rlray.run.online`` runs it inside each Ray Train worker. Legend: B sequences, T response
 tokens, Pm longest prompt.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
-import json
 import math
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from rlray.learner.batching import MicroBatching, microbatches
-from rlray.learner.logprobs import store_frozen_for_autocast
+from rlray.learner.lora import apply_lora, lora_adapter_weights
 from rlray.learner.objective import LossSpec, Normaliser, policy_objective, reduce_stat
 from rlray.learner.packing import TokenCounts
+from rlray.learner.parallel import Parallelism, Single
+from rlray.learner.reference import FrozenScorer
 from rlray.learner.scoring import batched_logprobs, packs, response_scores
-from rlray.learner.sharding import FSDP2, gathered_merged_lora_state_dict, gathered_state_dict, is_sharded
 from rlray.models import load_causal_lm
 from rlray.models.adapters import AdapterWeights, load_adapter
 from rlray.schema import ModelInputs, StepBatch
 
 
-def to_local_gpu(model: torch.nn.Module) -> torch.nn.Module:
-    """Returns ``model`` moved to this process's current CUDA device (a one-rank GPU learner, which has no DDP to wrap it)."""
-    return model.to(torch.device("cuda", torch.cuda.current_device()))
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """The trained model's optimizer and schedule.
+
+    Attributes:
+        lr, betas, weight_decay: AdamW (Loshchilov & Hutter 2019) settings.
+        max_grad_norm: global L2 gradient clip.
+        warmup_steps: linear warm-up length in optimizer steps, then constant.
+        name: "adamw" (torch) or "adamw_8bit" (bitsandbytes AdamW8bit; CUDA only): ``make_optimizer``.
+    """
+
+    lr: float
+    max_grad_norm: float
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    name: str = "adamw"
 
 
 MicroLoss = Callable[[torch.nn.Module, Any], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -38,7 +55,8 @@ micro-batch is a record with ``to(device)`` (``schema.StepBatch`` online, ``rlra
 
 
 class PolicyLearner:
-    """Holds the model (float32 master weights), an optional frozen reference and teacher, AdamW and its schedule.
+    """Holds the trained model (float32 master weights), its optimizer and schedule, and the parallelism strategy;
+    the frozen reference and teacher it scores with are ``FrozenScorer``s placed by the same strategy.
 
     The model is the policy (a causal LM) by default; ``model_loader`` builds another one-model learner on
     the same machinery (PPO's critic, the reward model of ``algo.name=reward_model``).
@@ -46,17 +64,14 @@ class PolicyLearner:
     Args:
         model_path: local Hugging Face folder (see ``rlray.models.resolve_model_path``).
         dtype: "bfloat16" runs forward/backward under bf16 autocast; "float32" runs in float32.
-        lr, betas, weight_decay: AdamW (Loshchilov & Hutter 2019) settings.
-        warmup_steps: linear warm-up length in optimizer steps, then constant.
-        max_grad_norm: global L2 gradient clip.
         temperature: rollout sampling temperature; logits are divided by it (see ``response_logprobs``).
+        optim: the optimizer, its schedule and the gradient clip (``OptimizerSpec``).
+        parallel: the parallelism strategy (``rlray.learner.parallel``: ``Single``, ``DDP``, ``FSDP2``, which shards
+            the reference and the teacher too); None is ``Single()`` (the model stays where it loads).
         use_reference: keep a frozen copy of the initial policy for KL (under bf16 its linear weights are stored in
-            bf16, which gives the same outputs: ``store_frozen_for_autocast``; under FSDP2 a sharded copy).
+            bf16, which gives the same outputs: ``store_frozen_for_autocast``; under FSDP2 a sharded copy). With
+            LoRA no copy is kept: the reference is the base model with the adapters off.
         gradient_checkpointing: recompute activations in backward.
-        wrap_model: hook that wraps the policy for data parallelism: DDP (``ray.train.torch.prepare_model``), or
-            FSDP2 (``rlray.learner.sharding.FSDP2``, which shards the reference and the teacher too); identity when
-            None.
-        optimizer: "adamw" (torch) or "adamw_8bit" (bitsandbytes AdamW8bit; CUDA only).
         lora: peft LoRA settings {"rank", "alpha", "dropout", "target_modules"}; None or rank 0 trains
             every weight. Only the adapters train; ``export_weights`` returns merged weights, ``export_adapter`` the
             adapter alone.
@@ -80,16 +95,11 @@ class PolicyLearner:
         model_path: str,
         *,
         dtype: str,
-        lr: float,
-        betas: tuple[float, float],
-        weight_decay: float,
-        warmup_steps: int,
-        max_grad_norm: float,
         temperature: float,
-        use_reference: bool,
+        optim: OptimizerSpec,
+        parallel: Parallelism | None = None,
+        use_reference: bool = False,
         gradient_checkpointing: bool = False,
-        wrap_model: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
-        optimizer: str = "adamw",
         lora: dict | None = None,
         adapter_path: str | None = None,
         model_loader: Callable[[str], torch.nn.Module] | None = None,
@@ -98,7 +108,8 @@ class PolicyLearner:
     ) -> None:
         self.dtype = dtype
         self.temperature = temperature
-        self.max_grad_norm = max_grad_norm
+        self.max_grad_norm = optim.max_grad_norm
+        self.parallel = parallel or Single()
         self.critic = critic
         self.tokens = TokenCounts()  # what the forward passes computed, until take_tokens
         policy = model_loader(model_path) if model_loader else load_causal_lm(model_path, dtype=torch.float32)
@@ -109,38 +120,43 @@ class PolicyLearner:
         if adapter_path is not None and lora and lora["rank"]:
             raise ValueError("pass lora or adapter_path, not both: the adapter brings its own LoRA settings")
         self.lora = bool(lora and lora["rank"]) or adapter_path is not None
-        self.reference = None
+        reference = None
         if use_reference and not self.lora:
-            self.reference = copy.deepcopy(policy).eval().requires_grad_(False)
+            reference = copy.deepcopy(policy).eval().requires_grad_(False)
         if adapter_path is not None:
             policy = load_adapter(policy, adapter_path, model_path)
         elif self.lora:
             policy = apply_lora(policy, **lora)
         self.module = policy  # unwrapped (DDP) or the sharded model itself (FSDP2), for export and checkpoints
-        self.model = wrap_model(policy) if wrap_model else policy
+        self.model = self.parallel.wrap(policy)
         self.model.train()
-        self.sharded = is_sharded(self.model)
-        self.teacher = None
+        teacher = None
         if teacher_path is not None:
-            self.teacher = load_causal_lm(teacher_path, dtype=torch.float32).requires_grad_(False)
-            self.teacher.config.use_cache = False
-        self.reference = self._place_frozen(self.reference, wrap_model)
-        self.teacher = self._place_frozen(self.teacher, wrap_model)
+            teacher = load_causal_lm(teacher_path, dtype=torch.float32).requires_grad_(False)
+            teacher.config.use_cache = False
+        self.reference = self._frozen(reference)
+        self.teacher = self._frozen(teacher)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = make_optimizer(optimizer, params, lr=lr, betas=betas, weight_decay=weight_decay)
+        self.optimizer = make_optimizer(optim.name, params, lr=optim.lr, betas=optim.betas,
+                                        weight_decay=optim.weight_decay)
+        warmup = optim.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps else 1.0
+            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
         )
 
-    def _place_frozen(self, model: torch.nn.Module | None, wrap_model: Any) -> torch.nn.Module | None:
-        """Returns a frozen copy (reference, teacher) sharded like the policy (FSDP2), or whole on the policy's device
-        with its linear weights in bf16 under bf16 autocast (``store_frozen_for_autocast``: same outputs)."""
+    def _frozen(self, model: torch.nn.Module | None) -> FrozenScorer | None:
+        """Returns a frozen model (reference, teacher) as a ``FrozenScorer`` placed by the strategy: sharded like the
+        policy (FSDP2), or whole on the policy's device (the wrap moved it to its GPU) with bf16 linear weights under
+        bf16 autocast; None for None."""
         if model is None:
             return None
-        if isinstance(wrap_model, FSDP2):
-            return wrap_model.frozen(model)
-        store_frozen_for_autocast(model, self.dtype)  # bf16 linear weights: same outputs, half the memory
-        return model.to(next(self.module.parameters()).device)  # the policy's (wrap_model moves it to its GPU)
+        device = next(self.module.parameters()).device
+        return FrozenScorer(model, dtype=self.dtype, temperature=self.temperature, parallel=self.parallel, device=device)
+
+    @property
+    def sharded(self) -> bool:
+        """Returns True when the strategy shards the model's state over the ranks (FSDP2: collectives to save it)."""
+        return self.parallel.sharded
 
     @property
     def has_reference(self) -> bool:
@@ -153,9 +169,9 @@ class PolicyLearner:
         return tokens
 
     def micro_batching(self, batching: MicroBatching) -> MicroBatching:
-        """Returns ``batching`` as this learner runs it: an FSDP-sharded model cuts by sequences, not tokens (every
-        rank must run as many forwards, each one gathers the weights; a token budget could cut ranks unevenly)."""
-        return dataclasses.replace(batching, tokens=None) if self.sharded and batching.tokens else batching
+        """Returns ``batching`` as this learner runs it: the strategy's constraint (``Parallelism.micro_batching``: an
+        FSDP-sharded model cuts by sequences, not tokens)."""
+        return self.parallel.micro_batching(batching)
 
     def logprobs(self, inputs: ModelInputs, *, reference: bool, batching: MicroBatching) -> torch.Tensor:
         """Returns [B, T] float32 logprobs of the rows' responses (``inputs``) under the policy or the reference.
@@ -171,12 +187,14 @@ class PolicyLearner:
         """
         if reference and not self.has_reference:
             raise ValueError("this learner has no reference model (algo.kl_coef == 0)")
-        args = dict(dtype=self.dtype, temperature=self.temperature, batching=self.micro_batching(batching),
-                    tokens=self.tokens)
-        if reference and self.lora:
+        batching = self.micro_batching(batching)
+        if reference and not self.lora:
+            return self.reference.logprobs(inputs, batching, tokens=self.tokens, temperature=self.temperature)
+        args = dict(dtype=self.dtype, temperature=self.temperature, batching=batching, tokens=self.tokens)
+        if reference:
             with self.module.disable_adapter():
                 return batched_logprobs(self.module, inputs, **args)
-        return batched_logprobs(self.reference if reference else self.module, inputs, **args)
+        return batched_logprobs(self.module, inputs, **args)
 
     def teacher_logprobs(self, inputs: ModelInputs, *, batching: MicroBatching) -> torch.Tensor:
         """Returns [B, T] float32 logprobs of the rows' responses (``inputs``) under the teacher (``batched_logprobs``, the
@@ -187,8 +205,8 @@ class PolicyLearner:
         """
         if self.teacher is None:
             raise ValueError("this learner holds no teacher (teacher.path unset, or resources.teacher.placement=actor)")
-        return batched_logprobs(self.teacher, inputs, dtype=self.dtype, temperature=self.temperature,
-                                batching=self.micro_batching(batching), tokens=self.tokens)
+        return self.teacher.logprobs(inputs, self.micro_batching(batching), tokens=self.tokens,
+                                    temperature=self.temperature)
 
     def train_minibatch(
         self, minibatch: StepBatch, spec: LossSpec, norm: Normaliser, batching: MicroBatching
@@ -217,13 +235,14 @@ class PolicyLearner:
         if spec.jsd_weight > 0 and self.teacher is None:
             raise ValueError("a JSD distillation loss (jsd_weight > 0) needs a teacher on this learner (teacher_path)")
         batching = self.micro_batching(batching)
-        packed = packs(self.model, batching.packing) and (self.teacher is None or packs(self.teacher, batching.packing))
+        teacher = self.teacher.module if self.teacher is not None else None
+        packed = packs(self.model, batching.packing) and (teacher is None or packs(teacher, batching.packing))
 
         def micro_loss(model: torch.nn.Module, mb: StepBatch):
             # the teacher's logits (JSD) live only inside this micro-batch, at the student's positions
             got = response_scores(model, mb.inputs, dtype=self.dtype, temperature=self.temperature, packed=packed,
                                   share_prefixes=batching.share_prefixes, with_entropy=spec.entropy_coef > 0,
-                                  teacher=self.teacher if spec.jsd_weight > 0 else None, jsd_beta=spec.jsd_beta,
+                                  teacher=teacher if spec.jsd_weight > 0 else None, jsd_beta=spec.jsd_beta,
                                   inplace_backward=True)
             self.tokens.add(got.tokens)
             if mb.old_logprobs is None:
@@ -254,14 +273,9 @@ class PolicyLearner:
         device = next(self.module.parameters()).device  # CUDA after Ray Train's prepare_model on GPU
         mbs = [mb.to(device) for mb in microbatches]
         real = len(mbs)
-        if self.sharded:
-            if not mbs:
-                raise ValueError("a sharded learner rank got no micro-batch: every rank needs rows (FSDP2 gathers)")
-            mbs += mbs[-1:] * (_max_over_ranks(real, device) - real)
+        mbs = self.parallel.even_microbatches(mbs, device)
         for i, mb in enumerate(mbs):
-            sync = i == len(mbs) - 1
-            ctx = self.model.no_sync() if (not sync and hasattr(self.model, "no_sync")) else contextlib.nullcontext()
-            with ctx:
+            with self.parallel.accumulating(self.model, last=i == len(mbs) - 1):
                 loss, stats = loss_fn(self.model, mb)
                 if i >= real:  # a repeat that keeps this rank in step with the others' gathers: no gradient, no stats
                     (loss * 0.0).backward()
@@ -271,7 +285,7 @@ class PolicyLearner:
             for k, v in stats.items():
                 totals[k] = reduce_stat(k, totals.get(k), float(v))
         grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.max_grad_norm)
-        totals["grad_norm"] = float(_whole(grad_norm))
+        totals["grad_norm"] = float(self.parallel.whole(grad_norm))
         if math.isfinite(totals["grad_norm"]):
             self.optimizer.step()
         totals["lr"] = self.scheduler.get_last_lr()[0]
@@ -287,26 +301,14 @@ class PolicyLearner:
         the tensors (the others get an empty dict); they are gathered one at a time and cast at once, so rank 0
         never holds the model twice (``sharding.gathered_state_dict``).
         """
-        if self.sharded:
-            if self.lora:
-                return gathered_merged_lora_state_dict(self.module, dtype=dtype, device=device)
-            return gathered_state_dict(self.module, dtype=dtype, device=device)
-        if self.lora:
-            state = merged_lora_state_dict(self.module)
-        else:
-            state = self.module.state_dict()
-        return {k: v.detach().to(device, dtype).contiguous() for k, v in state.items()}
+        return self.parallel.export_weights(self.module, lora=self.lora, dtype=dtype, device=device)
 
     @torch.no_grad()
     def checkpoint_weights(self) -> dict[str, torch.Tensor]:
         """Returns what ``save_pretrained`` writes as the policy's weights, whole and in float32: every tensor, or the
         adapters only with LoRA (peft's names before it strips the adapter name). A collective under FSDP2 (rank 0
         gets them, the others {}); unsharded, the module's own tensors (no copy)."""
-        include = (lambda name: "lora_" in name) if self.lora else None
-        if self.sharded:  # a tied name (lm_head) is left out, as save_pretrained leaves it out of its own state
-            state, seen = gathered_state_dict(self.module, include=include), set()
-            return {k: v for k, v in state.items() if not (id(v) in seen or seen.add(id(v)))}
-        return {k: v for k, v in self.module.state_dict().items() if include is None or include(k)}
+        return self.parallel.checkpoint_weights(self.module, lora=self.lora)
 
     @torch.no_grad()
     def export_adapter(self, dtype: torch.dtype) -> AdapterWeights:
@@ -333,8 +335,9 @@ class PolicyLearner:
         the critic's weights are in ``sharded_state_dict``.
         """
         state = {"scheduler": self.scheduler.state_dict()}
-        if not self.sharded:
-            state["optimizer"] = self.optimizer.state_dict()
+        optimizer = self.parallel.optimizer_state(self.optimizer)
+        if optimizer is not None:
+            state["optimizer"] = optimizer
         if self.critic is not None:
             model = {} if self.critic.sharded else {"model": self.critic.module.state_dict()}
             state["critic"] = {**model, **self.critic.state_dict()}
@@ -373,24 +376,13 @@ class PolicyLearner:
             KeyError: the state has no critic entry but this learner has a critic.
         """
         if "optimizer" in state:  # absent from a sharded learner's state: it is in sharded_state_dict
-            if self.sharded:
-                self._load_whole_optimizer(state["optimizer"])
-            else:
-                self.optimizer.load_state_dict(state["optimizer"])
+            self.parallel.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.critic is not None:
             if "model" in state["critic"]:
-                with _whole_into_shards():
+                with self.critic.parallel.whole_into_shards():
                     self.critic.module.load_state_dict(state["critic"]["model"])
             self.critic.load_state_dict(state["critic"])
-
-    def _load_whole_optimizer(self, state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-        names = [name for name, p in self.model.named_parameters() if p.requires_grad]
-        named = {"state": {names[i]: v for i, v in state["state"].items()},
-                 "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
-        set_optimizer_state_dict(self.model, self.optimizer, named, options=StateDictOptions(full_state_dict=True))
 
 
 def make_optimizer(
@@ -414,75 +406,3 @@ def make_optimizer(
             ) from err
         return bnb.optim.AdamW8bit(params, lr=lr, betas=betas, weight_decay=weight_decay)
     raise ValueError(f"learner.optimizer={name!r}: use 'adamw' or 'adamw_8bit'")
-
-
-def apply_lora(
-    model: torch.nn.Module, *, rank: int, alpha: float, dropout: float, target_modules: list[str] | str
-) -> torch.nn.Module:
-    """Returns the model wrapped by peft with LoRA adapters (Hu et al. 2021); only the adapters train."""
-    from peft import LoraConfig, get_peft_model
-
-    return get_peft_model(
-        model, LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules, bias="none")
-    )
-
-
-@torch.no_grad()
-def merged_lora_state_dict(peft_model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Returns the base model's state dict with every LoRA delta merged in, under the base names.
-
-    Each adapted weight becomes ``W + get_delta_weight()`` (peft's ``scale * B @ A``, with
-    fan-in/fan-out handled); adapter tensors are dropped and ``.base_layer`` is removed from names,
-    so the result loads into the original architecture (and the rollout engine) as it is.
-    """
-    from peft.tuners.lora import LoraLayer
-
-    base = peft_model.get_base_model()
-    deltas = {
-        f"{name}.weight": module.get_delta_weight(module.active_adapters[0])
-        for name, module in base.named_modules()
-        if isinstance(module, LoraLayer) and module.active_adapters and hasattr(module, "get_delta_weight")
-    }
-    out = {}
-    for key, value in base.state_dict().items():
-        if "lora_" in key:
-            continue
-        name = key.replace(".base_layer.", ".")
-        out[name] = value + deltas[name].to(value.dtype) if name in deltas else value
-    return out
-
-
-@torch.no_grad()
-def lora_adapter_weights(peft_model: torch.nn.Module, dtype: torch.dtype) -> AdapterWeights:
-    """Returns the active LoRA adapter of a peft model as ``save_pretrained`` would write it, tensors cast to ``dtype``
-    on the CPU (contiguous); see ``PolicyLearner.export_adapter``."""
-    from peft import get_peft_model_state_dict
-
-    name = peft_model.active_adapter
-    state = get_peft_model_state_dict(peft_model, adapter_name=name)
-    config = json.loads(json.dumps(peft_model.peft_config[name].to_dict(), default=sorted))  # sets sorted, enums str
-    config["inference_mode"] = True  # as save_pretrained writes it
-    return AdapterWeights({k: v.detach().to("cpu", dtype).contiguous() for k, v in state.items()}, config)
-
-
-def _max_over_ranks(n: int, device: torch.device) -> int:
-    """Returns the largest ``n`` over the ranks of the default process group (a collective; ``device``: where the
-    backend reduces, CUDA for NCCL)."""
-    t = torch.tensor([n], dtype=torch.int64, device=device)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return int(t.item())
-
-
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    """Returns a DTensor's whole value (clip_grad_norm_'s total norm over sharded gradients), a plain tensor as is."""
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _whole_into_shards() -> contextlib.AbstractContextManager:
-    """Returns a context in which whole tensors load into sharded (DTensor) parameters: each is taken as replicated
-    and its shard copied (``implicit_replication``); no effect on plain modules."""
-    from torch.distributed.tensor.experimental import implicit_replication
-
-    return implicit_replication()

@@ -20,12 +20,12 @@ Gradient accumulation: every micro-batch's backward reduce-scatters (FSDP2's def
 until the last micro-batch: a full gradient copy per rank, which is what sharding removes.
 
 Every rank must run the same forwards (each gathers over the ranks): ``PolicyLearner`` pads a rank's micro-batches
-to the others' count.
+to the others' count (``rlray.learner.parallel.FSDP2.even_microbatches``).
 
 Memory on the CPU (glibc): the whole float32 models a rank loads before sharding, and the gathered layers and whole
 gradients of every step, are freed, but glibc's malloc keeps a freed block of under 32 MiB in its heaps once its
 mmap threshold has risen (it rises to each freed mmapped block's size), so the process's resident memory stays near
-DDP's (SmolLM2-135M, 2 ranks: 4.8 GiB peak per rank against DDP's 4.6). ``FSDP2`` therefore fixes the threshold at
+DDP's (SmolLM2-135M, 2 ranks: 4.8 GiB peak per rank against DDP's 4.6). ``parallel.FSDP2`` therefore fixes the threshold at
 1 MiB (``mallopt(M_MMAP_THRESHOLD)``: larger blocks are mapped and unmapped, as they are freed) before the model is
 loaded, and returns the heaps' free pages after sharding (``malloc_trim``): 3.1 GiB per rank
 (``benchmarks/fsdp_memory.py``). Other allocators (CUDA's caching allocator) are not affected.
@@ -36,68 +36,38 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 
-@dataclass(frozen=True)
-class FSDP2:
-    """Shards a learner's models with FSDP2 over every rank of the default process group; a ``wrap_model`` hook.
+def shard(model: torch.nn.Module, *, mixed_precision: bool, gpu: bool, broadcast: bool) -> torch.nn.Module:
+    """Returns ``model`` sharded in place over every rank of the default process group (``shard_units``, then the
+    root), on this process's CUDA device (``gpu``) or the CPU; the strategy is ``rlray.learner.parallel.FSDP2``.
 
     Args:
-        mixed_precision: gather parameters in bf16 and reduce gradients in float32 (``model.dtype`` bfloat16);
-            False keeps everything in float32.
-        gpu: place the shards on this process's CUDA device (NCCL); False keeps them on the CPU (gloo).
+        model: a Hugging Face model (or a peft model over one).
+        mixed_precision: gather parameters in bf16 and reduce gradients in float32; False keeps float32.
+        gpu: place the shards on the current CUDA device (NCCL); False keeps them on the CPU (gloo).
+        broadcast: copy rank 0's parameters and buffers to every rank first (a trained model's random parts).
     """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mixed_precision: bool
-    gpu: bool = False
-
-    def __post_init__(self) -> None:
-        _glibc_call("mallopt", M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)  # before the models are loaded
-
-    def __call__(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Returns ``model`` (a float32 Hugging Face model, or a peft model over one) sharded in place, trainable.
-
-        Rank 0's parameters and buffers are broadcast first, as DDP does, so that what was initialised at random
-        (LoRA's A, a value head) is one model, not a patchwork of every rank's draws.
-        """
-        return self._shard(model, broadcast=True)
-
-    def frozen(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Returns a frozen model (the reference, the teacher) sharded in place: its parameters stored in bf16 under
-        mixed precision (the values the policy's units gather), float32 otherwise. Buffers keep their dtype.
-
-        Raises:
-            ValueError: a parameter still requires grad.
-        """
-        if any(p.requires_grad for p in model.parameters()):
-            raise ValueError("FSDP2.frozen: the model has parameters that require grad; freeze it first")
-        if self.mixed_precision:
-            for p in model.parameters():
-                p.data = p.data.to(torch.bfloat16)
-        return self._shard(model, broadcast=False)
-
-    def _shard(self, model: torch.nn.Module, *, broadcast: bool) -> torch.nn.Module:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        device = torch.device("cuda", torch.cuda.current_device()) if self.gpu else torch.device("cpu")
-        model.to(device)
-        if broadcast:
-            with torch.no_grad():
-                for t in [*model.parameters(), *model.buffers()]:
-                    dist.broadcast(t.data, src=0)
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self.mixed_precision \
-            else MixedPrecisionPolicy()
-        for unit in shard_units(model):
-            fully_shard(unit, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
-        _glibc_call("malloc_trim", 0)  # the whole tensors just freed go back to the OS
-        return model
+    device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+    model.to(device)
+    if broadcast:
+        with torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(t.data, src=0)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision \
+        else MixedPrecisionPolicy()
+    for unit in shard_units(model):
+        fully_shard(unit, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    glibc_call("malloc_trim", 0)  # the whole tensors just freed go back to the OS
+    return model
 
 
 M_MMAP_THRESHOLD = -3
@@ -106,7 +76,7 @@ MMAP_THRESHOLD_BYTES = 1 << 20
 """Blocks from 1 MiB up are mapped on their own and returned when freed (a decoder layer's weights are MiBs)."""
 
 
-def _glibc_call(name: str, *args: int) -> None:
+def glibc_call(name: str, *args: int) -> None:
     """Calls glibc's ``name(*args)`` (``mallopt``, ``malloc_trim``) where the C library is glibc; else does nothing."""
     path = ctypes.util.find_library("c")
     try:
@@ -200,7 +170,7 @@ def gathered_merged_lora_state_dict(
 ) -> dict[str, torch.Tensor]:
     """Returns the sharded LoRA model's base state dict with every adapter merged in, whole on rank 0; {} elsewhere.
 
-    The sharded counterpart of ``rlray.learner.policy.merged_lora_state_dict`` (same names and values): each adapted
+    The sharded counterpart of ``rlray.learner.lora.merged_lora_state_dict`` (same names and values): each adapted
     weight becomes ``W + transpose(B @ A, fan_in_fan_out) * scaling`` (peft's ``Linear.get_delta_weight``), computed
     in float32 from the gathered shards, one adapted layer at a time, then cast to ``dtype``. A collective.
 

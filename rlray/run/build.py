@@ -9,13 +9,11 @@ decisions (placements, parallelism and micro-batching, lengths, sampling, episod
 
 from __future__ import annotations
 
-import functools
 import os
 import random
 from typing import Any
 
 import numpy as np
-import ray.train.torch
 import torch
 
 from rlray import algos
@@ -27,8 +25,8 @@ from rlray.learner import LossSpec, PolicyLearner
 from rlray.learner import online as learner_online
 from rlray.learner.batching import MicroBatching
 from rlray.learner.critic import build_critic
-from rlray.learner.policy import to_local_gpu
-from rlray.learner.sharding import FSDP2
+from rlray.learner.parallel import parallel_kind, strategy_for
+from rlray.learner.policy import OptimizerSpec
 from rlray.models import resolve_dtype, resolve_model_path
 from rlray.plan import compute_dtype, resolve_plan  # compute_dtype: build.compute_dtype for its callers
 from rlray.reward import RewardScorer
@@ -53,45 +51,39 @@ def seed_everything(seed: int) -> None:
 def learner_kwargs(cfg: Config, world: int, *, with_reference: bool = True, teacher_dir: str | None = None) -> dict[str, Any]:
     """Returns ``PolicyLearner`` keyword arguments from the config.
 
-    DDP (``ray.train.torch.prepare_model``) or FSDP2 (``rlray.learner.sharding.FSDP2``, bf16 mixed precision when
-    the compute dtype is bf16) by ``resources.learner.strategy`` when ``world`` > 1, on the CPU (gloo) as on GPUs
-    (NCCL); one GPU rank moves the model to its GPU. The reference model is built when the KL is in use or the KL
-    guard is on (it needs the KL), unless ``with_reference`` is False (a reference actor, or offline runs). The teacher
+    The parallelism strategy (``rlray.learner.parallel``, ``parallel_kind``): DDP (``ray.train.torch.prepare_model``)
+    or FSDP2 (bf16 mixed precision when the compute dtype is bf16) by ``resources.learner.strategy`` when ``world`` > 1,
+    on the CPU (gloo) as on GPUs (NCCL); one GPU rank moves the model to its GPU (``Single``).
+    The reference model is built when the KL is in use or the KL guard is on (it needs the KL), unless
+    ``with_reference`` is False (a reference actor, or offline runs). The teacher
     (``teacher_dir``: ``teacher.path`` resolved by the driver) is held on the learner only with
     ``resources.teacher.placement == "learner"``. Both placements are the plan's (``rlray.plan.Roles``).
     """
     plan = resolve_plan(cfg)
     par, roles = plan.parallelism, plan.roles
-    wrap = None
     gpu = par.gpu and torch.cuda.is_available()
-    if world > 1 and par.sharded:
-        wrap = FSDP2(mixed_precision=par.compute_dtype == "bfloat16", gpu=gpu)
-    elif world > 1:
-        wrap = functools.partial(ray.train.torch.prepare_model, parallel_strategy="ddp")
-    elif gpu:
-        wrap = to_local_gpu
+    parallel = strategy_for(parallel_kind(cfg.resources.learner.strategy, world), gpu=gpu,
+                            mixed_precision=par.compute_dtype == "bfloat16")
+    ln = cfg.learner
     return dict(
         dtype=par.compute_dtype,
-        lr=cfg.learner.lr,
-        betas=cfg.learner.betas,
-        weight_decay=cfg.learner.weight_decay,
-        warmup_steps=cfg.learner.warmup_steps,
-        max_grad_norm=cfg.learner.max_grad_norm,
         temperature=cfg.rollout.temperature,
+        optim=OptimizerSpec(lr=ln.lr, max_grad_norm=ln.max_grad_norm, betas=ln.betas, weight_decay=ln.weight_decay,
+                            warmup_steps=ln.warmup_steps, name=ln.optimizer),
+        parallel=parallel,
         use_reference=roles.reference != "off" and with_reference,
         gradient_checkpointing=cfg.model.gradient_checkpointing,
-        wrap_model=wrap,
-        optimizer=cfg.learner.optimizer,
         lora=cfg.model.lora.model_dump() if cfg.model.lora.rank else None,
         adapter_path=cfg.model.adapter_path,
         teacher_path=teacher_dir if roles.teacher == "learner" else None,
     )
 
 
-def ppo_critic(cfg: Config, model_dir: str, wrap: Any) -> PolicyLearner:
-    """Returns PPO's critic learner: a value head on ``critic.model_path`` (resolved), or on the policy checkpoint."""
+def ppo_critic(cfg: Config, model_dir: str, parallel: Any) -> PolicyLearner:
+    """Returns PPO's critic learner: a value head on ``critic.model_path`` (resolved), or on the policy checkpoint,
+    under the policy learner's parallelism strategy (``learner_kwargs``' ``parallel``)."""
     path = resolve_model_path(cfg.critic.model_path) if cfg.critic.model_path else model_dir
-    return build_critic(path, dtype=compute_dtype(cfg), lr=cfg.critic.lr, max_grad_norm=cfg.critic.max_grad_norm, wrap_model=wrap)
+    return build_critic(path, dtype=compute_dtype(cfg), lr=cfg.critic.lr, max_grad_norm=cfg.critic.max_grad_norm, parallel=parallel)
 
 
 def sampling_for_step(cfg: Config, step: int) -> SamplingSpec:

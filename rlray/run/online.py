@@ -181,7 +181,7 @@ def setup(cfg: Config, coll: Collective, *, model_dir: str, actors: list[Any], r
     build.seed_everything(cfg.run.seed + coll.rank)
     tokenizer = load_tokenizer(model_dir, cfg.model.chat_template)
     kwargs = build.learner_kwargs(cfg, coll.world, with_reference=reference_actor is None, teacher_dir=teacher_dir)
-    critic = build.ppo_critic(cfg, model_dir, kwargs["wrap_model"]) if cfg.algo.algorithm.needs_critic else None
+    critic = build.ppo_critic(cfg, model_dir, kwargs["parallel"]) if cfg.algo.algorithm.needs_critic else None
     learner = PolicyLearner(model_dir, critic=critic, **kwargs)
     tracker = None
     if coll.rank == 0:

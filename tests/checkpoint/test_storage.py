@@ -211,11 +211,11 @@ SIGKILL_WRITER = textwrap.dedent(
 def test_sigkill_mid_write_leaves_the_previous_snapshot_usable(tmp_path, tiny_model_path, tiny_tokenizer):
     from rlray.checkpoint.contents import restore_learner, write_payload
     from rlray.config import Config
-    from rlray.learner import PolicyLearner
+    from rlray.learner import OptimizerSpec, PolicyLearner
 
     def learner():
-        return PolicyLearner(tiny_model_path, dtype="float32", lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0,
-                             warmup_steps=0, max_grad_norm=1.0, temperature=1.0, use_reference=False)
+        return PolicyLearner(tiny_model_path, dtype="float32", optim=OptimizerSpec(lr=1e-3, max_grad_norm=1.0),
+                             temperature=1.0, use_reference=False)
 
     trained = learner()
     with torch.no_grad():

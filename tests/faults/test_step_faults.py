@@ -18,6 +18,7 @@ from rlray.data import PromptRow
 from rlray.learner import PolicyLearner
 from rlray.learner import online as learner_online
 from rlray.learner.collective import Collective
+from rlray.learner.policy import OptimizerSpec
 from rlray.reward import RewardFunctionError
 from rlray.reward.server import LocalRewardClient
 from rlray.rollout import Completion
@@ -41,8 +42,8 @@ def _cfg(*overrides: str):
 
 @pytest.fixture(scope="module")
 def learner(tiny_model_path):
-    return PolicyLearner(tiny_model_path, dtype="float32", lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, warmup_steps=0,
-                         max_grad_norm=1.0, temperature=1.0, use_reference=True)  # fmt: skip
+    return PolicyLearner(tiny_model_path, dtype="float32", optim=OptimizerSpec(lr=1e-3, max_grad_norm=1.0),
+                         temperature=1.0, use_reference=True)  # fmt: skip
 
 
 def _completions(lengths: list[int], finish: str = "stop") -> list[Completion]:

@@ -24,6 +24,7 @@ import transformers  # noqa: F401  (part of the baseline: every learner process 
 from rlray.config import config_from_dict
 from rlray.learner import PolicyLearner
 from rlray.learner.objective import Normaliser
+from rlray.learner.parallel import DDP
 from rlray.models import resolve_model_path
 from rlray.run import build
 from rlray.schema import StepBatch, pack_sequences
@@ -51,7 +52,7 @@ def main() -> None:
     fsdp = cfg.resources.learner.strategy == "fsdp"
     kwargs = build.learner_kwargs(cfg, args.world if fsdp else 1)  # FSDP2 needs only the process group opened above
     if args.world > 1 and not fsdp:
-        kwargs["wrap_model"] = torch.nn.parallel.DistributedDataParallel
+        kwargs["parallel"] = DDP(wrap_model=torch.nn.parallel.DistributedDataParallel)
     learner = PolicyLearner(model_dir, **kwargs)
     rows, prompt, response = 2 * cfg.learner.sequences_per_microbatch, cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens
     vocab = learner.module.config.vocab_size  # fully_shard keeps the Hugging Face model's attributes

@@ -75,7 +75,7 @@ def test_fsdp_rank_shards_the_model_state_and_gathers_a_root_and_two_layers():
     # root unit 136 and 2 layers of 496 in bf16, root and 1 layer of gradients in float32 before the reduce-scatter
     assert got["FSDP gathered"] == pytest.approx((136 + 2 * 496) * 2 + (136 + 496) * 4)
     assert "DDP all-reduce buckets" not in got and "bf16 copies of the linear weights" not in got
-    # the reference is sharded too (rlray.learner.sharding.FSDP2.frozen): 1/4 of its parameters, all in bf16
+    # the reference is sharded too (rlray.learner.parallel.FSDP2.frozen): 1/4 of its parameters, all in bf16
     assert got["reference"] == pytest.approx(2 * P / 4)
     assert "reference: a frozen copy sharded over the 4 learner ranks (algo.kl_coef=" in format_plan(plan)
 

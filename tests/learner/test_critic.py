@@ -7,7 +7,7 @@ import torch
 
 from rlray import algos, schema
 from rlray.algos import AdvantageSpec, get_algorithm
-from rlray.learner import LossSpec, Normaliser, PolicyLearner
+from rlray.learner import LossSpec, Normaliser, OptimizerSpec, PolicyLearner
 from rlray.learner import online as learner_online
 from rlray.learner.batching import MicroBatching
 from rlray.learner.critic import build_critic, critic_values, train_critic_minibatch
@@ -55,8 +55,8 @@ def test_gae_advantages_come_from_the_critic(tiny_model_path, tiny_tokenizer):
     with torch.no_grad():  # a critic that says V(s) = 0.25 everywhere
         critic.module.score.weight.zero_()
         critic.module.score.bias.fill_(0.25)
-    policy = PolicyLearner(tiny_model_path, dtype="float32", lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0,
-                           warmup_steps=0, max_grad_norm=1.0, temperature=1.0, use_reference=False, critic=critic)
+    policy = PolicyLearner(tiny_model_path, dtype="float32", optim=OptimizerSpec(lr=1e-3, max_grad_norm=1.0),
+                           temperature=1.0, use_reference=False, critic=critic)
     batch = _batch(tiny_tokenizer.pad_token_id)
     mask = batch.response_mask
     loss = LossSpec(clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.0, kl_estimator="k1", loss_agg="token-mean",

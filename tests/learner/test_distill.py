@@ -98,7 +98,7 @@ def test_jsd_term_in_the_loss_equals_the_hand_composed_one(tiny_model_path, tiny
     learner = _learner(tiny_model_path, use_reference=False, teacher_path=teacher_path)
     with torch.no_grad():  # expected: 0.5 * token mean of JSD_0.3 over the 7 unmasked rows' tokens
         student = response_logits(learner.module.eval(), batch.inputs)
-        teacher = response_logits(learner.teacher, batch.inputs)
+        teacher = response_logits(learner.teacher.module, batch.inputs)
         jsd = algos.generalized_jsd(student, teacher, beta=0.3)
     learner.module.train()
     expect_sum = float(jsd[mask].sum())

@@ -10,14 +10,15 @@ import torch
 from safetensors.torch import load_file
 
 from rlray.learner import PolicyLearner
+from rlray.learner.policy import OptimizerSpec
 from rlray.models.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterWeights, write_adapter
 
 LORA = {"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": "all-linear"}
 
 
 def _learner(path: str, **kw) -> PolicyLearner:
-    return PolicyLearner(path, dtype="float32", lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0, warmup_steps=0,
-                         max_grad_norm=1e9, temperature=1.0, use_reference=False, **kw)
+    return PolicyLearner(path, dtype="float32", optim=OptimizerSpec(lr=1e-2, max_grad_norm=1e9),
+                         temperature=1.0, use_reference=False, **kw)
 
 
 def _seeded_adapter(learner: PolicyLearner) -> None:

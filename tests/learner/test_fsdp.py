@@ -102,7 +102,7 @@ def _train(cfg: Config, model_dir: str, out: Path, name: str) -> dict:
     from rlray.learner.collective import current_collective
 
     learner = _learner(cfg, model_dir)
-    record = {"steps": [], "sharded": learner.sharded, "reference_sharded": _sharded(learner.reference)}
+    record = {"steps": [], "sharded": learner.sharded, "reference_sharded": _sharded(learner.reference and learner.reference.module)}
     record["local_parameters"] = sum(_local(p).numel() for p in learner.module.parameters())
     for step in range(STEPS):
         record["steps"].append(_step(learner, cfg, seed=step))

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlray import algos, schema
-from rlray.learner import LossSpec, Normaliser, PolicyLearner, policy_objective
+from rlray.learner import LossSpec, Normaliser, OptimizerSpec, PolicyLearner, policy_objective
 from rlray.learner.batching import MicroBatching
 from rlray.learner.policy import make_optimizer
 from rlray.learner.reference import ReferenceModel
@@ -41,8 +41,8 @@ def _batch(pad_id: int) -> schema.StepBatch:
 
 
 def _learner(path: str, **kw) -> PolicyLearner:
-    return PolicyLearner(path, dtype="float32", lr=5e-2, betas=(0.9, 0.999), weight_decay=0.0, warmup_steps=0,
-                         max_grad_norm=1e9, temperature=1.0, use_reference=True, **kw)
+    return PolicyLearner(path, dtype="float32", optim=OptimizerSpec(lr=5e-2, max_grad_norm=1e9),
+                         temperature=1.0, use_reference=True, **kw)
 
 
 def test_lora_trains_adapters_only_and_exports_merged_weights(tiny_model_path, tiny_tokenizer):

@@ -7,15 +7,15 @@ import torch
 
 from rlray import schema
 from rlray.data import PromptRow
-from rlray.learner import LossSpec, Normaliser, PolicyLearner
+from rlray.learner import LossSpec, Normaliser, OptimizerSpec, PolicyLearner
 from rlray.learner.batching import MicroBatching
 from rlray.rollout import Completion
 from rlray.run.experience import build_experience
 
 
 def _learner(path):
-    return PolicyLearner(path, dtype="float32", lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, warmup_steps=0,
-                         max_grad_norm=1e9, temperature=1.0, use_reference=True)  # fmt: skip
+    return PolicyLearner(path, dtype="float32", optim=OptimizerSpec(lr=1e-3, max_grad_norm=1e9),
+                         temperature=1.0, use_reference=True)  # fmt: skip
 
 
 def _experience(eos: int):

@@ -13,10 +13,11 @@ from hypothesis import strategies as st
 
 from rlray.algos import AGGREGATION_MODES, algorithm_names
 from rlray.config import config_from_dict
-from rlray.learner import LossSpec, Normaliser, PolicyLearner
+from rlray.learner import LossSpec, Normaliser, OptimizerSpec, PolicyLearner
 from rlray.learner import online as learner_online
 from rlray.learner.batching import MicroBatching, plan_microbatches
 from rlray.learner.packing import TokenCounts
+from rlray.learner.parallel import FSDP2
 from rlray.run.build import ppo_critic, update_spec
 from rlray.schema import pack_sequences
 from tests.learner.packed_rows import assert_grads_close, grads, group_batch, real_tokens
@@ -99,7 +100,7 @@ def test_every_row_lands_in_exactly_one_microbatch_within_the_budget(prompts, bu
 
 
 def _learner(path: str, **kw) -> PolicyLearner:
-    args = dict(dtype="float32", lr=1e-12, betas=(0.9, 0.999), weight_decay=0.0, warmup_steps=0, max_grad_norm=1e9,
+    args = dict(dtype="float32", optim=OptimizerSpec(lr=1e-12, max_grad_norm=1e9),
                 temperature=0.8, use_reference=True)
     return PolicyLearner(path, **{**args, **kw})
 
@@ -167,7 +168,7 @@ def test_an_fsdp_learner_cuts_by_sequences(tiny_model_path):
     learner = _learner(tiny_model_path, use_reference=False)
     budget = MicroBatching(sequences=4, tokens=100, packing="auto")
     assert learner.micro_batching(budget) == budget
-    learner.sharded = True  # every rank must run as many forwards (each gathers the weights)
+    learner.parallel = FSDP2(mixed_precision=False)  # every rank must run as many forwards (each gathers the weights)
     assert learner.micro_batching(budget) == dataclasses.replace(budget, tokens=None)
 
 

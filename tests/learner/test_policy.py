@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlray import schema
-from rlray.learner import LossSpec, Normaliser, PolicyLearner, split_microbatches
+from rlray.learner import LossSpec, Normaliser, OptimizerSpec, PolicyLearner, split_microbatches
 from rlray.learner.batching import MicroBatching
 
 
@@ -35,8 +35,8 @@ def _table(pad_id: int):
 
 
 def _learner(path, **kw):
-    args = dict(dtype="float32", lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, warmup_steps=0,
-                max_grad_norm=1e9, temperature=1.0, use_reference=True)
+    args = dict(dtype="float32", optim=OptimizerSpec(lr=1e-3, max_grad_norm=1e9),
+                temperature=1.0, use_reference=True)
     args.update(kw)
     return PolicyLearner(path, **args)
 
@@ -61,7 +61,7 @@ def test_reference_equals_initial_policy(tiny_model_path, tiny_tokenizer, dtype)
     learner = _learner(tiny_model_path, dtype=dtype)
     # under bf16 the reference keeps its linear weights in bf16 (the policy's stay float32), bit for bit the same
     linear = torch.bfloat16 if dtype == "bfloat16" else torch.float32
-    assert learner.reference.model.layers[0].mlp.up_proj.weight.dtype == linear
+    assert learner.reference.module.model.layers[0].mlp.up_proj.weight.dtype == linear
     assert learner.module.model.layers[0].mlp.up_proj.weight.dtype == torch.float32
     batch = schema.collate(_table(tiny_tokenizer.pad_token_id), tiny_tokenizer.pad_token_id)
     a = learner.logprobs(batch.inputs, reference=False, batching=MicroBatching(8))

@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from rlray import schema
 from rlray.learner.batching import MicroBatching
-from rlray.learner.sharding import FSDP2, gathered_state_dict, is_sharded
+from rlray.learner.parallel import FSDP2
+from rlray.learner.sharding import gathered_state_dict, is_sharded
 from rlray.models import resolve_model_path
 from tests.learner.test_policy import _learner, _table
 
@@ -27,9 +28,9 @@ def test_policy_reference_and_teacher_shard_and_give_the_unsharded_logprobs(one_
     teacher = resolve_model_path("tiny-random@1")  # other weights than the policy's
     batch = schema.collate(_table(tiny_tokenizer.pad_token_id), tiny_tokenizer.pad_token_id)
     plain = _learner(tiny_model_path, teacher_path=teacher)
-    sharded = _learner(tiny_model_path, teacher_path=teacher, wrap_model=FSDP2(mixed_precision=False))
+    sharded = _learner(tiny_model_path, teacher_path=teacher, parallel=FSDP2(mixed_precision=False))
     assert (plain.sharded, sharded.sharded) == (False, True)
-    assert is_sharded(sharded.reference) and is_sharded(sharded.teacher) and not is_sharded(plain.teacher)
+    assert is_sharded(sharded.reference.module) and is_sharded(sharded.teacher.module) and not is_sharded(plain.teacher.module)
     for reference in (False, True):
         got = sharded.logprobs(batch.inputs, reference=reference, batching=MicroBatching(3))
         torch.testing.assert_close(got, plain.logprobs(batch.inputs, reference=reference, batching=MicroBatching(3)),
@@ -42,7 +43,7 @@ def test_policy_reference_and_teacher_shard_and_give_the_unsharded_logprobs(one_
 
 def test_gathered_state_dict_is_the_whole_model_once(one_rank_group, tiny_model_path):
     plain = _learner(tiny_model_path, use_reference=False)
-    sharded = _learner(tiny_model_path, use_reference=False, wrap_model=FSDP2(mixed_precision=False))
+    sharded = _learner(tiny_model_path, use_reference=False, parallel=FSDP2(mixed_precision=False))
     want = plain.module.state_dict()
     got = gathered_state_dict(sharded.module, dtype=torch.bfloat16)
     assert set(got) == set(want)

@@ -17,6 +17,7 @@ import ray
 import torch
 
 from rlray.learner import PolicyLearner
+from rlray.learner.policy import OptimizerSpec
 from rlray.models.adapters import AdapterWeights
 from rlray.rollout import RolloutEngine, SamplingSpec
 from rlray.rollout.fleet import RolloutFleet
@@ -29,8 +30,8 @@ SPEC = SamplingSpec(n=2, max_new_tokens=12, temperature=1.0, seed=3)
 
 
 def _learner(path: str) -> PolicyLearner:
-    return PolicyLearner(path, dtype="float32", lr=2e-2, betas=(0.9, 0.999), weight_decay=0.0, warmup_steps=0,
-                         max_grad_norm=1e9, temperature=1.0, use_reference=False, lora=LORA)
+    return PolicyLearner(path, dtype="float32", optim=OptimizerSpec(lr=2e-2, max_grad_norm=1e9),
+                         temperature=1.0, use_reference=False, lora=LORA)
 
 
 def _seeded_adapter(learner: PolicyLearner) -> None:

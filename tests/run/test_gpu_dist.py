@@ -24,13 +24,13 @@ class TrainerProbe:
     """A GPU process that plays learner rank 0: holds a PolicyLearner on cuda and pushes its weights."""
 
     def __init__(self, model_path: str, actors: list, backend: str) -> None:
-        from rlray.learner import PolicyLearner
+        from rlray.learner import OptimizerSpec, PolicyLearner
         from rlray.rollout.fleet import RolloutFleet
         from rlray.rollout.weight_sync import VllmTransferSync
 
         torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
-        self.learner = PolicyLearner(model_path, dtype="float32", lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0,
-                                     warmup_steps=0, max_grad_norm=1.0, temperature=1.0, use_reference=False)
+        self.learner = PolicyLearner(model_path, dtype="float32", optim=OptimizerSpec(lr=1e-3, max_grad_norm=1.0),
+                                     temperature=1.0, use_reference=False)
         self.learner.module.cuda()
         self.fleet = RolloutFleet(actors)
         self.sync = VllmTransferSync(self.fleet, backend, torch.float32, tensor_parallel_size=1)

@@ -24,6 +24,7 @@ from rlray.algos import ALGORITHMS, Algorithm, load_algorithms, register
 from rlray.config import Config, ConfigError, config_from_dict, load_config
 from rlray.learner import PolicyLearner
 from rlray.learner import online as learner_online
+from rlray.learner.policy import OptimizerSpec
 from rlray.run import build, experience
 from rlray.run.experience import StageTimer
 from tests.faults.test_step_faults import _completions, _FixedScorer, _rank0_ctx
@@ -81,8 +82,8 @@ def test_a_registered_algorithm_runs_a_step(sign_grpo_algorithm, tiny_model_path
     rewards = [1.0, 0.0, 0.5, 0.25] + [0.0, 0.0, 1.0, 0.0]
     ctx = _rank0_ctx(cfg, _completions(lengths), _FixedScorer(rewards))
     table = experience.collect_experience(ctx.lead, cfg, ctx.tokenizer, 0, StageTimer(), policy_version=0).table
-    learner = PolicyLearner(tiny_model_path, dtype="float32", lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0,
-                            warmup_steps=0, max_grad_norm=1.0, temperature=1.0, use_reference=True)  # fmt: skip
+    learner = PolicyLearner(tiny_model_path, dtype="float32", optim=OptimizerSpec(lr=1e-3, max_grad_norm=1.0),
+                            temperature=1.0, use_reference=True)  # fmt: skip
     before = {n: p.detach().clone() for n, p in learner.module.named_parameters()}
 
     spec = build.update_spec(cfg, 1)  # stages 4-6 as online.run_step runs them on one rank

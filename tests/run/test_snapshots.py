@@ -17,6 +17,7 @@ from rlray.config import Config, config_from_dict
 from rlray.data import PromptRow, PromptStream
 from rlray.learner import PolicyLearner
 from rlray.learner.collective import Collective
+from rlray.learner.policy import OptimizerSpec
 from rlray.observe.tracking import Tracker, get_run, get_run_metrics
 from rlray.run import snapshots
 from rlray.run.context import RunContext
@@ -81,8 +82,8 @@ def test_local_log_path_of_an_s3_output_dir_is_in_the_temp_folder():
 
 @pytest.fixture(scope="module")
 def learner(tiny_model_path):
-    return PolicyLearner(tiny_model_path, dtype="float32", lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, warmup_steps=0,
-                         max_grad_norm=1.0, temperature=1.0, use_reference=False)  # fmt: skip
+    return PolicyLearner(tiny_model_path, dtype="float32", optim=OptimizerSpec(lr=1e-3, max_grad_norm=1.0),
+                         temperature=1.0, use_reference=False)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
