@@ -147,3 +147,23 @@ def test_hh_rlhf_table_is_unchanged(hh_rlhf_dir, tiny_tokenizer):
         digest.update(repr(table.column(name).to_pylist()).encode())
     assert (len(pairs), skipped) == (2303, 9)
     assert digest.hexdigest() == "df20702fddf8108dc7b8915eb64725d37e6a80423e203a242b7e5c740d5c0000"
+
+
+def test_the_documented_rows_load_as_documented(tmp_path):
+    """docs/prompts-and-rewards.md "Preference and SFT data": its two JSON blocks load without a skip."""
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "prompts-and-rewards.md").read_text()
+    section = page.split("## Preference and SFT data")[1]
+    blocks = section.split("```json\n")[1:]
+    assert len(blocks) == 2
+    loaded = []
+    for i, block in enumerate(blocks):
+        path = tmp_path / f"doc{i}.jsonl"
+        path.write_text(block.split("```")[0])
+        loaded.append(load_preference_pairs([str(path)]))
+    (pairs, skipped), (sft, sft_skipped) = loaded
+    assert (len(pairs), skipped, len(sft), sft_skipped) == (5, 0, 4, 0)
+    assert {(p.prompt_text, p.chosen, p.rejected) for p in pairs[:4:3]} == {("The sky is", " blue.", " green.")}
+    assert all(p.rejected is not None for p in pairs) and all(p.rejected is None for p in sft)
+    assert sft[-1] == PreferencePair("doc1:3", (), "The sky is blue.", None, "")
