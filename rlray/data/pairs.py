@@ -1,16 +1,18 @@
-"""Preference pairs for the offline methods: hh-rlhf-style dialogues -> prompt, chosen and rejected token ids.
+"""Offline data (preference pairs and SFT examples) -> prompt, chosen and rejected token ids.
 
-A source row is ``{"chosen": str, "rejected": str}``, each a whole dialogue in Anthropic hh-rlhf form,
-``"\\n\\nHuman: ...\\n\\nAssistant: ...\\n\\nHuman: ...\\n\\nAssistant: <final answer>"``. The turns before
-the final assistant turn are the prompt (shared by both sides); the final assistant turns are the two
-responses. The prompt is rendered with the tokenizer's chat template (Human -> user, Assistant ->
-assistant, with the generation prompt); a response is its text followed by EOS, as TRL's DPOTrainer does.
+The rows may take any of TRL's dataset forms (``rlray.data.pair_rows``: standard or conversational, explicit
+or implicit prompt; ``messages``, prompt-completion and ``text`` rows for sft). Anthropic hh-rlhf dialogues
+``{"chosen": str, "rejected": str}`` (``"\\n\\nHuman: ...\\n\\nAssistant: <final answer>"``) keep their
+parsing: the turns before the final assistant turn are the prompt (shared by both sides), rendered with the
+tokenizer's chat template (Human -> user, Assistant -> assistant, with the generation prompt); a message
+prompt always gets the chat template, a plain-text prompt is tokenized as is. A response is its text followed
+by EOS, as TRL's DPOTrainer does. An SFT example has no rejected side (an empty ``rejected_token_ids``).
 
-Rows whose two dialogues differ before the final assistant turn, whose final assistant turn is empty, or
-whose chosen and rejected responses are identical (no preference to learn) cannot form a pair and are
-skipped, counted and logged (hh-rlhf harmless-base test: 5, 4 and 0 of 2312 rows). Rows that are not such
-dialogues at all, lines that are not UTF-8 or JSON, and a pair id that appears twice (two files with the
-same name) are errors that name the file and line (``rlray.data.jsonl``).
+Rows that cannot form a record (two hh-rlhf dialogues that differ before the final assistant turn, an empty
+final assistant turn, identical chosen and rejected responses) are skipped, counted and logged (hh-rlhf
+harmless-base test: 5, 4 and 0 of 2312 rows). Rows of no accepted form, lines that are not UTF-8 or JSON,
+and a pair id that appears twice (two files with the same name) are errors that name the file and line
+(``rlray.data.jsonl``).
 
 The pairs become a ``pyarrow.Table`` (``PAIR_SCHEMA``); the reference policy's sequence logprobs are
 computed once per pair and stored in it (``ref_*`` columns) before training.
@@ -19,9 +21,7 @@ computed once per pair and stored in it (``ref_*`` columns) before training.
 from __future__ import annotations
 
 import logging
-import re
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import PurePosixPath
 
 import numpy as np
@@ -29,12 +29,10 @@ import pyarrow as pa
 import torch
 
 from rlray.data.jsonl import DataError, read_jsonl
+from rlray.data.pair_rows import ACCEPTED_FORMS, PreferencePair, parse_dialogue, parse_row  # noqa: F401 (re-exported)
 from rlray.schema import PairBatch, pack_sequences, response_mask_from_lengths
 
 log = logging.getLogger(__name__)
-
-_TURN = re.compile(r"\n\n(Human|Assistant):")
-_ROLES = {"Human": "user", "Assistant": "assistant"}
 
 PAIR_SCHEMA = pa.schema(
     [
@@ -51,38 +49,6 @@ PAIR_SCHEMA = pa.schema(
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps", "ref_kl_logps")
 
 
-@dataclass(frozen=True)
-class PreferencePair:
-    """One preference pair in text form.
-
-    Attributes:
-        prompt_id: ``"<file stem>:<row index>"`` (0-based), the pair's stable id.
-        messages: the prompt turns as chat messages ({"role": "user"|"assistant", "content": str}).
-        chosen: the preferred final assistant turn.
-        rejected: the other final assistant turn.
-    """
-
-    prompt_id: str
-    messages: tuple[dict[str, str], ...]
-    chosen: str
-    rejected: str
-
-
-def parse_dialogue(text: str) -> tuple[list[dict[str, str]], str]:
-    """Returns (prompt messages, final assistant text) of an hh-rlhf dialogue.
-
-    Raises:
-        ValueError: no turns, text before the first turn, or a last turn that is not the Assistant's.
-    """
-    parts = _TURN.split(text)
-    if len(parts) < 3 or parts[0].strip():
-        raise ValueError("expected a dialogue of '\\n\\nHuman: ...' and '\\n\\nAssistant: ...' turns")
-    turns = [(_ROLES[parts[i]], parts[i + 1].strip()) for i in range(1, len(parts), 2)]
-    if turns[-1][0] != "assistant" or len(turns) < 2:
-        raise ValueError("the dialogue must end with an '\\n\\nAssistant:' turn after at least one Human turn")
-    return [{"role": r, "content": c} for r, c in turns[:-1]], turns[-1][1]
-
-
 def load_preference_pairs(files: list[str], *, max_pairs: int | None = None) -> tuple[list[PreferencePair], int]:
     """Returns (pairs in file order, number of rows skipped) from JSONL files (local or fsspec URIs, .gz fine).
 
@@ -91,9 +57,9 @@ def load_preference_pairs(files: list[str], *, max_pairs: int | None = None) -> 
         max_pairs: stop after this many pairs (``offline.max_pairs``); None reads everything.
 
     Raises:
-        DataError: no files, an unreadable or empty file, a line that is not UTF-8 or not a JSON object with
-            string 'chosen' and 'rejected', a side that is not an hh-rlhf dialogue (each names ``file:line``),
-            or a pair id that appears twice.
+        DataError: no files, an unreadable or empty file, a line that is not UTF-8 or not a JSON object of an
+            accepted form (``rlray.data.pair_rows.parse_row``; each names ``file:line``), or a pair id that
+            appears twice.
     """
     if not files:
         raise DataError("no preference files given; set offline.pairs_files")
@@ -107,45 +73,37 @@ def load_preference_pairs(files: list[str], *, max_pairs: int | None = None) -> 
         for line, row in read_jsonl(path):
             if max_pairs is not None and len(pairs) >= max_pairs:
                 break
-            pair, reason = _parse_row(row, f"{path}:{line}", f"{stem}:{line - 1}")
-            if pair is None:
+            records, reason = parse_row(row, f"{path}:{line}", f"{stem}:{line - 1}")
+            if not records:
                 skipped[reason] += 1
                 continue
-            if pair.prompt_id in seen:
-                raise DataError(
-                    f"{path}:{line}: pair id '{pair.prompt_id}' appears twice ({seen[pair.prompt_id]} and {path}); "
-                    "give the files distinct names"
-                )
-            seen[pair.prompt_id] = path
-            pairs.append(pair)
+            for pair in records:
+                if pair.prompt_id in seen:
+                    raise DataError(
+                        f"{path}:{line}: pair id '{pair.prompt_id}' appears twice ({seen[pair.prompt_id]} and {path}); "
+                        "give the files distinct names"
+                    )
+                seen[pair.prompt_id] = path
+            pairs.extend(records)
     if skipped:
         log.warning("skipped %d preference rows that cannot form a pair (%s)", sum(skipped.values()),
                     ", ".join(f"{n} {why}" for why, n in sorted(skipped.items())))
-    return pairs, sum(skipped.values())
+    return pairs[:max_pairs], sum(skipped.values())
 
 
-def _parse_row(row: dict, where: str, prompt_id: str) -> tuple[PreferencePair | None, str]:
-    """Returns (the pair, "") or (None, why it was skipped); raises DataError naming ``where``."""
-    for key in ("chosen", "rejected"):
-        if key not in row:
-            raise DataError(f"{where}: need string fields 'chosen' and 'rejected'; '{key}' is missing (keys {sorted(row)})")
-        if not isinstance(row[key], str):
-            raise DataError(f"{where}: '{key}' must be a string (an hh-rlhf dialogue), got {type(row[key]).__name__} "
-                            f"{row[key]!r:.80}")
-    sides = {}
-    for key in ("chosen", "rejected"):
-        try:
-            sides[key] = parse_dialogue(row[key])
-        except ValueError as err:
-            raise DataError(f"{where}: '{key}': {err}; got {row[key][:80]!r}") from None
-    (prompt, chosen), (other_prompt, rejected) = sides["chosen"], sides["rejected"]
-    if prompt != other_prompt:
-        return None, "with different prompts"
-    if not chosen or not rejected:
-        return None, "with an empty response"
-    if chosen == rejected:
-        return None, "with identical chosen and rejected responses"
-    return PreferencePair(prompt_id, tuple(prompt), chosen, rejected), ""
+def require_preferences(pairs: list[PreferencePair], method: str) -> None:
+    """Checks that every record has a rejected side, unless ``method`` is "sft" (which trains on the chosen side).
+
+    Raises:
+        DataError: an SFT-only record (``messages``, prompt-completion or ``text`` row) for a preference method;
+            names the record's ``<file stem>:<row>`` (0-based row) and the accepted forms.
+    """
+    if method == "sft":
+        return
+    for p in pairs:
+        if p.rejected is None:
+            raise DataError(f"row {p.prompt_id} (file stem:0-based row) has no 'rejected' side: it is SFT data, which "
+                            f"only algo.name=sft takes, not {method}; {ACCEPTED_FORMS}")
 
 
 def split_pairs(
@@ -171,16 +129,25 @@ def pairs_table(pairs: list[PreferencePair], tokenizer, *, max_prompt_tokens: in
 
     The prompt keeps its last ``max_prompt_tokens`` tokens (TRL's keep-end truncation: the latest turns
     matter most); each response keeps its first ``max_response_tokens`` tokens (EOS is lost when cut).
-    KTO's mismatched completion of pair i is the chosen response of pair (i + 1) mod N.
+    KTO's mismatched completion of pair i is the chosen response of pair (i + 1) mod N. A message prompt gets
+    the chat template with the generation prompt; a plain-text prompt (``prompt_text``) is tokenized as is,
+    and an empty one (a ``text`` row) takes the completion's first token, which nothing predicts. An SFT
+    example (rejected None) has an empty rejected response.
     """
     eos = tokenizer.eos_token_id
     prompts, chosen, rejected = [], [], []
     for p in pairs:
-        text = tokenizer.apply_chat_template(list(p.messages), add_generation_prompt=True, tokenize=False)
-        prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"][-max_prompt_tokens:])
-        for side, out in ((p.chosen, chosen), (p.rejected, rejected)):
-            ids = tokenizer(side, add_special_tokens=False)["input_ids"] + [eos]
-            out.append(ids[:max_response_tokens])
+        text = p.prompt_text
+        if text is None:
+            text = tokenizer.apply_chat_template(list(p.messages), add_generation_prompt=True, tokenize=False)
+        prompt = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+        ids = tokenizer(p.chosen, add_special_tokens=False)["input_ids"] + [eos]
+        if not prompt:
+            prompt, ids = ids[:1], ids[1:]
+        prompts.append(prompt[-max_prompt_tokens:])
+        chosen.append(ids[:max_response_tokens])
+        ids = [] if p.rejected is None else tokenizer(p.rejected, add_special_tokens=False)["input_ids"] + [eos]
+        rejected.append(ids[:max_response_tokens])
     n = len(pairs)
     columns = {
         "prompt_id": [p.prompt_id for p in pairs],

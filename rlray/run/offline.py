@@ -28,7 +28,7 @@ import torch
 from rlray import algos, schema
 from rlray.config import Config
 from rlray.data import PromptStream
-from rlray.data.pairs import collate_pairs, load_preference_pairs, pairs_table, split_pairs
+from rlray.data.pairs import collate_pairs, load_preference_pairs, pairs_table, require_preferences, split_pairs
 from rlray.learner import PolicyLearner, autocast_context
 from rlray.learner.batching import MicroBatching
 from rlray.learner.collective import Collective
@@ -179,6 +179,7 @@ def setup(cfg: Config, coll: Collective, *, model_dir: str, run_id: str | None) 
     learner = build_learner(cfg, model_dir, coll.world)
     off = cfg.offline
     pairs, skipped = load_preference_pairs(off.pairs_files, max_pairs=off.max_pairs)
+    require_preferences(pairs, cfg.algo.name)  # SFT rows (no rejected side) only for sft
     train_rows, eval_rows = split_pairs(pairs, eval_fraction=off.eval_fraction, seed=cfg.run.seed)
     sizes = dict(max_prompt_tokens=off.max_prompt_tokens, max_response_tokens=off.max_response_tokens)
     train_tab, eval_tab = pairs_table(train_rows, tokenizer, **sizes), pairs_table(eval_rows, tokenizer, **sizes)

@@ -50,9 +50,9 @@ def test_load_counts_unusable_pairs_and_keeps_ids(tmp_path):
     "row, message",
     [
         ("{not json", r":2: not valid JSON \(Expecting property name enclosed in double quotes at column 2\)"),
-        ({"chosen": DIALOGUE.format("4")}, r":2: need string fields 'chosen' and 'rejected'; 'rejected' is missing "
+        ({"chosen": DIALOGUE.format("4")}, r":2: need fields 'chosen' and 'rejected'; 'rejected' is missing "
                                             r"\(keys \['chosen'\]\)"),
-        ({"chosen": 4, "rejected": DIALOGUE.format("5")}, r":2: 'chosen' must be a string \(an hh-rlhf dialogue\), got int 4"),
+        ({"chosen": 4, "rejected": DIALOGUE.format("5")}, r":2: 'chosen' must be a string or a non-empty list of messages, got int 4"),
         ({"chosen": DIALOGUE.format("4"), "rejected": None}, r":2: 'rejected' must be a string .*got NoneType None"),
         ({"chosen": "plain text", "rejected": DIALOGUE.format("5")}, r":2: 'chosen': expected a dialogue"),
     ],

@@ -1,11 +1,13 @@
 """Offline methods in process (no Ray) through the real learner: cached reference logprobs, DPO learning its pairs."""
 
+import json
 import math
 
 import pytest
 import torch
 
 from rlray.config import config_from_dict
+from rlray.data import DataError
 from rlray.data.pairs import collate_pairs
 from rlray.learner.collective import Collective
 from rlray.observe.tracking import Tracker, get_run_metrics
@@ -25,11 +27,11 @@ def one_torch_thread():
 DPO_STEPS = 3  # seen: training-pair accuracy 0.0 (margins start at exactly 0) -> 1.0 after 1 step; loss 0.69 -> 0.23
 
 
-def _ctx(method: str, tmp_path, hh_rlhf_dir, tiny_model_path, **algo):
+def _ctx(method: str, tmp_path, hh_rlhf_dir, tiny_model_path, files=None, **algo):
     cfg = config_from_dict({
         "algo": {"name": method, **algo},
         "model": {"path": "tiny-random", "dtype": "float32"},
-        "offline": {"pairs_files": [str(hh_rlhf_dir / "test.jsonl.gz")], "max_pairs": 8, "eval_fraction": 0.0,
+        "offline": {"pairs_files": files or [str(hh_rlhf_dir / "test.jsonl.gz")], "max_pairs": 8, "eval_fraction": 0.0,
                     "pairs_per_step": 8, "pairs_per_microbatch": 4, "max_prompt_tokens": 32, "max_response_tokens": 16},
         "learner": {"lr": 3e-3, "max_grad_norm": 10.0, "torch_threads": 1},
         "run": {"output_dir": str(tmp_path / "out")},
@@ -100,3 +102,63 @@ def test_an_offline_run_logs_no_rollout_metrics(tmp_path, hh_rlhf_dir, tiny_mode
     assert [s for s, _ in logged["learner/loss"]] == [1, 2, 3]
     assert [s for s, _ in logged["eval/pairwise_accuracy"]] == [0, 3]  # before training and after the last step
     assert sorted(k for k in logged if k.startswith("rollout/")) == []
+
+
+SKY = [{"role": "user", "content": "What color is the sky?"}]
+ANSWERS = [("It is blue.", "It is green."), ("Blue, mostly.", "Purple."), ("Blue by day.", "Red."), ("Blue.", "No.")]
+TRL_ROWS = {  # 8 rows of one TRL form each (the row index varies the texts)
+    "standard": lambda i, c, r: {"prompt": f"Sky {i} is", "chosen": f" {c}", "rejected": f" {r}"},
+    "conversational": lambda i, c, r: {"prompt": [{"role": "user", "content": f"Sky {i}?"}],
+                                       "chosen": [{"role": "assistant", "content": c}],
+                                       "rejected": [{"role": "assistant", "content": r}]},
+    "messages": lambda i, c, r: {"messages": [{"role": "user", "content": f"Sky {i}?"}, {"role": "assistant", "content": c}]},
+    "prompt_completion": lambda i, c, r: {"prompt": f"Sky {i} is", "completion": f" {c}"},
+    "text": lambda i, c, r: {"text": f"Sky {i} is {c}"},
+}
+
+
+def _trl_file(tmp_path, form):
+    path = tmp_path / f"{form}.jsonl"
+    rows = [TRL_ROWS[form](i, *ANSWERS[i % 4]) for i in range(8)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return [str(path)]
+
+
+@pytest.mark.parametrize("form", ["standard", "conversational"])
+def test_dpo_learns_pairs_of_each_trl_form(form, tmp_path, tiny_model_path):
+    ctx = _ctx("dpo", tmp_path, None, tiny_model_path, files=_trl_file(tmp_path, form), beta=0.1)
+    assert ctx.train_pairs.num_rows == 8
+    first = offline.update(ctx, offline.take_pairs(ctx))
+    assert first["learner/loss"] == pytest.approx(math.log(2.0), abs=1e-5)  # policy == reference at step 1
+    last = offline.update(ctx, offline.take_pairs(ctx))
+    assert last["learner/loss"] < first["learner/loss"]
+
+
+@pytest.mark.parametrize("form", ["messages", "prompt_completion", "text"])
+def test_sft_learns_rows_of_each_trl_form(form, tmp_path, tiny_model_path):
+    ctx = _ctx("sft", tmp_path, None, tiny_model_path, files=_trl_file(tmp_path, form))
+    table = ctx.train_pairs
+    assert table.num_rows == 8 and all(r == [] for r in table.column("rejected_token_ids").to_pylist())
+    # the loss is the token-mean NLL over the completions (here: every response token, the first step at the initial policy)
+    batch = collate_pairs(table, ctx.tokenizer.pad_token_id)
+    model = ctx.learner.module
+    with torch.no_grad():
+        nll, count = 0.0, 0
+        for i in range(8):
+            prompt, chosen = table.column("prompt_token_ids")[i].as_py(), table.column("chosen_token_ids")[i].as_py()
+            logits = model(torch.tensor([prompt + chosen])).logits[0, len(prompt) - 1 : -1]
+            nll -= float(torch.log_softmax(logits, -1).gather(-1, torch.tensor(chosen)[:, None]).sum())
+            count += len(chosen)
+    assert batch.response_mask[8:].sum() == 0  # no rejected tokens
+    first = offline.update(ctx, offline.take_pairs(ctx))
+    assert first["learner/loss"] == pytest.approx(nll / count, rel=1e-4)
+    for _ in range(2):
+        last = offline.update(ctx, offline.take_pairs(ctx))
+    assert last["learner/loss"] < first["learner/loss"]
+    assert offline.evaluate(ctx)["eval/loss"] < first["learner/loss"]  # eval runs without a rejected side
+
+
+def test_sft_rows_are_refused_by_preference_methods(tmp_path, tiny_model_path):
+    with pytest.raises(DataError, match=r"row messages:0 .*has no 'rejected' side: it is SFT data, which only "
+                                        r"algo.name=sft takes, not dpo"):
+        _ctx("dpo", tmp_path, None, tiny_model_path, files=_trl_file(tmp_path, "messages"))
