@@ -1,4 +1,4 @@
-"""The ``rlray`` command line: train, check, sweep, eval, serve-reward, judge, rollback, models, snapshots, data,
+"""The ``rlray`` command line: train, check, sweep, eval, serve-reward, judge, rollback, export, models, snapshots, data,
 config, plan, monitor, ledger.
 
 Each command imports what it needs inside its function: ``rlray --help`` and ``rlray data`` start in
@@ -123,6 +123,17 @@ def _rollback(args: argparse.Namespace) -> int:
     dest = Path(args.dest or f"rollback/{args.ref.rstrip('/').rsplit('/', 1)[-1][:16]}-{args.to}")
     cfg = _optional_config(args)
     print(json.dumps(prepare_rollback(args.ref, args.to, cfg, dest, base=cfg if args.config else None), indent=2))
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from rlray.launch.export import ExportError, export_snapshot
+
+    try:
+        print(json.dumps(export_snapshot(args.ref, args.to, _optional_config(args), adapter=args.adapter), indent=2))
+    except ExportError as err:
+        print(f"rlray export: {err}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -322,6 +333,26 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--dest", help="folder for the resume config (default rollback/<ref>-<to>)")
     _config_args(r)
     r.set_defaults(func=_rollback)
+
+    x = sub.add_parser(
+        "export", formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="write a run's trained policy as a plain Hugging Face folder (LoRA merged): rlray export RUN_OR_SNAPSHOT "
+        "--to DIR [--adapter]",
+        description="Writes the policy of a snapshot as a plain Hugging Face folder: safetensors weights, config.json, "
+        "generation_config.json,\nthe tokenizer with the run's chat template. transformers loads it "
+        "(AutoModelForCausalLM.from_pretrained(DIR))\nand vLLM serves it (python -m vllm.entrypoints.openai.api_server "
+        "--model DIR). A LoRA policy is merged into its base\nweights (float32), or kept as a peft adapter folder with "
+        "--adapter.",
+        epilog="example:\n  rlray export latest --config configs/grpo_gsm8k_tiny.yaml --to exported/grpo\n"
+        "  rlray export outputs/run/snapshots/run-1a2b/step_00000040 --to exported/step40\n"
+        "  rlray export 1a2b3c4d5e6f --config configs/grpo_gsm8k_tiny.yaml --to exported/grpo --adapter",
+    )
+    x.add_argument("ref", metavar="RUN_OR_SNAPSHOT", help="a snapshot folder or URI, a run folder (its newest complete "
+                   "snapshot), 'latest' (newest under checkpoint.uri) or an MLflow run id (its newest snapshot)")
+    x.add_argument("--to", required=True, metavar="DIR", help="a new (or empty) folder for the export")
+    x.add_argument("--adapter", action="store_true", help="LoRA runs: write the peft adapter folder instead of merging")
+    _config_args(x)
+    x.set_defaults(func=_export)
 
     m = sub.add_parser("models", help="lineage in the Model Registry: rlray models list|show")
     msub = m.add_subparsers(dest="models_command", required=True)
