@@ -180,13 +180,18 @@ def _data(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
+    if args.metrics_reference:
+        from rlray.observe.metrics_reference import metrics_markdown
+
+        print(metrics_markdown(), end="")
+        return 0
     if args.reference:
         from rlray.config.describe import reference_markdown
 
         print(reference_markdown(Config), end="")
         return 0
     if args.config is None:
-        print("rlray config: give a CONFIG file (or --reference for the schema's reference page)", file=sys.stderr)
+        print("rlray config: give a CONFIG file (or --reference, --metrics-reference for a reference page)", file=sys.stderr)
         return 2
     cfg = load_config(args.config, args.overrides)
     if args.describe:
@@ -375,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_snapshots)
 
     c = sub.add_parser("config", help="print the resolved config: rlray config CONFIG [dotted.key=value ...] [--describe]; "
-                       "rlray config --reference prints the reference of every key (Markdown)")
+                       "rlray config --reference prints the reference of every key, --metrics-reference of every metric (Markdown)")
     c.add_argument("config", nargs="?")
     c.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. learner.lr=1e-5")
     c.add_argument("--describe", action="store_true",
@@ -383,6 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--reference", action="store_true",
                    help="print the config reference instead: every key of every section with its type, default, unit "
                    "and meaning, as Markdown tables (docs/reference/config.md)")
+    c.add_argument("--metrics-reference", action="store_true",
+                   help="print the metrics reference instead: every metric key a run logs with its unit, meaning and "
+                   "where the live page shows it, as Markdown tables (docs/reference/metrics.md)")
     c.set_defaults(func=_config)
 
     pl = sub.add_parser(
