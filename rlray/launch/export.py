@@ -53,10 +53,11 @@ def find_snapshot(ref: str, cfg: Config) -> str:
             raise ExportError(f"RUN_OR_SNAPSHOT=latest: no complete snapshot under '{cfg.checkpoint_uri}' "
                               "(checkpoint.uri); give --config with the run's config, or a snapshot folder")
         return found
+    where = ref
     if "/" not in ref and "://" not in ref and not Path(ref).exists():
-        ref = _run_snapshot_dir(ref, cfg)
+        where = _run_snapshot_dir(ref, cfg)
     try:
-        return checkpoint.resolve_snapshot(ref, cfg.checkpoint_uri, opts)
+        return checkpoint.resolve_snapshot(where, cfg.checkpoint_uri, opts)
     except checkpoint.SnapshotError as err:
         raise ExportError(f"RUN_OR_SNAPSHOT={ref}: {err}; give a complete snapshot (rlray snapshots list shows "
                           "which are complete)") from err

@@ -198,3 +198,19 @@ def test_vllm_serves_the_merged_export_with_the_learners_logprobs(tmp_path, tiny
     for c in done:
         got = torch.tensor(c.rollout_logprobs)
         assert (got - want[c.prompt_index, : len(got)]).abs().max() < 1e-4
+
+
+def test_a_run_without_a_complete_snapshot_is_named_in_the_error(tmp_path, tiny_model_path):
+    from rlray.observe.tracking import Tracker
+
+    mlflow_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = config_from_dict({"model": {"path": tiny_model_path}, "tracking": {"mlflow_uri": mlflow_uri}})
+    tracker = Tracker(mlflow_uri, "export-test")
+    tracker.set_tags({"rlray.snapshot_dir": str(tmp_path / "snapshots" / "run-r1")})
+    tracker.finish("FINISHED")
+    with pytest.raises(ExportError, match=rf"RUN_OR_SNAPSHOT={tracker.run_id}: .*neither a complete snapshot nor a folder"):
+        export_snapshot(tracker.run_id, tmp_path / "out", cfg)
+    untagged = Tracker(mlflow_uri, "export-test")
+    untagged.finish("FINISHED")
+    with pytest.raises(ExportError, match=r"has no rlray.snapshot_dir tag .* give a snapshot folder"):
+        export_snapshot(untagged.run_id, tmp_path / "out", cfg)
