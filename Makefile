@@ -92,6 +92,7 @@ lint: install
 # --strict: a broken link, a missing anchor or a page left out of the nav fails the build (`make test` builds it too).
 docs: $(STAMP)
 	$(BIN)/rlray config --reference > docs/reference/config.md.new && mv docs/reference/config.md.new docs/reference/config.md
+	$(BIN)/rlray config --metrics-reference > docs/reference/metrics.md.new && mv docs/reference/metrics.md.new docs/reference/metrics.md
 	$(BIN)/mkdocs build --strict --quiet
 
 bench: install

@@ -1,4 +1,4 @@
-"""The ``rlray`` command line: train, check, sweep, eval, serve-reward, judge, rollback, models, snapshots, data,
+"""The ``rlray`` command line: train, check, sweep, eval, serve-reward, judge, rollback, export, models, snapshots, data,
 config, plan, monitor, ledger.
 
 Each command imports what it needs inside its function: ``rlray --help`` and ``rlray data`` start in
@@ -126,6 +126,17 @@ def _rollback(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from rlray.launch.export import ExportError, export_snapshot
+
+    try:
+        print(json.dumps(export_snapshot(args.ref, args.to, _optional_config(args), adapter=args.adapter), indent=2))
+    except ExportError as err:
+        print(f"rlray export: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _models(args: argparse.Namespace) -> int:
     from rlray.checkpoint import lineage
 
@@ -169,13 +180,18 @@ def _data(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
+    if args.metrics_reference:
+        from rlray.observe.metrics_reference import metrics_markdown
+
+        print(metrics_markdown(), end="")
+        return 0
     if args.reference:
         from rlray.config.describe import reference_markdown
 
         print(reference_markdown(Config), end="")
         return 0
     if args.config is None:
-        print("rlray config: give a CONFIG file (or --reference for the schema's reference page)", file=sys.stderr)
+        print("rlray config: give a CONFIG file (or --reference, --metrics-reference for a reference page)", file=sys.stderr)
         return 2
     cfg = load_config(args.config, args.overrides)
     if args.describe:
@@ -324,6 +340,26 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(r)
     r.set_defaults(func=_rollback)
 
+    x = sub.add_parser(
+        "export", formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="write a run's trained policy as a plain Hugging Face folder (LoRA merged): rlray export RUN_OR_SNAPSHOT "
+        "--to DIR [--adapter]",
+        description="Writes the policy of a snapshot as a plain Hugging Face folder: safetensors weights, config.json, "
+        "generation_config.json,\nthe tokenizer with the run's chat template. transformers loads it "
+        "(AutoModelForCausalLM.from_pretrained(DIR))\nand vLLM serves it (python -m vllm.entrypoints.openai.api_server "
+        "--model DIR). A LoRA policy is merged into its base\nweights (float32), or kept as a peft adapter folder with "
+        "--adapter.",
+        epilog="example:\n  rlray export latest --config configs/grpo_gsm8k_tiny.yaml --to exported/grpo\n"
+        "  rlray export outputs/run/snapshots/run-1a2b/step_00000040 --to exported/step40\n"
+        "  rlray export 1a2b3c4d5e6f --config configs/grpo_gsm8k_tiny.yaml --to exported/grpo --adapter",
+    )
+    x.add_argument("ref", metavar="RUN_OR_SNAPSHOT", help="a snapshot folder or URI, a run folder (its newest complete "
+                   "snapshot), 'latest' (newest under checkpoint.uri) or an MLflow run id (its newest snapshot)")
+    x.add_argument("--to", required=True, metavar="DIR", help="a new (or empty) folder for the export")
+    x.add_argument("--adapter", action="store_true", help="LoRA runs: write the peft adapter folder instead of merging")
+    _config_args(x)
+    x.set_defaults(func=_export)
+
     m = sub.add_parser("models", help="lineage in the Model Registry: rlray models list|show")
     msub = m.add_subparsers(dest="models_command", required=True)
     ml = msub.add_parser("list", help="versions of rlray-<experiment> (of one run with --run)")
@@ -345,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_snapshots)
 
     c = sub.add_parser("config", help="print the resolved config: rlray config CONFIG [dotted.key=value ...] [--describe]; "
-                       "rlray config --reference prints the reference of every key (Markdown)")
+                       "rlray config --reference prints the reference of every key, --metrics-reference of every metric (Markdown)")
     c.add_argument("config", nargs="?")
     c.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. learner.lr=1e-5")
     c.add_argument("--describe", action="store_true",
@@ -353,6 +389,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--reference", action="store_true",
                    help="print the config reference instead: every key of every section with its type, default, unit "
                    "and meaning, as Markdown tables (docs/reference/config.md)")
+    c.add_argument("--metrics-reference", action="store_true",
+                   help="print the metrics reference instead: every metric key a run logs with its unit, meaning and "
+                   "where the live page shows it, as Markdown tables (docs/reference/metrics.md)")
     c.set_defaults(func=_config)
 
     pl = sub.add_parser(

@@ -1,6 +1,7 @@
 """Every command in the documentation runs (issue 32): each fenced shell or Python block of README.md and docs/ is
 executed here, or names the test that executes it, or says it needs what a test machine lacks. And the generated
-config reference (docs/reference/config.md) is what the schema gives now.
+config reference (docs/reference/config.md) is what the schema gives now, the metrics reference (metrics.md) what the
+metric registry gives.
 
 A block is marked by an HTML comment on the line before its fence (nothing but blank lines between):
 
@@ -42,6 +43,8 @@ import pytest
 from rlray import cli
 from rlray.config import Config
 from rlray.config.describe import reference_markdown
+from rlray.observe.metrics import METRICS
+from rlray.observe.metrics_reference import metrics_markdown
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = sorted((REPO / "docs").rglob("*.md"))
@@ -280,6 +283,19 @@ def test_test_sizes_go_after_the_docs_overrides_and_before_options(tmp_path):
 def test_the_config_reference_page_is_what_the_schema_gives_now():
     committed = (REPO / "docs" / "reference" / "config.md").read_text()
     assert committed == reference_markdown(Config), "docs/reference/config.md is out of date: run `make docs`"
+
+
+def test_the_metrics_reference_page_is_what_the_registry_gives_now(capsys):
+    committed = (REPO / "docs" / "reference" / "metrics.md").read_text()
+    assert committed == metrics_markdown(), "docs/reference/metrics.md is out of date: run `make docs`"
+    assert cli.main(["config", "--metrics-reference"]) == 0
+    page = capsys.readouterr().out
+    assert page == committed
+    keys = re.findall(r"^\| `([^`]+)` \|", page, re.M)
+    assert {m.key for m in METRICS} <= set(keys) and len(keys) == len(set(keys))
+    assert "| `algo/advantage_abs_mean` | advantage | token mean of \\|advantage\\| over the response tokens |  |" in page
+    assert "| `reward/mean` | reward | mean reward" in page and "gauge `rlray_reward_mean`, progress line |" in page
+    assert "| `eval/pass@{k}` | fraction |" in page
 
 
 def test_the_reference_has_every_key_once_with_its_default(capsys):
