@@ -327,6 +327,7 @@ STILL_READ_CONFIG = {
     "rlray.observe.tracking": "MLflow params are the flattened config (a service)",
     "rlray.observe.stored": "reads a stored run's resolved config back (a service)",
     "rlray.launch.actors": "builds rollout actors and env hosts from resources.rollout/env and rollout.* engine keys",
+    "rlray.launch.export": "rlray export: the snapshot storage, tracking URI and base model of a config (as rollback)",
     "rlray.launch.check": "rlray check: validates a config file and runs the preflight",
     "rlray.launch.driver": "resolves the config's paths (resolve_paths) and ships the config to the workers",
     "rlray.launch.envcheck": "reads env.* and the rows to probe environments before a run",
