@@ -166,13 +166,14 @@ def _merge_lora(model: Path, out: Path, trained_model: dict[str, Any]) -> str:
         rlray.models.ModelError: the base model (``model.path`` of the snapshot's config) cannot be found or loaded.
     """
     import torch
-    from peft import PeftModel
 
-    from rlray.learner.policy import merged_lora_state_dict
+    from rlray.learner.lora import merged_lora_state_dict
     from rlray.models import load_causal_lm, resolve_model_path
+    from rlray.models.adapters import load_adapter
 
     base = resolve_model_path(trained_model["path"], revision=trained_model.get("revision"))
-    peft_model = PeftModel.from_pretrained(load_causal_lm(base, dtype=torch.float32), str(model))
+    # through rlray's adapter loader: the folder's adapter_model.safetensors is checked first (never a pickled .bin)
+    peft_model = load_adapter(load_causal_lm(base, dtype=torch.float32), str(model), base)
     merged = merged_lora_state_dict(peft_model)
     plain = peft_model.unload()  # the base architecture again, adapters removed (not merged: the merge is ``merged``)
     plain.load_state_dict(merged, strict=True)

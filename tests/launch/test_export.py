@@ -27,6 +27,7 @@ from rlray.config import config_from_dict
 from rlray.launch.export import ExportError, export_snapshot
 from rlray.learner import PolicyLearner
 from rlray.learner.batching import MicroBatching
+from rlray.learner.policy import OptimizerSpec
 from rlray.learner.scoring import batched_logprobs
 from rlray.schema import pack_sequences
 
@@ -35,8 +36,8 @@ BATCHING = MicroBatching(4)
 
 
 def _learner(path: str, lora: dict | None = None) -> PolicyLearner:
-    return PolicyLearner(path, dtype="float32", lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, warmup_steps=0,
-                         max_grad_norm=1.0, temperature=1.0, use_reference=False, lora=lora)
+    return PolicyLearner(path, dtype="float32", optim=OptimizerSpec(lr=1e-3, max_grad_norm=1.0), temperature=1.0,
+                         use_reference=False, lora=lora)
 
 
 def _trained(learner: PolicyLearner) -> PolicyLearner:

@@ -16,6 +16,7 @@ from rlray.launch.plan import plan_run
 from rlray.launch.plan_roles import Models, microbatch
 from rlray.learner import PolicyLearner
 from rlray.learner.batching import MicroBatching
+from rlray.learner.parallel import FSDP2 as FSDP2Strategy
 from rlray.models.memory import ModelShape
 from rlray.plan import RunPlan, resolve_plan
 from rlray.plan.records import Roles
@@ -92,7 +93,7 @@ def test_fsdp_learner_cuts_by_sequences_in_the_plan_the_planner_and_the_learner(
     assert par.frozen_micro_batching.tokens == 1000  # a reference or teacher actor is not sharded: the budget holds
     assert build.update_spec(cfg, 2).batching == par.micro_batching == build.micro_batching(cfg)
     # the learner's own rule (PolicyLearner.micro_batching on a sharded learner) gives the same micro-batching
-    sharded = SimpleNamespace(sharded=True)
+    sharded = SimpleNamespace(parallel=FSDP2Strategy(mixed_precision=False, gpu=False))
     assert PolicyLearner.micro_batching(sharded, par.frozen_micro_batching) == par.micro_batching
     # rlray plan: 2 sequences x (256 + 16) tokens, not ceil(1000 / 272) = 4 sequences
     mb = microbatch(cfg)
