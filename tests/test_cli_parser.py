@@ -118,3 +118,21 @@ def test_both_override_forms_give_the_same_config(capsys):
     # KEY=VALUE after an option is an override too, in order
     a = p.parse_args(["train", CONFIG, "learner.lr=1e-5", "--resume", "latest", "run.max_steps=3"])
     assert (a.config, a.overrides, a.resume) == (CONFIG, ["learner.lr=1e-5", "run.max_steps=3"], "latest")
+
+
+def test_the_troubleshooting_page_shows_what_a_bad_command_line_prints(capsys):
+    text = (REPO / "docs" / "troubleshooting.md").read_text()
+    marker = "<!-- docs: tested-by tests/test_cli_parser.py::test_the_troubleshooting_page_shows_what_a_bad_command_line_prints -->"
+    block = text.split(marker, 1)[1].split("```console\n", 1)[1].split("```", 1)[0]
+    shown: list[tuple[str, list[str]]] = []
+    for line in block.splitlines():
+        if line.startswith("$ "):
+            shown.append((line[2:], []))
+        else:
+            shown[-1][1].append(line)
+    assert len(shown) == 4
+    for command, lines in shown:
+        with pytest.raises(SystemExit) as done:
+            cli.main(shlex.split(command)[1:])
+        assert done.value.code == 2
+        assert capsys.readouterr().err.splitlines() == lines, command
