@@ -98,6 +98,8 @@ class RlrayParser(argparse.ArgumentParser):
             if name in action.option_strings or name in (action.metavar, action.dest):
                 shown = f"{action.option_strings[0]} {action.metavar or action.dest.upper()}" if action.option_strings else name
                 about = re.split(r";|,? e\.g\.", action.help or "")[0].strip()
+                if about.count("(") > about.count(")"):  # cut inside a parenthesis: drop its opened part
+                    about = about[: about.rfind("(")].strip()
                 about = re.sub(r"\s*\([^)]*\)", "", about) if len(about) > 50 else about
                 return f"{shown} ({about})" if about and about != argparse.SUPPRESS else shown
         return name
