@@ -56,6 +56,12 @@ class RolloutCorrectionConfig(_Section):
         ),
     )
 
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _none_word(cls, value: Any) -> Any:
+        """The command line reads ``mode=none`` as null (``rlray.config.loading._parse_value``); it means "none"."""
+        return "none" if value is None else value
+
     @model_validator(mode="after")
     def _check_bounds(self) -> RolloutCorrectionConfig:
         lo, hi = self.ratio_min, self.ratio_max
@@ -190,6 +196,13 @@ class AlgoConfig(_Section):
     def family(self) -> Literal["online", "offline"]:
         """Returns "online" (rollouts, rewards, advantages) or "offline" (preference pairs)."""
         return self.algorithm.family
+
+    @field_validator("adv_std_scale", mode="before")
+    @classmethod
+    def _none_word(cls, value: Any) -> Any:
+        """The command line reads ``adv_std_scale=none`` as null (``rlray.config.loading._parse_value``); it means
+        "none"."""
+        return "none" if value is None else value
 
     @field_validator("name")
     @classmethod

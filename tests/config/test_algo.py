@@ -83,6 +83,9 @@ def test_rollout_correction_defaults_and_modes():
     trl = config_from_dict({"algo": {"rollout_correction": {"mode": "sequence_mask", "ratio_max": 3.0}}})
     assert trl.algo.rollout_correction.mode == "sequence_mask"
     assert config_from_dict({"algo": {"rollout_correction": {"mode": "none", "ratio_max": None}}})
+    # the word none on the command line (which the override parser reads as null) is the mode "none"
+    cli = config_from_dict({}, ["algo.rollout_correction.mode=none", "algo.adv_std_scale=none"]).algo
+    assert (cli.rollout_correction.mode, cli.adv_std_scale) == ("none", "none")
 
 
 @pytest.mark.parametrize(
