@@ -125,7 +125,7 @@ def check_inputs(cfg: Config) -> str:
         if roles.critic and cfg.critic.model_path:
             resolve_model_path(cfg.critic.model_path)
     else:
-        load_preference_pairs(cfg.offline.pairs_files, max_pairs=cfg.offline.max_pairs)
+        load_preference_pairs(cfg.offline.pairs_files, method=cfg.algo.name, max_pairs=cfg.offline.max_pairs)
     for warning in check_fit(cfg):
         log.warning("predicted memory: %s; `rlray plan` shows every term and what to change", warning)
     checkpoint.check_storage(cfg.checkpoint_uri, cfg.checkpoint.s3.storage_options())

@@ -238,3 +238,27 @@ def test_a_reward_function_needing_a_column_the_data_lacks_fails_the_preflight(c
         preflight(cfg_of(f"reward.functions=[{{function: '{tmp_path}/needs.py:needs'}}]"))
     with pytest.raises(RewardFunctionError, match=r"reads column 'solution', which the dataset lacks"):
         preflight(cfg_of("reward.functions=[{function: exact_match, kwargs: {column: solution}}]"))
+
+
+@pytest.mark.parametrize("method, rows, error", [
+    ("kto", [{"prompt": "Q", "completion": " a", "label": True}, {"prompt": "Q", "chosen": " a", "rejected": " b"}], None),
+    ("sft", [{"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "a"}]},
+             {"prompt": "Q", "completion": " a"}, {"text": "Q a"}, {"chosen": "Q a", "rejected": "Q b"}], None),
+    ("dpo", [{"prompt": "Q", "chosen": " a", "rejected": " b"}, {"text": "Q a"}],
+     r"pairs.jsonl:2: this row has no 'rejected' side: it is SFT data, which only algo.name=sft takes, not dpo"),
+    ("dpo", [{"prompt": "Q", "chosen": " a", "rejected": " b"}, {"prompt": "Q", "completion": " a", "label": False}],
+     r"pairs.jsonl:2: an unpaired row .* only algo.name=kto takes it, not dpo"),
+    ("kto", [{"prompt": "Q", "completion": " a", "label": "no"}], r"pairs.jsonl:1: 'label' must be true or false"),
+])  # fmt: skip
+def test_offline_data_is_checked_against_the_method_naming_file_and_line(cfg_of, tmp_path, method, rows, error):
+    """Every accepted form passes for the methods that take it; the first row of another form fails the preflight
+    before the storage probe, naming its file and 1-based line."""
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = cfg_of(f"algo.name={method}", f"offline.pairs_files=[{path}]", "offline.eval_fraction=0.0")
+    if error is None:
+        preflight(cfg)
+        return
+    with pytest.raises(DataError, match=error):
+        preflight(cfg)
+    assert not (tmp_path / "out").exists()
