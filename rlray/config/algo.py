@@ -262,9 +262,14 @@ class CriticConfig(_Section):
     model_path: str | None = Field(
         None,
         description=(
-            "Checkpoint of the critic's trunk (folder or alias, like model.path); None copies the policy checkpoint. "
-            "A fresh value head (one output per token) is put on top."
+            "Checkpoint of the critic's trunk (folder, Hub id or alias, like model.path); None copies the policy "
+            "checkpoint. A fresh value head (one output per token) is put on top."
         ),
+    )
+    model_revision: str | None = Field(
+        None,
+        description="The Hub revision (branch, tag or commit hash) of a Hub id in critic.model_path; null: the repository's "
+        "default branch. Ignored for folders, .gguf files and aliases.",
     )
     lr: float = Field(1e-5, gt=0.0, description="Critic AdamW learning rate (verl critic default 1e-5).")
     value_clip_eps: float | None = Field(
