@@ -284,8 +284,10 @@ class OfflineConfig(_Section):
     pairs_files: list[str] = Field(
         default_factory=lambda: ["data/hh-rlhf-harmless/test.jsonl.gz"],
         description=(
-            "JSONL files (.gz fine) of {chosen, rejected} full dialogues in hh-rlhf form "
-            "('\\n\\nHuman: ... \\n\\nAssistant: ...'); the shared prefix is the prompt."
+            "JSONL files (.gz fine; local paths or fsspec URIs such as s3://) of rows in TRL's dataset forms: "
+            "preference rows {prompt, chosen, rejected} (standard or conversational, explicit or implicit prompt; "
+            "hh-rlhf dialogues too) for every offline method, unpaired {prompt, completion, label} rows for kto, "
+            "{messages}, {prompt, completion} and {text} rows for sft (docs/data.md)."
         ),
     )
     max_pairs: int | None = Field(

@@ -187,20 +187,27 @@ def test_hh_rlhf_table_is_unchanged(hh_rlhf_dir, tiny_tokenizer):
 
 
 def test_the_documented_rows_load_as_documented(tmp_path):
-    """docs/prompts-and-rewards.md "Preference and SFT data": its two JSON blocks load without a skip."""
+    """docs/data.md "Offline data": its three JSON blocks (preference, unpaired, SFT rows) load without a skip, each
+    for the methods the page says take it."""
     from pathlib import Path
 
-    page = (Path(__file__).resolve().parents[2] / "docs" / "prompts-and-rewards.md").read_text()
-    section = page.split("## Preference and SFT data")[1]
+    page = (Path(__file__).resolve().parents[2] / "docs" / "data.md").read_text()
+    section = page.split("## Offline data")[1]
     blocks = section.split("```json\n")[1:]
-    assert len(blocks) == 2
+    assert len(blocks) == 3
     loaded = []
-    for i, block in enumerate(blocks):
+    for i, (block, method) in enumerate(zip(blocks, ("dpo", "kto", "sft"), strict=True)):
         path = tmp_path / f"doc{i}.jsonl"
         path.write_text(block.split("```")[0])
-        loaded.append(load_preference_pairs([str(path)]))
-    (pairs, skipped), (sft, sft_skipped) = loaded
-    assert (len(pairs), skipped, len(sft), sft_skipped) == (5, 0, 4, 0)
+        loaded.append(load_preference_pairs([str(path)], method=method))
+    (pairs, skipped), (unpaired, unpaired_skipped), (sft, sft_skipped) = loaded
+    assert (len(pairs), skipped, len(unpaired), unpaired_skipped, len(sft), sft_skipped) == (5, 0, 2, 0, 4, 0)
     assert {(p.prompt_text, p.chosen, p.rejected) for p in pairs[:4:3]} == {("The sky is", " blue.", " green.")}
+    assert pairs[2] == PreferencePair("doc0:2", ({"role": "user", "content": "Can shoot a plan"},), "What?",
+                                      "Can't shoot a plan.  What are you trying to do?")  # the hh-rlhf row, as is
+    assert [p.label for p in unpaired] == [True, False] and unpaired[1].chosen == "It is green."
     assert all(p.rejected is not None for p in pairs) and all(p.rejected is None for p in sft)
-    assert sft[-1] == PreferencePair("doc1:3", (), "The sky is blue.", None, "")
+    assert sft[-1] == PreferencePair("doc2:3", (), "The sky is blue.", None, "")
+    for method in ("dpo", "sft"):  # the page's table: unpaired rows only for kto
+        with pytest.raises(DataError, match=rf"doc1.jsonl:1: an unpaired row .* not {method}"):
+            load_preference_pairs([str(tmp_path / "doc1.jsonl")], method=method)

@@ -186,3 +186,29 @@ def test_sft_rows_are_refused_by_preference_methods(tmp_path, tiny_model_path):
     with pytest.raises(DataError, match=r"messages.jsonl:1: this row has no 'rejected' side: it is SFT data, which only "
                                         r"algo.name=sft takes, not dpo"):
         _ctx("dpo", tmp_path, None, tiny_model_path, files=_trl_file(tmp_path, "messages"))
+
+
+def test_the_documented_kto_run_trains_on_unpaired_rows(tmp_path, tiny_model_path):
+    """docs/data.md's command, `rlray train configs/algos/kto.yaml "offline.pairs_files=[docs/examples/kto_unpaired.jsonl]"`,
+    through the one run loop in process (the CLI and Ray path of offline runs is tests/run/test_algos_e2e.py's):
+    the config and the example file as shipped, at test size."""
+    from pathlib import Path
+
+    from rlray.config import load_config
+
+    repo = Path(__file__).resolve().parents[2]
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cfg = load_config(repo / "configs/algos/kto.yaml", [
+        f"offline.pairs_files=[{repo}/docs/examples/kto_unpaired.jsonl]", "model.path=tiny-random", "model.dtype=float32",
+        "run.max_steps=2", "offline.pairs_per_step=4", "offline.pairs_per_microbatch=2", "learner.torch_threads=1",
+        f"run.output_dir={tmp_path}/out", f"tracking.mlflow_uri={uri}", "learner.warmup_steps=0",
+    ])  # fmt: skip
+    tracker = Tracker(uri, cfg.tracking.experiment)
+    out = worker.train(cfg, WorkerArgs(cfg.model_dump(), tiny_model_path, tracker.run_id), Collective())
+    assert (out.status, out.step) == ("FINISHED", 2)
+    logged = get_run_metrics(uri, tracker.run_id)
+    assert logged["data/train_pairs"][0][1] + logged["data/eval_pairs"][0][1] == 8  # 8 unpaired rows, none skipped
+    assert logged["data/skipped_pairs"][0][1] == 0
+    assert logged["learner/loss"][0][1] == pytest.approx(0.5, abs=1e-5)  # policy == reference at step 1
+    assert [s for s, _ in logged["algo/chosen_reward"]] == [1, 2] and "algo/pairwise_accuracy" not in logged
+    assert [s for s, _ in logged["eval/reward_margin"]] == [0, 2] and "eval/pairwise_accuracy" not in logged
