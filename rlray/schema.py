@@ -317,6 +317,10 @@ class PairBatch:
         kl_inputs: KTO: the forward layout of the P (prompt, kl_token_ids) rows (the next pair's chosen response),
             or None.
         kl_response_mask: [P, T'] bool, True over each of those responses, or None.
+        labels: [P] bool, KTO: True where row i's chosen side is desirable (every pair; an unpaired row's label), or
+            None.
+        paired_mask: [P] bool, KTO: True where row i is a pair (its rejected row is an undesirable example); False for
+            an unpaired row (its rejected row is empty and counts nowhere), or None.
     """
 
     inputs: ModelInputs
@@ -326,6 +330,8 @@ class PairBatch:
     ref_kl_logps: torch.Tensor | None = None
     kl_inputs: ModelInputs | None = None
     kl_response_mask: torch.Tensor | None = None
+    labels: torch.Tensor | None = None
+    paired_mask: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> PairBatch:
         """Returns the batch with every tensor on ``device`` (the same tensors where they already are)."""

@@ -275,9 +275,14 @@ class CriticConfig(_Section):
     model_path: str | None = Field(
         None,
         description=(
-            "Checkpoint of the critic's trunk (folder or alias, like model.path); None copies the policy checkpoint. "
-            "A fresh value head (one output per token) is put on top."
+            "Checkpoint of the critic's trunk (folder, Hub id or alias, like model.path); None copies the policy "
+            "checkpoint. A fresh value head (one output per token) is put on top."
         ),
+    )
+    model_revision: str | None = Field(
+        None,
+        description="The Hub revision (branch, tag or commit hash) of a Hub id in critic.model_path; null: the repository's "
+        "default branch. Ignored for folders, .gguf files and aliases.",
     )
     lr: float = Field(1e-5, gt=0.0, description="Critic AdamW learning rate (verl critic default 1e-5).")
     value_clip_eps: float | None = Field(
@@ -292,8 +297,10 @@ class OfflineConfig(_Section):
     pairs_files: list[str] = Field(
         default_factory=lambda: ["data/hh-rlhf-harmless/test.jsonl.gz"],
         description=(
-            "JSONL files (.gz fine) of {chosen, rejected} full dialogues in hh-rlhf form "
-            "('\\n\\nHuman: ... \\n\\nAssistant: ...'); the shared prefix is the prompt."
+            "JSONL files (.gz fine; local paths or fsspec URIs such as s3://) of rows in TRL's dataset forms: "
+            "preference rows {prompt, chosen, rejected} (standard or conversational, explicit or implicit prompt; "
+            "hh-rlhf dialogues too) for every offline method, unpaired {prompt, completion, label} rows for kto, "
+            "{messages}, {prompt, completion} and {text} rows for sft (docs/data.md)."
         ),
     )
     max_pairs: int | None = Field(

@@ -92,7 +92,14 @@ class JudgeConfig(_Section):
     """
 
     name: str = Field("judge", description="Term name (metric reward/<name>, Serve application rlray-judge-<name>).")
-    path: str = Field(..., description="The judge model: a Hugging Face folder, a .gguf file or an alias (as model.path).")
+    path: str = Field(
+        ..., description="The judge model: a Hugging Face folder, a Hub id (org/name), a .gguf file or an alias (as model.path)."
+    )
+    revision: str | None = Field(
+        None,
+        description="The Hub revision (branch, tag or commit hash) of a Hub id in this judge's path; null: the repository's "
+        "default branch. Ignored for folders, .gguf files and aliases.",
+    )
     weight: float = Field(1.0, description="Weight of the judge's score in the summed reward.")
     mode: Literal["pointwise", "group"] = Field(
         "pointwise",

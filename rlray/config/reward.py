@@ -145,8 +145,14 @@ class RewardConfig(_Section):
         None,
         description=(
             "Reward model: a folder written by algo.name=reward_model (its snapshot or the snapshot's model/), "
-            "or any Hugging Face sequence-classification checkpoint with one label; None disables the term."
+            "or any Hugging Face sequence-classification checkpoint with one label (a folder or a Hub id, "
+            "org/name); None disables the term."
         ),
+    )
+    model_revision: str | None = Field(
+        None,
+        description="The Hub revision (branch, tag or commit hash) of a Hub id in reward.model_path; null: the repository's "
+        "default branch. Ignored for folders, .gguf files and aliases.",
     )
     model_weight: float = Field(1.0, description="Weight of the reward-model score (raw head output) in the summed reward.")
 

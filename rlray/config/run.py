@@ -107,10 +107,15 @@ class ModelConfig(_Section):
         None,
         description=(
             "PEFT LoRA adapter folder to continue training (adapter_config.json + adapter_model.safetensors, "
-            "as peft's save_pretrained writes), on the base model.path; its own rank, alpha and targets apply, so "
-            "model.lora.rank must stay 0. Only the adapter trains; the reference (KL) is model.path without it, "
-            "as in TRL. None starts from model.path alone."
+            "as peft's save_pretrained writes) or the Hub id (org/name) of one, on the base model.path; its own "
+            "rank, alpha and targets apply, so model.lora.rank must stay 0. Only the adapter trains; the reference "
+            "(KL) is model.path without it, as in TRL. None starts from model.path alone."
         ),
+    )
+    adapter_revision: str | None = Field(
+        None,
+        description="The Hub revision (branch, tag or commit hash) of a Hub id in model.adapter_path; null: the repository's "
+        "default branch. Ignored for folders, .gguf files and aliases.",
     )
 
 

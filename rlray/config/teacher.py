@@ -28,9 +28,14 @@ class TeacherConfig(_Section):
     path: str | None = Field(
         None,
         description=(
-            "The teacher: a local Hugging Face folder, a .gguf file or an alias (tiny-random@1, "
-            "smollm2-135m-instruct), like model.path; None: no distillation."
+            "The teacher: a local Hugging Face folder, a Hugging Face Hub id (org/name), a .gguf file or an alias "
+            "(tiny-random@1, smollm2-135m-instruct), like model.path; None: no distillation."
         ),
+    )
+    revision: str | None = Field(
+        None,
+        description="The Hub revision (branch, tag or commit hash) of a Hub id in teacher.path; null: the repository's "
+        "default branch. Ignored for folders, .gguf files and aliases.",
     )
     weight: float = Field(
         1.0,

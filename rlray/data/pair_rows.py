@@ -13,6 +13,11 @@ Preference rows (dpo, ipo, kto, orpo, simpo, reward_model; sft trains on their c
 - conversational, implicit prompt: ``{"chosen": [messages], "rejected": [messages]}``; the common leading
   messages are the prompt, and each side must then hold one assistant message.
 
+Unpaired rows (kto only; ``PreferencePair.label`` is the label, ``chosen`` the completion, ``rejected`` None):
+
+- ``{"prompt": str | [messages], "completion": str | [one assistant message], "label": bool}``: true for a
+  desirable completion, false for an undesirable one (TRL's unpaired preference type, as KTOTrainer takes it).
+
 SFT rows (sft only; ``PreferencePair.rejected`` is None):
 
 - ``{"messages": [messages]}``: one record per assistant turn, its prompt the messages before it, so the
@@ -40,24 +45,25 @@ _ROLES = {"Human": "user", "Assistant": "assistant"}
 ACCEPTED_FORMS = (
     "accepted rows: preference {'prompt', 'chosen', 'rejected'} (texts, or a message list and one-assistant-message "
     "lists), {'chosen', 'rejected'} (hh-rlhf dialogues, texts with a common prefix, or message lists with common "
-    "leading messages); for algo.name=sft also {'messages'}, {'prompt', 'completion'} and {'text'}; a message is "
-    "{'role': str, 'content': str}"
+    "leading messages); for algo.name=kto also unpaired {'prompt', 'completion', 'label': true|false}; for "
+    "algo.name=sft also {'messages'}, {'prompt', 'completion'} and {'text'}; a message is {'role': str, 'content': str}"
 )
 
 
 @dataclass(frozen=True)
 class PreferencePair:
-    """One offline record in text form: a preference pair, or (rejected None) an SFT example.
+    """One offline record in text form: a preference pair, an unpaired KTO example (label set) or an SFT example.
 
     Attributes:
         prompt_id: ``"<file stem>:<row index>"`` (0-based), the record's stable id; ``"...:<row>#<k>"`` for the
             k-th (0-based) assistant turn of a multi-turn ``messages`` row.
         messages: the prompt turns as chat messages ({"role": str, "content": str}); empty when ``prompt_text``
             is set.
-        chosen: the preferred completion (an SFT row's completion).
-        rejected: the other completion; None for an SFT row (no preference).
+        chosen: the preferred completion (an SFT row's completion, an unpaired row's completion).
+        rejected: the other completion; None for an SFT or unpaired row.
         prompt_text: the plain-text prompt of a standard row, tokenized as is (no chat template); None when the
             prompt is ``messages``.
+        label: an unpaired KTO row's label (True: desirable, False: undesirable); None for pairs and SFT rows.
     """
 
     prompt_id: str
@@ -65,6 +71,7 @@ class PreferencePair:
     chosen: str
     rejected: str | None
     prompt_text: str | None = None
+    label: bool | None = None
 
 
 def parse_dialogue(text: str) -> tuple[list[dict[str, str]], str]:
@@ -103,28 +110,29 @@ def parse_row(row: dict, where: str, prompt_id: str) -> tuple[list[PreferencePai
     if "messages" in row:
         return _conversation(_messages(row["messages"], where, "messages"), prompt_id)
     if "completion" in row:
-        if "label" in row:
-            raise DataError(f"{where}: unpaired KTO rows ('prompt', 'completion', 'label') are not supported yet; "
-                            f"{ACCEPTED_FORMS}")
         if "prompt" not in row:
             raise DataError(f"{where}: 'completion' needs a 'prompt' (keys {sorted(row)}); {ACCEPTED_FORMS}")
+        label = row.get("label")  # an unpaired KTO row when present
+        if "label" in row and not isinstance(label, bool):
+            raise DataError(f"{where}: 'label' must be true or false (desirable or not), got {label!r:.80}; "
+                            f"{ACCEPTED_FORMS}")
         if isinstance(row["prompt"], str):
             completion = _text(row["completion"], where, "completion")
-            return _record(prompt_id, (), completion, None, row["prompt"])
+            return _record(prompt_id, (), completion, None, row["prompt"], label)
         prompt = _messages(row["prompt"], where, "prompt")
         completion = _assistant(_messages(row["completion"], where, "completion"), where, "completion")
-        return _record(prompt_id, tuple(prompt), completion, None, None)
+        return _record(prompt_id, tuple(prompt), completion, None, None, label)
     if "text" in row:
         return _record(prompt_id, (), _text(row["text"], where, "text"), None, "")
     raise DataError(f"{where}: no known fields (keys {sorted(row)}); {ACCEPTED_FORMS}")
 
 
-def _record(prompt_id, messages, chosen, rejected, prompt_text) -> tuple[list[PreferencePair], str]:
+def _record(prompt_id, messages, chosen, rejected, prompt_text, label=None) -> tuple[list[PreferencePair], str]:
     if not chosen or rejected == "":
         return [], "with an empty response"
     if chosen == rejected:
         return [], "with identical chosen and rejected responses"
-    return [PreferencePair(prompt_id, messages, chosen, rejected, prompt_text)], ""
+    return [PreferencePair(prompt_id, messages, chosen, rejected, prompt_text, label)], ""
 
 
 def _preference(row: dict, where: str, prompt_id: str) -> tuple[PreferencePair | None, str]:

@@ -41,6 +41,7 @@ PAIR_SCHEMA = pa.schema(
         pa.field("chosen_token_ids", pa.list_(pa.int32()), nullable=False),  # chosen response + EOS
         pa.field("rejected_token_ids", pa.list_(pa.int32()), nullable=False),  # rejected response + EOS
         pa.field("kl_token_ids", pa.list_(pa.int32()), nullable=False),  # KTO: the next pair's chosen response
+        pa.field("label", pa.bool_()),  # an unpaired KTO row's label (chosen holds its completion); null for pairs
         pa.field("ref_chosen_logps", pa.float32()),  # reference sum of chosen token logprobs (nats), or null
         pa.field("ref_rejected_logps", pa.float32()),  # reference sum of rejected token logprobs (nats), or null
         pa.field("ref_kl_logps", pa.float32()),  # reference sum over kl_token_ids after this prompt, or null
@@ -49,17 +50,21 @@ PAIR_SCHEMA = pa.schema(
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps", "ref_kl_logps")
 
 
-def load_preference_pairs(files: list[str], *, max_pairs: int | None = None) -> tuple[list[PreferencePair], int]:
-    """Returns (pairs in file order, number of rows skipped) from JSONL files (local or fsspec URIs, .gz fine).
+def load_preference_pairs(
+    files: list[str], *, method: str | None = None, max_pairs: int | None = None
+) -> tuple[list[PreferencePair], int]:
+    """Returns (records in file order, number of rows skipped) from JSONL files (local or fsspec URIs, .gz fine).
 
     Args:
         files: sources (``offline.pairs_files``).
-        max_pairs: stop after this many pairs (``offline.max_pairs``); None reads everything.
+        method: the offline method (``algo.name``): each row's form is checked against it
+            (``require_preferences``); None takes every form.
+        max_pairs: stop after this many records (``offline.max_pairs``); None reads everything.
 
     Raises:
         DataError: no files, an unreadable or empty file, a line that is not UTF-8 or not a JSON object of an
-            accepted form (``rlray.data.pair_rows.parse_row``; each names ``file:line``), or a pair id that
-            appears twice.
+            accepted form (``rlray.data.pair_rows.parse_row``), a row of a form ``method`` does not take, or a
+            pair id that appears twice; each names ``file:line``.
     """
     if not files:
         raise DataError("no preference files given; set offline.pairs_files")
@@ -78,6 +83,8 @@ def load_preference_pairs(files: list[str], *, max_pairs: int | None = None) -> 
                 skipped[reason] += 1
                 continue
             for pair in records:
+                if method is not None:
+                    require_preferences(pair, method, f"{path}:{line}")
                 if pair.prompt_id in seen:
                     raise DataError(
                         f"{path}:{line}: pair id '{pair.prompt_id}' appears twice ({seen[pair.prompt_id]} and {path}); "
@@ -91,19 +98,26 @@ def load_preference_pairs(files: list[str], *, max_pairs: int | None = None) -> 
     return pairs[:max_pairs], sum(skipped.values())
 
 
-def require_preferences(pairs: list[PreferencePair], method: str) -> None:
-    """Checks that every record has a rejected side, unless ``method`` is "sft" (which trains on the chosen side).
+def require_preferences(record: PreferencePair, method: str, where: str) -> None:
+    """Checks that ``method`` takes the form of ``record`` (one parsed row's record).
+
+    Every method takes preference pairs (sft trains on their chosen side); only kto takes unpaired rows
+    (``label`` set); only sft takes SFT rows (``messages``, prompt-completion without a label, ``text``).
+
+    Args:
+        record: a record of ``rlray.data.pair_rows.parse_row``.
+        method: the offline method (``algo.name``).
+        where: ``"file:line"`` of the row, for the error.
 
     Raises:
-        DataError: an SFT-only record (``messages``, prompt-completion or ``text`` row) for a preference method;
-            names the record's ``<file stem>:<row>`` (0-based row) and the accepted forms.
+        DataError: a row of a form ``method`` does not take; names ``where``, the form and the accepted forms.
     """
-    if method == "sft":
-        return
-    for p in pairs:
-        if p.rejected is None:
-            raise DataError(f"row {p.prompt_id} (file stem:0-based row) has no 'rejected' side: it is SFT data, which "
-                            f"only algo.name=sft takes, not {method}; {ACCEPTED_FORMS}")
+    if record.label is not None and method != "kto":
+        raise DataError(f"{where}: an unpaired row ('prompt', 'completion', 'label') has no 'chosen'/'rejected' pair: "
+                        f"only algo.name=kto takes it, not {method}; {ACCEPTED_FORMS}")
+    if record.label is None and record.rejected is None and method != "sft":
+        raise DataError(f"{where}: this row has no 'rejected' side: it is SFT data, which only algo.name=sft takes, "
+                        f"not {method}; {ACCEPTED_FORMS}")
 
 
 def split_pairs(
@@ -132,7 +146,8 @@ def pairs_table(pairs: list[PreferencePair], tokenizer, *, max_prompt_tokens: in
     KTO's mismatched completion of pair i is the chosen response of pair (i + 1) mod N. A message prompt gets
     the chat template with the generation prompt; a plain-text prompt (``prompt_text``) is tokenized as is,
     and an empty one (a ``text`` row) takes the completion's first token, which nothing predicts. An SFT
-    example (rejected None) has an empty rejected response.
+    example (rejected None) and an unpaired KTO example (label set, its completion in the chosen column) have an
+    empty rejected response.
     """
     eos = tokenizer.eos_token_id
     prompts, chosen, rejected = [], [], []
@@ -155,6 +170,7 @@ def pairs_table(pairs: list[PreferencePair], tokenizer, *, max_prompt_tokens: in
         "chosen_token_ids": chosen,
         "rejected_token_ids": rejected,
         "kl_token_ids": [chosen[(i + 1) % n] for i in range(n)],
+        "label": [p.label for p in pairs],
     }
     arrays = [pa.array(columns[f.name], type=f.type) if f.name in columns else pa.nulls(n, f.type) for f in PAIR_SCHEMA]
     return pa.Table.from_arrays(arrays, schema=PAIR_SCHEMA)
@@ -163,8 +179,9 @@ def pairs_table(pairs: list[PreferencePair], tokenizer, *, max_prompt_tokens: in
 def collate_pairs(table: pa.Table, pad_token_id: int, *, with_kl: bool = False) -> PairBatch:
     """Returns the forward layout of P pairs (``schema.PairBatch``): 2P rows, the chosen responses first, then the
     rejected ones (``schema.pack_sequences``), response_mask [2P, T] bool from lengths, and each filled reference
-    column [P] float32. With ``with_kl``, kl_inputs and kl_response_mask hold the same layout for the P
-    (prompt, kl_token_ids) rows.
+    column [P] float32, and the KTO example layout: labels [P] bool (the label of an unpaired row, True for a
+    pair's chosen side) and paired_mask [P] bool (True where the row is a pair, so its rejected row is an example).
+    With ``with_kl``, kl_inputs and kl_response_mask hold the same layout for the P (prompt, kl_token_ids) rows.
     """
     prompts = table.column("prompt_token_ids").to_pylist()
     responses = table.column("chosen_token_ids").to_pylist() + table.column("rejected_token_ids").to_pylist()
@@ -178,4 +195,7 @@ def collate_pairs(table: pa.Table, pad_token_id: int, *, with_kl: bool = False) 
     if with_kl:
         kl_inputs = pack_sequences(prompts, table.column("kl_token_ids").to_pylist(), pad_token_id)
         kl = {"kl_inputs": kl_inputs, "kl_response_mask": response_mask_from_lengths(kl_inputs)}
-    return PairBatch(inputs=inputs, response_mask=response_mask_from_lengths(inputs), **refs, **kl)
+    label = table.column("label").to_pylist()
+    return PairBatch(inputs=inputs, response_mask=response_mask_from_lengths(inputs), **refs, **kl,
+                     labels=torch.tensor([x is not False for x in label]),
+                     paired_mask=torch.tensor([x is None for x in label], dtype=torch.bool))  # fmt: skip

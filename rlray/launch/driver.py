@@ -42,7 +42,7 @@ from rlray.launch.actors import kill_actors, start_env_hosts, start_reference_ac
 from rlray.launch.judges import deploy_judges, judge_apps
 from rlray.launch.monitor_actor import start_monitor
 from rlray.launch.placement import bundle, check_cluster, rollout_nodes
-from rlray.launch.preflight import preflight
+from rlray.launch.preflight import pin_hub_models, preflight
 from rlray.models import load_tokenizer, resolve_model_path
 from rlray.observe.tracking import Tracker, resolve_tracking_uri
 from rlray.plan import resolve_plan
@@ -120,7 +120,8 @@ def init_ray(*, include_dashboard: bool | None = None, log_to_driver: bool = Tru
 
 def resolve_paths(cfg: Config, base: Path | None = None) -> Config:
     """Returns a copy of ``cfg`` with local relative paths made absolute against ``base`` (cwd), and
-    ``model.dtype=auto`` resolved on this machine (``build.compute_dtype``).
+    ``model.dtype=auto`` resolved on this machine (``build.compute_dtype``), and Hub ids of models replaced by their
+    local snapshot folders, fetched once here (``preflight.pin_hub_models``).
 
     Ray workers and jobs can run in another folder than the shell that started the run, so the
     driver pins the MLflow store, the output, snapshot and TensorBoard folders, and local data files once; the
@@ -175,7 +176,7 @@ def resolve_paths(cfg: Config, base: Path | None = None) -> Config:
         target, name = spec.rsplit(":", 1)
         if target.endswith(".py"):
             out.run.hooks[i] = f"{local(target)}:{name}"
-    return out
+    return pin_hub_models(out)
 
 
 def max_model_len(cfg: Config) -> int:

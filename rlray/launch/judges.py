@@ -55,7 +55,7 @@ def check_judges(cfg: Config, rows: list[PromptRow]) -> None:
     for i, judge in enumerate(cfg.reward.judges):
         key = f"reward.judges[{i}]"
         try:
-            resolve_model_path(judge.path)
+            resolve_model_path(judge.path, revision=judge.revision, key=f"{key}.path")
         except ModelError as err:
             raise ModelError(str(err).replace("model.path=", f"{key}.path=", 1)) from err
         for field, text in (("template", judge.judge_template), ("system_prompt", judge.system_prompt),

@@ -170,8 +170,9 @@ def read_models(cfg: Config) -> Models:
     policy = mem.read_model_shape(resolve_model_path(cfg.model.path, revision=cfg.model.revision))
     critic = None
     if cfg.algo.algorithm.needs_critic:
-        critic = mem.read_model_shape(resolve_model_path(cfg.critic.model_path)) if cfg.critic.model_path else policy
-    teacher = mem.read_model_shape(resolve_model_path(cfg.teacher.path)) if cfg.teacher.enabled else None
+        critic = (mem.read_model_shape(resolve_model_path(cfg.critic.model_path, revision=cfg.critic.model_revision))
+                  if cfg.critic.model_path else policy)  # fmt: skip
+    teacher = mem.read_model_shape(resolve_model_path(cfg.teacher.path, revision=cfg.teacher.revision)) if cfg.teacher.enabled else None
     reward = None
     if cfg.reward.model_path is not None:
         folder = next((p for p in (Path(cfg.reward.model_path), Path(cfg.reward.model_path) / "model")

@@ -43,7 +43,7 @@ from rlray.data import DataError, load_preference_pairs, load_prompt_rows, prepa
 from rlray.launch.envcheck import check_environments, check_reward_columns
 from rlray.launch.judges import check_judges
 from rlray.launch.plan import check_fit
-from rlray.models import ModelError, cpu_supports_bf16, load_tokenizer, resolve_model_path, vocabulary
+from rlray.models import ModelError, cpu_supports_bf16, hub_local_path, load_tokenizer, resolve_model_path, vocabulary
 from rlray.models.adapters import check_adapter
 from rlray.plan import resolve_plan
 from rlray.reward.scorer import RewardFunctionError
@@ -83,6 +83,41 @@ def preflight(cfg: Config) -> str:
         raise PreflightError(str(err)) from err
 
 
+def pin_hub_models(cfg: Config) -> Config:
+    """Returns ``cfg`` with every Hugging Face Hub id that names a model replaced by its local snapshot folder.
+
+    The keys: ``model.path`` and ``model.adapter_path``, ``teacher.path``, ``reward.model_path``,
+    ``critic.model_path`` and each ``reward.judges[i].path``, each with its own revision key (``model.revision``,
+    ``model.adapter_revision``, ``teacher.revision``, ``reward.model_revision``, ``critic.model_revision``,
+    ``reward.judges[i].revision``). The driver calls it once (``rlray.launch.driver.resolve_paths``): the
+    weights are fetched there, or found in the Hugging Face cache (``HF_HUB_OFFLINE=1``: only there), and
+    every actor and worker then reads the same local folder (on a cluster of several machines, put the
+    Hugging Face cache (``HF_HUB_CACHE``) on storage they share). Each replacement is logged; folders, .gguf
+    files and aliases are left as they are, and the revision keys are kept (MLflow's params show them).
+
+    Raises:
+        rlray.models.ModelError: a Hub id cannot be had: unknown, private or gated without a token, a revision that
+            does not exist, offline without the files in the cache (names the key, ``hub_snapshot``).
+    """
+    out = cfg.model_copy(deep=True)
+
+    def pin(path: str | None, revision: str | None, key: str, adapter: bool = False) -> str | None:
+        local = path if path is None else hub_local_path(path, revision=revision, key=key, adapter=adapter)
+        if local != path:
+            log.info("%s='%s'%s: the Hugging Face snapshot %s", key, path, f" (revision '{revision}')" if revision else "",
+                     local)
+        return local
+
+    out.model.path = pin(cfg.model.path, cfg.model.revision, "model.path")
+    out.model.adapter_path = pin(cfg.model.adapter_path, cfg.model.adapter_revision, "model.adapter_path", adapter=True)
+    out.teacher.path = pin(cfg.teacher.path, cfg.teacher.revision, "teacher.path")
+    out.reward.model_path = pin(cfg.reward.model_path, cfg.reward.model_revision, "reward.model_path")
+    out.critic.model_path = pin(cfg.critic.model_path, cfg.critic.model_revision, "critic.model_path")
+    for i, judge in enumerate(out.reward.judges):
+        judge.path = pin(judge.path, judge.revision, f"reward.judges[{i}].path")
+    return out
+
+
 def check_inputs(cfg: Config) -> str:
     """Returns the resolved local model folder of ``model.path`` after the checks of ``preflight`` (which words its
     other ``ValueError`` s as ``PreflightError``; the roles checked are the run plan's, ``rlray.plan``)."""
@@ -93,7 +128,7 @@ def check_inputs(cfg: Config) -> str:
     if cfg.model.adapter_path is not None:
         check_adapter(cfg.model.adapter_path, model_dir)
     if roles.teacher != "off":
-        check_teacher(cfg.teacher.path, cfg.model.path, model_dir)
+        check_teacher(cfg.teacher.path, cfg.model.path, model_dir, teacher_revision=cfg.teacher.revision)
     if cfg.model.dtype == "bfloat16" and not plan.uses_gpus and not cpu_supports_bf16():
         log.warning("model.dtype=bfloat16 on a CPU without native bf16 (no AVX-512 BF16 or AMX): torch emulates it, "
                     "~40x slower than float32 for matmuls; set model.dtype=auto or float32")
@@ -123,32 +158,33 @@ def check_inputs(cfg: Config) -> str:
         check_reward_columns(cfg, sorted({c for row in rows + eval_rows for c in row.columns}))
         check_environments(cfg, rows, eval_rows)
         if roles.critic and cfg.critic.model_path:
-            resolve_model_path(cfg.critic.model_path)
+            resolve_model_path(cfg.critic.model_path, revision=cfg.critic.model_revision, key="critic.model_path")
     else:
-        load_preference_pairs(cfg.offline.pairs_files, max_pairs=cfg.offline.max_pairs)
+        load_preference_pairs(cfg.offline.pairs_files, method=cfg.algo.name, max_pairs=cfg.offline.max_pairs)
     for warning in check_fit(cfg):
         log.warning("predicted memory: %s; `rlray plan` shows every term and what to change", warning)
     checkpoint.check_storage(cfg.checkpoint_uri, cfg.checkpoint.s3.storage_options())
     return model_dir
 
 
-def check_teacher(teacher_path: str, student_path: str, student_dir: str) -> str:
+def check_teacher(teacher_path: str, student_path: str, student_dir: str, *, teacher_revision: str | None = None) -> str:
     """Returns the teacher's resolved local folder after checking that its vocabulary is the student's.
 
     Both the logits' size (config ``vocab_size``, which the JSD compares position by position) and the
     tokenizers' token-to-id maps (the teacher scores the student's token ids) must match.
 
     Args:
-        teacher_path: ``teacher.path`` as configured (a folder, .gguf file or alias).
+        teacher_path: ``teacher.path`` as configured (a folder, Hub id, .gguf file or alias).
         student_path: ``model.path`` as configured (for the message).
         student_dir: the student's resolved folder.
+        teacher_revision: ``teacher.revision``, the Hub revision of a Hub id.
 
     Raises:
         rlray.models.ModelError: the teacher cannot be resolved, or its vocabulary differs (names both models and
             both vocabulary sizes).
     """
     try:
-        teacher_dir = resolve_model_path(teacher_path)
+        teacher_dir = resolve_model_path(teacher_path, revision=teacher_revision, key="teacher.path")
     except ModelError as err:
         raise ModelError(str(err).replace("model.path=", "teacher.path=", 1)) from err  # the alias rules are model.path's
     (teacher_size, teacher_tokens), (student_size, student_tokens) = vocabulary(teacher_dir), vocabulary(student_dir)

@@ -27,7 +27,7 @@ from rlray.learner.logprobs import response_logprobs
 from rlray.models.heads import sequence_scores
 from rlray.schema import PairBatch
 
-PAIR_STAT_KEYS = ("pairs", "correct", "margin_sum", "chosen_reward_sum", "rejected_reward_sum")
+PAIR_STAT_KEYS = ("pairs", "correct", "chosen_count", "chosen_reward_sum", "rejected_count", "rejected_reward_sum")
 
 
 @dataclass(frozen=True)
@@ -57,8 +57,10 @@ class PairNormaliser:
     """Global counts of one step's pairs (all micro-batches, all ranks) and KTO's reference point.
 
     Attributes:
-        num_pairs: pairs in the step.
+        num_pairs: pairs in the step (table rows).
         num_chosen_tokens: chosen-response tokens in the step (the NLL denominator of sft and orpo).
+        num_examples: KTO's examples in the step (the loss denominator): two per pair, one per unpaired row;
+            0 means 2 * num_pairs.
         world_size: data-parallel ranks (DDP averages gradients; shares are scaled by it).
         kl_estimate: KTO's z_ref in nats (``algos.kto_kl_estimate`` over the step), 0 otherwise.
     """
@@ -67,6 +69,7 @@ class PairNormaliser:
     num_chosen_tokens: float
     world_size: int = 1
     kl_estimate: float = 0.0
+    num_examples: float = 0.0
 
 
 Objective = Callable[[Tensor, PairBatch, PreferenceSpec, PairNormaliser], tuple[Tensor, dict[str, Tensor]]]
@@ -97,8 +100,9 @@ def _stats(chosen_rewards: Tensor, rejected_rewards: Tensor) -> dict[str, Tensor
     return {
         "pairs": torch.tensor(float(c.numel())),
         "correct": (c > r).float().sum(),
-        "margin_sum": (c - r).sum(),
+        "chosen_count": torch.tensor(float(c.numel())),
         "chosen_reward_sum": c.sum(),
+        "rejected_count": torch.tensor(float(r.numel())),
         "rejected_reward_sum": r.sum(),
     }
 
@@ -134,11 +138,17 @@ def ipo(logprobs: Tensor, mb: PairBatch, spec: PreferenceSpec, norm: PairNormali
 
 
 def kto(logprobs: Tensor, mb: PairBatch, spec: PreferenceSpec, norm: PairNormaliser):
-    """Returns (loss share, stats) of KTO over 2P unpaired examples (chosen desirable, rejected not), mean over 2P."""
+    """Returns (loss share, stats) of KTO over the micro-batch's examples, mean over the step's examples.
+
+    A pair gives two examples (its chosen row desirable, its rejected row undesirable); an unpaired row one,
+    its chosen row labelled by ``mb.labels`` (its empty rejected row counts nowhere). The stats' pairwise
+    accuracy covers the pairs only; the chosen and rejected rewards are means over the desirable and the
+    undesirable examples (TRL KTOTrainer's rewards/chosen and rewards/rejected).
+    """
     logps = algos.sequence_logps(logprobs, mb.response_mask)
     ref = torch.cat([mb.ref_chosen_logps, mb.ref_rejected_logps])
-    p = logps.shape[0] // 2
-    desirable = torch.arange(2 * p) < p
+    desirable = torch.cat([mb.labels, torch.zeros_like(mb.labels)])
+    example = torch.cat([torch.ones_like(mb.paired_mask), mb.paired_mask])
     losses = algos.kto_loss(
         logps,
         ref,
@@ -148,8 +158,15 @@ def kto(logprobs: Tensor, mb: PairBatch, spec: PreferenceSpec, norm: PairNormali
         desirable_weight=spec.kto_desirable_weight,
         undesirable_weight=spec.kto_undesirable_weight,
     )
-    rewards = spec.beta * (logps - ref)
-    return _mean_over_step(losses, 2 * norm.num_pairs, norm), _stats(*_halves(rewards))
+    count = norm.num_examples or 2 * norm.num_pairs
+    loss = _mean_over_step(torch.where(example, losses, torch.zeros_like(losses)), count, norm)
+    rewards = (spec.beta * (logps - ref)).detach().float()
+    c, r = _halves(rewards)
+    stats = _stats(c[mb.paired_mask], r[mb.paired_mask])
+    good, bad = desirable & example, ~desirable & example
+    stats.update(chosen_count=good.float().sum(), chosen_reward_sum=rewards[good].sum(),
+                 rejected_count=bad.float().sum(), rejected_reward_sum=rewards[bad].sum())  # fmt: skip
+    return loss, stats
 
 
 def orpo(logprobs: Tensor, mb: PairBatch, spec: PreferenceSpec, norm: PairNormaliser):

@@ -117,7 +117,28 @@ def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
 
 
-def hub_snapshot(repo_id: str, *, revision: str | None = None, key: str = "model.path") -> Path:
+def hub_local_path(path: str, *, revision: str | None = None, key: str = "model.path", adapter: bool = False) -> str:
+    """Returns ``path`` unchanged, or, when it is a Hub id (``org/name`` that is not an existing local path), the
+    local folder of its snapshot (``hub_snapshot``).
+
+    The driver calls it once per configured model (``rlray.launch.preflight.pin_hub_models``), so every actor
+    and worker reads the same local snapshot and none downloads it again.
+
+    Args:
+        path: a config value naming a model: a folder, .gguf file, alias or Hub id.
+        revision: the Hub revision of a Hub id (branch, tag or commit); None: the default branch.
+        key: the config key that holds ``path``, named in errors.
+        adapter: the id names a PEFT adapter (adapter_config.json instead of config.json).
+
+    Raises:
+        ModelError: the Hub id cannot be had (``hub_snapshot``).
+    """
+    if not HUB_ID.fullmatch(path) or Path(path).expanduser().exists() or path.endswith(".gguf"):
+        return path
+    return str(hub_snapshot(path, revision=revision, key=key, adapter=adapter))
+
+
+def hub_snapshot(repo_id: str, *, revision: str | None = None, key: str = "model.path", adapter: bool = False) -> Path:
     """Returns the local folder of ``repo_id``'s snapshot in the Hugging Face cache, downloading what is missing.
 
     ``huggingface_hub.snapshot_download`` with the config, safetensors weights and tokenizer files only
@@ -129,11 +150,12 @@ def hub_snapshot(repo_id: str, *, revision: str | None = None, key: str = "model
         repo_id: ``org/name``.
         revision: branch, tag or commit; None: the default branch.
         key: the config key that named the model, for errors.
+        adapter: the repository holds a PEFT adapter: its snapshot needs adapter_config.json, not config.json.
 
     Raises:
         ModelError: the id is unknown or private without a token, gated, the revision does not exist, offline
             mode is on and the snapshot is not in the cache, the Hub cannot be reached and nothing is cached, or
-            the snapshot has no config.json or no safetensors weights.
+            the snapshot has no config.json (adapter_config.json for an adapter) or no safetensors weights.
     """
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub import errors as hub
@@ -161,7 +183,9 @@ def hub_snapshot(repo_id: str, *, revision: str | None = None, key: str = "model
         raise ModelError(f"{where}: the Hugging Face Hub could not be reached and the model is not in the cache "
                          f"({constants.HF_HUB_CACHE}); check the network or proxy, or fetch it where the Hub is "
                          f"reachable and copy the cache") from e
-    if not (folder / "config.json").is_file():
+    if adapter and not (folder / "adapter_config.json").is_file():
+        raise ModelError(f"{where}: the snapshot has no adapter_config.json, so it is not a PEFT adapter")
+    if not adapter and not (folder / "config.json").is_file():
         raise ModelError(f"{where}: the snapshot has no config.json, so it is not a transformers model")
     if not any(folder.glob("*.safetensors")):
         raise ModelError(f"{where}: the snapshot has no *.safetensors weights (rlray loads weights through "

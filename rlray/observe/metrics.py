@@ -207,10 +207,11 @@ _STEP_METRICS: tuple[Metric, ...] = (
     Metric("learner/critic_grad_norm", "L2 norm", "critic gradient norm before clipping, mean over the optimizer steps"),
     Metric("algo/value_clip_fraction", "fraction", "response tokens whose value prediction was clipped"),
     # offline methods: (implicit) rewards of chosen and rejected responses
-    Metric("algo/pairwise_accuracy", "fraction", "pairs whose chosen response gets the higher (implicit) reward"),
-    Metric("algo/reward_margin", "reward", "mean chosen minus rejected (implicit) reward of the step's pairs"),
-    Metric("algo/chosen_reward", "reward", "mean (implicit) reward of the chosen responses"),
-    Metric("algo/rejected_reward", "reward", "mean (implicit) reward of the rejected responses"),
+    Metric("algo/pairwise_accuracy", "fraction", "pairs whose chosen response gets the higher (implicit) reward "
+           "(not logged for unpaired KTO rows alone)"),
+    Metric("algo/reward_margin", "reward", "mean chosen minus mean rejected (implicit) reward of the step"),
+    Metric("algo/chosen_reward", "reward", "mean (implicit) reward of the chosen responses (KTO: desirable examples)"),
+    Metric("algo/rejected_reward", "reward", "mean (implicit) reward of the rejected responses (KTO: undesirable examples)"),
     Metric("algo/kto_kl", "nats", "KTO's reference point: clamped mean policy-reference logprob gap of mismatched pairs"),
     Metric("data/train_pairs", "count", "preference pairs trained on (logged at start)"),
     Metric("data/eval_pairs", "count", "preference pairs held out for evaluation (logged at start)"),
@@ -246,8 +247,9 @@ _EVAL_METRICS: tuple[Metric, ...] = (
     Metric("eval/num_problems", "count", "evaluation prompts"),
     Metric("eval/response_tokens_mean", "tokens", "mean response length at evaluation"),
     Metric("eval/loss", "loss", "offline: the objective's loss on the held-out pairs"),
-    Metric("eval/pairwise_accuracy", "fraction", "held-out pairs whose chosen response gets the higher reward"),
-    Metric("eval/reward_margin", "reward", "mean chosen minus rejected reward of the held-out pairs"),
+    Metric("eval/pairwise_accuracy", "fraction", "held-out pairs whose chosen response gets the higher reward "
+           "(not logged for unpaired KTO rows alone)"),
+    Metric("eval/reward_margin", "reward", "mean chosen minus mean rejected reward of the held-out records"),
     Metric("eval/chosen_reward", "reward", "mean reward of the held-out chosen responses"),
     Metric("eval/rejected_reward", "reward", "mean reward of the held-out rejected responses"),
     Metric("eval/env_success", "fraction", "evaluation episodes with a positive environment reward and no failure"),

@@ -82,7 +82,8 @@ def learner_kwargs(cfg: Config, world: int, *, with_reference: bool = True, teac
 def ppo_critic(cfg: Config, model_dir: str, parallel: Any) -> PolicyLearner:
     """Returns PPO's critic learner: a value head on ``critic.model_path`` (resolved), or on the policy checkpoint,
     under the policy learner's parallelism strategy (``learner_kwargs``' ``parallel``)."""
-    path = resolve_model_path(cfg.critic.model_path) if cfg.critic.model_path else model_dir
+    path = (resolve_model_path(cfg.critic.model_path, revision=cfg.critic.model_revision, key="critic.model_path")
+            if cfg.critic.model_path else model_dir)  # fmt: skip
     return build_critic(path, dtype=compute_dtype(cfg), lr=cfg.critic.lr, max_grad_norm=cfg.critic.max_grad_norm, parallel=parallel)
 
 
@@ -183,7 +184,7 @@ def judge_specs(cfg: Config) -> list[JudgeSpec]:
     res = cfg.resources.judge
     return [
         JudgeSpec(
-            name=j.name, mode=j.mode, model_path=resolve_model_path(j.path), template=j.judge_template,
+            name=j.name, mode=j.mode, model_path=resolve_model_path(j.path, revision=j.revision), template=j.judge_template,
             pattern=j.score_pattern, system_prompt=j.system_prompt, prefill=j.prefill,
             labels=tuple(j.parse.labels.items()), min_score=j.parse.min_score, max_score=j.parse.max_score,
             match=j.parse.match, logprobs=j.logprobs, max_new_tokens=j.max_new_tokens, temperature=j.temperature,

@@ -28,7 +28,7 @@ import torch
 from rlray import algos, schema
 from rlray.config import Config
 from rlray.data import PromptStream
-from rlray.data.pairs import collate_pairs, load_preference_pairs, pairs_table, require_preferences, split_pairs
+from rlray.data.pairs import collate_pairs, load_preference_pairs, pairs_table, split_pairs
 from rlray.learner import PolicyLearner, autocast_context
 from rlray.learner.batching import MicroBatching
 from rlray.learner.collective import Collective
@@ -99,9 +99,11 @@ class OfflineRun(RunContext):
         return metrics
 
     def progress_text(self, steps_done: int, metrics: dict[str, float]) -> str:
-        """Returns 'rlray <method> step k/N loss=... acc=...'."""
-        return (f"rlray {self.method} step {steps_done}/{self.cfg.run.max_steps} "
-                f"loss={metrics['learner/loss']:.4f} acc={metrics['algo/pairwise_accuracy']:.2f}")
+        """Returns 'rlray <method> step k/N loss=... acc=...' (margin=... for unpaired KTO rows, which have no accuracy)."""
+        text = f"rlray {self.method} step {steps_done}/{self.cfg.run.max_steps} loss={metrics['learner/loss']:.4f}"
+        if "algo/pairwise_accuracy" in metrics:
+            return f"{text} acc={metrics['algo/pairwise_accuracy']:.2f}"
+        return f"{text} margin={metrics['algo/reward_margin']:.3f}"
 
     def data_epoch(self) -> int:
         """Returns the pair cursor's epoch (every rank walks the same one)."""
@@ -178,8 +180,7 @@ def setup(cfg: Config, coll: Collective, *, model_dir: str, run_id: str | None) 
     tokenizer = load_tokenizer(model_dir, cfg.model.chat_template)
     learner = build_learner(cfg, model_dir, coll.world)
     off = cfg.offline
-    pairs, skipped = load_preference_pairs(off.pairs_files, max_pairs=off.max_pairs)
-    require_preferences(pairs, cfg.algo.name)  # SFT rows (no rejected side) only for sft
+    pairs, skipped = load_preference_pairs(off.pairs_files, method=cfg.algo.name, max_pairs=off.max_pairs)
     train_rows, eval_rows = split_pairs(pairs, eval_fraction=off.eval_fraction, seed=cfg.run.seed)
     sizes = dict(max_prompt_tokens=off.max_prompt_tokens, max_response_tokens=off.max_response_tokens)
     train_tab, eval_tab = pairs_table(train_rows, tokenizer, **sizes), pairs_table(eval_rows, tokenizer, **sizes)
@@ -246,7 +247,8 @@ def _my_share(ctx: OfflineRun, table: pa.Table) -> pa.Table:
 
 def _normaliser(ctx: OfflineRun, table: pa.Table, world: int, kl_estimate: float) -> PairNormaliser:
     chosen_tokens = sum(len(r) for r in table.column("chosen_token_ids").to_pylist())
-    return PairNormaliser(float(table.num_rows), float(chosen_tokens), world, kl_estimate)
+    examples = 2 * table.num_rows - (table.num_rows - table.column("label").null_count)  # KTO: one per unpaired row
+    return PairNormaliser(float(table.num_rows), float(chosen_tokens), world, kl_estimate, float(examples))
 
 
 def update(ctx: OfflineRun, table: pa.Table) -> dict[str, float]:
@@ -275,17 +277,20 @@ def update(ctx: OfflineRun, table: pa.Table) -> dict[str, float]:
     return metrics
 
 
-_SUM_KEYS = ("loss", "pairs", "correct", "margin_sum", "chosen_reward_sum", "rejected_reward_sum")
+_SUM_KEYS = ("loss", "pairs", "correct", "chosen_count", "chosen_reward_sum", "rejected_count", "rejected_reward_sum")
 
 
 def _pair_metrics(summed: dict[str, float], section: str) -> dict[str, float]:
-    n = max(summed["pairs"], 1.0)
-    return {
-        f"{section}/pairwise_accuracy": summed["correct"] / n,
-        f"{section}/reward_margin": summed["margin_sum"] / n,
-        f"{section}/chosen_reward": summed["chosen_reward_sum"] / n,
-        f"{section}/rejected_reward": summed["rejected_reward_sum"] / n,
-    }
+    """Returns the reward means; the accuracy only when the step has pairs (not for unpaired KTO rows alone).
+    The margin is the chosen mean minus the rejected mean (over pairs: the mean pair margin; TRL KTO's
+    rewards/margins)."""
+    chosen = summed["chosen_reward_sum"] / max(summed["chosen_count"], 1.0)
+    rejected = summed["rejected_reward_sum"] / max(summed["rejected_count"], 1.0)
+    metrics = {f"{section}/reward_margin": chosen - rejected, f"{section}/chosen_reward": chosen,
+               f"{section}/rejected_reward": rejected}  # fmt: skip
+    if summed["pairs"]:
+        metrics[f"{section}/pairwise_accuracy"] = summed["correct"] / summed["pairs"]
+    return metrics
 
 
 @torch.no_grad()

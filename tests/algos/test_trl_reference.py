@@ -505,6 +505,62 @@ def test_kto_matches_trl_compute_loss(gen):
     torch.testing.assert_close(grad, trl_grad, atol=ATOL, rtol=0)
 
 
+def test_kto_objective_on_unpaired_and_paired_rows_matches_trl(gen):
+    """rlray's KTO objective (rlray.learner.preference.kto) on a micro-batch of 2 pairs and 3 unpaired rows equals
+    KTOTrainer._compute_loss on the same 7 examples as TRL lays them out (unpair_preference_dataset: a pair is a
+    desirable and an undesirable example), values and gradients."""
+    from rlray.learner.preference import PAIR_OBJECTIVES, PairNormaliser, PreferenceSpec
+    from tests.learner.batches import pair_batch
+
+    rows, t = 5, 4  # table rows: 0-1 pairs, 2-4 unpaired (labels True, False, False)
+    lengths = torch.tensor([2, 4, 3, 1, 4, 3, 2, 0, 0, 0])  # 2P = 10 rows; unpaired rows have no rejected side
+    mask = torch.arange(t)[None, :] < lengths[:, None]
+    lp = torch.where(mask, -torch.rand(2 * rows, t, generator=gen) * 2, torch.full((2 * rows, t), 100.0))
+    lp.requires_grad_(True)
+    ref_chosen, ref_rejected = -torch.rand(rows, generator=gen) * 6, -torch.rand(rows, generator=gen) * 6
+    ref_rejected[2:] = 0.0  # what the reference pass stores for an empty response
+    kl_token_lp = -torch.rand(rows, t, generator=gen) * 2
+    ref_kl = kl_token_lp.sum(-1) - 0.5 + torch.rand(rows, generator=gen)
+    labels = torch.tensor([True, True, True, False, False])
+    paired = torch.tensor([True, True, False, False, False])
+    mb = pair_batch(mask, ref_chosen_logps=ref_chosen, ref_rejected_logps=ref_rejected, labels=labels, paired_mask=paired)
+    z = float(kto_kl_estimate(kl_token_lp.sum(-1), ref_kl))
+    assert z > 0  # the KL term is exercised
+    norm = PairNormaliser(num_pairs=rows, num_chosen_tokens=0.0, kl_estimate=z, num_examples=7)
+    spec = PreferenceSpec(beta=0.3, kto_desirable_weight=1.0, kto_undesirable_weight=1.5)
+    loss, stats = PAIR_OBJECTIVES["kto"](lp, mb, spec, norm)
+    (grad,) = torch.autograd.grad(loss, lp)
+
+    examples = [0, 1, 2, 3, 4, 5, 6]  # every chosen row, then the pairs' rejected rows
+    token_lp = torch.where(mask, lp, torch.zeros_like(lp))[examples]  # TRL's labels -100 give 0 outside completions
+    kl_ids = torch.ones(rows, t + 1, dtype=torch.long)
+    stub = _trainer_stub(calculate_KL=True, precompute_ref_logps=True, loss_type="kto", beta=0.3,
+                         desirable_weight=1.0, undesirable_weight=1.5)  # fmt: skip
+    stub._compute_kl_logps = types.MethodType(KTOTrainer._compute_kl_logps, stub)
+    n = len(examples)
+    batch = {
+        "input_ids": torch.zeros(n, t + 1, dtype=torch.long),
+        "attention_mask": torch.ones(n, t + 1),
+        "completion_mask": torch.ones(n, t + 1),
+        "KL_input_ids": kl_ids,
+        "KL_attention_mask": torch.ones(rows, t + 1),
+        "KL_completion_mask": torch.ones(rows, t + 1),
+        "label": torch.tensor([True, True, True, False, False, False, False]),
+        "ref_logps": torch.cat([ref_chosen, ref_rejected[:2]]),
+        "ref_KL_logps": ref_kl,
+    }
+    trl_loss = KTOTrainer._compute_loss(
+        stub, lambda **kw: _fake_lm_output(kl_token_lp if kw["input_ids"] is kl_ids else token_lp), batch,
+        return_outputs=False,
+    )
+    (trl_grad,) = torch.autograd.grad(trl_loss, lp)
+    torch.testing.assert_close(loss.detach(), trl_loss.detach(), atol=ATOL, rtol=0)
+    torch.testing.assert_close(grad, trl_grad, atol=ATOL, rtol=0)
+    assert grad[7:].abs().sum() == 0  # the unpaired rows' empty rejected rows count nowhere
+    # 3 desirable examples (rows 0-2), 4 undesirable (rows 3-4 unpaired, the 2 pairs' rejected); accuracy over the pairs
+    assert (stats["chosen_count"].item(), stats["rejected_count"].item(), stats["pairs"].item()) == (3.0, 4.0, 2.0)
+
+
 # --------------------------------------------------------------------------------------------
 # Reward model (Bradley-Terry): RewardTrainer.compute_loss
 # --------------------------------------------------------------------------------------------

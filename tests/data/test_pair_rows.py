@@ -21,8 +21,8 @@ def _write(path, rows):
     return str(path)
 
 
-def _load(tmp_path, rows, name="r.jsonl.gz"):
-    return load_preference_pairs([_write(tmp_path / name, rows)])
+def _load(tmp_path, rows, name="r.jsonl.gz", method=None):
+    return load_preference_pairs([_write(tmp_path / name, rows)], method=method)
 
 
 def _ids(tok, text):
@@ -45,7 +45,9 @@ def test_preference_forms_split_prompt_and_responses(tmp_path):
         PreferencePair("r:3", tuple(SKY), "It is blue.", "It is green."),
         PreferencePair("r:4", tuple(SKY), "It is blue.", "It is green."),
     ]
-    require_preferences(pairs, "dpo")
+    for method in ("dpo", "ipo", "kto", "orpo", "simpo", "reward_model", "sft"):
+        for pair in pairs:
+            require_preferences(pair, method, "r.jsonl.gz:1")
 
 
 def test_sft_forms(tmp_path):
@@ -68,10 +70,41 @@ def test_sft_forms(tmp_path):
         PreferencePair("r:3", tuple(SKY), "It is blue.", None),
         PreferencePair("r:4", (), "The sky is blue.", None, ""),
     ]
-    require_preferences(pairs, "sft")
-    with pytest.raises(DataError, match=r"row r:0#0 .* has no 'rejected' side: it is SFT data, which only algo.name=sft "
-                                        r"takes, not dpo; accepted rows: preference"):
-        require_preferences(pairs, "dpo")
+    assert _load(tmp_path, [{"messages": chat}], name="s.jsonl.gz", method="sft")[0] == [
+        PreferencePair("s:0#0", tuple(chat[:2]), "It is blue.", None), PreferencePair("s:0#1", tuple(chat[:4]), "Green.", None)
+    ]  # fmt: skip
+    for method in ("dpo", "kto"):  # the first SFT row is the error, named by file and 1-based line
+        with pytest.raises(DataError, match=r"t.jsonl.gz:2: this row has no 'rejected' side: it is SFT data, which only "
+                                            rf"algo.name=sft takes, not {method}; accepted rows: preference"):
+            _load(tmp_path, [{"prompt": "Q", "chosen": "a", "rejected": "b"}, {"text": "x"}], name="t.jsonl.gz", method=method)
+
+
+def test_unpaired_kto_rows(tmp_path, tiny_tokenizer):
+    """TRL's unpaired preference type, standard and conversational, for kto; pairs may share the files."""
+    rows = [
+        {"prompt": "The sky is", "completion": " blue.", "label": True},  # standard
+        {"prompt": SKY, "completion": [GREEN], "label": False},  # conversational
+        {"prompt": "Q", "completion": "", "label": True},  # empty completion: a counted skip
+        {"prompt": "The sky is", "chosen": " blue.", "rejected": " green."},  # a pair: two examples
+    ]
+    pairs, skipped = _load(tmp_path, rows, method="kto")
+    assert skipped == 1
+    assert pairs == [
+        PreferencePair("r:0", (), " blue.", None, "The sky is", True),
+        PreferencePair("r:1", tuple(SKY), "It is green.", None, None, False),
+        PreferencePair("r:3", (), " blue.", " green.", "The sky is"),
+    ]
+    table = pairs_table(pairs, tiny_tokenizer, max_prompt_tokens=100, max_response_tokens=100)
+    assert table.column("label").to_pylist() == [True, False, None]
+    assert table.column("rejected_token_ids").to_pylist()[:2] == [[], []]
+    assert table.column("chosen_token_ids").to_pylist()[1] == _ids(tiny_tokenizer, "It is green.") + [tiny_tokenizer.eos_token_id]
+    batch = collate_pairs(table, tiny_tokenizer.pad_token_id)
+    # examples: chosen rows 0 (desirable), 1 (undesirable), 2 (desirable, a pair's) and the pair's rejected row 5
+    assert batch.labels.tolist() == [True, False, True] and batch.paired_mask.tolist() == [False, False, True]
+    for method in ("dpo", "sft", "reward_model"):
+        with pytest.raises(DataError, match=r"r.jsonl.gz:1: an unpaired row \('prompt', 'completion', 'label'\) has no "
+                                            rf"'chosen'/'rejected' pair: only algo.name=kto takes it, not {method}"):
+            _load(tmp_path, rows, method=method)
 
 
 def test_token_ids_of_each_form(tmp_path, tiny_tokenizer):
@@ -126,7 +159,9 @@ def test_skipped_rows_are_counted(tmp_path):
         ({"chosen": SKY + [BLUE, *SKY], "rejected": SKY + [GREEN]}, r":2: 'chosen' must hold exactly one assistant"),
         ({"messages": "hi"}, r":2: 'messages' must be a string or a non-empty list of messages, got str"),
         ({"completion": "x"}, r":2: 'completion' needs a 'prompt'"),
-        ({"prompt": "Q", "completion": "x", "label": True}, r":2: unpaired KTO rows .* are not supported yet"),
+        ({"prompt": "Q", "completion": "x", "label": 1}, r":2: 'label' must be true or false \(desirable or not\), got 1"),
+        ({"prompt": "Q", "completion": "x", "label": "yes"}, r":2: 'label' must be true or false"),
+        ({"prompt": SKY, "completion": [BLUE, GREEN], "label": True}, r":2: 'completion' must hold exactly one assistant"),
         ({"prompt": "Q", "completion": [BLUE]}, r":2: 'completion' must be a string here, got list"),
         ({"text": 3}, r":2: 'text' must be a string here, got int 3"),
         ({"question": "Q"}, r":2: no known fields \(keys \['question'\]\)"),
@@ -144,26 +179,35 @@ def test_hh_rlhf_table_is_unchanged(hh_rlhf_dir, tiny_tokenizer):
     table = pairs_table(pairs, tiny_tokenizer, max_prompt_tokens=256, max_response_tokens=128)
     digest = hashlib.sha256()
     for name in table.column_names:
-        digest.update(repr(table.column(name).to_pylist()).encode())
+        if name != "label":  # the unpaired KTO label, added later: null for every pair
+            digest.update(repr(table.column(name).to_pylist()).encode())
+    assert table.column("label").null_count == table.num_rows
     assert (len(pairs), skipped) == (2303, 9)
     assert digest.hexdigest() == "df20702fddf8108dc7b8915eb64725d37e6a80423e203a242b7e5c740d5c0000"
 
 
 def test_the_documented_rows_load_as_documented(tmp_path):
-    """docs/prompts-and-rewards.md "Preference and SFT data": its two JSON blocks load without a skip."""
+    """docs/data.md "Offline data": its three JSON blocks (preference, unpaired, SFT rows) load without a skip, each
+    for the methods the page says take it."""
     from pathlib import Path
 
-    page = (Path(__file__).resolve().parents[2] / "docs" / "prompts-and-rewards.md").read_text()
-    section = page.split("## Preference and SFT data")[1]
+    page = (Path(__file__).resolve().parents[2] / "docs" / "data.md").read_text()
+    section = page.split("## Offline data")[1]
     blocks = section.split("```json\n")[1:]
-    assert len(blocks) == 2
+    assert len(blocks) == 3
     loaded = []
-    for i, block in enumerate(blocks):
+    for i, (block, method) in enumerate(zip(blocks, ("dpo", "kto", "sft"), strict=True)):
         path = tmp_path / f"doc{i}.jsonl"
         path.write_text(block.split("```")[0])
-        loaded.append(load_preference_pairs([str(path)]))
-    (pairs, skipped), (sft, sft_skipped) = loaded
-    assert (len(pairs), skipped, len(sft), sft_skipped) == (5, 0, 4, 0)
+        loaded.append(load_preference_pairs([str(path)], method=method))
+    (pairs, skipped), (unpaired, unpaired_skipped), (sft, sft_skipped) = loaded
+    assert (len(pairs), skipped, len(unpaired), unpaired_skipped, len(sft), sft_skipped) == (5, 0, 2, 0, 4, 0)
     assert {(p.prompt_text, p.chosen, p.rejected) for p in pairs[:4:3]} == {("The sky is", " blue.", " green.")}
+    assert pairs[2] == PreferencePair("doc0:2", ({"role": "user", "content": "Can shoot a plan"},), "What?",
+                                      "Can't shoot a plan.  What are you trying to do?")  # the hh-rlhf row, as is
+    assert [p.label for p in unpaired] == [True, False] and unpaired[1].chosen == "It is green."
     assert all(p.rejected is not None for p in pairs) and all(p.rejected is None for p in sft)
-    assert sft[-1] == PreferencePair("doc1:3", (), "The sky is blue.", None, "")
+    assert sft[-1] == PreferencePair("doc2:3", (), "The sky is blue.", None, "")
+    for method in ("dpo", "sft"):  # the page's table: unpaired rows only for kto
+        with pytest.raises(DataError, match=rf"doc1.jsonl:1: an unpaired row .* not {method}"):
+            load_preference_pairs([str(tmp_path / "doc1.jsonl")], method=method)

@@ -238,3 +238,59 @@ def test_a_reward_function_needing_a_column_the_data_lacks_fails_the_preflight(c
         preflight(cfg_of(f"reward.functions=[{{function: '{tmp_path}/needs.py:needs'}}]"))
     with pytest.raises(RewardFunctionError, match=r"reads column 'solution', which the dataset lacks"):
         preflight(cfg_of("reward.functions=[{function: exact_match, kwargs: {column: solution}}]"))
+
+
+@pytest.mark.parametrize("method, rows, error", [
+    ("kto", [{"prompt": "Q", "completion": " a", "label": True}, {"prompt": "Q", "chosen": " a", "rejected": " b"}], None),
+    ("sft", [{"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "a"}]},
+             {"prompt": "Q", "completion": " a"}, {"text": "Q a"}, {"chosen": "Q a", "rejected": "Q b"}], None),
+    ("dpo", [{"prompt": "Q", "chosen": " a", "rejected": " b"}, {"text": "Q a"}],
+     r"pairs.jsonl:2: this row has no 'rejected' side: it is SFT data, which only algo.name=sft takes, not dpo"),
+    ("dpo", [{"prompt": "Q", "chosen": " a", "rejected": " b"}, {"prompt": "Q", "completion": " a", "label": False}],
+     r"pairs.jsonl:2: an unpaired row .* only algo.name=kto takes it, not dpo"),
+    ("kto", [{"prompt": "Q", "completion": " a", "label": "no"}], r"pairs.jsonl:1: 'label' must be true or false"),
+])  # fmt: skip
+def test_offline_data_is_checked_against_the_method_naming_file_and_line(cfg_of, tmp_path, method, rows, error):
+    """Every accepted form passes for the methods that take it; the first row of another form fails the preflight
+    before the storage probe, naming its file and 1-based line."""
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = cfg_of(f"algo.name={method}", f"offline.pairs_files=[{path}]", "offline.eval_fraction=0.0")
+    if error is None:
+        preflight(cfg)
+        return
+    with pytest.raises(DataError, match=error):
+        preflight(cfg)
+    assert not (tmp_path / "out").exists()
+
+
+def test_every_model_key_pins_its_hub_id_to_the_local_snapshot_once(cfg_of, tmp_path, tiny_model_path, monkeypatch,
+                                                                     caplog):
+    """model.path, teacher.path, reward.model_path, critic.model_path and the judges' paths, each a Hub id with its own
+    revision key, become the snapshot folder in the driver's config (resolve_paths), which the actors then read."""
+    import huggingface_hub
+
+    from rlray.launch.driver import resolve_paths
+    from rlray.launch.preflight import pin_hub_models
+    from tests.models.test_hub import COMMIT, lay_out_hub_cache
+
+    cache = tmp_path / "hf-cache"
+    main = lay_out_hub_cache(cache, tiny_model_path, repo_id="org/policy")
+    tagged = lay_out_hub_cache(cache, tiny_model_path, repo_id="org/teacher", commit="f" * 40, ref="v1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = cfg_of("model.path=org/policy", "teacher.path=org/teacher", "teacher.revision=v1",
+                 "reward.model_path=org/policy", f"reward.model_revision={COMMIT}", "critic.model_path=org/policy",
+                 "reward.judges=[{name: j, path: org/teacher, revision: v1}]")  # fmt: skip
+    with caplog.at_level("INFO", logger="rlray.launch.preflight"):
+        pinned = resolve_paths(cfg)
+    assert (pinned.model.path, pinned.reward.model_path, pinned.critic.model_path) == (str(main),) * 3
+    assert pinned.teacher.path == pinned.reward.judges[0].path == str(tagged)  # revision v1 -> its commit's snapshot
+    assert pinned.teacher.revision == "v1" and cfg.model.path == "org/policy"  # the revisions stay; cfg is not changed
+    assert f"model.path='org/policy': the Hugging Face snapshot {main}" in caplog.text
+    assert pin_hub_models(pinned) == pinned  # local folders stay as they are
+    with pytest.raises(ModelError, match=r"teacher.path='org/teacher' \(revision 'v2'\): HF_HUB_OFFLINE=1 and the "
+                                         r"model is not in the Hugging Face cache"):
+        resolve_paths(cfg_of("teacher.path=org/teacher", "teacher.revision=v2"))
+    with pytest.raises(ModelError, match=r"reward.judges\[0\].path='org/unknown': HF_HUB_OFFLINE=1"):
+        resolve_paths(cfg_of("reward.judges=[{name: j, path: org/unknown}]"))

@@ -242,3 +242,39 @@ def test_smollm2_packed_and_shared_equal_padded():
     for packed, share in ((False, False), (True, True)):
         got = _scores(m, batch, packed=packed, share=share, entropy=False)
         _assert_near(got, want, real, atol=F32_ATOL, rel=F32_REL, floor=F32_FLOOR, entropy=False)
+
+
+def _tiny(arch: str, **extra):
+    """Returns a seeded random 2-layer ``arch`` causal LM on SDPA attention (vocabulary 1024, hidden 64)."""
+    import transformers
+
+    config = getattr(transformers, f"{arch}Config")(vocab_size=1024, hidden_size=64, intermediate_size=128,
+                                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                    max_position_embeddings=256, **extra)  # fmt: skip
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return getattr(transformers, f"{arch}ForCausalLM")(config).float()
+
+
+@pytest.mark.parametrize("arch, extra", [("Qwen2", {}), ("Qwen3", {"head_dim": 16}), ("Mistral", {"sliding_window": None}),
+                                         ("Phi3", {"pad_token_id": 0})])  # fmt: skip
+def test_architectures_beside_llama_pack_exactly(arch, extra):
+    """docs/models.md's list: these pass ``packing_blocker`` and their packed, shared rows give the padded rows'
+    logprobs and gradients to float64 rounding (a Qwen3's per-head q/k norms included)."""
+    model64 = float64_reference(_tiny(arch, **extra))
+    assert packing_blocker(model64) is None
+    batch = group_batch([5, 9], [[4, 7, 1], [6, 2, 3]], seed=1, shared_start=2)
+    real = real_tokens(batch)
+    want = _scores(model64, batch, packed=False, share=False, entropy=False)
+    got = _scores(model64, batch, packed=True, share=True, entropy=False)
+    _assert_near(got, want, real, atol=F64_ATOL, rel=F64_REL, floor=F64_FLOOR, entropy=False)
+    assert got[0].tokens.padding == 0 and got[0].tokens.shared > 0
+
+
+@pytest.mark.parametrize("arch, extra, why", [
+    ("Mistral", {"sliding_window": 32}, "has sliding-window attention layers"),
+    ("Gemma2", {"head_dim": 16}, "has sliding-window attention layers"),
+])  # fmt: skip
+def test_sliding_window_architectures_run_padded(arch, extra, why):
+    model = _tiny(arch, **extra)
+    assert why in packing_blocker(model) and not packs(model, "auto")

@@ -36,7 +36,7 @@ def test_sft_is_the_token_mean_nll_of_the_chosen_responses():
     assert loss.item() == pytest.approx(0.9, abs=1e-6)
     # accuracy on mean token logprobs: -1.5 > -0.1 no, -0.5 > -4.0 yes; margins (-1.4) + (3.5) = 2.1
     assert stats["correct"].item() == 1.0 and stats["pairs"].item() == 2.0
-    assert stats["margin_sum"].item() == pytest.approx(2.1, abs=1e-6)
+    assert (stats["chosen_reward_sum"] - stats["rejected_reward_sum"]).item() == pytest.approx(2.1, abs=1e-6)
 
 
 def test_sft_shares_over_micro_batches_and_ranks_sum_to_the_step_loss():

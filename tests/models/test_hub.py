@@ -70,22 +70,54 @@ def test_a_snapshot_without_safetensors_weights_is_refused(hub_cache, tiny_model
         resolve_model_path("rlray-test/pickled")
 
 
-@pytest.mark.parametrize(("error", "message"), [
-    (hub.GatedRepoError, r"is a gated repository: accept its terms on the Hugging Face Hub, and HF_TOKEN is set"),
-    (hub.RepositoryNotFoundError, r"was not found on the Hugging Face Hub, or it is private: check the id, or "
-                                  r"HF_TOKEN is set but cannot read it"),
-    (hub.RevisionNotFoundError, r"no branch, tag or commit 'None' in this repository"),
+@pytest.mark.parametrize(("error", "token", "message"), [
+    (hub.GatedRepoError, True, r"is a gated repository: accept its terms on the Hugging Face Hub, and HF_TOKEN is set"),
+    # an unknown id and a private one answer alike (the Hub does not say which): with a token that cannot read it ...
+    (hub.RepositoryNotFoundError, True, r"model.path='org/private-model' was not found on the Hugging Face Hub, or it "
+                                        r"is private: check the id, or HF_TOKEN is set but cannot read it"),
+    # ... and without a token
+    (hub.RepositoryNotFoundError, False, r"model.path='org/private-model' was not found on the Hugging Face Hub, or "
+                                         r"it is private: check the id, or set HF_TOKEN to a token that can read it"),
+    (hub.GatedRepoError, False, r"is a gated repository: .* and set HF_TOKEN to a token that can read it"),
+    (hub.RevisionNotFoundError, True, r"no branch, tag or commit 'None' in this repository"),
 ])
-def test_hub_errors_name_the_key_and_the_fix_and_never_the_token(monkeypatch, error, message):
+def test_hub_errors_name_the_key_and_the_fix_and_never_the_token(monkeypatch, error, token, message):
     def refuse(*args, **kwargs):  # what the Hub's answer raises (a local response: nothing is sent)
         raise error("refused", response=httpx.Response(404, request=httpx.Request("GET", "http://127.0.0.1/")))
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", refuse)
-    monkeypatch.setenv("HF_TOKEN", "hf_secret_value_never_shown")
+    if token:
+        monkeypatch.setenv("HF_TOKEN", "hf_secret_value_never_shown")
+    else:
+        monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     with pytest.raises(ModelError, match=message) as info:
         resolve_model_path("org/private-model")
     assert "hf_secret_value_never_shown" not in str(info.value)
+
+
+def test_hub_local_path_pins_hub_ids_only(hub_cache, tiny_model_path, tmp_path, monkeypatch):
+    snapshot = str(hub_cache / "models--rlray-test--tiny-random" / "snapshots" / COMMIT)
+    assert loading.hub_local_path(REPO_ID, revision="main") == snapshot
+    for value in ("tiny-random", "tiny-random@3", tiny_model_path, "org/model.gguf"):
+        assert loading.hub_local_path(value) == value  # aliases, folders and .gguf files are left as they are
+    local = tmp_path / "org" / "name"  # a relative folder that looks like an id is a folder
+    local.mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert loading.hub_local_path("org/name") == "org/name"
+
+
+def test_an_adapter_hub_id_needs_adapter_config(hub_cache, tmp_path):
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    lay_out_hub_cache(hub_cache, str(adapter), repo_id="rlray-test/lora")
+    folder = loading.hub_local_path("rlray-test/lora", key="model.adapter_path", adapter=True)
+    assert Path(folder, "adapter_config.json").is_file()
+    with pytest.raises(ModelError, match=r"model.adapter_path='rlray-test/tiny-random': the snapshot has no "
+                                         r"adapter_config.json, so it is not a PEFT adapter"):
+        loading.hub_local_path(REPO_ID, key="model.adapter_path", adapter=True)
 
 
 def test_values_that_are_not_hub_ids_keep_their_own_errors(tmp_path):

@@ -114,6 +114,12 @@ TRL_ROWS = {  # 8 rows of one TRL form each (the row index varies the texts)
     "messages": lambda i, c, r: {"messages": [{"role": "user", "content": f"Sky {i}?"}, {"role": "assistant", "content": c}]},
     "prompt_completion": lambda i, c, r: {"prompt": f"Sky {i} is", "completion": f" {c}"},
     "text": lambda i, c, r: {"text": f"Sky {i} is {c}"},
+    # unpaired (kto): even rows the desirable answer, odd rows the undesirable one
+    "unpaired_standard": lambda i, c, r: {"prompt": f"Sky {i} is", "completion": f" {c if i % 2 == 0 else r}",
+                                          "label": i % 2 == 0},
+    "unpaired_conversational": lambda i, c, r: {"prompt": [{"role": "user", "content": f"Sky {i}?"}],
+                                                "completion": [{"role": "assistant", "content": c if i % 2 == 0 else r}],
+                                                "label": i % 2 == 0},
 }
 
 
@@ -158,7 +164,51 @@ def test_sft_learns_rows_of_each_trl_form(form, tmp_path, tiny_model_path):
     assert offline.evaluate(ctx)["eval/loss"] < first["learner/loss"]  # eval runs without a rejected side
 
 
+@pytest.mark.parametrize("form", ["unpaired_standard", "unpaired_conversational"])
+def test_kto_learns_unpaired_rows_of_each_trl_form(form, tmp_path, tiny_model_path):
+    ctx = _ctx("kto", tmp_path, None, tiny_model_path, files=_trl_file(tmp_path, form), beta=0.5)
+    table = ctx.train_pairs
+    assert table.column("label").to_pylist() == [i % 2 == 0 for i in range(8)]
+    first = offline.update(ctx, offline.take_pairs(ctx))
+    # policy == reference at step 1: r = 0 and z_ref = 0, each of the 8 examples' losses is 1 - sigmoid(0) = 0.5
+    assert first["learner/loss"] == pytest.approx(0.5, abs=1e-5) and first["algo/kto_kl"] == pytest.approx(0.0, abs=1e-5)
+    assert "algo/pairwise_accuracy" not in first  # no pairs: the accuracy is not defined
+    for _ in range(2):
+        last = offline.update(ctx, offline.take_pairs(ctx))
+    assert last["learner/loss"] < first["learner/loss"]
+    # the desirable completions gained implicit reward over the undesirable ones
+    assert last["algo/chosen_reward"] > last["algo/rejected_reward"]
+    assert last["algo/reward_margin"] == pytest.approx(last["algo/chosen_reward"] - last["algo/rejected_reward"])
+    assert "margin=" in ctx.progress_text(3, last)
+
+
 def test_sft_rows_are_refused_by_preference_methods(tmp_path, tiny_model_path):
-    with pytest.raises(DataError, match=r"row messages:0 .*has no 'rejected' side: it is SFT data, which only "
+    with pytest.raises(DataError, match=r"messages.jsonl:1: this row has no 'rejected' side: it is SFT data, which only "
                                         r"algo.name=sft takes, not dpo"):
         _ctx("dpo", tmp_path, None, tiny_model_path, files=_trl_file(tmp_path, "messages"))
+
+
+def test_the_documented_kto_run_trains_on_unpaired_rows(tmp_path, tiny_model_path):
+    """docs/data.md's command, `rlray train configs/algos/kto.yaml "offline.pairs_files=[docs/examples/kto_unpaired.jsonl]"`,
+    through the one run loop in process (the CLI and Ray path of offline runs is tests/run/test_algos_e2e.py's):
+    the config and the example file as shipped, at test size."""
+    from pathlib import Path
+
+    from rlray.config import load_config
+
+    repo = Path(__file__).resolve().parents[2]
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cfg = load_config(repo / "configs/algos/kto.yaml", [
+        f"offline.pairs_files=[{repo}/docs/examples/kto_unpaired.jsonl]", "model.path=tiny-random", "model.dtype=float32",
+        "run.max_steps=2", "offline.pairs_per_step=4", "offline.pairs_per_microbatch=2", "learner.torch_threads=1",
+        f"run.output_dir={tmp_path}/out", f"tracking.mlflow_uri={uri}", "learner.warmup_steps=0",
+    ])  # fmt: skip
+    tracker = Tracker(uri, cfg.tracking.experiment)
+    out = worker.train(cfg, WorkerArgs(cfg.model_dump(), tiny_model_path, tracker.run_id), Collective())
+    assert (out.status, out.step) == ("FINISHED", 2)
+    logged = get_run_metrics(uri, tracker.run_id)
+    assert logged["data/train_pairs"][0][1] + logged["data/eval_pairs"][0][1] == 8  # 8 unpaired rows, none skipped
+    assert logged["data/skipped_pairs"][0][1] == 0
+    assert logged["learner/loss"][0][1] == pytest.approx(0.5, abs=1e-5)  # policy == reference at step 1
+    assert [s for s, _ in logged["algo/chosen_reward"]] == [1, 2] and "algo/pairwise_accuracy" not in logged
+    assert [s for s, _ in logged["eval/reward_margin"]] == [0, 2] and "eval/pairwise_accuracy" not in logged
