@@ -174,7 +174,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--max-concurrent", type=int, default=None)
     args = parser.parse_args(argv)
-    sys.path[:0] = [os.path.abspath(p) for p in args.path]
+    # This script's folder (first on sys.path) holds rlray's `verifiers.py`, which would shadow the package.
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [os.path.abspath(p) for p in args.path] + [p for p in sys.path if os.path.abspath(p or ".") != here]
     # The harness's chat program is a PEP 723 script that verifiers runs with `uv`: the venv's own `uv` first.
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     bridge = Bridge(json.loads(args.env), args.max_concurrent)
