@@ -39,5 +39,5 @@ def test_a_verifiers_environment_trains_two_steps(ray_session, tmp_path, monkeyp
     # the rubric: reward = 1.0 * correct + 0.5 * formatted, each episode's scores in {0, 1}
     correct, formatted = metrics["reward/vf_sum/correct"], metrics["reward/vf_sum/formatted"]
     assert all(0.0 <= v <= 1.0 for v in correct + formatted)
-    assert [round(e, 9) for e in metrics["reward/env"]] == [round(c + 0.5 * f, 9) for c, f in zip(correct, formatted)]
+    assert [round(e, 9) for e in metrics["reward/env"]] == [round(c + 0.5 * f, 9) for c, f in zip(correct, formatted, strict=True)]
     assert all(math.isfinite(v) for v in metrics["learner/pg_loss"]) and len(metrics["learner/pg_loss"]) == 2
