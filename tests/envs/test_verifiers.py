@@ -65,6 +65,20 @@ def test_a_missing_venv_names_the_make_target(tmp_path):
         venv_python(tmp_path / "nope" / "python")
 
 
+def test_the_bridge_as_a_supervised_servers_spec(tmp_path):
+    python = tmp_path / "bin" / "python"
+    python.parent.mkdir()
+    python.touch()
+    bridge = VerifiersBridge(VF_SUM, paths=[HERE], python=str(python), max_concurrent=4)
+    argv = bridge.command()
+    assert argv[:2] == [str(python), str(verifiers_bridge.__file__)] and argv[argv.index("--port") + 1] == "0"
+    fields = bridge.spec_fields("vf_sum")
+    assert fields["command"][0] == "python" and fields["command"][1:] == (*argv[1:5], "{host}", "--port", "{port}",
+                                                                        "--path", str(HERE.resolve()),
+                                                                        "--max-concurrent", "4")
+    assert (fields["python"], fields["health_path"], fields["max_sessions"]) == (str(python), "/health", 4)
+
+
 @pytest.fixture(scope="module")
 def fake_model():
     """The scripted model server, in the verifiers venv; yields its base URL."""

@@ -94,6 +94,16 @@ class VerifiersBridge:
             argv += ["--max-concurrent", str(self.max_concurrent)]
         return argv
 
+    def spec_fields(self, name: str = "verifiers") -> dict[str, Any]:
+        """Returns this bridge as the fields of a generic server supervisor's spec (``env.servers``; i41-servers'
+        ``rlray.envs.servers.supervisor.ServerSpec(**fields)``): the command with ``{host}``/``{port}`` for the
+        supervisor to fill, run by ``python`` of the verifiers venv, healthy when ``GET /health`` answers."""
+        argv = ["python", *self.command()[1:]]
+        argv[argv.index("--host") + 1], argv[argv.index("--port") + 1] = "{host}", "{port}"
+        return {"name": name, "command": tuple(argv), "python": str(self.python), "host": self.host,
+                "health_path": "/health", "max_sessions": self.max_concurrent or 64,
+                "start_timeout_s": self.start_timeout_s}
+
     @property
     def alive(self) -> bool:
         """True while the bridge process runs."""
