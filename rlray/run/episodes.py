@@ -409,7 +409,9 @@ def add_env_reward(values: dict[str, list[float | None]], completions: list[Comp
     episode gets ``reward = functions' reward + weight * r`` with r its environment reward, 0.0 when the
     environment gave none (the episode happened and earned nothing), where the functions' reward counts
     as 0 when every function skipped the sample (None) and stays NaN when one failed; a single-turn
-    completion keeps its reward and gets None for "env" (skipped).
+    completion keeps its reward and gets None for "env" (skipped). An agent's ``AgentResult.scores`` (the parts of its
+    reward, e.g. a verifiers rubric's functions) are added as terms "<environment>/<name>" of weight 0: logged as
+    ``reward/<environment>/<name>`` means, None for the other samples, the reward unchanged.
 
     Args:
         values: ``RewardScorer.score``'s result: {"reward": [B], <term>: [B]}.
@@ -425,7 +427,12 @@ def add_env_reward(values: dict[str, list[float | None]], completions: list[Comp
             env.append(None)
         else:
             env.append(0.0 if ep.env_reward is None else ep.env_reward)
-    return combine([Term("env", weight, env)], len(completions), prior=values)
+    # An agent's reported parts of its reward (AgentResult.scores): shown as terms of weight 0, never added again.
+    parts = sorted({(c.episode.environment, k) for c in completions if c.episode is not None for k in c.episode.scores})
+    scores = [Term(f"{e}/{k}", 0.0, [c.episode.scores.get(k) if c.episode is not None and not c.episode.failed
+                                     and c.episode.environment == e else None for c in completions])
+              for e, k in parts]
+    return combine([Term("env", weight, env), *scores], len(completions), prior=values)
 
 
 def episode_metrics(completions: list[Completion]) -> dict[str, float]:

@@ -198,6 +198,25 @@ def test_env_reward_defaults_to_zero_and_failed_episodes_are_nan():
     assert out["reward"][3] == 0.75
 
 
+def test_an_agents_reward_parts_are_logged_as_terms_of_weight_zero():
+    """AgentResult.scores (a verifiers rubric's functions) become reward/<agent>/<name>; the reward stays the env's."""
+    from rlray.rollout.types import EpisodeInfo
+
+    def comp(episode):
+        return Completion(0, 0, [1], [0.0], "stop", 0, episode=episode)
+
+    got = [comp(EpisodeInfo("vf", "done", 1, [1.5], 1.5, scores={"correct": 1.0, "formatted": 1.0})),
+           comp(EpisodeInfo("vf", "done", 1, [0.5], 0.5, scores={"correct": 0.0, "formatted": 1.0})),
+           comp(EpisodeInfo("vf", "env_error", 1, failed=True, scores={"correct": 1.0})),  # failed: no score shown
+           comp(EpisodeInfo("other", "done", 1, [2.0], 2.0, scores={"correct": 0.25})),
+           comp(None)]
+    out = add_env_reward({"reward": [math.nan, math.nan, math.nan, math.nan, 0.75]}, got, weight=2.0)
+    assert list(out) == ["reward", "env", "other/correct", "vf/correct", "vf/formatted"]
+    assert out["vf/correct"] == [1.0, 0.0, None, None, None] and out["vf/formatted"] == [1.0, 1.0, None, None, None]
+    assert out["other/correct"] == [None, None, None, 0.25, None]
+    assert out["reward"][:2] == [3.0, 1.0] and math.isnan(out["reward"][2]) and out["reward"][3:] == [4.0, 0.75]
+
+
 def test_sandboxed_episodes_have_a_hard_time_limit_that_ends_one_episode(ray_session, tiny_tokenizer):
     h = ray.remote(EnvironmentHost).options(max_concurrency=1).remote(ENVS, step_timeout_s=2.0, sandbox=True)
     got = rollout(tiny_tokenizer, [h]).generate([[1], [2]], SamplingSpec(n=1, max_new_tokens=4, temperature=1.0),

@@ -54,10 +54,13 @@ class AgentResult:
     Attributes:
         reward: the episode's reward (None: the reward functions alone score it).
         metrics: the agent's own numbers, logged as env/metric/<name> means (like an environment's).
+        scores: the parts of ``reward`` (e.g. a verifiers rubric's per-function scores), logged as reward terms
+            ``reward/<agent>/<name>`` of weight 0: they are shown, never added to the reward again.
     """
 
     reward: float | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    scores: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -86,7 +89,7 @@ class AgentReply:
         segments: its token sequences, in order (more than one when the agent rewrote history).
         stop_reason: see the module docstring.
         reward: what the agent returned (None: nothing, or it failed).
-        metrics: ``AgentResult.metrics``.
+        metrics: ``AgentResult.metrics``; scores: ``AgentResult.scores``.
         message: why it failed ("" otherwise).
         calls: calls answered; refused: calls refused; drift: history rewrites (segments cut).
         tool_calls, tool_errors: tool calls in the answers plus unparsable ones, and those that failed (unparsable, and
@@ -98,6 +101,7 @@ class AgentReply:
     stop_reason: str
     reward: float | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    scores: dict[str, float] = field(default_factory=dict)
     message: str = ""
     calls: int = 0
     refused: int = 0
@@ -261,7 +265,10 @@ async def run_agent_episode(gateway: Gateway, request: AgentRequest, agent: Load
         reply.message = f"the agent raised {type(err).__name__}: {err}\n" + "".join(traceback.format_tb(err.__traceback__)[-3:])
     else:
         try:
-            reply.reward, reply.metrics = (None, {}) if task.exception() is not None else _reward_of(task.result())
+            result = None if task.exception() is not None else task.result()
+            reply.reward, reply.metrics = _reward_of(result)
+            if isinstance(result, AgentResult):
+                reply.scores = {k: float(v) for k, v in result.scores.items()}
             reply.stop_reason = episode.stop_reason or "done"
         except TypeError as err:
             reply.stop_reason, reply.message = "env_error", str(err)
