@@ -7,6 +7,7 @@ the monitor process stays small (it holds no model).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import ray
@@ -16,6 +17,7 @@ from rlray.config import Config
 from rlray.observe import page
 from rlray.observe.monitor import Alert, Alerter, Progress, RunMonitor
 from rlray.observe.samples import StepSample
+from rlray.observe.startup import ActorTimes, Launched, LearnerTimes
 from rlray.observe.tracking import Tracker
 
 
@@ -37,12 +39,14 @@ class MonitorActor:
     def __init__(self, run_id: str, tracking_uri: str, experiment: str, sinks: list[str], webhook_url: str | None,
                  webhook_attempts: int, heartbeat_s: float, kl_limit: float | None = None, page_sample_steps: int = 20,
                  bands: list[dict[str, Any]] | None = None) -> None:
-
+        self.times = ActorTimes.begin()
+        self.learner_times = LearnerTimes()
         tracker = Tracker(tracking_uri, experiment, run_id=run_id) if "mlflow" in sinks else None
         alerter = Alerter(sinks, tracker=tracker, webhook_url=webhook_url, webhook_attempts=webhook_attempts)
         self.monitor = RunMonitor(run_id, heartbeat_s=heartbeat_s, alerter=alerter, ray_metrics=True, kl_limit=kl_limit,
                                   page_sample_steps=page_sample_steps,
                                   bands=tuple(page.Band(**b) for b in bands or []))
+        self.times.end()
 
     def serve(self, host: str, port: int) -> int:
         """Starts the HTTP server; returns the bound port."""
@@ -53,7 +57,8 @@ class MonitorActor:
         self.monitor.beat(step, epoch, policy_version)
 
     def record_step(self, step: int, epoch: int, policy_version: int, step_metrics: dict[str, float]) -> None:
-        """Records a finished step."""
+        """Records a finished step (and stamps its end for the ``startup/*`` figures)."""
+        self.learner_times.step_recorded(step_metrics)
         self.monitor.record_step(step, epoch, policy_version, step_metrics)
 
     def record_samples(self, step: int, samples: list[StepSample]) -> None:
@@ -66,6 +71,7 @@ class MonitorActor:
 
     def learner_started(self) -> int:
         """Counts a learner start; returns the count (more than 1 means a restart)."""
+        self.learner_times.learner_started()
         return self.monitor.learner_started()
 
     def alert(self, kind: str, message: str, step: int | None = None) -> None:
@@ -88,27 +94,52 @@ class MonitorActor:
         """Returns every alert sent so far."""
         return list(self.monitor.alerts)
 
+    def startup_times(self) -> ActorTimes:
+        """Returns this actor's start: its process's creation, its imports and its ``__init__`` (``ActorTimes``)."""
+        return self.times
+
+    def learner_startup(self) -> LearnerTimes:
+        """Returns the learner's start and each recorded step's end (``LearnerTimes``), for the ``startup/*`` figures."""
+        return self.learner_times
+
 
 def start_monitor(cfg: Config, run_id: str) -> tuple[ray.actor.ActorHandle, int]:
-    """Returns (monitor actor, bound port): a ``MonitorActor`` on this node serving ``monitor.host:port``.
-
-    The actor is pinned to the caller's node, so ``curl 127.0.0.1:<port>/health`` works where the run was
-    started. Port 0 picks a free port.
+    """Returns (monitor actor, bound port): ``launch_monitor``, then waits until it serves.
 
     Raises:
         OSError: the port is taken.
     """
+    launched = launch_monitor(cfg, run_id)
+    return launched.handle, monitor_port(launched)
+
+
+def launch_monitor(cfg: Config, run_id: str) -> Launched:
+    """Asks for a ``MonitorActor`` on this node serving ``monitor.host:port`` and returns it unwaited (its ``ready``
+    is the ``serve`` call: ``monitor_port`` waits for the bound port).
+
+    The actor is pinned to the caller's node, so ``curl 127.0.0.1:<port>/health`` works where the run was
+    started. Port 0 picks a free port. It gets plain values only: its process imports no config schema.
+    """
 
     m = cfg.monitor
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    at = time.time()
     actor = ray.remote(MonitorActor).options(num_cpus=0, scheduling_strategy=here).remote(
         run_id, cfg.tracking.mlflow_uri, cfg.tracking.experiment, list(m.alerts),
         m.webhook_url.get_secret_value() if m.webhook_url else None, m.webhook_attempts, m.heartbeat_s,
         cfg.guard.kl_threshold, m.page_sample_steps, [b.model_dump() for b in m.bands],
     )
+    return Launched("monitor", actor, actor.serve.remote(m.host, m.port), at)
+
+
+def monitor_port(launched: Launched) -> int:
+    """Waits until the monitor of ``launch_monitor`` serves; returns its bound port.
+
+    Raises:
+        OSError: the port is taken (the actor is killed).
+    """
     try:
-        port = ray.get(actor.serve.remote(m.host, m.port))
+        return ray.get(launched.ready)
     except ray.exceptions.RayTaskError as err:
-        ray.kill(actor)
+        ray.kill(launched.handle)
         raise OSError(str(err.cause)) from None
-    return actor, port
