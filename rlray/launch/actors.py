@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -294,6 +296,61 @@ def wait_started(launched: list[Launched]) -> dict[str, tuple[float, float, Acto
     timed = [one for one in launched if one.keeps_times]
     own = dict(zip([one.name for one in timed], ray.get([one.handle.startup_times.remote() for one in timed]), strict=True))
     return {one.name: (one.launched_at, ready_at[one.name], own.get(one.name)) for one in launched}
+
+
+class StartWatch:
+    """Waits for actors to start in a background thread while the caller goes on (the learner group starts beside
+    the engines); an actor that fails to start stops the caller's main thread at once, as a wait would have.
+
+    ``watch`` starts the thread over ``wait_started(launched)``; while ``armed`` a failure sends SIGINT to the main
+    thread (Ctrl-C's KeyboardInterrupt inside ``TorchTrainer.fit``), and the caller raises ``error``
+    (``raise_failure``). Only for a caller on the main thread with a Python SIGINT handler: elsewhere (a Tune trial)
+    the signal would reach the wrong thread, so ``wait_started`` runs there before the caller goes on.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.armed = False
+        self.interrupted = False
+        self.error: BaseException | None = None
+        self.started: dict[str, tuple[float, float, ActorTimes | None]] = {}
+        self.thread: threading.Thread | None = None
+
+    def watch(self, launched: list[Launched]) -> StartWatch:
+        """Waits for ``launched`` in the background (on the main thread), else here; returns self.
+
+        Raises:
+            ray.exceptions.RayActorError, ray.exceptions.RayTaskError: off the main thread, an actor failed to start.
+        """
+        if threading.current_thread() is not threading.main_thread() or not callable(signal.getsignal(signal.SIGINT)):
+            self.started = wait_started(launched)
+            return self
+        self.armed = True
+        self.thread = threading.Thread(target=self._wait, args=(launched,), name="rlray-actor-start", daemon=True)
+        self.thread.start()
+        return self
+
+    def _wait(self, launched: list[Launched]) -> None:
+        try:
+            self.started = wait_started(launched)
+        except BaseException as err:  # noqa: BLE001 - any failure is the run's start error, raised by the main thread
+            with self.lock:
+                self.error = err
+                if self.armed:
+                    self.interrupted = True  # a real SIGINT: it also wakes a blocking call of the main thread
+                    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    def disarm(self, timeout_s: float = 0.0) -> None:
+        """Ends the interrupts (the caller's guarded block is over), then waits up to ``timeout_s`` for the thread."""
+        with self.lock:
+            self.armed = False
+        if self.thread is not None:
+            self.thread.join(timeout_s)
+
+    def raise_failure(self) -> None:
+        """Raises the start error of an actor when one interrupted the main thread (else returns)."""
+        if self.interrupted and self.error is not None:
+            raise self.error
 
 
 def start_reference_actor(cfg: Config, model_path: str, namespace: str | None = None, *,

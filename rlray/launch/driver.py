@@ -39,6 +39,7 @@ from rlray.config import Config
 from rlray.data import load_prompt_rows, prepare_prompts
 from rlray.launch import console
 from rlray.launch.actors import (
+    StartWatch,
     kill_actors,
     launch_env_hosts,
     launch_reference_actor,
@@ -320,14 +321,27 @@ def run_training(
     log_dir = Path(cfg.run.output_dir, "logs", tracker.run_id)
     log_file = console.keep_logs(log_dir) if "://" not in cfg.run.output_dir else None
     actors, reference, teacher, own_app, env_hosts, own_judges = [], None, None, False, [], []
-    status, outcome, url, progress, started, learner_times = "FAILED", None, "", None, {}, None
+    status, outcome, url, progress, started, learner_times, watch = "FAILED", None, "", None, {}, None, None
     control = services.control = start_run_control()
     try:
         namespace = f"rlray-{tracker.run_id}"  # keeps actor names of concurrent runs (sweep trials) apart
-        with clock.phase("actors"):
+        with clock.phase("actors"):  # every actor asked for at once, waited on together (issue 39)
             monitor = launch_monitor(cfg, tracker.run_id)
-            services.monitor, port = monitor.handle, monitor_port(monitor)
-            started = {"monitor": (monitor.launched_at, time.time(), ray.get(monitor.handle.startup_times.remote()))}
+            services.monitor = monitor.handle
+            launched = [monitor]
+            if roles.online:  # offline methods train on preference pairs: no rollout actors
+                launched += launch_rollout_actors(cfg, model_dir, plan.lengths.context_tokens, rollout_nodes(plan),
+                                                  namespace=namespace)
+                actors = [one.handle for one in launched[1:]]
+                hosts = launch_env_hosts(cfg, namespace=namespace, model_dir=model_dir)
+                env_hosts, launched = [one.handle for one in hosts], launched + hosts
+            if roles.reference == "actor":
+                launched.append(launch_reference_actor(cfg, model_dir, namespace=namespace))
+                reference = launched[-1].handle
+            if roles.online and roles.teacher == "actor":
+                launched.append(launch_reference_actor(cfg, teacher_dir, namespace=namespace, role="teacher"))
+                teacher = launched[-1].handle
+            port = monitor_port(monitor)  # the page first: the start lines name it while the engines load
             url = f"http://{cfg.monitor.host}:{port}"
             tracker.set_tags({"rlray.monitor_url": url, "rlray.log_dir": str(log_dir)})
             print("\n".join(console.start_lines(
@@ -338,26 +352,12 @@ def run_training(
                 handle = monitor.handle
                 progress = console.DriverProgress(cfg.run.max_steps,
                                                   lambda: ray.get(handle.progress.remote(), timeout=30)).start()
-            if roles.online:  # offline methods train on preference pairs: no rollout actors
-                launched = launch_rollout_actors(cfg, model_dir, plan.lengths.context_tokens, rollout_nodes(plan),
-                                                 namespace=namespace)
-                actors = [one.handle for one in launched]
-                started.update(wait_started(launched))
-                hosts = launch_env_hosts(cfg, namespace=namespace, model_dir=model_dir)
-                env_hosts = [one.handle for one in hosts]
-                started.update(wait_started(hosts))
-            if roles.reward_server:
+            if roles.reward_server:  # Serve deploys while the actors load
                 own_app = start_reward_server(cfg)
             if roles.judges:
                 own_judges = deploy_judges(cfg)
-            if roles.reference == "actor":
-                one = launch_reference_actor(cfg, model_dir, namespace=namespace)
-                reference = one.handle
-                started.update(wait_started([one]))
-            if roles.online and roles.teacher == "actor":
-                one = launch_reference_actor(cfg, teacher_dir, namespace=namespace, role="teacher")
-                teacher = one.handle
-                started.update(wait_started([one]))
+            watch = StartWatch().watch(launched[1:])  # the learner group starts beside the engines (main thread)
+            started = wait_started(launched[:1])
         trainer = learner_trainer(cfg, WorkerArgs(
             config=cfg.model_dump(),  # python mode: SecretStr values travel, and are never logged
             model_dir=model_dir,
@@ -371,15 +371,23 @@ def run_training(
             step_hooks=[StopWhenRequested(control), *user_hooks, *step_hooks],
         ))
         clock.stamp("fit_start")
-        with stop_on_sigterm(control):
-            trainer.fit()
+        try:
+            with stop_on_sigterm(control):
+                trainer.fit()
+        finally:
+            watch.disarm()
+            watch.raise_failure()  # an actor that failed to start stopped fit: its error is the run's
         clock.stamp("fit_end")
+        watch.disarm(timeout_s=30)
+        started.update(watch.started)
         if progress is not None:
             progress.close()  # one last poll while the monitor lives: a finished run's bar ends at 100%
         outcome = ray.get(control.outcome.remote())
         status = outcome.status if outcome is not None else "FAILED"
         learner_times = ray.get(services.monitor.learner_startup.remote())
     except KeyboardInterrupt:
+        if watch is not None and watch.error is not None:  # an actor's start failure interrupted fit
+            raise watch.error from None
         status = "KILLED"
         raise
     finally:

@@ -1,24 +1,26 @@
 """The run's monitor as a Ray actor: the live page, /health, /metrics and the learner's reports.
 
 Kept apart from ``rlray.launch.actors`` on purpose: Ray imports an actor's module in the actor's process, and
-that module imports torch, vLLM's engine wrapper and the learner; this one imports only ``rlray.observe``, so
-the monitor process stays small (it holds no model).
+that module imports torch, vLLM's engine wrapper and the learner; this one imports only the light parts of
+``rlray.observe`` (no torch, no config schema: that imports the algorithms, hence torch; MLflow only when an alert is
+sent to it), so the monitor process stays small and starts in about a second (it holds no model).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from rlray.config import Config
 from rlray.observe import page
 from rlray.observe.monitor import Alert, Alerter, Progress, RunMonitor
 from rlray.observe.samples import StepSample
 from rlray.observe.startup import ActorTimes, Launched, LearnerTimes
-from rlray.observe.tracking import Tracker
+
+if TYPE_CHECKING:
+    from rlray.config import Config
 
 
 class MonitorActor:
@@ -41,7 +43,7 @@ class MonitorActor:
                  bands: list[dict[str, Any]] | None = None) -> None:
         self.times = ActorTimes.begin()
         self.learner_times = LearnerTimes()
-        tracker = Tracker(tracking_uri, experiment, run_id=run_id) if "mlflow" in sinks else None
+        tracker = LazyTracker(tracking_uri, experiment, run_id) if "mlflow" in sinks else None
         alerter = Alerter(sinks, tracker=tracker, webhook_url=webhook_url, webhook_attempts=webhook_attempts)
         self.monitor = RunMonitor(run_id, heartbeat_s=heartbeat_s, alerter=alerter, ray_metrics=True, kl_limit=kl_limit,
                                   page_sample_steps=page_sample_steps,
@@ -101,6 +103,27 @@ class MonitorActor:
     def learner_startup(self) -> LearnerTimes:
         """Returns the learner's start and each recorded step's end (``LearnerTimes``), for the ``startup/*`` figures."""
         return self.learner_times
+
+
+class LazyTracker:
+    """The monitor's MLflow client for alerts, built at its first use: MLflow's import (about 2 s of CPU) stays out
+    of the monitor's start, and a run without alerts never pays it.
+
+    Args:
+        tracking_uri, experiment, run_id: the run's MLflow store, experiment and run (``rlray.observe.tracking.Tracker``).
+    """
+
+    def __init__(self, tracking_uri: str, experiment: str, run_id: str) -> None:
+        self.args = (tracking_uri, experiment, run_id)
+        self.tracker: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        if self.tracker is None:
+            from rlray.observe.tracking import Tracker  # deferred: see the class docstring
+
+            tracking_uri, experiment, run_id = self.args
+            self.tracker = Tracker(tracking_uri, experiment, run_id=run_id)
+        return getattr(self.tracker, name)
 
 
 def start_monitor(cfg: Config, run_id: str) -> tuple[ray.actor.ActorHandle, int]:
