@@ -350,7 +350,7 @@ class StartWatch:
     def raise_failure(self) -> None:
         """Raises the start error of an actor when one interrupted the main thread (else returns)."""
         if self.interrupted and self.error is not None:
-            raise self.error
+            raise self.error from None  # not chained to the interrupt it caused
 
 
 def start_reference_actor(cfg: Config, model_path: str, namespace: str | None = None, *,

@@ -8,6 +8,7 @@ sent to it), so the monitor process stays small and starts in about a second (it
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -106,8 +107,8 @@ class MonitorActor:
 
 
 class LazyTracker:
-    """The monitor's MLflow client for alerts, built at its first use: MLflow's import (about 2 s of CPU) stays out
-    of the monitor's start, and a run without alerts never pays it.
+    """The monitor's MLflow client for alerts, built in a background thread: MLflow's import (about 2 s of CPU)
+    stays out of the monitor's start (the page serves at once), and an alert waits for it only when it comes first.
 
     Args:
         tracking_uri, experiment, run_id: the run's MLflow store, experiment and run (``rlray.observe.tracking.Tracker``).
@@ -115,15 +116,22 @@ class LazyTracker:
 
     def __init__(self, tracking_uri: str, experiment: str, run_id: str) -> None:
         self.args = (tracking_uri, experiment, run_id)
+        self.lock = threading.Lock()
         self.tracker: Any = None
+        threading.Thread(target=self.get, name="rlray-monitor-mlflow", daemon=True).start()
+
+    def get(self) -> Any:
+        """Returns the ``Tracker``, built by the first caller (the others wait for it)."""
+        with self.lock:
+            if self.tracker is None:
+                from rlray.observe.tracking import Tracker  # deferred: see the class docstring
+
+                tracking_uri, experiment, run_id = self.args
+                self.tracker = Tracker(tracking_uri, experiment, run_id=run_id)
+            return self.tracker
 
     def __getattr__(self, name: str) -> Any:
-        if self.tracker is None:
-            from rlray.observe.tracking import Tracker  # deferred: see the class docstring
-
-            tracking_uri, experiment, run_id = self.args
-            self.tracker = Tracker(tracking_uri, experiment, run_id=run_id)
-        return getattr(self.tracker, name)
+        return getattr(self.get(), name)
 
 
 def start_monitor(cfg: Config, run_id: str) -> tuple[ray.actor.ActorHandle, int]:
