@@ -75,7 +75,7 @@ def run_once(config: str, checkout: Path, steps: int, out: Path, label: str) -> 
     """Runs ``rlray train CONFIG run.max_steps=STEPS`` with the rlray of ``checkout`` in a fresh process; returns
     ``benchlib.run_child``'s fields plus "status" and "startup" (the summary's ``startup/*`` keys, {} without)."""
     argv = [sys.executable, "-m", "rlray.cli", "train", str(benchlib.REPO / config), f"run.max_steps={steps}",
-            f"run.output_dir={out / 'outputs'}", f"tracking.mlflow_uri={out / 'mlruns'}"]
+            f"run.output_dir={out / 'outputs'}", f"tracking.mlflow_uri=sqlite:///{out / 'mlruns' / 'mlflow.db'}"]
     env = benchlib.child_env()
     env["PYTHONPATH"] = f"{checkout}:{env['PYTHONPATH']}"
     print(f"  {label}: running (log {out / 'train.log'})", flush=True)
