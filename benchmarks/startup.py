@@ -74,12 +74,15 @@ def phase_rows(runs: list[dict[str, Any]]) -> list[list[Any]]:
 def run_once(config: str, checkout: Path, steps: int, out: Path, label: str) -> dict[str, Any]:
     """Runs ``rlray train CONFIG run.max_steps=STEPS`` with the rlray of ``checkout`` in a fresh process; returns
     ``benchlib.run_child``'s fields plus "status" and "startup" (the summary's ``startup/*`` keys, {} without)."""
+    data = benchlib.REPO / "data" / "gsm8k"
     argv = [sys.executable, "-m", "rlray.cli", "train", str(benchlib.REPO / config), f"run.max_steps={steps}",
-            f"run.output_dir={out / 'outputs'}", f"tracking.mlflow_uri=sqlite:///{out / 'mlruns' / 'mlflow.db'}"]
+            f"run.output_dir={out / 'outputs'}", f"tracking.mlflow_uri=sqlite:///{out / 'mlruns' / 'mlflow.db'}",
+            f"data.train_files=[{data / 'train.jsonl'}]", f"data.eval_files=[{data / 'test.jsonl'}]"]
     env = benchlib.child_env()
     env["PYTHONPATH"] = f"{checkout}:{env['PYTHONPATH']}"
     print(f"  {label}: running (log {out / 'train.log'})", flush=True)
-    run = benchlib.run_child(argv, log_path=out / "train.log", timeout_s=TIMEOUT_S, env=env)
+    out.mkdir(parents=True, exist_ok=True)  # the run's folder: `python -m` puts its cwd first on sys.path (and Ray
+    run = benchlib.run_child(argv, log_path=out / "train.log", timeout_s=TIMEOUT_S, env=env, cwd=out)  # the workers')
     summary = summary_json(Path(run["log"]).read_text(errors="replace")) or {}
     if run["returncode"] != 0 or not summary:
         print(f"  {label}: FAILED (exit code {run['returncode']}); last lines:\n{benchlib.tail(run['log'])}", flush=True)
