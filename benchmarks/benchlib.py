@@ -280,8 +280,10 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def run_child(argv: list[str], *, log_path: Path, timeout_s: float, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Runs ``argv`` in a fresh process while sampling its process tree's memory; returns what happened.
+def run_child(argv: list[str], *, log_path: Path, timeout_s: float, env: dict[str, str] | None = None,
+              cwd: Path = REPO) -> dict[str, Any]:
+    """Runs ``argv`` in a fresh process (in folder ``cwd``) while sampling its process tree's memory; returns what
+    happened.
 
     Returns:
         {"returncode", "wall_s", "peak_rss_gib", "peak_pss_gib", "peak_processes", "peak_by_process", "affinity",
@@ -291,7 +293,7 @@ def run_child(argv: list[str], *, log_path: Path, timeout_s: float, env: dict[st
     log_path.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env or child_env(), cwd=REPO,
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env or child_env(), cwd=cwd,
                                 start_new_session=True)
         memory = TreeMemory(proc.pid).start()
         try:

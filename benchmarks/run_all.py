@@ -8,7 +8,8 @@
 Order: grpo_vs_trl (TRL, rlray sync, rlray async), env_vs_trl (multi-turn tool calling: TRL's
 environment_factory vs rlray sync), rollout (rlray vs bare vLLM), weight_sync (N = 1, 2
 actors vs memcpy), experience (its step time is rlray sync's, read from grpo_vs_trl's results),
-learner_packing (the learner's stages 4 and 6, padded as before against packed with shared prefixes).
+learner_packing (the learner's stages 4 and 6, padded as before against packed with shared prefixes), startup (where a
+2-step tiny run's time goes before its first step and after its last).
 Each script runs in-process one after another (their measured runs are child processes of their
 own), prints its table and writes bench_results/<name>.json; a script that fails is reported and the
 others still run. At the end: the summary of the ratios against their targets, also written to
@@ -26,7 +27,7 @@ from typing import Any
 
 import benchlib
 
-BENCHMARKS = ("grpo_vs_trl", "env_vs_trl", "rollout", "weight_sync", "experience", "learner_packing")
+BENCHMARKS = ("grpo_vs_trl", "env_vs_trl", "rollout", "weight_sync", "experience", "learner_packing", "startup")
 # the targets of the learner's logprobs + update time, packed and shared against the padded layout of before:
 # (a) the demo's step, (b) env_vs_trl's
 LEARNER_TARGETS = {"demo": 0.5, "env": 0.33}

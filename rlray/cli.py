@@ -26,7 +26,7 @@ def _train(args: argparse.Namespace) -> int:
     result = run_training(load_config(args.config, overrides), verbose=args.verbose)
     print(json.dumps({"run_id": result.run_id, "status": result.status, "tracking_uri": result.tracking_uri,
                       "final_snapshot": result.final_snapshot, "monitor_url": result.monitor_url, "log_dir": result.log_dir,
-                      **({"error": result.error} if result.error else {})}, indent=2))
+                      **({"error": result.error} if result.error else {}), **result.startup}, indent=2))
     if result.error:
         print(f"rlray train: {result.error}", file=sys.stderr)
     return 0 if result.status == "FINISHED" else 1

@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,7 @@ from rlray.learner.batching import MicroBatching
 from rlray.learner.reference import ReferenceModel
 from rlray.models.adapters import AdapterWeights, read_adapter_config
 from rlray.models.loading import ModelError
+from rlray.observe.startup import ActorTimes, Launched
 from rlray.plan import resolve_plan
 from rlray.rollout import Completion, RolloutEngine, SamplingSpec
 from rlray.rollout.wire import unpack_adapter, unpack_weights
@@ -45,7 +48,13 @@ class RolloutActor:
     """
 
     def __init__(self, model_path: str, engine_kwargs: dict) -> None:
+        self.times = ActorTimes.begin()
         self.engine = RolloutEngine(model_path, **engine_kwargs)
+        self.times.end()
+
+    def startup_times(self) -> ActorTimes:
+        """Returns this actor's start: its process's creation, its imports and its engine's build (``ActorTimes``)."""
+        return self.times
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSpec) -> list[Completion]:
         """Returns ``sampling.n`` completions per prompt, prompt-major (see ``RolloutEngine.generate``)."""
@@ -103,7 +112,13 @@ class ReferenceActor:
     """
 
     def __init__(self, model_path: str, model_kwargs: dict) -> None:
+        self.times = ActorTimes.begin()
         self.model = ReferenceModel(model_path, **model_kwargs)
+        self.times.end()
+
+    def startup_times(self) -> ActorTimes:
+        """Returns this actor's start: its process's creation, its imports and its model's load (``ActorTimes``)."""
+        return self.times
 
     def logprobs(self, inputs: ModelInputs, batching: MicroBatching) -> torch.Tensor:
         """Returns [B, T] float32 reference logprobs of the rows' responses, micro-batch by micro-batch (``batching``)."""
@@ -213,44 +228,146 @@ def start_rollout_actors(
     nodes: list[str] | None = None,
     namespace: str | None = None,
 ) -> list[ray.actor.ActorHandle]:
-    """Returns ``resources.rollout.num_workers`` started rollout actors, named ``rlray:rollout-<i>``.
+    """Returns ``resources.rollout.num_workers`` started rollout actors, named ``rlray:rollout-<i>``
+    (``launch_rollout_actors``, then blocks until each engine is built, so start-up errors surface here)."""
+    launched = launch_rollout_actors(cfg, model_path, max_model_len, nodes, namespace)
+    wait_started(launched)
+    return [one.handle for one in launched]
+
+
+def launch_rollout_actors(
+    cfg: Config,
+    model_path: str,
+    max_model_len: int,
+    nodes: list[str] | None = None,
+    namespace: str | None = None,
+) -> list[Launched]:
+    """Asks for ``resources.rollout.num_workers`` rollout actors, named ``rlray:rollout-<i>``; returns them unwaited.
 
     Each actor gets its own core list (``resources.rollout.cpu_threads``, or this node's cores split
     evenly), its custom resources (``resources.rollout.custom_resources``: only nodes that offer them take it),
     node ``nodes[i]`` when given (``rlray.launch.placement.rollout_nodes``; soft: a restart after that node is
     lost goes to any node with the resources), and Ray restarts it up to
-    ``resources.rollout.max_restarts`` times (the fleet re-sends its prompts and weights). Blocks
-    until each engine is built, so start-up errors surface here. ``namespace`` (the run's own, from
+    ``resources.rollout.max_restarts`` times (the fleet re-sends its prompts and weights). ``wait_started``
+    blocks until the engines are built. ``namespace`` (the run's own, from
     the driver) keeps the names of concurrent runs on one cluster (sweep trials) apart; the actors never join
     a placement group of the caller (a Tune trial's captures its children).
     """
 
     res = cfg.resources.rollout
     cls = ray.remote(RolloutActor)
-    actors = []
+    launched = []
     for i, threads in enumerate(rollout_cpu_threads(cfg)):
         name = f"rlray:rollout-{i}"
         wait_for_name(name, namespace)
         strategy = NodeAffinitySchedulingStrategy(nodes[i], soft=True) if nodes else "DEFAULT"
-        actors.append(
-            cls.options(
-                name=name,
-                namespace=namespace,
-                num_cpus=res.cpus,
-                num_gpus=res.gpus * res.tensor_parallel_size,
-                resources=dict(res.custom_resources),
-                max_restarts=res.max_restarts,
-                max_task_retries=0,  # the fleet re-sends a dead actor's prompts itself
-                scheduling_strategy=strategy,
-            ).remote(model_path, rollout_engine_kwargs(cfg, max_model_len, threads, model_path))
-        )
-    ray.get([a.ready.remote() for a in actors])
-    return actors
+        at = time.time()
+        actor = cls.options(
+            name=name,
+            namespace=namespace,
+            num_cpus=res.cpus,
+            num_gpus=res.gpus * res.tensor_parallel_size,
+            resources=dict(res.custom_resources),
+            max_restarts=res.max_restarts,
+            max_task_retries=0,  # the fleet re-sends a dead actor's prompts itself
+            scheduling_strategy=strategy,
+        ).remote(model_path, rollout_engine_kwargs(cfg, max_model_len, threads, model_path))
+        launched.append(Launched(f"rollout-{i}", actor, actor.ready.remote(), at))
+    return launched
+
+
+def wait_started(launched: list[Launched]) -> dict[str, tuple[float, float, ActorTimes | None]]:
+    """Waits until every actor of ``launched`` has started, all together; returns their start times.
+
+    Returns:
+        Per name: (launched at, ready at on this process, the actor's own ``ActorTimes`` or None), the input of
+        ``rlray.observe.startup.startup_summary``.
+
+    Raises:
+        ray.exceptions.RayActorError, ray.exceptions.RayTaskError: an actor failed to start (the first to fail).
+    """
+    pending = {one.ready: one for one in launched}
+    ready_at: dict[str, float] = {}
+    while pending:
+        done, _ = ray.wait(list(pending), num_returns=1)
+        for ref in done:
+            ray.get(ref)
+            ready_at[pending.pop(ref).name] = time.time()
+    timed = [one for one in launched if one.keeps_times]
+    own = dict(zip([one.name for one in timed], ray.get([one.handle.startup_times.remote() for one in timed]), strict=True))
+    return {one.name: (one.launched_at, ready_at[one.name], own.get(one.name)) for one in launched}
+
+
+class StartWatch:
+    """Waits for actors to start in a background thread while the caller goes on (the learner group starts beside
+    the engines); an actor that fails to start stops the caller's main thread at once, as a wait would have.
+
+    ``watch`` starts the thread over ``wait_started(launched)``; while ``armed`` a failure sends SIGINT to the main
+    thread (Ctrl-C's KeyboardInterrupt inside ``TorchTrainer.fit``), and the caller raises ``error``
+    (``raise_failure``). Only for a caller on the main thread with a Python SIGINT handler: elsewhere (a Tune trial)
+    the signal would reach the wrong thread, so ``wait_started`` runs there before the caller goes on.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.armed = False
+        self.interrupted = False
+        self.error: BaseException | None = None
+        self.started: dict[str, tuple[float, float, ActorTimes | None]] = {}
+        self.thread: threading.Thread | None = None
+
+    def watch(self, launched: list[Launched]) -> StartWatch:
+        """Waits for ``launched`` in the background (on the main thread), else here; returns self.
+
+        Raises:
+            ray.exceptions.RayActorError, ray.exceptions.RayTaskError: off the main thread, an actor failed to start.
+        """
+        if threading.current_thread() is not threading.main_thread() or not callable(signal.getsignal(signal.SIGINT)):
+            self.started = wait_started(launched)
+            return self
+        self.armed = True
+        self.thread = threading.Thread(target=self._wait, args=(launched,), name="rlray-actor-start", daemon=True)
+        self.thread.start()
+        return self
+
+    def _wait(self, launched: list[Launched]) -> None:
+        try:
+            self.started = wait_started(launched)
+        except BaseException as err:  # noqa: BLE001 - any failure is the run's start error, raised by the main thread
+            with self.lock:
+                self.error = err
+                if self.armed:
+                    self.interrupted = True  # a real SIGINT: it also wakes a blocking call of the main thread
+                    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    def disarm(self, timeout_s: float = 0.0) -> None:
+        """Ends the interrupts (the caller's guarded block is over), then waits up to ``timeout_s`` for the thread."""
+        with self.lock:
+            self.armed = False
+        if self.thread is not None:
+            self.thread.join(timeout_s)
+
+    def raise_failure(self) -> None:
+        """Raises the start error of an actor when one interrupted the main thread (else returns)."""
+        if self.interrupted and self.error is not None:
+            raise self.error from None  # not chained to the interrupt it caused
 
 
 def start_reference_actor(cfg: Config, model_path: str, namespace: str | None = None, *,
                           role: str = "reference") -> ray.actor.ActorHandle:
-    """Returns a started ``ReferenceActor`` in ``namespace``: role "reference" (``rlray:reference-0``,
+    """Returns a started ``ReferenceActor`` (``launch_reference_actor``, then blocks until its model is loaded).
+
+    Raises:
+        ValueError: an unknown role.
+    """
+    launched = launch_reference_actor(cfg, model_path, namespace, role=role)
+    wait_started([launched])
+    return launched.handle
+
+
+def launch_reference_actor(cfg: Config, model_path: str, namespace: str | None = None, *,
+                           role: str = "reference") -> Launched:
+    """Asks for a ``ReferenceActor`` in ``namespace`` and returns it unwaited: role "reference" (``rlray:reference-0``,
     resources.reference, ``model_path`` the policy's) or "teacher" (``rlray:teacher-0``, resources.teacher,
     ``model_path`` the teacher's).
 
@@ -262,6 +379,7 @@ def start_reference_actor(cfg: Config, model_path: str, namespace: str | None = 
     res = cfg.resources.reference if role == "reference" else cfg.resources.teacher
     name = f"rlray:{role}-0"
     wait_for_name(name, namespace)
+    at = time.time()
     actor = ray.remote(ReferenceActor).options(
         name=name, namespace=namespace, num_cpus=res.cpus, num_gpus=res.gpus, resources=dict(res.custom_resources),
         scheduling_strategy="DEFAULT",
@@ -269,8 +387,7 @@ def start_reference_actor(cfg: Config, model_path: str, namespace: str | None = 
         model_path,
         {"dtype": build.compute_dtype(cfg), "temperature": cfg.rollout.temperature, "torch_threads": build.core_plan(cfg).learner_threads},
     )
-    ray.get(actor.ready.remote())
-    return actor
+    return Launched(f"{role}-0", actor, actor.ready.remote(), at)
 
 
 def start_env_hosts(cfg: Config, namespace: str | None = None, *, model_dir: str | None = None) -> list[ray.actor.ActorHandle]:
@@ -290,6 +407,18 @@ def start_env_hosts(cfg: Config, namespace: str | None = None, *, model_dir: str
         ValueError: an environment class or agent function cannot be loaded (raised by the first host; names it).
         rlray.envs.agents.mcp.McpStartError: an MCP server did not start.
     """
+    launched = launch_env_hosts(cfg, namespace, model_dir=model_dir)
+    wait_started(launched)
+    return [one.handle for one in launched]
+
+
+def launch_env_hosts(cfg: Config, namespace: str | None = None, *, model_dir: str | None = None) -> list[Launched]:
+    """Asks for the environment hosts of ``start_env_hosts`` and returns them unwaited ([] without env.environments
+    and env.agents); ``wait_started`` waits for their ``ping``.
+
+    Raises:
+        ValueError: an environment class or agent function cannot be loaded (raised by the first host; names it).
+    """
     if not cfg.env.enabled:
         return []
     from rlray.envs.host import EnvironmentHost  # deferred: environments' imports only when configured
@@ -298,6 +427,7 @@ def start_env_hosts(cfg: Config, namespace: str | None = None, *, model_dir: str
     gateway = bool(cfg.env.agents or cfg.env.mcp_servers)
     for i in range(res.num_workers):
         wait_for_name(f"rlray:env-{i}", namespace)
+        at = time.time()
         options = dict(name=f"rlray:env-{i}", namespace=namespace, num_cpus=res.cpus, resources=dict(res.custom_resources),
                        max_restarts=res.max_restarts, scheduling_strategy="DEFAULT")
         kwargs = dict(tool_parser=cfg.env.tool_parser, step_timeout_s=cfg.env.step_timeout_s, threads=res.threads,
@@ -305,12 +435,12 @@ def start_env_hosts(cfg: Config, namespace: str | None = None, *, model_dir: str
         if gateway:  # run_agents blocks while the host's agents run: the environments' calls need threads of their own
             from rlray.envs.agents.agent_host import AgentHost
 
-            hosts.append(ray.remote(AgentHost).options(**options, max_concurrency=AGENT_HOST_CONCURRENCY).remote(
-                dict(cfg.env.environments), **kwargs, **agent_host_kwargs(cfg, model_dir)))
+            host = ray.remote(AgentHost).options(**options, max_concurrency=AGENT_HOST_CONCURRENCY).remote(
+                dict(cfg.env.environments), **kwargs, **agent_host_kwargs(cfg, model_dir))
         else:
-            hosts.append(ray.remote(EnvironmentHost).options(**options, max_concurrency=1).remote(
-                dict(cfg.env.environments), **kwargs))
-    ray.get([h.ping.remote() for h in hosts])
+            host = ray.remote(EnvironmentHost).options(**options, max_concurrency=1).remote(
+                dict(cfg.env.environments), **kwargs)
+        hosts.append(Launched(f"env-{i}", host, host.ping.remote(), at, keeps_times=False))
     return hosts
 
 

@@ -24,7 +24,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,12 +38,22 @@ from rlray.checkpoint import storage as checkpoint
 from rlray.config import Config
 from rlray.data import load_prompt_rows, prepare_prompts
 from rlray.launch import console
-from rlray.launch.actors import kill_actors, start_env_hosts, start_reference_actor, start_rollout_actors
+from rlray.launch.actors import (
+    StartWatch,
+    kill_actors,
+    launch_env_hosts,
+    launch_reference_actor,
+    launch_rollout_actors,
+    start_env_hosts,
+    start_rollout_actors,
+    wait_started,
+)
 from rlray.launch.judges import deploy_judges, judge_apps
-from rlray.launch.monitor_actor import start_monitor
+from rlray.launch.monitor_actor import launch_monitor, monitor_port
 from rlray.launch.placement import bundle, check_cluster, rollout_nodes
 from rlray.launch.preflight import pin_hub_models, preflight
 from rlray.models import load_tokenizer, resolve_model_path
+from rlray.observe.startup import StartupClock, startup_summary
 from rlray.observe.tracking import Tracker, resolve_tracking_uri
 from rlray.plan import resolve_plan
 from rlray.rollout import RolloutSource
@@ -59,7 +69,8 @@ log = logging.getLogger(__name__)
 class TrainResult:
     """Outcome of a run: the MLflow run id, the resolved tracking URI, the last complete snapshot's URI,
     the status (FINISHED, FAILED, KILLED, or 'stopped: <reason>' when a guard stopped it), the
-    monitor's URL and, when a step hit an error a restart cannot fix, its message."""
+    monitor's URL, when a step hit an error a restart cannot fix its message, the log folder and where the time
+    went before the first step and after the last (``startup/<phase>_s`` seconds; ``rlray.observe.startup``)."""
 
     run_id: str
     tracking_uri: str
@@ -68,6 +79,7 @@ class TrainResult:
     monitor_url: str = ""
     error: str = ""
     log_dir: str = ""
+    startup: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -282,54 +294,71 @@ def run_training(
         OSError: ``monitor.port`` is taken.
     """
     started_at = time.time()
+    clock = StartupClock(started_at)
     if verbose is not None:  # rlray train's console: libraries imported since configure_console (MLflow) set up their
         console.route_library_logs()  # loggers again; before Ray starts and before the first MLflow call
-    cfg = resolve_paths(cfg)
-    plan = resolve_plan(cfg)
-    model_dir = preflight(cfg)
-    user_hooks = load_step_hooks(cfg)
-    roles = plan.roles
-    teacher_dir = resolve_model_path(cfg.teacher.path) if roles.teacher != "off" else None  # preflight checked it
-    ray_info = init_ray(log_to_driver=verbose is not False)
-    check_cluster(plan)
-    opts = cfg.checkpoint.s3.storage_options()
-    snaps, tracking = plan.snapshots, plan.tracking
-    resume = checkpoint.resolve_snapshot(snaps.resume_from, snaps.uri, opts) if snaps.resume_from else None
-    tracker = Tracker(tracking.mlflow_uri, tracking.experiment, run_name=tracking.run_name)
-    tracker.log_config(cfg)
-    services = RunServices(started_at=started_at, git_commit=lineage.git_commit(), resume_from=resume)
-    run_dir = checkpoint.join(snaps.uri, checkpoint.run_dir_name(tracker.run_id))
-    tracker.set_tags({"rlray.model_dir": model_dir, "rlray.output_dir": cfg.run.output_dir, "rlray.snapshot_dir": run_dir,
-                      "rlray.git_commit": services.git_commit, **({"rlray.resumed_from": resume} if resume else {}), **(tags or {})})
+    with clock.phase("checks"):
+        cfg = resolve_paths(cfg)
+        plan = resolve_plan(cfg)
+        model_dir = preflight(cfg)
+        user_hooks = load_step_hooks(cfg)
+        roles = plan.roles
+        teacher_dir = resolve_model_path(cfg.teacher.path) if roles.teacher != "off" else None  # preflight checked it
+    with clock.phase("ray"):
+        ray_info = init_ray(log_to_driver=verbose is not False)
+        check_cluster(plan)
+    with clock.phase("mlflow"):
+        opts = cfg.checkpoint.s3.storage_options()
+        snaps, tracking = plan.snapshots, plan.tracking
+        resume = checkpoint.resolve_snapshot(snaps.resume_from, snaps.uri, opts) if snaps.resume_from else None
+        tracker = Tracker(tracking.mlflow_uri, tracking.experiment, run_name=tracking.run_name)
+        tracker.log_config(cfg)
+        services = RunServices(started_at=started_at, git_commit=lineage.git_commit(), resume_from=resume)
+        run_dir = checkpoint.join(snaps.uri, checkpoint.run_dir_name(tracker.run_id))
+        tracker.set_tags({"rlray.model_dir": model_dir, "rlray.output_dir": cfg.run.output_dir, "rlray.snapshot_dir": run_dir,
+                          "rlray.git_commit": services.git_commit, **({"rlray.resumed_from": resume} if resume else {}),
+                          **(tags or {})})
     log.info("MLflow run %s in %s", tracker.run_id, cfg.tracking.mlflow_uri)
     log_dir = Path(cfg.run.output_dir, "logs", tracker.run_id)
     log_file = console.keep_logs(log_dir) if "://" not in cfg.run.output_dir else None
     actors, reference, teacher, own_app, env_hosts, own_judges = [], None, None, False, [], []
-    status, outcome, url, progress = "FAILED", None, "", None
+    status, outcome, url, progress, started, learner_times, watch = "FAILED", None, "", None, {}, None, None
     control = services.control = start_run_control()
     try:
         namespace = f"rlray-{tracker.run_id}"  # keeps actor names of concurrent runs (sweep trials) apart
-        services.monitor, port = start_monitor(cfg, tracker.run_id)
-        url = f"http://{cfg.monitor.host}:{port}"
-        tracker.set_tags({"rlray.monitor_url": url, "rlray.log_dir": str(log_dir)})
-        print("\n".join(console.start_lines(
-            run_id=tracker.run_id, tracking_uri=cfg.tracking.mlflow_uri, monitor_url=url, dashboard_url=ray_info.dashboard_url,
-            snapshot_dir=run_dir, log_dir=str(log_dir), verbose=verbose is not False)), flush=True)
-        if verbose is not None:
-            monitor = services.monitor
-            progress = console.DriverProgress(cfg.run.max_steps, lambda: ray.get(monitor.progress.remote(), timeout=30)).start()
-        if roles.online:  # offline methods train on preference pairs: no rollout actors
-            actors = start_rollout_actors(cfg, model_dir, plan.lengths.context_tokens, rollout_nodes(plan),
-                                          namespace=namespace)
-            env_hosts = start_env_hosts(cfg, namespace=namespace, model_dir=model_dir)
-        if roles.reward_server:
-            own_app = start_reward_server(cfg)
-        if roles.judges:
-            own_judges = deploy_judges(cfg)
-        if roles.reference == "actor":
-            reference = start_reference_actor(cfg, model_dir, namespace=namespace)
-        if roles.online and roles.teacher == "actor":
-            teacher = start_reference_actor(cfg, teacher_dir, namespace=namespace, role="teacher")
+        with clock.phase("actors"):  # every actor asked for at once, waited on together (issue 39)
+            monitor = launch_monitor(cfg, tracker.run_id)
+            services.monitor = monitor.handle
+            launched = [monitor]
+            if roles.online:  # offline methods train on preference pairs: no rollout actors
+                launched += launch_rollout_actors(cfg, model_dir, plan.lengths.context_tokens, rollout_nodes(plan),
+                                                  namespace=namespace)
+                actors = [one.handle for one in launched[1:]]
+                hosts = launch_env_hosts(cfg, namespace=namespace, model_dir=model_dir)
+                env_hosts, launched = [one.handle for one in hosts], launched + hosts
+            if roles.reference == "actor":
+                launched.append(launch_reference_actor(cfg, model_dir, namespace=namespace))
+                reference = launched[-1].handle
+            if roles.online and roles.teacher == "actor":
+                launched.append(launch_reference_actor(cfg, teacher_dir, namespace=namespace, role="teacher"))
+                teacher = launched[-1].handle
+            port = monitor_port(monitor)  # the page first: the start lines name it while the engines load
+            url = f"http://{cfg.monitor.host}:{port}"
+            tracker.set_tags({"rlray.monitor_url": url, "rlray.log_dir": str(log_dir)})
+            print("\n".join(console.start_lines(
+                run_id=tracker.run_id, tracking_uri=cfg.tracking.mlflow_uri, monitor_url=url,
+                dashboard_url=ray_info.dashboard_url, snapshot_dir=run_dir, log_dir=str(log_dir),
+                verbose=verbose is not False)), flush=True)
+            if verbose is not None:
+                handle = monitor.handle
+                progress = console.DriverProgress(cfg.run.max_steps,
+                                                  lambda: ray.get(handle.progress.remote(), timeout=30)).start()
+            if roles.reward_server:  # Serve deploys while the actors load
+                own_app = start_reward_server(cfg)
+            if roles.judges:
+                own_judges = deploy_judges(cfg)
+            watch = StartWatch().watch(launched[1:])  # the learner group starts beside the engines (main thread)
+            started = wait_started(launched[:1])
         trainer = learner_trainer(cfg, WorkerArgs(
             config=cfg.model_dump(),  # python mode: SecretStr values travel, and are never logged
             model_dir=model_dir,
@@ -342,13 +371,24 @@ def run_training(
             services=services,
             step_hooks=[StopWhenRequested(control), *user_hooks, *step_hooks],
         ))
-        with stop_on_sigterm(control):
-            trainer.fit()
+        clock.stamp("fit_start")
+        try:
+            with stop_on_sigterm(control):
+                trainer.fit()
+        finally:
+            watch.disarm()
+            watch.raise_failure()  # an actor that failed to start stopped fit: its error is the run's
+        clock.stamp("fit_end")
+        watch.disarm(timeout_s=30)
+        started.update(watch.started)
         if progress is not None:
             progress.close()  # one last poll while the monitor lives: a finished run's bar ends at 100%
         outcome = ray.get(control.outcome.remote())
         status = outcome.status if outcome is not None else "FAILED"
+        learner_times = ray.get(services.monitor.learner_startup.remote())
     except KeyboardInterrupt:
+        if watch is not None and watch.error is not None:  # an actor's start failure interrupted fit
+            raise watch.error from None
         status = "KILLED"
         raise
     finally:
@@ -365,8 +405,10 @@ def run_training(
                 serve.delete(name)
         if log_file is not None:
             finish_logs(log_file, log_dir, ray_info, started_at, status, outcome, cfg.run.max_steps)
+    startup = startup_summary(clock, started, learner_times, time.time())
+    log.info("start-up and shutdown seconds: %s", startup)
     return TrainResult(tracker.run_id, cfg.tracking.mlflow_uri, (outcome.last_snapshot if outcome else None) or "", status,
-                       url, outcome.error if outcome else "", str(log_dir) if log_file is not None else "")
+                       url, outcome.error if outcome else "", str(log_dir) if log_file is not None else "", startup)
 
 
 def finish_logs(log_file: logging.Handler, log_dir: Path, ray_info: RayInfo, started_at: float, status: str,

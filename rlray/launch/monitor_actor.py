@@ -1,22 +1,27 @@
 """The run's monitor as a Ray actor: the live page, /health, /metrics and the learner's reports.
 
 Kept apart from ``rlray.launch.actors`` on purpose: Ray imports an actor's module in the actor's process, and
-that module imports torch, vLLM's engine wrapper and the learner; this one imports only ``rlray.observe``, so
-the monitor process stays small (it holds no model).
+that module imports torch, vLLM's engine wrapper and the learner; this one imports only the light parts of
+``rlray.observe`` (no torch, no config schema: that imports the algorithms, hence torch; MLflow only when an alert is
+sent to it), so the monitor process stays small and starts in about a second (it holds no model).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+import time
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from rlray.config import Config
 from rlray.observe import page
 from rlray.observe.monitor import Alert, Alerter, Progress, RunMonitor
 from rlray.observe.samples import StepSample
-from rlray.observe.tracking import Tracker
+from rlray.observe.startup import ActorTimes, Launched, LearnerTimes
+
+if TYPE_CHECKING:
+    from rlray.config import Config
 
 
 class MonitorActor:
@@ -37,12 +42,14 @@ class MonitorActor:
     def __init__(self, run_id: str, tracking_uri: str, experiment: str, sinks: list[str], webhook_url: str | None,
                  webhook_attempts: int, heartbeat_s: float, kl_limit: float | None = None, page_sample_steps: int = 20,
                  bands: list[dict[str, Any]] | None = None) -> None:
-
-        tracker = Tracker(tracking_uri, experiment, run_id=run_id) if "mlflow" in sinks else None
+        self.times = ActorTimes.begin()
+        self.learner_times = LearnerTimes()
+        tracker = LazyTracker(tracking_uri, experiment, run_id) if "mlflow" in sinks else None
         alerter = Alerter(sinks, tracker=tracker, webhook_url=webhook_url, webhook_attempts=webhook_attempts)
         self.monitor = RunMonitor(run_id, heartbeat_s=heartbeat_s, alerter=alerter, ray_metrics=True, kl_limit=kl_limit,
                                   page_sample_steps=page_sample_steps,
                                   bands=tuple(page.Band(**b) for b in bands or []))
+        self.times.end()
 
     def serve(self, host: str, port: int) -> int:
         """Starts the HTTP server; returns the bound port."""
@@ -53,7 +60,8 @@ class MonitorActor:
         self.monitor.beat(step, epoch, policy_version)
 
     def record_step(self, step: int, epoch: int, policy_version: int, step_metrics: dict[str, float]) -> None:
-        """Records a finished step."""
+        """Records a finished step (and stamps its end for the ``startup/*`` figures)."""
+        self.learner_times.step_recorded(step_metrics)
         self.monitor.record_step(step, epoch, policy_version, step_metrics)
 
     def record_samples(self, step: int, samples: list[StepSample]) -> None:
@@ -66,6 +74,7 @@ class MonitorActor:
 
     def learner_started(self) -> int:
         """Counts a learner start; returns the count (more than 1 means a restart)."""
+        self.learner_times.learner_started()
         return self.monitor.learner_started()
 
     def alert(self, kind: str, message: str, step: int | None = None) -> None:
@@ -88,27 +97,80 @@ class MonitorActor:
         """Returns every alert sent so far."""
         return list(self.monitor.alerts)
 
+    def startup_times(self) -> ActorTimes:
+        """Returns this actor's start: its process's creation, its imports and its ``__init__`` (``ActorTimes``)."""
+        return self.times
+
+    def learner_startup(self) -> LearnerTimes:
+        """Returns the learner's start and each recorded step's end (``LearnerTimes``), for the ``startup/*`` figures."""
+        return self.learner_times
+
+
+class LazyTracker:
+    """The monitor's MLflow client for alerts, built in a background thread: MLflow's import (about 2 s of CPU)
+    stays out of the monitor's start (the page serves at once), and an alert waits for it only when it comes first.
+
+    Args:
+        tracking_uri, experiment, run_id: the run's MLflow store, experiment and run (``rlray.observe.tracking.Tracker``).
+    """
+
+    def __init__(self, tracking_uri: str, experiment: str, run_id: str) -> None:
+        self.args = (tracking_uri, experiment, run_id)
+        self.lock = threading.Lock()
+        self.tracker: Any = None
+        threading.Thread(target=self.get, name="rlray-monitor-mlflow", daemon=True).start()
+
+    def get(self) -> Any:
+        """Returns the ``Tracker``, built by the first caller (the others wait for it)."""
+        with self.lock:
+            if self.tracker is None:
+                from rlray.observe.tracking import Tracker  # deferred: see the class docstring
+
+                tracking_uri, experiment, run_id = self.args
+                self.tracker = Tracker(tracking_uri, experiment, run_id=run_id)
+            return self.tracker
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.get(), name)
+
 
 def start_monitor(cfg: Config, run_id: str) -> tuple[ray.actor.ActorHandle, int]:
-    """Returns (monitor actor, bound port): a ``MonitorActor`` on this node serving ``monitor.host:port``.
-
-    The actor is pinned to the caller's node, so ``curl 127.0.0.1:<port>/health`` works where the run was
-    started. Port 0 picks a free port.
+    """Returns (monitor actor, bound port): ``launch_monitor``, then waits until it serves.
 
     Raises:
         OSError: the port is taken.
     """
+    launched = launch_monitor(cfg, run_id)
+    return launched.handle, monitor_port(launched)
+
+
+def launch_monitor(cfg: Config, run_id: str) -> Launched:
+    """Asks for a ``MonitorActor`` on this node serving ``monitor.host:port`` and returns it unwaited (its ``ready``
+    is the ``serve`` call: ``monitor_port`` waits for the bound port).
+
+    The actor is pinned to the caller's node, so ``curl 127.0.0.1:<port>/health`` works where the run was
+    started. Port 0 picks a free port. It gets plain values only: its process imports no config schema.
+    """
 
     m = cfg.monitor
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    at = time.time()
     actor = ray.remote(MonitorActor).options(num_cpus=0, scheduling_strategy=here).remote(
         run_id, cfg.tracking.mlflow_uri, cfg.tracking.experiment, list(m.alerts),
         m.webhook_url.get_secret_value() if m.webhook_url else None, m.webhook_attempts, m.heartbeat_s,
         cfg.guard.kl_threshold, m.page_sample_steps, [b.model_dump() for b in m.bands],
     )
+    return Launched("monitor", actor, actor.serve.remote(m.host, m.port), at)
+
+
+def monitor_port(launched: Launched) -> int:
+    """Waits until the monitor of ``launch_monitor`` serves; returns its bound port.
+
+    Raises:
+        OSError: the port is taken (the actor is killed).
+    """
     try:
-        port = ray.get(actor.serve.remote(m.host, m.port))
+        return ray.get(launched.ready)
     except ray.exceptions.RayTaskError as err:
-        ray.kill(actor)
+        ray.kill(launched.handle)
         raise OSError(str(err.cause)) from None
-    return actor, port

@@ -28,6 +28,7 @@ import re
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import mlflow
 from filelock import FileLock
@@ -36,9 +37,11 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
-from rlray.config import Config
 from rlray.observe.metrics import KeySanitizer
 from rlray.observe.samples import StepSample, table_columns
+
+if TYPE_CHECKING:  # the monitor actor's process builds a Tracker for its alerts: no config schema (torch) there
+    from rlray.config import Config
 
 log = logging.getLogger(__name__)
 

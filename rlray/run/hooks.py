@@ -26,13 +26,16 @@ import inspect
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import ray
 import ray.cloudpickle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from rlray.config import Config, ConfigError
 from rlray.envs.trl import USER_MODULE_PREFIX, load_object
+
+if TYPE_CHECKING:  # the run-control actor's process imports this module: no config schema there (it imports torch)
+    from rlray.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +151,8 @@ def load_step_hooks(cfg: Config) -> list[StepHook]:
             raised, or it returned something that is not callable; one line naming ``run.hooks[i]``, the spec and
             the fix.
     """
+    from rlray.config import ConfigError  # deferred: see the TYPE_CHECKING import above
+
     hooks: list[StepHook] = []
     for i, spec in enumerate(cfg.run.hooks):
         label = f"run.hooks[{i}]={spec!r}"
