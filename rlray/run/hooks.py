@@ -31,8 +31,8 @@ import ray
 import ray.cloudpickle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from rlray.config import Config, ConfigError
 from rlray.envs.trl import USER_MODULE_PREFIX, load_object
+from rlray.plan import ConfigError, RunPlan
 
 log = logging.getLogger(__name__)
 
@@ -134,8 +134,9 @@ class StopWhenRequested:
         return reason
 
 
-def load_step_hooks(cfg: Config) -> list[StepHook]:
-    """Returns the step hooks of ``run.hooks``, in order: each spec's factory called with ``cfg``.
+def load_step_hooks(plan: RunPlan) -> list[StepHook]:
+    """Returns the step hooks of ``run.hooks``, in order: each spec's factory called with the validated config
+    (``plan.settings``; the factories' API is unchanged).
 
     A spec is ``"package.module:factory"`` or ``"path/to/file.py:factory"`` (relative to the current folder),
     loaded by ``rlray.envs.trl.load_object``, the loader of environments. The factory takes the validated Config
@@ -148,6 +149,7 @@ def load_step_hooks(cfg: Config) -> list[StepHook]:
             raised, or it returned something that is not callable; one line naming ``run.hooks[i]``, the spec and
             the fix.
     """
+    cfg = plan.settings
     hooks: list[StepHook] = []
     for i, spec in enumerate(cfg.run.hooks):
         label = f"run.hooks[{i}]={spec!r}"
