@@ -322,7 +322,6 @@ CONFIG_READERS = ("rlray.config", "rlray.plan", "rlray.cli", "rlray.sweep")
 # Modules that still import rlray.config (issue 38, not converted yet), each with why. The list only shrinks: a module
 # that no longer imports the config must leave it (the test below fails on a stale entry).
 STILL_READ_CONFIG = {
-    "rlray.checkpoint.contents": "a snapshot stores the run's config (a service, DESIGN.md line 3)",
     "rlray.checkpoint.lineage": "lineage registers the snapshot's config in MLflow (a service)",
     "rlray.observe.tracking": "MLflow params are the flattened config (a service)",
     "rlray.observe.stored": "reads a stored run's resolved config back (a service)",

@@ -28,7 +28,7 @@ from rlray.checkpoint import storage as checkpoint
 from rlray.checkpoint.manifest import SnapshotManifest
 from rlray.learner.collective import Collective, RayTrainCollective
 from rlray.observe.monitor import Heartbeat
-from rlray.plan import RunPlan, resolve_plan
+from rlray.plan import RunPlan, plan_from_tree
 from rlray.run import guards, snapshots
 from rlray.run.context import RunContext, StepResult
 from rlray.run.hooks import StepEnd, StepHook, run_hooks, run_observers
@@ -225,7 +225,7 @@ def plan_for_restore(plan: RunPlan, source: str | None, restarted: bool) -> RunP
     if source is None or not restarted:
         return plan
     stored = contents.snapshot_config(source, plan.settings.checkpoint.s3.storage_options())
-    return resolve_plan(contents.adopt_trained_config(plan.settings, stored))
+    return plan_from_tree(contents.adopt_trained_tree(plan.source, stored))
 
 
 def begin(ctx: RunContext, services: RunServices, source: str | None, *, in_ray_train: bool) -> RunState:
@@ -254,7 +254,7 @@ def begin(ctx: RunContext, services: RunServices, source: str | None, *, in_ray_
 
 def _restore(ctx: RunContext, run: RunState, uri: str) -> SnapshotManifest:
     manifest = contents.restore_learner(uri, learner=ctx.learner, rank=ctx.rank, options=run.options)
-    contents.set_optimizer_hparams(ctx.learner, ctx.settings)
+    contents.set_optimizer_hparams(ctx.learner, ctx.settings.learner)
     ctx.policy_version = manifest.policy_version
     ctx.load_cursor_state(manifest.data_cursor)  # rank 0 online; every rank offline (each walks the same cursor)
     log.info("rank %d restored snapshot %s (step %d, policy version %d)", ctx.rank, uri, manifest.step, ctx.policy_version)

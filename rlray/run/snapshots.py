@@ -79,10 +79,11 @@ def _write(ctx: RunContext, run: RunState, uri: str, kind: str, metrics: dict[st
             checkpoint.clear(uri, run.options)
         ctx.coll.barrier()
         if ctx.rank == 0:
-            contents.write_rank0(uri, learner=ctx.learner, tokenizer=ctx.tokenizer, cfg=ctx.settings, options=run.options)
-        else:  # its RNG states, and its optimizer shard when sharded (with rank 0's gathers: every rank is here)
-            contents.write_rank(uri, rank=ctx.rank, learner=ctx.learner, tokenizer=ctx.tokenizer, cfg=ctx.settings,
+            contents.write_rank0(uri, learner=ctx.learner, tokenizer=ctx.tokenizer, config_yaml=ctx.plan.to_yaml(),
                                 options=run.options)
+        else:  # its RNG states, and its optimizer shard when sharded (with rank 0's gathers: every rank is here)
+            contents.write_rank(uri, rank=ctx.rank, learner=ctx.learner, tokenizer=ctx.tokenizer,
+                                config_yaml=ctx.plan.to_yaml(), options=run.options)
     except SnapshotError as err:
         error = str(err)
     failed = ctx.coll.all_reduce_sum({"failed": float(error is not None)})["failed"]

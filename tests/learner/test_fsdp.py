@@ -77,7 +77,7 @@ def _snapshot(learner, cfg: Config, uri: Path, model_dir: str) -> None:
     from rlray.models import load_tokenizer
 
     coll = current_collective()
-    contents.write_rank(str(uri), rank=coll.rank, learner=learner, tokenizer=load_tokenizer(model_dir), cfg=cfg,
+    contents.write_rank(str(uri), rank=coll.rank, learner=learner, tokenizer=load_tokenizer(model_dir), config_yaml=cfg.to_yaml(),
                         options=None)
     coll.barrier()
     if coll.rank == 0:
