@@ -210,7 +210,7 @@ def test_the_training_function_ends_normally_after_a_fatal_step(monkeypatch):
     calls = []
 
     def fatal_train(*args, **kwargs):
-        calls.append(args[0].run.max_steps)
+        calls.append(args[0].max_steps)  # the plan of the shipped config
         raise online.FatalStepError("RewardFunctionError: wrong count")
 
     monkeypatch.setattr(worker, "train", fatal_train)
