@@ -324,7 +324,6 @@ CONFIG_READERS = ("rlray.config", "rlray.plan", "rlray.cli", "rlray.sweep")
 # Modules that still import rlray.config (issue 38, not converted yet), each with why. The list only shrinks: a module
 # that no longer imports the config must leave it (the test below fails on a stale entry).
 STILL_READ_CONFIG = {
-    "rlray.checkpoint.contents": "a snapshot stores the run's config (a service, DESIGN.md line 3)",
     "rlray.checkpoint.lineage": "lineage registers the snapshot's config in MLflow (a service)",
     "rlray.observe.tracking": "MLflow params are the flattened config (a service)",
     "rlray.observe.stored": "reads a stored run's resolved config back (a service)",
@@ -341,17 +340,6 @@ STILL_READ_CONFIG = {
     "rlray.launch.plan_roles": "the memory arithmetic reads model, optimizer and batch keys of the config",
     "rlray.launch.preflight": "checks every input file the config names (model, data, reward functions, storage)",
     "rlray.run.build": "the translator: config sections into building-block arguments (plan parts where decided)",
-    "rlray.run.context": "RunContext holds the config in force (a rollback may change it)",
-    "rlray.run.experience": "stages 1-3 read the config in force (learner, algo, reward)",
-    "rlray.run.guards": "edits the config in force (rollback overrides, the OOM fallback)",
-    "rlray.run.hooks": "loads run.hooks and reads the config in force for step hooks",
-    "rlray.run.lead": "rank 0 builds its data stream, eval prompts and reward client from data.*, eval.*, reward.*",
-    "rlray.run.ledger": "rlray ledger rebuilds a run's prompts from its stored config",
-    "rlray.run.offline": "offline runs read offline.* and learner.*",
-    "rlray.run.online": "the online step reads the config in force",
-    "rlray.run.session": "the run loop reads run.*, eval.*, checkpoint.* and the config in force",
-    "rlray.run.snapshots": "a snapshot saves the config in force",
-    "rlray.run.worker": "the Ray Train worker validates the shipped config tree",
 }
 
 

@@ -16,6 +16,7 @@ optimizer state goes into a sharded learner by parameter name.
 
 from __future__ import annotations
 
+import copy
 import random
 import tempfile
 from pathlib import Path
@@ -29,7 +30,6 @@ from safetensors.torch import load_file
 
 from rlray.checkpoint import storage as checkpoint
 from rlray.checkpoint.manifest import SnapshotManifest
-from rlray.config import Config, validate_tree
 
 TRAINER_STATE = "trainer_state.pt"
 SHARDED_DIR = "sharded"
@@ -69,7 +69,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------------------------
 # Write
 # --------------------------------------------------------------------------------------------
-def write_payload(out: Path, *, learner: Any, tokenizer: Any, cfg: Config,
+def write_payload(out: Path, *, learner: Any, tokenizer: Any, config_yaml: str,
                   weights: dict[str, torch.Tensor] | None = None) -> None:
     """Writes rank 0's payload into the local folder ``out``: model/, trainer_state.pt, config.yaml.
 
@@ -79,7 +79,7 @@ def write_payload(out: Path, *, learner: Any, tokenizer: Any, cfg: Config,
     learner.module.save_pretrained(out / "model", safe_serialization=True, **extra)
     tokenizer.save_pretrained(out / "model")
     torch.save(learner.state_dict(), out / TRAINER_STATE)
-    (out / CONFIG_FILE).write_text(cfg.to_yaml())
+    (out / CONFIG_FILE).write_text(config_yaml)
 
 
 def write_rng(uri: str, rank: int, options: dict[str, Any] | None) -> dict[str, int]:
@@ -94,16 +94,17 @@ def write_rng(uri: str, rank: int, options: dict[str, Any] | None) -> dict[str, 
     return {f"rng/{k}": v for k, v in sizes.items()}
 
 
-def write_rank0(uri: str, *, learner: Any, tokenizer: Any, cfg: Config, options: dict[str, Any] | None) -> dict[str, int]:
+def write_rank0(uri: str, *, learner: Any, tokenizer: Any, config_yaml: str, options: dict[str, Any] | None,
+                ) -> dict[str, int]:
     """Writes rank 0's payload and RNG states to the snapshot folder ``uri``; returns {relative path: bytes}.
 
     Raises:
         rlray.checkpoint.storage.SnapshotError: the write failed (the folder is left without a manifest).
     """
-    return write_rank(uri, rank=0, learner=learner, tokenizer=tokenizer, cfg=cfg, options=options)
+    return write_rank(uri, rank=0, learner=learner, tokenizer=tokenizer, config_yaml=config_yaml, options=options)
 
 
-def write_rank(uri: str, *, rank: int, learner: Any, tokenizer: Any, cfg: Config,
+def write_rank(uri: str, *, rank: int, learner: Any, tokenizer: Any, config_yaml: str,
                options: dict[str, Any] | None) -> dict[str, int]:
     """Writes this rank's part of the snapshot folder ``uri``; returns {relative path: bytes}.
 
@@ -123,7 +124,7 @@ def write_rank(uri: str, *, rank: int, learner: Any, tokenizer: Any, cfg: Config
             if rank != 0:
                 sizes = checkpoint.put_files(uri, out, options)
         if rank == 0:
-            write_payload(out, learner=learner, tokenizer=tokenizer, cfg=cfg, weights=weights)
+            write_payload(out, learner=learner, tokenizer=tokenizer, config_yaml=config_yaml, weights=weights)
             sizes = checkpoint.put_files(uri, out, options)
     return {**sizes, **write_rng(uri, rank, options)}
 
@@ -145,21 +146,19 @@ def snapshot_config(uri: str, options: dict[str, Any] | None = None) -> dict[str
         raise checkpoint.SnapshotError(f"could not read the config of snapshot '{uri}': {err}") from err
 
 
-def adopt_trained_config(cfg: Config, trained: dict[str, Any]) -> Config:
-    """Returns ``cfg`` with the sections a run changes while training taken from ``trained``.
+def adopt_trained_tree(tree: dict[str, Any], trained: dict[str, Any]) -> dict[str, Any]:
+    """Returns a copy of the config tree ``tree`` with the sections a run changes while training taken from
+    ``trained`` (plain data; the caller validates it: ``rlray.plan.plan_from_tree`` or ``validate_tree``).
 
     The learner, algo and reward sections and ``model.gradient_checkpointing`` come from the
     snapshot's config (a rollback or the OOM fallback may have changed them); everything else,
-    secrets included, stays as in ``cfg``.
-
-    Raises:
-        rlray.config.ConfigError: the merged config is invalid.
+    secrets included, stays as in ``tree``.
     """
-    tree = cfg.model_dump()
+    tree = copy.deepcopy(tree)
     for section in TRAINED_SECTIONS:
         tree[section] = trained[section]
     tree["model"]["gradient_checkpointing"] = trained["model"]["gradient_checkpointing"]
-    return validate_tree(tree)
+    return tree
 
 
 def load_model_weights(module: torch.nn.Module, model_dir: Path) -> None:
@@ -207,14 +206,14 @@ def _load_adapter_weights(module: torch.nn.Module, state: dict[str, torch.Tensor
                            f"unexpected {list(result.unexpected_keys)[:3]}")
 
 
-def set_optimizer_hparams(learner: Any, cfg: Config) -> None:
-    """Sets lr, betas, weight decay and the grad clip of a learner from ``cfg.learner``.
+def set_optimizer_hparams(learner: Any, ln: Any) -> None:
+    """Sets lr, betas, weight decay and the grad clip of a learner from ``ln``, the ``learner`` section in force
+    (its ``lr``, ``betas``, ``weight_decay`` and ``max_grad_norm``).
 
     Loading an optimizer state brings back the hyper-parameters it was saved with; this makes the
     config in effect (a user's on resume, the rollback's after a rollback) win. The scheduler keeps
     its step count, so warm-up continues where it was.
     """
-    ln = cfg.learner
     learner.max_grad_norm = ln.max_grad_norm
     learner.scheduler.base_lrs = [ln.lr for _ in learner.optimizer.param_groups]
     factor = learner.scheduler.lr_lambdas[0](learner.scheduler.last_epoch)

@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from rlray.checkpoint import storage as checkpoint
-from rlray.checkpoint.contents import adopt_trained_config, snapshot_config
+from rlray.checkpoint.contents import adopt_trained_tree, snapshot_config
 from rlray.checkpoint.manifest import SnapshotManifest
 from rlray.config import Config, validate_tree
 from rlray.observe import tracking
@@ -163,7 +163,8 @@ def prepare_rollback(ref: str, to: str, cfg: Config, dest: Path, *, base: Config
     uri = find_snapshot(ref, to, cfg)
     manifest = checkpoint.read_manifest(uri, opts)
     trained = snapshot_config(uri, opts)
-    tree = adopt_trained_config(base, trained).model_dump(mode="json") if base is not None else trained
+    tree = (validate_tree(adopt_trained_tree(base.model_dump(), trained)).model_dump(mode="json") if base is not None
+            else trained)
     tree["checkpoint"]["resume_from"] = uri
     # secrets are not written to disk: give them again in the config or through the AWS credential chain
     tree["checkpoint"]["s3"].update({"access_key_id": None, "secret_access_key": None})

@@ -301,7 +301,7 @@ def run_training(
         cfg = resolve_paths(cfg)
         plan = resolve_plan(cfg)
         model_dir = preflight(cfg)
-        user_hooks = load_step_hooks(cfg)
+        user_hooks = load_step_hooks(plan)
         roles = plan.roles
         teacher_dir = resolve_model_path(cfg.teacher.path) if roles.teacher != "off" else None  # preflight checked it
     with clock.phase("ray"):

@@ -12,11 +12,12 @@ import abc
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlray.config import Config
 from rlray.learner import PolicyLearner
 from rlray.learner.collective import Collective
 from rlray.observe.samples import StepSample
 from rlray.observe.tracking import Tracker
+from rlray.plan import RunPlan
+from rlray.plan.settings import Settings
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class RunContext(abc.ABC):
     """Everything one learner rank's run holds, whatever its kind.
 
     Attributes:
-        cfg: the config in force (a rollback replaces it through ``adopt_config``).
+        plan: the run plan in force (``rlray.plan.resolve_plan``; a rollback replaces it through ``adopt_plan``).
         coll: the collectives of the learner group.
         learner: the policy learner (every rank).
         tokenizer: the policy's tokenizer.
@@ -66,12 +67,17 @@ class RunContext(abc.ABC):
         policy_version: the version of the learner's weights (optimizer steps taken; snapshots keep it).
     """
 
-    cfg: Config
+    plan: RunPlan
     coll: Collective
     learner: PolicyLearner
     tokenizer: Any
     tracker: Tracker | None = None
     policy_version: int = 0
+
+    @property
+    def settings(self) -> Settings:
+        """Returns the settings of the plan in force, read-only (``RunPlan.settings``)."""
+        return self.plan.settings
 
     @property
     def rank(self) -> int:
@@ -111,9 +117,9 @@ class RunContext(abc.ABC):
     def load_cursor_state(self, state: dict[str, Any]) -> None:
         """Sets the data cursor to a snapshot's ``state`` (called on every rank; a rank without a cursor ignores it)."""
 
-    def adopt_config(self, cfg: Config) -> None:
-        """Makes ``cfg`` the config in force (a rollback's ``guard.rollback_overrides`` applied)."""
-        self.cfg = cfg
+    def adopt_plan(self, plan: RunPlan) -> None:
+        """Makes ``plan`` the plan in force (a rollback's ``guard.rollback_overrides`` applied, ``rlray.plan.replan``)."""
+        self.plan = plan
 
     def reload_rollouts(self) -> None:  # noqa: B027 (a hook with a default: offline runs have no rollouts)
         """Pushes the learner's weights to the rollout engines (start, restore, rollback); none by default."""

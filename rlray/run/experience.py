@@ -24,10 +24,10 @@ import numpy as np
 import pyarrow as pa
 
 from rlray import schema
-from rlray.config import Config
 from rlray.data import PromptRow, columns_json
 from rlray.learner import Normaliser
 from rlray.observe.samples import StepSample, mask_runs
+from rlray.plan import RunPlan
 from rlray.reward.judges.panel import JudgePanel
 from rlray.reward.server import ScoreResult
 from rlray.rollout import Completion, SamplingSpec
@@ -86,7 +86,7 @@ class Experience:
     alerts: list[StepAlert] = field(default_factory=list)
 
 
-def collect_experience(lead: OnlineLead, cfg: Config, tokenizer: Any, step: int, timer: StageTimer, *,
+def collect_experience(lead: OnlineLead, plan: RunPlan, tokenizer: Any, step: int, timer: StageTimer, *,
                        policy_version: int, world: int = 1) -> Experience:
     """Stages 1-3 (rank 0): returns 0-based ``step``'s experience table, its metrics, its prompt ledger and alerts.
 
@@ -96,7 +96,7 @@ def collect_experience(lead: OnlineLead, cfg: Config, tokenizer: Any, step: int,
 
     Args:
         lead: rank 0's part of the run (data, pipeline, reward client, rollouts).
-        cfg: the config in force.
+        plan: the run plan in force (its settings: ``RunPlan.settings``).
         tokenizer: the policy's tokenizer (decodes completions for the reward functions).
         step: the 0-based step.
         timer: the step's stage timer (rollout, reward and algo_sampling are added).
@@ -108,6 +108,7 @@ def collect_experience(lead: OnlineLead, cfg: Config, tokenizer: Any, step: int,
         rlray.algos.DynamicSamplingError: DAPO could not fill the step within its rounds.
         rlray.run.failures.CannotLearnError: every sample failed in ``guard.max_failed_steps`` steps in a row.
     """
+    cfg = plan.settings
     with timer("rollout"):  # 1-2. prompts and rollout; the pipeline keeps steps step+1..step+max_staleness in flight
         got = lead.pipeline.next(step)
     taken = [r.prompt_id for r in got.rows]
@@ -117,7 +118,7 @@ def collect_experience(lead: OnlineLead, cfg: Config, tokenizer: Any, step: int,
     failed_rewards = reward_failures(got.completions, scored)  # and those of DAPO's refills, below
     with timer("algo_sampling"):  # DAPO refill, overlong shaping, ReMax's greedy baseline
         drawn = Rollouts(got.rows, got.prompt_ids, got.completions, scored.values, scored.outputs)
-        drawn, baseline, algo_metrics = algorithm_sampling(lead, cfg, tokenizer, build.sampling_for_step(cfg, step),
+        drawn, baseline, algo_metrics = algorithm_sampling(lead, plan, tokenizer, build.sampling_for_step(cfg, step),
                                                            drawn, taken, failed_rewards)
     failures = [sample_failure(c, r, failed_rewards.get(id(c), ""))
                 for c, r in zip(drawn.completions, drawn.rewards["reward"], strict=True)]
@@ -165,7 +166,7 @@ def score(reward: RewardClient, rows: list[PromptRow], completions: list[Complet
     return got
 
 
-def algorithm_sampling(lead: OnlineLead, cfg: Config, tokenizer: Any, sampling: SamplingSpec, batch: Rollouts,
+def algorithm_sampling(lead: OnlineLead, plan: RunPlan, tokenizer: Any, sampling: SamplingSpec, batch: Rollouts,
                        taken: list[str], failed_rewards: dict[int, str] | None = None,
                        ) -> tuple[Rollouts, list[float] | None, dict[str, float]]:
     """Stage 3's algorithm extras (rank 0): DAPO refill, overlong shaping and ReMax's greedy baseline
@@ -175,6 +176,7 @@ def algorithm_sampling(lead: OnlineLead, cfg: Config, tokenizer: Any, sampling: 
     stream, whether or not their groups are kept; the failure texts of the refills' rewards are added to
     ``failed_rewards`` (``rlray.run.failures.reward_failures``).
     """
+    cfg = plan.settings
     failed_rewards = {} if failed_rewards is None else failed_rewards
     weight, judge_seed = cfg.env.reward_weight, sampling.seed or 0  # the step's seed (build.judge_seed)
 
@@ -332,12 +334,13 @@ def term_metrics(rewards: dict[str, list[float | None]], prefix: str) -> dict[st
     return out
 
 
-def minibatch_normalisers(table: pa.Table, cfg: Config, world: int) -> list[Normaliser]:
+def minibatch_normalisers(table: pa.Table, plan: RunPlan, world: int) -> list[Normaliser]:
     """Returns the global token and sequence counts of each mini-batch (rank 0, after all masking).
 
     Mini-batch m takes rows [m*k, (m+1)*k) of every rank's shard, k = (rows / world) / minibatches_per_epoch:
     sequences_per_minibatch / world, or more in a step with agent segments (``segments.layout_for_ranks``).
     """
+    cfg = plan.settings
     valid = np.array([sum(m) for m in table.column("response_mask").to_pylist()], dtype=np.float64)
     per_rank = table.num_rows // world
     k = per_rank // cfg.minibatches_per_epoch

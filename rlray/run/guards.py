@@ -19,10 +19,9 @@ from typing import Any
 
 import psutil
 import torch
-import yaml
 
-from rlray.config import Config, ConfigError, GuardConfig, validate_tree
-from rlray.plan import resolve_plan
+from rlray.plan import RunPlan, replan
+from rlray.plan.settings import GuardSettings
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +53,7 @@ def check_step(
     *,
     step: int,
     nonfinite_in_row: int,
-    guard: GuardConfig,
+    guard: GuardSettings,
     elapsed_s: float,
     max_wall_time_s: float,
     memory_message: str | None,
@@ -85,8 +84,8 @@ def check_step(
     return None
 
 
-def rollback_config(cfg: Config, overrides: list[str]) -> tuple[Config, dict[str, tuple[Any, Any]]]:
-    """Returns (new config, {key: (old, new)}) after ``guard.rollback_overrides``.
+def rollback_plan(plan: RunPlan) -> tuple[RunPlan, dict[str, tuple[Any, Any]]]:
+    """Returns (the plan after ``guard.rollback_overrides``, {key: (old, new)}) through ``rlray.plan.replan``.
 
     ``key=value`` sets a value (YAML-parsed); ``key*=factor`` multiplies the current one, so each
     rollback compounds (two rollbacks with ``learner.lr*=0.5`` quarter the learning rate).
@@ -94,28 +93,13 @@ def rollback_config(cfg: Config, overrides: list[str]) -> tuple[Config, dict[str
     Raises:
         ConfigError: an unknown key or a result the schema rejects, naming the key.
     """
-    tree = cfg.model_dump()
-    changes: dict[str, tuple[Any, Any]] = {}
-    for item in overrides:
-        key, raw = item.split("=", 1)
-        scale = key.endswith("*")
-        key = key.rstrip("*").strip()
-        *path, leaf = key.split(".")
-        node = tree
-        for part in path:
-            node = node[part]
-        if leaf not in node:
-            raise ConfigError(f"guard.rollback_overrides: unknown key '{key}'")
-        old = node[leaf]
-        node[leaf] = old * float(raw) if scale else yaml.safe_load(raw)
-        changes[key] = (old, node[leaf])
-    return validate_tree(tree), changes
+    return replan(plan, list(plan.settings.guard.rollback_overrides), origin="guard.rollback_overrides")
 
 
 # --------------------------------------------------------------------------------------------
 # Memory
 # --------------------------------------------------------------------------------------------
-def memory_cap_bytes(guard: GuardConfig, *, cuda: bool) -> int:
+def memory_cap_bytes(guard: GuardSettings, *, cuda: bool) -> int:
     """Returns the per-worker memory cap in bytes: ``memory_cap_gib``, else ``memory_fraction`` of the
     GPU's memory (``cuda``) or of the machine's RAM."""
     if guard.memory_cap_gib is not None:
@@ -124,7 +108,7 @@ def memory_cap_bytes(guard: GuardConfig, *, cuda: bool) -> int:
     return int(guard.memory_fraction * total)
 
 
-def apply_gpu_memory_cap(guard: GuardConfig) -> float | None:
+def apply_gpu_memory_cap(guard: GuardSettings) -> float | None:
     """Caps this process's CUDA allocations (``torch.cuda.set_per_process_memory_fraction``); returns the
     fraction set, or None without CUDA. An allocation past the cap raises torch.OutOfMemoryError."""
     if not torch.cuda.is_available():
@@ -205,24 +189,23 @@ def is_oom(err: BaseException) -> bool:
     )
 
 
-def oom_fallback_config(cfg: Config) -> tuple[Config, str]:
-    """Returns (config with half the micro-batch and gradient checkpointing on, a note saying so).
+def oom_fallback_plan(plan: RunPlan) -> tuple[RunPlan, str]:
+    """Returns (the plan with half the micro-batch and gradient checkpointing on, a note saying so), made by
+    ``rlray.plan.replan``.
 
     Half the micro-batch is half ``learner.tokens_per_microbatch`` when a token budget is in force (the plan's
     ``parallelism.micro_batching``: an FSDP learner cuts by sequences), else half ``sequences_per_microbatch``
     (which keeps ``sequences_per_minibatch`` divisible: it was a multiple of micro-batch x ranks).
     """
-    tree = cfg.model_dump()
-    budget = resolve_plan(cfg).parallelism.micro_batching.tokens
+    budget = plan.parallelism.micro_batching.tokens
     if budget is not None:  # the micro-batch is cut by tokens: halve the budget (never below the schema's 16)
         key, old, new = "tokens_per_microbatch", budget, max(16, budget // 2)
     else:
-        key, old = "sequences_per_microbatch", cfg.learner.sequences_per_microbatch
+        key, old = "sequences_per_microbatch", plan.settings.learner.sequences_per_microbatch
         new = max(1, old // 2)
-    tree["learner"][key] = new
-    tree["model"]["gradient_checkpointing"] = True
-    note = f"learner.{key} {old} -> {new}, model.gradient_checkpointing {cfg.model.gradient_checkpointing} -> True"
-    return validate_tree(tree), note
+    was = plan.settings.model.gradient_checkpointing
+    new_plan, _ = replan(plan, [f"learner.{key}={new}", "model.gradient_checkpointing=true"], origin="the OOM fallback")
+    return new_plan, f"learner.{key} {old} -> {new}, model.gradient_checkpointing {was} -> True"
 
 
 def free_memory() -> None:

@@ -35,7 +35,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from rlray.envs.trl import USER_MODULE_PREFIX, load_object
 
 if TYPE_CHECKING:  # the run-control actor's process imports this module: no config schema there (it imports torch)
-    from rlray.config import Config
+    from rlray.plan import RunPlan
 
 log = logging.getLogger(__name__)
 
@@ -137,8 +137,9 @@ class StopWhenRequested:
         return reason
 
 
-def load_step_hooks(cfg: Config) -> list[StepHook]:
-    """Returns the step hooks of ``run.hooks``, in order: each spec's factory called with ``cfg``.
+def load_step_hooks(plan: RunPlan) -> list[StepHook]:
+    """Returns the step hooks of ``run.hooks``, in order: each spec's factory called with the validated config
+    (``plan.settings``; the factories' API is unchanged).
 
     A spec is ``"package.module:factory"`` or ``"path/to/file.py:factory"`` (relative to the current folder),
     loaded by ``rlray.envs.trl.load_object``, the loader of environments. The factory takes the validated Config
@@ -151,8 +152,9 @@ def load_step_hooks(cfg: Config) -> list[StepHook]:
             raised, or it returned something that is not callable; one line naming ``run.hooks[i]``, the spec and
             the fix.
     """
-    from rlray.config import ConfigError  # deferred: see the TYPE_CHECKING import above
+    from rlray.plan import ConfigError  # deferred: see the TYPE_CHECKING import above
 
+    cfg = plan.settings
     hooks: list[StepHook] = []
     for i, spec in enumerate(cfg.run.hooks):
         label = f"run.hooks[{i}]={spec!r}"

@@ -15,9 +15,9 @@ from typing import Any
 
 import ray
 
-from rlray.config import Config
 from rlray.cores import CorePlan
 from rlray.data import PromptRow, PromptStream, load_prompt_rows, prepare_prompts
+from rlray.plan import RunPlan
 from rlray.reward.judges.panel import JudgePanel
 from rlray.reward.server import LocalRewardClient, ServeRewardClient
 from rlray.rollout import RolloutSource, SamplingSpec
@@ -83,10 +83,11 @@ class OnlineLead:
         rows = self.stream.next_batch(count)
         return rows, [self.prompt_ids[r.prompt_id] for r in rows]
 
-    def renew_reward(self, cfg: Config) -> bool:
+    def renew_reward(self, plan: RunPlan) -> bool:
         """Rebuilds the reward client when ``cfg.reward`` asks for another one than it was built from (a rollback's
         ``guard.rollback_overrides`` under reward.*), and the judges' clients with it (weights, tries; the judges'
         applications stay as deployed); returns True when it did."""
+        cfg = plan.settings
         kwargs = build.scorer_kwargs(cfg, self.reward_columns)
         judges = [j.model_dump() for j in cfg.reward.judges]
         judges_changed = judges != (self.judges.source if self.judges is not None else [])
@@ -106,17 +107,17 @@ class OnlineLead:
         return True
 
 
-def build_lead(cfg: Config, tokenizer: Any, actors: list[Any], env_hosts: list[Any], plan: CorePlan, *,
+def build_lead(plan: RunPlan, tokenizer: Any, actors: list[Any], env_hosts: list[Any], cores: CorePlan, *,
                take_prompts: Callable[[], tuple[list[PromptRow], list[list[int]]]],
                sampling_for: Callable[[int], SamplingSpec]) -> OnlineLead:
     """Returns rank 0's part of an online run: data, eval prompts, reward client, fleet, episodes and pipeline.
 
     Args:
-        cfg: the run's config.
+        plan: the run plan in force.
         tokenizer: the policy's tokenizer (chat template set).
         actors: the rollout actor handles.
         env_hosts: the environment host actors ([] without environments).
-        plan: this learner's core plan (``build.core_plan``): whether async rollouts can overlap the update.
+        cores: this learner's core plan (``build.core_plan``): whether async rollouts can overlap the update.
         take_prompts: the pipeline's source of each step's prompts (``OnlineRun.take_prompts``: it reads
             learner.prompts_per_step from the config in force).
         sampling_for: the SamplingSpec of a 0-based step (``OnlineRun.sampling_for``).
@@ -124,6 +125,7 @@ def build_lead(cfg: Config, tokenizer: Any, actors: list[Any], env_hosts: list[A
     Raises:
         rlray.data.DataError: the prompt files cannot be read (names the file and line).
     """
+    cfg = plan.settings
     render = dict(instruction=cfg.data.instruction, system_prompt=cfg.data.system_prompt)
     all_train_rows, train_rows, train_ids, skipped = build.training_prompts(cfg, tokenizer)
     stream = PromptStream(train_rows, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
@@ -136,7 +138,7 @@ def build_lead(cfg: Config, tokenizer: Any, actors: list[Any], env_hosts: list[A
     fleet = RolloutFleet(actors, node_wait_s=cfg.resources.node_wait_s)
     rollouts = build.rollouts(cfg, fleet, env_hosts, tokenizer)
     here = ray.get_runtime_context().get_node_id()
-    overlap, why = build.rollout_overlap(cfg, plan, shares_node=any(gcs_actor_node(a) in (None, here) for a in actors))
+    overlap, why = build.rollout_overlap(cfg, cores, shares_node=any(gcs_actor_node(a) in (None, here) for a in actors))
     if cfg.rollout.max_staleness:
         log.info("async rollouts (max_staleness %d): overlap %s (%s)", cfg.rollout.max_staleness,
                  "on" if overlap else "off", why)

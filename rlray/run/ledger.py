@@ -21,8 +21,8 @@ from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from rlray.config import Config, ConfigError, config_from_dict
 from rlray.data import PromptRow, PromptStream
+from rlray.plan import ConfigError, RunPlan, plan_from_tree
 
 
 @dataclass(frozen=True)
@@ -282,9 +282,14 @@ def run_usage(uri: str, run_id: str) -> LedgerUsage:
     return ledger_usage(tracking.read_ledger(uri, run_id), last_step=None if final is None else int(final))
 
 
-def logged_config(uri: str, run_id: str) -> Config:
-    """Returns the config run ``run_id`` ran with: its artifact ``config/resolved.yaml`` (``Tracker.log_config``),
-    validated.
+def logged_plan(uri: str, run_id: str) -> RunPlan:
+    """Returns the plan of the config run ``run_id`` ran with: its artifact ``config/resolved.yaml``
+    (``Tracker.log_config``), validated (``rlray.plan.plan_from_tree``)."""
+    return plan_from_tree(logged_tree(uri, run_id))
+
+
+def logged_tree(uri: str, run_id: str) -> dict:
+    """Returns the config tree run ``run_id`` ran with: its artifact ``config/resolved.yaml`` as plain data.
 
     Raises:
         ConfigError: the run has no readable ``config/resolved.yaml``, or it no longer validates (names the keys).
@@ -297,10 +302,10 @@ def logged_config(uri: str, run_id: str) -> Config:
         text = tracking.read_artifact_text(uri, run_id, "config/resolved.yaml")
     except Exception as err:  # mlflow's or the artifact store's error: the message names the run and file
         raise ConfigError(f"run {run_id}: its config/resolved.yaml cannot be read from {uri} ({err})") from err
-    return config_from_dict(yaml.safe_load(text) or {})
+    return yaml.safe_load(text) or {}
 
 
-def training_rows(cfg: Config) -> list[PromptRow]:
+def training_rows(plan: RunPlan) -> list[PromptRow]:
     """Returns the rows a run of ``cfg`` streams: ``data.train_files`` rendered with ``model.path``'s tokenizer, long
     prompts skipped (``data.long_prompts``), as an online run's rank 0 makes them when it starts (the same calls).
 
@@ -308,6 +313,7 @@ def training_rows(cfg: Config) -> list[PromptRow]:
         rlray.models.ModelError: the model or its tokenizer cannot be loaded.
         rlray.data.DataError: a data file is missing or has a bad row.
     """
+    cfg = plan.settings
     from rlray.models import load_tokenizer, resolve_model_path
     from rlray.run.build import training_prompts
 
@@ -324,8 +330,8 @@ def check_logged_run(uri: str, run_id: str) -> tuple[LedgerReport, int]:
         rlray.models.ModelError, rlray.data.DataError: the run's model or data files cannot be loaded here.
         mlflow.exceptions.MlflowException: the run does not exist, or the store is down.
     """
-    cfg = logged_config(uri, run_id)
-    rows = training_rows(cfg)
+    plan = logged_plan(uri, run_id)
+    rows, cfg = training_rows(plan), plan.settings
     report = check_run(uri, run_id, rows, seed=cfg.run.seed, shuffle=cfg.data.shuffle,
                        prompts_per_step=cfg.learner.prompts_per_step, max_staleness=cfg.rollout.max_staleness)
     return report, len(rows)

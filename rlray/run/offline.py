@@ -26,7 +26,6 @@ import pyarrow as pa
 import torch
 
 from rlray import algos, schema
-from rlray.config import Config
 from rlray.data import PromptStream
 from rlray.data.pairs import collate_pairs, load_preference_pairs, pairs_table, split_pairs
 from rlray.learner import PolicyLearner, autocast_context
@@ -36,6 +35,7 @@ from rlray.learner.preference import PAIR_OBJECTIVES, PairNormaliser, Preference
 from rlray.models import load_tokenizer
 from rlray.models.heads import load_reward_model
 from rlray.observe.tracking import Tracker
+from rlray.plan import RunPlan
 from rlray.run import build
 from rlray.run.context import RunContext, StepResult
 
@@ -66,12 +66,12 @@ class OfflineRun(RunContext):
     @property
     def method(self) -> str:
         """Returns the offline method (``cfg.algo.name``)."""
-        return self.cfg.algo.name
+        return self.settings.algo.name
 
     @property
     def algorithm(self) -> algos.Algorithm:
         """Returns the method's registry entry (``rlray.algos.registry``): its objective and what it needs."""
-        return self.cfg.algo.algorithm
+        return self.settings.algo.algorithm
 
     def run_step(self, step: int) -> StepResult:
         """Runs 0-based ``step``: 1. take the step's pairs, 2-3. one optimizer step; stage 4 (eval when due, log,
@@ -85,13 +85,13 @@ class OfflineRun(RunContext):
 
     def start_metrics(self) -> dict[str, float]:
         """Returns the data counts and the held-out metrics of the initial policy (every rank evaluates)."""
-        first = evaluate(self) if self.cfg.offline.eval_fraction else {}
+        first = evaluate(self) if self.settings.offline.eval_fraction else {}
         return {**self.data_metrics, **first}
 
     def evaluate_when_due(self, steps_done: int) -> dict[str, float]:
         """Returns eval/* and timing/eval_s every ``offline.eval_every_steps`` steps and after the last (every rank)."""
-        cfg, every = self.cfg, self.cfg.offline.eval_every_steps
-        if not cfg.offline.eval_fraction or not ((every and steps_done % every == 0) or steps_done == cfg.run.max_steps):
+        off, every = self.settings.offline, self.settings.offline.eval_every_steps
+        if not off.eval_fraction or not ((every and steps_done % every == 0) or steps_done == self.plan.max_steps):
             return {}
         t = time.perf_counter()
         metrics = evaluate(self)
@@ -100,7 +100,7 @@ class OfflineRun(RunContext):
 
     def progress_text(self, steps_done: int, metrics: dict[str, float]) -> str:
         """Returns 'rlray <method> step k/N loss=... acc=...' (margin=... for unpaired KTO rows, which have no accuracy)."""
-        text = f"rlray {self.method} step {steps_done}/{self.cfg.run.max_steps} loss={metrics['learner/loss']:.4f}"
+        text = f"rlray {self.method} step {steps_done}/{self.plan.max_steps} loss={metrics['learner/loss']:.4f}"
         if "algo/pairwise_accuracy" in metrics:
             return f"{text} acc={metrics['algo/pairwise_accuracy']:.2f}"
         return f"{text} margin={metrics['algo/reward_margin']:.3f}"
@@ -121,7 +121,7 @@ class OfflineRun(RunContext):
 # --------------------------------------------------------------------------------------------
 # Setup: pairs, split, reference logprobs
 # --------------------------------------------------------------------------------------------
-def build_learner(cfg: Config, model_dir: str, world: int) -> PolicyLearner:
+def build_learner(plan: RunPlan, model_dir: str, world: int) -> PolicyLearner:
     """Returns the learner: the policy, or a one-label sequence-classification model for a reward head
     (``Algorithm.reward_head``: reward_model).
 
@@ -129,6 +129,7 @@ def build_learner(cfg: Config, model_dir: str, world: int) -> PolicyLearner:
     DDP/FSDP wrapping), except temperature 1 (no sampling temperature to undo) and no separate
     reference model (the reference is the initial policy: its logprobs are cached before step 1).
     """
+    cfg = plan.settings
     kwargs = build.learner_kwargs(cfg, world, with_reference=False)
     kwargs["temperature"] = 1.0
     kwargs["model_loader"] = partial(load_reward_model, key="model.path") if cfg.algo.algorithm.reward_head else None
@@ -169,16 +170,17 @@ def _sequence_logps(learner: PolicyLearner, inputs: schema.ModelInputs, response
     return algos.sequence_logps(lp, response_mask)
 
 
-def setup(cfg: Config, coll: Collective, *, model_dir: str, run_id: str | None) -> OfflineRun:
+def setup(plan: RunPlan, coll: Collective, *, model_dir: str, run_id: str | None) -> OfflineRun:
     """Builds the learner, the pair tables (with cached reference logprobs), the cursor and, on rank 0, the tracker.
 
     Raises:
         rlray.data.DataError: the pairs cannot be loaded (names the file and row).
     """
+    cfg = plan.settings
     torch.set_num_threads(cfg.learner.torch_threads or max(1, len(os.sched_getaffinity(0)) // coll.world))
     build.seed_everything(cfg.run.seed + coll.rank)
     tokenizer = load_tokenizer(model_dir, cfg.model.chat_template)
-    learner = build_learner(cfg, model_dir, coll.world)
+    learner = build_learner(plan, model_dir, coll.world)
     off = cfg.offline
     pairs, skipped = load_preference_pairs(off.pairs_files, method=cfg.algo.name, max_pairs=off.max_pairs)
     train_rows, eval_rows = split_pairs(pairs, eval_fraction=off.eval_fraction, seed=cfg.run.seed)
@@ -212,7 +214,7 @@ def setup(cfg: Config, coll: Collective, *, model_dir: str, run_id: str | None) 
         tracker = Tracker(cfg.tracking.mlflow_uri, cfg.tracking.experiment, run_id=run_id,
                           tensorboard_dir=cfg.tracking.tensorboard_dir)
     return OfflineRun(
-        cfg, coll, learner, tokenizer, tracker, stream=PromptStream(train_rows, seed=cfg.run.seed, shuffle=cfg.data.shuffle),
+        plan, coll, learner, tokenizer, tracker, stream=PromptStream(train_rows, seed=cfg.run.seed, shuffle=cfg.data.shuffle),
         spec=spec, train_pairs=train_tab, eval_pairs=eval_tab, row_of={p.prompt_id: i for i, p in enumerate(train_rows)},
         data_metrics=data_metrics,
     )
@@ -223,7 +225,7 @@ def setup(cfg: Config, coll: Collective, *, model_dir: str, run_id: str | None) 
 # --------------------------------------------------------------------------------------------
 def take_pairs(ctx: OfflineRun) -> pa.Table:
     """Step stage 1: returns the step's pairs (every rank draws the same ones from the same cursor)."""
-    rows = ctx.stream.next_batch(ctx.cfg.offline.pairs_per_step)
+    rows = ctx.stream.next_batch(ctx.settings.offline.pairs_per_step)
     return ctx.train_pairs.take([ctx.row_of[r.prompt_id] for r in rows])
 
 
@@ -256,7 +258,7 @@ def update(ctx: OfflineRun, table: pa.Table) -> dict[str, float]:
     algorithm = ctx.algorithm
     kl = kto_reference_point(ctx, table) if algorithm.kl_reference_point else 0.0
     norm = _normaliser(ctx, table, ctx.coll.world, kl)
-    share, mbs = _my_share(ctx, table), ctx.cfg.offline.pairs_per_microbatch
+    share, mbs = _my_share(ctx, table), ctx.settings.offline.pairs_per_microbatch
     pad = ctx.tokenizer.pad_token_id
     micro = [collate_pairs(share.slice(s, mbs), pad) for s in range(0, share.num_rows, mbs)]
     objective = PAIR_OBJECTIVES[algorithm.pair_objective]
@@ -311,7 +313,7 @@ def evaluate(ctx: OfflineRun) -> dict[str, float]:
     was_training = model.training
     model.eval()
     totals = {k: 0.0 for k in _SUM_KEYS}
-    share, mbs = _my_share(ctx, table), ctx.cfg.offline.pairs_per_microbatch
+    share, mbs = _my_share(ctx, table), ctx.settings.offline.pairs_per_microbatch
     for start in range(0, share.num_rows, mbs):
         mb = collate_pairs(share.slice(start, mbs), ctx.tokenizer.pad_token_id)
         with autocast_context(ctx.learner.dtype):

@@ -30,7 +30,6 @@ import ray
 import torch
 
 from rlray import schema
-from rlray.config import Config
 from rlray.cores import CorePlan, parse_core_list, pin_process
 from rlray.data import DataError, PromptRow
 from rlray.learner import Normaliser, PolicyLearner
@@ -39,6 +38,7 @@ from rlray.learner.collective import Collective
 from rlray.models import load_tokenizer
 from rlray.observe import samples as kept
 from rlray.observe.tracking import Tracker
+from rlray.plan import RunPlan
 from rlray.reward import RewardFunctionError
 from rlray.rollout import SamplingSpec
 from rlray.rollout.weight_sync import make_weight_sync
@@ -98,11 +98,11 @@ class OnlineRun(RunContext):
 
     def take_prompts(self) -> tuple[list[PromptRow], list[list[int]]]:
         """Stage 1 (rank 0): returns the next step's prompt rows and their token ids (advances the cursor)."""
-        return self.lead.take_prompts(self.cfg.learner.prompts_per_step)
+        return self.lead.take_prompts(self.settings.learner.prompts_per_step)
 
     def sampling_for(self, step: int) -> SamplingSpec:
         """Returns the training SamplingSpec of 0-based ``step`` (``build.sampling_for_step``)."""
-        return build.sampling_for_step(self.cfg, step)
+        return build.sampling_for_step(self.settings, step)
 
     def run_step(self, step: int) -> StepResult:
         """Runs stages 1-7 of 0-based ``step`` (``run_step``)."""
@@ -110,28 +110,28 @@ class OnlineRun(RunContext):
 
     def start_metrics(self) -> dict[str, float]:
         """Returns the eval metrics of the initial policy (rank 0, when ``eval.num_problems``), else {}."""
-        return evaluate(self) if self.cfg.eval.num_problems else {}
+        return evaluate(self) if self.settings.eval.num_problems else {}
 
     def evaluate_when_due(self, steps_done: int) -> dict[str, float]:
         """Returns eval metrics every ``eval.every_steps`` steps and after the last one (rank 0), else {}."""
-        cfg, every = self.cfg, self.cfg.eval.every_steps
-        due = (every and steps_done % every == 0) or steps_done == cfg.run.max_steps
-        return evaluate(self) if cfg.eval.num_problems and due else {}
+        every = self.settings.eval.every_steps
+        due = (every and steps_done % every == 0) or steps_done == self.plan.max_steps
+        return evaluate(self) if self.settings.eval.num_problems and due else {}
 
     def progress_text(self, steps_done: int, metrics: dict[str, float]) -> str:
         """Returns 'rlray step k/N reward=... kl=... tokens/s=...'."""
-        return (f"rlray step {steps_done}/{self.cfg.run.max_steps} reward={metrics['reward/mean']:.3f} "
+        return (f"rlray step {steps_done}/{self.plan.max_steps} reward={metrics['reward/mean']:.3f} "
                 f"kl={metrics['algo/kl']:.4f} tokens/s={metrics['perf/tokens_per_s']:.0f}")
 
     def data_epoch(self) -> int:
         """Returns the training cursor's epoch (rank 0)."""
         return self.lead.stream.epoch
 
-    def adopt_config(self, cfg: Config) -> None:
-        """Makes ``cfg`` the config in force; rank 0 rebuilds the reward client when ``cfg.reward`` changed."""
-        self.cfg = cfg
+    def adopt_plan(self, plan: RunPlan) -> None:
+        """Makes ``plan`` the plan in force; rank 0 rebuilds the reward client when its ``reward.*`` changed."""
+        self.plan = plan
         if self.lead is not None:
-            self.lead.renew_reward(cfg)
+            self.lead.renew_reward(plan)
 
     def reload_rollouts(self) -> None:
         """Pushes the learner's current policy to every rollout actor, tagged with ``policy_version``.
@@ -165,7 +165,7 @@ class OnlineRun(RunContext):
 # --------------------------------------------------------------------------------------------
 # Setup
 # --------------------------------------------------------------------------------------------
-def setup(cfg: Config, coll: Collective, *, model_dir: str, actors: list[Any], run_id: str | None,
+def setup(plan: RunPlan, coll: Collective, *, model_dir: str, actors: list[Any], run_id: str | None,
           reference_actor: Any = None, env_hosts: list[Any] | None = None, teacher_dir: str | None = None,
           teacher_actor: Any = None) -> OnlineRun:
     """Builds the learner on every rank; on rank 0 also the tracker and the ``OnlineLead`` (data stream, eval prompts,
@@ -177,7 +177,8 @@ def setup(cfg: Config, coll: Collective, *, model_dir: str, actors: list[Any], r
     Raises:
         rlray.data.DataError: the prompt files cannot be read (names the file and line).
     """
-    plan = pin_learner(cfg, coll.rank)
+    cfg = plan.settings
+    cores = pin_learner(plan, coll.rank)
     build.seed_everything(cfg.run.seed + coll.rank)
     tokenizer = load_tokenizer(model_dir, cfg.model.chat_template)
     kwargs = build.learner_kwargs(cfg, coll.world, with_reference=reference_actor is None, teacher_dir=teacher_dir)
@@ -187,10 +188,10 @@ def setup(cfg: Config, coll: Collective, *, model_dir: str, actors: list[Any], r
     if coll.rank == 0:
         tracker = Tracker(cfg.tracking.mlflow_uri, cfg.tracking.experiment, run_id=run_id,
                           tensorboard_dir=cfg.tracking.tensorboard_dir)
-    ctx = OnlineRun(cfg, coll, learner, tokenizer, tracker, pad_token_id=tokenizer.pad_token_id,
+    ctx = OnlineRun(plan, coll, learner, tokenizer, tracker, pad_token_id=tokenizer.pad_token_id,
                     reference_actor=reference_actor, teacher_actor=teacher_actor)
     if coll.rank == 0:  # the lead's pipeline takes each step's prompts through ctx (learner.prompts_per_step in force)
-        ctx.lead = build_lead(cfg, tokenizer, actors, env_hosts or [], plan, take_prompts=ctx.take_prompts,
+        ctx.lead = build_lead(plan, tokenizer, actors, env_hosts or [], cores, take_prompts=ctx.take_prompts,
                               sampling_for=ctx.sampling_for)
     dtype = torch.bfloat16 if build.compute_dtype(cfg) == "bfloat16" else torch.float32
     ctx.weight_sync = make_weight_sync(
@@ -201,19 +202,19 @@ def setup(cfg: Config, coll: Collective, *, model_dir: str, actors: list[Any], r
     return ctx
 
 
-def pin_learner(cfg: Config, rank: int) -> CorePlan:
+def pin_learner(plan: RunPlan, rank: int) -> CorePlan:
     """Sets this learner worker's torch threads and, on CPU, pins its process to its cores, both as
     ``rlray.run.build.core_plan`` says (``learner.torch_threads`` / ``learner.cpu_affinity`` when set,
     else the default for a synchronous or an async run on this machine); returns that plan."""
-    plan = build.core_plan(cfg)
-    torch.set_num_threads(plan.learner_threads)
-    if plan.learner_cores is None or cfg.resources.learner.gpus > 0:
-        log.info("learner rank %d: %d torch threads, not pinned (%s)", rank, plan.learner_threads, plan.why)
-        return plan
-    cores = parse_core_list(plan.learner_cores[rank % len(plan.learner_cores)])
-    log.info("learner rank %d: %d torch threads, pinned to cores %s (%s)", rank, plan.learner_threads,
-             pin_process(cores), plan.why)
-    return plan
+    cores = build.core_plan(plan.settings)
+    torch.set_num_threads(cores.learner_threads)
+    if cores.learner_cores is None or plan.parallelism.gpu:
+        log.info("learner rank %d: %d torch threads, not pinned (%s)", rank, cores.learner_threads, cores.why)
+        return cores
+    mine = parse_core_list(cores.learner_cores[rank % len(cores.learner_cores)])
+    log.info("learner rank %d: %d torch threads, pinned to cores %s (%s)", rank, cores.learner_threads,
+             pin_process(mine), cores.why)
+    return cores
 
 
 # --------------------------------------------------------------------------------------------
@@ -225,11 +226,11 @@ def run_step(ctx: OnlineRun, step: int) -> StepResult:
     Raises:
         FatalStepError: on every rank, when rank 0's stages 1-3 hit one of ``FATAL_STEP_ERRORS``.
     """
-    timer, spec = StageTimer(), build.update_spec(ctx.cfg, ctx.world)
+    timer, spec = StageTimer(), build.update_spec(ctx.settings, ctx.world)
     experience, fatal = None, None
     if ctx.lead is not None:
         try:  # 1-3. prompts, rollout, rewards (rank 0)
-            experience = collect_experience(ctx.lead, ctx.cfg, ctx.tokenizer, step, timer,
+            experience = collect_experience(ctx.lead, ctx.plan, ctx.tokenizer, step, timer,
                                             policy_version=ctx.policy_version, world=ctx.world)
         except FATAL_STEP_ERRORS as err:
             fatal = f"{type(err).__name__}: {err}"
@@ -280,9 +281,9 @@ def distribute(ctx: OnlineRun, experience: Experience | None, fatal: str | None 
                 (schema.shard_rows(table.num_rows, r, ctx.world) for r in range(ctx.world))]
         real = segments.sample_rows(table)  # every row but padding (rlray.run.segments)
         groups = table.column("group_id").to_pylist()
-        rows = [real[i] for i in kept.pick_rows([groups[i] for i in real], ctx.cfg.tracking.samples_per_step,
-                                                ctx.cfg.run.seed, step + 1)]
-        handout = StepHandout(refs, minibatch_normalisers(table, ctx.cfg, ctx.world), experience.metrics, sample_rows=rows)
+        rows = [real[i] for i in kept.pick_rows([groups[i] for i in real], ctx.settings.tracking.samples_per_step,
+                                                ctx.settings.run.seed, step + 1)]
+        handout = StepHandout(refs, minibatch_normalisers(table, ctx.plan, ctx.world), experience.metrics, sample_rows=rows)
     handout = ctx.coll.broadcast(handout)
     if handout.fatal is not None:
         raise FatalStepError(handout.fatal)
@@ -301,7 +302,7 @@ def reference_and_old_logprobs(ctx: OnlineRun, batch: schema.StepBatch,
     and sends [B, T] logprobs of the sampled tokens; a JSD teacher sits on the learner and is run inside the
     update's micro-batches instead.
     """
-    mbs = build.frozen_micro_batching(ctx.cfg)  # an actor's model is not sharded: the configured budget (rlray.plan)
+    mbs = build.frozen_micro_batching(ctx.settings)  # an actor's model is not sharded: the configured budget (rlray.plan)
     if ctx.reference_actor is not None:  # resources.reference.placement == "actor"
         batch.ref_logprobs = ray.get(ctx.reference_actor.logprobs.remote(batch.inputs, mbs))
     if ctx.teacher_actor is not None and spec.distill_weight > 0:  # resources.teacher.placement == "actor"
@@ -386,6 +387,6 @@ def evaluate(ctx: OnlineRun) -> dict[str, float]:
     if ctx.lead is None or not ctx.lead.eval_prompts:
         return {}
     lead = ctx.lead
-    return evaluate_prompts(lead.rollouts, lead.reward, lead.eval_prompts, ctx.tokenizer, build.eval_sampling(ctx.cfg),
-                            ctx.cfg.env.reward_weight, judges=lead.judges, judge_seed=ctx.cfg.run.seed)
+    return evaluate_prompts(lead.rollouts, lead.reward, lead.eval_prompts, ctx.tokenizer, build.eval_sampling(ctx.settings),
+                            ctx.settings.env.reward_weight, judges=lead.judges, judge_seed=ctx.settings.run.seed)
 

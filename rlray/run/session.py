@@ -26,9 +26,9 @@ import torch
 from rlray.checkpoint import contents, lineage
 from rlray.checkpoint import storage as checkpoint
 from rlray.checkpoint.manifest import SnapshotManifest
-from rlray.config import Config
 from rlray.learner.collective import Collective, RayTrainCollective
 from rlray.observe.monitor import Heartbeat
+from rlray.plan import RunPlan, plan_from_tree
 from rlray.run import guards, snapshots
 from rlray.run.context import RunContext, StepResult
 from rlray.run.hooks import StepEnd, StepHook, run_hooks, run_observers
@@ -36,8 +36,8 @@ from rlray.run.state import RUNNING, RunOutcome, RunServices, RunState
 
 log = logging.getLogger(__name__)
 
-BuildContext = Callable[[Config, Collective], RunContext]
-"""Builds a rank's ``RunContext`` from the config in force (called again after an out-of-memory fallback)."""
+BuildContext = Callable[[RunPlan, Collective], RunContext]
+"""Builds a rank's ``RunContext`` from the plan in force (called again after an out-of-memory fallback)."""
 
 
 class FatalStepError(RuntimeError):
@@ -48,22 +48,22 @@ class FatalStepError(RuntimeError):
 # --------------------------------------------------------------------------------------------
 # The run loop
 # --------------------------------------------------------------------------------------------
-def train(build: BuildContext, cfg: Config, coll: Collective, *, run_id: str | None, services: RunServices | None = None,
+def train(build: BuildContext, plan: RunPlan, coll: Collective, *, run_id: str | None, services: RunServices | None = None,
           hooks: Sequence[StepHook] = ()) -> RunOutcome:
-    """Runs steps until ``cfg.run.max_steps``, a guard or a hook stops the run; returns how it ended.
+    """Runs steps until ``run.max_steps``, a guard or a hook stops the run; returns how it ended.
 
     A hook (``rlray.run.hooks``: SIGTERM from ``ray job stop``, Tune's reporter) that asks to stop ends
     the run at that step boundary with a snapshot of the last finished step and status 'stopped: <reason>'.
 
     An out-of-memory error while loading or in the first step is retried once with half the
-    micro-batch and gradient checkpointing on (``guards.oom_fallback_config``); the change is logged
+    micro-batch and gradient checkpointing on (``guards.oom_fallback_plan``); the change is logged
     and recorded on the MLflow run. With several learner ranks the retry lines up only when every
     rank runs out of memory at the same point; otherwise the collectives fail and Ray Train's restart
     (``monitor.max_failures``) takes over.
 
     Args:
         build: builds this rank's ``RunContext`` (``rlray.run.online.setup`` or ``rlray.run.offline.setup``).
-        cfg: the validated config.
+        plan: the run plan (``rlray.plan.resolve_plan`` of the validated config).
         coll: the learner group's collectives.
         run_id: the MLflow run to log to (created by the driver; None creates one).
         services: the monitor, run control, start time, commit and resume snapshot from the driver.
@@ -76,24 +76,24 @@ def train(build: BuildContext, cfg: Config, coll: Collective, *, run_id: str | N
     """
     services = services or RunServices()
     in_ray_train = isinstance(coll, RayTrainCollective)
-    source, restarted = restore_source(cfg, services, run_id, in_ray_train) if run_id else (services.resume_from, False)
-    cfg = restart_delay(cfg, coll, services, source, restarted)
+    source, restarted = restore_source(plan, services, run_id, in_ray_train) if run_id else (services.resume_from, False)
+    plan = restart_delay(plan, coll, services, source, restarted)
     try:
-        return _train(build, cfg, coll, services, source, hooks)
+        return _train(build, plan, coll, services, source, hooks)
     except guards.EarlyOOM as oom:
-        cfg, note = guards.oom_fallback_config(cfg)
+        plan, note = guards.oom_fallback_plan(plan)
         log.warning("out of memory at %s; retrying once with %s", oom.where, note)
         guards.free_memory()
-        return _train(build, cfg, coll, services, source, hooks, oom_note=f"{oom.where}: {note}")
+        return _train(build, plan, coll, services, source, hooks, oom_note=f"{oom.where}: {note}")
 
 
-def _train(build: BuildContext, cfg: Config, coll: Collective, services: RunServices, source: str | None,
+def _train(build: BuildContext, plan: RunPlan, coll: Collective, services: RunServices, source: str | None,
            hooks: Sequence[StepHook], oom_note: str | None = None) -> RunOutcome:
-    guards.apply_gpu_memory_cap(cfg.guard)
-    ctx = _early_oom("load", lambda: build(cfg, coll))
+    guards.apply_gpu_memory_cap(plan.settings.guard)
+    ctx = _early_oom("load", lambda: build(plan, coll))
     if ctx.rank == 0 and oom_note:
         ctx.tracker.set_tags({"rlray.oom_fallback": oom_note})
-        ctx.tracker.log_text(ctx.cfg.to_yaml(), "config/oom_fallback.yaml")
+        ctx.tracker.log_text(ctx.plan.to_yaml(), "config/oom_fallback.yaml")
     run = begin(ctx, services, source, in_ray_train=isinstance(coll, RayTrainCollective))
     metrics: dict[str, float] = {}
     retrying, error = False, ""
@@ -108,7 +108,7 @@ def _train(build: BuildContext, cfg: Config, coll: Collective, services: RunServ
             first = ctx.start_metrics()
             if ctx.rank == 0 and first:
                 ctx.tracker.log_metrics(first, step=0)
-        while run.step < ctx.cfg.run.max_steps and run.status == RUNNING:
+        while run.step < ctx.plan.max_steps and run.status == RUNNING:
             metrics = _early_oom("first step", one_step) if run.step == run.first_step else one_step()
         if run.status == RUNNING:
             run.status = "FINISHED"
@@ -161,32 +161,33 @@ def step_boundary(ctx: RunContext, run: RunState, services: RunServices, hooks: 
     if ctx.rank == 0:
         record(ctx, run, result, services)
         print(ctx.progress_text(run.step, metrics), flush=True)  # one plain line per step, in this worker's log file
-        stop_reason = run_hooks(hooks, StepEnd(run.step, ctx.cfg.run.max_steps, dict(metrics)))
+        stop_reason = run_hooks(hooks, StepEnd(run.step, ctx.plan.max_steps, dict(metrics)))
     if hooks:  # every rank leaves together at this step boundary when rank 0's hooks asked to stop
         stop_reason = ctx.coll.broadcast(stop_reason)
     written = snapshot_or_stop(ctx, run, services, trip, stop_reason, metrics)
     if ctx.rank == 0:
-        run_observers(hooks, StepEnd(run.step, ctx.cfg.run.max_steps, dict(metrics), snapshot=written))
+        run_observers(hooks, StepEnd(run.step, ctx.plan.max_steps, dict(metrics), snapshot=written))
 
 
-def restart_delay(cfg: Config, coll: Collective, services: RunServices, source: str | None, restarted: bool) -> Config:
+def restart_delay(plan: RunPlan, coll: Collective, services: RunServices, source: str | None, restarted: bool) -> RunPlan:
     """Counts this learner start with the monitor (a second start is a restart, alerted), waits
-    ``monitor.restart_delay_s`` after a restart, and returns the config to run: restoring this run's own
+    ``monitor.restart_delay_s`` after a restart, and returns the plan to run: restoring this run's own
     snapshot (``restarted``, the same on every rank) adopts the config it was trained with; a snapshot
-    the run was started from (``checkpoint.resume_from``, a PBT exploit) keeps ``cfg``, on every start."""
+    the run was started from (``checkpoint.resume_from``, a PBT exploit) keeps ``plan``, on every start."""
+    cfg = plan.settings
     restart = restarted
     if coll.rank == 0 and services.monitor is not None:
         restart = ray.get(services.monitor.learner_started.remote()) > 1 or restarted
     if restart:
         log.warning("learner restarted; waiting monitor.restart_delay_s=%g s before resuming", cfg.monitor.restart_delay_s)
         time.sleep(cfg.monitor.restart_delay_s)
-    return config_for_restore(cfg, source, restarted)
+    return plan_for_restore(plan, source, restarted)
 
 
 # --------------------------------------------------------------------------------------------
 # Start
 # --------------------------------------------------------------------------------------------
-def restore_source(cfg: Config, services: RunServices, run_id: str, in_ray_train: bool) -> tuple[str | None, bool]:
+def restore_source(plan: RunPlan, services: RunServices, run_id: str, in_ray_train: bool) -> tuple[str | None, bool]:
     """Returns (snapshot URI to restore or None, True when it is one of this run's own snapshots).
 
     Inside Ray Train: a checkpoint Ray hands over from another run's folder wins; like
@@ -196,8 +197,9 @@ def restore_source(cfg: Config, services: RunServices, run_id: str, in_ray_train
     (its ``ray.train.report`` was cut off by the failure, or the controller had not taken it in yet;
     ``begin`` reports it again so Ray's bookkeeping catches up). Without either, ``services.resume_from``.
     """
+    cfg = plan.settings
     if in_ray_train:
-        run_dir = checkpoint.join(cfg.checkpoint_uri, checkpoint.run_dir_name(run_id))
+        run_dir = checkpoint.join(plan.snapshots.uri, checkpoint.run_dir_name(run_id))
         ckpt = ray.train.get_checkpoint()
         parent, name = ckpt.path.rstrip("/").rsplit("/", 2)[-2:] if ckpt is not None else (None, None)
         if ckpt is not None and parent != checkpoint.run_dir_name(run_id):
@@ -215,22 +217,24 @@ def _uri_of(ckpt: Any) -> str:
     return fs.unstrip_protocol(ckpt.path) if fs is not None and "file" not in fs.protocol else ckpt.path
 
 
-def config_for_restore(cfg: Config, source: str | None, restarted: bool) -> Config:
-    """Returns the config to build the learner with: when ``source`` is this run's own snapshot (``restarted``,
+def plan_for_restore(plan: RunPlan, source: str | None, restarted: bool) -> RunPlan:
+    """Returns the plan to build the learner with: when ``source`` is this run's own snapshot (``restarted``,
     a Ray Train restart), the trained sections come from it (a rollback or OOM fallback may have changed
-    them); otherwise ``cfg`` as given (a resume or a PBT exploit: the user's or the mutated values win)."""
+    them; ``rlray.plan.resolve_plan`` of the adopted config); otherwise ``plan`` as given (a resume or a PBT
+    exploit: the user's or the mutated values win)."""
     if source is None or not restarted:
-        return cfg
-    return contents.adopt_trained_config(cfg, contents.snapshot_config(source, cfg.checkpoint.s3.storage_options()))
+        return plan
+    stored = contents.snapshot_config(source, plan.settings.checkpoint.s3.storage_options())
+    return plan_from_tree(contents.adopt_trained_tree(plan.source, stored))
 
 
 def begin(ctx: RunContext, services: RunServices, source: str | None, *, in_ray_train: bool) -> RunState:
     """Restores ``source`` (when given) on every rank, pushes the policy to the rollouts, starts rank 0's
     heartbeat and every rank's memory watchdog; returns the run's state."""
-    cfg = ctx.cfg
+    cfg = ctx.settings
     run_id = ctx.coll.broadcast(ctx.tracker.run_id if ctx.rank == 0 else None)
     opts = cfg.checkpoint.s3.storage_options()
-    run = RunState(run_id, checkpoint.join(cfg.checkpoint_uri, checkpoint.run_dir_name(run_id)), opts, in_ray_train)
+    run = RunState(run_id, checkpoint.join(ctx.plan.snapshots.uri, checkpoint.run_dir_name(run_id)), opts, in_ray_train)
     if source is not None:
         manifest = _restore(ctx, run, source)
         run.step = run.first_step = manifest.step
@@ -250,7 +254,7 @@ def begin(ctx: RunContext, services: RunServices, source: str | None, *, in_ray_
 
 def _restore(ctx: RunContext, run: RunState, uri: str) -> SnapshotManifest:
     manifest = contents.restore_learner(uri, learner=ctx.learner, rank=ctx.rank, options=run.options)
-    contents.set_optimizer_hparams(ctx.learner, ctx.cfg)
+    contents.set_optimizer_hparams(ctx.learner, ctx.settings.learner)
     ctx.policy_version = manifest.policy_version
     ctx.load_cursor_state(manifest.data_cursor)  # rank 0 online; every rank offline (each walks the same cursor)
     log.info("rank %d restored snapshot %s (step %d, policy version %d)", ctx.rank, uri, manifest.step, ctx.policy_version)
@@ -258,17 +262,17 @@ def _restore(ctx: RunContext, run: RunState, uri: str) -> SnapshotManifest:
 
 
 def _begin_rank0(ctx: RunContext, services: RunServices, run: RunState, source: str | None) -> None:
-    tracker, cfg = ctx.tracker, ctx.cfg
+    tracker, plan = ctx.tracker, ctx.plan
     tracker.set_tags({"rlray.snapshot_dir": run.run_dir, "rlray.status": RUNNING, "rlray.git_commit": services.git_commit})
     run.logged_through = tracker.last_logged_step()
     if source is not None:
-        run.model_version = lineage.version_of(cfg.tracking.mlflow_uri, cfg.tracking.experiment, source)
+        run.model_version = lineage.version_of(plan.tracking.mlflow_uri, plan.tracking.experiment, source)
         if run.model_version is None:  # written, but the process died before registering it: keep the chain whole
             manifest = checkpoint.read_manifest(source, run.options, verify=False)
-            run.model_version = lineage.register(tracker, cfg.tracking.experiment, source, manifest, manifest.metrics)
+            run.model_version = lineage.register(tracker, plan.tracking.experiment, source, manifest, manifest.metrics)
         tracker.set_tags({"rlray.restored_from": source})
         tracker.log_metrics({"run/restored_step": float(run.step)}, step=run.step)
-    run.log_handler = _attach_log_file(cfg, run)
+    run.log_handler = _attach_log_file(ctx.plan, run)
     started = time.time()
 
     def beat() -> None:
@@ -279,12 +283,12 @@ def _begin_rank0(ctx: RunContext, services: RunServices, run: RunState, source: 
         if services.monitor is not None:
             services.monitor.beat.remote(run.step, ctx.data_epoch(), ctx.policy_version)
 
-    run.heartbeat = Heartbeat(beat, cfg.monitor.heartbeat_s).start()
+    run.heartbeat = Heartbeat(beat, plan.settings.monitor.heartbeat_s).start()
 
 
-def _attach_log_file(cfg: Config, run: RunState) -> logging.Handler:
+def _attach_log_file(plan: RunPlan, run: RunState) -> logging.Handler:
     """Adds a file handler for rlray's log lines of this run (copied to <checkpoint uri>/logs at snapshots)."""
-    path = snapshots.local_log_path(cfg, run)
+    path = snapshots.local_log_path(plan, run)
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -310,8 +314,8 @@ def check_guards(ctx: RunContext, run: RunState, metrics: dict[str, float], serv
         memory = "another learner rank exceeded the memory cap"
     trip = None
     if ctx.rank == 0:
-        trip = guards.check_step(metrics, step=run.step, nonfinite_in_row=run.nonfinite_in_row, guard=ctx.cfg.guard,
-                                elapsed_s=time.time() - services.started_at, max_wall_time_s=ctx.cfg.run.max_wall_time_s,
+        trip = guards.check_step(metrics, step=run.step, nonfinite_in_row=run.nonfinite_in_row, guard=ctx.settings.guard,
+                                elapsed_s=time.time() - services.started_at, max_wall_time_s=ctx.settings.run.max_wall_time_s,
                                 memory_message=memory)
         metrics["guard/nonfinite_in_row"] = float(run.nonfinite_in_row)
         metrics["run/rollbacks"] = float(run.rollbacks)
@@ -342,7 +346,7 @@ def record(ctx: RunContext, run: RunState, result: StepResult, services: RunServ
 def handle_trip(ctx: RunContext, run: RunState, trip: guards.Trip, services: RunServices) -> None:
     """Rolls back (``guard.on_trip=rollback``, within ``guard.max_rollbacks``, with a good snapshot to
     return to) or stops the run with status 'stopped: <reason>'; alerts and tags either way."""
-    g = ctx.cfg.guard
+    g = ctx.settings.guard
     target = None
     if trip.reason == "kl_guard" and g.on_trip == "rollback" and run.rollbacks < g.max_rollbacks:
         target = ctx.coll.broadcast(last_good_snapshot(run) if ctx.rank == 0 else None)
@@ -375,14 +379,14 @@ def snapshot_or_stop(ctx: RunContext, run: RunState, services: RunServices, trip
     if trip is not None:
         handle_trip(ctx, run, trip, services)
         return None
-    if stop_reason and run.step < ctx.cfg.run.max_steps:
+    if stop_reason and run.step < ctx.plan.max_steps:
         written = snapshots.snapshot(ctx, run, services, kind="stop", metrics=metrics)
         run.status = f"stopped: {stop_reason}"
         if ctx.coll.rank == 0:
             ctx.tracker.set_tags({"rlray.stop_reason": stop_reason, "rlray.stop_step": str(run.step)})
         return written
-    if snapshots.snapshot_due(ctx.cfg, run.step):
-        kind = "final" if run.step == ctx.cfg.run.max_steps else "periodic"
+    if snapshots.snapshot_due(ctx.plan, run.step):
+        kind = "final" if run.step == ctx.plan.max_steps else "periodic"
         return snapshots.snapshot(ctx, run, services, kind=kind, metrics=metrics)
     return None
 
@@ -408,9 +412,9 @@ def rollback(ctx: RunContext, run: RunState, target: str) -> None:
     The config change is recorded as a new config artifact and tags (never as a changed param); the
     steps that run again are logged again.
     """
-    new_cfg, changes = guards.rollback_config(ctx.cfg, ctx.cfg.guard.rollback_overrides)
+    new_plan, changes = guards.rollback_plan(ctx.plan)
     tripped_at = run.step
-    ctx.adopt_config(new_cfg)  # online rank 0 rebuilds its reward client when reward.* changed
+    ctx.adopt_plan(new_plan)  # online rank 0 rebuilds its reward client when reward.* changed
     manifest = _restore(ctx, run, target)
     run.step = manifest.step
     run.rollbacks += 1
@@ -419,10 +423,10 @@ def rollback(ctx: RunContext, run: RunState, target: str) -> None:
     ctx.reload_rollouts()
     if ctx.rank == 0:
         text = ", ".join(f"{k}: {old} -> {new}" for k, (old, new) in changes.items())
-        ctx.tracker.log_text(new_cfg.to_yaml(), f"config/rollback_{run.rollbacks}.yaml")
+        ctx.tracker.log_text(new_plan.to_yaml(), f"config/rollback_{run.rollbacks}.yaml")
         ctx.tracker.set_tags({f"rlray.rollback.{run.rollbacks}": f"step {tripped_at} -> step {run.step}; {text}",
-                              "rlray.rollbacks": str(run.rollbacks), "rlray.config_hash_now": new_cfg.config_hash()})
-        run.model_version = lineage.version_of(new_cfg.tracking.mlflow_uri, new_cfg.tracking.experiment, target)
+                              "rlray.rollbacks": str(run.rollbacks), "rlray.config_hash_now": new_plan.config_hash})
+        run.model_version = lineage.version_of(new_plan.tracking.mlflow_uri, new_plan.tracking.experiment, target)
         log.warning("rollback %d: step %d -> snapshot step %d with %s", run.rollbacks, tripped_at, run.step, text)
 
 
@@ -447,7 +451,7 @@ def finish(ctx: RunContext, run: RunState, services: RunServices, *, record: boo
         run.status = "FAILED"
     try:  # runs on the way out of a failure too: never hide the original error
         ctx.tracker.set_tags({"rlray.status": run.status, "rlray.final_step": str(run.step)})
-        ctx.tracker.close(spill_path=snapshots.local_log_path(ctx.cfg, run).with_name(f"mlflow-unsent-{run.run_id}.jsonl"))
+        ctx.tracker.close(spill_path=snapshots.local_log_path(ctx.plan, run).with_name(f"mlflow-unsent-{run.run_id}.jsonl"))
         if services.monitor is not None:
             # waiting on it also waits for the alerts sent before (an actor runs one caller's calls in order)
             ray.get(services.monitor.set_status.remote("stopped", run.status.split(": ", 1)[-1].lower()), timeout=120)

@@ -17,9 +17,8 @@ from rlray.checkpoint import contents, lineage
 from rlray.checkpoint import storage as checkpoint
 from rlray.checkpoint.manifest import SnapshotManifest
 from rlray.checkpoint.storage import SnapshotError
-from rlray.config import Config
 from rlray.observe.monitor import Alerter
-from rlray.plan import resolve_plan
+from rlray.plan import RunPlan
 from rlray.run.context import RunContext
 from rlray.run.state import RunServices, RunState
 
@@ -31,22 +30,23 @@ def alert(ctx: RunContext, services: RunServices, kind: str, message: str, step:
     if services.monitor is not None:
         services.monitor.alert.remote(kind, message, step)
         return
-    m = ctx.cfg.monitor
+    m = ctx.settings.monitor
     url = m.webhook_url.get_secret_value() if m.webhook_url else None
     Alerter(m.alerts, tracker=ctx.tracker, webhook_url=url, webhook_attempts=m.webhook_attempts).send(
         kind, message, {"run_id": ctx.tracker.run_id, "step": step, "time": time.time()})
 
 
-def local_log_path(cfg: Config, run: RunState) -> Path:
+def local_log_path(plan: RunPlan, run: RunState) -> Path:
     """Returns the local file of the run's log (<run.output_dir>/logs/run-<id>.log; a temp folder for s3://)."""
+    cfg = plan.settings
     base = Path(cfg.run.output_dir) if "://" not in cfg.run.output_dir else Path(tempfile.gettempdir()) / "rlray"
     return base / checkpoint.LOGS_DIR / f"{checkpoint.run_dir_name(run.run_id)}.log"
 
 
-def snapshot_due(cfg: Config, step: int) -> bool:
+def snapshot_due(plan: RunPlan, step: int) -> bool:
     """Returns True when a snapshot is due after ``step``: every ``checkpoint.every_steps`` and at the last step
     (``rlray.plan.Snapshots.due``)."""
-    return resolve_plan(cfg).snapshots.due(step)
+    return plan.snapshots.due(step)
 
 
 def snapshot(ctx: RunContext, run: RunState, services: RunServices, *, kind: str, metrics: dict[str, float]) -> str | None:
@@ -79,10 +79,11 @@ def _write(ctx: RunContext, run: RunState, uri: str, kind: str, metrics: dict[st
             checkpoint.clear(uri, run.options)
         ctx.coll.barrier()
         if ctx.rank == 0:
-            contents.write_rank0(uri, learner=ctx.learner, tokenizer=ctx.tokenizer, cfg=ctx.cfg, options=run.options)
-        else:  # its RNG states, and its optimizer shard when sharded (with rank 0's gathers: every rank is here)
-            contents.write_rank(uri, rank=ctx.rank, learner=ctx.learner, tokenizer=ctx.tokenizer, cfg=ctx.cfg,
+            contents.write_rank0(uri, learner=ctx.learner, tokenizer=ctx.tokenizer, config_yaml=ctx.plan.to_yaml(),
                                 options=run.options)
+        else:  # its RNG states, and its optimizer shard when sharded (with rank 0's gathers: every rank is here)
+            contents.write_rank(uri, rank=ctx.rank, learner=ctx.learner, tokenizer=ctx.tokenizer,
+                                config_yaml=ctx.plan.to_yaml(), options=run.options)
     except SnapshotError as err:
         error = str(err)
     failed = ctx.coll.all_reduce_sum({"failed": float(error is not None)})["failed"]
@@ -109,7 +110,7 @@ def _manifest(ctx: RunContext, run: RunState, kind: str, metrics: dict[str, floa
         data_cursor=cursor,
         world_size=ctx.world,
         run_id=run.run_id,
-        config_hash=ctx.cfg.config_hash(),
+        config_hash=ctx.plan.config_hash,
         dataset_hash=cursor["rows_fingerprint"],
         git_commit=services.git_commit,
         parent_version=run.model_version,
@@ -135,21 +136,21 @@ def report(run: RunState, metrics: dict[str, float], rank: int, name: str | None
 
 
 def _after_snapshot(ctx: RunContext, run: RunState, services: RunServices, uri: str, metrics: dict[str, float]) -> None:
-    cfg = ctx.cfg
+    plan, cfg = ctx.plan, ctx.settings
     manifest = checkpoint.read_manifest(uri, run.options, verify=False)
     try:
-        run.model_version = lineage.register(ctx.tracker, cfg.tracking.experiment, uri, manifest, metrics)
+        run.model_version = lineage.register(ctx.tracker, plan.tracking.experiment, uri, manifest, metrics)
     except Exception as err:  # the registry being down must not stop training
         alert(ctx, services, "registry_failed", f"could not register snapshot {uri}: {err}", run.step)
     ctx.tracker.set_tags({"rlray.last_snapshot": uri})
     if services.monitor is not None:
         services.monitor.record_snapshot.remote(run.step)
-    log_file = local_log_path(cfg, run)
+    log_file = local_log_path(plan, run)
     try:
         if log_file.exists():
-            checkpoint.put_file(log_file, checkpoint.join(cfg.checkpoint_uri, checkpoint.LOGS_DIR, log_file.name), run.options)
+            checkpoint.put_file(log_file, checkpoint.join(plan.snapshots.uri, checkpoint.LOGS_DIR, log_file.name), run.options)
         removed = checkpoint.prune(
-            cfg.checkpoint_uri, checkpoint.run_dir_name(run.run_id), max_age_s=cfg.checkpoint.max_age_days * 86400,
+            plan.snapshots.uri, checkpoint.run_dir_name(run.run_id), max_age_s=cfg.checkpoint.max_age_days * 86400,
             log_max_age_s=cfg.checkpoint.log_max_age_days * 86400,
             keep_last=None if run.in_ray_train else cfg.checkpoint.keep_last, options=run.options)
     except SnapshotError as err:

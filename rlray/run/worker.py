@@ -5,19 +5,18 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from rlray.config import Config
 from rlray.learner.collective import current_collective, name_learner_process
-from rlray.plan import resolve_plan
+from rlray.plan import RunPlan, plan_from_tree
 from rlray.run import offline, online, session
 from rlray.run.session import FatalStepError
 from rlray.run.state import RunOutcome, WorkerArgs
 
 
-def train(cfg: Config, args: WorkerArgs, coll: Any = None) -> RunOutcome:
+def train(plan: RunPlan, args: WorkerArgs, coll: Any = None) -> RunOutcome:
     """Runs the config's kind of run (online or offline) on this rank; returns how it ended.
 
     Args:
-        cfg: the validated config (``args.config`` validated).
+        plan: the run plan of the shipped config (``rlray.plan.plan_from_tree`` of ``args.config``).
         args: what the driver handed over (model folder, run id, actors, services, hooks).
         coll: collectives; defaults to Ray Train's when inside a worker group, else world 1.
 
@@ -26,13 +25,13 @@ def train(cfg: Config, args: WorkerArgs, coll: Any = None) -> RunOutcome:
         rlray.run.guards.EarlyOOM: out of memory again after the fallback.
     """
     coll = coll or current_collective()
-    if resolve_plan(cfg).roles.online:
+    if plan.roles.online:
         build = functools.partial(online.setup, model_dir=args.model_dir, actors=args.rollout_actors, run_id=args.run_id,
                                   reference_actor=args.reference_actor, env_hosts=args.env_hosts,
                                   teacher_dir=args.teacher_dir, teacher_actor=args.teacher_actor)
     else:
         build = functools.partial(offline.setup, model_dir=args.model_dir, run_id=args.run_id)
-    return session.train(build, cfg, coll, run_id=args.run_id, services=args.services, hooks=args.step_hooks)
+    return session.train(build, plan, coll, run_id=args.run_id, services=args.services, hooks=args.step_hooks)
 
 
 def train_worker(loop_config: dict[str, WorkerArgs]) -> None:
@@ -42,10 +41,10 @@ def train_worker(loop_config: dict[str, WorkerArgs]) -> None:
     the run's outcome) and a restart would fail the same way.
     """
     args = loop_config["args"]
-    cfg = Config.model_validate(args.config)
+    plan = plan_from_tree(args.config)
     coll = current_collective()
     name_learner_process(coll.rank)
     try:
-        train(cfg, args, coll)
+        train(plan, args, coll)
     except FatalStepError:
         return

@@ -16,7 +16,7 @@ A PBT sweep (``scheduler.name: pbt``) runs its trials like any sweep (``rlray.sw
   ``rlray.sweep.tune.run_trial`` reads the pointer (``tune.get_checkpoint``) and starts a new MLflow child run
   with ``checkpoint.resume_from`` set to the snapshot: weights, optimizer, scheduler, RNG, data cursor,
   step and policy version come from the better trial, the mutated values from the trial's new config
-  (``rlray.run.session.config_for_restore`` keeps them).
+  (``rlray.run.session.plan_for_restore`` keeps them).
 
 Where ``SnapshotPBT`` differs from Ray's PopulationBasedTraining, and why (an rlray trial is a whole
 training run that takes minutes to restart):

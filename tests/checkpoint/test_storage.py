@@ -222,7 +222,7 @@ def test_sigkill_mid_write_leaves_the_previous_snapshot_usable(tmp_path, tiny_mo
         for p in trained.module.parameters():
             p.add_(0.01)
     payload = tmp_path / "payload"
-    write_payload(payload, learner=trained, tokenizer=tiny_tokenizer, cfg=Config())
+    write_payload(payload, learner=trained, tokenizer=tiny_tokenizer, config_yaml=Config().to_yaml())
     root = str(tmp_path / "root")
     first = _snap(root, "run-a", 2, payload)
     target = tmp_path / "root/run-a/step_00000004"

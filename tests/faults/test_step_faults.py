@@ -19,6 +19,7 @@ from rlray.learner import PolicyLearner
 from rlray.learner import online as learner_online
 from rlray.learner.collective import Collective
 from rlray.learner.policy import OptimizerSpec
+from rlray.plan import resolve_plan
 from rlray.reward import RewardFunctionError
 from rlray.reward.server import LocalRewardClient
 from rlray.rollout import Completion
@@ -60,7 +61,7 @@ def _stages_4_to_6(cfg, learner, table):
     data = schema.collate(table, 0)
     data = learner_online.reference_and_old(learner, data, spec)
     data = learner_online.advantages(data, spec, lambda d: d)
-    metrics = learner_online.update(learner, data, experience.minibatch_normalisers(table, cfg, 1), spec, lambda d: d)
+    metrics = learner_online.update(learner, data, experience.minibatch_normalisers(table, resolve_plan(cfg), 1), spec, lambda d: d)
     return data, metrics
 
 
@@ -86,7 +87,7 @@ def test_failed_rewards_are_left_out_of_the_statistics_and_the_loss_and_counted(
     assert stats["algo/groups_without_signal"] == 0.5  # group 1 has no scored sample
     # every token still counts for throughput; only the 8 valid tokens count in the loss normaliser
     assert stats["rollout/generated_tokens"] == 20.0
-    assert [n.num_tokens for n in experience.minibatch_normalisers(table, cfg, 1)] == [8.0]
+    assert [n.num_tokens for n in experience.minibatch_normalisers(table, resolve_plan(cfg), 1)] == [8.0]
     data, metrics = _stages_4_to_6(cfg, learner, table)
     # group 0's valid rewards [1, 0, 0.5]: mean 0.5, unbiased std 0.5, so advantages [1, -1, 0]; failed rows 0
     adv = data.advantages[:, 0]
@@ -144,7 +145,7 @@ def test_mask_truncated_leaves_truncated_rows_out_of_the_loss_and_counts_them(le
     assert stats["reward/mean"] == pytest.approx(3.5 / 8) and stats["reward/failed"] == 0.0  # all 8 rewards count
     assert stats["algo/groups_without_signal"] == 0.5  # group 1 has no row left in the update
     assert stats["rollout/generated_tokens"] == 53.0  # 8+3+8+2+32 generated; the loss normaliser sees 3+2
-    assert [n.num_tokens for n in experience.minibatch_normalisers(table, cfg, 1)] == [5.0]
+    assert [n.num_tokens for n in experience.minibatch_normalisers(table, resolve_plan(cfg), 1)] == [5.0]
     data, metrics = _stages_4_to_6(cfg, learner, table)
     # group 0's rows in the update, rewards [1.0, 0.0]: mean 0.5, unbiased std sqrt(0.5), advantages +-0.7071
     a = 0.5 / (math.sqrt(0.5) + 1e-6)
@@ -161,7 +162,7 @@ def test_without_mask_truncated_truncated_rows_train_and_no_count_is_logged():
     assert all(all(m) for m in table.column("response_mask").to_pylist())
     stats = experience.rollout_stats(table, rewards, 2, 0)
     assert "rollout/truncated_masked" not in stats and stats["algo/groups_without_signal"] == 0.0
-    assert [n.num_tokens for n in experience.minibatch_normalisers(table, _cfg(), 1)] == [53.0]
+    assert [n.num_tokens for n in experience.minibatch_normalisers(table, resolve_plan(_cfg()), 1)] == [53.0]
 
 
 def test_algo_mask_truncated_reaches_the_step_and_its_metric():
@@ -209,7 +210,7 @@ def test_the_training_function_ends_normally_after_a_fatal_step(monkeypatch):
     calls = []
 
     def fatal_train(*args, **kwargs):
-        calls.append(args[0].run.max_steps)
+        calls.append(args[0].max_steps)  # the plan of the shipped config
         raise online.FatalStepError("RewardFunctionError: wrong count")
 
     monkeypatch.setattr(worker, "train", fatal_train)
@@ -252,10 +253,10 @@ def _rank0_ctx(cfg, completions, scorer):
     lead = OnlineLead(stream=None, prompt_ids={}, skipped_long_prompts=0, eval_prompts=[], reward_columns=[],
                       reward=LocalRewardClient(scorer, 1), reward_kwargs={}, fleet=None, rollouts=None,
                       pipeline=SimpleNamespace(next=lambda step: got), logged=FleetCounts())
-    return OnlineRun(cfg, Collective(), None, _Tokenizer(), lead=lead)
+    return OnlineRun(resolve_plan(cfg), Collective(), None, _Tokenizer(), lead=lead)
 
 
 def _collect(ctx, step, timer):
     """Stages 1-3 of 0-based ``step`` as ``online.run_step`` runs them on rank 0; returns (table, metrics)."""
-    got = experience.collect_experience(ctx.lead, ctx.cfg, ctx.tokenizer, step, timer, policy_version=ctx.policy_version)
+    got = experience.collect_experience(ctx.lead, ctx.plan, ctx.tokenizer, step, timer, policy_version=ctx.policy_version)
     return got.table, got.metrics

@@ -53,7 +53,7 @@ def _trained(learner: PolicyLearner) -> PolicyLearner:
 def _snapshot(root: Path, learner: PolicyLearner, tokenizer, cfg, step: int = 2) -> str:
     """Writes a complete snapshot of ``learner`` under ``root`` as a run does (payload and RNG, manifest last)."""
     uri = checkpoint.join(str(root), checkpoint.run_dir_name("r1"), checkpoint.snapshot_name(step))
-    contents.write_rank0(uri, learner=learner, tokenizer=tokenizer, cfg=cfg, options=None)
+    contents.write_rank0(uri, learner=learner, tokenizer=tokenizer, config_yaml=cfg.to_yaml(), options=None)
     manifest = SnapshotManifest(kind="periodic", step=step, epoch=0, policy_version=step, rollbacks=0,
                                 data_cursor={"epoch": 0, "position": 0}, world_size=1, run_id="r1",
                                 config_hash=cfg.config_hash(), dataset_hash="d", git_commit="g", parent_version=None,

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from rlray import schema
 from rlray.config import Config, config_from_dict
+from rlray.plan import resolve_plan
 
 pytestmark = pytest.mark.ray
 
@@ -64,7 +65,7 @@ def update_once(loop_config: dict) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     learner = PolicyLearner(loop_config["model_dir"], **build.learner_kwargs(cfg, coll.world))
-    ctx = OnlineRun(cfg, coll, learner, None, pad_token_id=0)
+    ctx = OnlineRun(resolve_plan(cfg), coll, learner, None, pad_token_id=0)
     spec = build.update_spec(cfg, coll.world)
     shard, batch = distribute(ctx, Experience(_table(), {}, []) if coll.rank == 0 else None)
     data = reference_and_old_logprobs(ctx, schema.collate(shard, 0), spec)

@@ -14,6 +14,7 @@ from rlray.config import config_from_dict
 from rlray.data import PromptRow
 from rlray.learner import Normaliser, policy_objective
 from rlray.learner import online as learner_online
+from rlray.plan import resolve_plan
 from rlray.rollout import Completion
 from rlray.rollout.types import EpisodeInfo
 from rlray.run.build import update_spec
@@ -109,5 +110,5 @@ def test_the_token_normaliser_counts_only_sampled_tokens():
     cfg = config_from_dict({"rollout": {"samples_per_prompt": 2}, "learner": {"prompts_per_step": 2,
                                                                               "sequences_per_minibatch": 4,
                                                                               "sequences_per_microbatch": 4}})
-    (norm,) = minibatch_normalisers(table, cfg, 1)
+    (norm,) = minibatch_normalisers(table, resolve_plan(cfg), 1)
     assert norm.num_tokens == 3 + 2 + 1 + 3  # the 3 observation tokens of row 0 are not counted

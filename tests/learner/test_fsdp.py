@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from rlray import schema
 from rlray.config import Config, config_from_dict
+from rlray.plan import resolve_plan
 from tests.learner.test_ddp import _table
 
 pytestmark = pytest.mark.ray
@@ -59,7 +60,7 @@ def _step(learner, cfg: Config, seed: int) -> dict[str, float]:
     from rlray.run.online import OnlineRun, distribute, reference_and_old_logprobs
 
     coll = current_collective()
-    ctx = OnlineRun(cfg, coll, learner, None, pad_token_id=0)
+    ctx = OnlineRun(resolve_plan(cfg), coll, learner, None, pad_token_id=0)
     spec = build.update_spec(cfg, coll.world)
     shard, batch = distribute(ctx, Experience(_table(seed), {}, []) if coll.rank == 0 else None)
     data = reference_and_old_logprobs(ctx, schema.collate(shard, 0), spec)
@@ -76,7 +77,7 @@ def _snapshot(learner, cfg: Config, uri: Path, model_dir: str) -> None:
     from rlray.models import load_tokenizer
 
     coll = current_collective()
-    contents.write_rank(str(uri), rank=coll.rank, learner=learner, tokenizer=load_tokenizer(model_dir), cfg=cfg,
+    contents.write_rank(str(uri), rank=coll.rank, learner=learner, tokenizer=load_tokenizer(model_dir), config_yaml=cfg.to_yaml(),
                         options=None)
     coll.barrier()
     if coll.rank == 0:

@@ -11,6 +11,7 @@ import pytest
 from rlray.config import Config
 from rlray.data import PromptRow, PromptStream
 from rlray.learner.collective import Collective
+from rlray.plan import resolve_plan
 from rlray.run.context import RunContext, StepResult
 from rlray.run.experience import StageTimer
 
@@ -54,7 +55,7 @@ def _stream() -> PromptStream:
 
 def test_run_context_cannot_be_made_without_its_abstract_methods():
     with pytest.raises(TypeError, match="abstract"):
-        RunContext(Config(), Collective(), LEARNER, None)
+        RunContext(resolve_plan(Config()), Collective(), LEARNER, None)
 
     @dataclass
     class NoProgress(RunContext):  # progress_text missing
@@ -74,28 +75,28 @@ def test_run_context_cannot_be_made_without_its_abstract_methods():
             pass
 
     with pytest.raises(TypeError, match="progress_text"):
-        NoProgress(Config(), Collective(), LEARNER, None)
+        NoProgress(resolve_plan(Config()), Collective(), LEARNER, None)
 
 
 def test_rank_and_world_come_from_the_collective():
-    one = MinimalRun(Config(), Collective(), LEARNER, None)
+    one = MinimalRun(resolve_plan(Config()), Collective(), LEARNER, None)
     assert (one.rank, one.world) == (0, 1)
-    ctx = MinimalRun(Config(), ThreeRanks(), LEARNER, None)
+    ctx = MinimalRun(resolve_plan(Config()), ThreeRanks(), LEARNER, None)
     assert (ctx.rank, ctx.world) == (2, 3)
 
 
-def test_start_metrics_default_is_empty_and_adopt_config_replaces_the_config():
-    ctx = MinimalRun(Config(), Collective(), LEARNER, None)
+def test_start_metrics_default_is_empty_and_adopt_plan_replaces_the_plan():
+    ctx = MinimalRun(resolve_plan(Config()), Collective(), LEARNER, None)
     assert ctx.start_metrics() == {}
-    new = Config.model_validate({"learner": {"lr": 2e-6}})
-    ctx.adopt_config(new)
-    assert ctx.cfg is new and ctx.cfg.learner.lr == 2e-6
+    new = resolve_plan(Config.model_validate({"learner": {"lr": 2e-6}}))
+    ctx.adopt_plan(new)
+    assert ctx.plan is new and ctx.settings.learner.lr == 2e-6
 
 
 def test_default_reload_rollouts_and_close_do_nothing():
     stream = _stream()
     stream.next_batch(3)
-    ctx = MinimalRun(Config(), Collective(), LEARNER, "tok", policy_version=4, stream=stream)
+    ctx = MinimalRun(resolve_plan(Config()), Collective(), LEARNER, "tok", policy_version=4, stream=stream)
     before = (ctx.cursor_state(), ctx.policy_version, ctx.tokenizer, ctx.learner, ctx.tracker)
     assert ctx.reload_rollouts() is None
     assert ctx.close() is None
@@ -103,7 +104,7 @@ def test_default_reload_rollouts_and_close_do_nothing():
 
 
 def test_a_step_result_defaults_to_no_samples_and_no_ledger():
-    result = MinimalRun(Config(), Collective(), LEARNER, None).run_step(0)
+    result = MinimalRun(resolve_plan(Config()), Collective(), LEARNER, None).run_step(0)
     assert (result.metrics, result.samples, result.prompt_ids) == ({}, [], None)
 
 

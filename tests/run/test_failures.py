@@ -10,6 +10,7 @@ import pytest
 
 from rlray.config import config_from_dict
 from rlray.data import PromptRow
+from rlray.plan import resolve_plan
 from rlray.reward.server import LocalRewardClient, ScoreResult
 from rlray.rollout import Completion
 from rlray.rollout.types import EpisodeInfo
@@ -124,7 +125,7 @@ def test_collect_experience_writes_each_failure_alerts_and_stops_a_run_that_cann
     lead = OnlineLead(stream=None, prompt_ids={}, skipped_long_prompts=0, eval_prompts=[], reward_columns=[],
                       reward=LocalRewardClient(_FailingScorer(), 1), reward_kwargs={}, fleet=None, rollouts=None,
                       pipeline=SimpleNamespace(next=lambda step: got), logged=FleetCounts())
-    first = experience.collect_experience(lead, cfg, _Tokenizer(), 0, StageTimer(), policy_version=0)
+    first = experience.collect_experience(lead, resolve_plan(cfg), _Tokenizer(), 0, StageTimer(), policy_version=0)
     assert first.table.column("failure").to_pylist() == [f"environment 'calc' (env_error): {BROKE}"] + [
         "reward function 'f': ValueError: cannot grade"] * 3
     assert [a.kind for a in first.alerts] == ["env_failed", "reward_failed"]
@@ -133,4 +134,4 @@ def test_collect_experience_writes_each_failure_alerts_and_stops_a_run_that_cann
     assert samples[0].failure == f"environment 'calc' (env_error): {BROKE}"
     with pytest.raises(CannotLearnError, match=r"steps 1-2; guard.max_failed_steps=2\): the run cannot learn. First "
                                                r"failures: environment 'calc' \(env_error\): step raised KeyError"):
-        experience.collect_experience(lead, cfg, _Tokenizer(), 1, StageTimer(), policy_version=0)
+        experience.collect_experience(lead, resolve_plan(cfg), _Tokenizer(), 1, StageTimer(), policy_version=0)

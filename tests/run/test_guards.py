@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from rlray.config import ConfigError, GuardConfig, config_from_dict
+from rlray.plan import replan, resolve_plan
 from rlray.run import guards
 
 OK = {"learner/loss": 0.1, "learner/grad_norm": 2.0, "algo/kl": 0.01}
@@ -42,16 +43,21 @@ def test_wall_time_and_memory_trips_keep_the_state():
 
 
 def test_rollback_overrides_multiply_and_set_and_compound():
-    cfg = config_from_dict({"learner": {"lr": 1e-4}})
-    new, changes = guards.rollback_config(cfg, ["learner.lr*=0.5", "algo.kl_coef=0.1"])
-    assert new.learner.lr == pytest.approx(5e-5, rel=1e-12) and new.algo.kl_coef == 0.1
+    plan = resolve_plan(config_from_dict({"learner": {"lr": 1e-4},
+                                          "guard": {"rollback_overrides": ["learner.lr*=0.5", "algo.kl_coef=0.1"]}}))
+    new, changes = guards.rollback_plan(plan)
+    assert new.settings.learner.lr == pytest.approx(5e-5, rel=1e-12) and new.settings.algo.kl_coef == 0.1
     assert changes == {"learner.lr": (1e-4, pytest.approx(5e-5)), "algo.kl_coef": (0.04, 0.1)}
-    again, _ = guards.rollback_config(new, ["learner.lr*=0.5"])
-    assert again.learner.lr == pytest.approx(2.5e-5, rel=1e-12)
+    again, _ = replan(new, ["learner.lr*=0.5"])
+    assert again.settings.learner.lr == pytest.approx(2.5e-5, rel=1e-12)
+    assert plan.settings.learner.lr == 1e-4 and plan.source["learner"]["lr"] == 1e-4  # the old plan is untouched
+    assert new.source["learner"]["lr"] == pytest.approx(5e-5) and new.config_hash != plan.config_hash
     with pytest.raises(ConfigError, match="learner.lr"):
-        guards.rollback_config(cfg, ["learner.lr*=-1"])  # the schema still applies (lr > 0)
-    with pytest.raises(ConfigError, match="unknown key 'learner.rate'"):
-        guards.rollback_config(cfg, ["learner.rate=1"])
+        replan(plan, ["learner.lr*=-1"])  # the schema still applies (lr > 0)
+    with pytest.raises(ConfigError, match="guard.rollback_overrides: unknown key 'learner.rate'"):
+        replan(plan, ["learner.rate=1"], origin="guard.rollback_overrides")
+    with pytest.raises(ConfigError, match="unknown key 'nosection.rate'"):
+        replan(plan, ["nosection.rate=1"])
 
 
 def test_rollback_overrides_are_validated_at_load():
@@ -80,13 +86,15 @@ def test_oom_detection_and_fallback_config():
     assert guards.is_oom(RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory"))
     assert not guards.is_oom(RuntimeError("shape mismatch")) and not guards.is_oom(ValueError("out of memory"))
     cfg = config_from_dict({"learner": {"prompts_per_step": 2, "sequences_per_minibatch": 8, "sequences_per_microbatch": 4}})
-    new, note = guards.oom_fallback_config(cfg)
-    assert (new.learner.sequences_per_microbatch, new.model.gradient_checkpointing) == (2, True)
+    new, note = guards.oom_fallback_plan(resolve_plan(cfg))
+    assert (new.settings.learner.sequences_per_microbatch, new.settings.model.gradient_checkpointing) == (2, True)
+    assert new.parallelism.micro_batching.sequences == 2  # the plan's decisions follow the new values
     assert note == "learner.sequences_per_microbatch 4 -> 2, model.gradient_checkpointing False -> True"
-    one, _ = guards.oom_fallback_config(config_from_dict({"learner": {"sequences_per_microbatch": 1}}))
-    assert one.learner.sequences_per_microbatch == 1
-    budget, note = guards.oom_fallback_config(config_from_dict({"learner": {"tokens_per_microbatch": 4096}}))
-    assert (budget.learner.tokens_per_microbatch, budget.learner.sequences_per_microbatch) == (2048, 8)
+    one, _ = guards.oom_fallback_plan(resolve_plan(config_from_dict({"learner": {"sequences_per_microbatch": 1}})))
+    assert one.settings.learner.sequences_per_microbatch == 1
+    budget, note = guards.oom_fallback_plan(resolve_plan(config_from_dict({"learner": {"tokens_per_microbatch": 4096}})))
+    assert (budget.settings.learner.tokens_per_microbatch, budget.settings.learner.sequences_per_microbatch) == (2048, 8)
+    assert budget.parallelism.micro_batching.tokens == 2048
     assert note == "learner.tokens_per_microbatch 4096 -> 2048, model.gradient_checkpointing False -> True"
 
 

@@ -16,6 +16,7 @@ import pytest
 import ray.cloudpickle
 
 from rlray.config import ConfigError, config_from_dict
+from rlray.plan import resolve_plan
 from rlray.run.hooks import StepEnd, is_observer, load_step_hooks, run_hooks, run_observers
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -74,15 +75,19 @@ def _cfg(*hooks: str, steps: int = 3):
     return config_from_dict({"run": {"hooks": list(hooks), "max_steps": steps}})
 
 
+def _plan(*hooks: str, steps: int = 3):
+    return resolve_plan(_cfg(*hooks, steps=steps))
+
+
 def test_no_hooks_by_default():
-    assert config_from_dict({}).run.hooks == [] and load_step_hooks(config_from_dict({})) == []
+    assert config_from_dict({}).run.hooks == [] and load_step_hooks(resolve_plan(config_from_dict({}))) == []
 
 
 def test_file_and_module_specs_build_hooks_in_order_with_the_config(hooks_file, monkeypatch, tmp_path):
     monkeypatch.setenv(holds.HOLD_STEP_ENV, "2")
     monkeypatch.setenv(holds.HOLD_RELEASE_ENV, str(tmp_path / "go"))
     monkeypatch.chdir(hooks_file.parent)  # a relative file spec starts at the current folder
-    record, observe, hold = load_step_hooks(_cfg("my_hooks.py:record", f"{hooks_file}:observe", "holds:hold_after_step"))
+    record, observe, hold = load_step_hooks(_plan("my_hooks.py:record", f"{hooks_file}:observe", "holds:hold_after_step"))
     assert type(record).__name__ == "Record" and record.max_steps == 3  # the factory got the Config
     assert not is_observer(record) and is_observer(observe)
     assert isinstance(hold, holds.HoldForTest) and (hold.step, hold.release) == (2, str(tmp_path / "go"))
@@ -112,13 +117,13 @@ def test_file_and_module_specs_build_hooks_in_order_with_the_config(hooks_file, 
 def test_a_bad_spec_fails_with_one_line_naming_the_key_the_spec_and_the_fix(hooks_file, spec, message):
     spec = spec.replace("FILE", str(hooks_file))
     with pytest.raises(ConfigError) as info:
-        load_step_hooks(_cfg(spec))
+        load_step_hooks(_plan(spec))
     assert str(info.value) == message.replace("FILE", str(hooks_file)).replace("{cwd}", str(Path.cwd()))
 
 
 def test_the_index_names_the_bad_entry(hooks_file):
     with pytest.raises(ConfigError, match=r"^run\.hooks\[1\]='nope\.mod:f': cannot import"):
-        load_step_hooks(_cfg(f"{hooks_file}:observe", "nope.mod:f"))
+        load_step_hooks(_plan(f"{hooks_file}:observe", "nope.mod:f"))
 
 
 def test_a_spec_without_a_factory_name_fails_when_the_config_loads():
@@ -128,7 +133,7 @@ def test_a_spec_without_a_factory_name_fails_when_the_config_loads():
 
 
 def test_a_hook_from_a_file_travels_by_value_to_a_process_without_the_file(hooks_file, tmp_path):
-    [record] = load_step_hooks(_cfg(f"{hooks_file}:record", steps=2))
+    [record] = load_step_hooks(_plan(f"{hooks_file}:record", steps=2))
     blob = tmp_path / "hook.pkl"
     blob.write_bytes(ray.cloudpickle.dumps(record))
     hooks_file.unlink()  # the learner's node may not have it
@@ -147,10 +152,10 @@ def test_the_hold_factory_needs_its_step_and_release_file(monkeypatch, tmp_path)
         with pytest.raises(ConfigError, match=rf"^run\.hooks\[0\]='.*holds\.py:hold_after_step': the factory raised "
                                               rf"ValueError: {holds.HOLD_STEP_ENV}='{step}' {holds.HOLD_RELEASE_ENV}="
                                               rf"'{release}': the test hold needs a step in 1\.\.3 and a release file"):
-            load_step_hooks(cfg)
+            load_step_hooks(resolve_plan(cfg))
     monkeypatch.setenv(holds.HOLD_STEP_ENV, "3")
     monkeypatch.setenv(holds.HOLD_RELEASE_ENV, str(tmp_path / "go"))
-    [hook] = load_step_hooks(cfg)
+    [hook] = load_step_hooks(resolve_plan(cfg))
     assert (hook.step, hook.release, type(hook).__name__) == (3, str(tmp_path / "go"), "HoldForTest")
 
 

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 from rlray.config import config_from_dict
 from rlray.data import PromptRow
+from rlray.plan import resolve_plan
 from rlray.reward.judges import JudgeReply, JudgeVerdict
 from rlray.reward.judges.client import JudgeClient
 from rlray.reward.judges.panel import JudgePanel, JudgeTerm
@@ -73,7 +74,7 @@ def test_a_synchronous_step_is_judged_and_keeps_the_raw_outputs():
     lead = OnlineLead(stream=None, prompt_ids={}, skipped_long_prompts=0, eval_prompts=[], reward_columns=[],
                       reward=LocalRewardClient(Scorer(), 1), reward_kwargs={}, fleet=None, rollouts=None,
                       pipeline=SimpleNamespace(next=lambda step: got), logged=FleetCounts(), judges=panel)  # fmt: skip
-    out = experience.collect_experience(lead, cfg, Tokenizer(), 0, StageTimer(), policy_version=0)
+    out = experience.collect_experience(lead, resolve_plan(cfg), Tokenizer(), 0, StageTimer(), policy_version=0)
     texts = ["1", "1 2", "1 2 3", "1 2 3 4"]
     assert sorted(map(sorted, judge.seen)) == [["1", "1 2"], ["1 2 3", "1 2 3 4"]]  # each group judged together
     rewards = out.table.column("reward").to_pylist()

@@ -13,6 +13,7 @@ from rlray.config import config_from_dict
 from rlray.data import PromptRow, PromptStream
 from rlray.learner.collective import Collective
 from rlray.observe.tracking import Tracker, read_ledger
+from rlray.plan import resolve_plan
 from rlray.reward.server import LocalRewardClient
 from rlray.rollout import Completion
 from rlray.rollout.pipeline import RolloutPipeline
@@ -154,7 +155,7 @@ def test_collect_experience_records_the_steps_prompts_and_dapos_refills():
     reward = LocalRewardClient(_Scripted([[0.5, 0.5, 0.0, 1.0], [1.0, 0.0]]), 1)
     rollouts = SimpleNamespace(generate=lambda ids, sampling, rows: _completions(len(ids)))
     lead = _lead(stream, reward, rollouts, pipeline=SimpleNamespace(next=lambda step: got))
-    got = experience.collect_experience(lead, cfg, _Tokenizer(), 0, StageTimer(), policy_version=0)
+    got = experience.collect_experience(lead, resolve_plan(cfg), _Tokenizer(), 0, StageTimer(), policy_version=0)
     assert got.metrics["algo/dynamic_sampling_rounds"] == 2.0
     assert got.prompt_ids == S[0:3]  # both prompts of the step, the dropped one too, then the refill
     assert got.table.column("prompt_id").to_pylist() == [S[1]] * G + [S[2]] * G  # the update keeps groups 1 and refill
@@ -208,7 +209,7 @@ def _dapo_run(max_staleness: int) -> OnlineRun:
                                 f"rollout.max_staleness={max_staleness}", "algo.dynamic_sampling_max_rounds=20"])  # fmt: skip
     fleet, stream = _Fleet(), PromptStream(ROWS, seed=SEED, shuffle=True)
     lead = _lead(stream, LocalRewardClient(_OddQuestionsFlat(), 1), fleet, reward_kwargs=build.scorer_kwargs(cfg, None))
-    ctx = OnlineRun(cfg, Collective(), None, _Tokenizer(), weight_sync=fleet, lead=lead)
+    ctx = OnlineRun(resolve_plan(cfg), Collective(), None, _Tokenizer(), weight_sync=fleet, lead=lead)
     lead.pipeline = RolloutPipeline(fleet, ctx.take_prompts, ctx.sampling_for, max_staleness, cursor=stream.state_dict,
                                     restore_cursor=stream.load_state_dict)  # fmt: skip
     return ctx
@@ -217,7 +218,7 @@ def _dapo_run(max_staleness: int) -> OnlineRun:
 def _steps(ctx: OnlineRun, steps: range, book: dict[int, list[str]]) -> dict[int, list[str]]:
     """Runs stages 1-3b of 0-based ``steps``; each replaces its 1-based ledger entry in ``book`` (as MLflow does)."""
     for step in steps:
-        got = experience.collect_experience(ctx.lead, ctx.cfg, ctx.tokenizer, step, StageTimer(),
+        got = experience.collect_experience(ctx.lead, ctx.plan, ctx.tokenizer, step, StageTimer(),
                                             policy_version=ctx.policy_version)
         book[step + 1] = got.prompt_ids
     return book

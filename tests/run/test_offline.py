@@ -11,6 +11,7 @@ from rlray.data import DataError
 from rlray.data.pairs import collate_pairs
 from rlray.learner.collective import Collective
 from rlray.observe.tracking import Tracker, get_run_metrics
+from rlray.plan import resolve_plan
 from rlray.run import offline, worker
 from rlray.run.state import WorkerArgs
 
@@ -37,7 +38,7 @@ def _ctx(method: str, tmp_path, hh_rlhf_dir, tiny_model_path, files=None, **algo
         "run": {"output_dir": str(tmp_path / "out")},
         "tracking": {"mlflow_uri": f"sqlite:///{tmp_path}/mlflow.db"},
     })  # fmt: skip
-    ctx = offline.setup(cfg, Collective(), model_dir=tiny_model_path, run_id=None)
+    ctx = offline.setup(resolve_plan(cfg), Collective(), model_dir=tiny_model_path, run_id=None)
     ctx.eval_pairs = ctx.train_pairs  # measure on the training pairs
     return ctx
 
@@ -95,7 +96,7 @@ def test_an_offline_run_logs_no_rollout_metrics(tmp_path, hh_rlhf_dir, tiny_mode
         "tracking": {"mlflow_uri": uri, "experiment": "offline-keys"},
     })  # fmt: skip
     tracker = Tracker(uri, "offline-keys")
-    out = worker.train(cfg, WorkerArgs(cfg.model_dump(), tiny_model_path, tracker.run_id), Collective())
+    out = worker.train(resolve_plan(cfg), WorkerArgs(cfg.model_dump(), tiny_model_path, tracker.run_id), Collective())
     assert (out.status, out.step) == ("FINISHED", 3)
     assert out.last_snapshot is not None and out.last_snapshot.endswith("step_00000003")
     logged = get_run_metrics(uri, tracker.run_id)

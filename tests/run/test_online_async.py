@@ -14,6 +14,7 @@ from rlray import schema
 from rlray.config import RewardFunctionConfig, load_config
 from rlray.learner import online as learner_online
 from rlray.learner.collective import Collective
+from rlray.plan import resolve_plan
 from rlray.run.build import sampling_for_step, update_spec
 from rlray.run.experience import Experience, build_experience, score
 from rlray.run.online import distribute, reference_and_old_logprobs, run_step, setup, sync_weights
@@ -45,7 +46,7 @@ def cfg_and_actors(ray_session, tmp_path_factory, gsm8k_dir, tiny_model_path):
 
 def _fresh(cfg, model_dir, actors):
     """Returns a new rank-0 context whose actors hold the initial weights at version 0."""
-    ctx = setup(cfg, Collective(), model_dir=model_dir, actors=actors, run_id=None)
+    ctx = setup(resolve_plan(cfg), Collective(), model_dir=model_dir, actors=actors, run_id=None)
     ctx.lead.fleet.push_weights(ray.put(ctx.learner.export_weights(torch.float32)), 0)
     return ctx
 

@@ -25,6 +25,7 @@ from rlray.config import Config, ConfigError, config_from_dict, load_config
 from rlray.learner import PolicyLearner
 from rlray.learner import online as learner_online
 from rlray.learner.policy import OptimizerSpec
+from rlray.plan import resolve_plan
 from rlray.run import build, experience
 from rlray.run.experience import StageTimer
 from tests.faults.test_step_faults import _completions, _FixedScorer, _rank0_ctx
@@ -81,7 +82,7 @@ def test_a_registered_algorithm_runs_a_step(sign_grpo_algorithm, tiny_model_path
     lengths = [3, 2, 4, 1, 2, 5, 3, 3]
     rewards = [1.0, 0.0, 0.5, 0.25] + [0.0, 0.0, 1.0, 0.0]
     ctx = _rank0_ctx(cfg, _completions(lengths), _FixedScorer(rewards))
-    table = experience.collect_experience(ctx.lead, cfg, ctx.tokenizer, 0, StageTimer(), policy_version=0).table
+    table = experience.collect_experience(ctx.lead, resolve_plan(cfg), ctx.tokenizer, 0, StageTimer(), policy_version=0).table
     learner = PolicyLearner(tiny_model_path, dtype="float32", optim=OptimizerSpec(lr=1e-3, max_grad_norm=1.0),
                             temperature=1.0, use_reference=True)  # fmt: skip
     before = {n: p.detach().clone() for n, p in learner.module.named_parameters()}
@@ -89,7 +90,7 @@ def test_a_registered_algorithm_runs_a_step(sign_grpo_algorithm, tiny_model_path
     spec = build.update_spec(cfg, 1)  # stages 4-6 as online.run_step runs them on one rank
     batch = learner_online.reference_and_old(learner, schema.collate(table, 0), spec)
     batch = learner_online.advantages(batch, spec, lambda d: d)
-    metrics = learner_online.update(learner, batch, experience.minibatch_normalisers(table, cfg, 1), spec, lambda d: d)
+    metrics = learner_online.update(learner, batch, experience.minibatch_normalisers(table, resolve_plan(cfg), 1), spec, lambda d: d)
 
     # group means 1.75 / 4 = 0.4375 and 1 / 4 = 0.25: signs [+, -, +, -] and [-, -, +, -] on every response token
     signs = torch.tensor([1.0, -1.0, 1.0, -1.0, -1.0, -1.0, 1.0, -1.0])

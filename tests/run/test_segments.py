@@ -11,6 +11,7 @@ from rlray import schema
 from rlray.algos import estimators
 from rlray.config import config_from_dict
 from rlray.data import PromptRow
+from rlray.plan import resolve_plan
 from rlray.rollout import Completion
 from rlray.rollout.types import AgentInfo, EpisodeInfo
 from rlray.run.experience import build_experience, minibatch_normalisers, rollout_stats
@@ -81,7 +82,7 @@ def test_the_layout_keeps_groups_on_their_rank_and_evens_the_shards_with_padding
     assert one.num_rows == 8 and one.column("segment").to_pylist()[-1] == PADDING
     cfg = config_from_dict({"rollout": {"samples_per_prompt": 2}, "learner": {
         "prompts_per_step": 2, "sequences_per_minibatch": 2, "sequences_per_microbatch": 2}})
-    norms = minibatch_normalisers(one, cfg, 1)
+    norms = minibatch_normalisers(one, resolve_plan(cfg), 1)
     assert len(norms) == cfg.minibatches_per_epoch == 2
     assert [n.num_tokens for n in norms] == [2 + 3 + 1 + 2, 1 + 2 + 2 + 0]  # the padding row counts no token
 
@@ -152,7 +153,7 @@ def test_a_dapo_step_with_a_refill_lays_out_its_segment_rows_for_two_ranks():
                       reward_columns=None, reward=LocalRewardClient(_NoReward(), 1), reward_kwargs={}, fleet=rollouts,
                       rollouts=rollouts, logged=FleetCounts(),
                       pipeline=SimpleNamespace(next=lambda s: RolloutBatch(s, rows[:2], [[3], [3]], step, 0)))
-    got = experience.collect_experience(lead, cfg, _Tokenizer(), 0, StageTimer(), policy_version=0, world=2)
+    got = experience.collect_experience(lead, resolve_plan(cfg), _Tokenizer(), 0, StageTimer(), policy_version=0, world=2)
     assert got.metrics["algo/dynamic_sampling_rounds"] == 2.0
     assert got.metrics["env/template_drift"] == 2.0 and got.metrics["env/episodes"] == 4.0
     table = got.table
@@ -161,4 +162,4 @@ def test_a_dapo_step_with_a_refill_lays_out_its_segment_rows_for_two_ranks():
     assert table.column("prompt_id").to_pylist() == ["q1"] * 4 + ["q2"] * 4
     assert table.column("segment").to_pylist() == [1, None, 0, PADDING, 1, None, 0, PADDING]
     assert table.column("reward").to_pylist()[:3] == [1.0, 0.0, 1.0]  # the segment has its episode's reward
-    assert [n.num_sequences for n in minibatch_normalisers(table, cfg, 2)] == [4.0, 4.0]
+    assert [n.num_sequences for n in minibatch_normalisers(table, resolve_plan(cfg), 2)] == [4.0, 4.0]

@@ -22,6 +22,7 @@ from rlray.cli import main as cli_main
 from rlray.config import Config, load_config
 from rlray.observe.metrics import METRIC_KEYS, term_keys
 from rlray.observe.tracking import Tracker, get_run, get_run_metrics
+from rlray.plan import resolve_plan
 from rlray.run import online, worker
 from rlray.run.state import RunOutcome, RunServices, WorkerArgs
 
@@ -79,7 +80,7 @@ def run(env: Env, cfg: Config, *, monitor: bool = False, **services) -> tuple[Ru
     mon = start_monitor(cfg, tracker.run_id) if monitor else None
     args = WorkerArgs(cfg.model_dump(), env.model_path, tracker.run_id, env.actors,
                       services=RunServices(monitor=mon and mon[0], **services))
-    out = worker.train(cfg, args)
+    out = worker.train(resolve_plan(cfg), args)
     return out, tracker.run_id, mon
 
 

@@ -19,6 +19,7 @@ from rlray.learner import PolicyLearner
 from rlray.learner.collective import Collective
 from rlray.learner.policy import OptimizerSpec
 from rlray.observe.tracking import Tracker, get_run, get_run_metrics
+from rlray.plan import resolve_plan
 from rlray.run import snapshots
 from rlray.run.context import RunContext
 from rlray.run.state import RunServices, RunState
@@ -60,23 +61,23 @@ def _cfg(*overrides: str) -> Config:
     [(1, False), (2, False), (3, True), (4, False), (6, True), (9, True), (10, True)],  # every 3rd, and 10 is the last
 )
 def test_snapshot_due_every_n_steps_and_at_the_last_step(step, due):
-    assert snapshots.snapshot_due(_cfg(), step) is due
+    assert snapshots.snapshot_due(resolve_plan(_cfg()), step) is due
 
 
 def test_snapshot_due_at_the_last_step_only_when_every_steps_is_larger():
     cfg = _cfg("checkpoint.every_steps=1000", "run.max_steps=5")
-    assert [s for s in range(1, 6) if snapshots.snapshot_due(cfg, s)] == [5]
+    assert [s for s in range(1, 6) if snapshots.snapshot_due(resolve_plan(cfg), s)] == [5]
 
 
 def test_local_log_path_is_under_a_local_output_dir(tmp_path):
     run = RunState("abc123", "unused", {}, in_ray_train=False)
-    path = snapshots.local_log_path(_cfg(f"run.output_dir={tmp_path}/out"), run)
+    path = snapshots.local_log_path(resolve_plan(_cfg(f"run.output_dir={tmp_path}/out")), run)
     assert path == tmp_path / "out" / checkpoint.LOGS_DIR / "run-abc123.log"
 
 
 def test_local_log_path_of_an_s3_output_dir_is_in_the_temp_folder():
     run = RunState("abc123", "unused", {}, in_ray_train=False)
-    path = snapshots.local_log_path(_cfg("run.output_dir=s3://bucket/out"), run)
+    path = snapshots.local_log_path(resolve_plan(_cfg("run.output_dir=s3://bucket/out")), run)
     assert path == Path(tempfile.gettempdir()) / "rlray" / checkpoint.LOGS_DIR / "run-abc123.log"
 
 
@@ -99,7 +100,7 @@ def session(tmp_path, mlflow_uri, learner, tiny_tokenizer):
     cfg = _cfg(f"run.output_dir={tmp_path}/out", f"tracking.mlflow_uri={uri}", "tracking.experiment=snaps")
     tracker = Tracker(uri, cfg.tracking.experiment)
     stream = PromptStream([PromptRow(f"r:{i}", f"question {i}", {"answer": str(i)}) for i in range(4)], seed=0, shuffle=False)
-    ctx = StubRun(cfg, Collective(), learner, tiny_tokenizer, stream=stream, tracker=tracker, policy_version=9)
+    ctx = StubRun(resolve_plan(cfg), Collective(), learner, tiny_tokenizer, stream=stream, tracker=tracker, policy_version=9)
     run = RunState(tracker.run_id, checkpoint.join(cfg.checkpoint_uri, checkpoint.run_dir_name(tracker.run_id)),
                    cfg.checkpoint.s3.storage_options(), in_ray_train=False, step=4)  # fmt: skip
     yield ctx, run, uri
@@ -109,7 +110,7 @@ def session(tmp_path, mlflow_uri, learner, tiny_tokenizer):
 def test_snapshot_writes_the_manifest_and_logs_to_mlflow(session):
     ctx, run, uri = session
     out = snapshots.snapshot(ctx, run, RunServices(git_commit="abc"), kind="periodic", metrics={"reward/mean": 0.5})
-    assert out == f"{ctx.cfg.run.output_dir}/snapshots/run-{run.run_id}/step_00000004"
+    assert out == f"{ctx.settings.run.output_dir}/snapshots/run-{run.run_id}/step_00000004"
     assert run.last_snapshot == out
     manifest = checkpoint.read_manifest(out)  # verifies every listed file's size too
     assert (manifest.kind, manifest.step, manifest.policy_version, manifest.run_id) == ("periodic", 4, 9, run.run_id)
