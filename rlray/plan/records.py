@@ -8,12 +8,16 @@ read these fields instead of comparing config keys again.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from rlray.envs.agents.mcp import McpServerSpec
 from rlray.envs.limits import EpisodeLimits
 from rlray.learner.batching import MicroBatching
 from rlray.rollout.types import SamplingSpec
+
+if TYPE_CHECKING:
+    from rlray.plan.settings import Settings
 
 REFERENCE_PLACES = ("off", "learner", "lora_base", "actor")
 """Where the reference model lives: nowhere, a frozen copy on every learner rank, the LoRA policy's base with the
@@ -292,6 +296,13 @@ class RunPlan:
         max_steps: RL steps of the run (``run.max_steps``).
         uses_gpus: the learner or the rollout asks for GPUs (``resources.{learner,rollout}.gpus`` > 0); it decides
             ``model.dtype=auto`` and whether ``rlray plan`` needs the GPUs' memory.
+        settings: the validated config the plan was resolved from, handed out read-only for the settings the run
+            reads as they are (algorithm hyper-parameters, optimizer, ``data.*``, ``eval.*``, ``guard.*``,
+            ``run.*``, ``offline.*``, ...). Nothing may assign to it: a change (a rollback, the OOM fallback) makes
+            a new plan through ``rlray.plan.replan``, so decisions and settings never disagree.
+        source: the config tree in force as plain data (``Config.model_dump()``, secrets included: never log it
+            whole): what a snapshot stores, what the learner ranks receive and what ``replan`` edits.
+        config_hash: the hash of the config in force (``Config.config_hash``; snapshots and MLflow tags keep it).
     """
 
     roles: Roles
@@ -304,3 +315,10 @@ class RunPlan:
     tracking: Tracking
     max_steps: int
     uses_gpus: bool
+    settings: Settings = field(repr=False, compare=False)
+    source: dict[str, Any] = field(repr=False, compare=False)
+    config_hash: str = ""
+
+    def to_yaml(self) -> str:
+        """Returns the config in force as YAML text (``Config.to_yaml``): what MLflow keeps as artifacts."""
+        return self.settings.to_yaml()

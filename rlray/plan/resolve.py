@@ -8,7 +8,12 @@ read (and ``model.dtype=auto`` resolved on this machine).
 
 from __future__ import annotations
 
-from rlray.config import Config, ConfigError
+import copy
+from typing import Any
+
+import yaml
+
+from rlray.config import Config, ConfigError, validate_tree
 from rlray.envs.agents.mcp import McpServerSpec
 from rlray.envs.limits import EpisodeLimits
 from rlray.learner.batching import MicroBatching
@@ -50,7 +55,52 @@ def resolve_plan(cfg: Config) -> RunPlan:
         tracking=Tracking(cfg.tracking.mlflow_uri, cfg.tracking.experiment, cfg.run.name, cfg.tracking.tensorboard_dir),
         max_steps=cfg.run.max_steps,
         uses_gpus=uses_gpus(cfg),
+        settings=cfg,
+        source=cfg.model_dump(),
+        config_hash=cfg.config_hash(),
     )
+
+
+def plan_from_tree(tree: dict[str, Any]) -> RunPlan:
+    """Returns the plan of a config tree (the learner ranks' shipped ``WorkerArgs.config``, a stored
+    ``config/resolved.yaml``), validated first.
+
+    Raises:
+        rlray.config.ConfigError: the tree does not validate (names the keys), or ``resolve_plan``'s checks fail.
+    """
+    return resolve_plan(validate_tree(copy.deepcopy(tree)))
+
+
+def replan(plan: RunPlan, overrides: list[str], *, origin: str = "overrides") -> tuple[RunPlan, dict[str, tuple[Any, Any]]]:
+    """Returns (the plan of ``plan``'s config with ``overrides`` applied, {key: (old, new)}): the one way a run's
+    config in force changes (a rollback's ``guard.rollback_overrides``, the OOM fallback). Re-validated and
+    re-resolved, so the new plan's decisions follow the new values.
+
+    ``key=value`` sets a value (YAML-parsed); ``key*=factor`` multiplies the current one, so each call compounds
+    (two rollbacks with ``learner.lr*=0.5`` quarter the learning rate).
+
+    Raises:
+        rlray.config.ConfigError: an unknown key (named, with ``origin``: the config key the overrides come from)
+            or a result the schema rejects, naming the key.
+    """
+    tree = copy.deepcopy(plan.source)
+    changes: dict[str, tuple[Any, Any]] = {}
+    for item in overrides:
+        key, raw = item.split("=", 1)
+        scale = key.endswith("*")
+        key = key.rstrip("*").strip()
+        *path, leaf = key.split(".")
+        node = tree
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+            if node is None:
+                break
+        if not isinstance(node, dict) or leaf not in node:
+            raise ConfigError(f"{origin}: unknown key '{key}'")
+        old = node[leaf]
+        node[leaf] = old * float(raw) if scale else yaml.safe_load(raw)
+        changes[key] = (old, node[leaf])
+    return resolve_plan(validate_tree(tree)), changes
 
 
 def uses_gpus(cfg: Config) -> bool:
