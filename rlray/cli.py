@@ -208,8 +208,8 @@ def _plan(args: argparse.Namespace) -> int:
     from rlray.launch.plan_report import format_plan
     from rlray.plan import resolve_plan
 
-    cfg = load_config(args.config, args.overrides)
-    hardware, gpus = None, resolve_plan(cfg).uses_gpus
+    run = resolve_plan(load_config(args.config, args.overrides))  # the plan a run of the config uses
+    hardware, gpus = None, run.uses_gpus
     if args.gpus is not None or args.gpu_memory_gib is not None or gpus:
         size = args.gpu_memory_gib or local_gpu_memory_gib()
         if size is None:
@@ -219,7 +219,7 @@ def _plan(args: argparse.Namespace) -> int:
             print("rlray plan: the config asks for no GPUs; give how many to plan for (--gpus N)", file=sys.stderr)
             return 2
         hardware = Hardware(args.gpus, args.nodes, size)
-    plan = plan_run(cfg, hardware)
+    plan = plan_run(run, hardware)
     print(format_plan(plan))
     return 0 if plan.fits else 1
 

@@ -285,7 +285,7 @@ def run_training(
         console.route_library_logs()  # loggers again; before Ray starts and before the first MLflow call
     cfg = resolve_paths(cfg)
     plan = resolve_plan(cfg)
-    model_dir = preflight(cfg)
+    model_dir = preflight(plan)
     user_hooks = load_step_hooks(cfg)
     roles = plan.roles
     teacher_dir = resolve_model_path(cfg.teacher.path) if roles.teacher != "off" else None  # preflight checked it

@@ -48,7 +48,7 @@ def test_context_length_is_what_the_driver_gives_the_engines_and_the_planner_siz
     assert plan.lengths.context_tokens == context == max_model_len(cfg)
     assert plan.lengths.response_tokens == response
     if plan.roles.online:  # rlray plan's KV cache is sized for the same context
-        engine = plan_run(cfg, models=Models(HAND, "hand")).roles[1]
+        engine = plan_run(resolve_plan(cfg), models=Models(HAND, "hand")).roles[1]
         assert any(f"x {context} tokens" in t.name for t in engine.terms)
 
 
@@ -77,7 +77,7 @@ def test_reference_placement_one_rule_for_driver_placement_and_planner():
     guard = load_config(TINY, ["resources.reference.placement=actor", "algo.kl_coef=0", "guard.kl_threshold=1.0"])
     assert resolve_plan(guard).roles.reference == "learner"
     assert [r.role for r in role_requests(resolve_plan(guard))] == ["rollout", "learner"]
-    planned = plan_run(guard, models=Models(HAND, "hand"))
+    planned = plan_run(resolve_plan(guard), models=Models(HAND, "hand"))
     assert [r.role for r in planned.roles] == ["learner rank", "rollout engine"]
     assert any(t.name.startswith("reference: frozen copy") for t in planned.roles[0].terms)
     assert build.learner_kwargs(guard, 1)["use_reference"]
@@ -96,12 +96,12 @@ def test_fsdp_learner_cuts_by_sequences_in_the_plan_the_planner_and_the_learner(
     sharded = SimpleNamespace(parallel=FSDP2Strategy(mixed_precision=False, gpu=False))
     assert PolicyLearner.micro_batching(sharded, par.frozen_micro_batching) == par.micro_batching
     # rlray plan: 2 sequences x (256 + 16) tokens, not ceil(1000 / 272) = 4 sequences
-    mb = microbatch(cfg)
+    mb = microbatch(resolve_plan(cfg))
     assert (mb.sequences, mb.tokens) == (2, 2 * 272) and "unused" in mb.source
     ddp = load_config(TINY, ["resources.learner.num_workers=2", "learner.tokens_per_microbatch=1000",
                              "learner.sequences_per_microbatch=2"])
     assert resolve_plan(ddp).parallelism.micro_batching.tokens == 1000
-    assert (microbatch(ddp).sequences, microbatch(ddp).tokens) == (4, 4 * 272)  # ceil(1000 / 272) = 4 rows
+    assert (microbatch(resolve_plan(ddp)).sequences, microbatch(resolve_plan(ddp)).tokens) == (4, 4 * 272)  # ceil(1000 / 272) = 4 rows
 
 
 def test_fsdp_with_a_budget_still_needs_the_sequences_to_divide():
