@@ -33,8 +33,9 @@ def _train(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> int:
     from rlray.launch.check import check_run
     from rlray.launch.driver import resolve_paths
+    from rlray.plan import resolve_plan
 
-    print(check_run(resolve_paths(load_config(args.config, args.overrides))), flush=True)
+    print(check_run(resolve_plan(resolve_paths(load_config(args.config, args.overrides)))), flush=True)
     return 0
 
 

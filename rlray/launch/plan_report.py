@@ -152,6 +152,8 @@ def _header(plan: Plan) -> list[str]:
     mb = microbatch(plan.run)
     lines.append(f"micro-batch per learner rank: {mb.sequences} sequences x ({mb.prompt_tokens} + {mb.response_tokens} "
                  f"tokens) = {mb.tokens:,} tokens ({mb.source}), every sequence padded to the longest: the worst case")
+    if plan.run.roles.online:
+        lines.append(f"context length: {plan.run.lengths.context_tokens:,} tokens (the rollout engines' max_model_len)")
     return lines
 
 

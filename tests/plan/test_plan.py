@@ -131,3 +131,30 @@ def test_the_plan_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.roles.reference = "actor"  # type: ignore[misc]
     assert isinstance(plan.roles, Roles)
+
+
+def test_rlray_plan_prints_the_runs_own_decisions_for_an_fsdp_learner_with_a_token_budget(capsys):
+    # Issue 38: `rlray plan` prints from the plan the run uses (resolve_plan, as rlray.launch.driver.run_training
+    # resolves it), so the printed reference placement, context length and micro-batch cannot differ from the run's.
+    # FSDP cuts by sequences: the 1000-token budget would give ceil(1000 / (256 + 160)) = 3 rows; the run takes 2.
+    from rlray.cli import main
+    from rlray.launch.driver import max_model_len
+    from rlray.plan.settings import Settings
+
+    overrides = ["model.path=configs/models/qwen2.5-1.5b", *FSDP2, "learner.tokens_per_microbatch=1000",
+                 "learner.sequences_per_microbatch=2", "algo.kl_coef=0.05"]
+    cfg = load_config("configs/grpo_gsm8k_smollm2.yaml", overrides)
+    run = resolve_plan(cfg)
+    assert isinstance(run.settings, Settings) and run.settings is cfg
+    assert (run.roles.reference, run.parallelism.sharded, run.parallelism.micro_batching.tokens) == ("learner", True, None)
+    main(["plan", "configs/grpo_gsm8k_smollm2.yaml", *overrides])
+    out = capsys.readouterr().out
+    lengths, batching = run.lengths, run.parallelism.micro_batching
+    assert (f"micro-batch per learner rank: {batching.sequences} sequences x ({lengths.prompt_tokens} + "
+            f"{lengths.response_tokens} tokens)") in out
+    assert batching.sequences == 2 and "learner.tokens_per_microbatch unused" in out
+    assert f"context length: {lengths.context_tokens:,} tokens" in out and lengths.context_tokens == max_model_len(cfg)
+    assert lengths.context_tokens == 256 + 160
+    assert f"reference: a frozen copy sharded over the {run.parallelism.world_size} learner ranks" in out
+    # the learner rank's memory holds the reference as a 1/2 shard, as FSDP2.frozen places it
+    assert "reference: frozen copy, bfloat16, 1/2 shard" in out or "reference: frozen copy, float32, 1/2 shard" in out
