@@ -129,9 +129,11 @@ def _rollback(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     from rlray.launch.export import ExportError, export_snapshot
+    from rlray.plan import resolve_plan
 
     try:
-        print(json.dumps(export_snapshot(args.ref, args.to, _optional_config(args), adapter=args.adapter), indent=2))
+        plan = resolve_plan(_optional_config(args))
+        print(json.dumps(export_snapshot(args.ref, args.to, plan, adapter=args.adapter), indent=2))
     except ExportError as err:
         print(f"rlray export: {err}", file=sys.stderr)
         return 2

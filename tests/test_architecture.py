@@ -327,7 +327,6 @@ STILL_READ_CONFIG = {
     "rlray.observe.tracking": "MLflow params are the flattened config (a service)",
     "rlray.observe.stored": "reads a stored run's resolved config back (a service)",
     "rlray.launch.actors": "builds rollout actors and env hosts from resources.rollout/env and rollout.* engine keys",
-    "rlray.launch.export": "rlray export: the snapshot storage, tracking URI and base model of a config (as rollback)",
     "rlray.launch.driver": "resolves the config's paths (resolve_paths) and ships the config to the workers",
     "rlray.launch.judge_check": "rlray judge check: builds local judges from reward.judges",
     "rlray.launch.judges": "deploys one Serve app per reward.judges entry (JudgeSpec from build.judge_specs)",
