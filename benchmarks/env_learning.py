@@ -136,9 +136,10 @@ def learn(args: argparse.Namespace, started: float) -> dict[str, Any]:
     """Returns the before/after figures of one seeded run (module docstring), and prints its table."""
     from rlray.launch.driver import resolve_paths, run_training
     from rlray.launch.preflight import preflight
+    from rlray.plan import resolve_plan
 
     cfg = load_config(args.config, [f"run.seed={args.seed}", f"run.max_steps={args.steps}", *args.set])
-    preflight(resolve_paths(cfg))  # the training run's inputs, checked before the first evaluation
+    preflight(resolve_plan(resolve_paths(cfg)))  # the training run's inputs, checked before the first evaluation
     eval_cfg = cfg.model_copy(deep=True)
     eval_cfg.eval.num_problems = HELDOUT_EPISODES
     base_a, base_b = episode_outcomes(eval_cfg, cfg.model.path, repeats=2)

@@ -157,6 +157,7 @@ def measure(strategy: str, size: dict[str, Any], work: Path) -> list[dict[str, A
 
     from rlray.config import config_from_dict
     from rlray.launch.plan import plan_run
+    from rlray.plan import resolve_plan
 
     folder = work / strategy
     folder.mkdir()
@@ -170,7 +171,7 @@ def measure(strategy: str, size: dict[str, Any], work: Path) -> list[dict[str, A
         raise RuntimeError(f"{strategy} ranks failed:\n" + "\n".join(o[-3000:] for o in outs))
     ranks = [json.loads((folder / f"rank_{r}.json").read_text()) for r in range(2)]
     cfg = config_from_dict({}, overrides(size["model"], strategy, size["prompt_tokens"], size["response_tokens"]))
-    ranks[0]["planned_gib"] = plan_run(cfg).roles[0].total_gib
+    ranks[0]["planned_gib"] = plan_run(resolve_plan(cfg)).roles[0].total_gib
     return ranks
 
 

@@ -375,6 +375,7 @@ def check_planner(model_dir: str, device: str, *, sequences: int = 8, prompt_tok
     from rlray.launch.plan_roles import CPU_PROCESS_GIB, CUDA_RUNTIME_GIB
     from rlray.learner import PolicyLearner
     from rlray.learner.objective import Normaliser
+    from rlray.plan import resolve_plan
     from rlray.run import build
 
     cuda = device.startswith("cuda")
@@ -385,7 +386,7 @@ def check_planner(model_dir: str, device: str, *, sequences: int = 8, prompt_tok
         "rollout.samples_per_prompt=2", f"data.max_prompt_tokens={prompt_tokens}",
         f"rollout.max_new_tokens={response_tokens}", f"resources.learner.gpus={1 if cuda else 0}"])  # fmt: skip
     hardware = Hardware(1, 1, torch.cuda.get_device_properties(device).total_memory / GIB) if cuda else None
-    learner_plan = plan_run(cfg, hardware).roles[0]
+    learner_plan = plan_run(resolve_plan(cfg), hardware).roles[0]
     predicted = learner_plan.total_gib - (CUDA_RUNTIME_GIB if cuda else CPU_PROCESS_GIB)
     before = allocated_bytes(device)
     learner = PolicyLearner(model_dir, **build.learner_kwargs(cfg, 1))

@@ -35,8 +35,9 @@ def _train(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> int:
     from rlray.launch.check import check_run
     from rlray.launch.driver import resolve_paths
+    from rlray.plan import resolve_plan
 
-    print(check_run(resolve_paths(load_config(args.config, args.overrides))), flush=True)
+    print(check_run(resolve_plan(resolve_paths(load_config(args.config, args.overrides)))), flush=True)
     return 0
 
 
@@ -130,9 +131,11 @@ def _rollback(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     from rlray.launch.export import ExportError, export_snapshot
+    from rlray.plan import resolve_plan
 
     try:
-        print(json.dumps(export_snapshot(args.ref, args.to, _optional_config(args), adapter=args.adapter), indent=2))
+        plan = resolve_plan(_optional_config(args))
+        print(json.dumps(export_snapshot(args.ref, args.to, plan, adapter=args.adapter), indent=2))
     except ExportError as err:
         print(f"rlray export: {err}", file=sys.stderr)
         return 2
@@ -210,8 +213,8 @@ def _plan(args: argparse.Namespace) -> int:
     from rlray.launch.plan_report import format_plan
     from rlray.plan import resolve_plan
 
-    cfg = load_config(args.config, args.overrides)
-    hardware, gpus = None, resolve_plan(cfg).uses_gpus
+    run = resolve_plan(load_config(args.config, args.overrides))  # the plan a run of the config uses
+    hardware, gpus = None, run.uses_gpus
     if args.gpus is not None or args.gpu_memory_gib is not None or gpus:
         size = args.gpu_memory_gib or local_gpu_memory_gib()
         if size is None:
@@ -221,7 +224,7 @@ def _plan(args: argparse.Namespace) -> int:
             print("rlray plan: the config asks for no GPUs; give how many to plan for (--gpus N)", file=sys.stderr)
             return 2
         hardware = Hardware(args.gpus, args.nodes, size)
-    plan = plan_run(cfg, hardware)
+    plan = plan_run(run, hardware)
     print(format_plan(plan))
     return 0 if plan.fits else 1
 

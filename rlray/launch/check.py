@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlray.config import Config
 from rlray.data import load_prompt_rows, prepare_prompts
 from rlray.data.prompts import prompt_messages
 from rlray.envs.episode import open_trajectory
@@ -19,32 +18,35 @@ from rlray.envs.probe import row_environment
 from rlray.launch.envcheck import EnvOpening, check_environments
 from rlray.launch.preflight import preflight
 from rlray.models import load_tokenizer
+from rlray.plan import RunPlan
 
 RULE = "-" * 100
 
 
-def check_run(cfg: Config) -> str:
+def check_run(plan: RunPlan) -> str:
     """Returns the text ``rlray check`` prints: the checks passed, then each environment's first prompt (and the first
     single-turn row's), each with its token count.
 
     Args:
-        cfg: the config with local paths resolved (``rlray.launch.driver.resolve_paths``).
+        plan: the run's plan (``rlray.plan.resolve_plan``) of the config with local paths resolved
+            (``rlray.launch.driver.resolve_paths``).
 
     Raises:
         as ``rlray.launch.preflight.preflight``.
     """
-    model_dir = preflight(cfg)
+    model_dir, cfg = preflight(plan), plan.settings
     lines = [f"rlray check: every input of the run is usable (model {model_dir})"]
-    if cfg.algo.family != "online":
+    if not plan.roles.online:
         return "\n".join(lines + ["rlray check: an offline run: no prompts are rendered"])
     tokenizer = load_tokenizer(model_dir, cfg.model.chat_template)
     rows = load_prompt_rows(cfg.data.train_files, prompt_column=cfg.data.prompt_column)
     eval_rows = []
     if cfg.eval.num_problems:
         eval_rows = load_prompt_rows(cfg.data.eval_files, prompt_column=cfg.data.prompt_column)[: cfg.eval.num_problems]
-    for opening in check_environments(cfg, rows, eval_rows) if cfg.env.enabled else []:
-        lines += _episode_lines(cfg, tokenizer, opening)
-    single = [r for r in rows if not row_environment(r.columns, cfg.env.column, cfg.env.default)] if cfg.env.enabled else rows
+    env = plan.episodes
+    for opening in check_environments(plan, rows, eval_rows) if plan.roles.env_hosts else []:
+        lines += _episode_lines(plan, tokenizer, opening)
+    single = [r for r in rows if not row_environment(r.columns, env.column, env.default)] if plan.roles.env_hosts else rows
     if single:
         _, ids, _ = prepare_prompts(single[:1], tokenizer, max_prompt_tokens=10**9, instruction=cfg.data.instruction,
                                     system_prompt=cfg.data.system_prompt)
@@ -53,9 +55,9 @@ def check_run(cfg: Config) -> str:
     return "\n".join([*lines, RULE])
 
 
-def _episode_lines(cfg: Config, tokenizer: Any, opening: EnvOpening) -> list[str]:
+def _episode_lines(plan: RunPlan, tokenizer: Any, opening: EnvOpening) -> list[str]:
     """Returns the lines of one environment: its class, rows and tools, then its first prompt as tokenized."""
-    reply = opening.reply
+    reply, cfg = opening.reply, plan.settings
     messages = prompt_messages(reply.prompt, instruction=cfg.data.instruction, system_prompt=cfg.data.system_prompt)
     traj = open_trajectory(tokenizer, messages, tools=reply.tools, chat_template_kwargs=cfg.rollout.chat_template_kwargs)
     tools = [t["function"]["name"] for t in reply.tools or []]
@@ -65,7 +67,7 @@ def _episode_lines(cfg: Config, tokenizer: Any, opening: EnvOpening) -> list[str
         f"environment '{opening.name}' ({opening.spec}, {kind}): {opening.rows} rows (train and eval); tools: "
         f"{', '.join(tools) or 'none'}" + (f"; extra stop strings {reply.stop}" if reply.stop else ""),
         f"first prompt, row '{opening.row_id}', as the model sees it ({len(traj.prompt_ids)} tokens, at most "
-        f"{cfg.env.max_turns} turns):",
+        f"{plan.episodes.limits.max_turns} turns):",
         RULE,
         tokenizer.decode(traj.prompt_ids),
     ]

@@ -51,11 +51,12 @@ from rlray.launch.actors import (
 from rlray.launch.judges import deploy_judges, judge_apps
 from rlray.launch.monitor_actor import launch_monitor, monitor_port
 from rlray.launch.placement import bundle, check_cluster, rollout_nodes
-from rlray.launch.preflight import pin_hub_models, preflight
+from rlray.launch.preflight import preflight
 from rlray.models import load_tokenizer, resolve_model_path
 from rlray.observe.startup import StartupClock, startup_summary
 from rlray.observe.tracking import Tracker, resolve_tracking_uri
 from rlray.plan import resolve_plan
+from rlray.plan.hub import pin_hub_models
 from rlray.rollout import RolloutSource
 from rlray.rollout.fleet import RolloutFleet
 from rlray.run import build, evaluation, worker
@@ -133,7 +134,7 @@ def init_ray(*, include_dashboard: bool | None = None, log_to_driver: bool = Tru
 def resolve_paths(cfg: Config, base: Path | None = None) -> Config:
     """Returns a copy of ``cfg`` with local relative paths made absolute against ``base`` (cwd), and
     ``model.dtype=auto`` resolved on this machine (``build.compute_dtype``), and Hub ids of models replaced by their
-    local snapshot folders, fetched once here (``preflight.pin_hub_models``).
+    local snapshot folders, fetched once here (``rlray.plan.hub.pin_hub_models``).
 
     Ray workers and jobs can run in another folder than the shell that started the run, so the
     driver pins the MLflow store, the output, snapshot and TensorBoard folders, and local data files once; the
@@ -300,7 +301,7 @@ def run_training(
     with clock.phase("checks"):
         cfg = resolve_paths(cfg)
         plan = resolve_plan(cfg)
-        model_dir = preflight(cfg)
+        model_dir = preflight(plan)
         user_hooks = load_step_hooks(plan)
         roles = plan.roles
         teacher_dir = resolve_model_path(cfg.teacher.path) if roles.teacher != "off" else None  # preflight checked it

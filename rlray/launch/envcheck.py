@@ -27,10 +27,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from rlray.config import Config
 from rlray.data import PromptRow
 from rlray.envs.host import ResetReply
 from rlray.envs.probe import probe_in_sandbox, reset_kwargs, row_environment
+from rlray.plan import RunPlan
 from rlray.reward.scorer import RewardScorer
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ class EnvOpening:
     reply: ResetReply
 
 
-def route_rows(cfg: Config, train_rows: list[PromptRow], eval_rows: list[PromptRow]) -> dict[str, list[PromptRow]]:
+def route_rows(plan: RunPlan, train_rows: list[PromptRow], eval_rows: list[PromptRow]) -> dict[str, list[PromptRow]]:
     """Returns {environment name: the rows routed to it, train rows first} for every configured environment (rows
     that name an agent of ``env.agents`` run as agent episodes and are in none).
 
@@ -65,15 +65,16 @@ def route_rows(cfg: Config, train_rows: list[PromptRow], eval_rows: list[PromptR
         ValueError: a row names an environment that is not configured (nor an agent), or an environment no row
             reaches (the message names the row or key and the fix).
     """
-    env = cfg.env
-    routed: dict[str, list[PromptRow]] = {name: [] for name in env.environments}
+    env = plan.episodes
+    agents = dict(env.agents)
+    routed: dict[str, list[PromptRow]] = {name: [] for name, _ in env.environments}
     for key, rows in (("data.train_files", train_rows), ("data.eval_files", eval_rows)):
         for row in rows:
             name = row_environment(row.columns, env.column, env.default)
-            if name and name not in routed and name not in env.agents:
-                agents = f" nor in env.agents {sorted(env.agents)}" if env.agents else ""
+            if name and name not in routed and name not in agents:
+                known = f" nor in env.agents {sorted(agents)}" if agents else ""
                 raise ValueError(f"{key}: row '{row.prompt_id}' names environment '{name}' in its '{env.column}' "
-                                 f"column, which is not in env.environments {sorted(routed)}{agents}; add it there "
+                                 f"column, which is not in env.environments {sorted(routed)}{known}; add it there "
                                  "or fix the row")
             if name in routed:
                 routed[name].append(row)
@@ -91,20 +92,21 @@ def route_rows(cfg: Config, train_rows: list[PromptRow], eval_rows: list[PromptR
     return routed
 
 
-def check_environments(cfg: Config, train_rows: list[PromptRow], eval_rows: list[PromptRow]) -> list[EnvOpening]:
+def check_environments(plan: RunPlan, train_rows: list[PromptRow], eval_rows: list[PromptRow]) -> list[EnvOpening]:
     """Returns the first episode of every configured environment after the checks in the module docstring.
 
     Args:
-        cfg: the config (local paths resolved).
+        plan: the run's plan (of the config with local paths resolved).
         train_rows, eval_rows: the prompt rows of ``data.train_files``, and the first ``eval.num_problems`` of
             ``data.eval_files`` (the rows evaluation runs).
 
     Raises:
         ValueError: a check failed (the message names the key, the file or row, and the fix).
     """
-    env, openings = cfg.env, []
-    for name, rows in route_rows(cfg, train_rows, eval_rows).items():
-        spec, key = env.environments[name], f"env.environments.{name}"
+    cfg, specs, openings = plan.settings, dict(plan.episodes.environments), []
+    env = cfg.env  # the probe's sandbox settings
+    for name, rows in route_rows(plan, train_rows, eval_rows).items():
+        spec, key = specs[name], f"env.environments.{name}"
         probed = list({r.prompt_id: r for r in rows}.values())[:PROBE_ROWS]  # distinct rows (eval may repeat train)
         kwargs = [reset_kwargs(r.columns, r.prompt, cfg.data.prompt_column) for r in probed]
         try:
@@ -143,7 +145,7 @@ def _check_columns(key: str, spec: str, required: list[str], rows: list[PromptRo
                              f"'{lacking[0]}'); add the column to the data or give the parameter a default")
 
 
-def check_reward_columns(cfg: Config, columns: list[str]) -> None:
+def check_reward_columns(plan: RunPlan, columns: list[str]) -> None:
     """Checks the reward functions against the data's columns by building the scorer as rank 0 does (every entry's
     name and kwargs; a built-in's column; a user function loaded in its own sandbox, its parameters checked), then
     stops it. A reward model is not loaded here.
@@ -151,6 +153,7 @@ def check_reward_columns(cfg: Config, columns: list[str]) -> None:
     Raises:
         rlray.reward.RewardFunctionError: names the entry, the parameter or column, and the data's columns.
     """
+    cfg = plan.settings
     if not cfg.reward.functions:
         return
     RewardScorer(functions=[f.model_dump() for f in cfg.reward.functions], columns=columns).close()

@@ -24,7 +24,7 @@ from typing import Any
 
 from rlray.checkpoint import storage as checkpoint
 from rlray.checkpoint.contents import snapshot_config
-from rlray.config import Config
+from rlray.plan import RunPlan
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
 SKIPPED_FILES = ("README.md",)  # peft's model card of the adapter: not the merged model's
@@ -34,36 +34,36 @@ class ExportError(ValueError):
     """What to export or where to write it is wrong; the message names the argument and the fix."""
 
 
-def find_snapshot(ref: str, cfg: Config) -> str:
+def find_snapshot(ref: str, plan: RunPlan) -> str:
     """Returns the URI of the complete snapshot ``ref`` names.
 
     Args:
         ref: a snapshot folder or URI, a run folder or storage root (its newest complete snapshot), ``latest`` (the
-            newest complete snapshot under ``cfg.checkpoint_uri``) or an MLflow run id (its newest complete
-            snapshot, under the run's ``rlray.snapshot_dir`` tag, in ``cfg.tracking.mlflow_uri``).
-        cfg: gives the storage root, the MLflow store and the S3 options.
+            newest complete snapshot under ``plan.snapshots.uri``) or an MLflow run id (its newest complete
+            snapshot, under the run's ``rlray.snapshot_dir`` tag, in ``plan.tracking.mlflow_uri``).
+        plan: the run's plan: gives the storage root, the MLflow store and the S3 options.
 
     Raises:
         ExportError: nothing complete matches, or the run is unknown or has no snapshot folder.
     """
-    opts = cfg.checkpoint.s3.storage_options()
+    opts, root = plan.settings.checkpoint.s3.storage_options(), plan.snapshots.uri
     if ref == "latest":
-        found = checkpoint.latest_snapshot(cfg.checkpoint_uri, opts)
+        found = checkpoint.latest_snapshot(root, opts)
         if found is None:
-            raise ExportError(f"RUN_OR_SNAPSHOT=latest: no complete snapshot under '{cfg.checkpoint_uri}' "
+            raise ExportError(f"RUN_OR_SNAPSHOT=latest: no complete snapshot under '{root}' "
                               "(checkpoint.uri); give --config with the run's config, or a snapshot folder")
         return found
     where = ref
     if "/" not in ref and "://" not in ref and not Path(ref).exists():
-        where = _run_snapshot_dir(ref, cfg)
+        where = _run_snapshot_dir(ref, plan)
     try:
-        return checkpoint.resolve_snapshot(where, cfg.checkpoint_uri, opts)
+        return checkpoint.resolve_snapshot(where, root, opts)
     except checkpoint.SnapshotError as err:
         raise ExportError(f"RUN_OR_SNAPSHOT={ref}: {err}; give a complete snapshot (rlray snapshots list shows "
                           "which are complete)") from err
 
 
-def _run_snapshot_dir(run_id: str, cfg: Config) -> str:
+def _run_snapshot_dir(run_id: str, plan: RunPlan) -> str:
     """Returns the snapshot folder of the MLflow run ``run_id`` (its ``rlray.snapshot_dir`` tag).
 
     Raises:
@@ -73,7 +73,7 @@ def _run_snapshot_dir(run_id: str, cfg: Config) -> str:
 
     from rlray.observe import tracking
 
-    uri = cfg.tracking.mlflow_uri
+    uri = plan.tracking.mlflow_uri
     try:
         run = tracking.get_run(uri, run_id)
     except MlflowException as err:
@@ -86,7 +86,7 @@ def _run_snapshot_dir(run_id: str, cfg: Config) -> str:
     return found
 
 
-def export_snapshot(ref: str, dest: str | Path, cfg: Config, *, adapter: bool = False) -> dict[str, Any]:
+def export_snapshot(ref: str, dest: str | Path, plan: RunPlan, *, adapter: bool = False) -> dict[str, Any]:
     """Writes the policy of the snapshot ``ref`` names to the folder ``dest`` as a plain Hugging Face folder.
 
     The folder is written beside ``dest`` and renamed into place at the end: a failed export leaves nothing.
@@ -94,7 +94,8 @@ def export_snapshot(ref: str, dest: str | Path, cfg: Config, *, adapter: bool = 
     Args:
         ref: what to export (see ``find_snapshot``).
         dest: a folder that does not exist yet or is empty.
-        cfg: gives the storage root, the MLflow store and the S3 options.
+        plan: the run's plan (``rlray.plan.resolve_plan``): gives the storage root, the MLflow store and the S3
+            options.
         adapter: keep a LoRA policy as a peft adapter folder instead of merging it into the base weights.
 
     Returns:
@@ -110,8 +111,8 @@ def export_snapshot(ref: str, dest: str | Path, cfg: Config, *, adapter: bool = 
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise ExportError(f"--to {dest}: exists and is not an empty folder; give a new folder (the export never "
                           "overwrites)")
-    uri = find_snapshot(ref, cfg)
-    opts = cfg.checkpoint.s3.storage_options()
+    uri = find_snapshot(ref, plan)
+    opts = plan.settings.checkpoint.s3.storage_options()
     manifest = checkpoint.read_manifest(uri, opts)
     out = {"snapshot": uri, "step": manifest.step, "to": str(dest)}
     dest.parent.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,6 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
-from rlray.config import Config, ConfigError, config_from_dict
 from rlray.launch.placement import PlacementError, role_requests
 from rlray.launch.plan_roles import (
     Hardware,
@@ -28,7 +27,7 @@ from rlray.launch.plan_roles import (
     reward_model,
     rollout_engine,
 )
-from rlray.plan import RunPlan, resolve_plan
+from rlray.plan import ConfigError, RunPlan, replan
 
 FIT_TOLERANCE = 0.25
 """The planner's validated accuracy (tests/launch/test_plan.py): the preflight fails only beyond it."""
@@ -39,9 +38,9 @@ class Plan:
     """The memory plan of a config.
 
     Attributes:
-        cfg: the config planned, with the assumed layout applied when there is one.
-        run: the run plan of ``cfg`` (``rlray.plan.resolve_plan``): the roles, parallelism and lengths a run of it
-            would have; the memory below is planned from it.
+        run: the run plan planned (``rlray.plan.resolve_plan``), with the assumed layout applied when there is one
+            (``rlray.plan.replan``): the roles, parallelism and lengths a run of it would have; the memory below is
+            planned from it, never from the config again.
         models: the shapes of its models.
         hardware: the GPUs planned for, or None (this machine's CPU).
         dtype: the compute dtype ("bfloat16" or "float32").
@@ -50,7 +49,6 @@ class Plan:
         problems: what does not fit besides memory (more GPUs asked for than the cluster has).
     """
 
-    cfg: Config
     run: RunPlan
     models: Models
     hardware: Hardware | None
@@ -65,11 +63,11 @@ class Plan:
         return all(r.fits for r in self.roles) and not self.problems
 
 
-def plan_run(cfg: Config, hardware: Hardware | None = None, models: Models | None = None) -> Plan:
-    """Returns the memory plan of ``cfg`` on ``hardware`` (None: this machine's CPU).
+def plan_run(run: RunPlan, hardware: Hardware | None = None, models: Models | None = None) -> Plan:
+    """Returns the memory plan of the run ``run`` on ``hardware`` (None: this machine's CPU).
 
     Args:
-        cfg: the config.
+        run: the run's plan (``rlray.plan.resolve_plan``), the very one a run of the config uses.
         hardware: the GPUs; a config that asks for none gets the layout of ``assumed_layout``.
         models: the models' shapes; None reads them (``read_models``: config.json files only).
 
@@ -78,36 +76,35 @@ def plan_run(cfg: Config, hardware: Hardware | None = None, models: Models | Non
         rlray.config.ConfigError: no layout of the GPUs fits the config's sizes (see ``assumed_layout``).
         rlray.models.ModelError: a model's config.json cannot be read.
     """
-    if hardware is None and resolve_plan(cfg).uses_gpus:
+    if hardware is None and run.uses_gpus:
         raise ValueError("the config asks for GPUs: give their memory (--gpu-memory-gib) to plan it")
-    cfg, assumed = assumed_layout(cfg, hardware)
-    run = resolve_plan(cfg)
-    models = models or read_models(cfg)
+    run, assumed = assumed_layout(run, hardware)
+    models = models or read_models(run)
     dtype = run.parallelism.compute_dtype  # the run's own
-    return Plan(cfg, run, models, hardware, dtype, assumed, plan_roles(cfg, models, hardware, dtype),
-                gpu_problems(cfg, hardware))
+    return Plan(run, models, hardware, dtype, assumed, plan_roles(run, models, hardware, dtype),
+                gpu_problems(run, hardware))
 
 
-def plan_roles(cfg: Config, models: Models, hardware: Hardware | None, dtype: str) -> tuple[RoleMemory, ...]:
-    """Returns the memory of every role that ``cfg`` runs: learner rank, rollout engine (online), reference and teacher
+def plan_roles(run: RunPlan, models: Models, hardware: Hardware | None, dtype: str) -> tuple[RoleMemory, ...]:
+    """Returns the memory of every role that ``run`` runs: learner rank, rollout engine (online), reference and teacher
     actors (when they are their own actors) and the reward model (``reward.model_path``)."""
-    run = resolve_plan(cfg).roles
-    learner_hw = hardware if run.learner.gpus > 0 else None
-    roles = [learner_rank(cfg, models, dtype=dtype, gpu=learner_hw is not None, budget=learner_budget(cfg, learner_hw))]
-    if run.online:
-        roles.append(rollout_engine(cfg, models.policy, dtype=dtype, hardware=hardware if run.rollout.gpus > 0 else None))
-        if run.reference == "actor":
-            roles.append(frozen_actor("reference actor", models.policy, cfg, dtype=dtype, gpus=run.reference_actor.gpus,
-                                      hardware=hardware))
-        if models.teacher is not None and run.teacher == "actor":
-            roles.append(frozen_actor("teacher actor", models.teacher, cfg, dtype=dtype, gpus=run.teacher_actor.gpus,
-                                      hardware=hardware))
+    roles = run.roles
+    learner_hw = hardware if roles.learner.gpus > 0 else None
+    out = [learner_rank(run, models, dtype=dtype, gpu=learner_hw is not None, budget=learner_budget(run, learner_hw))]
+    if roles.online:
+        out.append(rollout_engine(run, models.policy, dtype=dtype, hardware=hardware if roles.rollout.gpus > 0 else None))
+        if roles.reference == "actor":
+            out.append(frozen_actor("reference actor", models.policy, run, dtype=dtype, gpus=roles.reference_actor.gpus,
+                                    hardware=hardware))
+        if models.teacher is not None and roles.teacher == "actor":
+            out.append(frozen_actor("teacher actor", models.teacher, run, dtype=dtype, gpus=roles.teacher_actor.gpus,
+                                    hardware=hardware))
     if models.reward is not None:
-        roles.append(reward_model(cfg, models.reward))
-    return tuple(roles)
+        out.append(reward_model(run, models.reward))
+    return tuple(out)
 
 
-def learner_budget(cfg: Config, hardware: Hardware | None) -> tuple[float, str]:
+def learner_budget(run: RunPlan, hardware: Hardware | None) -> tuple[float, str]:
     """Returns what one learner rank may use (GiB) and its source, as ``rlray.run.guards`` caps it (``hardware``: the
     learner's GPUs, None on the CPU).
 
@@ -115,6 +112,7 @@ def learner_budget(cfg: Config, hardware: Hardware | None) -> tuple[float, str]:
     ``rollout.gpu_memory_utilization`` share when colocated. On the CPU: ``guard.memory_cap_gib``, else
     ``guard.memory_fraction`` of this machine's RAM.
     """
+    cfg = run.settings
     guard = cfg.guard
     if hardware is None:
         if guard.memory_cap_gib is not None:
@@ -131,8 +129,9 @@ def learner_budget(cfg: Config, hardware: Hardware | None) -> tuple[float, str]:
     return budget, source
 
 
-def assumed_layout(cfg: Config, hardware: Hardware | None) -> tuple[Config, tuple[str, ...]]:
-    """Returns ``cfg`` with a GPU layout when it asks for no GPUs but is planned for GPUs, and the overrides that set it.
+def assumed_layout(run: RunPlan, hardware: Hardware | None) -> tuple[RunPlan, tuple[str, ...]]:
+    """Returns ``run`` with a GPU layout when it asks for no GPUs but is planned for GPUs (the config's plan with the
+    overrides, ``rlray.plan.replan``), and the overrides that set it.
 
     One GPU: learner and rollout colocated on it (half each). More: ``total // 2`` rollout engines and the rest
     learner ranks, one GPU each (offline runs: every GPU to the learner), with fewer learner ranks when the config's
@@ -141,39 +140,40 @@ def assumed_layout(cfg: Config, hardware: Hardware | None) -> tuple[Config, tupl
     Raises:
         rlray.config.ConfigError: no number of learner ranks divides the config's batch sizes.
     """
-    if hardware is None or hardware.total_gpus is None or resolve_plan(cfg).uses_gpus:
-        return cfg, ()
-    total = hardware.total_gpus
-    if total == 1 and cfg.algo.family == "online":
+    if hardware is None or hardware.total_gpus is None or run.uses_gpus:
+        return run, ()
+    total, online = hardware.total_gpus, run.roles.online
+    if total == 1 and online:
         layouts = [["resources.learner.gpus=0.5", "resources.rollout.gpus=0.5", "resources.colocate=true"]]
     else:
-        engines = total // 2 if cfg.algo.family == "online" else 0
+        engines = total // 2 if online else 0
         rollout = [f"resources.rollout.num_workers={engines}", "resources.rollout.gpus=1"] if engines else []
         layouts = [[f"resources.learner.num_workers={n}", "resources.learner.gpus=1", *rollout]
                    for n in range(total - engines, 0, -1)]
     for overrides in layouts:
         try:
-            return config_from_dict(cfg.dump_with_secrets(), overrides), tuple(overrides)
+            return replan(run, overrides)[0], tuple(overrides)
         except ConfigError:
             continue
     raise ConfigError(f"no layout of {total} GPUs fits the config's batch sizes; set resources.learner and "
                       "resources.rollout (num_workers, gpus) yourself")
 
 
-def gpu_problems(cfg: Config, hardware: Hardware | None) -> tuple[str, ...]:
+def gpu_problems(run: RunPlan, hardware: Hardware | None) -> tuple[str, ...]:
     """Returns a line when the config asks for more GPUs than ``hardware`` has (colocated rollout engines share the
     learner's), else ()."""
     if hardware is None or hardware.total_gpus is None:
         return ()
-    requests = role_requests(resolve_plan(cfg))
-    asked = sum(r.total().get("GPU", 0.0) for r in requests if not (cfg.resources.colocate and r.role == "rollout"))
+    requests = role_requests(run)
+    colocate = run.settings.resources.colocate
+    asked = sum(r.total().get("GPU", 0.0) for r in requests if not (colocate and r.role == "rollout"))
     if asked <= hardware.total_gpus:
         return ()
     wants = "; ".join(r.describe() for r in requests if r.total().get("GPU"))
     return (f"the config asks for {asked:g} GPUs ({wants}); the cluster has {hardware.total_gpus}",)
 
 
-def check_fit(cfg: Config) -> list[str]:
+def check_fit(run: RunPlan) -> list[str]:
     """Returns warnings for the roles whose predicted peak exceeds their budget; fails beyond ``FIT_TOLERANCE``.
 
     The preflight's memory check, on the planner's figures (config.json files only). It runs when the config asks
@@ -185,17 +185,17 @@ def check_fit(cfg: Config) -> list[str]:
         rlray.launch.placement.PlacementError: a role's peak exceeds its budget by more than ``FIT_TOLERANCE``
             (names the role, both sizes and the budget's source).
     """
-    if resolve_plan(cfg).uses_gpus:
+    if run.uses_gpus:
         size = local_gpu_memory_gib()
         if size is None:
             return []
         hardware = Hardware(None, 1, size)
-    elif cfg.guard.memory_cap_gib is None:
+    elif run.settings.guard.memory_cap_gib is None:
         return []
     else:
         hardware = None
     warnings, errors = [], []
-    for role in plan_run(cfg, hardware).roles:
+    for role in plan_run(run, hardware).roles:
         if role.fits:
             continue
         line = (f"{role.role} ({role.placement}) needs {role.total_gib:.2f} GiB, over its {role.budget_gib:.2f} GiB "

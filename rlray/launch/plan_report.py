@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlray.config import Config, ConfigError, config_from_dict
 from rlray.launch.plan import Plan, gpu_problems, plan_roles
 from rlray.launch.plan_roles import RoleMemory, microbatch
-from rlray.plan import resolve_plan
+from rlray.plan import ConfigError, RunPlan, replan
 
 _WIDTH = 78  # the GiB column
 
@@ -31,20 +30,21 @@ class Change:
 
 
 def replan_role(plan: Plan, role: str, overrides: list[str]) -> tuple[RoleMemory, tuple[str, ...]] | None:
-    """Returns ``role``'s memory and the GPU problems of ``plan``'s config with ``overrides``, or None when the changed
-    config is not valid (e.g. LoRA with FSDP)."""
+    """Returns ``role``'s memory and the GPU problems of ``plan``'s run with ``overrides`` (its config edited and
+    planned again, ``rlray.plan.replan``), or None when the changed config is not valid (e.g. LoRA with FSDP)."""
     try:
-        cfg = config_from_dict(plan.cfg.dump_with_secrets(), overrides)
+        run = replan(plan.run, overrides)[0]
     except ConfigError:
         return None
-    roles = plan_roles(cfg, plan.models, plan.hardware, plan.dtype)
-    return next(r for r in roles if r.role == role), gpu_problems(cfg, plan.hardware)
+    roles = plan_roles(run, plan.models, plan.hardware, plan.dtype)
+    return next(r for r in roles if r.role == role), gpu_problems(run, plan.hardware)
 
 
 def learner_candidates(plan: Plan) -> list[str]:
     """Returns the single changes that lower a learner rank's memory, in the order the report tries them:
     checkpointing, FSDP, 8-bit AdamW, LoRA, the reference or teacher as their own actor."""
-    cfg, gpu, run = plan.cfg, plan.hardware is not None, plan.run
+    gpu, run = plan.hardware is not None, plan.run
+    cfg = run.settings
     out = [] if cfg.model.gradient_checkpointing else ["model.gradient_checkpointing=true"]
     if gpu and run.parallelism.strategy == "ddp":
         out.append("resources.learner.strategy=fsdp")
@@ -62,8 +62,8 @@ def learner_candidates(plan: Plan) -> list[str]:
 def rollout_candidates(plan: Plan) -> list[str]:
     """Returns the single changes that make a rollout engine fit: more tensor parallelism (up to 8), more engines (a
     smaller share of each step's sequences), a larger ``rollout.gpu_memory_utilization``."""
-    cfg = plan.cfg
-    tp, engines = cfg.resources.rollout.tensor_parallel_size, cfg.resources.rollout.num_workers
+    cfg = plan.run.settings
+    tp, engines = cfg.resources.rollout.tensor_parallel_size, plan.run.roles.rollout.count
     out = [f"resources.rollout.tensor_parallel_size={n}" for n in (2 * tp, 4 * tp, 8 * tp) if n <= 8]
     out.append(f"resources.rollout.num_workers={2 * engines}")
     if cfg.rollout.gpu_memory_utilization < 0.9 and not cfg.resources.colocate:
@@ -74,9 +74,9 @@ def rollout_candidates(plan: Plan) -> list[str]:
 def _microbatch_change(plan: Plan, role: str) -> list[str]:
     """Returns the largest halving of learner.sequences_per_microbatch (the micro-batch's tokens) that fits, or the
     smallest one, or [] at one sequence."""
-    n = plan.cfg.learner.sequences_per_microbatch
+    n = plan.run.parallelism.micro_batching.sequences
     tried: list[str] = []
-    while n > 1 and plan.cfg.algo.family == "online":
+    while n > 1 and plan.run.roles.online:
         n //= 2
         tried = [f"learner.sequences_per_microbatch={n}"]
         got = replan_role(plan, role, tried)
@@ -134,7 +134,7 @@ def format_plan(plan: Plan) -> str:
 
 def _header(plan: Plan) -> list[str]:
     """Returns the model, hardware, layout and micro-batch lines."""
-    s, cfg = plan.models.policy, plan.cfg
+    s, cfg = plan.models.policy, plan.run.settings
     tied = "tied" if s.tied_embeddings else "untied"
     lines = [f"model: {s.architecture} ({plan.models.policy_path}), {s.parameters / 1e9:.2f} B parameters: {s.num_layers} "
              f"layers, hidden {s.hidden_size}, MLP {s.intermediate_size}, {s.num_heads} heads ({s.num_kv_heads} KV) x "
@@ -148,28 +148,30 @@ def _header(plan: Plan) -> list[str]:
                      f"(model.dtype={cfg.model.dtype})")
     if plan.assumed:
         lines.append("layout assumed (the config asks for no GPUs); to run it, add: " + " ".join(plan.assumed))
-    lines += [f"  {line}" for line in _layout(cfg, plan.hardware is not None)]
-    mb = microbatch(cfg)
+    lines += [f"  {line}" for line in _layout(plan.run, plan.hardware is not None)]
+    mb = microbatch(plan.run)
     lines.append(f"micro-batch per learner rank: {mb.sequences} sequences x ({mb.prompt_tokens} + {mb.response_tokens} "
                  f"tokens) = {mb.tokens:,} tokens ({mb.source}), every sequence padded to the longest: the worst case")
+    if plan.run.roles.online:
+        lines.append(f"context length: {plan.run.lengths.context_tokens:,} tokens (the rollout engines' max_model_len)")
     return lines
 
 
-def _layout(cfg: Config, gpu: bool) -> list[str]:
+def _layout(run: RunPlan, gpu: bool) -> list[str]:
     """Returns one line per role: how many, where, which parallelism and what it holds."""
-    res, lr, run = cfg.resources, cfg.resources.learner, resolve_plan(cfg)
-    par, roles = run.parallelism, run.roles
+    cfg, par, roles = run.settings, run.parallelism, run.roles
     plan_gpu, gpu = gpu, gpu and par.gpu
     how = {"fsdp": "FSDP: parameters, gradients and optimizer state sharded over the ranks",
            "ddp": "DDP: every rank holds the whole model state"}.get(par.strategy, "one rank, no data parallelism")
     lora = f", LoRA rank {cfg.model.lora.rank}" if cfg.model.lora.rank else ""
-    where = f"{lr.gpus:g} GPU" if gpu else "CPU"
+    where = f"{roles.learner.gpus:g} GPU" if gpu else "CPU"
     lines = [f"learner: {par.world_size} rank(s) x {where}, {how}; {cfg.learner.optimizer}{lora}"]
     if roles.online:
-        r = res.rollout
-        gpus = (f"{r.tensor_parallel_size} GPU(s), tensor parallel {r.tensor_parallel_size}, gpu_memory_utilization "
-                f"{cfg.rollout.gpu_memory_utilization:g}") if r.gpus > 0 and plan_gpu else "CPU"
-        lines.append(f"rollout: {r.num_workers} vLLM engine(s) x {gpus}" + (", colocated" if res.colocate else ""))
+        tp = cfg.resources.rollout.tensor_parallel_size
+        gpus = (f"{tp} GPU(s), tensor parallel {tp}, gpu_memory_utilization "
+                f"{cfg.rollout.gpu_memory_utilization:g}") if roles.rollout.gpus > 0 and plan_gpu else "CPU"
+        lines.append(f"rollout: {roles.rollout.count} vLLM engine(s) x {gpus}"
+                     + (", colocated" if cfg.resources.colocate else ""))
         if roles.reference != "off":
             frozen = (f"a frozen copy sharded over the {par.world_size} learner ranks" if par.sharded
                       else "a frozen copy on every learner rank")

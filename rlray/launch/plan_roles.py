@@ -33,11 +33,10 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlray.config import Config
 from rlray.models import memory as mem
 from rlray.models import resolve_model_path
 from rlray.models.memory import GIB, ModelShape
-from rlray.plan import resolve_plan
+from rlray.plan import RunPlan
 
 CUDA_RUNTIME_GIB = 1.5
 """Per GPU process beyond its tensors: CUDA context and kernels (~0.5 GiB), NCCL buffers and the caching allocator's
@@ -158,7 +157,7 @@ def gib(nbytes: float) -> float:
     return nbytes / GIB
 
 
-def read_models(cfg: Config) -> Models:
+def read_models(plan: RunPlan) -> Models:
     """Returns the shapes of the policy, PPO's critic, the teacher and the reward model, from their config.json.
 
     Aliases resolve as for a run (``resolve_model_path``); a folder with config.json alone is enough. A reward model
@@ -167,12 +166,13 @@ def read_models(cfg: Config) -> Models:
     Raises:
         rlray.models.ModelError: a model path cannot be resolved or its config.json read.
     """
+    cfg = plan.settings
     policy = mem.read_model_shape(resolve_model_path(cfg.model.path, revision=cfg.model.revision))
     critic = None
-    if cfg.algo.algorithm.needs_critic:
+    if plan.roles.critic:
         critic = (mem.read_model_shape(resolve_model_path(cfg.critic.model_path, revision=cfg.critic.model_revision))
                   if cfg.critic.model_path else policy)  # fmt: skip
-    teacher = mem.read_model_shape(resolve_model_path(cfg.teacher.path, revision=cfg.teacher.revision)) if cfg.teacher.enabled else None
+    teacher = mem.read_model_shape(resolve_model_path(cfg.teacher.path, revision=cfg.teacher.revision)) if plan.roles.teacher != "off" else None
     reward = None
     if cfg.reward.model_path is not None:
         folder = next((p for p in (Path(cfg.reward.model_path), Path(cfg.reward.model_path) / "model")
@@ -181,16 +181,15 @@ def read_models(cfg: Config) -> Models:
     return Models(policy, cfg.model.path, critic, teacher, reward)
 
 
-def microbatch(cfg: Config) -> MicroBatch:
+def microbatch(plan: RunPlan) -> MicroBatch:
     """Returns one learner rank's micro-batch: its sequences and their padded prompt and response tokens.
 
     The one place that turns batch fields into tokens: a token budget per micro-batch gives ``tokens`` directly
     (the activations take tokens; the logits take positions, sequences x (response + 1))."""
-    if cfg.algo.family == "offline":
-        off = cfg.offline
+    if not plan.roles.online:
+        off = plan.settings.offline
         return MicroBatch(2 * off.pairs_per_microbatch, off.max_prompt_tokens, off.max_response_tokens,
                           "2 x offline.pairs_per_microbatch x (offline.max_prompt_tokens + offline.max_response_tokens)")
-    plan = resolve_plan(cfg)
     lengths, batching = plan.lengths, plan.parallelism.micro_batching
     prompt, response = lengths.prompt_tokens, lengths.response_tokens
     longest = "the longest episode (env.max_episode_tokens)" if lengths.episode_tokens is not None else \
@@ -199,14 +198,15 @@ def microbatch(cfg: Config) -> MicroBatch:
     if budget is not None:  # rows binned to fill the budget: as many longest rows as reach it (at least one)
         return MicroBatch(max(1, math.ceil(budget / (prompt + response))), prompt, response,
                           f"learner.tokens_per_microbatch={budget:,} in whole sequences of {longest}")
-    unused = " (FSDP cuts by sequences: learner.tokens_per_microbatch unused)" if cfg.learner.tokens_per_microbatch else ""
+    configured = plan.parallelism.frozen_micro_batching.tokens  # the configured budget, dropped under FSDP
+    unused = " (FSDP cuts by sequences: learner.tokens_per_microbatch unused)" if configured else ""
     return MicroBatch(batching.sequences, prompt, response, f"learner.sequences_per_microbatch x {longest}{unused}")
 
 
-def context_tokens(cfg: Config) -> int:
+def context_tokens(plan: RunPlan) -> int:
     """Returns a rollout engine's context length in tokens: the run plan's ``lengths.context_tokens``, which the
     driver gives the engines as max_model_len."""
-    return resolve_plan(cfg).lengths.context_tokens
+    return plan.lengths.context_tokens
 
 
 def _critic_parameters(shape: ModelShape) -> tuple[int, int]:
@@ -217,9 +217,10 @@ def _critic_parameters(shape: ModelShape) -> tuple[int, int]:
     return shape.parameters - shape.head_parameters + head, linear
 
 
-def _lora(cfg: Config) -> tuple[int, list[str] | str] | None:
+def _lora(plan: RunPlan) -> tuple[int, list[str] | str] | None:
     """Returns (rank, target modules) of the policy's LoRA (model.lora, or model.adapter_path's adapter_config.json),
     or None when every weight trains."""
+    cfg = plan.settings
     if cfg.model.lora.rank:
         return cfg.model.lora.rank, cfg.model.lora.target_modules
     if cfg.model.adapter_path is None:
@@ -231,38 +232,38 @@ def _lora(cfg: Config) -> tuple[int, list[str] | str] | None:
 # --------------------------------------------------------------------------------------------
 # Roles
 # --------------------------------------------------------------------------------------------
-def learner_rank(cfg: Config, models: Models, *, dtype: str, gpu: bool, budget: tuple[float | None, str]) -> RoleMemory:
+def learner_rank(plan: RunPlan, models: Models, *, dtype: str, gpu: bool, budget: tuple[float | None, str]) -> RoleMemory:
     """Returns the peak memory of one learner rank (the policy's model state, one micro-batch's update, the models
     it holds and the runtime), against ``budget`` (GiB, source)."""
-    res, par = cfg.resources.learner, resolve_plan(cfg).parallelism
-    terms = [*_state_terms(cfg, models.policy, dtype, gpu), *_update_terms(cfg, models.policy, dtype),
-             *_held_terms(cfg, models, dtype)]
+    par = plan.parallelism
+    terms = [*_state_terms(plan, models.policy, dtype, gpu), *_update_terms(plan, models.policy, dtype),
+             *_held_terms(plan, models, dtype)]
     slack = CPU_FSDP_ALLOCATOR_GIB if par.sharded else CPU_ALLOCATOR_GIB
     runtime = ("CUDA context, NCCL, allocator", CUDA_RUNTIME_GIB) if gpu else ("torch, transformers, ray; allocator slack",
                                                                               CPU_PROCESS_GIB + slack)
     terms.append(Term(f"runtime: {runtime[0]}", runtime[1]))
-    where = f"{res.gpus:g} GPU" if gpu else "CPU"
+    where = f"{plan.roles.learner.gpus:g} GPU" if gpu else "CPU"
     placement = f"{par.world_size} ranks x {where}, {par.strategy.upper()}" if par.world_size > 1 else f"1 rank x {where}"
     notes = ("PPO's critic updates after the policy: its activations are not at the peak",) if models.critic else ()
     return RoleMemory("learner rank", placement, tuple(terms), budget[0], budget[1], notes)
 
 
-def _state_terms(cfg: Config, shape: ModelShape, dtype: str, gpu: bool) -> list[Term]:
+def _state_terms(plan: RunPlan, shape: ModelShape, dtype: str, gpu: bool) -> list[Term]:
     """Returns the policy's weights, gradients and optimizer state on one rank (sharded under FSDP), DDP's buckets or
     FSDP's gathered units, and the optimizer step's temporaries."""
-    par = resolve_plan(cfg).parallelism
+    par, optimizer = plan.parallelism, plan.settings.learner.optimizer
     world, fsdp = par.world_size, par.sharded
     shard = world if fsdp else 1
     of = f", 1/{world} shard" if fsdp else ""
-    lora = _lora(cfg)
+    lora = _lora(plan)
     trainable = shape.lora_parameters(*lora) if lora else shape.parameters
     terms = [Term(f"weights: float32 masters{of}", gib(4 * shape.parameters / shard))]
     if lora:
         terms = [Term("weights: frozen float32 base", gib(4 * shape.parameters)),
                  Term(f"LoRA adapters: rank {lora[0]}, {trainable / 1e6:,.1f} M parameters, float32", gib(4 * trainable))]
-    state = mem.OPTIMIZER_STATE_BYTES[cfg.learner.optimizer]
+    state = mem.OPTIMIZER_STATE_BYTES[optimizer]
     terms += [Term(f"gradients: float32{of}", gib(4 * trainable / shard)),
-              Term(f"optimizer state: {cfg.learner.optimizer}, {state} bytes per trained parameter{of}",
+              Term(f"optimizer state: {optimizer}, {state} bytes per trained parameter{of}",
                    gib(state * trainable / shard))]
     if not fsdp and world > 1:
         terms.append(Term("DDP all-reduce buckets: a second copy of the gradients", gib(4 * trainable)))
@@ -271,17 +272,17 @@ def _state_terms(cfg: Config, shape: ModelShape, dtype: str, gpu: bool) -> list[
         gathered = (shape.root_parameters + 2 * shape.layer_parameters) * c
         grads = (shape.root_parameters + shape.layer_parameters) * 4
         terms.append(Term("FSDP gathered: root unit and 2 layers, and their gradients", gib(gathered + grads), "update"))
-    if gpu and cfg.learner.optimizer == "adamw":
+    if gpu and optimizer == "adamw":
         terms.append(Term(f"AdamW step: foreach float32 temporaries{of}", gib(4 * trainable / shard), "step"))
     return terms
 
 
-def _update_terms(cfg: Config, shape: ModelShape, dtype: str) -> list[Term]:
+def _update_terms(plan: RunPlan, shape: ModelShape, dtype: str) -> list[Term]:
     """Returns the terms of one micro-batch's forward/backward: autocast's bf16 weight copies (not under FSDP's
     mixed precision), the activations with checkpointing as configured (and, shown only, toggled), the logits."""
-    mb, c = microbatch(cfg), mem.DTYPE_BYTES[dtype]
+    mb, c, cfg = microbatch(plan), mem.DTYPE_BYTES[dtype], plan.settings
     terms = []
-    if dtype == "bfloat16" and not resolve_plan(cfg).parallelism.sharded:
+    if dtype == "bfloat16" and not plan.parallelism.sharded:
         terms.append(Term("bf16 copies of the linear weights (autocast, kept for backward)",
                           gib(2 * shape.linear_parameters), "update"))
     on = cfg.model.gradient_checkpointing
@@ -290,16 +291,16 @@ def _update_terms(cfg: Config, shape: ModelShape, dtype: str) -> list[Term]:
         size = gib(mem.activation_bytes(shape, mb.tokens, c, checkpointing=ckpt))
         terms.append(Term(name if ckpt == on else f"  ({name}: not counted)", size, "update" if ckpt == on else "shown"))
     if cfg.algo.name != "reward_model":  # a reward model scores sequences: no vocabulary logits
-        entropy = cfg.algo.family == "online" and cfg.algo.entropy_coef > 0
+        entropy = plan.roles.online and cfg.algo.entropy_coef > 0
         size = mem.logits_bytes(mb.logit_positions, shape.vocab_size, entropy=entropy, jsd=cfg.teacher.jsd_weight > 0)
         terms.append(Term(f"logits: {mb.logit_positions:,} positions x {shape.vocab_size:,} vocabulary", gib(size), "update"))
     return terms
 
 
-def _held_terms(cfg: Config, models: Models, dtype: str) -> list[Term]:
+def _held_terms(plan: RunPlan, models: Models, dtype: str) -> list[Term]:
     """Returns the models a learner rank holds besides the policy: the reference and teacher copies (1/N shards under
     FSDP2, in the compute dtype: ``rlray.learner.parallel.FSDP2.frozen``), PPO's critic."""
-    terms, plan = [], resolve_plan(cfg)
+    terms = []
     world, fsdp = plan.parallelism.world_size, plan.parallelism.sharded
     for role, shape in (("reference", models.policy if plan.roles.reference_on_learner else None),
                         ("teacher", models.teacher if plan.roles.teacher == "learner" else None)):
@@ -319,15 +320,15 @@ def _held_terms(cfg: Config, models: Models, dtype: str) -> list[Term]:
     return terms
 
 
-def rollout_engine(cfg: Config, shape: ModelShape, *, dtype: str, hardware: Hardware | None) -> RoleMemory:
+def rollout_engine(plan: RunPlan, shape: ModelShape, *, dtype: str, hardware: Hardware | None) -> RoleMemory:
     """Returns the memory of one rollout engine per GPU (weights / tensor parallelism, vLLM's profiling peak, the KV
     cache of its share of a step), against ``rollout.gpu_memory_utilization`` of the GPU; on the CPU (``hardware``
     None), one actor's weights and KV cache (``rollout.kv_cache_gib``, or the size that
     ``rlray.launch.actors.auto_kv_cache_gib`` picks)."""
-    r, c = cfg.resources.rollout, mem.DTYPE_BYTES[dtype]
-    tp = r.tensor_parallel_size if hardware else 1
-    sequences = max(math.ceil(cfg.sequences_per_step / r.num_workers), math.ceil(cfg.eval.num_problems / r.num_workers), 1)
-    tokens = resolve_plan(cfg).lengths.context_tokens
+    cfg, c, engines = plan.settings, mem.DTYPE_BYTES[dtype], plan.roles.rollout.count
+    tp = cfg.resources.rollout.tensor_parallel_size if hardware else 1
+    sequences = max(math.ceil(cfg.sequences_per_step / engines), math.ceil(cfg.eval.num_problems / engines), 1)
+    tokens = plan.lengths.context_tokens  # the driver's max_model_len
     per_token = 2 * shape.num_layers * math.ceil(shape.num_kv_heads / tp) * shape.head_dim * c
     kv = mem.kv_cache_bytes(sequences, tokens, per_token)
     weights = Term(f"weights: {dtype}" + (f", 1/{tp} (tensor parallel)" if tp > 1 else ""), gib(c * shape.parameters / tp))
@@ -335,7 +336,7 @@ def rollout_engine(cfg: Config, shape: ModelShape, *, dtype: str, hardware: Hard
         kv_gib = cfg.rollout.kv_cache_gib or math.ceil(gib(kv * 1.25) * 64) / 64
         terms = (weights, Term(f"KV cache: {sequences} sequences x {tokens} tokens (+25%)", kv_gib),
                  Term("runtime: a CPU process (the learner's figure; an estimate)", CPU_RUNTIME_GIB))
-        return RoleMemory("rollout engine", f"{r.num_workers} actor(s) on the CPU", terms)
+        return RoleMemory("rollout engine", f"{engines} actor(s) on the CPU", terms)
     h, f, d = shape.hidden_size, shape.intermediate_size, shape.head_dim
     profile = VLLM_PROFILE_TOKENS * c * (3 * f + (shape.num_heads + 2 * shape.num_kv_heads) * d + 2 * h) / tp
     sampler = VLLM_PROFILE_SEQUENCES * shape.vocab_size * 8
@@ -350,17 +351,17 @@ def rollout_engine(cfg: Config, shape: ModelShape, *, dtype: str, hardware: Hard
              f"{tokens:,} tokens at once" + ("" if holds >= sequences else "; vLLM queues or preempts the rest"),)
     if room <= 0:
         notes = (f"vLLM cannot start: weights, activations and runtime alone exceed its {budget:.1f} GiB",)
-    placement = f"{r.num_workers} engine(s) x {tp} GPU(s) (tensor parallel {tp}), per GPU"
+    placement = f"{engines} engine(s) x {tp} GPU(s) (tensor parallel {tp}), per GPU"
     return RoleMemory("rollout engine", placement, (*fixed, Term(name, gib(kv), "cache")), budget,
                       f"rollout.gpu_memory_utilization {util:g} x {hardware.gpu_memory_gib:g} GiB", notes)
 
 
-def frozen_actor(role: str, shape: ModelShape, cfg: Config, *, dtype: str, gpus: float,
+def frozen_actor(role: str, shape: ModelShape, plan: RunPlan, *, dtype: str, gpus: float,
                  hardware: Hardware | None) -> RoleMemory:
     """Returns the memory of a reference or teacher actor: the frozen copy and one no-grad micro-batch (what one layer
     keeps for backward, as a bound of a no-grad layer's temporaries, and the float32 logits with their chunked
     log-sum-exp, 8 bytes per logit)."""
-    mb, c = microbatch(cfg), mem.DTYPE_BYTES[dtype]
+    mb, c = microbatch(plan), mem.DTYPE_BYTES[dtype]
     forward = mb.tokens * mem.layer_activation_bytes(shape, c) + mb.logit_positions * shape.vocab_size * 8
     on_gpu = hardware is not None and gpus > 0
     terms = (Term(f"weights: frozen copy, {'bf16 linear weights' if dtype == 'bfloat16' else 'float32'}",
@@ -371,9 +372,9 @@ def frozen_actor(role: str, shape: ModelShape, cfg: Config, *, dtype: str, gpus:
     return RoleMemory(role, f"1 actor, {gpus:g} GPU" if on_gpu else "1 actor on the CPU", terms, *budget)
 
 
-def reward_model(cfg: Config, shape: ModelShape) -> RoleMemory:
+def reward_model(plan: RunPlan, shape: ModelShape) -> RoleMemory:
     """Returns the reward model's memory (float32 weights, ``rlray.models.heads.load_reward_model``) in its process."""
-    roles = resolve_plan(cfg).roles
+    roles = plan.roles
     where = f"{roles.reward.count} Serve replica(s)" if roles.reward_server else "in learner rank 0's process (host memory)"
     params = shape.parameters - shape.head_parameters + shape.hidden_size
     return RoleMemory("reward model", where, (Term("weights: float32", gib(4 * params)),))

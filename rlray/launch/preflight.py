@@ -38,14 +38,13 @@ import logging
 from pathlib import Path
 
 from rlray.checkpoint import storage as checkpoint
-from rlray.config import Config, ConfigError
 from rlray.data import DataError, load_preference_pairs, load_prompt_rows, prepare_prompts
 from rlray.launch.envcheck import check_environments, check_reward_columns
 from rlray.launch.judges import check_judges
 from rlray.launch.plan import check_fit
-from rlray.models import ModelError, cpu_supports_bf16, hub_local_path, load_tokenizer, resolve_model_path, vocabulary
+from rlray.models import ModelError, cpu_supports_bf16, load_tokenizer, resolve_model_path, vocabulary
 from rlray.models.adapters import check_adapter
-from rlray.plan import resolve_plan
+from rlray.plan import ConfigError, RunPlan
 from rlray.reward.scorer import RewardFunctionError
 from rlray.reward.verifiers import BUILTIN_VERIFIERS
 
@@ -57,11 +56,12 @@ class PreflightError(ValueError):
     fix (an environment, a row's environment, a column)."""
 
 
-def preflight(cfg: Config) -> str:
+def preflight(plan: RunPlan) -> str:
     """Returns the resolved local model folder of ``model.path`` after checking every input of the run.
 
     Args:
-        cfg: the config with local paths already resolved (``rlray.launch.driver.resolve_paths``).
+        plan: the run's plan (``rlray.plan.resolve_plan``) of the config with local paths already resolved
+            (``rlray.launch.driver.resolve_paths``): its roles decide what is checked, its settings name the files.
 
     Raises:
         rlray.models.ModelError: the model path, tokenizer or chat template cannot be used, or the teacher's
@@ -76,53 +76,17 @@ def preflight(cfg: Config) -> str:
             tolerance (``check_fit``).
     """
     try:
-        return check_inputs(cfg)
+        return check_inputs(plan)
     except (ModelError, DataError, RewardFunctionError, ConfigError, PreflightError):
         raise
     except ValueError as err:
         raise PreflightError(str(err)) from err
 
 
-def pin_hub_models(cfg: Config) -> Config:
-    """Returns ``cfg`` with every Hugging Face Hub id that names a model replaced by its local snapshot folder.
-
-    The keys: ``model.path`` and ``model.adapter_path``, ``teacher.path``, ``reward.model_path``,
-    ``critic.model_path`` and each ``reward.judges[i].path``, each with its own revision key (``model.revision``,
-    ``model.adapter_revision``, ``teacher.revision``, ``reward.model_revision``, ``critic.model_revision``,
-    ``reward.judges[i].revision``). The driver calls it once (``rlray.launch.driver.resolve_paths``): the
-    weights are fetched there, or found in the Hugging Face cache (``HF_HUB_OFFLINE=1``: only there), and
-    every actor and worker then reads the same local folder (on a cluster of several machines, put the
-    Hugging Face cache (``HF_HUB_CACHE``) on storage they share). Each replacement is logged; folders, .gguf
-    files and aliases are left as they are, and the revision keys are kept (MLflow's params show them).
-
-    Raises:
-        rlray.models.ModelError: a Hub id cannot be had: unknown, private or gated without a token, a revision that
-            does not exist, offline without the files in the cache (names the key, ``hub_snapshot``).
-    """
-    out = cfg.model_copy(deep=True)
-
-    def pin(path: str | None, revision: str | None, key: str, adapter: bool = False) -> str | None:
-        local = path if path is None else hub_local_path(path, revision=revision, key=key, adapter=adapter)
-        if local != path:
-            log.info("%s='%s'%s: the Hugging Face snapshot %s", key, path, f" (revision '{revision}')" if revision else "",
-                     local)
-        return local
-
-    out.model.path = pin(cfg.model.path, cfg.model.revision, "model.path")
-    out.model.adapter_path = pin(cfg.model.adapter_path, cfg.model.adapter_revision, "model.adapter_path", adapter=True)
-    out.teacher.path = pin(cfg.teacher.path, cfg.teacher.revision, "teacher.path")
-    out.reward.model_path = pin(cfg.reward.model_path, cfg.reward.model_revision, "reward.model_path")
-    out.critic.model_path = pin(cfg.critic.model_path, cfg.critic.model_revision, "critic.model_path")
-    for i, judge in enumerate(out.reward.judges):
-        judge.path = pin(judge.path, judge.revision, f"reward.judges[{i}].path")
-    return out
-
-
-def check_inputs(cfg: Config) -> str:
+def check_inputs(plan: RunPlan) -> str:
     """Returns the resolved local model folder of ``model.path`` after the checks of ``preflight`` (which words its
     other ``ValueError`` s as ``PreflightError``; the roles checked are the run plan's, ``rlray.plan``)."""
-    plan = resolve_plan(cfg)
-    roles = plan.roles
+    cfg, roles = plan.settings, plan.roles
     model_dir = resolve_model_path(cfg.model.path, revision=cfg.model.revision)
     tokenizer = load_tokenizer(model_dir, cfg.model.chat_template)
     if cfg.model.adapter_path is not None:
@@ -155,13 +119,13 @@ def check_inputs(cfg: Config) -> str:
         for name, spec in cfg.env.agents.items():
             if (missing := missing_target(spec)) is not None:
                 raise ValueError(f"env.agents.{name}='{spec}': {missing}")
-        check_reward_columns(cfg, sorted({c for row in rows + eval_rows for c in row.columns}))
-        check_environments(cfg, rows, eval_rows)
+        check_reward_columns(plan, sorted({c for row in rows + eval_rows for c in row.columns}))
+        check_environments(plan, rows, eval_rows)
         if roles.critic and cfg.critic.model_path:
             resolve_model_path(cfg.critic.model_path, revision=cfg.critic.model_revision, key="critic.model_path")
     else:
         load_preference_pairs(cfg.offline.pairs_files, method=cfg.algo.name, max_pairs=cfg.offline.max_pairs)
-    for warning in check_fit(cfg):
+    for warning in check_fit(plan):
         log.warning("predicted memory: %s; `rlray plan` shows every term and what to change", warning)
     checkpoint.check_storage(cfg.checkpoint_uri, cfg.checkpoint.s3.storage_options())
     return model_dir

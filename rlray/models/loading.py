@@ -121,7 +121,7 @@ def hub_local_path(path: str, *, revision: str | None = None, key: str = "model.
     """Returns ``path`` unchanged, or, when it is a Hub id (``org/name`` that is not an existing local path), the
     local folder of its snapshot (``hub_snapshot``).
 
-    The driver calls it once per configured model (``rlray.launch.preflight.pin_hub_models``), so every actor
+    The driver calls it once per configured model (``rlray.plan.hub.pin_hub_models``), so every actor
     and worker reads the same local snapshot and none downloads it again.
 
     Args:

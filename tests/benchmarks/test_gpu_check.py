@@ -92,6 +92,7 @@ def test_planner_row_runs_a_real_learner_step_and_reports_the_planner_figure(gpu
     from rlray.config import config_from_dict
     from rlray.launch.plan import plan_run
     from rlray.launch.plan_roles import CPU_PROCESS_GIB
+    from rlray.plan import resolve_plan
 
     # In a fresh process: on the CPU the measure is the resident peak (VmHWM) less the resident size before, and a
     # process that already ran other tests reuses freed memory, so its resident size barely grows
@@ -106,7 +107,7 @@ def test_planner_row_runs_a_real_learner_step_and_reports_the_planner_figure(gpu
     cfg = config_from_dict({}, [f"model.path={tiny_model_path}", "model.dtype=float32", "learner.sequences_per_microbatch=2",
                                 "learner.sequences_per_minibatch=4", "learner.prompts_per_step=2",
                                 "rollout.samples_per_prompt=2", "data.max_prompt_tokens=16", "rollout.max_new_tokens=8"])
-    predicted = plan_run(cfg).roles[0].total_gib - CPU_PROCESS_GIB  # the same config, planned here
+    predicted = plan_run(resolve_plan(cfg)).roles[0].total_gib - CPU_PROCESS_GIB  # the same config, planned here
     assert detail.startswith(f"predicted {predicted:.2f} GiB, measured ")
     measured = float(detail.split("measured ")[1].split(" GiB")[0])
     assert measured > 0.05  # at least the weights, gradients and AdamW state of 6.6M float32 parameters (0.1 GiB)

@@ -42,13 +42,14 @@ def test_check_of_a_broken_environment_is_the_preflights_error(tmp_path, capsys)
     from rlray.config import load_config
     from rlray.launch.check import check_run
     from rlray.launch.preflight import PreflightError
+    from rlray.plan import resolve_plan
 
     (tmp_path / "rows.jsonl").write_text(json.dumps({"prompt": "What is 6 x 7?", "a": 6, "b": 7}) + "\n")
     cfg = driver.resolve_paths(load_config(REPO / "configs/envs/mixed_tiny.yaml", [
         f"data.train_files=[{tmp_path}/rows.jsonl]", f"data.eval_files=[{tmp_path}/rows.jsonl]", "reward.functions=[]",
         f"run.output_dir={tmp_path}/out", "env.default=mult", f"env.environments={{mult: '{TRL_CALCULATOR}:NotAnEnv'}}"]))
     with pytest.raises(PreflightError, match=r"class NotAnEnv has no reset method"):
-        check_run(cfg)
+        check_run(resolve_plan(cfg))
 
 
 def test_check_of_a_broken_environment_is_one_line(tmp_path, capsys):

@@ -29,6 +29,7 @@ from rlray.learner import PolicyLearner
 from rlray.learner.batching import MicroBatching
 from rlray.learner.policy import OptimizerSpec
 from rlray.learner.scoring import batched_logprobs
+from rlray.plan import resolve_plan
 from rlray.schema import pack_sequences
 
 LORA = {"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": "all-linear"}
@@ -100,7 +101,7 @@ def test_a_full_weight_export_loads_in_transformers_with_the_learners_logprobs(t
     assert torch.equal(got, want)
     assert AutoTokenizer.from_pretrained(out).chat_template == tokenizer.chat_template
     # the snapshot folder itself names the same snapshot
-    again = export_snapshot(uri, tmp_path / "again", cfg)
+    again = export_snapshot(uri, tmp_path / "again", resolve_plan(cfg))
     assert again == {"snapshot": uri, "step": 2, "to": str(tmp_path / "again"), "format": "full"}
 
 
@@ -111,7 +112,7 @@ def test_a_lora_export_is_merged_or_kept_as_an_adapter(tmp_path, tiny_model_path
     cfg = _cfg(tmp_path, tiny_model_path, LORA)
     learner = _trained(_learner(tiny_model_path, LORA))
     uri = _snapshot(tmp_path / "snapshots", learner, tiny_tokenizer, cfg)
-    merged = export_snapshot(uri, tmp_path / "merged", cfg)
+    merged = export_snapshot(uri, tmp_path / "merged", resolve_plan(cfg))
     assert merged["format"] == "merged" and merged["base"] == tiny_model_path
     assert not (tmp_path / "merged" / "adapter_config.json").exists()
     weights = load_file(str(tmp_path / "merged" / "model.safetensors"))
@@ -126,7 +127,7 @@ def test_a_lora_export_is_merged_or_kept_as_an_adapter(tmp_path, tiny_model_path
     # at |logprob| ~ 11 is 9.5e-7; measured 1.9e-6)
     assert (got - learner.logprobs(inputs, reference=False, batching=BATCHING)).abs().max() <= 1e-5
 
-    kept = export_snapshot(uri, tmp_path / "adapter", cfg, adapter=True)
+    kept = export_snapshot(uri, tmp_path / "adapter", resolve_plan(cfg), adapter=True)
     assert kept["format"] == "adapter"
     assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["r"] == 4
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32),
@@ -138,19 +139,19 @@ def test_a_lora_export_is_merged_or_kept_as_an_adapter(tmp_path, tiny_model_path
 def test_errors_name_the_argument_and_the_fix(tmp_path, tiny_model_path, tiny_tokenizer, capsys):
     cfg = _cfg(tmp_path, tiny_model_path)
     with pytest.raises(ExportError, match=r"RUN_OR_SNAPSHOT=latest: no complete snapshot under .*give --config"):
-        export_snapshot("latest", tmp_path / "out", cfg)
+        export_snapshot("latest", tmp_path / "out", resolve_plan(cfg))
     uri = _snapshot(tmp_path / "snapshots", _learner(tiny_model_path), tiny_tokenizer, cfg)
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "file").write_text("x")
     with pytest.raises(ExportError, match=r"--to .*busy: exists and is not an empty folder; give a new folder"):
-        export_snapshot(uri, tmp_path / "busy", cfg)
+        export_snapshot(uri, tmp_path / "busy", resolve_plan(cfg))
     with pytest.raises(ExportError, match=r"--adapter: .* trained every weight .* export it without --adapter"):
-        export_snapshot(uri, tmp_path / "out", cfg, adapter=True)
+        export_snapshot(uri, tmp_path / "out", resolve_plan(cfg), adapter=True)
     assert not (tmp_path / "out").exists()
     incomplete = checkpoint.join(str(tmp_path / "snapshots"), checkpoint.run_dir_name("r1"), checkpoint.snapshot_name(4))
     Path(incomplete).mkdir()
     with pytest.raises(ExportError, match=r"not a complete snapshot: manifest.json is missing; give a complete snapshot"):
-        export_snapshot(incomplete, tmp_path / "out", cfg)
+        export_snapshot(incomplete, tmp_path / "out", resolve_plan(cfg))
     mlflow_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     assert main(["export", "0123abcd", "--to", str(tmp_path / "out"), "--set", f"tracking.mlflow_uri={mlflow_uri}"]) == 2
     assert "rlray export: RUN_OR_SNAPSHOT=0123abcd: neither a snapshot folder nor a run" in capsys.readouterr().err
@@ -167,7 +168,7 @@ def test_an_mlflow_run_id_exports_its_newest_snapshot(tmp_path, tiny_model_path,
     tracker = Tracker(mlflow_uri, "export-test")
     tracker.set_tags({"rlray.snapshot_dir": checkpoint.join(str(tmp_path / "snapshots"), checkpoint.run_dir_name("r1"))})
     tracker.finish("FINISHED")
-    assert export_snapshot(tracker.run_id, tmp_path / "out", cfg)["snapshot"] == newest
+    assert export_snapshot(tracker.run_id, tmp_path / "out", resolve_plan(cfg))["snapshot"] == newest
 
 
 def test_vllm_serves_the_merged_export_with_the_learners_logprobs(tmp_path, tiny_model_path, tiny_tokenizer):
@@ -179,7 +180,7 @@ def test_vllm_serves_the_merged_export_with_the_learners_logprobs(tmp_path, tiny
 
     cfg = _cfg(tmp_path, tiny_model_path, LORA)
     learner = _trained(_learner(tiny_model_path, LORA))
-    export_snapshot(_snapshot(tmp_path / "snapshots", learner, tiny_tokenizer, cfg), tmp_path / "out", cfg)
+    export_snapshot(_snapshot(tmp_path / "snapshots", learner, tiny_tokenizer, cfg), tmp_path / "out", resolve_plan(cfg))
     prompt_ids = _prompt_ids(tiny_tokenizer)
     engine = RolloutEngine(str(tmp_path / "out"), backend="vllm", dtype="float32", seed=0, max_model_len=256,
                            kv_cache_gib=1.0, cpu_threads="0-1")
@@ -210,8 +211,8 @@ def test_a_run_without_a_complete_snapshot_is_named_in_the_error(tmp_path, tiny_
     tracker.set_tags({"rlray.snapshot_dir": str(tmp_path / "snapshots" / "run-r1")})
     tracker.finish("FINISHED")
     with pytest.raises(ExportError, match=rf"RUN_OR_SNAPSHOT={tracker.run_id}: .*neither a complete snapshot nor a folder"):
-        export_snapshot(tracker.run_id, tmp_path / "out", cfg)
+        export_snapshot(tracker.run_id, tmp_path / "out", resolve_plan(cfg))
     untagged = Tracker(mlflow_uri, "export-test")
     untagged.finish("FINISHED")
     with pytest.raises(ExportError, match=r"has no rlray.snapshot_dir tag .* give a snapshot folder"):
-        export_snapshot(untagged.run_id, tmp_path / "out", cfg)
+        export_snapshot(untagged.run_id, tmp_path / "out", resolve_plan(cfg))

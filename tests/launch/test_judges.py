@@ -13,6 +13,7 @@ from rlray.config import Config, config_from_dict
 from rlray.launch.judges import check_judges
 from rlray.launch.preflight import preflight
 from rlray.models import ModelError
+from rlray.plan import resolve_plan
 from rlray.reward.judges import JudgeError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,7 +45,7 @@ def cfg_of(tmp_path):
 
 
 def test_a_judge_alone_is_a_reward_and_passes_the_preflight(cfg_of, tiny_model_path):
-    assert preflight(cfg_of(f"reward.judges=[{LABEL_JUDGE}]")) == tiny_model_path
+    assert preflight(resolve_plan(cfg_of(f"reward.judges=[{LABEL_JUDGE}]"))) == tiny_model_path
 
 
 @pytest.mark.parametrize("judge, error, message", [

@@ -28,6 +28,7 @@ from rlray.launch.plan_roles import (
     microbatch,
 )
 from rlray.models.memory import GIB, ModelShape
+from rlray.plan import resolve_plan
 
 HAND = ModelShape(hidden_size=8, intermediate_size=12, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4,
                   vocab_size=16, tied_embeddings=True)  # fmt: skip
@@ -45,7 +46,7 @@ def _terms(role) -> dict[str, float]:
 def _hand_plan(*overrides: str, hardware: Hardware | None = GPU8) -> Plan:
     cfg = config_from_dict({}, ["model.dtype=bfloat16", "learner.prompts_per_step=8", "data.max_prompt_tokens=8",
                                 "rollout.max_new_tokens=2", "learner.sequences_per_microbatch=2", *overrides])
-    return plan_run(cfg, hardware, Models(HAND, "hand"))
+    return plan_run(resolve_plan(cfg), hardware, Models(HAND, "hand"))
 
 
 def test_ddp_rank_holds_the_whole_state_buckets_and_bf16_copies():
@@ -102,26 +103,27 @@ def test_rollout_engine_kv_cache_and_budget():
     got = _terms(rollout)
     assert got["weights"] == pytest.approx(2 * P)  # bf16
     # 8 prompts x 4 samples over 2 engines = 16 sequences of 8 + 2 tokens (eval off)...
-    assert context_tokens(plan.cfg) == 8 + 2
+    assert context_tokens(plan.run) == 8 + 2
     assert got["KV cache"] == pytest.approx(16 * 16 * 32)  # ... in one 16-token block each, 32 bytes per token
     assert rollout.budget_gib == pytest.approx(0.5 * 80) and rollout.fits
 
 
 def test_assumed_layout_splits_the_gpus_and_a_gpu_config_is_kept():
     cfg = config_from_dict({}, [])
-    laid, overrides = assumed_layout(cfg, GPU8)
+    laid, overrides = assumed_layout(resolve_plan(cfg), GPU8)
     assert overrides == ("resources.learner.num_workers=4", "resources.learner.gpus=1",
                          "resources.rollout.num_workers=4", "resources.rollout.gpus=1")
-    assert (laid.resources.learner.num_workers, laid.resources.rollout.num_workers) == (4, 4)
+    assert (laid.settings.resources.learner.num_workers, laid.settings.resources.rollout.num_workers) == (4, 4)
     # 6 GPUs: 3 engines; 3 learner ranks do not divide 8 prompts, 2 do
-    assert assumed_layout(cfg, Hardware(6, 1, 80.0))[1][0] == "resources.learner.num_workers=2"
-    one = assumed_layout(cfg, Hardware(1, 1, 80.0))[0]
-    assert one.resources.colocate and one.resources.learner.gpus == 0.5
+    assert assumed_layout(resolve_plan(cfg), Hardware(6, 1, 80.0))[1][0] == "resources.learner.num_workers=2"
+    one = assumed_layout(resolve_plan(cfg), Hardware(1, 1, 80.0))[0]
+    assert one.settings.resources.colocate and one.settings.resources.learner.gpus == 0.5
     offline = config_from_dict({}, ["algo.name=dpo", "offline.pairs_per_step=8", "offline.pairs_per_microbatch=1"])
-    assert assumed_layout(offline, GPU8)[1] == ("resources.learner.num_workers=8", "resources.learner.gpus=1")
+    assert assumed_layout(resolve_plan(offline), GPU8)[1] == ("resources.learner.num_workers=8", "resources.learner.gpus=1")
     gpu_cfg = config_from_dict({}, ["resources.learner.gpus=1"])
-    assert assumed_layout(gpu_cfg, GPU8) == (gpu_cfg, ())
-    assert assumed_layout(cfg, None) == (cfg, ())
+    gpu_run, run = resolve_plan(gpu_cfg), resolve_plan(cfg)
+    assert assumed_layout(gpu_run, GPU8) == (gpu_run, ())
+    assert assumed_layout(run, None) == (run, ())
 
 
 def test_microbatch_tokens_and_context_match_the_driver():
@@ -129,12 +131,12 @@ def test_microbatch_tokens_and_context_match_the_driver():
 
     for overrides in ([], ["eval.max_new_tokens=400"], ["env.environments={a: 'x.py:Env'}", "env.max_turns=3"]):
         cfg = config_from_dict({}, overrides)
-        assert context_tokens(cfg) == max_model_len(cfg)
-    mb = microbatch(config_from_dict({}, []))  # defaults: 8 sequences x (256 + 160)
+        assert context_tokens(resolve_plan(cfg)) == max_model_len(cfg)
+    mb = microbatch(resolve_plan(config_from_dict({}, [])))  # defaults: 8 sequences x (256 + 160)
     assert (mb.tokens, mb.logit_positions) == (8 * 416, 8 * 161)
-    off = microbatch(config_from_dict({}, ["algo.name=dpo"]))
+    off = microbatch(resolve_plan(config_from_dict({}, ["algo.name=dpo"])))
     assert (off.sequences, off.prompt_tokens, off.response_tokens) == (8, 256, 128)
-    budget = microbatch(config_from_dict({}, ["learner.tokens_per_microbatch=1000"]))
+    budget = microbatch(resolve_plan(config_from_dict({}, ["learner.tokens_per_microbatch=1000"])))
     assert budget.tokens == 3 * 416 and "tokens_per_microbatch=1,000" in budget.source  # ceil(1000 / 416) rows
 
 
@@ -143,13 +145,13 @@ def test_cpu_rollout_kv_cache_is_the_actors_size(tiny_model_path):
     from rlray.launch.driver import max_model_len
 
     cfg = config_from_dict({}, ["model.dtype=float32", "resources.rollout.num_workers=2"])
-    rollout = plan_run(cfg).roles[1]
+    rollout = plan_run(resolve_plan(cfg)).roles[1]
     kv = next(t.gib for t in rollout.terms if t.name.startswith("KV cache"))
     assert kv == auto_kv_cache_gib(cfg, tiny_model_path, max_model_len(cfg))
 
 
 def _fixture_plan(name: str) -> Plan:
-    return plan_run(load_config(SMOLLM2_CONFIG, [f"model.path=configs/models/{name}"]), GPU8)
+    return plan_run(resolve_plan(load_config(SMOLLM2_CONFIG, [f"model.path=configs/models/{name}"])), GPU8)
 
 
 def test_the_1p5b_plan_fits_8_x_80_gib():
@@ -203,13 +205,13 @@ def test_cli_plan_exit_codes(capsys, monkeypatch):
 
 def test_preflight_fit_check_warns_over_the_cap_and_fails_beyond_the_tolerance(tiny_model_path):
     base = ["model.dtype=float32"]
-    assert check_fit(config_from_dict({}, base)) == []  # CPU without guard.memory_cap_gib: not checked
-    need = plan_run(config_from_dict({}, base)).roles[0].total_gib
-    assert check_fit(config_from_dict({}, [*base, f"guard.memory_cap_gib={need * 1.01}"])) == []
-    warned = check_fit(config_from_dict({}, [*base, f"guard.memory_cap_gib={need / 1.1}"]))
+    assert check_fit(resolve_plan(config_from_dict({}, base))) == []  # CPU without guard.memory_cap_gib: not checked
+    need = plan_run(resolve_plan(config_from_dict({}, base))).roles[0].total_gib
+    assert check_fit(resolve_plan(config_from_dict({}, [*base, f"guard.memory_cap_gib={need * 1.01}"]))) == []
+    warned = check_fit(resolve_plan(config_from_dict({}, [*base, f"guard.memory_cap_gib={need / 1.1}"])))
     assert len(warned) == 1 and warned[0].startswith(f"learner rank (1 rank x CPU) needs {need:.2f} GiB, over its")
     with pytest.raises(PlacementError, match=r"learner rank .* \(guard.memory_cap_gib\) \(more than the planner's 25%"):
-        check_fit(config_from_dict({}, [*base, f"guard.memory_cap_gib={need / 1.5}"]))
+        check_fit(resolve_plan(config_from_dict({}, [*base, f"guard.memory_cap_gib={need / 1.5}"])))
 
 
 # --------------------------------------------------------------------------------------------
@@ -237,7 +239,7 @@ def _measure(repo_root, overrides: list[str], world: int = 1, tmp_path=None) -> 
 def _model_part(overrides: list[str], world: int = 1) -> float:
     """Returns the planner's learner rank without the process's import baseline (GiB)."""
     cfg = config_from_dict({}, [*overrides, f"resources.learner.num_workers={world}"])
-    return plan_run(cfg).roles[0].total_gib - CPU_PROCESS_GIB
+    return plan_run(resolve_plan(cfg)).roles[0].total_gib - CPU_PROCESS_GIB
 
 
 @pytest.mark.parametrize(("world", "strategy"), [(1, "ddp"), (2, "ddp"), (2, "fsdp")])
@@ -257,7 +259,7 @@ def test_smollm2_total_within_25_percent(repo_root, extra):
     # SmolLM2-135M in float32: 2.0 GiB of weights, gradients and AdamW state, 0.5 GiB reference (the KL guard),
     # 0.54 GiB of activations without checkpointing; the real total, baseline included
     (m,) = _measure(repo_root, SMOLLM2 + extra)
-    predicted = plan_run(config_from_dict({}, SMOLLM2 + extra)).roles[0].total_gib
+    predicted = plan_run(resolve_plan(config_from_dict({}, SMOLLM2 + extra))).roles[0].total_gib
     assert predicted == pytest.approx(m["peak"] / GIB, rel=0.25)
     assert predicted - CPU_RUNTIME_GIB > 2.5  # the model's own part dominates the comparison
 
@@ -268,7 +270,7 @@ def test_smollm2_fsdp_rank_within_25_percent_and_below_ddp(repo_root, tmp_path):
     # reference, plus the gathered root unit (the 28M-parameter tied embedding) and layers
     overrides = [*SMOLLM2, "resources.learner.num_workers=2"]
     fsdp = [*overrides, "resources.learner.strategy=fsdp"]
-    predicted = plan_run(config_from_dict({}, fsdp)).roles[0].total_gib
+    predicted = plan_run(resolve_plan(config_from_dict({}, fsdp))).roles[0].total_gib
     for m in _measure(repo_root, fsdp, 2, tmp_path):
         assert predicted == pytest.approx(m["peak"] / GIB, rel=0.25)
-    assert predicted < plan_run(config_from_dict({}, overrides)).roles[0].total_gib - 1.0  # DDP's rank, same config
+    assert predicted < plan_run(resolve_plan(config_from_dict({}, overrides))).roles[0].total_gib - 1.0  # DDP's rank, same config

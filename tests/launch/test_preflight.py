@@ -16,6 +16,7 @@ from rlray.data import DataError
 from rlray.launch.placement import PlacementError
 from rlray.launch.preflight import check_function_spec, preflight
 from rlray.models import ModelError
+from rlray.plan import resolve_plan
 from rlray.reward.scorer import RewardFunctionError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,7 +48,7 @@ def cfg_of(tmp_path):
 def test_a_valid_config_returns_the_model_folder_and_leaves_the_snapshot_folder_empty(cfg_of, tmp_path, tiny_model_path):
     cfg = cfg_of()
     assert cfg.algo.family == "online" and cfg.data.long_prompts == "skip"
-    assert preflight(cfg) == tiny_model_path  # the alias 'tiny-random' resolved to the cached folder
+    assert preflight(resolve_plan(cfg)) == tiny_model_path  # the alias 'tiny-random' resolved to the cached folder
     snapshots = tmp_path / "out" / "snapshots"
     assert snapshots.is_dir() and list(snapshots.iterdir()) == []  # created by the write probe, which it removed
 
@@ -56,7 +57,7 @@ def test_a_prompt_too_long_with_long_prompts_error_fails_before_the_storage_prob
     cfg = cfg_of("data.long_prompts=error", "data.max_prompt_tokens=256")
     with pytest.raises(DataError, match=r"prompt 'train:1' has \d+ tokens after the chat template, more than "
                                         r"data.max_prompt_tokens=256 \(1 of 3 prompts are\)"):  # fmt: skip
-        preflight(cfg)
+        preflight(resolve_plan(cfg))
     assert not (tmp_path / "out").exists()  # the data is checked before snapshots are probed
 
 
@@ -64,7 +65,7 @@ def test_a_local_checkpoint_uri_that_cannot_be_written_fails(cfg_of, tmp_path):
     (tmp_path / "a-file").write_text("not a folder")
     uri = f"{tmp_path}/a-file/snapshots"
     with pytest.raises(SnapshotError) as err:
-        preflight(cfg_of(f"checkpoint.uri={uri}"))
+        preflight(resolve_plan(cfg_of(f"checkpoint.uri={uri}")))
     message = str(err.value)
     assert message.startswith(f"checkpoint.uri='{uri}': snapshots cannot be written there (")
     assert message.endswith("; check the path")  # not the S3 hint about buckets and credentials
@@ -75,10 +76,10 @@ def test_a_learner_over_its_memory_cap_fails_before_the_storage_probe(cfg_of, tm
     # logits of 8 x 161 positions x 49,152); a 0.5 GiB cap is far under it
     with pytest.raises(PlacementError, match=r"predicted memory: learner rank \(1 rank x CPU\) needs 1\.3\d GiB, "
                                              r"over its 0\.50 GiB \(guard\.memory_cap_gib\)"):
-        preflight(cfg_of("guard.memory_cap_gib=0.5"))
+        preflight(resolve_plan(cfg_of("guard.memory_cap_gib=0.5")))
     assert not (tmp_path / "out").exists()
     with caplog.at_level("WARNING", logger="rlray.launch.preflight"):  # over the cap, within the tolerance: a warning
-        preflight(cfg_of("guard.memory_cap_gib=1.2", "model.dtype=float32"))
+        preflight(resolve_plan(cfg_of("guard.memory_cap_gib=1.2", "model.dtype=float32")))
     assert "predicted memory: learner rank (1 rank x CPU) needs 1.3" in caplog.text
 
 
@@ -86,7 +87,7 @@ def test_a_missing_reward_function_file_fails(cfg_of, tmp_path):
     cfg = cfg_of(f"reward.functions=[{{function: '{tmp_path}/nope.py:score', weight: 1.0}}]")
     with pytest.raises(RewardFunctionError, match=f"reward function '{tmp_path}/nope.py:score': file "
                                                   f"{tmp_path}/nope.py does not exist"):  # fmt: skip
-        preflight(cfg)
+        preflight(resolve_plan(cfg))
 
 
 @pytest.mark.parametrize("spec", [f"{REWARDS}:completion_length", "json:loads", "rlray.reward.scorer:anything"])
@@ -111,23 +112,24 @@ def test_an_online_run_without_any_reward_fails_naming_every_way(cfg_of):
     with pytest.raises(RewardFunctionError, match=r"this online run has no reward: set reward.functions .*, "
                                                   r"reward.model_path, a distillation teacher \(teacher.path\), or "
                                                   r"environments that reward their episodes \(env.environments\)"):
-        preflight(cfg_of("reward.functions=[]"))
+        preflight(resolve_plan(cfg_of("reward.functions=[]")))
 
 
 def test_environments_are_a_reward_of_their_own(cfg_of, tiny_model_path):
     env = "env.environments={calc: rlray.envs.builtin.calculator:CalculatorEnv}"  # the rows have question and answer
-    assert preflight(cfg_of("reward.functions=[]", env, "env.default=calc")) == tiny_model_path
+    assert preflight(resolve_plan(cfg_of("reward.functions=[]", env, "env.default=calc"))) == tiny_model_path
     with pytest.raises(ValueError, match=r"env.environments.mine='no/such/file.py:Env': file .*no/such/file.py does not"):
-        preflight(cfg_of("env.environments={mine: no/such/file.py:Env}"))
+        preflight(resolve_plan(cfg_of("env.environments={mine: no/such/file.py:Env}")))
     with pytest.raises(ValueError, match=r"env.environments.x='rlray.envs.nothing:Env': module 'rlray.envs.nothing' cannot"):
-        preflight(cfg_of("env.environments={x: rlray.envs.nothing:Env}"))
+        preflight(resolve_plan(cfg_of("env.environments={x: rlray.envs.nothing:Env}")))
 
 
 def test_built_in_verifiers_pass_and_an_unknown_name_lists_them(cfg_of, tiny_model_path):
-    assert preflight(cfg_of("reward.functions=[{function: gsm8k_correct}, {function: regex_match, kwargs: {pattern: x}}]")) == tiny_model_path
+    both = cfg_of("reward.functions=[{function: gsm8k_correct}, {function: regex_match, kwargs: {pattern: x}}]")
+    assert preflight(resolve_plan(both)) == tiny_model_path
     with pytest.raises(RewardFunctionError, match=r"reward function 'gsm8k_corect' is neither a built-in verifier "
                                                   r"\(exact_match, gsm8k_correct, gsm8k_format, math_equal, regex_match\)"):  # fmt: skip
-        preflight(cfg_of("reward.functions=[{function: gsm8k_corect}]"))
+        preflight(resolve_plan(cfg_of("reward.functions=[{function: gsm8k_corect}]")))
 
 
 def test_bf16_on_a_cpu_without_native_bf16_is_warned_about(cfg_of, monkeypatch, caplog):
@@ -135,16 +137,16 @@ def test_bf16_on_a_cpu_without_native_bf16_is_warned_about(cfg_of, monkeypatch, 
 
     monkeypatch.setattr(pf, "cpu_supports_bf16", lambda: False)
     with caplog.at_level("WARNING", logger="rlray.launch.preflight"):
-        preflight(cfg_of("model.dtype=bfloat16"))
+        preflight(resolve_plan(cfg_of("model.dtype=bfloat16")))
         assert "model.dtype=bfloat16 on a CPU without native bf16" in caplog.text
         caplog.clear()
-        preflight(cfg_of("model.dtype=float32"))
+        preflight(resolve_plan(cfg_of("model.dtype=float32")))
     assert "bf16" not in caplog.text
 
 
 def test_an_adapter_path_that_is_no_adapter_fails_before_the_storage_probe(cfg_of, tmp_path, tiny_model_path):
     with pytest.raises(ModelError) as err:
-        preflight(cfg_of(f"model.adapter_path={tiny_model_path}"))
+        preflight(resolve_plan(cfg_of(f"model.adapter_path={tiny_model_path}")))
     assert str(err.value).startswith(f"model.adapter_path='{tiny_model_path}' is a full model folder")
     assert not (tmp_path / "out" / "snapshots").exists()
 
@@ -154,7 +156,7 @@ def test_a_teacher_with_the_students_vocabulary_passes_and_no_reward_is_then_all
     from rlray.models import resolve_model_path
 
     assert check_teacher("tiny-random@1", "tiny-random", tiny_model_path) == resolve_model_path("tiny-random@1")
-    assert preflight(cfg_of("reward.functions=[]", "teacher.path=tiny-random@1")) == tiny_model_path
+    assert preflight(resolve_plan(cfg_of("reward.functions=[]", "teacher.path=tiny-random@1"))) == tiny_model_path
 
 
 def test_a_teacher_with_another_vocabulary_fails_naming_both(cfg_of, tmp_path, tiny_model_path):
@@ -170,7 +172,7 @@ def test_a_teacher_with_another_vocabulary_fails_naming_both(cfg_of, tmp_path, t
         if (Path(tiny_model_path) / name).exists():
             shutil.copy(Path(tiny_model_path) / name, other / name)
     with pytest.raises(ModelError) as err:
-        preflight(cfg_of(f"teacher.path={other}"))
+        preflight(resolve_plan(cfg_of(f"teacher.path={other}")))
     assert str(err.value).startswith(f"teacher.path='{other}' (vocabulary 1000 tokens) and model.path='tiny-random' "
                                      "(vocabulary 49152 tokens): "
                                      "the vocabulary sizes differ")
@@ -179,7 +181,7 @@ def test_a_teacher_with_another_vocabulary_fails_naming_both(cfg_of, tmp_path, t
 def test_a_missing_teacher_fails_naming_the_key(cfg_of, tmp_path):
     with pytest.raises(ModelError, match=r"^teacher.path='.*nope' is not an existing folder, a .gguf file, "
                                          r"a Hugging Face Hub id \(org/name\) or an alias"):
-        preflight(cfg_of(f"teacher.path={tmp_path}/nope"))
+        preflight(resolve_plan(cfg_of(f"teacher.path={tmp_path}/nope")))
 
 
 BROKEN = REPO / "tests" / "fixtures" / "envs" / "broken_envs.py"
@@ -195,12 +197,12 @@ def test_environments_every_row_reaches_load_and_open_their_first_episode(cfg_of
                                              r"data.eval_files has 'environment' = 'calc' \(so every row would be a "
                                              r"single-turn prompt\). To run every row in it \(TRL's single "
                                              r"environment_factory\), set env.default=calc"):
-        preflight(cfg_of(calc))
+        preflight(resolve_plan(cfg_of(calc)))
     cfg = cfg_of(calc, "env.default=calc")
     from rlray.data import load_prompt_rows
 
     rows = load_prompt_rows(cfg.data.train_files, prompt_column="question")
-    [opening] = check_environments(cfg, rows, [])
+    [opening] = check_environments(resolve_plan(cfg), rows, [])
     assert (opening.name, opening.trl, opening.row_id, opening.rows) == ("calc", False, "train:0", 3)
     assert [t["function"]["name"] for t in opening.reply.tools] == ["calculator"] and PROBE_ROWS == 3
     # a row naming an environment that is not configured
@@ -208,7 +210,7 @@ def test_environments_every_row_reaches_load_and_open_their_first_episode(cfg_of
     named = cfg_of(calc, "env.default=calc", f"data.train_files=[{tmp_path}/named.jsonl]")
     with pytest.raises(ValueError, match=r"data.train_files: row 'named:0' names environment 'chess' in its "
                                          r"'environment' column, which is not in env.environments \['calc'\]"):
-        route_rows(named, load_prompt_rows(named.data.train_files, prompt_column="question"), [])
+        route_rows(resolve_plan(named), load_prompt_rows(named.data.train_files, prompt_column="question"), [])
 
 
 @pytest.mark.parametrize(("env", "message"), [
@@ -227,7 +229,7 @@ def test_an_environment_that_cannot_work_fails_the_preflight_naming_the_key_and_
     from rlray.launch.preflight import PreflightError
 
     with pytest.raises(PreflightError, match=message):
-        preflight(cfg_of(f"env.environments={{e: '{BROKEN}:{env}'}}", "env.default=e"))
+        preflight(resolve_plan(cfg_of(f"env.environments={{e: '{BROKEN}:{env}'}}", "env.default=e")))
 
 
 def test_a_reward_function_needing_a_column_the_data_lacks_fails_the_preflight(cfg_of, tmp_path):
@@ -235,9 +237,9 @@ def test_a_reward_function_needing_a_column_the_data_lacks_fails_the_preflight(c
     with pytest.raises(RewardFunctionError, match=r"parameter 'difficulty' has no default and is not prompts, "
                                                   r"completions, completion_ids, a key of its kwargs or a dataset "
                                                   r"column \(columns: \['answer'\]\)"):
-        preflight(cfg_of(f"reward.functions=[{{function: '{tmp_path}/needs.py:needs'}}]"))
+        preflight(resolve_plan(cfg_of(f"reward.functions=[{{function: '{tmp_path}/needs.py:needs'}}]")))
     with pytest.raises(RewardFunctionError, match=r"reads column 'solution', which the dataset lacks"):
-        preflight(cfg_of("reward.functions=[{function: exact_match, kwargs: {column: solution}}]"))
+        preflight(resolve_plan(cfg_of("reward.functions=[{function: exact_match, kwargs: {column: solution}}]")))
 
 
 @pytest.mark.parametrize("method, rows, error", [
@@ -257,10 +259,10 @@ def test_offline_data_is_checked_against_the_method_naming_file_and_line(cfg_of,
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = cfg_of(f"algo.name={method}", f"offline.pairs_files=[{path}]", "offline.eval_fraction=0.0")
     if error is None:
-        preflight(cfg)
+        preflight(resolve_plan(cfg))
         return
     with pytest.raises(DataError, match=error):
-        preflight(cfg)
+        preflight(resolve_plan(cfg))
     assert not (tmp_path / "out").exists()
 
 
@@ -271,7 +273,7 @@ def test_every_model_key_pins_its_hub_id_to_the_local_snapshot_once(cfg_of, tmp_
     import huggingface_hub
 
     from rlray.launch.driver import resolve_paths
-    from rlray.launch.preflight import pin_hub_models
+    from rlray.plan.hub import pin_hub_models
     from tests.models.test_hub import COMMIT, lay_out_hub_cache
 
     cache = tmp_path / "hf-cache"

@@ -48,7 +48,7 @@ def test_context_length_is_what_the_driver_gives_the_engines_and_the_planner_siz
     assert plan.lengths.context_tokens == context == max_model_len(cfg)
     assert plan.lengths.response_tokens == response
     if plan.roles.online:  # rlray plan's KV cache is sized for the same context
-        engine = plan_run(cfg, models=Models(HAND, "hand")).roles[1]
+        engine = plan_run(resolve_plan(cfg), models=Models(HAND, "hand")).roles[1]
         assert any(f"x {context} tokens" in t.name for t in engine.terms)
 
 
@@ -77,7 +77,7 @@ def test_reference_placement_one_rule_for_driver_placement_and_planner():
     guard = load_config(TINY, ["resources.reference.placement=actor", "algo.kl_coef=0", "guard.kl_threshold=1.0"])
     assert resolve_plan(guard).roles.reference == "learner"
     assert [r.role for r in role_requests(resolve_plan(guard))] == ["rollout", "learner"]
-    planned = plan_run(guard, models=Models(HAND, "hand"))
+    planned = plan_run(resolve_plan(guard), models=Models(HAND, "hand"))
     assert [r.role for r in planned.roles] == ["learner rank", "rollout engine"]
     assert any(t.name.startswith("reference: frozen copy") for t in planned.roles[0].terms)
     assert build.learner_kwargs(guard, 1)["use_reference"]
@@ -96,12 +96,12 @@ def test_fsdp_learner_cuts_by_sequences_in_the_plan_the_planner_and_the_learner(
     sharded = SimpleNamespace(parallel=FSDP2Strategy(mixed_precision=False, gpu=False))
     assert PolicyLearner.micro_batching(sharded, par.frozen_micro_batching) == par.micro_batching
     # rlray plan: 2 sequences x (256 + 16) tokens, not ceil(1000 / 272) = 4 sequences
-    mb = microbatch(cfg)
+    mb = microbatch(resolve_plan(cfg))
     assert (mb.sequences, mb.tokens) == (2, 2 * 272) and "unused" in mb.source
     ddp = load_config(TINY, ["resources.learner.num_workers=2", "learner.tokens_per_microbatch=1000",
                              "learner.sequences_per_microbatch=2"])
     assert resolve_plan(ddp).parallelism.micro_batching.tokens == 1000
-    assert (microbatch(ddp).sequences, microbatch(ddp).tokens) == (4, 4 * 272)  # ceil(1000 / 272) = 4 rows
+    assert (microbatch(resolve_plan(ddp)).sequences, microbatch(resolve_plan(ddp)).tokens) == (4, 4 * 272)  # ceil(1000 / 272) = 4 rows
 
 
 def test_fsdp_with_a_budget_still_needs_the_sequences_to_divide():
@@ -131,3 +131,30 @@ def test_the_plan_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.roles.reference = "actor"  # type: ignore[misc]
     assert isinstance(plan.roles, Roles)
+
+
+def test_rlray_plan_prints_the_runs_own_decisions_for_an_fsdp_learner_with_a_token_budget(capsys):
+    # Issue 38: `rlray plan` prints from the plan the run uses (resolve_plan, as rlray.launch.driver.run_training
+    # resolves it), so the printed reference placement, context length and micro-batch cannot differ from the run's.
+    # FSDP cuts by sequences: the 1000-token budget would give ceil(1000 / (256 + 160)) = 3 rows; the run takes 2.
+    from rlray.cli import main
+    from rlray.launch.driver import max_model_len
+    from rlray.plan.settings import Settings
+
+    overrides = ["model.path=configs/models/qwen2.5-1.5b", *FSDP2, "learner.tokens_per_microbatch=1000",
+                 "learner.sequences_per_microbatch=2", "algo.kl_coef=0.05"]
+    cfg = load_config("configs/grpo_gsm8k_smollm2.yaml", overrides)
+    run = resolve_plan(cfg)
+    assert isinstance(run.settings, Settings) and run.settings is cfg
+    assert (run.roles.reference, run.parallelism.sharded, run.parallelism.micro_batching.tokens) == ("learner", True, None)
+    main(["plan", "configs/grpo_gsm8k_smollm2.yaml", *overrides])
+    out = capsys.readouterr().out
+    lengths, batching = run.lengths, run.parallelism.micro_batching
+    assert (f"micro-batch per learner rank: {batching.sequences} sequences x ({lengths.prompt_tokens} + "
+            f"{lengths.response_tokens} tokens)") in out
+    assert batching.sequences == 2 and "learner.tokens_per_microbatch unused" in out
+    assert f"context length: {lengths.context_tokens:,} tokens" in out and lengths.context_tokens == max_model_len(cfg)
+    assert lengths.context_tokens == 256 + 160
+    assert f"reference: a frozen copy sharded over the {run.parallelism.world_size} learner ranks" in out
+    # the learner rank's memory holds the reference as a 1/2 shard, as FSDP2.frozen places it
+    assert "reference: frozen copy, bfloat16, 1/2 shard" in out or "reference: frozen copy, float32, 1/2 shard" in out

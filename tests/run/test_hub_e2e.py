@@ -1,7 +1,7 @@
 """End to end: a run whose model.path is a Hugging Face Hub id, offline, from a Hugging Face cache laid out as
 huggingface_hub lays it (tests/models/test_hub.py's ``lay_out_hub_cache``: blobs, snapshots/<commit>, refs/main).
 
-The driver pins the id to its snapshot folder once (``rlray.launch.preflight.pin_hub_models``); the cache is
+The driver pins the id to its snapshot folder once (``rlray.plan.hub.pin_hub_models``); the cache is
 known to the driver's process only (the session's Ray workers were started without it), so the run finishes only
 if every actor and learner worker read the snapshot folder it was handed instead of resolving the id again."""
 
