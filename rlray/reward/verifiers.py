@@ -27,6 +27,8 @@ gsm8k_correct     ``columns[column]``     GSM8K accuracy (``grade_gsm8k``) again
                                           the last '####' of the value (a GSM8K solution), or the
                                           whole value when it has none
 gsm8k_format      nothing                 the response ends with a '#### <number>' line
+reasoning_gym     ``answer``,             the item's generator scores the answer (``rlray.reward.rgym``:
+                  ``reasoning_gym``       reasoning-gym's ``score_answer``, 0-1, partial credit possible)
 ================  ======================  ==========================================================
 
 ``math_equal`` inherits the bound of ``rlray.reward.gsm8k`` (no signal timeouts, so nothing costly is
@@ -59,6 +61,7 @@ from rlray.reward.gsm8k import (
     grade_gsm8k,
     has_answer_line,
 )
+from rlray.reward.rgym import reasoning_gym
 
 Completion = str | list[dict[str, Any]]
 log = logging.getLogger(__name__)
@@ -177,6 +180,7 @@ BUILTIN_VERIFIERS: dict[str, Callable[..., list[float | None]]] = {
     "regex_match": regex_match,
     "gsm8k_correct": gsm8k_correct,
     "gsm8k_format": gsm8k_format,
+    "reasoning_gym": reasoning_gym,  # rows of a reasoning-gym: data source, scored by their generator (rlray.reward.rgym)
 }
 
 
