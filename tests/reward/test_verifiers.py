@@ -8,6 +8,7 @@ import time
 import pytest
 
 from rlray.reward import BUILTIN_VERIFIERS
+from rlray.reward.rgym import reasoning_gym
 from rlray.reward.verifiers import (
     completion_text,
     exact_match,
@@ -33,7 +34,8 @@ def _final(solution: str) -> str:
 
 def test_registry_names_every_builtin():
     assert BUILTIN_VERIFIERS == {"math_equal": math_equal, "exact_match": exact_match, "regex_match": regex_match,
-                                 "gsm8k_correct": gsm8k_correct, "gsm8k_format": gsm8k_format}  # fmt: skip
+                                 "gsm8k_correct": gsm8k_correct, "gsm8k_format": gsm8k_format,
+                                 "reasoning_gym": reasoning_gym}  # fmt: skip
 
 
 def test_real_rows_right_answer_scores_one_wrong_number_zero(rows):
