@@ -1,5 +1,5 @@
-"""The built-in reward ``reasoning_gym``: a reasoning-gym generator's own ``score_answer`` on rows of a
-``reasoning-gym:`` source (``rlray.data.rgym``).
+"""The scoring behind the built-in reward ``reasoning_gym`` (``rlray.reward.verifiers.reasoning_gym``): a
+reasoning-gym generator's own ``score_answer`` on rows of a ``reasoning-gym:`` source (``rlray.data.rgym``).
 
 Each row carries what the score needs (no process global): ``answer`` (the oracle answer, or None) and
 ``reasoning_gym`` = ``{"dataset": generator name, "config": the generator options of the source, "metadata":
@@ -32,38 +32,22 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
-def reasoning_gym(prompts: list, completions: list, *, answer_tag: str | None = "answer", **columns: Any
-                  ) -> list[float | None]:  # fmt: skip
-    """Returns each completion's reasoning-gym score in [0, 1] (module docstring), None where the row has no item.
+def score_item(item: dict[str, Any], question: Any, oracle: str | None, answer: str | None) -> float:
+    """Returns the generator's ``score_answer(answer, entry)`` of one row's item, 0.0 when it raises (module docstring).
 
     Args:
-        prompts: B prompts (the items' questions, strings).
-        completions: B completions (strings, or TRL conversational completions).
-        answer_tag: the tag around the answer (``<answer>...</answer>``); None scores the whole stripped text.
-        **columns: the rows' columns; reads ``answer`` and ``reasoning_gym`` (B values each).
-
-    Raises:
-        ModuleNotFoundError: reasoning-gym is not installed (the data source could not have been built either).
+        item: the row's ``reasoning_gym`` column: ``{"dataset", "config", "metadata"}``.
+        question: the row's prompt (the item's question).
+        oracle: the row's ``answer`` column.
+        answer: the extracted answer (``extract_tagged``), or None.
     """
-    from rlray.reward.verifiers import completion_text  # the module that lists the built-ins imports this one
-
-    items = columns.get("reasoning_gym") or [None] * len(completions)
-    answers = columns.get("answer") or [None] * len(completions)
-    out: list[float | None] = []
-    for prompt, completion, item, oracle in zip(prompts, completions, items, answers, strict=True):
-        if not isinstance(item, dict):
-            out.append(None)
-            continue
-        text = completion_text(completion)
-        answer = text.strip() if answer_tag is None else extract_tagged(text, answer_tag)
-        entry = {"question": prompt, "answer": oracle, "metadata": ast.literal_eval(item["metadata"])}
-        scorer = _scorer(item["dataset"], json.dumps(item["config"], sort_keys=True))
-        try:
-            out.append(float(scorer.score_answer(answer, entry)))
-        except Exception:  # a generator's scorer failing on odd text is a wrong answer, not a crash
-            log.debug("reasoning_gym: %s.score_answer failed on %r; 0", item["dataset"], answer, exc_info=True)
-            out.append(0.0)
-    return out
+    entry = {"question": question, "answer": oracle, "metadata": ast.literal_eval(item["metadata"])}
+    scorer = _scorer(item["dataset"], json.dumps(item["config"], sort_keys=True))
+    try:
+        return float(scorer.score_answer(answer, entry))
+    except Exception:  # a generator's scorer failing on odd text is a wrong answer, not a crash
+        log.debug("reasoning_gym: %s.score_answer failed on %r; 0", item["dataset"], answer, exc_info=True)
+        return 0.0
 
 
 def extract_tagged(text: str, tag: str) -> str | None:

@@ -61,7 +61,7 @@ from rlray.reward.gsm8k import (
     grade_gsm8k,
     has_answer_line,
 )
-from rlray.reward.rgym import reasoning_gym
+from rlray.reward.rgym import extract_tagged, score_item
 
 Completion = str | list[dict[str, Any]]
 log = logging.getLogger(__name__)
@@ -172,6 +172,24 @@ def _gsm8k_reference(value: str | None) -> str | None:
 def gsm8k_format(prompts: list, completions: list[Completion], **columns: Any) -> list[float]:
     """Returns 1.0 where the completion's text ends with a '#### <number>' line (``has_answer_line``), else 0.0."""
     return [1.0 if has_answer_line(completion_text(c)) else 0.0 for c in completions]
+
+
+def reasoning_gym(prompts: list, completions: list[Completion], *, answer_tag: str | None = "answer",
+                  **columns: Any) -> list[float | None]:  # fmt: skip
+    """Returns each completion's reasoning-gym score in [0, 1], None where the row has no item (``rlray.reward.rgym``).
+
+    The answer is the stripped text of the completion's last ``<answer_tag>...</answer_tag>`` (None when there is
+    none), or with ``answer_tag=None`` the whole stripped text; the row's ``reasoning_gym`` and ``answer`` columns
+    (a ``reasoning-gym:`` data source's) give the item its generator scores (``score_item``).
+    """
+    items = columns.get("reasoning_gym") or [None] * len(completions)
+    oracles = columns.get("answer") or [None] * len(completions)
+    out: list[float | None] = []
+    for prompt, completion, item, oracle in zip(prompts, completions, items, oracles, strict=True):
+        text = completion_text(completion)
+        answer = text.strip() if answer_tag is None else extract_tagged(text, answer_tag)
+        out.append(score_item(item, prompt, oracle, answer) if isinstance(item, dict) else None)
+    return out
 
 
 BUILTIN_VERIFIERS: dict[str, Callable[..., list[float | None]]] = {

@@ -1,10 +1,11 @@
-"""rlray.reward.rgym: the built-in reward reasoning_gym on hand-made rows (the columns a reasoning-gym source gives)."""
+"""rlray.reward.rgym and verifiers.reasoning_gym: the built-in reward reasoning_gym on hand-made rows (the columns a reasoning-gym source gives)."""
 
 from __future__ import annotations
 
 import pytest
 
-from rlray.reward.rgym import extract_tagged, reasoning_gym
+from rlray.reward.rgym import extract_tagged
+from rlray.reward.verifiers import reasoning_gym
 
 pytest.importorskip("reasoning_gym")
 

@@ -8,7 +8,6 @@ import time
 import pytest
 
 from rlray.reward import BUILTIN_VERIFIERS
-from rlray.reward.rgym import reasoning_gym
 from rlray.reward.verifiers import (
     completion_text,
     exact_match,
@@ -17,6 +16,7 @@ from rlray.reward.verifiers import (
     last_boxed,
     math_equal,
     prepare_kwargs,
+    reasoning_gym,
     regex_match,
 )
 
