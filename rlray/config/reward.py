@@ -15,13 +15,14 @@ class RewardFunctionConfig(_Section):
 
     The term is logged as ``reward/<name>`` (its mean over the samples it applied to) and
     ``reward/<name>_skipped`` (samples it returned None for). Built-ins (``rlray.reward.verifiers``):
-    math_equal, exact_match, regex_match, gsm8k_correct, gsm8k_format.
+    math_equal, exact_match, regex_match, gsm8k_correct, gsm8k_format, reasoning_gym.
     """
 
     function: str = Field(
         ...,
         description=(
-            "A built-in verifier (math_equal, exact_match, regex_match, gsm8k_correct, gsm8k_format), or a user "
+            "A built-in verifier (math_equal, exact_match, regex_match, gsm8k_correct, gsm8k_format, reasoning_gym: "
+            "the generator's score of rows of a reasoning-gym data source), or a user "
             "function as 'package.module:function' or 'path/to/file.py:function'."
         ),
     )

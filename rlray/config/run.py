@@ -126,12 +126,17 @@ class DataConfig(_Section):
     train_files: list[str] = Field(
         default_factory=lambda: ["data/gsm8k/train.jsonl"],
         description=(
-            "JSONL or Parquet paths, s3:// URIs, or one Hugging Face dataset id; a single path is a list of one."
+            "JSONL or Parquet paths, s3:// URIs, one Hugging Face dataset id, or reasoning-gym generators "
+            "('reasoning-gym:leg_counting?size=500&seed=0', a mix 'reasoning-gym:a:3,b:1?...'); a single path is a "
+            "list of one."
         ),
     )
     eval_files: list[str] = Field(
         default_factory=lambda: ["data/gsm8k/test.jsonl"],
-        description="Same forms as train_files; used by eval.",
+        description=(
+            "Same forms as train_files; used by eval. A reasoning-gym source here names its split "
+            "(split=heldout: items whose questions no train-split item has)."
+        ),
     )
     prompt_column: str = Field(
         "prompt",
@@ -169,6 +174,16 @@ class DataConfig(_Section):
     def _one_path_is_a_list(cls, value: Any) -> Any:
         """A single path (``data.train_files=path`` on the command line, as verl's quickstart) is a list of one."""
         return [value] if isinstance(value, str) else value
+
+    @field_validator("eval_files")
+    @classmethod
+    def _reasoning_gym_eval_names_its_split(cls, value: list[str]) -> list[str]:
+        """A reasoning-gym source in eval_files says split=heldout (or train, knowingly): train is the default."""
+        for source in value:
+            if source.startswith("reasoning-gym:") and "split=" not in source.partition("?")[2]:
+                raise ValueError(f"reasoning-gym source '{source}' gives no split; add split=heldout to its query "
+                                 "(items that no training item equals) or split=train to evaluate on training items")
+        return value
 
 
 class RolloutConfig(_Section):

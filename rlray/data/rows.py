@@ -22,7 +22,9 @@ Source forms accepted by ``load_prompt_rows`` (one string each, as in ``data.tra
 - a URI read through fsspec: ``s3://bucket/gsm8k/train.jsonl`` (``storage_options`` go to the filesystem,
   e.g. ``{"key": ..., "secret": ..., "client_kwargs": {"endpoint_url": ...}}`` for s3fs);
 - a Hugging Face dataset id: ``owner/name[:config[:split]]``, e.g. ``openai/gsm8k:main:test``. The
-  split defaults to ``train``; the config to the dataset's default.
+  split defaults to ``train``; the config to the dataset's default;
+- reasoning-gym generators: ``reasoning-gym:leg_counting?size=500&seed=1`` (``rlray.data.rgym``: a mix, splits,
+  generator options).
 
 JSON Lines files (``.jsonl``, local or URI) are read by ``rlray.data.jsonl``, so a malformed line or
 text that is not UTF-8 is named by ``<file>:<line>``, and rows may have different column sets (a row's
@@ -47,6 +49,7 @@ from typing import Any
 import datasets
 
 from rlray.data.jsonl import DataError, read_jsonl
+from rlray.data.rgym import is_reasoning_gym, reasoning_gym_records
 
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
@@ -129,6 +132,9 @@ def columns_json(row: PromptRow) -> str:
 
 def _rows_of(source: str, prompt_column: str, storage_options: dict | None) -> list[PromptRow]:
     """Returns the rows of one source, validated."""
+    if is_reasoning_gym(source):
+        records = reasoning_gym_records(source, prompt_column)
+        return [_prompt_row(where, where, record, prompt_column) for where, record in records]
     if _is_jsonl(source):
         records = read_jsonl(source, storage_options=storage_options)
         columns = list(dict.fromkeys(k for _, r in records for k in r))

@@ -27,6 +27,8 @@ gsm8k_correct     ``columns[column]``     GSM8K accuracy (``grade_gsm8k``) again
                                           the last '####' of the value (a GSM8K solution), or the
                                           whole value when it has none
 gsm8k_format      nothing                 the response ends with a '#### <number>' line
+reasoning_gym     ``answer``,             the item's generator scores the answer (``rlray.reward.rgym``:
+                  ``reasoning_gym``       reasoning-gym's ``score_answer``, 0-1, partial credit possible)
 ================  ======================  ==========================================================
 
 ``math_equal`` inherits the bound of ``rlray.reward.gsm8k`` (no signal timeouts, so nothing costly is
@@ -59,6 +61,7 @@ from rlray.reward.gsm8k import (
     grade_gsm8k,
     has_answer_line,
 )
+from rlray.reward.rgym import extract_tagged, score_item
 
 Completion = str | list[dict[str, Any]]
 log = logging.getLogger(__name__)
@@ -171,12 +174,31 @@ def gsm8k_format(prompts: list, completions: list[Completion], **columns: Any) -
     return [1.0 if has_answer_line(completion_text(c)) else 0.0 for c in completions]
 
 
+def reasoning_gym(prompts: list, completions: list[Completion], *, answer_tag: str | None = "answer",
+                  **columns: Any) -> list[float | None]:  # fmt: skip
+    """Returns each completion's reasoning-gym score in [0, 1], None where the row has no item (``rlray.reward.rgym``).
+
+    The answer is the stripped text of the completion's last ``<answer_tag>...</answer_tag>`` (None when there is
+    none), or with ``answer_tag=None`` the whole stripped text; the row's ``reasoning_gym`` and ``answer`` columns
+    (a ``reasoning-gym:`` data source's) give the item its generator scores (``score_item``).
+    """
+    items = columns.get("reasoning_gym") or [None] * len(completions)
+    oracles = columns.get("answer") or [None] * len(completions)
+    out: list[float | None] = []
+    for prompt, completion, item, oracle in zip(prompts, completions, items, oracles, strict=True):
+        text = completion_text(completion)
+        answer = text.strip() if answer_tag is None else extract_tagged(text, answer_tag)
+        out.append(score_item(item, prompt, oracle, answer) if isinstance(item, dict) else None)
+    return out
+
+
 BUILTIN_VERIFIERS: dict[str, Callable[..., list[float | None]]] = {
     "math_equal": math_equal,
     "exact_match": exact_match,
     "regex_match": regex_match,
     "gsm8k_correct": gsm8k_correct,
     "gsm8k_format": gsm8k_format,
+    "reasoning_gym": reasoning_gym,  # rows of a reasoning-gym: data source, scored by their generator (rlray.reward.rgym)
 }
 
 

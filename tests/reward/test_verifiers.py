@@ -16,6 +16,7 @@ from rlray.reward.verifiers import (
     last_boxed,
     math_equal,
     prepare_kwargs,
+    reasoning_gym,
     regex_match,
 )
 
@@ -33,7 +34,8 @@ def _final(solution: str) -> str:
 
 def test_registry_names_every_builtin():
     assert BUILTIN_VERIFIERS == {"math_equal": math_equal, "exact_match": exact_match, "regex_match": regex_match,
-                                 "gsm8k_correct": gsm8k_correct, "gsm8k_format": gsm8k_format}  # fmt: skip
+                                 "gsm8k_correct": gsm8k_correct, "gsm8k_format": gsm8k_format,
+                                 "reasoning_gym": reasoning_gym}  # fmt: skip
 
 
 def test_real_rows_right_answer_scores_one_wrong_number_zero(rows):
