@@ -66,7 +66,7 @@ def route_rows(cfg: Config, train_rows: list[PromptRow], eval_rows: list[PromptR
             reaches (the message names the row or key and the fix).
     """
     env = cfg.env
-    routed: dict[str, list[PromptRow]] = {name: [] for name in env.environments}
+    routed: dict[str, list[PromptRow]] = {name: [] for name in [*env.environments, *env.servers]}
     for key, rows in (("data.train_files", train_rows), ("data.eval_files", eval_rows)):
         for row in rows:
             name = row_environment(row.columns, env.column, env.default)
@@ -104,6 +104,8 @@ def check_environments(cfg: Config, train_rows: list[PromptRow], eval_rows: list
     """
     env, openings = cfg.env, []
     for name, rows in route_rows(cfg, train_rows, eval_rows).items():
+        if name in env.servers:  # a server starts in the hosts (its start errors name it there)
+            continue
         spec, key = env.environments[name], f"env.environments.{name}"
         probed = list({r.prompt_id: r for r in rows}.values())[:PROBE_ROWS]  # distinct rows (eval may repeat train)
         kwargs = [reset_kwargs(r.columns, r.prompt, cfg.data.prompt_column) for r in probed]

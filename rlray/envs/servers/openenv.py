@@ -243,7 +243,8 @@ class OpenEnvEnvironment:
         except BaseException:
             self._release()
             raise
-        prompt: list[Message] = [dict(m) for m in row.get("prompt") or []]
+        given = row.get("prompt") or []  # a standard row's text, or a conversational row's messages
+        prompt: list[Message] = [{"role": "user", "content": given}] if isinstance(given, str) else [dict(m) for m in given]
         if self.options.show_reset:
             prompt.append({"role": "user", "content": render_observation(first.observation,
                                                                          self.options.observation_field)})

@@ -41,8 +41,11 @@ def test_text_actions_rewards_and_observations(echo):
     assert step.observations == [{"role": "user", "content": "Hello"}]
     assert step.reward == pytest.approx(0.5) and not step.done  # 0.1 * len("Hello")
     step = env.step(AssistantTurn("a much longer message"))
-    assert step.reward == pytest.approx(2.1)  # 0.1 * 21 characters
     env.close()
+    standard = factories["echo"]()  # a standard row's prompt (a string) becomes a user message
+    assert standard.reset(prompt="text").prompt[0] == {"role": "user", "content": "text"}
+    standard.close()
+    assert step.reward == pytest.approx(2.1)  # 0.1 * 21 characters
 
 
 def test_json_actions_and_rejected_ones(echo):
@@ -74,6 +77,7 @@ def test_sessions_are_bounded_and_freed(echo):
     with pytest.raises(ServerBusy):
         c.reset(prompt=PROMPT)
     a.close()
+    c.timeout_s = 30.0
     c.reset(prompt=PROMPT)  # a's slot is free again
     b.close()
     c.close()
