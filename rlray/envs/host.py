@@ -22,6 +22,11 @@ MCP tools (``env.mcp_servers``) reach an episode explicitly: the host that holds
 (``rlray.envs.agents.agent_host.AgentHost``) lists their tools once into ``episode_tools``, and every in-process episode
 it opens is handed that list before its ``reset`` (``rlray.envs.toolenv.open_with_tools``). The tools call back into
 the host's sessions, so a sandboxed episode (another process) gets none.
+
+Environment servers (``env.servers``, ``rlray.envs.servers``) are started here, on the host's machine (they bind
+127.0.0.1), watched and restarted by the host's ``ServerSupervisor`` and stopped with it; each of their episodes is an
+in-process client session (``OpenEnvEnvironment``; never sandboxed: the untrusted code runs in the server's own
+process). A server that dies fails the episodes open on it, counted like any environment error.
 """
 
 from __future__ import annotations
@@ -32,10 +37,13 @@ import logging
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from rlray.envs.base import AssistantTurn, EnvReset, EnvStep, Message
 from rlray.sandbox import Limits, ProcessSandbox, SandboxCrashed, SandboxError, SandboxTimeout
+
+if TYPE_CHECKING:
+    from rlray.envs.servers.hosted import HostedServer
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -319,6 +327,8 @@ class EnvironmentHost:
         sandbox: run each episode's instance in its own child process (``EpisodeEnvironment.sandboxed``).
         memory_gib: address-space cap of a sandboxed episode's child, in GiB.
         trl_parity: how TRL-shaped classes answer tool calls (``rlray.envs.trl.TRLEnvironment``; ``env.trl_parity``).
+        servers: environment servers to start here (``rlray.envs.servers.hosted.HostedServer``; ``env.servers``), their
+            names environments too.
 
     Attributes:
         episode_tools: the MCP tools every in-process episode is opened with ([]; set once by the ``AgentHost`` that
@@ -329,10 +339,12 @@ class EnvironmentHost:
 
     Raises:
         ValueError: a spec cannot be loaded (names the environment and the spec).
+        rlray.envs.servers.ServerStartError: a server did not start (its log quoted).
     """
 
     def __init__(self, environments: dict[str, str], *, tool_parser: str = "hermes", step_timeout_s: float = 60.0,
-                 threads: int = 8, sandbox: bool = False, memory_gib: float = 2.0, trl_parity: bool = True) -> None:
+                 threads: int = 8, sandbox: bool = False, memory_gib: float = 2.0, trl_parity: bool = True,
+                 servers: list[HostedServer] | None = None) -> None:
         from rlray.envs.trl import load_environment  # the loader picks the TRL adapter per class
 
         self._factories, self._specs = {}, dict(environments)
@@ -347,6 +359,17 @@ class EnvironmentHost:
         self._pool = futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rlray-env")
         self._episodes: dict[str, EpisodeEnvironment] = {}
         self.episode_tools: list[Any] = []
+        self.servers = None  # the ServerSupervisor of env.servers (None without)
+        if servers:
+            from rlray.envs.servers.hosted import start_servers  # deferred: only hosts with servers need them
+
+            self.servers, served = start_servers(list(servers), step_timeout_s)
+            self._factories.update(served)
+
+    def stop_servers(self) -> None:
+        """Stops the host's environment servers (also done at exit, and by each server's guard when the host dies)."""
+        if self.servers is not None:
+            self.servers.stop()
 
     def ping(self) -> bool:
         """Returns True (a liveness check)."""
@@ -407,7 +430,7 @@ class EnvironmentHost:
     def _open(self, request: ResetRequest) -> ResetReply:
         """Builds the episode's instance (in process or sandboxed), keeps it under its key, and resets it."""
         name = request.environment
-        if self._sandbox:
+        if self._sandbox and name in self._specs:  # a server's episode is a client session: in process
             episode = EpisodeEnvironment.sandboxed(self._specs[name], self._parser, timeout_s=self._timeout,
                                                    memory_gib=self._memory_gib, name=name, trl_parity=self._trl_parity)
         else:

@@ -431,7 +431,8 @@ def launch_env_hosts(cfg: Config, namespace: str | None = None, *, model_dir: st
         options = dict(name=f"rlray:env-{i}", namespace=namespace, num_cpus=res.cpus, resources=dict(res.custom_resources),
                        max_restarts=res.max_restarts, scheduling_strategy="DEFAULT")
         kwargs = dict(tool_parser=cfg.env.tool_parser, step_timeout_s=cfg.env.step_timeout_s, threads=res.threads,
-                      sandbox=cfg.env.sandbox, memory_gib=cfg.env.memory_gib, trl_parity=cfg.env.trl_parity)
+                      sandbox=cfg.env.sandbox, memory_gib=cfg.env.memory_gib, trl_parity=cfg.env.trl_parity,
+                      servers=list(resolve_plan(cfg).episodes.servers))
         if gateway:  # run_agents blocks while the host's agents run: the environments' calls need threads of their own
             from rlray.envs.agents.agent_host import AgentHost
 

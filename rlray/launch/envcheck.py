@@ -67,7 +67,7 @@ def route_rows(plan: RunPlan, train_rows: list[PromptRow], eval_rows: list[Promp
     """
     env = plan.episodes
     agents = dict(env.agents)
-    routed: dict[str, list[PromptRow]] = {name: [] for name, _ in env.environments}
+    routed: dict[str, list[PromptRow]] = {name: [] for name in env.episode_environments}
     for key, rows in (("data.train_files", train_rows), ("data.eval_files", eval_rows)):
         for row in rows:
             name = row_environment(row.columns, env.column, env.default)
@@ -105,7 +105,10 @@ def check_environments(plan: RunPlan, train_rows: list[PromptRow], eval_rows: li
     """
     cfg, specs, openings = plan.settings, dict(plan.episodes.environments), []
     env = cfg.env  # the probe's sandbox settings
+    servers = {s.spec.name for s in plan.episodes.servers}
     for name, rows in route_rows(plan, train_rows, eval_rows).items():
+        if name in servers:  # a server starts in the hosts (its start errors name it there)
+            continue
         spec, key = specs[name], f"env.environments.{name}"
         probed = list({r.prompt_id: r for r in rows}.values())[:PROBE_ROWS]  # distinct rows (eval may repeat train)
         kwargs = [reset_kwargs(r.columns, r.prompt, cfg.data.prompt_column) for r in probed]

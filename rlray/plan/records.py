@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlray.envs.agents.mcp import McpServerSpec
 from rlray.envs.limits import EpisodeLimits
+from rlray.envs.servers.hosted import HostedServer
 from rlray.learner.batching import MicroBatching
 from rlray.rollout.types import SamplingSpec
 
@@ -203,6 +204,7 @@ class Episodes:
             env.step_timeout_s; ``max_new_tokens`` 0, set per step from its sampling).
         tools: the MCP servers whose tools the hosts offer (``env.mcp_servers``).
         reward_weight: weight of the environment's reward in the summed reward (``env.reward_weight``).
+        servers: the environment servers the hosts start or reach (``env.servers``; paths made absolute).
     """
 
     environments: tuple[tuple[str, str], ...]
@@ -212,6 +214,13 @@ class Episodes:
     limits: EpisodeLimits
     tools: tuple[McpServerSpec, ...]
     reward_weight: float
+    servers: tuple[HostedServer, ...] = ()
+
+    @property
+    def episode_environments(self) -> list[str]:
+        """Returns the names a row's env.column may give to run an environment episode: env.environments and
+        env.servers (agents run apart)."""
+        return [name for name, _ in self.environments] + [s.spec.name for s in self.servers]
 
 
 @dataclass(frozen=True)

@@ -9,13 +9,18 @@ read (and ``model.dtype=auto`` resolved on this machine).
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import yaml
 
 from rlray.config import Config, ConfigError, validate_tree
+from rlray.config.env import ServerConfig
 from rlray.envs.agents.mcp import McpServerSpec
 from rlray.envs.limits import EpisodeLimits
+from rlray.envs.servers import ServerSpec
+from rlray.envs.servers.hosted import HostedServer
+from rlray.envs.servers.openenv import OpenEnvOptions
 from rlray.learner.batching import MicroBatching
 from rlray.models import resolve_dtype
 from rlray.plan.records import (
@@ -204,7 +209,23 @@ def resolve_episodes(cfg: Config) -> Episodes:
                     default=env.default,
                     limits=EpisodeLimits(env.max_turns, cfg.episode_tokens, env.max_observation_tokens,
                                          env.episode_timeout_s, env.step_timeout_s),
-                    tools=tools, reward_weight=env.reward_weight)
+                    tools=tools, reward_weight=env.reward_weight,
+                    servers=tuple(hosted_server(name, s) for name, s in env.servers.items()))
+
+
+def hosted_server(name: str, server: ServerConfig) -> HostedServer:
+    """Returns the hosts' record of ``env.servers.<name>``, its ``python`` and ``cwd`` made absolute (the hosts may
+    run in another folder; a relative ``python`` that names no file stays as written, a command on PATH)."""
+    def absolute(path: str | None) -> str:
+        return str(Path(path).expanduser().resolve()) if path else ""
+
+    spec = ServerSpec(name, command=tuple(server.command or ()), url=server.url or "", python=absolute(server.python),
+                      cwd=absolute(server.cwd), env=dict(server.env), host=server.host,
+                      max_sessions=server.max_sessions, start_timeout_s=server.start_timeout_s,
+                      max_restarts=server.max_restarts)
+    o = server.openenv
+    return HostedServer(spec, server.protocol, OpenEnvOptions(o.action_field, o.observation_field,
+                                                              tuple(o.reset_columns), o.show_reset))
 
 
 def resolve_reward(cfg: Config) -> RewardTerms:

@@ -222,7 +222,7 @@ def episode_rollout(cfg: Config, fleet: Any, hosts: list[Any], tokenizer: Any) -
     def prepare(messages: list[dict]) -> list[dict]:
         return prompt_messages(messages, instruction=cfg.data.instruction, system_prompt=cfg.data.system_prompt)
 
-    envs = [name for name, _ in ep.environments]
+    envs = ep.episode_environments
     default = ep.default if ep.default in envs else None  # a default agent is AgentRollout's
     return EpisodeRollout(fleet, hosts, tokenizer, limits, env_column=ep.column, default_env=default,
                           known_envs=envs, prepare=prepare,
@@ -233,11 +233,11 @@ def rollouts(cfg: Config, fleet: Any, hosts: list[Any], tokenizer: Any) -> Rollo
     """Returns what a run samples from (rank 0; ``rlray eval``): the fleet; the episode rollout over it when
     env.environments is set; and ``AgentRollout`` around either when env.agents is set."""
     ep = resolve_plan(cfg).episodes
-    inner = episode_rollout(cfg, fleet, hosts, tokenizer) if ep.environments else fleet
+    inner = episode_rollout(cfg, fleet, hosts, tokenizer) if ep.episode_environments else fleet
     if not ep.agents:
         return inner
     return AgentRollout(fleet, hosts, inner, tokenizer, env_column=ep.column, default=ep.default,
-                        agents=[name for name, _ in ep.agents], environments=[name for name, _ in ep.environments],
+                        agents=[name for name, _ in ep.agents], environments=ep.episode_environments,
                         prompt_column=cfg.data.prompt_column)
 
 
