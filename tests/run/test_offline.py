@@ -205,7 +205,7 @@ def test_the_documented_kto_run_trains_on_unpaired_rows(tmp_path, tiny_model_pat
         f"run.output_dir={tmp_path}/out", f"tracking.mlflow_uri={uri}", "learner.warmup_steps=0",
     ])  # fmt: skip
     tracker = Tracker(uri, cfg.tracking.experiment)
-    out = worker.train(cfg, WorkerArgs(cfg.model_dump(), tiny_model_path, tracker.run_id), Collective())
+    out = worker.train(resolve_plan(cfg), WorkerArgs(cfg.model_dump(), tiny_model_path, tracker.run_id), Collective())
     assert (out.status, out.step) == ("FINISHED", 2)
     logged = get_run_metrics(uri, tracker.run_id)
     assert logged["data/train_pairs"][0][1] + logged["data/eval_pairs"][0][1] == 8  # 8 unpaired rows, none skipped
