@@ -98,7 +98,7 @@ def test_check_function_spec_accepts_an_existing_file_or_module(spec):
 @pytest.mark.parametrize(
     ("spec", "message"),
     [("rewards.py", "reward function 'rewards.py' is neither a built-in verifier (exact_match, gsm8k_correct, "
-                    "gsm8k_format, math_equal, regex_match) nor 'module.path:function' / 'file.py:function'"),
+                    "gsm8k_format, math_equal, reasoning_gym, regex_match) nor 'module.path:function' / 'file.py:function'"),
      ("no_such_pkg_xyz.sub:fn", "reward function 'no_such_pkg_xyz.sub:fn': module 'no_such_pkg_xyz.sub' cannot be found"),
      ("json.no_such_mod:fn", "reward function 'json.no_such_mod:fn': module 'json.no_such_mod' cannot be found")],
 )  # fmt: skip
@@ -128,7 +128,7 @@ def test_built_in_verifiers_pass_and_an_unknown_name_lists_them(cfg_of, tiny_mod
     both = cfg_of("reward.functions=[{function: gsm8k_correct}, {function: regex_match, kwargs: {pattern: x}}]")
     assert preflight(resolve_plan(both)) == tiny_model_path
     with pytest.raises(RewardFunctionError, match=r"reward function 'gsm8k_corect' is neither a built-in verifier "
-                                                  r"\(exact_match, gsm8k_correct, gsm8k_format, math_equal, regex_match\)"):  # fmt: skip
+                                                  r"\(exact_match, gsm8k_correct, gsm8k_format, math_equal, reasoning_gym, regex_match\)"):  # fmt: skip
         preflight(resolve_plan(cfg_of("reward.functions=[{function: gsm8k_corect}]")))
 
 
@@ -284,7 +284,7 @@ def test_every_model_key_pins_its_hub_id_to_the_local_snapshot_once(cfg_of, tmp_
     cfg = cfg_of("model.path=org/policy", "teacher.path=org/teacher", "teacher.revision=v1",
                  "reward.model_path=org/policy", f"reward.model_revision={COMMIT}", "critic.model_path=org/policy",
                  "reward.judges=[{name: j, path: org/teacher, revision: v1}]")  # fmt: skip
-    with caplog.at_level("INFO", logger="rlray.launch.preflight"):
+    with caplog.at_level("INFO", logger="rlray.plan.hub"):
         pinned = resolve_paths(cfg)
     assert (pinned.model.path, pinned.reward.model_path, pinned.critic.model_path) == (str(main),) * 3
     assert pinned.teacher.path == pinned.reward.judges[0].path == str(tagged)  # revision v1 -> its commit's snapshot

@@ -114,7 +114,8 @@ def test_a_missing_column_is_named_when_the_scorer_is_built():
     ("functions", "message"),
     [
         ([{"function": "math_equl"}], r"reward.functions\[0\] \(function='math_equl', name='math_equl'\): 'math_equl' is "
-                                      r"not a built-in verifier \(math_equal, exact_match, regex_match, gsm8k_correct, gsm8k_format\)"),
+                                      r"not a built-in verifier \(math_equal, exact_match, regex_match, gsm8k_correct, gsm8k_format, "
+                                          r"reasoning_gym\)"),
         ([{"function": "gsm8k_format"}, {"function": "math_equal", "name": "gsm8k_format"}],
          r"reward.functions\[0\] \('gsm8k_format'\) and reward.functions\[1\] \('math_equal'\) are both named 'gsm8k_format'"),
         ([{"function": "exact_match", "name": "reward"}], r"reward.functions\[0\] \('exact_match'\) is named 'reward', a reserved name"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 import urllib.request
 
 import pytest
@@ -94,6 +95,9 @@ def test_a_killed_server_fails_its_open_episode_and_serves_the_next(echo):
     with pytest.raises(OpenEnvError, match="dropped the session"):
         env.step(AssistantTurn("Hello"))
     env.close()
+    deadline = time.monotonic() + 15  # the guard exits after its server; a session opened before is refused
+    while server.alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
     fresh = factories["echo"]()  # the session waits for the restart (ServerProcess.check)
     fresh.reset(prompt=PROMPT)
     assert server.generation == generation + 1 and server.restarts >= 1

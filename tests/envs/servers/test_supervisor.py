@@ -45,6 +45,15 @@ def wait_gone(pid: int, timeout_s: float = 15.0) -> bool:
     return False
 
 
+def wait_dead(server: ServerProcess, timeout_s: float = 15.0) -> bool:
+    """Waits until the supervisor itself sees the guard exited (alive() False). A guard with a thread shows 'Z' in
+    /proc while that thread still exits, and waitpid cannot reap it yet: wait_gone alone would race check()."""
+    deadline = time.monotonic() + timeout_s
+    while server.alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not server.alive()
+
+
 def test_starts_in_its_own_python_environment_on_loopback(tmp_path, monkeypatch):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
@@ -69,7 +78,7 @@ def test_a_killed_server_is_restarted_on_the_same_url_until_its_budget_is_spent(
             assert (lease.url, lease.generation) == (url, 1)
         first = int(get(url + "/pid"))
         os.kill(first, signal.SIGKILL)
-        assert wait_gone(server.pid)  # the guard exits with its server
+        assert wait_dead(server)  # the guard exits with its server
         assert server.check() is True
         assert (server.generation, server.restarts, server.url) == (2, 1, url)
         second = int(get(url + "/pid"))
@@ -77,7 +86,7 @@ def test_a_killed_server_is_restarted_on_the_same_url_until_its_budget_is_spent(
         with server.session(1.0) as lease:
             assert lease.generation == 2
         os.kill(second, signal.SIGKILL)
-        assert wait_gone(server.pid)
+        assert wait_dead(server)
         assert server.check() is False and server.failed  # max_restarts=1 is spent
         with pytest.raises(ServerDown, match="restarts used: 1 of 1"), server.session(1.0):
             pass
