@@ -128,7 +128,8 @@ def test_built_in_verifiers_pass_and_an_unknown_name_lists_them(cfg_of, tiny_mod
     both = cfg_of("reward.functions=[{function: gsm8k_correct}, {function: regex_match, kwargs: {pattern: x}}]")
     assert preflight(resolve_plan(both)) == tiny_model_path
     with pytest.raises(RewardFunctionError, match=r"reward function 'gsm8k_corect' is neither a built-in verifier "
-                                                  r"\(exact_match, gsm8k_correct, gsm8k_format, math_equal, reasoning_gym, regex_match\)"):  # fmt: skip
+                                                  r"\(exact_match, gsm8k_correct, gsm8k_format, math_equal, reasoning_gym, "
+                                                  r"regex_match\)"):  # fmt: skip
         preflight(resolve_plan(cfg_of("reward.functions=[{function: gsm8k_corect}]")))
 
 
