@@ -31,7 +31,8 @@ How a started server runs:
   rlray's packages.
 - The server runs under a small guard process (this interpreter, standard library only) that holds a pipe from the
   process that started it: when that process ends in any way (a killed Ray actor included) the pipe closes and the
-  guard stops the server. Output goes to ``<log_dir>/<name>.log``.
+  guard stops the server. Output goes to ``<log_dir>/<name>.log``; with no ``log_dir``, to ``$RLRAY_SERVER_LOG_DIR``
+  (an environment host sets it to its folder in the run's output, ``default_log_dir``), else a temporary folder.
 - Restarts use tenacity: a dead server is started again up to ``spec.max_restarts`` times over the run, each start
   tried ``START_ATTEMPTS`` times with exponential back-off. Sessions opened on the previous process are gone with it:
   their episodes fail (the client raises), counted, and the run goes on.
@@ -78,6 +79,15 @@ threading.Thread(target=orphaned, daemon=True).start()
 code = p.wait()
 os._exit(code if code >= 0 else 128 - code)
 """
+
+
+LOG_DIR_VAR = "RLRAY_SERVER_LOG_DIR"  # the servers' log folder when none is given (set by the environment hosts)
+
+
+def default_log_dir() -> str:
+    """Returns ``$RLRAY_SERVER_LOG_DIR``, else a new temporary folder: where servers started without a ``log_dir``
+    write their logs."""
+    return os.environ.get(LOG_DIR_VAR) or tempfile.mkdtemp(prefix="rlray-servers-")
 
 
 class ServerError(RuntimeError):
@@ -174,7 +184,7 @@ class ServerProcess:
 
     Args:
         spec: what to run or reach.
-        log_dir: folder of the server's log file (None: a temporary folder).
+        log_dir: folder of the server's log file (None: ``default_log_dir()``).
 
     Attributes:
         generation: starts so far (0 before ``start``); restarts: starts after the first; failed: out of restarts.
@@ -182,7 +192,7 @@ class ServerProcess:
 
     def __init__(self, spec: ServerSpec, log_dir: str | None = None) -> None:
         self.spec = spec
-        self.log_path = Path(log_dir or tempfile.mkdtemp(prefix="rlray-servers-")) / f"{spec.name}.log"
+        self.log_path = Path(log_dir or default_log_dir()) / f"{spec.name}.log"
         self.generation, self.restarts, self.failed = 0, 0, False
         self._port = 0
         self._proc: subprocess.Popen | None = None
@@ -377,7 +387,7 @@ class ServerSupervisor:
 
     Args:
         specs: the servers.
-        log_dir: folder of their log files (None: a temporary folder).
+        log_dir: folder of their log files (None: ``default_log_dir()``).
         poll_s: seconds between the watcher's checks.
 
     Raises:
@@ -388,7 +398,7 @@ class ServerSupervisor:
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             raise ValueError(f"server names must be unique, got {names}")
-        folder = log_dir or tempfile.mkdtemp(prefix="rlray-servers-")
+        folder = log_dir or default_log_dir()
         self.servers = {s.name: ServerProcess(s, folder) for s in specs}
         self._poll_s, self._done = poll_s, threading.Event()
         self._watcher: threading.Thread | None = None
