@@ -17,6 +17,8 @@ The API (stable; other protocols build on it):
   ``ServerDown``).
 - ``ServerSupervisor(specs, log_dir)``: many servers, started together (``start()``), each one's ``check()`` run by
   a watcher thread every ``poll_s`` seconds, stopped together (``stop()``, also at interpreter exit).
+  ``restarts_here()`` sums ``restarts()`` over every supervisor started in this process (an environment host's
+  ``env.servers`` and its agents' verifiers bridges alike: the ``env/server_restarts/<name>`` metric).
 - Errors: ``ServerStartError`` (did not become healthy: the message has the command and its log's last lines),
   ``ServerDown`` (dead and not restarted), ``ServerBusy`` (no free session slot in time). All are
   ``ServerError``s; a client turns them into its episode's failure, never the run's.
@@ -53,6 +55,7 @@ import tempfile
 import threading
 import urllib.error
 import urllib.request
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -430,6 +433,7 @@ class ServerSupervisor:
             self.stop()
             raise errors[0]
         atexit.register(self.stop)
+        _STARTED.add(self)
         self._watcher = threading.Thread(target=self._watch, name="rlray-server-watcher", daemon=True)
         self._watcher.start()
         return {name: s.url for name, s in self.servers.items()}
@@ -451,3 +455,16 @@ class ServerSupervisor:
                     server.check()
                 except Exception:  # noqa: BLE001 - the watcher must outlive any one server's trouble
                     log.exception("checking server %s failed", server.spec.name)
+
+
+_STARTED: weakref.WeakSet[ServerSupervisor] = weakref.WeakSet()  # the supervisors started in this process
+
+
+def restarts_here() -> dict[str, int]:
+    """Returns {server name: restarts so far} over every ``ServerSupervisor`` started in this process (a name that
+    several supervisors run is summed); {} when none was started."""
+    out: dict[str, int] = {}
+    for sup in list(_STARTED):
+        for name, count in sup.restarts().items():
+            out[name] = out.get(name, 0) + count
+    return out
