@@ -34,6 +34,7 @@ from __future__ import annotations
 import concurrent.futures as futures
 import functools
 import logging
+import os
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -329,6 +330,8 @@ class EnvironmentHost:
         trl_parity: how TRL-shaped classes answer tool calls (``rlray.envs.trl.TRLEnvironment``; ``env.trl_parity``).
         servers: environment servers to start here (``rlray.envs.servers.hosted.HostedServer``; ``env.servers``), their
             names environments too.
+        server_log_dir: folder of the log files of the servers started in this process (``env.servers``, and the
+            verifiers bridges of its agents, through ``$RLRAY_SERVER_LOG_DIR``); "": a temporary folder.
 
     Attributes:
         episode_tools: the MCP tools every in-process episode is opened with ([]; set once by the ``AgentHost`` that
@@ -344,7 +347,7 @@ class EnvironmentHost:
 
     def __init__(self, environments: dict[str, str], *, tool_parser: str = "hermes", step_timeout_s: float = 60.0,
                  threads: int = 8, sandbox: bool = False, memory_gib: float = 2.0, trl_parity: bool = True,
-                 servers: list[HostedServer] | None = None) -> None:
+                 servers: list[HostedServer] | None = None, server_log_dir: str = "") -> None:
         from rlray.envs.trl import load_environment  # the loader picks the TRL adapter per class
 
         self._factories, self._specs = {}, dict(environments)
@@ -360,16 +363,25 @@ class EnvironmentHost:
         self._episodes: dict[str, EpisodeEnvironment] = {}
         self.episode_tools: list[Any] = []
         self.servers = None  # the ServerSupervisor of env.servers (None without)
+        if server_log_dir:  # also where agents' servers (verifiers bridges) started in this process log
+            os.environ["RLRAY_SERVER_LOG_DIR"] = server_log_dir
         if servers:
             from rlray.envs.servers.hosted import start_servers  # deferred: only hosts with servers need them
 
-            self.servers, served = start_servers(list(servers), step_timeout_s)
+            self.servers, served = start_servers(list(servers), step_timeout_s, server_log_dir or None)
             self._factories.update(served)
 
     def stop_servers(self) -> None:
         """Stops the host's environment servers (also done at exit, and by each server's guard when the host dies)."""
         if self.servers is not None:
             self.servers.stop()
+
+    def server_restarts(self) -> dict[str, int]:
+        """Returns {server name: restarts so far} of the servers started in this process (``env.servers`` and the
+        agents' verifiers bridges; ``rlray.envs.servers.restarts_here``)."""
+        from rlray.envs.servers.supervisor import restarts_here
+
+        return restarts_here()
 
     def ping(self) -> bool:
         """Returns True (a liveness check)."""

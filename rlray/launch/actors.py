@@ -412,9 +412,11 @@ def start_env_hosts(cfg: Config, namespace: str | None = None, *, model_dir: str
     return [one.handle for one in launched]
 
 
-def launch_env_hosts(cfg: Config, namespace: str | None = None, *, model_dir: str | None = None) -> list[Launched]:
+def launch_env_hosts(cfg: Config, namespace: str | None = None, *, model_dir: str | None = None,
+                     log_dir: str | Path | None = None) -> list[Launched]:
     """Asks for the environment hosts of ``start_env_hosts`` and returns them unwaited ([] without env.environments
-    and env.agents); ``wait_started`` waits for their ``ping``.
+    and env.agents); ``wait_started`` waits for their ``ping``. With ``log_dir`` (the run's log folder) host i's
+    servers log to ``<log_dir>/servers/env-<i>/<server>.log`` (on the host's machine), else to a temporary folder.
 
     Raises:
         ValueError: an environment class or agent function cannot be loaded (raised by the first host; names it).
@@ -432,7 +434,8 @@ def launch_env_hosts(cfg: Config, namespace: str | None = None, *, model_dir: st
                        max_restarts=res.max_restarts, scheduling_strategy="DEFAULT")
         kwargs = dict(tool_parser=cfg.env.tool_parser, step_timeout_s=cfg.env.step_timeout_s, threads=res.threads,
                       sandbox=cfg.env.sandbox, memory_gib=cfg.env.memory_gib, trl_parity=cfg.env.trl_parity,
-                      servers=list(resolve_plan(cfg).episodes.servers))
+                      servers=list(resolve_plan(cfg).episodes.servers),
+                      server_log_dir=str(Path(log_dir, "servers", f"env-{i}")) if log_dir else "")
         if gateway:  # run_agents blocks while the host's agents run: the environments' calls need threads of their own
             from rlray.envs.agents.agent_host import AgentHost
 

@@ -335,7 +335,8 @@ def run_training(
                 launched += launch_rollout_actors(cfg, model_dir, plan.lengths.context_tokens, rollout_nodes(plan),
                                                   namespace=namespace)
                 actors = [one.handle for one in launched[1:]]
-                hosts = launch_env_hosts(cfg, namespace=namespace, model_dir=model_dir)
+                hosts = launch_env_hosts(cfg, namespace=namespace, model_dir=model_dir,
+                                         log_dir=log_dir if log_file is not None else None)
                 env_hosts, launched = [one.handle for one in hosts], launched + hosts
             if roles.reference == "actor":
                 launched.append(launch_reference_actor(cfg, model_dir, namespace=namespace))

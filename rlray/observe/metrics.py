@@ -262,12 +262,15 @@ EVAL_KEYS: tuple[str, ...] = tuple(m.key for m in _EVAL_METRICS)
 BY_KEY: dict[str, Metric] = {m.key: m for m in METRICS}
 
 # Keys by prefix: one per episode stop reason (rlray.envs.episode.STOP_REASONS), of all and of failed episodes, one per
-# number an environment reports in EnvStep.metrics (its mean over the episodes that reported it), one per pass@k.
+# number an environment reports in EnvStep.metrics (its mean over the episodes that reported it), one per environment
+# server, one per pass@k.
 FAMILIES: tuple[Family, ...] = (
     Family("env/stop_reason/{reason}", "count", "episodes of the step that ended for this stop reason"),
     Family("env/failed/{reason}", "count", "failed episodes of the step by stop reason (env_error, timeout, ..., or "
            "the limit after which get_reward/reward_at_limit or close raised)"),
     Family("env/metric/{name}", "as reported", "mean over the step's episodes of a number the environment reports"),
+    Family("env/server_restarts/{server}", "count", "restarts so far of an environment server (env.servers, an agent's "
+           "verifiers bridge), summed over the environment hosts (logged when env.servers or env.agents is set)"),
     Family("eval/env_metric/{name}", "as reported", "mean over the evaluation episodes of a number the environment reports"),
     Family("eval/pass@{k}", "fraction", "evaluation problems solved by at least one of k samples (eval.pass_k)"),
 )

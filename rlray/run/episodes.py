@@ -467,3 +467,23 @@ def episode_metrics(completions: list[Completion]) -> dict[str, float]:
         vals = [e.metrics[k] for e in eps if k in e.metrics]
         out[f"env/metric/{k}"] = float(np.mean(vals))
     return out
+
+
+def server_restarts(hosts: list[Any], timeout_s: float = 10.0) -> dict[str, float]:
+    """Returns env/server_restarts/<server>: each environment server's restarts so far (``env.servers``, agents'
+    verifiers bridges), summed over the environment hosts (``EnvironmentHost.server_restarts``); {} when none runs one.
+
+    A host that does not answer within ``timeout_s`` (busy with the next step's calls) or has died is left out of this
+    step's count (a host Ray restarted counts from 0 again).
+    """
+    refs = [h.server_restarts.remote() for h in hosts]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    out: dict[str, float] = {}
+    for ref in ready:
+        try:
+            counts = ray.get(ref)
+        except Exception:  # noqa: BLE001 - a dead host's episodes are counted where they fail
+            continue
+        for name, count in counts.items():
+            out[f"env/server_restarts/{name}"] = out.get(f"env/server_restarts/{name}", 0.0) + float(count)
+    return out

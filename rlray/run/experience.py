@@ -34,7 +34,7 @@ from rlray.rollout import Completion, SamplingSpec
 from rlray.run import build, online_sampling, segments
 from rlray.run.agents import agent_metrics
 from rlray.run.context import StepAlert
-from rlray.run.episodes import add_env_reward, episode_metrics
+from rlray.run.episodes import add_env_reward, episode_metrics, server_restarts
 from rlray.run.failures import failure_alerts, reward_failures, sample_failure, watch_learning
 from rlray.run.lead import OnlineLead, RewardClient
 from rlray.run.online_sampling import Rollouts
@@ -128,6 +128,8 @@ def collect_experience(lead: OnlineLead, plan: RunPlan, tokenizer: Any, step: in
     stats = rollout_stats(table, drawn.rewards, cfg.learner.prompts_per_step, policy_version, mask_truncated=mask_truncated)
     stats.update(episode_metrics(drawn.completions))
     stats.update(agent_metrics(drawn.completions, set(cfg.env.agents)))
+    if cfg.env.servers or cfg.env.agents:  # servers the hosts run (env.servers, agents' verifiers bridges)
+        stats.update(server_restarts(getattr(lead.rollouts, "hosts", [])))
     alerts = failure_alerts(drawn.completions, failures)
     alerts += watch_learning(lead.streaks, failures, step=step + 1, no_signal=stats["algo/groups_without_signal"] == 1.0,
                              group_size=cfg.rollout.samples_per_prompt, max_failed_steps=cfg.guard.max_failed_steps)

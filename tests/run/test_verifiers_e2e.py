@@ -41,3 +41,7 @@ def test_a_verifiers_environment_trains_two_steps(ray_session, tmp_path, monkeyp
     assert all(0.0 <= v <= 1.0 for v in correct + formatted)
     assert [round(e, 9) for e in metrics["reward/env"]] == [round(c + 0.5 * f, 9) for c, f in zip(correct, formatted, strict=True)]
     assert all(math.isfinite(v) for v in metrics["learner/pg_loss"]) and len(metrics["learner/pg_loss"]) == 2
+    # the bridge is a supervised server: no restart, and its log in the run's log folder
+    assert metrics["env/server_restarts/verifiers-vf_sum"] == [0.0, 0.0]
+    bridge_log = tmp_path / "out" / "logs" / run_id / "servers" / "env-0" / "verifiers-vf_sum.log"
+    assert "rlray-verifiers-bridge listening on http://127.0.0.1:" in bridge_log.read_text()

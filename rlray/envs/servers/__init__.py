@@ -4,6 +4,8 @@
   until healthy, restart when it dies, bound its sessions, stop), ``ServerSupervisor`` (many, watched by a thread),
   and the errors ``ServerError``/``ServerStartError``/``ServerDown``/``ServerBusy``.
 - ``openenv``: OpenEnv's WebSocket protocol and an rlray environment over one OpenEnv session.
+- ``verifiers`` (with ``verifiers_bridge``, run in verifiers' own venv): a verifiers environment as an agent, its
+  bridge a server that a ``ServerSupervisor`` runs.
 """
 
 from rlray.envs.servers.supervisor import (
@@ -16,6 +18,7 @@ from rlray.envs.servers.supervisor import (
     ServerStartError,
     ServerSupervisor,
     free_port,
+    restarts_here,
 )
 
 __all__ = [
@@ -28,4 +31,5 @@ __all__ = [
     "ServerStartError",
     "ServerSupervisor",
     "free_port",
+    "restarts_here",
 ]

@@ -17,6 +17,8 @@ The API (stable; other protocols build on it):
   ``ServerDown``).
 - ``ServerSupervisor(specs, log_dir)``: many servers, started together (``start()``), each one's ``check()`` run by
   a watcher thread every ``poll_s`` seconds, stopped together (``stop()``, also at interpreter exit).
+  ``restarts_here()`` sums ``restarts()`` over every supervisor started in this process (an environment host's
+  ``env.servers`` and its agents' verifiers bridges alike: the ``env/server_restarts/<name>`` metric).
 - Errors: ``ServerStartError`` (did not become healthy: the message has the command and its log's last lines),
   ``ServerDown`` (dead and not restarted), ``ServerBusy`` (no free session slot in time). All are
   ``ServerError``s; a client turns them into its episode's failure, never the run's.
@@ -31,7 +33,8 @@ How a started server runs:
   rlray's packages.
 - The server runs under a small guard process (this interpreter, standard library only) that holds a pipe from the
   process that started it: when that process ends in any way (a killed Ray actor included) the pipe closes and the
-  guard stops the server. Output goes to ``<log_dir>/<name>.log``.
+  guard stops the server. Output goes to ``<log_dir>/<name>.log``; with no ``log_dir``, to ``$RLRAY_SERVER_LOG_DIR``
+  (an environment host sets it to its folder in the run's output, ``default_log_dir``), else a temporary folder.
 - Restarts use tenacity: a dead server is started again up to ``spec.max_restarts`` times over the run, each start
   tried ``START_ATTEMPTS`` times with exponential back-off. Sessions opened on the previous process are gone with it:
   their episodes fail (the client raises), counted, and the run goes on.
@@ -52,6 +55,7 @@ import tempfile
 import threading
 import urllib.error
 import urllib.request
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,6 +82,15 @@ threading.Thread(target=orphaned, daemon=True).start()
 code = p.wait()
 os._exit(code if code >= 0 else 128 - code)
 """
+
+
+LOG_DIR_VAR = "RLRAY_SERVER_LOG_DIR"  # the servers' log folder when none is given (set by the environment hosts)
+
+
+def default_log_dir() -> str:
+    """Returns ``$RLRAY_SERVER_LOG_DIR``, else a new temporary folder: where servers started without a ``log_dir``
+    write their logs."""
+    return os.environ.get(LOG_DIR_VAR) or tempfile.mkdtemp(prefix="rlray-servers-")
 
 
 class ServerError(RuntimeError):
@@ -174,7 +187,7 @@ class ServerProcess:
 
     Args:
         spec: what to run or reach.
-        log_dir: folder of the server's log file (None: a temporary folder).
+        log_dir: folder of the server's log file (None: ``default_log_dir()``).
 
     Attributes:
         generation: starts so far (0 before ``start``); restarts: starts after the first; failed: out of restarts.
@@ -182,7 +195,7 @@ class ServerProcess:
 
     def __init__(self, spec: ServerSpec, log_dir: str | None = None) -> None:
         self.spec = spec
-        self.log_path = Path(log_dir or tempfile.mkdtemp(prefix="rlray-servers-")) / f"{spec.name}.log"
+        self.log_path = Path(log_dir or default_log_dir()) / f"{spec.name}.log"
         self.generation, self.restarts, self.failed = 0, 0, False
         self._port = 0
         self._proc: subprocess.Popen | None = None
@@ -377,7 +390,7 @@ class ServerSupervisor:
 
     Args:
         specs: the servers.
-        log_dir: folder of their log files (None: a temporary folder).
+        log_dir: folder of their log files (None: ``default_log_dir()``).
         poll_s: seconds between the watcher's checks.
 
     Raises:
@@ -388,7 +401,7 @@ class ServerSupervisor:
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             raise ValueError(f"server names must be unique, got {names}")
-        folder = log_dir or tempfile.mkdtemp(prefix="rlray-servers-")
+        folder = log_dir or default_log_dir()
         self.servers = {s.name: ServerProcess(s, folder) for s in specs}
         self._poll_s, self._done = poll_s, threading.Event()
         self._watcher: threading.Thread | None = None
@@ -420,6 +433,7 @@ class ServerSupervisor:
             self.stop()
             raise errors[0]
         atexit.register(self.stop)
+        _STARTED.add(self)
         self._watcher = threading.Thread(target=self._watch, name="rlray-server-watcher", daemon=True)
         self._watcher.start()
         return {name: s.url for name, s in self.servers.items()}
@@ -441,3 +455,16 @@ class ServerSupervisor:
                     server.check()
                 except Exception:  # noqa: BLE001 - the watcher must outlive any one server's trouble
                     log.exception("checking server %s failed", server.spec.name)
+
+
+_STARTED: weakref.WeakSet[ServerSupervisor] = weakref.WeakSet()  # the supervisors started in this process
+
+
+def restarts_here() -> dict[str, int]:
+    """Returns {server name: restarts so far} over every ``ServerSupervisor`` started in this process (a name that
+    several supervisors run is summed); {} when none was started."""
+    out: dict[str, int] = {}
+    for sup in list(_STARTED):
+        for name, count in sup.restarts().items():
+            out[name] = out.get(name, 0) + count
+    return out

@@ -8,9 +8,15 @@ environment as a server of its own). This module is rlray's side, written as an 
 each episode it posts the row's task and the episode's gateway endpoint (``client.base_url``) to the bridge; the
 environment's harness makes its model calls there, so every sampled token is recorded by the gateway and trained
 token-in/token-out; the bridge answers with the rubric's reward, the episode's reward, and the per-function scores,
-logged as ``reward/<agent>/<function>`` terms of weight 0 (``AgentResult.scores``). A bridge error, an episode
-verifiers could not score, or a dead bridge fails that episode only (``env_error``, counted in env/failed); a dead
-bridge is started again on the next episode.
+logged as ``reward/<agent>/<function>`` terms of weight 0 (``AgentResult.scores``).
+
+The bridge is an environment server like any other: a ``ServerSpec`` (the bridge's command, run by the verifiers
+venv's ``python``, healthy when ``GET /health`` answers) that a ``ServerSupervisor``
+(``rlray.envs.servers.supervisor``) runs, so starting, the guard process, restarts and their budget
+(``max_restarts``), the session bound (``max_concurrent``), the log file and stopping are the supervisor's. Each
+episode holds one session slot while its request is open. A bridge error, an episode verifiers could not score, or a
+bridge that dies under an open episode fails that episode only (``env_error``, counted in env/failed); the supervisor
+restarts a dead bridge (its watcher, or the next episode's session), on the same URL.
 
 Use, in an agent file named by ``env.agents`` (``tests/envs/verifiers/vf_sum_agent.py``)::
 
@@ -19,33 +25,27 @@ Use, in an agent file named by ``env.agents`` (``tests/envs/verifiers/vf_sum_age
 
 with rows ``{"prompt": "...", "task_index": i}`` (``i`` indexes the taskset's ``load()``; ``task`` instead gives a
 whole ``TaskData`` dump). One bridge per environment host process and config, started on its first episode,
-stopped when the process exits.
-
-The small interface a generic server supervisor (``env.servers``) replaces: ``VerifiersBridge.command()`` (argv),
-``READY_LINE`` on stdout (then ``GET /health``), ``VerifiersBridge.url``.
+stopped with the process (the supervisor's exit hook; its guard when the process is killed).
 """
 
 from __future__ import annotations
 
 import asyncio
-import atexit
+import contextlib
+import dataclasses
 import json
 import os
-import re
-import signal
-import subprocess
-import tempfile
 import threading
-import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from rlray.envs.agents.agent import AgentResult
+from rlray.envs.servers.supervisor import Lease, ServerError, ServerProcess, ServerSpec, ServerSupervisor
 
 BRIDGE_SCRIPT = Path(__file__).with_name("verifiers_bridge.py")
-READY_LINE = "rlray-verifiers-bridge listening on"  # as verifiers_bridge.READY_LINE (that file runs in the other venv)
 DEFAULT_VENV = Path(__file__).resolve().parents[3] / ".venvs" / "verifiers"  # the checkout's (make verifiers-venv)
+DEFAULT_SESSIONS = 64  # session slots of a bridge without max_concurrent
 
 
 def venv_python(python: str | os.PathLike | None = None) -> Path:
@@ -62,130 +62,124 @@ def venv_python(python: str | os.PathLike | None = None) -> Path:
     return path
 
 
-class VerifiersBridge:
-    """One bridge process (``verifiers_bridge.py`` in the verifiers venv) and its URL; restarted when it died.
+def bridge_spec(env: dict[str, Any], paths: Sequence[str | os.PathLike] = (), *, python: str | os.PathLike | None = None,
+                name: str = "", max_concurrent: int | None = None, start_timeout_s: float = 120.0,
+                max_restarts: int = 3, host: str = "127.0.0.1") -> ServerSpec:
+    """Returns the bridge as an environment server: ``python verifiers_bridge.py --env JSON --host {host} --port
+    {port} [--path DIR ...] [--max-concurrent N]`` in the verifiers venv, healthy when ``GET /health`` answers.
 
     Args:
         env: verifiers' ``EnvConfig`` data, e.g. ``{"taskset": {"id": "vf_sum"}}``.
-        paths: folders put on the bridge's ``sys.path`` (where the taskset module lies).
+        paths: folders put on the bridge's ``sys.path`` (where the taskset module lies; made absolute here).
         python: the verifiers venv's interpreter (``venv_python``).
-        max_concurrent: episodes the bridge plays at once (None: unbounded).
-        start_timeout_s: seconds to wait for the bridge to listen.
-        host: the address it binds (127.0.0.1).
+        name: the server's name (its log file ``<name>.log``); "": ``verifiers-<taskset id>``.
+        max_concurrent: episodes open on the bridge at once (the session bound, and the bridge's own gate); None:
+            ``DEFAULT_SESSIONS`` slots, no gate in the bridge.
+        start_timeout_s: seconds one start may take until healthy.
+        max_restarts: restarts after the bridge dies, over the run.
+        host: the address it binds.
+
+    Raises:
+        FileNotFoundError: no verifiers venv (``venv_python``).
+    """
+    command = ["python", str(BRIDGE_SCRIPT), "--env", json.dumps(env), "--host", "{host}", "--port", "{port}"]
+    for p in paths:
+        command += ["--path", str(Path(p).resolve())]
+    if max_concurrent:
+        command += ["--max-concurrent", str(max_concurrent)]
+    taskset = env.get("taskset", {}).get("id", "env") if isinstance(env.get("taskset"), dict) else "env"
+    return ServerSpec(name or f"verifiers-{taskset}", command=tuple(command), python=str(venv_python(python)),
+                      host=host, health_path="/health", max_sessions=max_concurrent or DEFAULT_SESSIONS,
+                      start_timeout_s=start_timeout_s, max_restarts=max_restarts)
+
+
+class VerifiersBridge:
+    """One verifiers environment's bridge, run by a ``ServerSupervisor`` (started on the first episode), and the
+    episodes played through it.
+
+    Args:
+        spec: the bridge's server (``bridge_spec``).
+        log_dir: folder of its log file (None: the supervisor's default, ``$RLRAY_SERVER_LOG_DIR`` or a temporary one).
+        session_timeout_s: seconds an episode waits for a free session slot.
+
+    Attributes:
+        supervisor: the bridge's supervisor (``supervisor.restarts()``, ``supervisor.stop()``).
     """
 
-    def __init__(self, env: dict[str, Any], paths: Sequence[str | os.PathLike] = (), python: str | None = None,
-                 max_concurrent: int | None = None, start_timeout_s: float = 120.0, host: str = "127.0.0.1") -> None:
-        self.env, self.paths = dict(env), [str(Path(p).resolve()) for p in paths]
-        self.python, self.max_concurrent, self.host = venv_python(python), max_concurrent, host
-        self.start_timeout_s = start_timeout_s
-        self.url = ""
-        self.starts = 0
-        self._proc: subprocess.Popen | None = None
-        self._log = ""
+    def __init__(self, spec: ServerSpec, log_dir: str | None = None, session_timeout_s: float = 600.0) -> None:
+        self.spec, self.session_timeout_s = spec, session_timeout_s
+        self.supervisor = ServerSupervisor([spec], log_dir)
+        self._started = False
         self._lock = threading.Lock()
 
-    def command(self) -> list[str]:
-        """Returns the bridge's argv (port 0: the OS picks a free one, printed on the ready line)."""
-        argv = [str(self.python), str(BRIDGE_SCRIPT), "--env", json.dumps(self.env), "--host", self.host, "--port", "0"]
-        for p in self.paths:
-            argv += ["--path", p]
-        if self.max_concurrent:
-            argv += ["--max-concurrent", str(self.max_concurrent)]
-        return argv
-
-    def spec_fields(self, name: str = "verifiers") -> dict[str, Any]:
-        """Returns this bridge as the fields of a generic server supervisor's spec (``env.servers``; i41-servers'
-        ``rlray.envs.servers.supervisor.ServerSpec(**fields)``): the command with ``{host}``/``{port}`` for the
-        supervisor to fill, run by ``python`` of the verifiers venv, healthy when ``GET /health`` answers."""
-        argv = ["python", *self.command()[1:]]
-        argv[argv.index("--host") + 1], argv[argv.index("--port") + 1] = "{host}", "{port}"
-        return {"name": name, "command": tuple(argv), "python": str(self.python), "host": self.host,
-                "health_path": "/health", "max_sessions": self.max_concurrent or 64,
-                "start_timeout_s": self.start_timeout_s}
-
     @property
-    def alive(self) -> bool:
-        """True while the bridge process runs."""
-        return self._proc is not None and self._proc.poll() is None
+    def server(self) -> ServerProcess:
+        """Returns the bridge's ``ServerProcess`` (its ``url``, ``generation``, ``restarts``, ``log_path``)."""
+        return self.supervisor[self.spec.name]
 
-    def log_tail(self, lines: int = 20) -> str:
-        """Returns the last ``lines`` lines of the bridge's output ('' before it started)."""
-        try:
-            return "\n".join(Path(self._log).read_text(errors="replace").splitlines()[-lines:]) if self._log else ""
-        except OSError:
-            return ""
-
-    def ensure(self) -> str:
-        """Starts the bridge unless it runs (again, when it died); returns its URL. Thread-safe; blocks up to
-        ``start_timeout_s``.
+    def start(self) -> str:
+        """Starts the bridge and its watcher the first time (thread-safe; blocks until healthy); returns its URL.
 
         Raises:
-            RuntimeError: it exited or did not listen in time (the message holds its last output lines).
+            ServerStartError: the first start failed (its log quoted); later calls raise nothing, and the episodes'
+                sessions raise ``ServerDown``.
         """
         with self._lock:
-            if self.alive:
-                return self.url
-            self.stop()
-            fd, self._log = tempfile.mkstemp(prefix="rlray-verifiers-bridge-", suffix=".log")
-            with os.fdopen(fd, "w") as out:
-                self._proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT,
-                                              stdin=subprocess.DEVNULL, start_new_session=True)
-            self.starts += 1
-            deadline = time.monotonic() + self.start_timeout_s
-            while time.monotonic() < deadline:
-                found = re.search(re.escape(READY_LINE) + r" (\S+)", Path(self._log).read_text(errors="replace"))
-                if found:
-                    self.url = found.group(1)
-                    return self.url
-                if self._proc.poll() is not None:
-                    break
-                time.sleep(0.1)
-            code = self._proc.poll()
-            self.stop()
-            why = f"exited with code {code}" if code is not None else f"did not listen within {self.start_timeout_s:g} s"
-            raise RuntimeError(f"rlray: the verifiers bridge for {self.env} {why}; its output:\n{self.log_tail()}")
+            if not self._started:
+                self._started = True
+                self.supervisor.start()
+        return self.server.url
 
     def stop(self) -> None:
-        """Stops the bridge and its children (its process group: the harness programs it runs); idempotent."""
-        proc, self._proc, self.url = self._proc, None, ""
-        if proc is None or proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=5)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+        """Stops the bridge (its process group: the harness programs it runs too) and its watcher; idempotent."""
+        self.supervisor.stop()
 
     async def rollout(self, row: dict[str, Any], base_url: str, api_key: str = "rlray") -> AgentResult:
-        """Plays the row's task against ``base_url`` in the bridge; returns its reward and per-function scores.
+        """Plays the row's task against ``base_url`` in the bridge, holding one session slot; returns its reward
+        and per-function scores.
 
         Raises:
             ValueError: the row has neither ``task_index`` nor ``task``.
-            RuntimeError: the bridge failed the request, or verifiers scored nothing (its errors are in the message);
-                the episode then fails (``env_error``).
+            ServerError: the bridge is down (did not start, or out of restarts), busy past ``session_timeout_s``,
+                or dropped the request (it died: the supervisor restarts it, this episode fails).
+            RuntimeError: the bridge failed the episode, or verifiers scored nothing (its errors are in the message).
         """
         import httpx
 
         if "task_index" not in row and "task" not in row:
             raise ValueError(f"rlray: a verifiers row needs 'task_index' or 'task'; it has {sorted(row)}")
-        url = await asyncio.get_running_loop().run_in_executor(None, self.ensure)
+        await asyncio.get_running_loop().run_in_executor(None, self.start)
         body = {"base_url": base_url, "model": "policy", "api_key": api_key,
                 **({"task": row["task"]} if "task" in row else {"task_index": int(row["task_index"])})}
-        try:
-            async with httpx.AsyncClient(timeout=None) as http:
-                reply = await http.post(f"{url}/rollout", json=body)
-        except httpx.TransportError as err:
-            raise RuntimeError(f"rlray: the verifiers bridge at {url} did not answer ({type(err).__name__}: {err}); "
-                               f"alive={self.alive}; its output:\n{self.log_tail()}") from err
+        async with _session(self.server, self.session_timeout_s) as lease:
+            try:
+                async with httpx.AsyncClient(timeout=None) as http:
+                    reply = await http.post(f"{lease.url}/rollout", json=body)
+            except httpx.TransportError as err:
+                raise ServerError(f"rlray: the verifiers bridge {self.spec.name!r} at {lease.url} dropped the episode "
+                                  f"({type(err).__name__}: {err}); a bridge that died is restarted, this episode "
+                                  f"fails; log {self.server.log_path}") from err
         got = reply.json()
         if reply.status_code != 200:
             raise RuntimeError(f"rlray: the verifiers bridge failed the episode: {got.get('error', got)}")
         return result_of(got)
+
+
+@contextlib.asynccontextmanager
+async def _session(server: ServerProcess, timeout_s: float) -> AsyncIterator[Lease]:
+    """``server.session(timeout_s)`` entered on a worker thread (it may wait for a slot or a restart); a caller
+    cancelled while it waits (the episode's time limit) frees the slot once the thread has taken it."""
+    held = server.session(timeout_s)
+    taking = asyncio.get_running_loop().run_in_executor(None, held.__enter__)
+    try:
+        lease = await asyncio.shield(taking)
+    except asyncio.CancelledError:
+        taking.add_done_callback(lambda f: f.exception() is None and held.__exit__(None, None, None))
+        raise
+    try:
+        yield lease
+    finally:
+        held.__exit__(None, None, None)
 
 
 def result_of(got: dict[str, Any]) -> AgentResult:
@@ -203,20 +197,12 @@ def result_of(got: dict[str, Any]) -> AgentResult:
                        scores={k: float(v) for k, v in got.get("scores", {}).items()})
 
 
-_BRIDGES: dict[str, VerifiersBridge] = {}
-
-
-def _stop_all() -> None:
-    for bridge in _BRIDGES.values():
-        bridge.stop()
-
-
-atexit.register(_stop_all)
+BRIDGES: dict[str, VerifiersBridge] = {}  # this process's bridges, by their agent's config (verifiers_agent)
 
 
 def verifiers_agent(env: dict[str, Any], paths: Sequence[str | os.PathLike] = (), *, python: str | None = None,
-                    max_concurrent: int | None = None,
-                    start_timeout_s: float = 120.0) -> Callable[[Any, dict[str, Any]], Awaitable[AgentResult]]:
+                    max_concurrent: int | None = None, start_timeout_s: float = 120.0, max_restarts: int = 3,
+                    name: str = "") -> Callable[[Any, dict[str, Any]], Awaitable[AgentResult]]:
     """Returns an agent function (``env.agents``) that plays a verifiers environment's episodes (module docstring).
 
     Args:
@@ -224,18 +210,27 @@ def verifiers_agent(env: dict[str, Any], paths: Sequence[str | os.PathLike] = ()
             "null"}}}`` (the seat's ``runtime`` defaults to a local subprocess).
         paths: folders for the bridge's ``sys.path`` (absolute, or relative to the working directory).
         python: the verifiers venv's interpreter (``venv_python``).
-        max_concurrent: episodes one bridge plays at once.
-        start_timeout_s: seconds to wait for the bridge to listen.
+        max_concurrent: episodes open on one bridge at once (``bridge_spec``).
+        start_timeout_s: seconds a (re)start may take until the bridge answers ``/health``.
+        max_restarts: restarts of a bridge that dies, over the run; then its episodes fail (counted).
+        name: the bridge's server name (its log file); "": ``verifiers-<taskset id>``.
 
     Returns:
         ``async def agent(client, row) -> AgentResult``; the bridge starts on its first call in each process.
     """
-    key = json.dumps([env, [str(Path(p).resolve()) for p in paths], python, max_concurrent], sort_keys=True)
+    key = json.dumps([env, [str(Path(p).resolve()) for p in paths], python, max_concurrent, max_restarts, name],
+                     sort_keys=True)
 
     async def agent(client: Any, row: dict[str, Any]) -> AgentResult:
-        bridge = _BRIDGES.get(key)
+        bridge = BRIDGES.get(key)
         if bridge is None:
-            bridge = _BRIDGES.setdefault(key, VerifiersBridge(env, paths, python, max_concurrent, start_timeout_s))
+            spec = bridge_spec(env, paths, python=python, name=name, max_concurrent=max_concurrent,
+                               start_timeout_s=start_timeout_s, max_restarts=max_restarts)
+            taken = {b.spec.name for b in BRIDGES.values()}
+            if spec.name in taken:  # another config of the same taskset: a log file of its own
+                spec = dataclasses.replace(spec, name=next(f"{spec.name}-{i}" for i in range(2, 10**6)
+                                                           if f"{spec.name}-{i}" not in taken))
+            bridge = BRIDGES.setdefault(key, VerifiersBridge(spec))
         return await bridge.rollout(row, str(client.base_url).rstrip("/"), str(client.api_key))
 
     agent.__qualname__ = agent.__name__ = f"verifiers_agent[{env.get('taskset', {}).get('id', '?')}]"

@@ -18,7 +18,9 @@ Routes (JSON, bound to 127.0.0.1 unless ``--host`` says otherwise):
 - ``POST /rollout``: ``{"task_index": i | "task": {...TaskData}, "base_url", "model", "api_key", "sampling": {...}}``
   gives ``summarize(episode)``: ``{"reward", "scores", "weights", "metrics", "ok", "errors", "turns"}``.
 
-Usage: ``.venvs/verifiers/bin/python rlray/envs/servers/verifiers_bridge.py --env '{"taskset": {"id": "vf_sum"}}'
+rlray runs it as an environment server (``rlray.envs.servers.verifiers.bridge_spec``: a ``ServerSpec`` that the
+supervisor starts with ``--host {host} --port {port}``, restarts and stops; it is ready when ``GET /health`` answers).
+By hand: ``.venvs/verifiers/bin/python rlray/envs/servers/verifiers_bridge.py --env '{"taskset": {"id": "vf_sum"}}'
 --path tests/envs/verifiers --port 0`` prints ``rlray-verifiers-bridge listening on http://127.0.0.1:<port>``.
 """
 
@@ -32,7 +34,7 @@ import os
 import sys
 from typing import Any
 
-READY_LINE = "rlray-verifiers-bridge listening on"
+READY_LINE = "rlray-verifiers-bridge listening on"  # printed once listening (its log; the port when --port 0)
 
 
 def summarize(episode: Any) -> dict[str, Any]:

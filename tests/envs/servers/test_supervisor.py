@@ -15,7 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from rlray.envs.servers import ServerBusy, ServerDown, ServerProcess, ServerSpec, ServerStartError, ServerSupervisor
+from rlray.envs.servers import (
+    ServerBusy,
+    ServerDown,
+    ServerProcess,
+    ServerSpec,
+    ServerStartError,
+    ServerSupervisor,
+    restarts_here,
+)
 
 SCRIPT = str(Path(__file__).parents[2] / "fixtures" / "tiny_http_server.py")
 
@@ -108,6 +116,32 @@ def test_the_supervisor_restarts_a_dead_server_by_itself(tmp_path):
     finally:
         sup.stop()
     assert not sup["a"].alive() and not sup["b"].alive()
+
+
+def test_restarts_here_sums_every_supervisor_of_the_process(tmp_path):
+    """What an environment host reports as env/server_restarts/<name>: its env.servers' supervisor and its agents'
+    bridges' supervisors together; a name that two of them run is summed."""
+    one = ServerSupervisor([spec("here-shared")], str(tmp_path / "one"), poll_s=0.1)
+    two = ServerSupervisor([spec("here-shared"), spec("here-only")], str(tmp_path / "two"), poll_s=0.1)
+    try:
+        one.start(), two.start()
+        assert {k: v for k, v in restarts_here().items() if k.startswith("here-")} == {"here-shared": 0, "here-only": 0}
+        for sup, want in ((one, 1), (two, 2)):
+            os.kill(int(get(sup["here-shared"].url + "/pid")), signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while sup["here-shared"].generation < 2 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert restarts_here()["here-shared"] == want and restarts_here()["here-only"] == 0
+    finally:
+        one.stop(), two.stop()
+    assert one["here-shared"].log_path == tmp_path / "one" / "here-shared.log"
+
+
+def test_the_default_log_folder_is_the_hosts(tmp_path, monkeypatch):
+    monkeypatch.setenv("RLRAY_SERVER_LOG_DIR", str(tmp_path / "run" / "servers"))
+    assert ServerProcess(spec("logged")).log_path == tmp_path / "run" / "servers" / "logged.log"
+    monkeypatch.delenv("RLRAY_SERVER_LOG_DIR")
+    assert ServerProcess(spec("logged")).log_path.parent.name.startswith("rlray-servers-")
 
 
 def test_a_server_that_exits_at_start_is_an_error_quoting_its_log(tmp_path):
