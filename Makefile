@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # The environment servers' own Python environments (env.servers.*.python), each beside rlray's, never inside it.
 SERVER_VENVS := .venvs/openenv/.installed
 
-.PHONY: install verifiers-venv openenv-venv torch data demo demo-gsm8k browser test test-slow soak lint docs bench clean
+.PHONY: install verifiers-venv openenv-venv torch data demo demo-gsm8k browser test test-seconds test-slow soak lint docs bench clean
 
 # The parts of the setup build side by side (make -j): rlray's environment (then the data, which needs it) beside the
 # servers' own environments, and for `make test` Debian's browser too; each is a file target, so a second run does
@@ -91,15 +91,21 @@ browser:
 	  else echo "make browser: no apt-get; install chromium and chromedriver for tests/observe/test_browser.py" >&2; fi; \
 	fi
 
-# Two pytest-xdist workers: one runs every Ray test in order on one Ray cluster (they wait on start-ups about half of
-# their time), the other runs the pure tests meanwhile (tests/conftest.py). TEST_WORKERS=0 runs one process.
-# Measured on 2 cores (AMX Xeon, other jobs beside it): the suite 26.8 min, `make test` from a clean clone 30.5 min.
-TEST_WORKERS ?= 2
+# Three pytest-xdist workers: the Ray modules in two groups of about equal measured time (tests/ray_module_seconds.json,
+# `make test-seconds` measures them again), each group in order on its own worker and Ray cluster, and the pure modules
+# on the third (tests/conftest.py). The Ray tests wait on start-ups most of their time. TEST_WORKERS=0 runs one process.
+TEST_WORKERS ?= 3
 test:
 	@$(MAKE) --no-print-directory -j4 $(SETUP) browser
 	$(BIN)/ruff check .
 	$(BIN)/mkdocs build --strict --quiet
 	$(BIN)/pytest --hypothesis-profile=ci $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS)) $(PYTEST_ARGS)
+
+# Measures each Ray module's seconds again (the suite in one process, so no module waits on another's CPU) into
+# tests/ray_module_seconds.json, which splits the Ray modules between `make test`'s workers. A new Ray module counts as
+# 60 s until then.
+test-seconds:
+	RLRAY_STORE_RAY_SECONDS=1 $(BIN)/pytest --hypothesis-profile=ci $(PYTEST_ARGS)
 
 # Every test marked slow (the per-algorithm 2-step runs, PBT, the learner-node loss, the soak at its short size, ...):
 # not in `make test` (CI), run before a release so that no slow test rots unseen. With them, every Hypothesis test
