@@ -476,6 +476,8 @@ def server_restarts(hosts: list[Any], timeout_s: float = 10.0) -> dict[str, floa
     A host that does not answer within ``timeout_s`` (busy with the next step's calls) or has died is left out of this
     step's count (a host Ray restarted counts from 0 again).
     """
+    if not hosts:  # no environment hosts (an in-process rollout): nothing to ask, and no Ray to start
+        return {}
     refs = [h.server_restarts.remote() for h in hosts]
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     out: dict[str, float] = {}
