@@ -6,7 +6,7 @@ that are compared with each other execute one after another, each in a fresh chi
 head, raylet and workers that a child starts are its descendants, so they count too.
 
 Pure helpers (``markdown_table``, ``ratio``, ``median_after_warmup``, ``step_durations``, ``per_second``,
-``fmt``, ``fmt_percent``) have tests in tests/benchmarks/test_benchlib.py.
+``fmt``, ``fmt_percent``, ``moved_rows``) have tests in tests/benchmarks/test_benchlib.py.
 """
 
 from __future__ import annotations
@@ -96,6 +96,39 @@ def median_after_warmup(step_times: Sequence[float], warmup: int) -> float | Non
 def per_second(amounts: Sequence[float], seconds: Sequence[float]) -> float | None:
     """Returns sum(amounts) / sum(seconds) (a rate over the same steps), None when no time passed."""
     return ratio(float(sum(amounts)), float(sum(seconds)))
+
+
+MOVED = 0.15  # a ratio that moved more than this (relative) since the last recorded run is flagged
+
+
+def moved_rows(rows: Sequence[Sequence[Any]], previous: Sequence[Sequence[Any]] | None,
+               threshold: float = MOVED) -> list[list[Any]]:
+    """Returns ``rows`` (measure, value, ...) each with two cells added: the last recorded value of its measure and
+    the change, "+3.1%"; "MOVED +18.0%" when it moved more than ``threshold`` either way; "new" when the last run had
+    no value for it; "n/a" when this run has none.
+
+    Args:
+        rows: this run's rows, the measure first and its value (a float or None) second.
+        previous: the last recorded run's rows in the same layout (None: no earlier record).
+        threshold: the relative change flagged (0.15: 15%).
+
+    Example: ``moved_rows([["a", 1.2]], [["a", 1.0]])`` is ``[["a", 1.2, 1.0, "MOVED +20.0%"]]``.
+    """
+    last = {row[0]: row[1] for row in previous or ()}
+    out = []
+    for row in rows:
+        value, old = row[1], last.get(row[0])
+        if value is None:
+            change = "n/a"
+        elif old is None:
+            change = "new"
+        elif old == 0:
+            change = "0.0%" if value == 0 else "MOVED (from 0)"
+        else:
+            rel = (value - old) / abs(old)
+            change = f"{'MOVED ' if abs(rel) > threshold else ''}{100 * rel:+.1f}%"
+        out.append([*row, old, change])
+    return out
 
 
 # --------------------------------------------------------------------------------------------

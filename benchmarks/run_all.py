@@ -14,7 +14,9 @@ Each script runs in-process one after another (their measured runs are child pro
 own), prints its table and writes bench_results/<name>.json; a script that fails is reported and the
 others still run. At the end: the summary of the ratios against their targets, also written to
 bench_results/summary.json, and the exit code is 1 when a script failed (a missed target is not a
-failure: the targets are tracked, not asserted).
+failure: the targets are tracked, not asserted). Each ratio is compared with the last recorded summary of the same
+sizes (the summary.json this run replaces): one that moved more than 15% either way is flagged MOVED in the table
+and named in a line under it.
 """
 
 from __future__ import annotations
@@ -105,15 +107,41 @@ def main(argv: list[str] | None = None) -> int:
         seconds[name] = time.perf_counter() - start
         print(f"({name}: {seconds[name]:.0f} s)", flush=True)
     raw = summary_rows(results)
-    rows = [[m, benchlib.fmt(v, 3), t, ok] for m, v, t, ok in raw]
+    last = benchlib.read_results("summary")
+    previous = last_rows(last, quick=args.quick)
+    compared = benchlib.moved_rows(raw, previous)
+    rows = [[m, benchlib.fmt(v, 3), t, ok, benchlib.fmt(p, 3), c] for m, v, t, ok, p, c in compared]
     print("\n===== summary (ratios measured inside one run; targets tracked, not asserted) =====\n")
-    print(benchlib.markdown_table(["measure", "value", "target", "met"], rows))
+    print(benchlib.markdown_table(["measure", "value", "target", "met", "last", "change"], rows))
+    print("\n" + moved_line(compared, last if previous is not None else None))
     print("\nseconds per benchmark: " + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items()))
     if failed:
         print(f"FAILED: {', '.join(failed)}")
     benchlib.write_results("summary", {"quick": args.quick, "seconds": seconds, "failed": failed,
-                                       "rows": [dict(zip(("measure", "value", "target", "met"), r, strict=True)) for r in raw]})
+                                       "rows": [dict(zip(("measure", "value", "target", "met"), r, strict=True)) for r in raw],
+                                       "moved": [r[0] for r in compared if str(r[-1]).startswith("MOVED")]})
     return 1 if failed else 0
+
+
+def last_rows(last: dict[str, Any] | None, *, quick: bool) -> list[list[Any]] | None:
+    """Returns the rows (measure, value) of the last recorded summary (bench_results/summary.json), or None when there
+    is none or it was measured at the other size (``--quick`` figures are not comparable with the default sizes)."""
+    if not last or bool(last.get("quick")) != quick:
+        return None
+    return [[r["measure"], r["value"]] for r in last.get("rows", [])]
+
+
+def moved_line(compared: list[list[Any]], last: dict[str, Any] | None) -> str:
+    """Returns the line under the summary that names the ratios moved more than 15% since the last recorded run
+    (``benchlib.moved_rows``' rows), or says that none did or that there was nothing to compare with."""
+    if last is None:
+        return "no earlier summary of these sizes in bench_results/summary.json: nothing to compare with"
+    when = (last.get("machine") or {}).get("git_commit") or "an unknown commit"
+    moved = [f"{r[0]} ({r[-1].removeprefix('MOVED ')})" for r in compared if str(r[-1]).startswith("MOVED")]
+    if not moved:
+        return f"no ratio moved more than {benchlib.MOVED:.0%} since the last recorded run (commit {when})"
+    return (f"MOVED more than {benchlib.MOVED:.0%} since the last recorded run (commit {when}), check before "
+            f"trusting either: {'; '.join(moved)}")
 
 
 if __name__ == "__main__":

@@ -228,8 +228,14 @@ _STEP_METRICS: tuple[Metric, ...] = (
     Metric("rollout/actor_failures", "count", "rollout actor failures the fleet saw since the previous step (rank 0)"),
     Metric("rollout/rerun_prompts", "count", "prompts the fleet sent again (a failed actor's) since the previous step"),
     Metric("rollout/actors_alive", "count", "rollout actors in use after the step (fewer after a node loss)"),
+    Metric("rollout/engine_calls", "count", "generate calls rank 0's rollout fleet sent to the rollout actors since the "
+           "previous step's metrics (a chunk of prompts or of episode turns each, re-sent ones and evaluation's "
+           "included; agents' calls are env/gateway_calls)"),
+    Metric("rollout/weight_sync_bytes", "bytes", "bytes of tensor data the step's weight sync sent (stage 7, rank 0)"),
     # environments (multi-turn episodes; logged when env.environments is set)
     Metric("env/episodes", "count", "episodes of the step"),
+    Metric("env/steps", "count", "environment step calls of the step (one per episode turn the environment was asked "
+           "about; agents' calls are env/gateway_calls)"),
     Metric("env/turns_mean", "turns", "mean assistant turns per episode"),
     Metric("env/tool_calls_mean", "calls", "mean tool calls per episode"),
     Metric("env/tool_errors", "count", "tool calls that failed (unparsable, unknown tool, bad arguments, the tool raised)"),
@@ -240,6 +246,7 @@ _STEP_METRICS: tuple[Metric, ...] = (
     # agents behind the gateway (logged when env.agents is set)
     Metric("env/template_drift", "count", "agent history rewrites of the step: each cuts its episode into one more "
            "segment, trained as a sequence of its own (0 while agents only extend their conversations)"),
+    Metric("env/gateway_calls", "count", "chat or completion calls the gateway answered in the step's agent episodes"),
     Metric("env/gateway_calls_mean", "calls", "mean chat or completion calls the gateway answered per agent episode"),
 )
 _EVAL_METRICS: tuple[Metric, ...] = (

@@ -130,6 +130,8 @@ class RolloutFleet:
         version: the latest policy version pushed to the actors.
         reassigned: chunks sent again after an actor failure, over the fleet's life (a counter).
         rerun_prompts: prompts sent again after an actor failure, over the fleet's life (a counter).
+        calls: generate calls sent to the actors, over the fleet's life (a counter: one per chunk, re-sent ones
+            included; weight pushes and probes are not calls).
     """
 
     def __init__(self, actors: list[Any], *, max_attempts: int = 4, node_wait_s: float = 0.0) -> None:
@@ -141,6 +143,7 @@ class RolloutFleet:
         self.version = 0
         self.reassigned = 0
         self.rerun_prompts = 0
+        self.calls = 0
         self._away: dict[int, _Away] = {}  # failed actors not yet back
         self._down: dict[int, float] = {}  # actor -> when a pending call first found it not ALIVE in the GCS
         self._latest: Callable[[], Any] | None = None  # returns an ObjectRef of the latest weights
@@ -217,6 +220,7 @@ class RolloutFleet:
     def _call(self, pending: PendingRollout, indices: list[int], actor: int, attempts: int = 1) -> _Chunk:
         ids = [pending.prompt_ids[i] for i in indices]
         ref = self.actors[actor].generate.remote(ids, offset_seed(pending.sampling, indices[0]))
+        self.calls += 1
         return _Chunk(indices, actor, ref, attempts)
 
     def _usable(self) -> list[int]:

@@ -119,6 +119,8 @@ class EpisodeInfo:
             ``reward/<environment>/<name>`` of weight 0 (``rlray.run.episodes.add_env_reward``).
         message: the error of a failed episode, saying where it raised ("" otherwise).
         rerun: the episode was run again from the start because its environment host died.
+        env_steps: ``step`` calls its environment answered or failed (one per turn the environment was asked about;
+            0 for an agent episode, whose calls go through the gateway: ``AgentInfo.gateway_calls``).
         agent: what only an agent episode records (``AgentInfo``); None for an environment episode, and for the
             earlier segments of a cut agent episode.
     """
@@ -137,6 +139,7 @@ class EpisodeInfo:
     scores: dict[str, float] = field(default_factory=dict)
     message: str = ""
     rerun: bool = False
+    env_steps: int = 0
     agent: AgentInfo | None = None
 
 

@@ -26,7 +26,7 @@ import ray
 import torch
 
 from rlray.rollout.fleet import RolloutFleet
-from rlray.rollout.wire import pack_adapter, pack_weights
+from rlray.rollout.wire import pack_adapter, pack_weights, packed_bytes
 
 
 class ObjectStoreSync:
@@ -43,10 +43,15 @@ class ObjectStoreSync:
         wait: block until every actor loaded the weights (sync mode); async mode checks later.
         adapter: ship the LoRA adapter alone (``learner.export_adapter``; rank 0 only, the learner unsharded)
             instead of the merged weights (``learner.export_weights``).
+
+    Attributes:
+        pushed_bytes: bytes of tensor data the last push put in the object store (``wire.packed_bytes``; rank 0,
+            0 elsewhere and before the first push); the step logs it as rollout/weight_sync_bytes.
     """
 
     def __init__(self, fleet: RolloutFleet | None, dtype: torch.dtype, *, wait: bool = True, adapter: bool = False) -> None:
         self.fleet, self.dtype, self.wait, self.adapter = fleet, dtype, wait, adapter
+        self.pushed_bytes = 0
 
     def push(self, learner: Any, rank: int, version: int) -> None:
         """Exports the policy on rank 0 (on every rank with FSDP, a collective) and sends it, tagged ``version``."""
@@ -54,6 +59,7 @@ class ObjectStoreSync:
             return
         payload = self.export(learner)
         if rank == 0:
+            self.pushed_bytes = packed_bytes(payload)
             self.fleet.release_weights()  # an async push's copy goes before the new one is written (memory reused)
             self.fleet.push_weights(ray.put(payload), version, wait=self.wait)
             if self.wait and not learner.sharded:
@@ -136,6 +142,10 @@ class VllmTransferSync:
         backend: "nccl" or "ipc".
         dtype: dtype of the shipped tensors.
         tensor_parallel_size: GPUs per engine.
+
+    Attributes:
+        pushed_bytes: bytes of tensor data this rank sent in the last push (rank 0 for nccl; each rank its own for
+            ipc); 0 before the first push.
     """
 
     def __init__(self, fleet: RolloutFleet | None, backend: str, dtype: torch.dtype, tensor_parallel_size: int) -> None:
@@ -146,6 +156,7 @@ class VllmTransferSync:
         self._client: FleetTransferClient | None = None
         self._source: Any = None
         self._failures_at_init = -1
+        self.pushed_bytes = 0
 
     def push(self, learner: Any, rank: int, version: int) -> None:
         """Exports the policy on the GPU (every rank for ipc or FSDP) and sends it, tagged ``version``.
@@ -163,6 +174,7 @@ class VllmTransferSync:
             self._source.tensors = {}
             return
         self._ensure_group(rank)
+        self.pushed_bytes = packed_bytes(self._source.tensors)
         self._client.version = version
         self._engine.send_weights()
         if rank == 0:

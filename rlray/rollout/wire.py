@@ -32,6 +32,16 @@ def pack_weights(named_tensors: dict[str, torch.Tensor]) -> dict[str, tuple[Any,
     return out
 
 
+def packed_bytes(payload: dict[str, Any] | AdapterWeights) -> int:
+    """Returns the bytes of tensor data in a ``pack_weights`` or ``pack_adapter`` payload (what a push puts in the
+    object store, its small name/dtype/shape headers left out); plain tensors count their ``nbytes`` too.
+
+    Example: ``packed_bytes(pack_weights({"w": torch.zeros(3, 2)}))`` is 24 (6 float32 values).
+    """
+    tensors = payload.tensors if isinstance(payload, AdapterWeights) else payload
+    return sum(int(v.nbytes) if isinstance(v, torch.Tensor) else int(v[0].nbytes) for v in tensors.values())
+
+
 def unpack_weights(payload: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Returns {name: tensor} from ``pack_weights``' output (views of its buffers, read-only in Ray's store).
 

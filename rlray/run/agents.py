@@ -212,11 +212,13 @@ class AgentRollout:
 
 
 def agent_metrics(completions: list[Completion], agents: set[str]) -> dict[str, float]:
-    """Returns env/template_drift (history rewrites, summed) and env/gateway_calls_mean (calls answered per episode)
-    over the step's agent episodes (those whose environment is in ``agents``); {} when the step has none."""
+    """Returns env/template_drift (history rewrites, summed), env/gateway_calls (calls answered, summed) and
+    env/gateway_calls_mean (calls answered per episode) over the step's agent episodes (those whose environment is in
+    ``agents``); {} when the step has none."""
     eps = [c.episode.agent or AgentInfo() for c in completions
            if c.episode is not None and c.episode.environment in agents]
     if not eps:
         return {}
     return {"env/template_drift": float(sum(e.template_drift for e in eps)),
+            "env/gateway_calls": float(sum(e.gateway_calls for e in eps)),
             "env/gateway_calls_mean": float(sum(e.gateway_calls for e in eps) / len(eps))}

@@ -68,7 +68,7 @@ class RunningEpisode:
         traj: its token sequence (None until reset); stop: its environment's extra stop strings.
         host: the index of its environment host.
         started: when it started (time.monotonic(), seconds), for env.episode_timeout_s.
-        tool_calls, tool_errors, observation_tokens, metrics: sums over its turns (``EpisodeInfo``).
+        tool_calls, tool_errors, observation_tokens, metrics, env_steps: sums over its turns (``EpisodeInfo``).
         message: why it failed ("" otherwise); limit_reward: ``reward_at_limit()`` of an episode a limit ended.
         failed_at_end: its ``reward_at_limit()`` or ``close()`` raised after it ended (it keeps its stop reason).
         rerun: it runs again from the start because its host died.
@@ -86,6 +86,7 @@ class RunningEpisode:
     tool_calls: int = 0
     tool_errors: int = 0
     observation_tokens: int = 0
+    env_steps: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     message: str = ""
     limit_reward: float | None = None
@@ -291,6 +292,7 @@ class EpisodeRollout:
                                last=ep.traj.num_turns >= self.limits.max_turns)
 
         for ep, reply in self._per_host(episodes, lambda host, eps: host.step.remote([request(ep) for ep in eps])):
+            ep.env_steps += 1
             if reply is None or reply.error:
                 self._fail(ep, "actor_died" if reply is None else reply.error, "" if reply is None else reply.message)
                 continue
@@ -388,7 +390,7 @@ class EpisodeRollout:
             turn_rewards=list(traj.turn_rewards), env_reward=env_reward, failed=traj.failed or ep.failed_at_end,
             tool_calls=ep.tool_calls, tool_errors=ep.tool_errors, observation_tokens=ep.observation_tokens,
             observations_truncated=traj.observations_truncated, metrics=dict(ep.metrics), message=ep.message,
-            rerun=ep.rerun,
+            rerun=ep.rerun, env_steps=ep.env_steps,
         )
         if not traj.response_ids:  # failed before its first turn: one masked-out placeholder token
             eos = int(self.tokenizer.eos_token_id)
@@ -438,7 +440,8 @@ def add_env_reward(values: dict[str, list[float | None]], completions: list[Comp
 def episode_metrics(completions: list[Completion]) -> dict[str, float]:
     """Returns env/* metrics of a step's episodes (an empty dict when no completion is an episode).
 
-    env/turns_mean, env/tool_calls_mean, env/tool_errors (sum), env/failed (count), env/observation_tokens_mean,
+    env/steps (environment ``step`` calls, summed), env/turns_mean, env/tool_calls_mean, env/tool_errors (sum),
+    env/failed (count), env/observation_tokens_mean,
     env/observations_truncated (sum), env/episodes_rerun (sum), env/stop_reason/<reason> (count per reason),
     env/failed/<reason> (failed episodes per stop reason: env_error, timeout, ..., or the limit or end after which
     reward_at_limit() or close() raised) and
@@ -450,6 +453,7 @@ def episode_metrics(completions: list[Completion]) -> dict[str, float]:
         return {}
     out = {
         "env/episodes": float(len(eps)),
+        "env/steps": float(sum(e.env_steps for e in eps)),
         "env/turns_mean": float(np.mean([e.num_turns for e in eps])),
         "env/tool_calls_mean": float(np.mean([e.tool_calls for e in eps])),
         "env/tool_errors": float(sum(e.tool_errors for e in eps)),

@@ -38,10 +38,12 @@ class FleetCounts:
     Attributes:
         actor_failures: actor failures counted in rollout/actor_failures so far.
         rerun_prompts: re-sent prompts counted in rollout/rerun_prompts so far.
+        engine_calls: generate calls counted in rollout/engine_calls so far.
     """
 
     actor_failures: int = 0
     rerun_prompts: int = 0
+    engine_calls: int = 0
 
 
 @dataclass

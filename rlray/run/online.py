@@ -251,6 +251,7 @@ def run_step(ctx: OnlineRun, step: int) -> StepResult:
     if ctx.lead is None:
         return StepResult(metrics)
     metrics.update(step_metrics(ctx.lead, handout.rollout_metrics, batch, timer))
+    metrics["rollout/weight_sync_bytes"] = float(ctx.weight_sync.pushed_bytes)  # stage 7's push (rank 0)
     samples = step_samples(ctx.tokenizer, experience.table, handout.sample_rows, kept_advantages, step + 1)
     return StepResult(metrics, samples, experience.prompt_ids, experience.alerts)
 
@@ -361,11 +362,13 @@ def step_metrics(lead: OnlineLead, rollout_metrics: dict[str, float], batch: sch
     """Returns rank 0's step-level metrics: rollout and reward statistics, stage times, throughput, data position, and
     the fleet's health: rollout/actor_failures and rollout/rerun_prompts (actor failures the fleet saw, and prompts it
     sent again because of them, since the previous step; advances ``lead.logged``) and rollout/actors_alive (actors in
-    use after the step)."""
+    use after the step), and rollout/engine_calls (generate calls the fleet sent since the previous step's metrics,
+    evaluation's included)."""
     step_s = timer.elapsed_s()
     fleet, logged = lead.fleet, lead.logged
     new_failures, logged.actor_failures = fleet.failures - logged.actor_failures, fleet.failures
     new_rerun, logged.rerun_prompts = fleet.rerun_prompts - logged.rerun_prompts, fleet.rerun_prompts
+    new_calls, logged.engine_calls = fleet.calls - logged.engine_calls, fleet.calls
     gen = rollout_metrics["rollout/generated_tokens"]
     return {
         **rollout_metrics,
@@ -379,6 +382,7 @@ def step_metrics(lead: OnlineLead, rollout_metrics: dict[str, float], batch: sch
         "rollout/actor_failures": float(new_failures),
         "rollout/rerun_prompts": float(new_rerun),
         "rollout/actors_alive": float(fleet.alive),
+        "rollout/engine_calls": float(new_calls),
     }
 
 

@@ -212,3 +212,28 @@ def test_weight_sync_lora_tables_show_both_syncs_and_the_exactness(bench):
     assert lines[3] == "| adapter | FAILED: exit code 1 | n/a | n/a | n/a | n/a |"
     assert lines[-1] == ("exactness (float32, 40 sampled tokens): same tokens yes; max |adapter - merged| 3.40e-05 nats, "
                          "max |adapter - learner| 2.50e-05 nats (the adapter's own effect: max |adapter - base| 8.20e-01 nats)")
+
+
+def test_moved_rows_flag_a_ratio_that_moved_more_than_15_percent(bench):
+    b = bench["benchlib"]
+    rows = [["sync / TRL", 0.45, "<= 0.50", "yes"], ["async / sync", 1.2, "<= 1.00", "no"],
+            ["rollout / vLLM", None, ">= 0.95", "n/a"], ["new ratio", 0.3, "", "n/a"], ["from zero", 0.1, "", "n/a"]]
+    last = [["sync / TRL", 0.40], ["async / sync", 1.0], ["rollout / vLLM", 0.97], ["from zero", 0.0], ["gone", 2.0]]
+    got = b.moved_rows(rows, last)
+    assert [r[-2:] for r in got] == [[0.40, "+12.5%"],  # 0.45 / 0.40 = 1.125: not more than 15%
+                                     [1.0, "MOVED +20.0%"], [0.97, "n/a"], [None, "new"], [0.0, "MOVED (from 0)"]]
+    assert b.moved_rows([["x", 0.84]], [["x", 1.0]])[0][-1] == "MOVED -16.0%"  # a drop is flagged too
+    assert b.moved_rows([["x", 0.5]], None) == [["x", 0.5, None, "new"]]
+
+
+def test_run_all_compares_with_the_last_summary_of_the_same_sizes(bench):
+    r = bench["run_all"]
+    last = {"quick": False, "machine": {"git_commit": "abc1234"}, "rows": [{"measure": "x", "value": 1.0}]}
+    assert r.last_rows(last, quick=False) == [["x", 1.0]]
+    assert r.last_rows(last, quick=True) is None and r.last_rows(None, quick=False) is None
+    compared = bench["benchlib"].moved_rows([["x", 1.3, "", "n/a"]], r.last_rows(last, quick=False))
+    assert r.moved_line(compared, last) == ("MOVED more than 15% since the last recorded run (commit abc1234), check "
+                                            "before trusting either: x (+30.0%)")
+    still = bench["benchlib"].moved_rows([["x", 1.1, "", "n/a"]], [["x", 1.0]])
+    assert r.moved_line(still, last) == "no ratio moved more than 15% since the last recorded run (commit abc1234)"
+    assert r.moved_line(still, None).startswith("no earlier summary")

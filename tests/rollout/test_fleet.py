@@ -92,7 +92,7 @@ def test_prompts_are_split_in_whole_groups_over_actors(actors):
     assert [c.response_token_ids[0] for c in out] == [1000 + p for p in range(7) for _ in range(3)]
     # chunks of 4 and 3 prompts: seeds offset by the chunk's first prompt (0, 4) times n=3
     assert sorted({c.response_token_ids[2] for c in out}) == [100, 112]
-    assert ray.get([a.call_count.remote() for a in fleet.actors]) == [1, 1]
+    assert ray.get([a.call_count.remote() for a in fleet.actors]) == [1, 1] and fleet.calls == 2  # rollout/engine_calls
 
 
 def test_dead_actor_prompts_go_to_another_actor_exactly_once(actors, tmp_path):

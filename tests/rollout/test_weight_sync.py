@@ -95,8 +95,9 @@ def _spy_puts(monkeypatch) -> list[str]:
 def test_a_synchronous_push_leaves_no_copy_in_the_object_store(fleet, monkeypatch):
     puts = _spy_puts(monkeypatch)
     learner = _Learner()
-    ObjectStoreSync(fleet, torch.float32, wait=True).push(learner, rank=0, version=1)
-    assert len(puts) == 1
+    sync = ObjectStoreSync(fleet, torch.float32, wait=True)
+    sync.push(learner, rank=0, version=1)
+    assert len(puts) == 1 and sync.pushed_bytes == 6 * 4  # the 2x3 float32 policy (rollout/weight_sync_bytes)
     assert fleet._latest is not None and _released(puts[0])  # dropped once both actors loaded it
     assert ray.get([a.loaded.remote() for a in fleet.actors]) == [(1, [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]])] * 2
     # a restarted actor is brought to version 1 from a fresh export of the (unchanged) policy

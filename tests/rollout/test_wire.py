@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from rlray.rollout.wire import pack_weights, unpack_weights
+from rlray.models.adapters import AdapterWeights
+from rlray.rollout.wire import pack_adapter, pack_weights, packed_bytes, unpack_weights
 
 
 def _weights() -> dict[str, torch.Tensor]:
@@ -28,6 +29,14 @@ def test_round_trip_is_bit_exact_with_dtype_and_shape():
     for name, t in weights.items():
         assert back[name].dtype == t.dtype and back[name].shape == t.shape
         assert torch.equal(back[name], t), name
+
+
+def test_packed_bytes_counts_the_tensor_data_a_push_ships():
+    # a 3x5 bf16 (30 bytes), 7 float32 (28), a 0-dim float16 (2), a 6x4 float32 transposed (96): 156 bytes
+    assert packed_bytes(pack_weights(_weights())) == 30 + 28 + 2 + 96
+    assert packed_bytes({"x": torch.ones(2, 2)}) == 16  # plain tensors count as they are
+    adapter = pack_adapter(AdapterWeights({"lora_A": torch.zeros(4, 2), "lora_B": torch.zeros(2, 4)}, {"r": 2}))
+    assert packed_bytes(adapter) == 2 * 8 * 4  # the adapter's tensors only, its config is not tensor data
 
 
 def test_plain_tensors_pass_through():

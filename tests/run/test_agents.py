@@ -128,7 +128,8 @@ def test_agent_rows_run_behind_the_gateway_next_to_other_rows(agent_host, tiny_t
     # the raising agent failed: its episode is out of the update, the step goes on
     assert raised.episode.failed and raised.episode.stop_reason == "env_error" and "the agent broke" in raised.episode.message
     metrics = agent_metrics(got, set(AGENTS))
-    assert metrics == {"env/template_drift": 2.0, "env/gateway_calls_mean": (3 + 3 + 2 + 2 + 1 + 1) / 6}
+    assert metrics == {"env/template_drift": 2.0, "env/gateway_calls": 3 + 3 + 2 + 2 + 1 + 1,
+                       "env/gateway_calls_mean": (3 + 3 + 2 + 2 + 1 + 1) / 6}
 
 
 @pytest.mark.ray

@@ -3,7 +3,10 @@ through vLLM rollout actors, environment hosts, Ray Train and MLflow; the run al
 seeded teacher (tiny-random@1: on-policy distillation's end-to-end check shares this run), and `rlray eval` then
 scores its final snapshot."""
 
+import importlib
 import math
+import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -14,8 +17,21 @@ from rlray.observe.metrics import is_metric_key, term_keys
 from rlray.observe.tracking import get_run, get_run_metrics
 
 REPO = Path(__file__).resolve().parents[2]
+# the settings of the mixed run beyond its paths (its work counts are held to tests/fixtures/work_baseline.json)
+OVERRIDES = ("learner.lr=1e-3", "teacher.path=tiny-random@1", "teacher.weight=0.5",
+             # options that would cost a run of their own: an entropy bonus and masked sequence-level IS
+             "algo.entropy_coef=0.001", "algo.rollout_correction.mode=sequence_mask", "algo.rollout_correction.ratio_max=3.0")
 ENV_KEYS = ["env/episodes", "env/turns_mean", "env/tool_calls_mean", "env/tool_errors", "env/failed",
             "env/observation_tokens_mean", "env/episodes_rerun", "reward/env", "reward/exact_match"]
+
+
+def work_counts_module():
+    """Returns benchmarks/work_counts.py as a module (the benchmark scripts are not a package)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        return importlib.import_module("work_counts")
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
 
 
 @pytest.mark.ray
@@ -27,11 +43,7 @@ def test_mixed_environments_two_steps_through_ray(ray_session, tmp_path, tiny_mo
     cfg = load_config(REPO / "configs/envs/mixed_tiny.yaml",
                       [f"run.output_dir={tmp_path}/out", f"tracking.mlflow_uri={uri}",
                        f"data.train_files=[{REPO}/docs/examples/mixed_envs.jsonl]",
-                       f"data.eval_files=[{REPO}/docs/examples/mixed_envs.jsonl]", "learner.lr=1e-3",
-                       "teacher.path=tiny-random@1", "teacher.weight=0.5",
-                       # options that would cost a run of their own: an entropy bonus and masked sequence-level IS
-                       "algo.entropy_coef=0.001", "algo.rollout_correction.mode=sequence_mask",
-                       "algo.rollout_correction.ratio_max=3.0"])
+                       f"data.eval_files=[{REPO}/docs/examples/mixed_envs.jsonl]", *OVERRIDES])
     result = run_training(cfg)
     assert result.status == "FINISHED"
     run = get_run(uri, result.run_id)
@@ -69,6 +81,16 @@ def test_mixed_environments_two_steps_through_ray(ray_session, tmp_path, tiny_mo
     # distillation from the teacher on the sampled tokens (observation tokens are masked out of it)
     kl = metrics["algo/distill_reverse_kl"]
     assert [s for s, _ in kl] == [1, 2] and all(math.isfinite(v) and v != 0.0 for _, v in kl)
+
+    # no silent slowdown (issue 42): the run's work counts (learner tokens computed, padded and shared, generated
+    # tokens, weight sync bytes, engine calls, environment steps) grow by at most 1% over the committed baseline
+    # (tests/fixtures/work_baseline.json; benchmarks/work_counts.py says how to update it on purpose)
+    assert all(v >= 1.0 for _, v in metrics["rollout/engine_calls"])
+    assert len({v for _, v in metrics["rollout/weight_sync_bytes"]}) == 1  # every sync ships the same whole policy
+    work = work_counts_module().check_run("mixed_tiny", metrics, "tests/run/test_envs_e2e.py (" + ", ".join(OVERRIDES) + ")")
+    for note in work.notes:
+        warnings.warn(f"rlray work counts: {note}", stacklevel=1)
+    assert work.ok, work.report("mixed_tiny")
 
     # `rlray eval` of the final snapshot runs the held-out rows as episodes too, with pass@k
     from rlray.launch.driver import evaluate_checkpoint

@@ -108,6 +108,7 @@ def test_mixed_step_masks_rewards_and_metrics(env_host, tiny_tokenizer):
     metrics = episode_metrics(got)
     assert metrics["env/episodes"] == 4.0  # the single-turn rows are not episodes of an environment
     assert metrics["env/turns_mean"] == (3 + 3 + 1 + 1) / 4
+    assert metrics["env/steps"] == 3 + 3 + 1 + 1  # a step call per turn: the raising ones raised in their first step
     assert metrics["env/failed"] == 2.0
     assert metrics["env/stop_reason/done"] == 2.0 and metrics["env/stop_reason/env_error"] == 2.0
     assert metrics["env/metric/said_stop"] == 1.0  # summed per episode (0 + 0 + 1), mean over the 2 that reported
