@@ -229,10 +229,10 @@ _STEP_METRICS: tuple[Metric, ...] = (
     Metric("rollout/rerun_prompts", "count", "prompts the fleet sent again (a failed actor's) since the previous step"),
     Metric("rollout/actors_alive", "count", "rollout actors in use after the step (fewer after a node loss)"),
     # the step's weight sync (rank 0; object store only: nccl and ipc log none)
-    Metric("weight_sync/bytes", "bytes", "bytes of tensors the step's weight sync put in the object store"),
-    Metric("weight_sync/changed_fraction", "fraction",
+    Metric("rollout/weight_sync_bytes", "bytes", "bytes of tensors the step's weight sync put in the object store"),
+    Metric("rollout/weight_sync_changed_fraction", "fraction",
            "values whose engine-dtype bits changed since the previous sync (rollout.weight_payload=delta)"),
-    Metric("weight_sync/full_resyncs", "count",
+    Metric("rollout/weight_sync_full_resyncs", "count",
            "rollout actors sent the full weights after refusing a delta (another version held, or a checksum failed)"),
     # environments (multi-turn episodes; logged when env.environments is set)
     Metric("env/episodes", "count", "episodes of the step"),

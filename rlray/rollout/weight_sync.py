@@ -18,9 +18,9 @@
   ``FleetTransferClient``, vLLM's ``VLLMWeightSyncClient`` protocol over our rollout actors.
 
 Caches are reset after every sync (the engines drop their prefix cache in the same call). Every push leaves
-``last_metrics`` on rank 0: ``weight_sync/bytes`` (values and indices put in the object store; 0 for nccl and ipc),
-and with ``delta`` ``weight_sync/changed_fraction`` (values whose engine-dtype bits changed) and
-``weight_sync/full_resyncs`` (actors sent the full weights since the previous push).
+``last_metrics`` on rank 0: ``rollout/weight_sync_bytes`` (values and indices put in the object store; 0 for nccl and ipc),
+and with ``delta`` ``rollout/weight_sync_changed_fraction`` (values whose engine-dtype bits changed) and
+``rollout/weight_sync_full_resyncs`` (actors sent the full weights since the previous push).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class ObjectStoreSync:
             return
         payload = self.export(learner)
         if rank == 0:
-            self.last_metrics = {"weight_sync/bytes": float(_payload_bytes(payload))}
+            self.last_metrics = {"rollout/weight_sync_bytes": float(_payload_bytes(payload))}
             self.fleet.release_weights()  # an async push's copy goes before the new one is written (memory reused)
             self.fleet.push_weights(ray.put(payload), version, wait=self.wait)
             if self.wait and not learner.sharded:
@@ -95,8 +95,8 @@ class ObjectStoreSync:
         self.fleet.release_weights()
         self.fleet.push_weights(ray.put(delta), version, wait=self.wait, full=lambda: ray.put(self.encoder.full()))
         resyncs, self._resyncs_seen = self.fleet.full_resyncs - self._resyncs_seen, self.fleet.full_resyncs
-        self.last_metrics = {"weight_sync/bytes": float(delta.nbytes), "weight_sync/changed_fraction": delta.changed_fraction,
-                             "weight_sync/full_resyncs": float(resyncs)}
+        self.last_metrics = {"rollout/weight_sync_bytes": float(delta.nbytes), "rollout/weight_sync_changed_fraction": delta.changed_fraction,
+                             "rollout/weight_sync_full_resyncs": float(resyncs)}
 
     def export(self, learner: Any) -> Any:
         """Returns what a push puts in the object store: ``pack_adapter`` of the adapter (``adapter``), else

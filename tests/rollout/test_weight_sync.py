@@ -203,14 +203,14 @@ def _engines_hold(fleet: RolloutFleet, learner: _MovingLearner, version: int) ->
 def test_a_delta_sync_sends_the_changed_values_and_the_engines_hold_the_learners_bits(delta_fleet):
     learner, sync = _MovingLearner(), ObjectStoreSync(delta_fleet, torch.bfloat16, wait=True, delta=True)
     sync.push(learner, rank=0, version=1)
-    assert sync.last_metrics == {"weight_sync/bytes": 4096 * 2, "weight_sync/changed_fraction": 1.0,
-                                 "weight_sync/full_resyncs": 0.0}
+    assert sync.last_metrics == {"rollout/weight_sync_bytes": 4096 * 2, "rollout/weight_sync_changed_fraction": 1.0,
+                                 "rollout/weight_sync_full_resyncs": 0.0}
     learner.step()
     sync.push(learner, rank=0, version=2)
-    changed = sync.last_metrics["weight_sync/changed_fraction"]
+    changed = sync.last_metrics["rollout/weight_sync_changed_fraction"]
     assert 0 < changed <= 512 / 4096 and _engines_hold(delta_fleet, learner, 2)
     k = round(changed * 4096)
-    assert sync.last_metrics["weight_sync/bytes"] == min(k * 6, 4096 // 8 + k * 2)  # sparse or bit mask, not dense
+    assert sync.last_metrics["rollout/weight_sync_bytes"] == min(k * 6, 4096 // 8 + k * 2)  # sparse or bit mask, not dense
 
 
 def test_an_engine_that_missed_a_version_gets_the_full_weights(delta_fleet):
@@ -219,7 +219,7 @@ def test_an_engine_that_missed_a_version_gets_the_full_weights(delta_fleet):
     ray.get(delta_fleet.actors[1].restart.remote())  # back at version 0 before the fleet noticed
     learner.step()
     sync.push(learner, rank=0, version=2)
-    assert delta_fleet.full_resyncs == 1 and sync.last_metrics["weight_sync/full_resyncs"] == 1.0
+    assert delta_fleet.full_resyncs == 1 and sync.last_metrics["rollout/weight_sync_full_resyncs"] == 1.0
     assert _engines_hold(delta_fleet, learner, 2)
     learner.step()
     sync.push(learner, rank=0, version=3)  # both hold version 2 again: deltas only
