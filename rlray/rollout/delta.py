@@ -103,6 +103,8 @@ def checksum(tensor: torch.Tensor) -> int:
 def encode_tensor(old: torch.Tensor | None, new: torch.Tensor) -> TensorDelta | None:
     """Returns the smallest encoding of ``new`` given ``old`` (same shape and dtype), or None when no bit changed.
 
+    The comparison runs in NumPy on integer views of the bits (several times faster than torch's on CPU).
+
     Args:
         old: the values the engine holds, or None (then ``new`` goes dense).
         new: the values to send, contiguous CPU, a float dtype.
@@ -112,24 +114,25 @@ def encode_tensor(old: torch.Tensor | None, new: torch.Tensor) -> TensorDelta | 
     if old is None:
         return TensorDelta("dense", raw, None, flat.numel())
     bits = _BITS[new.dtype]
-    changed_mask = old.reshape(-1).view(bits) != flat.view(bits)
-    index = changed_mask.nonzero().squeeze(1)
-    k, numel, item = int(index.numel()), flat.numel(), new.element_size()
+    new_bits = flat.view(bits).numpy()
+    changed_mask = np.not_equal(old.reshape(-1).view(bits).numpy(), new_bits)
+    k, numel, item = int(np.count_nonzero(changed_mask)), flat.numel(), new.element_size()
     if k == 0:
         return None
-    index_dtype = torch.int32 if numel < 2**31 else torch.int64
+    index_dtype = np.int32 if numel < 2**31 else np.int64
     sizes = {
         "dense": numel * item,
-        "sparse": k * (item + index_dtype.itemsize),
+        "sparse": k * (item + np.dtype(index_dtype).itemsize),
         "mask": (numel + 7) // 8 + k * item,
     }
     kind = min(sizes, key=sizes.get)  # ties: dense first (no scatter on the engine side)
     if kind == "dense":
         return TensorDelta("dense", raw, None, k)
-    values = flat[index].view(torch.uint8).numpy()
+    index = np.flatnonzero(changed_mask)
+    values = new_bits[index].view(np.uint8)
     if kind == "sparse":
-        return TensorDelta("sparse", values, index.to(index_dtype).numpy(), k)
-    return TensorDelta("mask", values, np.packbits(changed_mask.numpy()), k)
+        return TensorDelta("sparse", values, index.astype(index_dtype), k)
+    return TensorDelta("mask", values, np.packbits(changed_mask), k)
 
 
 def apply_tensor(target: torch.Tensor, delta: TensorDelta) -> None:
@@ -149,8 +152,8 @@ def apply_tensor(target: torch.Tensor, delta: TensorDelta) -> None:
         elif delta.kind == "sparse":
             flat[torch.from_numpy(delta.index).long()] = values
         elif delta.kind == "mask":
-            mask = torch.from_numpy(np.unpackbits(delta.index, count=flat.numel()).view(np.bool_))
-            flat[mask] = values
+            index = np.flatnonzero(np.unpackbits(delta.index, count=flat.numel()))
+            flat[torch.from_numpy(index)] = values
         else:
             raise ValueError(f"unknown delta kind {delta.kind!r}")
 
@@ -189,7 +192,10 @@ class DeltaEncoder:
             change = encode_tensor(self.base[name], new)
             if change is not None:
                 out[name] = change
-                apply_tensor(self.base[name], change)
+                if change.kind == "sparse":
+                    apply_tensor(self.base[name], change)
+                else:
+                    self.base[name].copy_(new)  # the same bits as applying the change, at memcpy speed
         delta = self._payload(version, self.version, out)
         self.version = version
         return delta
