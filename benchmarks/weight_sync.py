@@ -4,6 +4,7 @@
     python benchmarks/weight_sync.py --quick         # tiny-random, seconds-scale sizes
     python benchmarks/weight_sync.py --model tiny-random --actors 1 2 --repeats 5
     python benchmarks/weight_sync.py --part lora     # only the LoRA adapter-vs-merged comparison
+    python benchmarks/weight_sync.py --part delta --steps 5   # full against delta syncs over 5 training steps
 
 One child process per N (a fresh local Ray cluster each). The child loads the policy as the learner
 does (float32 master weights) and exports it as rlray's learner does for every sync: its Hugging Face
@@ -37,7 +38,14 @@ load on the actor; medians over ``--repeats`` after one warm-up), and the genera
 and then with the merged weights pushed to the same engine (same seed): whether the tokens agree, and the max
 |logprob difference| between the two, and against the learner's own forward of the adapted policy.
 
-Prints markdown tables and writes bench_results/weight_sync.json ("runs"; "lora").
+Delta (``--part delta``, ``rollout.weight_payload``): a float32 ``PolicyLearner`` takes ``--steps`` real AdamW
+steps (learner.lr's default 1e-6, the next-token loss of 4 GSM8K prompts per step) and after each one pushes to two
+rollout actors through ``ObjectStoreSync`` exactly as stage 7 does: one with ``full`` syncs, one with ``delta``
+(the first push of each is full), once per engine dtype (bf16, float32). Per step and mode: bytes put in the object
+store, the whole push (export, encode, put, load) and the engine's pause (the fleet's ``push_weights``: fetch,
+apply and check the delta, load), and the fraction of values whose engine-dtype bits changed.
+
+Prints markdown tables and writes bench_results/weight_sync.json ("runs"; "lora"; "delta").
 """
 
 from __future__ import annotations
@@ -56,8 +64,8 @@ from typing import Any
 import benchlib
 
 SIZES = {
-    "quick": dict(model="tiny-random", actors=[1, 2], repeats=2, lora_rank=8),
-    "default": dict(model="smollm2-135m-instruct", actors=[1, 2], repeats=4, lora_rank=16),
+    "quick": dict(model="tiny-random", actors=[1, 2], repeats=2, lora_rank=8, steps=3),
+    "default": dict(model="smollm2-135m-instruct", actors=[1, 2], repeats=4, lora_rank=16, steps=10),
 }
 LORA_RUNS = ("merged", "adapter", "exact")  # rollout.lora_sync=merged, =adapter (bf16); both in float32 (exactness)
 LORA_PROMPTS, LORA_NEW_TOKENS = 8, 64
@@ -294,6 +302,86 @@ def exactness(fleet: Any, sync: Any, learner: Any, prompts: list[list[int]], spe
             "max_diff_vs_merged": vs_merged, "max_diff_vs_learner": vs_learner, "max_diff_vs_base": vs_base}
 
 
+def delta_child(args: dict, dtype: str) -> dict[str, Any]:
+    """Measures full against delta syncs over ``args["steps"]`` real learner steps, engines in ``dtype``, here."""
+    import ray
+    import torch
+
+    from rlray.launch.actors import kill_actors, start_rollout_actors
+    from rlray.learner import OptimizerSpec, PolicyLearner
+    from rlray.models import resolve_model_path
+    from rlray.rollout.fleet import RolloutFleet
+    from rlray.rollout.weight_sync import ObjectStoreSync
+
+    model_dir = resolve_model_path(args["model"])
+    learner = PolicyLearner(model_dir, dtype="float32", optim=OptimizerSpec(lr=1e-6, max_grad_norm=1.0),
+                            temperature=1.0, use_reference=False)
+    _, prompts = benchlib.gsm8k_prompts(args["model"], 4 * args["steps"], 256)
+    cfg = actors_config(2, "object_store", (f"model.dtype={dtype}",))
+    benchlib.init_local_ray()
+    handles = start_rollout_actors(cfg, model_dir, MAX_MODEL_LEN)
+    try:
+        syncs, pauses = {}, {}
+        for mode, handle in zip(("full", "delta"), handles, strict=True):
+            fleet = RolloutFleet([handle])
+            syncs[mode] = ObjectStoreSync(fleet, getattr(torch, dtype), wait=True, delta=mode == "delta")
+            pauses[mode] = []
+            fleet.push_weights = _timed(fleet.push_weights, pauses[mode])
+        steps = []
+        for step in range(args["steps"] + 1):  # step 0: the first push (whole in both modes)
+            if step:
+                batch = [torch.tensor([ids]) for ids in prompts[4 * (step - 1): 4 * step]]
+                learner.optimizer_step(batch, lambda model, ids: (model(input_ids=ids, labels=ids).loss / 4, {}))
+            row = {"step": step}
+            for mode, sync in syncs.items():
+                start = time.perf_counter()
+                sync.push(learner, 0, step + 1)
+                m = sync.last_metrics
+                row[mode] = {"seconds": time.perf_counter() - start, "pause_s": pauses[mode][-1],
+                             "bytes": m["rollout/weight_sync_bytes"],
+                             "changed": m.get("rollout/weight_sync_changed_fraction"),
+                             "resyncs": m.get("rollout/weight_sync_full_resyncs", 0.0)}
+            steps.append(row)
+        versions = ray.get([h.policy_version.remote() for h in handles])
+    finally:
+        kill_actors(handles)
+        ray.shutdown()
+    return {"dtype": dtype, "steps": steps, "versions": versions}
+
+
+def _timed(fn: Any, into: list[float]) -> Any:
+    """Returns ``fn`` that appends the seconds of each call to ``into``."""
+    def call(*a: Any, **k: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            into.append(time.perf_counter() - start)
+    return call
+
+
+DELTA_HEADERS = ["engine dtype", "mode", "MiB per sync", "sync (s)", "engine pause (s)", "changed fraction",
+                 "full resyncs"]
+
+
+def delta_table(runs: dict[str, Any]) -> str:
+    """Returns the markdown table of full against delta syncs (medians over the training steps; step 0 apart)."""
+    rows = []
+    for dtype, r in runs.items():
+        if "error" in r:
+            rows.append([dtype, f"FAILED: {r['error']}", *["n/a"] * (len(DELTA_HEADERS) - 2)])
+            continue
+        trained = r["steps"][1:]
+        for mode in ("full", "delta"):
+            got = [s[mode] for s in trained]
+            changed = [g["changed"] for g in got if g["changed"] is not None]
+            rows.append([dtype, mode, benchlib.fmt(statistics.median(g["bytes"] for g in got) / 2**20, 2),
+                         benchlib.fmt(statistics.median(g["seconds"] for g in got), 3),
+                         benchlib.fmt(statistics.median(g["pause_s"] for g in got), 3),
+                         " ".join(f"{c:.4f}" for c in changed) or "n/a", str(int(sum(g["resyncs"] for g in got)))])
+    return benchlib.markdown_table(DELTA_HEADERS, rows)
+
+
 LORA_HEADERS = ["lora_sync", "MiB per sync", "export (s)", "push (s)", "generate tokens/s", "engine version"]
 
 
@@ -356,15 +444,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--actors", type=int, nargs="+", help="rollout actor counts (default: 1 2)")
     parser.add_argument("--repeats", type=int, help="timed syncs after one warm-up")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="limit per run")
-    parser.add_argument("--part", choices=("all", "throughput", "lora"), default="all",
-                        help="throughput: N actors x backend; lora: adapter against merged syncs; all: both")
+    parser.add_argument("--steps", type=int, help="training steps of the delta part")
+    parser.add_argument("--part", choices=("all", "throughput", "lora", "delta"), default="all",
+                        help="throughput: N actors x backend; lora: adapter against merged syncs; delta: full against "
+                             "delta syncs over training steps; all: every part")
     args = parser.parse_args(argv)
     size = dict(SIZES["quick" if args.quick else "default"])
     size.update({k: v for k, v in vars(args).items() if k in size and v is not None})
     work = Path(tempfile.mkdtemp(prefix="bench-weight-sync-"))
     (work / "args.json").write_text(json.dumps(size))
     runs: dict[str, Any] = {}
-    for actors, backend in runs_here(size["actors"]) if args.part != "lora" else []:
+    for actors, backend in runs_here(size["actors"]) if args.part in ("all", "throughput") else []:
         name = f"{backend} x{actors}"
         result = work / f"{backend}-{actors}.json"
         raw = benchlib.run_script_child(__file__, [actors, backend, work / "args.json", result], result_path=result,
@@ -373,7 +463,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             runs[name] = {"actors": actors, "backend": backend, "error": raw["error"], "log_tail": raw["log_tail"]}
             continue
         runs[name] = {**raw, **summarise(raw)}
-    lora = {kind: lora_run(work, kind, args.timeout_s) for kind in LORA_RUNS} if args.part != "throughput" else {}
+    lora = {kind: lora_run(work, kind, args.timeout_s) for kind in LORA_RUNS} if args.part in ("all", "lora") else {}
+    delta = {d: lora_run(work, d, args.timeout_s, "delta") for d in ("bfloat16", "float32")} if args.part in (
+        "all", "delta") else {}
     if runs:
         print(f"\n**weight sync** ({size['model']}): {size['repeats']} timed syncs after 1 warm-up, bf16 weights\n")
         print(table(runs) + "\n")
@@ -381,16 +473,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"\n**LoRA weight sync** ({size['model']}, rank {size['lora_rank']} all-linear, 1 rollout actor): "
               f"{size['repeats']} timed pushes after 1 warm-up, bf16\n")
         print(lora_tables(lora) + "\n")
-    results = {"size": size, "runs": runs, "lora": lora}
+    if delta:
+        print(f"\n**Delta weight sync** ({size['model']}, full fine-tuning, lr 1e-6, {size['steps']} training steps, "
+              "1 rollout actor per mode): medians over the steps; changed fraction per step\n")
+        print(delta_table(delta) + "\n")
+    results = {"size": size, "runs": runs, "lora": lora, "delta": delta}
     print(f"wrote {benchlib.write_results('weight_sync', results)}")
     return results
 
 
-def lora_run(work: Path, kind: str, timeout_s: float) -> dict[str, Any]:
-    """Returns one LoRA run's figures from a child process (``lora_child``), or its error."""
-    result = work / f"lora-{kind}.json"
-    raw = benchlib.run_script_child(__file__, [1, f"lora-{kind}", work / "args.json", result], result_path=result,
-                                    log_path=result.with_suffix(".log"), timeout_s=timeout_s, label=f"lora {kind}")
+def lora_run(work: Path, kind: str, timeout_s: float, part: str = "lora") -> dict[str, Any]:
+    """Returns one LoRA (or ``part`` delta) run's figures from a child process (``lora_child``, ``delta_child``),
+    or its error."""
+    result = work / f"{part}-{kind}.json"
+    raw = benchlib.run_script_child(__file__, [1, f"{part}-{kind}", work / "args.json", result], result_path=result,
+                                    log_path=result.with_suffix(".log"), timeout_s=timeout_s, label=f"{part} {kind}")
     return {"error": raw["error"], "log_tail": raw["log_tail"]} if "error" in raw else raw
 
 
@@ -417,7 +514,9 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         n, backend, args_json, result_json = sys.argv[2:]
         given = json.loads(Path(args_json).read_text())
-        if backend.startswith("lora-"):
+        if backend.startswith("delta-"):
+            out = delta_child(given, backend.removeprefix("delta-"))
+        elif backend.startswith("lora-"):
             out = lora_child(given, backend.removeprefix("lora-"))
         else:
             out = child(given, int(n), backend)

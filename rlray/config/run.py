@@ -255,6 +255,20 @@ class RolloutConfig(_Section):
         ),
     )
 
+    weight_payload: Literal["full", "delta"] = Field(
+        "full",
+        description=(
+            "What a merged-weights sync ships (full fine-tuning, or LoRA with rollout.lora_sync merged). full: every "
+            "tensor. delta: only the values whose engine-dtype bits changed since the version the engines hold "
+            "(per tensor the smallest of dense, sparse int32 indices + values, or a bit mask + values), through the "
+            "object store; learner rank 0 keeps one engine-dtype copy of the model (and each rollout actor one), an "
+            "engine that holds another version (restarted, rejoined) gets the full weights, and a per-tensor "
+            "checksum proves every sync bit-exact. Pays when few values change per step (bf16 engines at small "
+            "learning rates) and bytes are dear (actors on other nodes); docs/distributed.md has the figures. Not "
+            "with rollout.weight_sync nccl or ipc, nor with an adapter-only sync."
+        ),
+    )
+
     lora_sync: Literal["auto", "merged", "adapter"] = Field(
         "auto",
         description=(

@@ -188,6 +188,11 @@ class Config(_Section):
         if self.rollout.lora_sync == "adapter" and sync in ("nccl", "ipc"):
             raise ValueError(f"rollout.lora_sync='adapter' ships the adapter through the object store, not "
                              f"rollout.weight_sync='{sync}'; set rollout.weight_sync=auto, or rollout.lora_sync=merged")
+        if self.rollout.weight_payload == "delta" and (self.weight_sync_backend != "object_store" or self.adapter_sync):
+            raise ValueError(f"rollout.weight_payload='delta' goes through the object store with merged weights, not "
+                             f"rollout.weight_sync='{self.weight_sync_backend}' with rollout.lora_sync="
+                             f"'{self.rollout.lora_sync}'; set rollout.weight_sync=object_store and rollout.lora_sync="
+                             "merged (or auto), or rollout.weight_payload=full")
         if self.rollout.lora_sync == "adapter" and res.learner.strategy == "fsdp":
             raise ValueError("rollout.lora_sync='adapter' with resources.learner.strategy='fsdp': a sharded learner "
                              "pushes merged weights gathered on rank 0; set rollout.lora_sync=merged or auto")
@@ -200,18 +205,20 @@ class Config(_Section):
     @property
     def adapter_sync(self) -> bool:
         """Returns the resolved rollout.lora_sync: True when a weight sync ships the LoRA adapter alone (auto: a LoRA
-        policy with rollout actors on GPUs, unless rollout.weight_sync is nccl or ipc or the learner is sharded)."""
+        policy with rollout actors on GPUs, unless rollout.weight_sync is nccl or ipc, the learner is sharded or
+        rollout.weight_payload is delta)."""
         if self.rollout.lora_sync == "auto":
             return (self.trains_lora and self.resources.rollout.gpus > 0 and self.resources.learner.strategy != "fsdp"
-                    and self.rollout.weight_sync in ("auto", "object_store"))
+                    and self.rollout.weight_sync in ("auto", "object_store") and self.rollout.weight_payload == "full")
         return self.rollout.lora_sync == "adapter"
 
     @property
     def weight_sync_backend(self) -> str:
-        """Returns the resolved rollout.weight_sync: object_store, nccl or ipc (object_store for an adapter-only sync)."""
+        """Returns the resolved rollout.weight_sync: object_store, nccl or ipc (object_store for an adapter-only or a
+        delta sync)."""
         if self.rollout.weight_sync != "auto":
             return self.rollout.weight_sync
-        if self.adapter_sync:
+        if self.adapter_sync or self.rollout.weight_payload == "delta":
             return "object_store"
         if self.resources.rollout.gpus == 0 or self.resources.learner.gpus == 0:
             return "object_store"

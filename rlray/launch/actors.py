@@ -32,6 +32,7 @@ from rlray.models.loading import ModelError
 from rlray.observe.startup import ActorTimes, Launched
 from rlray.plan import resolve_plan
 from rlray.rollout import Completion, RolloutEngine, SamplingSpec
+from rlray.rollout.delta import DeltaReceiver, WeightDelta, WeightSyncChecksumError
 from rlray.rollout.wire import unpack_adapter, unpack_weights
 from rlray.run import build
 from rlray.schema import ModelInputs
@@ -50,6 +51,7 @@ class RolloutActor:
     def __init__(self, model_path: str, engine_kwargs: dict) -> None:
         self.times = ActorTimes.begin()
         self.engine = RolloutEngine(model_path, **engine_kwargs)
+        self.receiver = DeltaReceiver()  # a copy of the weights only once a delta sync sends them
         self.times.end()
 
     def startup_times(self) -> ActorTimes:
@@ -60,14 +62,41 @@ class RolloutActor:
         """Returns ``sampling.n`` completions per prompt, prompt-major (see ``RolloutEngine.generate``)."""
         return self.engine.generate(prompt_token_ids, sampling)
 
-    def update_weights(self, weights: dict[str, Any] | AdapterWeights, version: int) -> int:
+    def update_weights(self, weights: dict[str, Any] | AdapterWeights | WeightDelta, version: int) -> int:
         """Loads a new policy, resets the cache and returns the new version: whole weights (tensors, or
-        ``rollout.wire.pack_weights`` output; ``RolloutEngine.update_weights``) or a LoRA adapter (``AdapterWeights``,
-        packed or not; ``RolloutEngine.update_adapter``: applied over the engine's base weights)."""
+        ``rollout.wire.pack_weights`` output; ``RolloutEngine.update_weights``), a LoRA adapter (``AdapterWeights``,
+        packed or not; ``RolloutEngine.update_adapter``: applied over the engine's base weights), or a delta
+        (``WeightDelta``: applied to this actor's copy of the version it holds, ``rollout.delta.DeltaReceiver``, which
+        the engine then loads whole).
+
+        A delta for a version this actor does not hold, or whose checksums fail, loads nothing: the old version is
+        returned and the fleet sends the full weights (``RolloutFleet.push_weights``).
+
+        Raises:
+            WeightSyncChecksumError: full weights (a ``WeightDelta`` with no base) whose checksums fail.
+        """
+        if isinstance(weights, WeightDelta):
+            return self._update_delta(weights, version)
+        self.receiver.clear()  # the engine takes weights by another path: the next delta is refused
         if isinstance(weights, AdapterWeights):
             self.engine.update_adapter(unpack_adapter(weights), version)
         else:
             self.engine.update_weights(unpack_weights(weights), version)
+        return self.engine.policy_version
+
+    def _update_delta(self, delta: WeightDelta, version: int) -> int:
+        if delta.version != version:
+            raise ValueError(f"update_weights: a delta to version {delta.version} pushed as version {version}")
+        try:
+            weights = self.receiver.apply(delta)
+        except WeightSyncChecksumError as err:
+            if delta.base_version is None:
+                raise
+            log.warning("%s: loading nothing; the fleet sends the full weights", err)
+            return self.engine.policy_version
+        if weights is None:
+            return self.engine.policy_version
+        self.engine.update_weights(weights, version)
         return self.engine.policy_version
 
     def policy_version(self) -> int:
@@ -94,6 +123,7 @@ class RolloutActor:
     def transfer_finish(self, version: int) -> int:
         """Ends the update, resets the cache, and returns the new policy version."""
         self.engine.finish_weight_transfer(version)
+        self.receiver.clear()
         return self.engine.policy_version
 
     def transfer_shutdown(self) -> None:

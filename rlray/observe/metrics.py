@@ -231,7 +231,13 @@ _STEP_METRICS: tuple[Metric, ...] = (
     Metric("rollout/engine_calls", "count", "generate calls rank 0's rollout fleet sent to the rollout actors since the "
            "previous step's metrics (a chunk of prompts or of episode turns each, re-sent ones and evaluation's "
            "included; agents' calls are env/gateway_calls)"),
-    Metric("rollout/weight_sync_bytes", "bytes", "bytes of tensor data the step's weight sync sent (stage 7, rank 0)"),
+    # the step's weight sync (rank 0)
+    Metric("rollout/weight_sync_bytes", "bytes", "bytes of tensor data the step's weight sync sent (the object store's "
+           "payload, a delta's encoding, or what NCCL/ipc moved)"),
+    Metric("rollout/weight_sync_changed_fraction", "fraction",
+           "values whose engine-dtype bits changed since the previous sync (rollout.weight_payload=delta)"),
+    Metric("rollout/weight_sync_full_resyncs", "count",
+           "rollout actors sent the full weights after refusing a delta (another version held, or a checksum failed)"),
     # environments (multi-turn episodes; logged when env.environments is set)
     Metric("env/episodes", "count", "episodes of the step"),
     Metric("env/steps", "count", "environment step calls of the step (one per episode turn the environment was asked "

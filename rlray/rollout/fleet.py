@@ -132,6 +132,7 @@ class RolloutFleet:
         rerun_prompts: prompts sent again after an actor failure, over the fleet's life (a counter).
         calls: generate calls sent to the actors, over the fleet's life (a counter: one per chunk, re-sent ones
             included; weight pushes and probes are not calls).
+        full_resyncs: full weights sent to an actor that refused a delta push, over the fleet's life (a counter).
     """
 
     def __init__(self, actors: list[Any], *, max_attempts: int = 4, node_wait_s: float = 0.0) -> None:
@@ -150,6 +151,8 @@ class RolloutFleet:
         self._stale: set[int] = set()  # actors that failed since their last successful weight push
         self.failures = 0  # actor failures seen (a weight-transfer group must be rebuilt after one)
         self._pending_sync: list[tuple[int, Any, int]] = []  # (actor, ref, version)
+        self._delta = False  # the pushes are deltas (push_weights' full)
+        self.full_resyncs = 0  # full weights sent to an actor that refused a delta, over the fleet's life
 
     # ---- generation -----------------------------------------------------------------------
     def submit(self, prompt_ids: list[list[int]], sampling: SamplingSpec, rows: list[Any] | None = None, *,
@@ -342,19 +345,25 @@ class RolloutFleet:
         return self._call(pending, chunk.indices, target, chunk.attempts + 1)
 
     # ---- weights --------------------------------------------------------------------------
-    def push_weights(self, weights_ref: Any, version: int, *, wait: bool = True) -> None:
+    def push_weights(self, weights_ref: Any, version: int, *, wait: bool = True,
+                     full: Callable[[], Any] | None = None) -> None:
         """Sends the weights in the object store to every actor, tagged ``version``.
 
         Args:
-            weights_ref: ObjectRef of packed {HF name: tensor} weights or of a LoRA ``AdapterWeights`` (adapter only).
+            weights_ref: ObjectRef of packed {HF name: tensor} weights, of a LoRA ``AdapterWeights`` (adapter only), or
+                of a ``rlray.rollout.delta.WeightDelta``.
             version: the new policy version.
             wait: block until every actor has loaded them (sync mode); otherwise the result is
                 checked at the next ``collect`` (async mode: the push queues behind rollouts).
+            full: with a delta, returns an ObjectRef of the latest weights whole (a ``WeightDelta`` with no base):
+                an actor that reports another version (it held another one, or its checksum failed) is sent them at
+                once (counted in ``full_resyncs``), and so is an actor that restarts.
 
         Raises:
-            RuntimeError: a live actor reports another version.
+            RuntimeError: a live actor reports another version (after the full weights, with ``full``).
         """
-        self._latest, self.version = (lambda: weights_ref), version
+        self._latest, self.version = full or (lambda: weights_ref), version
+        self._delta = full is not None
         live = [i for i in range(len(self.actors)) if i not in self._stale]  # stale ones are refreshed before use
         self._pending_sync += [(i, self.actors[i].update_weights.remote(weights_ref, version), version) for i in live]
         self._check_pending_sync(block=wait)
@@ -408,8 +417,29 @@ class RolloutFleet:
             except ACTOR_ERRORS:
                 self._mark_failed(i)  # refreshed before its next rollout
                 continue
-            if got != version:
+            if got != version and self._delta:
+                self._resync(i)
+            elif got != version:
                 raise RuntimeError(f"weight sync: rollout actor {i} reports version {got}, expected {version}")
+
+    def _resync(self, actor: int) -> None:
+        """Sends the latest weights whole to an actor that refused a delta (it held another version, or a checksum
+        failed); a failed actor becomes stale (refreshed before its next rollout).
+
+        Raises:
+            RuntimeError: the actor reports another version after the full weights.
+        """
+        log.warning("rollout actor %d refused the delta weight sync (it holds another version, or a checksum "
+                    "failed): sending it the full weights of version %d", actor, self.version)
+        self.full_resyncs += 1
+        try:
+            got = ray.get(self.actors[actor].update_weights.remote(self._latest(), self.version))
+        except ACTOR_ERRORS:
+            self._mark_failed(actor)
+            return
+        if got != self.version:
+            raise RuntimeError(f"weight sync: rollout actor {actor} reports version {got} after the full weights, "
+                               f"expected {self.version}")
 
     def _refresh(self, actor: int) -> None:
         """Brings a restarted actor to the latest weights (it restarts from the initial checkpoint)."""

@@ -7,13 +7,20 @@
   With ``adapter`` (``rollout.lora_sync``) it ships only the policy's LoRA adapter (``export_adapter``: a few MiB
   instead of the whole model) and every actor applies it over the base weights it loaded at start
   (``update_adapter``: vLLM's runtime LoRA).
+  With ``delta`` (``rollout.weight_payload: delta``) it ships only the values whose engine-dtype bits changed since
+  the last push (``rlray.rollout.delta``; rank 0 keeps the last version sent): an actor that holds another version
+  loads nothing and the fleet sends it the full weights (``RolloutFleet.push_weights``' ``full``), and every load is
+  checked bit for bit against the learner's per-tensor checksums.
 - ``VllmTransferSync`` (GPU): vLLM's weight-transfer engines. "nccl": rank 0 broadcasts over an
   NCCL group it shares with every engine worker (``NCCLTrainerWeightTransferEngine``). "ipc": with
   colocated actors every learner rank shares its GPU copy through CUDA IPC handles
   (``IPCTrainerWeightTransferEngine``); no bytes cross the network. Both are driven through
   ``FleetTransferClient``, vLLM's ``VLLMWeightSyncClient`` protocol over our rollout actors.
 
-Caches are reset after every sync (the engines drop their prefix cache in the same call).
+Caches are reset after every sync (the engines drop their prefix cache in the same call). Every push leaves
+``last_metrics`` on rank 0: ``rollout/weight_sync_bytes`` (values and indices put in the object store; 0 for nccl and ipc),
+and with ``delta`` ``rollout/weight_sync_changed_fraction`` (values whose engine-dtype bits changed) and
+``rollout/weight_sync_full_resyncs`` (actors sent the full weights since the previous push).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from typing import Any
 import ray
 import torch
 
+from rlray.rollout.delta import DeltaEncoder
 from rlray.rollout.fleet import RolloutFleet
 from rlray.rollout.wire import pack_adapter, pack_weights, packed_bytes
 
@@ -43,23 +51,31 @@ class ObjectStoreSync:
         wait: block until every actor loaded the weights (sync mode); async mode checks later.
         adapter: ship the LoRA adapter alone (``learner.export_adapter``; rank 0 only, the learner unsharded)
             instead of the merged weights (``learner.export_weights``).
+        delta: ship the merged weights as deltas from the last push (``rlray.rollout.delta``); not with ``adapter``.
 
-    Attributes:
-        pushed_bytes: bytes of tensor data the last push put in the object store (``wire.packed_bytes``; rank 0,
-            0 elsewhere and before the first push); the step logs it as rollout/weight_sync_bytes.
+    Raises:
+        ValueError: ``delta`` with ``adapter``.
     """
 
-    def __init__(self, fleet: RolloutFleet | None, dtype: torch.dtype, *, wait: bool = True, adapter: bool = False) -> None:
+    def __init__(self, fleet: RolloutFleet | None, dtype: torch.dtype, *, wait: bool = True, adapter: bool = False,
+                 delta: bool = False) -> None:
+        if delta and adapter:
+            raise ValueError("ObjectStoreSync: a delta sync ships merged weights, not an adapter (rollout.lora_sync)")
         self.fleet, self.dtype, self.wait, self.adapter = fleet, dtype, wait, adapter
-        self.pushed_bytes = 0
+        self.encoder = DeltaEncoder() if delta else None
+        self.last_metrics: dict[str, float] = {}
+        self._resyncs_seen = 0
 
     def push(self, learner: Any, rank: int, version: int) -> None:
         """Exports the policy on rank 0 (on every rank with FSDP, a collective) and sends it, tagged ``version``."""
         if rank != 0 and not learner.sharded:
             return
+        if self.encoder is not None:
+            self._push_delta(learner, rank, version)
+            return
         payload = self.export(learner)
         if rank == 0:
-            self.pushed_bytes = packed_bytes(payload)
+            self.last_metrics = {"rollout/weight_sync_bytes": float(packed_bytes(payload))}
             self.fleet.release_weights()  # an async push's copy goes before the new one is written (memory reused)
             self.fleet.push_weights(ray.put(payload), version, wait=self.wait)
             if self.wait and not learner.sharded:
@@ -67,6 +83,20 @@ class ObjectStoreSync:
                 # memory instead of touching a second region (~0.5 GiB of PSS for SmolLM2 in float32). Until that
                 # push the policy is exactly this version, so an actor that restarts gets a fresh export of it.
                 self.fleet.mark_synced(version, lambda: ray.put(self.export(learner)))
+
+    def _push_delta(self, learner: Any, rank: int, version: int) -> None:
+        """Sends what changed since the last push (the full weights at the first); an actor that holds another
+        version gets ``encoder.full()`` from the fleet. With FSDP the export is a collective; rank 0 alone encodes."""
+        tensors = learner.export_weights(self.dtype)
+        if rank != 0:
+            return
+        delta = self.encoder.encode(tensors, version)
+        del tensors
+        self.fleet.release_weights()
+        self.fleet.push_weights(ray.put(delta), version, wait=self.wait, full=lambda: ray.put(self.encoder.full()))
+        resyncs, self._resyncs_seen = self.fleet.full_resyncs - self._resyncs_seen, self.fleet.full_resyncs
+        self.last_metrics = {"rollout/weight_sync_bytes": float(delta.nbytes), "rollout/weight_sync_changed_fraction": delta.changed_fraction,
+                             "rollout/weight_sync_full_resyncs": float(resyncs)}
 
     def export(self, learner: Any) -> Any:
         """Returns what a push puts in the object store: ``pack_adapter`` of the adapter (``adapter``), else
@@ -144,8 +174,8 @@ class VllmTransferSync:
         tensor_parallel_size: GPUs per engine.
 
     Attributes:
-        pushed_bytes: bytes of tensor data this rank sent in the last push (rank 0 for nccl; each rank its own for
-            ipc); 0 before the first push.
+        last_metrics: {"rollout/weight_sync_bytes": bytes of tensor data this rank sent in the last push} (rank 0 for
+            nccl; each rank its own for ipc); {} before the first push.
     """
 
     def __init__(self, fleet: RolloutFleet | None, backend: str, dtype: torch.dtype, tensor_parallel_size: int) -> None:
@@ -156,7 +186,7 @@ class VllmTransferSync:
         self._client: FleetTransferClient | None = None
         self._source: Any = None
         self._failures_at_init = -1
-        self.pushed_bytes = 0
+        self.last_metrics: dict[str, float] = {}  # rank 0: the bytes of its last send
 
     def push(self, learner: Any, rank: int, version: int) -> None:
         """Exports the policy on the GPU (every rank for ipc or FSDP) and sends it, tagged ``version``.
@@ -174,7 +204,7 @@ class VllmTransferSync:
             self._source.tensors = {}
             return
         self._ensure_group(rank)
-        self.pushed_bytes = packed_bytes(self._source.tensors)
+        self.last_metrics = {"rollout/weight_sync_bytes": float(packed_bytes(self._source.tensors))}
         self._client.version = version
         self._engine.send_weights()
         if rank == 0:
@@ -223,15 +253,16 @@ def free_port() -> int:
 
 
 def make_weight_sync(backend: str, fleet: RolloutFleet | None, dtype: torch.dtype, *, wait: bool, tensor_parallel_size: int,
-                     adapter: bool = False):
+                     adapter: bool = False, delta: bool = False):
     """Returns the weight sync of ``backend`` (``Config.weight_sync_backend``): object_store, nccl or ipc; with
-    ``adapter`` (``Config.adapter_sync``) the object store's adapter-only sync.
+    ``adapter`` (``Config.adapter_sync``) the object store's adapter-only sync, with ``delta``
+    (``rollout.weight_payload: delta``) its delta sync.
 
     Raises:
-        ValueError: ``adapter`` with nccl or ipc (the adapter goes through the object store).
+        ValueError: ``adapter`` or ``delta`` with nccl or ipc (both go through the object store).
     """
-    if adapter and backend != "object_store":
-        raise ValueError(f"an adapter-only weight sync goes through the object store, not {backend!r}")
+    if (adapter or delta) and backend != "object_store":
+        raise ValueError(f"an adapter-only or delta weight sync goes through the object store, not {backend!r}")
     if backend == "object_store":
-        return ObjectStoreSync(fleet, dtype, wait=wait, adapter=adapter)
+        return ObjectStoreSync(fleet, dtype, wait=wait, adapter=adapter, delta=delta)
     return VllmTransferSync(fleet, backend, dtype, tensor_parallel_size)

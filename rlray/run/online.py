@@ -197,7 +197,7 @@ def setup(plan: RunPlan, coll: Collective, *, model_dir: str, actors: list[Any],
     ctx.weight_sync = make_weight_sync(
         cfg.weight_sync_backend, ctx.lead.fleet if ctx.lead else None, dtype,
         wait=cfg.rollout.max_staleness == 0, tensor_parallel_size=cfg.resources.rollout.tensor_parallel_size,
-        adapter=cfg.adapter_sync,
+        adapter=cfg.adapter_sync, delta=cfg.rollout.weight_payload == "delta",
     )
     return ctx
 
@@ -250,8 +250,7 @@ def run_step(ctx: OnlineRun, step: int) -> StepResult:
         ctx.policy_version = sync_weights(ctx)
     if ctx.lead is None:
         return StepResult(metrics)
-    metrics.update(step_metrics(ctx.lead, handout.rollout_metrics, batch, timer))
-    metrics["rollout/weight_sync_bytes"] = float(ctx.weight_sync.pushed_bytes)  # stage 7's push (rank 0)
+    metrics.update(step_metrics(ctx.lead, handout.rollout_metrics, batch, timer) | ctx.weight_sync.last_metrics)
     samples = step_samples(ctx.tokenizer, experience.table, handout.sample_rows, kept_advantages, step + 1)
     return StepResult(metrics, samples, experience.prompt_ids, experience.alerts)
 

@@ -20,6 +20,9 @@ GPUS = {"resources": {"rollout": {"gpus": 1}, "learner": {"gpus": 1}}}
         ({"model": {"adapter_path": "ckpt/adapter"}, **GPUS}, True, "object_store"),
         ({"model": {"lora": {"rank": 16}}, "rollout": {"lora_sync": "merged"}, **GPUS}, False, "nccl"),
         ({"model": {"lora": {"rank": 16}}, "rollout": {"weight_sync": "nccl"}, **GPUS}, False, "nccl"),
+        # a delta sync (rollout.weight_payload) ships merged weights through the object store
+        ({"model": {"lora": {"rank": 16}}, "rollout": {"weight_payload": "delta"}, **GPUS}, False, "object_store"),
+        ({"rollout": {"weight_payload": "delta"}, **GPUS}, False, "object_store"),
         # a sharded (FSDP2) learner pushes merged weights, gathered on rank 0
         ({"model": {"lora": {"rank": 16}}, "resources": {"rollout": {"gpus": 1},
                                                          "learner": {"gpus": 1, "strategy": "fsdp"}}}, False, "nccl"),
@@ -52,4 +55,13 @@ def test_an_adapter_sync_from_a_sharded_learner_is_refused_before_ray_starts(mod
     with pytest.raises(ConfigError, match="rollout.lora_sync='adapter' with resources.learner.strategy='fsdp': a "
                                           "sharded learner pushes merged weights gathered on rank 0; set "
                                           "rollout.lora_sync=merged or auto"):
+        config_from_dict(tree)
+
+
+@pytest.mark.parametrize("rollout", [{"weight_payload": "delta", "weight_sync": "nccl"},
+                                     {"weight_payload": "delta", "lora_sync": "adapter"}])
+def test_a_delta_sync_over_nccl_or_of_an_adapter_is_refused(rollout):
+    tree = {"model": {"lora": {"rank": 8}}, "rollout": rollout, **GPUS}
+    with pytest.raises(ConfigError, match="rollout.weight_payload='delta' goes through the object store with merged "
+                                          "weights"):
         config_from_dict(tree)

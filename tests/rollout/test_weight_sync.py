@@ -97,7 +97,7 @@ def test_a_synchronous_push_leaves_no_copy_in_the_object_store(fleet, monkeypatc
     learner = _Learner()
     sync = ObjectStoreSync(fleet, torch.float32, wait=True)
     sync.push(learner, rank=0, version=1)
-    assert len(puts) == 1 and sync.pushed_bytes == 6 * 4  # the 2x3 float32 policy (rollout/weight_sync_bytes)
+    assert len(puts) == 1 and sync.last_metrics["rollout/weight_sync_bytes"] == 6 * 4  # the 2x3 float32 policy (rollout/weight_sync_bytes)
     assert fleet._latest is not None and _released(puts[0])  # dropped once both actors loaded it
     assert ray.get([a.loaded.remote() for a in fleet.actors]) == [(1, [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]])] * 2
     # a restarted actor is brought to version 1 from a fresh export of the (unchanged) policy
@@ -138,3 +138,101 @@ def test_an_async_push_releases_the_previous_copy_before_writing_its_own(fleet, 
     assert latest_at_second_put == [None] and _released(puts[0])
     assert ray.get([a.loaded.remote() for a in fleet.actors]) == [(2, [[10.0, 11.0, 12.0], [13.0, 14.0, 15.0]])] * 2
     assert fleet._latest().hex() == puts[1]  # the async copy of version 2 is kept until the next push
+
+
+# ---- delta sync (rollout.weight_payload: delta): the real RolloutActor.update_weights over a fake engine ----------
+class _Engine:
+    """What RolloutActor reads of a RolloutEngine: ``update_weights`` (keeps a copy of what it loads) and the version."""
+
+    def __init__(self) -> None:
+        self.policy_version, self.loaded = 0, None
+
+    def update_weights(self, named_tensors: dict, version: int) -> None:
+        self.loaded = {n: t.clone() for n, t in named_tensors.items()}
+        self.policy_version = version
+
+
+def _delta_actor_class():
+    from rlray.launch.actors import RolloutActor
+    from rlray.rollout.delta import DeltaReceiver
+
+    class _DeltaActor(RolloutActor):
+        def __init__(self) -> None:  # no engine build: RolloutActor's own update path over _Engine
+            self.engine, self.receiver = _Engine(), DeltaReceiver()
+
+        def restart(self) -> None:  # what Ray's restart leaves: the checkpoint's weights at version 0, no copy
+            self.engine, self.receiver = _Engine(), DeltaReceiver()
+
+        def corrupt_copy(self) -> None:  # one bit of the actor's copy flips, in a row the next step leaves alone
+            self.receiver.mirror["w"].view(torch.int16).view(-1)[-1] ^= 1
+
+        def loaded(self) -> tuple[int, dict]:
+            return self.engine.policy_version, self.engine.loaded
+
+    return _DeltaActor
+
+
+class _MovingLearner(_Learner):
+    """A policy whose weights move by a small step at each update: most bf16 values keep their bits."""
+
+    def __init__(self) -> None:
+        self.weight = torch.linspace(-1.0, 1.0, 4096).reshape(64, 64)
+        self.exports = 0
+
+    def export_weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        return {"w": self.weight.to(dtype)}
+
+    def step(self) -> None:
+        self.weight[:8] += 0.01  # 512 of 4096 values move by more than a bf16 ulp
+
+
+@pytest.fixture
+def delta_fleet(ray_session):
+    actors = [ray.remote(_delta_actor_class()).options(num_cpus=0.01).remote() for _ in range(2)]
+    ray.get([a.policy_version.remote() for a in actors])
+    yield RolloutFleet(actors)
+    for a in actors:
+        ray.kill(a, no_restart=True)
+
+
+def _engines_hold(fleet: RolloutFleet, learner: _MovingLearner, version: int) -> bool:
+    want = learner.weight.to(torch.bfloat16).view(torch.int16)
+    got = ray.get([a.loaded.remote() for a in fleet.actors])
+    return all(v == version and torch.equal(w["w"].view(torch.int16), want) for v, w in got)
+
+
+def test_a_delta_sync_sends_the_changed_values_and_the_engines_hold_the_learners_bits(delta_fleet):
+    learner, sync = _MovingLearner(), ObjectStoreSync(delta_fleet, torch.bfloat16, wait=True, delta=True)
+    sync.push(learner, rank=0, version=1)
+    assert sync.last_metrics == {"rollout/weight_sync_bytes": 4096 * 2, "rollout/weight_sync_changed_fraction": 1.0,
+                                 "rollout/weight_sync_full_resyncs": 0.0}
+    learner.step()
+    sync.push(learner, rank=0, version=2)
+    changed = sync.last_metrics["rollout/weight_sync_changed_fraction"]
+    assert 0 < changed <= 512 / 4096 and _engines_hold(delta_fleet, learner, 2)
+    k = round(changed * 4096)
+    assert sync.last_metrics["rollout/weight_sync_bytes"] == min(k * 6, 4096 // 8 + k * 2)  # sparse or bit mask, not dense
+
+
+def test_an_engine_that_missed_a_version_gets_the_full_weights(delta_fleet):
+    learner, sync = _MovingLearner(), ObjectStoreSync(delta_fleet, torch.bfloat16, wait=True, delta=True)
+    sync.push(learner, rank=0, version=1)
+    ray.get(delta_fleet.actors[1].restart.remote())  # back at version 0 before the fleet noticed
+    learner.step()
+    sync.push(learner, rank=0, version=2)
+    assert delta_fleet.full_resyncs == 1 and sync.last_metrics["rollout/weight_sync_full_resyncs"] == 1.0
+    assert _engines_hold(delta_fleet, learner, 2)
+    learner.step()
+    sync.push(learner, rank=0, version=3)  # both hold version 2 again: deltas only
+    assert delta_fleet.full_resyncs == 1 and _engines_hold(delta_fleet, learner, 3)
+    # an actor that restarts is refreshed from the learner's copy, whole, at the latest version
+    assert ray.get(delta_fleet._latest()).base_version is None and ray.get(delta_fleet._latest()).version == 3
+
+
+def test_a_corrupted_copy_fails_its_checksum_and_the_engine_gets_the_full_weights(delta_fleet):
+    learner, sync = _MovingLearner(), ObjectStoreSync(delta_fleet, torch.bfloat16, wait=True, delta=True)
+    sync.push(learner, rank=0, version=1)
+    ray.get(delta_fleet.actors[0].corrupt_copy.remote())
+    learner.step()
+    sync.push(learner, rank=0, version=2)
+    assert delta_fleet.full_resyncs == 1 and _engines_hold(delta_fleet, learner, 2)
