@@ -81,3 +81,75 @@ def test_make_torch_says_where_to_look_when_no_source_has_it(tmp_path):
 def _make_on_path():
     if subprocess.run(["make", "--version"], capture_output=True).returncode != 0:
         pytest.fail("make is not installed: the README's commands need it")
+
+
+# --- scripts/uv_install.py: uv with pip's own sources, pip when uv fails ---
+
+def _uv_install_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("uv_install", REPO / "scripts" / "uv_install.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_pip_s_sources_become_uv_s_flags_with_the_environment_winning():
+    uvi = _uv_install_module()
+    listed = ("global.cert='/etc/ssl/ca.crt'\n"
+              "global.extra-index-url='file:///opt/a/simple file:///opt/b/simple'\n"
+              "global.find-links='/opt/files'\n"
+              "global.constraint='/etc/pip/constraints.txt'\n"
+              ":env:.find-links='/opt/wheels'\n"
+              ":env:.default-timeout='180'\n"
+              "not a config line\n")
+    config = uvi.parse_pip_config(listed)
+    assert config == {"cert": "/etc/ssl/ca.crt", "extra-index-url": "file:///opt/a/simple file:///opt/b/simple",
+                      "find-links": "/opt/wheels", "constraint": "/etc/pip/constraints.txt", "default-timeout": "180"}
+    assert uvi.uv_args(config) == ["--extra-index-url", "file:///opt/a/simple", "--extra-index-url", "file:///opt/b/simple",
+                                   "--find-links", "/opt/wheels", "--constraint", "/etc/pip/constraints.txt",
+                                   "--index-strategy", "unsafe-best-match"]
+    assert uvi.uv_args({"no-index": "true", "index-url": "file:///i"}) == [
+        "--index-url", "file:///i", "--no-index", "--index-strategy", "unsafe-best-match"]
+    assert uvi.uv_env(config)["SSL_CERT_FILE"] == os.environ.get("SSL_CERT_FILE", "/etc/ssl/ca.crt")
+
+
+def _fresh_venv(path: Path) -> Path:
+    subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
+    return path / "bin" / "python"
+
+
+def _isolated_pip(tmp: Path, find_links: Path) -> dict[str, str]:
+    """pip's configuration switched off but for one find-links folder and an empty index (nothing else is reachable)."""
+    (tmp / "empty-index").mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "UV_"))}
+    return env | {"PIP_CONFIG_FILE": os.devnull, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_FIND_LINKS": str(find_links),
+                  "PIP_INDEX_URL": (tmp / "empty-index").as_uri(), "UV_CACHE_DIR": str(tmp / "uv-cache")}
+
+
+@pytest.mark.skipif(not (Path(sys.executable).parent / "uv").exists(), reason="uv is installed by make install")
+def test_uv_installs_from_pip_s_own_find_links_folder(tmp_path):
+    python = _fresh_venv(tmp_path / "venv")
+    # uv itself comes from this environment's pip cache/wheel: the stand-in venv gets it from a folder holding uv's wheel
+    wheels = tmp_path / "wheels"
+    _wheel(wheels)
+    got = subprocess.run([str(python), "-m", "pip", "download", "-q", "--no-deps", "-d", str(wheels), "uv"],
+                         capture_output=True, text=True)
+    assert got.returncode == 0, got.stderr
+    env = _isolated_pip(tmp_path, wheels)
+    got = subprocess.run([sys.executable, str(REPO / "scripts/uv_install.py"), str(python), "--", "-q", SPEC],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, got.stdout + got.stderr
+    assert "installing with pip" not in got.stderr  # uv did it: pip's find-links reached uv
+    assert (python.parent / "uv").exists() and _installed(tmp_path / "venv") == "1.0+cpu"
+
+
+def test_without_uv_pip_installs_the_same_arguments(tmp_path):
+    python = _fresh_venv(tmp_path / "venv")
+    wheels = tmp_path / "wheels"
+    _wheel(wheels)  # a folder without uv's wheel, and no index: uv cannot be installed
+    got = subprocess.run([sys.executable, str(REPO / "scripts/uv_install.py"), str(python), "--", "-q", SPEC],
+                         env=_isolated_pip(tmp_path, wheels), capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, got.stdout + got.stderr
+    assert "uv_install: could not install uv" in got.stderr
+    assert _installed(tmp_path / "venv") == "1.0+cpu"
