@@ -45,7 +45,8 @@ RAY_SECONDS_FILE = REPO_ROOT / "tests" / "ray_module_seconds.json"
 UNMEASURED_RAY_MODULE_S = 60.0  # a Ray module not in RAY_SECONDS_FILE yet counts as this many seconds
 
 
-def ray_groups(modules: list[str], groups: int, seconds: dict[str, float]) -> dict[str, int]:
+def ray_groups(modules: list[str], groups: int, seconds: dict[str, float], together: frozenset[str] = frozenset()
+               ) -> dict[str, int]:
     """Splits the Ray test modules into ``groups`` groups of about equal measured time (longest first, each to the
     group with the least time so far: LPT, Graham 1969); returns {module: group index}.
 
@@ -54,22 +55,39 @@ def ray_groups(modules: list[str], groups: int, seconds: dict[str, float]) -> di
         groups: how many groups (>= 1).
         seconds: measured seconds per module (``RAY_SECONDS_FILE``); a module missing from it counts as
             ``UNMEASURED_RAY_MODULE_S``.
+        together: modules that must share one group (one item of their summed time): those that start Ray Serve,
+            whose HTTP proxy takes one port of the machine (``reward.server.port``, 8000 by default).
     """
+    def cost(module: str) -> float:
+        return seconds.get(module, UNMEASURED_RAY_MODULE_S)
+
+    items = [[m] for m in modules if m not in together] + ([sorted(m for m in modules if m in together)]
+                                                          if together & set(modules) else [])
     load = [0.0] * groups
     out: dict[str, int] = {}
-    for module in sorted(modules, key=lambda m: (-seconds.get(m, UNMEASURED_RAY_MODULE_S), m)):
+    for item in sorted(items, key=lambda ms: (-sum(map(cost, ms)), ms)):
         group = min(range(groups), key=lambda g: (load[g], g))
-        out[module] = group
-        load[group] += seconds.get(module, UNMEASURED_RAY_MODULE_S)
+        out.update(dict.fromkeys(item, group))
+        load[group] += sum(map(cost, item))
     return out
+
+
+_SERVE_WORDS = re.compile(r"\bserve\.(?:start|run|delete|shutdown|status)\b|reward\.server\.enabled|\bdeploy_judges\b|"
+                          r"\bstart_reward_server\b|\bserve_reward\b")
+
+
+def _uses_serve(test_file: str) -> bool:
+    """True when the test module starts Ray Serve (its words: ``serve.start``/``serve.run``/..., ``reward.server.enabled``,
+    ``deploy_judges``, ``start_reward_server``)."""
+    return bool(_SERVE_WORDS.search((REPO_ROOT / test_file).read_text()))
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """Schedules ``make test``'s workers (``pytest -n N``) by module. The modules that use Ray (``_uses_ray``) form
-    N-1 groups (one when N is 2) of about equal measured time (``ray_groups`` on ``RAY_SECONDS_FILE``): each group
-    runs, in order, on one worker and its one Ray cluster, and the groups start first; the pure modules go to the
-    remaining worker and to whichever worker is free. The Ray tests wait on start-ups most of their time (on 2 cores
-    the suite kept about a quarter of the CPU busy), so two Ray groups beside the pure tests fit 2 cores. xdist's own
+    N groups of about equal measured time (``ray_groups`` on ``RAY_SECONDS_FILE``): each group runs, in order, on
+    one worker and its one Ray cluster, and the groups start first, one per worker; the pure modules then go to
+    whichever worker is free, so they even out the groups' ends. With one Ray group on 2 workers (until 4be4d40) the
+    pure worker sat idle for two thirds of the run: the Ray modules summed to ~3x the pure ones. xdist's own
     ``--dist loadgroup`` cannot do this under pytest 9.2 (it renames test ids through an attribute pytest no longer
     reads)."""
     import json
@@ -94,7 +112,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
                     for nodeid in next(iter(self.registered_collections.values())):
                         self._split_scope(nodeid)
                     modules = [m for m, scope in cache.items() if scope == "ray"]
-                for module, group in ray_groups(modules, max(1, workers - 1), seconds).items():
+                serve = frozenset(m for m in modules if _uses_serve(m))
+                for module, group in ray_groups(modules, max(1, workers), seconds, serve).items():
                     cache[module] = f"ray:{group}"
             super().schedule()
 

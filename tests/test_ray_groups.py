@@ -27,3 +27,20 @@ def test_every_module_in_one_group_and_the_split_within_the_longest_module(secon
     assert set(split) == set(seconds) and set(split.values()) <= set(range(groups))
     loads = [sum(s for m, s in seconds.items() if split[m] == g) for g in range(groups)]
     assert max(loads) - min(loads) <= max(seconds.values(), default=0.0) + 1e-9  # LPT's bound on the imbalance
+
+
+def test_modules_that_start_serve_share_one_group():
+    seconds = {"a.py": 100.0, "s1.py": 30.0, "s2.py": 40.0, "b.py": 50.0}
+    # alone: a -> 0 (100); b -> 1 (50); s2 -> 1 (90); s1 -> 1 (120). together: a -> 0; s1+s2 (70) -> 1; b -> 1 (120)
+    assert ray_groups(list(seconds), 2, seconds) == {"a.py": 0, "b.py": 1, "s2.py": 1, "s1.py": 1}
+    seconds["s1.py"] = 90.0  # alone s1 (90) and s2 (40) would part: a -> 0, s1 -> 1, b -> 1 (140), s2 -> 0 (140)
+    assert ray_groups(list(seconds), 2, seconds)["s2.py"] != ray_groups(list(seconds), 2, seconds)["s1.py"]
+    together = ray_groups(list(seconds), 2, seconds, frozenset({"s1.py", "s2.py"}))
+    assert together == {"s1.py": 0, "s2.py": 0, "a.py": 1, "b.py": 1}  # s1+s2 (130) -> 0; a -> 1 (100); b -> 1 (150)
+
+
+def test_the_serve_modules_of_the_suite_are_found():
+    from tests.conftest import _uses_serve
+
+    assert _uses_serve("tests/reward/test_server.py") and _uses_serve("tests/run/test_dist_e2e.py")
+    assert not _uses_serve("tests/run/test_rgym_e2e.py")

@@ -1,10 +1,12 @@
-"""Thin Ray actors over rlray's plain classes. Each remote method delegates in a few lines.
+"""Starts rlray's actors and waits on them. The classes are thin Ray actors over rlray's plain classes, each remote
+method delegating in a few lines:
 
 - ``RolloutActor`` over ``RolloutEngine`` (one vLLM engine per actor), named ``rlray:rollout-<i>``,
   placed in the rollout placement group, restarted by Ray up to ``resources.rollout.max_restarts``.
 - ``ReferenceActor`` over ``ReferenceModel``, named ``rlray:reference-0`` (when
   ``resources.reference.placement == "actor"``), and the same class over the distillation teacher's model,
   named ``rlray:teacher-0`` (when ``teacher.path`` is set and ``resources.teacher.placement == "actor"``).
+  Both live in ``rlray.launch.engine_actors``, which imports no torch (their handles travel to light processes).
 - The reward Serve deployment lives in ``rlray.reward.server`` (Serve builds its own actors).
 - ``MonitorActor`` lives in ``rlray.launch.monitor_actor``, which imports no torch (a lighter process).
 """
@@ -21,142 +23,17 @@ from pathlib import Path
 from typing import Any
 
 import ray
-import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlray.config import Config
-from rlray.learner.batching import MicroBatching
-from rlray.learner.reference import ReferenceModel
+from rlray.launch.engine_actors import ReferenceActor, RolloutActor
 from rlray.models.adapters import AdapterWeights, read_adapter_config
 from rlray.models.loading import ModelError
 from rlray.observe.startup import ActorTimes, Launched
 from rlray.plan import resolve_plan
-from rlray.rollout import Completion, RolloutEngine, SamplingSpec
-from rlray.rollout.delta import DeltaReceiver, WeightDelta, WeightSyncChecksumError
-from rlray.rollout.wire import unpack_adapter, unpack_weights
 from rlray.run import build
-from rlray.schema import ModelInputs
 
 log = logging.getLogger(__name__)
-
-
-class RolloutActor:
-    """Ray actor around a ``RolloutEngine`` (one vLLM engine per actor).
-
-    Args:
-        model_path: local Hugging Face folder of the initial policy.
-        engine_kwargs: keyword arguments of ``RolloutEngine`` (dtype, seed, backend, ...).
-    """
-
-    def __init__(self, model_path: str, engine_kwargs: dict) -> None:
-        self.times = ActorTimes.begin()
-        self.engine = RolloutEngine(model_path, **engine_kwargs)
-        self.receiver = DeltaReceiver()  # a copy of the weights only once a delta sync sends them
-        self.times.end()
-
-    def startup_times(self) -> ActorTimes:
-        """Returns this actor's start: its process's creation, its imports and its engine's build (``ActorTimes``)."""
-        return self.times
-
-    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSpec) -> list[Completion]:
-        """Returns ``sampling.n`` completions per prompt, prompt-major (see ``RolloutEngine.generate``)."""
-        return self.engine.generate(prompt_token_ids, sampling)
-
-    def update_weights(self, weights: dict[str, Any] | AdapterWeights | WeightDelta, version: int) -> int:
-        """Loads a new policy, resets the cache and returns the new version: whole weights (tensors, or
-        ``rollout.wire.pack_weights`` output; ``RolloutEngine.update_weights``), a LoRA adapter (``AdapterWeights``,
-        packed or not; ``RolloutEngine.update_adapter``: applied over the engine's base weights), or a delta
-        (``WeightDelta``: applied to this actor's copy of the version it holds, ``rollout.delta.DeltaReceiver``, which
-        the engine then loads whole).
-
-        A delta for a version this actor does not hold, or whose checksums fail, loads nothing: the old version is
-        returned and the fleet sends the full weights (``RolloutFleet.push_weights``).
-
-        Raises:
-            WeightSyncChecksumError: full weights (a ``WeightDelta`` with no base) whose checksums fail.
-        """
-        if isinstance(weights, WeightDelta):
-            return self._update_delta(weights, version)
-        self.receiver.clear()  # the engine takes weights by another path: the next delta is refused
-        if isinstance(weights, AdapterWeights):
-            self.engine.update_adapter(unpack_adapter(weights), version)
-        else:
-            self.engine.update_weights(unpack_weights(weights), version)
-        return self.engine.policy_version
-
-    def _update_delta(self, delta: WeightDelta, version: int) -> int:
-        if delta.version != version:
-            raise ValueError(f"update_weights: a delta to version {delta.version} pushed as version {version}")
-        try:
-            weights = self.receiver.apply(delta)
-        except WeightSyncChecksumError as err:
-            if delta.base_version is None:
-                raise
-            log.warning("%s: loading nothing; the fleet sends the full weights", err)
-            return self.engine.policy_version
-        if weights is None:
-            return self.engine.policy_version
-        self.engine.update_weights(weights, version)
-        return self.engine.policy_version
-
-    def policy_version(self) -> int:
-        """Returns the policy version the engine generates with."""
-        return self.engine.policy_version
-
-    def ready(self) -> bool:
-        """Returns True once the engine is built (used to wait for start-up)."""
-        return True
-
-    # vLLM weight transfer (NCCL / CUDA IPC), driven by rlray.rollout.weight_sync.VllmTransferSync
-    def transfer_init(self, init_info: dict) -> None:
-        """Joins the trainer's weight-transfer group (``RolloutEngine.init_weight_transfer``)."""
-        self.engine.init_weight_transfer(init_info)
-
-    def transfer_start(self) -> None:
-        """Begins a weight update (``RolloutEngine.start_weight_transfer``)."""
-        self.engine.start_weight_transfer()
-
-    def transfer_receive(self, update_info: dict) -> None:
-        """Receives the weights the trainer is sending (``RolloutEngine.receive_weights``)."""
-        self.engine.receive_weights(update_info)
-
-    def transfer_finish(self, version: int) -> int:
-        """Ends the update, resets the cache, and returns the new policy version."""
-        self.engine.finish_weight_transfer(version)
-        self.receiver.clear()
-        return self.engine.policy_version
-
-    def transfer_shutdown(self) -> None:
-        """Leaves the weight-transfer group (``RolloutEngine.shutdown_weight_transfer``)."""
-        self.engine.shutdown_weight_transfer()
-
-
-class ReferenceActor:
-    """Ray actor around a ``ReferenceModel``: a frozen model shared by every learner rank that receives the model
-    inputs of a shard (``schema.ModelInputs``, nothing else of the step) and sends [B, T] logprobs of the sampled
-    tokens (the reference policy, or the distillation teacher).
-
-    Args:
-        model_path: local Hugging Face folder of the initial policy (reference) or of the teacher.
-        model_kwargs: keyword arguments of ``ReferenceModel`` (dtype, temperature, torch_threads).
-    """
-
-    def __init__(self, model_path: str, model_kwargs: dict) -> None:
-        self.times = ActorTimes.begin()
-        self.model = ReferenceModel(model_path, **model_kwargs)
-        self.times.end()
-
-    def startup_times(self) -> ActorTimes:
-        """Returns this actor's start: its process's creation, its imports and its model's load (``ActorTimes``)."""
-        return self.times
-
-    def logprobs(self, inputs: ModelInputs, batching: MicroBatching) -> torch.Tensor:
-        """Returns [B, T] float32 reference logprobs of the rows' responses, micro-batch by micro-batch (``batching``)."""
-        return self.model.logprobs(inputs, batching)
-
-    def ready(self) -> bool:
-        """Returns True once the model is loaded."""
-        return True
 
 
 KV_BLOCK_TOKENS = 16  # vLLM's KV-cache block size on CPU: a sequence holds whole blocks

@@ -32,8 +32,6 @@ import ray
 import ray.cloudpickle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from rlray.envs.trl import USER_MODULE_PREFIX, load_object
-
 if TYPE_CHECKING:  # the run-control actor's process imports this module: no config schema there (it imports torch)
     from rlray.plan import RunPlan
 
@@ -152,6 +150,7 @@ def load_step_hooks(plan: RunPlan) -> list[StepHook]:
             raised, or it returned something that is not callable; one line naming ``run.hooks[i]``, the spec and
             the fix.
     """
+    from rlray.envs.trl import USER_MODULE_PREFIX, load_object  # deferred: RunControl's process (this module) stays light
     from rlray.plan import ConfigError  # deferred: see the TYPE_CHECKING import above
 
     cfg = plan.settings

@@ -6,10 +6,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rlray.run.guards import MemoryWatchdog
 from rlray.run.hooks import StepHook
+
+if TYPE_CHECKING:  # torch (through guards) stays out of the light processes that unpickle these records: Ray Train's
+    from rlray.run.guards import MemoryWatchdog  # controller (WorkerArgs), the RunControl actor (RunOutcome)
 
 RUNNING = "RUNNING"
 
