@@ -68,10 +68,7 @@ $(VERIFIERS_VENV)/.rlray-installed:
 	touch $@
 
 data: $(STAMP)
-	$(BIN)/rlray data fetch gsm8k
-	$(BIN)/rlray data fetch hh-rlhf-harmless
-	$(BIN)/rlray data fetch retry-arith
-	$(BIN)/rlray data fetch guess-number
+	$(BIN)/rlray data fetch gsm8k hh-rlhf-harmless retry-arith guess-number
 
 # The learning bar of benchmarks/env_learning.py: 200 held-out episodes of retry_arith (greedy) before, GRPO on
 # configs/envs/retry_arith_smollm2.yaml, the same episodes after; prints the table. Under 30 minutes on 2 cores.

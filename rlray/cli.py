@@ -179,8 +179,8 @@ def _snapshots(args: argparse.Namespace) -> int:
 def _data(args: argparse.Namespace) -> int:
     from rlray.data import fetch_dataset
 
-    path = fetch_dataset(args.name, Path(args.dest))
-    print(f"{args.name}: {path}")
+    for name in args.names:
+        print(f"{name}: {fetch_dataset(name, Path(args.dest))}")
     return 0
 
 
@@ -289,6 +289,18 @@ def main(argv: list[str] | None = None) -> int:
         configure_console(args.command == "train" and args.verbose)
     else:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return HANDLERS[args.handler](args)
+    except Exception as err:
+        if not isinstance(err, input_errors()):
+            raise
+        print(f"rlray: {err}", file=sys.stderr)  # bad input found before the run: the message says what to fix
+        return 2
+
+
+def input_errors() -> tuple[type[Exception], ...]:
+    """Returns the error classes of bad input found before a run (an ``rlray:`` line and exit status 2). Imported
+    when an error is raised, not at start: ``rlray data`` and ``rlray --help`` pay for no model or Ray code."""
     from rlray.checkpoint.storage import SnapshotError
     from rlray.data import DataError
     from rlray.launch.placement import PlacementError
@@ -296,11 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     from rlray.models import ModelError
     from rlray.reward import RewardFunctionError
 
-    try:
-        return HANDLERS[args.handler](args)
-    except (ConfigError, SnapshotError, DataError, ModelError, PlacementError, RewardFunctionError, PreflightError) as err:
-        print(f"rlray: {err}", file=sys.stderr)  # bad input found before the run: the message says what to fix
-        return 2
+    return ConfigError, SnapshotError, DataError, ModelError, PlacementError, RewardFunctionError, PreflightError
 
 
 if __name__ == "__main__":

@@ -342,13 +342,13 @@ def build_parser() -> RlrayParser:
     g.add_argument("--prompts", action="store_true", help="list every prompt: times taken and the steps that took it")
     _run_config(g, optional=True)
 
-    d = _command(sub, "data", "datasets: rlray data fetch NAME [--dest data]", """
+    d = _command(sub, "data", "datasets: rlray data fetch NAME [NAME ...] [--dest data]", """
         The data sets rlray's configs and tests use.""", ["rlray data fetch gsm8k"], "docs/quickstart.md")
-    f = _command(_subcommands(d, "data_command"), "fetch", "fetch a data set into DEST/NAME", """
-        Fetches a data set into DEST/NAME: gsm8k (train.jsonl, test.jsonl) and hh-rlhf-harmless from the mirror
+    f = _command(_subcommands(d, "data_command"), "fetch", "fetch data sets into DEST/NAME", """
+        Fetches each named data set into DEST/NAME: gsm8k (train.jsonl, test.jsonl) and hh-rlhf-harmless from the mirror
         (RLRAY_DATA_MIRROR) or the Hugging Face hub; retry-arith and guess-number are generated.""",
                  ["rlray data fetch gsm8k", "rlray data fetch hh-rlhf-harmless --dest data"], "docs/quickstart.md", "data")
-    f.add_argument("name", metavar="NAME", choices=["gsm8k", "hh-rlhf-harmless", "retry-arith", "guess-number"],
-                   help="gsm8k, hh-rlhf-harmless, retry-arith or guess-number")
+    f.add_argument("names", metavar="NAME", nargs="+", choices=["gsm8k", "hh-rlhf-harmless", "retry-arith", "guess-number"],
+                   help="gsm8k, hh-rlhf-harmless, retry-arith or guess-number (several: one after another)")
     f.add_argument("--dest", default="data", help="folder to fetch into (default: data)")
     return p

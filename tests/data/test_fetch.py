@@ -73,6 +73,12 @@ def test_unknown_name_and_cli(tmp_path, mirror, no_network, capsys):
         fetch_dataset("mnist", tmp_path)
     assert fetch.main(["gsm8k", "--dest", str(tmp_path)]) == 0
     assert f"gsm8k: {tmp_path / 'gsm8k'}" in capsys.readouterr().out
+    from rlray.cli import main  # `make data`: every set in one process, one line each
+
+    assert main(["data", "fetch", "gsm8k", "guess-number", "--dest", str(tmp_path / "both")]) == 0
+    assert capsys.readouterr().out.splitlines() == [f"gsm8k: {tmp_path / 'both' / 'gsm8k'}",
+                                                   f"guess-number: {tmp_path / 'both' / 'guess-number'}"]
+    assert (tmp_path / "both" / "gsm8k" / "train.jsonl").is_file() and (tmp_path / "both" / "guess-number").is_dir()
 
 
 def test_environment_datasets_are_generated_without_network(tmp_path, no_network):
