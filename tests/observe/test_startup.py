@@ -1,5 +1,5 @@
 """The start-up record (rlray.observe.startup): the phases of a run from hand-placed timestamps, and that the light
-processes (the monitor and run-control actors) import no torch."""
+processes (the monitor and run-control actors, Ray Train's controller) import no torch."""
 
 from __future__ import annotations
 
@@ -76,10 +76,13 @@ def test_actor_times_and_process_start():
     assert times.end().init_end >= times.init_start
 
 
-@pytest.mark.parametrize("module", ["rlray.launch.monitor_actor", "rlray.run.hooks", "rlray.observe.startup"])
+@pytest.mark.parametrize("module", ["rlray.launch.monitor_actor", "rlray.run.hooks", "rlray.observe.startup",
+                                    "rlray.run.state", "rlray.launch.engine_actors"])
 def test_light_actor_modules_import_no_torch(module):
     """Issue 39: Ray imports an actor's module in its process; the monitor's and run control's stay off torch (and
-    the monitor's off MLflow, loaded at its first alert) -- 3-7 s of CPU each at every run's start."""
+    the monitor's off MLflow, loaded at its first alert) -- 3-7 s of CPU each at every run's start. Ray Train's
+    controller unpickles the learner's ``WorkerArgs`` (rlray.run.state) with the engine actors' handles in it (their
+    class's module, rlray.launch.engine_actors): before, that cost it ~6 s of imports before the learner could start."""
     code = f"import sys, {module}; print(sorted(m for m in ('torch', 'mlflow', 'vllm') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO,
                          env={**os.environ, "PYTHONPATH": str(REPO)})

@@ -153,7 +153,7 @@ class _Engine:
 
 
 def _delta_actor_class():
-    from rlray.launch.actors import RolloutActor
+    from rlray.launch.engine_actors import RolloutActor
     from rlray.rollout.delta import DeltaReceiver
 
     class _DeltaActor(RolloutActor):
