@@ -118,8 +118,10 @@ def test_dead_actor_prompts_go_to_another_actor_exactly_once(actors, tmp_path):
     assert _wait_restarted(fleet.actors[1]) == 0
     out = fleet.generate(prompts, SAMPLING)
     assert {c.policy_version for c in out} == {5}
+    # it rejoins once its probe has answered (how many rollouts that takes depends on the load: a condition)
+    _rollouts_until_rejoined(fleet, prompts, first_id=2000)
     assert ray.get(fleet.actors[1].policy_version.remote()) == 5
-    assert ray.get(fleet.actors[1].call_count.remote()) == 1  # its chunk of the third rollout
+    assert ray.get(fleet.actors[1].call_count.remote()) >= 1  # its chunk of the rollout after it rejoined
     assert not Path(flag).exists()
 
 
