@@ -51,6 +51,10 @@ COUNTERS: dict[str, str] = {
     "rlray_snapshot_failures": "snapshots that failed to write",
 }
 PROGRESS_STEPS = 500  # recorded steps the progress record keeps (a console that polls late still prints each)
+# Before the learner's first start or heartbeat the run is starting (Ray Train's workers, the engines' loads): a
+# stall is then "no sign of the learner" for this long or 2 heartbeat intervals, whichever is longer. A 10 s heartbeat
+# (configs/grpo_gsm8k_tiny.yaml) otherwise alerted a stall at step 0 in every run whose start took over 20 s.
+STARTUP_GRACE_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -198,8 +202,9 @@ class Alerter:
 class RunMonitor(page.PageServer):
     """Health of one run: status, progress, heartbeats, alerts, and the page that shows them (``page.PageServer``).
 
-    Status is ``healthy`` while heartbeats come, ``stalled`` after 2 heartbeat intervals without one,
-    and ``stopped`` (with a reason) once the run ends.
+    Status is ``healthy`` while heartbeats come, ``stalled`` after 2 heartbeat intervals without one (before the
+    learner's first start or heartbeat: after ``STARTUP_GRACE_S`` when that is longer), and ``stopped`` (with a
+    reason) once the run ends.
 
     Args:
         run_id: MLflow run id.
@@ -223,6 +228,7 @@ class RunMonitor(page.PageServer):
         self.recorded: deque[StepProgress] = deque(maxlen=PROGRESS_STEPS)  # the driver's console reads them
         self.last_heartbeat = time.monotonic()
         self.learner_starts = 0
+        self.learner_seen = False  # a learner start or heartbeat came: the start-up grace is over
         self.alerts: list[Alert] = []
         self._lock = threading.Lock()
         self.metrics.set("rlray_healthy", 1.0)  # exported from the start, not only after the first stall check
@@ -234,6 +240,7 @@ class RunMonitor(page.PageServer):
         """Records a heartbeat with the run's position; a stalled run becomes healthy again."""
         with self._lock:
             self.last_heartbeat = time.monotonic()
+            self.learner_seen = True
             self.step, self.epoch, self.policy_version = step, epoch, policy_version
             if self.status == "stalled":
                 self.status, self.reason = "healthy", None
@@ -274,6 +281,7 @@ class RunMonitor(page.PageServer):
             self.learner_starts += 1
             starts = self.learner_starts
             self.last_heartbeat = time.monotonic()
+            self.learner_seen = True
             self.status, self.reason = "healthy", None
         if starts > 1:
             self.metrics.inc("rlray_restarts")
@@ -324,10 +332,12 @@ class RunMonitor(page.PageServer):
                             tuple(self.recorded))
 
     def check_stall(self) -> bool:
-        """Marks the run stalled (and alerts once) when no heartbeat came for 2 intervals; returns True if so."""
+        """Marks the run stalled (and alerts once) when no heartbeat came for 2 intervals (``STARTUP_GRACE_S`` when
+        longer, before the learner was seen); returns True if so."""
         with self._lock:
             age = time.monotonic() - self.last_heartbeat
-            newly = self.status == "healthy" and age > 2 * self.heartbeat_s
+            limit = 2 * self.heartbeat_s if self.learner_seen else max(2 * self.heartbeat_s, STARTUP_GRACE_S)
+            newly = self.status == "healthy" and age > limit
             if newly:
                 self.status, self.reason = "stalled", f"no heartbeat for {age:.0f} s (monitor.heartbeat_s={self.heartbeat_s:g})"
             stalled = self.status == "stalled"

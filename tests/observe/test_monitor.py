@@ -11,6 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from rlray.observe import monitor as monitor_module
 from rlray.observe.monitor import PROGRESS_STEPS, Alerter, Heartbeat, RunMonitor, StepProgress
 from rlray.observe.page import Alert
 
@@ -98,6 +99,17 @@ def test_ray_gauges_are_set_again_every_second():
         assert set(fakes["rlray_healthy"].values) == {1.0}
     finally:
         m.close()
+
+
+def test_no_stall_while_the_run_starts_then_two_missed_heartbeats_after_the_learner_started(monitor, monkeypatch):
+    monkeypatch.setattr(monitor_module, "STARTUP_GRACE_S", 0.6)
+    time.sleep(0.45)  # > 2 x 0.2 s, but the learner has not started: engines and workers still loading
+    assert monitor.health()["status"] == "healthy" and not monitor.alerts
+    time.sleep(0.3)  # > the (shortened) start-up grace: a start that never comes is a stall too
+    assert monitor.health()["status"] == "stalled" and [a.kind for a in monitor.alerts] == ["stall"]
+    monitor.learner_started()  # healthy again; from now on 2 intervals
+    time.sleep(0.45)
+    assert monitor.health()["status"] == "stalled" and [a.kind for a in monitor.alerts] == ["stall", "stall"]
 
 
 def test_stalled_after_two_missed_heartbeats_then_recovers(monitor, caplog):
