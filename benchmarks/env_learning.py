@@ -3,6 +3,7 @@
     python benchmarks/env_learning.py                        # configs/envs/retry_arith_smollm2.yaml, seed 0
     python benchmarks/env_learning.py --steps 30 --seed 0
     python benchmarks/env_learning.py --calibrate            # the base model on the calibration split only
+    python benchmarks/env_learning.py --task rgym            # configs/grpo_rgym_learn_smollm2.yaml: reasoning-gym
 
 The whole command, timed end to end:
 1. the base model on the held-out episodes (data.eval_files, 200 rows), greedy, twice on one rollout actor
@@ -18,8 +19,13 @@ the valid-action rate (valid turns / turns: the environment's ``valid_action`` m
 training's env/turns_mean (first and last step), the median step time (MLflow timing/step_s) and the command's
 wall time. The bar: p < 0.025, base success 10-60%, base turns >= 2, wall time < 30 min.
 
-``--calibrate`` evaluates only the base model on the calibration split (data/retry-arith/calibration.jsonl): that
-split alone chooses the task and its difficulty. Results go to outputs/env_learning/<name>.json (not committed).
+A config without environments (``--task rgym``: reasoning-gym's chain_sum rows scored by the built-in reward
+reasoning_gym) runs one completion per held-out row instead of an episode: success is its total reward >= 1.0
+(``SUCCESS_REWARD``: the generator's score_answer gave full marks), turns are 1 and the turns bar does not apply.
+
+``--calibrate`` evaluates only the base model on the calibration split (data/retry-arith/calibration.jsonl, or for a
+``reasoning-gym:`` held-out source the same source with ``split=calibration``): that split alone chooses the task
+and its difficulty. Results go to outputs/env_learning/<name>.json (not committed).
 Pure helpers (``mcnemar_one_sided``, ``paired_difference``) have tests in tests/benchmarks/test_env_learning.py.
 """
 
