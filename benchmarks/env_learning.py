@@ -3,6 +3,7 @@
     python benchmarks/env_learning.py                        # configs/envs/retry_arith_smollm2.yaml, seed 0
     python benchmarks/env_learning.py --steps 30 --seed 0
     python benchmarks/env_learning.py --calibrate            # the base model on the calibration split only
+    python benchmarks/env_learning.py --task rgym            # configs/grpo_rgym_learn_smollm2.yaml: reasoning-gym
 
 The whole command, timed end to end:
 1. the base model on the held-out episodes (data.eval_files, 200 rows), greedy, twice on one rollout actor
@@ -18,8 +19,13 @@ the valid-action rate (valid turns / turns: the environment's ``valid_action`` m
 training's env/turns_mean (first and last step), the median step time (MLflow timing/step_s) and the command's
 wall time. The bar: p < 0.025, base success 10-60%, base turns >= 2, wall time < 30 min.
 
-``--calibrate`` evaluates only the base model on the calibration split (data/retry-arith/calibration.jsonl): that
-split alone chooses the task and its difficulty. Results go to outputs/env_learning/<name>.json (not committed).
+A config without environments (``--task rgym``: reasoning-gym's chain_sum rows scored by the built-in reward
+reasoning_gym) runs one completion per held-out row instead of an episode: success is its total reward >= 1.0
+(``SUCCESS_REWARD``: the generator's score_answer gave full marks), turns are 1 and the turns bar does not apply.
+
+``--calibrate`` evaluates only the base model on the calibration split (data/retry-arith/calibration.jsonl, or for a
+``reasoning-gym:`` held-out source the same source with ``split=calibration``): that split alone chooses the task
+and its difficulty. Results go to outputs/env_learning/<name>.json (not committed).
 Pure helpers (``mcnemar_one_sided``, ``paired_difference``) have tests in tests/benchmarks/test_env_learning.py.
 """
 
@@ -42,10 +48,13 @@ sys.path.insert(0, str(BENCH_DIR))
 from benchlib import fmt, fmt_percent, markdown_table  # noqa: E402
 
 CONFIG = "configs/envs/retry_arith_smollm2.yaml"
+RGYM_CONFIG = "configs/grpo_rgym_learn_smollm2.yaml"
+TASKS = {"retry-arith": CONFIG, "rgym": RGYM_CONFIG}
 CALIBRATION_FILE = "data/retry-arith/calibration.jsonl"
 HELDOUT_EPISODES = 200
 P_BAR = 0.025
 WALL_BAR_S = 30 * 60
+SUCCESS_REWARD = 1.0  # a single-turn (reward.functions) row succeeds at full marks: score_answer 1.0
 
 
 def mcnemar_one_sided(improved: int, worsened: int) -> float:
@@ -70,17 +79,28 @@ def paired_difference(before: Sequence[float], after: Sequence[float]) -> tuple[
 
 def episode_outcomes(cfg: Any, model_path: str, repeats: int = 1) -> list[list[dict[str, Any]]]:
     """Returns ``repeats`` greedy evaluations of ``model_path``, each one episode per eval row of ``cfg`` (its first
-    eval.num_problems) as plain records, on one rollout actor (its engine reseeded before each generate call)."""
+    eval.num_problems) as plain records, on one rollout actor (its engine reseeded before each generate call).
+
+    A config without environments (prompt rows scored by reward.functions, e.g. a ``reasoning-gym:`` source) gets
+    each row's one completion scored by the run's reward (``rlray.run.experience.score``); its "episode" is that
+    completion (``_scored_record``).
+    """
     from rlray.launch.driver import eval_setup
     from rlray.run import build
+    from rlray.run.experience import score
 
     runs = []
     with eval_setup(cfg, model_path) as setup:
         rows = [row for row, _ in setup.prompts]
         for _ in range(repeats):
             completions = setup.rollouts.generate([ids for _, ids in setup.prompts], build.eval_sampling(cfg), rows)
-            runs.append([_record(row, c, setup.tokenizer.decode(c.response_token_ids))
-                         for row, c in zip(rows, completions, strict=True)])
+            texts = [setup.tokenizer.decode(c.response_token_ids) for c in completions]
+            if all(c.episode is not None for c in completions):
+                runs.append([_record(row, c, t) for row, c, t in zip(rows, completions, texts, strict=True)])
+                continue
+            values = score(setup.reward, rows, completions, setup.tokenizer).values
+            runs.append([_scored_record(row, c, t, values, i)
+                         for i, (row, c, t) in enumerate(zip(rows, completions, texts, strict=True))])
     return runs
 
 
@@ -90,6 +110,17 @@ def _record(row: Any, completion: Any, text: str) -> dict[str, Any]:
     return {"id": row.prompt_id, "success": int((e.env_reward or 0.0) > 0 and not e.failed), "env_reward": e.env_reward or 0.0,
             "turns": e.num_turns, "failed": e.failed, "valid_turns": e.metrics.get("valid_action", 0.0),
             "stop_reason": e.stop_reason, "text": text}
+
+
+def _scored_record(row: Any, completion: Any, text: str, values: dict[str, list], index: int) -> dict[str, Any]:
+    """Returns one single-turn completion's outcome in ``_record``'s keys: success is a total reward >= SUCCESS_REWARD
+    (for the reasoning_gym reward: the generator's score_answer gave full marks, partial credit is no success);
+    env_reward is the total reward (0.0 where NaN or skipped), one turn, valid_turns 1 where the reward is
+    above 0."""
+    value = values["reward"][index]
+    reward = 0.0 if value is None or math.isnan(value) else float(value)
+    return {"id": row.prompt_id, "success": int(reward >= SUCCESS_REWARD), "env_reward": reward, "turns": 1,
+            "failed": False, "valid_turns": float(reward > 0), "stop_reason": completion.finish_reason, "text": text}
 
 
 def summary(episodes: list[dict[str, Any]]) -> dict[str, float]:
@@ -119,10 +150,19 @@ def load_config(path: str, overrides: list[str]) -> Any:
     return load(path, overrides)
 
 
+def calibration_source(eval_files: list[str]) -> str:
+    """Returns the calibration split of a config: its ``reasoning-gym:`` held-out source with ``split=calibration``
+    (the same generators and options, questions no held-out or training item has), else CALIBRATION_FILE."""
+    source = eval_files[0] if eval_files else ""
+    if source.startswith("reasoning-gym:") and "split=heldout" in source:
+        return source.replace("split=heldout", "split=calibration")
+    return CALIBRATION_FILE
+
+
 def calibrate(args: argparse.Namespace) -> dict[str, Any]:
     """Returns (and prints) the base model's figures on the calibration split."""
     cfg = load_config(args.config, [f"run.seed={args.seed}", *args.set])
-    cfg.data.eval_files = [args.calibration_file]
+    cfg.data.eval_files = [args.calibration_file or calibration_source(cfg.data.eval_files)]
     cfg.eval.num_problems = args.calibration_episodes
     (episodes,) = episode_outcomes(cfg, cfg.model.path)
     s = summary(episodes)
@@ -164,8 +204,9 @@ def learn(args: argparse.Namespace, started: float) -> dict[str, Any]:
            "worsened": worsened, "mcnemar_p": p, "step_metrics": steps,
            "median_step_s": statistics.median(steps["timing/step_s"]) if steps["timing/step_s"] else None,
            "wall_s": wall_s}
+    multi_turn = bool(cfg.env.environments)  # a single-turn (reward.functions) config has one turn per row
     out["passed"] = bool(identical and p < P_BAR and wall_s < WALL_BAR_S and 0.1 <= before_s["success"] <= 0.6
-                         and before_s["turns_mean"] >= 2)
+                         and (before_s["turns_mean"] >= 2 or not multi_turn))
     print_table(out)
     out["episodes"] = {"base": base_a, "base_again": base_b, "after": after}
     return out
@@ -188,23 +229,27 @@ def print_table(r: dict[str, Any]) -> None:
         ["wall time (whole command)", "", "", f"{r['wall_s'] / 60:.1f} min"],
     ]
     print(markdown_table(["", "before", "after", "difference / note"], rows))
-    print(f"learning bar (p < {P_BAR}, base success 10-60%, base turns >= 2, identical base, < 30 min): "
+    print(f"learning bar (p < {P_BAR}, base success 10-60%, base turns >= 2 with environments, identical base, < 30 min): "
           f"{'PASSED' if r['passed'] else 'NOT PASSED'}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     started = time.time()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--config", default=CONFIG)
+    parser.add_argument("--task", choices=sorted(TASKS), default="retry-arith",
+                        help="which learning bar: its config (retry-arith: make demo's; rgym: a reasoning-gym task)")
+    parser.add_argument("--config", default=None, help="a config of its own (default: --task's)")
     parser.add_argument("--seed", type=int, default=0, help="run.seed (training sampling, data order)")
     parser.add_argument("--steps", type=int, default=40, help="GRPO steps (run.max_steps)")
     parser.add_argument("--set", action="append", default=[], help="extra dotted config override (repeatable)")
     parser.add_argument("--calibrate", action="store_true", help="only the base model on the calibration split")
     parser.add_argument("--calibration-episodes", type=int, default=200)
-    parser.add_argument("--calibration-file", default=CALIBRATION_FILE, help="JSONL rows of the calibration split")
+    parser.add_argument("--calibration-file", default=None, help="the calibration split's rows (default: the config's "
+                        "reasoning-gym held-out source with split=calibration, else " + CALIBRATION_FILE + ")")
     parser.add_argument("--name", default=None, help="results file name (default env_learning or env_calibration)")
     parser.add_argument("-v", "--verbose", action="store_true", help="every process's output on the console (as rlray train -v)")
     args = parser.parse_args(argv)
+    args.config = args.config or TASKS[args.task]
     from rlray.launch.console import configure_console
     from rlray.launch.driver import init_ray
 

@@ -12,8 +12,9 @@ credit in between (the default scorer gives len(oracle) / len(answer) when the a
 The answer scored is the text inside the completion's last ``<answer_tag>...</answer_tag>`` (reasoning-gym's own
 ``extract_answer``, its prompts' convention), None when there is none (every generator scores None 0.0 or a small
 format credit); with ``answer_tag: null`` (``reward.functions[].kwargs``) the whole stripped completion is the
-answer. A ``score_answer`` that raises on malformed text (prime_factorization's ``int()``) scores 0.0, as the
-other verifiers grade odd input; a row without the ``reasoning_gym`` column is skipped (None).
+answer, and with ``untagged: last_number`` a completion without the tag answers its last number (``last_number``).
+A ``score_answer`` that raises on malformed text (prime_factorization's ``int()``) scores 0.0, as the other
+verifiers grade odd input; a row without the ``reasoning_gym`` column is skipped (None).
 
 Reference: reasoning-gym, https://github.com/open-thought/reasoning-gym (``ProceduralDataset.score_answer``,
 ``reasoning_gym.utils.extract_answer``).
@@ -55,6 +56,13 @@ def extract_tagged(text: str, tag: str) -> str | None:
     ``extract_answer``: ``"<answer> 12 </answer>"`` gives ``"12"``)."""
     matches = re.findall(rf"<{re.escape(tag)}>(.*?)</{re.escape(tag)}>", text, flags=re.DOTALL)
     return matches[-1].strip() if matches else None
+
+
+def last_number(text: str) -> str | None:
+    """Returns the last number of ``text`` (an optional minus sign, digits, an optional decimal part), or None:
+    ``"58 + 26 = 84."`` gives ``"84"``, ``"23 - 60 = -37"`` gives ``"-37"``."""
+    matches = re.findall(r"-?\d+(?:\.\d+)?", text)
+    return matches[-1] if matches else None
 
 
 @functools.lru_cache(maxsize=64)

@@ -61,7 +61,7 @@ from rlray.reward.gsm8k import (
     grade_gsm8k,
     has_answer_line,
 )
-from rlray.reward.rgym import extract_tagged, score_item
+from rlray.reward.rgym import extract_tagged, last_number, score_item
 
 Completion = str | list[dict[str, Any]]
 log = logging.getLogger(__name__)
@@ -175,19 +175,28 @@ def gsm8k_format(prompts: list, completions: list[Completion], **columns: Any) -
 
 
 def reasoning_gym(prompts: list, completions: list[Completion], *, answer_tag: str | None = "answer",
-                  **columns: Any) -> list[float | None]:  # fmt: skip
+                  untagged: str | None = None, **columns: Any) -> list[float | None]:  # fmt: skip
     """Returns each completion's reasoning-gym score in [0, 1], None where the row has no item (``rlray.reward.rgym``).
 
-    The answer is the stripped text of the completion's last ``<answer_tag>...</answer_tag>`` (None when there is
-    none), or with ``answer_tag=None`` the whole stripped text; the row's ``reasoning_gym`` and ``answer`` columns
-    (a ``reasoning-gym:`` data source's) give the item its generator scores (``score_item``).
+    The answer is the stripped text of the completion's last ``<answer_tag>...</answer_tag>``, or with
+    ``answer_tag=None`` the whole stripped text. A completion without the tag has no answer (None: the generator
+    scores it 0.0 or a small format credit), or with ``untagged="last_number"`` its last number (``last_number``:
+    "58 + 26 = 84" answers "84"), for a model that does not write the tags. The row's ``reasoning_gym`` and
+    ``answer`` columns (a ``reasoning-gym:`` data source's) give the item its generator scores (``score_item``).
+
+    Raises:
+        ValueError: ``untagged`` is neither None nor "last_number".
     """
+    if untagged not in (None, "last_number"):
+        raise ValueError(f"rlray: reasoning_gym kwargs untagged={untagged!r}: use null or 'last_number'")
     items = columns.get("reasoning_gym") or [None] * len(completions)
     oracles = columns.get("answer") or [None] * len(completions)
     out: list[float | None] = []
     for prompt, completion, item, oracle in zip(prompts, completions, items, oracles, strict=True):
         text = completion_text(completion)
         answer = text.strip() if answer_tag is None else extract_tagged(text, answer_tag)
+        if answer is None and untagged == "last_number":
+            answer = last_number(text)
         out.append(score_item(item, prompt, oracle, answer) if isinstance(item, dict) else None)
     return out
 

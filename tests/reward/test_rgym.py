@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlray.reward.rgym import extract_tagged
+from rlray.reward.rgym import extract_tagged, last_number
 from rlray.reward.verifiers import reasoning_gym
 
 pytest.importorskip("reasoning_gym")
@@ -39,3 +39,22 @@ def test_the_last_tag_is_the_answer():
     assert extract_tagged("<answer>1</answer> no, <answer>\n 12 \n</answer>", "answer") == "12"
     assert extract_tagged("<answer>12", "answer") is None
     assert extract_tagged("<final>x</final>", "final") == "x"
+
+
+def test_untagged_last_number_scores_a_completion_without_tags():
+    # chain_sum's scorer compares numbers: "58 + 26 = 84" answers 84 with untagged=last_number (1.0), nothing
+    # without it (no tag: 0.0); a tag wins over the last number; a wrong last number and a number-less text 0.0
+    row = _row("chain_sum", "84", "{'source_dataset': 'chain_sum', 'num_terms': 2, 'num_digits': 2, 'expression': '58 + 26'}")
+    texts = ["58 + 26 = 84", "<answer>84</answer> so 58 + 26 = 83", "58 + 26 = 83.", "eighty-four"]
+    prompts = ["State the final answer to the following arithmetic problem: 58 + 26 ="] * 4
+    assert reasoning_gym(prompts, texts, untagged="last_number", **_columns([row] * 4)) == [1.0, 1.0, 0.0, 0.0]
+    assert reasoning_gym(prompts[:1], texts[:1], **_columns([row])) == [0.0]
+    with pytest.raises(ValueError, match="untagged='first_number'"):
+        reasoning_gym(prompts[:1], texts[:1], untagged="first_number", **_columns([row]))
+
+
+def test_last_number():
+    assert last_number("The final answer is 12.") == "12"
+    assert last_number("23 - 60 = -37") == "-37"
+    assert last_number("3.5 + 1 = 4.5 ok") == "4.5"
+    assert last_number("no digits") is None
