@@ -162,7 +162,8 @@ def _parse(source: str) -> tuple[list[str], list[float], dict[str, Any], dict[st
         names.append(name)
     params: dict[str, Any] = {"size": DEFAULT_SIZE, "seed": 0, "split": "train"}
     options: dict[str, dict[str, Any]] = {}
-    for key, text in parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)):
+    # a '+' is the option's own character ("chain_sum.operators=['+','-']"), never a space as in a form's query
+    for key, text in parse_qsl(query.replace("+", "%2B"), keep_blank_values=True, strict_parsing=bool(query)):
         value = yaml.safe_load(text) if text else text
         if key in params:
             params[key] = _param(source, key, value)

@@ -45,6 +45,13 @@ def test_basic_arithmetic_items_have_the_answers_worked_by_hand():
     assert rows[0].columns["reasoning_gym"]["config"] == {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
 
 
+def test_a_plus_in_an_option_is_a_plus_not_a_space():
+    rows = load_prompt_rows(["reasoning-gym:basic_arithmetic?size=4&seed=0&split=heldout&basic_arithmetic.operators=['+']"])
+    assert rows[0].columns["reasoning_gym"]["config"] == {"operators": ["+"]}
+    assert rows[0].prompt == "Calculate 5 + 3 + 6."  # parsed as a space, '+' failed as "operators=[' ']"
+    assert not any(f" {op} " in r.prompt for r in rows for op in "-*/")  # only sums (a '-' left is a negative number)
+
+
 def test_every_row_of_a_split_is_its_own_arithmetic_and_the_reward_scores_it_right_and_wrong():
     rows = load_prompt_rows([f"{ARITH}&size=40&seed=3"])
     for row in rows:  # "Calculate -( 3 * -2 )." : the exact value of the expression, in fractions
