@@ -331,7 +331,6 @@ STILL_READ_CONFIG = {
     "rlray.launch.driver": "resolves the config's paths (resolve_paths) and ships the config to the workers",
     "rlray.launch.judge_check": "rlray judge check: local judges from reward.judges; its engine from actors.rollout_engine_kwargs(cfg)",
     "rlray.launch.judges": "deploys one Serve app per reward.judges entry (JudgeSpec from build.judge_specs(cfg): moves with run/build.py)",
-    "rlray.launch.monitor_actor": "the monitor reads monitor.* and guard.kl_threshold",
     "rlray.run.build": "the translator: config sections into building-block arguments (plan parts where decided)",
 }
 

@@ -328,7 +328,7 @@ def run_training(
     try:
         namespace = f"rlray-{tracker.run_id}"  # keeps actor names of concurrent runs (sweep trials) apart
         with clock.phase("actors"):  # every actor asked for at once, waited on together (issue 39)
-            monitor = launch_monitor(cfg, tracker.run_id)
+            monitor = launch_monitor(plan, tracker.run_id)
             services.monitor = monitor.handle
             launched = [monitor]
             if roles.online:  # offline methods train on preference pairs: no rollout actors

@@ -21,7 +21,7 @@ from rlray.observe.samples import StepSample
 from rlray.observe.startup import ActorTimes, Launched, LearnerTimes
 
 if TYPE_CHECKING:
-    from rlray.config import Config
+    from rlray.plan import RunPlan
 
 
 class MonitorActor:
@@ -134,31 +134,31 @@ class LazyTracker:
         return getattr(self.get(), name)
 
 
-def start_monitor(cfg: Config, run_id: str) -> tuple[ray.actor.ActorHandle, int]:
+def start_monitor(plan: RunPlan, run_id: str) -> tuple[ray.actor.ActorHandle, int]:
     """Returns (monitor actor, bound port): ``launch_monitor``, then waits until it serves.
 
     Raises:
         OSError: the port is taken.
     """
-    launched = launch_monitor(cfg, run_id)
+    launched = launch_monitor(plan, run_id)
     return launched.handle, monitor_port(launched)
 
 
-def launch_monitor(cfg: Config, run_id: str) -> Launched:
+def launch_monitor(plan: RunPlan, run_id: str) -> Launched:
     """Asks for a ``MonitorActor`` on this node serving ``monitor.host:port`` and returns it unwaited (its ``ready``
     is the ``serve`` call: ``monitor_port`` waits for the bound port).
 
     The actor is pinned to the caller's node, so ``curl 127.0.0.1:<port>/health`` works where the run was
-    started. Port 0 picks a free port. It gets plain values only: its process imports no config schema.
+    started. Port 0 picks a free port. It gets plain values only (``plan.tracking``, the ``monitor.*`` and
+    ``guard.kl_threshold`` settings): its process imports no config schema.
     """
-
-    m = cfg.monitor
+    m = plan.settings.monitor
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     at = time.time()
     actor = ray.remote(MonitorActor).options(num_cpus=0, scheduling_strategy=here).remote(
-        run_id, cfg.tracking.mlflow_uri, cfg.tracking.experiment, list(m.alerts),
+        run_id, plan.tracking.mlflow_uri, plan.tracking.experiment, list(m.alerts),
         m.webhook_url.get_secret_value() if m.webhook_url else None, m.webhook_attempts, m.heartbeat_s,
-        cfg.guard.kl_threshold, m.page_sample_steps, [b.model_dump() for b in m.bands],
+        plan.settings.guard.kl_threshold, m.page_sample_steps, [b.model_dump() for b in m.bands],
     )
     return Launched("monitor", actor, actor.serve.remote(m.host, m.port), at)
 

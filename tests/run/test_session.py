@@ -77,10 +77,11 @@ def run(env: Env, cfg: Config, *, monitor: bool = False, **services) -> tuple[Ru
     from rlray.launch.monitor_actor import start_monitor
 
     tracker = Tracker(cfg.tracking.mlflow_uri, cfg.tracking.experiment)
-    mon = start_monitor(cfg, tracker.run_id) if monitor else None
+    plan = resolve_plan(cfg)
+    mon = start_monitor(plan, tracker.run_id) if monitor else None
     args = WorkerArgs(cfg.model_dump(), env.model_path, tracker.run_id, env.actors,
                       services=RunServices(monitor=mon and mon[0], **services))
-    out = worker.train(resolve_plan(cfg), args)
+    out = worker.train(plan, args)
     return out, tracker.run_id, mon
 
 
