@@ -91,9 +91,10 @@ browser:
 	  else echo "make browser: no apt-get; install chromium and chromedriver for tests/observe/test_browser.py" >&2; fi; \
 	fi
 
-# Two pytest-xdist workers, each with its own Ray cluster: the Ray modules split into two groups of about equal measured
-# time (tests/ray_module_seconds.json, `make test-seconds`), one per worker, then the pure modules on whichever worker
-# is free (tests/conftest.py). TEST_WORKERS=N splits into N groups; TEST_WORKERS=0 runs one process.
+# Two pytest-xdist workers: the Ray modules in order on one worker and one Ray cluster, the pure modules on the other
+# (tests/conftest.py). TEST_WORKERS=N>2 splits the Ray modules into N-1 groups of about equal measured time
+# (tests/ray_module_seconds.json, `make test-seconds`). Both measured slower on 2 cores: 3 workers (31.5 min, two Ray
+# tests timed out) and one Ray group per worker; TEST_WORKERS=0 runs one process.
 TEST_WORKERS ?= 2
 test:
 	@$(MAKE) --no-print-directory -j4 $(SETUP) browser

@@ -84,10 +84,12 @@ def _uses_serve(test_file: str) -> bool:
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """Schedules ``make test``'s workers (``pytest -n N``) by module. The modules that use Ray (``_uses_ray``) form
-    N groups of about equal measured time (``ray_groups`` on ``RAY_SECONDS_FILE``): each group runs, in order, on
-    one worker and its one Ray cluster, and the groups start first, one per worker; the pure modules then go to
-    whichever worker is free, so they even out the groups' ends. With one Ray group on 2 workers (until 4be4d40) the
-    pure worker sat idle for two thirds of the run: the Ray modules summed to ~3x the pure ones. xdist's own
+    N-1 groups (one when N is 2) of about equal measured time (``ray_groups`` on ``RAY_SECONDS_FILE``): each group
+    runs, in order, on one worker and its one Ray cluster, and the groups start first; the pure modules go to the
+    remaining worker and to whichever worker is free. Measured on 2 cores: one Ray group per worker (the Ray tests of
+    both workers side by side, then the pure ones) was slower, not faster: at 36 min it had done a tenth of the tests,
+    where one group and the pure worker beside it finish in about 30 (the start-ups of two runs at once fight over the
+    2 cores). The modules that start Ray Serve share one group (its HTTP proxy takes a port of the machine). xdist's own
     ``--dist loadgroup`` cannot do this under pytest 9.2 (it renames test ids through an attribute pytest no longer
     reads)."""
     import json
@@ -113,7 +115,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
                         self._split_scope(nodeid)
                     modules = [m for m, scope in cache.items() if scope == "ray"]
                 serve = frozenset(m for m in modules if _uses_serve(m))
-                for module, group in ray_groups(modules, max(1, workers), seconds, serve).items():
+                for module, group in ray_groups(modules, max(1, workers - 1), seconds, serve).items():
                     cache[module] = f"ray:{group}"
             super().schedule()
 
