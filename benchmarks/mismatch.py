@@ -21,7 +21,8 @@ objects a run builds, through the run's own functions:
 Over the sampled tokens (``response_mask``), with d = learner - rollout logprob (nats), it reports:
 - k3 KL: the token mean of ``algos.kl_penalty(rollout, learner, "k3")`` = exp(d) - d - 1, the estimate of
   KL(pi_rollout || pi_learner) from the engine's own samples (Schulman 2020), the value a run logs as
-  ``algo/rollout_kl``; computed in float64 here, since in float32 the exp(d) - 1 of |d| ~ 1e-5 is lost in rounding;
+  ``algo/rollout_kl``; computed in float64 here, since in float32 the exp(d) - 1 of |d| ~ 1e-5 is lost in rounding
+  (the float32 value, as the run computes it, is reported beside it);
 - mean, p99 and max |d|, and the fraction of tokens with |d| > 0.1 nats;
 - the fraction of tokens the default rollout correction (``algo.rollout_correction``: token_truncate,
   ratio_max 2.0) truncates, i.e. with pi_learner / pi_rollout > 2.
@@ -64,7 +65,8 @@ def mismatch_stats(rollout_logprobs: Any, learner_logprobs: Any, response_mask: 
         ratio_max: the correction's bound on pi_learner / pi_rollout (``algo.rollout_correction.ratio_max``).
 
     Returns:
-        {"tokens", "k3_kl" (token mean, nats), "mean_abs_diff", "p99_abs_diff", "max_abs_diff" (nats),
+        {"tokens", "k3_kl" (token mean, nats), "k3_kl_float32" (the same in float32 arithmetic, as the run's
+        ``algo/rollout_kl`` is computed), "mean_abs_diff", "p99_abs_diff", "max_abs_diff" (nats),
         "frac_abs_diff_gt_0.1", "frac_truncated"}; every mean is over the valid tokens. Computed in float64.
 
     Raises:
@@ -84,10 +86,12 @@ def mismatch_stats(rollout_logprobs: Any, learner_logprobs: Any, response_mask: 
         raise ValueError("mismatch_stats: no valid token in response_mask")
     # kl_penalty(x, y) estimates KL(pi_x || pi_y) from samples of pi_x: here the engine sampled, so x = rollout
     k3 = algos.kl_penalty(rollout, learner, "k3")[response_mask]
+    logged = algos.kl_penalty(rollout.float(), learner.float(), "k3")[response_mask]  # as the run computes it
     d = (learner - rollout)[response_mask]
     return {
         "tokens": int(response_mask.sum()),
         "k3_kl": float(k3.mean()),
+        "k3_kl_float32": float(logged.double().mean()),
         "mean_abs_diff": float(d.abs().mean()),
         "p99_abs_diff": float(torch.quantile(d.abs(), 0.99)),
         "max_abs_diff": float(d.abs().max()),
@@ -162,17 +166,20 @@ def main() -> None:
     sizes = ["--model", args.model, "--prompts", str(args.prompts), "--max-new-tokens", str(args.max_new_tokens)]
     results = {}
     for dtype in args.dtypes:
-        out = subprocess.run([sys.executable, __file__, "--child", dtype, *sizes], check=True, capture_output=True,
-                             text=True, cwd=REPO)
+        out = subprocess.run([sys.executable, __file__, "--child", dtype, *sizes], capture_output=True, text=True,
+                             cwd=REPO)
+        if out.returncode != 0:
+            sys.exit(f"mismatch.py: the {dtype} child failed (exit {out.returncode}):\n{out.stderr[-4000:]}")
         results[dtype] = json.loads(out.stdout.strip().splitlines()[-1])
     big = f"frac_abs_diff_gt_{BIG_DIFF_NATS}"
+    sci = ("k3_kl", "k3_kl_float32", "mean_abs_diff", "p99_abs_diff", "max_abs_diff")
     rows = [[r["dtype"], r["learner"], f"{r['sequences']} x <= {args.max_new_tokens}", r["tokens"],
-             f"{r['k3_kl']:.2e}", f"{r['mean_abs_diff']:.2e}", f"{r['p99_abs_diff']:.2e}", f"{r['max_abs_diff']:.2e}",
-             fmt_percent(r[big], 2), fmt_percent(r["frac_truncated"], 2),
+             *(f"{r[k]:.2e}" for k in sci), fmt_percent(r[big], 2), fmt_percent(r["frac_truncated"], 2),
              "yes" if r["k3_kl"] < PRIME_RL_KL_BAR else "no"] for r in results.values()]
     print(f"{args.model}, vLLM engine vs rlray learner, {args.prompts} GSM8K test prompts, temperature 1.0; "
           f"d = learner - rollout logprob (nats)")
     print(markdown_table(["engine dtype", "learner", "sequences x tokens", "tokens", "k3 KL (nats/token)",
+                          "k3 in float32 (as logged)",
                           "mean |d|", "p99 |d|", "max |d|", f"|d| > {BIG_DIFF_NATS}", "truncated (ratio > 2)",
                           f"k3 < {PRIME_RL_KL_BAR} (prime-rl)"], rows))
     print("seconds: " + "; ".join(f"{d}: " + ", ".join(f"{k} {fmt(v, 1)}" for k, v in r["seconds"].items())
