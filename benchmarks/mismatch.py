@@ -180,7 +180,7 @@ def main() -> None:
           f"d = learner - rollout logprob (nats)")
     print(markdown_table(["engine dtype", "learner", "sequences x tokens", "tokens", "k3 KL (nats/token)",
                           "k3 in float32 (as logged)",
-                          "mean |d|", "p99 |d|", "max |d|", f"|d| > {BIG_DIFF_NATS}", "truncated (ratio > 2)",
+                          "mean \\|d\\|", "p99 \\|d\\|", "max \\|d\\|", f"\\|d\\| > {BIG_DIFF_NATS}", "truncated (ratio > 2)",
                           f"k3 < {PRIME_RL_KL_BAR} (prime-rl)"], rows))
     print("seconds: " + "; ".join(f"{d}: " + ", ".join(f"{k} {fmt(v, 1)}" for k, v in r["seconds"].items())
                                   for d, r in results.items()))
