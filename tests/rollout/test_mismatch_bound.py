@@ -7,7 +7,7 @@ under ``KL_BOUND``: a regression in either path (kernels, precision, temperature
 fails here. Measured values and the bf16 figures: docs/algorithms.md, "Rollout/learner mismatch"
 (benchmarks/mismatch.py). prime-rl's published bar for a healthy setup is a mismatch KL below 0.01 nats/token;
 float32 on the CPU sits many orders of magnitude under it, and this bound holds rlray to what it measures.
-In the ``slow`` tier (it takes over a minute); ``make test`` holds both paths on tiny-random in float32
+In the ``slow`` tier (27 s alone, over a minute beside other work); ``make test`` holds both paths on tiny-random in float32
 (tests/rollout/test_engine.py::test_the_learner_scores_the_sampled_tokens_as_the_engine_did).
 """
 
@@ -43,7 +43,7 @@ def gsm8k_prompts(smollm2: str, gsm8k_dir, repo_root) -> list[list[int]]:
                            instruction=data.instruction, system_prompt=data.system_prompt)[1]
 
 
-@pytest.mark.slow  # ~75 s on 2 busy cores (vLLM start ~11 s, the float32 learner pass): make test-slow
+@pytest.mark.slow  # 27 s alone, 75 s on 2 busy cores (vLLM start ~11 s, float32 learner pass): make test-slow
 @pytest.mark.timeout(300)
 def test_smollm2_float32_engine_and_learner_agree_within_the_bound(smollm2, gsm8k_prompts, engine_learner_mismatch):
     engine = RolloutEngine(smollm2, backend="vllm", dtype="float32", seed=0, max_model_len=320, kv_cache_gib=0.25,
