@@ -15,6 +15,8 @@ import math
 import pytest
 import torch
 
+from rlray.learner import PolicyLearner
+from rlray.learner.policy import OptimizerSpec
 from rlray.rollout import Completion, RolloutEngine, SamplingSpec
 
 ATOL_NATS = 1e-4
@@ -308,3 +310,23 @@ def test_logprobs_of_asked_token_ids_match_transformers(engine: RolloutEngine, t
     assert engine.generate(prompts[:1], SamplingSpec(n=1, max_new_tokens=2, temperature=0.0))[0].token_id_logprobs == []
     with pytest.raises(ValueError, match=r"logprob_token_ids \[1000000000\] are outside the vocabulary"):
         engine.generate(prompts[:1], SamplingSpec(n=1, max_new_tokens=2, temperature=0.0, logprob_token_ids=(10**9,)))
+
+
+# nats/token: ~6x the k3 measured here (vllm 2.4e-13, hf 1.8e-13; mean |d| 4.8e-7 and 3.4e-7 nats over 96 tokens).
+# prime-rl's bar for a healthy setup is 0.01; a learner at temperature 0.9 gives ~3.5e-4.
+TINY_MISMATCH_KL_BOUND = 1.5e-12
+
+
+def test_the_learner_scores_the_sampled_tokens_as_the_engine_did(engine: RolloutEngine, tiny_model_path, tiny_tokenizer,
+                                                               prompts, engine_learner_mismatch):
+    """The engine/learner mismatch (issue 42) in float32, through the learner's own path (``PolicyLearner.logprobs``,
+    what a step's old_logprobs are), held under a bound; tests/rollout/test_mismatch_bound.py does it on SmolLM2.
+    A learner at another temperature (0.9, a classic way for the two paths to drift apart) breaks the bound."""
+    spec = SamplingSpec(n=2, max_new_tokens=16, temperature=1.0, seed=4)
+    optim = OptimizerSpec(lr=1e-6, max_grad_norm=1.0)
+    learner = PolicyLearner(tiny_model_path, dtype="float32", temperature=1.0, optim=optim)
+    k3, mean_abs, max_abs = engine_learner_mismatch(engine, learner, prompts, spec, tiny_tokenizer.pad_token_id)
+    assert 0.0 <= k3 < TINY_MISMATCH_KL_BOUND and max_abs < ATOL_NATS, (k3, mean_abs, max_abs)
+    drifted = PolicyLearner(tiny_model_path, dtype="float32", temperature=0.9, optim=optim)
+    k3, _, _ = engine_learner_mismatch(engine, drifted, prompts, spec, tiny_tokenizer.pad_token_id)
+    assert k3 > 1e3 * TINY_MISMATCH_KL_BOUND
