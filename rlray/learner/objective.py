@@ -225,6 +225,7 @@ def _mismatch_stats(mb: StepBatch, mask, weights, corrected) -> dict[str, torch.
     log_ratio = torch.where(mask, old - rollout, torch.zeros_like(old)).clamp(-algos.LOG_RATIO_BOUND, algos.LOG_RATIO_BOUND)
     ratio_max = torch.exp(log_ratio[mask]).max() if bool(mask.any()) else zero
     out["rollout_diff_sum"] = _masked_sum((rollout - old).abs(), mask)
-    out["rollout_kl_sum"] = _masked_sum(algos.kl_penalty(rollout, old, "k3"), mask)
+    # k3 = exp(d) - d - 1 in float64: in float32 a gap of ~1e-5 nats cancels to noise and read -4.5e-10 (a KL below 0)
+    out["rollout_kl_sum"] = _masked_sum(algos.kl_penalty(rollout.double(), old.double(), "k3"), mask)
     out["rollout_ratio_max"] = ratio_max
     return out

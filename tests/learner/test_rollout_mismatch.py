@@ -54,6 +54,17 @@ def test_mismatch_statistics_hand_computed():
     assert float(loss.detach()) == pytest.approx(-0.6, abs=1e-6)
 
 
+def test_a_float32_gap_below_float32_resolution_gives_its_k3_not_noise():
+    # d = 2^-17 on every token (float32 logprobs ~ -1 hold it exactly): k3 = e^d - d - 1 = d^2/2 + d^3/6 = 3.7253e-11
+    # per token, 4 tokens. In float32 e^d - d - 1 rounds to 0 or below (float32's step at 1 is 1.2e-7).
+    d = 2.0**-17
+    old = torch.full((2, 3), -1.0)
+    mb = step_batch(torch.tensor([[True, True, True], [True, False, False]]), old_logprobs=old,
+                    rollout_logprobs=old - d, advantages=torch.ones(2, 3))
+    _, stats = policy_objective(old.clone().requires_grad_(True), mb, PLAIN, Normaliser(4.0, 2.0))
+    assert float(stats["rollout_kl_sum"]) == pytest.approx(4 * (d * d / 2 + d**3 / 6), rel=1e-5)
+
+
 def test_update_metrics_take_the_max_ratio_over_ranks_and_sum_the_rest():
     mb = _mb()
     _, stats = policy_objective(mb.old_logprobs.clone(), mb, SPEC, Normaliser(4.0, 2.0))
