@@ -45,8 +45,8 @@ RAY_SECONDS_FILE = REPO_ROOT / "tests" / "ray_module_seconds.json"
 UNMEASURED_RAY_MODULE_S = 60.0  # a Ray module not in RAY_SECONDS_FILE yet counts as this many seconds
 
 
-def ray_groups(modules: list[str], groups: int, seconds: dict[str, float], together: frozenset[str] = frozenset()
-               ) -> dict[str, int]:
+def ray_groups(modules: list[str], groups: int, seconds: dict[str, float], together: frozenset[str] = frozenset(),
+               shares: list[float] | None = None) -> dict[str, int]:
     """Splits the Ray test modules into ``groups`` groups of about equal measured time (longest first, each to the
     group with the least time so far: LPT, Graham 1969); returns {module: group index}.
 
@@ -57,7 +57,16 @@ def ray_groups(modules: list[str], groups: int, seconds: dict[str, float], toget
             ``UNMEASURED_RAY_MODULE_S``.
         together: modules that must share one group (one item of their summed time): those that start Ray Serve,
             whose HTTP proxy takes one port of the machine (``reward.server.port``, 8000 by default).
+        shares: each group's part of the time (any positive numbers; equal when None): each item goes to the group
+            whose load after it, divided by its share, is least (LPT on machines of different speeds).
+
+    Raises:
+        ValueError: ``shares`` not one positive number per group.
     """
+    if shares is None:
+        shares = [1.0] * groups
+    if len(shares) != groups or min(shares, default=1.0) <= 0:
+        raise ValueError(f"shares={shares!r}: give one positive number per group ({groups})")
     def cost(module: str) -> float:
         return seconds.get(module, UNMEASURED_RAY_MODULE_S)
 
@@ -66,7 +75,8 @@ def ray_groups(modules: list[str], groups: int, seconds: dict[str, float], toget
     load = [0.0] * groups
     out: dict[str, int] = {}
     for item in sorted(items, key=lambda ms: (-sum(map(cost, ms)), ms)):
-        group = min(range(groups), key=lambda g: (load[g], g))
+        item_s = sum(map(cost, item))
+        group = min(range(groups), key=lambda g: ((load[g] + item_s) / shares[g], g))
         out.update(dict.fromkeys(item, group))
         load[group] += sum(map(cost, item))
     return out
@@ -82,22 +92,34 @@ def _uses_serve(test_file: str) -> bool:
     return bool(_SERVE_WORDS.search((REPO_ROOT / test_file).read_text()))
 
 
+TAIL_RAY_SHARE = 0.33  # on 2 workers, the part of the Ray modules' measured time that runs after the pure modules
+
+
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """Schedules ``make test``'s workers (``pytest -n N``) by module. The modules that use Ray (``_uses_ray``) form
-    N-1 groups (one when N is 2) of about equal measured time (``ray_groups`` on ``RAY_SECONDS_FILE``): each group
-    runs, in order, on one worker and its one Ray cluster, and the groups start first; the pure modules go to the
-    remaining worker and to whichever worker is free. Measured on 2 cores: one Ray group per worker (the Ray tests of
-    both workers side by side, then the pure ones) was slower, not faster: at 36 min it had done a tenth of the tests,
-    where one group and the pure worker beside it finish in about 30 (the start-ups of two runs at once fight over the
-    2 cores). The modules that start Ray Serve share one group (its HTTP proxy takes a port of the machine). xdist's own
-    ``--dist loadgroup`` cannot do this under pytest 9.2 (it renames test ids through an attribute pytest no longer
-    reads)."""
+    groups of measured time (``ray_groups`` on ``RAY_SECONDS_FILE``); each group runs, in order, on one worker and its
+    one Ray cluster. The modules that start Ray Serve share one group (its HTTP proxy takes a port of the machine).
+
+    - On 2 workers (``make test``): a head group of ``1 - TAIL_RAY_SHARE`` of the time starts first on one worker; the
+      pure modules run on the other, and then the tail group (``TAIL_RAY_SHARE``, env ``RLRAY_TAIL_RAY_SHARE``)
+      on whichever worker is free first. A Ray run alone leaves part of the 2 cores idle (its actors wait on one
+      another), so the pure worker's idle end takes the tail, while two Ray groups at once from the start were
+      measured slower (their start-ups fight over the 2 cores).
+    - On N > 2 workers: N-1 groups of equal time start first; the pure modules go to the remaining worker and to
+      whichever worker is free.
+
+    xdist's own ``--dist loadgroup`` cannot do this under pytest 9.2 (it renames test ids through an attribute pytest
+    no longer reads)."""
     import json
 
     from xdist.scheduler import LoadScopeScheduling
 
     workers = int(config.getoption("numprocesses") or 1)
     seconds = json.loads(RAY_SECONDS_FILE.read_text()) if RAY_SECONDS_FILE.is_file() else {}
+    tail_share = float(os.environ.get("RLRAY_TAIL_RAY_SHARE", TAIL_RAY_SHARE)) if workers == 2 else 0.0
+    groups = 2 if workers == 2 and tail_share > 0 else max(1, workers - 1)
+    shares = [1.0 - tail_share, tail_share] if groups == 2 and workers == 2 else None
+    tail = f"ray:{groups - 1}" if shares else None
     cache: dict[str, str] = {}
 
     class RayModulesTogether(LoadScopeScheduling):
@@ -115,14 +137,16 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
                         self._split_scope(nodeid)
                     modules = [m for m, scope in cache.items() if scope == "ray"]
                 serve = frozenset(m for m in modules if _uses_serve(m))
-                for module, group in ray_groups(modules, max(1, workers - 1), seconds, serve).items():
+                for module, group in ray_groups(modules, groups, seconds, serve, shares).items():
                     cache[module] = f"ray:{group}"
             super().schedule()
 
         def _assign_work_unit(self, node) -> None:
-            ray_scopes = [scope for scope in self.workqueue if scope.startswith("ray:")]
-            if ray_scopes:  # the longest units first, one per worker: a Ray group never waits behind pure modules
-                self.workqueue.move_to_end(ray_scopes[0], last=False)
+            head = [scope for scope in self.workqueue if scope.startswith("ray:") and scope != tail]
+            if head:  # the longest units first, one per worker: a head group never waits behind pure modules
+                self.workqueue.move_to_end(head[0], last=False)
+            if tail in self.workqueue and len(self.workqueue) > 1:  # the tail group last
+                self.workqueue.move_to_end(tail)
             super()._assign_work_unit(node)
 
     return RayModulesTogether(config, log)

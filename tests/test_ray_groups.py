@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -44,3 +45,28 @@ def test_the_serve_modules_of_the_suite_are_found():
 
     assert _uses_serve("tests/reward/test_server.py") and _uses_serve("tests/run/test_dist_e2e.py")
     assert not _uses_serve("tests/run/test_rgym_e2e.py")
+
+
+def test_shares_give_each_group_its_part_of_the_time():
+    seconds = {"a.py": 100.0, "b.py": 60.0, "c.py": 50.0, "d.py": 40.0}
+    # shares 2:1, each item where (load + item) / share is least: a -> 0 (100/2 < 100/1); b -> 1 (160/2 > 60/1);
+    # c -> 0 (150/2 = 75 < 110); d -> 0 (190/2 = 95 < 100/1)
+    assert ray_groups(list(seconds), 2, seconds, shares=[2.0, 1.0]) == {"a.py": 0, "b.py": 1, "c.py": 0, "d.py": 0}
+    # equal shares are the plain split
+    assert ray_groups(list(seconds), 2, seconds, shares=[1.0, 1.0]) == ray_groups(list(seconds), 2, seconds)
+    with pytest.raises(ValueError, match="one positive number per group"):
+        ray_groups(list(seconds), 2, seconds, shares=[1.0])
+    with pytest.raises(ValueError, match="one positive number per group"):
+        ray_groups(list(seconds), 2, seconds, shares=[1.0, 0.0])
+
+
+@given(st.dictionaries(st.text("abc", min_size=1, max_size=4), st.floats(0, 1000), max_size=12),
+       st.floats(0.05, 0.95))
+def test_a_tail_share_splits_within_the_longest_module(seconds, tail):
+    split = ray_groups(list(seconds), 2, seconds, shares=[1 - tail, tail])
+    assert set(split) == set(seconds) and set(split.values()) <= {0, 1}
+    loads = [sum(s for m, s in seconds.items() if split[m] == g) for g in range(2)]
+    # every item went where its finish time over the share was least, so neither group's finish exceeds the other's
+    # by more than the longest item over the smaller share
+    finish = [loads[0] / (1 - tail), loads[1] / tail]
+    assert max(finish) - min(finish) <= max(seconds.values(), default=0.0) / min(tail, 1 - tail) + 1e-6
