@@ -421,7 +421,7 @@ def gsm8k_prompts(model: str, count: int, max_tokens: int) -> tuple[list[Any], l
 
 def init_local_ray(num_cpus: int | None = None, include_dashboard: bool | None = False) -> None:
     """Starts a fresh local Ray cluster for this process (never joins a cluster another run started), with the
-    worker environment ``rlray train`` gives its workers (``rlray.launch.driver.worker_env``).
+    worker environment ``rlray train`` gives its workers (``rlray.launch.ray_setup.worker_env``).
 
     ``include_dashboard=None`` is Ray's default (the dashboard starts, as under ``rlray train``)."""
     import ray

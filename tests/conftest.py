@@ -45,7 +45,7 @@ RAY_SECONDS_FILE = REPO_ROOT / "tests" / "ray_module_seconds.json"
 UNMEASURED_RAY_MODULE_S = 60.0  # a Ray module not in RAY_SECONDS_FILE yet counts as this many seconds
 
 
-def ray_groups(modules: list[str], groups: int, seconds: dict[str, float], together: frozenset[str] = frozenset(),
+def ray_groups(modules: list[str], groups: int, seconds: dict[str, float], together: list[frozenset[str]] = (),
                shares: list[float] | None = None) -> dict[str, int]:
     """Splits the Ray test modules into ``groups`` groups of about equal measured time (longest first, each to the
     group with the least time so far: LPT, Graham 1969); returns {module: group index}.
@@ -55,8 +55,10 @@ def ray_groups(modules: list[str], groups: int, seconds: dict[str, float], toget
         groups: how many groups (>= 1).
         seconds: measured seconds per module (``RAY_SECONDS_FILE``); a module missing from it counts as
             ``UNMEASURED_RAY_MODULE_S``.
-        together: modules that must share one group (one item of their summed time): those that start Ray Serve,
-            whose HTTP proxy takes one port of the machine (``reward.server.port``, 8000 by default).
+        together: sets of modules that must each share one group (one item of their summed time): those that start
+            Ray Serve, whose HTTP proxy takes one port of the machine (``reward.server.port``, 8000 by default), and
+            those that use one session fixture's run (``tiny_sweep``: it would run once in each group).
+            Overlapping sets are merged.
         shares: each group's part of the time (any positive numbers; equal when None): each item goes to the group
             whose load after it, divided by its share, is least (LPT on machines of different speeds).
 
@@ -70,8 +72,16 @@ def ray_groups(modules: list[str], groups: int, seconds: dict[str, float], toget
     def cost(module: str) -> float:
         return seconds.get(module, UNMEASURED_RAY_MODULE_S)
 
-    items = [[m] for m in modules if m not in together] + ([sorted(m for m in modules if m in together)]
-                                                          if together & set(modules) else [])
+    bundles: list[set[str]] = []
+    for bundle in together:
+        bundle = set(bundle) & set(modules)
+        for other in [b for b in bundles if b & bundle]:
+            bundle |= other
+            bundles.remove(other)
+        if bundle:
+            bundles.append(bundle)
+    bundled = set().union(*bundles)
+    items = [[m] for m in modules if m not in bundled] + [sorted(b) for b in bundles]
     load = [0.0] * groups
     out: dict[str, int] = {}
     for item in sorted(items, key=lambda ms: (-sum(map(cost, ms)), ms)):
@@ -93,6 +103,14 @@ def _uses_serve(test_file: str) -> bool:
 
 
 TAIL_RAY_SHARE = 0.33  # on 2 workers, the part of the Ray modules' measured time that runs after the pure modules
+
+
+def _shared_run_users() -> list:
+    """Returns, per session fixture of this file that needs the Ray cluster (``tiny_sweep``: a whole sweep), a test
+    that is True for a module that uses it: such modules share a group, or the fixture's run would happen in each."""
+    here = Path(__file__).read_text()
+    names = re.findall(r'^@pytest\.fixture\(scope="session"\)\ndef (\w+)\([^)]*\bray_session\b', here, flags=re.M)
+    return [lambda m, word=re.compile(rf"\b{name}\b"): bool(word.search((REPO_ROOT / m).read_text())) for name in names]
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
@@ -136,8 +154,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
                     for nodeid in next(iter(self.registered_collections.values())):
                         self._split_scope(nodeid)
                     modules = [m for m, scope in cache.items() if scope == "ray"]
-                serve = frozenset(m for m in modules if _uses_serve(m))
-                for module, group in ray_groups(modules, groups, seconds, serve, shares).items():
+                together = [frozenset(m for m in modules if _uses_serve(m))]
+                together += [frozenset(m for m in modules if uses(m)) for uses in _shared_run_users()]
+                for module, group in ray_groups(modules, groups, seconds, together, shares).items():
                     cache[module] = f"ray:{group}"
             super().schedule()
 
@@ -261,7 +280,10 @@ def ray_session():
 
     global _RAY_SESSION_STARTED
     _RAY_SESSION_STARTED = True
-    ray.init(include_dashboard=False, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}})
+    from rlray.launch.ray_setup import embedded_ray_env
+
+    ray.init(include_dashboard=False, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+                                                                **embedded_ray_env()}})
     yield ray
     ray.shutdown()
 

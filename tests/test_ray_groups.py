@@ -36,7 +36,7 @@ def test_modules_that_start_serve_share_one_group():
     assert ray_groups(list(seconds), 2, seconds) == {"a.py": 0, "b.py": 1, "s2.py": 1, "s1.py": 1}
     seconds["s1.py"] = 90.0  # alone s1 (90) and s2 (40) would part: a -> 0, s1 -> 1, b -> 1 (140), s2 -> 0 (140)
     assert ray_groups(list(seconds), 2, seconds)["s2.py"] != ray_groups(list(seconds), 2, seconds)["s1.py"]
-    together = ray_groups(list(seconds), 2, seconds, frozenset({"s1.py", "s2.py"}))
+    together = ray_groups(list(seconds), 2, seconds, [frozenset({"s1.py", "s2.py"})])
     assert together == {"s1.py": 0, "s2.py": 0, "a.py": 1, "b.py": 1}  # s1+s2 (130) -> 0; a -> 1 (100); b -> 1 (150)
 
 
@@ -70,3 +70,19 @@ def test_a_tail_share_splits_within_the_longest_module(seconds, tail):
     # by more than the longest item over the smaller share
     finish = [loads[0] / (1 - tail), loads[1] / tail]
     assert max(finish) - min(finish) <= max(seconds.values(), default=0.0) / min(tail, 1 - tail) + 1e-6
+
+
+def test_overlapping_sets_share_one_group_and_a_module_outside_the_run_is_ignored():
+    seconds = {"a.py": 100.0, "s1.py": 30.0, "s2.py": 40.0, "n1.py": 20.0, "n2.py": 60.0}
+    # {s1, s2} and {s2, n1} merge into one item (90); n2 alone; gone.py is not in this run
+    split = ray_groups(list(seconds), 2, seconds, [frozenset({"s1.py", "s2.py"}), frozenset({"s2.py", "n1.py", "gone.py"})])
+    assert split == {"a.py": 0, "s1.py": 1, "s2.py": 1, "n1.py": 1, "n2.py": 1}  # a -> 0; s1+s2+n1 (90) -> 1; n2 -> 1 (150)
+
+
+def test_the_modules_sharing_the_sweep_fixture_are_found():
+    from tests.conftest import _shared_run_users
+
+    users = _shared_run_users()
+    assert len(users) == 1  # tiny_sweep
+    found = {m for m in ("tests/sweep/test_tune.py", "tests/test_notebooks.py", "tests/run/test_rgym_e2e.py") if users[0](m)}
+    assert found == {"tests/sweep/test_tune.py", "tests/test_notebooks.py"}

@@ -75,7 +75,7 @@ def configure_console(verbose: bool, stream: TextIO | None = None) -> None:
     Replaces the handlers an earlier call added (others, such as pytest's, stay); the root level becomes INFO. The
     loggers of ``SELF_PRINTING_LOGGERS`` lose their own console handlers and propagate to the root. Without
     ``verbose``, transformers' and the Hugging Face hub's progress bars are off in this process (the Ray workers get
-    ``HF_HUB_DISABLE_PROGRESS_BARS=1``, ``rlray.launch.driver.worker_env``).
+    ``HF_HUB_DISABLE_PROGRESS_BARS=1``, ``rlray.launch.ray_setup.worker_env``).
     """
     root = logging.getLogger()
     for handler in [h for h in root.handlers if h.get_name() in (CONSOLE_HANDLER, PENDING_HANDLER)]:

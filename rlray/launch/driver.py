@@ -17,9 +17,7 @@ the Ray Train training function (``rlray.run.worker.train_worker``); this module
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import os
 import signal
 import threading
 import time
@@ -31,7 +29,6 @@ from typing import Any
 import ray
 from ray.train import CheckpointConfig as RayCheckpointConfig
 from ray.train import FailureConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchTrainer
 
 from rlray.checkpoint import lineage
 from rlray.checkpoint import storage as checkpoint
@@ -52,6 +49,7 @@ from rlray.launch.judges import deploy_judges, judge_apps
 from rlray.launch.monitor_actor import launch_monitor, monitor_port
 from rlray.launch.placement import bundle, check_cluster, rollout_nodes
 from rlray.launch.preflight import preflight
+from rlray.launch.ray_setup import LearnerTrainer, RayInfo, embedded_ray_env, init_ray, worker_env  # noqa: F401 - re-exported
 from rlray.models import load_tokenizer, resolve_model_path
 from rlray.observe.startup import StartupClock, startup_summary
 from rlray.observe.tracking import Tracker, resolve_tracking_uri
@@ -81,54 +79,6 @@ class TrainResult:
     error: str = ""
     log_dir: str = ""
     startup: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class RayInfo:
-    """What ``init_ray`` learnt of the cluster: the dashboard's address ("" without one, or when Ray was already
-    initialized) and this node's Ray log folder (``<session_dir>/logs``; "" when unknown)."""
-
-    dashboard_url: str = ""
-    logs_dir: str = ""
-
-
-def worker_env(hub_offline_default: str = "0") -> dict[str, str]:
-    """Returns the environment variables every Ray worker of a run gets (``init_ray``'s runtime_env).
-
-    - ``TOKENIZERS_PARALLELISM=false``: no tokenizer thread pools beside torch's.
-    - ``HF_HUB_OFFLINE``: this process's value, else ``hub_offline_default``.
-    - ``HF_HUB_DISABLE_PROGRESS_BARS``: this process's value, else "1": transformers' and the hub's tqdm bars
-      ("Loading weights", "Writing model shards") stay out of the run's console; rlray prints its own progress.
-    """
-    return {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", hub_offline_default),
-            "HF_HUB_DISABLE_PROGRESS_BARS": os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS", "1")}
-
-
-def init_ray(*, include_dashboard: bool | None = None, log_to_driver: bool = True) -> RayInfo:
-    """Connects to the cluster in RAY_ADDRESS, or starts an embedded local Ray (bound to 127.0.0.1); returns its
-    dashboard address and log folder.
-
-    ``log_to_driver=False`` keeps every worker's and actor's output in Ray's log files instead of copying it to
-    this console, and sets the driver's "ray" logger to WARNING (``rlray train`` without ``-v``). Nothing changes
-    when Ray is already initialized (the log folder is still returned where this process started that Ray).
-    """
-    if ray.is_initialized():  # started by the caller (a benchmark, a test): its log folder, when Ray tells it
-        node = getattr(ray._private.worker, "_global_node", None)  # private; absent on a client connection
-        return RayInfo("", node.get_logs_dir_path() if node is not None else "")
-    quiet = {} if log_to_driver else {"log_to_driver": False, "logging_level": logging.WARNING}
-    env = worker_env()
-    # Inside `ray job submit` the job's runtime_env already applies, and Ray refuses a ray.init
-    # runtime_env that sets one of its env vars again: add only what the job leaves unset.
-    if job_json := os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
-        job_env = (json.loads(job_json).get("runtime_env") or {}).get("env_vars") or {}
-        env = {k: v for k, v in env.items() if k not in job_env}
-    if os.environ.get("RAY_ADDRESS"):
-        ctx = ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": env}, **quiet)
-    else:
-        ctx = ray.init(include_dashboard=include_dashboard, dashboard_host="127.0.0.1", runtime_env={"env_vars": env},
-                       **quiet)
-    session_dir = (getattr(ctx, "address_info", None) or {}).get("session_dir") or ""
-    return RayInfo(getattr(ctx, "dashboard_url", None) or "", str(Path(session_dir, "logs")) if session_dir else "")
 
 
 def resolve_paths(cfg: Config, base: Path | None = None) -> Config:
@@ -240,7 +190,7 @@ def learner_trainer(cfg: Config, args: WorkerArgs) -> Any:
 
     res = cfg.resources.learner
     storage_path, storage_fs = checkpoint.ray_storage(cfg.checkpoint_uri, cfg.checkpoint.s3.storage_options())
-    return TorchTrainer(
+    return LearnerTrainer(
         worker.train_worker,
         train_loop_config={"args": args},
         scaling_config=ScalingConfig(

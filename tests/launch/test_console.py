@@ -244,3 +244,26 @@ def test_train_takes_verbose():
     args = p.parse_args(["train", "c.yaml", "run.max_steps=2", "-v"])
     assert args.verbose is True and args.overrides == ["run.max_steps=2"]
     assert p.parse_args(["train", "c.yaml", "--verbose"]).verbose is True
+
+
+def test_an_embedded_ray_runs_no_preemption_watcher_and_a_cluster_keeps_it(monkeypatch):
+    from ray.train.v2._internal.constants import ENABLE_PREEMPTION_WATCHER_ENV_VAR
+
+    from rlray.launch import driver
+
+    calls: list[dict] = []
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
+    monkeypatch.delenv(ENABLE_PREEMPTION_WATCHER_ENV_VAR, raising=False)
+    monkeypatch.setattr(driver.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(driver.ray, "init", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    driver.init_ray()  # the embedded local Ray: one node, never drained, so Ray Train's watcher is off
+    assert calls[-1]["runtime_env"]["env_vars"][ENABLE_PREEMPTION_WATCHER_ENV_VAR] == "0"
+    monkeypatch.setenv(ENABLE_PREEMPTION_WATCHER_ENV_VAR, "1")
+    driver.init_ray()  # a user's own choice travels as it is
+    assert calls[-1]["runtime_env"]["env_vars"][ENABLE_PREEMPTION_WATCHER_ENV_VAR] == "1"
+    monkeypatch.delenv(ENABLE_PREEMPTION_WATCHER_ENV_VAR)
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
+    driver.init_ray()  # a cluster's nodes can be drained: Ray Train's default (on) stays
+    assert ENABLE_PREEMPTION_WATCHER_ENV_VAR not in calls[-1]["runtime_env"]["env_vars"]
+    assert calls[-1]["address"] == "127.0.0.1:6379"

@@ -89,7 +89,19 @@ def test_light_actor_modules_import_no_torch(module):
     assert out.stdout.strip() == "[]"
 
 
-def test_start_watch_stops_the_main_thread_with_the_actors_start_error(monkeypatch):
+@pytest.fixture
+def python_sigint():
+    """Python's own SIGINT handler for the test, whatever the process inherited: a shell that starts ``make test`` in
+    the background (``make test &``, nohup) ignores SIGINT, and Python then keeps it ignored (StartWatch then waits
+    on the caller's thread instead, which those tests check apart)."""
+    import signal
+
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def test_start_watch_stops_the_main_thread_with_the_actors_start_error(monkeypatch, python_sigint):
     """An actor that fails to start while the main thread waits in fit (here: a sleep) stops it at once, and the
     actor's own error is what the caller raises (as the blocking wait before the learner started did)."""
     import time
@@ -115,7 +127,7 @@ def test_start_watch_stops_the_main_thread_with_the_actors_start_error(monkeypat
     assert time.monotonic() - began < 10
 
 
-def test_start_watch_after_the_guarded_block_never_interrupts(monkeypatch):
+def test_start_watch_after_the_guarded_block_never_interrupts(monkeypatch, python_sigint):
     import time
 
     from rlray.launch import actors
@@ -137,3 +149,22 @@ def test_start_watch_after_the_guarded_block_never_interrupts(monkeypatch):
     watch = actors.StartWatch().watch([])
     watch.disarm(timeout_s=5)
     assert watch.started == {"rollout-0": (1.0, 2.0, None)} and watch.error is None
+
+
+def test_start_watch_waits_on_the_callers_thread_where_sigint_is_ignored(monkeypatch):
+    """A process started with SIGINT ignored (``nohup``, a background job of a shell) cannot be interrupted by the
+    watch: the wait runs before the caller goes on, and an actor's start error is raised from ``watch`` itself."""
+    import signal
+
+    from rlray.launch import actors
+
+    monkeypatch.setattr(actors, "wait_started", lambda launched: (_ for _ in ()).throw(ValueError("engine failed")))
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with pytest.raises(ValueError, match="engine failed"):
+            actors.StartWatch().watch([])
+        monkeypatch.setattr(actors, "wait_started", lambda launched: {"rollout-0": (1.0, 2.0, None)})
+        watch = actors.StartWatch().watch([])
+        assert watch.thread is None and watch.started == {"rollout-0": (1.0, 2.0, None)}
+    finally:
+        signal.signal(signal.SIGINT, before)

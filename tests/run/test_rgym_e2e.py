@@ -5,6 +5,7 @@ grpo_reasoning_gym_smollm2.yaml at test size): the rows are generated, the rewar
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -29,8 +30,16 @@ def test_grpo_two_steps_on_a_reasoning_gym_mix(ray_session, tmp_path):
         "run.max_steps=2", "rollout.backend=hf", "learner.prompts_per_step=2", "rollout.samples_per_prompt=2",
         "rollout.max_new_tokens=8", "learner.sequences_per_minibatch=4", "learner.sequences_per_microbatch=2",
         "learner.torch_threads=1", "eval.num_problems=4", "monitor.port=0", "guard.kl_threshold=null"])
+    began_ms = time.time() * 1000
     result = run_training(cfg)
     assert result.status == "FINISHED"
+    # the learner group started without the Ray Train helpers a run has no use for (rlray.launch.ray_setup): Ray
+    # Data's DatasetManager (no datasets) and, on this one-node cluster, the PreemptionWatcher; its own actors did start
+    from ray._private.state import actors
+
+    started = {a["ActorClassName"] for a in actors().values() if a["StartTime"] >= began_ms}
+    assert {"TrainController", "RayTrainWorker", "RolloutActor"} <= started, started
+    assert not started & {"DatasetManager", "PreemptionWatcher"}, started
     metrics = get_run_metrics(uri, result.run_id)
     required = ["reward/mean", "reward/reasoning_gym", "reward/reasoning_gym_skipped", "learner/pg_loss"]
     assert set(required) <= set(METRIC_KEYS) | set(term_keys(["reasoning_gym"]))

@@ -1,0 +1,96 @@
+"""Starting or joining Ray for a run, and Ray Train's trainer for the learner group.
+
+``init_ray`` connects to the cluster in ``RAY_ADDRESS`` or starts an embedded local Ray; ``worker_env`` and
+``embedded_ray_env`` are the environment variables its workers get; ``LearnerTrainer`` is Ray Train's
+``TorchTrainer`` without the helper actors a run of rlray never uses.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.train.torch import TorchTrainer
+
+
+@dataclass(frozen=True)
+class RayInfo:
+    """What ``init_ray`` learnt of the cluster: the dashboard's address ("" without one, or when Ray was already
+    initialized) and this node's Ray log folder (``<session_dir>/logs``; "" when unknown)."""
+
+    dashboard_url: str = ""
+    logs_dir: str = ""
+
+
+def worker_env(hub_offline_default: str = "0") -> dict[str, str]:
+    """Returns the environment variables every Ray worker of a run gets (``init_ray``'s runtime_env).
+
+    - ``TOKENIZERS_PARALLELISM=false``: no tokenizer thread pools beside torch's.
+    - ``HF_HUB_OFFLINE``: this process's value, else ``hub_offline_default``.
+    - ``HF_HUB_DISABLE_PROGRESS_BARS``: this process's value, else "1": transformers' and the hub's tqdm bars
+      ("Loading weights", "Writing model shards") stay out of the run's console; rlray prints its own progress.
+    """
+    return {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", hub_offline_default),
+            "HF_HUB_DISABLE_PROGRESS_BARS": os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS", "1")}
+
+
+def embedded_ray_env() -> dict[str, str]:
+    """Returns the environment variables added for an embedded local Ray (one node, this machine), each this
+    process's value when it has one.
+
+    - ``RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=0``: Ray Train's PreemptionWatcher actor polls the cluster for nodes
+      being drained (spot reclaims, autoscaler scale-down); an embedded Ray is this one node, never drained, so the
+      watcher would only cost a worker process and its imports at every learner start (about 2 s of CPU, measured
+      with ``benchmarks/startup.py``). A cluster keeps it (``RAY_ADDRESS`` or ``ray job submit``).
+    """
+    return {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": os.environ.get("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")}
+
+
+def init_ray(*, include_dashboard: bool | None = None, log_to_driver: bool = True) -> RayInfo:
+    """Connects to the cluster in RAY_ADDRESS, or starts an embedded local Ray (bound to 127.0.0.1); returns its
+    dashboard address and log folder.
+
+    ``log_to_driver=False`` keeps every worker's and actor's output in Ray's log files instead of copying it to
+    this console, and sets the driver's "ray" logger to WARNING (``rlray train`` without ``-v``). Nothing changes
+    when Ray is already initialized (the log folder is still returned where this process started that Ray).
+    """
+    if ray.is_initialized():  # started by the caller (a benchmark, a test): its log folder, when Ray tells it
+        node = getattr(ray._private.worker, "_global_node", None)  # private; absent on a client connection
+        return RayInfo("", node.get_logs_dir_path() if node is not None else "")
+    quiet = {} if log_to_driver else {"log_to_driver": False, "logging_level": logging.WARNING}
+    env = worker_env()
+    # Inside `ray job submit` the job's runtime_env already applies, and Ray refuses a ray.init
+    # runtime_env that sets one of its env vars again: add only what the job leaves unset.
+    if job_json := os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
+        job_env = (json.loads(job_json).get("runtime_env") or {}).get("env_vars") or {}
+        env = {k: v for k, v in env.items() if k not in job_env}
+    if os.environ.get("RAY_ADDRESS"):
+        ctx = ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": env}, **quiet)
+    else:
+        env.update(embedded_ray_env())
+        ctx = ray.init(include_dashboard=include_dashboard, dashboard_host="127.0.0.1", runtime_env={"env_vars": env},
+                       **quiet)
+    session_dir = (getattr(ctx, "address_info", None) or {}).get("session_dir") or ""
+    return RayInfo(getattr(ctx, "dashboard_url", None) or "", str(Path(session_dir, "logs")) if session_dir else "")
+
+
+class LearnerTrainer(TorchTrainer):
+    """Ray Train's ``TorchTrainer`` minus Ray Data's ``DatasetManager`` actor when it is handed no datasets.
+
+    Ray Train 2.x starts a ``DatasetManager`` actor at every learner group start, datasets or not (its
+    ``DatasetsCallback``); rlray's learner reads its rows from the driver's object refs, never from Ray Data, so that
+    actor would only cost a worker process and Ray Data's imports at each start and restart (about 2 s of CPU,
+    ``benchmarks/startup.py``). With datasets the callback stays. Source: ray.train.v2 ``DataParallelTrainer.
+    _create_default_callbacks`` (Ray 2.60); the callback found by its class name, so a Ray that renames it keeps it.
+    """
+
+    def _create_default_callbacks(self) -> list[Any]:
+        callbacks = super()._create_default_callbacks()
+        if self.datasets:
+            return callbacks
+        return [cb for cb in callbacks if type(cb).__name__ != "DatasetsCallback"]
