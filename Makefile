@@ -91,10 +91,11 @@ browser:
 	  else echo "make browser: no apt-get; install chromium and chromedriver for tests/observe/test_browser.py" >&2; fi; \
 	fi
 
-# Two pytest-xdist workers: the Ray modules in order on one worker and one Ray cluster, the pure modules on the other
-# (tests/conftest.py). TEST_WORKERS=N>2 splits the Ray modules into N-1 groups of about equal measured time
-# (tests/ray_module_seconds.json, `make test-seconds`). Both measured slower on 2 cores: 3 workers (31.5 min, two Ray
-# tests timed out) and one Ray group per worker; TEST_WORKERS=0 runs one process.
+# Two pytest-xdist workers (tests/conftest.py): two thirds of the Ray modules' measured time in order on one worker and
+# its Ray cluster; the pure modules on the other, then the last third of the Ray modules there on a second cluster
+# (tests/ray_module_seconds.json, `make test-seconds`; RLRAY_TAIL_RAY_SHARE changes the third). TEST_WORKERS=N>2
+# splits the Ray modules into N-1 groups of equal time; measured slower on 2 cores (3 workers: 31.5 min, two Ray tests
+# timed out), as was one Ray group per worker from the start. TEST_WORKERS=0 runs one process.
 TEST_WORKERS ?= 2
 test:
 	@$(MAKE) --no-print-directory -j4 $(SETUP) browser
