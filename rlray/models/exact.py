@@ -1,6 +1,6 @@
 """The exact layout: one forward that the sampler and the learner both run, so that their logprobs agree bit for bit.
 
-``rollout.exact`` (docs/algorithms.md, "Exact on-policy mode"). Floating-point results depend on the shapes a kernel
+``rollout.backend=exact`` (docs/algorithms.md, "Exact on-policy mode"). Floating-point results depend on the shapes a kernel
 sees (GEMM blocking, the split of a reduction over threads, the attention kernel chosen), not only on the values. A
 KV-cached sampler computes one new position per step, [1, H] GEMMs; the learner computes the whole sequence, [L, H]
 GEMMs, in batches of rows padded to other lengths: the two logprobs differ in the last bits (rlray measures ~1e-7

@@ -1,4 +1,4 @@
-"""The exact backend of RolloutEngine (``rollout.exact``): samples with the learner's own forward, so that every
+"""The exact backend of RolloutEngine (``rollout.backend=exact``): samples with the learner's own forward, so that every
 rollout logprob equals the learner's bit for bit.
 
 Each sequence runs alone, one token at a time, through ``rlray.models.exact.exact_log_softmax``: the prompt and
@@ -60,7 +60,7 @@ class ExactBackend:
         refused = {"rollout.top_p": sampling.top_p < 1.0, "rollout.top_k": sampling.top_k > 0,
                    "rollout.min_p": sampling.min_p > 0.0, "rollout.stop": bool(sampling.stop)}
         if bad := [name for name, on in refused.items() if on]:
-            raise ValueError(f"rlray: rollout.exact samples with temperature alone; {', '.join(bad)} would change the "
+            raise ValueError(f"rlray: rollout.backend=exact samples with temperature alone; {', '.join(bad)} would change the "
                              "distribution without the learner seeing it: leave them at their defaults")
         seed = sampling.seed if sampling.seed is not None else self._next_seed()
         generator = torch.Generator().manual_seed(seed)
