@@ -117,7 +117,7 @@ class ExactBackend:
         Raises:
             ValueError: always.
         """
-        raise ValueError("rlray: rollout.exact does not take LoRA adapters (model.lora.rank must be 0)")
+        raise ValueError("rlray: rollout.backend=exact does not take LoRA adapters (model.lora.rank must be 0)")
 
     def reset_cache(self) -> None:
         """Does nothing: no KV cache is kept."""

@@ -81,24 +81,3 @@ def test_the_default_layout_is_not_exact(engine, tiny_model_path, tiny_tokenizer
     stats = _on_policy_stats(learner, batch, MicroBatching(sequences=4))
     assert 0.0 < stats["rollout_kl_sum"] < 1e-6  # the same distribution, not the same bits
     assert stats["rollout_diff_sum"] > 0.0
-
-
-def test_the_exact_engine_is_seeded_and_stops_at_eos(engine, tiny_tokenizer):
-    prompt = [tiny_tokenizer.encode("Count to three.")]
-    one = engine.generate(prompt, SamplingSpec(n=3, max_new_tokens=N, temperature=1.0, seed=5))
-    two = engine.generate(prompt, SamplingSpec(n=3, max_new_tokens=N, temperature=1.0, seed=5))
-    assert [c.response_token_ids for c in one] == [c.response_token_ids for c in two]
-    assert [c.rollout_logprobs for c in one] == [c.rollout_logprobs for c in two]
-    for c in one:
-        assert len(c.rollout_logprobs) == len(c.response_token_ids) <= N
-        assert (c.finish_reason == "stop") == (c.response_token_ids[-1] == tiny_tokenizer.eos_token_id)
-    greedy = engine.generate(prompt, SamplingSpec(n=1, max_new_tokens=N, temperature=0.0))
-    assert greedy[0].response_token_ids == engine.generate(prompt, SamplingSpec(n=1, max_new_tokens=N,
-                                                                                temperature=0.0))[0].response_token_ids
-
-
-@pytest.mark.parametrize(("field", "spec"), [("rollout.top_p", {"top_p": 0.9}), ("rollout.top_k", {"top_k": 5}),
-                                             ("rollout.min_p", {"min_p": 0.1}), ("rollout.stop", {"stop": ("\n",)})])
-def test_the_exact_engine_refuses_what_the_learner_does_not_see(engine, field, spec):
-    with pytest.raises(ValueError, match=f"rlray: rollout.backend=exact .*{field}"):
-        engine.generate([[1, 2, 3]], SamplingSpec(n=1, max_new_tokens=N, temperature=1.0, **spec))
