@@ -81,3 +81,13 @@ def test_the_default_layout_is_not_exact(engine, tiny_model_path, tiny_tokenizer
     stats = _on_policy_stats(learner, batch, MicroBatching(sequences=4))
     assert 0.0 < stats["rollout_kl_sum"] < 1e-6  # the same distribution, not the same bits
     assert stats["rollout_diff_sum"] > 0.0
+
+
+def test_a_response_longer_than_the_buffer_is_refused_by_row(tiny_model_path):
+    learner = PolicyLearner(tiny_model_path, dtype="float32", temperature=1.0,
+                            optim=OptimizerSpec(lr=1e-3, max_grad_norm=1e9))
+    inputs = schema.pack_sequences([[5, 6, 7], [8, 9]], [[10, 11], [12, 13, 14, 15]], 0)
+    with pytest.raises(ValueError, match="row 1 has a response of 4 tokens, more than rollout.max_new_tokens=3"):
+        learner.logprobs(inputs, reference=False, batching=MicroBatching(sequences=2, exact_new_tokens=3))
+    with pytest.raises(ValueError, match="exact_new_tokens=3 needs >= 1 and packing off or auto, not 'on'"):
+        MicroBatching(sequences=2, packing="on", exact_new_tokens=3)
