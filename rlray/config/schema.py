@@ -63,6 +63,7 @@ class Config(_Section):
         self._check_learner_options()
         self._check_ops()
         self._check_teacher()
+        self._check_exact()
         if self.algo.family == "offline":
             return self._check_offline_sizes(world)
         sequences = self.sequences_per_step
@@ -110,6 +111,24 @@ class Config(_Section):
                 "full-vocabulary logits in the learner's micro-batch (never sent across the object store); set "
                 "resources.teacher.placement=learner, or teacher.divergence=reverse_kl"
             )
+
+    def _check_exact(self) -> None:
+        """rollout.backend=exact: refuses what would make the sampler's forward differ from the learner's."""
+        if self.rollout.backend != "exact":
+            return
+        r, res = self.rollout, self.resources
+        refused = {
+            "rollout.top_p < 1": r.top_p < 1.0, "rollout.top_k > 0": r.top_k > 0, "rollout.min_p > 0": r.min_p > 0.0,
+            "rollout.stop": bool(r.stop), "model.lora.rank > 0 or model.adapter_path": self.trains_lora,
+            "resources.learner.gpus or resources.rollout.gpus > 0": res.learner.gpus > 0 or res.rollout.gpus > 0,
+            "resources.learner.strategy=fsdp": res.learner.strategy == "fsdp" and res.learner.num_workers > 1,
+            "learner.sequence_packing=on": self.learner.sequence_packing == "on",
+            "env.environments or env.agents": self.env.enabled,
+            "teacher.divergence=jsd": self.teacher.enabled and self.teacher.divergence == "jsd",
+        }
+        if bad := [name for name, on in refused.items() if on]:
+            raise ValueError(f"rollout.backend=exact (the learner's forward, CPU) cannot be exact with {', '.join(bad)}; "
+                             "unset them, or use rollout.backend=vllm or hf (docs/algorithms.md, exact on-policy mode)")
 
     def _check_env(self) -> None:
         env = self.env

@@ -107,6 +107,8 @@ def rollout_engine_kwargs(cfg: Config, max_model_len: int, cpu_threads: str | No
         "tensor_parallel_size": cfg.resources.rollout.tensor_parallel_size,
         "cpu_threads": cpu_threads,
         "weight_transfer": None if sync == "object_store" else sync,
+        # the exact sampler sums in the learner's order: its thread count (rlray.models.exact)
+        "torch_threads": build.core_plan(cfg).learner_threads if cfg.rollout.backend == "exact" else None,
     }
 
 

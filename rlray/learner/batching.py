@@ -37,18 +37,25 @@ class MicroBatching:
             keeps padded rows (the reference layout), "auto" packs where the model can (``attention.packing_blocker``).
         share_prefixes: rows that share a prompt compute it once per micro-batch (packed: a tree of segments;
             padded: the prompt's KV cache, ``logprobs.response_logits``).
+        exact_new_tokens: N of the exact layout (``rollout.backend=exact``: rollout.max_new_tokens), or None. Set,
+            every row runs alone in a buffer of its prompt + N tokens (``rlray.models.exact``), as the exact sampler
+            ran it, whatever ``packing`` and ``share_prefixes`` say; the micro-batches only group the backwards.
     """
 
     sequences: int
     tokens: int | None = None
     packing: str = "off"
     share_prefixes: bool = True
+    exact_new_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.sequences < 1 or (self.tokens is not None and self.tokens < 1):
             raise ValueError(f"MicroBatching: sequences={self.sequences} and tokens={self.tokens} must be >= 1")
         if self.packing not in PACKING_MODES:
             raise ValueError(f"MicroBatching: packing={self.packing!r}; use one of {PACKING_MODES}")
+        if self.exact_new_tokens is not None and (self.exact_new_tokens < 1 or self.packing == "on"):
+            raise ValueError(f"MicroBatching: exact_new_tokens={self.exact_new_tokens} needs >= 1 and packing off or "
+                             f"auto, not {self.packing!r} (the exact layout runs each row alone)")
 
 
 def split_microbatches(batch: Batch, size: int) -> Iterator[Batch]:

@@ -243,7 +243,7 @@ class PolicyLearner:
             got = response_scores(model, mb.inputs, dtype=self.dtype, temperature=self.temperature, packed=packed,
                                   share_prefixes=batching.share_prefixes, with_entropy=spec.entropy_coef > 0,
                                   teacher=teacher if spec.jsd_weight > 0 else None, jsd_beta=spec.jsd_beta,
-                                  inplace_backward=True)
+                                  inplace_backward=True, exact_new_tokens=batching.exact_new_tokens)
             self.tokens.add(got.tokens)
             if mb.old_logprobs is None:
                 mb = dataclasses.replace(mb, old_logprobs=got.logprobs.detach())

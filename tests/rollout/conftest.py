@@ -29,7 +29,8 @@ def eos_id(tiny_model_path: str) -> int:
 
 @pytest.fixture(scope="session")
 def engine_learner_mismatch():
-    """Returns fn(engine, learner, prompts, sampling, pad_token_id) -> (k3 KL, mean |d|, max |d|) in nats/token.
+    """Returns fn(engine, learner, prompts, sampling, pad_token_id, batching=None) -> (k3 KL, mean |d|, max |d|) in
+    nats/token.
 
     The engine samples ``sampling`` from ``prompts``; the learner scores the same tokens through its real path
     (``PolicyLearner.logprobs``: ``batched_logprobs``, padded/packed as ``learner.sequence_packing=auto``, shared
@@ -42,14 +43,16 @@ def engine_learner_mismatch():
     from rlray.learner import MicroBatching
     from rlray.schema import pack_sequences, response_mask_from_lengths
 
-    def measure(engine, learner, prompts: list[list[int]], sampling, pad_token_id: int) -> tuple[float, float, float]:
+    def measure(engine, learner, prompts: list[list[int]], sampling, pad_token_id: int,
+                batching: MicroBatching | None = None) -> tuple[float, float, float]:
         completions = engine.generate(prompts, sampling)
         inputs = pack_sequences([prompts[c.prompt_index] for c in completions],
                                 [c.response_token_ids for c in completions], pad_token_id)
         t = inputs.response_ids.shape[1]
         rollout = torch.tensor([c.rollout_logprobs + [0.0] * (t - len(c.rollout_logprobs)) for c in completions],
                                dtype=torch.float64)
-        learner_lp = learner.logprobs(inputs, reference=False, batching=MicroBatching(sequences=8, packing="auto"))
+        batching = batching or MicroBatching(sequences=8, packing="auto")  # exact_new_tokens: the exact layout
+        learner_lp = learner.logprobs(inputs, reference=False, batching=batching)
         mask = response_mask_from_lengths(inputs)
         k3 = algos.kl_penalty(rollout, learner_lp.double(), "k3")[mask]
         d = (learner_lp.double() - rollout)[mask]
