@@ -25,12 +25,11 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from benchlib import REPO, fmt, gsm8k_train_file, markdown_table, write_results
-from mismatch import mismatch_stats
+from benchlib import REPO, fmt, markdown_table, write_results
+from mismatch import mismatch_stats, sample_and_score
 
 CONFIG = REPO / "configs" / "grpo_gsm8k_smollm2.yaml"
 BACKENDS = ("exact", "hf", "vllm")
@@ -48,49 +47,15 @@ def _measure(model: str, backend: str, dtype: str, prompts: int, max_new_tokens:
     """Runs in the child: samples with the backend's engine, scores with the run's learner; returns the figures."""
     import torch
 
-    from rlray.config import load_config
-    from rlray.launch.actors import rollout_cpu_threads, rollout_engine_kwargs
-    from rlray.launch.driver import max_model_len
-    from rlray.learner import PolicyLearner
-    from rlray.models import load_tokenizer, resolve_model_path
-    from rlray.rollout import RolloutEngine
-    from rlray.run import build
-    from rlray.schema import pack_sequences, response_mask_from_lengths
-
-    test_file = gsm8k_train_file().with_name("test.jsonl")
-    cfg = load_config(CONFIG, [f"model.path={model}", f"model.dtype={dtype}", f"rollout.backend={backend}",
-                               "rollout.temperature=1.0", f"rollout.max_new_tokens={max_new_tokens}",
-                               f"data.train_files=[{test_file}]"])
-    model_dir = resolve_model_path(cfg.model.path)
-    tokenizer = load_tokenizer(model_dir, cfg.model.chat_template)
-    prompt_ids = build.training_prompts(cfg, tokenizer)[2][:prompts]
-    start = time.perf_counter()
-    engine = RolloutEngine(model_dir, **rollout_engine_kwargs(cfg, max_model_len(cfg), rollout_cpu_threads(cfg)[0],
-                                                              model_dir))
-    seconds = {"engine_start": time.perf_counter() - start}
-    try:
-        start = time.perf_counter()
-        completions = engine.generate(prompt_ids, build.sampling_for_step(cfg, 0))
-        seconds["generate"] = time.perf_counter() - start
-    finally:
-        engine.shutdown()
-    inputs = pack_sequences([prompt_ids[c.prompt_index] for c in completions],
-                            [c.response_token_ids for c in completions], tokenizer.pad_token_id)
-    width = inputs.response_ids.shape[1]
-    rollout = torch.tensor([c.rollout_logprobs + [0.0] * (width - len(c.rollout_logprobs)) for c in completions])
-    learner = PolicyLearner(model_dir, **build.learner_kwargs(cfg, world=1, with_reference=False))
-    torch.set_num_threads(build.core_plan(cfg).learner_threads)
-    start = time.perf_counter()
-    old = learner.logprobs(inputs, reference=False, batching=build.micro_batching(cfg))
-    seconds["learner_logprobs"] = time.perf_counter() - start
-    mask = response_mask_from_lengths(inputs)
-    stats = mismatch_stats(rollout.double(), old.double(), mask)
+    got = sample_and_score(model, dtype, prompts, max_new_tokens, (f"rollout.backend={backend}",), learner_threads=True)
+    rollout, old, mask, completions = got["rollout"], got["learner"], got["mask"], got["completions"]
+    stats = mismatch_stats(rollout, old.double(), mask)
     tokens = sum(len(c.response_token_ids) for c in completions)
-    prompt_tokens = [len(p) for p in prompt_ids]
+    prompt_tokens = [len(p) for p in got["prompt_ids"]]
     return {"backend": backend, "dtype": dtype, "sequences": len(completions), "tokens": tokens,
-            "prompt_tokens": [min(prompt_tokens), max(prompt_tokens)], "seconds": seconds,
-            "tokens_per_s": tokens / seconds["generate"], "bitwise": bool(torch.equal(rollout[mask], old[mask])),
-            **stats}
+            "prompt_tokens": [min(prompt_tokens), max(prompt_tokens)],
+            "seconds": got["seconds"], "tokens_per_s": tokens / got["seconds"]["generate"],
+            "bitwise": bool(torch.equal(rollout.float()[mask], old[mask])), **stats}
 
 
 def main() -> None:

@@ -100,8 +100,17 @@ def mismatch_stats(rollout_logprobs: Any, learner_logprobs: Any, response_mask: 
     }
 
 
-def _measure(model: str, dtype: str, prompts: int, max_new_tokens: int) -> dict[str, Any]:
-    """Runs in the child: samples with the run's engine, scores with the run's learner; returns the statistics."""
+def sample_and_score(model: str, dtype: str, prompts: int, max_new_tokens: int, overrides: tuple[str, ...] = (), *,
+                     learner_threads: bool = False) -> dict[str, Any]:
+    """Samples GSM8K test prompts with the run's engine (``CONFIG`` with ``overrides``), then scores the samples with
+    the run's learner on the same weights (stage 4's pass); runs in a child process of a benchmark.
+    ``learner_threads``: the learner's pass runs on the plan's learner threads (a run's count), else on torch's own.
+
+    Returns:
+        {"cfg", "prompt_ids", "completions", "inputs", "rollout" ([B, T] float64, the engine's logprobs, 0 past each response),
+        "learner" ([B, T] float32, the learner's), "mask" ([B, T] bool, response tokens), "seconds" (engine_start,
+        generate, learner_load, learner_logprobs)}.
+    """
     import torch
 
     from rlray.config import load_config
@@ -115,7 +124,7 @@ def _measure(model: str, dtype: str, prompts: int, max_new_tokens: int) -> dict[
 
     test_file = gsm8k_train_file().with_name("test.jsonl")
     cfg = load_config(CONFIG, [f"model.path={model}", f"model.dtype={dtype}", "rollout.temperature=1.0",
-                               f"rollout.max_new_tokens={max_new_tokens}", f"data.train_files=[{test_file}]"])
+                               f"rollout.max_new_tokens={max_new_tokens}", f"data.train_files=[{test_file}]", *overrides])
     model_dir = resolve_model_path(cfg.model.path)
     tokenizer = load_tokenizer(model_dir, cfg.model.chat_template)
     prompt_ids = build.training_prompts(cfg, tokenizer)[2][:prompts]
@@ -137,14 +146,23 @@ def _measure(model: str, dtype: str, prompts: int, max_new_tokens: int) -> dict[
                            dtype=torch.float64)
     start = time.perf_counter()
     learner = PolicyLearner(model_dir, **build.learner_kwargs(cfg, world=1, with_reference=False))
+    if learner_threads:
+        torch.set_num_threads(build.core_plan(cfg).learner_threads)
     seconds["learner_load"] = time.perf_counter() - start
     start = time.perf_counter()
     old = learner.logprobs(inputs, reference=False, batching=build.micro_batching(cfg))
     seconds["learner_logprobs"] = time.perf_counter() - start
-    stats = mismatch_stats(rollout, old, response_mask_from_lengths(inputs),
-                           ratio_max=cfg.algo.rollout_correction.ratio_max)
-    return {"dtype": dtype, "engine_dtype": dtype, "learner": _learner_precision(dtype), "prompts": len(prompt_ids),
-            "sequences": len(completions), "seconds": seconds, **stats}
+    return {"cfg": cfg, "prompt_ids": prompt_ids, "completions": completions, "inputs": inputs, "rollout": rollout, "learner": old,
+            "mask": response_mask_from_lengths(inputs), "seconds": seconds}
+
+
+def _measure(model: str, dtype: str, prompts: int, max_new_tokens: int) -> dict[str, Any]:
+    """Runs in the child: samples with the run's engine, scores with the run's learner; returns the statistics."""
+    got = sample_and_score(model, dtype, prompts, max_new_tokens)
+    stats = mismatch_stats(got["rollout"], got["learner"], got["mask"],
+                           ratio_max=got["cfg"].algo.rollout_correction.ratio_max)
+    return {"dtype": dtype, "engine_dtype": dtype, "learner": _learner_precision(dtype), "prompts": len(got["prompt_ids"]),
+            "sequences": len(got["completions"]), "seconds": got["seconds"], **stats}
 
 
 def _learner_precision(dtype: str) -> str:
