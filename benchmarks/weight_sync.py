@@ -4,7 +4,7 @@
     python benchmarks/weight_sync.py --quick         # tiny-random, seconds-scale sizes
     python benchmarks/weight_sync.py --model tiny-random --actors 1 2 --repeats 5
     python benchmarks/weight_sync.py --part lora     # only the LoRA adapter-vs-merged comparison
-    python benchmarks/weight_sync.py --part delta --steps 5   # full against delta syncs over 5 training steps
+    python benchmarks/weight_sync.py --part delta --steps 10  # full against delta syncs over 10 training steps
 
 One child process per N (a fresh local Ray cluster each). The child loads the policy as the learner
 does (float32 master weights) and exports it as rlray's learner does for every sync: its Hugging Face
