@@ -24,10 +24,10 @@ from rlray.models import load_causal_lm
 from rlray.models.adapters import AdapterWeights
 from rlray.models.exact import exact_log_softmax
 from rlray.rollout.hf_backend import _eos_ids
-from rlray.rollout.types import Completion, SamplingSpec
+from rlray.rollout.types import Completion, InProcessBackend, SamplingSpec
 
 
-class ExactBackend:
+class ExactBackend(InProcessBackend):
     """A causal LM that samples one sequence at a time in the exact layout, logprobs bitwise the learner's.
 
     Args:
@@ -118,14 +118,3 @@ class ExactBackend:
             ValueError: always.
         """
         raise ValueError("rlray: rollout.backend=exact does not take LoRA adapters (model.lora.rank must be 0)")
-
-    def reset_cache(self) -> None:
-        """Does nothing: no KV cache is kept."""
-
-    def shutdown(self) -> None:
-        """Frees the model."""
-        del self._model
-
-    def _next_seed(self) -> int:
-        self._generator_seed += 1
-        return self._generator_seed

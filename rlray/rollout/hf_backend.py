@@ -17,12 +17,12 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from rlray.models.adapters import AdapterWeights
-from rlray.rollout.types import Completion, SamplingSpec
+from rlray.rollout.types import Completion, InProcessBackend, SamplingSpec
 
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-class HFBackend:
+class HFBackend(InProcessBackend):
     """A transformers causal LM that samples token ids with temperature-scaled logprobs.
 
     Args:
@@ -126,16 +126,6 @@ class HFBackend:
         self._peft = apply_adapter(self._peft or self._model, adapter)
         self._adapter_config = adapter.config
 
-    def reset_cache(self) -> None:
-        """Does nothing: generate() keeps no KV cache between calls."""
-
-    def shutdown(self) -> None:
-        """Frees the model."""
-        del self._model
-
-    def _next_seed(self) -> int:
-        self._generator_seed += 1
-        return self._generator_seed
 
 
 def apply_adapter(model: torch.nn.Module, adapter: AdapterWeights) -> torch.nn.Module:

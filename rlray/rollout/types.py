@@ -249,3 +249,23 @@ def in_background(work: Callable[[], ResultT], name: str) -> Future[ResultT]:
 
     threading.Thread(target=run, name=name, daemon=True).start()
     return pending
+
+
+class InProcessBackend:
+    """What the rollout backends that hold their model in this process share (``HFBackend``, ``ExactBackend``): no
+    KV cache kept between calls, the model freed at shutdown, and a private seed stream for unseeded requests
+    (``self._generator_seed``, set by the subclass, advances by one per call)."""
+
+    _model: Any
+    _generator_seed: int
+
+    def reset_cache(self) -> None:
+        """Does nothing: no KV cache is kept between calls."""
+
+    def shutdown(self) -> None:
+        """Frees the model."""
+        del self._model
+
+    def _next_seed(self) -> int:
+        self._generator_seed += 1
+        return self._generator_seed
