@@ -27,8 +27,6 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from transformers.utils import get_json_schema
-
 from rlray.envs.base import ToolCall
 
 _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -44,6 +42,8 @@ def tool_schemas(tools: list[Callable[..., Any]]) -> list[dict[str, Any]]:
     Raises:
         ValueError: a tool that transformers cannot describe; the message names the function and the reason.
     """
+    from transformers.utils import get_json_schema  # deferred: ~1.4 s of import that a host without tools never pays
+
     from rlray.envs.agents.mcp import McpTool  # deferred: the agents package imports this module (its gateway)
 
     schemas = []

@@ -43,8 +43,8 @@ from rlray.launch.judges import judge_apps
 from rlray.launch.placement import role_requests
 from rlray.observe.tracking import Tracker, child_runs, get_run_metrics
 from rlray.plan import resolve_plan
-from rlray.run.hooks import StepEnd
 from rlray.sweep.pbt import make_pbt, pbt_base_config, read_pointer, write_pointer
+from rlray.sweep.reporter import TuneStepReporter  # noqa: F401 - re-exported (rlray.sweep.tune.TuneStepReporter)
 from rlray.sweep.spec import SweepConfig, check_sweep
 
 log = logging.getLogger(__name__)
@@ -103,32 +103,6 @@ def concurrent_trials(demand: dict[str, float], cluster: dict[str, float]) -> in
     """Returns how many trials of ``demand`` fit in ``cluster`` resources at once (at least 1)."""
     fits = [math.floor(cluster.get(k, 0.0) / v + 1e-9) for k, v in demand.items() if v > 0]
     return max(1, min(fits, default=1))
-
-
-class TuneStepReporter:
-    """Per-step observer hook (rank 0, after the step's snapshot): hands the step to the trial function
-    and waits for Tune.
-
-    It puts ``({"step": n, **metrics}, snapshot URI or None)`` on ``results`` and blocks on ``acks``
-    until the trial function's ``tune.report`` returned, that is until the scheduler let the trial go
-    on. A trial the scheduler stops (ASHA) or restarts (a PBT exploit) therefore never starts another
-    step. It never asks the run to stop.
-
-    Args:
-        results: ``ray.util.queue.Queue`` the trial function reads.
-        acks: ``ray.util.queue.Queue`` the trial function puts one item on per relayed result.
-    """
-
-    after_snapshot = True  # rlray.run.hooks: runs after the step's snapshot and sees its URI
-
-    def __init__(self, results: Any, acks: Any) -> None:
-        self.results = results
-        self.acks = acks
-
-    def __call__(self, event: StepEnd) -> None:
-        self.results.put(({"step": event.step, **event.metrics}, event.snapshot))
-        self.acks.get()
-        return None
 
 
 def trial_config(base: dict[str, Any], params: dict[str, Any], trial_id: str, resume_from: str | None = None) -> Config:

@@ -52,14 +52,25 @@ class _Actor:
     def loaded(self) -> tuple[int, list | None]:
         return self.version, self.values
 
+    def reset(self) -> None:
+        self.version, self.values = 0, None
 
-@pytest.fixture
-def fleet(ray_session):
+
+@pytest.fixture(scope="module")
+def plain_actors(ray_session) -> list:
+    """Two actors for the module's tests (each actor is a worker process: ~2-4 s of CPU to start one)."""
     actors = [ray.remote(_Actor).options(num_cpus=0.01).remote() for _ in range(2)]
     ray.get([a.policy_version.remote() for a in actors])  # started: the fleet counts an actor not yet ALIVE as lost
-    yield RolloutFleet(actors)
+    yield actors
     for a in actors:
         ray.kill(a, no_restart=True)
+
+
+@pytest.fixture
+def fleet(plain_actors):
+    """A fresh fleet over the module's actors, reset to version 0 with nothing loaded."""
+    ray.get([a.reset.remote() for a in plain_actors])
+    return RolloutFleet(plain_actors)
 
 
 def _held_by_this_process(ref_hex: str) -> bool:
@@ -186,13 +197,21 @@ class _MovingLearner(_Learner):
         self.weight[:8] += 0.01  # 512 of 4096 values move by more than a bf16 ulp
 
 
-@pytest.fixture
-def delta_fleet(ray_session):
+@pytest.fixture(scope="module")
+def delta_actors(ray_session) -> list:
+    """Two delta-sync actors for the module's tests."""
     actors = [ray.remote(_delta_actor_class()).options(num_cpus=0.01).remote() for _ in range(2)]
     ray.get([a.policy_version.remote() for a in actors])
-    yield RolloutFleet(actors)
+    yield actors
     for a in actors:
         ray.kill(a, no_restart=True)
+
+
+@pytest.fixture
+def delta_fleet(delta_actors):
+    """A fresh fleet over the module's delta actors, each back at version 0 with no copy."""
+    ray.get([a.restart.remote() for a in delta_actors])
+    return RolloutFleet(delta_actors)
 
 
 def _engines_hold(fleet: RolloutFleet, learner: _MovingLearner, version: int) -> bool:

@@ -34,12 +34,13 @@ def test_grpo_two_steps_on_a_reasoning_gym_mix(ray_session, tmp_path):
     result = run_training(cfg)
     assert result.status == "FINISHED"
     # the learner group started without the Ray Train helpers a run has no use for (rlray.launch.ray_setup): Ray
-    # Data's DatasetManager (no datasets) and, on this one-node cluster, the PreemptionWatcher; its own actors did start
+    # Data's DatasetManager (no datasets) and, on this one-node cluster that the test process started, the
+    # PreemptionWatcher, the PlacementGroupCleaner and the AutoscalingCoordinator; its own actors did start
     from ray._private.state import actors
 
     started = {a["ActorClassName"] for a in actors().values() if a["StartTime"] >= began_ms}
     assert {"TrainController", "RayTrainWorker", "RolloutActor"} <= started, started
-    assert not started & {"DatasetManager", "PreemptionWatcher"}, started
+    assert not started & {"DatasetManager", "PreemptionWatcher", "PlacementGroupCleaner", "_AutoscalingCoordinatorActor"}, started
     metrics = get_run_metrics(uri, result.run_id)
     required = ["reward/mean", "reward/reasoning_gym", "reward/reasoning_gym_skipped", "learner/pg_loss"]
     assert set(required) <= set(METRIC_KEYS) | set(term_keys(["reasoning_gym"]))

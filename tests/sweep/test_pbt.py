@@ -14,8 +14,9 @@ from rlray.config import load_config
 from rlray.observe.tracking import Tracker, child_runs, get_run, get_run_metrics
 from rlray.run.hooks import StepEnd, is_observer, run_hooks, run_observers
 from rlray.sweep.pbt import ClipToSpace, SnapshotPBT, hyperparam_mutations, pbt_base_config, read_pointer, write_pointer
+from rlray.sweep.reporter import TuneStepReporter
 from rlray.sweep.spec import SweepConfig, SweepError, check_sweep
-from rlray.sweep.tune import TrialRunCloser, TuneStepReporter, close_replaced_runs, make_scheduler, trial_config
+from rlray.sweep.tune import TrialRunCloser, close_replaced_runs, make_scheduler, trial_config
 
 REPO = Path(__file__).resolve().parents[2]
 # With seed 0, Tune draws learner.lr = 1.879e-4 for trial 0 and 3.464e-5 for trial 1 (asserted below).

@@ -11,10 +11,10 @@ import pytest
 from rlray.config import load_config
 from rlray.observe.tracking import Tracker, child_runs, get_run, get_run_metrics
 from rlray.run.hooks import StepEnd
+from rlray.sweep.reporter import TuneStepReporter
 from rlray.sweep.spec import SweepConfig
 from rlray.sweep.tune import (
     TrialRunCloser,
-    TuneStepReporter,
     concurrent_trials,
     make_scheduler,
     param_space,

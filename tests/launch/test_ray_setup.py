@@ -1,0 +1,40 @@
+"""rlray.launch.ray_setup on the session's Ray (one node, started by this test process): the Ray Train helpers that
+``LearnerTrainer`` leaves out, and the scaling policy it hands the controller."""
+
+from __future__ import annotations
+
+import pytest
+from ray.train import RunConfig, ScalingConfig
+from ray.train.v2._internal.execution.scaling_policy.fixed import FixedScalingPolicy
+
+from rlray.launch.ray_setup import LearnerTrainer, _NoAutoscalerFixedPolicy, owns_single_node_ray
+
+pytestmark = pytest.mark.ray
+
+
+def _trainer(tmp_path) -> LearnerTrainer:
+    return LearnerTrainer(lambda config: None, scaling_config=ScalingConfig(num_workers=1),
+                          run_config=RunConfig(name="t", storage_path=str(tmp_path)))
+
+
+def test_the_session_ray_is_a_single_node_this_process_started(ray_session):
+    assert owns_single_node_ray()
+
+
+def test_on_its_own_one_node_ray_the_trainer_starts_no_cleaner_no_dataset_manager(ray_session, tmp_path):
+    names = {type(cb).__name__ for cb in _trainer(tmp_path)._create_default_callbacks()}
+    assert not names & {"PlacementGroupCleanerCallback", "DatasetsCallback"}, names
+    assert "AcceleratorSetupCallback" in names or "BackendSetupCallback" in names, names  # Ray Train's own remain
+
+
+def test_the_controller_gets_a_fixed_policy_without_autoscaler_requests(ray_session, tmp_path, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(LearnerTrainer.__mro__[1], "_initialize_and_run_controller",
+                        lambda self, **kwargs: seen.update(kwargs))
+    scaling = ScalingConfig(num_workers=1)
+    _trainer(tmp_path)._initialize_and_run_controller(scaling_policy=FixedScalingPolicy(scaling), other=1)
+    policy = seen["scaling_policy"]
+    assert type(policy) is _NoAutoscalerFixedPolicy and policy.scaling_config is scaling and seen["other"] == 1
+    policy.after_controller_start(None)  # no coordinator actor asked for
+    assert policy._coordinator_client is None
+    assert policy.make_decision_for_non_running_worker_group().num_workers == 1  # the fixed size, as before
