@@ -327,10 +327,7 @@ STILL_READ_CONFIG = {
     "rlray.checkpoint.lineage": "lineage registers the snapshot's config in MLflow (a service)",
     "rlray.observe.tracking": "MLflow params are the flattened config (a service)",
     "rlray.observe.stored": "reads a stored run's resolved config back (a service)",
-    "rlray.launch.actors": "builds rollout actors and env hosts from resources.rollout/env and rollout.* engine keys",
     "rlray.launch.driver": "resolves the config's paths (resolve_paths) and ships the config to the workers",
-    "rlray.launch.judge_check": "rlray judge check: local judges from reward.judges; its engine from actors.rollout_engine_kwargs(cfg)",
-    "rlray.launch.judges": "deploys one Serve app per reward.judges entry (JudgeSpec from build.judge_specs(cfg): moves with run/build.py)",
     "rlray.run.build": "the translator: config sections into building-block arguments (plan parts where decided)",
 }
 

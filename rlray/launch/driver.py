@@ -282,17 +282,17 @@ def run_training(
             services.monitor = monitor.handle
             launched = [monitor]
             if roles.online:  # offline methods train on preference pairs: no rollout actors
-                launched += launch_rollout_actors(cfg, model_dir, plan.lengths.context_tokens, rollout_nodes(plan),
+                launched += launch_rollout_actors(plan, model_dir, plan.lengths.context_tokens, rollout_nodes(plan),
                                                   namespace=namespace)
                 actors = [one.handle for one in launched[1:]]
-                hosts = launch_env_hosts(cfg, namespace=namespace, model_dir=model_dir,
+                hosts = launch_env_hosts(plan, namespace=namespace, model_dir=model_dir,
                                          log_dir=log_dir if log_file is not None else None)
                 env_hosts, launched = [one.handle for one in hosts], launched + hosts
             if roles.reference == "actor":
-                launched.append(launch_reference_actor(cfg, model_dir, namespace=namespace))
+                launched.append(launch_reference_actor(plan, model_dir, namespace=namespace))
                 reference = launched[-1].handle
             if roles.online and roles.teacher == "actor":
-                launched.append(launch_reference_actor(cfg, teacher_dir, namespace=namespace, role="teacher"))
+                launched.append(launch_reference_actor(plan, teacher_dir, namespace=namespace, role="teacher"))
                 teacher = launched[-1].handle
             port = monitor_port(monitor)  # the page first: the start lines name it while the engines load
             url = f"http://{cfg.monitor.host}:{port}"
@@ -308,7 +308,7 @@ def run_training(
             if roles.reward_server:  # Serve deploys while the actors load
                 own_app = start_reward_server(cfg)
             if roles.judges:
-                own_judges = deploy_judges(cfg)
+                own_judges = deploy_judges(plan)
             watch = StartWatch().watch(launched[1:])  # the learner group starts beside the engines (main thread)
             started = wait_started(launched[:1])
         trainer = learner_trainer(cfg, WorkerArgs(
@@ -453,14 +453,15 @@ def eval_setup(cfg: Config, checkpoint_path: str) -> Iterator[EvalSetup]:
     one = cfg.model_copy(deep=True)
     one.resources.rollout.num_workers = 1
     one.resources.rollout.cpu_threads = None  # this node's cores, all to the one actor
-    actors = start_rollout_actors(one, model_dir, resolve_plan(cfg).lengths.context_tokens)
-    hosts = start_env_hosts(cfg, model_dir=model_dir)
+    plan = resolve_plan(cfg)
+    actors = start_rollout_actors(resolve_plan(one), model_dir, plan.lengths.context_tokens)
+    hosts = start_env_hosts(plan, model_dir=model_dir)
     try:
         reward = build.local_reward_client(cfg, build.dataset_columns(rows))
         fleet = RolloutFleet(actors, node_wait_s=cfg.resources.node_wait_s)
         rollouts = build.rollouts(cfg, fleet, hosts, tokenizer)
         try:
-            with judge_apps(cfg):
+            with judge_apps(plan):
                 judges = build.judge_panel(cfg)
                 try:
                     yield EvalSetup(rollouts, reward, list(zip(rows, ids, strict=True)), tokenizer, judges)

@@ -113,7 +113,7 @@ def check_inputs(plan: RunPlan) -> str:
             )
         for fn in cfg.reward.functions:
             check_function_spec(fn.function)
-        check_judges(cfg, rows)
+        check_judges(plan, rows)
         for name, spec in cfg.env.environments.items():
             check_environment_spec(name, spec)
         for name, spec in cfg.env.agents.items():
