@@ -68,12 +68,13 @@ def _serve_reward(args: argparse.Namespace) -> int:
     from rlray.plan import resolve_plan
 
     cfg = resolve_paths(load_config(args.config, args.overrides))
+    plan = resolve_plan(cfg)
     init_ray()
-    start_reward_server(cfg)
+    start_reward_server(plan)
     srv = cfg.reward.server
     print(f"rlray-reward version {cfg.reward.version}: POST http://{srv.host}:{srv.port}/score "
           f"(Serve application '{srv.app_name}')", flush=True)
-    deploy_judges(resolve_plan(cfg))
+    deploy_judges(plan)
     for judge in cfg.reward.judges:
         print(f"judge '{judge.name}' version {cfg.reward.version}: {judge.path} (Serve application '{judge.app_name}')",
               flush=True)

@@ -49,7 +49,8 @@ ALLOWED: dict[str, set[str]] = {
     # Line 4: the run plan (issue 38), a validated config resolved once into typed records; below run/ and launch/,
     # above the building blocks whose plain records it holds (envs: MCP server specs; learner: the micro-batching;
     # models: the dtype; reward: term names; rollout: SamplingSpec).
-    "plan": {"config", "algos", "schema", "cores", "envs", "learner", "models", "reward", "rollout"},
+    # observe: resolve_paths pins the MLflow store's sqlite path (observe.tracking.resolve_tracking_uri, deferred).
+    "plan": {"config", "algos", "schema", "cores", "envs", "learner", "models", "reward", "rollout", "observe"},
     # Lines 5-8: anything on an earlier line (sweep: only what a sweep needs).
     "run": _BASE | _PARTS | {"plan"},
     "launch": _BASE | _PARTS | {"run", "plan"},
@@ -327,7 +328,6 @@ STILL_READ_CONFIG = {
     "rlray.checkpoint.lineage": "lineage registers the snapshot's config in MLflow (a service)",
     "rlray.observe.tracking": "MLflow params are the flattened config (a service)",
     "rlray.observe.stored": "reads a stored run's resolved config back (a service)",
-    "rlray.launch.driver": "resolves the config's paths (resolve_paths) and ships the config to the workers",
     "rlray.run.build": "the translator: config sections into building-block arguments (plan parts where decided)",
 }
 

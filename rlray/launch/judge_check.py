@@ -46,7 +46,7 @@ def judge_check(plan: RunPlan, num_rows: int, *, threshold: float | None = None,
     """Returns the judges' reports on the first ``num_rows`` training rows (module docstring).
 
     Args:
-        plan: the run plan of the config, its paths resolved (``rlray.launch.driver.resolve_paths``): its judges,
+        plan: the run plan of the config, its paths resolved (``rlray.plan.paths.resolve_paths``): its judges,
             reward terms, engines and sampling, and the ``model.*`` and ``data.*`` settings.
         num_rows: training rows to answer and judge.
         threshold: the judge score read as "yes" from (default: the middle of each judge's scale).

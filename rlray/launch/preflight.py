@@ -61,7 +61,7 @@ def preflight(plan: RunPlan) -> str:
 
     Args:
         plan: the run's plan (``rlray.plan.resolve_plan``) of the config with local paths already resolved
-            (``rlray.launch.driver.resolve_paths``): its roles decide what is checked, its settings name the files.
+            (``rlray.plan.paths.resolve_paths``): its roles decide what is checked, its settings name the files.
 
     Raises:
         rlray.models.ModelError: the model path, tokenizer or chat template cannot be used, or the teacher's
