@@ -326,7 +326,6 @@ CONFIG_READERS = ("rlray.config", "rlray.plan", "rlray.cli", "rlray.sweep")
 # that no longer imports the config must leave it (the test below fails on a stale entry).
 STILL_READ_CONFIG = {
     "rlray.checkpoint.lineage": "lineage registers the snapshot's config in MLflow (a service)",
-    "rlray.observe.tracking": "MLflow params are the flattened config (a service)",
     "rlray.observe.stored": "reads a stored run's resolved config back (a service)",
     "rlray.run.build": "the translator: config sections into building-block arguments (plan parts where decided)",
 }
