@@ -166,6 +166,7 @@ def interleaved(size: dict[str, Any], rounds: int) -> dict[str, Any]:
     from rlray.launch.actors import agent_host_kwargs, start_rollout_actors
     from rlray.launch.driver import max_model_len
     from rlray.models import load_tokenizer, resolve_model_path
+    from rlray.plan import resolve_plan
     from rlray.rollout.fleet import RolloutFleet
     from rlray.run import build
 
@@ -177,10 +178,10 @@ def interleaved(size: dict[str, Any], rounds: int) -> dict[str, Any]:
     benchlib.init_local_ray()
     model_dir = resolve_model_path(native_cfg.model.path)
     tokenizer = load_tokenizer(model_dir, native_cfg.model.chat_template)
-    actors = start_rollout_actors(native_cfg, model_dir, max_model_len(native_cfg))
+    actors = start_rollout_actors(resolve_plan(native_cfg), model_dir, max_model_len(native_cfg))
     host = ray.remote(AgentHost).options(max_concurrency=8).remote(
         dict(native_cfg.env.environments), tool_parser=native_cfg.env.tool_parser,
-        step_timeout_s=native_cfg.env.step_timeout_s, **agent_host_kwargs(agent_cfg, model_dir))
+        step_timeout_s=native_cfg.env.step_timeout_s, **agent_host_kwargs(resolve_plan(agent_cfg), model_dir))
     fleet = RolloutFleet(actors)
     rollouts = {"native": build.rollouts(native_cfg, fleet, [host], tokenizer),
                 "agent": build.rollouts(agent_cfg, fleet, [host], tokenizer)}

@@ -60,12 +60,13 @@ def data(count: int) -> tuple[list[str], list[str], list[dict]]:
 def measure(name: str, entry: dict, args: argparse.Namespace) -> dict:
     """Swaps the bench judge to ``entry`` and times ``args.batches`` batches; returns the row of the table."""
     from rlray.config import config_from_dict
+    from rlray.launch.judges import judge_specs
+    from rlray.plan import resolve_plan
     from rlray.reward.judges.client import JudgeClient
     from rlray.reward.judges.deployment import ServeJudgeCaller, build_judge_app, deploy_judge_app
-    from rlray.run import build
 
     cfg = config_from_dict({"reward": {"judges": [entry]}})
-    spec = dataclasses.replace(build.judge_specs(cfg)[0], name="bench")
+    spec = dataclasses.replace(judge_specs(resolve_plan(cfg))[0], name="bench")
     t = time.perf_counter()
     deploy_judge_app(build_judge_app(spec, version=int(time.time())), APP)
     swap_s = time.perf_counter() - t

@@ -118,6 +118,7 @@ def sample_and_score(model: str, dtype: str, prompts: int, max_new_tokens: int, 
     from rlray.launch.driver import max_model_len
     from rlray.learner import PolicyLearner
     from rlray.models import load_tokenizer, resolve_model_path
+    from rlray.plan import resolve_plan
     from rlray.rollout import RolloutEngine
     from rlray.run import build
     from rlray.schema import pack_sequences, response_mask_from_lengths
@@ -130,7 +131,8 @@ def sample_and_score(model: str, dtype: str, prompts: int, max_new_tokens: int, 
     prompt_ids = build.training_prompts(cfg, tokenizer)[2][:prompts]
     seconds: dict[str, float] = {}
     start = time.perf_counter()
-    engine = RolloutEngine(model_dir, **rollout_engine_kwargs(cfg, max_model_len(cfg), rollout_cpu_threads(cfg)[0],
+    plan = resolve_plan(cfg)
+    engine = RolloutEngine(model_dir, **rollout_engine_kwargs(plan, max_model_len(cfg), rollout_cpu_threads(plan)[0],
                                                               model_dir))
     seconds["engine_start"] = time.perf_counter() - start
     try:

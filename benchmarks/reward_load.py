@@ -95,10 +95,11 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.insert(0, str(REPO))
         from rlray.config import load_config
         from rlray.launch.driver import init_ray, resolve_paths, start_reward_server
+        from rlray.plan import resolve_plan
 
         cfg = resolve_paths(load_config(args.config, ["reward.server.enabled=true", *args.overrides]))
         init_ray(include_dashboard=False)
-        start_reward_server(cfg)
+        start_reward_server(resolve_plan(cfg))
         url = f"http://127.0.0.1:{cfg.reward.server.port}/score"
     rows = [run_load(url, int(b), args.requests, args.concurrency) for b in args.batches.split(",")]
     print(table(rows, args.concurrency))

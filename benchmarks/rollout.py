@@ -111,6 +111,7 @@ def child_rlray(args: dict, prompts: list[list[int]], actors: int) -> dict[str, 
     from rlray.cores import split_cores
     from rlray.launch.actors import kill_actors, start_rollout_actors
     from rlray.models import resolve_model_path
+    from rlray.plan import resolve_plan
     from rlray.rollout import SamplingSpec
     from rlray.rollout.fleet import RolloutFleet
 
@@ -125,7 +126,7 @@ def child_rlray(args: dict, prompts: list[list[int]], actors: int) -> dict[str, 
     cfg = config_from_dict(tree, [f"model.dtype={args['dtype']}", f"run.seed={SEED}"])
     benchlib.init_local_ray()
     start = time.perf_counter()
-    handles = start_rollout_actors(cfg, resolve_model_path(args["model"]), MAX_PROMPT_TOKENS + args["max_new_tokens"])
+    handles = start_rollout_actors(resolve_plan(cfg), resolve_model_path(args["model"]), MAX_PROMPT_TOKENS + args["max_new_tokens"])
     start_s = time.perf_counter() - start
     fleet = RolloutFleet(handles)
 

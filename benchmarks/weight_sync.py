@@ -174,6 +174,7 @@ def child(args: dict, actors: int, backend: str) -> dict[str, Any]:
 
     from rlray.launch.actors import kill_actors, start_rollout_actors
     from rlray.models import resolve_model_path
+    from rlray.plan import resolve_plan
     from rlray.rollout.fleet import RolloutFleet
 
     model_dir = resolve_model_path(args["model"])
@@ -184,7 +185,7 @@ def child(args: dict, actors: int, backend: str) -> dict[str, Any]:
     copy_s = memcpy_seconds(weights, max(args["repeats"], 9))  # cheap; more samples steady the median
     cfg = actors_config(actors, backend)
     benchlib.init_local_ray()
-    handles = start_rollout_actors(cfg, model_dir, MAX_MODEL_LEN)
+    handles = start_rollout_actors(resolve_plan(cfg), model_dir, MAX_MODEL_LEN)
     try:
         fleet = RolloutFleet(handles)
         timed = time_object_store(fleet, weights, args["repeats"]) if not on_gpu else time_transfer(
@@ -241,6 +242,7 @@ def lora_child(args: dict, kind: str) -> dict[str, Any]:
 
     from rlray.launch.actors import kill_actors, start_rollout_actors
     from rlray.models import resolve_model_path
+    from rlray.plan import resolve_plan
     from rlray.rollout import SamplingSpec
     from rlray.rollout.fleet import RolloutFleet
     from rlray.rollout.weight_sync import ObjectStoreSync
@@ -254,7 +256,7 @@ def lora_child(args: dict, kind: str) -> dict[str, Any]:
     _, prompts = benchlib.gsm8k_prompts(args["model"], LORA_PROMPTS, 256)
     spec = SamplingSpec(n=1, max_new_tokens=LORA_NEW_TOKENS, temperature=1.0, seed=0)
     benchlib.init_local_ray()
-    handles = start_rollout_actors(cfg, model_dir, MAX_MODEL_LEN)
+    handles = start_rollout_actors(resolve_plan(cfg), model_dir, MAX_MODEL_LEN)
     try:
         fleet = RolloutFleet(handles)
         sync = ObjectStoreSync(fleet, getattr(torch, dtype), wait=True, adapter=sync_mode == "adapter")
@@ -310,6 +312,7 @@ def delta_child(args: dict, dtype: str) -> dict[str, Any]:
     from rlray.launch.actors import kill_actors, start_rollout_actors
     from rlray.learner import OptimizerSpec, PolicyLearner
     from rlray.models import resolve_model_path
+    from rlray.plan import resolve_plan
     from rlray.rollout.fleet import RolloutFleet
     from rlray.rollout.weight_sync import ObjectStoreSync
 
@@ -319,7 +322,7 @@ def delta_child(args: dict, dtype: str) -> dict[str, Any]:
     _, prompts = benchlib.gsm8k_prompts(args["model"], 4 * args["steps"], 256)
     cfg = actors_config(2, "object_store", (f"model.dtype={dtype}",))
     benchlib.init_local_ray()
-    handles = start_rollout_actors(cfg, model_dir, MAX_MODEL_LEN)
+    handles = start_rollout_actors(resolve_plan(cfg), model_dir, MAX_MODEL_LEN)
     try:
         syncs, pauses = {}, {}
         for mode, handle in zip(("full", "delta"), handles, strict=True):

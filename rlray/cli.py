@@ -65,14 +65,16 @@ def _serve_reward(args: argparse.Namespace) -> int:
 
     from rlray.launch.driver import init_ray, resolve_paths, start_reward_server
     from rlray.launch.judges import deploy_judges
+    from rlray.plan import resolve_plan
 
     cfg = resolve_paths(load_config(args.config, args.overrides))
+    plan = resolve_plan(cfg)
     init_ray()
-    start_reward_server(cfg)
+    start_reward_server(plan)
     srv = cfg.reward.server
     print(f"rlray-reward version {cfg.reward.version}: POST http://{srv.host}:{srv.port}/score "
           f"(Serve application '{srv.app_name}')", flush=True)
-    deploy_judges(cfg)
+    deploy_judges(plan)
     for judge in cfg.reward.judges:
         print(f"judge '{judge.name}' version {cfg.reward.version}: {judge.path} (Serve application '{judge.app_name}')",
               flush=True)
@@ -90,14 +92,16 @@ def _serve_reward(args: argparse.Namespace) -> int:
 
 
 def _judge(args: argparse.Namespace) -> int:
+    from rlray.launch.driver import resolve_paths
     from rlray.launch.judge_check import judge_check
+    from rlray.plan import resolve_plan
     from rlray.reward.judges.stats import format_report
 
     if args.rows < 1:
         print(f"rlray: --rows={args.rows}: give at least 1 row", file=sys.stderr)
         return 2
-    cfg = load_config(args.config, args.overrides)
-    result = judge_check(cfg, args.rows, threshold=args.threshold, response_column=args.response_column,
+    plan = resolve_plan(resolve_paths(load_config(args.config, args.overrides)))
+    result = judge_check(plan, args.rows, threshold=args.threshold, response_column=args.response_column,
                          label_column=args.label_column)  # fmt: skip
     if args.json:
         import dataclasses

@@ -49,7 +49,8 @@ ALLOWED: dict[str, set[str]] = {
     # Line 4: the run plan (issue 38), a validated config resolved once into typed records; below run/ and launch/,
     # above the building blocks whose plain records it holds (envs: MCP server specs; learner: the micro-batching;
     # models: the dtype; reward: term names; rollout: SamplingSpec).
-    "plan": {"config", "algos", "schema", "cores", "envs", "learner", "models", "reward", "rollout"},
+    # observe: resolve_paths pins the MLflow store's sqlite path (observe.tracking.resolve_tracking_uri, deferred).
+    "plan": {"config", "algos", "schema", "cores", "envs", "learner", "models", "reward", "rollout", "observe"},
     # Lines 5-8: anything on an earlier line (sweep: only what a sweep needs).
     "run": _BASE | _PARTS | {"plan"},
     "launch": _BASE | _PARTS | {"run", "plan"},
@@ -325,12 +326,7 @@ CONFIG_READERS = ("rlray.config", "rlray.plan", "rlray.cli", "rlray.sweep")
 # that no longer imports the config must leave it (the test below fails on a stale entry).
 STILL_READ_CONFIG = {
     "rlray.checkpoint.lineage": "lineage registers the snapshot's config in MLflow (a service)",
-    "rlray.observe.tracking": "MLflow params are the flattened config (a service)",
     "rlray.observe.stored": "reads a stored run's resolved config back (a service)",
-    "rlray.launch.actors": "builds rollout actors and env hosts from resources.rollout/env and rollout.* engine keys",
-    "rlray.launch.driver": "resolves the config's paths (resolve_paths) and ships the config to the workers",
-    "rlray.launch.judge_check": "rlray judge check: local judges from reward.judges; its engine from actors.rollout_engine_kwargs(cfg)",
-    "rlray.launch.judges": "deploys one Serve app per reward.judges entry (JudgeSpec from build.judge_specs(cfg): moves with run/build.py)",
     "rlray.run.build": "the translator: config sections into building-block arguments (plan parts where decided)",
 }
 

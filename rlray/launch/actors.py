@@ -25,12 +25,11 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from rlray.config import Config
 from rlray.launch.engine_actors import ReferenceActor, RolloutActor
 from rlray.models.adapters import AdapterWeights, read_adapter_config
 from rlray.models.loading import ModelError
 from rlray.observe.startup import ActorTimes, Launched
-from rlray.plan import resolve_plan
+from rlray.plan import RunPlan
 from rlray.run import build
 
 log = logging.getLogger(__name__)
@@ -58,7 +57,7 @@ def kv_bytes_per_token(model_path: str, dtype: str) -> int | None:
     return 2 * layers * kv_heads * head_dim * (2 if dtype == "bfloat16" else 4)
 
 
-def auto_kv_cache_gib(cfg: Config, model_path: str, max_model_len: int) -> float:
+def auto_kv_cache_gib(plan: RunPlan, model_path: str, max_model_len: int) -> float:
     """Returns one rollout actor's CPU KV-cache size in GiB: ``rollout.kv_cache_gib``, or when None the most one actor
     holds at once, + 25%.
 
@@ -69,69 +68,73 @@ def auto_kv_cache_gib(cfg: Config, model_path: str, max_model_len: int) -> float
     default, was 8x what the benchmark's step needs). A step that needs more than the cache holds still runs:
     vLLM preempts and recomputes sequences. A model whose config.json lacks the attention shape gets 1 GiB.
     """
-    if cfg.rollout.kv_cache_gib is not None:
-        return cfg.rollout.kv_cache_gib
-    per_token = kv_bytes_per_token(model_path, build.compute_dtype(cfg))
+    if plan.engines.kv_cache_gib is not None:
+        return plan.engines.kv_cache_gib
+    per_token = kv_bytes_per_token(model_path, plan.engines.dtype)
     if per_token is None:
         return DEFAULT_KV_CACHE_GIB
-    actors = cfg.resources.rollout.num_workers
-    sequences = max(math.ceil(cfg.learner.prompts_per_step * cfg.rollout.samples_per_prompt / actors),
+    actors, cfg = plan.roles.rollout.count, plan.settings
+    sequences = max(math.ceil(cfg.learner.prompts_per_step * plan.sampling.train.n / actors),
                     math.ceil(cfg.eval.num_problems / actors), 1)
     tokens = math.ceil(max_model_len / KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
     gib = sequences * tokens * per_token * KV_MARGIN / 2**30
     return math.ceil(max(gib, tokens * per_token / 2**30) * 64) / 64
 
 
-def rollout_engine_kwargs(cfg: Config, max_model_len: int, cpu_threads: str | None = None,
+def rollout_engine_kwargs(plan: RunPlan, max_model_len: int, cpu_threads: str | None = None,
                           model_path: str | None = None) -> dict:
-    """Returns ``RolloutEngine`` keyword arguments from the config (plain values only).
+    """Returns ``RolloutEngine`` keyword arguments from the run plan's ``engines`` (plain values only).
 
     Args:
-        cfg: the config.
+        plan: the run plan.
         max_model_len: prompt + response cap, in tokens.
         cpu_threads: this actor's core list (see ``rollout_cpu_threads``).
         model_path: the local model folder, for sizing the KV cache (``auto_kv_cache_gib``); None: 1 GiB when
             ``rollout.kv_cache_gib`` is None.
     """
-    sync = cfg.weight_sync_backend
+    e = plan.engines
     return {
-        **adapter_engine_kwargs(cfg),
-        "dtype": build.compute_dtype(cfg),
-        "seed": cfg.run.seed,
+        **adapter_engine_kwargs(plan),
+        "dtype": e.dtype,
+        "seed": e.seed,
         "max_model_len": max_model_len,
-        "backend": cfg.rollout.backend,
-        "enforce_eager": cfg.rollout.enforce_eager,
-        "kv_cache_gib": (auto_kv_cache_gib(cfg, model_path, max_model_len) if model_path
-                         else cfg.rollout.kv_cache_gib or DEFAULT_KV_CACHE_GIB),
-        "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization,
-        "tensor_parallel_size": cfg.resources.rollout.tensor_parallel_size,
+        "backend": e.backend,
+        "enforce_eager": e.enforce_eager,
+        "kv_cache_gib": (auto_kv_cache_gib(plan, model_path, max_model_len) if model_path
+                         else e.kv_cache_gib or DEFAULT_KV_CACHE_GIB),
+        "gpu_memory_utilization": e.gpu_memory_utilization,
+        "tensor_parallel_size": e.tensor_parallel_size,
         "cpu_threads": cpu_threads,
-        "weight_transfer": None if sync == "object_store" else sync,
+        "weight_transfer": e.weight_transfer,
         # the exact sampler sums in the learner's order: its thread count (rlray.models.exact)
-        "torch_threads": build.core_plan(cfg).learner_threads if cfg.rollout.backend == "exact" else None,
+        "torch_threads": build.core_plan(plan.settings).learner_threads if e.backend == "exact" else None,
     }
 
 
-def adapter_engine_kwargs(cfg: Config) -> dict:
-    """Returns the ``RolloutEngine`` LoRA arguments of an adapter-only sync (``Config.adapter_sync``), else {}.
+def adapter_engine_kwargs(plan: RunPlan) -> dict:
+    """Returns the ``RolloutEngine`` LoRA arguments of an adapter-only sync (``plan.engines.lora_slots`` > 0), else {}.
 
     lora_rank is ``model.lora.rank``, or the rank in ``model.adapter_path``'s adapter_config.json (the largest of
     ``r`` and its ``rank_pattern``); lora_slots is ``rollout.max_staleness + 2``, so that every version an async step
-    may still sample with keeps its adapter while the next one is added.
+    may still sample with keeps its adapter while the next one is added (``rlray.plan.Engines``).
+
+    Raises:
+        rlray.models.ModelError: ``model.adapter_path`` has no adapter_config.json.
     """
-    if not cfg.adapter_sync:
+    e = plan.engines
+    if not e.lora_slots:
         return {}
-    rank = cfg.model.lora.rank
-    if cfg.model.adapter_path is not None:
-        config = read_adapter_config(cfg.model.adapter_path)
+    rank = e.lora_rank
+    if e.adapter_path is not None:
+        config = read_adapter_config(e.adapter_path)
         if config is None:
-            raise ModelError(f"model.adapter_path='{cfg.model.adapter_path}' has no adapter_config.json")
+            raise ModelError(f"model.adapter_path='{e.adapter_path}' has no adapter_config.json")
         rank = AdapterWeights({}, config).rank
-    return {"lora_rank": rank, "lora_slots": cfg.rollout.max_staleness + 2}
+    return {"lora_rank": rank, "lora_slots": e.lora_slots}
 
 
 def start_rollout_actors(
-    cfg: Config,
+    plan: RunPlan,
     model_path: str,
     max_model_len: int,
     nodes: list[str] | None = None,
@@ -139,13 +142,13 @@ def start_rollout_actors(
 ) -> list[ray.actor.ActorHandle]:
     """Returns ``resources.rollout.num_workers`` started rollout actors, named ``rlray:rollout-<i>``
     (``launch_rollout_actors``, then blocks until each engine is built, so start-up errors surface here)."""
-    launched = launch_rollout_actors(cfg, model_path, max_model_len, nodes, namespace)
+    launched = launch_rollout_actors(plan, model_path, max_model_len, nodes, namespace)
     wait_started(launched)
     return [one.handle for one in launched]
 
 
 def launch_rollout_actors(
-    cfg: Config,
+    plan: RunPlan,
     model_path: str,
     max_model_len: int,
     nodes: list[str] | None = None,
@@ -163,10 +166,10 @@ def launch_rollout_actors(
     a placement group of the caller (a Tune trial's captures its children).
     """
 
-    res = cfg.resources.rollout
+    res = plan.roles.rollout
     cls = ray.remote(RolloutActor)
     launched = []
-    for i, threads in enumerate(rollout_cpu_threads(cfg)):
+    for i, threads in enumerate(rollout_cpu_threads(plan)):
         name = f"rlray:rollout-{i}"
         wait_for_name(name, namespace)
         strategy = NodeAffinitySchedulingStrategy(nodes[i], soft=True) if nodes else "DEFAULT"
@@ -175,12 +178,12 @@ def launch_rollout_actors(
             name=name,
             namespace=namespace,
             num_cpus=res.cpus,
-            num_gpus=res.gpus * res.tensor_parallel_size,
-            resources=dict(res.custom_resources),
-            max_restarts=res.max_restarts,
+            num_gpus=res.gpus,  # resources.rollout.gpus x tensor_parallel_size
+            resources=dict(res.custom),
+            max_restarts=plan.engines.max_restarts,
             max_task_retries=0,  # the fleet re-sends a dead actor's prompts itself
             scheduling_strategy=strategy,
-        ).remote(model_path, rollout_engine_kwargs(cfg, max_model_len, threads, model_path))
+        ).remote(model_path, rollout_engine_kwargs(plan, max_model_len, threads, model_path))
         launched.append(Launched(f"rollout-{i}", actor, actor.ready.remote(), at))
     return launched
 
@@ -262,19 +265,19 @@ class StartWatch:
             raise self.error from None  # not chained to the interrupt it caused
 
 
-def start_reference_actor(cfg: Config, model_path: str, namespace: str | None = None, *,
+def start_reference_actor(plan: RunPlan, model_path: str, namespace: str | None = None, *,
                           role: str = "reference") -> ray.actor.ActorHandle:
     """Returns a started ``ReferenceActor`` (``launch_reference_actor``, then blocks until its model is loaded).
 
     Raises:
         ValueError: an unknown role.
     """
-    launched = launch_reference_actor(cfg, model_path, namespace, role=role)
+    launched = launch_reference_actor(plan, model_path, namespace, role=role)
     wait_started([launched])
     return launched.handle
 
 
-def launch_reference_actor(cfg: Config, model_path: str, namespace: str | None = None, *,
+def launch_reference_actor(plan: RunPlan, model_path: str, namespace: str | None = None, *,
                            role: str = "reference") -> Launched:
     """Asks for a ``ReferenceActor`` in ``namespace`` and returns it unwaited: role "reference" (``rlray:reference-0``,
     resources.reference, ``model_path`` the policy's) or "teacher" (``rlray:teacher-0``, resources.teacher,
@@ -285,21 +288,22 @@ def launch_reference_actor(cfg: Config, model_path: str, namespace: str | None =
     """
     if role not in ("reference", "teacher"):
         raise ValueError(f"start_reference_actor: role={role!r}; use 'reference' or 'teacher'")
-    res = cfg.resources.reference if role == "reference" else cfg.resources.teacher
+    res = plan.roles.reference_actor if role == "reference" else plan.roles.teacher_actor
     name = f"rlray:{role}-0"
     wait_for_name(name, namespace)
     at = time.time()
     actor = ray.remote(ReferenceActor).options(
-        name=name, namespace=namespace, num_cpus=res.cpus, num_gpus=res.gpus, resources=dict(res.custom_resources),
+        name=name, namespace=namespace, num_cpus=res.cpus, num_gpus=res.gpus, resources=dict(res.custom),
         scheduling_strategy="DEFAULT",
     ).remote(
         model_path,
-        {"dtype": build.compute_dtype(cfg), "temperature": cfg.rollout.temperature, "torch_threads": build.core_plan(cfg).learner_threads},
+        {"dtype": plan.parallelism.compute_dtype, "temperature": plan.sampling.train.temperature,
+         "torch_threads": build.core_plan(plan.settings).learner_threads},
     )
     return Launched(f"{role}-0", actor, actor.ready.remote(), at)
 
 
-def start_env_hosts(cfg: Config, namespace: str | None = None, *, model_dir: str | None = None) -> list[ray.actor.ActorHandle]:
+def start_env_hosts(plan: RunPlan, namespace: str | None = None, *, model_dir: str | None = None) -> list[ray.actor.ActorHandle]:
     """Returns the started environment hosts ``rlray:env-<i>`` (resources.env), or [] without env.environments and
     env.agents.
 
@@ -307,7 +311,7 @@ def start_env_hosts(cfg: Config, namespace: str | None = None, *, model_dir: str
     agent gateway and holds the MCP sessions; ``agent_host_kwargs``), else a plain ``EnvironmentHost``.
 
     Args:
-        cfg: the run's config.
+        plan: the run plan.
         namespace: the run's Ray namespace.
         model_dir: the policy's local folder (an ``AgentHost`` tokenizes the agents' conversations with its
             tokenizer); None: ``model.path`` resolved.
@@ -316,12 +320,12 @@ def start_env_hosts(cfg: Config, namespace: str | None = None, *, model_dir: str
         ValueError: an environment class or agent function cannot be loaded (raised by the first host; names it).
         rlray.envs.agents.mcp.McpStartError: an MCP server did not start.
     """
-    launched = launch_env_hosts(cfg, namespace, model_dir=model_dir)
+    launched = launch_env_hosts(plan, namespace, model_dir=model_dir)
     wait_started(launched)
     return [one.handle for one in launched]
 
 
-def launch_env_hosts(cfg: Config, namespace: str | None = None, *, model_dir: str | None = None,
+def launch_env_hosts(plan: RunPlan, namespace: str | None = None, *, model_dir: str | None = None,
                      log_dir: str | Path | None = None) -> list[Launched]:
     """Asks for the environment hosts of ``start_env_hosts`` and returns them unwaited ([] without env.environments
     and env.agents); ``wait_started`` waits for their ``ping``. With ``log_dir`` (the run's log folder) host i's
@@ -330,29 +334,30 @@ def launch_env_hosts(cfg: Config, namespace: str | None = None, *, model_dir: st
     Raises:
         ValueError: an environment class or agent function cannot be loaded (raised by the first host; names it).
     """
-    if not cfg.env.enabled:
+    ep = plan.episodes
+    if not ep.enabled:
         return []
     from rlray.envs.host import EnvironmentHost  # deferred: environments' imports only when configured
 
-    res, hosts = cfg.resources.env, []
-    gateway = bool(cfg.env.agents or cfg.env.mcp_servers)
-    for i in range(res.num_workers):
+    res, env, hosts = plan.settings.resources.env, plan.settings.env, []
+    gateway = bool(ep.agents or ep.tools)
+    for i in range(plan.roles.env.count):
         wait_for_name(f"rlray:env-{i}", namespace)
         at = time.time()
-        options = dict(name=f"rlray:env-{i}", namespace=namespace, num_cpus=res.cpus, resources=dict(res.custom_resources),
-                       max_restarts=res.max_restarts, scheduling_strategy="DEFAULT")
-        kwargs = dict(tool_parser=cfg.env.tool_parser, step_timeout_s=cfg.env.step_timeout_s, threads=res.threads,
-                      sandbox=cfg.env.sandbox, memory_gib=cfg.env.memory_gib, trl_parity=cfg.env.trl_parity,
-                      servers=list(resolve_plan(cfg).episodes.servers),
+        options = dict(name=f"rlray:env-{i}", namespace=namespace, num_cpus=plan.roles.env.cpus,
+                       resources=dict(plan.roles.env.custom), max_restarts=res.max_restarts, scheduling_strategy="DEFAULT")
+        kwargs = dict(tool_parser=env.tool_parser, step_timeout_s=ep.limits.step_timeout_s, threads=res.threads,
+                      sandbox=env.sandbox, memory_gib=env.memory_gib, trl_parity=env.trl_parity,
+                      servers=list(ep.servers),
                       server_log_dir=str(Path(log_dir, "servers", f"env-{i}")) if log_dir else "")
         if gateway:  # run_agents blocks while the host's agents run: the environments' calls need threads of their own
             from rlray.envs.agents.agent_host import AgentHost
 
             host = ray.remote(AgentHost).options(**options, max_concurrency=AGENT_HOST_CONCURRENCY).remote(
-                dict(cfg.env.environments), **kwargs, **agent_host_kwargs(cfg, model_dir))
+                dict(ep.environments), **kwargs, **agent_host_kwargs(plan, model_dir))
         else:
             host = ray.remote(EnvironmentHost).options(**options, max_concurrency=1).remote(
-                dict(cfg.env.environments), **kwargs)
+                dict(ep.environments), **kwargs)
         hosts.append(Launched(f"env-{i}", host, host.ping.remote(), at, keeps_times=False))
     return hosts
 
@@ -360,18 +365,18 @@ def launch_env_hosts(cfg: Config, namespace: str | None = None, *, model_dir: st
 AGENT_HOST_CONCURRENCY = 8  # an AgentHost's calls at once: agent batches (async steps, DAPO refills) and env steps
 
 
-def rollout_cpu_threads(cfg: Config) -> list[str]:
+def rollout_cpu_threads(plan: RunPlan) -> list[str]:
     """Returns each rollout actor's core list: resources.rollout.cpu_threads, or ``rlray.run.build.core_plan``'s."""
-    return build.core_plan(cfg).rollout
+    return build.core_plan(plan.settings).rollout
 
 
-def agent_host_kwargs(cfg: Config, model_dir: str | None = None) -> dict[str, Any]:
-    """Returns the ``AgentHost`` keyword arguments of ``cfg`` beyond ``EnvironmentHost``'s (plain values; the agents,
+def agent_host_kwargs(plan: RunPlan, model_dir: str | None = None) -> dict[str, Any]:
+    """Returns the ``AgentHost`` keyword arguments of ``plan`` beyond ``EnvironmentHost``'s (plain values; the agents,
     the episode limits and the MCP servers are the run plan's ``episodes``)."""
     from rlray.models import resolve_model_path
     from rlray.run.agents import FleetSampler
 
-    ep = resolve_plan(cfg).episodes
+    ep, cfg = plan.episodes, plan.settings
     return {
         "agents": dict(ep.agents),
         "model_dir": (model_dir or resolve_model_path(cfg.model.path, revision=cfg.model.revision)) if ep.agents else None,

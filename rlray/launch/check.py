@@ -29,7 +29,7 @@ def check_run(plan: RunPlan) -> str:
 
     Args:
         plan: the run's plan (``rlray.plan.resolve_plan``) of the config with local paths resolved
-            (``rlray.launch.driver.resolve_paths``).
+            (``rlray.plan.paths.resolve_paths``).
 
     Raises:
         as ``rlray.launch.preflight.preflight``.

@@ -1,7 +1,9 @@
 """The driver: starts Ray, checks the resources, starts every role and owns the MLflow run.
 
 ``rlray train``, ``jobs/train.py`` and sweeps call ``run_training``. The run loop itself runs inside
-the Ray Train training function (``rlray.run.worker.train_worker``); this module only wires it up:
+the Ray Train training function (``rlray.run.worker.train_worker``); this module only wires it up. The config it is
+given is resolved once (``rlray.plan.paths.resolve_paths``, then ``rlray.plan.resolve_plan``), and every role is
+started from that run plan (issue 38):
 
 0. check every input (model, tokenizer, data, reward functions, snapshot storage; ``rlray.launch.preflight``)
    and build the step hooks of ``run.hooks`` (``rlray.run.hooks.load_step_hooks``) before Ray or MLflow start,
@@ -32,7 +34,6 @@ from ray.train import FailureConfig, RunConfig, ScalingConfig
 
 from rlray.checkpoint import lineage
 from rlray.checkpoint import storage as checkpoint
-from rlray.config import Config
 from rlray.data import load_prompt_rows, prepare_prompts
 from rlray.launch import console
 from rlray.launch.actors import (
@@ -52,9 +53,10 @@ from rlray.launch.preflight import preflight
 from rlray.launch.ray_setup import LearnerTrainer, RayInfo, embedded_ray_env, init_ray, worker_env  # noqa: F401 - re-exported
 from rlray.models import load_tokenizer, resolve_model_path
 from rlray.observe.startup import StartupClock, startup_summary
-from rlray.observe.tracking import Tracker, resolve_tracking_uri
-from rlray.plan import resolve_plan
-from rlray.plan.hub import pin_hub_models
+from rlray.observe.tracking import Tracker
+from rlray.plan import RunPlan, resolve_plan
+from rlray.plan.paths import resolve_paths
+from rlray.plan.settings import Settings
 from rlray.rollout import RolloutSource
 from rlray.rollout.fleet import RolloutFleet
 from rlray.run import build, evaluation, worker
@@ -81,75 +83,14 @@ class TrainResult:
     startup: dict[str, float] = field(default_factory=dict)
 
 
-def resolve_paths(cfg: Config, base: Path | None = None) -> Config:
-    """Returns a copy of ``cfg`` with local relative paths made absolute against ``base`` (cwd), and
-    ``model.dtype=auto`` resolved on this machine (``build.compute_dtype``), and Hub ids of models replaced by their
-    local snapshot folders, fetched once here (``rlray.plan.hub.pin_hub_models``).
-
-    Ray workers and jobs can run in another folder than the shell that started the run, so the
-    driver pins the MLflow store, the output, snapshot and TensorBoard folders, and local data files once; the
-    dtype is pinned too, so MLflow's params say which one ran.
-    """
-    base = base or Path.cwd()
-    out = cfg.model_copy(deep=True)
-    out.model.dtype = build.compute_dtype(cfg)
-    out.tracking.mlflow_uri = resolve_tracking_uri(cfg.tracking.mlflow_uri, base)
-
-    def local(p: str) -> str:
-        return p if "://" in p or Path(p).is_absolute() or not (base / p).exists() else str((base / p).resolve())
-
-    if "://" not in cfg.run.output_dir:
-        out.run.output_dir = str((base / cfg.run.output_dir).resolve())
-    if cfg.tracking.tensorboard_dir and "://" not in cfg.tracking.tensorboard_dir:
-        out.tracking.tensorboard_dir = str((base / cfg.tracking.tensorboard_dir).resolve())
-    if cfg.checkpoint.uri and "://" not in cfg.checkpoint.uri:
-        out.checkpoint.uri = str((base / cfg.checkpoint.uri).resolve())
-    ref = cfg.checkpoint.resume_from
-    if ref and ref != "latest" and "://" not in ref:
-        out.checkpoint.resume_from = str((base / ref).resolve())
-    out.data.train_files = [local(p) for p in cfg.data.train_files]
-    out.data.eval_files = [local(p) for p in cfg.data.eval_files]
-    out.model.path = local(cfg.model.path)
-    if cfg.model.adapter_path is not None:
-        out.model.adapter_path = local(cfg.model.adapter_path)
-    if cfg.teacher.path is not None:
-        out.teacher.path = local(cfg.teacher.path)
-    out.offline.pairs_files = [local(p) for p in cfg.offline.pairs_files]
-    for section in (out.reward, out.critic):
-        if section.model_path is not None:
-            section.model_path = local(section.model_path)
-    for judge in out.reward.judges:
-        judge.path = local(judge.path)
-    for fn in out.reward.functions:
-        target, name = fn.function.rsplit(":", 1) if ":" in fn.function else (fn.function, "")
-        if target.endswith(".py"):
-            fn.function = f"{local(target)}:{name}"
-    for env_name, spec in cfg.env.environments.items():
-        target, name = spec.rsplit(":", 1)
-        if target.endswith(".py"):
-            out.env.environments[env_name] = f"{local(target)}:{name}"
-    for agent_name, spec in cfg.env.agents.items():
-        target, name = spec.rsplit(":", 1)
-        if target.endswith(".py"):
-            out.env.agents[agent_name] = f"{local(target)}:{name}"
-    for server in out.env.mcp_servers:  # a stdio MCP server's file arguments (the hosts may run in another folder)
-        if server.command:
-            server.command = [server.command[0], *(local(a) for a in server.command[1:])]
-    for i, spec in enumerate(cfg.run.hooks):
-        target, name = spec.rsplit(":", 1)
-        if target.endswith(".py"):
-            out.run.hooks[i] = f"{local(target)}:{name}"
-    return pin_hub_models(out)
-
-
-def max_model_len(cfg: Config) -> int:
+def max_model_len(cfg: Settings) -> int:
     """Returns the engine's context length in tokens: the plan's ``lengths.context_tokens`` (longest prompt plus the
     longest generation; with environments at least the longest episode)."""
     return resolve_plan(cfg).lengths.context_tokens
 
 
-def start_reward_server(cfg: Config) -> bool:
-    """Deploys (or updates in place) the reward Serve application of ``cfg`` and waits until it serves.
+def start_reward_server(plan: RunPlan) -> bool:
+    """Deploys (or updates in place) the reward Serve application of ``plan`` and waits until it serves.
 
     Serve's HTTP proxy binds reward.server.host:port (127.0.0.1 by default); ``POST /score`` works
     for outside tools. Deploying again with a new reward.version hot-swaps the scorer.
@@ -162,15 +103,15 @@ def start_reward_server(cfg: Config) -> bool:
 
     from rlray.reward.server import build_reward_app, deploy_reward_app
 
-    srv, res = cfg.reward.server, cfg.resources.reward
+    srv, res = plan.settings.reward.server, plan.roles.reward
     existed = srv.app_name in serve.status().applications  # empty when Serve has not started
     app = build_reward_app(
-        scorer_kwargs=build.scorer_kwargs(cfg),
-        version=cfg.reward.version,
-        replicas=res.replicas,
+        scorer_kwargs=build.scorer_kwargs(plan.settings),
+        version=plan.reward.version,
+        replicas=res.count,
         cpus=res.cpus,
         gpus=res.gpus,
-        custom_resources=dict(res.custom_resources),
+        custom_resources=dict(res.custom),
         max_batch_size=srv.max_batch_size,
         batch_wait_timeout_s=srv.batch_wait_timeout_s,
         timeout_s=srv.timeout_s,
@@ -179,7 +120,7 @@ def start_reward_server(cfg: Config) -> bool:
     return not existed
 
 
-def learner_trainer(cfg: Config, args: WorkerArgs) -> Any:
+def learner_trainer(plan: RunPlan, args: WorkerArgs) -> Any:
     """Returns the Ray Train ``TorchTrainer`` of the learner group: snapshots as its checkpoints, restarts by FailureConfig.
 
     Ray Train's storage is ``checkpoint.uri`` (s3fs for ``s3://``), its run name ``run-<run_id>``,
@@ -188,29 +129,29 @@ def learner_trainer(cfg: Config, args: WorkerArgs) -> Any:
     pairs in the same run loop (``rlray.run.worker`` picks the kind).
     """
 
-    res = cfg.resources.learner
-    storage_path, storage_fs = checkpoint.ray_storage(cfg.checkpoint_uri, cfg.checkpoint.s3.storage_options())
+    res, snaps = plan.roles.learner, plan.snapshots
+    storage_path, storage_fs = checkpoint.ray_storage(snaps.uri, plan.settings.checkpoint.s3.storage_options())
     return LearnerTrainer(
         worker.train_worker,
         train_loop_config={"args": args},
         scaling_config=ScalingConfig(
-            num_workers=res.num_workers,
-            use_gpu=res.gpus > 0,
-            resources_per_worker=bundle(res.cpus, res.gpus, res.custom_resources),
-            placement_strategy=cfg.resources.placement_strategy,
+            num_workers=res.count,
+            use_gpu=plan.parallelism.gpu,
+            resources_per_worker=bundle(res.cpus, res.gpus, dict(res.custom)),
+            placement_strategy=plan.roles.placement_strategy,
         ),
         run_config=RunConfig(
             name=checkpoint.run_dir_name(args.run_id),
             storage_path=storage_path,
             storage_filesystem=storage_fs,
-            checkpoint_config=RayCheckpointConfig(num_to_keep=cfg.checkpoint.keep_last),
-            failure_config=FailureConfig(max_failures=cfg.monitor.max_failures),
+            checkpoint_config=RayCheckpointConfig(num_to_keep=snaps.keep_last),
+            failure_config=FailureConfig(max_failures=plan.settings.monitor.max_failures),
         ),
     )
 
 
 def run_training(
-    cfg: Config, *, step_hooks: Sequence[StepHook] = (), tags: dict[str, str] | None = None, verbose: bool | None = None
+    cfg: Settings, *, step_hooks: Sequence[StepHook] = (), tags: dict[str, str] | None = None, verbose: bool | None = None
 ) -> TrainResult:
     """Runs a whole training job and returns its result.
 
@@ -226,7 +167,8 @@ def run_training(
     ``<run.output_dir>/logs/<run id>`` (``driver.log``, and Ray's log files of the run copied to ``ray/``).
 
     Args:
-        cfg: the validated config.
+        cfg: the validated config (its paths resolved here, ``rlray.plan.paths.resolve_paths``; then its run plan
+            decides, ``rlray.plan.resolve_plan``).
         step_hooks: extra per-step hooks run on learner rank 0 (``rlray.run.hooks``; Tune's reporter), after
             those of ``run.hooks``.
         tags: extra MLflow tags of the run (a sweep sets ``mlflow.parentRunId``).
@@ -269,7 +211,7 @@ def run_training(
         tracker.set_tags({"rlray.model_dir": model_dir, "rlray.output_dir": cfg.run.output_dir, "rlray.snapshot_dir": run_dir,
                           "rlray.git_commit": services.git_commit, **({"rlray.resumed_from": resume} if resume else {}),
                           **(tags or {})})
-    log.info("MLflow run %s in %s", tracker.run_id, cfg.tracking.mlflow_uri)
+    log.info("MLflow run %s in %s", tracker.run_id, tracking.mlflow_uri)
     log_dir = Path(cfg.run.output_dir, "logs", tracker.run_id)
     log_file = console.keep_logs(log_dir) if "://" not in cfg.run.output_dir else None
     actors, reference, teacher, own_app, env_hosts, own_judges = [], None, None, False, [], []
@@ -282,37 +224,37 @@ def run_training(
             services.monitor = monitor.handle
             launched = [monitor]
             if roles.online:  # offline methods train on preference pairs: no rollout actors
-                launched += launch_rollout_actors(cfg, model_dir, plan.lengths.context_tokens, rollout_nodes(plan),
+                launched += launch_rollout_actors(plan, model_dir, plan.lengths.context_tokens, rollout_nodes(plan),
                                                   namespace=namespace)
                 actors = [one.handle for one in launched[1:]]
-                hosts = launch_env_hosts(cfg, namespace=namespace, model_dir=model_dir,
+                hosts = launch_env_hosts(plan, namespace=namespace, model_dir=model_dir,
                                          log_dir=log_dir if log_file is not None else None)
                 env_hosts, launched = [one.handle for one in hosts], launched + hosts
             if roles.reference == "actor":
-                launched.append(launch_reference_actor(cfg, model_dir, namespace=namespace))
+                launched.append(launch_reference_actor(plan, model_dir, namespace=namespace))
                 reference = launched[-1].handle
             if roles.online and roles.teacher == "actor":
-                launched.append(launch_reference_actor(cfg, teacher_dir, namespace=namespace, role="teacher"))
+                launched.append(launch_reference_actor(plan, teacher_dir, namespace=namespace, role="teacher"))
                 teacher = launched[-1].handle
             port = monitor_port(monitor)  # the page first: the start lines name it while the engines load
             url = f"http://{cfg.monitor.host}:{port}"
             tracker.set_tags({"rlray.monitor_url": url, "rlray.log_dir": str(log_dir)})
             print("\n".join(console.start_lines(
-                run_id=tracker.run_id, tracking_uri=cfg.tracking.mlflow_uri, monitor_url=url,
+                run_id=tracker.run_id, tracking_uri=tracking.mlflow_uri, monitor_url=url,
                 dashboard_url=ray_info.dashboard_url, snapshot_dir=run_dir, log_dir=str(log_dir),
                 verbose=verbose is not False)), flush=True)
             if verbose is not None:
                 handle = monitor.handle
-                progress = console.DriverProgress(cfg.run.max_steps,
+                progress = console.DriverProgress(plan.max_steps,
                                                   lambda: ray.get(handle.progress.remote(), timeout=30)).start()
             if roles.reward_server:  # Serve deploys while the actors load
-                own_app = start_reward_server(cfg)
+                own_app = start_reward_server(plan)
             if roles.judges:
-                own_judges = deploy_judges(cfg)
+                own_judges = deploy_judges(plan)
             watch = StartWatch().watch(launched[1:])  # the learner group starts beside the engines (main thread)
             started = wait_started(launched[:1])
-        trainer = learner_trainer(cfg, WorkerArgs(
-            config=cfg.model_dump(),  # python mode: SecretStr values travel, and are never logged
+        trainer = learner_trainer(plan, WorkerArgs(
+            config=plan.source,  # python mode: SecretStr values travel, and are never logged
             model_dir=model_dir,
             run_id=tracker.run_id,
             rollout_actors=actors,
@@ -356,10 +298,10 @@ def run_training(
             for name in ([cfg.reward.server.app_name] if own_app else []) + own_judges:
                 serve.delete(name)
         if log_file is not None:
-            finish_logs(log_file, log_dir, ray_info, started_at, status, outcome, cfg.run.max_steps)
+            finish_logs(log_file, log_dir, ray_info, started_at, status, outcome, plan.max_steps)
     startup = startup_summary(clock, started, learner_times, time.time())
     log.info("start-up and shutdown seconds: %s", startup)
-    return TrainResult(tracker.run_id, cfg.tracking.mlflow_uri, (outcome.last_snapshot if outcome else None) or "", status,
+    return TrainResult(tracker.run_id, tracking.mlflow_uri, (outcome.last_snapshot if outcome else None) or "", status,
                        url, outcome.error if outcome else "", str(log_dir) if log_file is not None else "", startup)
 
 
@@ -427,7 +369,7 @@ class EvalSetup:
 
 
 @contextlib.contextmanager
-def eval_setup(cfg: Config, checkpoint_path: str) -> Iterator[EvalSetup]:
+def eval_setup(cfg: Settings, checkpoint_path: str) -> Iterator[EvalSetup]:
     """Yields the pieces of a greedy evaluation of a snapshot (or any model path) on ``data.eval_files``.
 
     Starts one rollout actor on the checkpoint's model, with all of this node's cores (and the environment hosts
@@ -453,14 +395,15 @@ def eval_setup(cfg: Config, checkpoint_path: str) -> Iterator[EvalSetup]:
     one = cfg.model_copy(deep=True)
     one.resources.rollout.num_workers = 1
     one.resources.rollout.cpu_threads = None  # this node's cores, all to the one actor
-    actors = start_rollout_actors(one, model_dir, resolve_plan(cfg).lengths.context_tokens)
-    hosts = start_env_hosts(cfg, model_dir=model_dir)
+    plan = resolve_plan(cfg)
+    actors = start_rollout_actors(resolve_plan(one), model_dir, plan.lengths.context_tokens)
+    hosts = start_env_hosts(plan, model_dir=model_dir)
     try:
         reward = build.local_reward_client(cfg, build.dataset_columns(rows))
         fleet = RolloutFleet(actors, node_wait_s=cfg.resources.node_wait_s)
         rollouts = build.rollouts(cfg, fleet, hosts, tokenizer)
         try:
-            with judge_apps(cfg):
+            with judge_apps(plan):
                 judges = build.judge_panel(cfg)
                 try:
                     yield EvalSetup(rollouts, reward, list(zip(rows, ids, strict=True)), tokenizer, judges)
@@ -473,7 +416,7 @@ def eval_setup(cfg: Config, checkpoint_path: str) -> Iterator[EvalSetup]:
         kill_actors([*actors, *hosts])
 
 
-def evaluate_checkpoint(cfg: Config, checkpoint_path: str) -> dict[str, float]:
+def evaluate_checkpoint(cfg: Settings, checkpoint_path: str) -> dict[str, float]:
     """Returns greedy eval metrics of a snapshot (or any model path) on ``data.eval_files``.
 
     Scores the first ``eval.num_problems`` problems on one rollout actor (``eval_setup``; rows with an environment

@@ -1,5 +1,6 @@
 """The judges' Serve applications from the driver's side: checked before a run, deployed for it, removed after.
 
+- ``judge_specs``: each judge's definition from the run plan (``plan.reward.judges``), its model path resolved.
 - ``check_judges`` (the preflight): each ``reward.judges[i]`` resolves to a model, its templates read only names the
   data's rows have and render on the first row, its prompt leaves room for the verdict, and with ``logprobs`` its
   labels start with different tokens of the judge's tokenizer. Each problem is an error naming the key.
@@ -12,13 +13,14 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterator
 from typing import Any
 
-from rlray.config import Config, JudgeConfig
 from rlray.data import PromptRow
 from rlray.models import ModelError, load_tokenizer, resolve_model_path
+from rlray.plan import RunPlan
 from rlray.reward.judges import (
     RESERVED_VARIABLES,
     JudgeError,
@@ -28,7 +30,6 @@ from rlray.reward.judges import (
     template_variables,
 )
 from rlray.reward.judges.service import JudgeService
-from rlray.run import build
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +44,19 @@ class _TokenizerOnly:
         """Nothing to stop."""
 
 
-def check_judges(cfg: Config, rows: list[PromptRow]) -> None:
-    """Checks every ``reward.judges`` entry against the run's data rows before anything starts.
+def judge_specs(plan: RunPlan) -> list[JudgeSpec]:
+    """Returns the ``JudgeSpec`` of each ``reward.judges`` entry (``plan.reward.judges``' specs) with its model path
+    resolved: an alias or a GGUF file is converted once (``rlray.models.resolve_model_path``).
+
+    Raises:
+        rlray.models.ModelError: a judge's path cannot be resolved.
+    """
+    return [dataclasses.replace(j.spec, model_path=resolve_model_path(j.path, revision=j.revision))
+            for j in plan.reward.judges]
+
+
+def check_judges(plan: RunPlan, rows: list[PromptRow]) -> None:
+    """Checks every ``reward.judges`` entry of ``plan`` against the run's data rows before anything starts.
 
     Raises:
         rlray.models.ModelError: a judge's path cannot be resolved (names ``reward.judges[i].path``).
@@ -52,26 +64,26 @@ def check_judges(cfg: Config, rows: list[PromptRow]) -> None:
             row's judge prompt leaves no room for the verdict, or logprob labels share a first token.
     """
     columns = sorted({name for row in rows for name in row.columns})
-    for i, judge in enumerate(cfg.reward.judges):
+    for i, judge in enumerate(plan.reward.judges):
         key = f"reward.judges[{i}]"
         try:
             resolve_model_path(judge.path, revision=judge.revision, key=f"{key}.path")
         except ModelError as err:
             raise ModelError(str(err).replace("model.path=", f"{key}.path=", 1)) from err
-        for field, text in (("template", judge.judge_template), ("system_prompt", judge.system_prompt),
-                            ("prefill", judge.prefill)):  # fmt: skip
+        for field, text in (("template", judge.spec.template), ("system_prompt", judge.spec.system_prompt),
+                            ("prefill", judge.spec.prefill)):  # fmt: skip
             missing = sorted(template_variables(text or "") - set(RESERVED_VARIABLES) - set(columns))
             if missing:
                 raise JudgeError(
                     f"{key}.{field} reads {missing}, which the data's rows lack (columns: {columns}; always there: "
                     f"{list(RESERVED_VARIABLES)}); fix the template or use data with those columns"
                 )
-    for i, (judge, spec) in enumerate(zip(cfg.reward.judges, build.judge_specs(cfg), strict=True)):
+    for i, spec in enumerate(judge_specs(plan)):
         if rows:
-            _check_first_row(f"reward.judges[{i}]", judge, spec, rows[0])
+            _check_first_row(f"reward.judges[{i}]", spec, rows[0])
 
 
-def _check_first_row(key: str, judge: JudgeConfig, spec: JudgeSpec, row: PromptRow) -> None:
+def _check_first_row(key: str, spec: JudgeSpec, row: PromptRow) -> None:
     """Renders a judge's prompt on ``row`` (with a one-word response) and checks its labels and its length."""
     tokenizer = load_tokenizer(spec.model_path)
     mode = spec_mode(spec)
@@ -82,15 +94,15 @@ def _check_first_row(key: str, judge: JudgeConfig, spec: JudgeSpec, row: PromptR
         ids, _ = service.prompt_ids(JudgeItem(row.prompt, responses, dict(row.columns)))
     except Exception as err:  # noqa: BLE001 - whatever a template's expressions raise on the row
         raise JudgeError(f"{key}: its templates raise on the first row ({row.prompt_id}): {type(err).__name__}: {err}") from None
-    room = judge.max_model_len - service.sampling.max_new_tokens
+    room = spec.max_model_len - service.sampling.max_new_tokens
     if len(ids) > room:
         raise JudgeError(
             f"{key}: the judge prompt of the first row ({row.prompt_id}) has {len(ids)} tokens before any response; "
-            f"{room} fit (max_model_len {judge.max_model_len} - max_new_tokens); raise {key}.max_model_len"
+            f"{room} fit (max_model_len {spec.max_model_len} - max_new_tokens); raise {key}.max_model_len"
         )
 
 
-def deploy_judges(cfg: Config) -> list[str]:
+def deploy_judges(plan: RunPlan) -> list[str]:
     """Deploys (or updates: the hot swap) the Serve application of every judge and waits until each serves;
     returns the names of the applications this call created.
 
@@ -104,18 +116,18 @@ def deploy_judges(cfg: Config) -> list[str]:
 
     from rlray.reward.judges.deployment import build_judge_app, deploy_judge_app
 
-    res, srv = cfg.resources.judge, cfg.reward.server
+    res, srv, version = plan.roles.judge, plan.settings.reward.server, plan.reward.version
     running = serve.status().applications
     created = []
-    for judge, spec in zip(cfg.reward.judges, build.judge_specs(cfg), strict=True):
-        if _serving(running.get(judge.app_name), judge.app_name, (cfg.reward.version, spec.definition), res.replicas):
-            log.info("judge '%s' (version %d) already serves as %s", judge.name, cfg.reward.version, judge.app_name)
+    for judge, spec in zip(plan.reward.judges, judge_specs(plan), strict=True):
+        if _serving(running.get(judge.app_name), judge.app_name, (version, spec.definition), res.count):
+            log.info("judge '%s' (version %d) already serves as %s", judge.name, version, judge.app_name)
             continue
-        app = build_judge_app(spec, cfg.reward.version, replicas=res.replicas, cpus=res.cpus, gpus=res.gpus,
-                              custom_resources=dict(res.custom_resources))  # fmt: skip
+        app = build_judge_app(spec, version, replicas=res.count, cpus=res.cpus, gpus=res.gpus,
+                              custom_resources=dict(res.custom))  # fmt: skip
         deploy_judge_app(app, judge.app_name, host=srv.host, port=srv.port)
         log.info("judge '%s' (%s, version %d) serves as Serve application %s", judge.name, spec.model_path,
-                 cfg.reward.version, judge.app_name)
+                 version, judge.app_name)
         if judge.app_name not in running:
             created.append(judge.app_name)
     return created
@@ -136,10 +148,10 @@ def _serving(status: Any, app_name: str, identity: tuple[int, str], replicas: in
 
 
 @contextlib.contextmanager
-def judge_apps(cfg: Config) -> Iterator[list[str]]:
-    """Deploys the judges of ``cfg`` (none without ``reward.judges``) for the block and, on exit, deletes the
+def judge_apps(plan: RunPlan) -> Iterator[list[str]]:
+    """Deploys the judges of ``plan`` (none without ``reward.judges``) for the block and, on exit, deletes the
     applications it created; yields their names."""
-    created = deploy_judges(cfg) if cfg.reward.judges else []
+    created = deploy_judges(plan) if plan.reward.judges else []
     try:
         yield created
     finally:

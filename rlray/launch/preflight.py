@@ -61,7 +61,7 @@ def preflight(plan: RunPlan) -> str:
 
     Args:
         plan: the run's plan (``rlray.plan.resolve_plan``) of the config with local paths already resolved
-            (``rlray.launch.driver.resolve_paths``): its roles decide what is checked, its settings name the files.
+            (``rlray.plan.paths.resolve_paths``): its roles decide what is checked, its settings name the files.
 
     Raises:
         rlray.models.ModelError: the model path, tokenizer or chat template cannot be used, or the teacher's
@@ -113,7 +113,7 @@ def check_inputs(plan: RunPlan) -> str:
             )
         for fn in cfg.reward.functions:
             check_function_spec(fn.function)
-        check_judges(cfg, rows)
+        check_judges(plan, rows)
         for name, spec in cfg.env.environments.items():
             check_environment_spec(name, spec)
         for name, spec in cfg.env.agents.items():

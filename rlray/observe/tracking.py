@@ -28,7 +28,7 @@ import re
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import mlflow
 from filelock import FileLock
@@ -40,10 +40,18 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_e
 from rlray.observe.metrics import KeySanitizer
 from rlray.observe.samples import StepSample, table_columns
 
-if TYPE_CHECKING:  # the monitor actor's process builds a Tracker for its alerts: no config schema (torch) there
-    from rlray.config import Config
-
 log = logging.getLogger(__name__)
+
+
+class LoggedConfig(Protocol):
+    """What ``Tracker.log_config`` reads of a run's config (``rlray.config.Config``; a plan's ``RunPlan.settings``):
+    ``flat()`` {dotted key: value} (MLflow's params), ``to_yaml()`` (``config/resolved.yaml``) and ``config_hash()``.
+    No config schema is imported here: the monitor actor's process builds a Tracker for its alerts without torch."""
+
+    def flat(self) -> dict[str, Any]: ...
+    def to_yaml(self) -> str: ...
+    def config_hash(self) -> str: ...
+
 
 def resolve_tracking_uri(uri: str, base: Path | None = None) -> str:
     """Returns ``uri`` with a relative sqlite path made absolute against ``base`` (default: cwd).
@@ -196,7 +204,7 @@ class Tracker:
         """Returns how many metrics, tags and artifacts wait for the store."""
         return len(self._metrics) + len(self._tags) + len(self._texts) + len(self._tables)
 
-    def log_config(self, cfg: Config) -> None:
+    def log_config(self, cfg: LoggedConfig) -> None:
         """Logs the flattened config as params and the resolved YAML as ``config/resolved.yaml``.
 
         Raises:

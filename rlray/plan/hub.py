@@ -1,6 +1,6 @@
 """``pin_hub_models``: every Hugging Face Hub id that names a model, replaced once by its local snapshot folder.
 
-The driver calls it before the plan is resolved (``rlray.launch.driver.resolve_paths``), so every role of the run
+The driver calls it before the plan is resolved (``rlray.plan.paths.resolve_paths``), so every role of the run
 reads the same local folder: the weights are fetched (or found in the Hugging Face cache) once, never on each actor.
 It edits the config, so it lives beside ``resolve_plan``, the config's reader (issue 38).
 """
@@ -21,7 +21,7 @@ def pin_hub_models(cfg: Config) -> Config:
     The keys: ``model.path`` and ``model.adapter_path``, ``teacher.path``, ``reward.model_path``,
     ``critic.model_path`` and each ``reward.judges[i].path``, each with its own revision key (``model.revision``,
     ``model.adapter_revision``, ``teacher.revision``, ``reward.model_revision``, ``critic.model_revision``,
-    ``reward.judges[i].revision``). The driver calls it once (``rlray.launch.driver.resolve_paths``): the
+    ``reward.judges[i].revision``). The driver calls it once (``rlray.plan.paths.resolve_paths``): the
     weights are fetched there, or found in the Hugging Face cache (``HF_HUB_OFFLINE=1``: only there), and
     every actor and worker then reads the same local folder (on a cluster of several machines, put the
     Hugging Face cache (``HF_HUB_CACHE``) on storage they share). Each replacement is logged; folders, .gguf

@@ -15,6 +15,7 @@ from rlray.envs.agents.mcp import McpServerSpec
 from rlray.envs.limits import EpisodeLimits
 from rlray.envs.servers.hosted import HostedServer
 from rlray.learner.batching import MicroBatching
+from rlray.reward.judges.records import JudgeSpec
 from rlray.rollout.types import SamplingSpec
 
 if TYPE_CHECKING:
@@ -134,6 +135,45 @@ class Parallelism:
 
 
 @dataclass(frozen=True)
+class Engines:
+    """The rollout engines: what each rollout actor's ``RolloutEngine`` is built with (``rollout.*``,
+    ``resources.rollout``, ``model.*``).
+
+    Attributes:
+        backend: "vllm", "hf" or "exact" (``rollout.backend``).
+        dtype: the engines' dtype, the learner's compute dtype (``Parallelism.compute_dtype``).
+        seed: the engines' seed (``run.seed``; each step's sampling has its own, ``Sampling.for_step``).
+        enforce_eager: vLLM without CUDA graphs (``rollout.enforce_eager``).
+        kv_cache_gib: one engine's CPU KV cache in GiB (``rollout.kv_cache_gib``); None: sized per actor from the
+            model and its share of a step (``rlray.launch.actors.auto_kv_cache_gib``).
+        gpu_memory_utilization: the share of a GPU vLLM may take (``rollout.gpu_memory_utilization``).
+        tensor_parallel_size: GPUs per engine (``resources.rollout.tensor_parallel_size``).
+        weight_transfer: how new weights reach the engines besides the object store: "nccl" or "ipc" (the resolved
+            ``rollout.weight_sync``), None through the object store.
+        lora_slots: adapter versions an engine keeps with an adapter-only weight sync (the resolved
+            ``rollout.lora_sync``): ``rollout.max_staleness`` + 2, so that every version an async step may still
+            sample with keeps its adapter while the next one is added; 0: merged weights, no LoRA in the engine.
+        lora_rank: the adapters' rank with an adapter-only sync (``model.lora.rank``; with ``adapter_path`` the
+            launch reads the rank from its adapter_config.json instead).
+        adapter_path: the adapter an adapter-only sync starts from (``model.adapter_path``), None without.
+        max_restarts: times Ray restarts a dead rollout actor (``resources.rollout.max_restarts``).
+    """
+
+    backend: str
+    dtype: str
+    seed: int
+    enforce_eager: bool
+    kv_cache_gib: float | None
+    gpu_memory_utilization: float
+    tensor_parallel_size: int
+    weight_transfer: str | None
+    lora_slots: int
+    lora_rank: int
+    adapter_path: str | None
+    max_restarts: int
+
+
+@dataclass(frozen=True)
 class Lengths:
     """The run's lengths, in tokens.
 
@@ -217,6 +257,12 @@ class Episodes:
     servers: tuple[HostedServer, ...] = ()
 
     @property
+    def enabled(self) -> bool:
+        """Returns True when environments, servers or agents are configured (``EnvConfig.enabled``): rows may run as
+        multi-turn episodes, and environment hosts start."""
+        return bool(self.environments or self.agents or self.servers)
+
+    @property
     def episode_environments(self) -> list[str]:
         """Returns the names a row's env.column may give to run an environment episode: env.environments and
         env.servers (agents run apart)."""
@@ -225,13 +271,29 @@ class Episodes:
 
 @dataclass(frozen=True)
 class Judge:
-    """One ``reward.judges`` entry as the run combines it: ``name``, ``mode`` ("pointwise" or "group"), ``weight`` in
-    the summed reward, and its Serve application ``app_name``."""
+    """One ``reward.judges`` entry as the run combines and serves it.
+
+    Attributes:
+        name: the judge's term name (``reward.judges[i].name``; metric ``reward/<name>``).
+        mode: "pointwise" or "group" (``reward.judges[i].mode``).
+        weight: its weight in the summed reward (``reward.judges[i].weight``).
+        app_name: its Serve application (``rlray-judge-<name>``).
+        path: the judge model as configured (``reward.judges[i].path``; the driver's ``resolve_paths`` made a local
+            path absolute and a Hub id its snapshot folder).
+        revision: its revision (``reward.judges[i].revision``), None for the default branch.
+        spec: the judge's definition and engine (``rlray.reward.judges.JudgeSpec``: templates, parse rule, sampling
+            seeded with ``run.seed``, ``reward.judges[i].dtype`` resolved for ``resources.judge.gpus``,
+            ``resources.judge.cpu_threads``). Its ``model_path`` is ``path`` as configured: an alias or a GGUF file
+            is resolved (converted once) where the judge is checked or deployed (``rlray.launch.judges.judge_specs``).
+    """
 
     name: str
     mode: str
     weight: float
     app_name: str
+    path: str
+    revision: str | None
+    spec: JudgeSpec
 
 
 @dataclass(frozen=True)
@@ -298,6 +360,7 @@ class RunPlan:
         parallelism: the learner's ranks and the micro-batching in force on them.
         lengths: the prompt, completion, episode and context lengths (tokens).
         sampling: the training and evaluation SamplingSpecs.
+        engines: what the rollout actors' engines are built with.
         episodes: environments, agents, tools and episode limits.
         reward: the terms of the summed reward.
         snapshots: where snapshots go.
@@ -318,6 +381,7 @@ class RunPlan:
     parallelism: Parallelism
     lengths: Lengths
     sampling: Sampling
+    engines: Engines
     episodes: Episodes
     reward: RewardTerms
     snapshots: Snapshots

@@ -16,6 +16,7 @@ import yaml
 
 from rlray.config import Config, ConfigError, validate_tree
 from rlray.config.env import ServerConfig
+from rlray.config.judge import JudgeConfig
 from rlray.envs.agents.mcp import McpServerSpec
 from rlray.envs.limits import EpisodeLimits
 from rlray.envs.servers import ServerSpec
@@ -24,6 +25,7 @@ from rlray.envs.servers.openenv import OpenEnvOptions
 from rlray.learner.batching import MicroBatching
 from rlray.models import resolve_dtype
 from rlray.plan.records import (
+    Engines,
     Episodes,
     Judge,
     Lengths,
@@ -36,6 +38,7 @@ from rlray.plan.records import (
     Snapshots,
     Tracking,
 )
+from rlray.reward.judges.records import JudgeSpec
 from rlray.reward.scorer import term_name
 from rlray.rollout.types import SamplingSpec
 
@@ -53,6 +56,7 @@ def resolve_plan(cfg: Config) -> RunPlan:
         parallelism=parallelism,
         lengths=resolve_lengths(cfg),
         sampling=resolve_sampling(cfg),
+        engines=resolve_engines(cfg),
         episodes=resolve_episodes(cfg),
         reward=resolve_reward(cfg),
         snapshots=Snapshots(cfg.checkpoint_uri, cfg.checkpoint.every_steps, cfg.run.max_steps, cfg.checkpoint.keep_last,
@@ -201,6 +205,20 @@ def resolve_sampling(cfg: Config) -> Sampling:
     return Sampling(train=train, eval=greedy, seed=cfg.run.seed, pass_k=cfg.eval.pass_k)
 
 
+def resolve_engines(cfg: Config) -> Engines:
+    """Returns what the rollout actors' engines are built with (``Engines``): the compute dtype, the resolved weight
+    sync (``Config.weight_sync_backend``) and LoRA sync (``Config.adapter_sync``)."""
+    r, adapter = cfg.rollout, cfg.adapter_sync
+    sync = cfg.weight_sync_backend
+    return Engines(backend=r.backend, dtype=compute_dtype(cfg), seed=cfg.run.seed, enforce_eager=r.enforce_eager,
+                   kv_cache_gib=r.kv_cache_gib, gpu_memory_utilization=r.gpu_memory_utilization,
+                   tensor_parallel_size=cfg.resources.rollout.tensor_parallel_size,
+                   weight_transfer=None if sync == "object_store" else sync,
+                   lora_slots=r.max_staleness + 2 if adapter else 0, lora_rank=cfg.model.lora.rank if adapter else 0,
+                   adapter_path=cfg.model.adapter_path if adapter else None,
+                   max_restarts=cfg.resources.rollout.max_restarts)
+
+
 def resolve_episodes(cfg: Config) -> Episodes:
     """Returns the environments, agents, MCP tools and episode limits of ``env.*``."""
     env = cfg.env
@@ -235,6 +253,22 @@ def resolve_reward(cfg: Config) -> RewardTerms:
     return RewardTerms(
         functions=tuple((term_name(f.function, f.name), f.weight) for f in rw.functions),
         model_path=rw.model_path, model_weight=rw.model_weight,
-        judges=tuple(Judge(j.name, j.mode, j.weight, j.app_name) for j in rw.judges),
+        judges=tuple(resolve_judge(cfg, j) for j in rw.judges),
         env_weight=cfg.env.reward_weight if cfg.env.enabled else 0.0, version=rw.version,
     )
+
+
+def resolve_judge(cfg: Config, j: JudgeConfig) -> Judge:
+    """Returns the plan's record of the ``reward.judges`` entry ``j``: its definition and engine as a ``JudgeSpec``
+    (seeded with ``run.seed``, ``j.dtype`` resolved for ``resources.judge.gpus``), its ``model_path`` the configured
+    ``j.path`` (``Judge.spec``)."""
+    res = cfg.resources.judge
+    spec = JudgeSpec(
+        name=j.name, mode=j.mode, model_path=j.path, template=j.judge_template, pattern=j.score_pattern,
+        system_prompt=j.system_prompt, prefill=j.prefill, labels=tuple(j.parse.labels.items()),
+        min_score=j.parse.min_score, max_score=j.parse.max_score, match=j.parse.match, logprobs=j.logprobs,
+        max_new_tokens=j.max_new_tokens, temperature=j.temperature, seed=cfg.run.seed, backend=j.backend,
+        dtype=resolve_dtype(j.dtype, gpu=res.gpus > 0), max_model_len=j.max_model_len, kv_cache_gib=j.kv_cache_gib,
+        enforce_eager=j.enforce_eager, cpu_threads=res.cpu_threads,
+    )  # fmt: skip
+    return Judge(j.name, j.mode, j.weight, j.app_name, j.path, j.revision, spec)

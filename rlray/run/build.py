@@ -27,10 +27,9 @@ from rlray.learner.batching import MicroBatching
 from rlray.learner.critic import build_critic
 from rlray.learner.parallel import parallel_kind, strategy_for
 from rlray.learner.policy import OptimizerSpec
-from rlray.models import resolve_dtype, resolve_model_path
+from rlray.models import resolve_model_path
 from rlray.plan import compute_dtype, resolve_plan  # compute_dtype: build.compute_dtype for its callers
 from rlray.reward import RewardScorer
-from rlray.reward.judges import JudgeSpec
 from rlray.reward.judges.client import JudgeCaller, JudgeClient
 from rlray.reward.judges.deployment import ServeJudgeCaller
 from rlray.reward.judges.panel import JudgePanel, JudgeTerm
@@ -172,28 +171,6 @@ def judge_seed(cfg: Config, step: int) -> int:
     """Returns the seed of 0-based ``step``'s judge calls (group mode: the order each group is shown in), the step's
     sampling seed (``sampling_for_step``)."""
     return resolve_plan(cfg).sampling.step_seed(step)
-
-
-def judge_specs(cfg: Config) -> list[JudgeSpec]:
-    """Returns the ``JudgeSpec`` of each ``reward.judges`` entry: its model path resolved (an alias or GGUF is
-    converted once), its dtype resolved for ``resources.judge``, seeded with ``run.seed``.
-
-    Raises:
-        rlray.models.ModelError: a judge's path cannot be resolved.
-    """
-    res = cfg.resources.judge
-    return [
-        JudgeSpec(
-            name=j.name, mode=j.mode, model_path=resolve_model_path(j.path, revision=j.revision), template=j.judge_template,
-            pattern=j.score_pattern, system_prompt=j.system_prompt, prefill=j.prefill,
-            labels=tuple(j.parse.labels.items()), min_score=j.parse.min_score, max_score=j.parse.max_score,
-            match=j.parse.match, logprobs=j.logprobs, max_new_tokens=j.max_new_tokens, temperature=j.temperature,
-            seed=cfg.run.seed, backend=j.backend, dtype=resolve_dtype(j.dtype, gpu=res.gpus > 0),
-            max_model_len=j.max_model_len, kv_cache_gib=j.kv_cache_gib, enforce_eager=j.enforce_eager,
-            cpu_threads=res.cpu_threads,
-        )
-        for j in cfg.reward.judges
-    ]  # fmt: skip
 
 
 def judge_panel(cfg: Config, callers: list[JudgeCaller] | None = None) -> JudgePanel | None:

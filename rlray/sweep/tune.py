@@ -352,7 +352,7 @@ def run_sweep(cfg: Config, sweep: SweepConfig) -> SweepResult:
     )
     status = "FAILED"
     try:
-        with judge_apps(cfg):  # deployed once for every trial: a trial's run finds them up and leaves them up
+        with judge_apps(resolve_plan(cfg)):  # deployed once for every trial: a trial's run finds them up and leaves them up
             status = "FAILED" if tuner.fit().errors else "FINISHED"
     finally:
         closer.reconcile()

@@ -36,8 +36,8 @@ def test_the_plan_gives_the_learner_the_exact_layout_and_the_engine_the_learner_
     plan = resolve_plan(cfg)
     assert plan.parallelism.micro_batching.exact_new_tokens == 24  # rows alone in prompt + 24 tokens
     assert plan.parallelism.frozen_micro_batching.exact_new_tokens == 24  # a reference actor's too
-    kwargs = rollout_engine_kwargs(cfg, 280)
+    kwargs = rollout_engine_kwargs(resolve_plan(cfg), 280)
     assert kwargs["backend"] == "exact" and kwargs["torch_threads"] == build.core_plan(cfg).learner_threads == 3
     default = config_from_dict({})
     assert resolve_plan(default).parallelism.micro_batching.exact_new_tokens is None
-    assert rollout_engine_kwargs(default, 280)["torch_threads"] is None
+    assert rollout_engine_kwargs(resolve_plan(default), 280)["torch_threads"] is None

@@ -63,7 +63,7 @@ def test_a_judge_alone_is_a_reward_and_passes_the_preflight(cfg_of, tiny_model_p
 def test_the_preflight_names_the_judge_key(cfg_of, judge, error, message):
     cfg = cfg_of(f"reward.judges=[{judge}]")
     with pytest.raises(error, match=message):
-        check_judges(cfg, _rows(cfg))
+        check_judges(resolve_plan(cfg), _rows(cfg))
 
 
 def _rows(cfg: Config):
@@ -102,4 +102,4 @@ def test_judge_check_needs_a_judge(cfg_of):
     from rlray.launch.judge_check import judge_check
 
     with pytest.raises(JudgeError, match="the config has no reward.judges to check"):
-        judge_check(cfg_of(), 2)
+        judge_check(resolve_plan(cfg_of()), 2)

@@ -92,9 +92,9 @@ def test_split_cores():
 
 def test_rollout_cpu_threads_per_actor():
     one = config_from_dict({"resources": {"rollout": {"num_workers": 2, "cpu_threads": "0-1"}}})
-    assert rollout_cpu_threads(one) == ["0-1", "0-1"]
+    assert rollout_cpu_threads(resolve_plan(one)) == ["0-1", "0-1"]
     each = config_from_dict({"resources": {"rollout": {"num_workers": 2, "cpu_threads": ["1", "0"]}}})
-    assert rollout_cpu_threads(each) == ["1", "0"]
+    assert rollout_cpu_threads(resolve_plan(each)) == ["1", "0"]
     with pytest.raises(ConfigError, match=r"cpu_threads=\['0'\] has 1 entries for resources.rollout.num_workers=2"):
         config_from_dict({"resources": {"rollout": {"num_workers": 2, "cpu_threads": ["0"]}}})
     with pytest.raises(ConfigError, match=r"cpu_threads='0-x' is not a core list"):
@@ -210,7 +210,7 @@ def test_settings_given_by_hand_win_over_the_plan():
     rollout_only = config_from_dict({"rollout": {"max_staleness": 1}, "resources": {"rollout": {"cpu_threads": "1"}}})
     plan = core_plan(rollout_only, list(range(8)))  # the rollout's cores by hand: the learner is not pinned against them
     assert (plan.rollout, plan.learner_threads, plan.learner_cores) == (["1"], 8, None)
-    assert rollout_cpu_threads(asy) == core_plan(asy).rollout
+    assert rollout_cpu_threads(resolve_plan(asy)) == core_plan(asy).rollout
 
 
 def _model_folder(tmp_path, **config):
@@ -229,25 +229,25 @@ def test_auto_kv_cache_holds_one_actors_share_of_a_step(tmp_path):
     cfg = config_from_dict({"model": {"dtype": "float32"}, "learner": {"prompts_per_step": 4, "sequences_per_minibatch": 16},
                             "rollout": {"samples_per_prompt": 4}, "eval": {"num_problems": 0}})
     # 16 sequences x 320 tokens x 46080 B x 1.25 = 0.2747 GiB -> 18/64 GiB
-    assert auto_kv_cache_gib(cfg, smollm2, 320) == 18 / 64
+    assert auto_kv_cache_gib(resolve_plan(cfg), smollm2, 320) == 18 / 64
     two = cfg.model_copy(deep=True)
     two.resources.rollout.num_workers = 2  # half the sequences each: 0.1373 GiB -> 9/64
-    assert auto_kv_cache_gib(two, smollm2, 320) == 9 / 64
+    assert auto_kv_cache_gib(resolve_plan(two), smollm2, 320) == 9 / 64
     one = config_from_dict({"model": {"dtype": "float32"}, "learner": {"prompts_per_step": 1, "sequences_per_minibatch": 2,
                                                                 "sequences_per_microbatch": 2},
                             "rollout": {"samples_per_prompt": 2}, "eval": {"num_problems": 0}})
     # two sequences of 330 -> 336 tokens (whole blocks) x 1.25 = 0.036 GiB -> 3/64
-    assert auto_kv_cache_gib(one, smollm2, 330) == 3 / 64
+    assert auto_kv_cache_gib(resolve_plan(one), smollm2, 330) == 3 / 64
     set_by_hand = config_from_dict({"rollout": {"kv_cache_gib": 0.5}})
-    assert auto_kv_cache_gib(set_by_hand, smollm2, 320) == 0.5
+    assert auto_kv_cache_gib(resolve_plan(set_by_hand), smollm2, 320) == 0.5
 
 
 def test_auto_kv_cache_of_a_model_without_its_attention_shape_is_one_gib(tmp_path):
     from rlray.launch.actors import DEFAULT_KV_CACHE_GIB, auto_kv_cache_gib
 
     assert DEFAULT_KV_CACHE_GIB == 1.0
-    assert auto_kv_cache_gib(config_from_dict({}), _model_folder(tmp_path, hidden_size=8), 64) == 1.0
-    assert auto_kv_cache_gib(config_from_dict({}), str(tmp_path / "missing"), 64) == 1.0
+    assert auto_kv_cache_gib(resolve_plan(config_from_dict({})), _model_folder(tmp_path, hidden_size=8), 64) == 1.0
+    assert auto_kv_cache_gib(resolve_plan(config_from_dict({})), str(tmp_path / "missing"), 64) == 1.0
     with pytest.raises(ConfigError, match="kv_cache_gib"):
         config_from_dict({"rollout": {"kv_cache_gib": 0}})
 

@@ -147,7 +147,7 @@ def test_cpu_rollout_kv_cache_is_the_actors_size(tiny_model_path):
     cfg = config_from_dict({}, ["model.dtype=float32", "resources.rollout.num_workers=2"])
     rollout = plan_run(resolve_plan(cfg)).roles[1]
     kv = next(t.gib for t in rollout.terms if t.name.startswith("KV cache"))
-    assert kv == auto_kv_cache_gib(cfg, tiny_model_path, max_model_len(cfg))
+    assert kv == auto_kv_cache_gib(resolve_plan(cfg), tiny_model_path, max_model_len(cfg))
 
 
 def _fixture_plan(name: str) -> Plan:

@@ -273,8 +273,8 @@ def test_every_model_key_pins_its_hub_id_to_the_local_snapshot_once(cfg_of, tmp_
     revision key, become the snapshot folder in the driver's config (resolve_paths), which the actors then read."""
     import huggingface_hub
 
-    from rlray.launch.driver import resolve_paths
     from rlray.plan.hub import pin_hub_models
+    from rlray.plan.paths import resolve_paths
     from tests.models.test_hub import COMMIT, lay_out_hub_cache
 
     cache = tmp_path / "hf-cache"

@@ -158,3 +158,29 @@ def test_rlray_plan_prints_the_runs_own_decisions_for_an_fsdp_learner_with_a_tok
     assert f"reference: a frozen copy sharded over the {run.parallelism.world_size} learner ranks" in out
     # the learner rank's memory holds the reference as a 1/2 shard, as FSDP2.frozen places it
     assert "reference: frozen copy, bfloat16, 1/2 shard" in out or "reference: frozen copy, float32, 1/2 shard" in out
+
+
+def test_engines_by_hand():
+    e = _plan(TINY, "model.dtype=float32", "run.seed=7", "rollout.kv_cache_gib=0.25").engines
+    assert (e.backend, e.dtype, e.seed, e.kv_cache_gib, e.tensor_parallel_size) == ("vllm", "float32", 7, 0.25, 1)
+    assert (e.weight_transfer, e.lora_slots, e.lora_rank, e.adapter_path) == (None, 0, 0, None)  # CPU: object store
+    # an adapter-only sync keeps max_staleness + 2 = 4 adapter versions of the LoRA rank
+    lora = _plan(TINY, "model.lora.rank=16", "rollout.max_staleness=2", "rollout.lora_sync=adapter").engines
+    assert (lora.lora_slots, lora.lora_rank, lora.weight_transfer) == (4, 16, None)
+    gpus = _plan(TINY, "resources.learner.gpus=1", "resources.rollout.gpus=1", "resources.rollout.tensor_parallel_size=2")
+    assert (gpus.engines.weight_transfer, gpus.engines.tensor_parallel_size, gpus.roles.rollout.gpus) == ("nccl", 2, 2)
+    assert _plan(TINY, "resources.learner.gpus=1", "resources.rollout.gpus=1",
+                 "resources.colocate=true").engines.weight_transfer == "ipc"
+
+
+def test_judges_carry_their_definition_as_configured():
+    judge = ("{name: j, path: tiny-random, dtype: auto, weight: 0.5, logprobs: true, prefill: 'Verdict:', "
+             "parse: {labels: {good: 1.0, bad: 0.0}}}")
+    plan = _plan(TINY, f"reward.judges=[{judge}]", "run.seed=3", "resources.judge.cpu_threads=0-1")
+    (j,) = plan.reward.judges
+    assert (j.name, j.mode, j.weight, j.app_name, j.path, j.revision) == ("j", "pointwise", 0.5, "rlray-judge-j",
+                                                                           "tiny-random", None)
+    s = j.spec
+    assert (s.model_path, s.seed, s.cpu_threads, s.labels, s.logprobs, s.prefill) == (
+        "tiny-random", 3, "0-1", (("good", 1.0), ("bad", 0.0)), True, "Verdict:")
+    assert s.dtype in ("bfloat16", "float32")  # auto, resolved on this machine for resources.judge.gpus=0

@@ -29,7 +29,7 @@ from rlray.rollout import Completion
 
 
 def spec_of(**judge) -> JudgeSpec:
-    """Returns the JudgeSpec of a reward.judges entry (path tiny-random unless given), as build.judge_specs makes it."""
+    """Returns the JudgeSpec of a reward.judges entry (path tiny-random unless given), as the run plan holds it (rlray.plan.resolve.resolve_judge)."""
     j = JudgeConfig.model_validate({"path": "tiny-random", **judge})
     return JudgeSpec(name=j.name, mode=j.mode, model_path=j.path, template=j.judge_template, pattern=j.score_pattern,
                      system_prompt=j.system_prompt, prefill=j.prefill, labels=tuple(j.parse.labels.items()),

@@ -31,8 +31,9 @@ class SwapJudgesAfter:
     def __call__(self, event):
         if event.step == self.step:
             from rlray.launch.judges import deploy_judges
+            from rlray.plan import resolve_plan
 
-            deploy_judges(Config.model_validate(self.config))
+            deploy_judges(resolve_plan(Config.model_validate(self.config)))
         return None
 
 

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from rlray.config import config_from_dict
+from rlray.plan import resolve_plan
 from rlray.reward.judges import JudgeItem, JudgeRequest
 from rlray.reward.judges.service import JudgeService
 from rlray.reward.server import ScoreResult
@@ -42,7 +43,7 @@ def deployed(ray_session, tmp_path_factory):
 
     port = free_port()
     cfg = _cfg(port)
-    created = deploy_judges(cfg)
+    created = deploy_judges(resolve_plan(cfg))
     assert created == ["rlray-judge-judge", "rlray-judge-rank"]
     yield cfg, port
     for name in created:
@@ -57,17 +58,17 @@ def _base(n: int) -> ScoreResult:
 def test_serve_judges_give_the_local_verdicts_one_chunk_per_replica(deployed):
     from ray import serve
 
-    from rlray.launch.judges import deploy_judges
+    from rlray.launch.judges import deploy_judges, judge_specs
     from rlray.run import build
 
     cfg, _ = deployed
     deployed_at = serve.status().applications["rlray-judge-rank"].last_deployed_time_s
-    assert deploy_judges(cfg) == []  # the same judges already serve: left as they are (a sweep's trials, rlray eval)
+    assert deploy_judges(resolve_plan(cfg)) == []  # the same judges already serve: left as they are (a sweep's trials, rlray eval)
     assert serve.status().applications["rlray-judge-rank"].last_deployed_time_s == deployed_at
     panel = build.judge_panel(cfg)
     try:
         got = panel.score(_base(8), PROMPTS, TEXTS, [{}] * 8, GROUPS, seed=3)
-        spec = build.judge_specs(cfg)[0]
+        spec = judge_specs(resolve_plan(cfg))[0]
         local = JudgeService(spec, 1)
         try:
             expected = [v.scores[0] for v in local.judge(JudgeRequest("pointwise", [JudgeItem(p, (t,)) for p, t in

@@ -28,6 +28,7 @@ UPDATE_KEYS = ("learner/loss", "learner/grad_norm", "learner/pg_loss", "algo/kl"
 def cfg_and_actors(ray_session, tmp_path_factory, gsm8k_dir, tiny_model_path):
     """A tiny-model config (hf rollout backend) and 2 rollout actors started by start_rollout_actors."""
     from rlray.launch.actors import kill_actors, start_rollout_actors
+    from rlray.plan import resolve_plan
 
     tmp = tmp_path_factory.mktemp("async")
     train = tmp / "train.jsonl"  # 32 rows: setup tokenizes every train prompt, 4 times in this module
@@ -39,7 +40,7 @@ def cfg_and_actors(ray_session, tmp_path_factory, gsm8k_dir, tiny_model_path):
          "learner.lr=1e-3", "learner.torch_threads=1", "resources.rollout.num_workers=2"],
     )
     cfg.reward.functions = [RewardFunctionConfig(function=f"{REPO}/tests/fixtures/rewards.py:completion_length", weight=1.0)]
-    actors = start_rollout_actors(cfg, tiny_model_path, 512)
+    actors = start_rollout_actors(resolve_plan(cfg), tiny_model_path, 512)
     yield cfg, actors
     kill_actors(actors)
 

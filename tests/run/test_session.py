@@ -47,6 +47,7 @@ class Env:
 def env(ray_session, tmp_path_factory, tiny_model_path, gsm8k_dir):
     from rlray.launch.actors import start_rollout_actors
     from rlray.launch.driver import max_model_len
+    from rlray.plan import resolve_plan
 
     base = tmp_path_factory.mktemp("ops")
     # 4 prompts at 2 per step: one epoch is 2 steps, so step 2 ends exactly at an epoch boundary
@@ -54,7 +55,7 @@ def env(ray_session, tmp_path_factory, tiny_model_path, gsm8k_dir):
     (base / "train4.jsonl").write_text("\n".join(lines) + "\n")
     env = Env(base, f"sqlite:///{base}/mlflow.db", tiny_model_path, [])
     cfg = make_cfg(env, "probe")
-    env.actors = start_rollout_actors(cfg, tiny_model_path, max_model_len(cfg))
+    env.actors = start_rollout_actors(resolve_plan(cfg), tiny_model_path, max_model_len(cfg))
     yield env
     for a in env.actors:
         ray.kill(a)

@@ -28,7 +28,8 @@ class JudgeError(RewardFunctionError):
 
 @dataclass(frozen=True)
 class JudgeSpec:
-    """One judge's definition, as plain values (``rlray.run.build.judge_specs`` makes it from ``reward.judges[i]``).
+    """One judge's definition, as plain values (the run plan holds one per ``reward.judges[i]``,
+    ``rlray.plan.Judge.spec``; ``rlray.launch.judges.judge_specs`` resolves its model path).
 
     Attributes:
         name: the judge's term name (metric ``reward/<name>``).
