@@ -92,12 +92,17 @@ class RolloutPipeline:
                 pending = self.rollouts.submit(ids, self.sampling_for(self._next_step), rows)
             self._queue.append((self._next_step, rows, ids, pending, self.rollouts.version, before))
             self._next_step += 1
-        got, rows, ids, pending, version, _ = self._queue.popleft()
+        got, rows, ids, pending, version, before = self._queue.popleft()
         if got != step:
             raise ValueError(f"RolloutPipeline: asked for step {step}, the next rollout in flight is step {got}")
         if pending is None:
             pending, version = self.rollouts.submit(ids, self.sampling_for(step), rows), self.rollouts.version
-        return RolloutBatch(step, rows, ids, self.rollouts.collect(pending), version)
+        try:
+            completions = self.rollouts.collect(pending)
+        except BaseException:  # a hang that stops the run: the step stays in flight, so a snapshot retakes its prompts
+            self._queue.appendleft((got, rows, ids, None, version, before))
+            raise
+        return RolloutBatch(step, rows, ids, completions, version)
 
     def cursor_state(self) -> dict | None:
         """Returns the data cursor a snapshot keeps, or None without a ``cursor`` callable.

@@ -42,7 +42,12 @@ BuildContext = Callable[[RunPlan, Collective], RunContext]
 
 class FatalStepError(RuntimeError):
     """A step hit an error a retry cannot fix (a reward function returning the wrong number of values,
-    bad data) on rank 0; raised on every rank with rank 0's message. Ray Train does not restart the run."""
+    bad data, a hang under ``watchdog.on_hang=stop``) on rank 0; raised on every rank with rank 0's message. Ray Train
+    does not restart the run. With ``stop_snapshot`` the run first keeps a snapshot of its last finished step."""
+
+    def __init__(self, message: str, *, stop_snapshot: bool = False) -> None:
+        super().__init__(message)
+        self.stop_snapshot = stop_snapshot
 
 
 # --------------------------------------------------------------------------------------------
@@ -121,6 +126,9 @@ def _train(build: BuildContext, plan: RunPlan, coll: Collective, services: RunSe
             log.error("the run stops at step %d: %s", run.step + 1, err)
             ctx.tracker.set_tags({"rlray.error": error[:5000]})
             snapshots.alert(ctx, services, "run_failed", f"the run stops: {error[:2000]}", run.step + 1)
+        # every rank: a snapshot of the last finished step, unless it has one (due) or was restored from it
+        if err.stop_snapshot and run.step > run.first_step and not snapshots.snapshot_due(ctx.plan, run.step):
+            snapshots.snapshot(ctx, run, services, kind="stop", metrics={})
         raise
     finally:
         finish(ctx, run, services, record=not retrying)
@@ -284,6 +292,7 @@ def _begin_rank0(ctx: RunContext, services: RunServices, run: RunState, source: 
             services.monitor.beat.remote(run.step, ctx.data_epoch(), ctx.policy_version)
 
     run.heartbeat = Heartbeat(beat, plan.settings.monitor.heartbeat_s).start()
+    ctx.watch_hangs(lambda message: snapshots.alert(ctx, services, "hang", message, run.step + 1))
 
 
 def _attach_log_file(plan: RunPlan, run: RunState) -> logging.Handler:
