@@ -504,8 +504,9 @@ class RolloutFleet:
 
     def _watch_hangs(self, actors: set[int]) -> None:
         """Reports each of ``actors`` whose running call (its oldest unfinished one) has run past its deadline, since
-        it was sent or since the actor's previous call was seen done, whichever is later (``HangWatch.hung``: stacks,
-        alert, then the actor is restarted, which fails its pending calls, or ``HangError`` is raised)."""
+        it was sent or since the actor's previous call was seen done, whichever is later, and while the GCS has it
+        ALIVE (``HangWatch.hung``: stacks, alert, then the actor is restarted, which fails its pending calls, or
+        ``HangError`` is raised)."""
         if self.watch is None:
             return
         for i in sorted(actors):
@@ -516,6 +517,8 @@ class RolloutFleet:
             running_s = time.monotonic() - max(head.sent_at, self._free_at.get(i, 0.0))
             deadline, key = ((self.watch.engine_call_s, "watchdog.engine_call_s") if head.call == "generate"
                              else (self.watch.weight_push_s, "watchdog.weight_push_s"))
-            if running_s > deadline:
+            if running_s > deadline and gcs_actor_state(self.actors[i]) not in ("ALIVE", "UNKNOWN"):
+                self._free_at[i] = time.monotonic()  # starting or restarting (its __init__): no call of it runs yet
+            elif running_s > deadline:
                 del self._sent[i]  # the restart fails every call it had
                 self.watch.hung(self.actors[i], f"rollout actor {i}", head.call, running_s, deadline, key)
