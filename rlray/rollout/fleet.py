@@ -460,7 +460,7 @@ class RolloutFleet:
                     "failed): sending it the full weights of version %d", actor, self.version)
         self.full_resyncs += 1
         try:
-            got = ray.get(self.actors[actor].update_weights.remote(self._latest(), self.version))
+            got = self._get(actor, "update_weights", self.actors[actor].update_weights.remote(self._latest(), self.version))
         except ACTOR_ERRORS:
             self._mark_failed(actor)
             return
@@ -475,8 +475,8 @@ class RolloutFleet:
                 f"rollout actor {actor} restarted, but the latest weights (version {self.version}) cannot be sent to it "
                 "from rank 0 alone (FSDP with rollout.weight_sync=nccl|ipc)"
             )
-        if self.version:
-            got = ray.get(self.actors[actor].update_weights.remote(self._latest(), self.version))
+        if self.version:  # an actor error (a hang's restart included) is the caller's: the actor is still away
+            got = self._get(actor, "update_weights", self.actors[actor].update_weights.remote(self._latest(), self.version))
         else:
             got = ray.get(self.actors[actor].policy_version.remote())
         if got != self.version:
@@ -489,6 +489,17 @@ class RolloutFleet:
         if self.watch is not None:
             self._seen_done(actor)
             self._sent.setdefault(actor, []).append(_Sent(call, ref, time.monotonic()))
+
+    def _get(self, actor: int, call: str, ref: Any) -> Any:
+        """Returns ``ray.get(ref)`` of ``actor``'s ``call``, under the call's deadline (``_watch_hangs``).
+
+        Raises:
+            ray.exceptions.RayActorError: the actor died, or was restarted for a hang.
+        """
+        self._track(actor, call, ref)
+        while self.watch is not None and not ray.wait([ref], timeout=_POLL_S, fetch_local=False)[0]:
+            self._watch_hangs({actor})
+        return ray.get(ref)
 
     def _seen_done(self, actor: int) -> None:
         """Drops ``actor``'s calls that have finished (or failed); the actor is free of them from now on (at the
