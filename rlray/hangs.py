@@ -237,7 +237,8 @@ class HangWatch:
         self.restarts = 0
         self.last: Hang | None = None
 
-    def hung(self, actor: Any, who: str, call: str, waited_s: float, deadline_s: float, key: str) -> Hang:
+    def hung(self, actor: Any, who: str, call: str, waited_s: float, deadline_s: float, key: str, *,
+             stop_later: bool = False) -> Hang:
         """Reports ``actor``'s ``call`` past its deadline (stacks, ``rlray: hang`` log line, alert), then restarts the
         actor's process (``restart``: its pending calls fail with an actor error, which the waiter handles as a
         death) and returns the report, or raises.
@@ -248,9 +249,12 @@ class HangWatch:
             call: the remote method.
             waited_s: seconds the call has run.
             deadline_s: its deadline, seconds; ``key``: the config key that sets it.
+            stop_later: with ``action="stop"``, restart the actor and return the report instead of raising: the
+                caller raises ``HangError`` where the run can stop cleanly (a weight push found hung in stage 7 stops
+                the run at the next rollout, in stages 1-3, which every rank agrees on).
 
         Raises:
-            HangError: with ``action="stop"``, after the report (its message is the report's).
+            HangError: with ``action="stop"`` (and not ``stop_later``), after the report (its message is the report's).
         """
         process, stacks = self._stacks(actor, self.stacks_timeout_s)
         who = f"{who} ({process.name})" if process.name else who
@@ -263,7 +267,7 @@ class HangWatch:
                 self.alert(hang.message(ALERT_STACK_CHARS))
             except Exception as err:  # noqa: BLE001 - the report must reach the log and the action must run
                 log.error("hang alert failed: %s: %s", type(err).__name__, err)
-        if self.action == "stop":
+        if self.action == "stop" and not stop_later:
             raise HangError(hang.message(ALERT_STACK_CHARS))
         try:
             self._restart(actor)

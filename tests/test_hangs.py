@@ -174,3 +174,27 @@ def test_a_step_whose_rollout_hung_stays_in_flight_so_a_stop_snapshot_retakes_it
         pipe.next(0)
     # the cursor before step 0 is kept as in flight: a resume takes step 0's prompts again
     assert pipe.cursor_state() == {"taken": 2, "in_flight": [{"taken": 0}]}
+
+
+class StoppingSource(HangingSource):
+    """A RolloutSource whose submit raises, as the fleet does at the next rollout after a weight push hung under
+    watchdog.on_hang=stop."""
+
+    def submit(self, prompt_ids, sampling, rows=None):
+        raise HangError("hang: rollout actor 0 ... has run update_weights ...")
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_a_rollout_that_cannot_be_submitted_keeps_its_steps_in_flight(k):
+    cursor = {"taken": 0}
+
+    def take():
+        cursor["taken"] += 2
+        return ["row"] * 2, [[1], [2]]
+
+    pipe = RolloutPipeline(StoppingSource(), take, lambda step: SamplingSpec(n=1, max_new_tokens=1, temperature=1.0),
+                           k, cursor=lambda: dict(cursor), restore_cursor=cursor.update)
+    with pytest.raises(HangError):
+        pipe.next(0)
+    # step 0 (and with k=1 nothing more: the submit of step 0 raised before step 1 took prompts) stays in flight
+    assert pipe.cursor_state() == {"taken": 2, "in_flight": [{"taken": 0}]}

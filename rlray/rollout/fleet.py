@@ -41,7 +41,7 @@ import ray
 import ray._private.state
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from rlray.hangs import HangWatch
+from rlray.hangs import ALERT_STACK_CHARS, Hang, HangError, HangWatch
 from rlray.rollout import Completion, SamplingSpec
 
 log = logging.getLogger(__name__)
@@ -175,6 +175,7 @@ class RolloutFleet:
         self.watch = watch
         self._sent: dict[int, list[_Sent]] = {}  # actor -> its calls not yet seen finished, in the order sent
         self._free_at: dict[int, float] = {}  # actor -> when its latest call was seen finished
+        self._stop: Hang | None = None  # a weight push hung under watchdog.on_hang=stop: raised at the next rollout
 
     # ---- generation -----------------------------------------------------------------------
     def submit(self, prompt_ids: list[list[int]], sampling: SamplingSpec, rows: list[Any] | None = None, *,
@@ -191,7 +192,10 @@ class RolloutFleet:
 
         Raises:
             RolloutError: no actor is alive.
+            rlray.hangs.HangError: a weight push hung under ``watchdog.on_hang=stop`` (reported when found).
         """
+        if self._stop is not None:
+            raise HangError(self._stop.message(ALERT_STACK_CHARS))
         usable = self._usable()
         if actor_keys is None:
             chunks = [[int(x) for x in c] for c in np.array_split(np.arange(len(prompt_ids)), len(usable)) if len(c)]
@@ -389,9 +393,10 @@ class RolloutFleet:
         self._latest, self.version = full or (lambda: weights_ref), version
         self._delta = full is not None
         live = [i for i in range(len(self.actors)) if i not in self._stale]  # stale ones are refreshed before use
-        self._pending_sync += [(i, self.actors[i].update_weights.remote(weights_ref, version), version) for i in live]
-        for i, ref, _ in self._pending_sync[-len(live):]:
+        pushes = [(i, self.actors[i].update_weights.remote(weights_ref, version), version) for i in live]
+        for i, ref, _ in pushes:
             self._track(i, "update_weights", ref)
+        self._pending_sync += pushes
         self._check_pending_sync(block=wait)
 
     def release_weights(self) -> None:
@@ -532,4 +537,8 @@ class RolloutFleet:
                 self._free_at[i] = time.monotonic()  # starting or restarting (its __init__): no call of it runs yet
             elif running_s > deadline:
                 del self._sent[i]  # the restart fails every call it had
-                self.watch.hung(self.actors[i], f"rollout actor {i}", head.call, running_s, deadline, key)
+                push = head.call != "generate"  # found in stage 7 (or a refresh): stop at the next rollout instead
+                hang = self.watch.hung(self.actors[i], f"rollout actor {i}", head.call, running_s, deadline, key,
+                                       stop_later=push)
+                if push and hang.action == "stop":
+                    self._stop = hang

@@ -14,7 +14,7 @@ import pytest
 import ray
 from ray.exceptions import ActorUnavailableError
 
-from rlray.hangs import HangWatch, enable_stack_dumps
+from rlray.hangs import HangError, HangWatch, enable_stack_dumps
 from rlray.rollout import Completion, SamplingSpec
 from rlray.rollout.fleet import RolloutError, RolloutFleet, gcs_actor_state, offset_seed
 from rlray.rollout.pipeline import RolloutPipeline
@@ -366,5 +366,26 @@ def test_a_hung_generate_and_a_hung_weight_push_are_reported_with_the_stack_and_
     assert "past watchdog.weight_push_s=3 s" in alerts[1] and "in injected_hang" in alerts[1]
     _rollouts_until_rejoined(fleet, prompts, first_id=3000)
     assert ray.get(fleet.actors[1].policy_version.remote()) == 2
+    for a in actors:
+        ray.kill(a, no_restart=True)
+
+
+def test_under_stop_a_hung_weight_push_is_reported_then_the_next_rollout_stops_the_run(ray_session, tmp_path):
+    """watchdog.on_hang=stop: a push found hung (stage 7) restarts its actor so nothing stays stuck, and the next
+    rollout (stages 1-3, where every rank stops together) raises the report."""
+    cls = ray.remote(FakeRolloutActor).options(num_cpus=0.01, max_restarts=1, max_task_retries=0)
+    actors = [cls.remote(), cls.remote()]
+    assert ray.get([a.policy_version.remote() for a in actors]) == [0, 0]
+    alerts: list[str] = []
+    fleet = RolloutFleet(actors, watch=HangWatch("stop", weight_push_s=3.0, alert=alerts.append))
+    flag = tmp_path / "hang"
+    flag.touch()
+    ray.get(actors[0].arm_hang.remote(str(flag)))
+    fleet.push_weights(ray.put({}), 1)  # returns: the hung actor was restarted (stale until refreshed)
+    assert fleet.alive == 1 and fleet.watch.restarts == 1
+    assert "rollout actor 0 (" in alerts[0] and "has run update_weights for" in alerts[0]
+    assert "stopping the run (watchdog.on_hang=stop)" in alerts[0] and "in injected_hang" in alerts[0]
+    with pytest.raises(HangError, match=r"hang: rollout actor 0 .* has run update_weights"):
+        fleet.generate([[1]], SAMPLING)
     for a in actors:
         ray.kill(a, no_restart=True)
