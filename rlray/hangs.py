@@ -279,3 +279,62 @@ class HangWatch:
     def metrics(self) -> dict[str, float]:
         """Returns the run's counts so far: {"run/hangs": ..., "run/hang_restarts": ...}."""
         return {"run/hangs": float(self.hangs), "run/hang_restarts": float(self.restarts)}
+
+
+def own_stacks() -> str:
+    """Returns every thread's Python stack of this process, as faulthandler writes them (``dump_stacks``' format)."""
+    with tempfile.TemporaryFile("w+") as f:
+        faulthandler.dump_traceback(file=f, all_threads=True)
+        f.seek(0)
+        return f.read()
+
+
+class StepDeadline:
+    """A learner rank's step deadline (``watchdog.learner_step_s``), watched from a timer thread: a step that runs past
+    it (a rank that never reaches its collective, or waits in one for a rank that never comes) is reported once with
+    this process's stacks through ``report``, then ``on_expiry`` runs (the session exits the rank under Ray Train with
+    ``watchdog.on_hang=restart``, so that Ray Train restarts the group from the newest snapshot). Every rank watches
+    its own steps, so each stuck rank names where it waits.
+
+    Args:
+        deadline_s: seconds one step (stages 1-8) may run.
+        who: the rank for people ("learner rank 1").
+        report: sends the report (log line and alert).
+        on_expiry: runs after the report, on the timer thread; None: nothing.
+    """
+
+    def __init__(self, deadline_s: float, who: str, report: Callable[[str], None],
+                 on_expiry: Callable[[], None] | None = None) -> None:
+        self.deadline_s, self.who, self.report, self.on_expiry = deadline_s, who, report, on_expiry
+        self._timer: Any = None
+        self.reports = 0
+
+    def arm(self, step: int) -> None:
+        """Starts the deadline of 1-based ``step`` (ending the previous one's)."""
+        import threading
+
+        self.disarm()
+        if math.isfinite(self.deadline_s):
+            self._timer = threading.Timer(self.deadline_s, self._expire, args=(step,))
+            self._timer.daemon = True
+            self._timer.start()
+
+    def disarm(self) -> None:
+        """Ends the running step's deadline (it finished)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expire(self, step: int) -> None:
+        self.reports += 1
+        then = "; exiting the rank (Ray Train restarts the group)" if self.on_expiry is not None else ""
+        head = (f"hang: {self.who} (pid {os.getpid()}) has run step {step} for {self.deadline_s:g} s, past "
+                f"watchdog.learner_step_s={self.deadline_s:g} s{then}\nstacks of pid {os.getpid()}:\n")
+        stacks = own_stacks().rstrip()
+        log.error("rlray: %s%s", head, stacks)
+        try:
+            self.report(head + stacks[-ALERT_STACK_CHARS:])
+        except Exception as err:  # noqa: BLE001 - the action must run
+            log.error("hang alert failed: %s: %s", type(err).__name__, err)
+        if self.on_expiry is not None:
+            self.on_expiry()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from rlray import hangs
-from rlray.hangs import ActorProcess, Hang, HangError, HangWatch
+from rlray.hangs import ActorProcess, Hang, HangError, HangWatch, StepDeadline
 from rlray.rollout.pipeline import RolloutPipeline
 from rlray.rollout.types import SamplingSpec
 
@@ -198,3 +198,26 @@ def test_a_rollout_that_cannot_be_submitted_keeps_its_steps_in_flight(k):
         pipe.next(0)
     # step 0 (and with k=1 nothing more: the submit of step 0 raised before step 1 took prompts) stays in flight
     assert pipe.cursor_state() == {"taken": 2, "in_flight": [{"taken": 0}]}
+
+
+def stuck_in_collective(seconds: float) -> None:
+    """Stands in for a rank waiting in an all-reduce that another rank never joins."""
+    time.sleep(seconds)
+
+
+def test_a_learner_step_past_its_deadline_is_reported_once_with_the_ranks_own_stack_then_the_action_runs():
+    reports, expired = [], []
+    deadline = StepDeadline(0.5, "learner rank 1", reports.append, lambda: expired.append(True))
+    deadline.arm(3)
+    stuck_in_collective(2.0)
+    deadline.disarm()
+    assert len(reports) == 1 and expired == [True] and deadline.reports == 1
+    head, _, stacks = reports[0].partition("\n")
+    assert head == (f"hang: learner rank 1 (pid {os.getpid()}) has run step 3 for 0.5 s, past "
+                    "watchdog.learner_step_s=0.5 s; exiting the rank (Ray Train restarts the group)")
+    assert f'File "{__file__}", line' in stacks and "in stuck_in_collective" in stacks  # the main thread, from here
+    deadline.arm(4)  # a step that ends in time is never reported
+    time.sleep(0.1)
+    deadline.disarm()
+    time.sleep(0.6)
+    assert deadline.reports == 1

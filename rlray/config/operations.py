@@ -164,6 +164,14 @@ class WatchdogConfig(_Section):
         600.0, gt=0.0,
         description="Seconds one weight push (object-store sync) may run on a rollout actor, queueing excluded.",
     )
+    learner_step_s: float = Field(
+        7200.0, gt=0.0,
+        description=(
+            "Seconds one learner step (rollout to snapshot) may run on a rank: past it each rank still in the step "
+            "reports its own stacks (a rank stuck in or short of a collective); with on_hang=restart a rank under Ray "
+            "Train then exits, and Ray Train restarts the group from the newest snapshot (monitor.max_failures)."
+        ),
+    )
     on_hang: Literal["restart", "stop"] = Field(
         "restart",
         description=(

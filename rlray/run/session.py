@@ -14,6 +14,7 @@ the collectives the same number of times.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,6 +24,7 @@ import ray
 import ray.train
 import torch
 
+from rlray import hangs
 from rlray.checkpoint import contents, lineage
 from rlray.checkpoint import storage as checkpoint
 from rlray.checkpoint.manifest import SnapshotManifest
@@ -103,9 +105,13 @@ def _train(build: BuildContext, plan: RunPlan, coll: Collective, services: RunSe
     metrics: dict[str, float] = {}
     retrying, error = False, ""
 
+    deadline = step_deadline(ctx, run, services)
+
     def one_step() -> dict[str, float]:  # stages 1-7 of the run's kind, then stage 8 here
+        deadline.arm(run.step + 1)
         result = ctx.run_step(run.step)
         step_boundary(ctx, run, services, hooks, result)
+        deadline.disarm()
         return result.metrics
 
     try:
@@ -131,6 +137,7 @@ def _train(build: BuildContext, plan: RunPlan, coll: Collective, services: RunSe
             snapshots.snapshot(ctx, run, services, kind="stop", metrics={})
         raise
     finally:
+        deadline.disarm()
         finish(ctx, run, services, record=not retrying)
         if not retrying and ctx.rank == 0 and services.control is not None:
             outcome = RunOutcome(run.status, run.step, run.last_snapshot, error, dict(metrics))
@@ -138,6 +145,21 @@ def _train(build: BuildContext, plan: RunPlan, coll: Collective, services: RunSe
         ctx.close()
     coll.barrier()
     return RunOutcome(run.status, run.step, run.last_snapshot, error, metrics)
+
+
+def step_deadline(ctx: RunContext, run: RunState, services: RunServices) -> hangs.StepDeadline:
+    """Returns this rank's step deadline (``watchdog.learner_step_s``): its report goes to the log and the alerts
+    (rank 0's alert path; the monitor from other ranks); under Ray Train with ``watchdog.on_hang=restart`` the rank
+    then exits, so that Ray Train restarts the group from the newest snapshot (``monitor.max_failures``)."""
+    def report(message: str) -> None:
+        if ctx.rank == 0:
+            snapshots.alert(ctx, services, "hang", message, run.step + 1)
+        elif services.monitor is not None:
+            services.monitor.alert.remote("hang", message, run.step + 1)
+
+    d = ctx.plan.deadlines
+    exit_rank = (lambda: os._exit(1)) if run.in_ray_train and d.on_hang == "restart" else None
+    return hangs.StepDeadline(d.learner_step_s, f"learner rank {ctx.rank}", report, exit_rank)
 
 
 def _early_oom(where: str, fn: Callable[[], Any]) -> Any:
