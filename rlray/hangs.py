@@ -8,9 +8,9 @@ fleet for engine calls and weight pushes, the episode loop for environment hosts
    ``enable_stack_dumps`` when it starts, which registers ``faulthandler`` on ``STACK_SIGNAL`` (SIGUSR2) with a file of
    its own; ``actor_stacks`` finds the actor's pid and node in Ray's GCS, sends the signal (from this process when the
    actor runs on this node, else from a zero-CPU Ray task placed on its node) and reads what the handler wrote.
-   faulthandler writes from a C signal handler, so the stacks come even while a thread holds the GIL in a C call,
-   and the actor's methods keep running on its main thread (a Ray concurrency group for a stack method would move
-   them to a pool thread: vLLM's and torch's thread setup belongs to the thread that built the engine);
+   faulthandler writes from a C signal handler without taking the GIL, and the actor's methods keep running on its
+   main thread (a Ray concurrency group for a stack method would move them to a pool thread: vLLM's and torch's
+   thread setup belongs to the thread that built the engine);
 2. logs an ``rlray: hang`` error line and sends the ``hang`` alert (through the run's alert path: the monitor, MLflow
    tag ``rlray.alert.hang``, the webhook; the driver's console prints it) naming the actor, its pid, the call, how
    long it ran, the deadline's key and the stacks;
@@ -19,6 +19,9 @@ fleet for engine calls and weight pushes, the episode loop for environment hosts
    ``rollout/rerun_prompts``, ``env/episodes_rerun``); "stop" raises ``HangError``, which ends the run (a fatal step
    error: every rank stops, status FAILED, the message in MLflow's ``rlray.error``) after a snapshot of the last
    finished step.
+
+The learner ranks' collectives have a coarser deadline: ``StepDeadline`` times each step of a rank from a timer
+thread and reports a step past ``watchdog.learner_step_s`` with the rank's own stacks (``own_stacks``).
 
 Python cannot kill a thread, so a hung call is never "cancelled" in place: the process that runs it is restarted.
 This module imports only the standard library at import time (Ray where a function needs it).
