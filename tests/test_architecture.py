@@ -17,7 +17,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-_BASE = {"algos", "config", "schema", "cores", "sandbox"}  # DESIGN.md lines 1-2
+_BASE = {"algos", "config", "schema", "cores", "sandbox", "hangs"}  # DESIGN.md lines 1-2
 _PARTS = {"data", "models", "rollout", "envs", "reward", "learner", "checkpoint", "observe"}  # line 3
 # DESIGN.md: checkpoint/ and observe/ are services on line 3, not building blocks: they may read the config.
 SERVICES = {"checkpoint", "observe"}
@@ -30,12 +30,15 @@ ALLOWED: dict[str, set[str]] = {
     "schema": set(),
     "cores": set(),
     "sandbox": set(),  # child processes with limits: below envs and reward, which both isolate user code in it
+    # the stacks of a stuck process and the action on a call past its deadline (issue 42): below rollout and envs,
+    # whose actors write their stacks on a signal and whose waiters (the fleet) report hangs
+    "hangs": set(),
     "data": {"schema"},  # prompt and pair tables are built on the experience record's Arrow schema
     "models": {"schema"},  # the value and reward heads read the model-input record (schema.ModelInputs)
     # cores: pin the engine's threads; models: load the HF fallback engine; schema: rollouts become experience rows
-    "rollout": {"cores", "models", "schema"},
+    "rollout": {"cores", "models", "schema", "hangs"},
     # models: tool schemas need the tokenizer's chat template; sandbox: untrusted environments run in its child processes
-    "envs": {"schema", "models", "sandbox"},
+    "envs": {"schema", "models", "sandbox", "hangs"},
     # models: a reward model is a loaded LM with a head; schema: scores read experience rows;
     # checkpoint: a reward model can load from a snapshot; sandbox: user reward functions run in its child processes;
     # rollout: a judge (generative reward model) samples its verdicts with a RolloutEngine (vLLM or hf), as the policy
@@ -63,7 +66,8 @@ ALLOWED: dict[str, set[str]] = {
 SCRIPTS: dict[str, set[str]] = {"benchmarks": set(ALLOWED), "jobs": set(ALLOWED)}
 MAX_LINES = 550  # the house's cap on a module (docs/architecture.md; STYLE.md aims at 400)
 # Take plain values and never import rlray.config: line 3 less the services, and the plain packages of lines 1-2.
-BUILDING_BLOCKS = {"algos", "data", "models", "rollout", "envs", "reward", "learner", "schema", "cores", "sandbox"}
+BUILDING_BLOCKS = {"algos", "data", "models", "rollout", "envs", "reward", "learner", "schema", "cores", "sandbox",
+                   "hangs"}
 
 
 def _modules() -> dict[str, Path]:

@@ -139,6 +139,50 @@ class GuardConfig(_Section):
     memory_check_s: float = Field(1.0, gt=0.0, description="Seconds between RSS checks of the CPU watchdog.")
 
 
+class WatchdogConfig(_Section):
+    """Deadlines of the remote calls a run waits on, and what a call past one does (``rlray.hangs``).
+
+    A call past its deadline is reported with the stuck process's Python stacks (an ``rlray: hang`` line and a
+    ``hang`` alert naming the actor, the call and where it is stuck), then ``on_hang`` applies.
+    """
+
+    env_call_s: float = Field(
+        600.0, gt=0.0,
+        description=(
+            "Seconds rank 0 waits for one call to an environment host (a batch of episodes' reset, step, "
+            "reward_at_limit or close; each episode's own call is also under env.step_timeout_s inside the host)."
+        ),
+    )
+    engine_call_s: float = Field(
+        1800.0, gt=0.0,
+        description=(
+            "Seconds one generate call (a chunk of a step's prompts or episode turns) may run on a rollout actor, "
+            "time queued behind the actor's earlier calls excluded."
+        ),
+    )
+    weight_push_s: float = Field(
+        600.0, gt=0.0,
+        description="Seconds one weight push (object-store sync) may run on a rollout actor, queueing excluded.",
+    )
+    learner_step_s: float = Field(
+        7200.0, gt=0.0,
+        description=(
+            "Seconds one learner step (rollout to snapshot) may run on a rank: past it each rank still in the step "
+            "reports its own stacks (a rank stuck in or short of a collective); with on_hang=restart a rank under Ray "
+            "Train then exits, and Ray Train restarts the group from the newest snapshot (monitor.max_failures)."
+        ),
+    )
+    on_hang: Literal["restart", "stop"] = Field(
+        "restart",
+        description=(
+            "What a call past its deadline does after the report: restart the actor's process (Ray restarts it up "
+            "to its max_restarts; its work runs again, counted in rollout/rerun_prompts or env/episodes_rerun), or "
+            "stop the run (status FAILED, after a snapshot of the last finished step)."
+        ),
+    )
+    stacks_timeout_s: float = Field(10.0, gt=0.0, description="Seconds to wait for a stuck process's Python stacks.")
+
+
 class BandConfig(_Section):
     """A healthy band of one metric the live page plots: shaded on its chart, with a marker at each step outside it.
 

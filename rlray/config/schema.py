@@ -12,7 +12,7 @@ from pydantic import Field, SecretStr, model_validator
 from rlray.config.algo import AlgoConfig, CriticConfig, LearnerConfig, OfflineConfig
 from rlray.config.base import _CORE_LIST, _Section, flatten
 from rlray.config.env import EnvConfig
-from rlray.config.operations import CheckpointConfig, GuardConfig, MonitorConfig
+from rlray.config.operations import CheckpointConfig, GuardConfig, MonitorConfig, WatchdogConfig
 from rlray.config.resources import ResourcesConfig
 from rlray.config.reward import RewardConfig
 from rlray.config.run import DataConfig, EvalConfig, ModelConfig, RolloutConfig, RunConfig, TrackingConfig
@@ -53,6 +53,7 @@ class Config(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     guard: GuardConfig = Field(default_factory=GuardConfig)
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
+    watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
 
     @model_validator(mode="after")

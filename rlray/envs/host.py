@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from rlray.envs.base import AssistantTurn, EnvReset, EnvStep, Message
+from rlray.hangs import enable_stack_dumps
 from rlray.sandbox import Limits, ProcessSandbox, SandboxCrashed, SandboxError, SandboxTimeout
 
 if TYPE_CHECKING:
@@ -350,6 +351,7 @@ class EnvironmentHost:
                  servers: list[HostedServer] | None = None, server_log_dir: str = "") -> None:
         from rlray.envs.trl import load_environment  # the loader picks the TRL adapter per class
 
+        enable_stack_dumps()  # a call past watchdog.env_call_s is reported with this process's stacks (rlray.hangs)
         self._factories, self._specs = {}, dict(environments)
         for name, spec in environments.items():
             try:

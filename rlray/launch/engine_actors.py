@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from rlray.hangs import enable_stack_dumps
 from rlray.observe.startup import ActorTimes
 
 if TYPE_CHECKING:
@@ -41,6 +42,7 @@ class RolloutActor:
         from rlray.rollout.delta import DeltaReceiver
 
         self.times = ActorTimes.begin()
+        enable_stack_dumps()  # a call past its deadline is reported with this process's stacks (rlray.hangs)
         self.engine = RolloutEngine(model_path, **engine_kwargs)
         self.receiver = DeltaReceiver()  # a copy of the weights only once a delta sync sends them
         self.times.end()
@@ -142,6 +144,7 @@ class ReferenceActor:
         from rlray.learner.reference import ReferenceModel  # deferred (module docstring)
 
         self.times = ActorTimes.begin()
+        enable_stack_dumps()
         self.model = ReferenceModel(model_path, **model_kwargs)
         self.times.end()
 

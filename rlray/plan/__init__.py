@@ -9,6 +9,7 @@ from ``RunPlan.settings`` (one error class for a bad config, whichever room find
 
 from rlray.config.base import ConfigError
 from rlray.plan.records import (
+    Deadlines,
     Engines,
     Episodes,
     Judge,
@@ -25,6 +26,7 @@ from rlray.plan.records import (
 from rlray.plan.resolve import compute_dtype, plan_from_tree, replan, resolve_plan
 
 __all__ = [
-    "Engines", "Episodes", "Judge", "Lengths", "Parallelism", "RewardTerms", "RoleResources", "Roles", "RunPlan", "Sampling",
+    "Deadlines", "Engines", "Episodes", "Judge", "Lengths", "Parallelism", "RewardTerms", "RoleResources", "Roles", "RunPlan",
+    "Sampling",
     "Snapshots", "Tracking", "compute_dtype", "resolve_plan", "plan_from_tree", "replan", "ConfigError",
 ]  # fmt: skip

@@ -352,6 +352,28 @@ class Tracking:
 
 
 @dataclass(frozen=True)
+class Deadlines:
+    """How long the run waits on each kind of remote call, and what a call past its deadline does (``watchdog.*``;
+    ``rlray.hangs``: the stuck process's stacks, an ``rlray: hang`` line and alert, then the action).
+
+    Attributes:
+        env_call_s: one call to an environment host (``watchdog.env_call_s``), seconds.
+        engine_call_s: one generate call on a rollout actor, queueing excluded (``watchdog.engine_call_s``), seconds.
+        weight_push_s: one object-store weight push to a rollout actor, queueing excluded (``watchdog.weight_push_s``).
+        learner_step_s: one learner step on a rank (``watchdog.learner_step_s``), seconds.
+        on_hang: "restart" the actor, or "stop" the run (``watchdog.on_hang``).
+        stacks_timeout_s: the wait for a stuck process's stacks (``watchdog.stacks_timeout_s``), seconds.
+    """
+
+    env_call_s: float
+    engine_call_s: float
+    weight_push_s: float
+    learner_step_s: float
+    on_hang: str
+    stacks_timeout_s: float
+
+
+@dataclass(frozen=True)
 class RunPlan:
     """A run, resolved once from its validated config (``rlray.plan.resolve_plan``).
 
@@ -365,6 +387,7 @@ class RunPlan:
         reward: the terms of the summed reward.
         snapshots: where snapshots go.
         tracking: where the run logs.
+        deadlines: the deadlines of the remote calls the run waits on, and the action past one.
         max_steps: RL steps of the run (``run.max_steps``).
         uses_gpus: the learner or the rollout asks for GPUs (``resources.{learner,rollout}.gpus`` > 0); it decides
             ``model.dtype=auto`` and whether ``rlray plan`` needs the GPUs' memory.
@@ -386,6 +409,7 @@ class RunPlan:
     reward: RewardTerms
     snapshots: Snapshots
     tracking: Tracking
+    deadlines: Deadlines
     max_steps: int
     uses_gpus: bool
     settings: Settings = field(repr=False, compare=False)

@@ -25,6 +25,7 @@ from rlray.envs.servers.openenv import OpenEnvOptions
 from rlray.learner.batching import MicroBatching
 from rlray.models import resolve_dtype
 from rlray.plan.records import (
+    Deadlines,
     Engines,
     Episodes,
     Judge,
@@ -62,6 +63,7 @@ def resolve_plan(cfg: Config) -> RunPlan:
         snapshots=Snapshots(cfg.checkpoint_uri, cfg.checkpoint.every_steps, cfg.run.max_steps, cfg.checkpoint.keep_last,
                             cfg.checkpoint.resume_from),
         tracking=Tracking(cfg.tracking.mlflow_uri, cfg.tracking.experiment, cfg.run.name, cfg.tracking.tensorboard_dir),
+        deadlines=Deadlines(**cfg.watchdog.model_dump()),
         max_steps=cfg.run.max_steps,
         uses_gpus=uses_gpus(cfg),
         settings=cfg,

@@ -19,6 +19,11 @@ dead) for ``node_wait_s`` (at least ``_ANSWER_S``) since the fleet first saw it 
 is cancelled and its prompts go, once, to the actors that remain (a weight push to it is dropped,
 and the actor is brought to the latest weights when it is back).
 
+No call hangs silently: with a ``rlray.hangs.HangWatch`` (``watchdog.*``), a generate call that runs past
+``engine_call_s`` or a weight push past ``weight_push_s`` (time queued behind the actor's earlier calls excluded: an
+actor runs one call at a time, in order) is reported with the actor's stacks, and the actor is restarted (its
+prompts go to a live actor, counted in ``rerun_prompts``; it gets the latest weights when back) or the run stops.
+
 The async pipeline over it is ``rlray.rollout.pipeline.RolloutPipeline``.
 """
 
@@ -36,6 +41,7 @@ import ray
 import ray._private.state
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
+from rlray.hangs import ALERT_STACK_CHARS, Hang, HangError, HangWatch
 from rlray.rollout import Completion, SamplingSpec
 
 log = logging.getLogger(__name__)
@@ -88,6 +94,16 @@ class _Chunk:
 
 
 @dataclass
+class _Sent:
+    """A call sent to an actor and not yet seen finished: the method's name, its ObjectRef and when it was sent
+    (``time.monotonic``)."""
+
+    call: str
+    ref: Any
+    sent_at: float
+
+
+@dataclass
 class _Away:
     """A failed actor not yet back: when it failed, a pending call that answers once it is back, and whether it is
     dead for good (restarts spent) or was given up on after ``node_wait_s`` (both logged once)."""
@@ -125,6 +141,8 @@ class RolloutFleet:
         node_wait_s: seconds a rollout waits for a failed actor to be back, counted from its failure, before it
             goes on without it (``resources.node_wait_s``; 0: at once); also how long a pending call waits for an
             actor that cannot run it (not ALIVE in the GCS) before the actor is lost and the call sent elsewhere.
+        watch: the deadlines of generate calls and weight pushes and what a call past one does
+            (``rlray.hangs.HangWatch``); None: no deadline.
 
     Attributes:
         version: the latest policy version pushed to the actors.
@@ -135,7 +153,8 @@ class RolloutFleet:
         full_resyncs: full weights sent to an actor that refused a delta push, over the fleet's life (a counter).
     """
 
-    def __init__(self, actors: list[Any], *, max_attempts: int = 4, node_wait_s: float = 0.0) -> None:
+    def __init__(self, actors: list[Any], *, max_attempts: int = 4, node_wait_s: float = 0.0,
+                 watch: HangWatch | None = None) -> None:
         if not actors:
             raise ValueError("RolloutFleet needs at least one rollout actor")
         self.actors = list(actors)
@@ -153,6 +172,10 @@ class RolloutFleet:
         self._pending_sync: list[tuple[int, Any, int]] = []  # (actor, ref, version)
         self._delta = False  # the pushes are deltas (push_weights' full)
         self.full_resyncs = 0  # full weights sent to an actor that refused a delta, over the fleet's life
+        self.watch = watch
+        self._sent: dict[int, list[_Sent]] = {}  # actor -> its calls not yet seen finished, in the order sent
+        self._free_at: dict[int, float] = {}  # actor -> when its latest call was seen finished
+        self._stop: Hang | None = None  # a weight push hung under watchdog.on_hang=stop: raised at the next rollout
 
     # ---- generation -----------------------------------------------------------------------
     def submit(self, prompt_ids: list[list[int]], sampling: SamplingSpec, rows: list[Any] | None = None, *,
@@ -169,7 +192,10 @@ class RolloutFleet:
 
         Raises:
             RolloutError: no actor is alive.
+            rlray.hangs.HangError: a weight push hung under ``watchdog.on_hang=stop`` (reported when found).
         """
+        if self._stop is not None:
+            raise HangError(self._stop.message(ALERT_STACK_CHARS))
         usable = self._usable()
         if actor_keys is None:
             chunks = [[int(x) for x in c] for c in np.array_split(np.arange(len(prompt_ids)), len(usable)) if len(c)]
@@ -202,6 +228,7 @@ class RolloutFleet:
                 for chunk in [c for c in todo if c.actor in lost]:
                     todo.remove(chunk)
                     todo.append(self._reassign(pending, chunk, self._lose(chunk.actor, [chunk.ref])))
+                self._watch_hangs({c.actor for c in todo})  # a restarted actor's chunk fails: reassigned below
                 continue
             chunk = next(c for c in todo if c.ref == ready[0])
             todo.remove(chunk)
@@ -223,6 +250,7 @@ class RolloutFleet:
     def _call(self, pending: PendingRollout, indices: list[int], actor: int, attempts: int = 1) -> _Chunk:
         ids = [pending.prompt_ids[i] for i in indices]
         ref = self.actors[actor].generate.remote(ids, offset_seed(pending.sampling, indices[0]))
+        self._track(actor, "generate", ref)
         self.calls += 1
         return _Chunk(indices, actor, ref, attempts)
 
@@ -365,7 +393,10 @@ class RolloutFleet:
         self._latest, self.version = full or (lambda: weights_ref), version
         self._delta = full is not None
         live = [i for i in range(len(self.actors)) if i not in self._stale]  # stale ones are refreshed before use
-        self._pending_sync += [(i, self.actors[i].update_weights.remote(weights_ref, version), version) for i in live]
+        pushes = [(i, self.actors[i].update_weights.remote(weights_ref, version), version) for i in live]
+        for i, ref, _ in pushes:
+            self._track(i, "update_weights", ref)
+        self._pending_sync += pushes
         self._check_pending_sync(block=wait)
 
     def release_weights(self) -> None:
@@ -406,6 +437,7 @@ class RolloutFleet:
             for i in self._cannot_run({i for i, _, _ in self._pending_sync}):  # a push to a lost actor is dropped
                 self._lose(i, [r for j, r, _ in self._pending_sync if j == i])
                 self._pending_sync = [p for p in self._pending_sync if p[0] != i]
+            self._watch_hangs({i for i, _, _ in self._pending_sync})  # a restarted actor's push fails: stale
 
     def _take_synced(self, ready: set[Any]) -> None:
         """Checks the finished weight pushes among ``ready``: a failed actor becomes stale, a wrong version raises."""
@@ -433,7 +465,7 @@ class RolloutFleet:
                     "failed): sending it the full weights of version %d", actor, self.version)
         self.full_resyncs += 1
         try:
-            got = ray.get(self.actors[actor].update_weights.remote(self._latest(), self.version))
+            got = self._get(actor, "update_weights", self.actors[actor].update_weights.remote(self._latest(), self.version))
         except ACTOR_ERRORS:
             self._mark_failed(actor)
             return
@@ -448,10 +480,65 @@ class RolloutFleet:
                 f"rollout actor {actor} restarted, but the latest weights (version {self.version}) cannot be sent to it "
                 "from rank 0 alone (FSDP with rollout.weight_sync=nccl|ipc)"
             )
-        if self.version:
-            got = ray.get(self.actors[actor].update_weights.remote(self._latest(), self.version))
+        if self.version:  # an actor error (a hang's restart included) is the caller's: the actor is still away
+            got = self._get(actor, "update_weights", self.actors[actor].update_weights.remote(self._latest(), self.version))
         else:
             got = ray.get(self.actors[actor].policy_version.remote())
         if got != self.version:
             raise RuntimeError(f"rollout actor {actor} reports version {got} after a refresh, expected {self.version}")
         self._stale.discard(actor)
+
+    # ---- deadlines --------------------------------------------------------------------------
+    def _track(self, actor: int, call: str, ref: Any) -> None:
+        """Records a call sent to ``actor`` (its deadline runs from when the actor's earlier calls are seen done)."""
+        if self.watch is not None:
+            self._seen_done(actor)
+            self._sent.setdefault(actor, []).append(_Sent(call, ref, time.monotonic()))
+
+    def _get(self, actor: int, call: str, ref: Any) -> Any:
+        """Returns ``ray.get(ref)`` of ``actor``'s ``call``, under the call's deadline (``_watch_hangs``).
+
+        Raises:
+            ray.exceptions.RayActorError: the actor died, or was restarted for a hang.
+        """
+        self._track(actor, call, ref)
+        while self.watch is not None and not ray.wait([ref], timeout=_POLL_S, fetch_local=False)[0]:
+            self._watch_hangs({actor})
+        return ray.get(ref)
+
+    def _seen_done(self, actor: int) -> None:
+        """Drops ``actor``'s calls that have finished (or failed); the actor is free of them from now on (at the
+        latest: a finish seen late only shortens the time counted against the next call)."""
+        sent = self._sent.get(actor, [])
+        if not sent:
+            return
+        ready, _ = ray.wait([s.ref for s in sent], num_returns=len(sent), timeout=0, fetch_local=False)
+        if ready:
+            done = set(ready)
+            self._sent[actor] = [s for s in sent if s.ref not in done]
+            self._free_at[actor] = time.monotonic()
+
+    def _watch_hangs(self, actors: set[int]) -> None:
+        """Reports each of ``actors`` whose running call (its oldest unfinished one) has run past its deadline, since
+        it was sent or since the actor's previous call was seen done, whichever is later, and while the GCS has it
+        ALIVE (``HangWatch.hung``: stacks, alert, then the actor is restarted, which fails its pending calls, or
+        ``HangError`` is raised)."""
+        if self.watch is None:
+            return
+        for i in sorted(actors):
+            self._seen_done(i)
+            if not self._sent.get(i):
+                continue
+            head = self._sent[i][0]
+            running_s = time.monotonic() - max(head.sent_at, self._free_at.get(i, 0.0))
+            deadline, key = ((self.watch.engine_call_s, "watchdog.engine_call_s") if head.call == "generate"
+                             else (self.watch.weight_push_s, "watchdog.weight_push_s"))
+            if running_s > deadline and gcs_actor_state(self.actors[i]) not in ("ALIVE", "UNKNOWN"):
+                self._free_at[i] = time.monotonic()  # starting or restarting (its __init__): no call of it runs yet
+            elif running_s > deadline:
+                del self._sent[i]  # the restart fails every call it had
+                push = head.call != "generate"  # found in stage 7 (or a refresh): stop at the next rollout instead
+                hang = self.watch.hung(self.actors[i], f"rollout actor {i}", head.call, running_s, deadline, key,
+                                       stop_later=push)
+                if push and hang.action == "stop":
+                    self._stop = hang

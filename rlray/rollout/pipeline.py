@@ -87,17 +87,24 @@ class RolloutPipeline:
             else:
                 before = self.cursor() if self.cursor else None
                 rows, ids = self.take_prompts()
-            pending = None  # kept until its step asks, without overlap
-            if self.overlap or self._next_step == step:
-                pending = self.rollouts.submit(ids, self.sampling_for(self._next_step), rows)
-            self._queue.append((self._next_step, rows, ids, pending, self.rollouts.version, before))
+            # queued before it is submitted (kept until its step asks, without overlap): a submit that raises (a hang
+            # that stops the run) leaves the step in flight, so a snapshot retakes its prompts
+            self._queue.append((self._next_step, rows, ids, None, self.rollouts.version, before))
             self._next_step += 1
-        got, rows, ids, pending, version, _ = self._queue.popleft()
+            if self.overlap or self._next_step - 1 == step:
+                pending = self.rollouts.submit(ids, self.sampling_for(self._next_step - 1), rows)
+                self._queue[-1] = (self._next_step - 1, rows, ids, pending, self.rollouts.version, before)
+        got, rows, ids, pending, version, before = self._queue.popleft()
         if got != step:
             raise ValueError(f"RolloutPipeline: asked for step {step}, the next rollout in flight is step {got}")
-        if pending is None:
-            pending, version = self.rollouts.submit(ids, self.sampling_for(step), rows), self.rollouts.version
-        return RolloutBatch(step, rows, ids, self.rollouts.collect(pending), version)
+        try:
+            if pending is None:
+                pending, version = self.rollouts.submit(ids, self.sampling_for(step), rows), self.rollouts.version
+            completions = self.rollouts.collect(pending)
+        except BaseException:  # a hang that stops the run: the step stays in flight, so a snapshot retakes its prompts
+            self._queue.appendleft((got, rows, ids, None, version, before))
+            raise
+        return RolloutBatch(step, rows, ids, completions, version)
 
     def cursor_state(self) -> dict | None:
         """Returns the data cursor a snapshot keeps, or None without a ``cursor`` callable.

@@ -203,7 +203,8 @@ def episode_rollout(cfg: Config, fleet: Any, hosts: list[Any], tokenizer: Any) -
     default = ep.default if ep.default in envs else None  # a default agent is AgentRollout's
     return EpisodeRollout(fleet, hosts, tokenizer, limits, env_column=ep.column, default_env=default,
                           known_envs=envs, prepare=prepare,
-                          chat_template_kwargs=cfg.rollout.chat_template_kwargs, prompt_column=cfg.data.prompt_column)
+                          chat_template_kwargs=cfg.rollout.chat_template_kwargs, prompt_column=cfg.data.prompt_column,
+                          watch=fleet.watch)
 
 
 def rollouts(cfg: Config, fleet: Any, hosts: list[Any], tokenizer: Any) -> RolloutSource:

@@ -9,6 +9,7 @@ runs the step boundary (stage 8: eval when due, guards, log, hooks, snapshot) wi
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,6 +124,10 @@ class RunContext(abc.ABC):
 
     def reload_rollouts(self) -> None:  # noqa: B027 (a hook with a default: offline runs have no rollouts)
         """Pushes the learner's weights to the rollout engines (start, restore, rollback); none by default."""
+
+    def watch_hangs(self, alert: Callable[[str], None]) -> None:  # noqa: B027 (a hook with a default: no remote calls)
+        """Sends the hang reports of the remote calls this rank waits on through ``alert`` (rank 0; ``rlray.hangs``);
+        none by default."""
 
     def close(self) -> None:  # noqa: B027 (a hook with a default: nothing to release)
         """Releases what the run holds besides the learner (clients, connections); nothing by default."""

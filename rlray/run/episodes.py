@@ -21,7 +21,9 @@ reason>``). In ``reset`` or ``step`` the stop reason says so (``env_error`` or `
 ``reward_at_limit()`` (a TRL class's ``get_reward``) of an episode a limit ended, or in ``close()``, the episode
 keeps the stop reason of its end (``max_turns``, ``done``, ...) and fails all the same. The failure's message says
 where (``rlray.envs.host.describe_error``). The episodes of a host that dies are run again once, from the start, on the hosts that
-answer (``env/episodes_rerun``); a second death fails them (stop reason ``actor_died``).
+answer (``env/episodes_rerun``); a second death fails them (stop reason ``actor_died``). A host call that runs past
+``watchdog.env_call_s`` (with ``watch``, a ``rlray.hangs.HangWatch``) is reported with the host's stacks and the host is
+restarted, a death like any other (its episodes run again once), or the run stops (``watchdog.on_hang``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from rlray.envs.episode import TemplateDriftError, Trajectory, open_trajectory, 
 from rlray.envs.host import ResetRequest, StepRequest
 from rlray.envs.limits import EpisodeLimits
 from rlray.envs.probe import reset_kwargs, row_environment
+from rlray.hangs import HangWatch
 from rlray.reward.combine import Term, combine
 from rlray.rollout import Completion, SamplingSpec
 from rlray.rollout.fleet import ACTOR_ERRORS, RolloutFleet
@@ -111,6 +114,7 @@ class EpisodeRollout:
         chat_template_kwargs: extra chat-template variables (rollout.chat_template_kwargs).
         prompt_column: the data's prompt column (data.prompt_column); ``reset`` gets the row's prompt as ``prompt``
             and under this name too, with every other column.
+        watch: the deadline of a host call (``HangWatch.env_call_s``) and what a call past it does; None: none.
 
     Raises:
         ValueError: no host.
@@ -119,13 +123,13 @@ class EpisodeRollout:
     def __init__(self, fleet: RolloutFleet, hosts: list[Any], tokenizer: Any, limits: EpisodeLimits, *,
                  env_column: str, default_env: str | None, known_envs: list[str],
                  prepare: Callable[[list[dict]], list[dict]], chat_template_kwargs: dict[str, Any] | None = None,
-                 prompt_column: str = "prompt") -> None:
+                 prompt_column: str = "prompt", watch: HangWatch | None = None) -> None:
         if not hosts:
             raise ValueError("EpisodeRollout needs at least one environment host (resources.env.num_workers)")
         self.fleet, self.hosts, self.tokenizer, self.limits = fleet, list(hosts), tokenizer, limits
         self.env_column, self.default_env, self.known_envs = env_column, default_env or "", set(known_envs)
         self.prepare, self.chat_template_kwargs = prepare, dict(chat_template_kwargs or {})
-        self.prompt_column = prompt_column
+        self.prompt_column, self.watch = prompt_column, watch
         self._dead: set[int] = set()
 
     @property
@@ -241,7 +245,8 @@ class EpisodeRollout:
             row = rows[ep.prompt_index]
             return ResetRequest(ep.key, ep.environment, reset_kwargs(row.columns, row.prompt, self.prompt_column))
 
-        for ep, reply in self._per_host(episodes, lambda host, eps: host.reset.remote([request(ep) for ep in eps])):
+        for ep, reply in self._per_host(episodes, lambda host, eps: host.reset.remote([request(ep) for ep in eps]),
+                                      "reset"):
             ep.traj = Trajectory([], [])  # replaced below unless the reset failed
             if reply is None or reply.error:
                 self._fail(ep, "actor_died" if reply is None else reply.error, "" if reply is None else reply.message)
@@ -291,7 +296,8 @@ class EpisodeRollout:
             return StepRequest(ep.key, ep.traj.messages[-1]["content"], ep.traj.finish_reason, ep.traj.num_turns - 1,
                                last=ep.traj.num_turns >= self.limits.max_turns)
 
-        for ep, reply in self._per_host(episodes, lambda host, eps: host.step.remote([request(ep) for ep in eps])):
+        for ep, reply in self._per_host(episodes, lambda host, eps: host.step.remote([request(ep) for ep in eps]),
+                                      "step"):
             ep.env_steps += 1
             if reply is None or reply.error:
                 self._fail(ep, "actor_died" if reply is None else reply.error, "" if reply is None else reply.message)
@@ -332,12 +338,16 @@ class EpisodeRollout:
             limited = [ep for ep in eps if ep.traj.stop_reason in LIMIT_STOP_REASONS]
             try:
                 if limited:
-                    replies = ray.get(self.hosts[h].rewards_at_limit.remote([e.key for e in limited]))
+                    ref = self.hosts[h].rewards_at_limit.remote([e.key for e in limited])
+                    self._await_hosts({h: ref}, "rewards_at_limit")
+                    replies = ray.get(ref)
                     for ep, reply in zip(limited, replies, strict=True):
                         ep.limit_reward = reply.reward
                         if reply.error:
                             self._fail_at_end(ep, f"at the {ep.traj.stop_reason} limit, {reply.message}")
-                closed = ray.get(self.hosts[h].close.remote([ep.key for ep in eps]))
+                ref = self.hosts[h].close.remote([ep.key for ep in eps])
+                self._await_hosts({h: ref}, "close")
+                closed = ray.get(ref)
                 for ep, message in zip(eps, closed, strict=True):
                     if message and not ep.traj.failed:
                         self._fail_at_end(ep, message)
@@ -345,18 +355,20 @@ class EpisodeRollout:
                 self._dead.add(h)
                 log.warning("environment host %d died while closing episodes (%s)", h, type(err).__name__)
 
-    def _per_host(self, episodes: list[RunningEpisode],
-                  send: Callable[[Any, list[RunningEpisode]], Any]) -> list[tuple[RunningEpisode, Any]]:
+    def _per_host(self, episodes: list[RunningEpisode], send: Callable[[Any, list[RunningEpisode]], Any],
+                  call: str) -> list[tuple[RunningEpisode, Any]]:
         """Returns (episode, its reply, or None when its host died) for one batched call per host.
 
         Args:
             send: makes one host's call for its episodes and returns the ObjectRef of its list of replies (one per
                 episode, in order): ``lambda host, eps: host.step.remote([...])``.
+            call: the host method ``send`` calls ("reset", "step"), for a hang report.
         """
         by_host: dict[int, list[RunningEpisode]] = {}
         for ep in episodes:
             by_host.setdefault(ep.host, []).append(ep)
         refs = {h: send(self.hosts[h], eps) for h, eps in by_host.items()}
+        self._await_hosts(refs, call)
         out = []
         for h, eps in by_host.items():
             try:
@@ -368,6 +380,23 @@ class EpisodeRollout:
                 replies = [None] * len(eps)
             out += list(zip(eps, replies, strict=True))
         return out
+
+    def _await_hosts(self, refs: dict[int, Any], call: str) -> None:
+        """Waits for the hosts' calls ``refs`` ({host: ObjectRef}) up to ``watch.env_call_s`` since now; each host
+        whose call is still running then is reported and restarted (``HangWatch.hung``: its call then fails with an
+        actor error, which the caller handles as a death) or the run stops. Without ``watch``, returns at once."""
+        if self.watch is None or not refs:
+            return
+        started, pending = time.monotonic(), dict(refs)
+        while pending:
+            ready, _ = ray.wait(list(pending.values()), num_returns=len(pending), timeout=1.0, fetch_local=False)
+            pending = {h: r for h, r in pending.items() if r not in ready}
+            waited = time.monotonic() - started
+            if pending and waited > self.watch.env_call_s:
+                for h in sorted(pending):
+                    self.watch.hung(self.hosts[h], f"environment host {h}", call, waited, self.watch.env_call_s,
+                                    "watchdog.env_call_s")
+                return
 
     def _fail(self, ep: RunningEpisode, reason: str, message: str) -> None:
         if ep.traj is None:

@@ -17,6 +17,7 @@ import ray
 
 from rlray.cores import CorePlan
 from rlray.data import PromptRow, PromptStream, load_prompt_rows, prepare_prompts
+from rlray.hangs import HangWatch
 from rlray.plan import RunPlan
 from rlray.reward.judges.panel import JudgePanel
 from rlray.reward.server import LocalRewardClient, ServeRewardClient
@@ -137,7 +138,7 @@ def build_lead(plan: RunPlan, tokenizer: Any, actors: list[Any], env_hosts: list
         rows, ids, _ = prepare_prompts(eval_rows, tokenizer, max_prompt_tokens=10**9, **render)
         eval_prompts = list(zip(rows, ids, strict=True))
     columns = build.dataset_columns(all_train_rows + [r for r, _ in eval_prompts])
-    fleet = RolloutFleet(actors, node_wait_s=cfg.resources.node_wait_s)
+    fleet = RolloutFleet(actors, node_wait_s=cfg.resources.node_wait_s, watch=hang_watch(plan))
     rollouts = build.rollouts(cfg, fleet, env_hosts, tokenizer)
     here = ray.get_runtime_context().get_node_id()
     overlap, why = build.rollout_overlap(cfg, cores, shares_node=any(gcs_actor_node(a) in (None, here) for a in actors))
@@ -152,3 +153,11 @@ def build_lead(plan: RunPlan, tokenizer: Any, actors: list[Any], env_hosts: list
         reward=build.reward_client(cfg, columns), reward_kwargs=build.scorer_kwargs(cfg, columns), fleet=fleet,
         rollouts=rollouts, pipeline=pipeline, logged=FleetCounts(), judges=build.judge_panel(cfg),
     )
+
+
+def hang_watch(plan: RunPlan) -> HangWatch:
+    """Returns rank 0's watch over the remote calls the run waits on, with the plan's deadlines (``watchdog.*``); its
+    alert is set once the run's services are known (``OnlineRun.watch_hangs``)."""
+    d = plan.deadlines
+    return HangWatch(d.on_hang, env_call_s=d.env_call_s, engine_call_s=d.engine_call_s,
+                     weight_push_s=d.weight_push_s, stacks_timeout_s=d.stacks_timeout_s)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,7 @@ import torch
 from rlray import schema
 from rlray.cores import CorePlan, parse_core_list, pin_process
 from rlray.data import DataError, PromptRow
+from rlray.hangs import HangError
 from rlray.learner import Normaliser, PolicyLearner
 from rlray.learner import online as learner_online
 from rlray.learner.collective import Collective
@@ -55,7 +57,8 @@ log = logging.getLogger(__name__)
 # Errors found during a step that a retry cannot fix (a reward function returning the wrong number of values,
 # bad data, every sample failing guard.max_failed_steps steps in a row): every rank stops at once with the message
 # (the run ends FAILED), and Ray Train does not restart the learner.
-FATAL_STEP_ERRORS: tuple[type[BaseException], ...] = (RewardFunctionError, DataError, CannotLearnError)
+# A hang under watchdog.on_hang=stop (rlray.hangs.HangError) is one too; the run keeps a snapshot of its last finished step.
+FATAL_STEP_ERRORS: tuple[type[BaseException], ...] = (RewardFunctionError, DataError, CannotLearnError, HangError)
 
 
 @dataclass
@@ -68,6 +71,8 @@ class StepHandout:
         minibatch_norms: the global token and sequence counts of each mini-batch (``minibatch_normalisers``).
         rollout_metrics: rank 0's stage 1-3 metrics (rank 0 reads them; the other ranks ignore them).
         fatal: the message of an error that ends the run on every rank, or None.
+        stop_snapshot: the fatal error ends the run after a snapshot of the last finished step (a hang under
+            ``watchdog.on_hang=stop``).
         sample_rows: rows of the step's table kept as samples (``observe.samples.pick_rows``).
     """
 
@@ -76,6 +81,7 @@ class StepHandout:
     rollout_metrics: dict[str, float]
     fatal: str | None = None
     sample_rows: list[int] = field(default_factory=list)
+    stop_snapshot: bool = False
 
 
 @dataclass
@@ -154,6 +160,11 @@ class OnlineRun(RunContext):
         if self.lead is not None:
             self.lead.pipeline.load_cursor_state(state)
 
+    def watch_hangs(self, alert: Callable[[str], None]) -> None:
+        """Sends rank 0's hang reports (``rlray.hangs.HangWatch``) through ``alert`` (the run's alert path)."""
+        if self.lead is not None and self.lead.fleet.watch is not None:
+            self.lead.fleet.watch.alert = alert
+
     def close(self) -> None:
         """Closes rank 0's reward client and judge clients."""
         if self.lead is not None:
@@ -228,14 +239,14 @@ def run_step(ctx: OnlineRun, step: int) -> StepResult:
         FatalStepError: on every rank, when rank 0's stages 1-3 hit one of ``FATAL_STEP_ERRORS``.
     """
     timer, spec = StageTimer(), build.update_spec(ctx.settings, ctx.world)
-    experience, fatal = None, None
+    experience, fatal, stop_snapshot = None, None, False
     if ctx.lead is not None:
         try:  # 1-3. prompts, rollout, rewards (rank 0)
             experience = collect_experience(ctx.lead, ctx.plan, ctx.tokenizer, step, timer,
                                             policy_version=ctx.policy_version, world=ctx.world)
         except FATAL_STEP_ERRORS as err:
-            fatal = f"{type(err).__name__}: {err}"
-    shard, handout = distribute(ctx, experience, fatal, step=step)
+            fatal, stop_snapshot = f"{type(err).__name__}: {err}", isinstance(err, HangError)
+    shard, handout = distribute(ctx, experience, fatal, step=step, stop_snapshot=stop_snapshot)
     # agent segments make a step's mini-batches larger, never more of them (rlray.run.segments)
     spec = dataclasses.replace(spec, rows_per_minibatch=shard.num_rows // len(handout.minibatch_norms))
     batch = schema.collate(shard, ctx.pad_token_id)
@@ -257,7 +268,7 @@ def run_step(ctx: OnlineRun, step: int) -> StepResult:
 
 
 def distribute(ctx: OnlineRun, experience: Experience | None, fatal: str | None = None, *,
-               step: int = 0) -> tuple[pa.Table, StepHandout]:
+               step: int = 0, stop_snapshot: bool = False) -> tuple[pa.Table, StepHandout]:
     """Hands every rank its contiguous shard of whole groups through the object store.
 
     Rank 0 puts one Arrow table per rank (``ray.put``) and broadcasts only the references; each rank
@@ -269,13 +280,14 @@ def distribute(ctx: OnlineRun, experience: Experience | None, fatal: str | None 
         experience: rank 0's stage 1-3 result (None on the other ranks, and on rank 0 with ``fatal``).
         fatal: rank 0's fatal error message, or None.
         step: the 0-based step (seeds the pick of kept samples).
+        stop_snapshot: with ``fatal``, the run ends after a snapshot of the last finished step (``FatalStepError``).
 
     Raises:
         FatalStepError: on every rank, when rank 0 passes ``fatal`` (its stages 1-3 hit a fatal error).
     """
     handout = None
     if ctx.rank == 0 and fatal is not None:
-        handout = StepHandout([], [], {}, fatal)
+        handout = StepHandout([], [], {}, fatal, stop_snapshot=stop_snapshot)
     elif ctx.rank == 0:
         table = experience.table
         refs = [ray.put(table.slice(s.start, s.stop - s.start)) for s in
@@ -287,7 +299,7 @@ def distribute(ctx: OnlineRun, experience: Experience | None, fatal: str | None 
         handout = StepHandout(refs, minibatch_normalisers(table, ctx.plan, ctx.world), experience.metrics, sample_rows=rows)
     handout = ctx.coll.broadcast(handout)
     if handout.fatal is not None:
-        raise FatalStepError(handout.fatal)
+        raise FatalStepError(handout.fatal, stop_snapshot=handout.stop_snapshot)
     return ray.get(handout.shard_refs[ctx.rank]), handout
 
 
@@ -383,6 +395,7 @@ def step_metrics(lead: OnlineLead, rollout_metrics: dict[str, float], batch: sch
         "rollout/rerun_prompts": float(new_rerun),
         "rollout/actors_alive": float(fleet.alive),
         "rollout/engine_calls": float(new_calls),
+        **(fleet.watch.metrics() if fleet.watch is not None else {}),
     }
 
 

@@ -14,6 +14,7 @@ the collectives the same number of times.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,6 +24,7 @@ import ray
 import ray.train
 import torch
 
+from rlray import hangs
 from rlray.checkpoint import contents, lineage
 from rlray.checkpoint import storage as checkpoint
 from rlray.checkpoint.manifest import SnapshotManifest
@@ -42,7 +44,12 @@ BuildContext = Callable[[RunPlan, Collective], RunContext]
 
 class FatalStepError(RuntimeError):
     """A step hit an error a retry cannot fix (a reward function returning the wrong number of values,
-    bad data) on rank 0; raised on every rank with rank 0's message. Ray Train does not restart the run."""
+    bad data, a hang under ``watchdog.on_hang=stop``) on rank 0; raised on every rank with rank 0's message. Ray Train
+    does not restart the run. With ``stop_snapshot`` the run first keeps a snapshot of its last finished step."""
+
+    def __init__(self, message: str, *, stop_snapshot: bool = False) -> None:
+        super().__init__(message)
+        self.stop_snapshot = stop_snapshot
 
 
 # --------------------------------------------------------------------------------------------
@@ -98,9 +105,13 @@ def _train(build: BuildContext, plan: RunPlan, coll: Collective, services: RunSe
     metrics: dict[str, float] = {}
     retrying, error = False, ""
 
+    deadline = step_deadline(ctx, run, services)
+
     def one_step() -> dict[str, float]:  # stages 1-7 of the run's kind, then stage 8 here
+        deadline.arm(run.step + 1)
         result = ctx.run_step(run.step)
         step_boundary(ctx, run, services, hooks, result)
+        deadline.disarm()
         return result.metrics
 
     try:
@@ -121,8 +132,12 @@ def _train(build: BuildContext, plan: RunPlan, coll: Collective, services: RunSe
             log.error("the run stops at step %d: %s", run.step + 1, err)
             ctx.tracker.set_tags({"rlray.error": error[:5000]})
             snapshots.alert(ctx, services, "run_failed", f"the run stops: {error[:2000]}", run.step + 1)
+        # every rank: a snapshot of the last finished step, unless it has one (due) or was restored from it
+        if err.stop_snapshot and run.step > run.first_step and not snapshots.snapshot_due(ctx.plan, run.step):
+            snapshots.snapshot(ctx, run, services, kind="stop", metrics={})
         raise
     finally:
+        deadline.disarm()
         finish(ctx, run, services, record=not retrying)
         if not retrying and ctx.rank == 0 and services.control is not None:
             outcome = RunOutcome(run.status, run.step, run.last_snapshot, error, dict(metrics))
@@ -130,6 +145,21 @@ def _train(build: BuildContext, plan: RunPlan, coll: Collective, services: RunSe
         ctx.close()
     coll.barrier()
     return RunOutcome(run.status, run.step, run.last_snapshot, error, metrics)
+
+
+def step_deadline(ctx: RunContext, run: RunState, services: RunServices) -> hangs.StepDeadline:
+    """Returns this rank's step deadline (``watchdog.learner_step_s``): its report goes to the log and the alerts
+    (rank 0's alert path; the monitor from other ranks); under Ray Train with ``watchdog.on_hang=restart`` the rank
+    then exits, so that Ray Train restarts the group from the newest snapshot (``monitor.max_failures``)."""
+    def report(message: str) -> None:
+        if ctx.rank == 0:
+            snapshots.alert(ctx, services, "hang", message, run.step + 1)
+        elif services.monitor is not None:
+            services.monitor.alert.remote("hang", message, run.step + 1)
+
+    d = ctx.plan.deadlines
+    exit_rank = (lambda: os._exit(1)) if run.in_ray_train and d.on_hang == "restart" else None
+    return hangs.StepDeadline(d.learner_step_s, f"learner rank {ctx.rank}", report, exit_rank)
 
 
 def _early_oom(where: str, fn: Callable[[], Any]) -> Any:
@@ -284,6 +314,7 @@ def _begin_rank0(ctx: RunContext, services: RunServices, run: RunState, source: 
             services.monitor.beat.remote(run.step, ctx.data_epoch(), ctx.policy_version)
 
     run.heartbeat = Heartbeat(beat, plan.settings.monitor.heartbeat_s).start()
+    ctx.watch_hangs(lambda message: snapshots.alert(ctx, services, "hang", message, run.step + 1))
 
 
 def _attach_log_file(plan: RunPlan, run: RunState) -> logging.Handler:

@@ -14,6 +14,7 @@ import pytest
 import ray
 from ray.exceptions import ActorUnavailableError
 
+from rlray.hangs import HangError, HangWatch, enable_stack_dumps
 from rlray.rollout import Completion, SamplingSpec
 from rlray.rollout.fleet import RolloutError, RolloutFleet, gcs_actor_state, offset_seed
 from rlray.rollout.pipeline import RolloutPipeline
@@ -21,24 +22,41 @@ from rlray.rollout.pipeline import RolloutPipeline
 pytestmark = pytest.mark.ray
 
 
+def injected_hang() -> None:
+    """A call that never ends (as far as a test waits): the frame a hang report must name."""
+    time.sleep(600)
+
+
 class FakeRolloutActor:
-    """Same methods as rlray.launch.actors.RolloutActor; dies (os._exit) in generate while an armed flag file exists."""
+    """Same methods as rlray.launch.actors.RolloutActor; dies (os._exit) in generate while an armed flag file exists,
+    and hangs (``injected_hang``) in generate or update_weights while an armed hang file exists (once: it removes it)."""
 
     def __init__(self, restart_delay_s: float = 0.0) -> None:
         if ray.get_runtime_context().was_current_actor_reconstructed:
             time.sleep(restart_delay_s)  # a restart that waits for a replacement node
+        enable_stack_dumps()
         self.version = 0
         self.die_flag: str | None = None
+        self.hang_flag: str | None = None
         self.calls = 0
 
     def arm(self, die_flag: str) -> None:
         self.die_flag = die_flag
+
+    def arm_hang(self, hang_flag: str) -> None:
+        self.hang_flag = hang_flag
+
+    def _maybe_hang(self) -> None:
+        if self.hang_flag and os.path.exists(self.hang_flag):
+            os.remove(self.hang_flag)
+            injected_hang()
 
     def reset(self) -> None:
         self.version, self.calls = 0, 0
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSpec) -> list[Completion]:
         self.calls += 1
+        self._maybe_hang()
         if self.die_flag and os.path.exists(self.die_flag):
             os.remove(self.die_flag)  # die once: the restarted actor finds no flag
             os._exit(1)
@@ -49,6 +67,7 @@ class FakeRolloutActor:
         ]
 
     def update_weights(self, named_tensors: dict, version: int) -> int:
+        self._maybe_hang()
         self.version = version
         return version
 
@@ -312,3 +331,61 @@ def test_pipeline_rejects_out_of_order_steps(actors):
     pipe.next(0)
     with pytest.raises(ValueError, match="asked for step 3, the next rollout in flight is step 1"):
         pipe.next(3)
+
+
+def test_a_hung_generate_and_a_hung_weight_push_are_reported_with_the_stack_and_the_actor_restarted(ray_session,
+                                                                                                    tmp_path):
+    """watchdog.engine_call_s / weight_push_s of 3 s on a call that sleeps 600 s: reported within the deadline plus a
+    few seconds with the stuck process's stack, the actor restarted, its prompts run once elsewhere."""
+    cls = ray.remote(FakeRolloutActor).options(num_cpus=0.01, max_restarts=2, max_task_retries=0)
+    actors = [cls.remote(), cls.remote()]
+    assert ray.get([a.policy_version.remote() for a in actors]) == [0, 0]  # started, as the driver hands them over
+    alerts: list[str] = []
+    watch = HangWatch("restart", engine_call_s=3.0, weight_push_s=3.0, alert=alerts.append)
+    fleet = RolloutFleet(actors, node_wait_s=60.0, watch=watch)
+    fleet.push_weights(ray.put({}), 1)
+    flag = tmp_path / "hang"
+    flag.touch()
+    ray.get(actors[1].arm_hang.remote(str(flag)))
+    prompts = [[3000 + i] for i in range(8)]
+    t0 = time.monotonic()
+    out = fleet.generate(prompts, SAMPLING)
+    took = time.monotonic() - t0
+    assert took < 3.0 + 20.0  # the deadline plus the report (stacks, restart) on a loaded 2-core machine; not 600 s
+    assert sorted(c.response_token_ids[0] for c in out) == sorted(3000 + i for i in range(8) for _ in range(3))
+    assert (watch.hangs, watch.restarts, fleet.reassigned, fleet.rerun_prompts) == (1, 1, 1, 4)
+    assert alerts[0].startswith("hang: rollout actor 1 (") and "has run generate for " in alerts[0]
+    assert "past watchdog.engine_call_s=3 s; restarting it" in alerts[0]
+    assert f'File "{__file__}", line' in alerts[0] and "in injected_hang" in alerts[0]  # from the stuck process
+    # the restarted actor comes back; a push that hangs is reported the same way and the actor refreshed after
+    _rollouts_until_rejoined(fleet, prompts, first_id=3000)
+    flag.touch()
+    ray.get(fleet.actors[1].arm_hang.remote(str(flag)))
+    fleet.push_weights(ray.put({}), 2)
+    assert watch.hangs == 2 and "has run update_weights for " in alerts[1]
+    assert "past watchdog.weight_push_s=3 s" in alerts[1] and "in injected_hang" in alerts[1]
+    _rollouts_until_rejoined(fleet, prompts, first_id=3000)
+    assert ray.get(fleet.actors[1].policy_version.remote()) == 2
+    for a in actors:
+        ray.kill(a, no_restart=True)
+
+
+def test_under_stop_a_hung_weight_push_is_reported_then_the_next_rollout_stops_the_run(ray_session, tmp_path):
+    """watchdog.on_hang=stop: a push found hung (stage 7) restarts its actor so nothing stays stuck, and the next
+    rollout (stages 1-3, where every rank stops together) raises the report."""
+    cls = ray.remote(FakeRolloutActor).options(num_cpus=0.01, max_restarts=1, max_task_retries=0)
+    actors = [cls.remote(), cls.remote()]
+    assert ray.get([a.policy_version.remote() for a in actors]) == [0, 0]
+    alerts: list[str] = []
+    fleet = RolloutFleet(actors, watch=HangWatch("stop", weight_push_s=3.0, alert=alerts.append))
+    flag = tmp_path / "hang"
+    flag.touch()
+    ray.get(actors[0].arm_hang.remote(str(flag)))
+    fleet.push_weights(ray.put({}), 1)  # returns: the hung actor was restarted (stale until refreshed)
+    assert fleet.alive == 1 and fleet.watch.restarts == 1
+    assert "rollout actor 0 (" in alerts[0] and "has run update_weights for" in alerts[0]
+    assert "stopping the run (watchdog.on_hang=stop)" in alerts[0] and "in injected_hang" in alerts[0]
+    with pytest.raises(HangError, match=r"hang: rollout actor 0 .* has run update_weights"):
+        fleet.generate([[1]], SAMPLING)
+    for a in actors:
+        ray.kill(a, no_restart=True)

@@ -12,13 +12,15 @@ import ray
 from rlray.data import PromptRow
 from rlray.envs.host import EnvironmentHost
 from rlray.envs.limits import EpisodeLimits
+from rlray.hangs import HangWatch
 from rlray.rollout import Completion, SamplingSpec
 from rlray.run.episodes import EpisodeRollout, add_env_reward, episode_metrics
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "test_envs.py"
 ENVS = {name: f"{FIXTURE}:{cls}" for name, cls in
         [("countdown", "CountdownEnv"), ("raise", "RaisingEnv"), ("hang", "HangingEnv"), ("die", "DieOnceEnv"),
-         ("limitraise", "LimitRaisingEnv"), ("closeraise", "CloseRaisingEnv"), ("lastturn", "LastTurnEnv")]}
+         ("limitraise", "LimitRaisingEnv"), ("closeraise", "CloseRaisingEnv"), ("lastturn", "LastTurnEnv"),
+         ("hangonce", "HangOnceEnv")]}
 
 
 class ScriptedFleet:
@@ -179,6 +181,29 @@ def test_episodes_of_a_dead_host_run_again_once(ray_session, tiny_tokenizer, tmp
     assert [c.episode.stop_reason for c in got] == ["done", "done"]
     assert [c.episode.rerun for c in got] == [True, True]
     assert episode_metrics(got)["env/episodes_rerun"] == 2.0
+    ray.kill(h)
+
+
+def test_a_host_stuck_past_watchdog_env_call_s_is_reported_with_its_stack_restarted_and_its_episodes_rerun(
+        ray_session, tiny_tokenizer, tmp_path):
+    """An environment step that sleeps 600 s under a host limit of 300 s (env.step_timeout_s) and a 3 s
+    watchdog.env_call_s: the report names the host, the call and the sleeping frame, the host restarts, and the step's
+    episodes run again once and finish."""
+    h = ray.remote(EnvironmentHost).options(max_concurrency=1, max_restarts=1).remote(ENVS, step_timeout_s=300.0)
+    ray.get(h.ping.remote())
+    alerts: list[str] = []
+    watch = HangWatch("restart", env_call_s=3.0, alert=alerts.append)
+    episodes = EpisodeRollout(ScriptedFleet(tiny_tokenizer), [h], tiny_tokenizer, EpisodeLimits(8, 4096, 64, 600.0),
+                              env_column="environment", default_env=None, known_envs=list(ENVS), prepare=lambda m: m,
+                              watch=watch)
+    batch = [PromptRow("p0", "hello", {"environment": "hangonce", "marker": str(tmp_path / "hung")})]
+    got = episodes.generate([[1]], SamplingSpec(n=2, max_new_tokens=4, temperature=1.0), batch)
+    assert [c.episode.stop_reason for c in got] == ["done", "done"] and [c.episode.rerun for c in got] == [True, True]
+    assert episode_metrics(got)["env/episodes_rerun"] == 2.0
+    assert (watch.hangs, watch.restarts) == (1, 1)
+    assert alerts[0].startswith("hang: environment host 0 (") and "has run step for " in alerts[0]
+    assert "past watchdog.env_call_s=3 s; restarting it" in alerts[0]
+    assert f'File "{FIXTURE}", line' in alerts[0] and "in injected_hang" in alerts[0]  # from the stuck host
     ray.kill(h)
 
 

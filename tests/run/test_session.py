@@ -20,10 +20,12 @@ from rlray.checkpoint import lineage
 from rlray.checkpoint import storage as checkpoint
 from rlray.cli import main as cli_main
 from rlray.config import Config, load_config
+from rlray.hangs import HangError
 from rlray.observe.metrics import METRIC_KEYS, term_keys
 from rlray.observe.tracking import Tracker, get_run, get_run_metrics
 from rlray.plan import resolve_plan
 from rlray.run import online, worker
+from rlray.run.session import FatalStepError
 from rlray.run.state import RunOutcome, RunServices, WorkerArgs
 
 REPO = Path(__file__).resolve().parents[2]
@@ -283,6 +285,30 @@ def test_wall_time_and_memory_cap_stop_after_a_snapshot(env):
     assert (out.status, out.step) == ("stopped: memory_cap", 1)
     message = get_run(env.uri, run_id).data.tags["rlray.stop_message"]
     assert "exceeds the cap 0.05 GiB (guard.memory_cap_gib" in message
+
+
+def test_a_hang_under_on_hang_stop_ends_the_run_failed_after_a_snapshot_of_the_last_finished_step(env):
+    """watchdog.on_hang=stop: the fleet's HangError in step 2's stages 1-3 (injected where the fleet raises it) stops
+    every rank with the report as rlray.error, after a 'stop' snapshot of step 1 (checkpoint.every_steps=2: none was
+    due there)."""
+    cfg = make_cfg(env, "hangstop", "watchdog.on_hang=stop", "run.max_steps=3")
+    real = online.collect_experience
+
+    def hang_in_step_2(lead, plan, tokenizer, step, timer, **kwargs):
+        if step == 1:
+            raise HangError("hang: rollout actor 0 (rlray:rollout-0) ... has run generate for 3.1 s (injected)")
+        return real(lead, plan, tokenizer, step, timer, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(online, "collect_experience", hang_in_step_2)
+        with pytest.raises(FatalStepError, match=r"^HangError: hang: rollout actor 0 \(rlray:rollout-0\)"):
+            run(env, cfg)
+    run_id = _runs(env, "hangstop")[-1]
+    tags = get_run(env.uri, run_id).data.tags
+    assert tags["rlray.status"] == "FAILED" and tags["rlray.error"].startswith("HangError: hang: rollout actor 0")
+    snap = checkpoint.latest_snapshot(checkpoint.join(cfg.checkpoint_uri, checkpoint.run_dir_name(run_id)))
+    manifest = checkpoint.read_manifest(snap)
+    assert (manifest.step, manifest.kind) == (1, "stop")
 
 
 def test_out_of_memory_at_load_or_first_step_retries_once_smaller(env):
