@@ -126,10 +126,11 @@ def main() -> None:
     args = p.parse_args()
     from ray import serve
 
+    from rlray.reward.server import start_serve
     from rlray.rollout.weight_sync import free_port
 
     benchlib.init_local_ray()
-    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+    start_serve(host="127.0.0.1", port=free_port())
     load_before = benchlib.machine()["load_avg_1m"]
     modes = mode_specs(args.judge, args.backend, args.max_model_len, args.kv_cache_gib)
     rows = [measure(name, entry, args) for name, entry in modes.items() if args.modes in name]

@@ -225,8 +225,10 @@ def _apply(env: Any, fn: Callable[..., R], *args: Any) -> R:
 
 def _serve(spec: str, trl_parity: bool = True) -> Callable[..., Any]:
     """Returns ``_apply`` bound to a new instance of ``spec``: a sandbox child's entry (it runs in the child)."""
+    from rlray.envs.tools import load_schema_builder
     from rlray.envs.trl import load_environment
 
+    load_schema_builder()  # under the child's start limit, not its first reset's (load_schema_builder)
     return functools.partial(_apply, load_environment(spec, trl_parity)())
 
 
@@ -358,6 +360,10 @@ class EnvironmentHost:
                 self._factories[name] = load_environment(spec, trl_parity)  # checked here even when episodes run sandboxed
             except Exception as err:  # noqa: BLE001 - any import problem of user code becomes one clear error
                 raise ValueError(f"env.environments.{name}: cannot load '{spec}': {err}") from err
+        if not sandbox:
+            from rlray.envs.tools import load_schema_builder
+
+            load_schema_builder()  # here, not under the first reset's env.step_timeout_s (load_schema_builder)
         self._parser = tool_parser
         self._timeout = step_timeout_s
         self._sandbox, self._memory_gib, self._trl_parity = sandbox, memory_gib, trl_parity

@@ -114,7 +114,10 @@ def probe_environment(spec: str, rows: list[dict[str, Any]], trl_parity: bool = 
 
 def _serve_probe(spec: str, trl_parity: bool) -> Callable[[list[dict[str, Any]]], ProbeReport]:
     """Returns ``probe_environment`` for ``spec`` once its class loads: the probe child's entry (it runs there)."""
+    from rlray.envs.tools import load_schema_builder
+
     load_environment_class(spec)
+    load_schema_builder()  # under start_timeout_s, not the rows' env.step_timeout_s (load_schema_builder)
     return functools.partial(probe_environment, spec, trl_parity=trl_parity)
 
 

@@ -32,6 +32,19 @@ from rlray.envs.base import ToolCall
 _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
+def load_schema_builder() -> Callable[[Callable[..., Any]], dict[str, Any]]:
+    """Returns ``transformers.utils.get_json_schema``, imported on first call (~1.4 s on 2 quiet cores, over 4 s on a
+    loaded CI machine).
+
+    ``tool_schemas`` calls it inside an episode's ``reset``, which runs under ``env.step_timeout_s``. Whoever loads
+    environments (the environment host, a sandboxed episode's child, the preflight probe) calls it while loading, so
+    that first import is paid under the load's time limit, not under the first reset's.
+    """
+    from transformers.utils import get_json_schema  # deferred: a process that never builds a schema never pays it
+
+    return get_json_schema
+
+
 def tool_schemas(tools: list[Callable[..., Any]]) -> list[dict[str, Any]]:
     """Returns the JSON schema of each tool, in order (``{"type": "function", "function": {name, description, parameters}}``).
 
@@ -42,10 +55,9 @@ def tool_schemas(tools: list[Callable[..., Any]]) -> list[dict[str, Any]]:
     Raises:
         ValueError: a tool that transformers cannot describe; the message names the function and the reason.
     """
-    from transformers.utils import get_json_schema  # deferred: ~1.4 s of import that a host without tools never pays
-
     from rlray.envs.agents.mcp import McpTool  # deferred: the agents package imports this module (its gateway)
 
+    get_json_schema = load_schema_builder()
     schemas = []
     for tool in tools:
         if isinstance(tool, McpTool):  # an MCP server's tool: its schema is the server's

@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -346,8 +347,32 @@ def deploy_reward_app(app: Any, *, name: str = APP_NAME, host: str = "127.0.0.1"
     """
     from ray import serve  # deferred: as in _make_deployment
 
-    serve.start(http_options={"host": host, "port": port})
+    start_serve(host=host, port=port)
     return serve.run(app, name=name, route_prefix=f"/{name}" if name != APP_NAME else "/")
+
+
+# What Serve's controller gives a new HTTP proxy actor to start (Serve's own default is 5 s): serve.start itself waits
+# 60 s for the proxy (ray.serve._private.constants.HTTP_PROXY_TIMEOUT), so the controller is given as long.
+PROXY_READY_CHECK_TIMEOUT_S = "60"
+
+
+def start_serve(*, host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Starts Ray Serve once per cluster, its HTTP proxy on ``host:port``; a later call connects to the running one.
+
+    Serve's controller gives a new proxy actor ``RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S`` seconds (5 by default) to
+    start. On a loaded 2-core machine the proxy's worker process and its imports took longer: the controller killed it
+    to start another, and ``serve.start`` failed with ``ActorDiedError`` ("killed by ray.kill ... cancelled before it
+    started running"; seen on CI). The controller is started with ``PROXY_READY_CHECK_TIMEOUT_S`` unless this process's
+    environment sets the variable (``controller_options``, Ray Serve's ``ControllerOptions``).
+
+    Raises:
+        TimeoutError: the proxy was not ready in 60 s (Serve's own error, unchanged).
+    """
+    from ray import serve  # deferred: as in _make_deployment
+
+    ready_s = os.environ.get("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", PROXY_READY_CHECK_TIMEOUT_S)
+    serve.start(http_options={"host": host, "port": port},
+                controller_options={"runtime_env": {"env_vars": {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": ready_s}}})
 
 
 # --------------------------------------------------------------------------------------------

@@ -79,6 +79,16 @@ def test_a_probe_in_a_child_process_names_what_cannot_load(tmp_path):
         probe_in_sandbox(f"{syntax}:Env", [], trl_parity=True, untrusted=False, memory_gib=2.0, timeout_s=120.0)
 
 
+def test_a_probe_builds_tool_schemas_within_a_short_step_limit():
+    """CI (stop 49): the probe's reset paid transformers' first import (get_json_schema, 1.4 s on 2 quiet cores, over
+    4 s loaded) under the rows' env.step_timeout_s, and a tool without a docstring read as a reset that hangs. The
+    child imports it while loading the class now (rlray.envs.tools.load_schema_builder), under start_timeout_s."""
+    report = probe_in_sandbox(f"{BROKEN}:NoDocTool", [{"prompt": "p"}], trl_parity=True, untrusted=False,
+                              memory_gib=2.0, timeout_s=1.0)
+    assert report.tool_schema_error is not None and "tool 'NoDocTool.shout' has no usable JSON schema" in \
+        report.tool_schema_error
+
+
 def test_a_file_imports_the_modules_beside_it_from_any_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # not the file's folder
     folder = str(FIXTURES / "beside")

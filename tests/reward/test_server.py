@@ -141,6 +141,17 @@ def test_handle_and_http_give_the_local_scores(server):
 
 
 @pytest.mark.ray
+def test_serve_gives_its_proxy_a_minute_to_start(server):
+    """CI (stop 49): on a loaded machine Serve's controller killed a proxy that had not started in its default 5 s,
+    and serve.start failed (ActorDiedError). rlray.reward.server.start_serve starts the controller with 60 s."""
+    from ray._private.state import actors  # GCS's table: the tests' Ray has no dashboard for ray.util.state
+
+    (pid,) = [a["Pid"] for a in actors().values() if a["ActorClassName"] == "ServeController" and a["State"] == "ALIVE"]
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    assert b"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S=60" in environ
+
+
+@pytest.mark.ray
 def test_hot_swap_serves_every_request(server):
     """Redeploys version 2 (gsm8k_format weight 0.7) through the CLI while 3 clients score; no request fails."""
     from rlray.cli import main

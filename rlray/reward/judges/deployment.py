@@ -102,7 +102,9 @@ def deploy_judge_app(app: Any, name: str, *, host: str = "127.0.0.1", port: int 
     """
     from ray import serve  # deferred: as in _make_deployment
 
-    serve.start(http_options={"host": host, "port": port})
+    from rlray.reward.server import start_serve
+
+    start_serve(host=host, port=port)
     serve.run(app, name=name, route_prefix=None)
 
 
