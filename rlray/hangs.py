@@ -134,23 +134,49 @@ def actor_process(actor: Any) -> ActorProcess:
 
 
 def actor_stacks(actor: Any, timeout_s: float = 10.0) -> tuple[ActorProcess, str]:
-    """Returns (where ``actor`` runs, its threads' stacks: ``dump_stacks`` run on its node): from this process when
-    the actor runs on this node, else from a zero-CPU Ray task pinned to its node; a line in parentheses instead of
-    stacks when they cannot be had within ``timeout_s`` seconds."""
+    """Returns (where ``actor`` runs, its threads' stacks: ``process_stacks``)."""
+    where = actor_process(actor)
+    return where, process_stacks(where, timeout_s)
+
+
+def process_stacks(where: ActorProcess, timeout_s: float = 10.0) -> str:
+    """Returns the threads' stacks of the process at ``where`` (``dump_stacks`` run on its node: from this process
+    when it is this node, else from a zero-CPU Ray task pinned to its node), or a line in parentheses saying why there
+    are none within ``timeout_s`` seconds."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    where = actor_process(actor)
     if not where.pid:
-        return where, "(no stacks: the GCS does not know the actor's process)"
+        return "(no stacks: the GCS does not know the actor's process)"
     if where.node_id in ("", ray.get_runtime_context().get_node_id()):
-        return where, dump_stacks(where.pid, timeout_s)
+        return dump_stacks(where.pid, timeout_s)
     task = ray.remote(dump_stacks).options(
         num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(where.node_id, soft=False))
     try:
-        return where, ray.get(task.remote(where.pid, timeout_s), timeout=timeout_s + 30.0)
+        return ray.get(task.remote(where.pid, timeout_s), timeout=timeout_s + 30.0)
     except Exception as err:  # noqa: BLE001 - a hang report must never fail for want of stacks
-        return where, f"(no stacks: the task on node {where.node_id[:12]} failed: {type(err).__name__}: {err})"
+        return f"(no stacks: the task on node {where.node_id[:12]} failed: {type(err).__name__}: {err})"
+
+
+SERVE_REPLICA_PREFIX = "SERVE_REPLICA::"  # Ray Serve names a replica's actor SERVE_REPLICA::<app>#<deployment>#<id>
+
+
+def serve_stacks(app_name: str, timeout_s: float = 10.0) -> list[tuple[ActorProcess, str]]:
+    """Returns (where, stacks) of every live replica of Serve application ``app_name`` (its actors in the GCS named
+    ``SERVE_REPLICA::<app_name>#...``, each read by ``process_stacks``); [] when the GCS knows none. A request to
+    the application went to one of them; Serve does not tell the caller which."""
+    import ray._private.state
+
+    try:
+        actors = ray._private.state.actors() or {}
+    except Exception:  # noqa: BLE001 - the GCS busy or away: none known
+        actors = {}
+    prefix = f"{SERVE_REPLICA_PREFIX}{app_name}#"
+    replicas = [ActorProcess(str(info.get("Name") or ""), int(info.get("Pid") or 0),
+                             str((info.get("Address") or {}).get("NodeID") or ""))
+                for info in actors.values()
+                if str(info.get("Name") or "").startswith(prefix) and info.get("State") == "ALIVE"]
+    return [(where, process_stacks(where, timeout_s)) for where in sorted(replicas, key=lambda w: w.name)]
 
 
 def restart_actor(actor: Any) -> None:
@@ -178,6 +204,7 @@ class Hang:
         process: where the actor ran (pid and node, from the GCS).
         stacks: its threads' Python stacks (``dump_stacks``), or why there are none.
         action: what follows ("restart" or "stop", ``watchdog.on_hang``).
+        then: what follows, for people, where the caller's own mechanism acts (a Serve request's retries), else "".
     """
 
     who: str
@@ -188,11 +215,12 @@ class Hang:
     process: ActorProcess
     stacks: str
     action: str
+    then: str = ""
 
     def headline(self) -> str:
         """Returns the report's first line: who, which call, how long, the deadline and what follows."""
-        then = ("restarting it (Ray restarts the process; its work runs again elsewhere or after the restart)"
-                if self.action == "restart" else "stopping the run (watchdog.on_hang=stop)")
+        then = ("stopping the run (watchdog.on_hang=stop)" if self.action == "stop" else self.then or
+                "restarting it (Ray restarts the process; its work runs again elsewhere or after the restart)")
         return (f"hang: {self.who} (pid {self.process.pid or '?'}, node {self.process.node_id[:12] or '?'}) has run "
                 f"{self.call} for {self.waited_s:.1f} s, past {self.key}={self.deadline_s:g} s; {then}")
 
@@ -216,6 +244,8 @@ class HangWatch:
             when the run's services are known (rank 0's ``OnlineRun.watch_hangs``).
         stacks: returns (where an actor runs, its stacks) within a timeout in seconds (``actor_stacks``).
         restart: restarts an actor's process (``restart_actor``: Ray restarts it within its max_restarts).
+        replica_stacks: returns (where, stacks) of every live replica of a Serve application within a timeout in
+            seconds (``serve_stacks``).
 
     Attributes:
         hangs: calls reported past their deadline, over the run (``run/hangs``).
@@ -230,12 +260,13 @@ class HangWatch:
                  weight_push_s: float = math.inf, stacks_timeout_s: float = 10.0,
                  alert: Callable[[str], None] | None = None,
                  stacks: Callable[[Any, float], tuple[ActorProcess, str]] = actor_stacks,
-                 restart: Callable[[Any], None] = restart_actor) -> None:
+                 restart: Callable[[Any], None] = restart_actor,
+                 replica_stacks: Callable[[str, float], list[tuple[ActorProcess, str]]] = serve_stacks) -> None:
         if action not in HANG_ACTIONS:
             raise ValueError(f"HangWatch: action={action!r}; use one of {HANG_ACTIONS}")
         self.action, self.stacks_timeout_s, self.alert = action, stacks_timeout_s, alert
         self.env_call_s, self.engine_call_s, self.weight_push_s = env_call_s, engine_call_s, weight_push_s
-        self._stacks, self._restart = stacks, restart
+        self._stacks, self._restart, self._replica_stacks = stacks, restart, replica_stacks
         self.hangs = 0
         self.restarts = 0
         self.last: Hang | None = None
@@ -261,7 +292,49 @@ class HangWatch:
         """
         process, stacks = self._stacks(actor, self.stacks_timeout_s)
         who = f"{who} ({process.name})" if process.name else who
-        hang = Hang(who, call, waited_s, deadline_s, key, process, stacks, self.action)
+        hang = self._report(Hang(who, call, waited_s, deadline_s, key, process, stacks, self.action))
+        if self.action == "stop" and not stop_later:
+            raise HangError(hang.message(ALERT_STACK_CHARS))
+        try:
+            self._restart(actor)
+        except Exception as err:  # noqa: BLE001 - already dead: the waiter's fault path sees that too
+            log.warning("could not restart %s: %s: %s", who, type(err).__name__, err)
+        self.restarts += 1
+        return hang
+
+    def timed_out(self, app_name: str, who: str, call: str, waited_s: float, deadline_s: float, key: str,
+                  then: str) -> Hang:
+        """Reports a request to Serve application ``app_name`` that got no reply within its timeout (a reward or judge
+        call; Serve cancelled it) with the stacks of every live replica of the application (one of them has it), then
+        returns the report, or raises under ``action="stop"``. Nothing is restarted here: the caller's own mechanism
+        acts (``then`` says what: the retries, then failed rewards or an error), and Serve restarts a replica whose
+        health check fails.
+
+        Args:
+            app_name: the Serve application (``rlray-reward``, ``rlray-judge-<name>``).
+            who: the application for people ("reward server 'rlray-reward'").
+            call: the deployment method ("score", "judge").
+            waited_s: seconds the request ran; ``deadline_s``: its timeout; ``key``: the config key that sets it.
+            then: what the caller does next, for people.
+
+        Raises:
+            HangError: with ``action="stop"``, after the report (its message is the report's).
+        """
+        replicas = self._replica_stacks(app_name, self.stacks_timeout_s)
+        if len(replicas) == 1:
+            process, stacks = replicas[0]
+            who = f"{who} ({process.name})"
+        else:
+            process = ActorProcess(app_name, 0, "")
+            stacks = "\n".join(f"replica {w.name} (pid {w.pid or '?'}, node {w.node_id[:12] or '?'}):\n{text.rstrip()}"
+                                for w, text in replicas) or f"(no stacks: the GCS knows no live replica of {app_name})"
+        hang = self._report(Hang(who, call, waited_s, deadline_s, key, process, stacks, self.action, then))
+        if self.action == "stop":
+            raise HangError(hang.message(ALERT_STACK_CHARS))
+        return hang
+
+    def _report(self, hang: Hang) -> Hang:
+        """Counts ``hang``, logs its ``rlray: hang`` line and sends its alert; returns it."""
         self.hangs += 1
         self.last = hang
         log.error("rlray: %s", hang.message())
@@ -270,13 +343,6 @@ class HangWatch:
                 self.alert(hang.message(ALERT_STACK_CHARS))
             except Exception as err:  # noqa: BLE001 - the report must reach the log and the action must run
                 log.error("hang alert failed: %s: %s", type(err).__name__, err)
-        if self.action == "stop" and not stop_later:
-            raise HangError(hang.message(ALERT_STACK_CHARS))
-        try:
-            self._restart(actor)
-        except Exception as err:  # noqa: BLE001 - already dead: the waiter's fault path sees that too
-            log.warning("could not restart %s: %s: %s", who, type(err).__name__, err)
-        self.restarts += 1
         return hang
 
     def metrics(self) -> dict[str, float]:

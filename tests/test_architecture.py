@@ -30,8 +30,8 @@ ALLOWED: dict[str, set[str]] = {
     "schema": set(),
     "cores": set(),
     "sandbox": set(),  # child processes with limits: below envs and reward, which both isolate user code in it
-    # the stacks of a stuck process and the action on a call past its deadline (issue 42): below rollout and envs,
-    # whose actors write their stacks on a signal and whose waiters (the fleet) report hangs
+    # the stacks of a stuck process and the action on a call past its deadline (issue 42): below rollout, envs and
+    # reward, whose actors and replicas write their stacks on a signal and whose waiters (the fleet) report hangs
     "hangs": set(),
     "data": {"schema"},  # prompt and pair tables are built on the experience record's Arrow schema
     "models": {"schema"},  # the value and reward heads read the model-input record (schema.ModelInputs)
@@ -41,8 +41,9 @@ ALLOWED: dict[str, set[str]] = {
     "envs": {"schema", "models", "sandbox", "hangs"},
     # models: a reward model is a loaded LM with a head; schema: scores read experience rows;
     # checkpoint: a reward model can load from a snapshot; sandbox: user reward functions run in its child processes;
-    # rollout: a judge (generative reward model) samples its verdicts with a RolloutEngine (vLLM or hf), as the policy
-    "reward": {"models", "schema", "checkpoint", "sandbox", "rollout"},
+    # rollout: a judge (generative reward model) samples its verdicts with a RolloutEngine (vLLM or hf), as the policy;
+    # hangs: the reward and judge Serve replicas write their stacks on a signal (a request past its timeout is reported)
+    "reward": {"models", "schema", "checkpoint", "sandbox", "rollout", "hangs"},
     # learner applies the math of algos to the models it loads; schema: it trains on the experience record's
     # tensor form (schema.StepBatch, schema.ModelInputs)
     "learner": {"algos", "models", "schema"},

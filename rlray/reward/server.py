@@ -39,12 +39,14 @@ import functools
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tenacity import RetryError, Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
+from rlray.hangs import enable_stack_dumps
 from rlray.reward.scorer import RewardFunctionError, RewardScorer
 from rlray.sandbox import ProcessSandbox, SandboxCrashed, SandboxError, SandboxTimeout
 
@@ -250,6 +252,7 @@ def _make_deployment():
         """Thin Serve wrapper over ``RewardService``: batching, hot swap, POST /score."""
 
         def __init__(self, max_batch_size: int, batch_wait_timeout_s: float) -> None:
+            enable_stack_dumps()  # a request past the run's timeout is reported with this replica's stacks
             self.service: RewardService | None = None
             self._score_batch.set_max_batch_size(max_batch_size)
             self._score_batch.set_batch_wait_timeout_s(batch_wait_timeout_s)
@@ -428,14 +431,19 @@ class ServeRewardClient:
         timeout_s: seconds one try may take, queueing for a replica included (``reward.server.client_timeout_s``).
         backoff_s: the first wait between tries, in seconds.
         handle: the DeploymentHandle to use (tests); None looks the application up.
+        on_timeout: called with (the call, seconds waited) when a try gets no reply within ``timeout_s``, before the
+            next try: the run's hang report (``rlray.hangs.HangWatch.timed_out``: the replicas' stacks, an alert); it
+            may raise to stop the run (``HangError``, not retried). None: the retry's warning only.
 
     Raises:
         RewardServerUnavailableError: the application cannot be found after every try.
     """
 
     def __init__(self, app_name: str = APP_NAME, *, attempts: int = 5, timeout_s: float = 300.0,
-                 backoff_s: float = 1.0, handle: Any = None) -> None:
+                 backoff_s: float = 1.0, handle: Any = None,
+                 on_timeout: Callable[[str, float], object] | None = None) -> None:
         self.app_name, self.attempts, self.timeout_s, self.backoff_s = app_name, attempts, timeout_s, backoff_s
+        self.on_timeout = on_timeout
         if handle is None:
             from ray import serve  # deferred: as in _make_deployment
 
@@ -453,9 +461,19 @@ class ServeRewardClient:
             RewardServerUnavailableError: no answer after ``attempts`` tries.
         """
         body = {"prompts": prompts, "completions": completions, "columns": columns, "completion_ids": completion_ids}
-        reply = self._retrying(lambda: self.handle.score.remote(body).result(timeout_s=self.timeout_s), "score")
+        reply = self._retrying(lambda: self._try(body), "score")
         reply = ScoreReply.model_validate(reply)  # "NaN" strings, should a reply come through JSON, become NaN
         return ScoreResult(reply.version, reply.scores, reply.failures)
+
+    def _try(self, body: dict[str, Any]) -> Any:
+        """Returns one try's reply to ``body``; a try past ``timeout_s`` is reported (``on_timeout``) and re-raised."""
+        t0 = time.monotonic()
+        try:
+            return self.handle.score.remote(body).result(timeout_s=self.timeout_s)
+        except TimeoutError:
+            if self.on_timeout is not None:
+                self.on_timeout("score", time.monotonic() - t0)
+            raise
 
     def close(self) -> None:
         """Does nothing: the application outlives its clients."""

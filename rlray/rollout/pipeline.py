@@ -69,6 +69,7 @@ class RolloutPipeline:
         self._queue: collections.deque = collections.deque()  # (step, rows, ids, pending, version, cursor before)
         self._retake: collections.deque = collections.deque()  # (cursor before, rows, ids) of steps to submit again
         self._next_step: int | None = None
+        self._last: tuple | None = None  # (step, rows, ids, None, version, cursor before) of the step ``next`` returned
 
     def next(self, step: int) -> RolloutBatch:
         """Returns step ``step``'s rollout, after submitting those of steps up to ``step + k``.
@@ -104,7 +105,20 @@ class RolloutPipeline:
         except BaseException:  # a hang that stops the run: the step stays in flight, so a snapshot retakes its prompts
             self._queue.appendleft((got, rows, ids, None, version, before))
             raise
+        self._last = (got, rows, ids, None, version, before)
         return RolloutBatch(step, rows, ids, completions, version)
+
+    def keep_in_flight(self, step: int) -> None:
+        """Puts step ``step``, the one ``next`` returned last, back in flight: a later stage of it hit a hang that
+        stops the run (a reward or judge call), so the snapshot's cursor (``cursor_state``) retakes its prompts.
+
+        Raises:
+            ValueError: ``step`` is not the step ``next`` returned last.
+        """
+        if self._last is None or self._last[0] != step:
+            raise ValueError(f"RolloutPipeline: step {step} is not the step returned last")
+        self._queue.appendleft(self._last)
+        self._last = None
 
     def cursor_state(self) -> dict | None:
         """Returns the data cursor a snapshot keeps, or None without a ``cursor`` callable.

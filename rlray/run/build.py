@@ -9,8 +9,10 @@ decisions (placements, parallelism and micro-batching, lengths, sampling, episod
 
 from __future__ import annotations
 
+import functools
 import os
 import random
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -21,6 +23,7 @@ from rlray.config import Config
 from rlray.cores import CorePlan, parse_core_list, plan_cores
 from rlray.data import PromptRow, load_prompt_rows, prepare_prompts
 from rlray.data.prompts import prompt_messages
+from rlray.hangs import HangWatch
 from rlray.learner import LossSpec, PolicyLearner
 from rlray.learner import online as learner_online
 from rlray.learner.batching import MicroBatching
@@ -158,13 +161,29 @@ def local_reward_client(cfg: Config, columns: list[str] | None = None) -> LocalR
     return LocalRewardClient(RewardScorer(**scorer_kwargs(cfg, columns)), cfg.reward.version)
 
 
-def reward_client(cfg: Config, columns: list[str] | None = None) -> LocalRewardClient | ServeRewardClient:
+def reward_client(cfg: Config, columns: list[str] | None = None,
+                  watch: HangWatch | None = None) -> LocalRewardClient | ServeRewardClient:
     """Returns the Serve application's client when the plan runs a reward server (``rlray.plan.Roles.reward_server``:
-    online with ``reward.server.enabled``), else an in-process scorer."""
+    online with ``reward.server.enabled``), else an in-process scorer; ``watch`` (rank 0's) reports each try of a
+    request past ``reward.server.client_timeout_s`` with the replicas' stacks (``serve_timeouts``)."""
     srv = cfg.reward.server
     if resolve_plan(cfg).roles.reward_server:
-        return ServeRewardClient(srv.app_name, attempts=srv.client_attempts, timeout_s=srv.client_timeout_s)
+        then = (f"retrying (reward.server.client_attempts={srv.client_attempts} tries in all; then the step fails "
+                "with RewardServerUnavailableError)")
+        return ServeRewardClient(srv.app_name, attempts=srv.client_attempts, timeout_s=srv.client_timeout_s,
+                                 on_timeout=serve_timeouts(watch, srv.app_name, f"reward server '{srv.app_name}'",
+                                                           "reward.server.client_timeout_s", srv.client_timeout_s, then))
     return local_reward_client(cfg, columns)
+
+
+def serve_timeouts(watch: HangWatch | None, app_name: str, who: str, key: str, deadline_s: float,
+                   then: str) -> Callable[[str, float], object] | None:
+    """Returns a Serve client's ``on_timeout``: (call, seconds waited) -> ``watch.timed_out`` for application
+    ``app_name`` under ``key``'s ``deadline_s`` (the report; raises ``HangError`` under ``watchdog.on_hang=stop``);
+    None without a watch."""
+    if watch is None:
+        return None
+    return functools.partial(watch.timed_out, app_name, who, deadline_s=deadline_s, key=key, then=then)
 
 
 def judge_seed(cfg: Config, step: int) -> int:
@@ -173,7 +192,8 @@ def judge_seed(cfg: Config, step: int) -> int:
     return resolve_plan(cfg).sampling.step_seed(step)
 
 
-def judge_panel(cfg: Config, callers: list[JudgeCaller] | None = None) -> JudgePanel | None:
+def judge_panel(cfg: Config, callers: list[JudgeCaller] | None = None,
+                watch: HangWatch | None = None) -> JudgePanel | None:
     """Returns the run's judges (``reward.judges``) as a ``JudgePanel``, None without judges.
 
     Args:
@@ -185,9 +205,13 @@ def judge_panel(cfg: Config, callers: list[JudgeCaller] | None = None) -> JudgeP
         return None
     callers = callers or [ServeJudgeCaller(j.app_name) for j in cfg.reward.judges]
     return JudgePanel([
-        JudgeTerm(j.name, j.weight, JudgeClient(j.name, j.mode, caller, chunks=cfg.resources.judge.replicas,
-                                                timeout_s=j.timeout_s, attempts=j.attempts, cache_entries=j.cache_entries))
-        for j, caller in zip(cfg.reward.judges, callers, strict=True)
+        JudgeTerm(j.name, j.weight, JudgeClient(
+            j.name, j.mode, caller, chunks=cfg.resources.judge.replicas, timeout_s=j.timeout_s, attempts=j.attempts,
+            cache_entries=j.cache_entries,
+            on_timeout=serve_timeouts(watch, j.app_name, f"judge '{j.name}'", f"reward.judges[{i}].timeout_s",
+                                      j.timeout_s, f"retrying (reward.judges[{i}].attempts={j.attempts} tries in all; "
+                                      "then its samples' rewards fail, NaN, and the run goes on)")))
+        for i, (j, caller) in enumerate(zip(cfg.reward.judges, callers, strict=True))
     ], source=[j.model_dump() for j in cfg.reward.judges])  # fmt: skip
 
 

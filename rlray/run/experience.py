@@ -25,6 +25,7 @@ import pyarrow as pa
 
 from rlray import schema
 from rlray.data import PromptRow, columns_json
+from rlray.hangs import HangError
 from rlray.learner import Normaliser
 from rlray.observe.samples import StepSample, mask_runs
 from rlray.plan import RunPlan
@@ -107,14 +108,20 @@ def collect_experience(lead: OnlineLead, plan: RunPlan, tokenizer: Any, step: in
         rlray.reward.RewardFunctionError, rlray.data.DataError: a fault a retry cannot fix (the step stops the run).
         rlray.algos.DynamicSamplingError: DAPO could not fill the step within its rounds.
         rlray.run.failures.CannotLearnError: every sample failed in ``guard.max_failed_steps`` steps in a row.
+        rlray.hangs.HangError: a rollout, reward or judge call hung under ``watchdog.on_hang=stop`` (the step stays
+            in flight).
     """
     cfg = plan.settings
     with timer("rollout"):  # 1-2. prompts and rollout; the pipeline keeps steps step+1..step+max_staleness in flight
         got = lead.pipeline.next(step)
     taken = [r.prompt_id for r in got.rows]
     with timer("reward"):  # 3. rewards (functions, reward model, judges)
-        scored = score(lead.reward, got.rows, got.completions, tokenizer, cfg.env.reward_weight, lead.judges,
-                       build.judge_seed(cfg, step))
+        try:
+            scored = score(lead.reward, got.rows, got.completions, tokenizer, cfg.env.reward_weight, lead.judges,
+                           build.judge_seed(cfg, step))
+        except HangError:  # a reward or judge call hung under watchdog.on_hang=stop: a snapshot retakes the prompts
+            lead.pipeline.keep_in_flight(step)
+            raise
     failed_rewards = reward_failures(got.completions, scored)  # and those of DAPO's refills, below
     with timer("algo_sampling"):  # DAPO refill, overlong shaping, ReMax's greedy baseline
         drawn = Rollouts(got.rows, got.prompt_ids, got.completions, scored.values, scored.outputs)

@@ -98,12 +98,12 @@ class OnlineLead:
             return False
         if kwargs != self.reward_kwargs:
             self.reward.close()
-            self.reward, self.reward_kwargs = build.reward_client(cfg, self.reward_columns), kwargs
+            self.reward, self.reward_kwargs = build.reward_client(cfg, self.reward_columns, self.fleet.watch), kwargs
             log.info("the reward client was rebuilt for the config now in force")
         if judges_changed:
             if self.judges is not None:
                 self.judges.close()
-            self.judges = build.judge_panel(cfg)
+            self.judges = build.judge_panel(cfg, watch=self.fleet.watch)
             log.warning("the judges' clients were rebuilt for the config now in force (weights, tries, time-outs); "
                         "their Serve applications keep the judges as deployed: a new model or template needs "
                         "`rlray serve-reward` with a new reward.version")
@@ -138,7 +138,8 @@ def build_lead(plan: RunPlan, tokenizer: Any, actors: list[Any], env_hosts: list
         rows, ids, _ = prepare_prompts(eval_rows, tokenizer, max_prompt_tokens=10**9, **render)
         eval_prompts = list(zip(rows, ids, strict=True))
     columns = build.dataset_columns(all_train_rows + [r for r, _ in eval_prompts])
-    fleet = RolloutFleet(actors, node_wait_s=cfg.resources.node_wait_s, watch=hang_watch(plan))
+    watch = hang_watch(plan)  # one watch: the fleet's, the episodes', the reward's and the judges' deadlines
+    fleet = RolloutFleet(actors, node_wait_s=cfg.resources.node_wait_s, watch=watch)
     rollouts = build.rollouts(cfg, fleet, env_hosts, tokenizer)
     here = ray.get_runtime_context().get_node_id()
     overlap, why = build.rollout_overlap(cfg, cores, shares_node=any(gcs_actor_node(a) in (None, here) for a in actors))
@@ -150,8 +151,8 @@ def build_lead(plan: RunPlan, tokenizer: Any, actors: list[Any], env_hosts: list
     return OnlineLead(
         stream=stream, prompt_ids={r.prompt_id: ids for r, ids in zip(train_rows, train_ids, strict=True)},
         skipped_long_prompts=skipped, eval_prompts=eval_prompts, reward_columns=columns,
-        reward=build.reward_client(cfg, columns), reward_kwargs=build.scorer_kwargs(cfg, columns), fleet=fleet,
-        rollouts=rollouts, pipeline=pipeline, logged=FleetCounts(), judges=build.judge_panel(cfg),
+        reward=build.reward_client(cfg, columns, watch), reward_kwargs=build.scorer_kwargs(cfg, columns), fleet=fleet,
+        rollouts=rollouts, pipeline=pipeline, logged=FleetCounts(), judges=build.judge_panel(cfg, watch=watch),
     )
 
 

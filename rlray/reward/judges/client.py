@@ -29,7 +29,7 @@ import math
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -114,11 +114,15 @@ class JudgeClient:
         attempts: tries per chunk.
         backoff_s: the first wait between tries (doubling).
         cache_entries: judgements kept in the cache; 0 disables it.
+        on_timeout: called with (the call, seconds waited) when a chunk request gets no reply within ``timeout_s``,
+            before the next try: the run's hang report (``rlray.hangs.HangWatch.timed_out``: the replicas' stacks, an
+            alert); it may raise to stop the run (``HangError``: the step ends, no NaN). None: no report.
     """
 
     def __init__(self, name: str, mode: str, caller: JudgeCaller, *, chunks: int = 1, timeout_s: float = 120.0,
-                 attempts: int = 3, backoff_s: float = 1.0, cache_entries: int = 100_000) -> None:  # fmt: skip
-        self.name, self.mode, self.caller = name, mode, caller
+                 attempts: int = 3, backoff_s: float = 1.0, cache_entries: int = 100_000,
+                 on_timeout: Callable[[str, float], object] | None = None) -> None:  # fmt: skip
+        self.name, self.mode, self.caller, self.on_timeout = name, mode, caller, on_timeout
         self.judge_mode = judge_mode(mode)
         self.chunks, self.timeout_s, self.attempts, self.backoff_s = chunks, timeout_s, attempts, backoff_s
         self.cache_entries = cache_entries
@@ -242,7 +246,8 @@ class JudgeClient:
 
     def _retrying(self, call: Any, what: str, timed: bool = False) -> Any:
         """Returns ``call()``, tried up to ``attempts`` times with back-off; raises ``_Unavailable`` after the last.
-        ``timed``: count each try in calls and call_s, and each try after the first in retries."""
+        ``timed``: count each try in calls and call_s, and each try after the first in retries, and report each try
+        past ``timeout_s`` (``on_timeout``)."""
         last: BaseException | None = None
         for attempt in range(self.attempts):
             t = time.perf_counter()
@@ -255,6 +260,8 @@ class JudgeClient:
                     self.stats.calls += 1
                     self.stats.call_s += time.perf_counter() - t
                     self.stats.retries += int(attempt > 0)
+                if isinstance(last, TimeoutError) and not ok and self.on_timeout is not None:
+                    self.on_timeout(what, time.perf_counter() - t)  # may raise HangError: past the catch above
             if ok:
                 return result
             if attempt + 1 < self.attempts:

@@ -24,6 +24,7 @@ import dataclasses
 import functools
 from typing import Any
 
+from rlray.hangs import enable_stack_dumps
 from rlray.reward.judges.records import JudgeReply, JudgeRequest, JudgeSpec
 from rlray.reward.judges.service import JudgeService
 
@@ -40,6 +41,7 @@ def _make_deployment():
         """Thin Serve wrapper over ``JudgeService``: one chunk at a time, hot swap by ``reconfigure``."""
 
         def __init__(self) -> None:
+            enable_stack_dumps()  # a chunk past the run's timeout is reported with this replica's stacks
             self.service: JudgeService | None = None
             self._lock = asyncio.Lock()
 
