@@ -28,9 +28,11 @@ from rlray.envs.agents import AgentReply, AgentRequest
 from rlray.envs.agents.agent_host import AgentBatch
 from rlray.envs.agents.conversation import Sampled
 from rlray.envs.episode import FAILED_STOP_REASONS
+from rlray.hangs import HangWatch
 from rlray.rollout import Completion, RolloutSource, SamplingSpec
 from rlray.rollout.fleet import ACTOR_ERRORS, RolloutError, RolloutFleet
 from rlray.rollout.types import AgentInfo, EpisodeInfo, in_background
+from rlray.run.episodes import await_hosts
 
 log = logging.getLogger(__name__)
 
@@ -90,19 +92,26 @@ class AgentRollout:
         environments: the configured environment names (a row naming neither an agent nor one of them is an error).
         prompt_column: the data's prompt column (data.prompt_column): the agent's row holds the prompt as ``prompt``
             and under this name too, with every other column.
+        watch: rank 0's hang watch (``HangWatch``); None: no deadline. A host's ``run_agents`` call runs its
+            episodes at once, each ended by the host at ``episode_timeout_s``; one still running
+            ``watch.env_call_s`` after that is reported with the host's stacks, then restarted (its episodes fail,
+            stop reason actor_died) or the run stops (``watchdog.on_hang``).
+        episode_timeout_s: the host's limit of one agent episode (env.episode_timeout_s), seconds.
 
     Raises:
         ValueError: no host.
     """
 
     def __init__(self, fleet: RolloutFleet, hosts: list[Any], inner: RolloutSource, tokenizer: Any, *, env_column: str,
-                 default: str | None, agents: list[str], environments: list[str] = (), prompt_column: str = "prompt") -> None:
+                 default: str | None, agents: list[str], environments: list[str] = (), prompt_column: str = "prompt",
+                 watch: HangWatch | None = None, episode_timeout_s: float = 600.0) -> None:
         if not hosts:
             raise ValueError("AgentRollout needs at least one environment host (resources.env.num_workers)")
         self.fleet, self.hosts, self.inner, self.tokenizer = fleet, list(hosts), inner, tokenizer
         self.env_column, self.default, self.agents = env_column, default or "", set(agents)
         self.environments = set(environments)
         self.prompt_column = prompt_column
+        self.watch, self.episode_timeout_s = watch, episode_timeout_s
 
     @property
     def version(self) -> int:
@@ -172,6 +181,9 @@ class AgentRollout:
         refs = {h: self.hosts[h].run_agents.remote(AgentBatch([r for _, _, r in items], actors, sampling,
                                                                sampling.max_new_tokens))
                 for h, items in by_host.items()}
+        if self.watch is not None:
+            await_hosts(self.watch, self.hosts, refs, "run_agents", self.episode_timeout_s + self.watch.env_call_s,
+                        "env.episode_timeout_s+watchdog.env_call_s")
         out = []
         for h, items in by_host.items():
             try:

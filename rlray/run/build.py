@@ -240,7 +240,8 @@ def rollouts(cfg: Config, fleet: Any, hosts: list[Any], tokenizer: Any) -> Rollo
         return inner
     return AgentRollout(fleet, hosts, inner, tokenizer, env_column=ep.column, default=ep.default,
                         agents=[name for name, _ in ep.agents], environments=ep.episode_environments,
-                        prompt_column=cfg.data.prompt_column)
+                        prompt_column=cfg.data.prompt_column, watch=fleet.watch,
+                        episode_timeout_s=cfg.env.episode_timeout_s)
 
 
 def update_spec(cfg: Config, world: int) -> learner_online.UpdateSpec:

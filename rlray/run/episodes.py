@@ -382,21 +382,9 @@ class EpisodeRollout:
         return out
 
     def _await_hosts(self, refs: dict[int, Any], call: str) -> None:
-        """Waits for the hosts' calls ``refs`` ({host: ObjectRef}) up to ``watch.env_call_s`` since now; each host
-        whose call is still running then is reported and restarted (``HangWatch.hung``: its call then fails with an
-        actor error, which the caller handles as a death) or the run stops. Without ``watch``, returns at once."""
-        if self.watch is None or not refs:
-            return
-        started, pending = time.monotonic(), dict(refs)
-        while pending:
-            ready, _ = ray.wait(list(pending.values()), num_returns=len(pending), timeout=1.0, fetch_local=False)
-            pending = {h: r for h, r in pending.items() if r not in ready}
-            waited = time.monotonic() - started
-            if pending and waited > self.watch.env_call_s:
-                for h in sorted(pending):
-                    self.watch.hung(self.hosts[h], f"environment host {h}", call, waited, self.watch.env_call_s,
-                                    "watchdog.env_call_s")
-                return
+        """Waits for the hosts' calls ``refs`` up to ``watch.env_call_s`` (``await_hosts``)."""
+        if self.watch is not None:
+            await_hosts(self.watch, self.hosts, refs, call, self.watch.env_call_s, "watchdog.env_call_s")
 
     def _fail(self, ep: RunningEpisode, reason: str, message: str) -> None:
         if ep.traj is None:
@@ -500,6 +488,28 @@ def episode_metrics(completions: list[Completion]) -> dict[str, float]:
         vals = [e.metrics[k] for e in eps if k in e.metrics]
         out[f"env/metric/{k}"] = float(np.mean(vals))
     return out
+
+
+def await_hosts(watch: HangWatch, hosts: list[Any], refs: dict[int, Any], call: str, deadline_s: float, key: str, *,
+                wait: Callable[..., tuple[list, list]] = ray.wait) -> None:
+    """Waits for the hosts' calls ``refs`` ({host index: ObjectRef}) up to ``deadline_s`` seconds since now; each host
+    whose call is still running then is reported and restarted (``watch.hung``: its call then fails with an actor
+    error, which the caller handles as a death) or the run stops (``HangError``).
+
+    Args:
+        watch: rank 0's hang watch; hosts: the host handles, by index.
+        call: the host method ("step", "run_agents"); key: the config key(s) that set ``deadline_s``.
+        wait: ``ray.wait`` (a test passes a fake).
+    """
+    started, pending = time.monotonic(), dict(refs)
+    while pending:
+        ready, _ = wait(list(pending.values()), num_returns=len(pending), timeout=1.0, fetch_local=False)
+        pending = {h: r for h, r in pending.items() if r not in ready}
+        waited = time.monotonic() - started
+        if pending and waited > deadline_s:
+            for h in sorted(pending):
+                watch.hung(hosts[h], f"environment host {h}", call, waited, deadline_s, key)
+            return
 
 
 def server_restarts(hosts: list[Any], timeout_s: float = 10.0) -> dict[str, float]:

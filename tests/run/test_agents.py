@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
+import time
 import types
 from pathlib import Path
 
@@ -12,9 +14,11 @@ import pytest
 import ray
 
 from rlray.data import PromptRow
+from rlray.hangs import ActorProcess, HangError, HangWatch
 from rlray.rollout import Completion, SamplingSpec
 from rlray.rollout.fleet import RolloutError
 from rlray.run.agents import AgentRollout, FleetSampler, agent_metrics
+from rlray.run.episodes import await_hosts
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "agents.py"
 AGENTS = {n: f"{FIXTURE}:{n}" for n in ("tool_agent", "rewriting_agent", "raising_agent")}
@@ -173,3 +177,37 @@ def test_reward_functions_score_an_agent_s_final_conversation():
     assert Reward.seen == [["2 9 4", "2 9 5"]]  # the whole episode's text: its turns and what came between them
     assert got.values["reward"] == [1.0 + 2.0 * 0.0, 0.0 + 2.0 * 0.5] and got.values["env"] == [0.0, 0.5]
     assert got.values["has_four"] == [1.0, 0.0]
+
+
+class HungHosts:
+    """``ray.wait`` over two hosts' run_agents calls: host 0's answered, host 1's runs ``injected_hang`` (600 s), so
+    each wait returns after its timeout with it still pending; stacks and restarts of the hosts, recorded."""
+
+    def __init__(self):
+        self.restarted, self.release = [], threading.Event()
+
+    def wait(self, refs, num_returns, timeout, fetch_local):
+        self.release.wait(timeout)  # the hung call does not finish within the wait's timeout
+        return [r for r in refs if r == "ref-0"], [r for r in refs if r != "ref-0"]
+
+    def stacks(self, host, timeout_s):
+        return ActorProcess(f"rlray:{host}", 77, "cd" * 28), '  File "agents.py", line 3 in injected_hang\n'
+
+
+@pytest.mark.parametrize("action", ["restart", "stop"])
+def test_a_run_agents_call_past_episode_timeout_plus_env_call_s_is_reported_with_the_host_stacks(action):
+    hosts, alerts = HungHosts(), []
+    watch = HangWatch(action, env_call_s=0.5, alert=alerts.append, stacks=hosts.stacks, restart=hosts.restarted.append)
+    t0 = time.monotonic()
+    try:  # AgentRollout's deadline: env.episode_timeout_s (1.0 here) + watchdog.env_call_s
+        await_hosts(watch, ["env-0", "env-1"], {0: "ref-0", 1: "ref-1"}, "run_agents", 1.0 + watch.env_call_s,
+                    "env.episode_timeout_s+watchdog.env_call_s", wait=hosts.wait)
+    except HangError as err:
+        assert action == "stop" and "stopping the run" in str(err)
+    assert 1.5 < time.monotonic() - t0 < 1.5 + 3.0  # the deadline plus a wait's second and the report
+    assert hosts.restarted == (["env-1"] if action == "restart" else []) and watch.hangs == 1 and len(alerts) == 1
+    assert alerts[0].startswith("hang: environment host 1 (rlray:env-1) (pid 77, node cdcdcdcdcdcd) has run run_agents "
+                                "for 2.")
+    assert "past env.episode_timeout_s+watchdog.env_call_s=1.5 s" in alerts[0]
+    assert alerts[0].endswith("in injected_hang")
+    hosts.release.set()
