@@ -20,6 +20,11 @@ fleet for engine calls and weight pushes, the episode loop for environment hosts
    error: every rank stops, status FAILED, the message in MLflow's ``rlray.error``) after a snapshot of the last
    finished step.
 
+A request to a Serve application (the reward server, a judge) keeps its client's own timeout
+(``reward.server.client_timeout_s``, ``reward.judges[i].timeout_s``): each try past it goes to ``HangWatch.timed_out``,
+which reports it with the stacks of every live replica of the application (``serve_stacks``: the replicas call
+``enable_stack_dumps`` when they start) and leaves the action to the client's retries, except under "stop".
+
 The learner ranks' collectives have a coarser deadline: ``StepDeadline`` times each step of a rank from a timer
 thread and reports a step past ``watchdog.learner_step_s`` with the rank's own stacks (``own_stacks``).
 

@@ -9,7 +9,8 @@ responses, row columns, judge version, judge definition) come from the run's cac
 recently used first out); the others, each once, are split into one chunk per replica and sent at once. A chunk that
 gets no reply within ``timeout_s`` (it is cancelled) or fails is sent again, up to ``attempts`` tries with a
 back-off doubling from ``backoff_s``; after that its samples' scores fail (NaN) and the run goes on: they count in
-``reward/failed`` and stay out of the update.
+``reward/failed`` and stay out of the update. Each try past ``timeout_s`` is reported through ``on_timeout`` (the run's
+hang report with the replicas' stacks, ``rlray.hangs.HangWatch.timed_out``; under ``watchdog.on_hang=stop`` it raises).
 
 **Scores.** A failed score is NaN: the output did not parse (``reward/judge_parse_failures``), or the judge did not
 answer, the prompt did not fit, the template raised (``reward/judge_errors``). ``JudgePanel`` adds each judge as
