@@ -152,6 +152,18 @@ def test_serve_gives_its_proxy_a_minute_to_start(server):
 
 
 @pytest.mark.ray
+def test_a_hang_report_finds_the_live_replica_and_its_stacks(server):
+    """rlray.hangs.serve_stacks finds a Serve application's replicas by Ray Serve's actor names (SERVE_REPLICA::<app>#)
+    and reads each one's Python stacks: the reward replica enables the dump on SIGUSR2 when it starts."""
+    from rlray.hangs import serve_stacks
+
+    (where, stacks), = serve_stacks("rlray-reward", timeout_s=30.0)
+    assert where.name.startswith("SERVE_REPLICA::rlray-reward#") and where.pid > 0
+    assert "most recent call first" in stacks and "(no stacks" not in stacks, stacks  # faulthandler's own words
+    assert serve_stacks("rlray-no-such-app") == []
+
+
+@pytest.mark.ray
 def test_hot_swap_serves_every_request(server):
     """Redeploys version 2 (gsm8k_format weight 0.7) through the CLI while 3 clients score; no request fails."""
     from rlray.cli import main
