@@ -125,11 +125,19 @@ def _optional_config(args: argparse.Namespace) -> Config:
 
 
 def _rollback(args: argparse.Namespace) -> int:
-    from rlray.checkpoint.lineage import prepare_rollback
+    """Writes the config that resumes from the chosen snapshot: the config the snapshot was trained with, or with
+    --config that config with the snapshot's trained sections (learner, algo, reward, model.gradient_checkpointing)."""
+    from rlray.checkpoint import lineage
+    from rlray.checkpoint.contents import adopt_trained_tree, snapshot_config
+    from rlray.config import normalized_tree, resume_tree
 
     dest = Path(args.dest or f"rollback/{args.ref.rstrip('/').rsplit('/', 1)[-1][:16]}-{args.to}")
     cfg = _optional_config(args)
-    print(json.dumps(prepare_rollback(args.ref, args.to, cfg, dest, base=cfg if args.config else None), indent=2))
+    opts = cfg.checkpoint.s3.storage_options()
+    uri = lineage.find_snapshot(args.ref, args.to, lineage.Registry(cfg.tracking.mlflow_uri, cfg.tracking.experiment, opts))
+    trained = snapshot_config(uri, opts)
+    tree = normalized_tree(adopt_trained_tree(cfg.model_dump(), trained)) if args.config else trained
+    print(json.dumps(lineage.write_rollback(uri, resume_tree(tree, uri), dest, opts), indent=2))
     return 0
 
 
@@ -236,12 +244,13 @@ def _plan(args: argparse.Namespace) -> int:
 def _monitor(args: argparse.Namespace) -> int:
     import time
 
+    from rlray.config import monitor_defaults
     from rlray.observe.stored import StoredRun
 
     uri = args.tracking_uri or _optional_config(args).tracking.mlflow_uri
     run_id = args.run.removeprefix("runs:/").strip("/").split("/", 1)[0]
     try:
-        stored = StoredRun(uri, run_id, refresh_s=args.refresh_s)
+        stored = StoredRun(uri, run_id, refresh_s=args.refresh_s, monitor_defaults=monitor_defaults())
     except Exception as err:  # mlflow's error for a missing run or store; the message names the run and store
         print(f"rlray monitor: cannot read run {run_id!r} from {uri}: {err}", file=sys.stderr)
         return 2

@@ -4,23 +4,23 @@ A version's tags record where it came from: ``rlray.parent_version`` (the versio
 continued from, across resumes and rollbacks), ``rlray.step``, ``rlray.config_hash``,
 ``rlray.dataset_hash``, ``rlray.git_commit``, ``rlray.run_id``, ``rlray.snapshot_uri`` and
 ``metric.<key>`` for the step's metrics. Following parents from any version reaches the run's first
-snapshot. ``prepare_rollback`` turns a run (or a storage URI) and a step or version into a config that
-resumes from that snapshot with the config it was trained with.
+snapshot. ``find_snapshot`` turns a run (or a storage URI) and a step or version into a snapshot, and
+``write_rollback`` writes the config that resumes from it (``rlray rollback``; the CLI builds that config from the
+snapshot's own with ``rlray.config.resume_tree``).
 """
 
 from __future__ import annotations
 
 import re
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from rlray.checkpoint import storage as checkpoint
-from rlray.checkpoint.contents import adopt_trained_tree, snapshot_config
 from rlray.checkpoint.manifest import SnapshotManifest
-from rlray.config import Config, validate_tree
 from rlray.observe import tracking
 
 HEADLINE_METRICS = ("reward/mean", "algo/kl", "learner/loss", "eval/reward_mean")
@@ -114,26 +114,41 @@ def format_versions(versions: list[dict]) -> str:
 # --------------------------------------------------------------------------------------------
 # Rollback
 # --------------------------------------------------------------------------------------------
-def find_snapshot(ref: str, to: str, cfg: Config) -> str:
+@dataclass(frozen=True)
+class Registry:
+    """Where a run's snapshots and their registered versions are found (``rlray rollback``).
+
+    Attributes:
+        tracking_uri: the MLflow store (``tracking.mlflow_uri``).
+        experiment: the experiment, whose registered model is ``rlray-<experiment>`` (``tracking.experiment``).
+        storage_options: fsspec options of the snapshot storage (``checkpoint.s3``'s); None: the defaults.
+    """
+
+    tracking_uri: str
+    experiment: str
+    storage_options: dict[str, Any] | None = None
+
+
+def find_snapshot(ref: str, to: str, where: Registry) -> str:
     """Returns the snapshot URI for ``rlray rollback REF --to TO``.
 
     Args:
         ref: an MLflow run id (its snapshots are found through the tag ``rlray.snapshot_dir``), a run
             folder URI, or a storage root URI.
         to: a step ('12') or a registered version ('v3').
-        cfg: gives the MLflow store, the experiment and the S3 options.
+        where: the MLflow store, the experiment and the storage options.
 
     Raises:
         rlray.checkpoint.storage.SnapshotError: no complete snapshot matches.
     """
-    opts = cfg.checkpoint.s3.storage_options()
+    opts = where.storage_options
     if not (to.isdigit() or (to[:1].lower() == "v" and to[1:].isdigit())):
         raise checkpoint.SnapshotError(f"--to {to!r}: give a step (12) or a registered model version (v3)")
     if to.lower().startswith("v"):
-        v = tracking.model_version(cfg.tracking.mlflow_uri, model_name(cfg.tracking.experiment), to[1:])
+        v = tracking.model_version(where.tracking_uri, model_name(where.experiment), to[1:])
         checkpoint.read_manifest(v["source"], opts)
         return v["source"]
-    base = ref if ("/" in ref or "://" in ref) else tracking.get_run(cfg.tracking.mlflow_uri, ref).data.tags.get("rlray.snapshot_dir")
+    base = ref if ("/" in ref or "://" in ref) else tracking.get_run(where.tracking_uri, ref).data.tags.get("rlray.snapshot_dir")
     if not base:
         raise checkpoint.SnapshotError(f"run '{ref}' has no rlray.snapshot_dir tag (was it started by rlray train?)")
     hits = [s for s in checkpoint.list_snapshots(base, opts) if s.step == int(to) and s.complete]
@@ -142,40 +157,29 @@ def find_snapshot(ref: str, to: str, cfg: Config) -> str:
     return max(hits, key=lambda s: s.manifest.written_at).uri
 
 
-def prepare_rollback(ref: str, to: str, cfg: Config, dest: Path, *, base: Config | None = None) -> dict[str, Any]:
-    """Writes ``dest/config.yaml``, the config the chosen snapshot was trained with and
-    ``checkpoint.resume_from`` set to it, so ``rlray train dest/config.yaml`` resumes from there.
+def write_rollback(snapshot_uri: str, tree: dict[str, Any], dest: Path,
+                   storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Writes ``dest/config.yaml`` from ``tree``, so ``rlray train dest/config.yaml`` resumes from the snapshot at
+    ``snapshot_uri`` (``rlray rollback``).
 
     Args:
-        ref, to: see ``find_snapshot``.
-        cfg: where to look (MLflow store, experiment, S3 options).
-        dest: folder for config.yaml.
-        base: a config to keep everything but the trained sections (learner, algo, reward and
-            model.gradient_checkpointing) from; None takes the snapshot's whole config.
+        snapshot_uri: the snapshot the run resumes from (``find_snapshot``).
+        tree: the config to write, plain data, validated and resuming from the snapshot
+            (``rlray.config.resume_tree``).
+        dest: folder for config.yaml (made when missing).
+        storage_options: fsspec options of the snapshot storage; None: the defaults.
 
     Returns:
         {snapshot, step, policy_version, config, command}.
 
     Raises:
-        rlray.checkpoint.storage.SnapshotError: no complete snapshot matches.
+        rlray.checkpoint.storage.SnapshotError: the snapshot's manifest cannot be read.
     """
-    opts = cfg.checkpoint.s3.storage_options()
-    uri = find_snapshot(ref, to, cfg)
-    manifest = checkpoint.read_manifest(uri, opts)
-    trained = snapshot_config(uri, opts)
-    tree = (validate_tree(adopt_trained_tree(base.model_dump(), trained)).model_dump(mode="json") if base is not None
-            else trained)
-    tree["checkpoint"]["resume_from"] = uri
-    # secrets are not written to disk: give them again in the config or through the AWS credential chain
-    tree["checkpoint"]["s3"].update({"access_key_id": None, "secret_access_key": None})
-    if tree["monitor"]["webhook_url"] is not None:
-        tree["monitor"]["webhook_url"] = None
-        tree["monitor"]["alerts"] = [a for a in tree["monitor"]["alerts"] if a != "webhook"]
-    validate_tree(tree)
+    manifest = checkpoint.read_manifest(snapshot_uri, storage_options)
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "config.yaml").write_text(yaml.safe_dump(tree, sort_keys=False))
     return {
-        "snapshot": uri,
+        "snapshot": snapshot_uri,
         "step": manifest.step,
         "policy_version": manifest.policy_version,
         "config": str(dest / "config.yaml"),

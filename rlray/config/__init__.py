@@ -25,10 +25,19 @@ from rlray.config.loading import (  # noqa: F401
     apply_overrides,
     config_from_dict,
     load_config,
+    normalized_tree,
+    resume_tree,
     validate_tree,
     validation_error_lines,
 )
-from rlray.config.operations import BandConfig, CheckpointConfig, GuardConfig, MonitorConfig, S3Config  # noqa: F401
+from rlray.config.operations import (  # noqa: F401
+    BandConfig,
+    CheckpointConfig,
+    GuardConfig,
+    MonitorConfig,
+    S3Config,
+    monitor_defaults,
+)
 from rlray.config.resources import (  # noqa: F401
     JudgeResources,
     LearnerResources,
@@ -82,4 +91,7 @@ __all__ = [
     "validate_tree",
     "validation_error_lines",
     "load_config",
+    "normalized_tree",
+    "resume_tree",
+    "monitor_defaults",
 ]

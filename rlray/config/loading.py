@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import difflib
 import json
 from collections.abc import Callable
@@ -163,3 +164,33 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
         return config_from_dict(tree, overrides)
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}") from None
+
+
+def normalized_tree(tree: dict[str, Any]) -> dict[str, Any]:
+    """Returns ``tree`` validated and dumped back as plain JSON data: what it lacks takes the schema's defaults, and a
+    secret reads ``'**********'`` (a rollback's base config with a snapshot's trained sections put in,
+    ``rlray rollback --config``).
+
+    Raises:
+        ConfigError: naming each bad key (with the nearest valid key) or value.
+    """
+    return validate_tree(tree).model_dump(mode="json")
+
+
+def resume_tree(tree: dict[str, Any], snapshot_uri: str) -> dict[str, Any]:
+    """Returns a copy of the config tree ``tree`` (plain JSON data) that resumes from the snapshot at ``snapshot_uri``
+    (``rlray rollback``): ``checkpoint.resume_from`` set to it; the S3 keys and ``monitor.webhook_url`` (with the
+    ``webhook`` alert) cleared, since secrets are not written to disk: they are given again in the config (or, for S3,
+    through the AWS credential chain).
+
+    Raises:
+        ConfigError: the tree does not validate (naming each bad key).
+    """
+    tree = copy.deepcopy(tree)
+    tree["checkpoint"]["resume_from"] = snapshot_uri
+    tree["checkpoint"]["s3"].update({"access_key_id": None, "secret_access_key": None})
+    if tree["monitor"]["webhook_url"] is not None:
+        tree["monitor"]["webhook_url"] = None
+        tree["monitor"]["alerts"] = [a for a in tree["monitor"]["alerts"] if a != "webhook"]
+    validate_tree(tree)
+    return tree

@@ -261,3 +261,10 @@ class MonitorConfig(_Section):
     restart_delay_s: float = Field(
         30.0, ge=0.0, description="Seconds a restarted learner waits before it restores and resumes."
     )
+
+
+def monitor_defaults() -> dict[str, Any]:
+    """Returns the monitor section's defaults as plain JSON data (``MonitorConfig().model_dump(mode="json")``:
+    ``bands`` as a list of dicts of ``BandConfig``'s fields, ``heartbeat_s``, ...): what ``rlray monitor RUN_ID``
+    shows for a run whose stored config lacks them (written by an older rlray; ``rlray.observe.stored.StoredRun``)."""
+    return MonitorConfig().model_dump(mode="json")

@@ -25,7 +25,6 @@ from typing import Any
 
 import yaml
 
-from rlray.config import MonitorConfig
 from rlray.observe import metrics, page, tracking
 from rlray.observe.samples import rows_from_table
 
@@ -41,14 +40,12 @@ def _kl_limit(config: dict[str, Any]) -> float | None:
     return None if value is None else float(value)
 
 
-def _bands(config: dict[str, Any]) -> tuple[page.Band, ...]:
-    """Returns ``monitor.bands`` of a run's resolved config as ``page.Band`` (the defaults of this rlray when the run's
-    config has none); a band this rlray cannot read is left out with a warning."""
+def _bands(config: dict[str, Any], defaults: dict[str, Any]) -> tuple[page.Band, ...]:
+    """Returns ``monitor.bands`` of a run's resolved config as ``page.Band`` (``defaults``' bands when the run's config
+    has none); a band this rlray cannot read is left out with a warning."""
     monitor = config.get("monitor") or {}
-    if "bands" not in monitor:
-        return tuple(page.Band(**b.model_dump()) for b in MonitorConfig().bands)
     bands = []
-    for item in monitor["bands"] or []:
+    for item in (monitor["bands"] if "bands" in monitor else defaults.get("bands")) or []:
         try:
             bands.append(page.Band(**item))
         except TypeError as err:
@@ -64,12 +61,16 @@ class StoredRun(page.PageServer):
         run_id: the run to show.
         refresh_s: seconds between rereads of a RUNNING run's metrics and status (an ended run is read once).
         sample_cache_steps: steps whose samples tables are held in memory once read.
+        monitor_defaults: the monitor section's defaults (``rlray.config.monitor_defaults()``; ``rlray monitor``
+            passes them), read where the run's stored config lacks ``monitor.bands`` or ``monitor.heartbeat_s`` (a
+            run an older rlray wrote); None: no bands, heartbeats every 300 s.
 
     Raises:
         mlflow.exceptions.MlflowException: no run ``run_id`` in the store (``RESOURCE_DOES_NOT_EXIST``).
     """
 
-    def __init__(self, uri: str, run_id: str, *, refresh_s: float = 10.0, sample_cache_steps: int = 20) -> None:
+    def __init__(self, uri: str, run_id: str, *, refresh_s: float = 10.0, sample_cache_steps: int = 20,
+                 monitor_defaults: dict[str, Any] | None = None) -> None:
         self.uri, self.refresh_s, self.sample_cache_steps = uri, refresh_s, sample_cache_steps
         run = tracking.get_run(uri, run_id)
         try:
@@ -77,8 +78,9 @@ class StoredRun(page.PageServer):
         except Exception as err:  # a run logged without its config (or by another tool) still shows its curves
             log.warning("run %s has no readable config/resolved.yaml (%s): no KL guard line or bands", run_id, err)
             config = {}
-        self.heartbeat_s = float((config.get("monitor") or {}).get("heartbeat_s", 300.0))
-        super().__init__(run_id, page.PageData(sample_cache_steps, _kl_limit(config), _bands(config)),
+        defaults = monitor_defaults or {}
+        self.heartbeat_s = float((config.get("monitor") or {}).get("heartbeat_s", defaults.get("heartbeat_s", 300.0)))
+        super().__init__(run_id, page.PageData(sample_cache_steps, _kl_limit(config), _bands(config, defaults)),
                          " for a run read from MLflow")
         self.mlflow_status = run.info.status
         self.tags: dict[str, str] = dict(run.data.tags)

@@ -85,3 +85,37 @@ def test_monitor_bands_defaults_and_errors():
         config_from_dict({"monitor": {"bands": [{"metric": "learner/pg_loss", "low": 0.5, "high": 0.1}]}})
     with pytest.raises(ConfigError, match="monitor.bands.0.window"):
         config_from_dict({"monitor": {"bands": [{"metric": "reward/mean", "min_slope": 0.0, "window": 1}]}})
+
+
+def test_monitor_defaults_are_the_sections_defaults_as_plain_data():
+    """``rlray monitor RUN_ID`` reads a stored run's missing monitor keys from these (rlray.observe.stored)."""
+    from rlray.config import monitor_defaults
+
+    d = monitor_defaults()
+    assert (d["heartbeat_s"], d["port"], d["alerts"], d["webhook_url"]) == (300.0, 8888, ["log", "mlflow"], None)
+    assert d["bands"] == [{"metric": m, "low": None, "high": None, "finite": True, "min_slope": None, "window": 20}
+                          for m in ("learner/pg_loss", "learner/value_loss", "learner/grad_norm")] + [
+        {"metric": "reward/mean", "low": None, "high": None, "finite": True, "min_slope": 0.0, "window": 20}]
+
+
+def test_resume_tree_resumes_from_the_snapshot_without_secrets():
+    """``rlray rollback``: resume_from set, S3 keys and the webhook (its alert too) cleared, the rest kept; the input is
+    not changed; a tree that does not validate names the key."""
+    from rlray.config import normalized_tree, resume_tree
+
+    given = config_from_dict({"learner": {"lr": 5e-4},
+                              "checkpoint": {"s3": {"access_key_id": "AKIAXYZ", "secret_access_key": "s3cr3t"}},
+                              "monitor": {"alerts": ["webhook", "log"], "webhook_url": "https://hooks.example/T0k3n"}})
+    tree = normalized_tree(given.model_dump())
+    assert tree["checkpoint"]["s3"]["secret_access_key"] == "**********" and tree["learner"]["lr"] == 5e-4
+    out = resume_tree(tree, "/snaps/run-a/step_00000002")
+    assert out["checkpoint"]["resume_from"] == "/snaps/run-a/step_00000002"
+    assert (out["checkpoint"]["s3"]["access_key_id"], out["checkpoint"]["s3"]["secret_access_key"]) == (None, None)
+    assert (out["monitor"]["webhook_url"], out["monitor"]["alerts"]) == (None, ["log"])
+    assert out["learner"] == tree["learner"] and tree["checkpoint"]["resume_from"] is None  # a copy
+    assert config_from_dict(out).checkpoint.resume_from == "/snaps/run-a/step_00000002"
+    tree["learner"]["lr"] = -1.0
+    with pytest.raises(ConfigError, match="learner.lr"):
+        resume_tree(tree, "/snaps/run-a/step_00000002")
+    with pytest.raises(ConfigError, match="learner.lr"):
+        normalized_tree(tree)

@@ -161,3 +161,31 @@ def test_rlray_monitor_names_a_missing_run(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     Tracker(uri, "stored").finish()
     assert main(["monitor", "0123456789abcdef", "--tracking-uri", uri]) == 2
+
+
+def test_a_stored_config_without_bands_or_heartbeat_takes_the_monitor_defaults_given(tmp_path):
+    """A run an older rlray logged (its config/resolved.yaml has no monitor.bands or heartbeat_s) shows the defaults
+    ``rlray monitor`` passes (``rlray.config.monitor_defaults``), and none without them; a run logged without a
+    config shows its curves with the same defaults."""
+    from rlray.config import monitor_defaults
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = Tracker(uri, "stored")
+    tracker.log_text("guard: {kl_threshold: 0.04}\nmonitor: {port: 8888}\n", "config/resolved.yaml")
+    tracker.log_metrics({"reward/mean": 0.5}, step=1)
+    tracker.finish()
+    defaults = monitor_defaults()
+    stored = StoredRun(uri, tracker.run_id, monitor_defaults=defaults)
+    assert [b.metric for b in stored.page.bands] == ["learner/pg_loss", "learner/value_loss", "learner/grad_norm",
+                                                     "reward/mean", "algo/kl"]  # the guard's band is always drawn
+    assert (stored.page.bands[3].min_slope, stored.page.bands[3].window, stored.page.kl_limit) == (0.0, 20, 0.04)
+    assert stored.heartbeat_s == 300.0
+    bare = StoredRun(uri, tracker.run_id, monitor_defaults={**defaults, "heartbeat_s": 60.0})
+    assert bare.heartbeat_s == 60.0
+    assert [b.metric for b in StoredRun(uri, tracker.run_id).page.bands] == ["algo/kl"]
+
+    plain = Tracker(uri, "stored")  # no config logged at all
+    plain.log_metrics({"reward/mean": 0.5}, step=1)
+    plain.finish()
+    stored = StoredRun(uri, plain.run_id, monitor_defaults=defaults)
+    assert len(stored.page.bands) == 4 and stored.page.kl_limit is None
