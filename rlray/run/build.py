@@ -1,10 +1,11 @@
-"""The config, turned into the plain values and objects of the building blocks.
+"""The run's settings, turned into the plain values and objects of the building blocks.
 
 Building-block packages (``rlray.learner``, ``rlray.reward``, ``rlray.rollout``) never read the config:
-every place that turns ``Config`` fields into their arguments is here, used by the run (rank 0's
+every place that turns its sections into their arguments is here, used by the run (rank 0's
 step, every rank's learner) and by the driver (``rlray.launch``: the reward server, ``rlray eval``). The run's
 decisions (placements, parallelism and micro-batching, lengths, sampling, episode limits) are taken once by
-``rlray.plan.resolve_plan``; the functions here build objects from the plan's parts and the remaining config keys.
+``rlray.plan.resolve_plan``; the functions here build objects from the plan's parts and the settings read as they
+are (``RunPlan.settings``, typed ``rlray.plan.settings.Settings``: this module never imports ``rlray.config``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import numpy as np
 import torch
 
 from rlray import algos
-from rlray.config import Config
 from rlray.cores import CorePlan, parse_core_list, plan_cores
 from rlray.data import PromptRow, load_prompt_rows, prepare_prompts
 from rlray.data.prompts import prompt_messages
@@ -32,6 +32,7 @@ from rlray.learner.parallel import parallel_kind, strategy_for
 from rlray.learner.policy import OptimizerSpec
 from rlray.models import resolve_model_path
 from rlray.plan import compute_dtype, resolve_plan  # compute_dtype: build.compute_dtype for its callers
+from rlray.plan.settings import Settings
 from rlray.reward import RewardScorer
 from rlray.reward.judges.client import JudgeCaller, JudgeClient
 from rlray.reward.judges.deployment import ServeJudgeCaller
@@ -50,7 +51,7 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def learner_kwargs(cfg: Config, world: int, *, with_reference: bool = True, teacher_dir: str | None = None) -> dict[str, Any]:
+def learner_kwargs(cfg: Settings, world: int, *, with_reference: bool = True, teacher_dir: str | None = None) -> dict[str, Any]:
     """Returns ``PolicyLearner`` keyword arguments from the config.
 
     The parallelism strategy (``rlray.learner.parallel``, ``parallel_kind``): DDP (``ray.train.torch.prepare_model``)
@@ -81,7 +82,7 @@ def learner_kwargs(cfg: Config, world: int, *, with_reference: bool = True, teac
     )
 
 
-def ppo_critic(cfg: Config, model_dir: str, parallel: Any) -> PolicyLearner:
+def ppo_critic(cfg: Settings, model_dir: str, parallel: Any) -> PolicyLearner:
     """Returns PPO's critic learner: a value head on ``critic.model_path`` (resolved), or on the policy checkpoint,
     under the policy learner's parallelism strategy (``learner_kwargs``' ``parallel``)."""
     path = (resolve_model_path(cfg.critic.model_path, revision=cfg.critic.model_revision, key="critic.model_path")
@@ -89,7 +90,7 @@ def ppo_critic(cfg: Config, model_dir: str, parallel: Any) -> PolicyLearner:
     return build_critic(path, dtype=compute_dtype(cfg), lr=cfg.critic.lr, max_grad_norm=cfg.critic.max_grad_norm, parallel=parallel)
 
 
-def sampling_for_step(cfg: Config, step: int) -> SamplingSpec:
+def sampling_for_step(cfg: Settings, step: int) -> SamplingSpec:
     """Returns the training SamplingSpec of 0-based ``step``.
 
     The seed is per call (seed * 1_000_003 + step): samples depend on the seed, the step, the prompts
@@ -98,12 +99,12 @@ def sampling_for_step(cfg: Config, step: int) -> SamplingSpec:
     return resolve_plan(cfg).sampling.for_step(step)
 
 
-def eval_sampling(cfg: Config) -> SamplingSpec:
+def eval_sampling(cfg: Settings) -> SamplingSpec:
     """Returns the evaluation SamplingSpec: one greedy completion of up to ``eval_max_new_tokens`` tokens."""
     return resolve_plan(cfg).sampling.eval
 
 
-def sampling_extras(cfg: Config) -> online_sampling.SamplingExtras:
+def sampling_extras(cfg: Settings) -> online_sampling.SamplingExtras:
     """Returns the plain values of the sampling extras (DAPO's dynamic sampling and overlong shaping, ReMax's greedy
     baseline) from ``cfg.algo``, its registry entry, ``learner.prompts_per_step`` and the plan's generation cap."""
     a = cfg.algo
@@ -119,7 +120,7 @@ def sampling_extras(cfg: Config) -> online_sampling.SamplingExtras:
     )
 
 
-def scorer_kwargs(cfg: Config, columns: list[str] | None = None) -> dict[str, Any]:
+def scorer_kwargs(cfg: Settings, columns: list[str] | None = None) -> dict[str, Any]:
     """Returns the keyword arguments of ``RewardScorer`` for ``cfg.reward`` (plain values; also the Serve user_config).
 
     Args:
@@ -135,7 +136,7 @@ def scorer_kwargs(cfg: Config, columns: list[str] | None = None) -> dict[str, An
     }
 
 
-def training_prompts(cfg: Config, tokenizer: Any) -> tuple[list[PromptRow], list[PromptRow], list[list[int]], int]:
+def training_prompts(cfg: Settings, tokenizer: Any) -> tuple[list[PromptRow], list[PromptRow], list[list[int]], int]:
     """Returns (every row of ``data.train_files``, the rows a run streams, their chat-templated prompt token ids, the
     number of rows skipped as longer than ``data.max_prompt_tokens``): what an online run's rank 0 streams when it
     starts (``rlray.run.lead.build_lead``) and what ``rlray ledger --check`` rebuilds (``rlray.run.ledger``).
@@ -156,12 +157,12 @@ def dataset_columns(rows: list[PromptRow]) -> list[str]:
     return sorted({name for row in rows for name in row.columns})
 
 
-def local_reward_client(cfg: Config, columns: list[str] | None = None) -> LocalRewardClient:
+def local_reward_client(cfg: Settings, columns: list[str] | None = None) -> LocalRewardClient:
     """Returns an in-process reward client over the scorer described by ``cfg.reward``."""
     return LocalRewardClient(RewardScorer(**scorer_kwargs(cfg, columns)), cfg.reward.version)
 
 
-def reward_client(cfg: Config, columns: list[str] | None = None,
+def reward_client(cfg: Settings, columns: list[str] | None = None,
                   watch: HangWatch | None = None) -> LocalRewardClient | ServeRewardClient:
     """Returns the Serve application's client when the plan runs a reward server (``rlray.plan.Roles.reward_server``:
     online with ``reward.server.enabled``), else an in-process scorer; ``watch`` (rank 0's) reports each try of a
@@ -186,13 +187,13 @@ def serve_timeouts(watch: HangWatch | None, app_name: str, who: str, key: str, d
     return functools.partial(watch.timed_out, app_name, who, deadline_s=deadline_s, key=key, then=then)
 
 
-def judge_seed(cfg: Config, step: int) -> int:
+def judge_seed(cfg: Settings, step: int) -> int:
     """Returns the seed of 0-based ``step``'s judge calls (group mode: the order each group is shown in), the step's
     sampling seed (``sampling_for_step``)."""
     return resolve_plan(cfg).sampling.step_seed(step)
 
 
-def judge_panel(cfg: Config, callers: list[JudgeCaller] | None = None,
+def judge_panel(cfg: Settings, callers: list[JudgeCaller] | None = None,
                 watch: HangWatch | None = None) -> JudgePanel | None:
     """Returns the run's judges (``reward.judges``) as a ``JudgePanel``, None without judges.
 
@@ -215,7 +216,7 @@ def judge_panel(cfg: Config, callers: list[JudgeCaller] | None = None,
     ], source=[j.model_dump() for j in cfg.reward.judges])  # fmt: skip
 
 
-def episode_rollout(cfg: Config, fleet: Any, hosts: list[Any], tokenizer: Any) -> EpisodeRollout:
+def episode_rollout(cfg: Settings, fleet: Any, hosts: list[Any], tokenizer: Any) -> EpisodeRollout:
     """Returns the episode rollout of ``cfg.env`` over ``fleet`` and the environment hosts (rank 0; ``rlray eval``)."""
     ep = resolve_plan(cfg).episodes
     limits = ep.limits
@@ -231,7 +232,7 @@ def episode_rollout(cfg: Config, fleet: Any, hosts: list[Any], tokenizer: Any) -
                           watch=fleet.watch)
 
 
-def rollouts(cfg: Config, fleet: Any, hosts: list[Any], tokenizer: Any) -> RolloutSource:
+def rollouts(cfg: Settings, fleet: Any, hosts: list[Any], tokenizer: Any) -> RolloutSource:
     """Returns what a run samples from (rank 0; ``rlray eval``): the fleet; the episode rollout over it when
     env.environments is set; and ``AgentRollout`` around either when env.agents is set."""
     ep = resolve_plan(cfg).episodes
@@ -244,7 +245,7 @@ def rollouts(cfg: Config, fleet: Any, hosts: list[Any], tokenizer: Any) -> Rollo
                         episode_timeout_s=cfg.env.episode_timeout_s)
 
 
-def update_spec(cfg: Config, world: int) -> learner_online.UpdateSpec:
+def update_spec(cfg: Settings, world: int) -> learner_online.UpdateSpec:
     """Returns the plain values of stages 4-6 from ``cfg.algo`` (its registry entry gives the advantage estimator and
     the policy loss), ``cfg.learner``, ``cfg.critic`` and ``cfg.teacher``.
 
@@ -293,19 +294,19 @@ def update_spec(cfg: Config, world: int) -> learner_online.UpdateSpec:
     )
 
 
-def micro_batching(cfg: Config) -> MicroBatching:
+def micro_batching(cfg: Settings) -> MicroBatching:
     """Returns the micro-batching in force on a learner rank (``rlray.plan.Parallelism.micro_batching``: an FSDP
     learner cuts by sequences, its token budget dropped)."""
     return resolve_plan(cfg).parallelism.micro_batching
 
 
-def frozen_micro_batching(cfg: Config) -> MicroBatching:
+def frozen_micro_batching(cfg: Settings) -> MicroBatching:
     """Returns the micro-batching of a reference or teacher actor (``learner.*`` as configured, token budget included;
     ``rlray.plan.Parallelism.frozen_micro_batching``)."""
     return resolve_plan(cfg).parallelism.frozen_micro_batching
 
 
-def rollout_overlap(cfg: Config, plan: CorePlan, *, shares_node: bool) -> tuple[bool, str]:
+def rollout_overlap(cfg: Settings, plan: CorePlan, *, shares_node: bool) -> tuple[bool, str]:
     """Returns (overlap, why): whether an async run's rollouts of the steps ahead run while a step trains
     (``rollout.overlap``; ``rlray.rollout.pipeline.RolloutPipeline``), and a line for the log.
 
@@ -333,7 +334,7 @@ def rollout_overlap(cfg: Config, plan: CorePlan, *, shares_node: bool) -> tuple[
                    "comes (rollout.overlap=on to overlap anyway)")
 
 
-def core_plan(cfg: Config, cores: list[int] | None = None) -> CorePlan:
+def core_plan(cfg: Settings, cores: list[int] | None = None) -> CorePlan:
     """Returns ``plan_cores`` for ``cfg`` on this machine (``cores``: default ``os.sched_getaffinity(0)``), with what
     the config sets by hand taking precedence: ``resources.rollout.cpu_threads``, ``learner.torch_threads``
     and ``learner.cpu_affinity`` (a set learner affinity without set threads gives one thread per pinned core)."""
