@@ -1,9 +1,9 @@
 """The driver: starts Ray, checks the resources, starts every role and owns the MLflow run.
 
 ``rlray train``, ``jobs/train.py`` and sweeps call ``run_training``. The run loop itself runs inside
-the Ray Train training function (``rlray.run.worker.train_worker``); this module only wires it up. The config it is
-given is resolved once (``rlray.plan.paths.resolve_paths``, then ``rlray.plan.resolve_plan``), and every role is
-started from that run plan (issue 38):
+the Ray Train training function (``rlray.run.worker.train_worker``); this module only wires it up. It takes a run plan,
+or a config that it resolves once (``rlray.plan.paths.resolve_paths``, then ``rlray.plan.resolve_plan``), and every
+role is started from that run plan (issue 38):
 
 0. check every input (model, tokenizer, data, reward functions, snapshot storage; ``rlray.launch.preflight``)
    and build the step hooks of ``run.hooks`` (``rlray.run.hooks.load_step_hooks``) before Ray or MLflow start,
@@ -151,7 +151,8 @@ def learner_trainer(plan: RunPlan, args: WorkerArgs) -> Any:
 
 
 def run_training(
-    cfg: Settings, *, step_hooks: Sequence[StepHook] = (), tags: dict[str, str] | None = None, verbose: bool | None = None
+    run: RunPlan | Settings, *, step_hooks: Sequence[StepHook] = (), tags: dict[str, str] | None = None,
+    verbose: bool | None = None,
 ) -> TrainResult:
     """Runs a whole training job and returns its result.
 
@@ -167,8 +168,9 @@ def run_training(
     ``<run.output_dir>/logs/<run id>`` (``driver.log``, and Ray's log files of the run copied to ``ray/``).
 
     Args:
-        cfg: the validated config (its paths resolved here, ``rlray.plan.paths.resolve_paths``; then its run plan
-            decides, ``rlray.plan.resolve_plan``).
+        run: the run plan, taken as it is (resolve it with ``resolve_plan(resolve_paths(cfg))``: Ray's workers may run
+            in another folder), or a validated config, whose paths are resolved here (``rlray.plan.paths.resolve_paths``)
+            and whose plan then decides (``rlray.plan.resolve_plan``).
         step_hooks: extra per-step hooks run on learner rank 0 (``rlray.run.hooks``; Tune's reporter), after
             those of ``run.hooks``.
         tags: extra MLflow tags of the run (a sweep sets ``mlflow.parentRunId``).
@@ -191,8 +193,8 @@ def run_training(
     if verbose is not None:  # rlray train's console: libraries imported since configure_console (MLflow) set up their
         console.route_library_logs()  # loggers again; before Ray starts and before the first MLflow call
     with clock.phase("checks"):
-        cfg = resolve_paths(cfg)
-        plan = resolve_plan(cfg)
+        plan = run if isinstance(run, RunPlan) else resolve_plan(resolve_paths(run))
+        cfg = plan.settings
         model_dir = preflight(plan)
         user_hooks = load_step_hooks(plan)
         roles = plan.roles

@@ -137,7 +137,7 @@ def test_weight_sync_auto_resolves_by_placement():
 def test_training_that_cannot_fit_fails_before_any_actor_starts(ray_session, tmp_path):
     import ray
 
-    from rlray.launch.driver import run_training
+    from rlray.launch.driver import resolve_paths, run_training
 
     cfg = config_from_dict({
         "run": {"output_dir": str(tmp_path)}, "tracking": {"mlflow_uri": f"sqlite:///{tmp_path}/m.db"},
@@ -145,7 +145,7 @@ def test_training_that_cannot_fit_fails_before_any_actor_starts(ray_session, tmp
         "data": {"prompt_column": "question"}, "reward": {"functions": [{"function": "gsm8k_correct"}]},
     })
     with pytest.raises(PlacementError, match=r"rollout wants 8 x {CPU: 1} = {CPU: 8}") as err:
-        run_training(cfg)
+        run_training(resolve_plan(resolve_paths(cfg)))  # a plan, taken as it is (a config is resolved the same way)
     cpus = ray.cluster_resources()["CPU"]
     assert f"together they want {{CPU: {8 + 0.25:g}}}, but the cluster has {{CPU: {cpus:g}, GPU: 0}}" in str(err.value)
     with pytest.raises(ValueError):
