@@ -368,14 +368,21 @@ def start_serve(*, host: str = "127.0.0.1", port: int = 8000) -> None:
     started running"; seen on CI). The controller is started with ``PROXY_READY_CHECK_TIMEOUT_S`` unless this process's
     environment sets the variable (``controller_options``, Ray Serve's ``ControllerOptions``).
 
-    Raises:
-        TimeoutError: the proxy was not ready in 60 s (Serve's own error, unchanged).
+    A proxy still not ready after ``serve.start``'s own 60 s (seen with four test suites on 2 cores) is not an error:
+    the run calls its applications through handles, which need no proxy, so this logs a warning and connects to the
+    running controller; HTTP on ``host:port`` answers once the proxy is up.
     """
     from ray import serve  # deferred: as in _make_deployment
 
     ready_s = os.environ.get("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", PROXY_READY_CHECK_TIMEOUT_S)
-    serve.start(http_options={"host": host, "port": port},
-                controller_options={"runtime_env": {"env_vars": {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": ready_s}}})
+    http = {"host": host, "port": port}
+    try:
+        serve.start(http_options=http,
+                    controller_options={"runtime_env": {"env_vars": {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": ready_s}}})
+    except TimeoutError as err:  # Serve's words: "HTTP proxies not available after 60s."
+        log.warning("rlray: Ray Serve's HTTP proxy is not up yet (%s); going on through handles, HTTP on %s:%d "
+                    "answers once it starts", err, host, port)
+        serve.start(http_options=http)  # the controller is running: this connects to it, without waiting for proxies
 
 
 # --------------------------------------------------------------------------------------------

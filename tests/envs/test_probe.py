@@ -3,6 +3,8 @@ and the one failure rule of the host: an environment that raises fails its episo
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -79,12 +81,18 @@ def test_a_probe_in_a_child_process_names_what_cannot_load(tmp_path):
         probe_in_sandbox(f"{syntax}:Env", [], trl_parity=True, untrusted=False, memory_gib=2.0, timeout_s=120.0)
 
 
-def test_a_probe_builds_tool_schemas_within_a_short_step_limit():
+def test_the_probe_child_imports_the_tool_schema_builder_while_loading_not_under_the_reset_limit():
     """CI (stop 49): the probe's reset paid transformers' first import (get_json_schema, 1.4 s on 2 quiet cores, over
     4 s loaded) under the rows' env.step_timeout_s, and a tool without a docstring read as a reset that hangs. The
-    child imports it while loading the class now (rlray.envs.tools.load_schema_builder), under start_timeout_s."""
+    child's load phase (``_serve_probe``, under start_timeout_s) imports it now (rlray.envs.tools.load_schema_builder).
+    Checked in a fresh process by what is imported, not by a time limit that a loaded machine could miss."""
+    code = ("import sys; from rlray.envs.probe import _serve_probe; "
+            f"_serve_probe({BROKEN + ':NoDocTool'!r}, True); print('transformers.utils.chat_template_utils' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert out.stdout.strip() == "True", out.stderr
     report = probe_in_sandbox(f"{BROKEN}:NoDocTool", [{"prompt": "p"}], trl_parity=True, untrusted=False,
-                              memory_gib=2.0, timeout_s=1.0)
+                              memory_gib=2.0, timeout_s=60.0)
     assert report.tool_schema_error is not None and "tool 'NoDocTool.shout' has no usable JSON schema" in \
         report.tool_schema_error
 

@@ -30,6 +30,30 @@ def _functions(format_weight: float) -> str:
             f"{{function: gsm8k_correct, weight: 1.0}}, {{function: gsm8k_format, weight: {format_weight}}}]")  # fmt: skip
 
 
+def test_a_proxy_slower_than_serve_start_s_wait_is_a_warning_and_the_run_goes_on(monkeypatch, caplog):
+    """serve.start waits 60 s for its HTTP proxy, then raises TimeoutError (seen with four test suites on 2 cores);
+    start_serve then connects to the running controller (a second serve.start), since the run uses handles."""
+    from ray import serve
+
+    from rlray.reward.server import start_serve
+
+    calls = []
+
+    def fake_start(**kwargs):
+        calls.append(kwargs)
+        if len(calls) == 1:
+            raise TimeoutError("HTTP proxies not available after 60s.")
+
+    monkeypatch.setattr(serve, "start", fake_start)
+    monkeypatch.delenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", raising=False)
+    with caplog.at_level("WARNING", logger="rlray.reward.server"):
+        start_serve(host="127.0.0.1", port=8123)
+    assert calls == [{"http_options": {"host": "127.0.0.1", "port": 8123}, "controller_options": {
+        "runtime_env": {"env_vars": {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60"}}}},
+                     {"http_options": {"host": "127.0.0.1", "port": 8123}}]
+    assert "HTTP proxy is not up yet (HTTP proxies not available after 60s.)" in caplog.text
+
+
 def test_score_request_checks_lengths():
     with pytest.raises(ValueError, match=r"prompts \(1\), completions \(2\), columns \(2\) and completion_ids \(None\)"):
         ScoreRequest(prompts=["a"], completions=["b", "c"], columns=[{}, {}])

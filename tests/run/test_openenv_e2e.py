@@ -49,6 +49,9 @@ env:
       openenv: {{action_field: message, observation_field: echoed_message}}
   max_turns: 3
   max_observation_tokens: 32
+  # a reset waits for the crashed server's restart (a Python start and uvicorn's imports): over 60 s once, with four
+  # test suites on 2 cores; the subject is that the restarted server serves step 2, not how fast it restarts
+  step_timeout_s: 300
 reward:
   functions:
     - {{function: exact_match, weight: 1.0, kwargs: {{column: solution}}}}
