@@ -103,10 +103,23 @@ class Cluster:
         together on 2 cores, their raylets failed to register with the GCS in time in most tries); returns their node
         manager ports."""
         free = free_ports(6 * len(resources))  # at once: ports picked node by node could repeat before they are bound
-        ports = [self._start([f"--address={self.address}"], r, num_cpus, wait=True, ports=free[6 * i: 6 * i + 6])
-                 for i, r in enumerate(resources)]
+        ports = [self._join(r, num_cpus, free[6 * i: 6 * i + 6]) for i, r in enumerate(resources)]
         self._wait_nodes()
         return ports
+
+    def _join(self, resources: dict[str, float], num_cpus: int, ports: list[int], tries: int = 3) -> int:
+        """Starts one worker node; a `ray start` that gives up on its raylet's registration (Ray waits a fixed 30 s:
+        "The current node timed out during startup", seen with the machine's 2 cores shared by other suites) is
+        started again, up to ``tries`` times, on fresh ports."""
+        for attempt in range(tries):
+            try:
+                return self._start([f"--address={self.address}"], resources, num_cpus, wait=True, ports=ports)
+            except RuntimeError as err:
+                if "timed out during startup" not in str(err) or attempt == tries - 1:
+                    raise
+                self.nodes = {port: p for port, p in self.nodes.items() if p.poll() is None}  # forget the dead one
+                ports = free_ports(6)
+        raise AssertionError("unreachable")
 
     def _wait_nodes(self, timeout_s: float = 180.0) -> None:
         deadline = time.monotonic() + timeout_s
