@@ -247,8 +247,8 @@ class RolloutConfig(_Section):
         False,
         description=(
             "Partial rollouts (async runs, max_staleness >= 1; backend hf or vllm): a weight update reaches the "
-            "generations in flight at a token boundary instead of queueing behind them; they continue under the new "
-            "weights (their KV cache recomputed), and every sampled token records the policy version that produced it "
+            "generations in flight at their next segment boundary instead of queueing behind them; they continue under "
+            "the new weights (their KV cache recomputed), and every sampled token records the policy version that produced it "
             "and its behaviour logprob (experience column token_versions), which rollout correction and the decoupled "
             "PPO ratio use token by token. A sample's staleness is its oldest token's. Generation runs in segments of "
             "partial_segment_tokens. Not with environments or agents, rollout.stop, rollout.weight_sync nccl or ipc, "
