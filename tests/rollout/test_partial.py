@@ -75,6 +75,9 @@ def test_partial_off_stamps_every_token_with_the_engine_version(tiny_model_path)
     engine = RolloutEngine(tiny_model_path, backend="hf", dtype="float32", max_model_len=64)
     got = engine.generate(PROMPTS, SamplingSpec(n=1, max_new_tokens=3, temperature=1.0, seed=5))
     assert [c.versions for c in got] == [[0] * len(c.response_token_ids) for c in got]
+    table = build_experience([PromptRow(f"p:{i}", "q", {}) for i in range(2)], PROMPTS, got, {"reward": [1.0, 0.0]})
+    assert table.column("token_versions").to_pylist() == [[0] * len(c.response_token_ids) for c in got]
+    assert table.column("policy_version").to_pylist() == [0, 0]  # every other column as before (the async tests)
     with pytest.raises(ValueError, match="Completion.versions has 1 entries for 2 response tokens"):
         Completion(0, 0, [7, 8], [-1.0, -2.0], "length", 3, versions=[3])
 
