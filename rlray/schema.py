@@ -55,7 +55,8 @@ FIELDS: tuple[Field, ...] = (
     Field("reward_components", pa.map_(pa.string(), pa.float32()), "", "named reward terms (NaN failed, null skipped)"),
     Field("advantages", pa.list_(pa.float32()), "T", "per-token advantage (a sequence advantage broadcast over T)", True),
     Field("baseline_reward", pa.float32(), "", "ReMax: reward of the greedy response to the same prompt (else null)", True),
-    Field("policy_version", pa.int64(), "", "policy version of the rollout engine that generated the row"),
+    Field("policy_version", pa.int64(), "", "policy version of the rollout engine that generated the row (its "
+          "oldest token's, when a partial rollout continued it under newer weights)"),
     Field("finish_reason", pa.string(), "", "'stop' (EOS) or 'length' (hit max_new_tokens)"),
     Field("prompt_columns", pa.string(), "", "the prompt row's other dataset columns as one JSON object (any types)", True),
     Field("stop_reason", pa.string(), "", "why an episode ended (rlray.envs.episode.STOP_REASONS); null when single-turn "
@@ -68,6 +69,9 @@ FIELDS: tuple[Field, ...] = (
           "single-turn row; -1 for a padding row (mask off) that evens the learner ranks' shards", True),
     Field("failure", pa.string(), "", "why the sample has no reward, naming the source (its episode's environment, a "
           "reward function); null when it has one (rlray.run.failures)", True),
+    Field("token_versions", pa.list_(pa.int64()), "T", "policy version that sampled each response token (the "
+          "weights its rollout_logprobs come from); all policy_version unless a partial rollout (rollout.partial) "
+          "continued the row under newer weights; an episode's observation tokens carry its version", True),
     Field("judge_outputs", pa.map_(pa.string(), pa.string()), "", "each judge's raw output on the row, by judge name "
           "(null without reward.judges)", True),
 )

@@ -243,6 +243,27 @@ class RolloutConfig(_Section):
             "lags the learner by at most k versions."
         ),
     )
+    partial: bool = Field(
+        False,
+        description=(
+            "Partial rollouts (async runs, max_staleness >= 1; backend hf or vllm): a weight update reaches the "
+            "generations in flight at their next segment boundary instead of queueing behind them; they continue under "
+            "the new weights (their KV cache recomputed), and every sampled token records the policy version that produced it "
+            "and its behaviour logprob (experience column token_versions), which rollout correction and the decoupled "
+            "PPO ratio use token by token. A sample's staleness is its oldest token's. Generation runs in segments of "
+            "partial_segment_tokens. Not with environments or agents, rollout.stop, rollout.weight_sync nccl or ipc, "
+            "or rollout.weight_payload=delta."
+        ),
+    )
+    partial_segment_tokens: int = Field(
+        16,
+        ge=1,
+        description=(
+            "With rollout.partial: new tokens per generation segment, in tokens; an update waits at most one "
+            "segment. Each segment after the first re-prefills prompt + tokens so far (vLLM's prefix cache serves "
+            "it when no update came), so smaller segments react sooner and cost more."
+        ),
+    )
     overlap: Literal["auto", "on", "off"] = Field(
         "auto",
         description=(

@@ -65,6 +65,7 @@ class Config(_Section):
         self._check_ops()
         self._check_teacher()
         self._check_exact()
+        self._check_partial()
         if self.algo.family == "offline":
             return self._check_offline_sizes(world)
         sequences = self.sequences_per_step
@@ -130,6 +131,28 @@ class Config(_Section):
         if bad := [name for name, on in refused.items() if on]:
             raise ValueError(f"rollout.backend=exact (the learner's forward, CPU) cannot be exact with {', '.join(bad)}; "
                              "unset them, or use rollout.backend=vllm or hf (docs/algorithms.md, exact on-policy mode)")
+
+    def _check_partial(self) -> None:
+        """rollout.partial: an async run whose engines can continue a generation under new weights."""
+        r = self.rollout
+        if not r.partial:
+            return
+        if r.max_staleness == 0:
+            raise ValueError("rollout.partial=true needs an async run: a weight update interrupts the generations in "
+                             "flight, and with rollout.max_staleness=0 none is in flight at an update; set "
+                             "rollout.max_staleness>=1, or rollout.partial=false")
+        refused = {
+            "rollout.backend=exact (its logprobs are exact for one prompt layout only)": r.backend == "exact",
+            "env.environments or env.agents (episodes across an update are not supported yet)": self.env.enabled,
+            "rollout.stop (a stop string split across two segments would be missed)": bool(r.stop),
+            f"rollout.weight_sync={self.weight_sync_backend} (only object_store pushes run beside a generation)":
+                self.weight_sync_backend != "object_store",
+            "rollout.weight_payload=delta (a refused delta is sent again whole only after the rollout waiting for it)":
+                r.weight_payload == "delta",
+        }
+        if bad := [name for name, on in refused.items() if on]:
+            raise ValueError(f"rollout.partial=true cannot run with {'; '.join(bad)}: unset them, or set "
+                             "rollout.partial=false")
 
     def _check_env(self) -> None:
         env = self.env

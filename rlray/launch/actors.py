@@ -25,7 +25,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from rlray.launch.engine_actors import ReferenceActor, RolloutActor
+from rlray.launch.engine_actors import WEIGHTS_GROUP, PartialRolloutActor, ReferenceActor, RolloutActor
 from rlray.models.adapters import AdapterWeights, read_adapter_config
 from rlray.models.loading import ModelError
 from rlray.observe.startup import ActorTimes, Launched
@@ -108,6 +108,7 @@ def rollout_engine_kwargs(plan: RunPlan, max_model_len: int, cpu_threads: str | 
         "weight_transfer": e.weight_transfer,
         # the exact sampler sums in the learner's order: its thread count (rlray.models.exact)
         "torch_threads": build.core_plan(plan.settings).learner_threads if e.backend == "exact" else None,
+        **({"partial_segment_tokens": e.partial_segment_tokens} if e.partial_segment_tokens is not None else {}),
     }
 
 
@@ -167,7 +168,10 @@ def launch_rollout_actors(
     """
 
     res = plan.roles.rollout
-    cls = ray.remote(RolloutActor)
+    if plan.engines.partial_segment_tokens is None:
+        cls = ray.remote(RolloutActor)
+    else:  # rollout.partial: weight pushes run beside a generation (concurrency groups cannot be set in .options)
+        cls = ray.remote(concurrency_groups={WEIGHTS_GROUP: 1})(PartialRolloutActor)
     launched = []
     for i, threads in enumerate(rollout_cpu_threads(plan)):
         name = f"rlray:rollout-{i}"

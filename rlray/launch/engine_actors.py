@@ -1,6 +1,7 @@
 """The engine actors: thin Ray actors over rlray's model-holding classes (``rlray.launch.actors`` starts them).
 
-- ``RolloutActor`` over ``RolloutEngine`` (one vLLM engine per actor), named ``rlray:rollout-<i>``.
+- ``RolloutActor`` over ``RolloutEngine`` (one vLLM engine per actor), named ``rlray:rollout-<i>``; with partial
+  rollouts (``rollout.partial``) ``PartialRolloutActor``, whose weight pushes run beside a generation.
 - ``ReferenceActor`` over ``ReferenceModel`` (the reference policy, or the distillation teacher).
 
 This module imports no torch, vLLM or config schema at import time: a process that only unpickles one of these
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import logging
 from typing import TYPE_CHECKING, Any
+
+import ray
 
 from rlray.hangs import enable_stack_dumps
 from rlray.observe.startup import ActorTimes
@@ -51,9 +54,11 @@ class RolloutActor:
         """Returns this actor's start: its process's creation, its imports and its engine's build (``ActorTimes``)."""
         return self.times
 
-    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSpec) -> list[Completion]:
-        """Returns ``sampling.n`` completions per prompt, prompt-major (see ``RolloutEngine.generate``)."""
-        return self.engine.generate(prompt_token_ids, sampling)
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSpec,
+                 min_version: int = 0) -> list[Completion]:
+        """Returns ``sampling.n`` completions per prompt, prompt-major (see ``RolloutEngine.generate``; ``min_version``:
+        partial rollouts only, the oldest policy version the generation may start with)."""
+        return self.engine.generate(prompt_token_ids, sampling, min_version)
 
     def update_weights(self, weights: dict[str, Any] | AdapterWeights | WeightDelta, version: int) -> int:
         """Loads a new policy, resets the cache and returns the new version: whole weights (tensors, or
@@ -128,6 +133,23 @@ class RolloutActor:
     def transfer_shutdown(self) -> None:
         """Leaves the weight-transfer group (``RolloutEngine.shutdown_weight_transfer``)."""
         self.engine.shutdown_weight_transfer()
+
+
+WEIGHTS_GROUP = "weights"  # PartialRolloutActor's concurrency group of weight pushes (one at a time)
+
+
+class PartialRolloutActor(RolloutActor):
+    """A ``RolloutActor`` for partial rollouts (``rollout.partial``): its weight pushes run in their own concurrency
+    group (``WEIGHTS_GROUP``, one thread), beside a generation in progress, which takes them between two of its
+    segments (``rlray.rollout.partial``); every other call runs on the actor's default thread, in the order sent.
+
+    Start it with ``ray.remote(concurrency_groups={WEIGHTS_GROUP: 1})`` (``rlray.launch.actors``).
+    """
+
+    @ray.method(concurrency_group=WEIGHTS_GROUP)
+    def update_weights(self, weights: dict[str, Any] | AdapterWeights | WeightDelta, version: int) -> int:
+        """Loads a new policy while a generation may run (``RolloutActor.update_weights``); returns the new version."""
+        return super().update_weights(weights, version)
 
 
 class ReferenceActor:

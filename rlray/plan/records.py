@@ -157,6 +157,8 @@ class Engines:
             launch reads the rank from its adapter_config.json instead).
         adapter_path: the adapter an adapter-only sync starts from (``model.adapter_path``), None without.
         max_restarts: times Ray restarts a dead rollout actor (``resources.rollout.max_restarts``).
+        partial_segment_tokens: partial rollouts (``rollout.partial``): new tokens per generation segment, between
+            which a weight update may load (``rollout.partial_segment_tokens``); None when partial rollouts are off.
     """
 
     backend: str
@@ -171,6 +173,7 @@ class Engines:
     lora_rank: int
     adapter_path: str | None
     max_restarts: int
+    partial_segment_tokens: int | None = None
 
 
 @dataclass(frozen=True)

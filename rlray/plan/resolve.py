@@ -218,7 +218,8 @@ def resolve_engines(cfg: Config) -> Engines:
                    weight_transfer=None if sync == "object_store" else sync,
                    lora_slots=r.max_staleness + 2 if adapter else 0, lora_rank=cfg.model.lora.rank if adapter else 0,
                    adapter_path=cfg.model.adapter_path if adapter else None,
-                   max_restarts=cfg.resources.rollout.max_restarts)
+                   max_restarts=cfg.resources.rollout.max_restarts,
+                   partial_segment_tokens=r.partial_segment_tokens if r.partial else None)
 
 
 def resolve_episodes(cfg: Config) -> Episodes:

@@ -34,6 +34,7 @@ from transformers import AutoConfig
 from rlray.models.adapters import AdapterWeights, check_adapter_shapes
 from rlray.rollout.exact_backend import ExactBackend
 from rlray.rollout.hf_backend import HFBackend
+from rlray.rollout.partial import UpdateGate, generate_in_segments
 from rlray.rollout.types import MAX_LORA_RANKS, Completion, SamplingSpec
 
 __all__ = ["Completion", "RolloutEngine", "SamplingSpec"]
@@ -81,13 +82,17 @@ class RolloutEngine:
         lora_slots: adapters held at once (vLLM's max_loras and max_cpu_loras); the newest ``lora_slots - 1``
             versions stay loaded after an update, so an async run needs ``rollout.max_staleness + 2``.
         torch_threads: backend "exact" only; torch threads of this process, the learner's count (None: as they are).
+        partial_segment_tokens: partial rollouts (``rollout.partial``; backends "hf" and "vllm"): generate in segments
+            of this many new tokens, letting a weight update that arrives from another thread load between two
+            segments, the rest of the generation continuing under it (``rlray.rollout.partial``); None: one call.
 
     Attributes:
         start_s: seconds the backend took to start (load, KV-cache allocation, warm-up).
 
     Raises:
         FileNotFoundError: model_path has no config.json or no *.safetensors file.
-        ValueError: an unknown backend or dtype, max_model_len < 2, lora_rank outside 1..512 or lora_slots < 2.
+        ValueError: an unknown backend or dtype, max_model_len < 2, lora_rank outside 1..512 or lora_slots < 2, or
+            partial_segment_tokens below 1 or with backend "exact".
         ImportError: backend "vllm" without the vllm package.
     """
 
@@ -108,6 +113,7 @@ class RolloutEngine:
         lora_rank: int | None = None,
         lora_slots: int = 2,
         torch_threads: int | None = None,
+        partial_segment_tokens: int | None = None,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r}: use one of {BACKENDS}")
@@ -120,6 +126,11 @@ class RolloutEngine:
         if (lora_rank is not None and not 1 <= lora_rank <= MAX_LORA_RANKS[-1]) or lora_slots < 2:
             raise ValueError(f"lora_rank={lora_rank!r}, lora_slots={lora_slots}: need a rank in 1..{MAX_LORA_RANKS[-1]} "
                              "(or None) and at least 2 slots")
+        if partial_segment_tokens is not None and (partial_segment_tokens < 1 or backend == "exact"):
+            raise ValueError(f"partial_segment_tokens={partial_segment_tokens!r} with backend={backend!r}: need >= 1 "
+                             "and backend 'hf' or 'vllm' (rollout.partial)")
+        self._segment_tokens = partial_segment_tokens
+        self._gate = UpdateGate()
         self._weight_transfer = weight_transfer
         self._lora_rank = lora_rank
         self._param_shapes = checkpoint_shapes(model_path)
@@ -152,12 +163,18 @@ class RolloutEngine:
         """Returns the version of the weights in use: 0 at start, then the last update's."""
         return self._policy_version
 
-    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSpec) -> list[Completion]:
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSpec,
+                 min_version: int = 0) -> list[Completion]:
         """Returns P * n completions in prompt-major order: all n of prompt 0, then prompt 1, ...
+
+        With ``partial_segment_tokens`` the generation runs in segments, and an update from another thread loads
+        between two of them (``rlray.rollout.partial``); it starts once the engine holds ``min_version`` or a newer
+        one (the version the caller pushed before it sent this call).
 
         Args:
             prompt_token_ids: P prompts, each a non-empty list of token ids in [0, vocab_size).
             sampling: samples per prompt, token cap, temperature (0.0 greedy), top-p, seed.
+            min_version: partial rollouts only: the oldest policy version this generation may start with.
 
         Raises:
             ValueError: an empty prompt, an id outside the vocabulary (a prompt's or one of
@@ -169,7 +186,12 @@ class RolloutEngine:
             raise ValueError(f"generate: logprob_token_ids {bad} are outside the vocabulary [0, {self._vocab_size})")
         if not prompt_token_ids:
             return []
-        return self._backend.generate(prompt_token_ids, sampling, self._policy_version)
+        if self._segment_tokens is None:
+            return self._backend.generate(prompt_token_ids, sampling, self._policy_version)
+        with self._gate.generating(lambda: self._policy_version >= min_version, f"policy version {min_version}"):
+            return generate_in_segments(self._backend.generate, prompt_token_ids, sampling,
+                                        segment_tokens=self._segment_tokens, version=lambda: self._policy_version,
+                                        between=self._gate.yield_to_updates)
 
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
         """Loads new policy weights; later generate() calls use them (and no adapter) and report `version`.
@@ -190,9 +212,10 @@ class RolloutEngine:
         if not isinstance(version, int):
             raise ValueError(f"update_weights: version={version!r} must be an int")
         weights = self._check_weights(named_tensors)
-        self._backend.load_weights(weights)
-        self._backend.reset_cache()
-        self._policy_version = version
+        with self._gate.updating():  # a partial rollout's segment in progress ends first
+            self._backend.load_weights(weights)
+            self._backend.reset_cache()
+            self._policy_version = version
 
     def update_adapter(self, adapter: AdapterWeights, version: int) -> None:
         """Applies a LoRA adapter over the base weights; later generate() calls use it and report `version`.
@@ -213,9 +236,10 @@ class RolloutEngine:
         if not isinstance(version, int):
             raise ValueError(f"update_adapter: version={version!r} must be an int")
         self._check_adapter(adapter)
-        self._backend.load_adapter(adapter, version)
-        self._backend.reset_cache()
-        self._policy_version = version
+        with self._gate.updating():
+            self._backend.load_adapter(adapter, version)
+            self._backend.reset_cache()
+            self._policy_version = version
 
     # ---- weight transfer (vLLM's weight-transfer engines: NCCL broadcast or CUDA IPC; GPU only) ----
     def init_weight_transfer(self, init_info: dict) -> None:

@@ -24,6 +24,7 @@ No call hangs silently: with a ``rlray.hangs.HangWatch`` (``watchdog.*``), a gen
 actor runs one call at a time, in order) is reported with the actor's stacks, and the actor is restarted (its
 prompts go to a live actor, counted in ``rerun_prompts``; it gets the latest weights when back) or the run stops.
 
+Partial rollouts (``partial``): a push runs beside the generations in flight (``rlray.rollout.partial``).
 The async pipeline over it is ``rlray.rollout.pipeline.RolloutPipeline``.
 """
 
@@ -143,6 +144,7 @@ class RolloutFleet:
             actor that cannot run it (not ALIVE in the GCS) before the actor is lost and the call sent elsewhere.
         watch: the deadlines of generate calls and weight pushes and what a call past one does
             (``rlray.hangs.HangWatch``); None: no deadline.
+        partial: ``PartialRolloutActor``s: a generate call carries the latest version pushed (its ``min_version``).
 
     Attributes:
         version: the latest policy version pushed to the actors.
@@ -154,11 +156,12 @@ class RolloutFleet:
     """
 
     def __init__(self, actors: list[Any], *, max_attempts: int = 4, node_wait_s: float = 0.0,
-                 watch: HangWatch | None = None) -> None:
+                 watch: HangWatch | None = None, partial: bool = False) -> None:
         if not actors:
             raise ValueError("RolloutFleet needs at least one rollout actor")
         self.actors = list(actors)
         self.max_attempts = max_attempts
+        self.partial = partial
         self.node_wait_s = node_wait_s
         self.version = 0
         self.reassigned = 0
@@ -249,7 +252,8 @@ class RolloutFleet:
 
     def _call(self, pending: PendingRollout, indices: list[int], actor: int, attempts: int = 1) -> _Chunk:
         ids = [pending.prompt_ids[i] for i in indices]
-        ref = self.actors[actor].generate.remote(ids, offset_seed(pending.sampling, indices[0]))
+        after = (self.version,) if self.partial else ()  # partial: a push runs beside the call, not before it
+        ref = self.actors[actor].generate.remote(ids, offset_seed(pending.sampling, indices[0]), *after)
         self._track(actor, "generate", ref)
         self.calls += 1
         return _Chunk(indices, actor, ref, attempts)

@@ -160,7 +160,8 @@ class Completion:
             renormalises over the kept nucleus, the hf backend does not; with top_p = 1 both
             equal the learner's logprobs.
         finish_reason: "stop" (an EOS/stop token was generated) or "length" (hit max_new_tokens).
-        policy_version: the engine's policy version when this was generated.
+        policy_version: the engine's policy version when this was generated: the version of its first (oldest) token
+            (a partial rollout, ``rollout.partial``, may take later tokens from newer versions: ``versions``).
         loss_mask: per response token, True where the token was sampled by the policy and counts in
             the loss; same length as response_token_ids. All True for a single-turn completion (the
             default); a multi-turn episode sets False on its observation tokens.
@@ -169,6 +170,9 @@ class Completion:
         episode: what the environment episode recorded (None for a single-turn completion).
         token_id_logprobs: per generated token, {token id: logprob (nats)} of ``SamplingSpec.logprob_token_ids``,
             from the distribution rollout_logprobs come from; empty when none were asked.
+        versions: per generated token, the policy version that sampled it (the weights its rollout_logprobs come
+            from); same length as response_token_ids. All ``policy_version`` (the default) unless a partial rollout
+            (``rlray.rollout.partial``) continued the sequence under newer weights; never decreasing.
     """
 
     prompt_index: int
@@ -181,12 +185,18 @@ class Completion:
     prompt_token_ids: list[int] | None = None
     episode: EpisodeInfo | None = None
     token_id_logprobs: list[dict[int, float]] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.loss_mask:
             self.loss_mask = [True] * len(self.response_token_ids)
         elif len(self.loss_mask) != len(self.response_token_ids):
             raise ValueError(f"Completion.loss_mask has {len(self.loss_mask)} entries for "
+                             f"{len(self.response_token_ids)} response tokens")
+        if not self.versions:
+            self.versions = [self.policy_version] * len(self.response_token_ids)
+        elif len(self.versions) != len(self.response_token_ids):
+            raise ValueError(f"Completion.versions has {len(self.versions)} entries for "
                              f"{len(self.response_token_ids)} response tokens")
 
 

@@ -260,6 +260,7 @@ def build_experience(
             "reward_components": [{k: v[i] for k, v in comps.items()} for i, _, _ in laid],
             "prompt_columns": [columns_json(rows[c.prompt_index]) for c in sample],
             "policy_version": [t.policy_version for t in seqs],
+            "token_versions": [t.versions for t in seqs],
             "finish_reason": [t.finish_reason for t in seqs],
             **episode_columns(seqs),
             **cut,

@@ -139,7 +139,8 @@ def build_lead(plan: RunPlan, tokenizer: Any, actors: list[Any], env_hosts: list
         eval_prompts = list(zip(rows, ids, strict=True))
     columns = build.dataset_columns(all_train_rows + [r for r, _ in eval_prompts])
     watch = hang_watch(plan)  # one watch: the fleet's, the episodes', the reward's and the judges' deadlines
-    fleet = RolloutFleet(actors, node_wait_s=cfg.resources.node_wait_s, watch=watch)
+    fleet = RolloutFleet(actors, node_wait_s=cfg.resources.node_wait_s, watch=watch,
+                         partial=plan.engines.partial_segment_tokens is not None)
     rollouts = build.rollouts(cfg, fleet, env_hosts, tokenizer)
     here = ray.get_runtime_context().get_node_id()
     overlap, why = build.rollout_overlap(cfg, cores, shares_node=any(gcs_actor_node(a) in (None, here) for a in actors))
