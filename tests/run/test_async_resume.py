@@ -32,7 +32,7 @@ from rlray.run.state import RunOutcome, RunServices, WorkerArgs
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures"
 pytestmark = pytest.mark.ray
-ROWS = [  # 2 guess, 2 retry_arith, 2 agent rows: 2 prompts per step, 3 steps per epoch
+ROWS = [  # 2 guess, 2 retry_arith, 2 agent, 2 single-turn rows: 2 prompts per step, 4 steps per epoch
     {"prompt": "Guess a number between 1 and 8.", "environment": "guess", "secret": 3, "low": 1, "high": 8, "max_guesses": 3},
     {"prompt": "What is 7 + 5?", "environment": "retry_arith", "a": 7, "op": "+", "b": 5, "answer": 12},
     {"prompt": "What is 2 + 2? calls=1", "environment": "adder"},
@@ -40,6 +40,8 @@ ROWS = [  # 2 guess, 2 retry_arith, 2 agent rows: 2 prompts per step, 3 steps pe
      "max_guesses": 3},
     {"prompt": "What is 9 - 4?", "environment": "retry_arith", "a": 9, "op": "-", "b": 4, "answer": 5},
     {"prompt": "Add 1 and 3. calls=1", "environment": "adder"},
+    {"prompt": "Reply with the word yes.", "solution": "yes"},  # single-turn rows, scored by reward.functions
+    {"prompt": "Reply with the word no.", "solution": "no"},
 ]
 
 
@@ -52,7 +54,8 @@ def _compare_module():
 
 
 def make_cfg(base: Path, name: str, *overrides: str, max_steps: int = 4, staleness: int = 1) -> Config:
-    """The mixed tiny config: environments and an agent, async (overlap on), a snapshot every 2 steps, no eval."""
+    """The mixed tiny config: environments, an agent and single-turn rows, async (overlap on), a snapshot every 2 steps,
+    no eval, lr 1e-3 and a length reward (every row: a random model gets a signal, so the weights change each step)."""
     from rlray.launch.driver import resolve_paths
 
     cfg = load_config(REPO / "configs/envs/mixed_tiny.yaml", [
@@ -64,7 +67,8 @@ def make_cfg(base: Path, name: str, *overrides: str, max_steps: int = 4, stalene
         "rollout.backend=hf", f"rollout.max_staleness={staleness}", "rollout.overlap=on", "rollout.max_new_tokens=8",
         "learner.prompts_per_step=2", "learner.sequences_per_minibatch=4", "learner.sequences_per_microbatch=2",
         "learner.lr=1e-3", "learner.torch_threads=1", "resources.rollout.num_workers=1", "resources.env.num_workers=1",
-        "checkpoint.every_steps=2", "guard.kl_threshold=null", "monitor.heartbeat_s=5", *overrides])
+        "checkpoint.every_steps=2", "guard.kl_threshold=null", "monitor.heartbeat_s=5",
+        f"reward.functions=[{{function: '{FIXTURES}/rewards.py:completion_length', weight: 1.0}}]", *overrides])
     return resolve_paths(cfg)
 
 
@@ -196,3 +200,5 @@ def test_a_crash_with_episodes_in_flight_resumes_losslessly(cluster, tiny_model_
              for k, n, d, status in compare.compare_runs(a, b, 0.0) if status != "equal"]
     assert not diffs, "\n".join(map(str, diffs))
     assert {k for k in a if k.startswith("env/")} >= {"env/episodes", "env/gateway_calls"}
+    assert all(v > 0 for _, v in a["learner/grad_norm"])  # every step changed the weights: later samples depend on them
+    assert [v for _, v in a["rollout/staleness_max"]] == [0.0, 1.0, 1.0, 1.0]
