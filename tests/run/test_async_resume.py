@@ -7,8 +7,9 @@ comparison, every key but wall-clock readings).
 
 One Ray cluster, one rollout actor and one environment host (an ``AgentHost``) serve three in-process runs
 (``worker.train``, world size 1, as tests/run/test_session.py): A runs 4 steps straight; B crashes in step 3; C resumes
-B's latest snapshot. The crashed run's episode threads are waited for before the resume (a killed driver takes them
-with it; here they would sample on the shared actors)."""
+B's latest snapshot. The full size (6 steps, staleness 2, two crashes) is marked slow. The crashed run's episode
+threads are waited for before the resume (a killed driver takes them with it; here they would sample on the shared
+actors)."""
 
 from __future__ import annotations
 
@@ -118,7 +119,7 @@ def crash_and_resume(cluster, model_path: str, name: str, crash_steps: tuple[int
     def crash(ctx):
         if pending and ctx.policy_version + 1 == pending[0]:  # the push of step s's update is version s
             pending.pop(0)
-            assert ctx.lead.pipeline.in_flight == 1  # step s+1's rollout: submitted, not collected
+            assert ctx.lead.pipeline.in_flight == ctx.settings.rollout.max_staleness  # submitted, not collected
             raise RuntimeError(f"injected crash in step {ctx.policy_version + 1}, episodes in flight")
         return real_sync(ctx)
 
@@ -168,6 +169,28 @@ def joined_ledger(uri: str, runs: list[tuple[str, str | None]]) -> dict[int, lis
     return out
 
 
+def assert_lossless(base: Path, straight_id: str, runs: list[tuple[str, str | None]], *, steps: int, staleness: int,
+                    name: str) -> dict[str, list[tuple[int, float]]]:
+    """Asserts that the crashed-and-resumed ``runs`` trained every prompt exactly once, in the uninterrupted run's
+    order, and logged its metrics bit for bit; returns the uninterrupted run's metric histories."""
+    uri = f"sqlite:///{base}/mlflow.db"
+    cfg = make_cfg(base, name, max_steps=steps, staleness=staleness)
+    rows = ledger.training_rows(resolve_plan(cfg))
+    got = joined_ledger(uri, runs)
+    report = ledger.check_ledger(got, rows, seed=cfg.run.seed, shuffle=cfg.data.shuffle, last_step=steps,
+                                 prompts_per_step=2, max_staleness=staleness)
+    assert report.ok, report.summary()
+    assert report.consumed == 2 * steps and got == read_ledger(uri, straight_id)
+    compare = _compare_module()
+    a, b = histories(uri, straight_id), joined(uri, runs)
+    diffs = [(k, n, d, status, compare.first_difference(a.get(k, []), b.get(k, []), 0.0))
+             for k, n, d, status in compare.compare_runs(a, b, 0.0) if status != "equal"]
+    assert not diffs, "\n".join(map(str, diffs))
+    assert {k for k in a if k.startswith("env/")} >= {"env/episodes", "env/gateway_calls"}
+    assert all(v > 0 for _, v in a["learner/grad_norm"])  # every step changed the weights: later samples depend on them
+    return a
+
+
 @pytest.fixture(scope="module")
 def straight(cluster, tiny_model_path):
     """A: the uninterrupted run (4 steps)."""
@@ -177,28 +200,24 @@ def straight(cluster, tiny_model_path):
 
 
 def test_a_crash_with_episodes_in_flight_resumes_losslessly(cluster, tiny_model_path, straight):
-    base = cluster[0]
-    uri = f"sqlite:///{base}/mlflow.db"
     runs = crash_and_resume(cluster, tiny_model_path, "crashed", (3,))
     assert len(runs) == 2 and runs[1][1].endswith("step_00000002")
     manifest = checkpoint.read_manifest(runs[1][1])
     assert len(manifest.data_cursor["in_flight"]) == 1  # step 3's prompts were taken, its samples kept
     kept = contents.read_in_flight(runs[1][1], manifest, None)
     assert [k["version"] for k in kept] == [1] and len(kept[0]["completions"]) == 4  # 2 prompts x 2, at version 1
-    # the ledger: every prompt trained exactly once, in the uninterrupted run's order
-    cfg = make_cfg(base, "crashed")
-    rows = ledger.training_rows(resolve_plan(cfg))
-    report = ledger.check_ledger(joined_ledger(uri, runs), rows, seed=cfg.run.seed, shuffle=cfg.data.shuffle,
-                                 last_step=4, prompts_per_step=2, max_staleness=1)
-    assert report.ok, report.summary()
-    assert report.consumed == 8
-    assert joined_ledger(uri, runs) == read_ledger(uri, straight)
-    # the metrics: bit for bit
-    compare = _compare_module()
-    a, b = histories(uri, straight), joined(uri, runs)
-    diffs = [(k, n, d, status, compare.first_difference(a.get(k, []), b.get(k, []), 0.0))
-             for k, n, d, status in compare.compare_runs(a, b, 0.0) if status != "equal"]
-    assert not diffs, "\n".join(map(str, diffs))
-    assert {k for k in a if k.startswith("env/")} >= {"env/episodes", "env/gateway_calls"}
-    assert all(v > 0 for _, v in a["learner/grad_norm"])  # every step changed the weights: later samples depend on them
-    assert [v for _, v in a["rollout/staleness_max"]] == [0.0, 1.0, 1.0, 1.0]
+    straight_metrics = assert_lossless(cluster[0], straight, runs, steps=4, staleness=1, name="crashed")
+    assert [v for _, v in straight_metrics["rollout/staleness_max"]] == [0.0, 1.0, 1.0, 1.0]
+
+
+@pytest.mark.slow  # ~3 Ray runs more; make test runs the one crash above
+def test_two_crashes_at_staleness_2_resume_losslessly(cluster, tiny_model_path):
+    """The full size: 6 steps at max_staleness 2 (two steps in flight at each snapshot), crashed in steps 3 and 5."""
+    kw = {"max_steps": 6, "staleness": 2}
+    outcome, straight_id = run(cluster, tiny_model_path, make_cfg(cluster[0], "straight6", **kw))
+    assert isinstance(outcome, RunOutcome) and outcome.status == "FINISHED", outcome
+    runs = crash_and_resume(cluster, tiny_model_path, "crashed6", (3, 5), **kw)
+    assert len(runs) == 3 and [r[1].rsplit("/", 1)[-1] for r in runs[1:]] == ["step_00000002", "step_00000004"]
+    assert len(checkpoint.read_manifest(runs[2][1]).data_cursor["in_flight"]) == 2
+    metrics = assert_lossless(cluster[0], straight_id, runs, steps=6, staleness=2, name="crashed6")
+    assert max(v for _, v in metrics["rollout/staleness_max"]) == 2.0
