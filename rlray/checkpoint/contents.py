@@ -17,6 +17,7 @@ optimizer state goes into a sharded learner by parameter name.
 from __future__ import annotations
 
 import copy
+import json
 import random
 import tempfile
 from pathlib import Path
@@ -34,6 +35,7 @@ from rlray.checkpoint.manifest import SnapshotManifest
 TRAINER_STATE = "trainer_state.pt"
 SHARDED_DIR = "sharded"
 CONFIG_FILE = "config.yaml"
+IN_FLIGHT_FILE = "rollouts/in_flight.json"  # async runs: the samples of the steps in flight (rank 0)
 # Sections a run may change while it trains (rollback overrides, the OOM fallback); a restart keeps
 # the values its snapshot was trained with.
 TRAINED_SECTIONS = ("learner", "algo", "reward")
@@ -127,6 +129,36 @@ def write_rank(uri: str, *, rank: int, learner: Any, tokenizer: Any, config_yaml
             write_payload(out, learner=learner, tokenizer=tokenizer, config_yaml=config_yaml, weights=weights)
             sizes = checkpoint.put_files(uri, out, options)
     return {**sizes, **write_rng(uri, rank, options)}
+
+
+def write_in_flight(uri: str, rollouts: list[dict | None], options: dict[str, Any] | None) -> dict[str, int]:
+    """Writes the rollouts of an async run's steps in flight (``RolloutPipeline.in_flight_rollouts``: JSON data) to
+    ``<uri>/rollouts/in_flight.json``; returns {relative path: bytes}.
+
+    Raises:
+        rlray.checkpoint.storage.SnapshotError: the write failed.
+    """
+    with tempfile.TemporaryDirectory(prefix="rlray-inflight-") as tmp:
+        local = Path(tmp) / "in_flight.json"
+        local.write_text(json.dumps(rollouts))
+        return {IN_FLIGHT_FILE: checkpoint.put_file(local, checkpoint.join(uri, IN_FLIGHT_FILE), options)}
+
+
+def read_in_flight(uri: str, manifest: SnapshotManifest, options: dict[str, Any] | None) -> list[dict | None] | None:
+    """Returns the rollouts of the steps in flight a snapshot kept (``write_in_flight``), or None when it kept none
+    (a synchronous run, or a snapshot written before they were kept).
+
+    Raises:
+        rlray.checkpoint.storage.SnapshotError: the file is listed in the manifest but cannot be read.
+    """
+    if IN_FLIGHT_FILE not in manifest.files:
+        return None
+    fs, path = checkpoint.open_fs(checkpoint.join(uri, IN_FLIGHT_FILE), options)
+    try:
+        with fs.open(path, "r") as f:
+            return json.load(f)
+    except (OSError, ValueError) as err:
+        raise checkpoint.SnapshotError(f"could not read '{checkpoint.join(uri, IN_FLIGHT_FILE)}': {err}") from err
 
 
 # --------------------------------------------------------------------------------------------

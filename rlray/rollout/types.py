@@ -7,6 +7,7 @@ these records without vLLM installed.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -198,6 +199,34 @@ class Completion:
         elif len(self.versions) != len(self.response_token_ids):
             raise ValueError(f"Completion.versions has {len(self.versions)} entries for "
                              f"{len(self.response_token_ids)} response tokens")
+
+
+def completion_to_dict(c: Completion) -> dict[str, Any]:
+    """Returns ``c`` as plain JSON data (``completion_from_dict`` rebuilds it exactly: floats as Python writes them,
+    NaN included); what a snapshot keeps of the rollouts in flight (``rlray.rollout.pipeline``)."""
+    out = dataclasses.asdict(c)
+    out["token_id_logprobs"] = [[[int(k), v] for k, v in d.items()] for d in c.token_id_logprobs]
+    if c.episode is not None and c.episode.agent is not None:
+        out["episode"]["agent"]["segments"] = [completion_to_dict(s) for s in c.episode.agent.segments]
+    return out
+
+
+def completion_from_dict(data: dict[str, Any]) -> Completion:
+    """Returns the ``Completion`` that ``completion_to_dict`` wrote as ``data``.
+
+    Raises:
+        TypeError: ``data`` has a field ``Completion`` does not (or misses a required one).
+    """
+    data = dict(data)
+    data["token_id_logprobs"] = [{int(k): v for k, v in pairs} for pairs in data.get("token_id_logprobs", [])]
+    if data.get("episode") is not None:
+        episode = dict(data["episode"])
+        if episode.get("agent") is not None:
+            agent = dict(episode["agent"])
+            agent["segments"] = [completion_from_dict(s) for s in agent.get("segments", [])]
+            episode["agent"] = AgentInfo(**agent)
+        data["episode"] = EpisodeInfo(**episode)
+    return Completion(**data)
 
 
 PendingT = TypeVar("PendingT")

@@ -41,16 +41,25 @@ class FleetSampler:
     """The engine call of an agent host's batch (``rlray.envs.agents.agent_host.Sampler``): a Ray call to a rollout actor.
 
     Runs in the host. Each call samples with the batch's ``SamplingSpec``, its max new tokens and stop strings set by
-    the call (no per-call seed: the calls of many agents have no fixed order). When the actor has died, the call goes
-    to the next actor, and so on once around.
+    the call, and a seed of its own: the batch's seed (``AgentRollout`` gives each host's batch its own), plus
+    ``ACTOR_SEED_STRIDE`` per actor index and ``CALL_SEED_STRIDE`` per earlier call of the batch to the same actor. The
+    host's ``TickBatcher`` sends an actor's waiting requests in episode order, so a call's samples are a function of
+    the weights, the seed and the requests it carries: a run repeats its agents' samples wherever the batcher gathers
+    the same requests into each call (every running episode asks within the batcher's window). Unseeded
+    (``sampling.seed`` None), calls draw from the engine's own stream. When the actor has died, the call goes to the
+    next actor (same seed), and so on once around.
 
     Args:
         actors: the rollout actors' handles.
         sampling: the batch's sampling (temperature, top-p, top-k, min-p, stop strings).
     """
 
+    ACTOR_SEED_STRIDE = 7_919
+    CALL_SEED_STRIDE = 104_729
+
     def __init__(self, actors: list[Any], sampling: SamplingSpec) -> None:
         self.actors, self.sampling, self.num_actors = list(actors), sampling, len(actors)
+        self._calls: dict[int, int] = {}  # actor index -> calls sent to it so far
 
     async def sample(self, actor: int, prompts: list[list[int]], max_new_tokens: int,
                      stop: tuple[str, ...]) -> list[Sampled]:
@@ -60,7 +69,10 @@ class FleetSampler:
             RolloutError: every actor failed the call.
         """
         extra = tuple(s for s in stop if s not in self.sampling.stop)
-        spec = dataclasses.replace(self.sampling, n=1, max_new_tokens=max_new_tokens, seed=None,
+        count, self._calls[actor] = self._calls.get(actor, 0), self._calls.get(actor, 0) + 1
+        seed = None if self.sampling.seed is None else (
+            self.sampling.seed + self.ACTOR_SEED_STRIDE * actor + self.CALL_SEED_STRIDE * count)
+        spec = dataclasses.replace(self.sampling, n=1, max_new_tokens=max_new_tokens, seed=seed,
                                    stop=tuple(self.sampling.stop) + extra)
         last: Exception | None = None
         for attempt in range(self.num_actors):
@@ -178,7 +190,7 @@ class AgentRollout:
                 request = AgentRequest(f"{step_key}-{p}-{s}", self.agent_of(row), columns, order)
                 by_host.setdefault(order % len(self.hosts), []).append((p, s, request))
                 order += 1
-        refs = {h: self.hosts[h].run_agents.remote(AgentBatch([r for _, _, r in items], actors, sampling,
+        refs = {h: self.hosts[h].run_agents.remote(AgentBatch([r for _, _, r in items], actors, host_sampling(sampling, h),
                                                                sampling.max_new_tokens))
                 for h, items in by_host.items()}
         if self.watch is not None:
@@ -221,6 +233,19 @@ class AgentRollout:
             eos = int(self.tokenizer.eos_token_id)
             return Completion(p, s, [eos], [0.0], "stop", self.fleet.version, [False], prompt_token_ids=[eos], episode=info)
         return dataclasses.replace(segments[-1], episode=info)
+
+
+AGENT_SEED_OFFSET = 500_000_003  # agents' calls: away from the seeds of the episode loop's turns
+HOST_SEED_STRIDE = 15_485_863
+
+
+def host_sampling(sampling: SamplingSpec, host: int) -> SamplingSpec:
+    """Returns the sampling of environment host ``host``'s agent batch: the step's, with a seed of its own
+    (``AGENT_SEED_OFFSET`` + ``HOST_SEED_STRIDE`` per host; ``FleetSampler`` derives each call's from it), or None
+    when the step's is None."""
+    if sampling.seed is None:
+        return sampling
+    return dataclasses.replace(sampling, seed=sampling.seed + AGENT_SEED_OFFSET + HOST_SEED_STRIDE * host)
 
 
 def agent_metrics(completions: list[Completion], agents: set[str]) -> dict[str, float]:

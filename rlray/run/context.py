@@ -118,6 +118,15 @@ class RunContext(abc.ABC):
     def load_cursor_state(self, state: dict[str, Any]) -> None:
         """Sets the data cursor to a snapshot's ``state`` (called on every rank; a rank without a cursor ignores it)."""
 
+    def in_flight_rollouts(self) -> list[dict | None] | None:
+        """Returns what a snapshot keeps of the rollouts of the steps in flight (rank 0 of an async online run), JSON
+        data; None by default (no steps run ahead)."""
+        return None
+
+    def load_in_flight_rollouts(self, rollouts: list[dict | None]) -> None:  # noqa: B027 (a hook with a default)
+        """Gives the steps in flight of a just loaded ``cursor_state`` the rollouts the same snapshot kept
+        (``in_flight_rollouts``; every rank calls it, a rank without steps in flight ignores it); none by default."""
+
     def adopt_plan(self, plan: RunPlan) -> None:
         """Makes ``plan`` the plan in force (a rollback's ``guard.rollback_overrides`` applied, ``rlray.plan.replan``)."""
         self.plan = plan

@@ -148,7 +148,8 @@ def build_lead(plan: RunPlan, tokenizer: Any, actors: list[Any], env_hosts: list
         log.info("async rollouts (max_staleness %d): overlap %s (%s)", cfg.rollout.max_staleness,
                  "on" if overlap else "off", why)
     pipeline = RolloutPipeline(rollouts, take_prompts, sampling_for, cfg.rollout.max_staleness,
-                               cursor=stream.state_dict, restore_cursor=stream.load_state_dict, overlap=overlap)
+                               cursor=stream.state_dict, restore_cursor=stream.load_state_dict, overlap=overlap,
+                               settle_before_push=rollouts is not fleet)  # episodes or agents: turns after the submit
     return OnlineLead(
         stream=stream, prompt_ids={r.prompt_id: ids for r, ids in zip(train_rows, train_ids, strict=True)},
         skipped_long_prompts=skipped, eval_prompts=eval_prompts, reward_columns=columns,

@@ -160,6 +160,17 @@ class OnlineRun(RunContext):
         if self.lead is not None:
             self.lead.pipeline.load_cursor_state(state)
 
+    def load_in_flight_rollouts(self, rollouts: list[dict | None]) -> None:
+        """Rank 0: the steps in flight of the loaded cursor train on the samples the snapshot kept of them
+        (``RolloutPipeline.keep_rollouts``)."""
+        if self.lead is not None:
+            self.lead.pipeline.keep_rollouts(rollouts)
+
+    def in_flight_rollouts(self) -> list[dict | None] | None:
+        """Returns the rollouts of the steps in flight a snapshot keeps (``RolloutPipeline.in_flight_rollouts``, rank 0;
+        collected first)."""
+        return self.lead.pipeline.in_flight_rollouts()
+
     def watch_hangs(self, alert: Callable[[str], None]) -> None:
         """Sends rank 0's hang reports (``rlray.hangs.HangWatch``) through ``alert`` (the run's alert path)."""
         if self.lead is not None and self.lead.fleet.watch is not None:
@@ -362,9 +373,12 @@ def sync_weights(ctx: OnlineRun) -> int:
     """Stage 7: pushes the policy from the learner to every rollout actor; returns the new policy version.
 
     Object store on CPU, NCCL broadcast or CUDA IPC on GPU (``rlray.rollout.weight_sync``); in async mode
-    the push queues behind the rollouts already in flight instead of waiting for them.
+    the push queues behind the single-turn rollouts already in flight instead of waiting for them, and waits for
+    multi-turn ones (episodes, agents: ``RolloutPipeline.before_push``), whose turns would otherwise straddle it.
     """
     version = ctx.policy_version + 1
+    if ctx.lead is not None:  # multi-turn rollouts in flight finish their turns with the weights they started with
+        ctx.lead.pipeline.before_push()
     ctx.weight_sync.push(ctx.learner, ctx.rank, version)
     return version
 

@@ -287,6 +287,9 @@ def _restore(ctx: RunContext, run: RunState, uri: str) -> SnapshotManifest:
     contents.set_optimizer_hparams(ctx.learner, ctx.settings.learner)
     ctx.policy_version = manifest.policy_version
     ctx.load_cursor_state(manifest.data_cursor)  # rank 0 online; every rank offline (each walks the same cursor)
+    in_flight = contents.read_in_flight(uri, manifest, run.options) if ctx.rank == 0 else None
+    if in_flight is not None:  # async: the steps in flight train on the samples an uninterrupted run trains them on
+        ctx.load_in_flight_rollouts(in_flight)
     log.info("rank %d restored snapshot %s (step %d, policy version %d)", ctx.rank, uri, manifest.step, ctx.policy_version)
     return manifest
 

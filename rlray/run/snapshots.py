@@ -81,6 +81,9 @@ def _write(ctx: RunContext, run: RunState, uri: str, kind: str, metrics: dict[st
         if ctx.rank == 0:
             contents.write_rank0(uri, learner=ctx.learner, tokenizer=ctx.tokenizer, config_yaml=ctx.plan.to_yaml(),
                                 options=run.options)
+            in_flight = ctx.in_flight_rollouts()  # async mode: the samples of the steps ahead, collected now
+            if in_flight:
+                contents.write_in_flight(uri, in_flight, run.options)
         else:  # its RNG states, and its optimizer shard when sharded (with rank 0's gathers: every rank is here)
             contents.write_rank(uri, rank=ctx.rank, learner=ctx.learner, tokenizer=ctx.tokenizer,
                                 config_yaml=ctx.plan.to_yaml(), options=run.options)

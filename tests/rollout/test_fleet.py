@@ -323,7 +323,7 @@ def test_pipeline_without_overlap_takes_the_same_prompts_and_generates_each_step
         assert batch.submitted_at_version == step
         fleet.push_weights(ray.put({}), step + 1, wait=False)
     pipe.reset()  # kept steps are not collected (never submitted) and are taken again with their prompts
-    assert pipe.in_flight == 0 and [ids[0][0] for _, _, ids in pipe._retake] == [20, 24]
+    assert pipe.in_flight == 0 and [entry[2][0][0] for entry in pipe._retake] == [20, 24]
 
 
 def test_pipeline_rejects_out_of_order_steps(actors):

@@ -89,3 +89,27 @@ def test_the_fleet_and_the_episode_rollout_are_rollout_sources():
         "Drifted.submit: ['prompt_ids:POSITIONAL_OR_KEYWORD', 'sampling:POSITIONAL_OR_KEYWORD', 'actor_keys:KEYWORD_ONLY']",
         "Drifted.generate: seed has no default"]
     assert not isinstance(object(), RolloutSource)
+
+
+def test_a_completion_goes_through_json_and_back_exactly():
+    """What a snapshot keeps of the rollouts in flight: an agent episode with an earlier segment, per-token id
+    logprobs (int keys), a NaN reward and floats that only their repr writes exactly."""
+    import json
+    import math
+
+    from rlray.rollout import Completion
+    from rlray.rollout.types import AgentInfo, EpisodeInfo, completion_from_dict, completion_to_dict
+
+    segment = Completion(0, 1, [5, 6], [-0.1, -0.2], "stop", 3, [True, False], prompt_token_ids=[1],
+                         episode=EpisodeInfo("adder", "template_drift", 1, [None]))
+    info = EpisodeInfo("adder", "done", 2, [None, float("nan")], env_reward=1 / 3, tool_calls=1, metrics={"m": 0.1 + 0.2},
+                       scores={"s": 2.0}, agent=AgentInfo([segment], gateway_calls=2, template_drift=1))
+    c = Completion(0, 1, [7, 8, 9], [-1e-300, -0.7, -2 / 3], "length", 4, [True, False, True], prompt_token_ids=[1, 2],
+                   episode=info, token_id_logprobs=[{3: -0.5}, {}, {11: -1 / 7, 2: 0.0}])
+    back = completion_from_dict(json.loads(json.dumps(completion_to_dict(c))))
+    assert math.isnan(back.episode.turn_rewards[1])
+    back.episode.turn_rewards[1] = c.episode.turn_rewards[1] = None  # NaN != NaN: compared above
+    assert back == c
+    assert back.episode.agent.segments[0] == segment and back.token_id_logprobs[2] == {11: -1 / 7, 2: 0.0}
+    single = Completion(2, 0, [4], [-0.3], "stop", 0)
+    assert completion_from_dict(json.loads(json.dumps(completion_to_dict(single)))) == single

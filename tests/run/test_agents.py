@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import threading
 import time
 import types
@@ -14,6 +15,7 @@ import pytest
 import ray
 
 from rlray.data import PromptRow
+from rlray.envs.agents.conversation import Sampled
 from rlray.hangs import ActorProcess, HangError, HangWatch
 from rlray.rollout import Completion, SamplingSpec
 from rlray.rollout.fleet import RolloutError
@@ -49,12 +51,45 @@ def test_the_fleet_sampler_calls_the_pinned_actor_with_the_call_s_limits_and_ski
     assert [s.token_ids for s in got] == [[100, 2], [100, 2]] and got[0].policy_version == 5
     (prompts, spec), = alive.got
     assert prompts == [[1, 2], [3]]
-    assert (spec.n, spec.max_new_tokens, spec.temperature, spec.top_p, spec.seed, spec.stop) == (1, 16, 0.7, 0.9, None,
+    assert (spec.n, spec.max_new_tokens, spec.temperature, spec.top_p, spec.seed, spec.stop) == (1, 16, 0.7, 0.9, 11,
                                                                                                  ("END", "STOP"))
-    got = asyncio.run(sampler.sample(1, [[4]], 8, ()))  # actor 1 died: the call goes to the next one
+    got = asyncio.run(sampler.sample(1, [[4]], 8, ()))  # actor 1 died: the call goes to the next one, same seed
     assert got[0].token_ids == [100, 2] and len(dead.got) == 1
+    assert dead.got[0][1].seed == alive.got[1][1].seed == 11 + 7_919  # actor 1's first call: 11 + 7919 * 1
+    asyncio.run(sampler.sample(0, [[5]], 8, ()))
+    assert alive.got[2][1].seed == 11 + 104_729  # actor 0's second call: 11 + 104729 * 1
+    asyncio.run(FleetSampler([alive], dataclasses.replace(sampling, seed=None)).sample(0, [[6]], 8, ()))
+    assert alive.got[3][1].seed is None  # an unseeded step: the engine's own stream
     with pytest.raises(RolloutError, match="every rollout actor failed"):
         asyncio.run(FleetSampler([dead], sampling).sample(0, [[1]], 8, ()))
+
+
+def test_the_batcher_sends_an_actor_s_waiting_requests_in_episode_order_not_arrival_order():
+    """The same requests make the same engine call (seeded per call by FleetSampler), whichever agent asked first."""
+    from rlray.envs.agents.agent_host import GatewayStats, TickBatcher
+
+    class Recorder:
+        num_actors = 1
+
+        def __init__(self):
+            self.calls = []
+
+        async def sample(self, actor, prompts, max_new_tokens, stop):
+            self.calls.append(prompts)
+            return [Sampled(p, [0.0] * len(p), "stop", 0) for p in prompts]
+
+    async def three_episodes(arrival):
+        sampler = Recorder()
+        batcher = TickBatcher(sampler, GatewayStats())
+        for key in arrival:
+            batcher.enter(key)
+        got = await asyncio.gather(*(batcher.sample(key, [key], 4, ()) for key in arrival))
+        return sampler.calls, got
+
+    for arrival in ([2, 0, 1], [1, 2, 0]):
+        calls, got = asyncio.run(three_episodes(arrival))
+        assert calls == [[[0], [1], [2]]]  # one call, in episode (actor key) order
+        assert [s.token_ids for s in got] == [[k] for k in arrival]  # each episode gets its own sample back
 
 
 class FakeFleet:

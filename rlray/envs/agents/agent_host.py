@@ -95,7 +95,8 @@ class TickBatcher:
 
     def __init__(self, sampler: Sampler, stats: GatewayStats, call_s: dict[int, float] | None = None) -> None:
         self.sampler, self.stats = sampler, stats
-        self._queue: dict[int, list[tuple[tuple[int, tuple[str, ...]], list[int], asyncio.Future]]] = {}
+        # actor -> its waiting requests: ((max new tokens, stop), the episode's actor key, prompt, future)
+        self._queue: dict[int, list[tuple[tuple[int, tuple[str, ...]], int, list[int], asyncio.Future]]] = {}
         self._busy: set[int] = set()
         self._running: dict[int, int] = {}  # actor -> its episodes that have not ended
         self._call_s = {} if call_s is None else call_s  # actor -> seconds its previous call took
@@ -120,7 +121,7 @@ class TickBatcher:
         """
         actor = actor_key % self.sampler.num_actors
         future = asyncio.get_running_loop().create_future()
-        self._queue.setdefault(actor, []).append(((max_new_tokens, stop), prompt, future))
+        self._queue.setdefault(actor, []).append(((max_new_tokens, stop), actor_key, prompt, future))
         self._changed.set()
         if actor not in self._busy:
             self._busy.add(actor)
@@ -133,9 +134,10 @@ class TickBatcher:
             await asyncio.sleep(0)  # one tick: the requests this tick's calls make go in the same engine call
             while self._queue.get(actor):
                 await self._gather(actor)
-                waiting = self._queue.pop(actor)
+                # in episode order, not arrival order: the same requests make the same engine call (seeded per call)
+                waiting = sorted(self._queue.pop(actor), key=lambda request: request[1])
                 groups: dict[tuple[int, tuple[str, ...]], list[tuple[list[int], asyncio.Future]]] = {}
-                for how, prompt, future in waiting:
+                for how, _, prompt, future in waiting:
                     groups.setdefault(how, []).append((prompt, future))
                 for (max_new, stop), items in groups.items():
                     await self._call(actor, max_new, stop, items)
