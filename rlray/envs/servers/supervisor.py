@@ -68,10 +68,17 @@ START_ATTEMPTS = 3  # tries of one (re)start before the server counts as down
 LOG_TAIL_LINES = 20  # lines of the server's log quoted when it does not start
 
 # The guard: runs the server (argv[1:]) in its process group, stops it when stdin closes (the parent is gone) or on
-# SIGTERM, and exits with the server's status. Standard library only: it runs in rlray's interpreter with -I.
+# SIGTERM, and exits with the server's status. The server gets SIGTERM from the kernel if the guard itself dies
+# (PR_SET_PDEATHSIG, Linux): Ray kills an actor's child processes with SIGKILL, and a guard killed so left its server
+# running. Standard library only: it runs in rlray's interpreter with -I.
 _GUARD = r"""
-import os, signal, subprocess, sys, threading, time
-p = subprocess.Popen(sys.argv[1:], stdin=subprocess.DEVNULL)
+import ctypes, os, signal, subprocess, sys, threading, time
+def die_with_guard():
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+p = subprocess.Popen(sys.argv[1:], stdin=subprocess.DEVNULL, preexec_fn=die_with_guard)
 signal.signal(signal.SIGTERM, lambda *_: p.terminate())
 def orphaned():
     sys.stdin.buffer.read()
@@ -293,7 +300,11 @@ class ServerProcess:
         with self._lock:
             self._stopping = True
             proc, self._proc = self._proc, None
-        if proc is None or proc.poll() is not None:
+        if proc is None:
+            return
+        if proc.poll() is not None:  # the guard is gone; what the server started may still run in its group
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
             return
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
@@ -361,10 +372,12 @@ class ServerProcess:
                                           start_new_session=True)
 
     def _kill_quietly(self) -> None:
-        """Kills a previous process group, if any, without waiting long."""
+        """Kills a previous process group, if any, without waiting long: also when its guard and server already
+        exited (a crashed server), since a process the server started (a worker it forked) stays in the group and
+        would outlive it."""
         proc = self._proc
-        if proc is not None and proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
+        if proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(5)

@@ -221,3 +221,36 @@ def test_the_server_stops_when_the_process_that_started_it_is_killed(tmp_path):
         assert wait_gone(pid), "the server outlived the process that started it"
     finally:
         parent.kill()
+
+
+def test_a_crashed_servers_leftover_worker_is_killed_with_its_group_at_restart_and_stop(tmp_path):
+    """A server that dies (the OpenEnv crash test's os._exit) can leave a process it started running in its process
+    group: seen as uvicorn processes alive long after their runs. The restart and stop kill the group even when the
+    guard already exited."""
+    server = ServerProcess(spec("crashy", "--child"), str(tmp_path))
+    url = server.start()
+    first_child = int(get(url + "/child"))
+    os.kill(int(get(url + "/pid")), signal.SIGKILL)  # the server dies; its child lives on in the group
+    assert wait_dead(server)
+    os.kill(first_child, 0)  # still running: nothing has killed the group yet
+    assert server.check()  # the restart
+    assert wait_gone(first_child), "the crashed server's child outlived the restart"
+    second_child = int(get(server.url + "/child"))
+    os.kill(int(get(server.url + "/pid")), signal.SIGKILL)
+    assert wait_dead(server)
+    server.stop()
+    assert wait_gone(second_child), "the crashed server's child outlived stop()"
+
+
+def test_the_server_stops_when_its_guard_is_killed(tmp_path):
+    """Ray kills an actor's child processes with SIGKILL: a guard killed so cannot stop its server, so the kernel does
+    (the server asked for SIGTERM at its parent's death, PR_SET_PDEATHSIG)."""
+    server = ServerProcess(spec(), str(tmp_path))
+    try:
+        url = server.start()
+        pid = int(get(url + "/pid"))
+        os.kill(server.pid, signal.SIGKILL)  # the guard only
+        assert wait_gone(pid), "the server outlived its killed guard"
+    finally:
+        server.stop()
+
