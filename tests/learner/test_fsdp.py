@@ -286,6 +286,6 @@ def test_smollm2_fsdp_equals_ddp(ray_session, tmp_path):
     w_ddp = load_file(str(tmp_path / "smollm2" / "ddp.safetensors"))
     w_fsdp = load_file(str(tmp_path / "smollm2" / "fsdp.safetensors"))
     # Weights after 3 AdamW steps at lr 1e-3: the gradients' float32 rounding above moves an update by up to ~lr where
-    # a gradient is near zero (Adam divides by its own size): seen 1.4e-5 in a `make test-slow` run (2 cores, AMX),
+    # a gradient is near zero (Adam divides by its own size): seen 1.4e-5 in a `make test-slow` run (2 cores, AMD EPYC),
     # over the earlier bound of 1e-5. 1e-4 is a tenth of one step's largest move; a missed shard moves weights ~lr.
     assert _max_diff(w_fsdp, w_ddp) < 1e-4
