@@ -168,15 +168,20 @@ class HangingSource:
         raise HangError("hang: rollout actor 0 ...")
 
 
-def test_a_step_whose_rollout_hung_stays_in_flight_so_a_stop_snapshot_retakes_its_prompts():
+def pipeline(source) -> RolloutPipeline:
+    """A synchronous RolloutPipeline over ``source`` whose data cursor takes 2 rows a step (``{"taken": n}``)."""
     cursor = {"taken": 0}
 
     def take():
         cursor["taken"] += 2
         return ["row"] * 2, [[1], [2]]
 
-    pipe = RolloutPipeline(HangingSource(), take, lambda step: SamplingSpec(n=1, max_new_tokens=1, temperature=1.0), 0,
+    return RolloutPipeline(source, take, lambda step: SamplingSpec(n=1, max_new_tokens=1, temperature=1.0), 0,
                            cursor=lambda: dict(cursor), restore_cursor=cursor.update)
+
+
+def test_a_step_whose_rollout_hung_stays_in_flight_so_a_stop_snapshot_retakes_its_prompts():
+    pipe = pipeline(HangingSource())
     with pytest.raises(HangError):
         pipe.next(0)
     # the cursor before step 0 is kept as in flight: a resume takes step 0's prompts again
@@ -228,3 +233,20 @@ def test_a_learner_step_past_its_deadline_is_reported_once_with_the_ranks_own_st
     deadline.disarm()
     time.sleep(0.6)
     assert deadline.reports == 1
+
+
+class QuietSource(HangingSource):
+    """A RolloutSource whose rollouts finish (empty): the hang comes later, in the step's reward or judge call."""
+
+    def collect(self, pending):
+        return []
+
+
+def test_a_step_whose_reward_hung_under_stop_is_put_back_in_flight():
+    pipe = pipeline(QuietSource())
+    pipe.next(0)
+    assert pipe.cursor_state() == {"taken": 2, "in_flight": []}
+    pipe.keep_in_flight(0)  # collect_experience, on a HangError from stage 3 (a reward or judge call)
+    assert pipe.cursor_state() == {"taken": 2, "in_flight": [{"taken": 0}]}
+    with pytest.raises(ValueError, match="step 0 is not the step returned last"):
+        pipe.keep_in_flight(0)

@@ -16,8 +16,6 @@ import pytest
 from rlray.hangs import ActorProcess, HangError, HangWatch
 from rlray.reward.judges.client import JudgeClient
 from rlray.reward.server import RewardServerUnavailableError, ServeRewardClient
-from rlray.rollout.pipeline import RolloutPipeline
-from rlray.rollout.types import SamplingSpec
 from rlray.run.build import serve_timeouts
 
 REPLICA_STACKS = 'Thread 0x01 (most recent call first):\n  File "judge.py", line 9 in injected_hang\n'
@@ -145,30 +143,3 @@ def test_the_report_of_an_application_names_each_replica_or_says_none_is_known()
     none = HangWatch(replica_stacks=lambda app, t: []).timed_out("app", "judge 'x'", "judge", 3.0, 2.0, "k", "then")
     assert none.stacks == "(no stacks: the GCS knows no live replica of app)"
     assert none.headline() == "hang: judge 'x' (pid ?, node ?) has run judge for 3.0 s, past k=2 s; then"
-
-
-class Rollouts:
-    version = 0
-
-    def submit(self, prompt_ids, sampling, rows=None):
-        return prompt_ids
-
-    def collect(self, pending):
-        return []
-
-
-def test_a_step_whose_reward_hung_under_stop_is_put_back_in_flight():
-    cursor = {"taken": 0}
-
-    def take():
-        cursor["taken"] += 2
-        return ["row"] * 2, [[1], [2]]
-
-    pipe = RolloutPipeline(Rollouts(), take, lambda step: SamplingSpec(n=1, max_new_tokens=1, temperature=1.0), 0,
-                           cursor=lambda: dict(cursor), restore_cursor=cursor.update)
-    pipe.next(0)
-    assert pipe.cursor_state() == {"taken": 2, "in_flight": []}
-    pipe.keep_in_flight(0)  # collect_experience, on a HangError from stage 3
-    assert pipe.cursor_state() == {"taken": 2, "in_flight": [{"taken": 0}]}
-    with pytest.raises(ValueError, match="step 0 is not the step returned last"):
-        pipe.keep_in_flight(0)
