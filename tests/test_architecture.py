@@ -17,14 +17,17 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-_BASE = {"algos", "config", "schema", "cores", "sandbox", "hangs"}  # DESIGN.md lines 1-2
+_BASE = {"algos", "config", "schema", "cores", "sandbox", "hangs", "cache"}  # DESIGN.md lines 1-2
 _PARTS = {"data", "models", "rollout", "envs", "reward", "learner", "checkpoint", "observe"}  # line 3
 # DESIGN.md: checkpoint/ and observe/ are services on line 3, not building blocks: they may read the config.
 SERVICES = {"checkpoint", "observe"}
 
 ALLOWED: dict[str, set[str]] = {
     # Lines 1-3: no edge but those written here (same-package imports are always allowed).
-    "rlray": set(),  # the root package only holds __version__
+    # the root package holds __version__ and installs the import hook of rlray.lean_imports (issue 39)
+    "rlray": {"lean_imports"},
+    "lean_imports": set(),  # transformers without scikit-learn at import: imports only the standard library
+    "cache": set(),  # rlray's cache folder (converted models, MLflow store templates): the standard library only
     "algos": set(),  # pure torch math
     "config": {"algos"},  # algo.name validates against the algorithm registry (rlray.algos.registry)
     "schema": set(),
@@ -34,7 +37,8 @@ ALLOWED: dict[str, set[str]] = {
     # reward, whose actors and replicas write their stacks on a signal and whose waiters (the fleet) report hangs
     "hangs": set(),
     "data": {"schema"},  # prompt and pair tables are built on the experience record's Arrow schema
-    "models": {"schema"},  # the value and reward heads read the model-input record (schema.ModelInputs)
+    # schema: the value and reward heads read the model-input record (schema.ModelInputs); cache: converted models
+    "models": {"schema", "cache"},
     # cores: pin the engine's threads; models: load the HF fallback engine; schema: rollouts become experience rows
     "rollout": {"cores", "models", "schema", "hangs"},
     # models: tool schemas need the tokenizer's chat template; sandbox: untrusted environments run in its child processes
@@ -49,7 +53,7 @@ ALLOWED: dict[str, set[str]] = {
     "learner": {"algos", "models", "schema"},
     # config: a snapshot stores the run's config; observe: lineage registers snapshots in MLflow via observe.tracking
     "checkpoint": {"config", "observe"},
-    "observe": {"config"},  # params logged to MLflow are the flattened config
+    "observe": {"config", "cache"},  # params logged to MLflow are the flattened config; cache: the store template
     # Line 4: the run plan (issue 38), a validated config resolved once into typed records; below run/ and launch/,
     # above the building blocks whose plain records it holds (envs: MCP server specs; learner: the micro-batching;
     # models: the dtype; reward: term names; rollout: SamplingSpec).

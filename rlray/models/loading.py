@@ -22,18 +22,16 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from filelock import FileLock
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    LlamaConfig,
-    LlamaForCausalLM,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-)
+from transformers import AutoConfig, AutoTokenizer, LlamaConfig, PreTrainedTokenizerBase
+
+from rlray.cache import cache_dir
+
+if TYPE_CHECKING:  # the model classes import transformers' modeling code: only the functions that build a model
+    from transformers import PreTrainedModel  # pay for it, not a process that needs a tokenizer (issue 39)
 
 SMOLLM2_ALIAS = "smollm2-135m-instruct"
 TINY_RANDOM_ALIAS = "tiny-random"
@@ -46,17 +44,6 @@ _TEMPLATES_DIR = Path(__file__).parent / "templates"
 
 class ModelError(ValueError):
     """A model path, folder or tokenizer that cannot be used. The message names the config key and the fix."""
-
-
-def cache_dir() -> Path:
-    """Returns rlray's cache folder, creating it on demand.
-
-    The folder is ``$RLRAY_CACHE`` when that is set, else ``~/.cache/rlray``. Converted models live
-    in its ``models/`` subfolder.
-    """
-    root = Path(os.environ.get("RLRAY_CACHE") or Path.home() / ".cache" / "rlray").expanduser()
-    root.mkdir(parents=True, exist_ok=True)
-    return root
 
 
 def resolve_model_path(path: str, *, revision: str | None = None, key: str = "model.path") -> str:
@@ -302,6 +289,8 @@ def load_causal_lm(folder: str, *, dtype: torch.dtype = torch.float32) -> PreTra
     Raises:
         ModelError: the folder has no safetensors weights or cannot be loaded.
     """
+    from transformers import AutoModelForCausalLM
+
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, use_safetensors=True)
     except (OSError, ValueError) as err:
@@ -362,6 +351,8 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     ``quantization_config`` removed. vLLM cannot read GGUF on CPU (its GGUF plugin needs CUDA), so
     the safetensors folder is what both the learner and the rollout engine load.
     """
+    from transformers import AutoModelForCausalLM
+
     folder, name = str(gguf.parent), gguf.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
@@ -397,6 +388,8 @@ def _build_tiny_random(out: Path, seed: int = 0) -> None:
     The weights are bit-identical on every build: the init runs under ``torch.manual_seed(seed)`` inside
     ``torch.random.fork_rng`` (so the caller's RNG state is untouched).
     """
+    from transformers import LlamaForCausalLM
+
     gguf = _smollm2_gguf()
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     config = LlamaConfig(

@@ -1,4 +1,5 @@
-"""MLflow tracking and the Model Registry: the only module of rlray that imports mlflow.
+"""MLflow tracking and the Model Registry: with ``rlray.observe.tracking_store``, the only module of rlray that
+imports mlflow.
 
 One run per training job. Params are the flattened config at start; metrics are namespaced
 (``rollout/``, ``reward/``, ``learner/``, ``algo/``, ``timing/``, ``perf/``, ``eval/``); the resolved
@@ -15,9 +16,10 @@ in order, at the next write that gets through (a warning says so). ``close`` ret
 end of the run; what still cannot be written is saved to a JSON Lines file and named in an error, never
 dropped. Errors that retrying cannot fix (``INVALID_PARAMETER_VALUE``, a deleted run) are raised.
 
-A sqlite store is created (MLflow's tables and schema migrations) once per file, under a file lock, before
-any other use (``ensure_store``): rlray commands started together on a fresh working folder would otherwise
-all run MLflow's migrations at once, and all but one die in them.
+A sqlite store is created once per file, under a file lock, before any other use (``ensure_store``, in
+``rlray.observe.tracking_store``: from a migrated template, so a fresh folder skips MLflow's migrations): rlray
+commands started together on a fresh working folder would otherwise all run MLflow's migrations at once, and all
+but one die in them.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import mlflow
-from filelock import FileLock
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
@@ -39,6 +40,7 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_e
 
 from rlray.observe.metrics import KeySanitizer
 from rlray.observe.samples import StepSample, table_columns
+from rlray.observe.tracking_store import STORE_LOCK_TIMEOUT_S, ensure_store  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
 
@@ -68,38 +70,6 @@ def resolve_tracking_uri(uri: str, base: Path | None = None) -> str:
     elif uri.startswith(prefix):
         Path(uri[len(prefix) - 1 :]).parent.mkdir(parents=True, exist_ok=True)
     return uri
-
-
-_READY_STORES: set[str] = set()  # sqlite URIs this process has created or checked
-STORE_LOCK_TIMEOUT_S = 600.0
-
-
-def ensure_store(uri: str) -> None:
-    """Creates the MLflow store at a sqlite ``uri`` (tables and schema migrations) once, under a file lock.
-
-    MLflow creates a sqlite store on first use, running its alembic migrations; processes that do this at
-    the same time on a fresh file fail ("duplicate column name" in a migration). Here the first process to
-    take ``<db file>.lock`` creates the store and the others, waiting on the lock, find it made. Other URIs
-    (a tracking server, in-memory sqlite) are left alone, and each URI is checked once per process. A
-    store at an older schema is not upgraded here: MLflow's error asks to back it up and run
-    ``mlflow db upgrade <uri>``.
-
-    Args:
-        uri: MLflow tracking URI; a relative sqlite path is taken against the working folder.
-
-    Raises:
-        filelock.Timeout: another process held the lock for ``STORE_LOCK_TIMEOUT_S`` seconds.
-        mlflow.exceptions.MlflowException: the store cannot be created, or its schema is out of date.
-    """
-    prefix = "sqlite:///"
-    db = uri[len(prefix) :].split("?", 1)[0]
-    if not uri.startswith(prefix) or db in ("", ":memory:") or uri in _READY_STORES:
-        return
-    path = Path(db)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(f"{path}.lock", timeout=STORE_LOCK_TIMEOUT_S):
-        MlflowClient(tracking_uri=uri).search_experiments(max_results=1)  # opening the store creates it
-    _READY_STORES.add(uri)
 
 
 def _client(uri: str) -> MlflowClient:

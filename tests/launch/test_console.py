@@ -247,18 +247,20 @@ def test_train_takes_verbose():
 
 
 def test_an_embedded_ray_runs_no_preemption_watcher_and_a_cluster_keeps_it(monkeypatch):
-    from ray.train.v2._internal.constants import ENABLE_PREEMPTION_WATCHER_ENV_VAR
+    from ray.train.v2._internal.constants import ENABLE_PREEMPTION_WATCHER_ENV_VAR, HEALTH_CHECK_INTERVAL_S_ENV_VAR
 
     from rlray.launch import driver
 
     calls: list[dict] = []
     monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
     monkeypatch.delenv(ENABLE_PREEMPTION_WATCHER_ENV_VAR, raising=False)
+    monkeypatch.delenv(HEALTH_CHECK_INTERVAL_S_ENV_VAR, raising=False)
     monkeypatch.setattr(driver.ray, "is_initialized", lambda: False)
     monkeypatch.setattr(driver.ray, "init", lambda **kwargs: calls.append(kwargs))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     driver.init_ray()  # the embedded local Ray: one node, never drained, so Ray Train's watcher is off
     assert calls[-1]["runtime_env"]["env_vars"][ENABLE_PREEMPTION_WATCHER_ENV_VAR] == "0"
+    assert calls[-1]["runtime_env"]["env_vars"][HEALTH_CHECK_INTERVAL_S_ENV_VAR] == "0.5"  # Ray's default: 2 s
     monkeypatch.setenv(ENABLE_PREEMPTION_WATCHER_ENV_VAR, "1")
     driver.init_ray()  # a user's own choice travels as it is
     assert calls[-1]["runtime_env"]["env_vars"][ENABLE_PREEMPTION_WATCHER_ENV_VAR] == "1"
@@ -266,4 +268,5 @@ def test_an_embedded_ray_runs_no_preemption_watcher_and_a_cluster_keeps_it(monke
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
     driver.init_ray()  # a cluster's nodes can be drained: Ray Train's default (on) stays
     assert ENABLE_PREEMPTION_WATCHER_ENV_VAR not in calls[-1]["runtime_env"]["env_vars"]
+    assert HEALTH_CHECK_INTERVAL_S_ENV_VAR not in calls[-1]["runtime_env"]["env_vars"]
     assert calls[-1]["address"] == "127.0.0.1:6379"

@@ -80,8 +80,9 @@ else:
 
 
 def test_three_processes_create_a_fresh_store_together(tmp_path):
-    # Before the file lock, 2 of 3 died in MLflow's migrations ("duplicate column name: step").
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    # Before the file lock, 2 of 3 died in MLflow's migrations ("duplicate column name: step"). A fresh cache:
+    # they also race to make the store template (rlray.observe.tracking_store).
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "RLRAY_CACHE": str(tmp_path / "c")}
     procs = [subprocess.Popen([sys.executable, "-c", RACE, str(i)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for i in range(3)]  # fmt: skip
     outputs = [p.communicate(timeout=300)[0] for p in procs]
