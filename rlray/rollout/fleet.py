@@ -163,10 +163,8 @@ class RolloutFleet:
         self.max_attempts = max_attempts
         self.partial = partial
         self.node_wait_s = node_wait_s
-        self.version = 0
-        self.reassigned = 0
-        self.rerun_prompts = 0
-        self.calls = 0
+        self.version, self._pushed = 0, False  # _pushed: a push was sent (the actors' version is known)
+        self.reassigned = self.rerun_prompts = self.calls = 0
         self._away: dict[int, _Away] = {}  # failed actors not yet back
         self._down: dict[int, float] = {}  # actor -> when a pending call first found it not ALIVE in the GCS
         self._latest: Callable[[], Any] | None = None  # returns an ObjectRef of the latest weights
@@ -386,7 +384,10 @@ class RolloutFleet:
                 of a ``rlray.rollout.delta.WeightDelta``.
             version: the new policy version.
             wait: block until every actor has loaded them (sync mode); otherwise the result is
-                checked at the next ``collect`` (async mode: the push queues behind rollouts).
+                checked at the next ``collect`` (async mode: the push queues behind rollouts). A ``partial`` fleet
+                blocks for its first push and one that does not raise the version (a reload: start, restore,
+                rollback): an engine still holding newer weights (a restarted learner's actors, a rollback) would
+                start the next generation under them, its ``min_version`` met, while the push waits on its thread.
             full: with a delta, returns an ObjectRef of the latest weights whole (a ``WeightDelta`` with no base):
                 an actor that reports another version (it held another one, or its checksum failed) is sent them at
                 once (counted in ``full_resyncs``), and so is an actor that restarts.
@@ -394,14 +395,15 @@ class RolloutFleet:
         Raises:
             RuntimeError: a live actor reports another version (after the full weights, with ``full``).
         """
-        self._latest, self.version = full or (lambda: weights_ref), version
-        self._delta = full is not None
+        block = wait or (self.partial and (version <= self.version or not self._pushed))
+        self._pushed = True
+        self._latest, self.version, self._delta = full or (lambda: weights_ref), version, full is not None
         live = [i for i in range(len(self.actors)) if i not in self._stale]  # stale ones are refreshed before use
         pushes = [(i, self.actors[i].update_weights.remote(weights_ref, version), version) for i in live]
         for i, ref, _ in pushes:
             self._track(i, "update_weights", ref)
         self._pending_sync += pushes
-        self._check_pending_sync(block=wait)
+        self._check_pending_sync(block=block)
 
     def release_weights(self) -> None:
         """Drops the fleet's reference to the last pushed weights, just before a push replaces them, so that the object
