@@ -257,19 +257,27 @@ def test_a_partial_fleet_waits_for_its_first_push_and_a_reload_before_it_returns
     """A partial engine loads pushes on a thread of their own and starts a generation once it holds the version sent
     before it (``min_version``): after a push that lowers the version (a restore, a rollback) or the first push of a
     fleet (a restarted learner: the actors' version is unknown), an engine still holding newer weights would start
-    under them. Those pushes return once loaded; a push that raises the version returns at once (async)."""
+    under them. Those pushes return once loaded (each load takes 2 s here); a push that raises the version returns at
+    once (async), as every push of a fleet without partial rollouts does."""
     actor = ray.remote(FakeRolloutActor).options(num_cpus=0.01, max_concurrency=2).remote(update_delay_s=2.0)
+
+    def push(fleet: RolloutFleet, version: int) -> float:
+        start = time.monotonic()
+        fleet.push_weights(ray.put({}), version, wait=False)
+        return time.monotonic() - start
+
     try:
+        assert ray.get(actor.policy_version.remote()) == 0  # started, as the driver hands it over
         fleet = RolloutFleet([actor], partial=True)
-        fleet.push_weights(ray.put({}), 3, wait=False)  # the first push: the actor may hold any version
-        assert ray.get(actor.policy_version.remote()) == 3
-        fleet.push_weights(ray.put({}), 4, wait=False)  # raises the version: returns while the actor loads it
-        assert ray.get(actor.policy_version.remote()) == 3
-        fleet.push_weights(ray.put({}), 2, wait=False)  # a rollback to version 2: the actor holds 4 when it is sent
+        assert push(fleet, 3) >= 2.0 and ray.get(actor.policy_version.remote()) == 3  # the first push: loaded
+        assert push(fleet, 4) < 2.0  # raises the version: returns while the actor loads it
+        deadline = time.monotonic() + 60
+        while ray.get(actor.policy_version.remote()) != 4:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert push(fleet, 2) >= 2.0  # a rollback to version 2 while the actor holds 4: loaded before it returns
         assert ray.get(actor.policy_version.remote()) == 2 and fleet.version == 2
-        plain = RolloutFleet([actor])  # partial off: Ray runs the push before the generate calls sent after it
-        plain.push_weights(ray.put({}), 1, wait=False)
-        assert ray.get(actor.policy_version.remote()) == 2
+        assert push(RolloutFleet([actor]), 1) < 2.0  # partial off: Ray runs the push before the calls sent after it
     finally:
         ray.kill(actor, no_restart=True)
 
