@@ -71,7 +71,8 @@ FIELDS: tuple[Field, ...] = (
           "reward function); null when it has one (rlray.run.failures)", True),
     Field("token_versions", pa.list_(pa.int64()), "T", "policy version that sampled each response token (the "
           "weights its rollout_logprobs come from); all policy_version unless a partial rollout (rollout.partial) "
-          "continued the row under newer weights; an episode's observation tokens carry its version", True),
+          "continued the row under newer weights; an episode's observation tokens carry the version of the token before "
+          "them", True),
     Field("judge_outputs", pa.map_(pa.string(), pa.string()), "", "each judge's raw output on the row, by judge name "
           "(null without reward.judges)", True),
 )

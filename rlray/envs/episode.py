@@ -58,7 +58,9 @@ class Trajectory:
             template for the next observations.
         turn_spans: (start, end) of each assistant turn's sampled tokens within response_ids.
         turn_rewards: the reward the environment gave after each turn (None: none given).
-        policy_versions: the engine's policy version of each turn (async: turns may differ).
+        policy_versions: the engine's policy version of each turn (its first token's; async: turns may differ).
+        versions: [T] the policy version of each token: a sampled token's (partial rollouts: a turn may span an
+            update), an observation token the version of the token before it (never decreasing).
         stop_reason: why the episode ended (``STOP_REASONS``); "" while it runs.
         finish_reason: the last turn's engine finish reason ("stop" or "length").
         observations_truncated: observation messages cut to env.max_observation_tokens.
@@ -74,6 +76,7 @@ class Trajectory:
     turn_spans: list[tuple[int, int]] = field(default_factory=list)
     turn_rewards: list[float | None] = field(default_factory=list)
     policy_versions: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
     stop_reason: str = ""
     finish_reason: str = "stop"
     observations_truncated: int = 0
@@ -105,25 +108,28 @@ class Trajectory:
         return float(sum(given)) if given else None
 
     def add_turn(self, token_ids: list[int], logprobs: list[float], finish_reason: str, policy_version: int,
-                 text: str) -> None:
+                 text: str, versions: list[int] | None = None) -> None:
         """Appends one sampled assistant turn (loss mask on) and its decoded text.
 
         Args:
             token_ids: [t] sampled token ids, the end-of-turn token included when the engine stopped on it.
             logprobs: [t] the engine's logprobs of those tokens (nats).
             finish_reason: the engine's "stop" or "length".
-            policy_version: the engine's policy version for this turn.
+            policy_version: the engine's policy version for this turn (its first token's).
             text: the turn decoded without special tokens (the assistant message for the template).
+            versions: [t] the policy version of each token (``Completion.versions``); None: all ``policy_version``.
 
         Raises:
-            ValueError: token_ids and logprobs differ in length.
+            ValueError: token_ids, logprobs and versions differ in length.
         """
-        if len(token_ids) != len(logprobs):
-            raise ValueError(f"add_turn: {len(token_ids)} tokens but {len(logprobs)} logprobs")
+        versions = [int(policy_version)] * len(token_ids) if versions is None else [int(v) for v in versions]
+        if not len(token_ids) == len(logprobs) == len(versions):
+            raise ValueError(f"add_turn: {len(token_ids)} tokens but {len(logprobs)} logprobs and {len(versions)} versions")
         start = len(self.response_ids)
         self.response_ids += list(token_ids)
         self.logprobs += [float(x) for x in logprobs]
         self.loss_mask += [True] * len(token_ids)
+        self.versions += versions
         self.turn_spans.append((start, len(self.response_ids)))
         self.policy_versions.append(int(policy_version))
         self.finish_reason = finish_reason
@@ -159,6 +165,7 @@ class Trajectory:
         self.response_ids += ids
         self.logprobs += [0.0] * len(ids)
         self.loss_mask += [False] * len(ids)
+        self.versions += self.versions[-1:] * len(ids)  # masked out: the version before them, never decreasing
         self.messages += [dict(m) for m in observations]
         return len(ids)
 

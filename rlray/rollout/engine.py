@@ -169,7 +169,8 @@ class RolloutEngine:
 
         With ``partial_segment_tokens`` the generation runs in segments, and an update from another thread loads
         between two of them (``rlray.rollout.partial``); it starts once the engine holds ``min_version`` or a newer
-        one (the version the caller pushed before it sent this call).
+        one (the version the caller pushed before it sent this call). A call with stop strings (an environment's)
+        runs whole, an update waiting for it: a stop string split across two segments would be missed.
 
         Args:
             prompt_token_ids: P prompts, each a non-empty list of token ids in [0, vocab_size).
@@ -189,6 +190,8 @@ class RolloutEngine:
         if self._segment_tokens is None:
             return self._backend.generate(prompt_token_ids, sampling, self._policy_version)
         with self._gate.generating(lambda: self._policy_version >= min_version, f"policy version {min_version}"):
+            if sampling.stop:  # a stop string split across two segments would be missed: one call, no update inside
+                return self._backend.generate(prompt_token_ids, sampling, self._policy_version)
             return generate_in_segments(self._backend.generate, prompt_token_ids, sampling,
                                         segment_tokens=self._segment_tokens, version=lambda: self._policy_version,
                                         between=self._gate.yield_to_updates)

@@ -285,7 +285,8 @@ class EpisodeRollout:
         for eps, pending in submitted:
             for ep, c in zip(eps, self.fleet.collect(pending), strict=True):
                 text = self.tokenizer.decode(c.response_token_ids, skip_special_tokens=True)
-                ep.traj.add_turn(c.response_token_ids, c.rollout_logprobs, c.finish_reason, c.policy_version, text)
+                ep.traj.add_turn(c.response_token_ids, c.rollout_logprobs, c.finish_reason, c.policy_version, text,
+                                 c.versions)
                 if not ep.environment:
                     ep.traj.stop_reason = "single_turn"
                 elif c.finish_reason == "length":
@@ -415,7 +416,7 @@ class EpisodeRollout:
                               prompt_token_ids=traj.prompt_ids or [eos], episode=info)
         return Completion(ep.prompt_index, ep.sample_index, list(traj.response_ids), list(traj.logprobs),
                           traj.finish_reason, min(traj.policy_versions), list(traj.loss_mask),
-                          prompt_token_ids=list(traj.prompt_ids), episode=info)
+                          prompt_token_ids=list(traj.prompt_ids), episode=info, versions=list(traj.versions))
 
 
 # --------------------------------------------------------------------------------------------

@@ -149,7 +149,8 @@ def build_lead(plan: RunPlan, tokenizer: Any, actors: list[Any], env_hosts: list
                  "on" if overlap else "off", why)
     pipeline = RolloutPipeline(rollouts, take_prompts, sampling_for, cfg.rollout.max_staleness,
                                cursor=stream.state_dict, restore_cursor=stream.load_state_dict, overlap=overlap,
-                               settle_before_push=rollouts is not fleet)  # episodes or agents: turns after the submit
+                               # episodes or agents sample turns after the submit; partial: across the push, per token
+                               settle_before_push=rollouts is not fleet and not fleet.partial)
     return OnlineLead(
         stream=stream, prompt_ids={r.prompt_id: ids for r, ids in zip(train_rows, train_ids, strict=True)},
         skipped_long_prompts=skipped, eval_prompts=eval_prompts, reward_columns=columns,

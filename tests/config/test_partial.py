@@ -20,7 +20,7 @@ def test_partial_needs_an_async_run():
 
 @pytest.mark.parametrize(("tree", "named"), [
     ({"rollout": {"backend": "exact"}}, "rollout.backend=exact"),
-    ({"env": {"environments": {"guess": "rlray.envs.builtin.guess:GuessNumberEnv"}}}, "env.environments or env.agents"),
+    ({"env": {"agents": {"adder": "tests/fixtures/agents.py:tool_agent"}}}, "env.agents or env.servers"),
     ({"rollout": {"backend": "vllm", "stop": ["\n\n"]}}, "rollout.stop"),
     ({"rollout": {"weight_payload": "delta"}}, "rollout.weight_payload=delta"),
     ({"rollout": {"backend": "vllm", "weight_sync": "nccl"}, "resources": {"rollout": {"gpus": 1}, "learner": {"gpus": 1}}},
@@ -42,3 +42,8 @@ def test_the_engines_get_the_segment_size_only_with_partial():
     off = resolve_plan(config_from_dict({"rollout": {"max_staleness": 1, "partial_segment_tokens": 8}}))
     assert off.engines.partial_segment_tokens is None
     assert "partial_segment_tokens" not in rollout_engine_kwargs(off, 280)  # the engines are built as before
+
+
+def test_environment_episodes_run_with_partial_rollouts():
+    cfg = config_from_dict({**PARTIAL, "env": {"environments": {"guess": "rlray.envs.builtin.guess:GuessNumberEnv"}}})
+    assert cfg.rollout.partial and list(cfg.env.environments) == ["guess"]

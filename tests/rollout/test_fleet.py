@@ -31,11 +31,12 @@ class FakeRolloutActor:
     """Same methods as rlray.launch.actors.RolloutActor; dies (os._exit) in generate while an armed flag file exists,
     and hangs (``injected_hang``) in generate or update_weights while an armed hang file exists (once: it removes it)."""
 
-    def __init__(self, restart_delay_s: float = 0.0) -> None:
+    def __init__(self, restart_delay_s: float = 0.0, update_delay_s: float = 0.0) -> None:
         if ray.get_runtime_context().was_current_actor_reconstructed:
             time.sleep(restart_delay_s)  # a restart that waits for a replacement node
         enable_stack_dumps()
         self.version = 0
+        self.update_delay_s = update_delay_s  # a slow weight load (a threaded actor answers meanwhile)
         self.die_flag: str | None = None
         self.hang_flag: str | None = None
         self.calls = 0
@@ -68,6 +69,7 @@ class FakeRolloutActor:
 
     def update_weights(self, named_tensors: dict, version: int) -> int:
         self._maybe_hang()
+        time.sleep(self.update_delay_s)
         self.version = version
         return version
 
@@ -249,6 +251,35 @@ def test_a_weight_push_to_an_actor_that_cannot_run_is_dropped_after_node_wait_s(
     finally:
         for a in actors:
             ray.kill(a, no_restart=True)
+
+
+def test_a_partial_fleet_waits_for_its_first_push_and_a_reload_before_it_returns(ray_session):
+    """A partial engine loads pushes on a thread of their own and starts a generation once it holds the version sent
+    before it (``min_version``): after a push that lowers the version (a restore, a rollback) or the first push of a
+    fleet (a restarted learner: the actors' version is unknown), an engine still holding newer weights would start
+    under them. Those pushes return once loaded (each load takes 2 s here); a push that raises the version returns at
+    once (async), as every push of a fleet without partial rollouts does."""
+    actor = ray.remote(FakeRolloutActor).options(num_cpus=0.01, max_concurrency=2).remote(update_delay_s=2.0)
+
+    def push(fleet: RolloutFleet, version: int) -> float:
+        start = time.monotonic()
+        fleet.push_weights(ray.put({}), version, wait=False)
+        return time.monotonic() - start
+
+    try:
+        assert ray.get(actor.policy_version.remote()) == 0  # started, as the driver hands it over
+        fleet = RolloutFleet([actor], partial=True)
+        assert push(fleet, 3) >= 2.0 and ray.get(actor.policy_version.remote()) == 3  # the first push: loaded
+        assert push(fleet, 4) < 2.0  # raises the version: returns while the actor loads it
+        deadline = time.monotonic() + 60
+        while ray.get(actor.policy_version.remote()) != 4:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert push(fleet, 2) >= 2.0  # a rollback to version 2 while the actor holds 4: loaded before it returns
+        assert ray.get(actor.policy_version.remote()) == 2 and fleet.version == 2
+        assert push(RolloutFleet([actor]), 1) < 2.0  # partial off: Ray runs the push before the calls sent after it
+    finally:
+        ray.kill(actor, no_restart=True)
 
 
 def _rollouts_until_rejoined(fleet: RolloutFleet, prompts: list[list[int]], first_id: int, timeout_s: float = 60.0) -> None:

@@ -97,6 +97,21 @@ def test_a_generation_waits_for_the_version_pushed_before_it(tiny_model_path, ve
     assert [c.versions for c in got] == [[1, 1, 1, 1], [1, 1, 1, 1]]
 
 
+def test_a_call_with_stop_strings_runs_whole(tiny_model_path, monkeypatch):
+    """An environment's turn with stop strings is not cut into segments (a stop string split across two would be
+    missed): it reaches the backend as one call (the hf backend then refuses stop strings, naming vllm)."""
+    from rlray.rollout import engine as engine_module
+
+    segmented = []
+    monkeypatch.setattr(engine_module, "generate_in_segments", lambda *a, **k: segmented.append(a[2]) or [])
+    engine = RolloutEngine(tiny_model_path, backend="hf", dtype="float32", max_model_len=64, partial_segment_tokens=2)
+    with pytest.raises(ValueError, match="stop strings .* need rollout.backend=vllm"):
+        engine.generate(PROMPTS, SamplingSpec(n=1, max_new_tokens=4, temperature=1.0, seed=5, stop=("</tool>",)))
+    assert segmented == []
+    engine.generate(PROMPTS, SamplingSpec(n=1, max_new_tokens=4, temperature=1.0, seed=5))
+    assert [s.stop for s in segmented] == [()]  # without stop strings: segments
+
+
 def test_the_gate_lets_an_update_in_between_segments_only():
     gate, events, order = UpdateGate(), {k: threading.Event() for k in ("in_segment", "end_segment")}, []
 

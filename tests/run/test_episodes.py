@@ -118,6 +118,35 @@ def test_mixed_step_masks_rewards_and_metrics(env_host, tiny_tokenizer):
     assert ray.get(env_host.open_episodes.remote()) == 0  # every instance closed
 
 
+class PartialFleet(ScriptedFleet):
+    """A scripted fleet as partial rollouts answer: every call takes one update, after its first token (the turn's
+    first token under the version it started with, the rest under the next one)."""
+
+    def collect(self, pending):
+        out = ScriptedFleet.collect(self, pending)
+        for c in out:
+            c.policy_version, c.versions = self.version, [self.version] + [self.version + 1] * (len(c.versions) - 1)
+        self.version += 1
+        return out
+
+
+def test_an_episode_across_updates_records_each_token_s_version(env_host, tiny_tokenizer):
+    """Partial rollouts (rollout.partial) with environments: each turn may span an update; a sampled token keeps the
+    version that sampled it, an observation token (masked out) the version of the token before it."""
+    tok = tiny_tokenizer
+    ep = rollout(tok, [env_host])
+    ep.fleet = PartialFleet(tok)
+    got = ep.generate([[1, 2]], SamplingSpec(n=1, max_new_tokens=8, temperature=1.0, seed=5), rows("countdown"))[0]
+    more = len(tok("more", add_special_tokens=False)["input_ids"]) + 1  # + EOS
+    stop = len(tok("stop", add_special_tokens=False)["input_ids"]) + 1
+    obs = len(tok("\n<|im_start|>user\ngo on<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"])
+    # turn 1 at versions 0 then 1, turn 2 at 1 then 2, turn 3 at 2 then 3; observations keep the version before them
+    assert got.versions == ([0] + [1] * (more - 1) + [1] * obs + [1] + [2] * (more - 1) + [2] * obs + [2]
+                            + [3] * (stop - 1))
+    assert got.policy_version == 0 and got.episode.num_turns == 3  # the oldest token's
+    assert got.loss_mask == [True] * more + [False] * obs + [True] * more + [False] * obs + [True] * stop
+
+
 def test_limits_end_episodes_with_their_own_stop_reasons(env_host, tiny_tokenizer):
     sampling = SamplingSpec(n=1, max_new_tokens=4, temperature=1.0)
     got = rollout(tiny_tokenizer, [env_host], max_turns=2).generate([[1]], sampling, rows("countdown"))[0]

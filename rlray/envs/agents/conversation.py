@@ -277,6 +277,7 @@ class AgentConversation:
         trajectory.response_ids += ids
         trajectory.logprobs += [0.0] * len(ids)
         trajectory.loss_mask += [False] * len(ids)
+        trajectory.versions += trajectory.versions[-1:] * len(ids)  # as Trajectory.add_observations
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
