@@ -1,8 +1,9 @@
 """No silent hang: the Python stacks of a stuck process, and what the run does about a remote call past its deadline.
 
 Every remote call the run waits on has a deadline (``watchdog.*``, ``rlray.plan.Deadlines``). The waiter (the rollout
-fleet for engine calls and weight pushes, the episode loop for environment hosts) hands a call past its deadline to
-``HangWatch.hung``, which
+fleet for engine calls and weight pushes, the episode loop for environment hosts, each learner rank for its calls to
+the reference and teacher actors: ``rlray.run.frozen_calls``) hands a call past its deadline to ``HangWatch.hung``,
+which
 
 1. takes the stuck process's Python stacks, every thread's, from the process itself: each rlray actor calls
    ``enable_stack_dumps`` when it starts, which registers ``faulthandler`` on ``STACK_SIGNAL`` (SIGUSR2) with a file of
@@ -16,9 +17,9 @@ fleet for engine calls and weight pushes, the episode loop for environment hosts
    long it ran, the deadline's key and the stacks;
 3. applies ``watchdog.on_hang``: "restart" kills the actor's process so that Ray restarts it (up to its
    ``max_restarts``) and the waiter's usual fault path runs its work again (counted by the waiter:
-   ``rollout/rerun_prompts``, ``env/episodes_rerun``); "stop" raises ``HangError``, which ends the run (a fatal step
-   error: every rank stops, status FAILED, the message in MLflow's ``rlray.error``) after a snapshot of the last
-   finished step.
+   ``rollout/rerun_prompts``, ``env/episodes_rerun``; a reference or teacher call is made once more); "stop" raises
+   ``HangError``, which ends the run (a fatal step error: every rank stops, status FAILED, the message in MLflow's
+   ``rlray.error``) after a snapshot of the last finished step.
 
 A request to a Serve application (the reward server, a judge) keeps its client's own timeout
 (``reward.server.client_timeout_s``, ``reward.judges[i].timeout_s``): each try past it goes to ``HangWatch.timed_out``,
@@ -244,9 +245,11 @@ class HangWatch:
         env_call_s: deadline of one call to an environment host, seconds (``watchdog.env_call_s``).
         engine_call_s: deadline of one generate call on a rollout actor, queueing excluded, seconds.
         weight_push_s: deadline of one weight push to a rollout actor, queueing excluded, seconds.
+        reference_call_s: deadline of one logprobs call of a learner rank to the reference or teacher actor, queueing
+            behind the other ranks' calls included, seconds (``watchdog.reference_call_s``).
         stacks_timeout_s: seconds to wait for a stuck process's stacks.
         alert: sends one alert message (kind "hang") through the run's alert path; None: the log line only. Set
-            when the run's services are known (rank 0's ``OnlineRun.watch_hangs``).
+            when the run's services are known (rank 0's ``OnlineRun.watch_hangs``; other ranks log only).
         stacks: returns (where an actor runs, its stacks) within a timeout in seconds (``actor_stacks``).
         restart: restarts an actor's process (``restart_actor``: Ray restarts it within its max_restarts).
         replica_stacks: returns (where, stacks) of every live replica of a Serve application within a timeout in
@@ -262,7 +265,7 @@ class HangWatch:
     """
 
     def __init__(self, action: str = "restart", *, env_call_s: float = math.inf, engine_call_s: float = math.inf,
-                 weight_push_s: float = math.inf, stacks_timeout_s: float = 10.0,
+                 weight_push_s: float = math.inf, reference_call_s: float = math.inf, stacks_timeout_s: float = 10.0,
                  alert: Callable[[str], None] | None = None,
                  stacks: Callable[[Any, float], tuple[ActorProcess, str]] = actor_stacks,
                  restart: Callable[[Any], None] = restart_actor,
@@ -271,6 +274,7 @@ class HangWatch:
             raise ValueError(f"HangWatch: action={action!r}; use one of {HANG_ACTIONS}")
         self.action, self.stacks_timeout_s, self.alert = action, stacks_timeout_s, alert
         self.env_call_s, self.engine_call_s, self.weight_push_s = env_call_s, engine_call_s, weight_push_s
+        self.reference_call_s = reference_call_s
         self._stacks, self._restart, self._replica_stacks = stacks, restart, replica_stacks
         self.hangs = 0
         self.restarts = 0

@@ -164,6 +164,15 @@ class WatchdogConfig(_Section):
         600.0, gt=0.0,
         description="Seconds one weight push (object-store sync) may run on a rollout actor, queueing excluded.",
     )
+    reference_call_s: float = Field(
+        1800.0, gt=0.0,
+        description=(
+            "Seconds a learner rank waits for one logprobs call (its shard of the step) to the reference or teacher "
+            "actor (resources.reference/teacher.placement=actor), time queued behind the other ranks' calls included: "
+            "the actor runs one call at a time, so the wait can cover every rank's shard. Rank r > 0 reports only "
+            "after a further r x (stacks_timeout_s + 5) s, so that one rank restarts the shared actor."
+        ),
+    )
     learner_step_s: float = Field(
         7200.0, gt=0.0,
         description=(
@@ -176,7 +185,8 @@ class WatchdogConfig(_Section):
         "restart",
         description=(
             "What a call past its deadline does after the report: restart the actor's process (Ray restarts it up "
-            "to its max_restarts; its work runs again, counted in rollout/rerun_prompts or env/episodes_rerun), or "
+            "to its max_restarts; its work runs again, counted in rollout/rerun_prompts or env/episodes_rerun; a reference "
+            "or teacher call is made once more), or "
             "stop the run (status FAILED, after a snapshot of the last finished step)."
         ),
     )

@@ -110,6 +110,13 @@ class ReferenceResources(_Section):
     cpus: float = Field(0.25, gt=0.0, description="Logical Ray CPUs of the reference actor.")
     gpus: float = Field(0.0, ge=0.0, description="Ray GPUs of the reference actor.")
     custom_resources: CustomResources = _custom_field("reference")
+    max_restarts: int = Field(
+        1, ge=-1,
+        description=(
+            "Times Ray restarts a dead reference actor (-1: without limit), which loads its model again; a logprobs "
+            "call it had is made once more (watchdog.reference_call_s)."
+        ),
+    )
 
 
 class TeacherResources(_Section):
@@ -125,6 +132,13 @@ class TeacherResources(_Section):
     cpus: float = Field(0.25, gt=0.0, description="Logical Ray CPUs of the teacher actor.")
     gpus: float = Field(0.0, ge=0.0, description="Ray GPUs of the teacher actor.")
     custom_resources: CustomResources = _custom_field("teacher")
+    max_restarts: int = Field(
+        1, ge=-1,
+        description=(
+            "Times Ray restarts a dead teacher actor (-1: without limit), which loads its model again; a logprobs "
+            "call it had is made once more (watchdog.reference_call_s)."
+        ),
+    )
 
 
 class EnvResources(_Section):

@@ -5,7 +5,9 @@ method delegating in a few lines:
   placed in the rollout placement group, restarted by Ray up to ``resources.rollout.max_restarts``.
 - ``ReferenceActor`` over ``ReferenceModel``, named ``rlray:reference-0`` (when
   ``resources.reference.placement == "actor"``), and the same class over the distillation teacher's model,
-  named ``rlray:teacher-0`` (when ``teacher.path`` is set and ``resources.teacher.placement == "actor"``).
+  named ``rlray:teacher-0`` (when ``teacher.path`` is set and ``resources.teacher.placement == "actor"``),
+  restarted by Ray up to ``resources.reference.max_restarts`` / ``resources.teacher.max_restarts`` (a restart loads
+  the frozen model again).
   Both live in ``rlray.launch.engine_actors``, which imports no torch (their handles travel to light processes).
 - The reward Serve deployment lives in ``rlray.reward.server`` (Serve builds its own actors).
 - ``MonitorActor`` lives in ``rlray.launch.monitor_actor``, which imports no torch (a lighter process).
@@ -293,12 +295,14 @@ def launch_reference_actor(plan: RunPlan, model_path: str, namespace: str | None
     if role not in ("reference", "teacher"):
         raise ValueError(f"start_reference_actor: role={role!r}; use 'reference' or 'teacher'")
     res = plan.roles.reference_actor if role == "reference" else plan.roles.teacher_actor
+    # a hang (watchdog.reference_call_s) or a death restarts it: it loads its frozen model again from model_path
+    restarts = (plan.settings.resources.reference if role == "reference" else plan.settings.resources.teacher).max_restarts
     name = f"rlray:{role}-0"
     wait_for_name(name, namespace)
     at = time.time()
     actor = ray.remote(ReferenceActor).options(
         name=name, namespace=namespace, num_cpus=res.cpus, num_gpus=res.gpus, resources=dict(res.custom),
-        scheduling_strategy="DEFAULT",
+        max_restarts=restarts, scheduling_strategy="DEFAULT",
     ).remote(
         model_path,
         {"dtype": plan.parallelism.compute_dtype, "temperature": plan.sampling.train.temperature,

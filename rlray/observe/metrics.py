@@ -221,7 +221,8 @@ _STEP_METRICS: tuple[Metric, ...] = (
     Metric("guard/nonfinite_in_row", "count", "steps in a row with a non-finite loss or gradient norm"),
     Metric("run/rollbacks", "count", "rollbacks to an earlier snapshot so far"),
     Metric("run/restored_step", "step", "the step a (re)start restored from its snapshot"),
-    Metric("run/hangs", "count", "remote calls reported past their watchdog.* deadline so far (rank 0; rlray.hangs)"),
+    Metric("run/hangs", "count", "remote calls reported past their watchdog.* deadline so far (rank 0's, and every "
+                                 "rank's reference and teacher calls; rlray.hangs)"),
     Metric("run/hang_restarts", "count", "actors restarted for a hang so far (watchdog.on_hang=restart)"),
     Metric("checkpoint/failures", "count", "a snapshot that failed to write (1 at its step)"),
     Metric("monitor/heartbeat_s", "s", "seconds since this learner start, at each heartbeat"),

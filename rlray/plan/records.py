@@ -363,6 +363,8 @@ class Deadlines:
         env_call_s: one call to an environment host (``watchdog.env_call_s``), seconds.
         engine_call_s: one generate call on a rollout actor, queueing excluded (``watchdog.engine_call_s``), seconds.
         weight_push_s: one object-store weight push to a rollout actor, queueing excluded (``watchdog.weight_push_s``).
+        reference_call_s: one logprobs call of a learner rank to the reference or teacher actor, queueing behind the
+            other ranks' calls included (``watchdog.reference_call_s``), seconds.
         learner_step_s: one learner step on a rank (``watchdog.learner_step_s``), seconds.
         on_hang: "restart" the actor, or "stop" the run (``watchdog.on_hang``).
         stacks_timeout_s: the wait for a stuck process's stacks (``watchdog.stacks_timeout_s``), seconds.
@@ -371,6 +373,7 @@ class Deadlines:
     env_call_s: float
     engine_call_s: float
     weight_push_s: float
+    reference_call_s: float
     learner_step_s: float
     on_hang: str
     stacks_timeout_s: float

@@ -160,8 +160,9 @@ def build_lead(plan: RunPlan, tokenizer: Any, actors: list[Any], env_hosts: list
 
 
 def hang_watch(plan: RunPlan) -> HangWatch:
-    """Returns rank 0's watch over the remote calls the run waits on, with the plan's deadlines (``watchdog.*``); its
-    alert is set once the run's services are known (``OnlineRun.watch_hangs``)."""
+    """Returns a watch over the remote calls the run waits on, with the plan's deadlines (``watchdog.*``): rank 0's
+    over the fleet, episodes, reward and judges, and every rank's over its reference and teacher calls
+    (``rlray.run.frozen_calls``); rank 0's alert is set once the run's services are known (``OnlineRun.watch_hangs``)."""
     d = plan.deadlines
-    return HangWatch(d.on_hang, env_call_s=d.env_call_s, engine_call_s=d.engine_call_s,
-                     weight_push_s=d.weight_push_s, stacks_timeout_s=d.stacks_timeout_s)
+    return HangWatch(d.on_hang, env_call_s=d.env_call_s, engine_call_s=d.engine_call_s, weight_push_s=d.weight_push_s,
+                     reference_call_s=d.reference_call_s, stacks_timeout_s=d.stacks_timeout_s)

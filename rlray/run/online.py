@@ -49,7 +49,8 @@ from rlray.run.context import RunContext, StepResult
 from rlray.run.evaluation import evaluate_prompts
 from rlray.run.experience import Experience, StageTimer, collect_experience, minibatch_normalisers, step_samples
 from rlray.run.failures import CannotLearnError
-from rlray.run.lead import OnlineLead, build_lead
+from rlray.run.frozen_calls import FrozenCalls
+from rlray.run.lead import OnlineLead, build_lead, hang_watch
 from rlray.run.session import FatalStepError
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,8 @@ class OnlineRun(RunContext):
         weight_sync: pushes the learner's weights to the rollout engines (every rank; ``rlray.rollout.weight_sync``).
         reference_actor: the reference model's actor (``resources.reference.placement == "actor"``), else None.
         teacher_actor: the teacher's actor (``teacher.path`` set, ``resources.teacher.placement == "actor"``), else None.
+        frozen: this rank's calls to those actors under ``watchdog.reference_call_s`` (``FrozenCalls``); None without
+            either actor.
         lead: rank 0's part (data, reward, fleet, pipeline; ``OnlineLead``); None on every other rank.
     """
 
@@ -100,6 +103,7 @@ class OnlineRun(RunContext):
     weight_sync: Any = None
     reference_actor: Any = None
     teacher_actor: Any = None
+    frozen: FrozenCalls | None = None
     lead: OnlineLead | None = None
 
     def take_prompts(self) -> tuple[list[PromptRow], list[list[int]]]:
@@ -172,9 +176,12 @@ class OnlineRun(RunContext):
         return self.lead.pipeline.in_flight_rollouts()
 
     def watch_hangs(self, alert: Callable[[str], None]) -> None:
-        """Sends rank 0's hang reports (``rlray.hangs.HangWatch``) through ``alert`` (the run's alert path)."""
+        """Sends rank 0's hang reports (``rlray.hangs.HangWatch``: the fleet's, and its reference and teacher calls')
+        through ``alert`` (the run's alert path)."""
         if self.lead is not None and self.lead.fleet.watch is not None:
             self.lead.fleet.watch.alert = alert
+        if self.frozen is not None:
+            self.frozen.watch.alert = alert
 
     def close(self) -> None:
         """Closes rank 0's reward client and judge clients."""
@@ -210,8 +217,9 @@ def setup(plan: RunPlan, coll: Collective, *, model_dir: str, actors: list[Any],
     if coll.rank == 0:
         tracker = Tracker(cfg.tracking.mlflow_uri, cfg.tracking.experiment, run_id=run_id,
                           tensorboard_dir=cfg.tracking.tensorboard_dir)
+    frozen = None if reference_actor is None and teacher_actor is None else FrozenCalls(hang_watch(plan), coll.rank)
     ctx = OnlineRun(plan, coll, learner, tokenizer, tracker, pad_token_id=tokenizer.pad_token_id,
-                    reference_actor=reference_actor, teacher_actor=teacher_actor)
+                    reference_actor=reference_actor, teacher_actor=teacher_actor, frozen=frozen)
     if coll.rank == 0:  # the lead's pipeline takes each step's prompts through ctx (learner.prompts_per_step in force)
         ctx.lead = build_lead(plan, tokenizer, actors, env_hosts or [], cores, take_prompts=ctx.take_prompts,
                               sampling_for=ctx.sampling_for)
@@ -262,7 +270,7 @@ def run_step(ctx: OnlineRun, step: int) -> StepResult:
     spec = dataclasses.replace(spec, rows_per_minibatch=shard.num_rows // len(handout.minibatch_norms))
     batch = schema.collate(shard, ctx.pad_token_id)
     with timer("logprobs"):  # 4. reference, teacher and old logprobs
-        batch = reference_and_old_logprobs(ctx, batch, spec)
+        batch = reference_and_old_logprobs(ctx, batch, spec, step)
     with timer("advantages"):  # 5. advantages, the teacher's reverse KL, and those of the kept samples (every rank)
         batch = learner_online.advantages(batch, spec, ctx.coll.all_reduce_sum)
         distill_metrics = distill_advantages(ctx, batch, spec)
@@ -274,6 +282,8 @@ def run_step(ctx: OnlineRun, step: int) -> StepResult:
     if ctx.lead is None:
         return StepResult(metrics)
     metrics.update(step_metrics(ctx.lead, handout.rollout_metrics, batch, timer) | ctx.weight_sync.last_metrics)
+    for key, count in (ctx.frozen.run_counts.items() if ctx.frozen is not None else ()):  # every rank's, summed
+        metrics[key] += count
     samples = step_samples(ctx.tokenizer, experience.table, handout.sample_rows, kept_advantages, step + 1)
     return StepResult(metrics, samples, experience.prompt_ids, experience.alerts)
 
@@ -314,8 +324,8 @@ def distribute(ctx: OnlineRun, experience: Experience | None, fatal: str | None 
     return ray.get(handout.shard_refs[ctx.rank]), handout
 
 
-def reference_and_old_logprobs(ctx: OnlineRun, batch: schema.StepBatch,
-                               spec: learner_online.UpdateSpec) -> schema.StepBatch:
+def reference_and_old_logprobs(ctx: OnlineRun, batch: schema.StepBatch, spec: learner_online.UpdateSpec,
+                               step: int = 0) -> schema.StepBatch:
     """Stage 4: fills ref_logprobs (KL on), teacher_logprobs (reverse-KL distillation), old_logprobs (off-policy
     update, KL in the reward, or reverse-KL distillation) and old_values (PPO).
 
@@ -323,15 +333,39 @@ def reference_and_old_logprobs(ctx: OnlineRun, batch: schema.StepBatch,
     and are taken inside the update (no extra forward), as TRL does for a single iteration, unless the
     KL sits in the reward, whose penalty needs them before the advantages, or a reverse-KL teacher needs
     them. A reference or teacher actor (placement actor) receives the model inputs only (``schema.ModelInputs``)
-    and sends [B, T] logprobs of the sampled tokens; a JSD teacher sits on the learner and is run inside the
-    update's micro-batches instead.
+    and sends [B, T] logprobs of the sampled tokens, each call under ``watchdog.reference_call_s``
+    (``rlray.run.frozen_calls``; 0-based ``step`` is the step put back in flight when one stops the run); a JSD
+    teacher sits on the learner and is run inside the update's micro-batches instead.
+
+    Raises:
+        FatalStepError: on every rank, after a snapshot of the last finished step, when a rank's actor call stops the
+            run (``frozen_logprobs``).
+    """
+    if ctx.frozen is not None:  # resources.reference/teacher.placement == "actor"
+        frozen_logprobs(ctx, batch, spec, step)
+    return learner_online.reference_and_old(ctx.learner, batch, spec)
+
+
+def frozen_logprobs(ctx: OnlineRun, batch: schema.StepBatch, spec: learner_online.UpdateSpec, step: int) -> None:
+    """Stage 4 on every rank: fills ``batch``'s ref_logprobs from the reference actor and teacher_logprobs from the
+    teacher actor (reverse-KL distillation), each call under ``watchdog.reference_call_s``, then agrees with the other
+    ranks (``FrozenCalls.agree``: one all-reduce) on the run's hang counts and on a stop.
+
+    Raises:
+        FatalStepError: on every rank (``stop_snapshot``: the run keeps a snapshot of its last finished step, and rank 0
+            puts step ``step`` back in flight first, so a resume takes its prompts again) when a rank's call hung
+            under ``watchdog.on_hang=stop`` or failed twice.
     """
     mbs = build.frozen_micro_batching(ctx.settings)  # an actor's model is not sharded: the configured budget (rlray.plan)
-    if ctx.reference_actor is not None:  # resources.reference.placement == "actor"
-        batch.ref_logprobs = ray.get(ctx.reference_actor.logprobs.remote(batch.inputs, mbs))
-    if ctx.teacher_actor is not None and spec.distill_weight > 0:  # resources.teacher.placement == "actor"
-        batch.teacher_logprobs = ray.get(ctx.teacher_actor.logprobs.remote(batch.inputs, mbs))
-    return learner_online.reference_and_old(ctx.learner, batch, spec)
+    if ctx.reference_actor is not None:
+        batch.ref_logprobs = ctx.frozen.logprobs(ctx.reference_actor, "reference actor", batch.inputs, mbs)
+    if ctx.teacher_actor is not None and spec.distill_weight > 0:
+        batch.teacher_logprobs = ctx.frozen.logprobs(ctx.teacher_actor, "teacher actor", batch.inputs, mbs)
+    stopping = ctx.frozen.agree(ctx.coll.all_reduce_sum, ctx.world)
+    if stopping:
+        if ctx.lead is not None:
+            ctx.lead.pipeline.keep_in_flight(step)
+        raise FatalStepError(ctx.frozen.stop_message(stopping), stop_snapshot=True)
 
 
 def distill_advantages(ctx: OnlineRun, batch: schema.StepBatch, spec: learner_online.UpdateSpec) -> dict[str, float]:

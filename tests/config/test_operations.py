@@ -44,6 +44,21 @@ def test_operations_validation_names_the_keys():
         config_from_dict({"monitor": {"port": 70000}})
 
 
+def test_watchdog_defaults_reach_the_plan_and_bad_deadlines_name_the_key():
+    from rlray.plan import resolve_plan
+
+    cfg = config_from_dict({})
+    w = cfg.watchdog
+    assert (w.env_call_s, w.engine_call_s, w.weight_push_s, w.reference_call_s) == (600.0, 1800.0, 600.0, 1800.0)
+    assert (w.learner_step_s, w.on_hang, w.stacks_timeout_s) == (7200.0, "restart", 10.0)
+    d = resolve_plan(config_from_dict({"watchdog": {"reference_call_s": 42.5, "on_hang": "stop"}})).deadlines
+    assert (d.reference_call_s, d.engine_call_s, d.on_hang) == (42.5, 1800.0, "stop")
+    with pytest.raises(ConfigError, match=r"watchdog.reference_call_s=0: Input should be greater than 0"):
+        config_from_dict({"watchdog": {"reference_call_s": 0}})
+    with pytest.raises(ConfigError, match=r"watchdog.reference_call_s='soon'"):
+        config_from_dict({"watchdog": {"reference_call_s": "soon"}})
+
+
 def test_config_errors_never_print_a_secret():
     """A validator's error names the keys but not the section's input; other errors on a section that holds a
     secret show '**********' (the s3 error used to print {'secret_access_key': ...})."""

@@ -6,7 +6,13 @@ import pydantic
 import pytest
 
 from rlray.config import ConfigError, config_from_dict
-from rlray.config.resources import LearnerResources, ReferenceResources, ResourcesConfig, RolloutResources
+from rlray.config.resources import (
+    LearnerResources,
+    ReferenceResources,
+    ResourcesConfig,
+    RolloutResources,
+    TeacherResources,
+)
 
 
 def test_defaults():
@@ -16,6 +22,8 @@ def test_defaults():
     assert (res.learner.num_workers, res.learner.cpus, res.learner.gpus, res.learner.strategy) == (1, 0.25, 0.0, "ddp")
     assert (res.reward.replicas, res.reward.cpus, res.reward.gpus) == (1, 0.25, 0.0)
     assert (res.reference.placement, res.reference.cpus, res.reference.gpus) == ("learner", 0.25, 0.0)
+    # a hang (watchdog.reference_call_s) or a death restarts the reference or teacher actor once by default
+    assert (res.reference.max_restarts, res.teacher.max_restarts) == (1, 1)
     assert (res.colocate, res.placement_strategy, res.placement_timeout_s, res.node_wait_s) == (False, "PACK", 120.0, 60.0)
     assert all(getattr(res, role).custom_resources == {} for role in ("rollout", "learner", "reward", "reference",
                                                                       "teacher", "env"))
@@ -31,6 +39,8 @@ def test_defaults():
         (RolloutResources, {"max_restarts": -2}),  # -1 means no limit; below is refused
         (LearnerResources, {"strategy": "zero3"}),
         (ReferenceResources, {"placement": "driver"}),
+        (ReferenceResources, {"max_restarts": -2}),
+        (TeacherResources, {"max_restarts": -2}),
         (ResourcesConfig, {"placement_strategy": "pack"}),  # Ray's names are upper case
         (ResourcesConfig, {"placement_timeout_s": 0.0}),
         (RolloutResources, {"num_actors": 2}),  # unknown key

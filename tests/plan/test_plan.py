@@ -70,8 +70,9 @@ def test_placements_of_shipped_configs():
 
 
 def test_reference_placement_one_rule_for_driver_placement_and_planner():
-    actor = _plan(TINY, "resources.reference.placement=actor")
+    actor = _plan(TINY, "resources.reference.placement=actor", "watchdog.reference_call_s=90")
     assert actor.roles.reference == "actor"
+    assert actor.deadlines.reference_call_s == 90.0  # every rank's wait on the actor (rlray.run.frozen_calls)
     assert [r.role for r in role_requests(actor)] == ["rollout", "learner", "reference"]
     # the KL guard alone (kl_coef 0) keeps the reference on the learner even with placement actor: no actor starts
     guard = load_config(TINY, ["resources.reference.placement=actor", "algo.kl_coef=0", "guard.kl_threshold=1.0"])

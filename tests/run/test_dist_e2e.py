@@ -40,6 +40,9 @@ def test_two_rollouts_two_learners_serve_reward_async(ray_session, tiny_grpo_run
     assert "completion_length" in run.data.params["reward.functions"]
     assert metrics["reward/mean"][0][1] > 0
     assert metrics["algo/kl"][-1][1] > 0  # reference logprobs came from the reference actor
+    # both ranks' calls to it ran under watchdog.reference_call_s, none past it (their counts summed into run/hangs)
+    assert run.data.params["watchdog.reference_call_s"] == "1800.0"
+    assert [v for _, v in metrics["run/hangs"]] == [0.0, 0.0, 0.0]
     final = Path(result.final_snapshot)
     assert (final / "manifest.json").exists() and (final / "trainer_state.pt").exists()
     before = load_file(str(Path(tiny_model_path) / "model.safetensors"))
