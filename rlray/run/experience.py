@@ -294,7 +294,8 @@ def rollout_stats(
     Staleness of a sample = the learner's policy version that the update starts from, minus the
     version that generated the sample (0 in synchronous mode, at most rollout.max_staleness).
     Reward and group statistics are over the samples (the table's first ``len(rewards["reward"])`` rows); token,
-    truncation and staleness statistics over every row (agent segments included).
+    truncation and staleness statistics over every row (agent segments included); token staleness and partial
+    samples (``version_stats``) too.
     """
     lengths = np.asarray(table.column("response_token_ids").combine_chunks().value_lengths(), dtype=np.float64)
     r = np.asarray(rewards["reward"], dtype=np.float64)
@@ -320,6 +321,31 @@ def rollout_stats(
         "rollout/policy_version": float(min(table.column("policy_version").to_pylist())),
         "rollout/staleness_mean": float(staleness.mean()),
         "rollout/staleness_max": float(staleness.max()),
+        **version_stats(table, learner_version),
+    }
+
+
+def version_stats(table: pa.Table, learner_version: int) -> dict[str, float]:
+    """Returns how much of a step's experience partial rollouts (``rollout.partial``) took across weight updates.
+
+    - ``rollout/partial_samples_frac``: rows whose ``token_versions`` hold more than one policy version (a generation
+      that took a weight update), over every row (0 without partial rollouts).
+    - ``rollout/token_staleness_mean`` / ``_max``: ``learner_version`` minus each response token's version, the mean
+      over every response token of every row (denominator: their count) and the largest; NaN when no row has a
+      token. Without partial rollouts every token has its sample's version, so the max equals
+      ``rollout/staleness_max`` and the mean weighs ``rollout/staleness_mean`` by response length.
+
+    Args:
+        table: the step's experience (``schema.EXPERIENCE_SCHEMA``; its ``token_versions`` column, [rows] lists of T).
+        learner_version: the learner's policy version the update starts from.
+    """
+    per_row = table.column("token_versions").to_pylist()
+    tokens = np.asarray([v for row in per_row for v in row], dtype=np.float64)
+    staleness = learner_version - tokens
+    return {
+        "rollout/partial_samples_frac": float(np.mean([len(set(row)) > 1 for row in per_row])),
+        "rollout/token_staleness_mean": float(staleness.mean()) if tokens.size else math.nan,
+        "rollout/token_staleness_max": float(staleness.max()) if tokens.size else math.nan,
     }
 
 

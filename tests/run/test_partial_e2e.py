@@ -77,8 +77,14 @@ def test_every_token_records_its_version_within_the_staleness_bound(partial_run)
             assert oldest_allowed <= row[0] and row[-1] <= learner  # staleness per token at most 2, none from the future
             spanning += len(set(row)) > 1
         assert result.metrics["rollout/staleness_max"] == learner - min(first) <= 2
+        # the step's partial metrics are the table's: rows that span versions, each token's staleness
+        tokens = [v for row in versions for v in row]
+        assert result.metrics["rollout/partial_samples_frac"] == sum(len(set(r)) > 1 for r in versions) / len(versions)
+        assert result.metrics["rollout/token_staleness_mean"] == pytest.approx(learner - sum(tokens) / len(tokens))
+        assert result.metrics["rollout/token_staleness_max"] == learner - min(tokens) <= 2
     # 12 segments of 1 token per sample: the pushes of steps 0..2 land inside the generations of the steps ahead
     assert spanning > 0
+    assert max(result.metrics["rollout/partial_samples_frac"] for _, result, _ in steps) > 0
 
 
 def test_the_prompt_ledger_stays_exact(partial_run):
