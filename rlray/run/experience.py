@@ -27,7 +27,7 @@ from rlray import schema
 from rlray.data import PromptRow, columns_json
 from rlray.hangs import HangError
 from rlray.learner import Normaliser
-from rlray.observe.samples import StepSample, mask_runs
+from rlray.observe.samples import StepSample, mask_runs, value_runs
 from rlray.plan import RunPlan
 from rlray.reward.judges.panel import JudgePanel
 from rlray.reward.server import ScoreResult
@@ -402,7 +402,7 @@ def step_samples(tokenizer: Any, table: pa.Table, rows: list[int], advantages: l
             response_tokens=len(r["response_token_ids"]), stop_reason=r["stop_reason"], num_turns=r["num_turns"],
             turn_rewards=None if r["turn_rewards"] is None else tuple(r["turn_rewards"]),
             segments=episode_segments(tokenizer, r), segment=r["segment"], failure=r["failure"],
-            judge_outputs=dict(r["judge_outputs"] or []),
+            judge_outputs=dict(r["judge_outputs"] or []), version_parts=version_parts(tokenizer, r),
         )
         for r, prompt, completion, adv in zip(picked, prompts, completions, advantages, strict=True)
     ]
@@ -417,3 +417,13 @@ def episode_segments(tokenizer: Any, row: dict[str, Any]) -> tuple[tuple[bool, s
         return ()
     ids = row["response_token_ids"]
     return tuple((sampled, tokenizer.decode(ids[a:b], skip_special_tokens=False)) for a, b, sampled in mask_runs(mask))
+
+
+def version_parts(tokenizer: Any, row: dict[str, Any]) -> tuple[tuple[int, int, str], ...]:
+    """Returns a row's response cut where its ``token_versions`` change, each run as (version, tokens, its text
+    decoded with special tokens kept); () when every token has one version (``StepSample.version_parts``)."""
+    versions = row["token_versions"]
+    if len(set(versions)) < 2:
+        return ()
+    ids = row["response_token_ids"]
+    return tuple((v, b - a, tokenizer.decode(ids[a:b], skip_special_tokens=False)) for a, b, v in value_runs(versions))
