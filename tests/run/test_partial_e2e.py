@@ -82,6 +82,10 @@ def test_every_token_records_its_version_within_the_staleness_bound(partial_run)
         assert result.metrics["rollout/partial_samples_frac"] == sum(len(set(r)) > 1 for r in versions) / len(versions)
         assert result.metrics["rollout/token_staleness_mean"] == pytest.approx(learner - sum(tokens) / len(tokens))
         assert result.metrics["rollout/token_staleness_max"] == learner - min(tokens) <= 2
+        for kept in result.samples:  # the viewer's record: the response cut where its version changes
+            parts = kept.version_parts
+            assert parts == () or ([v for v, _, _ in parts] == sorted({v for v, _, _ in parts}) and len(parts) > 1
+                                   and sum(n for _, n, _ in parts) == kept.response_tokens)
     # 12 segments of 1 token per sample: the pushes of steps 0..2 land inside the generations of the steps ahead
     assert spanning > 0
     assert max(result.metrics["rollout/partial_samples_frac"] for _, result, _ in steps) > 0
