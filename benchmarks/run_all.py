@@ -9,7 +9,8 @@ Order: grpo_vs_trl (TRL, rlray sync, rlray async), env_vs_trl (multi-turn tool c
 environment_factory vs rlray sync), rollout (rlray vs bare vLLM), weight_sync (N = 1, 2
 actors vs memcpy), experience (its step time is rlray sync's, read from grpo_vs_trl's results),
 learner_packing (the learner's stages 4 and 6, padded as before against packed with shared prefixes), startup (where a
-2-step tiny run's time goes before its first step and after its last).
+2-step tiny run's time goes before its first step and after its last), partial_rollouts (an async run's step time and
+engine idle time on long-tailed response lengths, with and without rollout.partial).
 Each script runs in-process one after another (their measured runs are child processes of their
 own), prints its table and writes bench_results/<name>.json; a script that fails is reported and the
 others still run. At the end: the summary of the ratios against their targets, also written to
@@ -29,7 +30,8 @@ from typing import Any
 
 import benchlib
 
-BENCHMARKS = ("grpo_vs_trl", "env_vs_trl", "rollout", "weight_sync", "experience", "learner_packing", "startup")
+BENCHMARKS = ("grpo_vs_trl", "env_vs_trl", "rollout", "weight_sync", "experience", "learner_packing", "startup",
+              "partial_rollouts")
 # the targets of the learner's logprobs + update time, packed and shared against the padded layout of before:
 # (a) the demo's step, (b) env_vs_trl's
 LEARNER_TARGETS = {"demo": 0.5, "env": 0.33}
@@ -84,6 +86,10 @@ def summary_rows(results: dict[str, dict[str, Any]]) -> list[list[Any]]:
         v = after / before if before else None
         add(f"learner logprobs + update, {r['workload']} ({r['dtype']}): packed+shared / padded before", v,
             f"<= {target:.2f}", v is not None and v <= target)
+    partial = (results.get("partial_rollouts") or {}).get("runs", {}).get("partial", {}).get("step_time_vs_whole")
+    if (results.get("partial_rollouts") or {}).get("runs"):
+        add("async step time on long-tailed lengths: rollout.partial / whole generations", partial, "<= 1.00",
+            partial is not None and partial <= 1.0)
     return rows
 
 

@@ -165,6 +165,11 @@ _STEP_METRICS: tuple[Metric, ...] = (
     Metric("rollout/policy_version", "version", "oldest policy version that generated the step's samples"),
     Metric("rollout/staleness_mean", "versions", "mean of the learner's version minus each sample's version"),
     Metric("rollout/staleness_max", "versions", "largest learner version minus sample version of the step"),
+    Metric("rollout/partial_samples_frac", "fraction", "samples whose tokens come from more than one policy version "
+           "(a generation that took a weight update: rollout.partial); 0 without partial rollouts"),
+    Metric("rollout/token_staleness_mean", "versions", "token mean of the learner's version minus each sampled "
+           "response token's version (response_mask; rollout.partial: a sample's later tokens can be newer than its first)"),
+    Metric("rollout/token_staleness_max", "versions", "largest learner version minus sampled response token version of the step"),
     Metric("reward/version", "version", "version of the reward service that scored the step"),
     Metric("rollout/generated_tokens", "tokens", "response tokens generated in the step"),
     Metric("data/epoch", "epochs", "epoch of the training data cursor"),

@@ -45,6 +45,9 @@ class StepSample:
             KeyError: 'a' (at env.py:12)", "reward function 'f': ValueError: ..."); None when it has one.
         judge_outputs: each judge's raw output on the sample, by judge name (``reward.judges``; a group-mode judge's
             output covers the sample's whole group); empty without judges.
+        version_parts: the completion cut where the policy version that sampled its tokens changes (a generation that
+            took a weight update, ``rollout.partial``): (version, tokens, text) triples in order, each part decoded on
+            its own; empty when every token has one version (``policy_version``).
     """
 
     step: int
@@ -64,6 +67,21 @@ class StepSample:
     segment: int | None = None
     failure: str | None = None
     judge_outputs: dict[str, str] = field(default_factory=dict)
+    version_parts: tuple[tuple[int, int, str], ...] = ()
+
+
+def value_runs(values: list[Any]) -> list[tuple[int, int, Any]]:
+    """Returns the runs of equal values of ``values`` as (start, end, value), end exclusive, in order.
+
+    E.g. [0, 0, 1, 2, 2] gives [(0, 2, 0), (2, 3, 1), (3, 5, 2)]; [] gives [].
+    """
+    runs: list[tuple[int, int, Any]] = []
+    for i, v in enumerate(values):
+        if runs and runs[-1][2] == v:
+            runs[-1] = (runs[-1][0], i + 1, v)
+        else:
+            runs.append((i, i + 1, v))
+    return runs
 
 
 def mask_runs(mask: list[bool]) -> list[tuple[int, int, bool]]:
@@ -71,13 +89,7 @@ def mask_runs(mask: list[bool]) -> list[tuple[int, int, bool]]:
 
     E.g. [T, T, F, F, F, T] gives [(0, 2, True), (2, 5, False), (5, 6, True)]; [] gives [].
     """
-    runs: list[tuple[int, int, bool]] = []
-    for i, m in enumerate(mask):
-        if runs and runs[-1][2] == bool(m):
-            runs[-1] = (runs[-1][0], i + 1, bool(m))
-        else:
-            runs.append((i, i + 1, bool(m)))
-    return runs
+    return value_runs([bool(m) for m in mask])
 
 
 def pick_rows(group_ids: list[int], count: int, seed: int, step: int) -> list[int]:
@@ -120,10 +132,11 @@ def _term(value: float | None) -> float | str | None:
 
 def json_row(sample: StepSample) -> dict[str, Any]:
     """Returns ``sample`` as a JSON-safe dict (the monitor page's record); ``terms`` stays a nested object, each
-    segment is {role: "assistant" | "observation", text}, and a turn reward that is None or NaN is null.
+    segment is {role: "assistant" | "observation", text}, each version part {version, tokens, text}, and a turn reward
+    that is None or NaN is null.
 
-    Rows written before episodes were kept (no stop_reason, num_turns, turn_rewards, segments, segment) or failures
-    (no failure) stay readable: the page treats a missing field as null."""
+    Rows written before episodes were kept (no stop_reason, num_turns, turn_rewards, segments, segment), failures
+    (no failure) or version parts (no version_parts) stay readable: the page treats a missing field as null."""
     return {
         "step": sample.step,
         "prompt_id": sample.prompt_id,
@@ -142,6 +155,7 @@ def json_row(sample: StepSample) -> dict[str, Any]:
         "segment": sample.segment,
         "failure": sample.failure,
         "judge_outputs": dict(sample.judge_outputs),
+        "version_parts": [{"version": v, "tokens": n, "text": text} for v, n, text in sample.version_parts],
     }
 
 

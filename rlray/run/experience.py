@@ -27,7 +27,7 @@ from rlray import schema
 from rlray.data import PromptRow, columns_json
 from rlray.hangs import HangError
 from rlray.learner import Normaliser
-from rlray.observe.samples import StepSample, mask_runs
+from rlray.observe.samples import StepSample, mask_runs, value_runs
 from rlray.plan import RunPlan
 from rlray.reward.judges.panel import JudgePanel
 from rlray.reward.server import ScoreResult
@@ -294,7 +294,8 @@ def rollout_stats(
     Staleness of a sample = the learner's policy version that the update starts from, minus the
     version that generated the sample (0 in synchronous mode, at most rollout.max_staleness).
     Reward and group statistics are over the samples (the table's first ``len(rewards["reward"])`` rows); token,
-    truncation and staleness statistics over every row (agent segments included).
+    truncation and staleness statistics over every row (agent segments included); token staleness and partial
+    samples (``version_stats``) too.
     """
     lengths = np.asarray(table.column("response_token_ids").combine_chunks().value_lengths(), dtype=np.float64)
     r = np.asarray(rewards["reward"], dtype=np.float64)
@@ -320,6 +321,35 @@ def rollout_stats(
         "rollout/policy_version": float(min(table.column("policy_version").to_pylist())),
         "rollout/staleness_mean": float(staleness.mean()),
         "rollout/staleness_max": float(staleness.max()),
+        **version_stats(table, learner_version),
+    }
+
+
+def version_stats(table: pa.Table, learner_version: int) -> dict[str, float]:
+    """Returns how much of a step's experience partial rollouts (``rollout.partial``) took across weight updates.
+
+    - ``rollout/partial_samples_frac``: rows whose ``token_versions`` hold more than one policy version (a generation
+      that took a weight update), over every row (0 without partial rollouts).
+    - ``rollout/token_staleness_mean`` / ``_max``: ``learner_version`` minus each sampled response token's version
+      (``response_mask`` True: an episode's observation tokens are not sampled and are left out), the mean over
+      those tokens of every row (denominator: their count) and the largest; NaN when no row has one. Without
+      partial rollouts every token has its sample's version, so the max equals ``rollout/staleness_max`` and the
+      mean weighs ``rollout/staleness_mean`` by the sampled length.
+
+    Args:
+        table: the step's experience (``schema.EXPERIENCE_SCHEMA``; its ``token_versions`` and ``response_mask``
+            columns, [rows] lists of T).
+        learner_version: the learner's policy version the update starts from.
+    """
+    per_row = table.column("token_versions").to_pylist()
+    masks = table.column("response_mask").to_pylist()
+    tokens = np.asarray([v for row, mask in zip(per_row, masks, strict=True) for v, m in zip(row, mask, strict=True) if m],
+                        dtype=np.float64)
+    staleness = learner_version - tokens
+    return {
+        "rollout/partial_samples_frac": float(np.mean([len(set(row)) > 1 for row in per_row])),
+        "rollout/token_staleness_mean": float(staleness.mean()) if tokens.size else math.nan,
+        "rollout/token_staleness_max": float(staleness.max()) if tokens.size else math.nan,
     }
 
 
@@ -376,7 +406,7 @@ def step_samples(tokenizer: Any, table: pa.Table, rows: list[int], advantages: l
             response_tokens=len(r["response_token_ids"]), stop_reason=r["stop_reason"], num_turns=r["num_turns"],
             turn_rewards=None if r["turn_rewards"] is None else tuple(r["turn_rewards"]),
             segments=episode_segments(tokenizer, r), segment=r["segment"], failure=r["failure"],
-            judge_outputs=dict(r["judge_outputs"] or []),
+            judge_outputs=dict(r["judge_outputs"] or []), version_parts=version_parts(tokenizer, r),
         )
         for r, prompt, completion, adv in zip(picked, prompts, completions, advantages, strict=True)
     ]
@@ -391,3 +421,13 @@ def episode_segments(tokenizer: Any, row: dict[str, Any]) -> tuple[tuple[bool, s
         return ()
     ids = row["response_token_ids"]
     return tuple((sampled, tokenizer.decode(ids[a:b], skip_special_tokens=False)) for a, b, sampled in mask_runs(mask))
+
+
+def version_parts(tokenizer: Any, row: dict[str, Any]) -> tuple[tuple[int, int, str], ...]:
+    """Returns a row's response cut where its ``token_versions`` change, each run as (version, tokens, its text
+    decoded with special tokens kept); () when every token has one version (``StepSample.version_parts``)."""
+    versions = row["token_versions"]
+    if len(set(versions)) < 2:
+        return ()
+    ids = row["response_token_ids"]
+    return tuple((v, b - a, tokenizer.decode(ids[a:b], skip_special_tokens=False)) for a, b, v in value_runs(versions))

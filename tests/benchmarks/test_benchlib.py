@@ -74,11 +74,13 @@ def test_run_all_summary_rows_compare_with_targets(bench):
             {"workload": w, "dtype": "float32", "runs": {"today": {"logprobs_s": 1.0, "update_s": 4.0},
                                                          "packed+shared": {"logprobs_s": 0.5, "update_s": 1.5}}}
             for w in ("demo", "env", "grpo")]},  # grpo's target is the whole step against TRL's: no row here
+        "partial_rollouts": {"runs": {"whole": {"step_s": 2.0}, "partial": {"step_s": 1.8, "step_time_vs_whole": 0.9}}},
     }
     rows = bench["run_all"].summary_rows(results)
     assert [(r[1], r[3]) for r in rows] == [(0.5, "yes"), (1.3, "no"), (1.05, "no"), (0.45, "yes"), (0.95, "yes"), (0.2, "no"),
-                                            (None, "n/a"), (0.01, "yes"), (0.4, "yes"), (0.4, "no")]
-    assert rows[-1][0] == "learner logprobs + update, env (float32): packed+shared / padded before" and rows[-1][2] == "<= 0.33"
+                                            (None, "n/a"), (0.01, "yes"), (0.4, "yes"), (0.4, "no"), (0.9, "yes")]
+    assert rows[-2][0] == "learner logprobs + update, env (float32): packed+shared / padded before" and rows[-2][2] == "<= 0.33"
+    assert rows[-1][0] == "async step time on long-tailed lengths: rollout.partial / whole generations"
     assert bench["run_all"].summary_rows({}) == []
 
 

@@ -101,7 +101,7 @@ def test_samples_endpoint_keeps_the_last_steps_and_404s_the_rest(served):
                                  "reward": 1.0, "terms": {"gsm8k_correct": 1.0, "gsm8k_format": None}, "advantage": 0.5,
                                  "finish_reason": "stop", "policy_version": 2, "response_tokens": 3,
                                  "stop_reason": None, "num_turns": None, "turn_rewards": None, "segments": [],
-                                 "segment": None, "failure": None, "judge_outputs": {}}
+                                 "segment": None, "failure": None, "judge_outputs": {}, "version_parts": []}
     assert doc["samples"][1]["reward"] is None and doc["samples"][1]["terms"]["gsm8k_correct"] == "failed"
     assert json.loads(_get(port, "/api/samples?step=2")[2])["samples"][0]["prompt_id"] == "p2"
     status, headers, body = _get(port, "/api/samples?step=1")
@@ -350,3 +350,34 @@ def test_page_script_marks_a_segment_of_an_agent_episode(served):
     first = cut_row["children"][-1]["children"][0]["children"][0]
     assert first["cls"] == "seg-label" and first["text"].startswith("segment 2: the agent rewrote its history")
     assert [c["cls"] for c in whole_row["children"][-1]["children"][0]["children"]] == ["seg seg-assistant"]
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs node to run the page's script (no browser here)")
+def test_page_script_marks_where_a_partial_rollout_changed_version(served):
+    """A response sampled across two weight updates (rollout.partial) shows its parts in order with a marker before
+    each new version (its title names the first token of that version), and its version column the range; a row of one
+    version keeps one text and its version."""
+    monitor, port = served
+    partial = StepSample(3, "p", "2+2?", "four</s>", 1.0, {"env": 1.0}, 0.5, "stop", 0, 4,
+                         version_parts=((0, 2, "fo"), (1, 1, XSS), (2, 1, "</s>")))
+    plain = StepSample(3, "q", "2+2?", "4</s>", 0.0, {"env": 0.0}, -0.5, "stop", 2, 2)
+    monitor.record_samples(3, [partial, plain])
+    responses = {u: {"status": 200, "body": _get(port, u)[2].decode()} for u in ["/health", "/api/charts", "/api/metrics?since=0", "/api/samples"]}
+    ids = re.findall(r'id="([^"]+)"', _get(port, "/")[2].decode())
+    out = subprocess.run(["node", str(Path(__file__).parents[1] / "fixtures" / "page_dom.js"), str(page.PAGE_DIR / "monitor.js"),
+                          json.dumps(ids), json.dumps(responses), "[]"], capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
+    table = json.loads(out.stdout)["snapshots"][0]["dom"]["sample-table"]
+    head = [th["text"] for th in table["children"][0]["children"][0]["children"]]
+    partial_row, plain_row = table["children"][1]["children"]  # by reward, high to low
+    version = head.index("policy version")
+    assert (partial_row["children"][version]["text"], plain_row["children"][version]["text"]) == ("0\u21922", "2")
+    parts = partial_row["children"][-1]["children"][0]["children"]
+    assert [(n["cls"], n["text"]) for n in parts] == [("", "fo"), ("ver-mark", "v1"), ("", XSS), ("ver-mark", "v2"),
+                                                      ("", "</s>")]
+    assert [n["attrs"]["title"] for n in parts] == [
+        "policy version 0: tokens 1-2", "weights updated during the generation: policy version 1 from token 3",
+        "policy version 1: tokens 3-3", "weights updated during the generation: policy version 2 from token 4",
+        "policy version 2: tokens 4-4"]
+    assert not any(n["tag"] in ("script", "img") for n in _walk(table))
+    assert plain_row["children"][-1]["children"][0]["text"] == "4</s>"

@@ -41,6 +41,14 @@ def test_mask_runs():
     assert mask_runs([False]) == [(0, 1, False)] and mask_runs([]) == []
 
 
+
+def test_value_runs():
+    from rlray.observe.samples import value_runs
+
+    assert value_runs([0, 0, 1, 2, 2]) == [(0, 2, 0), (2, 3, 1), (3, 5, 2)]
+    assert value_runs([3, 1, 3]) == [(0, 1, 3), (1, 2, 1), (2, 3, 3)] and value_runs([]) == []
+
+
 def test_episode_fields_survive_the_mlflow_table_and_old_tables_stay_readable(tmp_path):
     """A kept episode goes to MLflow and back unchanged (segments nested); a table an older rlray wrote (without the
     episode columns) reads back without them."""
@@ -53,13 +61,15 @@ def test_episode_fields_survive_the_mlflow_table_and_old_tables_stay_readable(tm
     tracker = Tracker(uri, "episodes")
     episode = StepSample(2, "p", "<user>guess", "<a>5</a><obs>higher</obs><a>7</a>", 1.0, {"env": 1.0}, 0.5, "stop", 1, 9,
                          "done", 2, (None, 1.0), ((True, "<a>5</a>"), (False, "<obs>higher</obs>"), (True, "<a>7</a>")))
-    single = StepSample(2, "q", "2+2?", "4", 0.0, {"env": 0.0}, -0.5, "stop", 1, 1)
+    single = StepSample(2, "q", "2+2?", "4</s>", 0.0, {"env": 0.0}, -0.5, "stop", 0, 2,
+                        version_parts=((0, 1, "4"), (1, 1, "</s>")))  # a partial rollout: one token each of v0, v1
     tracker.log_samples([episode, single], step=2)
     tracker.flush()
     rows = rows_from_table(read_artifact_json(uri, tracker.run_id, "samples/step_000002.json"))
     assert rows == [json_row(episode), json_row(single)]
     assert rows[0]["segments"][1] == {"role": "observation", "text": "<obs>higher</obs>"} and rows[0]["turn_rewards"] == [None, 1.0]
-    assert rows[1]["segments"] == [] and rows[1]["num_turns"] is None
+    assert rows[1]["segments"] == [] and rows[1]["num_turns"] is None and rows[0]["version_parts"] == []
+    assert rows[1]["version_parts"] == [{"version": 0, "tokens": 1, "text": "4"}, {"version": 1, "tokens": 1, "text": "</s>"}]
     old = {"columns": ["step", "prompt_id", "prompt", "completion", "reward", "advantage", "finish_reason",
                        "policy_version", "response_tokens", "reward/env"], "data": [[2, "p", "q", "c", 1.0, 0.5, "stop", 1, 3, 1.0]]}
     assert rows_from_table(old) == [{"step": 2, "prompt_id": "p", "prompt": "q", "completion": "c", "reward": 1.0, "advantage": 0.5,

@@ -8,6 +8,7 @@ import math
 import threading
 import time
 
+import pyarrow as pa
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -16,7 +17,7 @@ from rlray.data import PromptRow
 from rlray.learner.objective import LossSpec, Normaliser, policy_objective
 from rlray.rollout import Completion, RolloutEngine, SamplingSpec
 from rlray.rollout.partial import UpdateGate, generate_in_segments
-from rlray.run.experience import build_experience
+from rlray.run.experience import build_experience, rollout_stats, version_stats
 from rlray.schema import collate
 
 PROMPTS = [[1, 2, 3], [4, 5]]
@@ -168,3 +169,34 @@ def test_the_loss_of_a_partial_sample_equals_the_hand_computed_one():
     w = [math.exp(-0.2), 2.0, 1.0, math.exp(-0.1)]
     pg = [-math.exp(0.1), -math.exp(-0.3), -1.0, -1.2]
     assert float(loss) == pytest.approx(sum(a * b for a, b in zip(w, pg, strict=True)) / 4, abs=1e-6)
+
+
+def test_the_partial_metrics_of_a_step_by_hand():
+    """3 samples of one prompt, learner at version 3: tokens of versions [0, 0, 1, 2] (across 2 updates), [1, 1], [2].
+      partial_samples_frac = 1 of 3 samples spans more than one version = 1/3
+      token staleness = 3 - version: [3, 3, 2, 1], [2, 2], [1]; mean = (9 + 4 + 1) / 7 tokens = 2.0; max = 3
+      (the sample staleness is 3 - [0, 1, 2] = [3, 2, 1]: mean 2.0 over samples, max 3)
+    """
+    samples = [Completion(0, 0, [11, 12, 13, 14], [-1.0] * 4, "length", 0, versions=[0, 0, 1, 2]),
+               Completion(0, 1, [15, 16], [-1.0] * 2, "stop", 1), Completion(0, 2, [17], [-1.0], "stop", 2)]
+    rewards = {"reward": [1.0, 0.0, 0.5]}
+    table = build_experience([PromptRow("p:0", "q", {})], [[1, 2, 3]], samples, rewards)
+    assert version_stats(table, 3) == {"rollout/partial_samples_frac": 1 / 3, "rollout/token_staleness_mean": 2.0,
+                                       "rollout/token_staleness_max": 3.0}
+    stats = rollout_stats(table, rewards, 1, 3)  # logged with the step's other rollout/* metrics
+    assert (stats["rollout/partial_samples_frac"], stats["rollout/token_staleness_mean"]) == (1 / 3, 2.0)
+    assert (stats["rollout/staleness_mean"], stats["rollout/staleness_max"]) == (2.0, 3.0)
+    # without partial rollouts no sample spans versions; a 3-token sample of version 1 weighs 3 tokens
+    plain = build_experience([PromptRow("p:0", "q", {})], [[1, 2, 3]],
+                             [Completion(0, 0, [11, 12, 13], [-1.0] * 3, "stop", 1), samples[2]], {"reward": [1.0, 0.0]})
+    assert version_stats(plain, 2) == {"rollout/partial_samples_frac": 0.0, "rollout/token_staleness_mean": 0.75,
+                                       "rollout/token_staleness_max": 1.0}  # (1 + 1 + 1 + 0) / 4 tokens
+    # an episode's observation tokens (response_mask False) were not sampled: the first sample's 2nd and 3rd tokens
+    # out, its staleness [3, 1] with [2, 2] and [1]: mean 9 / 5 = 1.8, max 3
+    mask = pa.array([[True, False, False, True], [True, True], [True]], type=table.schema.field("response_mask").type)
+    observed = table.set_column(table.schema.get_field_index("response_mask"), "response_mask", mask)
+    assert version_stats(observed, 3) == {"rollout/partial_samples_frac": 1 / 3, "rollout/token_staleness_mean": 1.8,
+                                          "rollout/token_staleness_max": 3.0}
+    empty = build_experience([PromptRow("p:0", "q", {})], [[1]], [Completion(0, 0, [], [], "stop", 0)], {"reward": [0.0]})
+    got = version_stats(empty, 1)
+    assert got["rollout/partial_samples_frac"] == 0.0 and math.isnan(got["rollout/token_staleness_mean"])

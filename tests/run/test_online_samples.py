@@ -116,6 +116,24 @@ def test_step_samples_cut_an_episode_into_turns_and_observations():
     assert (row["stop_reason"], row["num_turns"], row["turn_rewards"]) == ("done", 2, [None, 1.0])
 
 
+def test_step_samples_cut_a_partial_rollout_where_its_version_changes():
+    """A response sampled by versions 0, 0, 1, 2 (a generation across 2 weight updates) is kept in 3 parts, each with
+    its version and token count, decoded on its own; a row of one version has no parts; the page record carries them."""
+    from rlray.observe.samples import json_row, table_columns
+
+    completions = [Completion(0, 0, [5, 6, 7, 8], [-0.1] * 4, "length", 0, versions=[0, 0, 1, 2]),
+                   Completion(0, 1, [9, 10], [-0.1] * 2, "stop", 1)]
+    table = experience.build_experience(ROWS, [[1, 2]], completions, {"reward": [1.0, 0.0]})
+    got = experience.step_samples(FakeTokenizer(), table, [0, 1], [0.5, -0.5], step=4)
+    assert got[0].version_parts == ((0, 2, "t5 t6"), (1, 1, "t7"), (2, 1, "t8"))
+    assert (got[0].policy_version, got[0].completion) == (0, "t5 t6 t7 t8")  # the oldest token's version, whole text
+    assert got[1].version_parts == ()
+    assert json_row(got[0])["version_parts"] == [{"version": 0, "tokens": 2, "text": "t5 t6"},
+                                                 {"version": 1, "tokens": 1, "text": "t7"},
+                                                 {"version": 2, "tokens": 1, "text": "t8"}]
+    assert table_columns(got)["version_parts"][1] == []
+
+
 class _Remote:
     def __init__(self, calls, name):
         self.calls, self.name = calls, name

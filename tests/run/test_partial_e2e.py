@@ -59,7 +59,7 @@ def wait_for_episode_threads(timeout_s: float = 120.0) -> None:
 
 @pytest.fixture(scope="module")
 def partial_run(ray_session, tmp_path_factory, tiny_model_path):
-    """Returns (config, train rows, [(run, 0-based step, learner version before it, its experience, its staleness_max)]
+    """Returns (config, train rows, [(run, 0-based step, learner version before it, its experience, its metrics)]
     of every step either run collected, [(MLflow run id, snapshot it resumed)] of runs A and B)."""
     from rlray.launch.actors import kill_actors, start_env_hosts, start_rollout_actors
 
@@ -87,7 +87,7 @@ def partial_run(ray_session, tmp_path_factory, tiny_model_path):
 
     def keep_table(lead, plan, tokenizer, step, timer, *, policy_version, world=1):  # each step's experience
         got = collect(lead, plan, tokenizer, step, timer, policy_version=policy_version, world=world)
-        steps.append((len(runs), step, policy_version, got.table, got.metrics["rollout/staleness_max"]))
+        steps.append((len(runs), step, policy_version, got.table, got.metrics))
         return got
 
     def crash(ctx):  # run A, step 3: its update is done, steps 4 and 5 generate
@@ -124,7 +124,7 @@ def test_every_token_records_its_version_within_the_staleness_bound(partial_run)
     _, _, steps, _ = partial_run
     assert [(run, step) for run, step, *_ in steps] == [(0, 0), (0, 1), (0, 2), (1, 2), (1, 3)]
     spanning, episodes_spanning = 0, 0
-    for _, step, learner, table, staleness_max in steps:
+    for _, step, learner, table, metrics in steps:
         assert learner == step  # the update of step t starts from version t (0-based)
         versions = table.column("token_versions").to_pylist()
         first = table.column("policy_version").to_pylist()
@@ -137,9 +137,16 @@ def test_every_token_records_its_version_within_the_staleness_bound(partial_run)
             assert oldest_allowed <= row[0] and row[-1] <= learner  # staleness per token at most 2, none from the future
             spanning += len(set(row)) > 1
             episodes_spanning += len(set(row)) > 1 and stop != "single_turn"  # an environment's turn across an update
-        assert staleness_max == learner - min(first) <= 2
+        assert metrics["rollout/staleness_max"] == learner - min(first) <= 2
+        # the step's partial metrics are the table's: rows that span versions, each sampled token's staleness
+        masks = table.column("response_mask").to_pylist()  # sampled tokens only: not an episode's observations
+        tokens = [v for row, mask in zip(versions, masks, strict=True) for v, m in zip(row, mask, strict=True) if m]
+        assert metrics["rollout/partial_samples_frac"] == sum(len(set(r)) > 1 for r in versions) / len(versions)
+        assert metrics["rollout/token_staleness_mean"] == pytest.approx(learner - sum(tokens) / len(tokens))
+        assert metrics["rollout/token_staleness_max"] == learner - min(tokens) <= 2
     # 12 segments of 1 token per sample: the pushes of steps 1 and 2 land inside the generations of the steps ahead
     assert spanning > 0 and episodes_spanning > 0
+    assert max(metrics["rollout/partial_samples_frac"] for *_, metrics in steps) > 0
 
 
 def test_the_prompt_ledger_stays_exact_across_the_crash(partial_run):

@@ -249,12 +249,40 @@ function drawSamples() {
     for (const t of terms) tr.append(t in s.terms ? num(s.terms[t]) : el("td", "skipped", "-"));
     tr.append(el("td", null, s.stop_reason || s.finish_reason));
     if (episodes) tr.append(el("td", "num", s.num_turns === null || s.num_turns === undefined ? "-" : s.num_turns));
-    tr.append(el("td", "num", s.response_tokens), el("td", "num", s.policy_version));
+    tr.append(el("td", "num", s.response_tokens), el("td", "num", versionRange(s)));
     const prompt = el("td", "text");
     prompt.append(el("div", null, s.prompt));
     tr.append(prompt, completionCell(s));
     return tr;
   }));
+}
+
+// The versions that sampled a response: "1", or "0\u21922" for a generation that took weight updates (a partial
+// rollout; rows without version_parts, older ones too, show their policy_version).
+function versionRange(s) {
+  const parts = s.version_parts || [];
+  return parts.length ? `${parts[0].version}\u2192${parts[parts.length - 1].version}` : s.policy_version;
+}
+
+// A response whose tokens came from several policy versions, each part in order, with a marker where the weights
+// changed (its title says from which token); one text otherwise.
+function versionedText(s) {
+  const parts = s.version_parts || [];
+  if (!parts.length) return el("div", null, s.completion);
+  const box = el("div");
+  let start = 0;
+  for (const [i, p] of parts.entries()) {
+    if (i > 0) {
+      const mark = el("span", "ver-mark", `v${p.version}`);
+      mark.setAttribute("title", `weights updated during the generation: policy version ${p.version} from token ${start + 1}`);
+      box.append(mark);
+    }
+    const text = el("span", null, p.text);
+    text.setAttribute("title", `policy version ${p.version}: tokens ${start + 1}-${start + p.tokens}`);
+    box.append(text);
+    start += p.tokens;
+  }
+  return box;
 }
 
 // An episode turn by turn: the model's turns and the environment's observations set apart, each turn with the
@@ -266,7 +294,7 @@ function completionCell(s) {
   const td = el("td", "text");
   if (s.failure) td.append(el("div", "failed failure", "no reward: " + s.failure));
   const segments = s.segments || [];
-  if (!segments.length) td.append(el("div", null, s.completion));
+  if (!segments.length) td.append(versionedText(s));
   else td.append(turnsBox(s, segments));
   for (const [name, text] of Object.entries(s.judge_outputs || {}).sort()) {
     const part = el("div", "seg seg-judge");
