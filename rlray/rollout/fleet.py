@@ -39,11 +39,11 @@ from typing import Any
 
 import numpy as np
 import ray
-import ray._private.state
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from rlray.hangs import ALERT_STACK_CHARS, Hang, HangError, HangWatch
 from rlray.rollout import Completion, SamplingSpec
+from rlray.rollout.gcs import gcs_actor_state
 
 log = logging.getLogger(__name__)
 
@@ -59,29 +59,6 @@ class RolloutError(RuntimeError):
 
 class ActorLostError(RuntimeError):
     """A rollout actor could not run a pending call (not ALIVE in the GCS) for ``resources.node_wait_s``."""
-
-
-def gcs_actor_state(actor: Any) -> str:
-    """Returns the actor's state in the GCS: "ALIVE", "RESTARTING", "PENDING_CREATION", "DEPENDENCIES_UNREADY",
-    "DEAD", or "UNKNOWN" when the GCS does not answer (busy) or does not know the actor.
-
-    Reads Ray's GCS actor table directly (``ray._private.state``): the state API (``ray.util.state``) needs the
-    dashboard, which a cluster may run without.
-    """
-    try:
-        info = ray._private.state.actors(actor_id=actor._actor_id.hex())
-    except Exception:  # noqa: BLE001 - the GCS busy or away for a moment: the next poll asks again
-        return "UNKNOWN"
-    return info["State"] if info else "UNKNOWN"
-
-
-def gcs_actor_node(actor: Any) -> str | None:
-    """Returns the node id (hex) the actor runs on, from the GCS actor table, or None when the GCS does not say."""
-    try:
-        info = ray._private.state.actors(actor_id=actor._actor_id.hex())
-    except Exception:  # noqa: BLE001 - the GCS busy or away: unknown
-        return None
-    return (info or {}).get("Address", {}).get("NodeID") or None
 
 
 @dataclass
@@ -308,6 +285,25 @@ class RolloutFleet:
                     "rollout actor %d is not back after %g s (resources.node_wait_s; its node is gone?): going on with "
                     "%d of %d rollout actors (rollout/actors_alive); it rejoins once Ray restarts it on a node with its "
                     "resources", i, self.node_wait_s, self.alive, len(self.actors))
+
+    def recover(self) -> None:
+        """Brings every actor back into use at the latest weights, waiting as a rollout does (``node_wait_s``): one
+        that fails to answer its version, or answers another (Ray restarted it while only an agent's call met its
+        death), is counted failed first (``rlray.run.rerun``).
+
+        Raises:
+            RolloutError: no actor is usable after the wait.
+        """
+        with self._lock:
+            for i in [i for i in range(len(self.actors)) if i not in self._stale]:
+                try:
+                    got = ray.get(self.actors[i].policy_version.remote(), timeout=max(self.node_wait_s, _ANSWER_S))
+                except (*ACTOR_ERRORS, ray.exceptions.GetTimeoutError):
+                    got = None
+                if got != self.version and not any(j == i for j, _, _ in self._pending_sync):  # a push still loading
+                    log.warning("rollout actor %d answers policy version %s, not %d: it restarted", i, got, self.version)
+                    self._mark_failed(i)
+            self._usable()
 
     def _poll_away(self) -> None:
         """Takes back each away actor whose probe answered; asks again where it failed; marks the dead for good."""

@@ -42,6 +42,7 @@ from rlray.rollout import RolloutSource, SamplingSpec
 from rlray.run import online_sampling
 from rlray.run.agents import AgentRollout
 from rlray.run.episodes import EpisodeRollout
+from rlray.run.rerun import RerunOnFault
 
 
 def seed_everything(seed: int) -> None:
@@ -234,15 +235,16 @@ def episode_rollout(cfg: Settings, fleet: Any, hosts: list[Any], tokenizer: Any)
 
 def rollouts(cfg: Settings, fleet: Any, hosts: list[Any], tokenizer: Any) -> RolloutSource:
     """Returns what a run samples from (rank 0; ``rlray eval``): the fleet; the episode rollout over it when
-    env.environments is set; and ``AgentRollout`` around either when env.agents is set."""
+    env.environments is set; ``AgentRollout`` around either when env.agents is set; and a multi-turn rollout inside
+    ``RerunOnFault`` (a step whose rollout actor or host died under it is rolled out again, whole)."""
     ep = resolve_plan(cfg).episodes
     inner = episode_rollout(cfg, fleet, hosts, tokenizer) if ep.episode_environments else fleet
-    if not ep.agents:
-        return inner
-    return AgentRollout(fleet, hosts, inner, tokenizer, env_column=ep.column, default=ep.default,
-                        agents=[name for name, _ in ep.agents], environments=ep.episode_environments,
-                        prompt_column=cfg.data.prompt_column, watch=fleet.watch,
-                        episode_timeout_s=cfg.env.episode_timeout_s)
+    if ep.agents:
+        inner = AgentRollout(fleet, hosts, inner, tokenizer, env_column=ep.column, default=ep.default,
+                             agents=[name for name, _ in ep.agents], environments=ep.episode_environments,
+                             prompt_column=cfg.data.prompt_column, watch=fleet.watch,
+                             episode_timeout_s=cfg.env.episode_timeout_s)
+    return inner if inner is fleet else RerunOnFault(inner, fleet, hosts)
 
 
 def update_spec(cfg: Settings, world: int) -> learner_online.UpdateSpec:

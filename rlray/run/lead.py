@@ -22,7 +22,8 @@ from rlray.plan import RunPlan
 from rlray.reward.judges.panel import JudgePanel
 from rlray.reward.server import LocalRewardClient, ServeRewardClient
 from rlray.rollout import RolloutSource, SamplingSpec
-from rlray.rollout.fleet import RolloutFleet, gcs_actor_node
+from rlray.rollout.fleet import RolloutFleet
+from rlray.rollout.gcs import gcs_actor_node
 from rlray.rollout.pipeline import RolloutPipeline
 from rlray.run import build
 from rlray.run.failures import LearningStreaks
