@@ -256,7 +256,7 @@ _STEP_METRICS: tuple[Metric, ...] = (
     Metric("env/failed", "count", "episodes whose environment failed (counted, not trained on)"),
     Metric("env/observation_tokens_mean", "tokens", "mean observation tokens per episode"),
     Metric("env/observations_truncated", "count", "observation messages cut to env.max_observation_tokens"),
-    Metric("env/episodes_rerun", "count", "episodes run again after their environment actor failed"),
+    Metric("env/episodes_rerun", "count", "episodes run again from their reset: a rollout actor or environment host died under their step's rollout"),
     # agents behind the gateway (logged when env.agents is set)
     Metric("env/template_drift", "count", "agent history rewrites of the step: each cuts its episode into one more "
            "segment, trained as a sequence of its own (0 while agents only extend their conversations)"),

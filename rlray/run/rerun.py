@@ -10,14 +10,16 @@ the step's samples, so a run with a fault no longer repeated the run without it.
 AgentRollout``) and runs the step's rollout again from the start when one of its actors or hosts died while it ran: a
 rollout actor the fleet saw fail, a restart the GCS counts for any rollout actor or host (``NumRestarts``: an agent's
 call, or a host call, met it), or an episode that ended ``actor_died``. Before the rerun every host must answer a ping
-and every rollout actor must hold the fleet's latest weights (``RolloutFleet.recover``: a restarted actor gets them).
+and every rollout actor must hold the fleet's latest weights (``RolloutFleet.recover``: a restarted actor gets them);
+a host that is not back (its restarts spent), or no rollout actor back, leaves the step's samples as they are (its
+failed episodes counted).
 The rerun samples the same prompts with the same seeds and the same weights (a multi-turn rollout in flight is waited
 for before the next weight push: ``RolloutPipeline.settle_before_push``) in the same engine batches, so its
 completions are the ones an uninterrupted run gets, bit for bit (tests/run/test_async_resume.py kills a rollout actor
 and an environment host). The lost work is counted: the rerun's episodes in ``env/episodes_rerun``, the fleet's
 failures and calls in ``rollout/actor_failures`` and ``rollout/engine_calls``. Exactness needs the dead actor back
 within ``resources.node_wait_s`` (with fewer actors the episodes' turns batch differently) and environments whose
-episodes depend only on their row; after ``MAX_RERUNS`` faulted attempts the last one's completions are kept.
+episodes depend only on their row; after ``MAX_RERUNS + 1`` faulted attempts the last one's completions are kept.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Any
 import ray
 
 from rlray.rollout import Completion, RolloutSource, SamplingSpec
-from rlray.rollout.fleet import ACTOR_ERRORS, RolloutFleet
+from rlray.rollout.fleet import ACTOR_ERRORS, RolloutError, RolloutFleet
 from rlray.rollout.gcs import gcs_actor_info
 from rlray.rollout.types import in_background
 
@@ -91,9 +93,12 @@ class RerunOnFault:
                 log.warning("a rollout actor or environment host died under each of %d attempts of a step's rollout: "
                             "keeping the last one's samples", attempt + 1)
                 break
+            if not self._recover():
+                log.warning("a rollout actor or environment host died during a step's rollout and is not back: "
+                            "keeping its samples (its episodes count as failed)")
+                break
             log.warning("a rollout actor or environment host died during a step's rollout: running its %d prompts "
                         "again from the start, with the same seeds and weights", len(prompt_ids))
-            self._recover()
             self.reruns += 1
         if attempt:
             got = [c if c.episode is None else dataclasses.replace(c, episode=dataclasses.replace(c.episode, rerun=True))
@@ -104,9 +109,9 @@ class RerunOnFault:
         """Returns the fleet's failures seen and the GCS's restart count of every rollout actor and host."""
         return (self.fleet.failures, *(gcs_actor_info(a).get("NumRestarts", -1) for a in [*self.fleet.actors, *self.hosts]))
 
-    def _recover(self) -> None:
+    def _recover(self) -> bool:
         """Waits for every host to answer a ping (up to ``HOST_WAIT_S``) and brings every rollout actor to the latest
-        weights (``RolloutFleet.recover``)."""
+        weights (``RolloutFleet.recover``); returns whether every host and at least one rollout actor are back."""
         deadline = time.monotonic() + HOST_WAIT_S
         for i, host in enumerate(self.hosts):
             while True:
@@ -115,9 +120,13 @@ class RerunOnFault:
                     break
                 except ray.exceptions.ActorUnavailableError:  # restarting: asked again
                     if time.monotonic() >= deadline:
-                        break
+                        return False
                     time.sleep(0.5)
                 except (*ACTOR_ERRORS, ray.exceptions.GetTimeoutError):
-                    log.warning("environment host %d is not back for the rerun (resources.env.max_restarts spent?)", i)
-                    break
-        self.fleet.recover()
+                    log.warning("environment host %d is not back (resources.env.max_restarts spent?)", i)
+                    return False
+        try:
+            self.fleet.recover()  # an actor not back within node_wait_s is left out (the turns then batch differently)
+        except RolloutError:
+            return False
+        return True
