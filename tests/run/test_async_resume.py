@@ -7,9 +7,12 @@ comparison, every key but wall-clock readings).
 
 One Ray cluster, one rollout actor and one environment host (an ``AgentHost``) serve three in-process runs
 (``worker.train``, world size 1, as tests/run/test_session.py): A runs 4 steps straight; B crashes in step 3; C resumes
-B's latest snapshot. The full size (6 steps, staleness 2, two crashes) is marked slow. The crashed run's episode
-threads are waited for before the resume (a killed driver takes them with it; here they would sample on the shared
-actors)."""
+B's latest snapshot; D (one run more, ~25 s) has its rollout actor and its environment host SIGKILLed at seeded steps,
+inside a step's first engine turn, and Ray restarts them: the step's rollout runs again, whole (``rlray.run.rerun``),
+and D ends with A's ledger and metrics bit for bit but for the counted lost work. The full size (6 steps, staleness
+2, two crashes) is marked slow; so are the kills of a learner rank and of the driver (tests/faults/test_kill_resume.py).
+The crashed run's episode threads are waited for before the resume (a killed driver takes them with it; here they
+would sample on the shared actors)."""
 
 from __future__ import annotations
 
