@@ -20,6 +20,7 @@ and an environment host). The lost work is counted: the rerun's episodes in ``en
 failures and calls in ``rollout/actor_failures`` and ``rollout/engine_calls``. Exactness needs the dead actor back
 within ``resources.node_wait_s`` (with fewer actors the episodes' turns batch differently) and environments whose
 episodes depend only on their row; after ``MAX_RERUNS + 1`` faulted attempts the last one's completions are kept.
+With ``rollout.partial`` a push does not wait for the episodes (no settle), so a rerun samples with newer weights.
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ def wait_for_episode_threads(timeout_s: float = 120.0) -> None:
     """Waits until the crashed run's episode threads have ended (a killed driver takes them with it; in this process
     they would otherwise still sample on the shared actors while the resume runs)."""
     deadline = time.monotonic() + timeout_s
-    while any(t.name == "rlray-episodes" for t in threading.enumerate()):
+    while any(t.name in ("rlray-rollout", "rlray-episodes") for t in threading.enumerate()):
         assert time.monotonic() < deadline, "the crashed run's episode threads did not end"
         time.sleep(0.2)
 
