@@ -82,13 +82,13 @@ class RerunOnFault:
         ``MAX_RERUNS`` reruns); a rerun's completions carry ``episode.rerun``.
 
         Raises:
-            whatever ``inner``'s rollout raised; RolloutError: no rollout actor is back for the rerun.
+            whatever ``inner``'s rollout raised.
         """
         for attempt in range(MAX_RERUNS + 1):
             before = self._deaths()
             got = self.inner.generate(prompt_ids, sampling, rows)
             died = any(c.episode is not None and c.episode.stop_reason == "actor_died" for c in got)
-            if not died and self._deaths() == before:
+            if not died and not self._died_since(before):
                 break
             if attempt == MAX_RERUNS:
                 log.warning("a rollout actor or environment host died under each of %d attempts of a step's rollout: "
@@ -107,8 +107,15 @@ class RerunOnFault:
         return got
 
     def _deaths(self) -> tuple[int, ...]:
-        """Returns the fleet's failures seen and the GCS's restart count of every rollout actor and host."""
+        """Returns the fleet's failures seen and the GCS's restart count of every rollout actor and host (-1 where the
+        GCS did not answer)."""
         return (self.fleet.failures, *(gcs_actor_info(a).get("NumRestarts", -1) for a in [*self.fleet.actors, *self.hosts]))
+
+    def _died_since(self, before: tuple[int, ...]) -> bool:
+        """Returns whether the fleet saw a failure, or the GCS counts a restart, since ``_deaths()`` returned
+        ``before`` (a count the GCS did not answer for, either time, is not compared)."""
+        now = self._deaths()
+        return now[0] != before[0] or any(a != b for a, b in zip(before[1:], now[1:], strict=True) if min(a, b) >= 0)
 
     def _recover(self) -> bool:
         """Waits for every host to answer a ping (up to ``HOST_WAIT_S``) and brings every rollout actor to the latest

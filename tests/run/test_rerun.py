@@ -81,3 +81,14 @@ def test_a_host_not_back_keeps_the_samples(monkeypatch):
     got, wrapper, inner, fleet = run({0: "host"}, host_back=False, monkeypatch=monkeypatch)
     assert inner.calls == 1 and wrapper.reruns == 0 and fleet.recovered == 0
     assert got[0].episode.stop_reason == "actor_died" and not got[0].episode.rerun
+
+
+def test_a_restart_the_gcs_counts_is_a_death_and_a_gcs_that_does_not_answer_is_not(monkeypatch):
+    fleet = FakeFleet()
+    wrapper = RerunOnFault(FakeRollout(fleet, {}), fleet, [])
+    answers = iter([{"NumRestarts": 0}, {}, {"NumRestarts": 0}, {"NumRestarts": 1}])
+    monkeypatch.setattr(rerun_mod, "gcs_actor_info", lambda actor: next(answers))
+    before = wrapper._deaths()
+    assert before == (0, 0) and not wrapper._died_since(before)  # the GCS busy (-1): not compared
+    assert not wrapper._died_since(before)  # restarts 0 again
+    assert wrapper._died_since(before)  # restarted once
