@@ -10,7 +10,8 @@ One Ray cluster, one rollout actor and one environment host (an ``AgentHost``) s
 B's latest snapshot; D (one run more, ~25 s) has its rollout actor and its environment host SIGKILLed at seeded steps,
 inside a step's first engine turn, and Ray restarts them: the step's rollout runs again, whole (``rlray.run.rerun``),
 and D ends with A's ledger and metrics bit for bit but for the counted lost work. The full size (6 steps, staleness
-2, two crashes) is marked slow; so are the kills of a learner rank and of the driver (tests/faults/test_kill_resume.py).
+2: two crashes, and the two kills) is marked slow; so are the kills of a learner rank and of the driver
+(tests/faults/test_kill_resume.py).
 The crashed run's episode threads are waited for before the resume (a killed driver takes them with it; here they
 would sample on the shared actors)."""
 
@@ -27,13 +28,13 @@ import pytest
 from rlray.checkpoint import contents
 from rlray.checkpoint import storage as checkpoint
 from rlray.config import Config
-from rlray.observe.tracking import Tracker
+from rlray.observe.tracking import Tracker, read_ledger
 from rlray.plan import resolve_plan
 from rlray.run import episodes, online, worker
 from rlray.run.state import RunOutcome, RunServices, WorkerArgs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
-from async_runs import FAULT_COUNTERS, assert_lossless, make_cfg, sigkill, write_rows  # noqa: E402
+from async_runs import FAULT_COUNTERS, ROWS, assert_lossless, make_cfg, sigkill, write_rows  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -46,7 +47,8 @@ def cluster(ray_session, tmp_path_factory, tiny_model_path):
 
     base = tmp_path_factory.mktemp("async_resume")
     write_rows(base)
-    plan = resolve_plan(make_cfg(base, "probe"))
+    # restarts enough for the kills of both sizes (the runs' own configs do not start actors)
+    plan = resolve_plan(make_cfg(base, "probe", "resources.rollout.max_restarts=4", "resources.env.max_restarts=4"))
     actors = start_rollout_actors(plan, tiny_model_path, max_model_len(plan.settings))
     hosts = start_env_hosts(plan, model_dir=tiny_model_path)
     yield base, actors, hosts
@@ -127,21 +129,24 @@ def test_a_crash_with_episodes_in_flight_resumes_losslessly(cluster, tiny_model_
 KILL_SEED = 0
 
 
-def kill_plan(seed: int) -> dict[int, str]:
-    """Returns {step: "rollout" | "host"}: two distinct seeded steps of 2..4 whose rollout kills that process."""
-    steps = random.Random(seed).sample(range(2, 5), 2)
-    return {steps[0]: "rollout", steps[1]: "host"}
+def kill_plan(seed: int, ledger_steps: dict[int, list[str]]) -> dict[int, str]:
+    """Returns {step: "rollout" | "host"}: two distinct seeded steps (from 2 on) among those whose prompts (``ledger_steps``,
+    an uninterrupted run's ledger: "rows:<index in ROWS>") include an environment episode, whose rollout kills that
+    process."""
+    def has_env(ids: list[str]) -> bool:
+        return any(ROWS[int(i.split(":")[1])].get("environment") in ("guess", "retry_arith") for i in ids)
+
+    picked = random.Random(seed).sample(sorted(s for s, ids in ledger_steps.items() if s >= 2 and has_env(ids)), 2)
+    return {picked[0]: "rollout", picked[1]: "host"}
 
 
-def test_a_killed_rollout_actor_and_environment_host_are_restarted_and_the_run_stays_exact(cluster, tiny_model_path,
-                                                                                          straight):
-    """One run, two real kills (SIGKILL) at seeded steps, each inside a step's first engine turn: its environment
-    episodes reset on the host and its agent episodes running there. Ray restarts the process; the step's rollout runs
-    again, whole, with the same seeds and weights (``rlray.run.rerun``), so the run ends with the uninterrupted run's
-    ledger and every metric bit for bit, but the counters of the work the kills cost."""
+def kill_and_check(cluster, model_path: str, straight_id: str, name: str, *, steps: int, staleness: int) -> dict:
+    """Runs the config with its rollout actor and its environment host SIGKILLed at ``kill_plan``'s steps, each inside
+    the step's first engine turn (its environment episodes reset on the host, its agent episodes running there), and
+    checks the run against the uninterrupted ``straight_id``; returns the kill plan."""
     _, actors, hosts = cluster
-    plan, victims = kill_plan(KILL_SEED), {"rollout": actors[0], "host": hosts[0]}
-    assert plan == {3: "rollout", 4: "host"}  # seed 0
+    straight_ledger = read_ledger(f"sqlite:///{cluster[0]}/mlflow.db", straight_id)
+    plan, victims = kill_plan(KILL_SEED, straight_ledger), {"rollout": actors[0], "host": hosts[0]}
     real_turn, killed = episodes.EpisodeRollout._sample_turn, {}
 
     def sample_turn(self, active, sampling, turn):
@@ -153,24 +158,46 @@ def test_a_killed_rollout_actor_and_environment_host_are_restarted_and_the_run_s
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(episodes.EpisodeRollout, "_sample_turn", sample_turn)
-        outcome, run_id = run(cluster, tiny_model_path, make_cfg(cluster[0], "killed"))
+        outcome, run_id = run(cluster, model_path, make_cfg(cluster[0], name, max_steps=steps, staleness=staleness))
     assert isinstance(outcome, RunOutcome) and outcome.status == "FINISHED", outcome
     assert sorted(killed) == sorted(plan)
-    a, b = assert_lossless(cluster[0], straight, [(run_id, None)], steps=4, staleness=1, name="killed",
+    a, b = assert_lossless(cluster[0], straight_id, [(run_id, None)], steps=steps, staleness=staleness, name=name,
                            counted=FAULT_COUNTERS)
     assert sum(v for _, v in b["rollout/actor_failures"]) == 1 and sum(v for _, v in a["rollout/actor_failures"]) == 0
-    rerun_steps = {s for s, v in b["env/episodes_rerun"] if v}
-    assert set(plan) <= rerun_steps <= {s for k in plan for s in (k - 1, k)}  # a step's rollout runs beside the next's
+    rerun_steps = {s for s, v in b["env/episodes_rerun"] if v}  # the first steps' rollouts run side by side
+    assert set(plan) <= rerun_steps <= {s for k in plan for s in range(k - staleness, k + 1)}
     assert not any(v for _, v in a["env/episodes_rerun"])
     assert all(vb >= va for (_, va), (_, vb) in zip(a["rollout/engine_calls"], b["rollout/engine_calls"], strict=True))
+    return plan
+
+
+def test_a_killed_rollout_actor_and_environment_host_are_restarted_and_the_run_stays_exact(cluster, tiny_model_path,
+                                                                                          straight):
+    """One run, two real kills (SIGKILL) at seeded steps with episodes in flight. Ray restarts the process; the step's
+    rollout runs again, whole, with the same seeds and weights (``rlray.run.rerun``), so the run ends with the
+    uninterrupted run's ledger and every metric bit for bit, but the counters of the work the kills cost."""
+    assert kill_and_check(cluster, tiny_model_path, straight, "killed", steps=4, staleness=1) == {3: "rollout", 4: "host"}
+
+
+@pytest.fixture(scope="module")
+def straight6(cluster, tiny_model_path):
+    """The uninterrupted run at full size: 6 steps at max_staleness 2."""
+    outcome, run_id = run(cluster, tiny_model_path, make_cfg(cluster[0], "straight6", max_steps=6, staleness=2))
+    assert isinstance(outcome, RunOutcome) and outcome.status == "FINISHED", outcome
+    return run_id
+
+
+@pytest.mark.slow  # 2 Ray runs more (one shared with the crashes below); make test kills at the small size above
+def test_kills_at_full_size_leave_the_run_exact(cluster, tiny_model_path, straight6):
+    """The kills at the full size: 6 steps at max_staleness 2 (the first three steps' rollouts run side by side)."""
+    plan = kill_and_check(cluster, tiny_model_path, straight6, "killed6", steps=6, staleness=2)
+    assert plan == {5: "rollout", 3: "host"}  # seed 0 (step 6 has single-turn rows only)
 
 
 @pytest.mark.slow  # ~3 Ray runs more; make test runs the one crash above
-def test_two_crashes_at_staleness_2_resume_losslessly(cluster, tiny_model_path):
+def test_two_crashes_at_staleness_2_resume_losslessly(cluster, tiny_model_path, straight6):
     """The full size: 6 steps at max_staleness 2 (two steps in flight at each snapshot), crashed in steps 3 and 5."""
-    kw = {"max_steps": 6, "staleness": 2}
-    outcome, straight_id = run(cluster, tiny_model_path, make_cfg(cluster[0], "straight6", **kw))
-    assert isinstance(outcome, RunOutcome) and outcome.status == "FINISHED", outcome
+    kw, straight_id = {"max_steps": 6, "staleness": 2}, straight6
     runs = crash_and_resume(cluster, tiny_model_path, "crashed6", (3, 5), **kw)
     assert len(runs) == 3 and [r[1].rsplit("/", 1)[-1] for r in runs[1:]] == ["step_00000002", "step_00000004"]
     assert len(checkpoint.read_manifest(runs[2][1]).data_cursor["in_flight"]) == 2
