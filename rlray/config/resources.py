@@ -149,7 +149,7 @@ class EnvResources(_Section):
     custom_resources: CustomResources = _custom_field("env")
     threads: int = Field(8, ge=1, description="Episodes' reset and step calls a host runs at once (threads).")
     max_restarts: int = Field(
-        1, ge=-1, description="Times Ray restarts a dead host (-1: without limit); its episodes are run again once."
+        1, ge=-1, description="Times Ray restarts a dead host (-1: without limit); the step it died under runs its rollout again."
     )
 
 

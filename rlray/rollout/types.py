@@ -119,7 +119,8 @@ class EpisodeInfo:
         scores: the parts of env_reward an agent reported (``AgentResult.scores``), logged as reward terms
             ``reward/<environment>/<name>`` of weight 0 (``rlray.run.episodes.add_env_reward``).
         message: the error of a failed episode, saying where it raised ("" otherwise).
-        rerun: the episode was run again from the start because its environment host died.
+        rerun: the episode was run again from its reset: a rollout actor or environment host died under its step's
+            rollout, which ran again, whole (``rlray.run.rerun.RerunOnFault``).
         env_steps: ``step`` calls its environment answered or failed (one per turn the environment was asked about;
             0 for an agent episode, whose calls go through the gateway: ``AgentInfo.gateway_calls``).
         agent: what only an agent episode records (``AgentInfo``); None for an environment episode, and for the

@@ -20,10 +20,11 @@ NaN, so the update and the group statistics leave it out; counted in ``env/faile
 reason>``). In ``reset`` or ``step`` the stop reason says so (``env_error`` or ``timeout``); in
 ``reward_at_limit()`` (a TRL class's ``get_reward``) of an episode a limit ended, or in ``close()``, the episode
 keeps the stop reason of its end (``max_turns``, ``done``, ...) and fails all the same. The failure's message says
-where (``rlray.envs.host.describe_error``). The episodes of a host that dies are run again once, from the start, on the hosts that
-answer (``env/episodes_rerun``); a second death fails them (stop reason ``actor_died``). A host call that runs past
-``watchdog.env_call_s`` (with ``watch``, a ``rlray.hangs.HangWatch``) is reported with the host's stacks and the host is
-restarted, a death like any other (its episodes run again once), or the run stops (``watchdog.on_hang``).
+where (``rlray.envs.host.describe_error``). The episodes of a host that dies fail (stop reason ``actor_died``); in a
+run ``rlray.run.rerun.RerunOnFault`` then runs the step's rollout again, whole, once Ray has restarted the host
+(``env/episodes_rerun``), and a host ALIVE again takes episodes again from the next rollout on. A host call that runs
+past ``watchdog.env_call_s`` (with ``watch``, a ``rlray.hangs.HangWatch``) is reported with the host's stacks and the
+host is restarted, a death like any other, or the run stops (``watchdog.on_hang``).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from rlray.hangs import HangWatch
 from rlray.reward.combine import Term, combine
 from rlray.rollout import Completion, SamplingSpec
 from rlray.rollout.fleet import ACTOR_ERRORS, RolloutFleet
+from rlray.rollout.gcs import gcs_actor_state
 from rlray.rollout.types import EpisodeInfo, in_background
 
 log = logging.getLogger(__name__)
@@ -74,7 +76,6 @@ class RunningEpisode:
         tool_calls, tool_errors, observation_tokens, metrics, env_steps: sums over its turns (``EpisodeInfo``).
         message: why it failed ("" otherwise); limit_reward: ``reward_at_limit()`` of an episode a limit ended.
         failed_at_end: its ``reward_at_limit()`` or ``close()`` raised after it ended (it keeps its stop reason).
-        rerun: it runs again from the start because its host died.
     """
 
     prompt_index: int
@@ -94,7 +95,6 @@ class RunningEpisode:
     message: str = ""
     limit_reward: float | None = None
     failed_at_end: bool = False
-    rerun: bool = False
 
 
 class EpisodeRollout:
@@ -165,12 +165,13 @@ class EpisodeRollout:
         """Returns the completions of ``sampling.n`` episodes per row, run to their end on the caller's thread,
         prompt-major (``collect(submit(...))`` without the thread; arguments as ``submit``).
 
-        Episodes whose environment host died are run again once from the start on a live host.
+        Episodes whose environment host died fail (stop reason ``actor_died``; ``RerunOnFault`` runs the step again).
 
         Raises:
             ValueError: a row names an environment that is not configured.
             RolloutError: the rollout fleet cannot sample a turn.
         """
+        self._dead = {h for h in self._dead if gcs_actor_state(self.hosts[h]) != "ALIVE"}  # restarted: back in use
         step_key = uuid.uuid4().hex[:12]
         episodes = []
         for p, row in enumerate(rows):
@@ -178,14 +179,6 @@ class EpisodeRollout:
             for s in range(sampling.n):
                 episodes.append(RunningEpisode(p, s, len(episodes), env, f"{step_key}-{p}-{s}"))
         self._run_episodes(episodes, rows, prompt_ids, sampling)
-        died = [i for i, ep in enumerate(episodes) if ep.traj.stop_reason == "actor_died"]
-        if died and self._revive_hosts():
-            log.warning("running %d episodes again whose environment host died", len(died))
-            again = [RunningEpisode(ep.prompt_index, ep.sample_index, ep.order, ep.environment, f"{ep.key}-rerun",
-                                    rerun=True) for ep in (episodes[i] for i in died)]
-            self._run_episodes(again, rows, prompt_ids, sampling)
-            for i, ep in zip(died, again, strict=True):
-                episodes[i] = ep
         return [self._completion(ep) for ep in episodes]
 
     def _run_episodes(self, episodes: list[RunningEpisode], rows: list[Any], prompt_ids: list[list[int]],
@@ -211,22 +204,6 @@ class EpisodeRollout:
     def _live_hosts(self) -> list[int]:
         """Returns the hosts not known dead (all of them when every one is: their calls then fail as actor_died)."""
         return [h for h in range(len(self.hosts)) if h not in self._dead] or list(range(len(self.hosts)))
-
-    def _revive_hosts(self, timeout_s: float = 60.0) -> list[int]:
-        """Pings the hosts known dead until they answer (Ray restarts a host up to resources.env.max_restarts
-        times) or ``timeout_s`` passes; returns the hosts alive now (possibly none)."""
-        deadline = time.monotonic() + timeout_s
-        for h in sorted(self._dead):
-            while time.monotonic() < deadline:
-                try:
-                    ray.get(self.hosts[h].ping.remote(), timeout=max(deadline - time.monotonic(), 0.1))
-                    self._dead.discard(h)
-                    break
-                except ray.exceptions.ActorUnavailableError:  # restarting
-                    time.sleep(0.5)
-                except (*ACTOR_ERRORS, ray.exceptions.GetTimeoutError):
-                    break
-        return [h for h in range(len(self.hosts)) if h not in self._dead]
 
     def environment_of(self, row: Any) -> str:
         """Returns the environment name of a prompt row ("" for a single-turn row).
@@ -408,7 +385,7 @@ class EpisodeRollout:
             turn_rewards=list(traj.turn_rewards), env_reward=env_reward, failed=traj.failed or ep.failed_at_end,
             tool_calls=ep.tool_calls, tool_errors=ep.tool_errors, observation_tokens=ep.observation_tokens,
             observations_truncated=traj.observations_truncated, metrics=dict(ep.metrics), message=ep.message,
-            rerun=ep.rerun, env_steps=ep.env_steps,
+            env_steps=ep.env_steps,
         )
         if not traj.response_ids:  # failed before its first turn: one masked-out placeholder token
             eos = int(self.tokenizer.eos_token_id)

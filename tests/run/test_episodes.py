@@ -15,6 +15,7 @@ from rlray.envs.limits import EpisodeLimits
 from rlray.hangs import HangWatch
 from rlray.rollout import Completion, SamplingSpec
 from rlray.run.episodes import EpisodeRollout, add_env_reward, episode_metrics
+from rlray.run.rerun import RerunOnFault
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "test_envs.py"
 ENVS = {name: f"{FIXTURE}:{cls}" for name, cls in
@@ -28,6 +29,10 @@ class ScriptedFleet:
 
     def __init__(self, tokenizer) -> None:
         self.tok, self.version, self.calls = tokenizer, 0, []
+        self.actors, self.failures = [], 0  # RerunOnFault's view: no rollout actor to die
+
+    def recover(self) -> None:
+        """Nothing to bring back (RerunOnFault)."""
 
     def submit(self, prompt_ids, sampling, rows=None, *, actor_keys=None):
         self.calls.append((len(prompt_ids), list(actor_keys or []), sampling))
@@ -201,11 +206,13 @@ def test_unknown_environment_names_the_row(env_host, tiny_tokenizer):
                                                     rows("chess"))
 
 
-def test_episodes_of_a_dead_host_run_again_once(ray_session, tiny_tokenizer, tmp_path):
+def test_the_step_of_a_dead_host_runs_again_whole(ray_session, tiny_tokenizer, tmp_path):
     h = host(max_restarts=1)
     marker = tmp_path / "died"
     batch = [PromptRow("p0", "hello", {"environment": "die", "marker": str(marker)})]
-    got = rollout(tiny_tokenizer, [h]).generate([[1]], SamplingSpec(n=2, max_new_tokens=4, temperature=1.0), batch)
+    episodes = rollout(tiny_tokenizer, [h])
+    got = RerunOnFault(episodes, episodes.fleet, [h]).generate([[1]], SamplingSpec(n=2, max_new_tokens=4, temperature=1.0),
+                                                               batch)
     assert marker.exists()
     assert [c.episode.stop_reason for c in got] == ["done", "done"]
     assert [c.episode.rerun for c in got] == [True, True]
@@ -226,7 +233,8 @@ def test_a_host_stuck_past_watchdog_env_call_s_is_reported_with_its_stack_restar
                               env_column="environment", default_env=None, known_envs=list(ENVS), prepare=lambda m: m,
                               watch=watch)
     batch = [PromptRow("p0", "hello", {"environment": "hangonce", "marker": str(tmp_path / "hung")})]
-    got = episodes.generate([[1]], SamplingSpec(n=2, max_new_tokens=4, temperature=1.0), batch)
+    got = RerunOnFault(episodes, episodes.fleet, [h]).generate([[1]], SamplingSpec(n=2, max_new_tokens=4, temperature=1.0),
+                                                               batch)
     assert [c.episode.stop_reason for c in got] == ["done", "done"] and [c.episode.rerun for c in got] == [True, True]
     assert episode_metrics(got)["env/episodes_rerun"] == 2.0
     assert (watch.hangs, watch.restarts) == (1, 1)
