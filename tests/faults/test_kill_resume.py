@@ -6,7 +6,7 @@ seeded step, when the next steps' episodes are in flight. Each ends with the uni
 metric bit for bit (``benchmarks/compare_runs.py``).
 
 The kills of a rollout actor and an environment host (restarted by Ray, the step's rollout run again) are in make
-test: tests/run/test_async_resume.py. Four driver runs here (200-320 s on 2 busy cores): slow. The learner kill after
+test: tests/run/test_async_resume.py. Four driver runs here (136-320 s on 2 shared cores): slow. The learner kill after
 step 1 (seed 1: Ray Train starts over, no snapshot yet) passed too (193 s)."""
 
 from __future__ import annotations
