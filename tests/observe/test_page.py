@@ -298,6 +298,18 @@ def test_page_script_shades_bands_and_marks_steps_outside(tmp_path):
     assert sum(n.get("attrs", {}).get("class") == "band" for n in _walk(loss)) == 1
 
 
+def _sample_table(monitor, port: int, step: int, samples: list[StepSample]) -> dict:
+    """Records ``samples`` as step ``step``'s and returns the sample table's DOM as the page's script builds it from
+    the served responses (node, tests/fixtures/page_dom.js)."""
+    monitor.record_samples(step, samples)
+    responses = {u: {"status": 200, "body": _get(port, u)[2].decode()} for u in ["/health", "/api/charts", "/api/metrics?since=0", "/api/samples"]}
+    ids = re.findall(r'id="([^"]+)"', _get(port, "/")[2].decode())
+    out = subprocess.run(["node", str(Path(__file__).parents[1] / "fixtures" / "page_dom.js"), str(page.PAGE_DIR / "monitor.js"),
+                          json.dumps(ids), json.dumps(responses), "[]"], capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)["snapshots"][0]["dom"]["sample-table"]
+
+
 @pytest.mark.skipif(shutil.which("node") is None, reason="needs node to run the page's script (no browser here)")
 def test_page_script_shows_an_episode_turn_by_turn(served):
     """An episode's turns and observations are set apart (an observation holding markup stays text), each turn with
@@ -307,13 +319,7 @@ def test_page_script_shows_an_episode_turn_by_turn(served):
     episode = StepSample(1, "g", "guess a number", "<a>5</a><obs>higher</obs><a>7</a>", 1.0, {"env": 1.0}, 0.5, "stop", 0, 9,
                          "done", 2, (None, 1.0), ((True, "<a>5</a>"), (False, XSS), (True, "<a>7</a>")))
     single = StepSample(1, "q", "2+2?", "4", 0.0, {"env": 0.0}, -0.5, "stop", 0, 1, judge_outputs={"judge": XSS})
-    monitor.record_samples(1, [episode, single])
-    responses = {u: {"status": 200, "body": _get(port, u)[2].decode()} for u in ["/health", "/api/charts", "/api/metrics?since=0", "/api/samples"]}
-    ids = re.findall(r'id="([^"]+)"', _get(port, "/")[2].decode())
-    out = subprocess.run(["node", str(Path(__file__).parents[1] / "fixtures" / "page_dom.js"), str(page.PAGE_DIR / "monitor.js"),
-                          json.dumps(ids), json.dumps(responses), "[]"], capture_output=True, text=True, timeout=60, check=False)
-    assert out.returncode == 0, out.stderr
-    table = json.loads(out.stdout)["snapshots"][0]["dom"]["sample-table"]
+    table = _sample_table(monitor, port, 1, [episode, single])
     head = [th["text"] for th in table["children"][0]["children"][0]["children"]]
     assert head[3:6] == ["stop reason", "turns", "tokens"]
     ep_row, single_row = table["children"][1]["children"]  # by reward, high to low
@@ -339,13 +345,7 @@ def test_page_script_marks_a_segment_of_an_agent_episode(served):
                      ((True, "<a>5</a>"),), segment=1)
     whole = StepSample(2, "v", "spell", "<a>6</a>", 0.0, {"env": 0.0}, -0.5, "stop", 0, 3, "done", 1, (0.0,),
                        ((True, "<a>6</a>"),))
-    monitor.record_samples(2, [cut, whole])
-    responses = {u: {"status": 200, "body": _get(port, u)[2].decode()} for u in ["/health", "/api/charts", "/api/metrics?since=0", "/api/samples"]}
-    ids = re.findall(r'id="([^"]+)"', _get(port, "/")[2].decode())
-    out = subprocess.run(["node", str(Path(__file__).parents[1] / "fixtures" / "page_dom.js"), str(page.PAGE_DIR / "monitor.js"),
-                          json.dumps(ids), json.dumps(responses), "[]"], capture_output=True, text=True, timeout=60, check=False)
-    assert out.returncode == 0, out.stderr
-    table = json.loads(out.stdout)["snapshots"][0]["dom"]["sample-table"]
+    table = _sample_table(monitor, port, 2, [cut, whole])
     cut_row, whole_row = table["children"][1]["children"]  # by reward, high to low
     first = cut_row["children"][-1]["children"][0]["children"][0]
     assert first["cls"] == "seg-label" and first["text"].startswith("segment 2: the agent rewrote its history")
@@ -361,13 +361,7 @@ def test_page_script_marks_where_a_partial_rollout_changed_version(served):
     partial = StepSample(3, "p", "2+2?", "four</s>", 1.0, {"env": 1.0}, 0.5, "stop", 0, 4,
                          version_parts=((0, 2, "fo"), (1, 1, XSS), (2, 1, "</s>")))
     plain = StepSample(3, "q", "2+2?", "4</s>", 0.0, {"env": 0.0}, -0.5, "stop", 2, 2)
-    monitor.record_samples(3, [partial, plain])
-    responses = {u: {"status": 200, "body": _get(port, u)[2].decode()} for u in ["/health", "/api/charts", "/api/metrics?since=0", "/api/samples"]}
-    ids = re.findall(r'id="([^"]+)"', _get(port, "/")[2].decode())
-    out = subprocess.run(["node", str(Path(__file__).parents[1] / "fixtures" / "page_dom.js"), str(page.PAGE_DIR / "monitor.js"),
-                          json.dumps(ids), json.dumps(responses), "[]"], capture_output=True, text=True, timeout=60, check=False)
-    assert out.returncode == 0, out.stderr
-    table = json.loads(out.stdout)["snapshots"][0]["dom"]["sample-table"]
+    table = _sample_table(monitor, port, 3, [partial, plain])
     head = [th["text"] for th in table["children"][0]["children"][0]["children"]]
     partial_row, plain_row = table["children"][1]["children"]  # by reward, high to low
     version = head.index("policy version")
