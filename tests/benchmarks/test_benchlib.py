@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+from tests.fixtures.bench import load_bench
 
 
 @pytest.fixture(scope="module")
 def bench():
     """Imports the scripts as the scripts import each other (benchmarks/ on sys.path)."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield {name: importlib.import_module(name) for name in ("benchlib", "weight_sync", "run_all")}
-    finally:
-        sys.path.remove(str(BENCH))
+    yield {name: load_bench(name) for name in ("benchlib", "weight_sync", "run_all")}
 
 
 def test_ratio_and_rates(bench):
@@ -157,11 +149,7 @@ def test_tree_memory_samples_at_nice_19_without_renicing_the_process(bench):
 
 
 def test_scaling_slope_is_least_squares():
-    sys.path.insert(0, str(BENCH))
-    try:
-        grpo = importlib.import_module("grpo_vs_trl")
-    finally:
-        sys.path.remove(str(BENCH))
+    grpo = load_bench("grpo_vs_trl")
     assert grpo.slope([4, 8, 16], [10.0, 18.0, 34.0]) == 2.0  # exactly on a line: 2 s per prompt
     assert grpo.slope([64, 128, 256], [1.0, 3.0, 3.0]) == pytest.approx(1 / 112)  # hand-computed: 170.67 / 19114.7
     assert grpo.slope([4, 8, 16], [10.0, None, 34.0]) == 2.0  # a failed point is left out
@@ -173,11 +161,7 @@ def test_scaling_runs_each_point_and_fits_each_line(monkeypatch):
     slopes per run, a table row each."""
     import argparse
 
-    sys.path.insert(0, str(BENCH))
-    try:
-        grpo = importlib.import_module("grpo_vs_trl")
-    finally:
-        sys.path.remove(str(BENCH))
+    grpo = load_bench("grpo_vs_trl")
     seen = []
 
     def fake_compare(model, spec, variants, timeout_s, keep):

@@ -2,24 +2,17 @@
 
 from __future__ import annotations
 
-import importlib
 import math
-import sys
-from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+from tests.fixtures.bench import load_bench
 
 
 @pytest.fixture(scope="module")
 def compare():
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield importlib.import_module("compare_runs")
-    finally:
-        sys.path.remove(str(BENCH))
+    yield load_bench("compare_runs")
 
 
 def _run(client: MlflowClient, exp: str, metrics: dict[str, list[tuple[int, float]]]) -> str:

@@ -4,25 +4,17 @@ needs chromium: tests/observe/test_browser.py drives the same capture (tests/fix
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 from rlray.observe.tracking import Tracker
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+from tests.fixtures.bench import load_bench
 
 
 @pytest.fixture(scope="module")
 def pictures():
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield importlib.import_module("docs_pictures")
-    finally:
-        sys.path.remove(str(BENCH))
+    yield load_bench("docs_pictures")
 
 
 @pytest.fixture(scope="module")

@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
-import importlib
 import math
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.fixtures.bench import load_bench
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
 def env_learning():
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield importlib.import_module("env_learning")
-    finally:
-        sys.path.remove(str(BENCH))
+    yield load_bench("env_learning")
 
 
 def test_mcnemar_one_sided_hand_computed(env_learning):

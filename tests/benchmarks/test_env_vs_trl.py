@@ -2,25 +2,20 @@
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from rlray.envs import AssistantTurn, TRLEnvironment, is_trl_environment, load_environment, parse_tool_calls
+from tests.fixtures.bench import load_bench
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield importlib.import_module("env_vs_trl"), importlib.import_module("multiply_env")
-    finally:
-        sys.path.remove(str(BENCH))
+    yield load_bench("env_vs_trl"), load_bench("multiply_env")
 
 
 def turn(text: str, index: int) -> AssistantTurn:

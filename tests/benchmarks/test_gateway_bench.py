@@ -6,23 +6,17 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from rlray.config import load_config
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+from tests.fixtures.bench import load_bench
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield importlib.import_module("gateway")
-    finally:
-        sys.path.remove(str(BENCH))
+    yield load_bench("gateway")
 
 
 def test_the_two_runs_train_the_same_task_one_behind_the_gateway(bench, tmp_path):

@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+from tests.fixtures.bench import load_bench
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield importlib.import_module("learner_packing"), importlib.import_module("grpo_vs_trl")
-    finally:
-        sys.path.remove(str(BENCH))
+    yield load_bench("learner_packing"), load_bench("grpo_vs_trl")
 
 
 @pytest.mark.parametrize("name", ["demo", "env", "grpo"])

@@ -2,24 +2,17 @@
 
 from __future__ import annotations
 
-import importlib
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+from tests.fixtures.bench import load_bench
 
 
 @pytest.fixture(scope="module")
 def mismatch():
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield importlib.import_module("mismatch")
-    finally:
-        sys.path.remove(str(BENCH))
+    yield load_bench("mismatch")
 
 
 def test_mismatch_stats_hand_computed(mismatch):

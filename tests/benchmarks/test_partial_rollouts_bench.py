@@ -3,26 +3,18 @@ probabilities are the ones its docstring gives), and its two runs differ in roll
 
 from __future__ import annotations
 
-import importlib
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from rlray.config import load_config
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+from tests.fixtures.bench import load_bench
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield importlib.import_module("partial_rollouts")
-    finally:
-        sys.path.remove(str(BENCH))
+    yield load_bench("partial_rollouts")
 
 
 def test_idle_time_is_the_window_minus_the_calls(bench):

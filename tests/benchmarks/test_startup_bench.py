@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+from tests.fixtures.bench import load_bench
 
 
 @pytest.fixture(scope="module")
 def startup():
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield importlib.import_module("startup")
-    finally:
-        sys.path.remove(str(BENCH))
+    yield load_bench("startup")
 
 
 def test_summary_json_is_the_last_object_after_the_console_lines(startup):

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.fixtures.bench import load_bench
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "benchmarks"
@@ -16,11 +16,7 @@ BENCH = REPO / "benchmarks"
 
 @pytest.fixture(scope="module")
 def wc():
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield importlib.import_module("work_counts")
-    finally:
-        sys.path.remove(str(BENCH))
+    yield load_bench("work_counts")
 
 
 def test_counts_sum_each_counter_over_the_steps_and_leave_out_the_rest(wc):

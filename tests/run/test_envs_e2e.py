@@ -3,9 +3,7 @@ through vLLM rollout actors, environment hosts, Ray Train and MLflow; the run al
 seeded teacher (tiny-random@1: on-policy distillation's end-to-end check shares this run), and `rlray eval` then
 scores its final snapshot."""
 
-import importlib
 import math
-import sys
 import warnings
 from pathlib import Path
 
@@ -15,6 +13,7 @@ from safetensors.torch import load_file
 
 from rlray.observe.metrics import is_metric_key, term_keys
 from rlray.observe.tracking import get_run, get_run_metrics
+from tests.fixtures.bench import load_bench
 
 REPO = Path(__file__).resolve().parents[2]
 # the settings of the mixed run beyond its paths (its work counts are held to tests/fixtures/work_baseline.json)
@@ -27,11 +26,7 @@ ENV_KEYS = ["env/episodes", "env/turns_mean", "env/tool_calls_mean", "env/tool_e
 
 def work_counts_module():
     """Returns benchmarks/work_counts.py as a module (the benchmark scripts are not a package)."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        return importlib.import_module("work_counts")
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
+    return load_bench("work_counts")
 
 
 @pytest.mark.ray
