@@ -227,7 +227,7 @@ class InstantSampler:
 
     reply: list[int] = []
 
-    def __init__(self, actors: list[Any], sampling: Any) -> None:
+    def __init__(self, actors: list[Any], sampling: Any, min_version: int | None = None) -> None:
         self.num_actors = max(len(actors), 1)
 
     async def sample(self, actor: int, prompts: list[list[int]], max_new_tokens: int, stop: tuple[str, ...]) -> list[Any]:

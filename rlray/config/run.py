@@ -251,9 +251,10 @@ class RolloutConfig(_Section):
             "the new weights (their KV cache recomputed), and every sampled token records the policy version that produced it "
             "and its behaviour logprob (experience column token_versions), which rollout correction and the decoupled "
             "PPO ratio use token by token. A sample's staleness is its oldest token's. Generation runs in segments of "
-            "partial_segment_tokens. Environment episodes (env.environments) continue each turn across an update the "
-            "same way (a turn with an environment's stop strings runs whole). Not with env.agents or env.servers, "
-            "rollout.stop, rollout.weight_sync nccl or ipc, or rollout.weight_payload=delta."
+            "partial_segment_tokens. Environment episodes (env.environments, env.servers) and gateway agents (env.agents) "
+            "continue each turn or call across an update the same way, their observation tokens masked out (a turn or "
+            "call with stop strings runs whole). Not with rollout.stop, rollout.weight_sync nccl or ipc, or "
+            "rollout.weight_payload=delta."
         ),
     )
     partial_segment_tokens: int = Field(

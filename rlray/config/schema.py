@@ -143,8 +143,6 @@ class Config(_Section):
                              "rollout.max_staleness>=1, or rollout.partial=false")
         refused = {
             "rollout.backend=exact (its logprobs are exact for one prompt layout only)": r.backend == "exact",
-            "env.agents or env.servers (gateway agents and served environments across an update are not supported "
-            "yet; env.environments are)": bool(self.env.agents or self.env.servers),
             "rollout.stop (a stop string split across two segments would be missed)": bool(r.stop),
             f"rollout.weight_sync={self.weight_sync_backend} (only object_store pushes run beside a generation)":
                 self.weight_sync_backend != "object_store",

@@ -49,17 +49,26 @@ class FleetSampler:
     (``sampling.seed`` None), calls draw from the engine's own stream. When the actor has died, the call goes to the
     next actor (same seed), and so on once around.
 
+    With partial rollouts (``min_version`` given) a call may continue across weight updates, each token keeping the
+    version that sampled it and its behaviour logprob (``Sampled.versions``), and it starts only once its actor holds
+    ``min_version`` or the newest version a call of the batch has returned so far: no token is older than the batch's
+    step allows (``rollout.max_staleness``), and an episode's versions never decrease, also when its call goes to
+    another actor.
+
     Args:
         actors: the rollout actors' handles.
         sampling: the batch's sampling (temperature, top-p, top-k, min-p, stop strings).
+        min_version: partial rollouts: the latest policy version pushed when the batch was sent
+            (``AgentBatch.min_version``); None: without partial rollouts (no version is asked for).
     """
 
     ACTOR_SEED_STRIDE = 7_919
     CALL_SEED_STRIDE = 104_729
 
-    def __init__(self, actors: list[Any], sampling: SamplingSpec) -> None:
+    def __init__(self, actors: list[Any], sampling: SamplingSpec, min_version: int | None = None) -> None:
         self.actors, self.sampling, self.num_actors = list(actors), sampling, len(actors)
         self._calls: dict[int, int] = {}  # actor index -> calls sent to it so far
+        self._floor = min_version  # partial: the oldest version a call may start with (None: not asked for)
 
     async def sample(self, actor: int, prompts: list[list[int]], max_new_tokens: int,
                      stop: tuple[str, ...]) -> list[Sampled]:
@@ -78,13 +87,16 @@ class FleetSampler:
         for attempt in range(self.num_actors):
             i = (actor + attempt) % self.num_actors
             try:
-                got = await asyncio.wrap_future(self.actors[i].generate.remote(prompts, spec).future())
+                after = () if self._floor is None else (self._floor,)  # partial: the call's min_version
+                got = await asyncio.wrap_future(self.actors[i].generate.remote(prompts, spec, *after).future())
             except ACTOR_ERRORS as err:
                 last = err
                 log.warning("rollout actor %d failed an agent call (%s); trying the next", i, type(err).__name__)
                 continue
-            return [Sampled(list(c.response_token_ids), list(c.rollout_logprobs), c.finish_reason, c.policy_version)
-                    for c in got]
+            if self._floor is not None:  # every live actor was sent the versions a call returned: none starts older
+                self._floor = max([self._floor, *(v for c in got for v in c.versions)])
+            return [Sampled(list(c.response_token_ids), list(c.rollout_logprobs), c.finish_reason, c.policy_version,
+                            list(c.versions)) for c in got]
         raise RolloutError(f"every rollout actor failed an agent call; last error: {last}")
 
 
@@ -190,8 +202,9 @@ class AgentRollout:
                 request = AgentRequest(f"{step_key}-{p}-{s}", self.agent_of(row), columns, order)
                 by_host.setdefault(order % len(self.hosts), []).append((p, s, request))
                 order += 1
+        min_version = self.fleet.version if self.fleet.partial else None  # partial: no call starts older
         refs = {h: self.hosts[h].run_agents.remote(AgentBatch([r for _, _, r in items], actors, host_sampling(sampling, h),
-                                                               sampling.max_new_tokens))
+                                                               sampling.max_new_tokens, min_version))
                 for h, items in by_host.items()}
         if self.watch is not None:
             await_hosts(self.watch, self.hosts, refs, "run_agents", self.episode_timeout_s + self.watch.env_call_s,
@@ -215,7 +228,7 @@ class AgentRollout:
         failed = reply.stop_reason in FAILED_STOP_REASONS
         segments = [  # an earlier segment's own record: where it ended (the rewrite), its turns
             Completion(p, s, seg.response_ids, seg.logprobs, seg.finish_reason, min(seg.policy_versions), seg.loss_mask,
-                       prompt_token_ids=seg.prompt_ids,
+                       prompt_token_ids=seg.prompt_ids, versions=seg.versions,
                        episode=EpisodeInfo(agent, "template_drift", seg.num_turns, [None] * seg.num_turns, failed=failed,
                                            observation_tokens=seg.observation_tokens))
             for seg in reply.segments]

@@ -71,7 +71,7 @@ def layout_for_ranks(table: pa.Table, samples: int, world: int, minibatches: int
 def _padding(row: dict[str, Any]) -> dict[str, Any]:
     """Returns a padding row: ``row`` cut to one prompt and one response token, its mask off, segment -1."""
     one = {name: row[name][:1] for name in ("response_token_ids", "rollout_logprobs", "old_logprobs", "ref_logprobs",
-                                            "advantages") if row[name] is not None}
+                                            "advantages", "token_versions") if row[name] is not None}
     return {**row, **one, "prompt_token_ids": row["prompt_token_ids"][-1:], "response_mask": [False],
             "segment": PADDING}
 

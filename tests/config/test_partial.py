@@ -20,7 +20,6 @@ def test_partial_needs_an_async_run():
 
 @pytest.mark.parametrize(("tree", "named"), [
     ({"rollout": {"backend": "exact"}}, "rollout.backend=exact"),
-    ({"env": {"agents": {"adder": "tests/fixtures/agents.py:tool_agent"}}}, "env.agents or env.servers"),
     ({"rollout": {"backend": "vllm", "stop": ["\n\n"]}}, "rollout.stop"),
     ({"rollout": {"weight_payload": "delta"}}, "rollout.weight_payload=delta"),
     ({"rollout": {"backend": "vllm", "weight_sync": "nccl"}, "resources": {"rollout": {"gpus": 1}, "learner": {"gpus": 1}}},
@@ -44,6 +43,19 @@ def test_the_engines_get_the_segment_size_only_with_partial():
     assert "partial_segment_tokens" not in rollout_engine_kwargs(off, 280)  # the engines are built as before
 
 
-def test_environment_episodes_run_with_partial_rollouts():
-    cfg = config_from_dict({**PARTIAL, "env": {"environments": {"guess": "rlray.envs.builtin.guess:GuessNumberEnv"}}})
-    assert cfg.rollout.partial and list(cfg.env.environments) == ["guess"]
+@pytest.mark.parametrize("env", [
+    {"environments": {"guess": "rlray.envs.builtin.guess:GuessNumberEnv"}},
+    {"agents": {"adder": "tests/fixtures/agents.py:tool_agent"}},
+    {"servers": {"echo": {"protocol": "openenv", "url": "http://127.0.0.1:8000"}}},
+    {"environments": {"guess": "rlray.envs.builtin.guess:GuessNumberEnv"}, "servers": {"echo": {
+        "protocol": "openenv", "url": "http://127.0.0.1:8000"}}, "agents": {"adder": "tests/fixtures/agents.py:tool_agent"}},
+])  # fmt: skip
+def test_episodes_of_environments_servers_and_agents_run_with_partial_rollouts(env):
+    """Environment episodes, served environments and gateway agents all continue across an update (no refusal left
+    names env.*); what is still refused names its own key."""
+    cfg = config_from_dict({**PARTIAL, "env": env})
+    assert cfg.rollout.partial and cfg.env.names == [*env.get("environments", {}), *env.get("servers", {}),
+                                                     *env.get("agents", {})]
+    with pytest.raises(ConfigError, match=r"cannot run with rollout\.stop \(a stop string split") as err:
+        config_from_dict({"rollout": {**PARTIAL["rollout"], "backend": "vllm", "stop": ["</a>"]}, "env": env})
+    assert "env." not in str(err.value).split("cannot run with")[1]

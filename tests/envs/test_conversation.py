@@ -116,3 +116,25 @@ def test_a_template_that_cannot_render_is_a_400(tok):
     assert err.value.status == 400 and "cannot render" in str(err.value)
     with pytest.raises(GatewayError):
         conv.chat_prompt([], None)
+
+
+def test_each_token_keeps_its_version_across_calls_and_cuts(tok):
+    """Partial rollouts: a call's tokens keep the versions the engine sampled them with (an update inside the call);
+    the agent's text between two calls (loss mask off) the version of the token before it; a new segment (the agent's
+    next prompt does not extend the last) starts from its own call's versions."""
+    conv = AgentConversation(tok)
+    first = conv.text_prompt("Q: 1+1?")
+    conv.record(Sampled([5, 6, 7], [-0.1, -0.2, -0.3], "length", 2, [2, 3, 3]), None, " two")
+    more = conv.text_prompt("Q: 1+1? two\nQ: 2+2?")  # extends: the tokens of "\nQ: 2+2?" appended
+    rest = len(more) - len(first) - 3
+    assert rest == len(tok("\nQ: 2+2?", add_special_tokens=False)["input_ids"])
+    conv.record(Sampled([8, 9], [-0.4, -0.5], "stop", 3, [3, 4]), None, " four")
+    conv.text_prompt("Another question.")  # does not extend: a new segment
+    conv.record(Sampled([10], [-0.6], "stop", 4), None, " ok")  # no per-token versions given: the call's version
+    a, b = conv.segments()
+    assert a.versions == [2, 3, 3] + [3] * rest + [3, 4] and a.policy_versions == [2, 3]
+    assert a.logprobs == [-0.1, -0.2, -0.3] + [0.0] * rest + [-0.4, -0.5]
+    assert a.loss_mask == [True] * 3 + [False] * rest + [True] * 2
+    assert (b.versions, b.policy_versions, b.logprobs) == ([4], [4], [-0.6])
+    with pytest.raises(ValueError, match="Sampled: 2 tokens, 2 logprobs and 1 versions"):
+        Sampled([1, 2], [0.0, 0.0], "stop", 0, [0])

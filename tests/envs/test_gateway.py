@@ -45,9 +45,9 @@ def strict_host(tiny_model_path):
     h.shutdown()
 
 
-def run(host, agent, rows, *, actors=2, delay=None, max_new_tokens=64):
+def run(host, agent, rows, *, actors=2, delay=None, max_new_tokens=64, min_version=None):
     return host.run_agents(AgentBatch([AgentRequest(f"{agent}-{time.monotonic_ns()}-{i}", agent, row, i)
-                                       for i, row in enumerate(rows)], [None] * actors, delay, max_new_tokens))
+                                       for i, row in enumerate(rows)], [None] * actors, delay, max_new_tokens, min_version))
 
 
 def test_a_tool_calling_agent_trains_on_exactly_what_it_was_sent_and_received(host, tiny_model_path):
@@ -73,6 +73,31 @@ def test_a_tool_calling_agent_trains_on_exactly_what_it_was_sent_and_received(ho
     assert [seg.logprobs[a:b] for a, b in runs] == [[-(i + 1) / 100 for i in range(len(s))] for s in sampled]
     assert all(lp == 0.0 for lp, m in zip(seg.logprobs, seg.loss_mask, strict=True) if not m)
     assert seg.num_turns == 4 and seg.policy_versions == [7, 7, 7, 7]
+
+
+def test_an_agent_s_calls_across_weight_updates_keep_each_token_s_version_and_logprob(host):
+    """Partial rollouts: the scripted engine takes a weight update inside each call, after its first token (the batch
+    was sent at version 4). The agent's 3 calls sample under versions 4 then 5, 5 then 6, 6 then 7; the tool results
+    between them (loss mask off, logprob 0) keep the version of the token before them; each sampled token keeps its
+    own behaviour logprob."""
+    from tests.fixtures.agents import FINAL, tokenizer, tool_call_text
+
+    tok = tokenizer()
+    (reply,) = run(host, "tool_agent", [{"prompt": "What is 2 + 2? calls=2"}], min_version=4)
+    assert (reply.stop_reason, reply.calls, reply.drift) == ("done", 3, 0)
+    (seg,) = reply.segments
+    answers = [tool_call_text("add", {"a": k, "b": 2}) for k in range(2)] + [FINAL]
+    n0, n1, n2 = (len(tok(a, add_special_tokens=False)["input_ids"]) + 1 for a in answers)  # + EOS
+    runs = mask_runs(seg.loss_mask)
+    assert [(b - a, on) for a, b, on in runs][0::2] == [(n0, True), (n1, True), (n2, True)]
+    o1, o2 = (b - a for a, b, _ in runs[1::2])  # the two tool results, as the template renders them
+    assert seg.versions == ([4] + [5] * (n0 - 1) + [5] * o1 + [5] + [6] * (n1 - 1) + [6] * o2
+                            + [6] + [7] * (n2 - 1))
+    assert seg.policy_versions == [4, 5, 6] and len(seg.versions) == len(seg.response_ids)
+    lp = [-(i + 1) / 100 for i in range(max(n0, n1, n2))]  # the scripted engine's logprobs, per call
+    assert seg.logprobs == lp[:n0] + [0.0] * o1 + lp[:n1] + [0.0] * o2 + lp[:n2]
+    (plain,) = run(host, "tool_agent", [{"prompt": "What is 2 + 2? calls=2"}])  # no partial rollouts: one version
+    assert plain.segments[0].versions == [7] * len(plain.segments[0].response_ids)
 
 
 def test_a_history_rewrite_cuts_segments_each_token_exact(host):

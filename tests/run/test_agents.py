@@ -27,19 +27,22 @@ AGENTS = {n: f"{FIXTURE}:{n}" for n in ("tool_agent", "rewriting_agent", "raisin
 
 
 class FakeActor:
-    """A rollout actor handle: ``generate.remote`` answers at once (or raises ``ActorDiedError`` when dead)."""
+    """A rollout actor handle: ``generate.remote`` answers at once (or raises ``ActorDiedError`` when dead), its two
+    tokens sampled under ``versions``; ``after`` records each call's arguments after the sampling (its min_version)."""
 
-    def __init__(self, name, dead=False):
-        self.name, self.dead, self.got = name, dead, []
+    def __init__(self, name, dead=False, versions=(5, 5)):
+        self.name, self.dead, self.got, self.after, self.versions = name, dead, [], [], list(versions)
         self.generate = types.SimpleNamespace(remote=self._remote)
 
-    def _remote(self, prompts, spec):
+    def _remote(self, prompts, spec, *after):
         self.got.append((prompts, spec))
+        self.after.append(after)
         future = concurrent.futures.Future()
         if self.dead:
             future.set_exception(ray.exceptions.ActorDiedError())
         else:
-            future.set_result([Completion(i, 0, [self.name, 2], [-0.1, -0.2], "stop", 5) for i in range(len(prompts))])
+            future.set_result([Completion(i, 0, [self.name, 2], [-0.1, -0.2], "stop", self.versions[0],
+                                          versions=self.versions) for i in range(len(prompts))])
         return types.SimpleNamespace(future=lambda: future)
 
 
@@ -62,6 +65,21 @@ def test_the_fleet_sampler_calls_the_pinned_actor_with_the_call_s_limits_and_ski
     assert alive.got[3][1].seed is None  # an unseeded step: the engine's own stream
     with pytest.raises(RolloutError, match="every rollout actor failed"):
         asyncio.run(FleetSampler([dead], sampling).sample(0, [[1]], 8, ()))
+
+
+def test_with_partial_rollouts_the_fleet_sampler_asks_for_the_batch_s_version_and_keeps_each_token_s():
+    """A call may continue across a weight update (rollout.partial): its tokens keep their versions and behaviour
+    logprobs, and no call starts under a version older than the batch's (the latest pushed when it was sent) or than
+    one a call of the batch already returned (an episode's versions never decrease, on whichever actor)."""
+    sampling = SamplingSpec(n=1, max_new_tokens=8, temperature=1.0, seed=3)
+    first, second = FakeActor(100, versions=(4, 5)), FakeActor(200, versions=(5, 5))
+    sampler = FleetSampler([first, second], sampling, min_version=4)
+    (got,) = asyncio.run(sampler.sample(0, [[1]], 8, ()))
+    assert (got.versions, got.logprobs, got.policy_version) == ([4, 5], [-0.1, -0.2], 4)
+    asyncio.run(sampler.sample(1, [[2]], 8, ()))
+    assert (first.after, second.after) == ([(4,)], [(5,)])  # version 5 came back: the next call starts no older
+    asyncio.run(FleetSampler([first], sampling).sample(0, [[3]], 8, ()))
+    assert first.after[-1] == ()  # without partial rollouts no version is asked for (Ray orders the push first)
 
 
 def test_the_batcher_sends_an_actor_s_waiting_requests_in_episode_order_not_arrival_order():
@@ -93,10 +111,11 @@ def test_the_batcher_sends_an_actor_s_waiting_requests_in_episode_order_not_arri
 
 
 class FakeFleet:
-    """The fleet's face AgentRollout reads: its live actors (the scripted engine counts them) and its version."""
+    """The fleet's face AgentRollout reads: its live actors (the scripted engine counts them), its version, and whether
+    its engines run partial rollouts."""
 
-    def __init__(self):
-        self.live_actors, self.version = [None, None], 3
+    def __init__(self, partial=False):
+        self.live_actors, self.version, self.partial = [None, None], 3, partial
 
 
 class FakeInner:
@@ -169,6 +188,44 @@ def test_agent_rows_run_behind_the_gateway_next_to_other_rows(agent_host, tiny_t
     metrics = agent_metrics(got, set(AGENTS))
     assert metrics == {"env/template_drift": 2.0, "env/gateway_calls": 3 + 3 + 2 + 2 + 1 + 1,
                        "env/gateway_calls_mean": (3 + 3 + 2 + 2 + 1 + 1) / 6}
+
+
+@pytest.mark.ray
+def test_agent_calls_across_weight_updates_reach_the_experience_with_each_token_s_version_and_logprob(agent_host):
+    """Partial rollouts (rollout.partial): the batch goes out at the fleet's version 3 and the scripted engine takes a
+    weight update inside every call, after its first token. Each sampled token reaches the experience table with the
+    version that sampled it and its behaviour logprob; the tool result between two calls (masked out) has the
+    version of the token before it; a segment cut where the agent rewrote history keeps its own versions."""
+    import numpy as np
+
+    from rlray.run.experience import build_experience, version_stats
+    from tests.fixtures.agents import FINAL, tokenizer, tool_call_text
+
+    tok = tokenizer()
+    rollout = AgentRollout(FakeFleet(partial=True), [agent_host], FakeInner(), tok, env_column="environment",
+                           default=None, agents=list(AGENTS))
+    rows = [PromptRow("a", "Add. calls=1", {"environment": "tool_agent"}),
+            PromptRow("r", "Sum. calls=1", {"environment": "rewriting_agent"})]
+    got = rollout.generate([[1], [2]], SamplingSpec(n=1, max_new_tokens=64, temperature=1.0), rows)
+    table = build_experience(rows, [[1], [2]], got, {"reward": [1.0, 1.0]})
+    call, final = (len(tok(t, add_special_tokens=False)["input_ids"]) + 1 for t in
+                   (tool_call_text("add", {"a": 0, "b": 2}), FINAL))  # tokens of each call, EOS included
+    tool = got[0]
+    observed = tool.loss_mask.count(False)  # the tool result the agent sent, as the template renders it
+    assert tool.loss_mask == [True] * call + [False] * observed + [True] * final
+    # rows: the tool agent's episode, the rewriting agent's last segment, then its earlier segment (cut at the rewrite)
+    assert table.column("token_versions").to_pylist() == [
+        [3] + [4] * (call - 1) + [4] * observed + [4] + [5] * (final - 1),
+        [4] + [5] * (final - 1),
+        [3] + [4] * (call - 1)]
+    assert table.column("policy_version").to_pylist() == [3, 4, 3]  # each row's oldest token's
+    lp = [-(i + 1) / 100 for i in range(max(call, final))]  # the scripted engine's logprob of each call's tokens
+    assert table.column("rollout_logprobs").to_pylist() == [
+        np.float32(lp[:call] + [0.0] * observed + lp[:final]).tolist(), np.float32(lp[:final]).tolist(),
+        np.float32(lp[:call]).tolist()]
+    assert table.column("response_mask").to_pylist()[0] == tool.loss_mask
+    stats = version_stats(table, 5)  # trained at version 5: the oldest sampled token is 2 versions behind
+    assert stats["rollout/partial_samples_frac"] == 1.0 and stats["rollout/token_staleness_max"] == 2.0
 
 
 @pytest.mark.ray

@@ -152,6 +152,46 @@ def test_an_episode_across_updates_records_each_token_s_version(env_host, tiny_t
     assert got.loss_mask == [True] * more + [False] * obs + [True] * more + [False] * obs + [True] * stop
 
 
+@pytest.fixture(scope="module")
+def served_host(ray_session):
+    """An environment host that starts and serves an echo environment over OpenEnv's protocol (env.servers: the
+    action's message comes back as the observation, reward 0.1 per character; tests/fixtures/openenv_echo.py, a
+    stand-in for OpenEnv's template that starts in well under a second)."""
+    from rlray.envs.servers import ServerSpec
+    from rlray.envs.servers.hosted import HostedServer
+    from rlray.envs.servers.openenv import OpenEnvOptions
+
+    server = Path(__file__).resolve().parents[1] / "fixtures" / "openenv_echo.py"
+    spec = ServerSpec("echo", command=("python", str(server), "--host", "{host}", "--port", "{port}"), max_sessions=2)
+    served = HostedServer(spec, openenv=OpenEnvOptions(action_field="message", observation_field="echoed_message"))
+    h = ray.remote(EnvironmentHost).options(max_concurrency=1).remote({}, step_timeout_s=60.0, servers=[served])
+    ray.get(h.ping.remote())
+    yield h
+    ray.get(h.stop_servers.remote())
+    ray.kill(h)
+
+
+def test_a_served_environment_s_episode_across_updates_records_each_token_s_version(served_host, tiny_tokenizer):
+    """Partial rollouts with env.servers: a served environment's episode runs as an environment's does, each turn
+    across an update (the scripted fleet's: after the turn's first token), so the episode spans two updates. Its
+    sampled tokens keep their versions and behaviour logprobs; the server's observation tokens (masked out) the
+    version of the token before them."""
+    tok = tiny_tokenizer
+    ep = EpisodeRollout(PartialFleet(tok), [served_host], tok, EpisodeLimits(2, 4096, 64, 600.0),
+                        env_column="environment", default_env=None, known_envs=["echo"], prepare=lambda m: m)
+    row = PromptRow("e", "Say something.", {"environment": "echo"})
+    (got,) = ep.generate([[1, 2]], SamplingSpec(n=1, max_new_tokens=8, temperature=1.0, seed=5), [row])
+    more = len(tok("more", add_special_tokens=False)["input_ids"]) + 1  # the scripted turn, EOS included
+    obs = got.loss_mask.count(False)  # the echoed "more", as the chat template renders a user message
+    assert got.loss_mask == [True] * more + [False] * obs + [True] * more
+    assert "more" in tok.decode(got.response_token_ids[more:more + obs])
+    # turn 1 at version 0 then 1, the observation at 1, turn 2 at 1 then 2: two updates inside the episode
+    assert got.versions == [0] + [1] * (more - 1) + [1] * obs + [1] + [2] * (more - 1)
+    assert got.rollout_logprobs == [-0.5] * more + [0.0] * obs + [-0.5] * more and got.policy_version == 0
+    assert (got.episode.stop_reason, got.episode.num_turns) == ("max_turns", 2)
+    assert got.episode.turn_rewards == pytest.approx([0.4, 0.4])  # the server's reward: 0.1 per character of "more"
+
+
 def test_limits_end_episodes_with_their_own_stop_reasons(env_host, tiny_tokenizer):
     sampling = SamplingSpec(n=1, max_new_tokens=4, temperature=1.0)
     got = rollout(tiny_tokenizer, [env_host], max_turns=2).generate([[1]], sampling, rows("countdown"))[0]

@@ -1,9 +1,10 @@
 """Partial rollouts through the real run (``worker.train``, world size 1, in process) on one transformers-backend
-rollout actor (``PartialRolloutActor``) and one environment host, with rollout.max_staleness=2 and a snapshot every 2
-steps, on rows mixing environment episodes (``guess``, ``retry_arith``: each turn may continue across an update) and
-single-turn rows: weight pushes reach the generations in flight, every token records the version that sampled it
-(an episode's observation tokens the version before them), no token is more than 2 versions behind the update that
-consumes it, and the prompt ledger is exact, across a crash with generations in flight.
+rollout actor (``PartialRolloutActor``) and one environment host (an ``AgentHost``), with rollout.max_staleness=2 and a
+snapshot every 2 steps, on rows mixing environment episodes (``guess``, ``retry_arith``: each turn may continue across
+an update), gateway agents (``adder``: each call may too) and single-turn rows: weight pushes reach the generations in
+flight, every token records the version that sampled it (an episode's observation tokens the version before them), no
+token is more than 2 versions behind the update that consumes it, and the prompt ledger is exact, across a crash with
+generations in flight.
 
 Run A crashes in step 3 at its weight push (its update done, steps 4 and 5 generating) and run B resumes A's step-2
 snapshot. That snapshot ended the generations of steps 3 and 4 under the weights of then (version 2) and kept them
@@ -35,16 +36,16 @@ from rlray.run.state import RunOutcome, RunServices, WorkerArgs
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.ray
 STEPS = 4
-ROWS = [  # 2 guess, 2 retry_arith and 4 single-turn rows: 2 prompts per step, 4 steps per epoch
+ROWS = [  # 2 guess, 2 retry_arith, 2 agent and 2 single-turn rows: 2 prompts per step, 4 steps per epoch
     {"prompt": "Guess a number between 1 and 8.", "environment": "guess", "secret": 3, "low": 1, "high": 8, "max_guesses": 3},
     {"prompt": "What is 7 + 5?", "environment": "retry_arith", "a": 7, "op": "+", "b": 5, "answer": 12},
     {"prompt": "Reply with the word yes.", "solution": "yes"},
     {"prompt": "Guess a number between 1 and 16.", "environment": "guess", "secret": 11, "low": 1, "high": 16,
      "max_guesses": 3},
     {"prompt": "What is 9 - 4?", "environment": "retry_arith", "a": 9, "op": "-", "b": 4, "answer": 5},
-    {"prompt": "Reply with the word no.", "solution": "no"},
+    {"prompt": "What is 2 + 2? calls=1", "environment": "adder"},  # agent rows: steps 3, 4 (the seeded shuffle)
     {"prompt": "Name a colour.", "solution": "red"},
-    {"prompt": "Count to three.", "solution": "1 2 3"},
+    {"prompt": "Add 1 and 3. calls=1", "environment": "adder"},
 ]
 
 
@@ -52,7 +53,7 @@ def wait_for_episode_threads(timeout_s: float = 120.0) -> None:
     """Waits until the crashed run's episode threads have ended (a killed driver takes them with it; in this process
     they would otherwise still sample on the shared actors while the resume runs)."""
     deadline = time.monotonic() + timeout_s
-    while any(t.name in ("rlray-rollout", "rlray-episodes") for t in threading.enumerate()):
+    while any(t.name in ("rlray-rollout", "rlray-episodes", "rlray-agents") for t in threading.enumerate()):
         assert time.monotonic() < deadline, "the crashed run's episode threads did not end"
         time.sleep(0.2)
 
@@ -70,6 +71,7 @@ def partial_run(ray_session, tmp_path_factory, tiny_model_path):
         f"run.max_steps={STEPS}", "checkpoint.every_steps=2", "eval.num_problems=0", "guard.kl_threshold=null",
         "env.environments={guess: 'rlray.envs.builtin.guess:GuessNumberEnv', "
         "retry_arith: 'rlray.envs.builtin.retry_arith:RetryArithmeticEnv'}",
+        f"env.agents={{adder: '{REPO}/tests/fixtures/agents.py:tool_agent'}}",
         "rollout.backend=hf", "rollout.max_staleness=2", "rollout.overlap=on", "rollout.partial=true",
         "rollout.partial_segment_tokens=1", "rollout.max_new_tokens=12", "rollout.samples_per_prompt=4",
         "learner.prompts_per_step=2", "learner.sequences_per_minibatch=8", "learner.sequences_per_microbatch=4",
@@ -123,7 +125,7 @@ def partial_run(ray_session, tmp_path_factory, tiny_model_path):
 def test_every_token_records_its_version_within_the_staleness_bound(partial_run):
     _, _, steps, _ = partial_run
     assert [(run, step) for run, step, *_ in steps] == [(0, 0), (0, 1), (0, 2), (1, 2), (1, 3)]
-    spanning, episodes_spanning = 0, 0
+    spanning, episodes_spanning, agent_rows = 0, 0, 0
     for _, step, learner, table, metrics in steps:
         assert learner == step  # the update of step t starts from version t (0-based)
         versions = table.column("token_versions").to_pylist()
@@ -132,6 +134,7 @@ def test_every_token_records_its_version_within_the_staleness_bound(partial_run)
         # learner's version before step t can reach it while it generates
         oldest_allowed = max(0, step - 2)
         stops = table.column("stop_reason").to_pylist()
+        agent_rows += sum('"adder"' in c for c in table.column("prompt_columns").to_pylist())  # gateway agents' rows
         for row, head, stop in zip(versions, first, stops, strict=True):
             assert row == sorted(row) and row[0] == head  # never decreasing; the row's version is its oldest token's
             assert oldest_allowed <= row[0] and row[-1] <= learner  # staleness per token at most 2, none from the future
@@ -146,6 +149,7 @@ def test_every_token_records_its_version_within_the_staleness_bound(partial_run)
         assert metrics["rollout/token_staleness_max"] == learner - min(tokens) <= 2
     # 12 segments of 1 token per sample: the pushes of steps 1 and 2 land inside the generations of the steps ahead
     assert spanning > 0 and episodes_spanning > 0
+    assert agent_rows == 3 * 4  # step 3 (run A, run B) and step 4 (run B) hold an agent row, 4 samples each
     assert max(metrics["rollout/partial_samples_frac"] for *_, metrics in steps) > 0
 
 

@@ -73,6 +73,7 @@ def test_the_layout_keeps_groups_on_their_rank_and_evens_the_shards_with_padding
     assert [r["segment"] for r in rows] == [None, 2, 0, 1, 1, None, 0, PADDING]
     pad = rows[7]
     assert pad["response_mask"] == [False] and len(pad["response_token_ids"]) == 1 and len(pad["prompt_token_ids"]) == 1
+    assert pad["token_versions"] == [1] and pad["rollout_logprobs"] == [-0.5]  # every per-token column cut to one
     assert sample_rows(laid) == [0, 1, 2, 3, 4, 5, 6]
     for r in range(2):  # each rank's shard holds whole groups
         shard = laid.slice(schema.shard_rows(8, r, 2).start, 4)

@@ -38,7 +38,8 @@ GATEWAY_CONNECTIONS = 256  # HTTP connections the host's agents hold to its gate
 
 class Sampler(Protocol):
     """The engine call of one batch of agent episodes: ``num_actors`` rollout actors, each sampled with the batch's
-    sampling (``rlray.run.agents.FleetSampler``)."""
+    sampling (``rlray.run.agents.FleetSampler``). A factory builds one per batch: ``sampler_factory(actors, sampling,
+    min_version)`` (``AgentBatch``'s)."""
 
     num_actors: int
 
@@ -57,12 +58,16 @@ class AgentBatch:
         actors: the rollout actors' handles (an episode's calls go to ``actors[actor_key % len(actors)]``).
         sampling: the step's sampling (``rlray.rollout.SamplingSpec``), handed to the host's sampler factory.
         max_new_tokens: the most tokens a call samples (the sampling's max_new_tokens).
+        min_version: partial rollouts (``rollout.partial``): the latest policy version pushed when the batch was sent;
+            no call starts under an older one (a push loads beside the calls, not before them). None: without
+            partial rollouts (Ray runs the push before the calls sent after it).
     """
 
     episodes: list[AgentRequest]
     actors: list[Any]
     sampling: Any
     max_new_tokens: int
+    min_version: int | None = None
 
 
 @dataclass
@@ -188,14 +193,15 @@ class AgentRunner:
     Args:
         agents: {name: the loaded agent}.
         tokenizer: the policy's tokenizer (None without agents).
-        sampler_factory: ``sampler_factory(actors, sampling)`` returns the ``Sampler`` of a batch.
+        sampler_factory: ``sampler_factory(actors, sampling, min_version)`` returns the ``Sampler`` of a batch.
         limits: the agents' episode limits (``max_new_tokens`` is set per batch, from its sampling).
         mcp: the MCP sessions (None without env.mcp_servers).
         tool_parser, chat_template_kwargs: the gateway's (``Gateway``).
         threads: runs synchronous agents.
     """
 
-    def __init__(self, agents: dict[str, LoadedAgent], tokenizer: Any, sampler_factory: Callable[[list[Any], Any], Sampler] | None,
+    def __init__(self, agents: dict[str, LoadedAgent], tokenizer: Any,
+                 sampler_factory: Callable[[list[Any], Any, int | None], Sampler] | None,
                  limits: EpisodeLimits, mcp: McpClients | None, *,
                  tool_parser: str, chat_template_kwargs: dict[str, Any] | None,
                  threads: concurrent.futures.Executor) -> None:
@@ -236,7 +242,8 @@ class AgentRunner:
         """
         if self.sampler_factory is None:
             raise ValueError("AgentHost was built without a sampler_factory: it cannot sample agents' calls")
-        batcher = TickBatcher(self.sampler_factory(batch.actors, batch.sampling), self.stats, self._call_s)
+        batcher = TickBatcher(self.sampler_factory(batch.actors, batch.sampling, batch.min_version), self.stats,
+                              self._call_s)
         limits = self.limits.with_max_new_tokens(batch.max_new_tokens)
         for request in batch.episodes:
             self._batchers[request.key] = batcher
@@ -269,7 +276,7 @@ class AgentHost(EnvironmentHost):
         agents: {name: spec} of the agents (``rlray.envs.agents.load_agent``; may be empty with MCP servers alone).
         model_dir: the policy's local folder (its tokenizer tokenizes the agents' conversations).
         chat_template: ``model.chat_template`` (None: the tokenizer's own).
-        sampler_factory: ``sampler_factory(actors, sampling)`` returns the ``Sampler`` of a batch.
+        sampler_factory: ``sampler_factory(actors, sampling, min_version)`` returns the ``Sampler`` of a batch.
         max_turns: calls answered per agent episode; max_episode_tokens: the longest segment, in tokens.
         episode_timeout_s: seconds per agent episode; max_observation_tokens: as an environment episode's (the host's
             ``limits``, one ``EpisodeLimits`` over the same env.* keys as the environment episodes').
@@ -287,7 +294,7 @@ class AgentHost(EnvironmentHost):
     """
 
     def __init__(self, environments: dict[str, str], *, agents: dict[str, str], model_dir: str | None,
-                 chat_template: str | None = None, sampler_factory: Callable[[list[Any], Any], Sampler] | None = None,
+                 chat_template: str | None = None, sampler_factory: Callable[[list[Any], Any, int | None], Sampler] | None = None,
                  max_turns: int = 8, max_episode_tokens: int = 4096, episode_timeout_s: float = 600.0,
                  max_observation_tokens: int = 256,
                  mcp_servers: list[McpServerSpec] | None = None, gateway_host: str = "127.0.0.1",

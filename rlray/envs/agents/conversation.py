@@ -52,13 +52,25 @@ class Sampled:
         token_ids: [t] sampled token ids (EOS included when the engine stopped on it).
         logprobs: [t] float nats, the engine's logprob of each sampled token.
         finish_reason: "stop" or "length".
-        policy_version: the engine's policy version.
+        policy_version: the engine's policy version when the call started (its first token's).
+        versions: [t] the policy version of each sampled token (``Completion.versions``: a call that continued across
+            a weight update, ``rollout.partial``, holds several, never decreasing); empty: all ``policy_version``.
+
+    Raises:
+        ValueError: token_ids, logprobs and versions (when given) differ in length.
     """
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
     policy_version: int
+    versions: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.versions = [int(v) for v in self.versions] or [int(self.policy_version)] * len(self.token_ids)
+        if not len(self.token_ids) == len(self.logprobs) == len(self.versions):
+            raise ValueError(f"Sampled: {len(self.token_ids)} tokens, {len(self.logprobs)} logprobs and "
+                             f"{len(self.versions)} versions")
 
 
 @dataclass
@@ -70,10 +82,12 @@ class Segment:
         response_ids: [T] every token after it: sampled (loss mask on) and the agent's new messages (off).
         logprobs: [T] float nats; the engine's logprob on sampled tokens, 0.0 elsewhere.
         loss_mask: [T] bool; True exactly on sampled tokens.
-        policy_versions: the engine's policy version of each turn.
+        policy_versions: the engine's policy version of each turn (its first token's).
         finish_reason: the last turn's "stop" or "length".
         num_turns: sampled turns (calls answered) in the segment.
         observation_tokens: tokens of the agent's messages after the opening prompt (loss mask off).
+        versions: [T] the policy version of each token (``Trajectory.versions``): a sampled token's (partial rollouts:
+            a call may span weight updates), an observation token the version of the token before it.
     """
 
     prompt_ids: list[int]
@@ -84,6 +98,7 @@ class Segment:
     finish_reason: str = "stop"
     num_turns: int = 0
     observation_tokens: int = 0
+    versions: list[int] = field(default_factory=list)
 
 
 def _text_content(content: Any) -> str:
@@ -216,13 +231,14 @@ class AgentConversation:
         """Appends one sampled turn to the current segment.
 
         Args:
-            sampled: the engine's tokens, logprobs, finish reason and policy version.
+            sampled: the engine's tokens, logprobs, finish reason and policy versions (per token).
             message: the assistant message the gateway returns (normalized), which the agent's next call must
                 repeat to extend the segment; None for a text completion.
             text: the completion text returned (text completions: the next prompt must start with prompt + text).
         """
         current = self._current
-        current.add_turn(sampled.token_ids, sampled.logprobs, sampled.finish_reason, sampled.policy_version, text)
+        current.add_turn(sampled.token_ids, sampled.logprobs, sampled.finish_reason, sampled.policy_version, text,
+                         sampled.versions)
         if message is not None:
             current.messages[-1] = message
         else:
@@ -237,7 +253,7 @@ class AgentConversation:
                 continue
             observed = sum(1 for i, m in enumerate(t.loss_mask) if not m)
             out.append(Segment(list(t.prompt_ids), list(t.response_ids), list(t.logprobs), list(t.loss_mask),
-                               list(t.policy_versions), t.finish_reason, t.num_turns, observed))
+                               list(t.policy_versions), t.finish_reason, t.num_turns, observed, list(t.versions)))
         return out
 
     def last_messages(self) -> list[Message]:
