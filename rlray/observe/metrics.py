@@ -234,7 +234,11 @@ _STEP_METRICS: tuple[Metric, ...] = (
     Metric("monitor/rss_gib", "GiB", "resident memory of learner rank 0, at each heartbeat"),
     Metric("monitor/mlflow_outages", "count", "MLflow store outages that began since the previous step was logged"),
     Metric("rollout/actor_failures", "count", "rollout actor failures the fleet saw since the previous step (rank 0)"),
-    Metric("rollout/rerun_prompts", "count", "prompts the fleet sent again (a failed actor's) since the previous step"),
+    Metric("rollout/rerun_prompts", "count", "prompts the fleet sent again (a failed actor's), or whose rollout the "
+           "async pipeline sampled again (it failed before its step asked), since the previous step"),
+    Metric("rollout/stale_rerun_prompts", "count", "of rollout/rerun_prompts, prompts the async pipeline sampled again "
+           "with newer weights than their rollout was submitted at (those weights gone): their samples differ from a "
+           "run without the fault"),
     Metric("rollout/actors_alive", "count", "rollout actors in use after the step (fewer after a node loss)"),
     Metric("rollout/engine_calls", "count", "generate calls rank 0's rollout fleet sent to the rollout actors since the "
            "previous step's metrics (a chunk of prompts or of episode turns each, re-sent ones and evaluation's "

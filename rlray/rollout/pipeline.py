@@ -14,6 +14,17 @@ episodes is sampled with the weights of the version it was submitted at, as a si
 A snapshot keeps the rollouts in flight (``in_flight_rollouts``: each step's completions and policy version, collected
 first): a resumed run trains those steps on exactly the samples an uninterrupted run trains them on, instead of
 sampling them again with the snapshot's newer weights.
+
+A rollout in flight that fails before its step asks for it (collected by ``settle``: before a push, at a snapshot) is
+sampled again at once, with its step's seeds, through the same source, after ``recover`` has brought every rollout
+actor to the fleet's latest weights. When those are the weights it was submitted at (always so before a push with
+``settle_before_push``: every multi-turn rollout in flight was submitted since the last push), its samples are the ones
+an unfailed rollout gives, bit for bit. The weights of an older version are not kept (a push releases the previous
+weights; a delta encoder and NCCL/IPC keep only the latest), so a rollout submitted before the last push (single-turn,
+k >= 1, failed at a snapshot) or one whose re-sample failed too (sampled when its step asks) gets newer weights: its
+samples carry the version that sampled them (``rollout/staleness_*``), a warning names the step and both versions, and
+its prompts count in ``stale_rerun_prompts`` (``rollout/stale_rerun_prompts``). Every re-sampled prompt counts in
+``rerun_prompts`` (``rollout/rerun_prompts``).
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlray.hangs import HangError
 from rlray.rollout import Completion, RolloutSource, SamplingSpec
 from rlray.rollout.types import completion_from_dict, completion_to_dict
 
@@ -44,8 +56,10 @@ class RolloutBatch:
 @dataclass
 class _InFlight:
     """A step taken ahead: its prompts, its pending rollout (None: not submitted, or to be submitted again), the
-    policy version it was submitted at, the data cursor before its prompts were taken, and its completions once
-    collected before its step asks (``settle``, a restored snapshot)."""
+    policy version it was submitted at, the data cursor before its prompts were taken, its completions once
+    collected before its step asks (``settle``, a restored snapshot), and ``failed_at``: the version its rollout was
+    submitted at when that failed and ``settle`` could not sample it again (its re-sample failed too, or it hung under
+    ``watchdog.on_hang=stop``): it is submitted again when its step asks; else None."""
 
     step: int
     rows: list[Any]
@@ -54,6 +68,7 @@ class _InFlight:
     version: int
     before: dict | None
     completions: list[Completion] | None = field(default=None)
+    failed_at: int | None = field(default=None)
 
 
 class RolloutPipeline:
@@ -79,6 +94,14 @@ class RolloutPipeline:
         settle_before_push: ``before_push`` waits for the rollouts in flight (multi-turn rollouts: environments or
             agents, whose turns would otherwise straddle a weight push); single-turn rollouts need not (Ray runs an
             actor's calls in order: a rollout submitted before a push runs before it).
+        recover: brings every rollout actor back to the fleet's latest weights (``RolloutFleet.recover``; a restarted
+            one is sent them), called before a failed rollout is sampled again (``settle``); None: nothing to do.
+
+    Attributes:
+        rerun_prompts: prompts whose rollout failed before their step asked and was sampled again, over the
+            pipeline's life (a counter).
+        stale_rerun_prompts: of those, prompts sampled again with newer weights than their rollout was submitted at
+            (not the samples of a run without the fault), over the pipeline's life (a counter).
     """
 
     def __init__(
@@ -91,6 +114,7 @@ class RolloutPipeline:
         restore_cursor: Callable[[dict], None] | None = None,
         overlap: bool = True,
         settle_before_push: bool = False,
+        recover: Callable[[], None] | None = None,
     ) -> None:
         self.rollouts = rollouts
         self.take_prompts = take_prompts
@@ -100,6 +124,8 @@ class RolloutPipeline:
         self.settle_before_push = settle_before_push
         self.cursor = cursor
         self.restore_cursor = restore_cursor
+        self.recover = recover
+        self.rerun_prompts = self.stale_rerun_prompts = 0
         self._queue: collections.deque[_InFlight] = collections.deque()
         # (cursor before, rows, ids, (version, completions) kept by a snapshot or None) of steps to submit again
         self._retake: collections.deque = collections.deque()
@@ -140,6 +166,9 @@ class RolloutPipeline:
                 if item.pending is None:
                     item.pending = self.rollouts.submit(item.ids, self.sampling_for(step), item.rows)
                     item.version = self.rollouts.version
+                    if item.failed_at not in (None, item.version):  # its rollout failed in ``settle``, a push since
+                        self._count_stale(item, item.failed_at)
+                    item.failed_at = None
                 item.completions = self.rollouts.collect(item.pending)
         except BaseException:  # a hang that stops the run: the step stays in flight, so a snapshot retakes its prompts
             item.pending = None
@@ -164,18 +193,57 @@ class RolloutPipeline:
     def settle(self) -> None:
         """Collects every submitted rollout in flight now (kept until its step asks for it).
 
-        A rollout that fails here is submitted again when its step asks (with the weights of then), where a lasting
-        fault raises as it would have.
+        A rollout that fails here is sampled again at once (``_sample_again``: at the version it was submitted at when
+        the actors still hold it); one whose re-sample fails too, or that hit a hang under ``watchdog.on_hang=stop``,
+        is submitted again when its step asks (with the weights of then, counted stale), where a lasting fault raises
+        as it would have.
         """
         for item in self._queue:
             if item.pending is not None and item.completions is None:
                 try:
                     item.completions = self.rollouts.collect(item.pending)
-                except Exception as err:  # noqa: BLE001 - raised again, or not, when its step asks
-                    log.warning("the rollout of step %d failed before its step (%s); it is sampled again then",
-                                item.step + 1, err)
-                    item.completions = None
+                except Exception as err:  # noqa: BLE001 - sampled again; raised again, or not, when its step asks
+                    item.pending = None
+                    self._sample_again(item, err)
                 item.pending = None
+
+    def _sample_again(self, item: _InFlight, err: Exception) -> None:
+        """Samples step ``item.step``'s failed rollout (``err``) again, with its step's seeds, after ``recover``: the
+        same samples as an unfailed rollout when the actors hold the version it was submitted at (``item.version``);
+        else counted stale and logged. A re-sample that fails too leaves it to its step (``failed_at``)."""
+        submitted = item.version
+        self.rerun_prompts += len(item.ids)
+        if isinstance(err, HangError):  # watchdog.on_hang=stop: not retried here; its step's submit meets the stop
+            log.warning("the rollout of step %d hung before its step asked for it (%s); it is sampled again then",
+                        item.step + 1, err)
+            item.failed_at = submitted
+            return
+        try:
+            if self.recover is not None:
+                self.recover()
+            version = self.rollouts.version
+            item.completions = self.rollouts.generate(item.ids, self.sampling_for(item.step), item.rows)
+        except Exception as again:  # noqa: BLE001 - raised again, or not, when its step asks
+            log.warning("the rollout of step %d failed before its step asked for it (%s), and again when sampled "
+                        "again (%s); it is sampled when its step asks", item.step + 1, err, again)
+            item.failed_at = submitted
+            return
+        item.version = version
+        if version == submitted:
+            log.warning("the rollout of step %d failed before its step asked for it (%s): sampled again with the "
+                        "weights of version %d it was submitted at, and its step's seeds (%d prompts, "
+                        "rollout/rerun_prompts)", item.step + 1, err, version, len(item.ids))
+        else:
+            self._count_stale(item, submitted)
+
+    def _count_stale(self, item: _InFlight, submitted: int) -> None:
+        """Counts and logs step ``item.step``'s rollout sampled again with the weights of ``item.version`` instead of
+        those of ``submitted`` (gone: the learner moved on)."""
+        self.stale_rerun_prompts += len(item.ids)
+        log.warning("the rollout of step %d failed before its step asked for it and was sampled again with the weights "
+                    "of version %d, not those of version %d it was submitted at (no longer kept): its %d prompts' "
+                    "samples differ from a run without the fault (rollout/stale_rerun_prompts)",
+                    item.step + 1, item.version, submitted, len(item.ids))
 
     def before_push(self) -> None:
         """Called before a weight push: with ``settle_before_push`` (and overlap), waits for the rollouts in flight, so

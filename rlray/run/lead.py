@@ -35,17 +35,20 @@ RewardClient = LocalRewardClient | ServeRewardClient
 
 @dataclass
 class FleetCounts:
-    """The rollout fleet's cumulative counts already logged, so each step logs what happened since the last.
+    """The rollout fleet's and pipeline's cumulative counts already logged, so each step logs what happened since the
+    last.
 
     Attributes:
         actor_failures: actor failures counted in rollout/actor_failures so far.
-        rerun_prompts: re-sent prompts counted in rollout/rerun_prompts so far.
+        rerun_prompts: re-sent prompts counted in rollout/rerun_prompts so far (the fleet's and the pipeline's).
         engine_calls: generate calls counted in rollout/engine_calls so far.
+        stale_rerun_prompts: prompts counted in rollout/stale_rerun_prompts so far (the pipeline's).
     """
 
     actor_failures: int = 0
     rerun_prompts: int = 0
     engine_calls: int = 0
+    stale_rerun_prompts: int = 0
 
 
 @dataclass
@@ -151,7 +154,7 @@ def build_lead(plan: RunPlan, tokenizer: Any, actors: list[Any], env_hosts: list
     pipeline = RolloutPipeline(rollouts, take_prompts, sampling_for, cfg.rollout.max_staleness,
                                cursor=stream.state_dict, restore_cursor=stream.load_state_dict, overlap=overlap,
                                # episodes or agents sample turns after the submit; partial: across the push, per token
-                               settle_before_push=rollouts is not fleet and not fleet.partial)
+                               settle_before_push=rollouts is not fleet and not fleet.partial, recover=fleet.recover)
     return OnlineLead(
         stream=stream, prompt_ids={r.prompt_id: ids for r, ids in zip(train_rows, train_ids, strict=True)},
         skipped_long_prompts=skipped, eval_prompts=eval_prompts, reward_columns=columns,

@@ -421,13 +421,16 @@ def step_metrics(lead: OnlineLead, rollout_metrics: dict[str, float], batch: sch
                  timer: StageTimer) -> dict[str, float]:
     """Returns rank 0's step-level metrics: rollout and reward statistics, stage times, throughput, data position, and
     the fleet's health: rollout/actor_failures and rollout/rerun_prompts (actor failures the fleet saw, and prompts it
-    sent again because of them, since the previous step; advances ``lead.logged``) and rollout/actors_alive (actors in
-    use after the step), and rollout/engine_calls (generate calls the fleet sent since the previous step's metrics,
-    evaluation's included)."""
+    or the pipeline sent again because of a failure, since the previous step; advances ``lead.logged``),
+    rollout/stale_rerun_prompts (of those, prompts the pipeline sampled again with newer weights than submitted at),
+    rollout/actors_alive (actors in use after the step), and rollout/engine_calls (generate calls the fleet sent since
+    the previous step's metrics, evaluation's included)."""
     step_s = timer.elapsed_s()
-    fleet, logged = lead.fleet, lead.logged
+    fleet, pipe, logged = lead.fleet, lead.pipeline, lead.logged
     new_failures, logged.actor_failures = fleet.failures - logged.actor_failures, fleet.failures
-    new_rerun, logged.rerun_prompts = fleet.rerun_prompts - logged.rerun_prompts, fleet.rerun_prompts
+    rerun = fleet.rerun_prompts + pipe.rerun_prompts
+    new_rerun, logged.rerun_prompts = rerun - logged.rerun_prompts, rerun
+    new_stale, logged.stale_rerun_prompts = pipe.stale_rerun_prompts - logged.stale_rerun_prompts, pipe.stale_rerun_prompts
     new_calls, logged.engine_calls = fleet.calls - logged.engine_calls, fleet.calls
     gen = rollout_metrics["rollout/generated_tokens"]
     return {
@@ -441,6 +444,7 @@ def step_metrics(lead: OnlineLead, rollout_metrics: dict[str, float], batch: sch
         "data/skipped_long_prompts": float(lead.skipped_long_prompts),
         "rollout/actor_failures": float(new_failures),
         "rollout/rerun_prompts": float(new_rerun),
+        "rollout/stale_rerun_prompts": float(new_stale),
         "rollout/actors_alive": float(fleet.alive),
         "rollout/engine_calls": float(new_calls),
         **(fleet.watch.metrics() if fleet.watch is not None else {}),

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from rlray.hangs import HangError
 from rlray.rollout import Completion, SamplingSpec
 from rlray.rollout.pipeline import RolloutPipeline
 from rlray.rollout.types import in_background
@@ -38,8 +39,11 @@ class TurnSource:
     def collect(self, pending):
         return pending.result()
 
+    def generate(self, prompt_ids, sampling, rows):
+        return self.collect(self.submit(prompt_ids, sampling, rows))
 
-def pipeline(source, *, settle: bool = False, k: int = 1):
+
+def pipeline(source, *, settle: bool = False, k: int = 1, recover=None):
     """Returns (a pipeline over ``source`` taking 2 prompts per step from a counter, its cursor)."""
     cursor = {"next": 0}
 
@@ -49,7 +53,8 @@ def pipeline(source, *, settle: bool = False, k: int = 1):
         return [f"p{i}" for i in range(start, start + 2)], [[i] for i in range(start, start + 2)]
 
     pipe = RolloutPipeline(source, take, lambda step: SamplingSpec(n=2, max_new_tokens=4, temperature=1.0, seed=100 + step),
-                           k, cursor=lambda: dict(cursor), restore_cursor=cursor.update, settle_before_push=settle)
+                           k, cursor=lambda: dict(cursor), restore_cursor=cursor.update, settle_before_push=settle,
+                           recover=recover)
     return pipe, cursor
 
 
@@ -129,17 +134,72 @@ def test_keep_rollouts_refuses_a_count_the_cursor_does_not_name():
     assert pipe.next(1).rows == ["p2", "p3"] and source.submits == 2
 
 
-def test_a_rollout_that_fails_while_settling_is_sampled_again_when_its_step_asks():
-    class FailsOnce(TurnSource):
-        def _episodes(self, prompt_ids, sampling, gap_s=0.0):
-            if self.submits == 2 and not getattr(self, "failed", False):
-                self.failed = True
-                raise RuntimeError("environment host lost")
-            return super()._episodes(prompt_ids, sampling, gap_s)
+class FailingSource(TurnSource):
+    """A TurnSource whose rollouts numbered in ``fail`` (1-based submits) raise; ``error`` is what they raise."""
 
-    source = FailsOnce()
+    def __init__(self, fail, error=None):
+        super().__init__()
+        self.fail, self.error = set(fail), error or RuntimeError("environment host lost")
+
+    def _episodes(self, prompt_ids, sampling, gap_s=0.0, number=0):
+        if number in self.fail:
+            raise self.error
+        return super()._episodes(prompt_ids, sampling, gap_s)
+
+    def submit(self, prompt_ids, sampling, rows):
+        self.submits += 1
+        number = self.submits
+        return in_background(lambda: self._episodes(prompt_ids, sampling, 0.0, number), "test-episodes")
+
+
+def test_a_rollout_that_fails_before_a_push_is_sampled_again_with_its_version_and_seeds(caplog):
+    straight_source = TurnSource()
+    straight, _ = pipeline(straight_source, settle=True)
+    expected = run_steps(straight, straight_source, range(3))
+
+    source, recovered = FailingSource(fail={2}), []
+    pipe, _ = pipeline(source, settle=True, recover=lambda: recovered.append(source.version))
+    with caplog.at_level("WARNING", logger="rlray.rollout.pipeline"):
+        got = run_steps(pipe, source, range(3))  # step 1's rollout (submit 2) fails in step 0's push
+    # sampled again before the push: version 0, seed 101, the same tokens [seed, prompt, turn 1, turn 2] as unfailed
+    assert got == expected and got[1] == (["p2", "p3"], 0, [[101, 2, 0, 0], [101, 2, 0, 0], [101, 3, 0, 0], [101, 3, 0, 0]])
+    assert recovered == [0] and source.submits == 4 + 1  # steps 0-3 (3: the one ahead) and the re-sample
+    assert pipe.rerun_prompts == 2 and pipe.stale_rerun_prompts == 0
+    assert "sampled again with the weights of version 0 it was submitted at" in caplog.text
+
+
+def test_a_rollout_submitted_before_the_last_push_is_sampled_again_with_newer_weights_counted_stale(caplog):
+    """Single-turn async (no settle before a push): the snapshot after step 0 collects step 1's rollout, submitted at
+    version 0 while the actors now hold version 1; version 0's weights are gone, so the re-sample is version 1's."""
+    source = FailingSource(fail={2})
+    pipe, _ = pipeline(source)
+    run_steps(pipe, source, [0])
+    with caplog.at_level("WARNING", logger="rlray.rollout.pipeline"):
+        kept = pipe.in_flight_rollouts()
+    assert [k["version"] for k in kept] == [1] and kept[0]["completions"][0]["response_token_ids"] == [101, 2, 1, 1]
+    assert pipe.rerun_prompts == 2 and pipe.stale_rerun_prompts == 2
+    assert "with the weights of version 1, not those of version 0 it was submitted at" in caplog.text
+    assert pipe.next(1).submitted_at_version == 1  # the samples carry the version that sampled them
+
+
+def test_a_rollout_whose_resample_fails_too_is_sampled_when_its_step_asks_counted_stale(caplog):
+    source = FailingSource(fail={2, 3})
     pipe, _ = pipeline(source, settle=True)
     pipe.next(0)
-    push(pipe, source)  # step 1's rollout fails here: logged, not raised
+    with caplog.at_level("WARNING", logger="rlray.rollout.pipeline"):
+        push(pipe, source)  # step 1's rollout and its re-sample fail: logged, not raised
+        batch = pipe.next(1)
+    assert batch.submitted_at_version == 1 and batch.completions[0].response_token_ids == [101, 2, 1, 1]
+    assert source.submits == 5 and pipe.rerun_prompts == 2 and pipe.stale_rerun_prompts == 2
+    assert "and again when sampled again (environment host lost)" in caplog.text
+    assert "not those of version 0 it was submitted at" in caplog.text
+
+
+def test_a_rollout_that_hung_under_stop_is_left_to_its_step():
+    source = FailingSource(fail={2}, error=HangError("rollout actor 0 hung (watchdog.engine_call_s)"))
+    pipe, _ = pipeline(source, settle=True, recover=lambda: pytest.fail("a hang under stop is not retried here"))
+    pipe.next(0)
+    pipe.settle()  # no push: its step samples it at the version it was submitted at
+    assert source.submits == 2 and pipe.rerun_prompts == 2
     batch = pipe.next(1)
-    assert source.submits == 4 and batch.submitted_at_version == 1 and batch.rows == ["p2", "p3"]
+    assert batch.submitted_at_version == 0 and pipe.stale_rerun_prompts == 0 and source.submits == 4

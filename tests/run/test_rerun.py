@@ -3,6 +3,8 @@ actors are back; nothing is rerun without a death, or when a host is not back.""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import ray.exceptions
 
 from rlray.rollout import Completion, SamplingSpec
@@ -92,3 +94,31 @@ def test_a_restart_the_gcs_counts_is_a_death_and_a_gcs_that_does_not_answer_is_n
     assert before == (0, 0) and not wrapper._died_since(before)  # the GCS busy (-1): not compared
     assert not wrapper._died_since(before)  # restarts 0 again
     assert wrapper._died_since(before)  # restarted once
+
+
+def test_the_step_logs_the_pipelines_reruns_with_the_fleets_once_each():
+    """rollout/rerun_prompts adds the prompts the pipeline sampled again (a rollout failed before its step asked:
+    ``RolloutPipeline.settle``) to those the fleet sent again; rollout/stale_rerun_prompts counts those sampled with
+    newer weights than submitted at. Each step logs what happened since the previous one."""
+    import torch
+
+    from rlray.run.experience import StageTimer
+    from rlray.run.lead import FleetCounts
+    from rlray.run.online import step_metrics
+
+    fleet = SimpleNamespace(failures=1, rerun_prompts=3, calls=5, alive=2, watch=None)
+    pipe = SimpleNamespace(rerun_prompts=2, stale_rerun_prompts=0)
+    lead = SimpleNamespace(fleet=fleet, pipeline=pipe, logged=FleetCounts(), stream=SimpleNamespace(epoch=0),
+                           skipped_long_prompts=0)
+    batch = SimpleNamespace(advantages=torch.ones(1, 2), response_mask=torch.ones(1, 2, dtype=torch.bool))
+    rollout = {"rollout/generated_tokens": 4.0, "timing/rollout_s": 1.0}
+    keys = ("rollout/actor_failures", "rollout/rerun_prompts", "rollout/stale_rerun_prompts")
+
+    def logged() -> tuple[float, ...]:
+        got = step_metrics(lead, rollout, batch, StageTimer())
+        return tuple(got[k] for k in keys)
+
+    assert logged() == (1.0, 5.0, 0.0)  # 3 re-sent by the fleet + 2 sampled again by the pipeline, at their version
+    pipe.rerun_prompts, pipe.stale_rerun_prompts = 4, 2  # a step whose rollout was sampled again with newer weights
+    assert logged() == (0.0, 2.0, 2.0)
+    assert logged() == (0.0, 0.0, 0.0)
