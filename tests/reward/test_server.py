@@ -67,7 +67,7 @@ def test_score_reply_json_keeps_failed_and_skipped_apart():
     reply = ScoreReply(version=2, scores={"reward": [1.5, math.nan, 0.25], "flaky": [0.5, math.nan, None]})
     text = reply.model_dump_json()
     assert json.loads(text) == {"version": 2, "scores": {"reward": [1.5, "NaN", 0.25], "flaky": [0.5, "NaN", None]},
-                                "failures": []}
+                                "failures": [], "hangs": []}
     back = ScoreReply.model_validate_json(text).scores
     assert back["reward"][0] == 1.5 and math.isnan(back["reward"][1]) and back["flaky"][2] is None
 
