@@ -188,6 +188,21 @@ def test_a_hang_report_finds_the_live_replica_and_its_stacks(server):
 
 
 @pytest.mark.ray
+def test_a_user_function_killed_in_the_replica_reaches_the_runs_watch_with_its_stacks(server):
+    """flaky sleeps 60 s on HANG, past its timeout_s (10 s) inside the replica's scorer process: the reply carries the
+    report, with the stacks taken from the function's process before the kill, and the client hands it to the watch."""
+    from rlray.hangs import HangWatch
+    from rlray.reward.server import ServeRewardClient
+
+    alerts: list[str] = []
+    watch = HangWatch("restart", alert=alerts.append)
+    got = ServeRewardClient(on_hang=watch.killed).score(["p"], ["HANG"], [{"answer": "1"}])
+    assert math.isnan(got.values["flaky"][0]) and len(got.hangs) == 1 and watch.hangs == 1
+    assert alerts[0].startswith("hang: reward function 'flaky' (pid ") and "reward.functions[1].timeout_s=10 s" in alerts[0]
+    assert "in flaky" in alerts[0]  # faulthandler's line of the sleeping frame, from the killed process
+
+
+@pytest.mark.ray
 def test_hot_swap_serves_every_request(server):
     """Redeploys version 2 (gsm8k_format weight 0.7) through the CLI while 3 clients score; no request fails."""
     from rlray.cli import main
