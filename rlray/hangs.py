@@ -26,6 +26,10 @@ A request to a Serve application (the reward server, a judge) keeps its client's
 which reports it with the stacks of every live replica of the application (``serve_stacks``: the replicas call
 ``enable_stack_dumps`` when they start) and leaves the action to the client's retries, except under "stop".
 
+A call whose own time limit kills its process (a user reward function's sandbox at ``reward.functions[i].timeout_s``,
+the reward server's scorer process at ``reward.server.timeout_s``: ``rlray.sandbox`` takes the child's stacks before
+the kill and starts a fresh child) goes to ``HangWatch.killed``: the same report, then "stop" raises ``HangError``.
+
 The learner ranks' collectives have a coarser deadline: ``StepDeadline`` times each step of a rank from a timer
 thread and reports a step past ``watchdog.learner_step_s`` with the rank's own stacks (``own_stacks``).
 
@@ -35,6 +39,7 @@ This module imports only the standard library at import time (Ray where a functi
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import logging
 import math
@@ -338,6 +343,20 @@ class HangWatch:
             stacks = "\n".join(f"replica {w.name} (pid {w.pid or '?'}, node {w.node_id[:12] or '?'}):\n{text.rstrip()}"
                                 for w, text in replicas) or f"(no stacks: the GCS knows no live replica of {app_name})"
         hang = self._report(Hang(who, call, waited_s, deadline_s, key, process, stacks, self.action, then))
+        if self.action == "stop":
+            raise HangError(hang.message(ALERT_STACK_CHARS))
+        return hang
+
+    def killed(self, hang: Hang) -> Hang:
+        """Reports a call whose own time limit already killed its process (``hang``: its stacks taken first, by
+        ``rlray.sandbox``; a fresh process serves the next call), with this watch's action; returns the report,
+        counted in ``hangs`` and ``restarts``, or raises under ``action="stop"``.
+
+        Raises:
+            HangError: with ``action="stop"``, after the report (its message is the report's).
+        """
+        hang = self._report(dataclasses.replace(hang, action=self.action))
+        self.restarts += 1  # the sandbox started a fresh process
         if self.action == "stop":
             raise HangError(hang.message(ALERT_STACK_CHARS))
         return hang

@@ -10,6 +10,11 @@ request at a time over a pipe. The parent enforces the time limit from outside: 
 runs in the caller, so it works from any thread of a Ray actor or a Serve replica), and a fresh child is
 started for the next call. A child that dies (a memory cap, a crash) is restarted the same way.
 
+No silent hang: every child writes its threads' Python stacks on ``rlray.hangs.STACK_SIGNAL``
+(``enable_stack_dumps``, registered before any limit or user code), and the parent takes them
+(``rlray.hangs.dump_stacks``) before it kills a child past its time limit; ``SandboxTimeout`` carries them, so the
+caller's hang report says where the code was stuck.
+
 Untrusted code (``Limits.untrusted``) additionally runs with:
 
 - an address-space cap (``resource.setrlimit(RLIMIT_AS)``, soft and hard, so the code cannot raise it
@@ -39,6 +44,8 @@ from dataclasses import dataclass
 from multiprocessing.util import Finalize
 from typing import Any
 
+from rlray.hangs import dump_stacks, enable_stack_dumps, stack_file
+
 _KEEP_ENV = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ")  # what an untrusted child keeps of the environment
 
 
@@ -57,7 +64,17 @@ class SandboxError(RuntimeError):
 
 
 class SandboxTimeout(TimeoutError):
-    """A call (or the child's start) ran past its time limit; the child was killed."""
+    """A call (or the child's start) ran past its time limit; the child was killed.
+
+    Attributes:
+        pid: the killed child's process id (0 when it never started).
+        stacks: its threads' Python stacks, taken from it just before the kill (``rlray.hangs.dump_stacks``: where the
+            code was stuck), or a line in parentheses saying why there are none ("" for a start past its limit).
+    """
+
+    def __init__(self, message: str, pid: int = 0, stacks: str = "") -> None:
+        super().__init__(message)
+        self.pid, self.stacks = pid, stacks
 
 
 class SandboxCrashed(RuntimeError):
@@ -111,6 +128,7 @@ def _child_main(conn: Any, factory: Callable[..., Callable], kwargs: dict, limit
     """Child process: applies the limits, builds ``factory(**kwargs)``, then answers calls until None or EOF."""
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     try:
+        enable_stack_dumps()  # before the limits: its file opens where the parent looks (its TMPDIR, not emptied yet)
         _apply_limits(limits)
         fn = factory(**kwargs)
     except BaseException as err:  # reported to the parent, which raises it
@@ -145,6 +163,7 @@ def _stop_child(proc: Any, conn: Any) -> None:
         proc.kill()
         proc.join(timeout=5.0)
     conn.close()
+    stack_file(proc.pid).unlink(missing_ok=True)  # the child's stack file (enable_stack_dumps): one per child
 
 
 class ProcessSandbox:
@@ -158,6 +177,7 @@ class ProcessSandbox:
         start_timeout_s: seconds the child may take to build the callable.
         limits: resource limits of the child (untrusted code).
         name: what the sandbox runs, for error messages.
+        stacks_timeout_s: seconds to wait for the stacks of a child past ``timeout_s`` before it is killed.
 
     Raises:
         SandboxError: ``factory`` raised in the child (its type and message are kept).
@@ -173,8 +193,10 @@ class ProcessSandbox:
         start_timeout_s: float = 300.0,
         limits: Limits | None = None,
         name: str = "sandbox",
+        stacks_timeout_s: float = 5.0,
     ) -> None:
         self.factory, self.kwargs, self.name = factory, dict(kwargs or {}), name
+        self.stacks_timeout_s = stacks_timeout_s
         self.timeout_s, self.start_timeout_s, self.limits = timeout_s, start_timeout_s, limits or Limits()
         self._lock = threading.Lock()
         self._finalizer: Finalize | None = None
@@ -190,7 +212,8 @@ class ProcessSandbox:
         """Returns the sandboxed callable's result for ``args`` (thread-safe: calls run one at a time).
 
         Raises:
-            SandboxTimeout: the call ran past ``timeout_s`` (the child was killed and restarted).
+            SandboxTimeout: the call ran past ``timeout_s`` (the child was killed and restarted; the error carries its
+                pid and the stacks taken from it first).
             SandboxCrashed: the child died during the call (restarted).
             SandboxError: the callable raised (the child keeps serving).
         """
@@ -202,9 +225,12 @@ class ProcessSandbox:
                 self._start()
             self._conn.send(args)
             if not self._conn.poll(self.timeout_s):
+                pid = self._proc.pid
+                stacks = dump_stacks(pid, self.stacks_timeout_s)  # where it is stuck, from the process, before the kill
                 self._stop(kill=True)
                 self._start()
-                raise SandboxTimeout(f"{self.name}: a call took longer than {self.timeout_s:g} s; the process was killed")
+                raise SandboxTimeout(f"{self.name}: a call took longer than {self.timeout_s:g} s; the process was killed",
+                                     pid, stacks)
             try:
                 status, value = self._conn.recv()
             except (EOFError, OSError):

@@ -32,7 +32,9 @@ ALLOWED: dict[str, set[str]] = {
     "config": {"algos"},  # algo.name validates against the algorithm registry (rlray.algos.registry)
     "schema": set(),
     "cores": set(),
-    "sandbox": set(),  # child processes with limits: below envs and reward, which both isolate user code in it
+    # child processes with limits: below envs and reward, which both isolate user code in it; hangs: a child writes
+    # its stacks on a signal, taken before it is killed at its time limit (issue 42)
+    "sandbox": {"hangs"},
     # the stacks of a stuck process and the action on a call past its deadline (issue 42): below rollout, envs and
     # reward, whose actors and replicas write their stacks on a signal and whose waiters (the fleet) report hangs
     "hangs": set(),

@@ -4,12 +4,15 @@ tests/faults/test_reward_faults.py; sandboxed environments: tests/envs/test_host
 
 from __future__ import annotations
 
+import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from rlray.sandbox import ProcessSandbox, SandboxCrashed, SandboxError, SandboxTimeout
+from rlray import hangs
+from rlray.sandbox import Limits, ProcessSandbox, SandboxCrashed, SandboxError, SandboxTimeout
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 sys.path.insert(0, str(FIXTURES))
@@ -42,3 +45,23 @@ def test_process_sandbox_timeout_crash_and_errors():
         dies.close()
     with pytest.raises(SandboxError, match="ZeroDivisionError: division by zero"):
         ProcessSandbox(faulty_rewards.fails_to_build, timeout_s=5.0)
+
+
+@pytest.mark.parametrize("untrusted", [False, True])
+def test_a_call_past_its_limit_carries_the_stacks_taken_from_the_child_before_the_kill(untrusted):
+    box = ProcessSandbox(faulty_rewards.sleep_then_double, {"seconds": 30.0}, timeout_s=1.0, name="slow",
+                         limits=Limits(untrusted=untrusted))
+    pid = box.pid
+    try:
+        assert hangs.catches_stack_signal(pid)  # registered before the limits (an untrusted child's env is emptied)
+        t0 = time.monotonic()
+        with pytest.raises(SandboxTimeout, match="slow: a call took longer than 1 s") as err:
+            box(1)
+        assert time.monotonic() - t0 < 1.0 + 5.0  # the limit, then the stacks (a fraction of a second) and the kill
+        assert err.value.pid == pid and box.pid != pid
+        # faulthandler's format, innermost first: the sleep inside the served callable, called by the child's loop
+        assert re.search(r'File ".*faulty_rewards\.py", line 46 in call\n  File ".*sandbox\.py", line \d+ in '
+                         r"_child_main", err.value.stacks), err.value.stacks
+        assert not hangs.stack_file(pid).exists()  # the killed child's stack file goes with it
+    finally:
+        box.close()

@@ -39,8 +39,9 @@ class RewardFunctionConfig(_Section):
         10.0,
         gt=0.0,
         description=(
-            "Seconds one call of a user function may take (it runs in its own process); past it the process is "
-            "killed and restarted, and that call's samples count as failed (reward/failed, left out of the step)."
+            "Seconds one call of a user function may take (it runs in its own process); past it the process's "
+            "stacks are taken and reported (a hang: watchdog.on_hang), the process is killed and restarted, and that "
+            "call's samples count as failed (reward/failed, left out of the step), or under on_hang=stop the run stops."
         ),
     )
     untrusted: bool = Field(
@@ -94,7 +95,8 @@ class RewardServerConfig(_Section):
         gt=0.0,
         description=(
             "Seconds one scorer call (rules, user functions, reward model) may take; past it the sandbox "
-            "process is killed and restarted and the requests of that batch fail with a timeout error."
+            "process's stacks are taken and reported (a hang: watchdog.on_hang), it is killed and restarted, and the "
+            "requests of that batch fail with a timeout error."
         ),
     )
     client_attempts: int = Field(

@@ -52,6 +52,7 @@ from rlray.launch.placement import bundle, check_cluster, rollout_nodes
 from rlray.launch.preflight import preflight
 from rlray.launch.ray_setup import LearnerTrainer, RayInfo, embedded_ray_env, init_ray, worker_env  # noqa: F401 - re-exported
 from rlray.models import load_tokenizer, resolve_model_path
+from rlray.observe.monitor import Alerter
 from rlray.observe.startup import StartupClock, startup_summary
 from rlray.observe.tracking import Tracker
 from rlray.plan import RunPlan, resolve_plan
@@ -61,6 +62,7 @@ from rlray.rollout import RolloutSource
 from rlray.rollout.fleet import RolloutFleet
 from rlray.run import build, evaluation, worker
 from rlray.run.hooks import StepHook, StopWhenRequested, load_step_hooks, start_run_control
+from rlray.run.lead import hang_watch
 from rlray.run.state import RunServices, WorkerArgs
 
 log = logging.getLogger(__name__)
@@ -401,12 +403,12 @@ def eval_setup(cfg: Settings, checkpoint_path: str) -> Iterator[EvalSetup]:
     actors = start_rollout_actors(resolve_plan(one), model_dir, plan.lengths.context_tokens)
     hosts = start_env_hosts(plan, model_dir=model_dir)
     try:
-        reward = build.local_reward_client(cfg, build.dataset_columns(rows))
-        fleet = RolloutFleet(actors, node_wait_s=cfg.resources.node_wait_s)
+        fleet = eval_fleet(plan, actors)  # the plan's deadlines over every call it waits on (episodes: build.rollouts)
+        reward = build.local_reward_client(cfg, build.dataset_columns(rows), fleet.watch)
         rollouts = build.rollouts(cfg, fleet, hosts, tokenizer)
         try:
             with judge_apps(plan):
-                judges = build.judge_panel(cfg)
+                judges = build.judge_panel(cfg, watch=fleet.watch)
                 try:
                     yield EvalSetup(rollouts, reward, list(zip(rows, ids, strict=True)), tokenizer, judges)
                 finally:
@@ -416,6 +418,24 @@ def eval_setup(cfg: Settings, checkpoint_path: str) -> Iterator[EvalSetup]:
             reward.close()
     finally:
         kill_actors([*actors, *hosts])
+
+
+def eval_fleet(plan: RunPlan, actors: list[Any]) -> RolloutFleet:
+    """Returns ``rlray eval``'s rollout fleet over ``actors``, watched as a run's (``rlray.run.lead.hang_watch``: the
+    plan's ``watchdog.*`` deadlines; ``eval_setup`` hands the same watch to the episodes, the reward functions and the
+    judges). A call past its deadline is reported with the stuck process's stacks (an ``rlray: hang`` line and a
+    ``hang`` alert to ``monitor.alerts``' log and webhook sinks: no MLflow run here), then ``watchdog.on_hang`` applies:
+    "restart" restarts the actor and its prompts run again, "stop" ends ``rlray eval`` with ``HangError``."""
+    watch = hang_watch(plan)
+    m = plan.settings.monitor
+    url = m.webhook_url.get_secret_value() if m.webhook_url else None
+    alerter = Alerter(m.alerts, webhook_url=url, webhook_attempts=m.webhook_attempts)
+
+    def alert(message: str) -> None:
+        alerter.send("hang", message, {"command": "rlray eval", "time": time.time()})
+
+    watch.alert = alert
+    return RolloutFleet(actors, node_wait_s=plan.settings.resources.node_wait_s, watch=watch)
 
 
 def evaluate_checkpoint(cfg: Settings, checkpoint_path: str) -> dict[str, float]:

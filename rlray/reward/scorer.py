@@ -29,6 +29,11 @@ is off, as in a pure on-policy distillation run, where the teacher's signal is t
 that only with ``teacher.path`` set). The loop leaves NaN samples out of the group statistics and the loss and counts them in
 ``reward/failed``.
 
+**Hangs.** A user function killed at its ``timeout_s`` is reported with the Python stacks of its process, taken from
+it before the kill (``rlray.hangs.Hang``: who, the key, where it was stuck): to ``RewardScorer.watch_hangs``'s callback
+when one is set (a run's ``HangWatch.killed``: the ``rlray: hang`` line, the ``hang`` alert, and under
+``watchdog.on_hang=stop`` a ``HangError`` that stops the run), else in an ``rlray: hang`` log line.
+
 A function that returns a different *number* of values than completions, or a value that is not a number or
 None, is a programming error: ``RewardFunctionError`` names the entry, and the run stops at once.
 """
@@ -42,6 +47,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from rlray.hangs import ActorProcess, Hang
 from rlray.reward.combine import Term, combine
 from rlray.reward.functions import (
     BoundFunction,
@@ -72,6 +78,10 @@ class RewardTerm:
         timeout_s, untrusted, memory_gib: a user function's sandbox (``reward.functions[i].*``).
         columns: the dataset's extra column names, or None when unknown (signature check).
 
+    Attributes:
+        on_hang: takes the report of a call killed at ``timeout_s`` (``RewardScorer.watch_hangs``; it may raise
+            ``HangError``); by default the report is logged.
+
     Raises:
         RewardFunctionError: an unknown built-in, a function that cannot be loaded or whose signature does not
             fit, a bad ``pattern``, or a built-in's ``column`` that the dataset lacks; names the entry.
@@ -80,7 +90,8 @@ class RewardTerm:
     def __init__(self, index: int, *, function: str, name: str | None = None, weight: float = 1.0,
                  kwargs: dict[str, Any] | None = None, timeout_s: float = 10.0, untrusted: bool = False,
                  memory_gib: float = 2.0, columns: Sequence[str] | None = None) -> None:  # fmt: skip
-        self.spec, self.weight = function, weight
+        self.spec, self.weight, self.index, self.timeout_s = function, weight, index, timeout_s
+        self.on_hang: Callable[[Hang], object] = _log_hang
         self.name = term_name(function, name)
         self.label = f"reward.functions[{index}] (function='{function}', name='{self.name}')"
         self.box: ProcessSandbox | None = None
@@ -144,6 +155,7 @@ class RewardTerm:
                 return self._failed([math.nan], [str(err)])
             return self._one_by_one(prompts, completions, completion_ids, columns, str(err))
         except (SandboxTimeout, SandboxCrashed) as err:
+            self._timed_out(err, len(completions))
             return self._failed([math.nan] * len(completions), [str(err)] * len(completions))
         out = check_values(self.label, values, len(completions))
         failures = ["returned NaN or inf" if v is not None and math.isnan(v) else "" for v in out]
@@ -168,8 +180,20 @@ class RewardTerm:
                 continue
             except (SandboxTimeout, SandboxCrashed) as err:
                 failures[i:] = [f"{first}; then {err}"] * (len(completions) - i)
+                self._timed_out(err, len(completions) - i)
                 break
         return self._failed(out, failures)
+
+    def _timed_out(self, err: SandboxTimeout | SandboxCrashed, samples: int) -> None:
+        """Reports a call killed at ``timeout_s`` (``err`` carries the process's pid and the stacks taken from it
+        before the kill) through ``on_hang``, which may raise ``HangError``; a crash is not a hang (no report)."""
+        if not isinstance(err, SandboxTimeout):
+            return
+        self.on_hang(Hang(
+            f"reward function '{self.name}'", f"score of {samples} completions", self.timeout_s, self.timeout_s,
+            f"reward.functions[{self.index}].timeout_s", ActorProcess(f"rlray-reward function {self.name}", err.pid, ""),
+            err.stacks, "restart", then=f"its process was killed and restarted; the {samples} samples of the call "
+                                        "fail (NaN, reward/failed) and the run goes on"))
 
     def _failed(self, values: list[float | None], failures: list[str]) -> tuple[list[float | None], list[str]]:
         """Returns (values, failures) after logging how many failed and the first reason."""
@@ -182,6 +206,11 @@ class RewardTerm:
         """Stops the user function's process (built-ins have none)."""
         if self.box is not None:
             self.box.close()
+
+
+def _log_hang(hang: Hang) -> None:
+    """Logs the ``rlray: hang`` line of a user function killed at its timeout (no hang watch to send it to)."""
+    log.error("rlray: %s", hang.message())
 
 
 def term_name(function: str, name: str | None) -> str:
@@ -285,6 +314,13 @@ class RewardScorer:
                        else "every reward term skipped it (returned None) and there is no reward model")
             failures.append(why)
         return values, failures
+
+    def watch_hangs(self, on_hang: Callable[[Hang], object]) -> None:
+        """Sends the report of each user function killed at its timeout, with its stacks, to ``on_hang`` when it happens
+        (a run's ``HangWatch.killed``, which raises ``HangError`` under ``watchdog.on_hang=stop``; in the reward
+        server's scorer process, a list the replica hands back with the scores); by default each is logged."""
+        for term in self.terms:
+            term.on_hang = on_hang
 
     def close(self) -> None:
         """Stops the user functions' processes."""

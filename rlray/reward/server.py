@@ -5,7 +5,9 @@ Layers, bottom up:
   runs each user function with its own timeout) that holds one ``RewardScorer`` (built-in verifiers, user functions,
   and the reward model when the scorer has one). A call that runs past ``timeout_s`` kills the process,
   starts a fresh one and fails with ``RewardTimeoutError``, so nothing wedges a replica (Python threads
-  cannot be killed; processes can).
+  cannot be killed; processes can). The error carries the hang report (``rlray.hangs.Hang``: the process's stacks,
+  taken before the kill), and a reply carries those of the user functions killed at their own timeouts; a client
+  hands each to its ``on_hang`` (a run's ``HangWatch.killed``: the ``rlray: hang`` line and alert, or the stop).
 - ``RewardService``: a plain class with a version number and a sandbox. ``swap`` builds the new
   sandbox first and only then replaces the old one, so calls keep being served during a swap.
 - ``RewardDeployment``: the thin Serve deployment. ``@serve.batch`` merges concurrent requests into
@@ -46,7 +48,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tenacity import RetryError, Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
-from rlray.hangs import enable_stack_dumps
+from rlray.hangs import ALERT_STACK_CHARS, ActorProcess, Hang, enable_stack_dumps
 from rlray.reward.scorer import RewardFunctionError, RewardScorer
 from rlray.sandbox import ProcessSandbox, SandboxCrashed, SandboxError, SandboxTimeout
 
@@ -56,7 +58,12 @@ _START_TIMEOUT_S = 300.0  # loading a reward model can take minutes
 
 
 class RewardTimeoutError(TimeoutError):
-    """A scorer call ran past its timeout; the sandbox was restarted. Names the timeout."""
+    """A scorer call ran past its timeout; the sandbox was restarted. Names the timeout; ``hang``: the report, with the
+    scorer process's stacks taken before the kill (None when unknown)."""
+
+    def __init__(self, message: str, hang: Hang | None = None) -> None:
+        super().__init__(message)
+        self.hang = hang
 
 
 class RewardServerError(RuntimeError):
@@ -78,12 +85,14 @@ class ScoreResult:
         failures: B texts: "" where the reward is a number, else why it is NaN, naming the reward function
             (``RewardScorer.score_with_failures``); [] from a client that does not know them.
         outputs: {judge name: [B raw judge outputs]} when judges scored the batch (``rlray.reward.judges.panel``).
+        hangs: the reports of user functions killed at their timeout in the call (``RewardScorer.watch_hangs``).
     """
 
     version: int
     values: dict[str, list[float | None]]
     failures: list[str] = field(default_factory=list)
     outputs: dict[str, list[str]] = field(default_factory=dict)
+    hangs: list[Hang] = field(default_factory=list)
 
 
 class ScoreRequest(BaseModel):
@@ -123,14 +132,26 @@ class ScoreReply(BaseModel):
         default_factory=list,
         description='per completion: "" where the reward is a number, else why it failed (names the reward function)',
     )
+    hangs: list[Hang] = Field(default_factory=list, description="user functions killed at their timeout, with stacks")
 
 
 # --------------------------------------------------------------------------------------------
 # Sandbox process
 # --------------------------------------------------------------------------------------------
 def _serve_scorer(**scorer_kwargs: Any) -> Any:
-    """Sandbox factory (runs in the child): returns the ``score_with_failures`` method of a new ``RewardScorer``."""
-    return RewardScorer(**scorer_kwargs).score_with_failures
+    """Sandbox factory (runs in the child): returns a new ``RewardScorer``'s ``score_with_failures`` that also returns
+    the reports of the user functions killed at their timeout during the call (values, failures, hangs)."""
+    scorer, hangs = RewardScorer(**scorer_kwargs), []
+    scorer.watch_hangs(hangs.append)
+
+    def score(*args: Any) -> tuple[dict[str, list[float | None]], list[str], list[Hang]]:
+        try:
+            values, failures = scorer.score_with_failures(*args)
+            return values, failures, list(hangs)
+        finally:
+            hangs.clear()
+
+    return score
 
 
 class ScorerSandbox:
@@ -161,13 +182,13 @@ class ScorerSandbox:
 
     def score(self, prompts: list[str | list[dict]], completions: list[str], columns: list[dict[str, Any]],
               completion_ids: list[list[int]] | None = None) -> dict[str, list[float | None]]:  # fmt: skip
-        """Returns the scorer's {term: [B values]} for one batch (``score_with_failures`` without the failures)."""
-        return self.score_with_failures(prompts, completions, columns, completion_ids)[0]
+        """Returns the scorer's {term: [B values]} for one batch (``score_with_reports`` without the rest)."""
+        return self.score_with_reports(prompts, completions, columns, completion_ids)[0]
 
-    def score_with_failures(self, prompts: list[str | list[dict]], completions: list[str], columns: list[dict[str, Any]],
-                            completion_ids: list[list[int]] | None = None) -> tuple[dict[str, list[float | None]], list[str]]:  # fmt: skip
-        """Returns the scorer's ({term: [B values]}, [B failure texts]) for one batch (thread-safe; calls run one at
-        a time; ``RewardScorer.score_with_failures``).
+    def score_with_reports(self, prompts: list[str | list[dict]], completions: list[str], columns: list[dict[str, Any]],
+                           completion_ids: list[list[int]] | None = None) -> tuple[dict, list[str], list[Hang]]:
+        """Returns the scorer's ({term: [B values]}, [B failure texts], the reports of user functions killed at their
+        timeout) for one batch (thread-safe; calls run one at a time; ``RewardScorer.score_with_failures``).
 
         Arguments as in ``RewardScorer.score``.
 
@@ -177,18 +198,25 @@ class ScorerSandbox:
             RewardServerError: the scorer raised otherwise, or its process died (type and message are kept).
         """
         try:
-            return self._box(prompts, completions, columns, completion_ids)
-        except SandboxTimeout:
+            values, failures, hangs = self._box(prompts, completions, columns, completion_ids)
+        except SandboxTimeout as err:
+            hang = Hang("reward scorer", f"score of {len(completions)} completions", self.timeout_s, self.timeout_s,
+                        "reward.server.timeout_s", ActorProcess("rlray-reward scorer", err.pid, ""), err.stacks,
+                        "restart", "the scorer process was killed and restarted; the request fails (not retried)")
+            log.error("rlray: %s", hang.message())
             raise RewardTimeoutError(
                 f"scoring {len(completions)} completions took longer than reward.server.timeout_s="
-                f"{self.timeout_s:g} s; the scorer process was restarted (a user reward function may hang)"
-            ) from None
+                f"{self.timeout_s:g} s; the scorer process was restarted (a user reward function may hang); "
+                f"{hang.message(ALERT_STACK_CHARS)}", hang) from None
         except SandboxError as err:
             if isinstance(err.original, RewardFunctionError):
                 raise err.original from None
             raise RewardServerError(str(err)) from None
         except SandboxCrashed as err:
             raise RewardServerError(str(err)) from None
+        for hang in hangs:  # in the replica's log; the run's client reports them too (ServeRewardClient.on_hang)
+            log.error("rlray: %s", hang.message())
+        return values, failures, hangs
 
     def close(self) -> None:
         """Waits for a call in progress, then stops the child process."""
@@ -216,7 +244,8 @@ class RewardService:
               completion_ids: list[list[int]] | None = None) -> ScoreResult:  # fmt: skip
         """Returns the scores of one batch and the version that produced them (see ``ScorerSandbox.score``)."""
         version, sandbox = self._current
-        return ScoreResult(version, *sandbox.score_with_failures(prompts, completions, columns, completion_ids))
+        values, failures, hangs = sandbox.score_with_reports(prompts, completions, columns, completion_ids)
+        return ScoreResult(version, values, failures, hangs=hangs)
 
     def swap(self, version: int, scorer_kwargs: dict, timeout_s: float) -> None:
         """Builds a new sandbox, makes it current, then closes the old one after its call in progress.
@@ -298,7 +327,7 @@ def _make_deployment():
             for r in requests:
                 end = start + len(r.completions)
                 out.append({"version": result.version, "scores": {k: v[start:end] for k, v in result.values.items()},
-                            "failures": result.failures[start:end]})
+                            "failures": result.failures[start:end], "hangs": result.hangs})
                 start = end
             return out
 
@@ -441,6 +470,9 @@ class ServeRewardClient:
         on_timeout: called with (the call, seconds waited) when a try gets no reply within ``timeout_s``, before the
             next try: the run's hang report (``rlray.hangs.HangWatch.timed_out``: the replicas' stacks, an alert); it
             may raise to stop the run (``HangError``, not retried). None: the retry's warning only.
+        on_hang: called with the report of a process killed at its own timeout for a request (the scorer's, then
+            ``RewardTimeoutError``; a user function's, in the reply): ``HangWatch.killed``, which may raise. None: the
+            replica's log line only.
 
     Raises:
         RewardServerUnavailableError: the application cannot be found after every try.
@@ -448,9 +480,10 @@ class ServeRewardClient:
 
     def __init__(self, app_name: str = APP_NAME, *, attempts: int = 5, timeout_s: float = 300.0,
                  backoff_s: float = 1.0, handle: Any = None,
-                 on_timeout: Callable[[str, float], object] | None = None) -> None:
+                 on_timeout: Callable[[str, float], object] | None = None,
+                 on_hang: Callable[[Hang], object] | None = None) -> None:
         self.app_name, self.attempts, self.timeout_s, self.backoff_s = app_name, attempts, timeout_s, backoff_s
-        self.on_timeout = on_timeout
+        self.on_timeout, self.on_hang = on_timeout, on_hang
         if handle is None:
             from ray import serve  # deferred: as in _make_deployment
 
@@ -468,9 +501,16 @@ class ServeRewardClient:
             RewardServerUnavailableError: no answer after ``attempts`` tries.
         """
         body = {"prompts": prompts, "completions": completions, "columns": columns, "completion_ids": completion_ids}
-        reply = self._retrying(lambda: self._try(body), "score")
+        try:
+            reply = self._retrying(lambda: self._try(body), "score")
+        except RewardTimeoutError as err:  # the scorer process was killed at reward.server.timeout_s
+            if self.on_hang is not None and err.hang is not None:
+                self.on_hang(err.hang)
+            raise
         reply = ScoreReply.model_validate(reply)  # "NaN" strings, should a reply come through JSON, become NaN
-        return ScoreResult(reply.version, reply.scores, reply.failures)
+        for hang in reply.hangs if self.on_hang is not None else ():
+            self.on_hang(hang)
+        return ScoreResult(reply.version, reply.scores, reply.failures, hangs=reply.hangs)
 
     def _try(self, body: dict[str, Any]) -> Any:
         """Returns one try's reply to ``body``; a try past ``timeout_s`` is reported (``on_timeout``) and re-raised."""

@@ -158,24 +158,31 @@ def dataset_columns(rows: list[PromptRow]) -> list[str]:
     return sorted({name for row in rows for name in row.columns})
 
 
-def local_reward_client(cfg: Settings, columns: list[str] | None = None) -> LocalRewardClient:
-    """Returns an in-process reward client over the scorer described by ``cfg.reward``."""
-    return LocalRewardClient(RewardScorer(**scorer_kwargs(cfg, columns)), cfg.reward.version)
+def local_reward_client(cfg: Settings, columns: list[str] | None = None,
+                        watch: HangWatch | None = None) -> LocalRewardClient:
+    """Returns an in-process reward client over the scorer described by ``cfg.reward``; ``watch`` reports each user
+    function killed at its timeout, with its stacks (``HangWatch.killed``; raises ``HangError`` under stop)."""
+    scorer = RewardScorer(**scorer_kwargs(cfg, columns))
+    if watch is not None:
+        scorer.watch_hangs(watch.killed)
+    return LocalRewardClient(scorer, cfg.reward.version)
 
 
 def reward_client(cfg: Settings, columns: list[str] | None = None,
                   watch: HangWatch | None = None) -> LocalRewardClient | ServeRewardClient:
     """Returns the Serve application's client when the plan runs a reward server (``rlray.plan.Roles.reward_server``:
     online with ``reward.server.enabled``), else an in-process scorer; ``watch`` (rank 0's) reports each try of a
-    request past ``reward.server.client_timeout_s`` with the replicas' stacks (``serve_timeouts``)."""
+    request past ``reward.server.client_timeout_s`` with the replicas' stacks (``serve_timeouts``), and each process
+    killed at its own timeout (the scorer's, a user function's) with its stacks (``HangWatch.killed``)."""
     srv = cfg.reward.server
     if resolve_plan(cfg).roles.reward_server:
         then = (f"retrying (reward.server.client_attempts={srv.client_attempts} tries in all; then the step fails "
                 "with RewardServerUnavailableError)")
         return ServeRewardClient(srv.app_name, attempts=srv.client_attempts, timeout_s=srv.client_timeout_s,
                                  on_timeout=serve_timeouts(watch, srv.app_name, f"reward server '{srv.app_name}'",
-                                                           "reward.server.client_timeout_s", srv.client_timeout_s, then))
-    return local_reward_client(cfg, columns)
+                                                           "reward.server.client_timeout_s", srv.client_timeout_s, then),
+                                 on_hang=None if watch is None else watch.killed)
+    return local_reward_client(cfg, columns, watch)
 
 
 def serve_timeouts(watch: HangWatch | None, app_name: str, who: str, key: str, deadline_s: float,

@@ -135,8 +135,8 @@ class RunContext(abc.ABC):
         """Pushes the learner's weights to the rollout engines (start, restore, rollback); none by default."""
 
     def watch_hangs(self, alert: Callable[[str], None]) -> None:  # noqa: B027 (a hook with a default: no remote calls)
-        """Sends the hang reports of the remote calls this rank waits on through ``alert`` (rank 0; ``rlray.hangs``);
-        none by default."""
+        """Sends the hang reports of the remote calls this rank waits on through ``alert`` (every rank; ``rlray.hangs``,
+        ``rlray.run.session.hang_alert``); none by default."""
 
     def close(self) -> None:  # noqa: B027 (a hook with a default: nothing to release)
         """Releases what the run holds besides the learner (clients, connections); nothing by default."""

@@ -108,25 +108,27 @@ def collect_experience(lead: OnlineLead, plan: RunPlan, tokenizer: Any, step: in
         rlray.reward.RewardFunctionError, rlray.data.DataError: a fault a retry cannot fix (the step stops the run).
         rlray.algos.DynamicSamplingError: DAPO could not fill the step within its rounds.
         rlray.run.failures.CannotLearnError: every sample failed in ``guard.max_failed_steps`` steps in a row.
-        rlray.hangs.HangError: a rollout, reward or judge call hung under ``watchdog.on_hang=stop`` (the step stays
-            in flight).
+        rlray.hangs.HangError: a rollout, reward or judge call hung under ``watchdog.on_hang=stop``, a DAPO refill's
+            included (the step stays in flight and the refills' prompts go back to the stream, so the stop snapshot's
+            resume takes every prompt of the step again: ``algorithm_sampling``).
     """
     cfg = plan.settings
     with timer("rollout"):  # 1-2. prompts and rollout; the pipeline keeps steps step+1..step+max_staleness in flight
         got = lead.pipeline.next(step)
     taken = [r.prompt_id for r in got.rows]
-    with timer("reward"):  # 3. rewards (functions, reward model, judges)
-        try:
+    try:
+        with timer("reward"):  # 3. rewards (functions, reward model, judges)
             scored = score(lead.reward, got.rows, got.completions, tokenizer, cfg.env.reward_weight, lead.judges,
                            build.judge_seed(cfg, step))
-        except HangError:  # a reward or judge call hung under watchdog.on_hang=stop: a snapshot retakes the prompts
-            lead.pipeline.keep_in_flight(step)
-            raise
-    failed_rewards = reward_failures(got.completions, scored)  # and those of DAPO's refills, below
-    with timer("algo_sampling"):  # DAPO refill, overlong shaping, ReMax's greedy baseline
-        drawn = Rollouts(got.rows, got.prompt_ids, got.completions, scored.values, scored.outputs)
-        drawn, baseline, algo_metrics = algorithm_sampling(lead, plan, tokenizer, build.sampling_for_step(cfg, step),
-                                                           drawn, taken, failed_rewards)
+        failed_rewards = reward_failures(got.completions, scored)  # and those of DAPO's refills, below
+        with timer("algo_sampling"):  # DAPO refill, overlong shaping, ReMax's greedy baseline
+            drawn = Rollouts(got.rows, got.prompt_ids, got.completions, scored.values, scored.outputs)
+            drawn, baseline, algo_metrics = algorithm_sampling(lead, plan, tokenizer,
+                                                               build.sampling_for_step(cfg, step), drawn, taken,
+                                                               failed_rewards)
+    except HangError:  # a reward, judge or refill call hung under watchdog.on_hang=stop: a snapshot retakes the prompts
+        lead.pipeline.keep_in_flight(step)
+        raise
     failures = [sample_failure(c, r, failed_rewards.get(id(c), ""))
                 for c, r in zip(drawn.completions, drawn.rewards["reward"], strict=True)]
     mask_truncated = cfg.algo.mask_truncated
@@ -184,12 +186,20 @@ def algorithm_sampling(lead: OnlineLead, plan: RunPlan, tokenizer: Any, sampling
     The ids of refill prompts are appended to ``taken`` (the step's prompt ledger) as they are taken from the
     stream, whether or not their groups are kept; the failure texts of the refills' rewards are added to
     ``failed_rewards`` (``rlray.run.failures.reward_failures``).
+
+    Raises:
+        rlray.hangs.HangError: a refill's rollout, reward or judge call (or the greedy baseline's) hung under
+            ``watchdog.on_hang=stop``; the data cursor is first set back to where it was before the first refill, so
+            the stop snapshot (its step kept in flight by ``collect_experience``) hands a resume the same refills.
     """
     cfg = plan.settings
     failed_rewards = {} if failed_rewards is None else failed_rewards
     weight, judge_seed = cfg.env.reward_weight, sampling.seed or 0  # the step's seed (build.judge_seed)
+    cursor: list[dict] = []  # the data cursor before the first refill took its prompts
 
     def draw(num_prompts: int, round_index: int) -> Rollouts:  # stages 1-3 for further prompts, reseeded per round
+        if not cursor:
+            cursor.append(lead.stream.state_dict())
         rows, ids = lead.take_prompts(num_prompts)
         taken.extend(r.prompt_id for r in rows)
         seed = None if sampling.seed is None else sampling.seed + REFILL_SEED_STRIDE * round_index
@@ -205,7 +215,12 @@ def algorithm_sampling(lead: OnlineLead, plan: RunPlan, tokenizer: Any, sampling
         got = score(lead.reward, b.rows, done, tokenizer, weight, lead.judges, judge_seed)
         return Rollouts(b.rows, b.prompt_ids, done, got.values, got.outputs)
 
-    return online_sampling.apply(batch, draw, greedy, build.sampling_extras(cfg))
+    try:
+        return online_sampling.apply(batch, draw, greedy, build.sampling_extras(cfg))
+    except HangError:  # the refills' prompts go back to the stream: a resume takes them again, in the same order
+        if cursor:
+            lead.stream.load_state_dict(cursor[0])
+        raise
 
 
 def build_experience(

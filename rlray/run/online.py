@@ -176,8 +176,9 @@ class OnlineRun(RunContext):
         return self.lead.pipeline.in_flight_rollouts()
 
     def watch_hangs(self, alert: Callable[[str], None]) -> None:
-        """Sends rank 0's hang reports (``rlray.hangs.HangWatch``: the fleet's, and its reference and teacher calls')
-        through ``alert`` (the run's alert path)."""
+        """Sends this rank's hang reports (``rlray.hangs.HangWatch``) through ``alert`` (``session.hang_alert``): on
+        rank 0 the fleet's, the episodes', the reward's and the judges', and on every rank those of its own reference
+        and teacher calls (``FrozenCalls``), so a stuck call of rank r alerts when it is found, not only in the stop."""
         if self.lead is not None and self.lead.fleet.watch is not None:
             self.lead.fleet.watch.alert = alert
         if self.frozen is not None:

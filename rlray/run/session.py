@@ -149,17 +149,25 @@ def _train(build: BuildContext, plan: RunPlan, coll: Collective, services: RunSe
 
 def step_deadline(ctx: RunContext, run: RunState, services: RunServices) -> hangs.StepDeadline:
     """Returns this rank's step deadline (``watchdog.learner_step_s``): its report goes to the log and the alerts
-    (rank 0's alert path; the monitor from other ranks); under Ray Train with ``watchdog.on_hang=restart`` the rank
-    then exits, so that Ray Train restarts the group from the newest snapshot (``monitor.max_failures``)."""
-    def report(message: str) -> None:
+    (``hang_alert``); under Ray Train with ``watchdog.on_hang=restart`` the rank then exits, so that Ray Train restarts
+    the group from the newest snapshot (``monitor.max_failures``)."""
+    d = ctx.plan.deadlines
+    exit_rank = (lambda: os._exit(1)) if run.in_ray_train and d.on_hang == "restart" else None
+    return hangs.StepDeadline(d.learner_step_s, f"learner rank {ctx.rank}", hang_alert(ctx, run, services), exit_rank)
+
+
+def hang_alert(ctx: RunContext, run: RunState, services: RunServices) -> Callable[[str], None]:
+    """Returns how this rank sends a hang report as the run's ``hang`` alert, at the step in progress: rank 0 through
+    its alert path (``snapshots.alert``), any other rank through the monitor (``services.monitor.alert``; only its log
+    line without a monitor). Used by the step deadline and by the hang watches of the calls the rank waits on
+    (``RunContext.watch_hangs``: a learner rank's reference and teacher calls)."""
+    def alert(message: str) -> None:
         if ctx.rank == 0:
             snapshots.alert(ctx, services, "hang", message, run.step + 1)
         elif services.monitor is not None:
             services.monitor.alert.remote("hang", message, run.step + 1)
 
-    d = ctx.plan.deadlines
-    exit_rank = (lambda: os._exit(1)) if run.in_ray_train and d.on_hang == "restart" else None
-    return hangs.StepDeadline(d.learner_step_s, f"learner rank {ctx.rank}", report, exit_rank)
+    return alert
 
 
 def _early_oom(where: str, fn: Callable[[], Any]) -> Any:
@@ -260,7 +268,8 @@ def plan_for_restore(plan: RunPlan, source: str | None, restarted: bool) -> RunP
 
 def begin(ctx: RunContext, services: RunServices, source: str | None, *, in_ray_train: bool) -> RunState:
     """Restores ``source`` (when given) on every rank, pushes the policy to the rollouts, starts rank 0's
-    heartbeat and every rank's memory watchdog; returns the run's state."""
+    heartbeat and every rank's memory watchdog, and sends every rank's hang reports to the alerts; returns the run's
+    state."""
     cfg = ctx.settings
     run_id = ctx.coll.broadcast(ctx.tracker.run_id if ctx.rank == 0 else None)
     opts = cfg.checkpoint.s3.storage_options()
@@ -277,6 +286,7 @@ def begin(ctx: RunContext, services: RunServices, source: str | None, *, in_ray_
     if not torch.cuda.is_available():
         cap = guards.memory_cap_bytes(cfg.guard, cuda=False)
         run.watchdog = guards.MemoryWatchdog(cap, cfg.guard.memory_check_s, ctx.rank).start()
+    ctx.watch_hangs(hang_alert(ctx, run, services))  # every rank: its calls past their deadline reach the alerts
     if ctx.rank == 0:
         _begin_rank0(ctx, services, run, source)
     return run
@@ -317,7 +327,6 @@ def _begin_rank0(ctx: RunContext, services: RunServices, run: RunState, source: 
             services.monitor.beat.remote(run.step, ctx.data_epoch(), ctx.policy_version)
 
     run.heartbeat = Heartbeat(beat, plan.settings.monitor.heartbeat_s).start()
-    ctx.watch_hangs(lambda message: snapshots.alert(ctx, services, "hang", message, run.step + 1))
 
 
 def _attach_log_file(plan: RunPlan, run: RunState) -> logging.Handler:

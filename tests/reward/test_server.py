@@ -67,7 +67,7 @@ def test_score_reply_json_keeps_failed_and_skipped_apart():
     reply = ScoreReply(version=2, scores={"reward": [1.5, math.nan, 0.25], "flaky": [0.5, math.nan, None]})
     text = reply.model_dump_json()
     assert json.loads(text) == {"version": 2, "scores": {"reward": [1.5, "NaN", 0.25], "flaky": [0.5, "NaN", None]},
-                                "failures": []}
+                                "failures": [], "hangs": []}
     back = ScoreReply.model_validate_json(text).scores
     assert back["reward"][0] == 1.5 and math.isnan(back["reward"][1]) and back["flaky"][2] is None
 
@@ -185,6 +185,21 @@ def test_a_hang_report_finds_the_live_replica_and_its_stacks(server):
     assert where.name.startswith("SERVE_REPLICA::rlray-reward#") and where.pid > 0
     assert "most recent call first" in stacks and "(no stacks" not in stacks, stacks  # faulthandler's own words
     assert serve_stacks("rlray-no-such-app") == []
+
+
+@pytest.mark.ray
+def test_a_user_function_killed_in_the_replica_reaches_the_runs_watch_with_its_stacks(server):
+    """flaky sleeps 60 s on HANG, past its timeout_s (10 s) inside the replica's scorer process: the reply carries the
+    report, with the stacks taken from the function's process before the kill, and the client hands it to the watch."""
+    from rlray.hangs import HangWatch
+    from rlray.reward.server import ServeRewardClient
+
+    alerts: list[str] = []
+    watch = HangWatch("restart", alert=alerts.append)
+    got = ServeRewardClient(on_hang=watch.killed).score(["p"], ["HANG"], [{"answer": "1"}])
+    assert math.isnan(got.values["flaky"][0]) and len(got.hangs) == 1 and watch.hangs == 1
+    assert alerts[0].startswith("hang: reward function 'flaky' (pid ") and "reward.functions[1].timeout_s=10 s" in alerts[0]
+    assert "in flaky" in alerts[0]  # faulthandler's line of the sleeping frame, from the killed process
 
 
 @pytest.mark.ray

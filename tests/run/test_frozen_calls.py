@@ -15,8 +15,8 @@ from rlray.config import config_from_dict
 from rlray.hangs import HangWatch
 from rlray.run import frozen_calls
 from rlray.run.frozen_calls import FrozenCalls
-from rlray.run.online import frozen_logprobs
-from rlray.run.session import FatalStepError
+from rlray.run.online import OnlineRun, frozen_logprobs
+from rlray.run.session import FatalStepError, hang_alert
 from tests.test_hangs import FAKE_STACKS, FakeActors, QuietSource, pipeline
 
 HANG = object()  # a call that never returns
@@ -172,3 +172,36 @@ def test_a_served_step_fills_both_logprobs_and_goes_on():
     frozen_logprobs(ctx, batch, SimpleNamespace(distill_weight=0.5), 3)
     assert batch.ref_logprobs is ref and batch.teacher_logprobs is teacher
     assert calls.run_counts == {"run/hangs": 0.0, "run/hang_restarts": 0.0}
+
+
+class FakeMonitor:
+    """The monitor actor's ``alert.remote(kind, message, step)``, recorded."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, str, int]] = []
+        self.alert = SimpleNamespace(remote=lambda kind, message, step: self.sent.append((kind, message, step)))
+
+
+def test_a_hung_call_on_rank_1_alerts_through_the_monitor_when_it_is_found():
+    """Every rank's watch sends its reports to the run's alerts (``session.begin``: ``ctx.watch_hangs(hang_alert)``),
+    so rank 1's stuck call is an alert with the actor's stacks at once, not only the stop's final failure."""
+    calls, fakes = frozen("restart", rank=1)
+    monitor = FakeMonitor()
+    ctx = SimpleNamespace(rank=1, lead=None, frozen=calls)
+    OnlineRun.watch_hangs(ctx, hang_alert(ctx, SimpleNamespace(step=6), SimpleNamespace(monitor=monitor)))
+    actor = FakeActor("reference-0", [HANG, torch.ones(1, 1)])
+    calls.logprobs(actor, "reference actor", "x", "m")
+    # rank 1 waits 3 s + 1 x (10 s + 5 s) = 18 s, and reports at the first poll past it (19 s of the fake clock)
+    assert fakes.restarted == [actor] and calls.watch.last.waited_s == 19.0
+    assert monitor.sent == [("hang", f"{calls.watch.last.headline()}\nstacks of pid 4242:\n{FAKE_STACKS.rstrip()}", 7)]
+    assert monitor.sent[0][1].startswith("hang: reference actor (rlray:reference-0) (pid 4242, node abababababab) "
+                                         "has run logprobs for 19.0 s, past watchdog.reference_call_s=3 s")
+
+
+def test_without_a_monitor_rank_1_reports_in_its_log_only(caplog):
+    calls, _ = frozen("stop", rank=1)
+    ctx = SimpleNamespace(rank=1, lead=None, frozen=calls)
+    OnlineRun.watch_hangs(ctx, hang_alert(ctx, SimpleNamespace(step=0), SimpleNamespace(monitor=None)))
+    assert calls.logprobs(FakeActor("teacher-0", [HANG]), "teacher actor", "x", "m") is None
+    assert calls.stopped.startswith("HangError: hang: teacher actor") and calls.watch.hangs == 1
+    assert any(r.message.startswith("rlray: hang: teacher actor") for r in caplog.records)

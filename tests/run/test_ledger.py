@@ -11,6 +11,7 @@ import pytest
 
 from rlray.config import config_from_dict
 from rlray.data import PromptRow, PromptStream
+from rlray.hangs import HangError
 from rlray.learner.collective import Collective
 from rlray.observe.tracking import Tracker, read_ledger
 from rlray.plan import resolve_plan
@@ -247,6 +248,63 @@ def test_dapo_refills_resume_exactly_from_a_snapshots_cursor(max_staleness):
     restarted.reload_rollouts()
     book = _steps(restarted, range(3, 8), {s: book[s] for s in (1, 2, 3)})
     assert book == uninterrupted and _check(book, **check).ok
+
+
+class _HangsOnce:
+    """A reward client over ``_OddQuestionsFlat`` whose ``hang_at``-th score call (1-based, counted from ``arm``) raises
+    ``HangError``, as a reward or judge client does after its report under watchdog.on_hang=stop."""
+
+    def __init__(self, inner: LocalRewardClient) -> None:
+        self.inner, self.calls, self.hang_at, self.hung = inner, 0, 0, 0
+
+    def arm(self, hang_at: int) -> None:
+        self.calls, self.hang_at = 0, hang_at
+
+    def score(self, prompts, completions, columns, completion_ids=None):
+        self.calls += 1
+        if self.calls == self.hang_at:
+            self.hung += 1
+            raise HangError("hang: reward server 'rlray-reward' ... has run score for 0.6 s, past "
+                            "reward.server.client_timeout_s=0.5 s; stopping the run (watchdog.on_hang=stop)")
+        return self.inner.score(prompts, completions, columns, completion_ids)
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_a_dapo_refill_whose_reward_hangs_under_stop_keeps_the_step_and_its_refills_for_the_resume(max_staleness):
+    """watchdog.on_hang=stop, a refill's reward call hangs: the step goes back in flight with its samples and the
+    refills' prompts back to the stream (the stop snapshot keeps both: ``cursor_state``, ``in_flight_rollouts``), so a
+    resume from that snapshot takes every prompt an uninterrupted run takes, in its order (the stop itself, with the
+    snapshot, is ``run_step``'s: HangError is one of ``FATAL_STEP_ERRORS``)."""
+    uninterrupted = _steps(_dapo_run(max_staleness), range(8), {})
+    hung_step = next(s for s in range(8) if len(uninterrupted[s + 1]) > 2)  # the first step that refills
+    first = _dapo_run(max_staleness)
+    reward = first.lead.reward = _HangsOnce(first.lead.reward)
+    pipeline_next, after_rollout = first.lead.pipeline.next, {}
+
+    def next_step(step: int):  # stages 1-2, then the stream's cursor (the step's prompts and the steps' ahead taken)
+        got = pipeline_next(step)
+        after_rollout[step] = first.lead.stream.state_dict()
+        return got
+
+    first.lead.pipeline.next = next_step
+    book = _steps(first, range(hung_step), {})
+    reward.arm(2)  # the step's own score, then its first refill's
+    with pytest.raises(HangError, match="stopping the run"):
+        _steps(first, range(hung_step, hung_step + 1), book)
+    assert reward.hung == 1 and first.lead.stream.state_dict() == after_rollout[hung_step]  # the refill's went back
+    cursor, kept = first.cursor_state(), first.in_flight_rollouts()  # the stop snapshot (of step hung_step)
+    assert len(cursor["in_flight"]) == max_staleness + 1 and kept[0] is not None  # the hung step, with its samples
+
+    resumed = _dapo_run(max_staleness)  # `rlray train --resume` from the stop snapshot (session.begin)
+    resumed.load_cursor_state(cursor)
+    resumed.load_in_flight_rollouts(kept)
+    resumed.reload_rollouts()
+    book = _steps(resumed, range(hung_step, 8), book)
+    assert book == uninterrupted
+    assert _check(book, prompts_per_step=2, max_staleness=max_staleness).ok
 
 
 def test_an_empty_row_list_is_refused():
