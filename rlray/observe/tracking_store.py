@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 import sqlite3
+import threading
 import time
 from pathlib import Path
 
@@ -84,6 +85,25 @@ def _copy_template(path: Path) -> bool:
     except (OSError, sqlite3.Error, mlflow.exceptions.MlflowException) as err:
         log.debug("MLflow store template not used for %s (%s); MLflow creates the store", path, err)
         return False
+
+
+def start_ensure_store(uri: str) -> threading.Thread:
+    """Starts ``ensure_store(uri)`` in a daemon thread and returns the thread; join it before the store is used.
+
+    The driver creates or checks its store while Ray starts (issue 39: a fresh sqlite store is ~0.8 s of CPU, most of
+    it MLflow's SQL store imports, and ``ray.init`` mostly waits on Ray's processes). An error is not raised here: the
+    next ``ensure_store`` of the URI (``Tracker``'s, on the caller's thread) tries again and raises it.
+    """
+
+    def run() -> None:
+        try:
+            ensure_store(uri)
+        except Exception as err:  # noqa: BLE001 - raised again by the caller's own ensure_store
+            log.debug("MLflow store %s not ready in the background (%s); the caller's ensure_store retries", uri, err)
+
+    thread = threading.Thread(target=run, name="rlray-mlflow-store", daemon=True)
+    thread.start()
+    return thread
 
 
 def ensure_store(uri: str) -> None:
