@@ -292,6 +292,8 @@ def run_training(
         status = "KILLED"
         raise
     finally:
+        if watch is not None:
+            watch.disarm()  # the start watch's signal handler goes, whatever ended the run
         if progress is not None:
             progress.close()
         # a sweep closes a stopped trial's run as KILLED before its process dies; the dying run keeps that
