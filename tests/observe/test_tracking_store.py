@@ -1,13 +1,18 @@
 """rlray.observe.tracking_store: a sqlite store copied from the migrated template equals one MLflow creates."""
 
+import os
 import sqlite3
+import subprocess
+import sys
+from pathlib import Path
 
-import pytest
 from mlflow.tracking import MlflowClient
 
 from rlray.cache import cache_dir
 from rlray.observe import tracking_store
-from rlray.observe.tracking_store import ensure_store, start_ensure_store, store_template
+from rlray.observe.tracking_store import ensure_store, store_template
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _schema(db) -> tuple[list, list]:
@@ -51,25 +56,16 @@ def test_an_unusable_cache_leaves_the_store_to_mlflow(tmp_path, monkeypatch):
     assert _schema(tmp_path / "mlflow.db")[1]  # MLflow migrated it to its head
 
 
-def test_the_store_made_in_the_background_is_the_one_ensure_store_makes(tmp_path, monkeypatch):
-    monkeypatch.setenv("RLRAY_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(tracking_store, "_READY_STORES", set())
-    uri, reference = f"sqlite:///{tmp_path / 'a' / 'mlflow.db'}", tmp_path / "b" / "mlflow.db"
-    thread = start_ensure_store(uri)
-    thread.join(timeout=120)
-    assert not thread.is_alive() and thread.daemon and thread.name == "rlray-mlflow-store"
-    assert uri in tracking_store._READY_STORES  # the driver's Tracker then skips the check
-    ensure_store(f"sqlite:///{reference}")
-    assert _schema(tmp_path / "a" / "mlflow.db") == _schema(reference)
-
-
-def test_a_background_failure_is_raised_by_the_next_ensure_store(tmp_path, monkeypatch):
-    monkeypatch.setattr(tracking_store, "_READY_STORES", set())
-    blocker = tmp_path / "file"
-    blocker.write_text("x")
-    uri = f"sqlite:///{blocker / 'mlflow.db'}"  # its folder is a file: the store cannot be made
-    thread = start_ensure_store(uri)
-    thread.join(timeout=120)
-    assert not thread.is_alive() and uri not in tracking_store._READY_STORES  # nothing raised on that thread
-    with pytest.raises(OSError):
-        ensure_store(uri)  # the caller's own call raises it, on its thread
+def test_the_store_modules_are_imported_in_the_background_and_no_file_is_made(tmp_path):
+    """The driver imports MLflow's SQL store while Ray starts; nothing is written (a run that does not fit the cluster
+    leaves no store behind)."""
+    code = ("import os, sys\n"
+            "from rlray.observe import tracking_store\n"
+            "before = [m in sys.modules for m in tracking_store.STORE_MODULES]\n"
+            "thread = tracking_store.start_store_imports()\n"
+            "thread.join(timeout=120)\n"
+            "print(before, [m in sys.modules for m in tracking_store.STORE_MODULES], thread.daemon, thread.is_alive(),"
+            " os.listdir('.'))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(REPO), "RLRAY_CACHE": str(tmp_path / "cache")})
+    assert out.stdout.strip() == "[False, False] [True, True] True False []"
