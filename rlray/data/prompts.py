@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from rlray.data.jsonl import DataError
+from rlray.data.prompt_cache import tokenize_cached
 from rlray.data.rows import PromptRow
 
 log = logging.getLogger(__name__)
@@ -47,12 +49,24 @@ def render_prompt(
     Raises:
         ValueError: a conversational prompt without a user message and a non-empty ``instruction``.
     """
+    text = prompt_text(tokenizer, prompt, instruction=instruction, system_prompt=system_prompt)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def prompt_text(
+    tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict[str, Any]], *, instruction: str, system_prompt: str | None
+) -> str:
+    """Returns the text ``render_prompt`` tokenizes: the chat template over the prompt's messages (``prompt_messages``),
+    with the generation prompt, or the final assistant message left open (a prefill).
+
+    Raises:
+        ValueError: a conversational prompt without a user message and a non-empty ``instruction``.
+    """
     messages = prompt_messages(prompt, instruction=instruction, system_prompt=system_prompt)
     prefill = messages[-1]["role"] == "assistant"
-    text = tokenizer.apply_chat_template(
+    return tokenizer.apply_chat_template(
         messages, add_generation_prompt=not prefill, continue_final_message=prefill, tokenize=False
     )
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def prompt_messages(prompt: str | list[dict[str, Any]], *, instruction: str, system_prompt: str | None) -> list[dict[str, Any]]:
@@ -86,8 +100,13 @@ def prepare_prompts(
     instruction: str,
     system_prompt: str | None,
     long_prompts: str = "skip",
+    cache: Path | None = None,
 ) -> tuple[list[PromptRow], list[list[int]], int]:
     """Returns (kept rows, their prompt token ids, number skipped): ``render_prompt`` then ``filter_long_prompts``.
+
+    With ``cache`` (a folder: ``rlray.cache.cache_dir() / "prompts"``) the token ids of the rendered prompts are read
+    from an earlier call's entry when the tokenizer and every rendered text are the same, else computed and stored
+    (``rlray.data.prompt_cache.tokenize_cached``); the ids are the same either way.
 
     Args:
         rows: prompt rows (``load_prompt_rows``).
@@ -97,12 +116,14 @@ def prepare_prompts(
         system_prompt: the system turn (``data.system_prompt``), or None.
         long_prompts: ``data.long_prompts``: "skip" drops longer prompts (logged with the count and the first
             ids), "error" raises.
+        cache: the prompt token cache's folder, or None to tokenize every prompt.
 
     Raises:
         DataError: ``long_prompts="error"`` and a prompt is longer than ``max_prompt_tokens`` (names the
             first one's id, its length and the two ways out); or every prompt was skipped.
     """
-    ids = [render_prompt(tokenizer, r.prompt, instruction=instruction, system_prompt=system_prompt) for r in rows]
+    texts = [prompt_text(tokenizer, r.prompt, instruction=instruction, system_prompt=system_prompt) for r in rows]
+    ids = tokenize_cached(tokenizer, texts, cache)
     long = [(r.prompt_id, len(i)) for r, i in zip(rows, ids, strict=True) if len(i) > max_prompt_tokens]
     if long and long_prompts == "error":
         raise DataError(

@@ -216,14 +216,27 @@ def wait_started(launched: list[Launched]) -> dict[str, tuple[float, float, Acto
     return {one.name: (one.launched_at, ready_at[one.name], own.get(one.name)) for one in launched}
 
 
+WAKE_SIGNAL = signal.SIGUSR1
+"""The signal by which ``StartWatch`` stops the main thread (Ray uses neither SIGUSR1 nor SIGUSR2; rlray's stack dumps
+use SIGUSR2, ``rlray.hangs.STACK_SIGNAL``)."""
+
+
+def _start_failed(signum: int, frame: object) -> None:
+    """``WAKE_SIGNAL``'s handler while a ``StartWatch`` is armed: stops the main thread as Ctrl-C would."""
+    raise KeyboardInterrupt(f"signal {signum}: an actor failed to start")
+
+
 class StartWatch:
     """Waits for actors to start in a background thread while the caller goes on (the learner group starts beside
     the engines); an actor that fails to start stops the caller's main thread at once, as a wait would have.
 
-    ``watch`` starts the thread over ``wait_started(launched)``; while ``armed`` a failure sends SIGINT to the main
-    thread (Ctrl-C's KeyboardInterrupt inside ``TorchTrainer.fit``), and the caller raises ``error``
-    (``raise_failure``). Only for a caller on the main thread with a Python SIGINT handler: elsewhere (a Tune trial)
-    the signal would reach the wrong thread, so ``wait_started`` runs there before the caller goes on.
+    ``watch`` starts the thread over ``wait_started(launched)``; while ``armed`` a failure sends ``WAKE_SIGNAL`` to the
+    main thread, whose handler (installed by ``watch``, the previous one put back by ``disarm``) raises
+    KeyboardInterrupt inside ``TorchTrainer.fit`` as Ctrl-C would, and the caller raises ``error``
+    (``raise_failure``). A signal of its own, not SIGINT: a run started in the background by a shell script (``cmd
+    &``), which ignores SIGINT, still starts its learner beside the engines (issue 39: with SIGINT the learner group
+    waited for every engine there). Only for a caller on the main thread whose ``WAKE_SIGNAL`` has its default action:
+    elsewhere (a Tune trial, a program with its own SIGUSR1 handler) ``wait_started`` runs before the caller goes on.
     """
 
     def __init__(self) -> None:
@@ -233,6 +246,7 @@ class StartWatch:
         self.error: BaseException | None = None
         self.started: dict[str, tuple[float, float, ActorTimes | None]] = {}
         self.thread: threading.Thread | None = None
+        self._previous: Any = None  # WAKE_SIGNAL's handler before watch installed its own
 
     def watch(self, launched: list[Launched]) -> StartWatch:
         """Waits for ``launched`` in the background (on the main thread), else here; returns self.
@@ -240,9 +254,10 @@ class StartWatch:
         Raises:
             ray.exceptions.RayActorError, ray.exceptions.RayTaskError: off the main thread, an actor failed to start.
         """
-        if threading.current_thread() is not threading.main_thread() or not callable(signal.getsignal(signal.SIGINT)):
+        if threading.current_thread() is not threading.main_thread() or signal.getsignal(WAKE_SIGNAL) != signal.SIG_DFL:
             self.started = wait_started(launched)
             return self
+        self._previous = signal.signal(WAKE_SIGNAL, _start_failed)
         self.armed = True
         self.thread = threading.Thread(target=self._wait, args=(launched,), name="rlray-actor-start", daemon=True)
         self.thread.start()
@@ -255,13 +270,17 @@ class StartWatch:
             with self.lock:
                 self.error = err
                 if self.armed:
-                    self.interrupted = True  # a real SIGINT: it also wakes a blocking call of the main thread
-                    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+                    self.interrupted = True  # a real signal: it also wakes a blocking call of the main thread
+                    signal.pthread_kill(threading.main_thread().ident, WAKE_SIGNAL)
 
     def disarm(self, timeout_s: float = 0.0) -> None:
-        """Ends the interrupts (the caller's guarded block is over), then waits up to ``timeout_s`` for the thread."""
+        """Ends the interrupts (the caller's guarded block is over) and puts ``WAKE_SIGNAL``'s previous handler back
+        (on the main thread), then waits up to ``timeout_s`` for the thread."""
         with self.lock:
             self.armed = False
+        if self._previous is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(WAKE_SIGNAL, self._previous)  # a signal sent while armed was delivered before this call
+            self._previous = None
         if self.thread is not None:
             self.thread.join(timeout_s)
 

@@ -6,7 +6,8 @@ or a config that it resolves once (``rlray.plan.paths.resolve_paths``, then ``rl
 role is started from that run plan (issue 38):
 
 0. check every input (model, tokenizer, data, reward functions, snapshot storage; ``rlray.launch.preflight``)
-   and build the step hooks of ``run.hooks`` (``rlray.run.hooks.load_step_hooks``) before Ray or MLflow start,
+   and build the step hooks of ``run.hooks`` (``rlray.run.hooks.load_step_hooks``) before Ray or MLflow start
+   (MLflow's SQL store modules are imported while Ray starts; the store and the run once the resources fit),
 1. check that every role's resources fit the cluster (before any actor starts),
 2. the rollout actors on the nodes a released placement group chose (rlray:rollout-<i>),
 3. the reward Serve application rlray-reward (when reward.server.enabled) and one Serve application per judge,
@@ -55,6 +56,7 @@ from rlray.models import load_tokenizer, resolve_model_path
 from rlray.observe.monitor import Alerter
 from rlray.observe.startup import StartupClock, startup_summary
 from rlray.observe.tracking import Tracker
+from rlray.observe.tracking_store import start_store_imports
 from rlray.plan import RunPlan, resolve_plan
 from rlray.plan.paths import resolve_paths
 from rlray.plan.settings import Settings
@@ -201,10 +203,12 @@ def run_training(
         user_hooks = load_step_hooks(plan)
         roles = plan.roles
         teacher_dir = resolve_model_path(cfg.teacher.path) if roles.teacher != "off" else None  # preflight checked it
-    with clock.phase("ray"):
+    with clock.phase("ray"):  # MLflow's SQL store is imported beside Ray's start (issue 39)
+        store = start_store_imports()
         ray_info = init_ray(log_to_driver=verbose is not False)
         check_cluster(plan)
     with clock.phase("mlflow"):
+        store.join()
         opts = cfg.checkpoint.s3.storage_options()
         snaps, tracking = plan.snapshots, plan.tracking
         resume = checkpoint.resolve_snapshot(snaps.resume_from, snaps.uri, opts) if snaps.resume_from else None
@@ -290,6 +294,8 @@ def run_training(
         status = "KILLED"
         raise
     finally:
+        if watch is not None:
+            watch.disarm()  # the start watch's signal handler goes, whatever ended the run
         if progress is not None:
             progress.close()
         # a sweep closes a stopped trial's run as KILLED before its process dies; the dying run keeps that

@@ -47,6 +47,7 @@ from rlray.models.adapters import check_adapter
 from rlray.plan import ConfigError, RunPlan
 from rlray.reward.scorer import RewardFunctionError
 from rlray.reward.verifiers import BUILTIN_VERIFIERS
+from rlray.run.build import prompt_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,8 @@ def check_inputs(plan: RunPlan) -> str:
         rows = load_prompt_rows(cfg.data.train_files, prompt_column=cfg.data.prompt_column)
         if cfg.data.long_prompts == "error":
             prepare_prompts(rows, tokenizer, max_prompt_tokens=cfg.data.max_prompt_tokens, long_prompts="error",
-                            instruction=cfg.data.instruction, system_prompt=cfg.data.system_prompt)
+                            instruction=cfg.data.instruction, system_prompt=cfg.data.system_prompt,
+                            cache=prompt_cache_dir())  # learner rank 0 then reads the ids from the cache
         eval_rows = []
         if cfg.eval.num_problems:
             eval_rows = load_prompt_rows(cfg.data.eval_files, prompt_column=cfg.data.prompt_column)[: cfg.eval.num_problems]

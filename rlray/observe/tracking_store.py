@@ -14,10 +14,12 @@ name"). The template is made under its own lock and renamed into place when comp
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import shutil
 import sqlite3
+import threading
 import time
 from pathlib import Path
 
@@ -84,6 +86,30 @@ def _copy_template(path: Path) -> bool:
     except (OSError, sqlite3.Error, mlflow.exceptions.MlflowException) as err:
         log.debug("MLflow store template not used for %s (%s); MLflow creates the store", path, err)
         return False
+
+
+STORE_MODULES = ("mlflow.store.tracking.sqlalchemy_store", "mlflow.store.db.utils")
+"""The modules of MLflow's SQL store (SQLAlchemy, alembic): most of what making or opening a sqlite store costs."""
+
+
+def start_store_imports() -> threading.Thread:
+    """Starts importing ``STORE_MODULES`` in a daemon thread and returns the thread; creates no file.
+
+    The driver imports them while Ray starts (issue 39: a fresh sqlite store is ~0.69 s of CPU, 0.65 s of it these
+    imports, and ``ray.init`` mostly waits on Ray's processes); the store itself is made afterwards, once the run's
+    resources fit the cluster. An import that fails is left to the store's own use, which raises it.
+    """
+
+    def run() -> None:
+        for name in STORE_MODULES:
+            try:
+                importlib.import_module(name)
+            except Exception as err:  # noqa: BLE001 - raised again where the store is used
+                log.debug("MLflow store module %s not imported in the background (%s)", name, err)
+
+    thread = threading.Thread(target=run, name="rlray-mlflow-imports", daemon=True)
+    thread.start()
+    return thread
 
 
 def ensure_store(uri: str) -> None:

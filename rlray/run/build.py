@@ -14,12 +14,14 @@ import functools
 import os
 import random
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from rlray import algos
+from rlray.cache import cache_dir
 from rlray.cores import CorePlan, parse_core_list, plan_cores
 from rlray.data import PromptRow, load_prompt_rows, prepare_prompts
 from rlray.data.prompts import prompt_messages
@@ -149,8 +151,14 @@ def training_prompts(cfg: Settings, tokenizer: Any) -> tuple[list[PromptRow], li
     rows = load_prompt_rows(cfg.data.train_files, prompt_column=cfg.data.prompt_column)
     kept, ids, skipped = prepare_prompts(rows, tokenizer, max_prompt_tokens=cfg.data.max_prompt_tokens,
                                          long_prompts=cfg.data.long_prompts, instruction=cfg.data.instruction,
-                                         system_prompt=cfg.data.system_prompt)
+                                         system_prompt=cfg.data.system_prompt, cache=prompt_cache_dir())
     return rows, kept, ids, skipped
+
+
+def prompt_cache_dir() -> Path:
+    """Returns the folder of the prompt token cache (``rlray.data.prompt_cache``): ``prompts/`` in rlray's cache folder
+    (``$RLRAY_CACHE``, else ``~/.cache/rlray``)."""
+    return cache_dir() / "prompts"
 
 
 def dataset_columns(rows: list[PromptRow]) -> list[str]:

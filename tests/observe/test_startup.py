@@ -89,19 +89,7 @@ def test_light_actor_modules_import_no_torch(module):
     assert out.stdout.strip() == "[]"
 
 
-@pytest.fixture
-def python_sigint():
-    """Python's own SIGINT handler for the test, whatever the process inherited: a shell that starts ``make test`` in
-    the background (``make test &``, nohup) ignores SIGINT, and Python then keeps it ignored (StartWatch then waits
-    on the caller's thread instead, which those tests check apart)."""
-    import signal
-
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, before)
-
-
-def test_start_watch_stops_the_main_thread_with_the_actors_start_error(monkeypatch, python_sigint):
+def test_start_watch_stops_the_main_thread_with_the_actors_start_error(monkeypatch):
     """An actor that fails to start while the main thread waits in fit (here: a sleep) stops it at once, and the
     actor's own error is what the caller raises (as the blocking wait before the learner started did)."""
     import time
@@ -127,7 +115,7 @@ def test_start_watch_stops_the_main_thread_with_the_actors_start_error(monkeypat
     assert time.monotonic() - began < 10
 
 
-def test_start_watch_after_the_guarded_block_never_interrupts(monkeypatch, python_sigint):
+def test_start_watch_after_the_guarded_block_never_interrupts(monkeypatch):
     import time
 
     from rlray.launch import actors
@@ -151,20 +139,55 @@ def test_start_watch_after_the_guarded_block_never_interrupts(monkeypatch, pytho
     assert watch.started == {"rollout-0": (1.0, 2.0, None)} and watch.error is None
 
 
-def test_start_watch_waits_on_the_callers_thread_where_sigint_is_ignored(monkeypatch):
-    """A process started with SIGINT ignored (``nohup``, a background job of a shell) cannot be interrupted by the
-    watch: the wait runs before the caller goes on, and an actor's start error is raised from ``watch`` itself."""
+def test_start_watch_runs_in_the_background_where_sigint_is_ignored(monkeypatch):
+    """A run started in the background by a shell script (``cmd &``) ignores SIGINT: the watch still waits in the
+    background and stops the main thread with its own signal (issue 39: with SIGINT the learner group waited there for
+    every engine), and ``disarm`` puts the signal's handler back."""
+    import signal
+    import time
+
+    from rlray.launch import actors
+
+    def fail(launched):
+        time.sleep(0.2)
+        raise ValueError("engine failed")
+
+    monkeypatch.setattr(actors, "wait_started", fail)
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        watch = actors.StartWatch().watch([])
+        assert watch.thread is not None and signal.getsignal(actors.WAKE_SIGNAL) is actors._start_failed
+        began = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            time.sleep(30)  # fit
+        assert time.monotonic() - began < 10 and watch.interrupted and str(watch.error) == "engine failed"
+        watch.disarm()
+        assert signal.getsignal(actors.WAKE_SIGNAL) == signal.SIG_DFL
+        with pytest.raises(ValueError, match="engine failed"):
+            watch.raise_failure()
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def test_start_watch_waits_on_the_callers_thread_where_its_signal_is_taken(monkeypatch):
+    """A program with its own handler for the watch's signal keeps it: the wait runs before the caller goes on, and an
+    actor's start error is raised from ``watch`` itself."""
     import signal
 
     from rlray.launch import actors
 
+    def mine(signum, frame):
+        return None
+
     monkeypatch.setattr(actors, "wait_started", lambda launched: (_ for _ in ()).throw(ValueError("engine failed")))
-    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    before = signal.signal(actors.WAKE_SIGNAL, mine)
     try:
         with pytest.raises(ValueError, match="engine failed"):
             actors.StartWatch().watch([])
         monkeypatch.setattr(actors, "wait_started", lambda launched: {"rollout-0": (1.0, 2.0, None)})
         watch = actors.StartWatch().watch([])
         assert watch.thread is None and watch.started == {"rollout-0": (1.0, 2.0, None)}
+        watch.disarm()
+        assert signal.getsignal(actors.WAKE_SIGNAL) is mine
     finally:
-        signal.signal(signal.SIGINT, before)
+        signal.signal(actors.WAKE_SIGNAL, before)

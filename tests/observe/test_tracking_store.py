@@ -1,12 +1,18 @@
 """rlray.observe.tracking_store: a sqlite store copied from the migrated template equals one MLflow creates."""
 
+import os
 import sqlite3
+import subprocess
+import sys
+from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
 from rlray.cache import cache_dir
 from rlray.observe import tracking_store
 from rlray.observe.tracking_store import ensure_store, store_template
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _schema(db) -> tuple[list, list]:
@@ -48,3 +54,18 @@ def test_an_unusable_cache_leaves_the_store_to_mlflow(tmp_path, monkeypatch):
     ensure_store(f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}").get_experiment("0").name == "Default"
     assert _schema(tmp_path / "mlflow.db")[1]  # MLflow migrated it to its head
+
+
+def test_the_store_modules_are_imported_in_the_background_and_no_file_is_made(tmp_path):
+    """The driver imports MLflow's SQL store while Ray starts; nothing is written (a run that does not fit the cluster
+    leaves no store behind)."""
+    code = ("import os, sys\n"
+            "from rlray.observe import tracking_store\n"
+            "before = [m in sys.modules for m in tracking_store.STORE_MODULES]\n"
+            "thread = tracking_store.start_store_imports()\n"
+            "thread.join(timeout=120)\n"
+            "print(before, [m in sys.modules for m in tracking_store.STORE_MODULES], thread.daemon, thread.is_alive(),"
+            " os.listdir('.'))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(REPO), "RLRAY_CACHE": str(tmp_path / "cache")})
+    assert out.stdout.strip() == "[False, False] [True, True] True False []"
