@@ -31,7 +31,7 @@ from rlray.checkpoint.manifest import SnapshotManifest
 from rlray.learner.collective import Collective, RayTrainCollective
 from rlray.observe.monitor import Heartbeat
 from rlray.plan import RunPlan, plan_from_tree
-from rlray.run import guards, snapshots
+from rlray.run import collective_watch, guards, snapshots
 from rlray.run.context import RunContext, StepResult
 from rlray.run.hooks import StepEnd, StepHook, run_hooks, run_observers
 from rlray.run.state import RUNNING, RunOutcome, RunServices, RunState
@@ -97,6 +97,7 @@ def train(build: BuildContext, plan: RunPlan, coll: Collective, *, run_id: str |
 def _train(build: BuildContext, plan: RunPlan, coll: Collective, services: RunServices, source: str | None,
            hooks: Sequence[StepHook], oom_note: str | None = None) -> RunOutcome:
     guards.apply_gpu_memory_cap(plan.settings.guard)
+    coll = collective_watch.watch(coll, plan.deadlines.collective_s, plan.deadlines.stacks_timeout_s)
     ctx = _early_oom("load", lambda: build(plan, coll))
     if ctx.rank == 0 and oom_note:
         ctx.tracker.set_tags({"rlray.oom_fallback": oom_note})
@@ -106,6 +107,8 @@ def _train(build: BuildContext, plan: RunPlan, coll: Collective, services: RunSe
     retrying, error = False, ""
 
     deadline = step_deadline(ctx, run, services)
+    if isinstance(coll, collective_watch.WatchedCollective):  # each timed collective's own deadline (watchdog.collective_s)
+        coll.start(hang_alert(ctx, run, services), deadline.on_expiry)
 
     def one_step() -> dict[str, float]:  # stages 1-7 of the run's kind, then stage 8 here
         deadline.arm(run.step + 1)
@@ -138,6 +141,8 @@ def _train(build: BuildContext, plan: RunPlan, coll: Collective, services: RunSe
         raise
     finally:
         deadline.disarm()
+        if isinstance(coll, collective_watch.WatchedCollective):
+            coll.stop()
         finish(ctx, run, services, record=not retrying)
         if not retrying and ctx.rank == 0 and services.control is not None:
             outcome = RunOutcome(run.status, run.step, run.last_snapshot, error, dict(metrics))
