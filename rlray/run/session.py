@@ -119,7 +119,10 @@ def _train(build: BuildContext, plan: RunPlan, coll: Collective, services: RunSe
 
     try:
         if run.step == 0:
-            first = ctx.start_metrics()
+            first, hang = evaluate_or_hang(ctx, lambda: ctx.start_metrics())
+            hang = ctx.coll.broadcast(hang)  # once a run: every rank stops together when rank 0's evaluation hung
+            if hang is not None:
+                raise FatalStepError(hang)  # nothing trained yet: no snapshot to keep
             if ctx.rank == 0 and first:
                 ctx.tracker.log_metrics(first, step=0)
         while run.step < ctx.plan.max_steps and run.status == RUNNING:
@@ -198,8 +201,14 @@ def step_boundary(ctx: RunContext, run: RunState, services: RunServices, hooks: 
     """
     run.step += 1
     metrics = result.metrics
-    metrics.update(ctx.evaluate_when_due(run.step))
-    trip = check_guards(ctx, run, metrics, services)
+    evaluated, hang = evaluate_or_hang(ctx, lambda: ctx.evaluate_when_due(run.step))
+    metrics.update(evaluated)
+    trip = check_guards(ctx, run, metrics, services, hang)
+    if trip is not None and trip.reason == "hang":  # every rank: the step is kept, then the run stops FAILED
+        if ctx.rank == 0:
+            record(ctx, run, result, services)
+        snapshots.snapshot(ctx, run, services, kind="stop", metrics=metrics)
+        raise FatalStepError(trip.message)
     stop_reason = None
     if ctx.rank == 0:
         record(ctx, run, result, services)
@@ -210,6 +219,16 @@ def step_boundary(ctx: RunContext, run: RunState, services: RunServices, hooks: 
     written = snapshot_or_stop(ctx, run, services, trip, stop_reason, metrics)
     if ctx.rank == 0:
         run_observers(hooks, StepEnd(run.step, ctx.plan.max_steps, dict(metrics), snapshot=written))
+
+
+def evaluate_or_hang(ctx: RunContext, evaluate: Callable[[], dict[str, float]]) -> tuple[dict[str, float], str | None]:
+    """Returns (``evaluate()``'s metrics, None), or ({}, the report) when it raised ``HangError`` (rank 0's evaluation
+    hung under ``watchdog.on_hang=stop``, or met a weight push that hung so), which every rank then stops on together."""
+    try:
+        return evaluate(), None
+    except hangs.HangError as err:
+        log.error("rank %d: evaluation hung under watchdog.on_hang=stop; the run stops", ctx.rank)
+        return {}, f"HangError in evaluation: {err}"
 
 
 def restart_delay(plan: RunPlan, coll: Collective, services: RunServices, source: str | None, restarted: bool) -> RunPlan:
@@ -350,8 +369,10 @@ def _attach_log_file(plan: RunPlan, run: RunState) -> logging.Handler:
 # --------------------------------------------------------------------------------------------
 # After each step
 # --------------------------------------------------------------------------------------------
-def check_guards(ctx: RunContext, run: RunState, metrics: dict[str, float], services: RunServices) -> guards.Trip | None:
-    """Returns the guard the step trips (the same on every rank), or None; counts non-finite steps."""
+def check_guards(ctx: RunContext, run: RunState, metrics: dict[str, float], services: RunServices,
+                 hang: str | None = None) -> guards.Trip | None:
+    """Returns the guard the step trips (the same on every rank), or None; counts non-finite steps. Rank 0's ``hang``
+    (``evaluate_or_hang``) trips "hang", which the step boundary turns into a stop after a snapshot."""
     finite = guards.is_finite_step(metrics)
     run.nonfinite_in_row = 0 if finite else run.nonfinite_in_row + 1
     if not finite:
@@ -361,7 +382,9 @@ def check_guards(ctx: RunContext, run: RunState, metrics: dict[str, float], serv
     if flags["memory"] and memory is None:
         memory = "another learner rank exceeded the memory cap"
     trip = None
-    if ctx.rank == 0:
+    if ctx.rank == 0 and hang is not None:
+        trip = guards.Trip("hang", hang, keep_state=True)
+    elif ctx.rank == 0:
         trip = guards.check_step(metrics, step=run.step, nonfinite_in_row=run.nonfinite_in_row, guard=ctx.settings.guard,
                                 elapsed_s=time.time() - services.started_at, max_wall_time_s=ctx.settings.run.max_wall_time_s,
                                 memory_message=memory)
