@@ -87,4 +87,4 @@ def test_the_wrapper_costs_microseconds_per_collective(n):
         costs.append((time.perf_counter() - t) / n)
     extra_us = (costs[1] - costs[0]) * 1e6
     print(f"per collective: plain {costs[0] * 1e6:.2f} us, watched {costs[1] * 1e6:.2f} us, extra {extra_us:.2f} us")
-    assert extra_us < 50.0  # a gloo all-reduce of a few floats takes ~100 us; a step calls tens to hundreds
+    assert extra_us < 50.0  # a 2-rank gloo all-reduce of 3 floats took 0.6-0.75 ms on a 2-core dev machine
