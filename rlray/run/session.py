@@ -97,12 +97,13 @@ def train(build: BuildContext, plan: RunPlan, coll: Collective, *, run_id: str |
 def _train(build: BuildContext, plan: RunPlan, coll: Collective, services: RunServices, source: str | None,
            hooks: Sequence[StepHook], oom_note: str | None = None) -> RunOutcome:
     guards.apply_gpu_memory_cap(plan.settings.guard)
+    in_ray_train = isinstance(coll, RayTrainCollective)  # asked before the wrapping below
     coll = collective_watch.watch(coll, plan.deadlines.collective_s, plan.deadlines.stacks_timeout_s)
     ctx = _early_oom("load", lambda: build(plan, coll))
     if ctx.rank == 0 and oom_note:
         ctx.tracker.set_tags({"rlray.oom_fallback": oom_note})
         ctx.tracker.log_text(ctx.plan.to_yaml(), "config/oom_fallback.yaml")
-    run = begin(ctx, services, source, in_ray_train=isinstance(coll, RayTrainCollective))
+    run = begin(ctx, services, source, in_ray_train=in_ray_train)
     metrics: dict[str, float] = {}
     retrying, error = False, ""
 
