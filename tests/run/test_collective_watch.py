@@ -36,7 +36,8 @@ def test_a_rank_that_never_reaches_an_all_reduce_is_named_with_its_stack_within_
     assert head.startswith(f"hang: learner rank 0 (pid {pid0}) has waited in all_reduce_sum (collective 2, called from "
                            "main (collective_ranks.py:")
     assert head.endswith(f"stage 6 (update) of step 3) for {head.split(' for ')[1].split(' s,')[0]} s, past "
-                         f"watchdog.collective_s=2 s; ranks behind: 1 (last entered collective 1)")
+                         "watchdog.collective_s=2 s; ranks behind: 1 (last entered collective 1); exiting the rank "
+                         "(Ray Train restarts the group)")
     # the missing rank's stack, taken from its own process through SIGUSR2, comes first: it shows where rank 1 is
     assert stacks.startswith(f"stacks of learner rank 1 (pid {pid1}), which has not entered collective 2:\n")
     missing = stacks.split("stacks of pid")[0]
@@ -45,6 +46,7 @@ def test_a_rank_that_never_reaches_an_all_reduce_is_named_with_its_stack_within_
     assert "in all_reduce_sum" in report and "in main" in own
     assert "rlray: hang: learner rank 0" in outputs[0]  # the log line, with both ranks' stacks
     assert (tmp_path / "done-0").read_text() == "1" and (tmp_path / "done-1").read_text() == "0"
+    assert (tmp_path / "expired-0").read_text() == "1" and not (tmp_path / "expired-1").exists()  # once, after it
 
 
 class Counting(Collective):
