@@ -49,3 +49,39 @@ def test_two_rollouts_two_learners_serve_reward_async(ray_session, tiny_grpo_run
     after = load_file(str(final / "model" / "model.safetensors"))
     changed = [k for k in before if not torch.equal(before[k], after[k])]
     assert len(changed) >= len(before) // 2
+
+
+@pytest.mark.ray
+def test_two_learners_stop_together_after_a_snapshot_when_evaluation_hangs_under_stop(ray_session, tmp_path,
+                                                                                        gsm8k_dir, tiny_model_path):
+    """watchdog.on_hang=stop, 2 Ray Train ranks: rank 0's evaluation after step 1 hangs in a user reward function (a
+    real sleep, killed at its 2 s timeout: HangError); both ranks stop together (through the step's guard broadcast)
+    after a 'stop' snapshot of step 1, the run FAILED with the report, instead of rank 0 raising alone while rank 1
+    waits in a collective."""
+    import json
+
+    from rlray.checkpoint import storage as checkpoint
+    from rlray.config import RewardFunctionConfig, load_config
+    from rlray.launch.driver import run_training
+    from rlray.observe.tracking import get_run_metrics
+
+    counter = tmp_path / "eval_batches"
+    rows = [json.loads(line) for line in (gsm8k_dir / "test.jsonl").read_text().splitlines()[:2]]
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps({**r, "hang_counter": str(counter)}) + "\n" for r in rows))
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cfg = load_config(REPO / "configs/grpo_gsm8k_tiny.yaml", [
+        f"run.output_dir={tmp_path}/out", f"tracking.mlflow_uri={uri}", f"data.train_files=[{gsm8k_dir}/train.jsonl]",
+        f"data.eval_files=[{tmp_path}/eval.jsonl]", "run.max_steps=3", "eval.num_problems=2", "eval.every_steps=1",
+        "checkpoint.every_steps=3", "learner.torch_threads=1", "resources.learner.num_workers=2",
+        "watchdog.on_hang=stop"])
+    cfg.reward.functions = [RewardFunctionConfig(
+        function=f"{REPO}/tests/fixtures/faulty_rewards.py:hangs_in_second_eval", weight=1.0, timeout_s=2.0)]
+    result = run_training(cfg)
+    assert result.status == "FAILED" and counter.read_text() == "2"
+    assert result.error.startswith("HangError in evaluation: hang: reward function")
+    run = get_run(uri, result.run_id)
+    assert run.data.tags["rlray.error"].startswith("HangError in evaluation: hang: reward function")
+    metrics = get_run_metrics(uri, result.run_id)
+    assert [s for s, _ in metrics["learner/pg_loss"]] == [1] and [s for s, _ in metrics["eval/reward_mean"]] == [0]
+    manifest = checkpoint.read_manifest(result.final_snapshot)
+    assert (manifest.step, manifest.kind) == (1, "stop")
