@@ -166,15 +166,16 @@ def step_deadline(ctx: RunContext, run: RunState, services: RunServices) -> hang
 
 
 def hang_alert(ctx: RunContext, run: RunState, services: RunServices) -> Callable[[str], None]:
-    """Returns how this rank sends a hang report as the run's ``hang`` alert, at the step in progress: rank 0 through
-    its alert path (``snapshots.alert``), any other rank through the monitor (``services.monitor.alert``; only its log
-    line without a monitor). Used by the step deadline and by the hang watches of the calls the rank waits on
-    (``RunContext.watch_hangs``: a learner rank's reference and teacher calls)."""
+    """Returns how this rank sends a hang report as the run's ``hang`` alert, at the step in progress: through the
+    monitor (``services.monitor.alert``, waiting up to 5 s for it to arrive, since the rank may exit next), else rank 0
+    straight to ``monitor.alerts`` (``snapshots.alert``) and any other rank not at all (its log line only). Used by the
+    step and collective deadlines and by the hang watches of the calls the rank waits on (``RunContext.watch_hangs``:
+    a learner rank's reference and teacher calls)."""
     def alert(message: str) -> None:
-        if ctx.rank == 0:
+        if services.monitor is not None:  # delivered before the exit that may follow (a deadline's restart action)
+            ray.wait([services.monitor.alert.remote("hang", message, run.step + 1)], timeout=5.0)
+        elif ctx.rank == 0:
             snapshots.alert(ctx, services, "hang", message, run.step + 1)
-        elif services.monitor is not None:
-            services.monitor.alert.remote("hang", message, run.step + 1)
 
     return alert
 
