@@ -181,6 +181,17 @@ class WatchdogConfig(_Section):
             "Train then exits, and Ray Train restarts the group from the newest snapshot (monitor.max_failures)."
         ),
     )
+    collective_s: float = Field(
+        600.0, gt=0.0,
+        description=(
+            "Seconds a learner rank may wait in one of the run's collectives between the ranks (all-reduce, "
+            "all-gather, broadcast, barrier) after work every rank does alike (an online step's stages 5-6, an offline "
+            "update): past it the rank reports the collective, the ranks that have not entered it and their stacks; "
+            "with on_hang=restart a rank under Ray Train then exits (Ray Train restarts the group from the newest "
+            "snapshot). Collectives that wait on rank 0's own work (rollouts, snapshots, evaluation) and the model's "
+            "own (DDP, FSDP) stay under learner_step_s."
+        ),
+    )
     on_hang: Literal["restart", "stop"] = Field(
         "restart",
         description=(

@@ -366,6 +366,7 @@ class Deadlines:
         reference_call_s: one logprobs call of a learner rank to the reference or teacher actor, queueing behind the
             other ranks' calls included (``watchdog.reference_call_s``), seconds.
         learner_step_s: one learner step on a rank (``watchdog.learner_step_s``), seconds.
+        collective_s: one wait of a learner rank in a timed collective (``watchdog.collective_s``), seconds.
         on_hang: "restart" the actor, or "stop" the run (``watchdog.on_hang``).
         stacks_timeout_s: the wait for a stuck process's stacks (``watchdog.stacks_timeout_s``), seconds.
     """
@@ -375,6 +376,7 @@ class Deadlines:
     weight_push_s: float
     reference_call_s: float
     learner_step_s: float
+    collective_s: float
     on_hang: str
     stacks_timeout_s: float
 

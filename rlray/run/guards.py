@@ -33,7 +33,8 @@ class Trip:
     """A tripped guard.
 
     Attributes:
-        reason: kl_guard | nonfinite | wall_time | memory_cap (the run's status is 'stopped: <reason>').
+        reason: kl_guard | nonfinite | wall_time | memory_cap (the run's status is 'stopped: <reason>'), or hang (rank 0's
+            evaluation hung under watchdog.on_hang=stop: the step boundary keeps the step, then the run fails).
         message: what happened, with the numbers and the config key to change.
         keep_state: True when the current weights are sound and worth a snapshot before stopping.
     """

@@ -77,7 +77,8 @@ class OfflineRun(RunContext):
         """Runs 0-based ``step``: 1. take the step's pairs, 2-3. one optimizer step; stage 4 (eval when due, log,
         guard, snapshot, hooks) is the session's step boundary."""
         t = time.perf_counter()
-        metrics = update(self, take_pairs(self))  # 1-3. pairs, (kto) reference point, optimizer step
+        with self.coll.timed(f"the update of step {step + 1}"):  # every rank alike (watchdog.collective_s)
+            metrics = update(self, take_pairs(self))  # 1-3. pairs, (kto) reference point, optimizer step
         metrics["timing/update_s"] = time.perf_counter() - t
         metrics["data/epoch"] = float(self.stream.epoch)
         self.policy_version = step + 1

@@ -272,11 +272,12 @@ def run_step(ctx: OnlineRun, step: int) -> StepResult:
     batch = schema.collate(shard, ctx.pad_token_id)
     with timer("logprobs"):  # 4. reference, teacher and old logprobs
         batch = reference_and_old_logprobs(ctx, batch, spec, step)
-    with timer("advantages"):  # 5. advantages, the teacher's reverse KL, and those of the kept samples (every rank)
+    with timer("advantages"), ctx.coll.timed(f"stage 5 (advantages) of step {step + 1}"):  # 5. advantages, the
+        # teacher's reverse KL, and those of the kept samples (every rank)
         batch = learner_online.advantages(batch, spec, ctx.coll.all_reduce_sum)
         distill_metrics = distill_advantages(ctx, batch, spec)
         kept_advantages = sample_advantages(ctx, batch, handout.sample_rows)
-    with timer("update"):  # 6. learner update
+    with timer("update"), ctx.coll.timed(f"stage 6 (update) of step {step + 1}"):  # 6. learner update
         metrics = update_policy(ctx, batch, handout.minibatch_norms, spec) | distill_metrics
     with timer("weight_sync"):  # 7. weight sync
         ctx.policy_version = sync_weights(ctx)

@@ -31,7 +31,7 @@ from rlray.checkpoint.manifest import SnapshotManifest
 from rlray.learner.collective import Collective, RayTrainCollective
 from rlray.observe.monitor import Heartbeat
 from rlray.plan import RunPlan, plan_from_tree
-from rlray.run import guards, snapshots
+from rlray.run import collective_watch, guards, snapshots
 from rlray.run.context import RunContext, StepResult
 from rlray.run.hooks import StepEnd, StepHook, run_hooks, run_observers
 from rlray.run.state import RUNNING, RunOutcome, RunServices, RunState
@@ -97,15 +97,19 @@ def train(build: BuildContext, plan: RunPlan, coll: Collective, *, run_id: str |
 def _train(build: BuildContext, plan: RunPlan, coll: Collective, services: RunServices, source: str | None,
            hooks: Sequence[StepHook], oom_note: str | None = None) -> RunOutcome:
     guards.apply_gpu_memory_cap(plan.settings.guard)
+    in_ray_train = isinstance(coll, RayTrainCollective)  # asked before the wrapping below
+    coll = collective_watch.watch(coll, plan.deadlines.collective_s, plan.deadlines.stacks_timeout_s)
     ctx = _early_oom("load", lambda: build(plan, coll))
     if ctx.rank == 0 and oom_note:
         ctx.tracker.set_tags({"rlray.oom_fallback": oom_note})
         ctx.tracker.log_text(ctx.plan.to_yaml(), "config/oom_fallback.yaml")
-    run = begin(ctx, services, source, in_ray_train=isinstance(coll, RayTrainCollective))
+    run = begin(ctx, services, source, in_ray_train=in_ray_train)
     metrics: dict[str, float] = {}
     retrying, error = False, ""
 
     deadline = step_deadline(ctx, run, services)
+    if isinstance(coll, collective_watch.WatchedCollective):  # each timed collective's own deadline (watchdog.collective_s)
+        coll.start(hang_alert(ctx, run, services), deadline.on_expiry)
 
     def one_step() -> dict[str, float]:  # stages 1-7 of the run's kind, then stage 8 here
         deadline.arm(run.step + 1)
@@ -116,7 +120,10 @@ def _train(build: BuildContext, plan: RunPlan, coll: Collective, services: RunSe
 
     try:
         if run.step == 0:
-            first = ctx.start_metrics()
+            first, hang = evaluate_or_hang(ctx, lambda: ctx.start_metrics())
+            hang = ctx.coll.broadcast(hang)  # once a run: every rank stops together when rank 0's evaluation hung
+            if hang is not None:
+                raise FatalStepError(hang)  # nothing trained yet: no snapshot to keep
             if ctx.rank == 0 and first:
                 ctx.tracker.log_metrics(first, step=0)
         while run.step < ctx.plan.max_steps and run.status == RUNNING:
@@ -138,6 +145,8 @@ def _train(build: BuildContext, plan: RunPlan, coll: Collective, services: RunSe
         raise
     finally:
         deadline.disarm()
+        if isinstance(coll, collective_watch.WatchedCollective):
+            coll.stop()
         finish(ctx, run, services, record=not retrying)
         if not retrying and ctx.rank == 0 and services.control is not None:
             outcome = RunOutcome(run.status, run.step, run.last_snapshot, error, dict(metrics))
@@ -157,15 +166,16 @@ def step_deadline(ctx: RunContext, run: RunState, services: RunServices) -> hang
 
 
 def hang_alert(ctx: RunContext, run: RunState, services: RunServices) -> Callable[[str], None]:
-    """Returns how this rank sends a hang report as the run's ``hang`` alert, at the step in progress: rank 0 through
-    its alert path (``snapshots.alert``), any other rank through the monitor (``services.monitor.alert``; only its log
-    line without a monitor). Used by the step deadline and by the hang watches of the calls the rank waits on
-    (``RunContext.watch_hangs``: a learner rank's reference and teacher calls)."""
+    """Returns how this rank sends a hang report as the run's ``hang`` alert, at the step in progress: through the
+    monitor (``services.monitor.alert``, waiting up to 5 s for it to arrive, since the rank may exit next), else rank 0
+    straight to ``monitor.alerts`` (``snapshots.alert``) and any other rank not at all (its log line only). Used by the
+    step and collective deadlines and by the hang watches of the calls the rank waits on (``RunContext.watch_hangs``:
+    a learner rank's reference and teacher calls)."""
     def alert(message: str) -> None:
-        if ctx.rank == 0:
+        if services.monitor is not None:  # delivered before the exit that may follow (a deadline's restart action)
+            ray.wait([services.monitor.alert.remote("hang", message, run.step + 1)], timeout=5.0)
+        elif ctx.rank == 0:
             snapshots.alert(ctx, services, "hang", message, run.step + 1)
-        elif services.monitor is not None:
-            services.monitor.alert.remote("hang", message, run.step + 1)
 
     return alert
 
@@ -193,8 +203,14 @@ def step_boundary(ctx: RunContext, run: RunState, services: RunServices, hooks: 
     """
     run.step += 1
     metrics = result.metrics
-    metrics.update(ctx.evaluate_when_due(run.step))
-    trip = check_guards(ctx, run, metrics, services)
+    evaluated, hang = evaluate_or_hang(ctx, lambda: ctx.evaluate_when_due(run.step))
+    metrics.update(evaluated)
+    trip = check_guards(ctx, run, metrics, services, hang)
+    if trip is not None and trip.reason == "hang":  # every rank: the step is kept, then the run stops FAILED
+        if ctx.rank == 0:
+            record(ctx, run, result, services)
+        snapshots.snapshot(ctx, run, services, kind="stop", metrics=metrics)
+        raise FatalStepError(trip.message)
     stop_reason = None
     if ctx.rank == 0:
         record(ctx, run, result, services)
@@ -205,6 +221,16 @@ def step_boundary(ctx: RunContext, run: RunState, services: RunServices, hooks: 
     written = snapshot_or_stop(ctx, run, services, trip, stop_reason, metrics)
     if ctx.rank == 0:
         run_observers(hooks, StepEnd(run.step, ctx.plan.max_steps, dict(metrics), snapshot=written))
+
+
+def evaluate_or_hang(ctx: RunContext, evaluate: Callable[[], dict[str, float]]) -> tuple[dict[str, float], str | None]:
+    """Returns (``evaluate()``'s metrics, None), or ({}, the report) when it raised ``HangError`` (rank 0's evaluation
+    hung under ``watchdog.on_hang=stop``, or met a weight push that hung so), which every rank then stops on together."""
+    try:
+        return evaluate(), None
+    except hangs.HangError as err:
+        log.error("rank %d: evaluation hung under watchdog.on_hang=stop; the run stops", ctx.rank)
+        return {}, f"HangError in evaluation: {err}"
 
 
 def restart_delay(plan: RunPlan, coll: Collective, services: RunServices, source: str | None, restarted: bool) -> RunPlan:
@@ -345,8 +371,10 @@ def _attach_log_file(plan: RunPlan, run: RunState) -> logging.Handler:
 # --------------------------------------------------------------------------------------------
 # After each step
 # --------------------------------------------------------------------------------------------
-def check_guards(ctx: RunContext, run: RunState, metrics: dict[str, float], services: RunServices) -> guards.Trip | None:
-    """Returns the guard the step trips (the same on every rank), or None; counts non-finite steps."""
+def check_guards(ctx: RunContext, run: RunState, metrics: dict[str, float], services: RunServices,
+                 hang: str | None = None) -> guards.Trip | None:
+    """Returns the guard the step trips (the same on every rank), or None; counts non-finite steps. Rank 0's ``hang``
+    (``evaluate_or_hang``) trips "hang", which the step boundary turns into a stop after a snapshot."""
     finite = guards.is_finite_step(metrics)
     run.nonfinite_in_row = 0 if finite else run.nonfinite_in_row + 1
     if not finite:
@@ -356,7 +384,9 @@ def check_guards(ctx: RunContext, run: RunState, metrics: dict[str, float], serv
     if flags["memory"] and memory is None:
         memory = "another learner rank exceeded the memory cap"
     trip = None
-    if ctx.rank == 0:
+    if ctx.rank == 0 and hang is not None:
+        trip = guards.Trip("hang", hang, keep_state=True)
+    elif ctx.rank == 0:
         trip = guards.check_step(metrics, step=run.step, nonfinite_in_row=run.nonfinite_in_row, guard=ctx.settings.guard,
                                 elapsed_s=time.time() - services.started_at, max_wall_time_s=ctx.settings.run.max_wall_time_s,
                                 memory_message=memory)

@@ -75,14 +75,16 @@ def make_cfg(env: Env, name: str, *overrides: str) -> Config:
     return resolve_paths(cfg)
 
 
-def run(env: Env, cfg: Config, *, monitor: bool = False, **services) -> tuple[RunOutcome, str, object]:
-    """Runs ``train`` in this process; returns (outcome, MLflow run id, (monitor actor, port) or None)."""
+def run(env: Env, cfg: Config, *, monitor: bool = False, actors: list | None = None,
+        **services) -> tuple[RunOutcome, str, object]:
+    """Runs ``train`` in this process (on ``actors``, default the module's rollout actors); returns (outcome, MLflow run
+    id, (monitor actor, port) or None)."""
     from rlray.launch.monitor_actor import start_monitor
 
     tracker = Tracker(cfg.tracking.mlflow_uri, cfg.tracking.experiment)
     plan = resolve_plan(cfg)
     mon = start_monitor(plan, tracker.run_id) if monitor else None
-    args = WorkerArgs(cfg.model_dump(), env.model_path, tracker.run_id, env.actors,
+    args = WorkerArgs(cfg.model_dump(), env.model_path, tracker.run_id, env.actors if actors is None else actors,
                       services=RunServices(monitor=mon and mon[0], **services))
     out = worker.train(plan, args)
     return out, tracker.run_id, mon
@@ -309,6 +311,68 @@ def test_a_hang_under_on_hang_stop_ends_the_run_failed_after_a_snapshot_of_the_l
     snap = checkpoint.latest_snapshot(checkpoint.join(cfg.checkpoint_uri, checkpoint.run_dir_name(run_id)))
     manifest = checkpoint.read_manifest(snap)
     assert (manifest.step, manifest.kind) == (1, "stop")
+
+
+def test_a_hang_in_evaluation_under_on_hang_stop_keeps_the_step_then_ends_the_run_failed(env):
+    """watchdog.on_hang=stop: rank 0's evaluation raises the fleet's HangError (injected where the fleet raises it: a
+    generate past its deadline, or the first generate after a weight push that hung, the start's included). After step
+    2 the step boundary logs step 2, keeps it in a 'stop' snapshot (in place of the periodic one due there) and stops
+    every rank with the report as rlray.error; at the start's evaluation the run stops before any step, nothing to keep.
+    """
+    real, calls = online.evaluate, []
+
+    def hang_at(call: int):
+        def evaluate(ctx):
+            calls.append(call)
+            if len(calls) == call:
+                raise HangError("hang: rollout actor 0 (rlray:rollout-0) ... has run generate for 3.1 s (injected)")
+            return real(ctx)
+        return evaluate
+
+    for name, call in (("evalhang", 3), ("evalhang0", 1)):  # the start's evaluation, after step 1, after step 2
+        calls.clear()
+        cfg = make_cfg(env, name, "watchdog.on_hang=stop", "run.max_steps=3", "eval.num_problems=2",
+                       "eval.every_steps=1")
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(online, "evaluate", hang_at(call))
+            with pytest.raises(FatalStepError, match=r"^HangError in evaluation: hang: rollout actor 0 \(rlray:rollout"):
+                run(env, cfg)
+        run_id = _runs(env, name)[-1]
+        tags = get_run(env.uri, run_id).data.tags
+        assert tags["rlray.status"] == "FAILED"
+        assert tags["rlray.error"].startswith("HangError in evaluation: hang: rollout actor 0")
+        run_dir = checkpoint.join(cfg.checkpoint_uri, checkpoint.run_dir_name(run_id))
+        if call == 3:
+            assert [s for s, _ in series(env, run_id, "learner/loss")] == [1, 2]
+            assert [s for s, _ in series(env, run_id, "eval/reward_mean")] == [0, 1]
+            manifest = checkpoint.read_manifest(checkpoint.latest_snapshot(run_dir))
+            assert (manifest.step, manifest.kind) == (2, "stop")
+        else:
+            assert series(env, run_id, "learner/loss") == [] and checkpoint.latest_snapshot(run_dir) is None
+
+
+def test_a_hang_in_the_starts_weight_push_under_on_hang_stop_stops_the_run_at_its_first_generate(env, tmp_path):
+    """watchdog.on_hang=stop: the start's push to a rollout actor hangs (``injected_hang``, a real stuck process); the
+    fleet reports it after watchdog.weight_push_s with the actor's stacks and restarts the actor, and the first generate
+    stops the run: the start's evaluation (a stop agreed by every rank, no step to keep) or, without evaluation, step
+    1's rollout (stages 1-3)."""
+    from tests.rollout.test_fleet import FakeRolloutActor
+
+    cls = ray.remote(FakeRolloutActor).options(num_cpus=0.01, max_restarts=1, max_task_retries=0)
+    for name, evaluation, first in (("pushhang", "eval.num_problems=2", "HangError in evaluation"),
+                                    ("pushhang1", "eval.num_problems=0", "HangError")):
+        actor, flag = cls.remote(), tmp_path / f"{name}.hang"
+        flag.touch()
+        ray.get(actor.arm_hang.remote(str(flag)))
+        cfg = make_cfg(env, name, "watchdog.on_hang=stop", "watchdog.weight_push_s=3", evaluation)
+        t = time.monotonic()
+        with pytest.raises(FatalStepError, match=rf"^{first}: hang: rollout actor 0 \(.*\) has run update_weights "
+                                                 r"for \d+\.\d s, past watchdog.weight_push_s=3 s"):
+            run(env, cfg, actors=[actor])
+        assert time.monotonic() - t < 60.0
+        tags = get_run(env.uri, _runs(env, name)[-1]).data.tags
+        assert tags["rlray.status"] == "FAILED" and "in injected_hang" in tags["rlray.error"]
+        ray.kill(actor, no_restart=True)
 
 
 def test_out_of_memory_at_load_or_first_step_retries_once_smaller(env):
