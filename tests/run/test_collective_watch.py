@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
 from rlray.learner.collective import Collective
@@ -76,17 +76,36 @@ def test_one_rank_or_no_deadline_is_not_wrapped():
     assert isinstance(watch(two, 5.0, 1.0), WatchedCollective)
 
 
-@pytest.mark.parametrize("n", [20000])
-def test_the_wrapper_costs_microseconds_per_collective(n):
-    plain, watched = Counting(), WatchedCollective(Counting(), 600.0)
-    values = {"loss": 1.0, "tokens": 2.0}
-    costs = []
-    for coll in (plain, watched):
-        t = time.perf_counter()
-        with coll.timed("stage 6 (update) of step 1"):
-            for _ in range(n):
-                coll.all_reduce_sum(values)
-        costs.append((time.perf_counter() - t) / n)
-    extra_us = (costs[1] - costs[0]) * 1e6
-    print(f"per collective: plain {costs[0] * 1e6:.2f} us, watched {costs[1] * 1e6:.2f} us, extra {extra_us:.2f} us")
-    assert extra_us < 50.0  # a 2-rank gloo all-reduce of 3 floats took 0.6-0.75 ms on a 2-core dev machine
+class CountingStore:
+    """A key-value store that records which thread called it."""
+
+    def __init__(self) -> None:
+        self.threads: list[int] = []
+
+    def set(self, key: str, value: str) -> None:
+        self.threads.append(threading.get_ident())
+
+    def check(self, keys: list[str]) -> bool:
+        self.threads.append(threading.get_ident())
+        return False
+
+    def get(self, key: str) -> bytes:
+        raise AssertionError("no peer is read while nothing is late")
+
+
+def test_the_steps_thread_never_touches_the_store_and_the_watcher_publishes_only_changes():
+    # the cost on the step's path is a counter and a frame lookup (measured ~1.4 us a collective, docs/operations.md):
+    # no store call, no remote call, however many collectives run; the watcher thread publishes at most once a poll
+    store = CountingStore()
+    coll = WatchedCollective(Counting(), 600.0, poll_s=0.05, store=store)
+    coll.start(lambda message: None)
+    with coll.timed("stage 6 (update) of step 1"):
+        for _ in range(2000):
+            coll.all_reduce_sum({"loss": 1.0})
+    time.sleep(0.3)  # several polls with nothing new: no further write
+    writes = len(store.threads)
+    time.sleep(0.3)
+    coll.stop()
+    assert coll.seq == 2000
+    assert threading.get_ident() not in store.threads
+    assert 1 <= writes <= 2 and len(store.threads) == writes  # the last number once (and maybe one on the way), then none
