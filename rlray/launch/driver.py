@@ -7,7 +7,8 @@ role is started from that run plan (issue 38):
 
 0. check every input (model, tokenizer, data, reward functions, snapshot storage; ``rlray.launch.preflight``)
    and build the step hooks of ``run.hooks`` (``rlray.run.hooks.load_step_hooks``) before Ray or MLflow start
-   (MLflow's SQL store modules are imported while Ray starts; the store and the run once the resources fit),
+   (MLflow and its SQL store modules are imported while Ray starts; the store and the run once the resources fit;
+   the rest of what this module needs after that is imported where it is used: issue 39),
 1. check that every role's resources fit the cluster (before any actor starts),
 2. the rollout actors on the nodes a released placement group chose (rlray:rollout-<i>),
 3. the reward Serve application rlray-reward (when reward.server.enabled) and one Serve application per judge,
