@@ -59,7 +59,7 @@ ALLOWED: dict[str, set[str]] = {
     # Line 4: the run plan (issue 38), a validated config resolved once into typed records; below run/ and launch/,
     # above the building blocks whose plain records it holds (envs: MCP server specs; learner: the micro-batching;
     # models: the dtype; reward: term names; rollout: SamplingSpec).
-    # observe: resolve_paths pins the MLflow store's sqlite path (observe.tracking.resolve_tracking_uri, deferred).
+    # observe: resolve_paths pins the MLflow store's sqlite path (observe.tracking_store.resolve_tracking_uri, deferred).
     "plan": {"config", "algos", "schema", "cores", "envs", "learner", "models", "reward", "rollout", "observe"},
     # Lines 5-8: anything on an earlier line (sweep: only what a sweep needs).
     "run": _BASE | _PARTS | {"plan"},

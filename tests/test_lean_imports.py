@@ -50,3 +50,17 @@ def test_the_deferred_roc_curve_is_sklearns():
     fpr, tpr, thresholds = lean_imports.roc_curve([1, 1, 2, 2], [0.1, 0.4, 0.35, 0.8], pos_label=2)
     assert (fpr.tolist(), tpr.tolist()) == ([0.0, 0.0, 0.5, 0.5, 1.0], [0.0, 0.5, 0.5, 1.0, 1.0])  # sklearn's docs
     assert thresholds.tolist()[1:] == [0.8, 0.4, 0.35, 0.1]
+
+
+def test_the_driver_imports_only_what_runs_before_ray_starts():
+    # issue 39: the driver's module imports what the config, the preflight and ray.init need; Ray Train, MLflow, the
+    # learner, the actors, SciPy (transformers' losses), math-verify and datasets load where they are used
+    moved = ["ray.train", "mlflow", "rlray.observe.tracking", "rlray.learner.policy", "rlray.models.heads",
+             "rlray.launch.actors", "rlray.launch.trainer", "rlray.run.build", "rlray.run.worker", "scipy",
+             "math_verify", "datasets", "pandas"]
+    got = _fresh(f"import json, sys; import rlray.launch.driver as d; "
+                 f"print(json.dumps({{'moved': [m for m in {moved!r} if m in sys.modules], "
+                 f"'kept': [callable(getattr(d, n)) for n in ('init_ray', 'resolve_paths', 'run_training', "
+                 f"'eval_setup', 'evaluate_checkpoint', 'max_model_len', 'worker_env', 'start_reward_server')], "
+                 f"'needed': [m in sys.modules for m in ('ray', 'torch', 'transformers')]}}))")
+    assert got == {"moved": [], "kept": [True] * 8, "needed": [True, True, True]}

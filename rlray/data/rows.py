@@ -44,12 +44,13 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
-
-import datasets
+from typing import TYPE_CHECKING, Any
 
 from rlray.data.jsonl import DataError, read_jsonl
 from rlray.data.rgym import is_reasoning_gym, reasoning_gym_records
+
+if TYPE_CHECKING:
+    import datasets
 
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
@@ -238,6 +239,8 @@ def _load(source: str, storage_options: dict | None) -> tuple[datasets.Dataset, 
 
 def _call_load(source: str, path: str, name: str | None, **kwargs) -> datasets.Dataset:
     """Returns ``datasets.load_dataset(path, name, **kwargs)`` as one split; errors name ``source``."""
+    import datasets  # here, not at import: JSON Lines files never need it, and it costs ~0.5-1 s of CPU (pandas)
+
     kwargs.setdefault("split", "train")
     try:
         return datasets.load_dataset(path, name, **kwargs)

@@ -7,7 +7,8 @@ role is started from that run plan (issue 38):
 
 0. check every input (model, tokenizer, data, reward functions, snapshot storage; ``rlray.launch.preflight``)
    and build the step hooks of ``run.hooks`` (``rlray.run.hooks.load_step_hooks``) before Ray or MLflow start
-   (MLflow's SQL store modules are imported while Ray starts; the store and the run once the resources fit),
+   (MLflow and its SQL store modules are imported while Ray starts; the store and the run once the resources fit;
+   the rest of what this module needs after that is imported where it is used: issue 39),
 1. check that every role's resources fit the cluster (before any actor starts),
 2. the rollout actors on the nodes a released placement group chose (rlray:rollout-<i>),
 3. the reward Serve application rlray-reward (when reward.server.enabled) and one Serve application per judge,
@@ -27,45 +28,33 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
-from ray.train import CheckpointConfig as RayCheckpointConfig
-from ray.train import FailureConfig, RunConfig, ScalingConfig
 
-from rlray.checkpoint import lineage
 from rlray.checkpoint import storage as checkpoint
 from rlray.data import load_prompt_rows, prepare_prompts
 from rlray.launch import console
-from rlray.launch.actors import (
-    StartWatch,
-    kill_actors,
-    launch_env_hosts,
-    launch_reference_actor,
-    launch_rollout_actors,
-    start_env_hosts,
-    start_rollout_actors,
-    wait_started,
-)
 from rlray.launch.judges import deploy_judges, judge_apps
-from rlray.launch.monitor_actor import launch_monitor, monitor_port
 from rlray.launch.placement import bundle, check_cluster, rollout_nodes
 from rlray.launch.preflight import preflight
-from rlray.launch.ray_setup import LearnerTrainer, RayInfo, embedded_ray_env, init_ray, worker_env  # noqa: F401 - re-exported
+from rlray.launch.ray_setup import RayInfo, embedded_ray_env, init_ray, worker_env  # noqa: F401 - re-exported
 from rlray.models import load_tokenizer, resolve_model_path
-from rlray.observe.monitor import Alerter
 from rlray.observe.startup import StartupClock, startup_summary
-from rlray.observe.tracking import Tracker
 from rlray.observe.tracking_store import start_store_imports
 from rlray.plan import RunPlan, resolve_plan
 from rlray.plan.paths import resolve_paths
 from rlray.plan.settings import Settings
 from rlray.rollout import RolloutSource
-from rlray.rollout.fleet import RolloutFleet
-from rlray.run import build, evaluation, worker
 from rlray.run.hooks import StepHook, StopWhenRequested, load_step_hooks, start_run_control
-from rlray.run.lead import hang_watch
 from rlray.run.state import RunServices, WorkerArgs
+
+if TYPE_CHECKING:
+    from rlray.rollout.fleet import RolloutFleet
+
+# Imported where they are used, after Ray has started (issue 39): Ray Train, MLflow (rlray.observe.tracking, whose
+# import runs beside ray.init in start_store_imports' thread), the actors and the learner's modules
+# (rlray.launch.actors, rlray.run.*) are none of the checks' business, and cost ~3 s of CPU before the first step.
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +95,7 @@ def start_reward_server(plan: RunPlan) -> bool:
     from ray import serve
 
     from rlray.reward.server import build_reward_app, deploy_reward_app
+    from rlray.run import build
 
     srv, res = plan.settings.reward.server, plan.roles.reward
     existed = srv.app_name in serve.status().applications  # empty when Serve has not started
@@ -132,6 +122,12 @@ def learner_trainer(plan: RunPlan, args: WorkerArgs) -> Any:
     ``resources.learner`` (its custom resources too) under ``resources.placement_strategy``. Offline methods train on preference
     pairs in the same run loop (``rlray.run.worker`` picks the kind).
     """
+
+    from ray.train import CheckpointConfig as RayCheckpointConfig
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+
+    from rlray.launch.trainer import LearnerTrainer
+    from rlray.run import worker
 
     res, snaps = plan.roles.learner, plan.snapshots
     storage_path, storage_fs = checkpoint.ray_storage(snaps.uri, plan.settings.checkpoint.s3.storage_options())
@@ -203,12 +199,17 @@ def run_training(
         user_hooks = load_step_hooks(plan)
         roles = plan.roles
         teacher_dir = resolve_model_path(cfg.teacher.path) if roles.teacher != "off" else None  # preflight checked it
-    with clock.phase("ray"):  # MLflow's SQL store is imported beside Ray's start (issue 39)
+    with clock.phase("ray"):  # MLflow and its SQL store are imported beside Ray's start (issue 39)
         store = start_store_imports()
         ray_info = init_ray(log_to_driver=verbose is not False)
         check_cluster(plan)
     with clock.phase("mlflow"):
         store.join()
+        from rlray.checkpoint import lineage  # MLflow is imported by now (start_store_imports)
+        from rlray.observe.tracking import Tracker
+
+        if verbose is not None:
+            console.route_library_logs()  # MLflow set its logger up again at its import, in the thread
         opts = cfg.checkpoint.s3.storage_options()
         snaps, tracking = plan.snapshots, plan.tracking
         resume = checkpoint.resolve_snapshot(snaps.resume_from, snaps.uri, opts) if snaps.resume_from else None
@@ -228,6 +229,15 @@ def run_training(
     try:
         namespace = f"rlray-{tracker.run_id}"  # keeps actor names of concurrent runs (sweep trials) apart
         with clock.phase("actors"):  # every actor asked for at once, waited on together (issue 39)
+            from rlray.launch.actors import (
+                StartWatch,
+                launch_env_hosts,
+                launch_reference_actor,
+                launch_rollout_actors,
+                wait_started,
+            )
+            from rlray.launch.monitor_actor import launch_monitor, monitor_port
+
             monitor = launch_monitor(plan, tracker.run_id)
             services.monitor = monitor.handle
             launched = [monitor]
@@ -301,6 +311,8 @@ def run_training(
         # a sweep closes a stopped trial's run as KILLED before its process dies; the dying run keeps that
         tracker.finish_unless_ended(_mlflow_status(status), {"rlray.status": status})
         monitor = [services.monitor] if services.monitor is not None else []
+        from rlray.launch.actors import kill_actors
+
         kill_actors([*actors, *env_hosts, *[a for a in (reference, teacher) if a is not None], *monitor, control])
         if own_app or own_judges:  # a server started by `rlray serve-reward` (or a sweep) before the run stays up
             from ray import serve  # deferred: only runs with reward.server.enabled or judges import Ray Serve
@@ -390,6 +402,9 @@ def eval_setup(cfg: Settings, checkpoint_path: str) -> Iterator[EvalSetup]:
         rlray.checkpoint.storage.SnapshotError: ``checkpoint_path`` is an incomplete snapshot.
         ValueError: ``eval.num_problems`` is 0.
     """
+    from rlray.launch.actors import kill_actors, start_env_hosts, start_rollout_actors
+    from rlray.run import build
+
     if cfg.eval.num_problems == 0:
         raise ValueError("eval.num_problems=0: set eval.num_problems>=1 to evaluate")
     init_ray(include_dashboard=False)
@@ -432,6 +447,10 @@ def eval_fleet(plan: RunPlan, actors: list[Any]) -> RolloutFleet:
     judges). A call past its deadline is reported with the stuck process's stacks (an ``rlray: hang`` line and a
     ``hang`` alert to ``monitor.alerts``' log and webhook sinks: no MLflow run here), then ``watchdog.on_hang`` applies:
     "restart" restarts the actor and its prompts run again, "stop" ends ``rlray eval`` with ``HangError``."""
+    from rlray.observe.monitor import Alerter
+    from rlray.rollout.fleet import RolloutFleet
+    from rlray.run.lead import hang_watch
+
     watch = hang_watch(plan)
     m = plan.settings.monitor
     url = m.webhook_url.get_secret_value() if m.webhook_url else None
@@ -455,6 +474,8 @@ def evaluate_checkpoint(cfg: Settings, checkpoint_path: str) -> dict[str, float]
         rlray.checkpoint.storage.SnapshotError: ``checkpoint_path`` is an incomplete snapshot.
         ValueError: ``eval.num_problems`` is 0.
     """
+    from rlray.run import evaluation
+
     plan = resolve_plan(cfg)
     with eval_setup(cfg, checkpoint_path) as setup:
         return evaluation.evaluate_prompts(setup.rollouts, setup.reward, setup.prompts, setup.tokenizer,

@@ -37,6 +37,7 @@ import importlib.util
 import logging
 from pathlib import Path
 
+from rlray.cache import prompt_cache_dir
 from rlray.checkpoint import storage as checkpoint
 from rlray.data import DataError, load_preference_pairs, load_prompt_rows, prepare_prompts
 from rlray.launch.envcheck import check_environments, check_reward_columns
@@ -47,7 +48,6 @@ from rlray.models.adapters import check_adapter
 from rlray.plan import ConfigError, RunPlan
 from rlray.reward.scorer import RewardFunctionError
 from rlray.reward.verifiers import BUILTIN_VERIFIERS
-from rlray.run.build import prompt_cache_dir
 
 log = logging.getLogger(__name__)
 

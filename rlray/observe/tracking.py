@@ -40,7 +40,11 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_e
 
 from rlray.observe.metrics import KeySanitizer
 from rlray.observe.samples import StepSample, table_columns
-from rlray.observe.tracking_store import STORE_LOCK_TIMEOUT_S, ensure_store  # noqa: F401 - re-exported
+from rlray.observe.tracking_store import (  # noqa: F401 - re-exported
+    STORE_LOCK_TIMEOUT_S,
+    ensure_store,
+    resolve_tracking_uri,
+)
 
 log = logging.getLogger(__name__)
 
@@ -53,23 +57,6 @@ class LoggedConfig(Protocol):
     def flat(self) -> dict[str, Any]: ...
     def to_yaml(self) -> str: ...
     def config_hash(self) -> str: ...
-
-
-def resolve_tracking_uri(uri: str, base: Path | None = None) -> str:
-    """Returns ``uri`` with a relative sqlite path made absolute against ``base`` (default: cwd).
-
-    Ray workers and jobs may run in another folder than the user's shell; resolving once on the
-    driver keeps every process on the same store. The sqlite file's folder is created; the store itself
-    is created at first use (``ensure_store``).
-    """
-    prefix = "sqlite:///"
-    if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
-        path = (base or Path.cwd()) / uri[len(prefix) :]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        uri = prefix + str(path.resolve())
-    elif uri.startswith(prefix):
-        Path(uri[len(prefix) - 1 :]).parent.mkdir(parents=True, exist_ok=True)
-    return uri
 
 
 def _client(uri: str) -> MlflowClient:

@@ -23,11 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-import mlflow
 from filelock import FileLock
-from mlflow.store.tracking import DEFAULT_LOCAL_FILE_AND_ARTIFACT_PATH
-from mlflow.tracking import MlflowClient
-from mlflow.utils.uri import append_to_uri_path, resolve_uri_if_local
 
 from rlray.cache import cache_dir
 
@@ -41,11 +37,16 @@ def default_experiment_location() -> str:
     """Returns the artifact location MLflow gives the Default experiment (id 0) of a sqlite store it creates from
     this process: ``./mlruns/0`` made absolute against the working folder. Source: mlflow ``SqlAlchemyStore``
     (``artifact_root_uri``, ``_get_artifact_location``), with ``MlflowClient``'s default artifact root."""
+    from mlflow.store.tracking import DEFAULT_LOCAL_FILE_AND_ARTIFACT_PATH
+    from mlflow.utils.uri import append_to_uri_path, resolve_uri_if_local
+
     return append_to_uri_path(resolve_uri_if_local(DEFAULT_LOCAL_FILE_AND_ARTIFACT_PATH), "0")
 
 
 def _open(uri: str) -> None:
     """Opens the store at ``uri`` once: MLflow creates its tables or checks their schema."""
+    from mlflow.tracking import MlflowClient
+
     MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
 
 
@@ -57,6 +58,8 @@ def store_template() -> Path:
         OSError, sqlite3.Error, mlflow.exceptions.MlflowException: the template cannot be made.
         filelock.Timeout: another process held the template's lock for ``STORE_LOCK_TIMEOUT_S`` seconds.
     """
+    import mlflow
+
     folder = cache_dir() / "mlflow"
     folder.mkdir(parents=True, exist_ok=True)
     template = folder / f"store-{mlflow.__version__}.db"
@@ -72,6 +75,8 @@ def store_template() -> Path:
 def _copy_template(path: Path) -> bool:
     """Writes a store at ``path`` from the template, its Default experiment's location and times set as MLflow
     would set them here; returns False (nothing written) when the template cannot be used."""
+    from mlflow.exceptions import MlflowException
+
     try:
         template = store_template()
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -83,21 +88,24 @@ def _copy_template(path: Path) -> bool:
         db.close()
         os.replace(tmp, path)
         return True
-    except (OSError, sqlite3.Error, mlflow.exceptions.MlflowException) as err:
+    except (OSError, sqlite3.Error, MlflowException) as err:
         log.debug("MLflow store template not used for %s (%s); MLflow creates the store", path, err)
         return False
 
 
-STORE_MODULES = ("mlflow.store.tracking.sqlalchemy_store", "mlflow.store.db.utils")
-"""The modules of MLflow's SQL store (SQLAlchemy, alembic): most of what making or opening a sqlite store costs."""
+STORE_MODULES = ("rlray.observe.tracking", "mlflow.store.tracking.sqlalchemy_store", "mlflow.store.db.utils")
+"""The modules the driver imports beside Ray's start: MLflow itself (through ``rlray.observe.tracking``, the only mlflow
+importer) and MLflow's SQL store (SQLAlchemy, alembic), most of what making or opening a sqlite store costs. This
+module imports mlflow only inside its functions."""
 
 
 def start_store_imports() -> threading.Thread:
     """Starts importing ``STORE_MODULES`` in a daemon thread and returns the thread; creates no file.
 
-    The driver imports them while Ray starts (issue 39: a fresh sqlite store is ~0.69 s of CPU, 0.65 s of it these
-    imports, and ``ray.init`` mostly waits on Ray's processes); the store itself is made afterwards, once the run's
-    resources fit the cluster. An import that fails is left to the store's own use, which raises it.
+    The driver imports them while Ray starts (issue 39: MLflow's import is ~0.5-0.7 s of CPU and a fresh sqlite store
+    ~0.69 s more, 0.65 s of it these imports, and ``ray.init`` mostly waits on Ray's processes); the store itself is
+    made afterwards, once the run's resources fit the cluster. An import that fails is left to the store's own use,
+    which raises it.
     """
 
     def run() -> None:
@@ -110,6 +118,23 @@ def start_store_imports() -> threading.Thread:
     thread = threading.Thread(target=run, name="rlray-mlflow-imports", daemon=True)
     thread.start()
     return thread
+
+
+def resolve_tracking_uri(uri: str, base: Path | None = None) -> str:
+    """Returns ``uri`` with a relative sqlite path made absolute against ``base`` (default: cwd).
+
+    Ray workers and jobs may run in another folder than the user's shell; resolving once on the
+    driver keeps every process on the same store. The sqlite file's folder is created; the store itself
+    is created at first use (``ensure_store``).
+    """
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
+        path = (base or Path.cwd()) / uri[len(prefix) :]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        uri = prefix + str(path.resolve())
+    elif uri.startswith(prefix):
+        Path(uri[len(prefix) - 1 :]).parent.mkdir(parents=True, exist_ok=True)
+    return uri
 
 
 def ensure_store(uri: str) -> None:

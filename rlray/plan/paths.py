@@ -27,8 +27,9 @@ def resolve_paths(cfg: Config, base: Path | None = None) -> Config:
     Raises:
         rlray.models.ModelError: a Hub id of a model cannot be had (``pin_hub_models``).
     """
-    # deferred: the tracking module imports MLflow, which the plan's other readers (light processes) never need
-    from rlray.observe.tracking import resolve_tracking_uri
+    # deferred, and from the store's module, which imports no MLflow: the plan's other readers (light processes) and
+    # the driver before Ray starts (issue 39) never need MLflow
+    from rlray.observe.tracking_store import resolve_tracking_uri
 
     base = base or Path.cwd()
     out = cfg.model_copy(deep=True)

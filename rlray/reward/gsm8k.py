@@ -38,7 +38,6 @@ import logging
 import re
 
 import sympy
-from math_verify import parse, verify
 
 ANSWER_MARKER = "####"
 MAX_ANSWER_CHARS = 200
@@ -172,6 +171,8 @@ def answers_match(text: str, reference: str) -> bool:
     Raises:
         Exception: whatever math-verify or sympy raise on odd input; callers grade that as wrong.
     """
+    from math_verify import parse, verify  # at first use: ~0.6 s of CPU (its LaTeX parser) a driver never needs
+
     gold = _parse_reference(reference)
     if not gold:
         return False
@@ -186,6 +187,8 @@ def _parse_reference(reference: str) -> tuple:
     A reference that math-verify finds nothing in as plain text (bare LaTeX such as ``\\sqrt{2}``) is
     parsed again inside ``$...$``.
     """
+    from math_verify import parse
+
     text = plain_number(reference.strip()) or reference.strip()[:MAX_ANSWER_CHARS]
     parsed = parse(text, parsing_timeout=None) or parse(f"${text}$", parsing_timeout=None)
     return tuple(p for p in parsed if _is_bounded(p))

@@ -14,14 +14,13 @@ import functools
 import os
 import random
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from rlray import algos
-from rlray.cache import cache_dir
+from rlray.cache import prompt_cache_dir
 from rlray.cores import CorePlan, parse_core_list, plan_cores
 from rlray.data import PromptRow, load_prompt_rows, prepare_prompts
 from rlray.data.prompts import prompt_messages
@@ -153,12 +152,6 @@ def training_prompts(cfg: Settings, tokenizer: Any) -> tuple[list[PromptRow], li
                                          long_prompts=cfg.data.long_prompts, instruction=cfg.data.instruction,
                                          system_prompt=cfg.data.system_prompt, cache=prompt_cache_dir())
     return rows, kept, ids, skipped
-
-
-def prompt_cache_dir() -> Path:
-    """Returns the folder of the prompt token cache (``rlray.data.prompt_cache``): ``prompts/`` in rlray's cache folder
-    (``$RLRAY_CACHE``, else ``~/.cache/rlray``)."""
-    return cache_dir() / "prompts"
 
 
 def dataset_columns(rows: list[PromptRow]) -> list[str]:

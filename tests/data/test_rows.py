@@ -156,7 +156,7 @@ def _fake_loader(calls: list):
 
 def test_uri_passes_storage_options(monkeypatch):
     calls: list = []
-    monkeypatch.setattr(rows_module.datasets, "load_dataset", _fake_loader(calls))
+    monkeypatch.setattr(datasets, "load_dataset", _fake_loader(calls))
     options = {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": "http://127.0.0.1:5000"}}
     rows = load_prompt_rows(["s3://bucket/gsm8k/train.parquet"], prompt_column="question", storage_options=options)
     assert calls == [
@@ -181,7 +181,7 @@ def test_jsonl_uri_is_read_through_fsspec(gsm8k_dir, moto_s3):
 
 def test_hub_id_syntax(monkeypatch):
     calls: list = []
-    monkeypatch.setattr(rows_module.datasets, "load_dataset", _fake_loader(calls))
+    monkeypatch.setattr(datasets, "load_dataset", _fake_loader(calls))
     rows = load_prompt_rows(["openai/gsm8k:main:test", "someone/math"], prompt_column="question")
     assert calls == [
         ("openai/gsm8k", "main", {"split": "test", "storage_options": None}),

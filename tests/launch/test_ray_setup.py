@@ -7,7 +7,8 @@ import pytest
 from ray.train import RunConfig, ScalingConfig
 from ray.train.v2._internal.execution.scaling_policy.fixed import FixedScalingPolicy
 
-from rlray.launch.ray_setup import LearnerTrainer, _NoAutoscalerFixedPolicy, owns_single_node_ray
+from rlray.launch.ray_setup import owns_single_node_ray
+from rlray.launch.trainer import LearnerTrainer, _NoAutoscalerFixedPolicy
 
 pytestmark = pytest.mark.ray
 

@@ -57,15 +57,16 @@ def test_an_unusable_cache_leaves_the_store_to_mlflow(tmp_path, monkeypatch):
 
 
 def test_the_store_modules_are_imported_in_the_background_and_no_file_is_made(tmp_path):
-    """The driver imports MLflow's SQL store while Ray starts; nothing is written (a run that does not fit the cluster
-    leaves no store behind)."""
+    """The driver imports MLflow, rlray's tracking and MLflow's SQL store while Ray starts; importing this module
+    imports no mlflow, and nothing is written (a run that does not fit the cluster leaves no store behind)."""
     code = ("import os, sys\n"
             "from rlray.observe import tracking_store\n"
-            "before = [m in sys.modules for m in tracking_store.STORE_MODULES]\n"
+            "names = ('mlflow', *tracking_store.STORE_MODULES)\n"
+            "before = [m in sys.modules for m in names]\n"
             "thread = tracking_store.start_store_imports()\n"
             "thread.join(timeout=120)\n"
-            "print(before, [m in sys.modules for m in tracking_store.STORE_MODULES], thread.daemon, thread.is_alive(),"
+            "print(before, [m in sys.modules for m in names], thread.daemon, thread.is_alive(),"
             " os.listdir('.'))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path,
                          env={**os.environ, "PYTHONPATH": str(REPO), "RLRAY_CACHE": str(tmp_path / "cache")})
-    assert out.stdout.strip() == "[False, False] [True, True] True False []"
+    assert out.stdout.strip() == "[False, False, False, False] [True, True, True, True] True False []"
