@@ -173,7 +173,9 @@ def hang_alert(ctx: RunContext, run: RunState, services: RunServices) -> Callabl
     a learner rank's reference and teacher calls)."""
     def alert(message: str) -> None:
         if services.monitor is not None:  # delivered before the exit that may follow (a deadline's restart action)
-            ray.wait([services.monitor.alert.remote("hang", message, run.step + 1)], timeout=5.0)
+            sent = services.monitor.alert.remote("hang", message, run.step + 1)
+            if isinstance(sent, ray.ObjectRef):  # a real actor handle (tests pass fakes that return None)
+                ray.wait([sent], timeout=5.0)
         elif ctx.rank == 0:
             snapshots.alert(ctx, services, "hang", message, run.step + 1)
 
