@@ -35,7 +35,19 @@ REPLICA_STACKS = 'Thread 0x01 (most recent call first):\n  File "judge.py", line
 NODE = "ab" * 28
 
 
-class HungReplica:
+class HandleChain:
+    """The call chain of a Serve DeploymentHandle, ``handle.score.remote(body).result(timeout_s=...)``, ending in the
+    subclass's ``result``."""
+
+    @property
+    def score(self):
+        return self
+
+    def remote(self, body):
+        return self
+
+
+class HungReplica(HandleChain):
     """A Serve application whose one replica never answers: each request runs ``injected_hang`` (600 s, released
     at teardown) and the caller waits on it at most ``timeout_s``, as ``DeploymentResponse.result`` does."""
 
@@ -57,14 +69,6 @@ class HungReplica:
 
     def judge(self, request, timeout_s: float):
         return self.call(timeout_s)
-
-    # a DeploymentHandle: handle.score.remote(body).result(timeout_s=...)
-    @property
-    def score(self):
-        return self
-
-    def remote(self, body):
-        return self
 
     def result(self, timeout_s: float):
         return self.call(timeout_s)
@@ -202,19 +206,12 @@ def test_under_stop_a_user_function_killed_at_its_timeout_stops_the_step():
         client.close()
 
 
-class RaisingHandle:
+class RaisingHandle(HandleChain):
     """A DeploymentHandle whose ``score`` replies ``reply`` or raises ``error`` (as the replica's ``RewardTimeoutError``
     reaches the caller)."""
 
     def __init__(self, reply: dict | None = None, error: BaseException | None = None) -> None:
         self.reply, self.error = reply, error
-
-    @property
-    def score(self):
-        return self
-
-    def remote(self, body):
-        return self
 
     def result(self, timeout_s: float):
         if self.error is not None:
