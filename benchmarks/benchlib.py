@@ -134,6 +134,14 @@ def moved_rows(rows: Sequence[Sequence[Any]], previous: Sequence[Sequence[Any]] 
 # --------------------------------------------------------------------------------------------
 # Machine, results
 # --------------------------------------------------------------------------------------------
+def process_started() -> float:
+    """Returns this process's creation time (seconds since the epoch, from the OS): the zero of a child's
+    "step 1 done at", so every variant counts its own imports (torch, TRL, Ray) the same way."""
+    import psutil
+
+    return psutil.Process().create_time()
+
+
 def device() -> str:
     """Returns "cuda" when torch sees a CUDA device, else "cpu" (every script picks its settings from this)."""
     import torch
@@ -423,13 +431,18 @@ def init_local_ray(num_cpus: int | None = None, include_dashboard: bool | None =
     """Starts a fresh local Ray cluster for this process (never joins a cluster another run started), with the
     worker environment ``rlray train`` gives its workers (``rlray.launch.ray_setup.worker_env``).
 
-    ``include_dashboard=None`` is Ray's default (the dashboard starts, as under ``rlray train``)."""
+    ``include_dashboard=None`` is Ray's default (the dashboard starts, as under ``rlray train``). The workers also get
+    the Ray Train settings of ``rlray train``'s embedded Ray (``rlray.launch.ray_setup.embedded_ray_env``: no
+    PreemptionWatcher actor, a 0.5 s health poll; ``EMBEDDED_RAY_SYSTEM_CONFIG``: no idle workers started ahead), so a
+    benchmark's run starts and ends as a user's does."""
     import ray
 
     from rlray.launch.driver import worker_env
+    from rlray.launch.ray_setup import EMBEDDED_RAY_SYSTEM_CONFIG, embedded_ray_env
 
+    env = {**worker_env(hub_offline_default="1"), **embedded_ray_env()}
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=include_dashboard, dashboard_host="127.0.0.1",
-             log_to_driver=False, runtime_env={"env_vars": worker_env(hub_offline_default="1")})
+             log_to_driver=False, runtime_env={"env_vars": env}, _system_config=dict(EMBEDDED_RAY_SYSTEM_CONFIG))
 
 
 class StepRecorder:

@@ -93,7 +93,7 @@ def child_rlray(spec: EnvRunSpec, result_path: Path) -> None:
     from rlray.config import config_from_dict
     from rlray.launch.driver import run_training
 
-    started = time.time()
+    started = benchlib.process_started()
     device = benchlib.device()
     gpus = torch.cuda.device_count() if device == "cuda" else 0
     spec.overrides = (*env_overrides(spec), *spec.overrides)
@@ -112,7 +112,7 @@ def child_trl(spec: EnvRunSpec, result_path: Path) -> None:
     to ``result_path``."""
     import os
 
-    started = time.time()
+    started = benchlib.process_started()
     os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
     from datasets import Dataset
     from trl import GRPOTrainer

@@ -73,7 +73,7 @@ def child_run(variant: str, size: dict[str, Any], result_path: Path) -> None:
     workdir = result_path.parent
     cfg = load_config(CONFIG, overrides(variant, size, workdir))
     steps_path = workdir / "steps.jsonl"
-    started = time.time()
+    started = benchlib.process_started()
     benchlib.init_local_ray()
     result = run_training(cfg, step_hooks=[benchlib.StepRecorder(str(steps_path))])
     extra = ("env/turns_mean", "env/gateway_calls_mean", "env/template_drift", "env/failed", "reward/env")

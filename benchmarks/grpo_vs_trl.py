@@ -195,7 +195,7 @@ def child_rlray(spec: RunSpec, max_staleness: int, result_path: Path) -> None:
     from rlray.config import config_from_dict
     from rlray.launch.driver import run_training
 
-    started = time.time()
+    started = benchlib.process_started()
     device = benchlib.device()
     gpus = torch.cuda.device_count() if device == "cuda" else 0
     cfg = config_from_dict({}, rlray_overrides(spec, max_staleness, device, gpus))
@@ -308,7 +308,7 @@ def trl_result(clock: Any, spec: RunSpec, started: float, extra_logs: tuple[str,
 
 def child_trl(spec: RunSpec, use_vllm: bool, result_path: Path) -> None:
     """Runs TRL's GRPOTrainer on ``spec`` and writes per-step end times and tokens to ``result_path``."""
-    started = time.time()
+    started = benchlib.process_started()
     from datasets import Dataset
     from trl import GRPOTrainer
 

@@ -280,10 +280,11 @@ def ray_session():
 
     global _RAY_SESSION_STARTED
     _RAY_SESSION_STARTED = True
-    from rlray.launch.ray_setup import embedded_ray_env
+    from rlray.launch.ray_setup import EMBEDDED_RAY_SYSTEM_CONFIG, embedded_ray_env
 
     ray.init(include_dashboard=False, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-                                                                **embedded_ray_env()}})
+                                                                **embedded_ray_env()}},
+             _system_config=dict(EMBEDDED_RAY_SYSTEM_CONFIG))
     yield ray
     ray.shutdown()
 

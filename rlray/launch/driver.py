@@ -46,7 +46,7 @@ from rlray.plan import RunPlan, resolve_plan
 from rlray.plan.paths import resolve_paths
 from rlray.plan.settings import Settings
 from rlray.rollout import RolloutSource
-from rlray.run.hooks import StepHook, StopWhenRequested, load_step_hooks, start_run_control
+from rlray.run.hooks import StepHook, StopWhenRequested, load_step_hooks
 from rlray.run.state import RunServices, WorkerArgs
 
 if TYPE_CHECKING:
@@ -225,7 +225,7 @@ def run_training(
     log_file = console.keep_logs(log_dir) if "://" not in cfg.run.output_dir else None
     actors, reference, teacher, own_app, env_hosts, own_judges = [], None, None, False, [], []
     status, outcome, url, progress, started, learner_times, watch = "FAILED", None, "", None, {}, None, None
-    control = services.control = start_run_control()
+    control = None  # the monitor actor, which also holds the run's stop flag and outcome (``RunControl``)
     try:
         namespace = f"rlray-{tracker.run_id}"  # keeps actor names of concurrent runs (sweep trials) apart
         with clock.phase("actors"):  # every actor asked for at once, waited on together (issue 39)
@@ -239,7 +239,7 @@ def run_training(
             from rlray.launch.monitor_actor import launch_monitor, monitor_port
 
             monitor = launch_monitor(plan, tracker.run_id)
-            services.monitor = monitor.handle
+            services.monitor = control = services.control = monitor.handle
             launched = [monitor]
             if roles.online:  # offline methods train on preference pairs: no rollout actors
                 launched += launch_rollout_actors(plan, model_dir, plan.lengths.context_tokens, rollout_nodes(plan),
@@ -313,7 +313,7 @@ def run_training(
         monitor = [services.monitor] if services.monitor is not None else []
         from rlray.launch.actors import kill_actors
 
-        kill_actors([*actors, *env_hosts, *[a for a in (reference, teacher) if a is not None], *monitor, control])
+        kill_actors([*actors, *env_hosts, *[a for a in (reference, teacher) if a is not None], *monitor])
         if own_app or own_judges:  # a server started by `rlray serve-reward` (or a sweep) before the run stays up
             from ray import serve  # deferred: only runs with reward.server.enabled or judges import Ray Serve
 

@@ -1,7 +1,8 @@
 """Starting or joining Ray for a run.
 
 ``init_ray`` connects to the cluster in ``RAY_ADDRESS`` or starts an embedded local Ray; ``worker_env`` and
-``embedded_ray_env`` are the environment variables its workers get; ``owns_single_node_ray`` says whether this
+``embedded_ray_env`` are the environment variables its workers get, ``EMBEDDED_RAY_SYSTEM_CONFIG`` an embedded Ray's own
+settings; ``owns_single_node_ray`` says whether this
 process started a Ray of one node. Ray Train's trainer for the learner group is ``rlray.launch.trainer``'s, kept
 apart so that starting Ray does not import Ray Train (issue 39: ~0.6-0.8 s of CPU before ``ray.init``).
 """
@@ -56,6 +57,16 @@ def embedded_ray_env() -> dict[str, str]:
     return {name: os.environ.get(name, default) for name, default in EMBEDDED_RAY_DEFAULTS.items()}
 
 
+EMBEDDED_RAY_SYSTEM_CONFIG = {"prestart_worker_first_driver": False}
+"""Ray's own settings of an embedded local Ray (``ray.init(_system_config=...)``; a cluster joined keeps its own).
+
+``prestart_worker_first_driver=False``: by default the raylet starts one idle Python worker per CPU as soon as the
+first driver connects, for tasks that may come. A run's work is actors, each started in a worker of its own (with its
+resources and runtime environment), so those workers stay idle to the end; on a 2-core machine the two of them cost
+about 1.3 s of CPU while the engines and the learner load (issue 39, measured per process until the first step ends:
+``ray::IDLE``). A task, when one comes, starts its worker then."""
+
+
 def init_ray(*, include_dashboard: bool | None = None, log_to_driver: bool = True) -> RayInfo:
     """Connects to the cluster in RAY_ADDRESS, or starts an embedded local Ray (bound to 127.0.0.1); returns its
     dashboard address and log folder.
@@ -78,8 +89,13 @@ def init_ray(*, include_dashboard: bool | None = None, log_to_driver: bool = Tru
         ctx = ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": env}, **quiet)
     else:
         env.update(embedded_ray_env())
-        ctx = ray.init(include_dashboard=include_dashboard, dashboard_host="127.0.0.1", runtime_env={"env_vars": env},
-                       **quiet)
+        local = {"include_dashboard": include_dashboard, "dashboard_host": "127.0.0.1", "runtime_env": {"env_vars": env}}
+        try:
+            ctx = ray.init(**local, _system_config=dict(EMBEDDED_RAY_SYSTEM_CONFIG), **quiet)
+        except ValueError as err:  # no RAY_ADDRESS, but a `ray start` cluster of this machine was found: joined as is
+            if "_system_config" not in str(err):
+                raise
+            ctx = ray.init(**local, **quiet)
     session_dir = (getattr(ctx, "address_info", None) or {}).get("session_dir") or ""
     return RayInfo(getattr(ctx, "dashboard_url", None) or "", str(Path(session_dir, "logs")) if session_dir else "")
 

@@ -30,9 +30,8 @@ from typing import TYPE_CHECKING
 
 import ray
 import ray.cloudpickle
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-if TYPE_CHECKING:  # the run-control actor's process imports this module: no config schema there (it imports torch)
+if TYPE_CHECKING:  # the monitor actor's process imports this module: no config schema there (it imports torch)
     from rlray.plan import RunPlan
 
 log = logging.getLogger(__name__)
@@ -83,7 +82,9 @@ def run_observers(hooks: Sequence[StepHook], event: StepEnd) -> None:
 
 
 class RunControl:
-    """A run's stop flag and outcome, shared by the driver and the learner's rank 0 (as a Ray actor).
+    """A run's stop flag and outcome, shared by the driver and the learner's rank 0 (the monitor actor,
+    ``rlray.launch.monitor_actor.MonitorActor``, holds them: pinned to the driver's node, it outlives the loss of any
+    other node).
 
     The driver sets the flag (for example from its SIGTERM handler); the ``StopWhenRequested`` hook
     reads it at every step boundary. Rank 0 records how the run ended (``rlray.run.state.RunOutcome``)
@@ -109,13 +110,6 @@ class RunControl:
     def stop_reason(self) -> str | None:
         """Returns the recorded stop reason, or None while no stop was requested."""
         return self._reason
-
-
-def start_run_control() -> ray.actor.ActorHandle:
-    """Returns a started ``RunControl`` actor (0 CPUs; it only holds a flag), pinned to the caller's node: it holds
-    the run's outcome, so it must outlive the loss of any other node."""
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    return ray.remote(num_cpus=0)(RunControl).options(scheduling_strategy=here).remote()
 
 
 class StopWhenRequested:
@@ -150,7 +144,7 @@ def load_step_hooks(plan: RunPlan) -> list[StepHook]:
             raised, or it returned something that is not callable; one line naming ``run.hooks[i]``, the spec and
             the fix.
     """
-    from rlray.envs.trl import USER_MODULE_PREFIX, load_object  # deferred: RunControl's process (this module) stays light
+    from rlray.envs.trl import USER_MODULE_PREFIX, load_object  # deferred: the monitor actor's process (this module) stays light
     from rlray.plan import ConfigError  # deferred: see the TYPE_CHECKING import above
 
     cfg = plan.settings

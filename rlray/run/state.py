@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from rlray.run.hooks import StepHook
 
 if TYPE_CHECKING:  # torch (through guards) stays out of the light processes that unpickle these records: Ray Train's
-    from rlray.run.guards import MemoryWatchdog  # controller (WorkerArgs), the RunControl actor (RunOutcome)
+    from rlray.run.guards import MemoryWatchdog  # controller (WorkerArgs), the monitor actor (RunOutcome)
 
 RUNNING = "RUNNING"
 
@@ -22,7 +22,7 @@ class RunServices:
 
     Attributes:
         monitor: the ``MonitorActor`` handle, or None to run without /health and alerts.
-        control: the ``RunControl`` actor handle (stop requests in, the run's outcome out), or None.
+        control: the actor holding the run's ``RunControl`` (the monitor actor: stop requests in, the run's outcome out), or None.
         started_at: the run's start (Unix seconds), for ``run.max_wall_time_s`` across restarts.
         git_commit: the code's commit, a lineage tag.
         resume_from: the snapshot URI to start from (``checkpoint.resume_from`` resolved by the driver).

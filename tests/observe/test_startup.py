@@ -191,3 +191,39 @@ def test_start_watch_waits_on_the_callers_thread_where_its_signal_is_taken(monke
         assert signal.getsignal(actors.WAKE_SIGNAL) is mine
     finally:
         signal.signal(actors.WAKE_SIGNAL, before)
+
+
+def test_the_monitors_mlflow_client_is_built_on_first_use_or_after_the_first_step(monkeypatch):
+    """Issue 39: MLflow's import stays out of the run's start; an alert before the first step builds it then."""
+    import threading
+
+    from rlray.launch import monitor_actor
+    from rlray.observe import tracking
+
+    built: list[tuple] = []
+    release = threading.Event()
+
+    class FakeTracker:
+        def __init__(self, uri, experiment, run_id=None):
+            release.wait(10)
+            built.append((uri, experiment, run_id, threading.current_thread().name))
+
+    monkeypatch.setattr(tracking, "Tracker", FakeTracker)
+    release.set()
+    lazy = monitor_actor.LazyTracker("sqlite:///m.db", "exp", "r1")
+    assert lazy.warming is None and built == []  # nothing at the actor's start
+    assert isinstance(lazy.get(), FakeTracker) and lazy.get() is lazy.get()  # first use builds it, once
+    assert built == [("sqlite:///m.db", "exp", "r1", "MainThread")]
+    lazy.warm()  # already built: no thread
+    assert lazy.warming is None
+
+    release.clear()
+    later = monitor_actor.LazyTracker("sqlite:///m.db", "exp", "r2")
+    later.warm()  # after the first step: built in the background ...
+    later.warm()  # ... once
+    first = later.warming
+    assert first is not None and first.name == "rlray-monitor-mlflow"
+    release.set()
+    first.join(10)
+    assert later.get() is later.tracker and built[-1] == ("sqlite:///m.db", "exp", "r2", "rlray-monitor-mlflow")
+    assert len(built) == 2
