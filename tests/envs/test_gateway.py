@@ -176,6 +176,21 @@ def test_failing_agents_fail_their_episode_only(strict_host, agent, stop, needle
     assert replies[1].stop_reason == "done"  # the host goes on
 
 
+def test_under_lockstep_a_hung_agent_holds_its_actor_s_calls_only_until_its_time_limit(strict_host):
+    """env.agent_batching: lockstep (the default): after the first call (both agents), the tool agent's second call
+    waits for the hung agent, which env.step_timeout_s=1 ends; then it goes, and both episodes end as they should."""
+    from tests.fixtures.agents import ScriptedSampler
+
+    ScriptedSampler.calls.clear()
+    started = time.monotonic()
+    hung, tool = strict_host.run_agents(AgentBatch([
+        AgentRequest(f"hung-{time.monotonic_ns()}", "hanging_agent", {"prompt": "Hi"}, 0),
+        AgentRequest(f"tool-{time.monotonic_ns()}", "tool_agent", {"prompt": "Add. calls=1"}, 1)], [None], None, 64))
+    assert (hung.stop_reason, tool.stop_reason, tool.reward, tool.calls) == ("timeout", "done", 1.0, 2)
+    assert ScriptedSampler.calls == [(0, 2), (0, 1)] and 1.0 <= time.monotonic() - started < 20
+    assert strict_host.gateway_stats().batch_wait_s >= 0.9  # the second call waited for the hung agent's time limit
+
+
 def test_an_agent_past_the_episode_time_is_stopped(tiny_model_path):
     from tests.fixtures.agents import ScriptedSampler
 
