@@ -128,7 +128,7 @@ def test_many_concurrent_agents_share_engine_calls(host):
 
 
 def test_each_turn_of_agents_in_step_is_one_engine_call(host):
-    """Agents that call again right after their answer wait for each other (up to a tenth of the previous call's time):
+    """Agents that call again right after their answer wait for each other (env.agent_batching: lockstep, the default):
     8 agents x 3 calls on one actor whose calls take 1 s are 3 engine calls of 8 prompts, not a straggler call each."""
     from tests.fixtures.agents import ScriptedSampler
 
