@@ -163,6 +163,17 @@ class EnvConfig(_Section):
         "127.0.0.1",
         description="Address the agent gateway (one HTTP server per environment host) binds; agents run on that host.",
     )
+    agent_batching: Literal["lockstep", "window"] = Field(
+        "lockstep",
+        description=(
+            "How an environment host gathers its agents' gateway calls into engine calls, per rollout actor. lockstep: "
+            "each engine call waits until every running agent episode of that actor has asked or ended, so each call's "
+            "prompts and seed follow from the episodes alone and a seeded run (and its resume) repeats its agents' "
+            "samples bit for bit; an agent slow between its calls (a slow tool) holds the others, at most "
+            "env.step_timeout_s. window: it also sends after a tenth of the actor's previous call (0.5 s at most), "
+            "so slow agents do not hold fast ones, but the calls' make-up, and so the samples, depend on timing."
+        ),
+    )
     column: str = Field(
         "environment", min_length=1,
         description="Row column naming the row's environment or agent (TRL's dict of factories).",

@@ -416,6 +416,7 @@ def agent_host_kwargs(plan: RunPlan, model_dir: str | None = None) -> dict[str, 
         "mcp_servers": list(ep.tools),
         "gateway_host": cfg.env.gateway_host,
         "chat_template_kwargs": dict(cfg.rollout.chat_template_kwargs),
+        "agent_batching": ep.agent_batching,
     }
 
 

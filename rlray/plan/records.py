@@ -248,6 +248,8 @@ class Episodes:
         tools: the MCP servers whose tools the hosts offer (``env.mcp_servers``).
         reward_weight: weight of the environment's reward in the summed reward (``env.reward_weight``).
         servers: the environment servers the hosts start or reach (``env.servers``; paths made absolute).
+        agent_batching: how the hosts gather their agents' calls into engine calls (``env.agent_batching``:
+            ``lockstep`` or ``window``, ``rlray.envs.agents.agent_host.TickBatcher``).
     """
 
     environments: tuple[tuple[str, str], ...]
@@ -258,6 +260,7 @@ class Episodes:
     tools: tuple[McpServerSpec, ...]
     reward_weight: float
     servers: tuple[HostedServer, ...] = ()
+    agent_batching: str = "lockstep"
 
     @property
     def enabled(self) -> bool:

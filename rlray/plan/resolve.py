@@ -232,7 +232,8 @@ def resolve_episodes(cfg: Config) -> Episodes:
                     limits=EpisodeLimits(env.max_turns, cfg.episode_tokens, env.max_observation_tokens,
                                          env.episode_timeout_s, env.step_timeout_s),
                     tools=tools, reward_weight=env.reward_weight,
-                    servers=tuple(hosted_server(name, s) for name, s in env.servers.items()))
+                    servers=tuple(hosted_server(name, s) for name, s in env.servers.items()),
+                    agent_batching=env.agent_batching)
 
 
 def hosted_server(name: str, server: ServerConfig) -> HostedServer:

@@ -45,7 +45,8 @@ class FleetSampler:
     ``ACTOR_SEED_STRIDE`` per actor index and ``CALL_SEED_STRIDE`` per earlier call of the batch to the same actor. The
     host's ``TickBatcher`` sends an actor's waiting requests in episode order, so a call's samples are a function of
     the weights, the seed and the requests it carries: a run repeats its agents' samples wherever the batcher gathers
-    the same requests into each call (every running episode asks within the batcher's window). Unseeded
+    the same requests into each call, which ``env.agent_batching: lockstep`` (the default) guarantees (``window`` only
+    when every running episode asks within the batcher's window). Unseeded
     (``sampling.seed`` None), calls draw from the engine's own stream. When the actor has died, the call goes to the
     next actor (same seed), and so on once around.
 

@@ -61,3 +61,18 @@ def test_agents_and_mcp_servers():
 def test_bad_agent_values_name_the_key(env, match):
     with pytest.raises(ConfigError, match=match):
         config_from_dict({"env": env})
+
+
+def test_agent_batching_is_lockstep_by_default_and_reaches_the_hosts():
+    """env.agent_batching: lockstep unless set (a seeded run repeats its agents' samples); the plan and the agent hosts'
+    keyword arguments carry it; another value is an error naming the key."""
+    from rlray.launch.actors import agent_host_kwargs
+    from rlray.plan import resolve_plan
+
+    assert EnvConfig().agent_batching == "lockstep"
+    cfg = config_from_dict({"env": {"agents": AGENTS, "default": "solver", "agent_batching": "window"}})
+    plan = resolve_plan(cfg)
+    assert plan.episodes.agent_batching == "window"
+    assert agent_host_kwargs(plan, "/no/model")["agent_batching"] == "window"
+    with pytest.raises(ConfigError, match=r"env.agent_batching='fast'"):
+        config_from_dict({"env": {"agent_batching": "fast"}})

@@ -128,7 +128,7 @@ def test_many_concurrent_agents_share_engine_calls(host):
 
 
 def test_each_turn_of_agents_in_step_is_one_engine_call(host):
-    """Agents that call again right after their answer wait for each other (up to a tenth of the previous call's time):
+    """Agents that call again right after their answer wait for each other (env.agent_batching: lockstep, the default):
     8 agents x 3 calls on one actor whose calls take 1 s are 3 engine calls of 8 prompts, not a straggler call each."""
     from tests.fixtures.agents import ScriptedSampler
 
@@ -174,6 +174,21 @@ def test_failing_agents_fail_their_episode_only(strict_host, agent, stop, needle
     replies = run(strict_host, agent, [{"prompt": "Hi"}]) + run(strict_host, "tool_agent", [{"prompt": "Hi"}])
     assert replies[0].stop_reason == stop and needle in replies[0].message and replies[0].reward is None
     assert replies[1].stop_reason == "done"  # the host goes on
+
+
+def test_under_lockstep_a_hung_agent_holds_its_actor_s_calls_only_until_its_time_limit(strict_host):
+    """env.agent_batching: lockstep (the default): after the first call (both agents), the tool agent's second call
+    waits for the hung agent, which env.step_timeout_s=1 ends; then it goes, and both episodes end as they should."""
+    from tests.fixtures.agents import ScriptedSampler
+
+    ScriptedSampler.calls.clear()
+    started = time.monotonic()
+    hung, tool = strict_host.run_agents(AgentBatch([
+        AgentRequest(f"hung-{time.monotonic_ns()}", "hanging_agent", {"prompt": "Hi"}, 0),
+        AgentRequest(f"tool-{time.monotonic_ns()}", "tool_agent", {"prompt": "Add. calls=1"}, 1)], [None], None, 64))
+    assert (hung.stop_reason, tool.stop_reason, tool.reward, tool.calls) == ("timeout", "done", 1.0, 2)
+    assert ScriptedSampler.calls == [(0, 2), (0, 1)] and 1.0 <= time.monotonic() - started < 20
+    assert strict_host.gateway_stats().batch_wait_s >= 0.9  # the second call waited for the hung agent's time limit
 
 
 def test_an_agent_past_the_episode_time_is_stopped(tiny_model_path):

@@ -8,7 +8,8 @@ concurrently) and the MCP sessions (``rlray.envs.agents.mcp``: started with the 
 Rank 0 hands a host a batch of agent episodes (``run_agents``: the episodes, the rollout actors' handles and the
 step's sampling). Every call of every agent becomes a request to the episode's rollout actor, and the
 ``TickBatcher`` gathers the requests into engine calls: one call per actor at a time, each holding what its running
-episodes asked for meanwhile (a batch of prompts is what makes an engine fast).
+episodes asked for meanwhile (a batch of prompts is what makes an engine fast). How long it waits for them is
+``env.agent_batching`` (``lockstep``: for all of them, so a seeded run repeats its samples; ``window``: a short time).
 
 The engine call itself is the ``Sampler`` the host is built with (``rlray.run.agents.FleetSampler``: Ray calls to
 the rollout actors); this module imports no Ray and no engine, and tests give it a scripted sampler.
@@ -17,6 +18,7 @@ the rollout actors); this module imports no Ray and no engine, and tests give it
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import threading
@@ -70,52 +72,100 @@ class AgentBatch:
     min_version: int | None = None
 
 
+AGENT_BATCHING = ("lockstep", "window")  # the TickBatcher's modes (env.agent_batching)
+
+
 @dataclass
 class GatewayStats:
-    """A host's gateway counters since it started: calls answered, engine calls, and prompts those carried."""
+    """A host's gateway counters since it started: calls answered, engine calls, the prompts those carried, and
+    ``batch_wait_s``: seconds the engine calls waited for their batch (from the first request of a call to its send,
+    summed over calls)."""
 
     calls: int = 0
     engine_calls: int = 0
     engine_prompts: int = 0
+    batch_wait_s: float = 0.0
+
+
+class ThreadPerCall(concurrent.futures.Executor):
+    """An executor that runs each call on a daemon thread of its own (no pool, so no call waits for a free thread).
+
+    Synchronous agents run on it under ``env.agent_batching: lockstep``: there every running episode's turn is waited
+    for, and an episode queued behind a full pool would hold the others until its time limit.
+    """
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+        """Returns the future of ``fn(*args, **kwargs)``, started at once on a new daemon thread."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as err:  # noqa: BLE001 - the caller gets whatever the call raised
+                future.set_exception(err)
+
+        threading.Thread(target=run, name="rlray-agent", daemon=True).start()
+        return future
 
 
 class TickBatcher:
     """Gathers concurrent sample requests into one engine call per rollout actor (see the module docstring).
 
-    An actor runs one call at a time. Before each call the batcher waits for the actor's running episodes to ask: it
-    sends once every running episode pinned to the actor has a request waiting (an agent that finished no longer
-    counts), or after a window of ``WINDOW_FRACTION`` of the actor's previous call's duration (``MAX_WINDOW_S`` before
-    its first call; never more: an agent busy with its own work, a slow tool, is not waited for longer). Without the
-    wait, the first agent to ask would go alone in an engine call and the rest in the next, each turn costing two
-    calls. Requests that differ in max new tokens or stop strings go in separate calls.
+    An actor runs one call at a time. Before each call the batcher waits for the actor's running episodes to ask (an
+    episode counts from ``enter`` to ``leave``; episodes are told apart by their actor key, unique within a batch).
+    Without the wait, the first agent to ask would go alone in an engine call and the rest in the next, each turn
+    costing two calls. It sends, in episode (actor key) order, once
+
+    - ``lockstep``: every running episode pinned to the actor has a request waiting (one that ended no longer counts).
+      No time window: each call's requests, and so its place in the actor's calls (``FleetSampler`` seeds by it), are
+      a function of the episodes' own conversations, never of timing, so a seeded run repeats its agents' samples bit
+      for bit. An agent busy with its own work (a slow tool) holds its actor's other episodes until it asks, ends, or
+      is ended by its limits: env.step_timeout_s between its calls, env.episode_timeout_s (no wait past them). An
+      episode with several calls at once counts as asking with its first; the others join as they come.
+    - ``window``: the same, or after ``WINDOW_FRACTION`` of the actor's previous call's duration (``MAX_WINDOW_S``
+      before its first call; never more), whichever comes first: a slow agent is not waited for, but an episode whose
+      request comes late (a loaded machine: a few milliseconds) lands in another call, and its samples then differ
+      from run to run.
+
+    Requests that differ in max new tokens or stop strings go in separate calls (in a fixed order).
 
     Args:
         sampler: the engine call.
         stats: counters to add to.
         call_s: {actor: seconds of its previous call}, kept by the host across batches (updated here).
+        batching: ``lockstep`` or ``window`` (``AGENT_BATCHING``, env.agent_batching).
+
+    Raises:
+        ValueError: ``batching`` is not one of ``AGENT_BATCHING``.
     """
 
     WINDOW_FRACTION = 0.1  # of the actor's previous call's duration: the longest wait for its running episodes
     MAX_WINDOW_S = 0.5
 
-    def __init__(self, sampler: Sampler, stats: GatewayStats, call_s: dict[int, float] | None = None) -> None:
-        self.sampler, self.stats = sampler, stats
+    def __init__(self, sampler: Sampler, stats: GatewayStats, call_s: dict[int, float] | None = None,
+                 batching: str = "lockstep") -> None:
+        if batching not in AGENT_BATCHING:
+            raise ValueError(f"env.agent_batching={batching!r}: need one of {list(AGENT_BATCHING)}")
+        self.sampler, self.stats, self.batching = sampler, stats, batching
         # actor -> its waiting requests: ((max new tokens, stop), the episode's actor key, prompt, future)
         self._queue: dict[int, list[tuple[tuple[int, tuple[str, ...]], int, list[int], asyncio.Future]]] = {}
         self._busy: set[int] = set()
-        self._running: dict[int, int] = {}  # actor -> its episodes that have not ended
+        self._running: dict[int, collections.Counter[int]] = {}  # actor -> {actor key: its episodes not ended}
         self._call_s = {} if call_s is None else call_s  # actor -> seconds its previous call took
         self._changed = asyncio.Event()
 
     def enter(self, actor_key: int) -> None:
         """Counts an episode that starts on the actor ``actor_key`` picks."""
-        actor = actor_key % self.sampler.num_actors
-        self._running[actor] = self._running.get(actor, 0) + 1
+        self._running.setdefault(actor_key % self.sampler.num_actors, collections.Counter())[actor_key] += 1
 
     def leave(self, actor_key: int) -> None:
         """Counts an episode that ended (its actor no longer waits for it)."""
-        actor = actor_key % self.sampler.num_actors
-        self._running[actor] -= 1
+        running = self._running[actor_key % self.sampler.num_actors]
+        running[actor_key] -= 1
+        if running[actor_key] <= 0:
+            del running[actor_key]
         self._changed.set()
 
     async def sample(self, actor_key: int, prompt: list[int], max_new_tokens: int, stop: tuple[str, ...]) -> Sampled:
@@ -150,20 +200,25 @@ class TickBatcher:
             self._busy.discard(actor)
 
     async def _gather(self, actor: int) -> None:
-        """Waits until every running episode of ``actor`` has a request waiting, or the window has passed."""
+        """Waits until every running episode of ``actor`` has a request waiting (``window``: or the window has passed);
+        adds the wait to ``stats.batch_wait_s``."""
         loop = asyncio.get_running_loop()
+        started = loop.time()
         previous = self._call_s.get(actor)
-        deadline = loop.time() + (self.MAX_WINDOW_S if previous is None else
-                                  min(self.WINDOW_FRACTION * previous, self.MAX_WINDOW_S))
-        while len(self._queue.get(actor, ())) < self._running.get(actor, 0):
-            left = deadline - loop.time()
-            if left <= 0:
-                return
-            self._changed.clear()
-            try:
-                await asyncio.wait_for(self._changed.wait(), left)
-            except asyncio.TimeoutError:
-                return
+        window = None if self.batching == "lockstep" else (
+            self.MAX_WINDOW_S if previous is None else min(self.WINDOW_FRACTION * previous, self.MAX_WINDOW_S))
+        try:
+            while not self._running.get(actor, {}).keys() <= {key for _, key, _, _ in self._queue.get(actor, ())}:
+                left = None if window is None else started + window - loop.time()
+                if left is not None and left <= 0:
+                    return
+                self._changed.clear()
+                try:
+                    await asyncio.wait_for(self._changed.wait(), left)
+                except asyncio.TimeoutError:
+                    return
+        finally:
+            self.stats.batch_wait_s += loop.time() - started
 
     async def _call(self, actor: int, max_new: int, stop: tuple[str, ...],
                     items: list[tuple[list[int], asyncio.Future]]) -> None:
@@ -197,15 +252,19 @@ class AgentRunner:
         limits: the agents' episode limits (``max_new_tokens`` is set per batch, from its sampling).
         mcp: the MCP sessions (None without env.mcp_servers).
         tool_parser, chat_template_kwargs: the gateway's (``Gateway``).
-        threads: runs synchronous agents.
+        threads: runs synchronous agents (under ``lockstep``, a ``ThreadPerCall``: no episode waits for a thread).
+        batching: the batchers' mode, ``lockstep`` or ``window`` (``TickBatcher``; env.agent_batching). Under
+            ``lockstep`` the episodes' HTTP connections to the gateway have no cap (an episode waiting for one would
+            hold the others); under ``window`` at most ``GATEWAY_CONNECTIONS``.
     """
 
     def __init__(self, agents: dict[str, LoadedAgent], tokenizer: Any,
                  sampler_factory: Callable[[list[Any], Any, int | None], Sampler] | None,
                  limits: EpisodeLimits, mcp: McpClients | None, *,
                  tool_parser: str, chat_template_kwargs: dict[str, Any] | None,
-                 threads: concurrent.futures.Executor) -> None:
+                 threads: concurrent.futures.Executor, batching: str = "lockstep") -> None:
         self.agents, self.sampler_factory, self.limits, self.mcp, self.threads = agents, sampler_factory, limits, mcp, threads
+        self.batching = batching
         self.stats = GatewayStats()
         self.gateway = Gateway(tokenizer, self.sample, tool_parser=tool_parser, chat_template_kwargs=chat_template_kwargs)
         self._batchers: dict[str, TickBatcher] = {}
@@ -219,10 +278,11 @@ class AgentRunner:
             import openai
 
             await self.gateway.start(gateway_host)
-            # one pool for every episode's client: connections are reused, and calls past the pool wait for one
+            # one pool for every episode's client: connections are reused; under window, calls past the pool wait
+            cap = None if self.batching == "lockstep" else GATEWAY_CONNECTIONS
             self._http = openai.DefaultAsyncHttpxClient(
                 timeout=httpx2.Timeout(self.limits.episode_timeout_s, pool=None),
-                limits=httpx2.Limits(max_connections=GATEWAY_CONNECTIONS, max_keepalive_connections=GATEWAY_CONNECTIONS))
+                limits=httpx2.Limits(max_connections=cap, max_keepalive_connections=GATEWAY_CONNECTIONS))
         if self.mcp is not None:
             await self.mcp.start()
 
@@ -243,13 +303,13 @@ class AgentRunner:
         if self.sampler_factory is None:
             raise ValueError("AgentHost was built without a sampler_factory: it cannot sample agents' calls")
         batcher = TickBatcher(self.sampler_factory(batch.actors, batch.sampling, batch.min_version), self.stats,
-                              self._call_s)
+                              self._call_s, self.batching)
         limits = self.limits.with_max_new_tokens(batch.max_new_tokens)
-        for request in batch.episodes:
+        for request in batch.episodes:  # every episode counts before any asks: the first call waits for them all
             self._batchers[request.key] = batcher
+            batcher.enter(request.actor_key)
 
         async def one(request: AgentRequest) -> AgentReply:
-            batcher.enter(request.actor_key)
             try:
                 return await run_agent_episode(self.gateway, request, self.agents[request.agent], self.mcp, limits,
                                                http_client=self._http, threads=self.threads)
@@ -283,7 +343,9 @@ class AgentHost(EnvironmentHost):
         mcp_servers: the MCP servers to start (``McpServerSpec``).
         gateway_host: the address the gateway binds (``env.gateway_host``).
         chat_template_kwargs: extra template variables (``rollout.chat_template_kwargs``).
-        agent_threads: threads for synchronous agents.
+        agent_threads: threads for synchronous agents under ``window`` (``lockstep``: a thread per episode).
+        agent_batching: how the batchers gather the agents' calls, ``lockstep`` or ``window`` (``TickBatcher``;
+            env.agent_batching).
         tool_parser, step_timeout_s: as ``EnvironmentHost`` (step_timeout_s is also the most seconds an agent may spend
             between gateway calls).
         host_kwargs: the other keyword arguments of ``EnvironmentHost`` (threads, sandbox, memory_gib, ...).
@@ -299,7 +361,8 @@ class AgentHost(EnvironmentHost):
                  max_observation_tokens: int = 256,
                  mcp_servers: list[McpServerSpec] | None = None, gateway_host: str = "127.0.0.1",
                  chat_template_kwargs: dict[str, Any] | None = None, agent_threads: int = 64,
-                 tool_parser: str = "hermes", step_timeout_s: float = 60.0, **host_kwargs: Any) -> None:
+                 agent_batching: str = "lockstep", tool_parser: str = "hermes", step_timeout_s: float = 60.0,
+                 **host_kwargs: Any) -> None:
         super().__init__(environments, tool_parser=tool_parser, step_timeout_s=step_timeout_s, **host_kwargs)
         loaded: dict[str, LoadedAgent] = {}
         for name, spec in agents.items():
@@ -312,12 +375,16 @@ class AgentHost(EnvironmentHost):
             from rlray.models import load_tokenizer
 
             tokenizer = load_tokenizer(model_dir, chat_template)
-        self._threads = concurrent.futures.ThreadPoolExecutor(max_workers=agent_threads, thread_name_prefix="rlray-agent")
+        if agent_batching not in AGENT_BATCHING:
+            raise ValueError(f"env.agent_batching={agent_batching!r}: need one of {list(AGENT_BATCHING)}")
+        self._threads: concurrent.futures.Executor = ThreadPerCall() if agent_batching == "lockstep" else \
+            concurrent.futures.ThreadPoolExecutor(max_workers=agent_threads, thread_name_prefix="rlray-agent")
         mcp = McpClients(list(mcp_servers or [])) if mcp_servers else None
         self.limits = EpisodeLimits(max_turns, max_episode_tokens, max_observation_tokens, episode_timeout_s,
                                     step_timeout_s)
         self.runner = AgentRunner(loaded, tokenizer, sampler_factory, self.limits, mcp, tool_parser=tool_parser,
-                                  chat_template_kwargs=chat_template_kwargs, threads=self._threads)
+                                  chat_template_kwargs=chat_template_kwargs, threads=self._threads,
+                                  batching=agent_batching)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rlray-gateway", daemon=True)
         self._thread.start()
@@ -357,7 +424,7 @@ class AgentHost(EnvironmentHost):
     def gateway_stats(self) -> GatewayStats:
         """Returns the gateway's counters since the host started."""
         stats = self.runner.stats
-        return GatewayStats(stats.calls, stats.engine_calls, stats.engine_prompts)
+        return GatewayStats(stats.calls, stats.engine_calls, stats.engine_prompts, stats.batch_wait_s)
 
     def mcp_tool_names(self) -> list[str]:
         """Returns the MCP servers' tool names ([] without env.mcp_servers)."""
