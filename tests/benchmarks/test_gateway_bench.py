@@ -4,7 +4,6 @@ second's worth, on the instant engine)."""
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
 from pathlib import Path
 
@@ -30,12 +29,12 @@ def test_the_two_runs_train_the_same_task_one_behind_the_gateway(bench, tmp_path
     assert native.model_dump(exclude={"env"}) == agent.model_dump(exclude={"env"})
     rows = [json.loads(line) for line in Path(native.data.train_files[0]).read_text().splitlines()[:50]]
     assert {r["environment"] for r in rows} == {"retry_arith"}
-    env_agent = importlib.import_module("env_agent")  # the agent plays the config's episode: its system prompt, turns
+    env_agent = load_bench("env_agent")  # the agent plays the config's episode: its system prompt, turns
     assert env_agent.SYSTEM_PROMPT == native.data.system_prompt and env_agent.MAX_TURNS == native.env.max_turns
 
 
 def test_the_agent_plays_the_environment_as_the_episode_loop_does(bench):
-    env_agent = importlib.import_module("env_agent")
+    env_agent = load_bench("env_agent")
     answers = iter(["12", "16"])  # wrong, then right: reward 0.5 on the second attempt
     sent = []
 
