@@ -21,10 +21,17 @@ __all__ = ["build_parser", "main"]
 
 
 def _train(args: argparse.Namespace) -> int:
-    from rlray.launch.driver import run_training
+    from rlray.launch.ray_setup import RayStart
 
     overrides = list(args.overrides) + ([f"checkpoint.resume_from={args.resume}"] if args.resume else [])
-    result = run_training(load_config(args.config, overrides), verbose=args.verbose)
+    cfg = load_config(args.config, overrides)  # a bad config or override stops here: nothing started
+    ray_start = RayStart(log_to_driver=args.verbose)  # Ray comes up while the driver's modules import (issue 39)
+    try:
+        from rlray.launch.driver import run_training
+    except BaseException:
+        ray_start.cancel()
+        raise
+    result = run_training(cfg, verbose=args.verbose, ray_start=ray_start)
     print(json.dumps({"run_id": result.run_id, "status": result.status, "tracking_uri": result.tracking_uri,
                       "final_snapshot": result.final_snapshot, "monitor_url": result.monitor_url, "log_dir": result.log_dir,
                       **({"error": result.error} if result.error else {}), **result.startup}, indent=2))

@@ -351,6 +351,36 @@ def moto_s3_checking_keys():
         yield info
 
 
+class FakeRayStart:
+    """Stands in for ``rlray.launch.ray_setup.RayStart`` in tests of runs that must fail their input checks: records
+    whether the run waited for Ray (``result``, which fails the test) and whether it shut Ray down again (``cancel``)."""
+
+    def __init__(self, **kwargs) -> None:
+        self.kwargs, self.cancelled = kwargs, False
+
+    def result(self):
+        pytest.fail("the run went on to use Ray although its inputs failed the checks")
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+@pytest.fixture
+def ray_starts(monkeypatch) -> list[FakeRayStart]:
+    """Replaces ``RayStart`` (``rlray train`` and ``run_training`` start Ray beside their input checks; issue 39) and
+    returns the starts asked for: a run that fails its checks must cancel each and never wait for one. Ray does not start."""
+    from rlray.launch import ray_setup
+
+    starts: list[FakeRayStart] = []
+
+    def make(**kwargs) -> FakeRayStart:
+        starts.append(FakeRayStart(**kwargs))
+        return starts[-1]
+
+    monkeypatch.setattr(ray_setup, "RayStart", make)
+    return starts
+
+
 @pytest.fixture(scope="session")
 def tiny_sweep(ray_session, tmp_path_factory, gsm8k_dir, tiny_model_path):
     """Runs one 2-trial ASHA sweep (grid over learner.lr, up to 2 steps each, tiny-random); returns (result, uri, sweep).

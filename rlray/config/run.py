@@ -33,7 +33,7 @@ class RunConfig(_Section):
         description=(
             "Step hooks, each 'package.module:factory' or 'path/to/file.py:factory' (relative to the working "
             "folder), loaded as env.environments are. The driver calls each factory once with the validated "
-            "Config, before Ray starts; it returns a callable that learner rank 0 calls with a "
+            "Config, before the run starts; it returns a callable that learner rank 0 calls with a "
             "rlray.run.hooks.StepEnd (step, max_steps, the step's metrics) at every step boundary: a control "
             "hook runs before the step's snapshot and may return a reason (a string) to stop the run there; "
             "an observer (class attribute after_snapshot = True) runs after it and also sees the snapshot's "

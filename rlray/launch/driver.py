@@ -34,7 +34,7 @@ import ray
 
 from rlray.checkpoint import storage as checkpoint
 from rlray.data import load_prompt_rows, prepare_prompts
-from rlray.launch import console
+from rlray.launch import console, ray_setup
 from rlray.launch.judges import deploy_judges, judge_apps
 from rlray.launch.placement import bundle, check_cluster, rollout_nodes
 from rlray.launch.preflight import preflight
@@ -152,7 +152,7 @@ def learner_trainer(plan: RunPlan, args: WorkerArgs) -> Any:
 
 def run_training(
     run: RunPlan | Settings, *, step_hooks: Sequence[StepHook] = (), tags: dict[str, str] | None = None,
-    verbose: bool | None = None,
+    verbose: bool | None = None, ray_start: ray_setup.RayStart | None = None,
 ) -> TrainResult:
     """Runs a whole training job and returns its result.
 
@@ -177,12 +177,16 @@ def run_training(
         verbose: ``rlray train``'s console: False keeps other processes' output in their log files (Ray's log
             forwarding off) and draws the progress bar; True forwards everything and draws the bar; None (a
             library call, a sweep trial) changes neither forwarding nor draws a bar.
+        ray_start: Ray's start, begun by the caller (``rlray train`` begins it before importing this module, so that
+            Ray comes up beside those imports); None: begun here, before the input checks, which run beside it. A
+            run whose inputs fail the checks shuts the Ray started for it down again (``RayStart.cancel``) and starts
+            no actor.
 
     Raises:
         rlray.models.ModelError, rlray.data.DataError, rlray.reward.RewardFunctionError,
-            rlray.checkpoint.storage.SnapshotError: an input of the run is unusable (``rlray.launch.preflight``; nothing
-            was started).
-        rlray.config.ConfigError: a ``run.hooks`` entry cannot be loaded or built (nothing was started).
+            rlray.checkpoint.storage.SnapshotError: an input of the run is unusable (``rlray.launch.preflight``; no actor
+            was started, and the Ray started beside the checks is shut down).
+        rlray.config.ConfigError: a ``run.hooks`` entry cannot be loaded or built (as above).
         rlray.launch.placement.PlacementError: the resources do not fit the cluster (nothing was started).
         ray.train.TrainingFailedError: learner workers failed more than ``monitor.max_failures`` times.
         rlray.checkpoint.storage.SnapshotError: ``checkpoint.resume_from`` names no complete snapshot.
@@ -192,16 +196,22 @@ def run_training(
     clock = StartupClock(started_at)
     if verbose is not None:  # rlray train's console: libraries imported since configure_console (MLflow) set up their
         console.route_library_logs()  # loggers again; before Ray starts and before the first MLflow call
+    if ray_start is None:  # Ray comes up beside the checks (issue 39); nothing is started when it runs already
+        ray_start = ray_setup.RayStart(log_to_driver=verbose is not False)
     with clock.phase("checks"):
-        plan = run if isinstance(run, RunPlan) else resolve_plan(resolve_paths(run))
-        cfg = plan.settings
-        model_dir = preflight(plan)
-        user_hooks = load_step_hooks(plan)
+        try:
+            plan = run if isinstance(run, RunPlan) else resolve_plan(resolve_paths(run))
+            cfg = plan.settings
+            model_dir = preflight(plan)
+            user_hooks = load_step_hooks(plan)
+        except BaseException:
+            ray_start.cancel()  # bad input: the Ray started for this run goes again, and no actor was asked for
+            raise
         roles = plan.roles
         teacher_dir = resolve_model_path(cfg.teacher.path) if roles.teacher != "off" else None  # preflight checked it
-    with clock.phase("ray"):  # MLflow and its SQL store are imported beside Ray's start (issue 39)
+    with clock.phase("ray"):  # the rest of Ray's start; MLflow and its SQL store are imported beside it (issue 39)
         store = start_store_imports()
-        ray_info = init_ray(log_to_driver=verbose is not False)
+        ray_info = ray_start.result()
         check_cluster(plan)
     with clock.phase("mlflow"):
         store.join()

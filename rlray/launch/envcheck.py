@@ -1,4 +1,4 @@
-"""The preflight's checks of environments and of the columns rewards read: found in seconds, before Ray starts.
+"""The preflight's checks of environments and of the columns rewards read: found in seconds, before the run starts.
 
 Without them each of these ends a run that cannot learn only once it runs, with every episode failed or every row a
 single-turn prompt, and the reason in a Ray worker's log file:

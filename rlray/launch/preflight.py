@@ -53,8 +53,9 @@ log = logging.getLogger(__name__)
 
 
 class PreflightError(ValueError):
-    """An input of the run that cannot work, found before Ray starts; the message names the key, file or row and the
-    fix (an environment, a row's environment, a column)."""
+    """An input of the run that cannot work, found before the run starts (Ray comes up beside the checks and is
+    stopped again); the message names the key, file or row and the fix (an environment, a row's environment, a
+    column)."""
 
 
 def preflight(plan: RunPlan) -> str:

@@ -19,7 +19,6 @@ import yaml
 
 from rlray import cli
 from rlray.envs.host import EnvironmentHost, ResetRequest, StepRequest
-from rlray.launch import driver
 
 REPO = Path(__file__).resolve().parents[2]
 BROKEN = f"{REPO}/tests/fixtures/envs/broken_envs.py"
@@ -27,10 +26,9 @@ ROWS = [{"prompt": "What is 2 + 3?", "answer": "5"}, {"prompt": "What is 4 x 4?"
 
 
 @pytest.fixture
-def train(tmp_path, monkeypatch, capsys):
+def train(tmp_path, ray_starts, capsys):
     """Returns train(*overrides) -> (exit status, stderr) of `rlray train` on a tiny config whose rows have columns
-    prompt and answer; Ray must not start."""
-    monkeypatch.setattr(driver, "init_ray", lambda **_: pytest.fail("Ray started before the inputs were checked"))
+    prompt and answer; the Ray start begun beside the checks must be cancelled, never used (``ray_starts``)."""
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump({
@@ -41,6 +39,8 @@ def train(tmp_path, monkeypatch, capsys):
 
     def run(*overrides: str) -> tuple[int, str]:
         status = cli.main(["train", str(config), *overrides])
+        assert all(start.cancelled for start in ray_starts)  # none when the config itself is refused
+        ray_starts.clear()
         return status, capsys.readouterr().err
 
     return run
@@ -84,7 +84,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_bad_environment_input_is_one_line_before_ray_starts(train, case):
+def test_a_bad_environment_input_is_one_line_before_the_run_starts(train, case):
     overrides, message = CASES[case]
     status, err = train(*overrides)
     assert status == 2, err

@@ -10,21 +10,22 @@ import pytest
 import yaml
 
 from rlray import cli
-from rlray.launch import driver
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def train(tmp_path, gsm8k_dir, monkeypatch, capsys):
-    """Returns train(*overrides) -> (exit status, stderr) of `rlray train` on the tiny config; Ray must not start."""
-    monkeypatch.setattr(driver, "init_ray", lambda **_: pytest.fail("Ray started before the inputs were checked"))
+def train(tmp_path, gsm8k_dir, ray_starts, capsys):
+    """Returns train(*overrides) -> (exit status, stderr) of `rlray train` on the tiny config; the Ray start begun
+    beside the checks must be cancelled, never used (``ray_starts``)."""
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(yaml.safe_load((REPO / "configs/grpo_gsm8k_tiny.yaml").read_text())))
 
     def run(*overrides: str) -> tuple[int, str]:
         status = cli.main(["train", str(config), f"run.output_dir={tmp_path}/out", f"data.train_files=[{gsm8k_dir}/train.jsonl]",
                            f"data.eval_files=[{gsm8k_dir}/test.jsonl]", f"tracking.mlflow_uri=sqlite:///{tmp_path}/m.db", *overrides])  # fmt: skip
+        assert [(start.kwargs, start.cancelled) for start in ray_starts] == [({"log_to_driver": False}, True)]
+        ray_starts.clear()
         return status, capsys.readouterr().err
 
     return run

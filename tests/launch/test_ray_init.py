@@ -71,3 +71,50 @@ def test_another_value_error_of_ray_init_is_raised(fake_ray, monkeypatch):
     monkeypatch.setattr(fake, "init", lambda **_: (_ for _ in ()).throw(ValueError("bad num_cpus")))
     with pytest.raises(ValueError, match="bad num_cpus"):
         ray_setup.init_ray()
+
+
+def test_ray_start_runs_init_in_a_thread_and_answers_with_its_info(fake_ray, monkeypatch):
+    fake = fake_ray()
+    threads = []
+    monkeypatch.setattr(fake, "init", lambda **kw: threads.append(__import__("threading").current_thread().name)
+                        or FakeRay.init(fake, **kw))
+    start = ray_setup.RayStart(log_to_driver=False)
+    assert start.result() == ray_setup.RayInfo("127.0.0.1:8265", "/tmp/s/logs")
+    assert threads == ["rlray-ray-start"]
+    assert fake.calls[0]["log_to_driver"] is False  # rlray train without -v: workers' output stays in Ray's files
+
+
+def test_ray_start_raises_inits_error_on_the_callers_thread(fake_ray, monkeypatch):
+    fake = fake_ray()
+    monkeypatch.setattr(fake, "init", lambda **_: (_ for _ in ()).throw(ConnectionError("port 6379 taken")))
+    start = ray_setup.RayStart()
+    with pytest.raises(ConnectionError, match="port 6379 taken"):
+        start.result()
+
+
+def test_a_cancelled_start_shuts_the_ray_it_started_down(fake_ray, monkeypatch):
+    fake = fake_ray()
+    shutdowns = []
+    monkeypatch.setattr(fake, "is_initialized", lambda: bool(fake.calls) and not shutdowns, raising=False)
+    monkeypatch.setattr(fake, "shutdown", lambda: shutdowns.append(1), raising=False)
+    start = ray_setup.RayStart()
+    start.cancel()
+    assert len(fake.calls) == 1 and shutdowns == [1]
+
+
+def test_with_ray_already_running_nothing_is_started_or_stopped(fake_ray, monkeypatch):
+    fake = fake_ray()
+    monkeypatch.setattr(fake, "is_initialized", lambda: True)
+    monkeypatch.setattr(fake, "shutdown", lambda: pytest.fail("the caller's Ray was shut down"), raising=False)
+    monkeypatch.setattr(ray_setup.ray, "_private", type("P", (), {"worker": type("W", (), {"_global_node": None})}),
+                        raising=False)
+    start = ray_setup.RayStart()
+    start.cancel()
+    assert start.result() == ray_setup.RayInfo("", "") and fake.calls == []
+
+
+def test_rays_off_main_thread_note_is_dropped_and_others_kept():
+    note = ray_setup._NotMainThreadNote()
+    record = lambda msg: __import__("logging").LogRecord("ray._private.worker", 30, "f", 1, msg, (), None)  # noqa: E731
+    assert not note.filter(record("SIGTERM handler is not set because current thread is not the main thread."))
+    assert note.filter(record("Started a local Ray instance."))

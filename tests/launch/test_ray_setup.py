@@ -39,3 +39,24 @@ def test_the_controller_gets_a_fixed_policy_without_autoscaler_requests(ray_sess
     policy.after_controller_start(None)  # no coordinator actor asked for
     assert policy._coordinator_client is None
     assert policy.make_decision_for_non_running_worker_group().num_workers == 1  # the fixed size, as before
+
+
+def test_a_ray_started_off_the_main_thread_outlives_its_start(tmp_path):
+    """``RayStart`` (``rlray train``'s start beside the driver's imports): Ray's processes are started with
+    PR_SET_PDEATHSIG, which fires when the starting *thread* ends; the cluster must keep serving after the start."""
+    import subprocess
+    import sys
+
+    script = (
+        "import time, ray\n"
+        "from rlray.launch.ray_setup import RayStart\n"
+        "info = RayStart(log_to_driver=False, include_dashboard=False).result()\n"
+        "time.sleep(3)\n"  # the start's work is long done here
+        "print('sum', ray.get(ray.remote(lambda a, b: a + b).remote(2, 3), timeout=60), flush=True)\n"
+        "print('logs', info.logs_dir.endswith('/logs'))\n"
+        "ray.shutdown()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240,
+                         env={**__import__("os").environ, "RAY_ADDRESS": ""}, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "sum 5" in out.stdout and "logs True" in out.stdout, out.stdout
