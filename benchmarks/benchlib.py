@@ -427,6 +427,15 @@ def gsm8k_prompts(model: str, count: int, max_tokens: int) -> tuple[list[Any], l
     return rows, ids
 
 
+def start_ray(include_dashboard: bool | None = None) -> Any:
+    """Begins Ray's start as ``rlray train`` does and returns it (``rlray.launch.ray_setup.RayStart``: ``ray.init`` in a
+    thread, beside the caller's imports; the embedded settings, workers' output in Ray's log files); pass it to
+    ``run_training(..., ray_start=)``. ``include_dashboard=None`` is Ray's default (the dashboard starts)."""
+    from rlray.launch.ray_setup import RayStart
+
+    return RayStart(log_to_driver=False, include_dashboard=include_dashboard)
+
+
 def init_local_ray(num_cpus: int | None = None, include_dashboard: bool | None = False) -> None:
     """Starts a fresh local Ray cluster for this process (never joins a cluster another run started), with the
     worker environment ``rlray train`` gives its workers (``rlray.launch.ray_setup.worker_env``).

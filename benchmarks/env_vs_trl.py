@@ -87,20 +87,21 @@ def env_overrides(spec: EnvRunSpec) -> tuple[str, ...]:
 
 
 def child_rlray(spec: EnvRunSpec, result_path: Path) -> None:
-    """Runs rlray train on the environment and writes step ends, tokens and episode figures to ``result_path``."""
+    """Runs rlray train on the environment and writes step ends, tokens and episode figures to ``result_path``. Ray
+    starts as under ``rlray train``: beside the driver's imports and checks (``benchlib.start_ray``)."""
+    started = benchlib.process_started()
+    ray_start = benchlib.start_ray(include_dashboard=None if spec.placement == "defaults" else False)
     import torch
 
     from rlray.config import config_from_dict
     from rlray.launch.driver import run_training
 
-    started = benchlib.process_started()
     device = benchlib.device()
     gpus = torch.cuda.device_count() if device == "cuda" else 0
     spec.overrides = (*env_overrides(spec), *spec.overrides)
     cfg = config_from_dict({}, grpo.rlray_overrides(spec, 0, device, gpus))
     steps_path = Path(spec.workdir) / "steps.jsonl"
-    benchlib.init_local_ray(include_dashboard=None if spec.placement == "defaults" else False)
-    result = run_training(cfg, step_hooks=[benchlib.StepRecorder(str(steps_path))])
+    result = run_training(cfg, step_hooks=[benchlib.StepRecorder(str(steps_path))], ray_start=ray_start)
     raw = grpo.rlray_result(result.status, started, steps_path, ("env/tool_calls_mean", "env/turns_mean"))
     raw["series"] = {"tool_calls_per_episode": raw["series"]["env/tool_calls_mean"],
                      "turns_per_episode": raw["series"]["env/turns_mean"]}

@@ -189,19 +189,20 @@ def placement_note(variant: str, device: str, gpus: int, placement: str = "pinne
 
 
 def child_rlray(spec: RunSpec, max_staleness: int, result_path: Path) -> None:
-    """Runs rlray train on ``spec`` and writes per-step end times, tokens and timings to ``result_path``."""
+    """Runs rlray train on ``spec`` and writes per-step end times, tokens and timings to ``result_path``. Ray starts
+    as under ``rlray train``: beside the driver's imports and checks (``benchlib.start_ray``)."""
+    started = benchlib.process_started()
+    ray_start = benchlib.start_ray(include_dashboard=None if spec.placement == "defaults" else False)
     import torch
 
     from rlray.config import config_from_dict
     from rlray.launch.driver import run_training
 
-    started = benchlib.process_started()
     device = benchlib.device()
     gpus = torch.cuda.device_count() if device == "cuda" else 0
     cfg = config_from_dict({}, rlray_overrides(spec, max_staleness, device, gpus))
     steps_path = Path(spec.workdir) / "steps.jsonl"
-    benchlib.init_local_ray(include_dashboard=None if spec.placement == "defaults" else False)
-    result = run_training(cfg, step_hooks=[benchlib.StepRecorder(str(steps_path))])
+    result = run_training(cfg, step_hooks=[benchlib.StepRecorder(str(steps_path))], ray_start=ray_start)
     result_path.write_text(json.dumps(rlray_result(result.status, started, steps_path)))
 
 

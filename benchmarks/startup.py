@@ -8,7 +8,9 @@ fresh process, its wall time, and the ``startup/*`` seconds of its JSON summary 
 Rows (seconds; each actor's figures are its own, and actors start together, so they overlap):
 
 - checks: paths, the run plan, the preflight (model, tokenizer, data, reward functions), the step hooks;
-- ray: ``ray.init`` (an embedded local Ray) and the resources check; mlflow: the MLflow run, its params and tags;
+- ray: what is left of ``ray.init`` (an embedded local Ray, started in a thread by ``rlray train`` before the driver's
+  imports, so that most of it runs beside them and the checks) and the resources check; mlflow: the MLflow run, its
+  params and tags;
 - actors: from asking for the monitor and the rollout, environment, reference actors to the page serving (the
   engines and models load on beside the learner's start);
   per actor ``<name>`` (asked for to started), ``<name>_imports`` (to its ``__init__``: the worker process and its
@@ -19,7 +21,8 @@ Rows (seconds; each actor's figures are its own, and actors start together, so t
   driver's ``run_training`` call to the first step's end;
 - after_last_step: the last step's end to ``fit``'s return (its snapshot, the learner's finish, Ray Train's
   teardown); shutdown: to ``run_training``'s return (actors killed, Ray's logs copied);
-- total: ``run_training``; outside: wall minus total (Python's start, the CLI's imports, Ray's exit).
+- total: ``run_training``; outside: wall minus total (Python's start, the CLI's imports beside Ray's start, Ray's
+  exit).
 
 ``--variant NAME=PATH`` runs the rlray of another checkout (PATH first on PYTHONPATH; its data and configs are this
 checkout's): a checkout before the ``startup/*`` figures gives the wall time only. Variants run interleaved (each
