@@ -190,9 +190,7 @@ class AgentRollout:
 
     def _run_agents(self, agent_rows: list[int], rows: list[Any], sampling: SamplingSpec) -> list[Completion]:
         """Returns the completions of the agent rows' episodes, run on the hosts (one call per host)."""
-        actors = self.fleet.live_actors
-        if not actors:
-            raise RolloutError("no rollout actor is alive to sample the agents' calls")
+        actors = self.fleet.usable_actors()  # a killed actor is waited for (resources.node_wait_s) as a rollout does
         step_key = uuid.uuid4().hex[:12]
         by_host: dict[int, list[tuple[int, int, AgentRequest]]] = {}
         order = 0

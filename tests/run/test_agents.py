@@ -116,6 +116,12 @@ class FakeFleet:
 
     def __init__(self, partial=False):
         self.live_actors, self.version, self.partial = [None, None], 3, partial
+        self.asked = 0
+
+    def usable_actors(self):
+        """The actors ready for work (the real fleet waits here for a killed actor, ``resources.node_wait_s``)."""
+        self.asked += 1
+        return self.live_actors
 
 
 class FakeInner:
@@ -161,10 +167,24 @@ def test_a_row_naming_no_configured_agent_or_environment_is_an_error():
                          [PromptRow("d", "x", {"environment": "retry_arith"})])
 
 
+def test_an_agent_batch_takes_the_actors_the_fleet_waits_for_and_fails_when_none_is_back(monkeypatch):
+    """A rollout actor killed just before an agent batch is restarting: the batch asks the fleet for its usable actors
+    (which waits up to resources.node_wait_s for it, as a rollout does) instead of failing at once on no live actor."""
+    fleet = FakeFleet()
+    fleet.live_actors = []  # the only actor was just killed: nothing live yet
+    monkeypatch.setattr(fleet, "usable_actors", lambda: (_ for _ in ()).throw(RolloutError("none of the 1 rollout actors "
+                                                                                            "is alive")))
+    host = type("Host", (), {"run_agents": property(lambda self: pytest.fail("no batch goes out without an actor"))})()
+    rollout = AgentRollout(fleet, [host], FakeInner(), None, env_column="environment", default=None, agents=["solver"])
+    with pytest.raises(RolloutError, match="none of the 1 rollout actors is alive"):
+        rollout.generate([[1]], SamplingSpec(n=1, max_new_tokens=4, temperature=1.0),
+                         [PromptRow("a", "x", {"environment": "solver"})])
+
+
 @pytest.mark.ray
 def test_agent_rows_run_behind_the_gateway_next_to_other_rows(agent_host, tiny_tokenizer):
-    inner = FakeInner()
-    rollout = AgentRollout(FakeFleet(), [agent_host], inner, tiny_tokenizer, env_column="environment", default=None,
+    inner, fleet = FakeInner(), FakeFleet()
+    rollout = AgentRollout(fleet, [agent_host], inner, tiny_tokenizer, env_column="environment", default=None,
                            agents=list(AGENTS), prompt_column="question")
     rows = [PromptRow("a", "Add. calls=2", {"environment": "tool_agent"}), PromptRow("s", "single", {}),
             PromptRow("r", "Sum. calls=1", {"environment": "rewriting_agent"}),
@@ -172,6 +192,7 @@ def test_agent_rows_run_behind_the_gateway_next_to_other_rows(agent_host, tiny_t
     got = rollout.collect(rollout.submit([[1], [2], [3], [4]], SamplingSpec(n=2, max_new_tokens=64, temperature=1.0), rows))
     assert [(c.prompt_index, c.sample_index) for c in got] == [(p, s) for p in range(4) for s in range(2)]
     assert inner.prompts == [[[2]]]  # only the single-turn row went to the inner rollout
+    assert fleet.asked == 1  # one agent batch, on the actors the fleet found usable
     tool, single, rewrite, raised = got[0], got[2], got[4], got[6]
     assert single.episode is None and single.response_token_ids == [7, 7]
     assert (tool.episode.environment, tool.episode.stop_reason, tool.episode.env_reward) == ("tool_agent", "done", 1.0)

@@ -152,6 +152,6 @@ def test_a_rank_that_never_reaches_a_collective_is_named_with_its_stack_and_ray_
     assert head.startswith("hang: learner rank 0 (pid ") and "past watchdog.collective_s=3 s" in head
     assert "stage 5 (advantages) of step 2" in head and "ranks behind: 1 (last entered collective" in head
     assert head.endswith("exiting the rank (Ray Train restarts the group)")
-    assert 3.0 < float(re.search(r"\) for (\d+\.\d) s, past", head).group(1)) < 3.0 + 5.0  # within a poll or so
+    assert 3.0 <= float(re.search(r"\) for (\d+\.\d) s, past", head).group(1)) < 3.0 + 5.0  # within a poll or so (one decimal)
     assert "stacks of learner rank 1 (pid " in alert and "in rank_1_never_arrives" in alert
     assert [s for s, _ in get_run_metrics(uri, result.run_id)["learner/pg_loss"]][-1] == 2
