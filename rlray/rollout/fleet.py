@@ -19,9 +19,8 @@ No call hangs silently: with a ``rlray.hangs.HangWatch`` (``watchdog.*``), a gen
 actor runs one call at a time, in order) is reported with the actor's stacks, and the actor is restarted (its prompts go
 to a live actor, counted in ``rerun_prompts``; it gets the latest weights when back) or the run stops.
 
-Partial rollouts (``partial``): a push runs beside the generations in flight (``rlray.rollout.partial``), and episodes
-sample turns on threads of their own meanwhile: the fleet's state is changed under one lock (never held while a rollout
-is waited for). The async pipeline over it is ``rlray.rollout.pipeline.RolloutPipeline``.
+Partial rollouts: a push runs beside the generations in flight (``rlray.rollout.partial``), episodes sample turns on
+threads of their own: state changes under one lock, never held while waiting. Async: ``rlray.rollout.pipeline``.
 """
 
 from __future__ import annotations
@@ -70,8 +69,7 @@ class _Chunk:
 
 @dataclass
 class _Sent:
-    """A call sent to an actor and not yet seen finished: the method's name, its ObjectRef and when it was sent
-    (``time.monotonic``)."""
+    """A call sent to an actor, not yet seen finished: the method's name, its ObjectRef, when sent (``time.monotonic``)."""
 
     call: str
     ref: Any
