@@ -72,14 +72,23 @@ def reference_and_old(learner: PolicyLearner, batch: StepBatch, spec: UpdateSpec
     """Stage 4: fills ref_logprobs [B, T] (when there is a reference), teacher_logprobs [B, T] (reverse-KL
     distillation, ``spec.distill_weight > 0``), old_logprobs [B, T] (when ``spec.old_logprobs_before_update``) and
     old_values [B, T] (PPO's critic) of ``batch``; returns it. A reference or teacher actor may have filled its
-    logprobs already; the rest come from the models on this learner."""
+    logprobs already; the rest come from the models on this learner.
+
+    While the policy is still the reference (``PolicyLearner.at_reference``: a run's first step) there is no
+    reference pass: ref_logprobs are the old logprobs when they are taken here, else the update's own detached
+    logprobs (``train_minibatch``; the step is then one optimizer step, the only one before the weights move). The
+    values are the same up to float rounding between the two forwards; the KL term and its gradient are 0 at that
+    point either way (k3: exp(0) - 0 - 1)."""
     mbs = spec.batching
-    if learner.has_reference and batch.ref_logprobs is None:
+    reuse = learner.at_reference and batch.ref_logprobs is None
+    if learner.has_reference and batch.ref_logprobs is None and not reuse:
         batch.ref_logprobs = learner.logprobs(batch.inputs, reference=True, batching=mbs)
     if spec.distill_weight > 0 and batch.teacher_logprobs is None:
         batch.teacher_logprobs = learner.teacher_logprobs(batch.inputs, batching=mbs)
     if spec.old_logprobs_before_update:
         batch.old_logprobs = learner.logprobs(batch.inputs, reference=False, batching=mbs)
+        if reuse:
+            batch.ref_logprobs = batch.old_logprobs
     if learner.critic is not None:
         batch.old_values = critic_values(learner.critic, batch.inputs, batch.response_mask, mbs)
     return batch

@@ -136,6 +136,7 @@ class PolicyLearner:
             teacher.config.use_cache = False
         self.reference = self._frozen(reference)
         self.teacher = self._frozen(teacher)
+        self._at_reference = reference is not None  # the policy's weights are still the reference's (at_reference)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(optim.name, params, lr=optim.lr, betas=optim.betas,
                                         weight_decay=optim.weight_decay)
@@ -162,6 +163,17 @@ class PolicyLearner:
     def has_reference(self) -> bool:
         """Returns True when this learner can compute reference logprobs (a frozen copy, or LoRA's base)."""
         return self.reference is not None or (self.lora and self.use_reference)
+
+    @property
+    def at_reference(self) -> bool:
+        """Returns True while the policy's weights are still its frozen reference copy's: a full-weight learner with a
+        reference (not LoRA) that has taken no optimizer step and loaded no snapshot since it was built.
+
+        While it holds, reference logprobs equal the policy's own (the reference is the initial policy, scored under
+        the same code, autocast and temperature: ``FrozenScorer``), so a run's first step takes them from the policy's
+        forward instead of a reference pass (``rlray.learner.online.reference_and_old``, ``train_minibatch``).
+        """
+        return self._at_reference
 
     def take_tokens(self) -> TokenCounts:
         """Returns the tokens this learner's forward passes computed since the last call (and starts counting anew)."""
@@ -237,6 +249,7 @@ class PolicyLearner:
         batching = self.micro_batching(batching)
         teacher = self.teacher.module if self.teacher is not None else None
         packed = packs(self.model, batching.packing) and (teacher is None or packs(teacher, batching.packing))
+        at_reference = self.at_reference  # read before this optimizer step moves the weights
 
         def micro_loss(model: torch.nn.Module, mb: StepBatch):
             # the teacher's logits (JSD) live only inside this micro-batch, at the student's positions
@@ -247,6 +260,8 @@ class PolicyLearner:
             self.tokens.add(got.tokens)
             if mb.old_logprobs is None:
                 mb = dataclasses.replace(mb, old_logprobs=got.logprobs.detach())
+            if mb.ref_logprobs is None and at_reference:  # the policy is still the reference: its logprobs are
+                mb = dataclasses.replace(mb, ref_logprobs=got.logprobs.detach())  # the reference's
             return policy_objective(got.logprobs.float(), mb, spec, norm, entropy=got.entropy, jsd=got.jsd)
 
         return self.optimizer_step([mb for _, mb in microbatches(minibatch, batching, packed=packed)], micro_loss)
@@ -288,6 +303,7 @@ class PolicyLearner:
         totals["grad_norm"] = float(self.parallel.whole(grad_norm))
         if math.isfinite(totals["grad_norm"]):
             self.optimizer.step()
+            self._at_reference = False
         totals["lr"] = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         return totals
@@ -361,6 +377,7 @@ class PolicyLearner:
         shards or whole tensors, into this learner however it is sharded. A collective under FSDP2."""
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
+        self._at_reference = False
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
         if self.critic is not None:
             set_model_state_dict(self.critic.model, state["critic"]["model"])
@@ -375,6 +392,7 @@ class PolicyLearner:
         Raises:
             KeyError: the state has no critic entry but this learner has a critic.
         """
+        self._at_reference = False  # restore_learner loads a snapshot's weights with this state
         if "optimizer" in state:  # absent from a sharded learner's state: it is in sharded_state_dict
             self.parallel.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

@@ -112,3 +112,59 @@ def test_export_weights_dtype_and_names(tiny_model_path):
     w = learner.export_weights(torch.bfloat16)
     assert set(w) == set(learner.module.state_dict())
     assert all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in w.values())
+
+
+@pytest.mark.parametrize(("dtype", "estimator"), [("float32", "k1"), ("bfloat16", "k1"), ("float32", "k3")])
+def test_first_step_takes_reference_logprobs_from_the_policy(tiny_model_path, tiny_tokenizer, dtype, estimator):
+    """While the policy is still the reference (a run's first step) stage 4 makes no reference pass: the update takes
+    its own detached logprobs as ref_logprobs, which gives the reference pass's step (KL 0, the same gradient: k1's is
+    kl_coef x the logprobs' own, which a step without the KL term would lose) and leaves ``at_reference`` False after
+    the optimizer step."""
+    from types import SimpleNamespace
+
+    from rlray.learner import online
+
+    pad = tiny_tokenizer.pad_token_id
+    batch = schema.collate(_table(pad), pad)
+    batch.advantages = torch.randn(batch.inputs.response_ids.shape, generator=torch.Generator().manual_seed(3))
+    batch.advantages = batch.advantages * batch.response_mask
+    spec = LossSpec(clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.5, kl_estimator=estimator, loss_agg="token-mean",
+                    max_response_tokens=16)
+    norm = Normaliser(float(batch.response_mask.sum()), 8.0, 1)
+    stage4 = SimpleNamespace(batching=MicroBatching(3), distill_weight=0.0, old_logprobs_before_update=False)
+
+    def step(learner, ref_logprobs):
+        b = dataclasses.replace(batch, ref_logprobs=ref_logprobs)
+        stats = learner.train_minibatch(b, spec, norm, MicroBatching(3))
+        return stats, {n: p.grad.clone() for n, p in learner.module.named_parameters()}
+
+    reused, passed = _learner(tiny_model_path, dtype=dtype), _learner(tiny_model_path, dtype=dtype)
+    assert reused.at_reference and passed.at_reference
+    calls = []
+    reused.reference.logprobs = lambda *a, **k: calls.append(a)  # a reference pass would be recorded here
+    assert online.reference_and_old(reused, dataclasses.replace(batch), stage4).ref_logprobs is None and not calls
+    s_reused, g_reused = step(reused, None)
+    s_passed, g_passed = step(passed, passed.logprobs(batch.inputs, reference=True, batching=MicroBatching(3)))
+    assert s_reused["kl_sum"] == 0.0  # exactly: the KL of a logprob against itself
+    assert abs(s_passed["kl_sum"]) < 1e-4 * norm.num_tokens and s_reused["tokens"] == s_passed["tokens"]
+    assert s_reused["loss"] == pytest.approx(s_passed["loss"], abs=1e-5)
+    for name in g_reused:
+        torch.testing.assert_close(g_reused[name], g_passed[name], atol=1e-5, rtol=1e-3, msg=name)
+    assert not reused.at_reference and not passed.at_reference  # the weights moved: step 2 makes its reference pass
+    del reused.reference.logprobs
+    got = online.reference_and_old(reused, dataclasses.replace(batch), stage4).ref_logprobs
+    torch.testing.assert_close(got, passed.logprobs(batch.inputs, reference=True, batching=MicroBatching(3)))
+    # old logprobs taken before the update (off-policy, or the KL in the reward): they are the reference's too
+    fresh = _learner(tiny_model_path, dtype=dtype)
+    off = online.reference_and_old(fresh, dataclasses.replace(batch), SimpleNamespace(**{**vars(stage4), "old_logprobs_before_update": True}))
+    assert off.ref_logprobs is off.old_logprobs
+    assert torch.equal(off.ref_logprobs, fresh.logprobs(batch.inputs, reference=True, batching=MicroBatching(3)))
+
+
+def test_at_reference_holds_only_for_an_untouched_full_weight_learner(tiny_model_path):
+    assert not _learner(tiny_model_path, use_reference=False).at_reference  # no reference to be equal to
+    lora = _learner(tiny_model_path, lora={"rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj"]})
+    assert lora.has_reference and not lora.at_reference  # the reference is the base with the adapters off
+    restored = _learner(tiny_model_path)
+    restored.load_state_dict(restored.state_dict())  # restore_learner loads a snapshot's weights with this state
+    assert not restored.at_reference
