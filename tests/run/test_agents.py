@@ -15,11 +15,12 @@ import pytest
 import ray
 
 from rlray.data import PromptRow
+from rlray.envs.agents.agent_host import GatewayStats
 from rlray.envs.agents.conversation import Sampled
 from rlray.hangs import ActorProcess, HangError, HangWatch
 from rlray.rollout import Completion, SamplingSpec
 from rlray.rollout.fleet import RolloutError
-from rlray.run.agents import AgentRollout, FleetSampler, agent_metrics
+from rlray.run.agents import AgentRollout, FleetSampler, agent_metrics, gateway_metrics
 from rlray.run.episodes import await_hosts
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "agents.py"
@@ -181,6 +182,27 @@ def test_an_agent_batch_takes_the_actors_the_fleet_waits_for_and_fails_when_none
                          [PromptRow("a", "x", {"environment": "solver"})])
 
 
+def test_gateway_metrics_are_each_step_s_deltas_summed_over_the_hosts():
+    """Two hosts' cumulative counters read after two agent batches: each take logs what the gateways did since the
+    previous take; a host whose counts went down was restarted and counts from 0; nothing read since, zeros."""
+    rollout = AgentRollout(FakeFleet(), [object(), object()], FakeInner(), None, env_column="environment",
+                           default=None, agents=["solver"])
+    wrapped = types.SimpleNamespace(inner=rollout)  # as RerunOnFault holds it
+    rollout.count_gateway({0: GatewayStats(calls=6, engine_calls=2, engine_prompts=6, batch_wait_s=0.5),
+                           1: GatewayStats(calls=4, engine_calls=2, engine_prompts=4, batch_wait_s=0.25)})
+    assert gateway_metrics(wrapped) == {"env/agent_engine_calls": 4.0, "env/agent_prompts_per_engine_call": 10 / 4,
+                                        "env/agent_batch_wait_s": 0.75}
+    # step 2: host 0 did 3 more calls in 3 engine calls; host 1 was restarted and did 2 calls in 1 engine call
+    rollout.count_gateway({0: GatewayStats(calls=9, engine_calls=5, engine_prompts=9, batch_wait_s=1.5),
+                           1: GatewayStats(calls=2, engine_calls=1, engine_prompts=2, batch_wait_s=0.125)})
+    assert gateway_metrics(wrapped) == {"env/agent_engine_calls": 4.0, "env/agent_prompts_per_engine_call": 5 / 4,
+                                        "env/agent_batch_wait_s": 1.125}
+    rollout.count_gateway({})  # a batch whose hosts did not answer: the step logs zeros, a later read counts them
+    assert gateway_metrics(rollout) == {"env/agent_engine_calls": 0.0, "env/agent_prompts_per_engine_call": 0.0,
+                                        "env/agent_batch_wait_s": 0.0}
+    assert gateway_metrics(FakeInner()) == {}  # no agent rollout in the run
+
+
 @pytest.mark.ray
 def test_agent_rows_run_behind_the_gateway_next_to_other_rows(agent_host, tiny_tokenizer):
     inner, fleet = FakeInner(), FakeFleet()
@@ -189,6 +211,8 @@ def test_agent_rows_run_behind_the_gateway_next_to_other_rows(agent_host, tiny_t
     rows = [PromptRow("a", "Add. calls=2", {"environment": "tool_agent"}), PromptRow("s", "single", {}),
             PromptRow("r", "Sum. calls=1", {"environment": "rewriting_agent"}),
             PromptRow("x", "Hi", {"environment": "raising_agent"})]
+    rollout.count_gateway({0: ray.get(agent_host.gateway_stats.remote())})  # the module's earlier batches: not this step's
+    rollout.take_gateway_metrics()
     got = rollout.collect(rollout.submit([[1], [2], [3], [4]], SamplingSpec(n=2, max_new_tokens=64, temperature=1.0), rows))
     assert [(c.prompt_index, c.sample_index) for c in got] == [(p, s) for p in range(4) for s in range(2)]
     assert inner.prompts == [[[2]]]  # only the single-turn row went to the inner rollout
@@ -209,6 +233,12 @@ def test_agent_rows_run_behind_the_gateway_next_to_other_rows(agent_host, tiny_t
     metrics = agent_metrics(got, set(AGENTS))
     assert metrics == {"env/template_drift": 2.0, "env/gateway_calls": 3 + 3 + 2 + 2 + 1 + 1,
                        "env/gateway_calls_mean": (3 + 3 + 2 + 2 + 1 + 1) / 6}
+    # the host's batchers carried the step's 12 gateway calls (one prompt each) in its engine calls, read once
+    gateway = rollout.take_gateway_metrics()
+    assert set(gateway) == {"env/agent_engine_calls", "env/agent_prompts_per_engine_call", "env/agent_batch_wait_s"}
+    assert 1 <= gateway["env/agent_engine_calls"] <= 12 and gateway["env/agent_batch_wait_s"] >= 0.0
+    assert gateway["env/agent_engine_calls"] * gateway["env/agent_prompts_per_engine_call"] == pytest.approx(12.0)
+    assert rollout.take_gateway_metrics()["env/agent_engine_calls"] == 0.0  # nothing since
 
 
 @pytest.mark.ray
