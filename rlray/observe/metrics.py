@@ -266,12 +266,12 @@ _STEP_METRICS: tuple[Metric, ...] = (
            "segment, trained as a sequence of its own (0 while agents only extend their conversations)"),
     Metric("env/gateway_calls", "count", "chat or completion calls the gateway answered in the step's agent episodes"),
     Metric("env/gateway_calls_mean", "calls", "mean chat or completion calls the gateway answered per agent episode"),
-    Metric("env/agent_engine_calls", "count", "engine calls the agent hosts' batchers sent since the previous step's "
-           "metrics (each carries the waiting gateway calls to one rollout actor), summed over the hosts"),
+    Metric("env/agent_engine_calls", "count", "engine calls the agent hosts' batchers sent for the step's agent "
+           "episodes (each carries waiting gateway calls to one rollout actor), summed over the hosts"),
     Metric("env/agent_prompts_per_engine_call", "prompts", "gateway calls per engine call of env/agent_engine_calls "
            "(how well env.agent_batching batched them; 0 without an engine call)"),
-    Metric("env/agent_batch_wait_s", "s", "seconds the engine calls of env/agent_engine_calls waited for their batch "
-           "(from a call's first request to its send), summed over the calls and hosts"),
+    Metric("timing/agent_batch_wait_s", "s", "seconds the engine calls of env/agent_engine_calls waited for their "
+           "batch (from a call's first request to its send), summed over the calls and hosts (logged with agents)"),
 )
 _EVAL_METRICS: tuple[Metric, ...] = (
     Metric("eval/reward_mean", "reward", "mean reward of the greedy evaluation completions that have one"),

@@ -91,11 +91,16 @@ class AgentInfo:
             the last one); [] otherwise.
         gateway_calls: the episode's chat or completion calls answered by the gateway.
         template_drift: the episode's history rewrites, i.e. ``len(segments)`` cuts.
+        engine_calls, engine_prompts, batch_wait_s: its host batch's engine calls, their prompts and the seconds they
+            waited for their batch, on one episode per batch (0 on the others; ``AgentReply``).
     """
 
     segments: list[Completion] = field(default_factory=list)
     gateway_calls: int = 0
     template_drift: int = 0
+    engine_calls: int = 0
+    engine_prompts: int = 0
+    batch_wait_s: float = 0.0
 
 
 @dataclass

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import threading
 import uuid
 from concurrent.futures import Future
 from typing import Any
@@ -26,7 +25,7 @@ from typing import Any
 import ray
 
 from rlray.envs.agents import AgentReply, AgentRequest
-from rlray.envs.agents.agent_host import AgentBatch, GatewayStats
+from rlray.envs.agents.agent_host import AgentBatch
 from rlray.envs.agents.conversation import Sampled
 from rlray.envs.episode import FAILED_STOP_REASONS
 from rlray.hangs import HangWatch
@@ -138,9 +137,6 @@ class AgentRollout:
         self.environments = set(environments)
         self.prompt_column = prompt_column
         self.watch, self.episode_timeout_s = watch, episode_timeout_s
-        self._gateway_seen: dict[int, GatewayStats] = {}  # host -> its counters as last read
-        self._gateway_new = GatewayStats()  # counted since the last take
-        self._gateway_lock = threading.Lock()  # batches run on background threads, the take on the step's
 
     @property
     def version(self) -> int:
@@ -224,51 +220,7 @@ class AgentRollout:
                 if reply is None:
                     reply = AgentReply(request.key, [], "actor_died", message=f"environment host {h} died")
                 out.append(self._completion(p, s, request.agent, reply))
-        self._read_gateways(sorted(by_host))
         return out
-
-    def _read_gateways(self, used: list[int], timeout_s: float = 10.0) -> None:
-        """Counts what the gateways of hosts ``used`` did since their last read (``count_gateway``); a host that does not
-        answer within ``timeout_s`` or has died is left out (a later read counts it)."""
-        refs = {h: self.hosts[h].gateway_stats.remote() for h in used}
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
-        got = {}
-        for h, ref in refs.items():
-            try:
-                got[h] = ray.get(ref) if ref in ready else None
-            except Exception:  # noqa: BLE001 - a dead host's episodes are counted where they fail
-                got[h] = None
-        self.count_gateway({h: stats for h, stats in got.items() if stats is not None})
-
-    def count_gateway(self, now: dict[int, GatewayStats]) -> None:
-        """Adds what each host's gateway did since its previous read to the counts of the next take: ``now`` maps a host
-        to its ``GatewayStats`` (cumulative since it started); a host whose counts went down was restarted and counts
-        from 0."""
-        with self._gateway_lock:
-            total = self._gateway_new
-            for h, stats in now.items():
-                before = self._gateway_seen.get(h) or GatewayStats()
-                if stats.calls < before.calls or stats.engine_calls < before.engine_calls:
-                    before = GatewayStats()
-                total = GatewayStats(total.calls + stats.calls - before.calls,
-                                     total.engine_calls + stats.engine_calls - before.engine_calls,
-                                     total.engine_prompts + stats.engine_prompts - before.engine_prompts,
-                                     total.batch_wait_s + stats.batch_wait_s - before.batch_wait_s)
-                self._gateway_seen[h] = stats
-            self._gateway_new = total
-
-    def take_gateway_metrics(self) -> dict[str, float]:
-        """Returns the gateways' work since the previous take, summed over the hosts: env/agent_engine_calls (engine calls
-        their batchers sent), env/agent_prompts_per_engine_call (prompts per such call; 0 without one) and
-        env/agent_batch_wait_s (seconds those calls waited for their batch); 0s when nothing was read since.
-
-        A step's take holds the batches whose hosts were read since the previous take: under async rollouts
-        (rollout.max_staleness) a later step's batch that ended first, and evaluation's; no call is counted twice."""
-        with self._gateway_lock:
-            new, self._gateway_new = self._gateway_new, GatewayStats()
-        return {"env/agent_engine_calls": float(new.engine_calls),
-                "env/agent_prompts_per_engine_call": new.engine_prompts / new.engine_calls if new.engine_calls else 0.0,
-                "env/agent_batch_wait_s": float(new.batch_wait_s)}
 
     def _completion(self, p: int, s: int, agent: str, reply: AgentReply) -> Completion:
         """Returns an agent episode's completion: its last segment, the earlier ones in ``episode.agent.segments``."""
@@ -287,7 +239,9 @@ class AgentRollout:
             turn_rewards=[None] * max(turns - 1, 0) + [reply.reward] if turns else [], env_reward=reply.reward,
             failed=failed, tool_calls=reply.tool_calls, tool_errors=reply.tool_errors,
             observation_tokens=sum(seg.observation_tokens for seg in reply.segments), metrics=dict(reply.metrics),
-            scores=dict(reply.scores), message=reply.message, agent=AgentInfo(segments[:-1], gateway_calls=reply.calls, template_drift=reply.drift),
+            scores=dict(reply.scores), message=reply.message, agent=AgentInfo(
+                segments[:-1], gateway_calls=reply.calls, template_drift=reply.drift, engine_calls=reply.engine_calls,
+                engine_prompts=reply.engine_prompts, batch_wait_s=reply.batch_wait_s),
         )
         if not segments:  # no answered call: one masked-out placeholder token
             eos = int(self.tokenizer.eos_token_id)
@@ -309,23 +263,19 @@ def host_sampling(sampling: SamplingSpec, host: int) -> SamplingSpec:
 
 
 def agent_metrics(completions: list[Completion], agents: set[str]) -> dict[str, float]:
-    """Returns env/template_drift (history rewrites, summed), env/gateway_calls (calls answered, summed) and
-    env/gateway_calls_mean (calls answered per episode) over the step's agent episodes (those whose environment is in
-    ``agents``); {} when the step has none."""
+    """Returns env/template_drift (history rewrites, summed), env/gateway_calls (calls answered, summed),
+    env/gateway_calls_mean (calls answered per episode), env/agent_engine_calls (the hosts' engine calls of the step's
+    batches, summed), env/agent_prompts_per_engine_call (prompts per such call; 0 without one) and
+    timing/agent_batch_wait_s (seconds those calls waited for their batch, summed; wall clock) over the step's agent
+    episodes (those whose environment is in ``agents``); {} when the step has none."""
     eps = [c.episode.agent or AgentInfo() for c in completions
            if c.episode is not None and c.episode.environment in agents]
     if not eps:
         return {}
+    engine_calls = sum(e.engine_calls for e in eps)
     return {"env/template_drift": float(sum(e.template_drift for e in eps)),
             "env/gateway_calls": float(sum(e.gateway_calls for e in eps)),
-            "env/gateway_calls_mean": float(sum(e.gateway_calls for e in eps) / len(eps))}
-
-
-def gateway_metrics(rollouts: Any) -> dict[str, float]:
-    """Returns ``AgentRollout.take_gateway_metrics`` of the agent rollout in ``rollouts`` (itself, or the one a wrapper
-    holds as ``inner``, e.g. ``RerunOnFault``); {} without one."""
-    for _ in range(4):  # the wrappers' depth is small; no cycle is followed
-        if isinstance(rollouts, AgentRollout):
-            return rollouts.take_gateway_metrics()
-        rollouts = getattr(rollouts, "inner", None)
-    return {}
+            "env/gateway_calls_mean": float(sum(e.gateway_calls for e in eps) / len(eps)),
+            "env/agent_engine_calls": float(engine_calls),
+            "env/agent_prompts_per_engine_call": sum(e.engine_prompts for e in eps) / engine_calls if engine_calls else 0.0,
+            "timing/agent_batch_wait_s": float(sum(e.batch_wait_s for e in eps))}

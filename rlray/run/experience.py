@@ -33,7 +33,7 @@ from rlray.reward.judges.panel import JudgePanel
 from rlray.reward.server import ScoreResult
 from rlray.rollout import Completion, SamplingSpec
 from rlray.run import build, online_sampling, segments
-from rlray.run.agents import agent_metrics, gateway_metrics
+from rlray.run.agents import agent_metrics
 from rlray.run.context import StepAlert
 from rlray.run.episodes import add_env_reward, episode_metrics, server_restarts
 from rlray.run.failures import failure_alerts, reward_failures, sample_failure, watch_learning
@@ -136,10 +136,7 @@ def collect_experience(lead: OnlineLead, plan: RunPlan, tokenizer: Any, step: in
                              mask_truncated=mask_truncated, failures=failures, judge_outputs=drawn.judge_outputs)
     stats = rollout_stats(table, drawn.rewards, cfg.learner.prompts_per_step, policy_version, mask_truncated=mask_truncated)
     stats.update(episode_metrics(drawn.completions))
-    agents = agent_metrics(drawn.completions, set(cfg.env.agents))  # {} on a step without agent episodes
-    stats.update(agents)
-    if agents:  # the gateways' batching since the previous step's take (engine calls, their batch wait)
-        stats.update(gateway_metrics(lead.rollouts))
+    stats.update(agent_metrics(drawn.completions, set(cfg.env.agents)))
     if cfg.env.servers or cfg.env.agents:  # servers the hosts run (env.servers, agents' verifiers bridges)
         stats.update(server_restarts(getattr(lead.rollouts, "hosts", [])))
     alerts = failure_alerts(drawn.completions, failures)

@@ -268,8 +268,13 @@ def test_a_thousand_scripted_episodes_log_zero_drift(host):
     from rlray.rollout.types import AgentInfo, EpisodeInfo
 
     done = [Completion(0, i, [1], [0.0], "stop", 0, episode=EpisodeInfo(
-        "tool_agent", "done", r.calls, agent=AgentInfo(gateway_calls=r.calls, template_drift=r.drift)))
+        "tool_agent", "done", r.calls, agent=AgentInfo(gateway_calls=r.calls, template_drift=r.drift,
+                                                       engine_calls=r.engine_calls, engine_prompts=r.engine_prompts,
+                                                       batch_wait_s=r.batch_wait_s)))
             for i, r in enumerate(replies)]
-    assert agent_metrics(done, {"tool_agent"}) == {"env/template_drift": 0.0, "env/gateway_calls": 3.0 * len(done),
-                                                   "env/gateway_calls_mean": 3.0}
+    metrics = agent_metrics(done, {"tool_agent"})
+    assert metrics.pop("timing/agent_batch_wait_s") >= 0.0
+    # lockstep: each of the 4 actors' engine calls carries every running episode's next call; the longest take 5
+    assert metrics == {"env/template_drift": 0.0, "env/gateway_calls": 3.0 * len(done), "env/gateway_calls_mean": 3.0,
+                       "env/agent_engine_calls": 20.0, "env/agent_prompts_per_engine_call": 3000 / 20}
     assert took < 120, f"1,000 scripted episodes took {took:.0f} s"

@@ -15,12 +15,12 @@ import pytest
 import ray
 
 from rlray.data import PromptRow
-from rlray.envs.agents.agent_host import GatewayStats
 from rlray.envs.agents.conversation import Sampled
 from rlray.hangs import ActorProcess, HangError, HangWatch
 from rlray.rollout import Completion, SamplingSpec
 from rlray.rollout.fleet import RolloutError
-from rlray.run.agents import AgentRollout, FleetSampler, agent_metrics, gateway_metrics
+from rlray.rollout.types import AgentInfo, EpisodeInfo
+from rlray.run.agents import AgentRollout, FleetSampler, agent_metrics
 from rlray.run.episodes import await_hosts
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "agents.py"
@@ -182,25 +182,24 @@ def test_an_agent_batch_takes_the_actors_the_fleet_waits_for_and_fails_when_none
                          [PromptRow("a", "x", {"environment": "solver"})])
 
 
-def test_gateway_metrics_are_each_step_s_deltas_summed_over_the_hosts():
-    """Two hosts' cumulative counters read after two agent batches: each take logs what the gateways did since the
-    previous take; a host whose counts went down was restarted and counts from 0; nothing read since, zeros."""
-    rollout = AgentRollout(FakeFleet(), [object(), object()], FakeInner(), None, env_column="environment",
-                           default=None, agents=["solver"])
-    wrapped = types.SimpleNamespace(inner=rollout)  # as RerunOnFault holds it
-    rollout.count_gateway({0: GatewayStats(calls=6, engine_calls=2, engine_prompts=6, batch_wait_s=0.5),
-                           1: GatewayStats(calls=4, engine_calls=2, engine_prompts=4, batch_wait_s=0.25)})
-    assert gateway_metrics(wrapped) == {"env/agent_engine_calls": 4.0, "env/agent_prompts_per_engine_call": 10 / 4,
-                                        "env/agent_batch_wait_s": 0.75}
-    # step 2: host 0 did 3 more calls in 3 engine calls; host 1 was restarted and did 2 calls in 1 engine call
-    rollout.count_gateway({0: GatewayStats(calls=9, engine_calls=5, engine_prompts=9, batch_wait_s=1.5),
-                           1: GatewayStats(calls=2, engine_calls=1, engine_prompts=2, batch_wait_s=0.125)})
-    assert gateway_metrics(wrapped) == {"env/agent_engine_calls": 4.0, "env/agent_prompts_per_engine_call": 5 / 4,
-                                        "env/agent_batch_wait_s": 1.125}
-    rollout.count_gateway({})  # a batch whose hosts did not answer: the step logs zeros, a later read counts them
-    assert gateway_metrics(rollout) == {"env/agent_engine_calls": 0.0, "env/agent_prompts_per_engine_call": 0.0,
-                                        "env/agent_batch_wait_s": 0.0}
-    assert gateway_metrics(FakeInner()) == {}  # no agent rollout in the run
+def test_each_step_logs_the_engine_calls_of_its_own_agent_batches_summed_over_the_hosts():
+    """A host batch's engine calls ride on its first episode (AgentInfo), so a step's metrics sum its own batches:
+    step 1 ran a batch on each of two hosts, step 2 one batch; a single-turn step logs no agent keys."""
+    def episode(calls, engine_calls=0, prompts=0, wait_s=0.0):
+        info = AgentInfo(gateway_calls=calls, engine_calls=engine_calls, engine_prompts=prompts, batch_wait_s=wait_s)
+        return Completion(0, 0, [1], [0.0], "stop", 0, episode=EpisodeInfo("solver", "done", calls, [None], agent=info))
+
+    # host 0: 3 episodes, 6 calls in 2 engine calls that waited 0.5 s; host 1: 2 episodes, 4 calls in 2, 0.25 s
+    step1 = [episode(2, 2, 6, 0.5), episode(2), episode(2), episode(2, 2, 4, 0.25), episode(2)]
+    step2 = [episode(3, 3, 5, 1.5), episode(2)]  # one host: 5 calls in 3 engine calls
+    assert agent_metrics(step1, {"solver"}) == {
+        "env/template_drift": 0.0, "env/gateway_calls": 10.0, "env/gateway_calls_mean": 2.0,
+        "env/agent_engine_calls": 4.0, "env/agent_prompts_per_engine_call": 10 / 4, "timing/agent_batch_wait_s": 0.75}
+    got = agent_metrics(step2, {"solver"})
+    assert (got["env/agent_engine_calls"], got["env/agent_prompts_per_engine_call"], got["timing/agent_batch_wait_s"]) \
+        == (3.0, 5 / 3, 1.5)
+    assert agent_metrics([episode(0)], {"solver"})["env/agent_prompts_per_engine_call"] == 0.0  # no engine call
+    assert agent_metrics([Completion(0, 0, [1], [0.0], "stop", 0)], {"solver"}) == {}  # no agent episode
 
 
 @pytest.mark.ray
@@ -211,8 +210,6 @@ def test_agent_rows_run_behind_the_gateway_next_to_other_rows(agent_host, tiny_t
     rows = [PromptRow("a", "Add. calls=2", {"environment": "tool_agent"}), PromptRow("s", "single", {}),
             PromptRow("r", "Sum. calls=1", {"environment": "rewriting_agent"}),
             PromptRow("x", "Hi", {"environment": "raising_agent"})]
-    rollout.count_gateway({0: ray.get(agent_host.gateway_stats.remote())})  # the module's earlier batches: not this step's
-    rollout.take_gateway_metrics()
     got = rollout.collect(rollout.submit([[1], [2], [3], [4]], SamplingSpec(n=2, max_new_tokens=64, temperature=1.0), rows))
     assert [(c.prompt_index, c.sample_index) for c in got] == [(p, s) for p in range(4) for s in range(2)]
     assert inner.prompts == [[[2]]]  # only the single-turn row went to the inner rollout
@@ -231,14 +228,14 @@ def test_agent_rows_run_behind_the_gateway_next_to_other_rows(agent_host, tiny_t
     # the raising agent failed: its episode is out of the update, the step goes on
     assert raised.episode.failed and raised.episode.stop_reason == "env_error" and "the agent broke" in raised.episode.message
     metrics = agent_metrics(got, set(AGENTS))
+    # the host's one batch: its engine calls carried the step's 12 gateway calls, one prompt each
+    batching = {k: metrics.pop(k) for k in ("env/agent_engine_calls", "env/agent_prompts_per_engine_call",
+                                            "timing/agent_batch_wait_s")}
     assert metrics == {"env/template_drift": 2.0, "env/gateway_calls": 3 + 3 + 2 + 2 + 1 + 1,
                        "env/gateway_calls_mean": (3 + 3 + 2 + 2 + 1 + 1) / 6}
-    # the host's batchers carried the step's 12 gateway calls (one prompt each) in its engine calls, read once
-    gateway = rollout.take_gateway_metrics()
-    assert set(gateway) == {"env/agent_engine_calls", "env/agent_prompts_per_engine_call", "env/agent_batch_wait_s"}
-    assert 1 <= gateway["env/agent_engine_calls"] <= 12 and gateway["env/agent_batch_wait_s"] >= 0.0
-    assert gateway["env/agent_engine_calls"] * gateway["env/agent_prompts_per_engine_call"] == pytest.approx(12.0)
-    assert rollout.take_gateway_metrics()["env/agent_engine_calls"] == 0.0  # nothing since
+    assert 1 <= batching["env/agent_engine_calls"] <= 12 and batching["timing/agent_batch_wait_s"] >= 0.0
+    assert round(batching["env/agent_engine_calls"] * batching["env/agent_prompts_per_engine_call"]) == 12
+    assert sum(c.episode.agent.engine_calls > 0 for c in got if c.episode is not None) == 1  # counted once
 
 
 @pytest.mark.ray

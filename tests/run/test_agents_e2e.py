@@ -54,11 +54,10 @@ def test_the_readme_agent_command_trains_and_evaluates(ray_session, tmp_path, mo
     assert metrics["env/failed"] == [0.0, 0.0] and metrics["reward/failed"] == [0.0, 0.0]
     assert metrics["env/template_drift"] == [0.0, 0.0]  # the agent only extends its conversation
     assert all(v >= 1.0 for v in metrics["env/gateway_calls_mean"]) and all(v >= 1.0 for v in metrics["env/turns_mean"])
-    # the hosts' batchers: each step logs the engine calls read since the previous step's; together they carried
-    # every training step's gateway calls (one prompt each; an evaluation batch read before a step adds its own)
+    # the hosts' batchers: each step's engine calls carried that step's gateway calls, one prompt each
     engine_calls, per_call = metrics["env/agent_engine_calls"], metrics["env/agent_prompts_per_engine_call"]
-    assert len(engine_calls) == 2 and sum(engine_calls) >= 1.0 and all(v >= 0.0 for v in metrics["env/agent_batch_wait_s"])
-    assert sum(round(c * p) for c, p in zip(engine_calls, per_call, strict=True)) >= sum(metrics["env/gateway_calls"])
+    assert all(v >= 1.0 for v in engine_calls) and all(v >= 0.0 for v in metrics["timing/agent_batch_wait_s"])
+    assert [round(c * p) for c, p in zip(engine_calls, per_call, strict=True)] == metrics["env/gateway_calls"]
     assert all(0.0 <= v <= 1.0 for v in metrics["reward/env"])
     assert all(math.isfinite(v) for v in metrics["learner/pg_loss"]) and len(metrics["learner/pg_loss"]) == 2
     assert metrics["rollout/staleness_max"][1] <= 1.0

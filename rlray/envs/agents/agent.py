@@ -94,6 +94,9 @@ class AgentReply:
         calls: calls answered; refused: calls refused; drift: history rewrites (segments cut).
         tool_calls, tool_errors: tool calls in the answers plus unparsable ones, and those that failed (unparsable, and
             MCP calls through ``episode_tools`` that failed or timed out).
+        engine_calls, engine_prompts, batch_wait_s: the host batch's engine calls, the prompts they carried and the
+            seconds they waited for their batch (``agent_host.GatewayStats``), on the batch's first reply only (0 on
+            the others: a sum over the replies counts each batch once).
     """
 
     key: str
@@ -108,6 +111,9 @@ class AgentReply:
     drift: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
+    engine_calls: int = 0
+    engine_prompts: int = 0
+    batch_wait_s: float = 0.0
 
 
 class EpisodeTools:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable
@@ -302,7 +303,8 @@ class AgentRunner:
         """
         if self.sampler_factory is None:
             raise ValueError("AgentHost was built without a sampler_factory: it cannot sample agents' calls")
-        batcher = TickBatcher(self.sampler_factory(batch.actors, batch.sampling, batch.min_version), self.stats,
+        own = GatewayStats()  # this batch's engine calls (its first reply carries them), added to the host's after
+        batcher = TickBatcher(self.sampler_factory(batch.actors, batch.sampling, batch.min_version), own,
                               self._call_s, self.batching)
         limits = self.limits.with_max_new_tokens(batch.max_new_tokens)
         for request in batch.episodes:  # every episode counts before any asks: the first call waits for them all
@@ -317,7 +319,16 @@ class AgentRunner:
                 batcher.leave(request.actor_key)
                 self._batchers.pop(request.key, None)
 
-        return list(await asyncio.gather(*(one(r) for r in batch.episodes)))
+        try:
+            replies = list(await asyncio.gather(*(one(r) for r in batch.episodes)))
+        finally:
+            self.stats.engine_calls += own.engine_calls
+            self.stats.engine_prompts += own.engine_prompts
+            self.stats.batch_wait_s += own.batch_wait_s
+        if replies:  # once per batch, so a step's sum over its episodes counts each batch once
+            replies[0] = dataclasses.replace(replies[0], engine_calls=own.engine_calls,
+                                             engine_prompts=own.engine_prompts, batch_wait_s=own.batch_wait_s)
+        return replies
 
     async def sample(self, episode: GatewayEpisode, prompt: list[int], max_new_tokens: int,
                      stop: tuple[str, ...]) -> Sampled:
