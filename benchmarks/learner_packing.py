@@ -144,8 +144,9 @@ def step_table(name: str, tokenizer: Any, seed: int = 0):
 
 def run_variant(name: str, variant: str, model: str, dtype: str, budget: int, repeats: int,
                 warmup: int) -> dict[str, Any]:
-    """Returns stage seconds (median of ``repeats``, after ``warmup`` passes not counted) and the tokens computed of
-    ``variant`` on one step of workload ``name``."""
+    """Returns stage seconds (median of ``repeats``, after ``warmup`` passes not counted, at least one: a learner's
+    first step makes no reference pass, ``PolicyLearner.at_reference``) and the tokens computed of ``variant`` on one
+    step of workload ``name`` after the first."""
     import torch
 
     from rlray.config import load_config
@@ -169,6 +170,7 @@ def run_variant(name: str, variant: str, model: str, dtype: str, budget: int, re
     learner = PolicyLearner(model_dir, **build.learner_kwargs(cfg, 1))
     norms = _norms(batch, cfg)
     stage4, stage6, tokens = [], [], {}
+    warmup = max(warmup, 1)
     for i in range(warmup + repeats):  # the warm-up passes build the kernels' shapes once; they are not counted
         fresh = dataclasses.replace(batch)
         start = time.perf_counter()

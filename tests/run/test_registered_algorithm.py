@@ -96,12 +96,15 @@ def test_a_registered_algorithm_runs_a_step(sign_grpo_algorithm, tiny_model_path
     signs = torch.tensor([1.0, -1.0, 1.0, -1.0, -1.0, -1.0, 1.0, -1.0])
     expected = torch.where(batch.response_mask, signs[:, None], 0.0)
     assert torch.equal(batch.advantages, expected)
-    assert batch.returns is None and batch.ref_logprobs is not None  # the KL to the reference is on
+    # the KL to the reference is on; at the first step the policy is the reference, and the update takes its own
+    # detached logprobs as the reference's (no reference pass in stage 4)
+    assert batch.returns is None and batch.ref_logprobs is None and learner.has_reference
     # on-policy (ratio 1) the PPO-clip loss of a token is -A: token mean -(3 - 2 + 4 - 1 - 2 - 5 + 3 - 3) / 23
     assert metrics["learner/pg_loss"] == pytest.approx(3 / 23, abs=1e-6)
     assert all(math.isfinite(v) for v in metrics.values())
     changed = [n for n, p in learner.module.named_parameters() if not torch.equal(p.detach(), before[n])]
     assert changed and metrics["learner/grad_norm"] > 0  # the step moved the policy
+    assert metrics["algo/kl"] == 0.0 and not learner.at_reference  # the next step makes its reference pass
 
 
 def test_the_config_names_a_user_algorithm_and_every_validation_loads_it(example):
