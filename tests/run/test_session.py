@@ -351,6 +351,51 @@ def test_a_hang_in_evaluation_under_on_hang_stop_keeps_the_step_then_ends_the_ru
             assert series(env, run_id, "learner/loss") == [] and checkpoint.latest_snapshot(run_dir) is None
 
 
+def test_an_async_runs_hang_in_evaluation_under_stop_keeps_its_rollout_in_flight_for_the_resume(env):
+    """Async (rollout.max_staleness=1, overlap on), watchdog.on_hang=stop: the evaluation after step 2 raises the
+    fleet's HangError while step 3's rollout, submitted at step 2's start with version 1, is in flight. The 'stop'
+    snapshot of step 2 keeps that rollout (collected from the same fleet before the snapshot), and a resume from it
+    trains step 3 on those samples (staleness 1, nothing sampled again) instead of sampling them with the snapshot's
+    weights, so the joined prompt ledger takes every prompt exactly once."""
+    from rlray.checkpoint import contents
+    from rlray.observe.tracking import read_ledger
+    from rlray.run import ledger
+
+    real, calls = online.evaluate, []
+
+    def hang_after_step_2(ctx):
+        calls.append(len(calls))
+        if len(calls) == 3:  # the start's evaluation, after step 1, after step 2
+            raise HangError("hang: rollout actor 0 (rlray:rollout-0) ... has run generate for 3.1 s (injected)")
+        return real(ctx)
+
+    extra = ("watchdog.on_hang=stop", "eval.num_problems=2", "eval.every_steps=1", "rollout.max_staleness=1",
+             "rollout.overlap=on")
+    cfg = make_cfg(env, "evalhang_async", *extra)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(online, "evaluate", hang_after_step_2)
+        with pytest.raises(FatalStepError, match=r"^HangError in evaluation: hang: rollout actor 0"):
+            run(env, cfg)
+    first = _runs(env, "evalhang_async")[-1]
+    snap = checkpoint.latest_snapshot(checkpoint.join(cfg.checkpoint_uri, checkpoint.run_dir_name(first)))
+    manifest = checkpoint.read_manifest(snap)
+    assert (manifest.step, manifest.kind) == (2, "stop") and len(manifest.data_cursor["in_flight"]) == 1
+    kept = contents.read_in_flight(snap, manifest, None)
+    assert len(kept) == 1 and kept[0]["version"] == 1
+    assert len(kept[0]["completions"]) == cfg.learner.prompts_per_step * cfg.rollout.samples_per_prompt
+
+    resumed = make_cfg(env, "evalhang_async", *extra, "checkpoint.resume_from=latest")
+    out, second, _ = run(env, resumed, resume_from=checkpoint.resolve_snapshot("latest", resumed.checkpoint_uri))
+    assert (out.status, out.step) == ("FINISHED", 4)
+    assert series(env, second, "rollout/staleness_max")[0] == (3, 1.0)  # step 3 trained the kept version-1 samples
+    assert all(v == 0.0 for _, v in series(env, second, "rollout/rerun_prompts"))
+    got = {s: ids for s, ids in read_ledger(env.uri, first).items() if s <= 2} | read_ledger(env.uri, second)
+    report = ledger.check_ledger(got, ledger.training_rows(resolve_plan(cfg)), seed=cfg.run.seed,
+                                 shuffle=cfg.data.shuffle, last_step=4, prompts_per_step=cfg.learner.prompts_per_step,
+                                 max_staleness=1)
+    assert report.ok and report.consumed == 4 * cfg.learner.prompts_per_step, report.summary()
+
+
 def test_a_hang_in_the_starts_weight_push_under_on_hang_stop_stops_the_run_at_its_first_generate(env, tmp_path):
     """watchdog.on_hang=stop: the start's push to a rollout actor hangs (``injected_hang``, a real stuck process); the
     fleet reports it after watchdog.weight_push_s with the actor's stacks and restarts the actor, and the first generate
