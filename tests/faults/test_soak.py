@@ -11,10 +11,13 @@ Faults, and where each is counted:
   (monitor/mlflow_outages) and one snapshot's write failing (checkpoint/failures: its folder name is taken in
   advance by a dangling symlink, so creating the folder fails; the link is removed once the failure is counted).
 
-A 12-step run with each process fault once took 290 s on 2 busy cores (187 s from start to the end of the run):
+Each process fault is set up while the run waits at a gate after the fault's step (``holds.Gates``, a step hook
+released by a file), so the schedule holds whatever the steps' speed: a poll of MLflow raced tiny steps of ~0.25 s.
+
+A 12-step run with each process fault once took 72 s (82 s with pytest's start) on 2 quiet AMD EPYC cores:
     RLRAY_SOAK_STEPS=12 pytest -q -m slow -s tests/faults/test_soak.py
-The 200-step run (`make soak`), 16 process faults, took 685 s (615 s from start to the end of the run) beside
-another job's tests; every fault counted, 4 restores, the ledger exact over 400 prompts.
+The 200-step run (`make soak`), 16 process faults, took 354 s (6 min 07 s with pytest's start) there: every fault
+counted, 4 restores, the ledger exact over 400 prompts.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from rlray.observe.tracking import get_run, get_run_metrics, read_ledger
 from rlray.run import ledger
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
+from holds import GATE_FOLDER_ENV, GATE_STEPS_ENV, GATES_SPEC, arrived_file, release_file  # noqa: E402
 from outages import store_down  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -111,49 +115,68 @@ class _Progress:
 
 
 def _wait(predicate, timeout_s: float, what: str, alive: threading.Thread):
+    """Returns ``predicate()`` once it is true; raises AssertionError after ``timeout_s`` or once the training thread
+    has ended with it still false (it is asked once more after the thread ended: a fast run may finish first)."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and alive.is_alive():
+    while True:
+        running = alive.is_alive()
         try:
             got = predicate()
         except Exception:  # the store may be away or busy for a moment
             got = None
         if got:
             return got
+        if not running or time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what} (training thread alive: {alive.is_alive()})")
         time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what} (training thread alive: {alive.is_alive()})")
 
 
-def _inject(kind: str, step: int, progress: _Progress, rid: str, db: Path, run_dir: Path, every: int,
+def snapshot_target(step: int, every: int) -> int:
+    """The step of the snapshot a ``snapshot_fails`` fault at ``step`` blocks: the first one written after the gate
+    at ``step`` (a control hook runs before its step's snapshot, so that may be ``step``'s own)."""
+    return -(-step // every) * every
+
+
+def _inject(kind: str, step: int, gates: Path, progress: _Progress, rid: str, db: Path, run_dir: Path, every: int,
             thread: threading.Thread) -> None:
-    """Applies one process fault once the run has logged ``step``; returns when the fault is over."""
-    _wait(lambda: progress.step(rid) >= step, 1800, f"step {step}", thread)
+    """Applies one process fault while the run stands at the gate after ``step`` (``holds.Gates``), lets it go on and
+    returns when the fault is over (counted in MLflow).
+
+    Each fault is set up at its seeded step whatever the run's speed: a poll of MLflow raced a run whose steps took
+    0.25 s (the snapshot to block existed before the link went in).
+    """
+    _wait(lambda: arrived_file(gates, step).exists(), 1800, f"the gate after step {step}", thread)
+    go = release_file(gates, step).touch
     if kind == "kill_rollout":
         os.kill(_actor_pids("RolloutActor")[0], signal.SIGKILL)
+        go()
         _wait(lambda: progress.step(rid) >= step + 2, 1800, "two steps after the rollout actor kill", thread)
     elif kind == "kill_learner":
         before = progress.count(rid, "run/restored_step")
-        os.kill(_actor_pids("RayTrainWorker")[0], signal.SIGKILL)
+        os.kill(_actor_pids("RayTrainWorker")[0], signal.SIGKILL)  # rank 0, waiting in the gate
+        go()  # the restarted worker passes this gate when it replays the step
         _wait(lambda: progress.count(rid, "run/restored_step") > before, 1800, "the learner's restore", thread)
     elif kind == "mlflow_down":
-        with store_down(db):
+        with store_down(db):  # the steps after the gate log while the store is away
+            go()
             time.sleep(OUTAGE_S)
         _wait(lambda: progress.step(rid) >= step + 2, 1800, "two steps after the outage", thread)
     elif kind == "snapshot_fails":
         before = progress.count(rid, "checkpoint/failures")
-        target = (step + 2 + every - 1) // every * every  # the next snapshot not already being written
-        _wait(lambda: progress.step(rid) >= target - 1, 1800, f"step {target - 1}", thread)  # earlier snapshots done
-        blocked = run_dir / checkpoint.snapshot_name(target)
+        blocked = run_dir / checkpoint.snapshot_name(snapshot_target(step, every))
         blocked.symlink_to(run_dir / "no-such-file" / "x")  # a dangling link: makedirs under it fails (EEXIST)
+        go()
         try:
-            _wait(lambda: progress.count(rid, "checkpoint/failures") > before, 1800, f"the failed snapshot of step {target}",
-                  thread)
+            _wait(lambda: progress.count(rid, "checkpoint/failures") > before, 1800,
+                  f"the failed snapshot of step {snapshot_target(step, every)}", thread)
         finally:
             blocked.unlink()
 
 
 @pytest.mark.ray
-@pytest.mark.slow  # RLRAY_SOAK_STEPS=200: about 30 minutes on 2 busy cores; `make soak`
-def test_a_long_run_under_seeded_chaos_finishes_with_an_exact_ledger(ray_session, tmp_path, gsm8k_dir, tiny_model_path):
+@pytest.mark.slow  # RLRAY_SOAK_STEPS=200: about 6 minutes on 2 cores; `make soak`
+def test_a_long_run_under_seeded_chaos_finishes_with_an_exact_ledger(ray_session, tmp_path, gsm8k_dir, tiny_model_path,
+                                                                   monkeypatch):
     from rlray.launch.driver import run_training
 
     rows_plan, schedule = fault_plan(STEPS, SEED)
@@ -162,6 +185,10 @@ def test_a_long_run_under_seeded_chaos_finishes_with_an_exact_ledger(ray_session
     db, root = tmp_path / "mlflow.db", tmp_path / "ckpt"
     uri = f"sqlite:///{db}"
     learner_kills = sum(k == "kill_learner" for _, k in schedule)
+    gates = tmp_path / "gates"  # the run waits after each fault's step until the fault is set up (holds.Gates)
+    gates.mkdir()
+    monkeypatch.setenv(GATE_STEPS_ENV, ",".join(str(step) for step, _ in schedule))
+    monkeypatch.setenv(GATE_FOLDER_ENV, str(gates))
     cfg = load_config(REPO / "configs/grpo_gsm8k_tiny.yaml", [
         f"data.train_files=[{data}]", "eval.num_problems=2", f"eval.every_steps={max(STEPS // 4, 1)}",
         f"run.max_steps={STEPS}", f"run.seed={SEED}", f"run.output_dir={tmp_path}/out", f"tracking.mlflow_uri={uri}",
@@ -172,7 +199,7 @@ def test_a_long_run_under_seeded_chaos_finishes_with_an_exact_ledger(ray_session
         f"reward.functions=[{{function: '{REPO}/tests/fixtures/faulty_rewards.py:scheduled', weight: 1.0, timeout_s: 2.0}}]",
         f"env.environments={{flaky: '{REPO}/tests/fixtures/test_envs.py:FlakyEnv'}}", "env.max_turns=1",
         # a reward_hang row fails its whole step by design, and two such steps can meet at an epoch's boundary
-        "guard.max_failed_steps=3",
+        "guard.max_failed_steps=3", f"run.hooks=['{GATES_SPEC}']",
     ])  # fmt: skip
     started = time.monotonic()
     result: dict = {}
@@ -181,7 +208,7 @@ def test_a_long_run_under_seeded_chaos_finishes_with_an_exact_ledger(ray_session
     progress = _Progress(uri, "soak")
     rid = _wait(progress.run_id, 600, "the MLflow run", thread)
     for step, kind in schedule:
-        _inject(kind, step, progress, rid, db, root / checkpoint.run_dir_name(rid), cfg.checkpoint.every_steps, thread)
+        _inject(kind, step, gates, progress, rid, db, root / checkpoint.run_dir_name(rid), cfg.checkpoint.every_steps, thread)
     thread.join(timeout=STEPS * 60)
     assert not thread.is_alive() and "r" in result, "the run did not end"
     wall_s = time.monotonic() - started
@@ -229,3 +256,4 @@ def test_the_fault_plan_is_seeded_and_spread():
     steps = [s for s, _ in schedule]
     assert steps == sorted(steps) and steps[0] == 3 and steps[-1] <= 198 and min(b - a for a, b in zip(steps, steps[1:], strict=False)) >= 12
     assert [s for s, _ in fault_plan(12, 0)[1]] == [3, 5, 7, 8]  # the short run: each process fault once
+    assert [snapshot_target(s, 2) for s in (3, 4, 5)] == [4, 4, 6]  # the first snapshot after the gate

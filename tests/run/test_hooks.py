@@ -174,3 +174,28 @@ def test_hold_waits_at_its_step_until_the_release_file_exists(tmp_path):
 def test_a_release_that_never_comes_stops_the_run_with_the_reason(tmp_path):
     hook = holds.HoldForTest(1, str(tmp_path / "never"), timeout_s=0.3)
     assert hook(StepEnd(1, 3)) == f"test hold: {tmp_path / 'never'} not created within 0.3 s"
+
+
+def test_gates_wait_at_each_of_their_steps_once_the_arrival_is_marked(monkeypatch, tmp_path):
+    cfg = _cfg(holds.GATES_SPEC, steps=5)
+    for steps, folder in (("", str(tmp_path)), ("2,6", str(tmp_path)), ("2,x", str(tmp_path)), ("2", str(tmp_path / "no"))):
+        monkeypatch.setenv(holds.GATE_STEPS_ENV, steps)
+        monkeypatch.setenv(holds.GATE_FOLDER_ENV, folder)
+        with pytest.raises(ConfigError, match=rf"ValueError: {holds.GATE_STEPS_ENV}='{steps}' .*: the test gates need "
+                                              r"steps in 1\.\.5, comma-separated, and an existing folder"):
+            load_step_hooks(resolve_plan(cfg))
+    monkeypatch.setenv(holds.GATE_STEPS_ENV, "2,4")
+    monkeypatch.setenv(holds.GATE_FOLDER_ENV, str(tmp_path))
+    [gates] = load_step_hooks(resolve_plan(cfg))
+    assert gates(StepEnd(1, 5)) is None and not list(tmp_path.iterdir())  # not a gate's step: no file, no wait
+    timer = threading.Timer(0.5, holds.release_file(tmp_path, 2).touch)
+    started = time.monotonic()
+    timer.start()
+    assert run_hooks([gates], StepEnd(2, 5)) is None
+    assert time.monotonic() - started >= 0.5 and holds.arrived_file(tmp_path, 2).exists()
+    started = time.monotonic()
+    assert gates(StepEnd(2, 5)) is None and time.monotonic() - started < 0.1  # a replayed step: released already
+    assert not holds.arrived_file(tmp_path, 4).exists()
+    short = holds.Gates([4], str(tmp_path), timeout_s=0.3)
+    assert short(StepEnd(4, 5)) == f"test hold: {holds.release_file(tmp_path, 4)} not created within 0.3 s"
+    assert holds.arrived_file(tmp_path, 4).exists()
