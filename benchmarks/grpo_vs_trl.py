@@ -203,7 +203,7 @@ def child_rlray(spec: RunSpec, max_staleness: int, result_path: Path) -> None:
     cfg = config_from_dict({}, rlray_overrides(spec, max_staleness, device, gpus))
     steps_path = Path(spec.workdir) / "steps.jsonl"
     result = run_training(cfg, step_hooks=[benchlib.StepRecorder(str(steps_path))], ray_start=ray_start)
-    result_path.write_text(json.dumps(rlray_result(result.status, started, steps_path)))
+    result_path.write_text(json.dumps({**rlray_result(result.status, started, steps_path), "startup": result.startup}))
 
 
 LEARNER_TOKEN_KEYS = ("perf/learner_tokens_real", "perf/learner_tokens_padding", "perf/learner_tokens_shared")
@@ -374,6 +374,8 @@ def summarise(raw: dict[str, Any], spec: RunSpec, prompt_tokens: list[int]) -> d
                                         for k, v in raw["learner_tokens"].items() if all(x is not None for x in v)}
     if "trained_tokens_logged" in raw:
         out["trained_tokens_logged"] = raw["trained_tokens_logged"]
+    if raw.get("startup"):  # rlray's startup/* seconds (where the time before step 1 went; rlray.observe.startup)
+        out["startup"] = raw["startup"]
     if "series" in raw:  # a benchmark's own per-step figures (env_vs_trl: tool calls and turns per episode)
         out["series"] = raw["series"]
     return out

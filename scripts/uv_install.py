@@ -8,6 +8,12 @@ choice: the indexes, find-links folders and constraints files of pip's configura
 variables, as ``pip config list`` prints them) become uv's flags, and pip's ``cert`` becomes ``SSL_CERT_FILE``.
 Like pip, uv then takes the best version over every index (``--index-strategy unsafe-best-match``).
 
+uv writes each package's bytecode at install (``--compile-bytecode``, as pip does by default; uv's own default is not
+to): a process then imports those modules from their ``.pyc`` instead of compiling their sources, which matters most
+where Python may not write the cache itself (``PYTHONDONTWRITEBYTECODE`` set, a read-only environment): every Ray
+worker of a run and every test process compiled transformers, vLLM and Ray's sources again at each start, ~8 s of a
+SmolLM2 run's first step on 2 cores (issue 39).
+
 When uv cannot be installed or its install fails (a source it cannot read, an option it lacks), the same
 arguments go to ``pip install`` and the run says so: the result is the environment pip would have built.
 
@@ -75,7 +81,8 @@ def install(python: str, packages: list[str]) -> int:
     if got.returncode == 0 and os.path.exists(uv):
         quiet = [p for p in packages if p in ("-q", "--quiet")]
         rest = [p for p in packages if p not in ("-q", "--quiet")]
-        ran = subprocess.run([uv, "pip", "install", *quiet, "--python", python, *uv_args(config), *rest], env=uv_env(config))
+        ran = subprocess.run([uv, "pip", "install", *quiet, "--python", python, "--compile-bytecode", *uv_args(config), *rest],
+                             env=uv_env(config))
         if ran.returncode == 0:
             return 0
         print(f"uv_install: uv failed (exit {ran.returncode}); installing with pip instead", file=sys.stderr)

@@ -141,6 +141,9 @@ def test_uv_installs_from_pip_s_own_find_links_folder(tmp_path):
                          env=env, capture_output=True, text=True, timeout=300)
     assert got.returncode == 0, got.stdout + got.stderr
     assert "installing with pip" not in got.stderr  # uv did it: pip's find-links reached uv
+    # its bytecode was written at install (uv's --compile-bytecode; before any import could write it): no process
+    # compiles its sources again
+    assert list((tmp_path / "venv").glob("lib/python*/site-packages/rlray_probe/__pycache__/__init__.*.pyc"))
     assert (python.parent / "uv").exists() and _installed(tmp_path / "venv") == "1.0+cpu"
 
 

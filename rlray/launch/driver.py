@@ -10,7 +10,8 @@ role is started from that run plan (issue 38):
    (MLflow and its SQL store modules are imported while Ray starts; the store and the run once the resources fit;
    the rest of what this module needs after that is imported where it is used: issue 39),
 1. check that every role's resources fit the cluster (before any actor starts),
-2. the rollout actors on the nodes a released placement group chose (rlray:rollout-<i>),
+2. the rollout actors on the nodes a released placement group chose (rlray:rollout-<i>), asked for as soon as the
+   resources fit, so that their engines load beside MLflow's start and the other roles' (issue 39),
 3. the reward Serve application rlray-reward (when reward.server.enabled) and one Serve application per judge,
    rlray-judge-<name> (when reward.judges is set; ``rlray.launch.judges``),
 4. the reference actor rlray:reference-0 (when resources.reference.placement == "actor") and the teacher actor
@@ -25,6 +26,7 @@ import logging
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -209,41 +211,34 @@ def run_training(
             raise
         roles = plan.roles
         teacher_dir = resolve_model_path(cfg.teacher.path) if roles.teacher != "off" else None  # preflight checked it
-    with clock.phase("ray"):  # the rest of Ray's start; MLflow and its SQL store are imported beside it (issue 39)
+    with clock.phase("ray"):  # the rest of Ray's start (MLflow and its SQL store imported beside it), then the
+        # rollout actors asked for: their engines load beside MLflow's start (issue 39)
         store = start_store_imports()
         ray_info = ray_start.result()
         check_cluster(plan)
-    with clock.phase("mlflow"):
-        store.join()
-        from rlray.checkpoint import lineage  # MLflow is imported by now (start_store_imports)
-        from rlray.observe.tracking import Tracker
+        # keeps actor names of concurrent runs (sweep trials) apart; the MLflow tag rlray.namespace names it
+        namespace = f"rlray-{uuid.uuid4().hex}"
+        early = launch_rollout(plan, model_dir, namespace) if roles.online else []
+    try:
+        tracker, services, run_dir = open_tracking(clock, plan, store, model_dir, namespace, tags, verbose, started_at)
+    except BaseException:
+        from rlray.launch.actors import kill_actors
 
-        if verbose is not None:
-            console.route_library_logs()  # MLflow set its logger up again at its import, in the thread
-        opts = cfg.checkpoint.s3.storage_options()
-        snaps, tracking = plan.snapshots, plan.tracking
-        resume = checkpoint.resolve_snapshot(snaps.resume_from, snaps.uri, opts) if snaps.resume_from else None
-        tracker = Tracker(tracking.mlflow_uri, tracking.experiment, run_name=tracking.run_name)
-        tracker.log_config(cfg)
-        services = RunServices(started_at=started_at, git_commit=lineage.git_commit(), resume_from=resume)
-        run_dir = checkpoint.join(snaps.uri, checkpoint.run_dir_name(tracker.run_id))
-        tracker.set_tags({"rlray.model_dir": model_dir, "rlray.output_dir": cfg.run.output_dir, "rlray.snapshot_dir": run_dir,
-                          "rlray.git_commit": services.git_commit, **({"rlray.resumed_from": resume} if resume else {}),
-                          **(tags or {})})
+        kill_actors([one.handle for one in early])
+        raise
+    tracking = plan.tracking
     log.info("MLflow run %s in %s", tracker.run_id, tracking.mlflow_uri)
     log_dir = Path(cfg.run.output_dir, "logs", tracker.run_id)
     log_file = console.keep_logs(log_dir) if "://" not in cfg.run.output_dir else None
-    actors, reference, teacher, own_app, env_hosts, own_judges = [], None, None, False, [], []
+    actors, reference, teacher, own_app, env_hosts, own_judges = [one.handle for one in early], None, None, False, [], []
     status, outcome, url, progress, started, learner_times, watch = "FAILED", None, "", None, {}, None, None
     control = None  # the monitor actor, which also holds the run's stop flag and outcome (``RunControl``)
     try:
-        namespace = f"rlray-{tracker.run_id}"  # keeps actor names of concurrent runs (sweep trials) apart
         with clock.phase("actors"):  # every actor asked for at once, waited on together (issue 39)
             from rlray.launch.actors import (
                 StartWatch,
                 launch_env_hosts,
                 launch_reference_actor,
-                launch_rollout_actors,
                 wait_started,
             )
             from rlray.launch.monitor_actor import launch_monitor, monitor_port
@@ -251,10 +246,8 @@ def run_training(
             monitor = launch_monitor(plan, tracker.run_id)
             services.monitor = control = services.control = monitor.handle
             launched = [monitor]
-            if roles.online:  # offline methods train on preference pairs: no rollout actors
-                launched += launch_rollout_actors(plan, model_dir, plan.lengths.context_tokens, rollout_nodes(plan),
-                                                  namespace=namespace)
-                actors = [one.handle for one in launched[1:]]
+            if roles.online:  # offline methods train on preference pairs: no rollout actors (asked for above)
+                launched += early
                 hosts = launch_env_hosts(plan, namespace=namespace, model_dir=model_dir,
                                          log_dir=log_dir if log_file is not None else None)
                 env_hosts, launched = [one.handle for one in hosts], launched + hosts
@@ -335,6 +328,45 @@ def run_training(
     log.info("start-up and shutdown seconds: %s", startup)
     return TrainResult(tracker.run_id, tracking.mlflow_uri, (outcome.last_snapshot if outcome else None) or "", status,
                        url, outcome.error if outcome else "", str(log_dir) if log_file is not None else "", startup)
+
+
+def launch_rollout(plan: RunPlan, model_dir: str, namespace: str) -> list[Any]:
+    """Asks for the run's rollout actors (``rlray.launch.actors.launch_rollout_actors``) in ``namespace``, on the nodes
+    of ``rlray.launch.placement.rollout_nodes``, and returns them unwaited (``Launched``): their engines load while the
+    driver opens the MLflow run and starts the other roles."""
+    from rlray.launch.actors import launch_rollout_actors
+
+    return launch_rollout_actors(plan, model_dir, plan.lengths.context_tokens, rollout_nodes(plan), namespace=namespace)
+
+
+def open_tracking(clock: StartupClock, plan: RunPlan, store: threading.Thread, model_dir: str, namespace: str,
+                  tags: dict[str, str] | None, verbose: bool | None, started_at: float) -> tuple[Any, RunServices, str]:
+    """Opens the run's MLflow run (the ``mlflow`` phase of ``clock``) and returns (``Tracker``, ``RunServices``, the run's
+    snapshot folder): the config logged, the lineage tags set (model, output, snapshot folder, git commit, the actors'
+    Ray namespace, the snapshot resumed from) with ``tags``.
+
+    Raises:
+        rlray.checkpoint.storage.SnapshotError: ``checkpoint.resume_from`` names no complete snapshot.
+    """
+    cfg = plan.settings
+    with clock.phase("mlflow"):
+        store.join()
+        from rlray.checkpoint import lineage  # MLflow is imported by now (start_store_imports)
+        from rlray.observe.tracking import Tracker
+
+        if verbose is not None:
+            console.route_library_logs()  # MLflow set its logger up again at its import, in the thread
+        opts = cfg.checkpoint.s3.storage_options()
+        snaps, tracking = plan.snapshots, plan.tracking
+        resume = checkpoint.resolve_snapshot(snaps.resume_from, snaps.uri, opts) if snaps.resume_from else None
+        tracker = Tracker(tracking.mlflow_uri, tracking.experiment, run_name=tracking.run_name)
+        tracker.log_config(cfg)
+        services = RunServices(started_at=started_at, git_commit=lineage.git_commit(), resume_from=resume)
+        run_dir = checkpoint.join(snaps.uri, checkpoint.run_dir_name(tracker.run_id))
+        tracker.set_tags({"rlray.model_dir": model_dir, "rlray.output_dir": cfg.run.output_dir, "rlray.snapshot_dir": run_dir,
+                          "rlray.git_commit": services.git_commit, "rlray.namespace": namespace,
+                          **({"rlray.resumed_from": resume} if resume else {}), **(tags or {})})
+    return tracker, services, run_dir
 
 
 def finish_logs(log_file: logging.Handler, log_dir: Path, ray_info: RayInfo, started_at: float, status: str,

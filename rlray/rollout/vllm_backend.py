@@ -183,6 +183,17 @@ class VllmBackend:
         threads = core_count(bind)
         if on_cpu and threads is not None:
             self._set_num_threads(threads)  # the real one; see "Threads" in the module docstring
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Generates one greedy token with its logprob, so that the engine's start pays what its first request with
+        logprobs would: vLLM compiles its sampler's token-rank kernel (``batched_count_greater_than``, torch.compile:
+        a dynamo trace, a C++ header build and inductor's ISA probe; 1.5-2.5 s on 2 CPU cores) at that first call,
+        which was step 1's rollout (issue 39). Greedy: the engine's random generator is not drawn from."""
+        from vllm import SamplingParams  # deferred: vllm is optional (imported in __init__, after vllm_env())
+
+        self._llm.generate([{"prompt_token_ids": [0]}], SamplingParams(max_tokens=1, temperature=0.0, logprobs=0,
+                                                                       detokenize=False), use_tqdm=False)
 
     def generate(
         self, prompt_token_ids: list[list[int]], sampling: SamplingSpec, policy_version: int

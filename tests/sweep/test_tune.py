@@ -63,7 +63,8 @@ def test_two_trial_sweep_logs_child_runs(tiny_sweep):
     # the rollout actors of both trials are gone, the stopped trial's too (they die with their trial)
     import ray
 
-    namespaces = {f"rlray-{c.info.run_id}" for c in children}
+    namespaces = {c.data.tags["rlray.namespace"] for c in children}  # the run's actors' Ray namespace
+    assert len(namespaces) == 2 and all(n.startswith("rlray-") for n in namespaces)
     deadline = time.monotonic() + 60
     while left := [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] in namespaces]:
         assert time.monotonic() < deadline, left
