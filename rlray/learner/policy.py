@@ -83,6 +83,9 @@ class PolicyLearner:
         teacher_path: local Hugging Face folder of a distillation teacher (``teacher.path`` resolved) to hold frozen
             on this learner (``resources.teacher.placement == "learner"``), or None. It gives teacher logprobs
             (``teacher_logprobs``) and, for the JSD loss, full logits inside each micro-batch.
+        reference_elsewhere: the run's reference is a reference actor's frozen copy of ``model_path``
+            (``resources.reference.placement == "actor"``; no copy here): ``at_reference`` holds for it too, so a run's
+            first step takes its reference logprobs from the policy instead of the actor.
 
     Raises:
         rlray.models.ModelError: the folder cannot be loaded, or the adapter does not fit it.
@@ -105,6 +108,7 @@ class PolicyLearner:
         model_loader: Callable[[str], torch.nn.Module] | None = None,
         critic: PolicyLearner | None = None,
         teacher_path: str | None = None,
+        reference_elsewhere: bool = False,
     ) -> None:
         self.dtype = dtype
         self.temperature = temperature
@@ -136,7 +140,8 @@ class PolicyLearner:
             teacher.config.use_cache = False
         self.reference = self._frozen(reference)
         self.teacher = self._frozen(teacher)
-        self._at_reference = reference is not None  # the policy's weights are still the reference's (at_reference)
+        # the policy's weights are still the reference's (at_reference): its frozen copy here, or a reference actor's
+        self._at_reference = not self.lora and (reference is not None or reference_elsewhere)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(optim.name, params, lr=optim.lr, betas=optim.betas,
                                         weight_decay=optim.weight_decay)
@@ -167,7 +172,8 @@ class PolicyLearner:
     @property
     def at_reference(self) -> bool:
         """Returns True while the policy's weights are still its frozen reference copy's: a full-weight learner with a
-        reference (not LoRA) that has taken no optimizer step and loaded no snapshot since it was built.
+        reference (not LoRA; its own copy, or a reference actor's of the same folder: ``reference_elsewhere``) that has
+        taken no optimizer step and loaded no snapshot since it was built.
 
         While it holds, reference logprobs equal the policy's own (the reference is the initial policy, scored under
         the same code, autocast and temperature: ``FrozenScorer``), so a run's first step takes them from the policy's

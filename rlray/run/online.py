@@ -213,7 +213,7 @@ def setup(plan: RunPlan, coll: Collective, *, model_dir: str, actors: list[Any],
     tokenizer = load_tokenizer(model_dir, cfg.model.chat_template)
     kwargs = build.learner_kwargs(cfg, coll.world, with_reference=reference_actor is None, teacher_dir=teacher_dir)
     critic = build.ppo_critic(cfg, model_dir, kwargs["parallel"]) if cfg.algo.algorithm.needs_critic else None
-    learner = PolicyLearner(model_dir, critic=critic, **kwargs)
+    learner = PolicyLearner(model_dir, critic=critic, reference_elsewhere=reference_actor is not None, **kwargs)
     tracker = None
     if coll.rank == 0:
         tracker = Tracker(cfg.tracking.mlflow_uri, cfg.tracking.experiment, run_id=run_id,
@@ -349,9 +349,10 @@ def reference_and_old_logprobs(ctx: OnlineRun, batch: schema.StepBatch, spec: le
 
 
 def frozen_logprobs(ctx: OnlineRun, batch: schema.StepBatch, spec: learner_online.UpdateSpec, step: int) -> None:
-    """Stage 4 on every rank: fills ``batch``'s ref_logprobs from the reference actor and teacher_logprobs from the
-    teacher actor (reverse-KL distillation), each call under ``watchdog.reference_call_s``, then agrees with the other
-    ranks (``FrozenCalls.agree``: one all-reduce) on the run's hang counts and on a stop.
+    """Stage 4 on every rank: fills ``batch``'s ref_logprobs from the reference actor (except while the policy is still
+    the reference, ``PolicyLearner.at_reference``: a run's first step) and teacher_logprobs from the teacher actor
+    (reverse-KL distillation), each call under ``watchdog.reference_call_s``, then agrees with the other ranks
+    (``FrozenCalls.agree``: one all-reduce) on the run's hang counts and on a stop.
 
     Raises:
         FatalStepError: on every rank (``stop_snapshot``: the run keeps a snapshot of its last finished step, and rank 0
@@ -359,7 +360,8 @@ def frozen_logprobs(ctx: OnlineRun, batch: schema.StepBatch, spec: learner_onlin
             under ``watchdog.on_hang=stop`` or failed twice.
     """
     mbs = build.frozen_micro_batching(ctx.settings)  # an actor's model is not sharded: the configured budget (rlray.plan)
-    if ctx.reference_actor is not None:
+    if ctx.reference_actor is not None and not ctx.learner.at_reference:  # a run's first step: the policy's own
+        # logprobs are the reference's (rlray.learner.online.reference_and_old), so the actor is not called
         batch.ref_logprobs = ctx.frozen.logprobs(ctx.reference_actor, "reference actor", batch.inputs, mbs)
     if ctx.teacher_actor is not None and spec.distill_weight > 0:
         batch.teacher_logprobs = ctx.frozen.logprobs(ctx.teacher_actor, "teacher actor", batch.inputs, mbs)

@@ -168,3 +168,32 @@ def test_at_reference_holds_only_for_an_untouched_full_weight_learner(tiny_model
     restored = _learner(tiny_model_path)
     restored.load_state_dict(restored.state_dict())  # restore_learner loads a snapshot's weights with this state
     assert not restored.at_reference
+    # a reference actor's copy of the same folder (resources.reference.placement=actor): no copy here, the same rule
+    elsewhere = _learner(tiny_model_path, use_reference=False, reference_elsewhere=True)
+    assert elsewhere.reference is None and not elsewhere.has_reference and elsewhere.at_reference
+    lora_elsewhere = _learner(tiny_model_path, use_reference=False, reference_elsewhere=True,
+                              lora={"rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj"]})
+    assert not lora_elsewhere.at_reference
+
+
+def test_with_the_reference_in_an_actor_the_first_step_takes_the_policys_logprobs_as_the_reference(tiny_model_path,
+                                                                                                    tiny_tokenizer):
+    """resources.reference.placement=actor: at a run's first step (no actor call, ``frozen_logprobs``) the update
+    takes its own detached logprobs as ref_logprobs: the step of a learner given the actor's (here: the same model's)
+    logprobs, KL exactly 0."""
+    pad = tiny_tokenizer.pad_token_id
+    batch = schema.collate(_table(pad), pad)
+    batch.advantages = torch.randn(batch.inputs.response_ids.shape, generator=torch.Generator().manual_seed(5))
+    batch.advantages = batch.advantages * batch.response_mask
+    spec = LossSpec(clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.5, kl_estimator="k1", loss_agg="token-mean",
+                    max_response_tokens=16)
+    norm = Normaliser(float(batch.response_mask.sum()), 8.0, 1)
+    reused = _learner(tiny_model_path, use_reference=False, reference_elsewhere=True)
+    given = _learner(tiny_model_path, use_reference=False, reference_elsewhere=True)
+    actor_logprobs = given.logprobs(batch.inputs, reference=False, batching=MicroBatching(3))  # the actor's model
+    s_reused = reused.train_minibatch(dataclasses.replace(batch), spec, norm, MicroBatching(3))
+    s_given = given.train_minibatch(dataclasses.replace(batch, ref_logprobs=actor_logprobs), spec, norm, MicroBatching(3))
+    assert s_reused["kl_sum"] == 0.0 and s_reused["loss"] == pytest.approx(s_given["loss"], abs=1e-5)
+    for (name, a), (_, b) in zip(reused.module.named_parameters(), given.module.named_parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-3, msg=name)
+    assert not reused.at_reference  # step 2 asks the actor

@@ -20,6 +20,7 @@ from rlray.run.session import FatalStepError, hang_alert
 from tests.test_hangs import FAKE_STACKS, FakeActors, QuietSource, pipeline
 
 HANG = object()  # a call that never returns
+MOVED = SimpleNamespace(at_reference=False)  # a learner whose weights left the reference's (after a run's first step)
 
 
 class FakeRef:
@@ -153,7 +154,7 @@ def test_rank0_puts_the_step_back_in_flight_then_every_rank_stops_with_a_snapsho
     pipe = pipeline(QuietSource())
     pipe.next(0)
     ctx = SimpleNamespace(settings=config_from_dict({}), frozen=calls, coll=SimpleNamespace(all_reduce_sum=dict),
-                          world=1, reference_actor=FakeActor("reference-0", [HANG]), teacher_actor=None,
+                          world=1, reference_actor=FakeActor("reference-0", [HANG]), teacher_actor=None, learner=MOVED,
                           lead=SimpleNamespace(pipeline=pipe))
     batch = SimpleNamespace(inputs="x", ref_logprobs=None, teacher_logprobs=None)
     with pytest.raises(FatalStepError, match=r"^HangError: hang: reference actor .* stopping the run") as err:
@@ -167,11 +168,25 @@ def test_a_served_step_fills_both_logprobs_and_goes_on():
     ref, teacher = torch.full((1, 2), -1.0), torch.full((1, 2), -2.0)
     ctx = SimpleNamespace(settings=config_from_dict({}), frozen=calls, coll=SimpleNamespace(all_reduce_sum=dict),
                           world=1, reference_actor=FakeActor("reference-0", [ref]),
-                          teacher_actor=FakeActor("teacher-0", [teacher]), lead=None)
+                          teacher_actor=FakeActor("teacher-0", [teacher]), lead=None, learner=MOVED)
     batch = SimpleNamespace(inputs="x", ref_logprobs=None, teacher_logprobs=None)
     frozen_logprobs(ctx, batch, SimpleNamespace(distill_weight=0.5), 3)
     assert batch.ref_logprobs is ref and batch.teacher_logprobs is teacher
     assert calls.run_counts == {"run/hangs": 0.0, "run/hang_restarts": 0.0}
+
+
+def test_at_a_runs_first_step_the_reference_actor_is_not_called_but_the_teacher_is():
+    """While the policy is still the reference (``at_reference``) its own logprobs are the reference's
+    (``reference_and_old``, ``train_minibatch``): the reference actor gets no call; the teacher, another model, does."""
+    calls, _ = frozen("restart")
+    teacher = torch.full((1, 2), -2.0)
+    reference_actor = FakeActor("reference-0", [])  # a call would pop from an empty list
+    ctx = SimpleNamespace(settings=config_from_dict({}), frozen=calls, coll=SimpleNamespace(all_reduce_sum=dict),
+                          world=1, reference_actor=reference_actor, teacher_actor=FakeActor("teacher-0", [teacher]),
+                          lead=None, learner=SimpleNamespace(at_reference=True))
+    batch = SimpleNamespace(inputs="x", ref_logprobs=None, teacher_logprobs=None)
+    frozen_logprobs(ctx, batch, SimpleNamespace(distill_weight=0.5), 1)
+    assert reference_actor.calls == [] and batch.ref_logprobs is None and batch.teacher_logprobs is teacher
 
 
 class FakeMonitor:
