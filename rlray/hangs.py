@@ -31,7 +31,9 @@ the reward server's scorer process at ``reward.server.timeout_s``: ``rlray.sandb
 the kill and starts a fresh child) goes to ``HangWatch.killed``: the same report, then "stop" raises ``HangError``.
 
 The learner ranks' collectives have a coarser deadline: ``StepDeadline`` times each step of a rank from a timer
-thread and reports a step past ``watchdog.learner_step_s`` with the rank's own stacks (``own_stacks``).
+thread and reports a step past ``watchdog.learner_step_s`` with the rank's own stacks (``own_stacks``). A rank's own
+hang cannot be cured in place (a rank stuck in a collective cannot even take a snapshot): its ``HangAction`` exits the
+rank, and Ray Train restarts the group from the newest snapshot, or under "stop" the run ends FAILED there.
 
 Python cannot kill a thread, so a hung call is never "cancelled" in place: the process that runs it is restarted.
 This module imports only the standard library at import time (Ray where a function needs it).
@@ -386,12 +388,27 @@ def own_stacks() -> str:
         return f.read()
 
 
+@dataclass(frozen=True)
+class HangAction:
+    """What a learner rank does after it reported a hang of its own (``StepDeadline``, the collective deadline:
+    ``rlray.run.collective_watch``), under Ray Train: ``watchdog.on_hang``'s action for the learner group
+    (``rlray.run.session.hang_action``).
+
+    Attributes:
+        says: the report's last words, what the action does ("exiting the rank (Ray Train restarts the group)").
+        run: the action, called with the report's headline (its first line) on the watching thread.
+    """
+
+    says: str
+    run: Callable[[str], None]
+
+
 class StepDeadline:
     """A learner rank's step deadline (``watchdog.learner_step_s``), watched from a timer thread: a step that runs past
     it (a rank that never reaches its collective, or waits in one for a rank that never comes) is reported once with
-    this process's stacks through ``report``, then ``on_expiry`` runs (the session exits the rank under Ray Train with
-    ``watchdog.on_hang=restart``, so that Ray Train restarts the group from the newest snapshot). Every rank watches
-    its own steps, so each stuck rank names where it waits.
+    this process's stacks through ``report``, then ``on_expiry`` runs (the session's ``hang_action``: under Ray Train
+    the rank exits, and the group restarts from the newest snapshot or, under ``watchdog.on_hang=stop``, the run ends
+    FAILED). Every rank watches its own steps, so each stuck rank names where it waits.
 
     Args:
         deadline_s: seconds one step (stages 1-8) may run.
@@ -401,7 +418,7 @@ class StepDeadline:
     """
 
     def __init__(self, deadline_s: float, who: str, report: Callable[[str], None],
-                 on_expiry: Callable[[], None] | None = None) -> None:
+                 on_expiry: HangAction | None = None) -> None:
         self.deadline_s, self.who, self.report, self.on_expiry = deadline_s, who, report, on_expiry
         self._timer: Any = None
         self.reports = 0
@@ -424,7 +441,7 @@ class StepDeadline:
 
     def _expire(self, step: int) -> None:
         self.reports += 1
-        then = "; exiting the rank (Ray Train restarts the group)" if self.on_expiry is not None else ""
+        then = f"; {self.on_expiry.says}" if self.on_expiry is not None else ""
         head = (f"hang: {self.who} (pid {os.getpid()}) has run step {step} for {self.deadline_s:g} s, past "
                 f"watchdog.learner_step_s={self.deadline_s:g} s{then}\nstacks of pid {os.getpid()}:\n")
         stacks = own_stacks().rstrip()
@@ -434,4 +451,4 @@ class StepDeadline:
         except Exception as err:  # noqa: BLE001 - the action must run
             log.error("hang alert failed: %s: %s", type(err).__name__, err)
         if self.on_expiry is not None:
-            self.on_expiry()
+            self.on_expiry.run(head.partition("\n")[0])

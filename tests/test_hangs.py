@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from rlray import hangs
-from rlray.hangs import ActorProcess, Hang, HangError, HangWatch, StepDeadline
+from rlray.hangs import ActorProcess, Hang, HangAction, HangError, HangWatch, StepDeadline
 from rlray.rollout.pipeline import RolloutPipeline
 from rlray.rollout.types import SamplingSpec
 
@@ -219,12 +219,13 @@ def stuck_in_collective(seconds: float) -> None:
 
 def test_a_learner_step_past_its_deadline_is_reported_once_with_the_ranks_own_stack_then_the_action_runs():
     reports, expired = [], []
-    deadline = StepDeadline(0.5, "learner rank 1", reports.append, lambda: expired.append(True))
+    deadline = StepDeadline(0.5, "learner rank 1", reports.append,
+                            HangAction("exiting the rank (Ray Train restarts the group)", expired.append))
     deadline.arm(3)
     stuck_in_collective(2.0)
     deadline.disarm()
-    assert len(reports) == 1 and expired == [True] and deadline.reports == 1
     head, _, stacks = reports[0].partition("\n")
+    assert len(reports) == 1 and expired == [head] and deadline.reports == 1  # the action gets the headline
     assert head == (f"hang: learner rank 1 (pid {os.getpid()}) has run step 3 for 0.5 s, past "
                     "watchdog.learner_step_s=0.5 s; exiting the rank (Ray Train restarts the group)")
     assert f'File "{__file__}", line' in stacks and "in stuck_in_collective" in stacks  # the main thread, from here

@@ -177,8 +177,9 @@ class WatchdogConfig(_Section):
         7200.0, gt=0.0,
         description=(
             "Seconds one learner step (rollout to snapshot) may run on a rank: past it each rank still in the step "
-            "reports its own stacks (a rank stuck in or short of a collective); with on_hang=restart a rank under Ray "
-            "Train then exits, and Ray Train restarts the group from the newest snapshot (monitor.max_failures)."
+            "reports its own stacks (a rank stuck in or short of a collective); a rank under Ray Train then exits: "
+            "with on_hang=restart Ray Train restarts the group from the newest snapshot (monitor.max_failures), with "
+            "stop the run ends FAILED, resumable from its newest snapshot."
         ),
     )
     collective_s: float = Field(
@@ -187,8 +188,9 @@ class WatchdogConfig(_Section):
             "Seconds a learner rank may wait in one of the run's collectives between the ranks (all-reduce, "
             "all-gather, broadcast, barrier) after work every rank does alike (an online step's stages 5-6, an offline "
             "update): past it the rank reports the collective, the ranks that have not entered it and their stacks; "
-            "with on_hang=restart a rank under Ray Train then exits (Ray Train restarts the group from the newest "
-            "snapshot). Collectives that wait on rank 0's own work (rollouts, snapshots, evaluation) and the model's "
+            "a rank under Ray Train then exits: with on_hang=restart Ray Train restarts the group from the newest "
+            "snapshot, with stop the run ends FAILED, resumable from its newest snapshot. Collectives that wait on "
+            "rank 0's own work (rollouts, snapshots, evaluation) and the model's "
             "own (DDP, FSDP) stay under learner_step_s."
         ),
     )
@@ -198,7 +200,8 @@ class WatchdogConfig(_Section):
             "What a call past its deadline does after the report: restart the actor's process (Ray restarts it up "
             "to its max_restarts; its work runs again, counted in rollout/rerun_prompts or env/episodes_rerun; a reference "
             "or teacher call is made once more), or "
-            "stop the run (status FAILED, after a snapshot of the last finished step)."
+            "stop the run (status FAILED, after a snapshot of the last finished step; a learner rank's own step or "
+            "collective deadline ends it at the newest snapshot instead: a stuck rank cannot write its part)."
         ),
     )
     stacks_timeout_s: float = Field(10.0, gt=0.0, description="Seconds to wait for a stuck process's Python stacks.")

@@ -190,7 +190,8 @@ def run_training(
             was started, and the Ray started beside the checks is shut down).
         rlray.config.ConfigError: a ``run.hooks`` entry cannot be loaded or built (as above).
         rlray.launch.placement.PlacementError: the resources do not fit the cluster (nothing was started).
-        ray.train.TrainingFailedError: learner workers failed more than ``monitor.max_failures`` times.
+        ray.train.TrainingFailedError: learner workers failed more than ``monitor.max_failures`` times (not when a
+            rank ended the run for a hang under ``watchdog.on_hang=stop``: that run ends FAILED, its report the error).
         rlray.checkpoint.storage.SnapshotError: ``checkpoint.resume_from`` names no complete snapshot.
         OSError: ``monitor.port`` is taken.
     """
@@ -289,7 +290,11 @@ def run_training(
         clock.stamp("fit_start")
         try:
             with stop_on_sigterm(control):
-                trainer.fit()
+                try:
+                    trainer.fit()
+                except ray.train.TrainingFailedError:  # a rank that ended the run for a hang exited: no retry left
+                    if ray.get(control.failure.remote()) is None:
+                        raise
         finally:
             watch.disarm()
             watch.raise_failure()  # an actor that failed to start stopped fit: its error is the run's
@@ -300,6 +305,8 @@ def run_training(
             progress.close()  # one last poll while the monitor lives: a finished run's bar ends at 100%
         outcome = ray.get(control.outcome.remote())
         status = outcome.status if outcome is not None else "FAILED"
+        if ray.get(control.failure.remote()) is not None:  # the rank that ended it could not tag the MLflow run
+            tracker.set_tags({"rlray.error": outcome.error[:5000]})
         learner_times = ray.get(services.monitor.learner_startup.remote())
     except KeyboardInterrupt:
         if watch is not None and watch.error is not None:  # an actor's start failure interrupted fit

@@ -13,8 +13,8 @@ thread (``start``) polls that note every ``poll_s`` seconds and
    lower: they have not entered this collective) and the stacks: this rank's own (``hangs.own_stacks``) and, from the
    lowest rank waiting, each rank behind's, taken from that process through the SIGUSR2 dump (``hangs.dump_stacks``
    on this node, ``hangs.process_stacks`` on another; every watched rank calls ``hangs.enable_stack_dumps``);
-3. runs ``on_expiry`` (the session exits the rank under Ray Train with ``watchdog.on_hang=restart``, so that Ray Train
-   restarts the group from the newest snapshot).
+3. runs ``on_expiry`` (the session's ``hang_action``: under Ray Train the rank exits, so that Ray Train restarts the
+   group from the newest snapshot, or under ``watchdog.on_hang=stop`` the run ends FAILED at it).
 
 Only collectives inside a ``timed`` scope have the deadline: the ones that follow work every rank does alike (the
 learner's stages 5-6 of an online step, the offline update). A collective that waits on rank 0's own work (its
@@ -154,9 +154,9 @@ class WatchedCollective(Collective):
             self.now = None
 
     # ---------------------------------------------------------------- the watcher thread
-    def start(self, report: Callable[[str], None], on_expiry: Callable[[], None] | None = None) -> WatchedCollective:
+    def start(self, report: Callable[[str], None], on_expiry: hangs.HangAction | None = None) -> WatchedCollective:
         """Starts the watcher thread (idempotent); ``report`` sends a report (the alert; the log line is written here),
-        ``on_expiry`` runs after it (None: nothing). Returns self."""
+        ``on_expiry`` runs after it with the report's headline (None: nothing). Returns self."""
         if self._thread is None:
             hangs.enable_stack_dumps()  # the lowest waiting rank of a hang takes this rank's stacks from here
             self._node = _node_id()
@@ -171,7 +171,7 @@ class WatchedCollective(Collective):
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
 
-    def _watch(self, report: Callable[[str], None], on_expiry: Callable[[], None] | None) -> None:
+    def _watch(self, report: Callable[[str], None], on_expiry: hangs.HangAction | None) -> None:
         published, reported = None, 0
         while not self._stop.wait(self.poll_s):
             entry = self.now
@@ -187,13 +187,13 @@ class WatchedCollective(Collective):
                 self._report(entry, waited, report, on_expiry)
 
     def _report(self, entry: Entry, waited_s: float, report: Callable[[str], None],
-                on_expiry: Callable[[], None] | None) -> None:
+                on_expiry: hangs.HangAction | None) -> None:
         self.reports += 1
         notes = {r: self._peer(r) for r in range(self.world) if r != self.rank}
         behind = {r: n for r, n in notes.items() if n is not None and n["seq"] < entry.seq}
         waiting = [self.rank] + [r for r, n in notes.items() if n is not None and n["seq"] == entry.seq and n["in"]]
         unknown = sorted(r for r, n in notes.items() if n is None)
-        then = "; exiting the rank (Ray Train restarts the group)" if on_expiry is not None else ""
+        then = f"; {on_expiry.says}" if on_expiry is not None else ""
         names = ", ".join(f"{r} (last entered collective {n['seq']})" for r, n in sorted(behind.items()))
         head = (f"hang: learner rank {self.rank} (pid {os.getpid()}) has waited in {entry.op} (collective {entry.seq}, "
                 f"called from {entry.caller}, {entry.stage}) for {waited_s:.1f} s, past watchdog.collective_s="
@@ -215,7 +215,7 @@ class WatchedCollective(Collective):
         except Exception as err:  # noqa: BLE001 - the action must run
             log.error("hang alert failed: %s: %s", type(err).__name__, err)
         if on_expiry is not None:
-            on_expiry()
+            on_expiry.run(head)
 
     def _peer_stacks(self, rank: int, note: dict[str, Any]) -> str:
         where = hangs.ActorProcess(f"rlray:learner-{rank}", int(note["pid"]), str(note["node"]))

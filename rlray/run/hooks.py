@@ -88,16 +88,31 @@ class RunControl:
 
     The driver sets the flag (for example from its SIGTERM handler); the ``StopWhenRequested`` hook
     reads it at every step boundary. Rank 0 records how the run ended (``rlray.run.state.RunOutcome``)
-    when it leaves the step loop; the driver reads it after Ray Train returns.
+    when it leaves the step loop; the driver reads it after Ray Train returns. A learner rank that stops the run for a
+    hang of its own (``watchdog.on_hang=stop``, ``rlray.run.rank_hangs.hang_action``) records its end with ``fail``
+    before it exits: the learner group Ray Train may restart then ends at once, and that outcome stays the run's.
     """
 
     def __init__(self) -> None:
         self._reason: str | None = None
         self._outcome: object = None
+        self._failure: object = None
 
     def record_outcome(self, outcome: object) -> None:
-        """Keeps rank 0's ``RunOutcome`` (the last attempt's wins after a restart)."""
-        self._outcome = outcome
+        """Keeps rank 0's ``RunOutcome`` (the last attempt's wins after a restart; none after ``fail``)."""
+        if self._failure is None:
+            self._outcome = outcome
+
+    def fail(self, outcome: object) -> None:
+        """Records that a learner rank ended the run (a hang under ``watchdog.on_hang=stop``), with its ``RunOutcome``
+        (status FAILED, the report as its error); the first wins, and it is the run's outcome from then on."""
+        if self._failure is None:
+            self._failure = self._outcome = outcome
+            self._reason = self._reason or "hang"
+
+    def failure(self) -> object:
+        """Returns the ``RunOutcome`` that ``fail`` recorded, or None while no rank ended the run."""
+        return self._failure
 
     def outcome(self) -> object:
         """Returns the recorded ``RunOutcome``, or None when no attempt got to record one."""

@@ -14,7 +14,6 @@ the collectives the same number of times.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -34,6 +33,7 @@ from rlray.plan import RunPlan, plan_from_tree
 from rlray.run import collective_watch, guards, snapshots
 from rlray.run.context import RunContext, StepResult
 from rlray.run.hooks import StepEnd, StepHook, run_hooks, run_observers
+from rlray.run.rank_hangs import hang_action, hang_alert, step_deadline
 from rlray.run.state import RUNNING, RunOutcome, RunServices, RunState
 
 log = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ def _train(build: BuildContext, plan: RunPlan, coll: Collective, services: RunSe
 
     deadline = step_deadline(ctx, run, services)
     if isinstance(coll, collective_watch.WatchedCollective):  # each timed collective's own deadline (watchdog.collective_s)
-        coll.start(hang_alert(ctx, run, services), deadline.on_expiry)
+        coll.start(hang_alert(ctx, run, services), hang_action(ctx, run, services))
 
     def one_step() -> dict[str, float]:  # stages 1-7 of the run's kind, then stage 8 here
         deadline.arm(run.step + 1)
@@ -154,32 +154,6 @@ def _train(build: BuildContext, plan: RunPlan, coll: Collective, services: RunSe
         ctx.close()
     coll.barrier()
     return RunOutcome(run.status, run.step, run.last_snapshot, error, metrics)
-
-
-def step_deadline(ctx: RunContext, run: RunState, services: RunServices) -> hangs.StepDeadline:
-    """Returns this rank's step deadline (``watchdog.learner_step_s``): its report goes to the log and the alerts
-    (``hang_alert``); under Ray Train with ``watchdog.on_hang=restart`` the rank then exits, so that Ray Train restarts
-    the group from the newest snapshot (``monitor.max_failures``)."""
-    d = ctx.plan.deadlines
-    exit_rank = (lambda: os._exit(1)) if run.in_ray_train and d.on_hang == "restart" else None
-    return hangs.StepDeadline(d.learner_step_s, f"learner rank {ctx.rank}", hang_alert(ctx, run, services), exit_rank)
-
-
-def hang_alert(ctx: RunContext, run: RunState, services: RunServices) -> Callable[[str], None]:
-    """Returns how this rank sends a hang report as the run's ``hang`` alert, at the step in progress: through the
-    monitor (``services.monitor.alert``, waiting up to 5 s for it to arrive, since the rank may exit next), else rank 0
-    straight to ``monitor.alerts`` (``snapshots.alert``) and any other rank not at all (its log line only). Used by the
-    step and collective deadlines and by the hang watches of the calls the rank waits on (``RunContext.watch_hangs``:
-    a learner rank's reference and teacher calls)."""
-    def alert(message: str) -> None:
-        if services.monitor is not None:  # delivered before the exit that may follow (a deadline's restart action)
-            sent = services.monitor.alert.remote("hang", message, run.step + 1)
-            if isinstance(sent, ray.ObjectRef):  # a real actor handle (tests pass fakes that return None)
-                ray.wait([sent], timeout=5.0)
-        elif ctx.rank == 0:
-            snapshots.alert(ctx, services, "hang", message, run.step + 1)
-
-    return alert
 
 
 def _early_oom(where: str, fn: Callable[[], Any]) -> Any:

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
+
+import ray
 
 from rlray.learner.collective import current_collective, name_learner_process
 from rlray.plan import RunPlan, plan_from_tree
 from rlray.run import offline, online, session
 from rlray.run.session import FatalStepError
 from rlray.run.state import RunOutcome, WorkerArgs
+
+log = logging.getLogger(__name__)
 
 
 def train(plan: RunPlan, args: WorkerArgs, coll: Any = None) -> RunOutcome:
@@ -38,9 +43,14 @@ def train_worker(loop_config: dict[str, WorkerArgs]) -> None:
     """The Ray Train training function: validates the config of ``loop_config["args"]`` and runs it on this rank.
 
     A ``FatalStepError`` ends the worker quietly: it is recorded (MLflow status FAILED, tag rlray.error,
-    the run's outcome) and a restart would fail the same way.
+    the run's outcome) and a restart would fail the same way. So does a group that Ray Train started again after a
+    rank ended the run for a hang (``RunControl.fail``): it returns at once, before any load.
     """
     args = loop_config["args"]
+    control = args.services.control
+    if control is not None and ray.get(control.failure.remote()) is not None:
+        log.warning("a learner rank ended the run (a hang under watchdog.on_hang=stop): this group does not start")
+        return
     plan = plan_from_tree(args.config)
     coll = current_collective()
     name_learner_process(coll.rank)

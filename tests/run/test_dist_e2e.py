@@ -155,3 +155,41 @@ def test_a_rank_that_never_reaches_a_collective_is_named_with_its_stack_and_ray_
     assert 3.0 <= float(re.search(r"\) for (\d+\.\d) s, past", head).group(1)) < 3.0 + 5.0  # within a poll or so (one decimal)
     assert "stacks of learner rank 1 (pid " in alert and "in rank_1_never_arrives" in alert
     assert [s for s, _ in get_run_metrics(uri, result.run_id)["learner/pg_loss"]][-1] == 2
+
+
+@pytest.mark.ray
+def test_under_stop_a_rank_that_never_reaches_a_collective_ends_the_run_failed_at_the_newest_snapshot(
+        ray_session, tmp_path, gsm8k_dir):
+    """The stall above under watchdog.on_hang=stop: rank 0 reports it, records the run's end and exits; the group Ray
+    Train starts again ends at once, and the run ends FAILED with the report as its error and step 1's snapshot as
+    the one to resume from, instead of waiting on the stuck rank for ever (a stuck rank cannot write a snapshot)."""
+    from rlray.checkpoint import storage as checkpoint
+    from rlray.config import RewardFunctionConfig, load_config
+    from rlray.launch.driver import run_training
+    from rlray.observe.tracking import get_run, get_run_metrics
+
+    flag, calls = tmp_path / "stall", tmp_path / "calls"
+    flag.touch()
+    source = STALLING_ALGORITHM.format(flag=str(flag), calls=str(calls))  # under its own name: one registry per process
+    (tmp_path / "stalling.py").write_text(source.replace('"stalling_grpo"', '"stalling_grpo_stop"'))
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cfg = load_config(REPO / "configs/grpo_gsm8k_tiny.yaml", [
+        f"run.output_dir={tmp_path}/out", f"tracking.mlflow_uri={uri}", f"data.train_files=[{gsm8k_dir}/train.jsonl]",
+        f"data.eval_files=[{gsm8k_dir}/test.jsonl]", "run.max_steps=2", "eval.num_problems=0", "checkpoint.every_steps=1",
+        "learner.torch_threads=1", "resources.learner.num_workers=2", "algo.name=stalling_grpo_stop",
+        f"algo.user_algorithms=[{tmp_path}/stalling.py:STALLING]", "watchdog.collective_s=3", "watchdog.on_hang=stop",
+        "monitor.max_failures=1", "monitor.port=0"])
+    cfg.reward.functions = [RewardFunctionConfig(function=f"{REPO}/tests/fixtures/rewards.py:completion_length",
+                                                 weight=1.0)]
+    result = run_training(cfg)
+    assert result.status == "FAILED" and not flag.exists() and calls.read_text() == "2"  # no step ran after the stop
+    assert result.error.startswith("hang: learner rank 0 (pid ") and "ranks behind: 1 (last entered collective" in result.error
+    assert result.error.endswith("stopping the run (watchdog.on_hang=stop: it ends FAILED; resume from its newest snapshot)")
+    manifest = checkpoint.read_manifest(result.final_snapshot)
+    assert (manifest.step, manifest.kind) == (1, "periodic")
+    run = get_run(uri, result.run_id)
+    assert run.info.status == "FAILED" and run.data.tags["rlray.error"] == result.error
+    assert run.data.tags["rlray.alert.hang"].partition("\n")[0] == result.error
+    assert "stacks of learner rank 1 (pid " in run.data.tags["rlray.alert.hang"]
+    assert run.data.tags["rlray.alert.run_failed"] == f"the run stops: {result.error}"
+    assert [s for s, _ in get_run_metrics(uri, result.run_id)["learner/pg_loss"]] == [1]
