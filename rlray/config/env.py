@@ -174,6 +174,16 @@ class EnvConfig(_Section):
             "so slow agents do not hold fast ones, but the calls' make-up, and so the samples, depend on timing."
         ),
     )
+    agent_threads: int = Field(
+        64, ge=1,
+        description=(
+            "Synchronous agent episodes (a plain `def` agent, a thread each) an environment host runs at once, per "
+            "batch of agent episodes; the others wait their turn, in episode order, and their time limits count from "
+            "their start. The threads are split over the batch's rollout actors (at least one each) and an ended "
+            "episode's thread goes to the next episode of its actor, so under lockstep which episodes share an engine "
+            "call still follows from the conversations alone. Async agents are not counted (they run at once)."
+        ),
+    )
     column: str = Field(
         "environment", min_length=1,
         description="Row column naming the row's environment or agent (TRL's dict of factories).",

@@ -417,6 +417,7 @@ def agent_host_kwargs(plan: RunPlan, model_dir: str | None = None) -> dict[str, 
         "gateway_host": cfg.env.gateway_host,
         "chat_template_kwargs": dict(cfg.rollout.chat_template_kwargs),
         "agent_batching": ep.agent_batching,
+        "agent_threads": ep.agent_threads,
     }
 
 

@@ -250,6 +250,8 @@ class Episodes:
         servers: the environment servers the hosts start or reach (``env.servers``; paths made absolute).
         agent_batching: how the hosts gather their agents' calls into engine calls (``env.agent_batching``:
             ``lockstep`` or ``window``, ``rlray.envs.agents.agent_host.TickBatcher``).
+        agent_threads: the most synchronous agent episodes a host runs at once per batch (``env.agent_threads``,
+            ``rlray.envs.agents.agent_host.Admission``).
     """
 
     environments: tuple[tuple[str, str], ...]
@@ -261,6 +263,7 @@ class Episodes:
     reward_weight: float
     servers: tuple[HostedServer, ...] = ()
     agent_batching: str = "lockstep"
+    agent_threads: int = 64
 
     @property
     def enabled(self) -> bool:

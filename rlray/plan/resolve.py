@@ -233,7 +233,7 @@ def resolve_episodes(cfg: Config) -> Episodes:
                                          env.episode_timeout_s, env.step_timeout_s),
                     tools=tools, reward_weight=env.reward_weight,
                     servers=tuple(hosted_server(name, s) for name, s in env.servers.items()),
-                    agent_batching=env.agent_batching)
+                    agent_batching=env.agent_batching, agent_threads=env.agent_threads)
 
 
 def hosted_server(name: str, server: ServerConfig) -> HostedServer:

@@ -76,3 +76,17 @@ def test_agent_batching_is_lockstep_by_default_and_reaches_the_hosts():
     assert agent_host_kwargs(plan, "/no/model")["agent_batching"] == "window"
     with pytest.raises(ConfigError, match=r"env.agent_batching='fast'"):
         config_from_dict({"env": {"agent_batching": "fast"}})
+
+
+def test_agent_threads_is_64_by_default_reaches_the_hosts_and_must_be_positive():
+    """env.agent_threads: 64 unless set; the plan and the agent hosts' keyword arguments carry it; 0 is refused with an
+    error naming the key."""
+    from rlray.launch.actors import agent_host_kwargs
+    from rlray.plan import resolve_plan
+
+    assert EnvConfig().agent_threads == 64
+    plan = resolve_plan(config_from_dict({"env": {"agents": AGENTS, "default": "solver", "agent_threads": 3}}))
+    assert plan.episodes.agent_threads == 3
+    assert agent_host_kwargs(plan, "/no/model")["agent_threads"] == 3
+    with pytest.raises(ConfigError, match=r"env.agent_threads=0: Input should be greater than or equal to 1"):
+        config_from_dict({"env": {"agents": AGENTS, "default": "solver", "agent_threads": 0}})

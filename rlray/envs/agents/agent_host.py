@@ -10,6 +10,8 @@ step's sampling). Every call of every agent becomes a request to the episode's r
 ``TickBatcher`` gathers the requests into engine calls: one call per actor at a time, each holding what its running
 episodes asked for meanwhile (a batch of prompts is what makes an engine fast). How long it waits for them is
 ``env.agent_batching`` (``lockstep``: for all of them, so a seeded run repeats its samples; ``window``: a short time).
+Synchronous agents (a plain ``def``) run on a thread each, at most ``env.agent_threads`` of a batch at once:
+``Admission`` starts the others as running ones end, without changing which requests share an engine call.
 
 The engine call itself is the ``Sampler`` the host is built with (``rlray.run.agents.FleetSampler``: Ray calls to
 the rollout actors); this module imports no Ray and no engine, and tests give it a scripted sampler.
@@ -91,8 +93,10 @@ class GatewayStats:
 class ThreadPerCall(concurrent.futures.Executor):
     """An executor that runs each call on a daemon thread of its own (no pool, so no call waits for a free thread).
 
-    Synchronous agents run on it under ``env.agent_batching: lockstep``: there every running episode's turn is waited
-    for, and an episode queued behind a full pool would hold the others until its time limit.
+    Synchronous agents run on it, as many at once as ``Admission`` lets start: under ``lockstep`` every running
+    episode's turn is waited for, and an episode queued behind a full pool would hold the others until its time limit.
+    A thread that outlives its episode's time limit keeps running (Python cannot kill it), but its episode has ended
+    and handed its place on.
     """
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
@@ -240,6 +244,68 @@ class TickBatcher:
                 future.set_result(sampled)
 
 
+class Admission:
+    """Starts a batch's synchronous agent episodes (a thread each) at most ``threads`` at a time (env.agent_threads).
+
+    The threads are dealt over the rollout actors the batch's synchronous episodes are pinned to: one each, then one at
+    a time in actor order, none past an actor's episodes. Each actor admits its episodes in episode order, its first
+    ones at once and each later one when one of its running synchronous episodes ends. An episode counts in the
+    batcher (``TickBatcher.enter``) from its admission, and ``end`` hands an ended episode's place on in one stretch of
+    synchronous code (``leave``, then ``enter`` of the next one: no ``await`` between), so the batcher never sees the
+    actor a running episode short: it waits for the newcomer's first request as it would have for the ended episode's
+    next, and under ``lockstep`` each engine call still carries what the conversations alone decide, whatever the
+    timing. A freed place stays with its actor (one whose episodes have all started leaves it unused): handed to another
+    actor, whether the newcomer joined that actor's current call would depend on timing. Async agents' episodes are
+    admitted at once and not counted.
+
+    Args:
+        batcher: the batch's batcher (episodes are counted in it as they are admitted).
+        episodes: the batch's episodes, in order.
+        is_sync: whether an episode's agent is synchronous.
+        threads: the most synchronous episodes running at once (at least one per actor they are pinned to).
+    """
+
+    def __init__(self, batcher: TickBatcher, episodes: list[AgentRequest], is_sync: Callable[[AgentRequest], bool],
+                 threads: int) -> None:
+        self.batcher, num_actors = batcher, batcher.sampler.num_actors
+        self._waiting: dict[int, collections.deque[tuple[AgentRequest, asyncio.Future]]] = {}  # actor -> not started
+        self._tickets: dict[str, asyncio.Future] = {}  # episode key -> done at its admission
+        self._sync = {r.key for r in episodes if is_sync(r)}
+        pinned = collections.Counter(r.actor_key % num_actors for r in episodes if r.key in self._sync)
+        free, left = dict.fromkeys(pinned, 1), threads - len(pinned)  # actor -> places not taken yet
+        while left > 0 and any(free[a] < pinned[a] for a in free):
+            for actor in sorted(free):
+                if left > 0 and free[actor] < pinned[actor]:
+                    free[actor], left = free[actor] + 1, left - 1
+        loop = asyncio.get_running_loop()
+        for request in episodes:
+            if request.key in self._sync:
+                actor = request.actor_key % num_actors
+                if not free[actor]:
+                    self._tickets[request.key] = ticket = loop.create_future()
+                    self._waiting.setdefault(actor, collections.deque()).append((request, ticket))
+                    continue
+                free[actor] -= 1
+            batcher.enter(request.actor_key)
+
+    async def wait(self, request: AgentRequest) -> None:
+        """Returns once ``request``'s episode is admitted (counted in the batcher): at once, or when a running episode
+        of its actor has ended."""
+        ticket = self._tickets.pop(request.key, None)
+        if ticket is not None:
+            await ticket
+
+    def end(self, request: AgentRequest) -> None:
+        """Counts ``request``'s admitted episode as ended and hands its place to the next waiting episode of its actor,
+        if any, without yielding to the loop in between (see the class docstring)."""
+        self.batcher.leave(request.actor_key)
+        waiting = self._waiting.get(request.actor_key % self.batcher.sampler.num_actors)
+        if request.key in self._sync and waiting:
+            following, ticket = waiting.popleft()
+            self.batcher.enter(following.actor_key)  # the batcher, woken by leave, already waits for this one
+            ticket.set_result(None)
+
+
 class AgentRunner:
     """What runs on an ``AgentHost``'s loop: the gateway, the agents' episodes and their batchers, the MCP sessions.
 
@@ -253,7 +319,8 @@ class AgentRunner:
         limits: the agents' episode limits (``max_new_tokens`` is set per batch, from its sampling).
         mcp: the MCP sessions (None without env.mcp_servers).
         tool_parser, chat_template_kwargs: the gateway's (``Gateway``).
-        threads: runs synchronous agents (under ``lockstep``, a ``ThreadPerCall``: no episode waits for a thread).
+        threads: the most synchronous agent episodes of a batch running at once, a thread each (``Admission``;
+            env.agent_threads).
         batching: the batchers' mode, ``lockstep`` or ``window`` (``TickBatcher``; env.agent_batching). Under
             ``lockstep`` the episodes' HTTP connections to the gateway have no cap (an episode waiting for one would
             hold the others); under ``window`` at most ``GATEWAY_CONNECTIONS``.
@@ -263,9 +330,10 @@ class AgentRunner:
                  sampler_factory: Callable[[list[Any], Any, int | None], Sampler] | None,
                  limits: EpisodeLimits, mcp: McpClients | None, *,
                  tool_parser: str, chat_template_kwargs: dict[str, Any] | None,
-                 threads: concurrent.futures.Executor, batching: str = "lockstep") -> None:
-        self.agents, self.sampler_factory, self.limits, self.mcp, self.threads = agents, sampler_factory, limits, mcp, threads
-        self.batching = batching
+                 threads: int = 64, batching: str = "lockstep") -> None:
+        self.agents, self.sampler_factory, self.limits, self.mcp = agents, sampler_factory, limits, mcp
+        self.threads, self.batching = threads, batching
+        self.executor = ThreadPerCall()  # the synchronous agents' threads (as many as Admission starts)
         self.stats = GatewayStats()
         self.gateway = Gateway(tokenizer, self.sample, tool_parser=tool_parser, chat_template_kwargs=chat_template_kwargs)
         self._batchers: dict[str, TickBatcher] = {}
@@ -296,7 +364,8 @@ class AgentRunner:
             await self._http.aclose()
 
     async def run(self, batch: AgentBatch) -> list[AgentReply]:
-        """Returns the replies of ``batch``'s episodes, run at once, in order.
+        """Returns the replies of ``batch``'s episodes, in order: async agents' episodes start at once, synchronous
+        ones as ``Admission`` admits them.
 
         Raises:
             ValueError: the runner has no sampler factory.
@@ -307,16 +376,18 @@ class AgentRunner:
         batcher = TickBatcher(self.sampler_factory(batch.actors, batch.sampling, batch.min_version), own,
                               self._call_s, self.batching)
         limits = self.limits.with_max_new_tokens(batch.max_new_tokens)
-        for request in batch.episodes:  # every episode counts before any asks: the first call waits for them all
+        for request in batch.episodes:
             self._batchers[request.key] = batcher
-            batcher.enter(request.actor_key)
+        # the episodes admitted now count before any asks: the first call waits for them all
+        admission = Admission(batcher, batch.episodes, lambda r: not self.agents[r.agent].is_async, self.threads)
 
         async def one(request: AgentRequest) -> AgentReply:
+            await admission.wait(request)  # its time limits count from here (run_agent_episode starts them)
             try:
                 return await run_agent_episode(self.gateway, request, self.agents[request.agent], self.mcp, limits,
-                                               http_client=self._http, threads=self.threads)
+                                               http_client=self._http, threads=self.executor)
             finally:
-                batcher.leave(request.actor_key)
+                admission.end(request)
                 self._batchers.pop(request.key, None)
 
         try:
@@ -354,7 +425,8 @@ class AgentHost(EnvironmentHost):
         mcp_servers: the MCP servers to start (``McpServerSpec``).
         gateway_host: the address the gateway binds (``env.gateway_host``).
         chat_template_kwargs: extra template variables (``rollout.chat_template_kwargs``).
-        agent_threads: threads for synchronous agents under ``window`` (``lockstep``: a thread per episode).
+        agent_threads: the most synchronous agent episodes of a batch running at once, a thread each (``Admission``;
+            env.agent_threads).
         agent_batching: how the batchers gather the agents' calls, ``lockstep`` or ``window`` (``TickBatcher``;
             env.agent_batching).
         tool_parser, step_timeout_s: as ``EnvironmentHost`` (step_timeout_s is also the most seconds an agent may spend
@@ -388,13 +460,11 @@ class AgentHost(EnvironmentHost):
             tokenizer = load_tokenizer(model_dir, chat_template)
         if agent_batching not in AGENT_BATCHING:
             raise ValueError(f"env.agent_batching={agent_batching!r}: need one of {list(AGENT_BATCHING)}")
-        self._threads: concurrent.futures.Executor = ThreadPerCall() if agent_batching == "lockstep" else \
-            concurrent.futures.ThreadPoolExecutor(max_workers=agent_threads, thread_name_prefix="rlray-agent")
         mcp = McpClients(list(mcp_servers or [])) if mcp_servers else None
         self.limits = EpisodeLimits(max_turns, max_episode_tokens, max_observation_tokens, episode_timeout_s,
                                     step_timeout_s)
         self.runner = AgentRunner(loaded, tokenizer, sampler_factory, self.limits, mcp, tool_parser=tool_parser,
-                                  chat_template_kwargs=chat_template_kwargs, threads=self._threads,
+                                  chat_template_kwargs=chat_template_kwargs, threads=agent_threads,
                                   batching=agent_batching)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rlray-gateway", daemon=True)
@@ -452,7 +522,6 @@ class AgentHost(EnvironmentHost):
                 log.warning("stopping the gateway or the MCP sessions failed", exc_info=True)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10.0)
-        self._threads.shutdown(wait=False, cancel_futures=True)
 
     def __del__(self) -> None:
         try:
