@@ -17,7 +17,8 @@ to it is dropped, and the actor is brought to the latest weights when it is back
 No call hangs silently: with a ``rlray.hangs.HangWatch`` (``watchdog.*``), a generate call that runs past
 ``engine_call_s`` or a weight push past ``weight_push_s`` (time queued behind the actor's earlier calls excluded: an
 actor runs one call at a time, in order) is reported with the actor's stacks, and the actor is restarted (its prompts go
-to a live actor, counted in ``rerun_prompts``; it gets the latest weights when back) or the run stops.
+to a live actor, counted in ``rerun_prompts``; it gets the latest weights when back) or the run stops
+(``rlray.rollout.fleet_deadlines``, which the fleet inherits).
 
 Partial rollouts: a push runs beside the generations in flight (``rlray.rollout.partial``), episodes sample turns on
 threads of their own: state changes under one lock, never held while waiting. Async: ``rlray.rollout.pipeline``.
@@ -37,15 +38,16 @@ import numpy as np
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from rlray.hangs import ALERT_STACK_CHARS, Hang, HangError, HangWatch
+from rlray.hangs import ALERT_STACK_CHARS, HangError, HangWatch
 from rlray.rollout import Completion, SamplingSpec
+from rlray.rollout.fleet_deadlines import POLL_S as _POLL_S
+from rlray.rollout.fleet_deadlines import FleetDeadlines
 from rlray.rollout.gcs import gcs_actor_state
 
 log = logging.getLogger(__name__)
 
 ACTOR_ERRORS = (RayActorError, ActorDiedError, ActorUnavailableError)
 _ANSWER_S = 1.0  # seconds a live actor may take to answer a probe: a failed actor is waited for at least this long
-_POLL_S = 1.0  # seconds between looks at the GCS state of the actors a pending call waits for
 _DOWN_STATES = ("DEPENDENCIES_UNREADY", "PENDING_CREATION", "RESTARTING", "DEAD")  # GCS actor states that run no call
 
 
@@ -59,21 +61,14 @@ class ActorLostError(RuntimeError):
 
 @dataclass
 class _Chunk:
-    """One actor call: prompt indices of the step, the actor that runs it, and its pending result."""
+    """One actor call: prompt indices of the step, the actor that runs it, its pending result, and the actor's failures
+    counted when it was sent (``RolloutFleet._mark_failed``)."""
 
     indices: list[int]
     actor: int
     ref: Any
     attempts: int = 1
-
-
-@dataclass
-class _Sent:
-    """A call sent to an actor, not yet seen finished: the method's name, its ObjectRef, when sent (``time.monotonic``)."""
-
-    call: str
-    ref: Any
-    sent_at: float
+    deaths: int = 0
 
 
 @dataclass
@@ -103,7 +98,7 @@ def offset_seed(sampling: SamplingSpec, first_prompt: int) -> SamplingSpec:
     return dataclasses.replace(sampling, seed=sampling.seed + first_prompt * sampling.n)
 
 
-class RolloutFleet:
+class RolloutFleet(FleetDeadlines):
     """Rank 0's view of the rollout actors: generate across them, reassign on failure, push weights.
 
     A ``RolloutSource`` (``rlray.rollout.types``) whose pending handle is a ``PendingRollout``.
@@ -137,15 +132,14 @@ class RolloutFleet:
         self._away: dict[int, _Away] = {}  # failed actors not yet back
         self._down: dict[int, float] = {}  # actor -> when a pending call first found it not ALIVE in the GCS
         self._latest: Callable[[], Any] | None = None  # returns an ObjectRef of the latest weights
+        self._exporter = self._paused = False  # _latest exports the learner's weights (mark_synced); paused meanwhile
         self._stale: set[int] = set()  # actors that failed since their last successful weight push
         self.failures = 0  # actor failures seen (a weight-transfer group must be rebuilt after one)
-        self._pending_sync: list[tuple[int, Any, int]] = []  # (actor, ref, version)
+        self._pending_sync: list[tuple[int, Any, int, int]] = []  # (actor, ref, version, its failures counted then)
+        self._deaths: dict[int, int] = {}  # actor -> its failures counted (``_mark_failed``)
         self._delta = False  # the pushes are deltas (push_weights' full)
         self.full_resyncs = 0  # full weights sent to an actor that refused a delta, over the fleet's life
-        self.watch = watch
-        self._sent: dict[int, list[_Sent]] = {}  # actor -> its calls not yet seen finished, in the order sent
-        self._free_at: dict[int, float] = {}  # actor -> when its latest call was seen finished
-        self._stop: Hang | None = None  # a weight push hung under watchdog.on_hang=stop: raised at the next rollout
+        self.init_deadlines(watch)
         self._lock = threading.RLock()  # submit, the bookkeeping of collect, push_weights: episode threads and stage 7
 
     # ---- generation -----------------------------------------------------------------------
@@ -227,7 +221,7 @@ class RolloutFleet:
         ref = self.actors[actor].generate.remote(ids, offset_seed(pending.sampling, indices[0]), *after)
         self._track(actor, "generate", ref)
         self.calls += 1
-        return _Chunk(indices, actor, ref, attempts)
+        return _Chunk(indices, actor, ref, attempts, self._deaths.get(actor, 0))
 
     def _usable(self) -> list[int]:
         """Returns the actors ready for work: healthy ones, and failed ones that are back (brought to the latest
@@ -295,7 +289,7 @@ class RolloutFleet:
                     got = ray.get(self.actors[i].policy_version.remote(), timeout=max(self.node_wait_s, _ANSWER_S))
                 except (*ACTOR_ERRORS, ray.exceptions.GetTimeoutError):
                     got = None
-                if got != self.version and not any(j == i for j, _, _ in self._pending_sync):  # a push still loading
+                if got != self.version and not any(p[0] == i for p in self._pending_sync):  # a push still loading
                     log.warning("rollout actor %d answers policy version %s, not %d: it restarted", i, got, self.version)
                     self._mark_failed(i)
             self._usable()
@@ -307,7 +301,12 @@ class RolloutFleet:
                 continue
             try:
                 ray.get(a.probe)
-                self._refresh(i)
+                if not self._refresh(i):  # back, but the learner is updating (pause_export): after the next push
+                    if not a.given_up:
+                        log.warning("rollout actor %d is back, but the learner is updating: it rejoins after the "
+                                    "next weight push", i)
+                    a.given_up = True
+                    continue
             except ActorDiedError:
                 a.dead = True
                 log.warning("rollout actor %d is dead for good (resources.rollout.max_restarts spent): going on with "
@@ -351,7 +350,7 @@ class RolloutFleet:
         return err
 
     def _reassign(self, pending: PendingRollout, chunk: _Chunk, err: Exception) -> _Chunk:
-        self._mark_failed(chunk.actor)
+        self._mark_failed(chunk.actor, chunk.deaths)
         if chunk.attempts >= self.max_attempts:
             raise RolloutError(
                 f"prompts {chunk.indices[0]}..{chunk.indices[-1]} failed on {chunk.attempts} rollout actor calls; "
@@ -389,9 +388,11 @@ class RolloutFleet:
         with self._lock:
             block = wait or (self.partial and (version <= self.version or not self._pushed))
             self._latest, self.version, self._delta, self._pushed = full or (lambda: weights_ref), version, full is not None, True
+            self._exporter = self._paused = False
             live = [i for i in range(len(self.actors)) if i not in self._stale]  # stale ones are refreshed before use
-            pushes = [(i, self.actors[i].update_weights.remote(weights_ref, version), version) for i in live]
-            for i, ref, _ in pushes:
+            pushes = [(i, self.actors[i].update_weights.remote(weights_ref, version), version, self._deaths.get(i, 0))
+                      for i in live]
+            for i, ref, _, _ in pushes:
                 self._track(i, "update_weights", ref)
             self._pending_sync += pushes
             self._check_pending_sync(block=block)
@@ -410,7 +411,17 @@ class RolloutFleet:
             latest: returns an ObjectRef of these weights on demand, for an actor that restarts;
                 None when they cannot be produced on rank 0 alone (FSDP).
         """
-        self.version, self._latest = version, latest
+        with self._lock:
+            self.version, self._latest, self._exporter, self._paused = version, latest, latest is not None, False
+
+    def pause_export(self) -> None:
+        """Called on rank 0 before the learner's update (stage 6): until the next push (``push_weights``,
+        ``mark_synced``) no restarted actor is brought back with ``mark_synced``'s export of the learner, which would
+        read weights being changed and tag the newer ones with this version. Such an actor stays away until then
+        (counted, as any actor away); an export running now (an episode thread's refresh) ends first (the lock)."""
+        with self._lock:
+            if self._exporter:
+                self._latest, self._paused = None, True
 
     @property
     def live_actors(self) -> list[Any]:
@@ -426,34 +437,40 @@ class RolloutFleet:
         with self._lock:
             return [self.actors[i] for i in self._usable()]
 
-    def _mark_failed(self, actor: int) -> None:
+    def _mark_failed(self, actor: int, deaths: int | None = None) -> None:
+        """Counts ``actor`` failed (``failures``) and stale until it is refreshed; ``deaths``: its failures counted when
+        the failed call was sent. A call sent before a failure already counted fails with that failure (Ray reports it
+        once the actor is back, maybe after its refresh): it neither counts again nor takes the actor out of use."""
+        if deaths is not None and deaths < self._deaths.get(actor, 0):
+            return
         if actor not in self._stale:
             self.failures += 1
+            self._deaths[actor] = self._deaths.get(actor, 0) + 1
         self._stale.add(actor)
 
     def _check_pending_sync(self, *, block: bool) -> None:
         """Checks finished weight pushes (all of them when ``block``); a failed actor becomes stale, and one that cannot
         run its push (``_cannot_run``) is lost."""
         while self._pending_sync:
-            refs = [r for _, r, _ in self._pending_sync]
+            refs = [p[1] for p in self._pending_sync]
             ready, waiting = ray.wait(refs, num_returns=len(refs), timeout=_POLL_S if block else 0)
             self._take_synced(set(ready))
             if not (block and waiting):
                 return
-            for i in self._cannot_run({i for i, _, _ in self._pending_sync}):  # a push to a lost actor is dropped
-                self._lose(i, [r for j, r, _ in self._pending_sync if j == i])
+            for i in self._cannot_run({p[0] for p in self._pending_sync}):  # a push to a lost actor is dropped
+                self._lose(i, [p[1] for p in self._pending_sync if p[0] == i])
                 self._pending_sync = [p for p in self._pending_sync if p[0] != i]
-            self._watch_hangs({i for i, _, _ in self._pending_sync})  # a restarted actor's push fails: stale
+            self._watch_hangs({p[0] for p in self._pending_sync})  # a restarted actor's push fails: stale
 
     def _take_synced(self, ready: set[Any]) -> None:
         """Checks the finished weight pushes among ``ready``: a failed actor becomes stale, a wrong version raises."""
         finished = [p for p in self._pending_sync if p[1] in ready]
         self._pending_sync = [p for p in self._pending_sync if p[1] not in ready]
-        for i, ref, version in finished:
+        for i, ref, version, deaths in finished:
             try:
                 got = ray.get(ref)
             except ACTOR_ERRORS:
-                self._mark_failed(i)  # refreshed before its next rollout
+                self._mark_failed(i, deaths)  # refreshed before its next rollout
                 continue
             if got != version and self._delta:
                 self._resync(i)
@@ -479,8 +496,11 @@ class RolloutFleet:
             raise RuntimeError(f"weight sync: rollout actor {actor} reports version {got} after the full weights, "
                                f"expected {self.version}")
 
-    def _refresh(self, actor: int) -> None:
-        """Brings a restarted actor to the latest weights (it restarts from the initial checkpoint)."""
+    def _refresh(self, actor: int) -> bool:
+        """Brings a restarted actor to the latest weights (it restarts from the initial checkpoint); False: not now
+        (``pause_export``), the actor stays away."""
+        if self.version and self._latest is None and self._paused:
+            return False
         if self.version and self._latest is None:
             raise RolloutError(
                 f"rollout actor {actor} restarted, but the latest weights (version {self.version}) cannot be sent to it "
@@ -493,58 +513,4 @@ class RolloutFleet:
         if got != self.version:
             raise RuntimeError(f"rollout actor {actor} reports version {got} after a refresh, expected {self.version}")
         self._stale.discard(actor)
-
-    # ---- deadlines --------------------------------------------------------------------------
-    def _track(self, actor: int, call: str, ref: Any) -> None:
-        """Records a call sent to ``actor`` (its deadline runs from when the actor's earlier calls are seen done)."""
-        if self.watch is not None:
-            self._seen_done(actor)
-            self._sent.setdefault(actor, []).append(_Sent(call, ref, time.monotonic()))
-
-    def _get(self, actor: int, call: str, ref: Any) -> Any:
-        """Returns ``ray.get(ref)`` of ``actor``'s ``call``, under the call's deadline (``_watch_hangs``).
-
-        Raises:
-            ray.exceptions.RayActorError: the actor died, or was restarted for a hang.
-        """
-        self._track(actor, call, ref)
-        while self.watch is not None and not ray.wait([ref], timeout=_POLL_S, fetch_local=False)[0]:
-            self._watch_hangs({actor})
-        return ray.get(ref)
-
-    def _seen_done(self, actor: int) -> None:
-        """Drops ``actor``'s calls that have finished (or failed); the actor is free of them from now on (at the
-        latest: a finish seen late only shortens the time counted against the next call)."""
-        sent = self._sent.get(actor, [])
-        if not sent:
-            return
-        ready, _ = ray.wait([s.ref for s in sent], num_returns=len(sent), timeout=0, fetch_local=False)
-        if ready:
-            done = set(ready)
-            self._sent[actor] = [s for s in sent if s.ref not in done]
-            self._free_at[actor] = time.monotonic()
-
-    def _watch_hangs(self, actors: set[int]) -> None:
-        """Reports each of ``actors`` whose running call (its oldest unfinished one) has run past its deadline, since
-        it was sent or since the actor's previous call was seen done, whichever is later, and while the GCS has it
-        ALIVE (``HangWatch.hung``: stacks, alert, then the actor is restarted, which fails its pending calls, or
-        ``HangError`` is raised)."""
-        if self.watch is None:
-            return
-        for i in sorted(actors):
-            self._seen_done(i)
-            if not self._sent.get(i):
-                continue
-            head = self._sent[i][0]
-            running_s = time.monotonic() - max(head.sent_at, self._free_at.get(i, 0.0))
-            deadline, key = ((self.watch.engine_call_s, "watchdog.engine_call_s") if head.call == "generate"
-                             else (self.watch.weight_push_s, "watchdog.weight_push_s"))
-            if running_s > deadline and gcs_actor_state(self.actors[i]) not in ("ALIVE", "UNKNOWN"):
-                self._free_at[i] = time.monotonic()  # starting or restarting (its __init__): no call of it runs yet
-            elif running_s > deadline:
-                del self._sent[i]  # the restart fails every call it had
-                push = head.call != "generate"  # found in stage 7 (or a refresh): stop at the next rollout instead
-                hang = self.watch.hung(self.actors[i], f"rollout actor {i}", head.call, running_s, deadline, key,
-                                       stop_later=push)
-                if push and hang.action == "stop":
-                    self._stop = hang
+        return True

@@ -278,6 +278,8 @@ def run_step(ctx: OnlineRun, step: int) -> StepResult:
         distill_metrics = distill_advantages(ctx, batch, spec)
         kept_advantages = sample_advantages(ctx, batch, handout.sample_rows)
     with timer("update"), ctx.coll.timed(f"stage 6 (update) of step {step + 1}"):  # 6. learner update
+        if ctx.lead is not None:  # no actor that restarts meanwhile is sent the weights being changed (NCCL, IPC)
+            ctx.lead.fleet.pause_export()
         metrics = update_policy(ctx, batch, handout.minibatch_norms, spec) | distill_metrics
     with timer("weight_sync"):  # 7. weight sync
         ctx.policy_version = sync_weights(ctx)

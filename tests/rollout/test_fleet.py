@@ -17,6 +17,7 @@ from ray.exceptions import ActorUnavailableError
 from rlray.hangs import HangError, HangWatch, enable_stack_dumps
 from rlray.rollout import Completion, SamplingSpec
 from rlray.rollout.fleet import RolloutError, RolloutFleet, gcs_actor_state, offset_seed
+from rlray.rollout.fleet_deadlines import FleetDeadlines
 from rlray.rollout.pipeline import RolloutPipeline
 
 pytestmark = pytest.mark.ray
@@ -194,6 +195,64 @@ def test_with_no_actor_left_the_rollout_fails_after_the_wait_naming_why(ray_sess
                 ) in str(err.value)
     finally:
         ray.kill(actors[1], no_restart=True)
+
+
+def test_a_call_sent_before_a_counted_death_fails_without_counting_it_again(ray_session, tmp_path):
+    """An actor dies under a chunk; the fleet learns of it first another way (``recover``'s probe, as a multi-turn
+    rerun does), counts it, and brings the restarted actor back. The chunk's own error, read after that, is the same
+    death: it is sent again, but the failure is not counted twice nor the refreshed actor taken out of use again."""
+    actors, flag = _dying_actors(tmp_path, restart_delay_s=0.0)
+    fleet = RolloutFleet(actors)
+    try:
+        fleet.push_weights(ray.put({}), 5)
+        pending = fleet.submit([[5000 + i] for i in range(4)], SAMPLING)  # actor 1 dies on prompts 2, 3
+        assert _wait_restarted(actors[1]) == 0 and not flag.exists()
+        fleet.recover()  # it answers version 0, not 5: counted failed, then refreshed to 5 and back in use
+        assert (fleet.failures, fleet.alive, ray.get(actors[1].policy_version.remote())) == (1, 2, 5)
+        out = fleet.collect(pending)
+        assert [c.response_token_ids[0] for c in out] == [5000 + p for p in range(4) for _ in range(3)]
+        assert (fleet.failures, fleet.alive, fleet.reassigned, fleet.rerun_prompts) == (1, 2, 1, 2)
+        assert {c.policy_version for c in out} == {5}
+    finally:
+        for a in actors:
+            ray.kill(a, no_restart=True)
+
+
+def test_an_actor_back_while_the_learner_updates_gets_no_export_until_the_next_push(ray_session, tmp_path):
+    """NCCL/IPC sync (``mark_synced``): a restarted actor is brought back with an export of the learner's weights.
+    While the learner updates (``pause_export``, stage 6) that export would read weights being changed and tag the
+    newer ones with the fleet's version, so the actor stays away until the next push, then gets that push's export."""
+    actors, _ = _dying_actors(tmp_path, restart_delay_s=0.0)
+    exports = []
+
+    def exporter(version: int):
+        return lambda: exports.append(version) or ray.put({})
+
+    fleet = RolloutFleet(actors)
+    try:
+        ray.get([a.update_weights.remote({}, 3) for a in actors])  # as a transfer engine's send would leave them
+        fleet.mark_synced(3, exporter(3))
+        prompts = [[4000 + i] for i in range(4)]
+        out = fleet.generate(prompts, SAMPLING)  # actor 1 dies on its chunk: it runs again on actor 0, at version 3
+        assert {c.policy_version for c in out} == {3} and fleet.alive == 1
+        assert _wait_restarted(actors[1]) == 0
+        fleet.pause_export()  # the learner's update starts
+        out = fleet.generate(prompts, SAMPLING)  # its probe is sent (or answered already)
+        assert ray.wait([fleet._away[1].probe], timeout=30)[0]  # back: the next rollout would refresh it
+        out = fleet.generate(prompts, SAMPLING)  # but not while the learner changes
+        assert {c.response_token_ids[2] for c in out} == {100} and {c.policy_version for c in out} == {3}
+        assert exports == [] and fleet.alive == 1 and ray.get(actors[1].policy_version.remote()) == 0
+        ray.get(actors[0].update_weights.remote({}, 4))
+        fleet.mark_synced(4, exporter(4))  # the next push: actor 1 gets its export, tagged with its version
+        _rollouts_until_rejoined(fleet, prompts, first_id=4000)
+        assert exports == [4] and ray.get(actors[1].policy_version.remote()) == 4
+        assert {c.policy_version for c in fleet.generate(prompts, SAMPLING)} == {4}
+        fleet.push_weights(ray.put({}), 5)  # an object-store push: its weights are a fixed object, never paused
+        fleet.pause_export()
+        assert fleet._latest is not None
+    finally:
+        for a in actors:
+            ray.kill(a, no_restart=True)
 
 
 def _restarting_actors(restart_delay_s: float) -> list:
@@ -385,6 +444,7 @@ def test_a_hung_generate_and_a_hung_weight_push_are_reported_with_the_stack_and_
     assert took < 3.0 + 20.0  # the deadline plus the report (stacks, restart) on a loaded 2-core machine; not 600 s
     assert sorted(c.response_token_ids[0] for c in out) == sorted(3000 + i for i in range(8) for _ in range(3))
     assert (watch.hangs, watch.restarts, fleet.reassigned, fleet.rerun_prompts) == (1, 1, 1, 4)
+    assert isinstance(fleet, FleetDeadlines) and not fleet._sent.get(1)  # the restart failed its calls: none timed
     assert alerts[0].startswith("hang: rollout actor 1 (") and "has run generate for " in alerts[0]
     assert "past watchdog.engine_call_s=3 s; restarting it" in alerts[0]
     assert f'File "{__file__}", line' in alerts[0] and "in injected_hang" in alerts[0]  # from the stuck process
