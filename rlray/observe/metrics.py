@@ -270,6 +270,9 @@ _STEP_METRICS: tuple[Metric, ...] = (
            "episodes (each carries waiting gateway calls to one rollout actor), summed over the hosts"),
     Metric("env/agent_prompts_per_engine_call", "prompts", "gateway calls per engine call of env/agent_engine_calls "
            "(how well env.agent_batching batched them; 0 without an engine call)"),
+    Metric("env/agent_parallel_calls", "count", "gateway calls of the step's agent episodes that came while another "
+           "call of their episode was being answered (an agent calling at once); their order, and so a seeded run's "
+           "samples, depends on timing (0: the step's agent samples repeat bit for bit under lockstep)"),
     Metric("timing/agent_batch_wait_s", "s", "seconds the engine calls of env/agent_engine_calls waited for their "
            "batch (from a call's first request to its send), summed over the calls and hosts (logged with agents)"),
 )

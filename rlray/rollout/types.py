@@ -93,6 +93,7 @@ class AgentInfo:
         template_drift: the episode's history rewrites, i.e. ``len(segments)`` cuts.
         engine_calls, engine_prompts, batch_wait_s: its host batch's engine calls, their prompts and the seconds they
             waited for their batch, on one episode per batch (0 on the others; ``AgentReply``).
+        parallel_calls: the episode's calls that came while another of its calls was being answered (``AgentReply``).
     """
 
     segments: list[Completion] = field(default_factory=list)
@@ -101,6 +102,7 @@ class AgentInfo:
     engine_calls: int = 0
     engine_prompts: int = 0
     batch_wait_s: float = 0.0
+    parallel_calls: int = 0
 
 
 @dataclass

@@ -137,6 +137,7 @@ class AgentRollout:
         self.environments = set(environments)
         self.prompt_column = prompt_column
         self.watch, self.episode_timeout_s = watch, episode_timeout_s
+        self._told_parallel = False  # the parallel-calls warning goes once per run
 
     @property
     def version(self) -> int:
@@ -234,6 +235,12 @@ class AgentRollout:
         turns = sum(seg.num_turns for seg in reply.segments)
         if failed:
             log.warning("agent episode %s (%s) failed: %s %s", reply.key, agent, reply.stop_reason, reply.message[:300])
+        if reply.parallel_calls and not self._told_parallel:
+            self._told_parallel = True
+            log.warning("agent episode %s (%s) made %d calls while another of its calls was being answered: the gateway "
+                        "answers them one at a time in the order they come, so this run's agent samples can differ from "
+                        "a rerun's or a resumed run's (env/agent_parallel_calls counts them; bit-for-bit repeats need "
+                        "agents that await each call before the next)", reply.key, agent, reply.parallel_calls)
         info = EpisodeInfo(
             environment=agent, stop_reason=reply.stop_reason, num_turns=turns,
             turn_rewards=[None] * max(turns - 1, 0) + [reply.reward] if turns else [], env_reward=reply.reward,
@@ -241,7 +248,7 @@ class AgentRollout:
             observation_tokens=sum(seg.observation_tokens for seg in reply.segments), metrics=dict(reply.metrics),
             scores=dict(reply.scores), message=reply.message, agent=AgentInfo(
                 segments[:-1], gateway_calls=reply.calls, template_drift=reply.drift, engine_calls=reply.engine_calls,
-                engine_prompts=reply.engine_prompts, batch_wait_s=reply.batch_wait_s),
+                engine_prompts=reply.engine_prompts, batch_wait_s=reply.batch_wait_s, parallel_calls=reply.parallel_calls),
         )
         if not segments:  # no answered call: one masked-out placeholder token
             eos = int(self.tokenizer.eos_token_id)
@@ -265,7 +272,8 @@ def host_sampling(sampling: SamplingSpec, host: int) -> SamplingSpec:
 def agent_metrics(completions: list[Completion], agents: set[str]) -> dict[str, float]:
     """Returns env/template_drift (history rewrites, summed), env/gateway_calls (calls answered, summed),
     env/gateway_calls_mean (calls answered per episode), env/agent_engine_calls (the hosts' engine calls of the step's
-    batches, summed), env/agent_prompts_per_engine_call (prompts per such call; 0 without one) and
+    batches, summed), env/agent_prompts_per_engine_call (prompts per such call; 0 without one),
+    env/agent_parallel_calls (calls that came while another call of their episode was being answered, summed) and
     timing/agent_batch_wait_s (seconds those calls waited for their batch, summed; wall clock) over the step's agent
     episodes (those whose environment is in ``agents``); {} when the step has none."""
     eps = [c.episode.agent or AgentInfo() for c in completions
@@ -278,4 +286,5 @@ def agent_metrics(completions: list[Completion], agents: set[str]) -> dict[str, 
             "env/gateway_calls_mean": float(sum(e.gateway_calls for e in eps) / len(eps)),
             "env/agent_engine_calls": float(engine_calls),
             "env/agent_prompts_per_engine_call": sum(e.engine_prompts for e in eps) / engine_calls if engine_calls else 0.0,
+            "env/agent_parallel_calls": float(sum(e.parallel_calls for e in eps)),
             "timing/agent_batch_wait_s": float(sum(e.batch_wait_s for e in eps))}

@@ -108,9 +108,10 @@ def test_a_history_rewrite_cuts_segments_each_token_exact(host):
         assert seg.loss_mask == [True] * len(seg.response_ids) and seg.observation_tokens == 0
 
 
-def test_parallel_calls_of_one_episode_are_answered_one_after_another(host):
-    (reply,) = run(host, "parallel_agent", [{"prompt": "Twice."}])
-    assert (reply.stop_reason, reply.reward, reply.calls) == ("done", 2.0, 2)
+def test_parallel_calls_of_one_episode_are_answered_one_after_another_and_counted(host):
+    (reply,) = run(host, "parallel_agent", [{"prompt": "Twice."}], delay=1.0)  # the second comes while the first is
+    assert (reply.stop_reason, reply.reward, reply.calls) == ("done", 2.0, 2)  # answered (1 s): env/agent_parallel_calls
+    assert reply.parallel_calls == 1
     assert reply.drift == 1 and [s.num_turns for s in reply.segments] == [1, 1]  # the same messages twice: 2 segments
     assert reply.segments[0].prompt_ids == reply.segments[1].prompt_ids
 
@@ -120,7 +121,7 @@ def test_many_concurrent_agents_share_engine_calls(host):
 
     ScriptedSampler.calls.clear()
     replies = run(host, "tool_agent", [{"prompt": f"Add {i}. calls=2"} for i in range(40)], actors=2, delay=0.02)
-    assert all(r.stop_reason == "done" and r.reward == 1.0 for r in replies)
+    assert all(r.stop_reason == "done" and r.reward == 1.0 and r.parallel_calls == 0 for r in replies)  # one at a time
     prompts = sum(n for _, n in ScriptedSampler.calls)
     assert prompts == 40 * 3
     assert len(ScriptedSampler.calls) < prompts / 4  # batched: the concurrent agents' calls go together
@@ -276,5 +277,6 @@ def test_a_thousand_scripted_episodes_log_zero_drift(host):
     assert metrics.pop("timing/agent_batch_wait_s") >= 0.0
     # lockstep: each of the 4 actors' engine calls carries every running episode's next call; the longest take 5
     assert metrics == {"env/template_drift": 0.0, "env/gateway_calls": 3.0 * len(done), "env/gateway_calls_mean": 3.0,
-                       "env/agent_engine_calls": 20.0, "env/agent_prompts_per_engine_call": 3000 / 20}
+                       "env/agent_engine_calls": 20.0, "env/agent_prompts_per_engine_call": 3000 / 20,
+                       "env/agent_parallel_calls": 0.0}
     assert took < 120, f"1,000 scripted episodes took {took:.0f} s"

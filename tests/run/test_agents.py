@@ -185,16 +185,18 @@ def test_an_agent_batch_takes_the_actors_the_fleet_waits_for_and_fails_when_none
 def test_each_step_logs_the_engine_calls_of_its_own_agent_batches_summed_over_the_hosts():
     """A host batch's engine calls ride on its first episode (AgentInfo), so a step's metrics sum its own batches:
     step 1 ran a batch on each of two hosts, step 2 one batch; a single-turn step logs no agent keys."""
-    def episode(calls, engine_calls=0, prompts=0, wait_s=0.0):
-        info = AgentInfo(gateway_calls=calls, engine_calls=engine_calls, engine_prompts=prompts, batch_wait_s=wait_s)
+    def episode(calls, engine_calls=0, prompts=0, wait_s=0.0, parallel=0):
+        info = AgentInfo(gateway_calls=calls, engine_calls=engine_calls, engine_prompts=prompts, batch_wait_s=wait_s,
+                         parallel_calls=parallel)
         return Completion(0, 0, [1], [0.0], "stop", 0, episode=EpisodeInfo("solver", "done", calls, [None], agent=info))
 
     # host 0: 3 episodes, 6 calls in 2 engine calls that waited 0.5 s; host 1: 2 episodes, 4 calls in 2, 0.25 s
-    step1 = [episode(2, 2, 6, 0.5), episode(2), episode(2), episode(2, 2, 4, 0.25), episode(2)]
+    step1 = [episode(2, 2, 6, 0.5), episode(2, parallel=1), episode(2), episode(2, 2, 4, 0.25), episode(2, parallel=1)]
     step2 = [episode(3, 3, 5, 1.5), episode(2)]  # one host: 5 calls in 3 engine calls
     assert agent_metrics(step1, {"solver"}) == {
         "env/template_drift": 0.0, "env/gateway_calls": 10.0, "env/gateway_calls_mean": 2.0,
-        "env/agent_engine_calls": 4.0, "env/agent_prompts_per_engine_call": 10 / 4, "timing/agent_batch_wait_s": 0.75}
+        "env/agent_engine_calls": 4.0, "env/agent_prompts_per_engine_call": 10 / 4, "env/agent_parallel_calls": 2.0,
+        "timing/agent_batch_wait_s": 0.75}
     got = agent_metrics(step2, {"solver"})
     assert (got["env/agent_engine_calls"], got["env/agent_prompts_per_engine_call"], got["timing/agent_batch_wait_s"]) \
         == (3.0, 5 / 3, 1.5)
@@ -232,7 +234,7 @@ def test_agent_rows_run_behind_the_gateway_next_to_other_rows(agent_host, tiny_t
     batching = {k: metrics.pop(k) for k in ("env/agent_engine_calls", "env/agent_prompts_per_engine_call",
                                             "timing/agent_batch_wait_s")}
     assert metrics == {"env/template_drift": 2.0, "env/gateway_calls": 3 + 3 + 2 + 2 + 1 + 1,
-                       "env/gateway_calls_mean": (3 + 3 + 2 + 2 + 1 + 1) / 6}
+                       "env/gateway_calls_mean": (3 + 3 + 2 + 2 + 1 + 1) / 6, "env/agent_parallel_calls": 0.0}
     # lockstep: a call per round and rollout actor of the episodes still asking (3, 3, 2, 2, 1, 1 calls: 3 rounds),
     # two prompts each: 6 calls, the same at every timing
     assert batching["env/agent_engine_calls"] == 6 and batching["timing/agent_batch_wait_s"] >= 0.0

@@ -97,6 +97,8 @@ class AgentReply:
         engine_calls, engine_prompts, batch_wait_s: the host batch's engine calls, the prompts they carried and the
             seconds they waited for their batch (``agent_host.GatewayStats``), on the batch's first reply only (0 on
             the others: a sum over the replies counts each batch once).
+        parallel_calls: the episode's calls that came while another of its calls was being answered
+            (``GatewayEpisode.parallel_calls``).
     """
 
     key: str
@@ -114,6 +116,7 @@ class AgentReply:
     engine_calls: int = 0
     engine_prompts: int = 0
     batch_wait_s: float = 0.0
+    parallel_calls: int = 0
 
 
 class EpisodeTools:
@@ -291,4 +294,5 @@ async def run_agent_episode(gateway: Gateway, request: AgentRequest, agent: Load
         reply.message = "the agent made no chat or completion call that was answered"
     reply.calls, reply.refused, reply.drift = episode.calls, episode.refused, episode.conversation.drift
     reply.tool_calls, reply.tool_errors = episode.tool_calls, episode.tool_errors
+    reply.parallel_calls = episode.parallel_calls
     return reply

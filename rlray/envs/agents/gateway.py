@@ -64,6 +64,9 @@ class GatewayEpisode:
             (unparsable; ``rlray.envs.agents`` adds failed MCP tool calls).
         in_call: calls being answered now; last_active: time.monotonic() when the agent last waited on the gateway.
         lock: held while a call is answered: concurrent calls of one episode are answered one after another.
+        parallel_calls: calls that came while another call of the episode was being answered (an agent calling at
+            once): answered in the order they reached the lock, which timing decides, so a seeded run's samples of
+            such an episode can differ from run to run (``env/agent_parallel_calls``).
     """
 
     key: str
@@ -79,6 +82,7 @@ class GatewayEpisode:
     in_call: int = 0
     last_active: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    parallel_calls: int = 0
 
 
 SampleFn = Callable[[GatewayEpisode, list[int], int, tuple[str, ...]], Awaitable[Sampled]]
@@ -224,6 +228,7 @@ class Gateway:
         if episode.ended:
             return _error(410, "episode_ended", f"episode {key} has ended ({episode.stop_reason or 'the agent finished'}); "
                           "rlray answers no call after an episode ends")
+        episode.parallel_calls += episode.in_call > 0
         episode.in_call += 1
         try:
             body = await request.json()
