@@ -11,6 +11,7 @@ import argparse
 import gc
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -304,6 +305,8 @@ HANDLERS = {"train": _train, "check": _check, "sweep": _sweep, "eval": _eval, "s
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``rlray`` console script; returns the exit status."""
     args = build_parser().parse_args(argv)  # a bad command line exits 2 with an `rlray <command>:` line
+    # MLflow draws a progress bar per artifact download (rlray monitor, ledger): dozens of redraws before the output
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     if args.command in ("train", "check"):  # a quiet console; train's full log goes to the run's folder (rlray.launch.console)
         from rlray.launch.console import configure_console
 

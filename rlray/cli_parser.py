@@ -21,6 +21,14 @@ import textwrap
 
 from rlray import __version__
 
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """argparse's formatter that keeps descriptions and epilogs as written and never breaks a line at a hyphen
+    (``rlray serve-reward CONFIG`` stays whole in the command list)."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
 CONFIG_HELP = "the run's config file (YAML), as given to rlray train, e.g. configs/grpo_gsm8k_tiny.yaml"
 OVERRIDES_HELP = "dotted config overrides, e.g. learner.lr=1e-5 (later ones win)"
 _SET_NOTE = "rlray: --set KEY=VALUE is deprecated; give overrides as plain KEY=VALUE arguments, e.g. {example}"
@@ -128,7 +136,7 @@ def _command(sub: argparse._SubParsersAction, name: str, summary: str, about: st
     ``examples`` (full command lines, the first shown with its errors) and the docs page ``doc`` below it."""
     epilog = "examples:\n" + "\n".join(f"  {e}" for e in examples) + f"\n\nmore: {doc}"
     p = sub.add_parser(name, help=summary, description=_fill(about), epilog=epilog,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+                       formatter_class=HelpFormatter)
     p.example, p.handler = examples[0], handler
     if handler:
         p.set_defaults(handler=handler)
@@ -164,7 +172,7 @@ def build_parser() -> RlrayParser:
                     "(CONFIG) names the model, data, rewards and algorithm; KEY=VALUE arguments override its dotted keys."),
                     epilog="examples:\n  rlray train configs/grpo_gsm8k_tiny.yaml\n  rlray check configs/grpo_gsm8k_tiny.yaml"
                     " learner.lr=1e-5\n  rlray train --help\n\nmore: docs/index.md, docs/troubleshooting.md",
-                    formatter_class=argparse.RawDescriptionHelpFormatter)
+                    formatter_class=HelpFormatter)
     p.example = "rlray train configs/grpo_gsm8k_tiny.yaml"
     p.add_argument("--version", action="version", version=f"rlray {__version__}")
     sub = _subcommands(p, "command")

@@ -25,7 +25,7 @@ class RunConfig(_Section):
         description=(
             "Wall-clock limit of the run in seconds (default 72 h), counted from the driver's start and "
             "across Ray Train restarts; when passed, the run takes a snapshot and stops (status "
-            "'stopped: wall_time')."
+            "'stopped: wall_time'; MLflow status FINISHED: a planned end). The console's ETA counts it."
         ),
     )
     hooks: list[str] = Field(

@@ -232,8 +232,9 @@ class DriverProgress:
     plain line; each new alert is printed once. A poll that comes after two steps therefore still shows both. Before
     the first recorded step the bar stands at the heartbeat's step (a resumed run's snapshot step). The ETA is the
     steps left times the driver's mean wall time per step seen so far (the first step, which includes start-up, is
-    not counted). ``start`` polls every ``interval_s`` on a daemon thread; ``close`` polls once more, so a finished
-    run's bar ends at its last step (100%).
+    not counted), or the time left until ``ends_by`` (``run.max_wall_time_s``) when that comes first. ``start`` polls
+    every ``interval_s`` on a daemon thread; ``close`` polls once more, so a finished run's bar ends at its last step
+    (100%).
 
     Args:
         total_steps: ``run.max_steps``.
@@ -241,11 +242,12 @@ class DriverProgress:
         stream: where the bar goes (default stderr).
         interval_s: seconds between polls.
         tty: draw a bar (True) or one plain line per step (False); default ``stream.isatty()``.
+        ends_by: ``time.monotonic()`` when ``run.max_wall_time_s`` stops the run (None: no budget).
     """
 
     def __init__(self, total_steps: int, poll: Callable[[], Progress], *, stream: TextIO | None = None,
-                 interval_s: float = 1.0, tty: bool | None = None) -> None:
-        self.total_steps, self.poll, self.interval_s = total_steps, poll, interval_s
+                 interval_s: float = 1.0, tty: bool | None = None, ends_by: float | None = None) -> None:
+        self.total_steps, self.poll, self.interval_s, self.ends_by = total_steps, poll, interval_s, ends_by
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty() if tty is None else tty
         self.step: int | None = None
@@ -260,12 +262,13 @@ class DriverProgress:
                         "[{elapsed}] {postfix}") if self.tty else None
 
     def eta_s(self, step: int, now: float) -> float | None:
-        """Returns the seconds left at ``step`` by the mean time per step since the first step seen, or None
-        before two steps were seen."""
+        """Returns the seconds left at ``step`` by the mean time per step since the first step seen, at most the time
+        left until ``ends_by`` (the run's wall-time budget), or None before two steps were seen."""
         if self._first is None or step <= self._first[0]:
             return None
         per_step = (now - self._first[1]) / (step - self._first[0])
-        return per_step * max(0, self.total_steps - step)
+        left = per_step * max(0, self.total_steps - step)
+        return left if self.ends_by is None else min(left, max(0.0, self.ends_by - now))
 
     def show(self, progress: Progress) -> list[str]:
         """Applies one progress record; returns the plain lines printed (alerts, and each new step's line without a

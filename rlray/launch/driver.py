@@ -162,8 +162,8 @@ def run_training(
     ``TorchTrainer`` whose checkpoints are rlray's snapshots under ``checkpoint.uri``; learner
     failures are restarted from the latest snapshot (``monitor.max_failures``). SIGTERM (``ray job
     stop``) on the driver's main thread asks the run to stop at the next step boundary, with a
-    snapshot of the last finished step. The MLflow run ends FINISHED, KILLED (a guard, SIGTERM or a
-    hook stopped it; tags ``rlray.status`` and ``rlray.stop_reason`` say which) or FAILED.
+    snapshot of the last finished step. The MLflow run ends FINISHED (also when ``run.max_wall_time_s`` stopped it),
+    KILLED (a guard, SIGTERM or a hook stopped it; tags ``rlray.status`` and ``rlray.stop_reason`` say which) or FAILED.
 
     The console (``rlray.launch.console``): start lines (MLflow run, live page, dashboard, snapshot and log
     folders), the driver's progress bar when ``verbose`` is given, and last lines naming the log folder
@@ -267,8 +267,9 @@ def run_training(
                 verbose=verbose is not False)), flush=True)
             if verbose is not None:
                 handle = monitor.handle
-                progress = console.DriverProgress(plan.max_steps,
-                                                  lambda: ray.get(handle.progress.remote(), timeout=30)).start()
+                budget_s = cfg.run.max_wall_time_s - (time.time() - started_at)  # counted from the driver's start
+                progress = console.DriverProgress(plan.max_steps, lambda: ray.get(handle.progress.remote(), timeout=30),
+                                                  ends_by=time.monotonic() + budget_s).start()
             if roles.reward_server:  # Serve deploys while the actors load
                 own_app = start_reward_server(plan)
             if roles.judges:
@@ -389,8 +390,11 @@ def finish_logs(log_file: logging.Handler, log_dir: Path, ray_info: RayInfo, sta
 
 
 def _mlflow_status(status: str) -> str:
-    """Returns the MLflow run status of an rlray status: FINISHED, KILLED or FAILED as they are, and
-    'stopped: <reason>' (a guard) as KILLED."""
+    """Returns the MLflow run status of an rlray status: FINISHED, KILLED or FAILED as they are, 'stopped: wall_time'
+    (the run's time budget, ``run.max_wall_time_s``, spent: a planned end) as FINISHED and any other 'stopped: <reason>'
+    (a guard, SIGTERM, a hook) as KILLED; the tag ``rlray.status`` keeps the rlray status."""
+    if status == "stopped: wall_time":
+        return "FINISHED"
     return "KILLED" if status.startswith("stopped") else status
 
 

@@ -401,6 +401,8 @@ def handle_trip(ctx: RunContext, run: RunState, trip: guards.Trip, services: Run
         target = ctx.coll.broadcast(last_good_snapshot(run) if ctx.rank == 0 else None)
     if ctx.rank == 0:
         what = f"rolling back to {target}" if target else "stopping"
+        if trip.reason == "wall_time":  # a planned end, not a fault
+            what = "stopping with a snapshot of this step: the run's time budget is spent (MLflow status FINISHED)"
         snapshots.alert(ctx, services, "guard_trip", f"{trip.reason}: {trip.message}; {what}", run.step)
     if target:
         rollback(ctx, run, target)

@@ -270,3 +270,22 @@ def test_an_embedded_ray_runs_no_preemption_watcher_and_a_cluster_keeps_it(monke
     assert ENABLE_PREEMPTION_WATCHER_ENV_VAR not in calls[-1]["runtime_env"]["env_vars"]
     assert HEALTH_CHECK_INTERVAL_S_ENV_VAR not in calls[-1]["runtime_env"]["env_vars"]
     assert calls[-1]["address"] == "127.0.0.1:6379"
+
+
+def test_the_eta_is_at_most_the_time_left_in_the_runs_wall_time_budget():
+    now = time.monotonic()
+    bar = console.DriverProgress(40, poll=_Monitor().progress, stream=io.StringIO(), tty=False, ends_by=now + 100.0)
+    bar._first = (1, now - 30.0)  # 10 s per step since step 1: the 36 steps left at step 4 would take 360 s
+    assert bar.eta_s(4, now) == pytest.approx(100.0)  # run.max_wall_time_s stops it first
+    assert bar.eta_s(39, now + 380.0) == pytest.approx(0.0)  # past the budget: the stop is due
+    unbounded = console.DriverProgress(40, poll=_Monitor().progress, stream=io.StringIO(), tty=False)
+    unbounded._first = (1, now - 30.0)
+    assert unbounded.eta_s(4, now) == pytest.approx(360.0)
+
+
+def test_a_run_stopped_by_its_wall_time_budget_is_finished_in_mlflow_and_a_guard_stop_killed():
+    from rlray.launch.driver import _mlflow_status
+
+    assert _mlflow_status("stopped: wall_time") == "FINISHED"
+    assert [_mlflow_status(s) for s in ("stopped: kl_guard", "stopped: sigterm", "FAILED", "FINISHED")] == [
+        "KILLED", "KILLED", "FAILED", "FINISHED"]
