@@ -38,7 +38,7 @@ def _train(args: argparse.Namespace) -> int:
                       **({"error": result.error} if result.error else {}), **result.startup}, indent=2))
     if result.error:
         print(f"rlray train: {result.error}", file=sys.stderr)
-    return 0 if result.status == "FINISHED" else 1
+    return 0 if result.status in ("FINISHED", "stopped: wall_time") else 1  # the time budget spent: a planned end
 
 
 def _check(args: argparse.Namespace) -> int:

@@ -180,7 +180,7 @@ def build_parser() -> RlrayParser:
     t = _command(sub, "train", "run an experiment: rlray train CONFIG [KEY=VALUE ...] [--resume latest|URI]", """
         Runs the experiment CONFIG describes: checks every input first (as rlray check), starts Ray, the rollout
         engines and the learner, logs to MLflow, and prints the run id, the live page and the log folder. Exit
-        status: 0 when the run finished, 1 when it failed or was stopped, 2 for a bad input found before it
+        status: 0 when the run finished (or spent run.max_wall_time_s), 1 when it failed or was stopped, 2 for a bad input found before it
         started.""", ["rlray train configs/grpo_gsm8k_tiny.yaml",
                       "rlray train configs/grpo_gsm8k_tiny.yaml learner.lr=1e-5 run.max_steps=20",
                       "rlray train configs/grpo_gsm8k_tiny.yaml --resume latest"], "docs/quickstart.md", "train")

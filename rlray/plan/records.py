@@ -251,7 +251,7 @@ class Episodes:
         agent_batching: how the hosts gather their agents' calls into engine calls (``env.agent_batching``:
             ``lockstep`` or ``window``, ``rlray.envs.agents.agent_host.TickBatcher``).
         agent_threads: the most synchronous agent episodes a host runs at once per batch (``env.agent_threads``,
-            ``rlray.envs.agents.agent_host.Admission``).
+            ``rlray.envs.agents.admission.Admission``).
     """
 
     environments: tuple[tuple[str, str], ...]

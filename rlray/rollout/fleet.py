@@ -73,13 +73,15 @@ class _Chunk:
 
 @dataclass
 class _Away:
-    """A failed actor not yet back: when it failed, a pending call that answers once it is back, and whether it is
-    dead for good (restarts spent) or was given up on after ``node_wait_s`` (both logged once)."""
+    """A failed actor not yet back: when it failed, a pending call that answers once it is back, whether it is
+    dead for good (restarts spent) or was given up on after ``node_wait_s`` (both logged once), and whether it is back
+    but waits for the next push (``RolloutFleet.pause_export``)."""
 
     since: float
     probe: Any
     dead: bool = False
     given_up: bool = False
+    paused: bool = False
 
 
 @dataclass
@@ -235,6 +237,11 @@ class RolloutFleet(FleetDeadlines):
         usable = [i for i in range(len(self.actors)) if i not in self._stale]
         if not usable:
             dead = sorted(i for i, a in self._away.items() if a.dead)
+            if paused := sorted(i for i, a in self._away.items() if a.paused):
+                raise RolloutError(
+                    f"no rollout actor can sample now: actors {paused} restarted and are back, but cannot be given "
+                    f"weights while the learner updates (rollout.weight_sync=nccl|ipc: the next push brings them back; "
+                    f"dead for good: {dead}). More rollout actors (resources.rollout.num_workers) ride out a death")
             raise RolloutError(
                 f"none of the {len(self.actors)} rollout actors is alive: actors {dead} are dead for good (their "
                 f"restarts, resources.rollout.max_restarts, are spent) and {sorted(set(self._away) - set(dead))} were "
@@ -302,10 +309,10 @@ class RolloutFleet(FleetDeadlines):
             try:
                 ray.get(a.probe)
                 if not self._refresh(i):  # back, but the learner is updating (pause_export): after the next push
-                    if not a.given_up:
+                    if not a.paused:
                         log.warning("rollout actor %d is back, but the learner is updating: it rejoins after the "
                                     "next weight push", i)
-                    a.given_up = True
+                    a.given_up = a.paused = True
                     continue
             except ActorDiedError:
                 a.dead = True

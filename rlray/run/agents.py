@@ -16,6 +16,7 @@ fails its episodes (stop reason ``actor_died``).
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import uuid
@@ -25,6 +26,7 @@ from typing import Any
 import ray
 
 from rlray.envs.agents import AgentReply, AgentRequest
+from rlray.envs.agents.admission import admission_waves
 from rlray.envs.agents.agent_host import AgentBatch
 from rlray.envs.agents.conversation import Sampled
 from rlray.envs.episode import FAILED_STOP_REASONS
@@ -118,10 +120,12 @@ class AgentRollout:
         prompt_column: the data's prompt column (data.prompt_column): the agent's row holds the prompt as ``prompt``
             and under this name too, with every other column.
         watch: rank 0's hang watch (``HangWatch``); None: no deadline. A host's ``run_agents`` call runs its
-            episodes at once, each ended by the host at ``episode_timeout_s``; one still running
-            ``watch.env_call_s`` after that is reported with the host's stacks, then restarted (its episodes fail,
-            stop reason actor_died) or the run stops (``watchdog.on_hang``).
+            episodes, each ended by the host at ``episode_timeout_s``, its synchronous ones ``agent_threads`` at a time
+            (``rlray.envs.agents.admission``: a batch may take ``admission_waves`` episode limits end to end); one
+            still running ``watch.env_call_s`` after that is reported with the host's stacks, then restarted (its
+            episodes fail, stop reason actor_died) or the run stops (``watchdog.on_hang``).
         episode_timeout_s: the host's limit of one agent episode (env.episode_timeout_s), seconds.
+        agent_threads: the hosts' env.agent_threads (the synchronous episodes of a batch running at once).
 
     Raises:
         ValueError: no host.
@@ -129,7 +133,7 @@ class AgentRollout:
 
     def __init__(self, fleet: RolloutFleet, hosts: list[Any], inner: RolloutSource, tokenizer: Any, *, env_column: str,
                  default: str | None, agents: list[str], environments: list[str] = (), prompt_column: str = "prompt",
-                 watch: HangWatch | None = None, episode_timeout_s: float = 600.0) -> None:
+                 watch: HangWatch | None = None, episode_timeout_s: float = 600.0, agent_threads: int = 64) -> None:
         if not hosts:
             raise ValueError("AgentRollout needs at least one environment host (resources.env.num_workers)")
         self.fleet, self.hosts, self.inner, self.tokenizer = fleet, list(hosts), inner, tokenizer
@@ -138,6 +142,7 @@ class AgentRollout:
         self.prompt_column = prompt_column
         self.watch, self.episode_timeout_s = watch, episode_timeout_s
         self._told_parallel = False  # the parallel-calls warning goes once per run
+        self.agent_threads, self._sync_agents = agent_threads, None  # the hosts' synchronous agents, asked once
 
     @property
     def version(self) -> int:
@@ -207,8 +212,11 @@ class AgentRollout:
                                                                sampling.max_new_tokens, min_version))
                 for h, items in by_host.items()}
         if self.watch is not None:
-            await_hosts(self.watch, self.hosts, refs, "run_agents", self.episode_timeout_s + self.watch.env_call_s,
-                        "env.episode_timeout_s+watchdog.env_call_s")
+            waves = max(self._waves([r for _, _, r in items], len(actors)) for items in by_host.values())
+            key = "env.episode_timeout_s+watchdog.env_call_s" if waves == 1 else \
+                f"{waves} x env.episode_timeout_s (env.agent_threads admits them in {waves} waves)+watchdog.env_call_s"
+            await_hosts(self.watch, self.hosts, refs, "run_agents",
+                        waves * self.episode_timeout_s + self.watch.env_call_s, key)
         out = []
         for h, items in by_host.items():
             try:
@@ -222,6 +230,14 @@ class AgentRollout:
                     reply = AgentReply(request.key, [], "actor_died", message=f"environment host {h} died")
                 out.append(self._completion(p, s, request.agent, reply))
         return out
+
+    def _waves(self, requests: list[AgentRequest], num_actors: int) -> int:
+        """Returns how many episode limits a host's batch of ``requests`` may take end to end (``admission_waves`` of
+        its synchronous episodes, pinned to ``num_actors`` actors as the host pins them)."""
+        if self._sync_agents is None:  # every host loads the same agents
+            self._sync_agents = set(ray.get(self.hosts[0].sync_agents.remote(), timeout=60))
+        pinned = collections.Counter(r.actor_key % num_actors for r in requests if r.agent in self._sync_agents)
+        return admission_waves(pinned, self.agent_threads)
 
     def _completion(self, p: int, s: int, agent: str, reply: AgentReply) -> Completion:
         """Returns an agent episode's completion: its last segment, the earlier ones in ``episode.agent.segments``."""

@@ -251,7 +251,7 @@ def rollouts(cfg: Settings, fleet: Any, hosts: list[Any], tokenizer: Any) -> Rol
         inner = AgentRollout(fleet, hosts, inner, tokenizer, env_column=ep.column, default=ep.default,
                              agents=[name for name, _ in ep.agents], environments=ep.episode_environments,
                              prompt_column=cfg.data.prompt_column, watch=fleet.watch,
-                             episode_timeout_s=cfg.env.episode_timeout_s)
+                             episode_timeout_s=cfg.env.episode_timeout_s, agent_threads=ep.agent_threads)
     return inner if inner is fleet else RerunOnFault(inner, fleet, hosts)
 
 

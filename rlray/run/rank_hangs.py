@@ -58,8 +58,8 @@ def hang_action(ctx: RunContext, run: RunState, services: RunServices) -> hangs.
             log.error("could not record the run's stop: %s: %s", type(err).__name__, err)
         exit_rank()
 
-    return hangs.HangAction("stopping the run (watchdog.on_hang=stop: it ends FAILED; resume from its newest snapshot)",
-                            stop)
+    return hangs.HangAction("stopping the run (watchdog.on_hang=stop: it ends FAILED, resumable from its newest snapshot "
+                            "if it has one)", stop)
 
 
 def hang_alert(ctx: RunContext, run: RunState, services: RunServices) -> Callable[[str], None]:

@@ -1,4 +1,4 @@
-"""Admission of synchronous agents (rlray/envs/agents/agent_host.py ``Admission``, env.agent_threads): a host runs at
+"""Admission of synchronous agents (rlray/envs/agents/admission.py ``Admission``, env.agent_threads): a host runs at
 most ``agent_threads`` synchronous agent episodes of a batch at once, and under ``env.agent_batching: lockstep`` the
 engine calls stay a function of the conversations alone, whatever the agents' timing. End to end without Ray: agents
 (tests/fixtures/agents.py ``paced_sync_agent``, ``paced_agent``) call a real HTTP gateway through the real ``openai``
@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from rlray.envs.agents import AgentRequest
+from rlray.envs.agents.admission import Admission, admission_waves, thread_shares
 from rlray.envs.agents.agent_host import AgentBatch, AgentHost
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "agents.py"
@@ -128,3 +129,63 @@ def test_an_episode_s_time_limits_count_from_its_admission(tiny_model_path):
     assert [(r.stop_reason, r.calls) for r in replies] == [("done", 1)] * 3
     assert running.peak == 1 and [len(p) for _, p in record] == [1, 1, 1]
     assert took_s >= 2.7
+    # rank 0 waits for such a batch admission_waves x episode_timeout_s (+ watchdog.env_call_s), not one limit
+    assert admission_waves({0: 3}, 1) == 3 and 3 * 1.5 > took_s
+
+
+def test_threads_are_dealt_one_per_actor_then_in_turn_and_waves_bound_a_batch():
+    # 8 threads over 10 and 3 episodes: 1 each, then 2-2, 3-3, then actor 0 alone (actor 1 is full): 5 and 3
+    assert thread_shares({0: 10, 1: 3}, 8) == {0: 5, 1: 3}
+    assert admission_waves({0: 10, 1: 3}, 8) == 2  # ceil(10 / 5), ceil(3 / 3)
+    assert thread_shares({0: 4, 1: 4, 2: 4}, 2) == {0: 1, 1: 1, 2: 1}  # each actor with episodes gets one
+    assert admission_waves({0: 4, 1: 4, 2: 4}, 2) == 4
+    assert thread_shares({0: 2}, 64) == {0: 2} and admission_waves({0: 2}, 64) == 1
+    assert admission_waves({}, 64) == 1  # no synchronous episode: one episode limit
+
+
+def test_rank_0_gives_a_host_call_as_many_episode_limits_as_its_admission_waves(host4):
+    """AgentRollout's deadline for a host's run_agents: the waves of its synchronous episodes, pinned as the host pins
+    them (actor_key % actors); async episodes do not count. The host says which agents are synchronous."""
+    from rlray.run.agents import AgentRollout
+
+    assert host4.sync_agents() == ["sync"]
+    rollout = AgentRollout(object(), [object()], object(), None, env_column="environment", default=None,
+                           agents=["sync", "async"], agent_threads=4)
+    rollout._sync_agents = set(host4.sync_agents())  # what it asks the first host once (a Ray call)
+    requests = [AgentRequest(f"k{i}", "sync" if i % 3 else "async", {}, i) for i in range(30)]
+    # 20 sync episodes: actor 0 takes keys 1,2,4,5,... -> on 2 actors 10 each, 2 threads each: 5 waves
+    assert rollout._waves(requests, 2) == 5
+    assert rollout._waves(requests[:3], 2) == 1  # 2 sync episodes, one per actor
+    assert rollout._waves([r for r in requests if r.agent == "async"], 2) == 1
+
+
+def test_a_cancelled_wait_for_admission_hands_the_place_to_the_next_episode():
+    """A batch torn down while episodes wait for admission: an ended episode's place skips a cancelled ticket and goes
+    to the next waiting episode (no InvalidStateError from setting a cancelled ticket)."""
+    from types import SimpleNamespace
+
+    class Batcher:
+        sampler = SimpleNamespace(num_actors=1)
+
+        def __init__(self):
+            self.entered, self.left = [], []
+
+        def enter(self, key):
+            self.entered.append(key)
+
+        def leave(self, key):
+            self.left.append(key)
+
+    async def main():
+        batcher = Batcher()
+        episodes = [AgentRequest(f"e{i}", "sync", {}, i) for i in range(3)]
+        admission = Admission(batcher, episodes, lambda r: True, 1)
+        waits = [asyncio.ensure_future(admission.wait(r)) for r in episodes[1:]]
+        await asyncio.sleep(0)
+        waits[0].cancel()  # episode 1's wait is cancelled
+        await asyncio.sleep(0)
+        admission.end(episodes[0])  # its place goes to episode 2
+        await asyncio.wait_for(waits[1], 1.0)
+        return batcher.entered, batcher.left
+
+    assert asyncio.run(main()) == ([0, 2], [0])

@@ -255,6 +255,29 @@ def test_an_actor_back_while_the_learner_updates_gets_no_export_until_the_next_p
             ray.kill(a, no_restart=True)
 
 
+def test_with_its_only_actor_back_during_the_update_a_rollout_fails_saying_why_then_works_after_the_push(ray_session,
+                                                                                                         tmp_path):
+    actors, flag = _dying_actors(tmp_path, restart_delay_s=0.0)
+    ray.kill(actors[0], no_restart=True)
+    fleet = RolloutFleet(actors[1:])
+    try:
+        fleet.mark_synced(3, lambda: ray.put({}))
+        fleet.pause_export()  # the learner's update starts; the actor then dies on its chunk, restarts, is back
+        deadline, message = time.monotonic() + 30.0, ""
+        while "are back" not in message:  # once its probe has answered (a condition: the load decides when)
+            assert time.monotonic() < deadline, message
+            with pytest.raises(RolloutError) as err:
+                fleet.generate([[6000]], SAMPLING)
+            message = str(err.value)
+            time.sleep(0.2)
+        assert "actors [0] restarted and are back, but cannot be given weights while the learner updates" in message
+        assert not flag.exists() and ray.get(actors[1].policy_version.remote()) == 0
+        fleet.mark_synced(4, lambda: ray.put({}))  # the push: it is brought back
+        assert {c.policy_version for c in fleet.generate([[6000]], SAMPLING)} == {4}
+    finally:
+        ray.kill(actors[1], no_restart=True)
+
+
 def _restarting_actors(restart_delay_s: float) -> list:
     """Returns two fresh fake actors; actor 1 was killed while idle and is restarting for ``restart_delay_s`` (GCS
     state RESTARTING, as with no node for it): the fleet has not seen it fail, and Ray queues calls to it (its

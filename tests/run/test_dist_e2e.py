@@ -184,7 +184,8 @@ def test_under_stop_a_rank_that_never_reaches_a_collective_ends_the_run_failed_a
     result = run_training(cfg)
     assert result.status == "FAILED" and not flag.exists() and calls.read_text() == "2"  # no step ran after the stop
     assert result.error.startswith("hang: learner rank 0 (pid ") and "ranks behind: 1 (last entered collective" in result.error
-    assert result.error.endswith("stopping the run (watchdog.on_hang=stop: it ends FAILED; resume from its newest snapshot)")
+    assert result.error.endswith("stopping the run (watchdog.on_hang=stop: it ends FAILED, resumable from its newest "
+                                 "snapshot if it has one)")
     manifest = checkpoint.read_manifest(result.final_snapshot)
     assert (manifest.step, manifest.kind) == (1, "periodic")
     run = get_run(uri, result.run_id)

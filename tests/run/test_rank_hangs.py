@@ -47,7 +47,8 @@ def test_under_stop_the_rank_records_the_runs_end_and_alerts_before_it_exits(mon
     monkeypatch.setattr(rank_hangs, "exit_rank", lambda: exits.append(len(monitor.calls)))
     ctx, run, services, monitor = rank("stop")
     action = rank_hangs.hang_action(ctx, run, services)
-    assert action.says == "stopping the run (watchdog.on_hang=stop: it ends FAILED; resume from its newest snapshot)"
+    assert action.says == ("stopping the run (watchdog.on_hang=stop: it ends FAILED, resumable from its newest snapshot "
+                           "if it has one)")
     head = "hang: learner rank 1 (pid 7) has waited in all_reduce_sum (collective 9, ...) for 3.1 s, past ..."
     action.run(head)
     outcome = RunOutcome("FAILED", 4, "file:///snaps/run-r1/step_000004", head, {})

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from rlray.envs.agents.admission import Admission
 from rlray.envs.agents.agent import AgentReply, AgentRequest, LoadedAgent, load_agent, run_agent_episode
 from rlray.envs.agents.conversation import Sampled
 from rlray.envs.agents.gateway import Gateway, GatewayEpisode
@@ -244,68 +245,6 @@ class TickBatcher:
                 future.set_result(sampled)
 
 
-class Admission:
-    """Starts a batch's synchronous agent episodes (a thread each) at most ``threads`` at a time (env.agent_threads).
-
-    The threads are dealt over the rollout actors the batch's synchronous episodes are pinned to: one each, then one at
-    a time in actor order, none past an actor's episodes. Each actor admits its episodes in episode order, its first
-    ones at once and each later one when one of its running synchronous episodes ends. An episode counts in the
-    batcher (``TickBatcher.enter``) from its admission, and ``end`` hands an ended episode's place on in one stretch of
-    synchronous code (``leave``, then ``enter`` of the next one: no ``await`` between), so the batcher never sees the
-    actor a running episode short: it waits for the newcomer's first request as it would have for the ended episode's
-    next, and under ``lockstep`` each engine call still carries what the conversations alone decide, whatever the
-    timing. A freed place stays with its actor (one whose episodes have all started leaves it unused): handed to another
-    actor, whether the newcomer joined that actor's current call would depend on timing. Async agents' episodes are
-    admitted at once and not counted.
-
-    Args:
-        batcher: the batch's batcher (episodes are counted in it as they are admitted).
-        episodes: the batch's episodes, in order.
-        is_sync: whether an episode's agent is synchronous.
-        threads: the most synchronous episodes running at once (at least one per actor they are pinned to).
-    """
-
-    def __init__(self, batcher: TickBatcher, episodes: list[AgentRequest], is_sync: Callable[[AgentRequest], bool],
-                 threads: int) -> None:
-        self.batcher, num_actors = batcher, batcher.sampler.num_actors
-        self._waiting: dict[int, collections.deque[tuple[AgentRequest, asyncio.Future]]] = {}  # actor -> not started
-        self._tickets: dict[str, asyncio.Future] = {}  # episode key -> done at its admission
-        self._sync = {r.key for r in episodes if is_sync(r)}
-        pinned = collections.Counter(r.actor_key % num_actors for r in episodes if r.key in self._sync)
-        free, left = dict.fromkeys(pinned, 1), threads - len(pinned)  # actor -> places not taken yet
-        while left > 0 and any(free[a] < pinned[a] for a in free):
-            for actor in sorted(free):
-                if left > 0 and free[actor] < pinned[actor]:
-                    free[actor], left = free[actor] + 1, left - 1
-        loop = asyncio.get_running_loop()
-        for request in episodes:
-            if request.key in self._sync:
-                actor = request.actor_key % num_actors
-                if not free[actor]:
-                    self._tickets[request.key] = ticket = loop.create_future()
-                    self._waiting.setdefault(actor, collections.deque()).append((request, ticket))
-                    continue
-                free[actor] -= 1
-            batcher.enter(request.actor_key)
-
-    async def wait(self, request: AgentRequest) -> None:
-        """Returns once ``request``'s episode is admitted (counted in the batcher): at once, or when a running episode
-        of its actor has ended."""
-        ticket = self._tickets.pop(request.key, None)
-        if ticket is not None:
-            await ticket
-
-    def end(self, request: AgentRequest) -> None:
-        """Counts ``request``'s admitted episode as ended and hands its place to the next waiting episode of its actor,
-        if any, without yielding to the loop in between (see the class docstring)."""
-        self.batcher.leave(request.actor_key)
-        waiting = self._waiting.get(request.actor_key % self.batcher.sampler.num_actors)
-        if request.key in self._sync and waiting:
-            following, ticket = waiting.popleft()
-            self.batcher.enter(following.actor_key)  # the batcher, woken by leave, already waits for this one
-            ticket.set_result(None)
-
-
 class AgentRunner:
     """What runs on an ``AgentHost``'s loop: the gateway, the agents' episodes and their batchers, the MCP sessions.
 
@@ -497,6 +436,11 @@ class AgentHost(EnvironmentHost):
         if unknown:
             raise ValueError(f"agents {unknown} are not in env.agents {sorted(self.runner.agents)}")
         return self._on_loop(self.runner.run(batch))
+
+    def sync_agents(self) -> list[str]:
+        """Returns the names of the host's synchronous agents (a plain ``def``: admitted ``env.agent_threads`` at a
+        time, ``rlray.envs.agents.admission``), sorted."""
+        return sorted(name for name, agent in self.runner.agents.items() if not agent.is_async)
 
     def gateway_url(self) -> str:
         """Returns the gateway's base URL ("" without agents)."""
