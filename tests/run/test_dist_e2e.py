@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlray.algos.registry import ALGORITHMS
 from rlray.observe.tracking import get_run
 
 REPO = Path(__file__).resolve().parents[2]
@@ -145,7 +146,10 @@ def test_a_rank_that_never_reaches_a_collective_is_named_with_its_stack_and_ray_
         "monitor.restart_delay_s=1", "monitor.port=0"])
     cfg.reward.functions = [RewardFunctionConfig(function=f"{REPO}/tests/fixtures/rewards.py:completion_length",
                                                  weight=1.0)]
-    result = run_training(cfg)
+    try:
+        result = run_training(cfg)
+    finally:
+        ALGORITHMS.pop("stalling_grpo", None)  # registered in this process by the config: no other test sees it
     assert result.status == "FINISHED" and not flag.exists()
     alert = get_run(uri, result.run_id).data.tags["rlray.alert.hang"]
     head = alert.partition("\n")[0]
@@ -181,7 +185,10 @@ def test_under_stop_a_rank_that_never_reaches_a_collective_ends_the_run_failed_a
         "monitor.max_failures=1", "monitor.port=0"])
     cfg.reward.functions = [RewardFunctionConfig(function=f"{REPO}/tests/fixtures/rewards.py:completion_length",
                                                  weight=1.0)]
-    result = run_training(cfg)
+    try:
+        result = run_training(cfg)
+    finally:
+        ALGORITHMS.pop("stalling_grpo_stop", None)
     assert result.status == "FAILED" and not flag.exists() and calls.read_text() == "2"  # no step ran after the stop
     assert result.error.startswith("hang: learner rank 0 (pid ") and "ranks behind: 1 (last entered collective" in result.error
     assert result.error.endswith("stopping the run (watchdog.on_hang=stop: it ends FAILED, resumable from its newest "
