@@ -123,6 +123,32 @@ STALLING = Algorithm("stalling_grpo", "online", advantage=stalling_grpo, policy_
 '''
 
 
+def stalled_run(tmp_path, gsm8k_dir, name: str, *overrides: str):
+    """Runs 2 steps of the tiny GRPO config on 2 Ray Train ranks with STALLING_ALGORITHM registered as ``name`` (its own
+    name per test: one registry per process, forgotten after the run), watchdog.collective_s=3, a snapshot every step;
+    returns (the MLflow URI, the stall flag, the calls file, the run's result)."""
+    from rlray.config import RewardFunctionConfig, load_config
+    from rlray.launch.driver import run_training
+
+    flag, calls = tmp_path / "stall", tmp_path / "calls"
+    flag.touch()
+    source = STALLING_ALGORITHM.format(flag=str(flag), calls=str(calls))
+    (tmp_path / "stalling.py").write_text(source.replace('"stalling_grpo"', f'"{name}"'))
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cfg = load_config(REPO / "configs/grpo_gsm8k_tiny.yaml", [
+        f"run.output_dir={tmp_path}/out", f"tracking.mlflow_uri={uri}", f"data.train_files=[{gsm8k_dir}/train.jsonl]",
+        f"data.eval_files=[{gsm8k_dir}/test.jsonl]", "run.max_steps=2", "eval.num_problems=0", "checkpoint.every_steps=1",
+        "learner.torch_threads=1", "resources.learner.num_workers=2", f"algo.name={name}",
+        f"algo.user_algorithms=[{tmp_path}/stalling.py:STALLING]", "watchdog.collective_s=3", "monitor.max_failures=1",
+        "monitor.port=0", *overrides])
+    cfg.reward.functions = [RewardFunctionConfig(function=f"{REPO}/tests/fixtures/rewards.py:completion_length",
+                                                 weight=1.0)]
+    try:
+        return uri, flag, calls, run_training(cfg)
+    finally:
+        ALGORITHMS.pop(name, None)  # registered in this process by the config: no other test sees it
+
+
 @pytest.mark.ray
 def test_a_rank_that_never_reaches_a_collective_is_named_with_its_stack_and_ray_train_restarts_the_group(
         ray_session, tmp_path, gsm8k_dir):
@@ -130,26 +156,9 @@ def test_a_rank_that_never_reaches_a_collective_is_named_with_its_stack_and_ray_
     (a user algorithm) before stage 5's all-reduce; rank 0, waiting in it, sends the hang alert naming rank 1 with the
     stack taken from rank 1's process, then exits; Ray Train restarts the group from step 1's snapshot and the run
     finishes."""
-    from rlray.config import RewardFunctionConfig, load_config
-    from rlray.launch.driver import run_training
     from rlray.observe.tracking import get_run, get_run_metrics
 
-    flag, calls = tmp_path / "stall", tmp_path / "calls"
-    flag.touch()
-    (tmp_path / "stalling.py").write_text(STALLING_ALGORITHM.format(flag=str(flag), calls=str(calls)))
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    cfg = load_config(REPO / "configs/grpo_gsm8k_tiny.yaml", [
-        f"run.output_dir={tmp_path}/out", f"tracking.mlflow_uri={uri}", f"data.train_files=[{gsm8k_dir}/train.jsonl]",
-        f"data.eval_files=[{gsm8k_dir}/test.jsonl]", "run.max_steps=2", "eval.num_problems=0", "checkpoint.every_steps=1",
-        "learner.torch_threads=1", "resources.learner.num_workers=2", "algo.name=stalling_grpo",
-        f"algo.user_algorithms=[{tmp_path}/stalling.py:STALLING]", "watchdog.collective_s=3", "monitor.max_failures=1",
-        "monitor.restart_delay_s=1", "monitor.port=0"])
-    cfg.reward.functions = [RewardFunctionConfig(function=f"{REPO}/tests/fixtures/rewards.py:completion_length",
-                                                 weight=1.0)]
-    try:
-        result = run_training(cfg)
-    finally:
-        ALGORITHMS.pop("stalling_grpo", None)  # registered in this process by the config: no other test sees it
+    uri, flag, _, result = stalled_run(tmp_path, gsm8k_dir, "stalling_grpo", "monitor.restart_delay_s=1")
     assert result.status == "FINISHED" and not flag.exists()
     alert = get_run(uri, result.run_id).data.tags["rlray.alert.hang"]
     head = alert.partition("\n")[0]
@@ -168,27 +177,9 @@ def test_under_stop_a_rank_that_never_reaches_a_collective_ends_the_run_failed_a
     Train starts again ends at once, and the run ends FAILED with the report as its error and step 1's snapshot as
     the one to resume from, instead of waiting on the stuck rank for ever (a stuck rank cannot write a snapshot)."""
     from rlray.checkpoint import storage as checkpoint
-    from rlray.config import RewardFunctionConfig, load_config
-    from rlray.launch.driver import run_training
     from rlray.observe.tracking import get_run, get_run_metrics
 
-    flag, calls = tmp_path / "stall", tmp_path / "calls"
-    flag.touch()
-    source = STALLING_ALGORITHM.format(flag=str(flag), calls=str(calls))  # under its own name: one registry per process
-    (tmp_path / "stalling.py").write_text(source.replace('"stalling_grpo"', '"stalling_grpo_stop"'))
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    cfg = load_config(REPO / "configs/grpo_gsm8k_tiny.yaml", [
-        f"run.output_dir={tmp_path}/out", f"tracking.mlflow_uri={uri}", f"data.train_files=[{gsm8k_dir}/train.jsonl]",
-        f"data.eval_files=[{gsm8k_dir}/test.jsonl]", "run.max_steps=2", "eval.num_problems=0", "checkpoint.every_steps=1",
-        "learner.torch_threads=1", "resources.learner.num_workers=2", "algo.name=stalling_grpo_stop",
-        f"algo.user_algorithms=[{tmp_path}/stalling.py:STALLING]", "watchdog.collective_s=3", "watchdog.on_hang=stop",
-        "monitor.max_failures=1", "monitor.port=0"])
-    cfg.reward.functions = [RewardFunctionConfig(function=f"{REPO}/tests/fixtures/rewards.py:completion_length",
-                                                 weight=1.0)]
-    try:
-        result = run_training(cfg)
-    finally:
-        ALGORITHMS.pop("stalling_grpo_stop", None)
+    uri, flag, calls, result = stalled_run(tmp_path, gsm8k_dir, "stalling_grpo_stop", "watchdog.on_hang=stop")
     assert result.status == "FAILED" and not flag.exists() and calls.read_text() == "2"  # no step ran after the stop
     assert result.error.startswith("hang: learner rank 0 (pid ") and "ranks behind: 1 (last entered collective" in result.error
     assert result.error.endswith("stopping the run (watchdog.on_hang=stop: it ends FAILED, resumable from its newest "
